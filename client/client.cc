@@ -1,0 +1,189 @@
+#include "client/client.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace kvcd {
+
+absl::Status FromGrpcStatus(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(static_cast<int>(s.error_code())),
+                      s.error_message());
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  std::unique_ptr<Client> c(new Client(options));
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  c->channel_ = grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
+  if (!c->channel_->WaitForConnected(std::chrono::system_clock::now() + options.connect_timeout)) {
+    return absl::UnavailableError(absl::StrCat("cannot connect to kvcd at ", options.target,
+                                               " within ", options.connect_timeout.count(), " ms"));
+  }
+  c->stub_ = v1::KvCache::NewStub(c->channel_);
+  c->health_ = grpc::health::v1::Health::NewStub(c->channel_);
+  return c;
+}
+
+void Client::Prepare(grpc::ClientContext* ctx) const {
+  ctx->set_deadline(std::chrono::system_clock::now() + options_.deadline);
+}
+
+namespace {
+template <class Resp, class Call>
+absl::StatusOr<Resp> Unary(const Client* self, Call call) {
+  Resp resp;
+  grpc::Status s = call(&resp);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return resp;
+}
+}  // namespace
+
+#define KVCD_CALL(Resp, Method, req)                           \
+  Unary<Resp>(this, [&](Resp* resp) {                          \
+    grpc::ClientContext ctx;                                   \
+    Prepare(&ctx);                                             \
+    return stub_->Method(&ctx, req, resp);                     \
+  })
+
+absl::StatusOr<v1::ModelInfo> Client::RegisterModel(const v1::ModelProfile& profile,
+                                                    const std::string& codec_blob) {
+  v1::RegisterModelRequest req;
+  *req.mutable_profile() = profile;
+  req.set_codec_blob(codec_blob);
+  auto r = KVCD_CALL(v1::RegisterModelResponse, RegisterModel, req);
+  if (!r.ok()) return r.status();
+  return r->model();
+}
+
+absl::StatusOr<std::vector<v1::ModelInfo>> Client::ListModels() {
+  auto r = KVCD_CALL(v1::ListModelsResponse, ListModels, v1::ListModelsRequest());
+  if (!r.ok()) return r.status();
+  return std::vector<v1::ModelInfo>(r->models().begin(), r->models().end());
+}
+
+absl::StatusOr<v1::ModelInfo> Client::GetModel(const std::string& name) {
+  auto models = ListModels();
+  if (!models.ok()) return models.status();
+  for (const auto& m : *models) {
+    if (m.profile().name() == name) return m;
+  }
+  return absl::NotFoundError(absl::StrCat("model '", name, "' is not registered"));
+}
+
+absl::StatusOr<v1::PutResponse> Client::Put(const v1::PutRequest& req) {
+  return KVCD_CALL(v1::PutResponse, Put, req);
+}
+
+absl::StatusOr<v1::MatchResponse> Client::Match(const std::string& model, const std::string& salt,
+                                                absl::Span<const int32_t> tokens) {
+  v1::MatchRequest req;
+  req.set_model(model);
+  req.set_cache_salt(salt);
+  req.mutable_tokens()->Add(tokens.begin(), tokens.end());
+  return KVCD_CALL(v1::MatchResponse, Match, req);
+}
+
+absl::StatusOr<v1::OpenSequenceResponse> Client::OpenSequence(const std::string& model,
+                                                              const std::string& salt,
+                                                              absl::Span<const int32_t> tokens,
+                                                              int64_t lease_ms) {
+  v1::OpenSequenceRequest req;
+  req.set_model(model);
+  req.set_cache_salt(salt);
+  req.mutable_tokens()->Add(tokens.begin(), tokens.end());
+  req.set_lease_ms(lease_ms);
+  return KVCD_CALL(v1::OpenSequenceResponse, OpenSequence, req);
+}
+
+absl::StatusOr<int64_t> Client::CloseSequence(uint64_t sequence_id) {
+  v1::CloseSequenceRequest req;
+  req.set_sequence_id(sequence_id);
+  auto r = KVCD_CALL(v1::CloseSequenceResponse, CloseSequence, req);
+  if (!r.ok()) return r.status();
+  return r->length();
+}
+
+absl::StatusOr<int64_t> Client::RenewLease(uint64_t sequence_id, int64_t lease_ms) {
+  v1::RenewLeaseRequest req;
+  req.set_sequence_id(sequence_id);
+  req.set_lease_ms(lease_ms);
+  auto r = KVCD_CALL(v1::RenewLeaseResponse, RenewLease, req);
+  if (!r.ok()) return r.status();
+  return r->lease_ms();
+}
+
+absl::StatusOr<int64_t> Client::Append(const v1::AppendRequest& req) {
+  auto r = KVCD_CALL(v1::AppendResponse, Append, req);
+  if (!r.ok()) return r.status();
+  return r->length();
+}
+
+absl::StatusOr<v1::AttentionDecodeResponse> Client::AttentionDecode(
+    const v1::AttentionDecodeRequest& req) {
+  return KVCD_CALL(v1::AttentionDecodeResponse, AttentionDecode, req);
+}
+
+absl::StatusOr<v1::FetchPagesResponse> Client::FetchPages(const v1::FetchPagesRequest& req) {
+  return KVCD_CALL(v1::FetchPagesResponse, FetchPages, req);
+}
+
+absl::StatusOr<v1::StatsResponse> Client::Stats() {
+  return KVCD_CALL(v1::StatsResponse, Stats, v1::StatsRequest());
+}
+
+absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Client::Health() {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  grpc::health::v1::HealthCheckRequest req;
+  grpc::health::v1::HealthCheckResponse resp;
+  grpc::Status s = health_->Check(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return resp.status();
+}
+#undef KVCD_CALL
+
+absl::StatusOr<std::unique_ptr<DecodeStream>> Client::OpenDecodeStream() {
+  std::unique_ptr<DecodeStream> s(new DecodeStream());
+  // A stream lives for a whole decode session: no overall deadline, but every Call
+  // waits at most options_.deadline for its answer through the channel's keepalive.
+  s->rw_ = stub_->AttentionDecodeStream(&s->ctx_);
+  if (s->rw_ == nullptr) return absl::UnavailableError("cannot open AttentionDecodeStream");
+  return s;
+}
+
+DecodeStream::~DecodeStream() {
+  if (!closed_ && rw_ != nullptr) {
+    ctx_.TryCancel();
+    rw_->Finish().IgnoreError();
+  }
+}
+
+absl::StatusOr<v1::AttentionDecodeResponse> DecodeStream::Call(
+    const v1::AttentionDecodeRequest& req) {
+  if (closed_) return absl::FailedPreconditionError("decode stream is closed");
+  if (!rw_->Write(req)) {
+    closed_ = true;
+    return FromGrpcStatus(rw_->Finish());
+  }
+  v1::AttentionDecodeStreamResponse resp;
+  if (!rw_->Read(&resp)) {
+    closed_ = true;
+    grpc::Status s = rw_->Finish();
+    return s.ok() ? absl::UnavailableError("decode stream ended without an answer")
+                  : FromGrpcStatus(s);
+  }
+  if (resp.error_code() != 0) {
+    return absl::Status(static_cast<absl::StatusCode>(resp.error_code()), resp.error_message());
+  }
+  return std::move(*resp.mutable_response());
+}
+
+absl::Status DecodeStream::Close() {
+  if (closed_) return absl::OkStatus();
+  closed_ = true;
+  rw_->WritesDone();
+  return FromGrpcStatus(rw_->Finish());
+}
+
+}  // namespace kvcd

@@ -1,0 +1,101 @@
+// kvcd::Client: the C++ client library of the kvcd daemon.
+//
+// Every call has a deadline (ClientOptions::deadline unless given) and returns
+// absl::Status / absl::StatusOr with the daemon's gRPC code and message carried over
+// unchanged (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, FAILED_PRECONDITION,
+// UNAVAILABLE, DEADLINE_EXCEEDED, ...).
+//
+// Thread safety: a Client may be shared by threads; a DecodeStream may not.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "kvcd/v1/kvcache.grpc.pb.h"
+
+namespace kvcd {
+
+struct ClientOptions {
+  std::string target = "127.0.0.1:50051";      // host:port of the daemon
+  std::chrono::milliseconds deadline{30000};    // per call
+  std::chrono::milliseconds connect_timeout{10000};
+  int64_t max_message_bytes = 256ll << 20;
+};
+
+// One bidirectional AttentionDecodeStream: the per-layer decode loop of a worker.
+class DecodeStream {
+ public:
+  ~DecodeStream();
+  // Sends one request and waits for its answer (the stream answers in order). A
+  // per-request error comes back as that status; the stream stays usable.
+  absl::StatusOr<v1::AttentionDecodeResponse> Call(const v1::AttentionDecodeRequest& req);
+  // Half-closes and returns the stream's final status.
+  absl::Status Close();
+
+ private:
+  friend class Client;
+  DecodeStream() = default;
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::AttentionDecodeRequest,
+                                           v1::AttentionDecodeStreamResponse>>
+      rw_;
+  bool closed_ = false;
+};
+
+class Client {
+ public:
+  // Connects and waits up to connect_timeout for the channel to be ready
+  // (UNAVAILABLE otherwise).
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+
+  absl::StatusOr<v1::ModelInfo> RegisterModel(const v1::ModelProfile& profile,
+                                              const std::string& codec_blob = "");
+  absl::StatusOr<std::vector<v1::ModelInfo>> ListModels();
+  // The registered model `name` (NOT_FOUND if absent).
+  absl::StatusOr<v1::ModelInfo> GetModel(const std::string& name);
+
+  absl::StatusOr<v1::PutResponse> Put(const v1::PutRequest& req);
+  absl::StatusOr<v1::MatchResponse> Match(const std::string& model, const std::string& salt,
+                                          absl::Span<const int32_t> tokens);
+  absl::StatusOr<v1::OpenSequenceResponse> OpenSequence(const std::string& model,
+                                                        const std::string& salt,
+                                                        absl::Span<const int32_t> tokens,
+                                                        int64_t lease_ms = 0);
+  // Returns the sequence's final length.
+  absl::StatusOr<int64_t> CloseSequence(uint64_t sequence_id);
+  // Returns the granted lease in ms.
+  absl::StatusOr<int64_t> RenewLease(uint64_t sequence_id, int64_t lease_ms = 0);
+  // Returns the new length.
+  absl::StatusOr<int64_t> Append(const v1::AppendRequest& req);
+  absl::StatusOr<v1::AttentionDecodeResponse> AttentionDecode(const v1::AttentionDecodeRequest& req);
+  absl::StatusOr<v1::FetchPagesResponse> FetchPages(const v1::FetchPagesRequest& req);
+  absl::StatusOr<v1::StatsResponse> Stats();
+  // grpc.health.v1 Check of the whole server ("" service): SERVING, NOT_SERVING, ...
+  absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Health();
+
+  absl::StatusOr<std::unique_ptr<DecodeStream>> OpenDecodeStream();
+
+  const ClientOptions& options() const { return options_; }
+
+ private:
+  explicit Client(const ClientOptions& o) : options_(o) {}
+  void Prepare(grpc::ClientContext* ctx) const;
+
+  ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::KvCache::Stub> stub_;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health_;
+};
+
+// grpc::Status -> absl::Status (same code and message).
+absl::Status FromGrpcStatus(const grpc::Status& s);
+
+}  // namespace kvcd

@@ -1,0 +1,286 @@
+// kvctl: command-line client of the kvcd daemon.
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "client/client.h"
+#include "client/synthetic.h"
+#include "common/safetensors.h"
+#include "common/tensor_ref.h"
+
+namespace {
+
+constexpr char kUsage[] = R"(kvctl — command-line client of the kvcd KV-cache daemon
+
+Usage: kvctl [--target HOST:PORT] [--deadline-ms N] COMMAND [options]
+
+Global options:
+  --target HOST:PORT   daemon address (default 127.0.0.1:50051, or $KVCD_TARGET)
+  --deadline-ms N      per-call deadline (default 30000)
+
+Commands:
+  health               grpc.health.v1 status of the daemon
+  stats                memory, pools, prefix-cache hit ratio, sequences
+  models               registered model profiles and their pools
+  put      --model M [--salt S] (--synthetic N [--seed X] | --safetensors FILE)
+                       cache a prompt's K/V. A safetensors file holds 'tokens' (I32 [n]),
+                       'k' and 'v' (BF16 or F32 [layers, n, kv_heads, head_dim]).
+                       --synthetic N makes a deterministic N-token prompt from --seed.
+  match    --model M [--salt S] (--tokens 1,2,3 | --synthetic N [--seed X])
+                       longest cached prefix, in tokens
+  decode   --model M [--salt S] --synthetic N [--seed X] [--steps K]
+                       demo decode loop: open a sequence on the synthetic prompt,
+                       append the uncached tail, then K steps of per-layer fused
+                       append+attention over one AttentionDecodeStream; prints the
+                       per-step latency and tokens/s.
+
+Examples:
+  kvctl put --model qwen3-8b --synthetic 4096 --seed 7
+  kvctl match --model qwen3-8b --synthetic 4096 --seed 7
+  kvctl decode --model qwen3-8b --synthetic 4100 --seed 7 --steps 16
+)";
+
+struct Args {
+  std::string command;
+  std::map<std::string, std::string> flags;
+};
+
+int Usage(const char* why) {
+  if (why) std::fprintf(stderr, "kvctl: %s\n\n", why);
+  std::fputs(kUsage, why ? stderr : stdout);
+  return why ? 2 : 0;
+}
+
+int Fail(const absl::Status& s) {
+  std::fprintf(stderr, "kvctl: %s: %s\n", absl::StatusCodeToString(s.code()).c_str(),
+               std::string(s.message()).c_str());
+  return 1;
+}
+
+int64_t IntFlag(const Args& a, const std::string& name, int64_t def) {
+  auto it = a.flags.find(name);
+  if (it == a.flags.end()) return def;
+  int64_t v;
+  if (!absl::SimpleAtoi(it->second, &v)) {
+    std::fprintf(stderr, "kvctl: --%s needs an integer, got '%s'\n", name.c_str(), it->second.c_str());
+    std::exit(2);
+  }
+  return v;
+}
+
+std::string Flag(const Args& a, const std::string& name, const std::string& def = "") {
+  auto it = a.flags.find(name);
+  return it == a.flags.end() ? def : it->second;
+}
+
+void PrintModel(const kvcd::v1::ModelInfo& m) {
+  const auto& p = m.profile();
+  std::printf("%s: %d layers, %d q / %d kv heads, head_dim %d, page %d, sink %d, recent %d, "
+              "history %s, codec %s\n",
+              p.name().c_str(), p.num_layers(), p.num_q_heads(), p.num_kv_heads(), p.head_dim(),
+              p.page_size(), p.sink_tokens(), p.recent_tokens(),
+              kvcd::v1::HistoryFormat_Name(p.history_format()).c_str(), m.codec().c_str());
+  for (const auto& pool : m.pools()) {
+    std::printf("  pool %-10s %8llu / %8llu pages used, %llu bytes per page\n", pool.format().c_str(),
+                static_cast<unsigned long long>(pool.pages_used()),
+                static_cast<unsigned long long>(pool.pages_total()),
+                static_cast<unsigned long long>(pool.page_bytes()));
+  }
+  std::printf("  cached tokens %llu, active sequences %llu\n",
+              static_cast<unsigned long long>(m.cached_tokens()),
+              static_cast<unsigned long long>(m.active_sequences()));
+}
+
+std::vector<int32_t> PromptTokens(const Args& a) {
+  if (a.flags.count("tokens")) {
+    std::vector<int32_t> t;
+    for (absl::string_view s : absl::StrSplit(Flag(a, "tokens"), ',', absl::SkipEmpty())) {
+      int32_t v;
+      if (!absl::SimpleAtoi(s, &v)) {
+        std::fprintf(stderr, "kvctl: --tokens must be comma-separated integers\n");
+        std::exit(2);
+      }
+      t.push_back(v);
+    }
+    return t;
+  }
+  return kvcd::synthetic::Tokens(IntFlag(a, "seed", 1), 0, IntFlag(a, "synthetic", 0));
+}
+
+int Put(kvcd::Client& c, const Args& a) {
+  auto model = c.GetModel(Flag(a, "model"));
+  if (!model.ok()) return Fail(model.status());
+  kvcd::v1::PutRequest req;
+  req.set_model(Flag(a, "model"));
+  req.set_cache_salt(Flag(a, "salt"));
+  const auto& p = model->profile();
+  if (a.flags.count("safetensors")) {
+    auto file = kvcd::SafetensorsFile::Load(Flag(a, "safetensors"));
+    if (!file.ok()) return Fail(file.status());
+    auto tokens = file->Get("tokens");
+    if (!tokens.ok()) return Fail(tokens.status());
+    if (tokens->dtype != "I32" || tokens->shape.size() != 1) {
+      return Fail(absl::InvalidArgumentError("tensor 'tokens' must be I32 [n]"));
+    }
+    const int32_t* tk = reinterpret_cast<const int32_t*>(tokens->data);
+    req.mutable_tokens()->Add(tk, tk + tokens->shape[0]);
+    for (const char* name : {"k", "v"}) {
+      auto t = file->Get(name);
+      if (!t.ok()) return Fail(t.status());
+      auto* ref = std::string(name) == "k" ? req.mutable_k() : req.mutable_v();
+      ref->set_dtype(t->dtype == "BF16" ? kvcd::v1::DTYPE_BF16 : kvcd::v1::DTYPE_F32);
+      for (int64_t d : t->shape) ref->add_shape(d);
+      ref->set_inline_data(t->data, static_cast<size_t>(t->size_bytes));
+    }
+  } else if (a.flags.count("synthetic")) {
+    const uint64_t seed = IntFlag(a, "seed", 1);
+    const int64_t n = IntFlag(a, "synthetic", 0);
+    const auto tokens = kvcd::synthetic::Tokens(seed, 0, n);
+    req.mutable_tokens()->Add(tokens.begin(), tokens.end());
+    const std::vector<int64_t> shape = {p.num_layers(), n, p.num_kv_heads(), p.head_dim()};
+    kvcd::SetBf16FromFloat(req.mutable_k(), shape, kvcd::synthetic::Kv(seed, p, 0, n, 0).data());
+    kvcd::SetBf16FromFloat(req.mutable_v(), shape, kvcd::synthetic::Kv(seed, p, 0, n, 1).data());
+  } else {
+    return Usage("put needs --synthetic N or --safetensors FILE");
+  }
+  auto r = c.Put(req);
+  if (!r.ok()) return Fail(r.status());
+  std::printf("put %d tokens: %lld already cached, %lld inserted, %lld ignored (partial page)\n",
+              req.tokens_size(), static_cast<long long>(r->cached_tokens()),
+              static_cast<long long>(r->inserted_tokens()),
+              static_cast<long long>(r->ignored_tokens()));
+  return 0;
+}
+
+int Decode(kvcd::Client& c, const Args& a) {
+  auto model = c.GetModel(Flag(a, "model"));
+  if (!model.ok()) return Fail(model.status());
+  const auto& p = model->profile();
+  const uint64_t seed = IntFlag(a, "seed", 1);
+  const int64_t n = IntFlag(a, "synthetic", 0);
+  const int64_t steps = IntFlag(a, "steps", 8);
+  if (n < 1) return Usage("decode needs --synthetic N (N >= 1)");
+  const auto tokens = kvcd::synthetic::Tokens(seed, 0, n);
+  auto open = c.OpenSequence(p.name(), Flag(a, "salt"), tokens);
+  if (!open.ok()) return Fail(open.status());
+  const int64_t matched = open->matched_tokens();
+  std::printf("sequence %llu: %lld of %lld prompt tokens served from the prefix cache\n",
+              static_cast<unsigned long long>(open->sequence_id()), static_cast<long long>(matched),
+              static_cast<long long>(n));
+  if (matched < n) {
+    kvcd::v1::AppendRequest req;
+    req.set_sequence_id(open->sequence_id());
+    req.mutable_tokens()->Add(tokens.begin() + matched, tokens.end());
+    const std::vector<int64_t> shape = {p.num_layers(), n - matched, p.num_kv_heads(), p.head_dim()};
+    kvcd::SetBf16FromFloat(req.mutable_k(), shape, kvcd::synthetic::Kv(seed, p, matched, n - matched, 0).data());
+    kvcd::SetBf16FromFloat(req.mutable_v(), shape, kvcd::synthetic::Kv(seed, p, matched, n - matched, 1).data());
+    auto len = c.Append(req);
+    if (!len.ok()) return Fail(len.status());
+  }
+  auto stream = c.OpenDecodeStream();
+  if (!stream.ok()) return Fail(stream.status());
+  double kernel = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t s = 0; s < steps; ++s) {
+    const int64_t pos = n + s;
+    const auto ts = std::chrono::steady_clock::now();
+    for (int32_t l = 0; l < p.num_layers(); ++l) {
+      kvcd::v1::AttentionDecodeRequest req;
+      req.set_layer(l);
+      req.add_sequence_ids(open->sequence_id());
+      req.set_request_id(static_cast<uint64_t>(s * p.num_layers() + l));
+      kvcd::SetF32Tensor(req.mutable_q(), {1, p.num_q_heads(), p.head_dim()},
+                         kvcd::synthetic::Row(seed, p, l, pos, 2).data());
+      kvcd::SetBf16FromFloat(req.mutable_k_new(), {1, p.num_kv_heads(), p.head_dim()},
+                             kvcd::synthetic::Row(seed, p, l, pos, 0).data());
+      kvcd::SetBf16FromFloat(req.mutable_v_new(), {1, p.num_kv_heads(), p.head_dim()},
+                             kvcd::synthetic::Row(seed, p, l, pos, 1).data());
+      req.add_new_tokens(kvcd::synthetic::Token(seed, pos));
+      auto r = (*stream)->Call(req);
+      if (!r.ok()) return Fail(r.status());
+      kernel += r->kernel_seconds();
+    }
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - ts).count();
+    std::printf("step %3lld: context %lld tokens, %d layers in %.2f ms\n", static_cast<long long>(s),
+                static_cast<long long>(pos + 1), p.num_layers(), ms);
+  }
+  const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("%lld steps in %.3f s: %.1f tokens/s (kernel %.1f%% of the time)\n",
+              static_cast<long long>(steps), total, steps / total, 100.0 * kernel / total);
+  auto closed = (*stream)->Close();
+  if (!closed.ok()) return Fail(closed);
+  auto len = c.CloseSequence(open->sequence_id());
+  if (!len.ok()) return Fail(len.status());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  kvcd::ClientOptions opts;
+  if (const char* t = std::getenv("KVCD_TARGET")) opts.target = t;
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    std::string s = argv[i];
+    if (s == "--help" || s == "-h" || s == "help") return Usage(nullptr);
+    if (s.rfind("--", 0) == 0) {
+      if (i + 1 >= argc) return Usage(("flag " + s + " needs a value").c_str());
+      a.flags[s.substr(2)] = argv[++i];
+    } else if (a.command.empty()) {
+      a.command = s;
+    } else {
+      return Usage(("unexpected argument '" + s + "'").c_str());
+    }
+  }
+  if (a.command.empty()) return Usage("no command given");
+  opts.target = Flag(a, "target", opts.target);
+  opts.deadline = std::chrono::milliseconds(IntFlag(a, "deadline-ms", 30000));
+  auto client = kvcd::Client::Connect(opts);
+  if (!client.ok()) return Fail(client.status());
+  kvcd::Client& c = **client;
+  if (a.command == "health") {
+    auto h = c.Health();
+    if (!h.ok()) return Fail(h.status());
+    std::printf("%s\n", grpc::health::v1::HealthCheckResponse::ServingStatus_Name(*h).c_str());
+    return *h == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
+  }
+  if (a.command == "stats") {
+    auto s = c.Stats();
+    if (!s.ok()) return Fail(s.status());
+    std::printf("kvcd %s, backend %s\n", s->version().c_str(), s->backend().c_str());
+    std::printf("memory: %llu of %llu budget bytes in use\n",
+                static_cast<unsigned long long>(s->memory_used_bytes()),
+                static_cast<unsigned long long>(s->memory_budget_bytes()));
+    std::printf("prefix cache: %llu hit / %llu miss tokens (hit ratio %.3f), %llu pages evicted\n",
+                static_cast<unsigned long long>(s->hit_tokens()),
+                static_cast<unsigned long long>(s->miss_tokens()), s->hit_ratio(),
+                static_cast<unsigned long long>(s->evicted_pages()));
+    std::printf("sequences: %llu active, %llu leases expired; %llu pages demoted\n",
+                static_cast<unsigned long long>(s->active_sequences()),
+                static_cast<unsigned long long>(s->expired_leases()),
+                static_cast<unsigned long long>(s->demoted_pages()));
+    for (const auto& m : s->models()) PrintModel(m);
+    return 0;
+  }
+  if (a.command == "models") {
+    auto models = c.ListModels();
+    if (!models.ok()) return Fail(models.status());
+    for (const auto& m : *models) PrintModel(m);
+    return 0;
+  }
+  if (a.command == "put") return Put(c, a);
+  if (a.command == "match") {
+    auto r = c.Match(Flag(a, "model"), Flag(a, "salt"), PromptTokens(a));
+    if (!r.ok()) return Fail(r.status());
+    std::printf("%lld tokens (%lld pages) cached\n", static_cast<long long>(r->matched_tokens()),
+                static_cast<long long>(r->matched_pages()));
+    return 0;
+  }
+  if (a.command == "decode") return Decode(c, a);
+  return Usage(("unknown command '" + a.command + "'").c_str());
+}

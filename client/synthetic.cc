@@ -1,0 +1,55 @@
+#include "client/synthetic.h"
+
+namespace kvcd::synthetic {
+namespace {
+
+uint64_t Mix(uint64_t x) {  // splitmix64 finalizer
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+int32_t Token(uint64_t seed, int64_t pos, int32_t vocab) {
+  return static_cast<int32_t>(Mix(seed * 0x100000001b3ull ^ static_cast<uint64_t>(pos)) %
+                              static_cast<uint64_t>(vocab));
+}
+
+std::vector<int32_t> Tokens(uint64_t seed, int64_t begin, int64_t n, int32_t vocab) {
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) t[i] = Token(seed, begin + i, vocab);
+  return t;
+}
+
+float Value(uint64_t seed, int32_t layer, int64_t pos, int32_t head, int32_t dim, int kind) {
+  uint64_t h = Mix(seed ^ (static_cast<uint64_t>(Token(seed, pos)) << 20) ^ static_cast<uint64_t>(pos));
+  h = Mix(h ^ (static_cast<uint64_t>(layer) << 40) ^ (static_cast<uint64_t>(head) << 24) ^
+          (static_cast<uint64_t>(dim) << 4) ^ static_cast<uint64_t>(kind));
+  return static_cast<float>(static_cast<double>(h >> 11) * (2.0 / 9007199254740992.0) - 1.0);
+}
+
+std::vector<float> Kv(uint64_t seed, const v1::ModelProfile& p, int64_t begin, int64_t n,
+                      int kind) {
+  const int32_t hkv = p.num_kv_heads(), d = p.head_dim();
+  std::vector<float> out(static_cast<size_t>(p.num_layers() * n * hkv * d));
+  size_t i = 0;
+  for (int32_t l = 0; l < p.num_layers(); ++l)
+    for (int64_t t = 0; t < n; ++t)
+      for (int32_t h = 0; h < hkv; ++h)
+        for (int32_t c = 0; c < d; ++c) out[i++] = Value(seed, l, begin + t, h, c, kind);
+  return out;
+}
+
+std::vector<float> Row(uint64_t seed, const v1::ModelProfile& p, int32_t layer, int64_t pos,
+                       int kind) {
+  const int32_t heads = kind == 2 ? p.num_q_heads() : p.num_kv_heads();
+  const int32_t d = p.head_dim();
+  std::vector<float> out(static_cast<size_t>(heads * d));
+  for (int32_t h = 0; h < heads; ++h)
+    for (int32_t c = 0; c < d; ++c) out[h * d + c] = Value(seed, layer, pos, h, c, kind);
+  return out;
+}
+
+}  // namespace kvcd::synthetic

@@ -1,0 +1,33 @@
+#include "kvcd/kernels/bf16_attention.h"
+
+namespace kvcd::kernels {
+namespace internal {
+#define KVCD_DECLARE_BF16_ATTEND(fn)                                                           \
+  void fn(const Bf16PageTable& kv, int kv_head, const float* q, int group, float softmax_scale, \
+          int64_t token_begin, int64_t token_end, float* o, float* lse);
+KVCD_DECLARE_BF16_ATTEND(AttendBf16PagesScalar)
+KVCD_DECLARE_BF16_ATTEND(AttendBf16PagesAvx2)
+KVCD_DECLARE_BF16_ATTEND(AttendBf16PagesAvx512)
+#undef KVCD_DECLARE_BF16_ATTEND
+}  // namespace internal
+
+void AttendBf16Pages(const Bf16PageTable& kv, int kv_head, const float* q, int group,
+                     float softmax_scale, int64_t token_begin, int64_t token_end, float* o,
+                     float* lse, CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kAvx512:
+      internal::AttendBf16PagesAvx512(kv, kv_head, q, group, softmax_scale, token_begin,
+                                      token_end, o, lse);
+      return;
+    case CpuIsa::kAvx2:
+      internal::AttendBf16PagesAvx2(kv, kv_head, q, group, softmax_scale, token_begin,
+                                    token_end, o, lse);
+      return;
+    case CpuIsa::kScalar:
+      break;
+  }
+  internal::AttendBf16PagesScalar(kv, kv_head, q, group, softmax_scale, token_begin, token_end,
+                                  o, lse);
+}
+
+}  // namespace kvcd::kernels

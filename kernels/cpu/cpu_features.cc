@@ -1,0 +1,45 @@
+#include "kvcd/kernels/cpu_features.h"
+
+#include <cstdlib>
+#include <cstring>
+
+namespace kvcd::kernels {
+
+CpuIsa DetectCpuIsa() {
+  CpuIsa best = CpuIsa::kScalar;
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = CpuIsa::kAvx2;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl")) {
+    best = CpuIsa::kAvx512;
+  }
+#endif
+  if (const char* cap = std::getenv("KVCD_CPU_ISA")) {
+    CpuIsa want = best;
+    if (std::strcmp(cap, "scalar") == 0) want = CpuIsa::kScalar;
+    if (std::strcmp(cap, "avx2") == 0) want = CpuIsa::kAvx2;
+    if (std::strcmp(cap, "avx512") == 0) want = CpuIsa::kAvx512;
+    if (static_cast<int>(want) < static_cast<int>(best)) best = want;
+  }
+  return best;
+}
+
+CpuIsa ActiveCpuIsa() {
+  static const CpuIsa isa = DetectCpuIsa();
+  return isa;
+}
+
+const char* CpuIsaName(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kScalar:
+      return "scalar";
+    case CpuIsa::kAvx2:
+      return "avx2";
+    case CpuIsa::kAvx512:
+      return "avx512";
+  }
+  return "unknown";
+}
+
+}  // namespace kvcd::kernels

@@ -1,0 +1,29 @@
+#include <cuda_runtime.h>
+
+#include <cstdio>
+
+#include "kvcd/kernels/cuda_device.h"
+
+namespace kvcd::kernels {
+
+int CudaDeviceCount() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the non-sticky "no device" error
+    return 0;
+  }
+  return n;
+}
+
+std::string CudaDeviceDescription(int ordinal) {
+  cudaDeviceProp prop{};
+  const cudaError_t err = cudaGetDeviceProperties(&prop, ordinal);
+  if (err != cudaSuccess) return cudaGetErrorString(err);
+  char buf[256];
+  std::snprintf(buf, sizeof(buf), "%s (sm_%d%d, %.0f GiB, %d SMs)", prop.name, prop.major,
+                prop.minor, static_cast<double>(prop.totalGlobalMem) / (1ull << 30),
+                prop.multiProcessorCount);
+  return buf;
+}
+
+}  // namespace kvcd::kernels

@@ -1,0 +1,67 @@
+// Backend: where pool memory lives and where kernels run. The server core is
+// backend-agnostic; it describes work (page tables, token ranges) and the backend
+// executes it: `cpu` with the SIMD kernels of kernels/cpu, `cuda` with kernels/cuda.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "server/page_pool.h"
+
+namespace kvcd {
+
+enum class PageFormat { kBf16 = 0, kInt2Oscar = 1 };
+
+// A run of pages of one format holding tokens [0, num_tokens) of the run (token t is in
+// page_ids[t / page_size]); the attention range is [token_begin, token_end).
+struct AttentionSegment {
+  PageFormat format = PageFormat::kBf16;
+  const PagePool* pool = nullptr;
+  std::vector<int32_t> page_ids;
+  int64_t token_begin = 0;
+  int64_t token_end = 0;
+};
+
+// Attention of one sequence at one layer.
+struct AttentionJob {
+  std::vector<AttentionSegment> segments;
+  const float* q = nullptr;  // [num_q_heads][head_dim], raw post-RoPE
+  float* o = nullptr;        // [num_q_heads][head_dim]
+  float* lse = nullptr;      // [num_q_heads]
+};
+
+struct AttentionBatch {
+  int32_t layer = 0;
+  int32_t num_q_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t page_size = 0;
+  float softmax_scale = 0;
+  std::vector<AttentionJob> jobs;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const char* name() const = 0;
+
+  // Pool memory, allocated once per model at registration. RESOURCE_EXHAUSTED when the
+  // backend cannot provide it.
+  virtual absl::StatusOr<uint8_t*> AllocatePoolMemory(uint64_t bytes) = 0;
+  virtual void FreePoolMemory(uint8_t* p, uint64_t bytes) = 0;
+
+  // Host <-> pool copies (plain memcpy on the CPU backend).
+  virtual void CopyToPool(uint8_t* pool_dst, const void* host_src, size_t bytes) = 0;
+  virtual void CopyFromPool(void* host_dst, const uint8_t* pool_src, size_t bytes) = 0;
+
+  // Runs the batch; jobs[i].o / lse receive the merged state of all segments.
+  virtual absl::Status Attend(const AttentionBatch& batch) = 0;
+};
+
+// The CPU backend; `compute_threads` = 0 uses every CPU.
+std::unique_ptr<Backend> MakeCpuBackend(int compute_threads);
+
+}  // namespace kvcd

@@ -1,0 +1,516 @@
+#include "server/cache_engine.h"
+
+#include <chrono>
+#include <cmath>
+#include <unordered_set>
+
+#include "absl/strings/str_cat.h"
+#include "common/checked_math.h"
+#include "common/status_macros.h"
+#include "common/tensor_ref.h"
+
+namespace kvcd {
+namespace {
+
+constexpr int64_t kMaxTokensPerCall = int64_t{1} << 24;
+constexpr int kMaxSaltBytes = 256;
+constexpr int kMaxBatch = 1024;
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+absl::Status CheckSalt(const std::string& salt) {
+  if (salt.size() > kMaxSaltBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("cache_salt has ", salt.size(),
+                                                   " bytes, expected at most ", kMaxSaltBytes));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckTokens(const google::protobuf::RepeatedField<int32_t>& tokens,
+                         const char* field, bool allow_empty) {
+  const int64_t n = tokens.size();
+  if (n == 0 && !allow_empty) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " is empty, expected at least 1 token"));
+  }
+  if (n > kMaxTokensPerCall) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " has ", n, " tokens, expected at most ",
+                                                   kMaxTokensPerCall, " per call"));
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (tokens[static_cast<int>(i)] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "] is ",
+                                                     tokens[static_cast<int>(i)],
+                                                     ", expected a non-negative token id"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Checks K and V of n tokens for all layers: [L, n, Hkv, d], same dtype.
+absl::Status CheckKv(const ModelSpec& s, const v1::TensorRef& k, const v1::TensorRef& v,
+                     int64_t n) {
+  const std::vector<int64_t> shape = {s.num_layers, n, s.num_kv_heads, s.head_dim};
+  KVCD_RETURN_IF_ERROR(CheckTensorRef(k, "k", shape, {v1::DTYPE_BF16, v1::DTYPE_F32}));
+  KVCD_RETURN_IF_ERROR(CheckTensorRef(v, "v", shape, {v1::DTYPE_BF16, v1::DTYPE_F32}));
+  if (k.dtype() != v.dtype()) {
+    return absl::InvalidArgumentError(absl::StrCat("v.dtype is ", DTypeName(v.dtype()),
+                                                   ", expected the dtype of k (",
+                                                   DTypeName(k.dtype()), ")"));
+  }
+  return absl::OkStatus();
+}
+
+KvRows RowsOf(const v1::TensorRef& t, int64_t n, const ModelSpec& s, int64_t elem_offset = 0) {
+  KvRows r;
+  r.is_bf16 = t.dtype() == v1::DTYPE_BF16;
+  const char* base = t.inline_data().data() + elem_offset * (r.is_bf16 ? 2 : 4);
+  r.data = base;
+  r.token_stride = int64_t{s.num_kv_heads} * s.head_dim;
+  r.layer_stride = n * r.token_stride;
+  return r;
+}
+
+}  // namespace
+
+ModelSpec SpecFromProfile(const v1::ModelProfile& p) {
+  ModelSpec s;
+  s.name = p.name();
+  s.num_layers = p.num_layers();
+  s.num_q_heads = p.num_q_heads();
+  s.num_kv_heads = p.num_kv_heads();
+  s.head_dim = p.head_dim();
+  s.page_size = p.page_size();
+  s.sink_tokens = p.sink_tokens();
+  s.recent_tokens = p.recent_tokens();
+  s.history_format = p.history_format() == v1::HISTORY_FORMAT_INT2_OSCAR
+                         ? HistoryFormat::kInt2Oscar
+                         : HistoryFormat::kBf16;
+  s.rope_theta = p.rope().theta() == 0 ? 10000.0 : p.rope().theta();
+  s.rope_rotary_dims = p.rope().rotary_dims();
+  s.rope_scaling = p.rope().scaling() == 0 ? 1.0 : p.rope().scaling();
+  s.memory_bytes = p.memory_bytes();
+  s.bf16_fraction = p.bf16_fraction() == 0 ? 0.25 : p.bf16_fraction();
+  return s;
+}
+
+void ProfileFromSpec(const ModelSpec& s, v1::ModelProfile* p) {
+  p->set_name(s.name);
+  p->set_num_layers(s.num_layers);
+  p->set_num_q_heads(s.num_q_heads);
+  p->set_num_kv_heads(s.num_kv_heads);
+  p->set_head_dim(s.head_dim);
+  p->set_page_size(s.page_size);
+  p->set_sink_tokens(s.sink_tokens);
+  p->set_recent_tokens(s.recent_tokens);
+  p->set_history_format(s.history_format == HistoryFormat::kInt2Oscar
+                            ? v1::HISTORY_FORMAT_INT2_OSCAR
+                            : v1::HISTORY_FORMAT_BF16);
+  p->mutable_rope()->set_theta(s.rope_theta);
+  p->mutable_rope()->set_rotary_dims(s.rope_rotary_dims);
+  p->mutable_rope()->set_scaling(s.rope_scaling);
+  p->set_memory_bytes(s.memory_bytes);
+  p->set_bf16_fraction(s.bf16_fraction);
+}
+
+CacheEngine::CacheEngine(const ServerConfig& config, std::unique_ptr<Backend> backend)
+    : config_(config), backend_(std::move(backend)) {}
+
+CacheEngine::~CacheEngine() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [id, seq] : sequences_) seq->model->Close(seq.get());
+  sequences_.clear();
+}
+
+absl::Status CacheEngine::RegisterModelSpec(const ModelSpec& spec) {
+  KVCD_RETURN_IF_ERROR(ValidateModelSpec(spec));
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = models_.find(spec.name);
+  if (it != models_.end()) {
+    v1::ModelProfile a, b;
+    ProfileFromSpec(it->second->spec(), &a);
+    ProfileFromSpec(spec, &b);
+    if (a.SerializeAsString() == b.SerializeAsString()) return absl::OkStatus();  // idempotent
+    return absl::AlreadyExistsError(absl::StrCat(
+        "model '", spec.name, "' is already registered with a different profile"));
+  }
+  if (spec.memory_bytes > config_.memory_budget_bytes - budget_used_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "model '", spec.name, "' asks for memory_bytes ", spec.memory_bytes, " but only ",
+        config_.memory_budget_bytes - budget_used_, " of the daemon's memory_budget ",
+        config_.memory_budget_bytes, " are unassigned"));
+  }
+  KVCD_ASSIGN_OR_RETURN(auto cache,
+                        ModelCache::Create(spec, backend_.get(), config_.high_watermark,
+                                           config_.low_watermark, &counters_));
+  budget_used_ += spec.memory_bytes;
+  models_.emplace(spec.name, std::move(cache));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ModelCache*> CacheEngine::FindModel(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = models_.find(name);
+  if (it == models_.end()) {
+    return absl::NotFoundError(absl::StrCat("model '", name,
+                                            "' is not registered; ListModels shows the models"));
+  }
+  return it->second.get();
+}
+
+absl::StatusOr<std::shared_ptr<Sequence>> CacheEngine::FindSequence(uint64_t id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("sequence ", id, " is not open (never opened, closed, or its lease expired)"));
+  }
+  return it->second;
+}
+
+absl::StatusOr<int64_t> CacheEngine::GrantLease(int64_t requested_ms) const {
+  if (requested_ms == 0) return config_.default_lease_ms;
+  if (requested_ms < 10 || requested_ms > config_.max_lease_ms) {
+    return absl::InvalidArgumentError(absl::StrCat("lease_ms is ", requested_ms,
+                                                   ", expected 0 (default) or 10..",
+                                                   config_.max_lease_ms));
+  }
+  return requested_ms;
+}
+
+void CacheEngine::Touch(Sequence* seq) const {
+  seq->deadline_ns.store(NowNs() + seq->lease_ms.load() * 1000000);
+}
+
+void CacheEngine::FillModelInfo(const ModelCache& m, v1::ModelInfo* info) const {
+  ProfileFromSpec(m.spec(), info->mutable_profile());
+  const ModelSnapshot snap = m.Snapshot();
+  for (const auto& p : snap.pools) {
+    auto* pi = info->add_pools();
+    pi->set_format(p.format);
+    pi->set_page_bytes(static_cast<uint64_t>(p.page_bytes));
+    pi->set_pages_total(static_cast<uint64_t>(p.pages_total));
+    pi->set_pages_used(static_cast<uint64_t>(p.pages_used));
+  }
+  info->set_codec(snap.codec);
+  info->set_cached_tokens(static_cast<uint64_t>(snap.cached_tokens));
+  info->set_active_sequences(static_cast<uint64_t>(snap.active_sequences));
+}
+
+absl::Status CacheEngine::RegisterModel(const v1::RegisterModelRequest& req,
+                                        v1::RegisterModelResponse* resp) {
+  if (!req.codec_blob().empty()) {
+    return absl::UnimplementedError(
+        "codec_blob: codec files need the INT2 codec, which this build does not have");
+  }
+  const ModelSpec spec = SpecFromProfile(req.profile());
+  KVCD_RETURN_IF_ERROR(RegisterModelSpec(spec));
+  KVCD_ASSIGN_OR_RETURN(ModelCache * m, FindModel(spec.name));
+  FillModelInfo(*m, resp->mutable_model());
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::ListModels(const v1::ListModelsRequest&, v1::ListModelsResponse* resp) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [name, m] : models_) FillModelInfo(*m, resp->add_models());
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::Put(const v1::PutRequest& req, v1::PutResponse* resp) {
+  KVCD_ASSIGN_OR_RETURN(ModelCache * m, FindModel(req.model()));
+  KVCD_RETURN_IF_ERROR(CheckSalt(req.cache_salt()));
+  KVCD_RETURN_IF_ERROR(CheckTokens(req.tokens(), "tokens", false));
+  const int64_t n = req.tokens_size();
+  KVCD_RETURN_IF_ERROR(CheckKv(m->spec(), req.k(), req.v(), n));
+  KVCD_ASSIGN_OR_RETURN(PutResult r, m->Put(req.cache_salt(), req.tokens(),
+                                            RowsOf(req.k(), n, m->spec()),
+                                            RowsOf(req.v(), n, m->spec())));
+  resp->set_cached_tokens(r.cached_tokens);
+  resp->set_inserted_tokens(r.inserted_tokens);
+  resp->set_ignored_tokens(r.ignored_tokens);
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::Match(const v1::MatchRequest& req, v1::MatchResponse* resp) {
+  KVCD_ASSIGN_OR_RETURN(ModelCache * m, FindModel(req.model()));
+  KVCD_RETURN_IF_ERROR(CheckSalt(req.cache_salt()));
+  KVCD_RETURN_IF_ERROR(CheckTokens(req.tokens(), "tokens", true));
+  const int64_t matched = m->Match(req.cache_salt(), req.tokens());
+  resp->set_matched_tokens(matched);
+  resp->set_matched_pages(matched / m->spec().page_size);
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::OpenSequence(const v1::OpenSequenceRequest& req,
+                                       v1::OpenSequenceResponse* resp) {
+  KVCD_ASSIGN_OR_RETURN(ModelCache * m, FindModel(req.model()));
+  KVCD_RETURN_IF_ERROR(CheckSalt(req.cache_salt()));
+  KVCD_RETURN_IF_ERROR(CheckTokens(req.tokens(), "tokens", true));
+  KVCD_ASSIGN_OR_RETURN(int64_t lease, GrantLease(req.lease_ms()));
+  uint64_t id;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (static_cast<int64_t>(sequences_.size()) >= config_.max_sequences) {
+      return absl::ResourceExhaustedError(absl::StrCat("max_sequences (", config_.max_sequences,
+                                                       ") sequences are open; close some first"));
+    }
+    id = next_sequence_id_++;
+  }
+  std::shared_ptr<Sequence> seq = m->Open(id, req.cache_salt(), req.tokens());
+  seq->lease_ms.store(lease);
+  Touch(seq.get());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    sequences_.emplace(id, seq);
+  }
+  resp->set_sequence_id(id);
+  resp->set_matched_tokens(m->Length(seq.get()));
+  resp->set_lease_ms(lease);
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::CloseSequence(const v1::CloseSequenceRequest& req,
+                                        v1::CloseSequenceResponse* resp) {
+  std::shared_ptr<Sequence> seq;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sequences_.find(req.sequence_id());
+    if (it == sequences_.end()) {
+      return absl::NotFoundError(absl::StrCat("sequence ", req.sequence_id(), " is not open"));
+    }
+    seq = it->second;
+    sequences_.erase(it);
+  }
+  resp->set_length(seq->model->Length(seq.get()));
+  seq->model->Close(seq.get());
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::RenewLease(const v1::RenewLeaseRequest& req,
+                                     v1::RenewLeaseResponse* resp) {
+  KVCD_ASSIGN_OR_RETURN(auto seq, FindSequence(req.sequence_id()));
+  if (req.lease_ms() != 0) {
+    KVCD_ASSIGN_OR_RETURN(int64_t lease, GrantLease(req.lease_ms()));
+    seq->lease_ms.store(lease);
+  }
+  Touch(seq.get());
+  resp->set_lease_ms(seq->lease_ms.load());
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::Append(const v1::AppendRequest& req, v1::AppendResponse* resp) {
+  KVCD_ASSIGN_OR_RETURN(auto seq, FindSequence(req.sequence_id()));
+  const ModelSpec& s = seq->model->spec();
+  KVCD_RETURN_IF_ERROR(CheckTokens(req.tokens(), "tokens", false));
+  const int64_t n = req.tokens_size();
+  KVCD_RETURN_IF_ERROR(CheckKv(s, req.k(), req.v(), n));
+  Touch(seq.get());
+  KVCD_ASSIGN_OR_RETURN(int64_t len, seq->model->Append(seq.get(), req.tokens(),
+                                                        RowsOf(req.k(), n, s),
+                                                        RowsOf(req.v(), n, s)));
+  resp->set_length(len);
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
+                                          v1::AttentionDecodeResponse* resp) {
+  resp->set_request_id(req.request_id());
+  const int64_t batch = req.sequence_ids_size();
+  if (batch < 1 || batch > kMaxBatch) {
+    return absl::InvalidArgumentError(absl::StrCat("sequence_ids has ", batch,
+                                                   " entries, expected 1..", kMaxBatch));
+  }
+  std::vector<std::shared_ptr<Sequence>> seqs;
+  std::unordered_set<uint64_t> seen;
+  for (int64_t b = 0; b < batch; ++b) {
+    const uint64_t id = req.sequence_ids(static_cast<int>(b));
+    if (!seen.insert(id).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence_ids[", b, "] = ", id, " appears twice; a batch needs distinct ids"));
+    }
+    KVCD_ASSIGN_OR_RETURN(auto seq, FindSequence(id));
+    if (!seqs.empty() && seq->model != seqs.front()->model) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sequence_ids[", b, "] belongs to model '", seq->model->spec().name,
+          "', expected every sequence of the batch on model '", seqs.front()->model->spec().name,
+          "'"));
+    }
+    seqs.push_back(std::move(seq));
+  }
+  ModelCache* m = seqs.front()->model;
+  const ModelSpec& s = m->spec();
+  if (req.layer() < 0 || req.layer() >= s.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer is ", req.layer(), ", expected 0..", s.num_layers - 1));
+  }
+  KVCD_RETURN_IF_ERROR(CheckTensorRef(req.q(), "q", {batch, s.num_q_heads, s.head_dim},
+                                      {v1::DTYPE_BF16, v1::DTYPE_F32}));
+  if (!std::isfinite(req.softmax_scale()) || req.softmax_scale() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "softmax_scale is ", req.softmax_scale(), ", expected a finite value >= 0 (0 = 1/sqrt(d))"));
+  }
+  const bool fused = req.has_k_new() || req.has_v_new();
+  std::vector<ModelCache::NewToken> new_tokens;
+  if (fused) {
+    const std::vector<int64_t> shape = {batch, s.num_kv_heads, s.head_dim};
+    KVCD_RETURN_IF_ERROR(CheckTensorRef(req.k_new(), "k_new", shape, {v1::DTYPE_BF16, v1::DTYPE_F32}));
+    KVCD_RETURN_IF_ERROR(CheckTensorRef(req.v_new(), "v_new", shape, {v1::DTYPE_BF16, v1::DTYPE_F32}));
+    if (req.new_tokens_size() != batch) {
+      return absl::InvalidArgumentError(absl::StrCat("new_tokens has ", req.new_tokens_size(),
+                                                     " entries, expected one per sequence (",
+                                                     batch, ")"));
+    }
+    KVCD_RETURN_IF_ERROR(CheckTokens(req.new_tokens(), "new_tokens", false));
+    const int64_t row = int64_t{s.num_kv_heads} * s.head_dim;
+    for (int64_t b = 0; b < batch; ++b) {
+      ModelCache::NewToken t;
+      t.token = req.new_tokens(static_cast<int>(b));
+      t.k = RowsOf(req.k_new(), 1, s, b * row);
+      t.v = RowsOf(req.v_new(), 1, s, b * row);
+      new_tokens.push_back(t);
+    }
+  } else if (req.new_tokens_size() != 0) {
+    return absl::InvalidArgumentError("new_tokens is set without k_new/v_new");
+  }
+  const int64_t q_elems = batch * s.num_q_heads * s.head_dim;
+  std::vector<float> q(static_cast<size_t>(q_elems));
+  CopyAsFloat(req.q(), 0, q_elems, q.data());
+  const float scale = req.softmax_scale() == 0 ? 1.0f / std::sqrt(static_cast<float>(s.head_dim))
+                                               : req.softmax_scale();
+  v1::TensorRef* o = resp->mutable_o();
+  o->set_dtype(v1::DTYPE_F32);
+  o->add_shape(batch);
+  o->add_shape(s.num_q_heads);
+  o->add_shape(s.head_dim);
+  o->mutable_inline_data()->resize(static_cast<size_t>(q_elems) * sizeof(float));
+  v1::TensorRef* lse = resp->mutable_lse();
+  lse->set_dtype(v1::DTYPE_F32);
+  lse->add_shape(batch);
+  lse->add_shape(s.num_q_heads);
+  lse->mutable_inline_data()->resize(static_cast<size_t>(batch * s.num_q_heads) * sizeof(float));
+  std::vector<Sequence*> raw;
+  for (auto& sq : seqs) {
+    raw.push_back(sq.get());
+    Touch(sq.get());
+  }
+  std::vector<int64_t> lengths;
+  const auto t0 = std::chrono::steady_clock::now();
+  KVCD_RETURN_IF_ERROR(m->Attend(req.layer(), raw, q.data(), scale, new_tokens,
+                                 reinterpret_cast<float*>(o->mutable_inline_data()->data()),
+                                 reinterpret_cast<float*>(lse->mutable_inline_data()->data()),
+                                 &lengths));
+  resp->set_kernel_seconds(
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  for (int64_t l : lengths) resp->add_lengths(l);
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::FetchPages(const v1::FetchPagesRequest& req,
+                                     v1::FetchPagesResponse* resp) {
+  KVCD_ASSIGN_OR_RETURN(auto seq, FindSequence(req.sequence_id()));
+  const ModelSpec& s = seq->model->spec();
+  if (req.first_token() < 0 || req.first_token() % s.page_size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("first_token is ", req.first_token(),
+                                                   ", expected a non-negative multiple of "
+                                                   "page_size (",
+                                                   s.page_size, ")"));
+  }
+  if (req.num_tokens() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_tokens is ", req.num_tokens(), ", expected >= 0 (0 = to the end)"));
+  }
+  const int64_t len = seq->model->Length(seq.get());
+  if (req.first_token() > len) {
+    return absl::InvalidArgumentError(absl::StrCat("first_token ", req.first_token(),
+                                                   " is past the sequence length ", len));
+  }
+  const int64_t n = req.num_tokens() == 0 ? len - req.first_token() : req.num_tokens();
+  const auto bytes = CheckedProduct({2, 2, s.num_layers, n, s.num_kv_heads, s.head_dim});
+  const int64_t limit = config_.max_message_bytes - (1 << 16);
+  if (!bytes || *bytes > limit) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "num_tokens ", n, " would need a response larger than max_message_bytes (",
+        config_.max_message_bytes, "); fetch at most ",
+        limit / (4LL * s.num_layers * s.num_kv_heads * s.head_dim), " tokens per call"));
+  }
+  const int64_t elems = *bytes / 4;
+  std::vector<uint16_t> k(static_cast<size_t>(elems)), v(static_cast<size_t>(elems));
+  std::vector<std::string> formats;
+  KVCD_RETURN_IF_ERROR(seq->model->Fetch(seq.get(), req.first_token(), n, k.data(), v.data(), &formats));
+  const std::vector<int64_t> shape = {s.num_layers, n, s.num_kv_heads, s.head_dim};
+  SetBf16Tensor(resp->mutable_k(), shape, k.data());
+  SetBf16Tensor(resp->mutable_v(), shape, v.data());
+  resp->set_first_token(req.first_token());
+  resp->set_num_tokens(n);
+  for (auto& f : formats) resp->add_page_formats(f);
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::PushPages(const v1::PushPagesRequest&, v1::PushPagesResponse*) {
+  return absl::UnimplementedError(
+      "PushPages moves pages over NCCL, which this build does not have; use Put with inline K/V");
+}
+
+absl::Status CacheEngine::Stats(const v1::StatsRequest&, v1::StatsResponse* resp) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    resp->set_memory_budget_bytes(config_.memory_budget_bytes);
+    for (const auto& [name, m] : models_) FillModelInfo(*m, resp->add_models());
+    resp->set_active_sequences(sequences_.size());
+  }
+  resp->set_memory_used_bytes(MemoryUsedBytes());
+  const uint64_t hit = counters_.hit_tokens.load();
+  const uint64_t miss = counters_.miss_tokens.load();
+  resp->set_hit_tokens(hit);
+  resp->set_miss_tokens(miss);
+  resp->set_hit_ratio(hit + miss == 0 ? 0.0 : static_cast<double>(hit) / (hit + miss));
+  resp->set_evicted_pages(counters_.evicted_pages.load());
+  resp->set_demoted_pages(counters_.demoted_pages.load());
+  resp->set_expired_leases(counters_.expired_leases.load());
+  resp->set_backend(backend_->name());
+  resp->set_version(KVCD_VERSION);
+  return absl::OkStatus();
+}
+
+int CacheEngine::ExpireLeases(int64_t now_ns) {
+  std::vector<std::shared_ptr<Sequence>> expired;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = sequences_.begin(); it != sequences_.end();) {
+      if (it->second->deadline_ns.load() < now_ns) {
+        expired.push_back(it->second);
+        it = sequences_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& seq : expired) seq->model->Close(seq.get());
+  counters_.expired_leases.fetch_add(expired.size());
+  return static_cast<int>(expired.size());
+}
+
+std::vector<CacheEngine::ModelView> CacheEngine::SnapshotModels() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<ModelView> out;
+  for (const auto& [name, m] : models_) out.push_back({name, m->Snapshot()});
+  return out;
+}
+
+int64_t CacheEngine::ActiveSequences() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(sequences_.size());
+}
+
+uint64_t CacheEngine::MemoryUsedBytes() const {
+  uint64_t used = 0;
+  for (const auto& mv : SnapshotModels()) {
+    for (const auto& p : mv.snapshot.pools) used += static_cast<uint64_t>(p.page_bytes) * p.pages_used;
+  }
+  return used;
+}
+
+}  // namespace kvcd

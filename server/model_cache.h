@@ -1,0 +1,157 @@
+// ModelCache: everything kvcd holds for one model profile — its page pools, its radix
+// tree (namespaced by tenant), its sequences' pages — and the operations on them.
+//
+// Callers (CacheEngine) validate request shapes first; ModelCache re-checks only what
+// depends on its state. Every operation either fully succeeds or changes nothing that
+// was stored (pages allocated for a failed call are returned to the pool).
+//
+// Thread safety: all methods are thread-safe. Lock order: Sequence::mu before mu_.
+// Attention runs holding only the sequences' locks: their pages are pinned or private,
+// so eviction cannot free them.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "server/backend.h"
+#include "server/model_spec.h"
+#include "server/page_pool.h"
+#include "server/radix_tree.h"
+#include "server/sequence.h"
+
+namespace kvcd {
+
+// Engine-wide counters (monotonic), shared by all models; read by Stats and /metrics.
+struct CacheCounters {
+  std::atomic<uint64_t> hit_tokens{0};     // tokens found cached (Put, OpenSequence)
+  std::atomic<uint64_t> miss_tokens{0};    // tokens looked up and not cached
+  std::atomic<uint64_t> inserted_pages{0};
+  std::atomic<uint64_t> evicted_pages{0};
+  std::atomic<uint64_t> demoted_pages{0};
+  std::atomic<uint64_t> expired_leases{0};
+  std::atomic<uint64_t> attention_calls{0};
+};
+
+// K or V rows of a request. Element (layer, token, head, i) is at
+// data[layer*layer_stride + token*token_stride + head*head_dim + i], BF16 or F32.
+struct KvRows {
+  const void* data = nullptr;
+  bool is_bf16 = true;
+  int64_t layer_stride = 0;  // elements
+  int64_t token_stride = 0;  // elements
+  void CopyRowBf16(int64_t layer, int64_t token, int32_t head, int32_t head_dim,
+                   uint16_t* out) const;
+};
+
+struct PoolSnapshot {
+  std::string format;
+  int64_t page_bytes = 0;
+  int32_t pages_total = 0;
+  int32_t pages_used = 0;
+};
+
+struct ModelSnapshot {
+  std::vector<PoolSnapshot> pools;
+  int64_t cached_tokens = 0;
+  int64_t pinned_pages = 0;
+  int64_t active_sequences = 0;
+  std::string codec;
+};
+
+struct PutResult {
+  int64_t cached_tokens = 0;
+  int64_t inserted_tokens = 0;
+  int64_t ignored_tokens = 0;
+};
+
+class ModelCache {
+ public:
+  // Allocates the pools from `backend` (once). INVALID_ARGUMENT if memory_bytes holds
+  // no page, UNIMPLEMENTED for a history format this build cannot store.
+  static absl::StatusOr<std::unique_ptr<ModelCache>> Create(const ModelSpec& spec,
+                                                            Backend* backend,
+                                                            double high_watermark,
+                                                            double low_watermark,
+                                                            CacheCounters* counters);
+  ~ModelCache();
+
+  const ModelSpec& spec() const { return spec_; }
+
+  // Stores the full pages of a prompt. k, v: [num_layers][tokens.size()][kv][d].
+  // RESOURCE_EXHAUSTED when the pools cannot hold the new pages even after eviction.
+  absl::StatusOr<PutResult> Put(const std::string& salt, absl::Span<const int32_t> tokens,
+                                const KvRows& k, const KvRows& v);
+
+  // Page-aligned longest cached prefix, in tokens (no pinning).
+  int64_t Match(const std::string& salt, absl::Span<const int32_t> tokens);
+
+  // Creates a sequence on the longest cached prefix of `tokens` (pinned).
+  std::shared_ptr<Sequence> Open(uint64_t id, const std::string& salt,
+                                 absl::Span<const int32_t> tokens);
+
+  // Releases pins and private pages. Idempotent.
+  void Close(Sequence* seq);
+
+  // Appends n tokens (all layers). FAILED_PRECONDITION if the sequence is closed or a
+  // per-layer token is pending; RESOURCE_EXHAUSTED if no page is available.
+  absl::StatusOr<int64_t> Append(Sequence* seq, absl::Span<const int32_t> tokens,
+                                 const KvRows& k, const KvRows& v);
+
+  struct NewToken {
+    int32_t token = 0;
+    KvRows k, v;  // one token, one layer: [num_kv_heads][head_dim] (strides unused)
+  };
+  // Attention of one layer for a batch of distinct open sequences of this model.
+  // q: [B][num_q_heads][head_dim] float; o: [B][num_q_heads][head_dim]; lse: [B][num_q_heads].
+  // With new_tokens (size B), each sequence first receives its token at this layer.
+  absl::Status Attend(int32_t layer, absl::Span<Sequence* const> seqs, const float* q,
+                      float softmax_scale, absl::Span<const NewToken> new_tokens, float* o,
+                      float* lse, std::vector<int64_t>* lengths);
+
+  // BF16 K/V of tokens [first, first + n) of a sequence, [num_layers][n][kv][d] each.
+  absl::Status Fetch(Sequence* seq, int64_t first, int64_t n, uint16_t* k_out, uint16_t* v_out,
+                     std::vector<std::string>* page_formats);
+
+  // Length of a sequence (committed tokens).
+  int64_t Length(Sequence* seq);
+
+  ModelSnapshot Snapshot() const;
+
+ private:
+  ModelCache(const ModelSpec& spec, Backend* backend, double high, double low,
+             CacheCounters* counters);
+
+  int32_t HistoryPool() const { return static_cast<int32_t>(pools_.size()) - 1; }
+  // Allocates n pages of pool `pool`, evicting LRU leaves if needed.
+  absl::Status AllocateLocked(int32_t pool, int32_t n, std::vector<PageRef>* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FreeLocked(absl::Span<const PageRef> pages) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EvictToWatermarksLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes token rows [src_token, src_token + count) of k/v (all layers, or one layer
+  // when layer >= 0) into BF16 page `page` at in-page offset `slot`.
+  void WriteBf16Rows(const PageRef& page, int32_t slot, const KvRows& k, const KvRows& v,
+                     int64_t src_token, int32_t count, int32_t layer);
+  std::vector<AttentionSegment> Segments(const Sequence& seq, int64_t len) const;
+
+  const ModelSpec spec_;
+  Backend* const backend_;
+  const double high_watermark_;
+  const double low_watermark_;
+  CacheCounters* const counters_;
+  std::vector<uint8_t*> memory_;
+  std::vector<uint64_t> memory_bytes_;
+  std::vector<std::unique_ptr<PagePool>> pools_;  // [0] = BF16; [last] = history format
+
+  mutable std::mutex mu_;
+  RadixTree tree_ ABSL_GUARDED_BY(mu_);
+  std::atomic<int64_t> open_sequences_{0};
+};
+
+}  // namespace kvcd

@@ -1,0 +1,49 @@
+// Model profile: geometry and cache policy of one served model.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace kvcd {
+
+enum class HistoryFormat { kBf16 = 0, kInt2Oscar = 1 };
+
+const char* HistoryFormatName(HistoryFormat f);
+// Parses "bf16" / "int2-oscar"; INVALID_ARGUMENT otherwise.
+absl::Status ParseHistoryFormat(const std::string& s, HistoryFormat* out);
+
+struct ModelSpec {
+  std::string name;
+  int32_t num_layers = 0;
+  int32_t num_q_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t page_size = 64;
+  int32_t sink_tokens = 64;
+  int32_t recent_tokens = 256;
+  HistoryFormat history_format = HistoryFormat::kBf16;
+  double rope_theta = 10000.0;
+  int32_t rope_rotary_dims = 0;  // 0 = head_dim
+  double rope_scaling = 1.0;
+  uint64_t memory_bytes = 0;     // share of the daemon budget for this model's pools
+  double bf16_fraction = 0.25;   // BF16 share of memory_bytes when history is compressed
+  std::string codec_file;        // optional codec (safetensors) path
+
+  int32_t group() const { return num_q_heads / num_kv_heads; }
+  int32_t sink_pages() const { return sink_tokens / page_size; }
+};
+
+// Checks every field; INVALID_ARGUMENT naming the field and the accepted range.
+absl::Status ValidateModelSpec(const ModelSpec& spec);
+
+// Built-in profiles: "qwen3-8b" (36 layers, 32 q / 8 kv heads, head_dim 128, page 64,
+// sink 64, recent 256) and "tiny" (2 layers, 4 q / 2 kv heads, head_dim 16, page 4,
+// sink 4, recent 8; for tests and demos). nullopt for an unknown name.
+std::optional<ModelSpec> BuiltinModelSpec(const std::string& name);
+std::vector<std::string> BuiltinModelNames();
+
+}  // namespace kvcd

@@ -1,0 +1,87 @@
+// RadixTree: page-granular prefix cache over token ids (DESIGN.md §3).
+//
+// Edges are page-aligned token chunks; each node owns the pages of its edge. Keys are
+// namespaced (model profile is implicit: one tree per model; the namespace is the
+// tenant's cache_salt), so a tenant never matches another tenant's pages. A partial
+// trailing page is never stored. Pinned nodes (and their ancestors) are never evicted;
+// eviction removes least-recently-used unpinned leaves.
+//
+// Thread safety: none; the owner (ModelCache) serializes all calls.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/types/span.h"
+
+namespace kvcd {
+
+// A page in one of a model's pools.
+struct PageRef {
+  int32_t pool = 0;  // index into the model's pools
+  int32_t page = 0;  // page id in that pool
+  bool operator==(const PageRef& o) const { return pool == o.pool && page == o.page; }
+};
+
+class RadixTree {
+ public:
+  struct Node;
+
+  explicit RadixTree(int32_t page_size);
+  ~RadixTree();
+  RadixTree(const RadixTree&) = delete;
+  RadixTree& operator=(const RadixTree&) = delete;
+
+  struct MatchResult {
+    int64_t tokens = 0;          // page-aligned matched length
+    std::vector<PageRef> pages;  // tokens / page_size pages
+    Node* node = nullptr;        // deepest node covering the match (pinned by MatchAndPin)
+  };
+
+  // Longest cached page-aligned prefix of `tokens`; refreshes the LRU clock of the path.
+  MatchResult Match(const std::string& ns, absl::Span<const int32_t> tokens);
+
+  // As Match, but splits the last node at the match boundary so the match ends on a
+  // node, and pins that node and its ancestors. Unpin(result.node) releases it
+  // (a null node means nothing matched and nothing was pinned).
+  MatchResult MatchAndPin(const std::string& ns, absl::Span<const int32_t> tokens);
+  void Unpin(Node* node);
+
+  struct InsertResult {
+    int64_t new_pages = 0;            // pages taken over by the tree
+    std::vector<PageRef> duplicates;  // caller's pages for chunks already cached
+  };
+  // Inserts the first pages.size() pages of `tokens` (REQUIRES: tokens.size() >=
+  // pages.size() * page_size). Pages of chunks already present are returned as
+  // duplicates, for the caller to free; the others belong to the tree from now on.
+  InsertResult Insert(const std::string& ns, absl::Span<const int32_t> tokens,
+                      absl::Span<const PageRef> pages);
+
+  // Evicts least-recently-used unpinned leaves while want_more() is true, handing
+  // every freed page to on_free. Returns the number of pages freed.
+  int64_t Evict(const std::function<bool()>& want_more,
+                const std::function<void(const PageRef&)>& on_free);
+
+  int64_t cached_pages() const { return cached_pages_; }
+  int64_t num_nodes() const { return num_nodes_; }
+  int32_t page_size() const { return page_size_; }
+  // Number of pages reachable only through pinned nodes (for tests/metrics).
+  int64_t PinnedPages() const;
+
+ private:
+  Node* Root(const std::string& ns, bool create);
+  MatchResult Walk(Node* root, absl::Span<const int32_t> tokens, bool split);
+  Node* Split(Node* node, int64_t keep_pages);
+
+  const int32_t page_size_;
+  uint64_t clock_ = 0;
+  int64_t cached_pages_ = 0;
+  int64_t num_nodes_ = 0;
+  absl::flat_hash_map<std::string, std::unique_ptr<Node>> roots_;
+};
+
+}  // namespace kvcd
