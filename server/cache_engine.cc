@@ -317,6 +317,7 @@ absl::Status CacheEngine::Append(const v1::AppendRequest& req, v1::AppendRespons
 
 absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
                                           v1::AttentionDecodeResponse* resp) {
+  resp->Clear();
   resp->set_request_id(req.request_id());
   const int64_t batch = req.sequence_ids_size();
   if (batch < 1 || batch > kMaxBatch) {

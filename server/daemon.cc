@@ -1,7 +1,5 @@
 #include "server/daemon.h"
 
-#include <grpcpp/health_check_service_interface.h>
-
 #include <chrono>
 #include <cstdio>
 
@@ -51,30 +49,31 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerConfig& config
   d->service_ = std::make_unique<KvCacheService>(d->engine_.get(), d->metrics_.get(),
                                                  d->executor_.get());
 
-  grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(d->service_.get());
+  builder.RegisterService(&d->health_);
   ApplyLimits(config, &builder);
   d->server_ = builder.BuildAndStart();
   if (d->server_ == nullptr || port == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on '", config.listen, "'"));
   }
   d->grpc_address_ = absl::StrCat(HostOf(config.listen), ":", port);
-  d->server_->GetHealthCheckService()->SetServingStatus(true);
+  d->health_.SetServing(true);
 
   if (!config.health_listen.empty()) {
     grpc::ServerBuilder hb;
     int hport = 0;
     hb.AddListeningPort(config.health_listen, grpc::InsecureServerCredentials(), &hport);
+    hb.RegisterService(&d->health_only_);
     d->health_server_ = hb.BuildAndStart();
     if (d->health_server_ == nullptr || hport == 0) {
       return absl::UnavailableError(
           absl::StrCat("cannot listen for health on '", config.health_listen, "'"));
     }
     d->health_address_ = absl::StrCat(HostOf(config.health_listen), ":", hport);
-    d->health_server_->GetHealthCheckService()->SetServingStatus(true);
+    d->health_only_.SetServing(true);
   }
 
   if (!config.metrics_listen.empty()) {
@@ -109,14 +108,21 @@ void Daemon::Drain() {
     stopping_ = true;
   }
   cv_.notify_all();
-  server_->GetHealthCheckService()->SetServingStatus(false);
-  if (health_server_) health_server_->GetHealthCheckService()->SetServingStatus(false);
+  health_.SetServing(false);
+  health_only_.SetServing(false);
   service_->StartDraining();
   const auto deadline =
       std::chrono::system_clock::now() + std::chrono::milliseconds(config_.drain_timeout_ms);
+  const auto t0 = std::chrono::steady_clock::now();
   server_->Shutdown(deadline);
+  const auto t1 = std::chrono::steady_clock::now();
   if (health_server_) health_server_->Shutdown(deadline);
+  const auto t2 = std::chrono::steady_clock::now();
   if (reaper_.joinable()) reaper_.join();
+  std::fprintf(stderr, "kvcd: drain: api %.0f ms, health %.0f ms, reaper %.0f ms\n",
+               std::chrono::duration<double, std::milli>(t1 - t0).count(),
+               std::chrono::duration<double, std::milli>(t2 - t1).count(),
+               std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t2).count());
   {
     std::lock_guard<std::mutex> lock(mu_);
     drained_ = true;

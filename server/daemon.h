@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "server/cache_engine.h"
 #include "server/config.h"
+#include "server/health_service.h"
 #include "server/metrics.h"
 #include "server/service.h"
 #include "server/thread_pool.h"
@@ -46,6 +47,8 @@ class Daemon {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<ThreadPool> executor_;
   std::unique_ptr<KvCacheService> service_;
+  HealthService health_;         // on the API port
+  HealthService health_only_;    // on the optional health-only port
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<grpc::Server> health_server_;
   std::string grpc_address_, metrics_address_, health_address_;

@@ -14,6 +14,9 @@ KVCD_DECLARE_BF16_ATTEND(AttendBf16PagesAvx512)
 void AttendBf16Pages(const Bf16PageTable& kv, int kv_head, const float* q, int group,
                      float softmax_scale, int64_t token_begin, int64_t token_end, float* o,
                      float* lse, CpuIsa isa) {
+  // The vector primitives step 16 (AVX-512) or 8 (AVX2) floats at a time.
+  if (isa == CpuIsa::kAvx512 && kv.head_dim % 16 != 0) isa = CpuIsa::kAvx2;
+  if (isa == CpuIsa::kAvx2 && kv.head_dim % 8 != 0) isa = CpuIsa::kScalar;
   switch (isa) {
     case CpuIsa::kAvx512:
       internal::AttendBf16PagesAvx512(kv, kv_head, q, group, softmax_scale, token_begin,

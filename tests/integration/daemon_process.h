@@ -1,0 +1,86 @@
+// Starts the real kvcd binary on loopback ports for integration tests and stops it
+// with SIGTERM. Readiness is the daemon's "kvcd ready ..." stdout line (no sleeps).
+#pragma once
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+
+namespace kvcd::testing_util {
+
+class DaemonProcess {
+ public:
+  // Writes `yaml` to a temp file and starts `kvcd serve --config` on it.
+  bool Start(const std::string& yaml) {
+    char path[] = "/tmp/kvcd-test-XXXXXX.yaml";
+    const int fd = mkstemps(path, 5);
+    if (fd < 0) return false;
+    config_path_ = path;
+    if (write(fd, yaml.data(), yaml.size()) != static_cast<ssize_t>(yaml.size())) return false;
+    close(fd);
+    int out[2];
+    if (pipe(out) != 0) return false;
+    pid_ = fork();
+    if (pid_ == 0) {
+      dup2(out[1], STDOUT_FILENO);
+      close(out[0]);
+      close(out[1]);
+      execl(KVCD_BINARY, KVCD_BINARY, "serve", "--config", config_path_.c_str(),
+            static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    close(out[1]);
+    stdout_ = fdopen(out[0], "r");
+    char line[1024];
+    while (fgets(line, sizeof(line), stdout_) != nullptr) {
+      const std::string l = line;
+      if (l.rfind("kvcd ready", 0) != 0) continue;
+      grpc_ = Field(l, "grpc=");
+      metrics_ = Field(l, "metrics=");
+      health_ = Field(l, "health=");
+      return true;
+    }
+    return false;  // exited before it was ready
+  }
+
+  // SIGTERM, then the exit status (or -1 if it died of a signal).
+  int Stop() {
+    if (pid_ <= 0) return -1;
+    kill(pid_, SIGTERM);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+    if (stdout_) fclose(stdout_);
+    stdout_ = nullptr;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+
+  ~DaemonProcess() {
+    if (pid_ > 0) Stop();
+    if (!config_path_.empty()) std::remove(config_path_.c_str());
+  }
+
+  const std::string& grpc() const { return grpc_; }
+  const std::string& metrics() const { return metrics_; }
+  const std::string& health() const { return health_; }
+
+ private:
+  static std::string Field(const std::string& line, const std::string& key) {
+    const auto p = line.find(key);
+    if (p == std::string::npos) return "";
+    const auto b = p + key.size();
+    const auto e = line.find_first_of(" \n", b);
+    return line.substr(b, e == std::string::npos ? std::string::npos : e - b);
+  }
+
+  pid_t pid_ = -1;
+  FILE* stdout_ = nullptr;
+  std::string config_path_, grpc_, metrics_, health_;
+};
+
+}  // namespace kvcd::testing_util

@@ -1,0 +1,239 @@
+// Integration: the real kvcd binary on a loopback port, driven by the real client.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <thread>
+
+#include "client/client.h"
+#include "client/synthetic.h"
+#include "common/tensor_ref.h"
+#include "daemon_process.h"
+#include "kvcd/kernels/bf16.h"
+#include "kvcd/kernels/reference_attention.h"
+
+namespace kvcd {
+namespace {
+
+using testing_util::DaemonProcess;
+
+constexpr char kConfig[] = R"(
+listen: 127.0.0.1:0
+metrics_listen: 127.0.0.1:0
+health_listen: 127.0.0.1:0
+memory_budget: 16MiB
+lease: {default_ms: 40, max_ms: 60000}
+drain_timeout_ms: 300
+models:
+  - builtin: tiny
+    memory: 1MiB
+  - builtin: tiny
+    name: cramped
+    memory: 4096    # 4 pages of 1 KiB
+)";
+
+float RoundBf16(float x) { return kernels::Bf16ToFloat(kernels::FloatToBf16(x)); }
+
+class DaemonTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(daemon_.Start(kConfig));
+    ClientOptions o;
+    o.target = daemon_.grpc();
+    o.deadline = std::chrono::milliseconds(10000);
+    auto c = Client::Connect(o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    client_ = std::move(*c);
+    auto m = client_->GetModel("tiny");
+    ASSERT_TRUE(m.ok()) << m.status();
+    profile_ = m->profile();
+  }
+
+  v1::PutRequest MakePut(const std::string& model, uint64_t seed, int64_t n,
+                         const std::string& salt = "") {
+    v1::PutRequest req;
+    req.set_model(model);
+    req.set_cache_salt(salt);
+    const auto t = synthetic::Tokens(seed, 0, n);
+    req.mutable_tokens()->Add(t.begin(), t.end());
+    const std::vector<int64_t> shape = {profile_.num_layers(), n, profile_.num_kv_heads(),
+                                        profile_.head_dim()};
+    SetBf16FromFloat(req.mutable_k(), shape, synthetic::Kv(seed, profile_, 0, n, 0).data());
+    SetBf16FromFloat(req.mutable_v(), shape, synthetic::Kv(seed, profile_, 0, n, 1).data());
+    return req;
+  }
+
+  DaemonProcess daemon_;
+  std::unique_ptr<Client> client_;
+  v1::ModelProfile profile_;
+};
+
+TEST_F(DaemonTest, PutMatchOpenAppendAttendClose) {
+  auto put = client_->Put(MakePut("tiny", 11, 22));
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->inserted_tokens(), 20);
+  const auto tokens = synthetic::Tokens(11, 0, 26);
+  auto m = client_->Match("tiny", "", tokens);
+  ASSERT_TRUE(m.ok());
+  EXPECT_EQ(m->matched_tokens(), 20);
+  auto open = client_->OpenSequence("tiny", "", tokens, 60000);
+  ASSERT_TRUE(open.ok()) << open.status();
+  EXPECT_EQ(open->matched_tokens(), 20);
+  v1::AppendRequest app;
+  app.set_sequence_id(open->sequence_id());
+  app.mutable_tokens()->Add(tokens.begin() + 20, tokens.end());
+  const std::vector<int64_t> shape = {profile_.num_layers(), 6, profile_.num_kv_heads(),
+                                      profile_.head_dim()};
+  SetBf16FromFloat(app.mutable_k(), shape, synthetic::Kv(11, profile_, 20, 6, 0).data());
+  SetBf16FromFloat(app.mutable_v(), shape, synthetic::Kv(11, profile_, 20, 6, 1).data());
+  auto len = client_->Append(app);
+  ASSERT_TRUE(len.ok()) << len.status();
+  EXPECT_EQ(*len, 26);
+
+  // Unary attention at layer 1 against the float64 reference.
+  const int hq = profile_.num_q_heads(), hkv = profile_.num_kv_heads(), d = profile_.head_dim();
+  v1::AttentionDecodeRequest req;
+  req.set_layer(1);
+  req.add_sequence_ids(open->sequence_id());
+  const auto q = synthetic::Row(11, profile_, 1, 26, 2);
+  SetF32Tensor(req.mutable_q(), {1, hq, d}, q.data());
+  auto resp = client_->AttentionDecode(req);
+  ASSERT_TRUE(resp.ok()) << resp.status();
+  std::vector<float> k(26 * hkv * d), v(26 * hkv * d);
+  for (int64_t t = 0; t < 26; ++t)
+    for (int h = 0; h < hkv; ++h)
+      for (int c = 0; c < d; ++c) {
+        k[(t * hkv + h) * d + c] = RoundBf16(synthetic::Value(11, 1, t, h, c, 0));
+        v[(t * hkv + h) * d + c] = RoundBf16(synthetic::Value(11, 1, t, h, c, 1));
+      }
+  std::vector<double> ro(hq * d), rl(hq);
+  kernels::ReferenceAttention(q.data(), k.data(), v.data(), 26, hq, hkv, d, 1.0 / std::sqrt(16.0),
+                              ro.data(), rl.data());
+  for (int i = 0; i < hq * d; ++i) EXPECT_NEAR(ElementAsFloat(resp->o(), i), ro[i], 1e-5);
+  for (int h = 0; h < hq; ++h) EXPECT_NEAR(ElementAsFloat(resp->lse(), h), rl[h], 1e-5);
+
+  // The streamed per-layer loop: two tokens through both layers.
+  auto stream = client_->OpenDecodeStream();
+  ASSERT_TRUE(stream.ok());
+  for (int64_t pos = 26; pos < 28; ++pos) {
+    for (int32_t l = 0; l < profile_.num_layers(); ++l) {
+      v1::AttentionDecodeRequest r;
+      r.set_layer(l);
+      r.add_sequence_ids(open->sequence_id());
+      r.set_request_id(pos * 10 + l);
+      SetF32Tensor(r.mutable_q(), {1, hq, d}, synthetic::Row(11, profile_, l, pos, 2).data());
+      SetBf16FromFloat(r.mutable_k_new(), {1, hkv, d}, synthetic::Row(11, profile_, l, pos, 0).data());
+      SetBf16FromFloat(r.mutable_v_new(), {1, hkv, d}, synthetic::Row(11, profile_, l, pos, 1).data());
+      r.add_new_tokens(synthetic::Token(11, pos));
+      auto a = (*stream)->Call(r);
+      ASSERT_TRUE(a.ok()) << a.status();
+      EXPECT_EQ(a->request_id(), static_cast<uint64_t>(pos * 10 + l));
+      EXPECT_EQ(a->lengths(0), pos + 1);
+    }
+  }
+  // A bad request in the stream is answered with its code; the stream stays usable.
+  v1::AttentionDecodeRequest bad;
+  bad.set_layer(7);
+  bad.add_sequence_ids(open->sequence_id());
+  auto e = (*stream)->Call(bad);
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(e.status().message().find("layer is 7"), std::string::npos) << e.status();
+  req.set_layer(0);
+  EXPECT_TRUE((*stream)->Call(req).ok());
+  EXPECT_TRUE((*stream)->Close().ok());
+
+  auto closed = client_->CloseSequence(open->sequence_id());
+  ASSERT_TRUE(closed.ok());
+  EXPECT_EQ(*closed, 28);
+  EXPECT_EQ(client_->CloseSequence(open->sequence_id()).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST_F(DaemonTest, TenantsAreIsolated) {
+  ASSERT_TRUE(client_->Put(MakePut("tiny", 21, 16, "alice")).ok());
+  const auto tokens = synthetic::Tokens(21, 0, 16);
+  EXPECT_EQ(client_->Match("tiny", "alice", tokens)->matched_tokens(), 16);
+  EXPECT_EQ(client_->Match("tiny", "bob", tokens)->matched_tokens(), 0);
+  auto bob = client_->OpenSequence("tiny", "bob", tokens);
+  ASSERT_TRUE(bob.ok());
+  EXPECT_EQ(bob->matched_tokens(), 0);
+}
+
+TEST_F(DaemonTest, EvictionUnderASmallBudget) {
+  // 'cramped' holds 4 pages: the fifth prefix evicts the least recently used one.
+  for (uint64_t seed = 1; seed <= 5; ++seed) {
+    auto r = client_->Put(MakePut("cramped", seed, 4));
+    ASSERT_TRUE(r.ok()) << r.status();
+  }
+  auto stats = client_->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_GE(stats->evicted_pages(), 1u);
+  EXPECT_EQ(client_->Match("cramped", "", synthetic::Tokens(1, 0, 4))->matched_tokens(), 0);
+  EXPECT_EQ(client_->Match("cramped", "", synthetic::Tokens(5, 0, 4))->matched_tokens(), 4);
+}
+
+TEST_F(DaemonTest, ExpiredLeaseReleasesPins) {
+  ASSERT_TRUE(client_->Put(MakePut("cramped", 9, 8)).ok());
+  auto open = client_->OpenSequence("cramped", "", synthetic::Tokens(9, 0, 8), 30);
+  ASSERT_TRUE(open.ok());
+  // The client never renews: the daemon's reaper closes the sequence and unpins.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  int64_t active = 1;
+  while (active != 0 && std::chrono::steady_clock::now() < deadline) {
+    active = static_cast<int64_t>(client_->Stats()->active_sequences());
+    if (active != 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(active, 0);
+  auto stats = client_->Stats();
+  EXPECT_EQ(stats->expired_leases(), 1u);
+  EXPECT_EQ(client_->RenewLease(open->sequence_id()).status().code(), absl::StatusCode::kNotFound);
+  // Unpinned: four more prefixes can now evict it.
+  for (uint64_t seed = 30; seed < 34; ++seed) ASSERT_TRUE(client_->Put(MakePut("cramped", seed, 4)).ok());
+  EXPECT_EQ(client_->Match("cramped", "", synthetic::Tokens(9, 0, 8))->matched_tokens(), 0);
+}
+
+TEST_F(DaemonTest, HealthMetricsAndDrain) {
+  auto h = client_->Health();
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ(*h, grpc::health::v1::HealthCheckResponse::SERVING);
+  // The health-only port answers too.
+  ClientOptions ho;
+  ho.target = daemon_.health();
+  auto hc = Client::Connect(ho);
+  ASSERT_TRUE(hc.ok());
+  EXPECT_EQ(*(*hc)->Health(), grpc::health::v1::HealthCheckResponse::SERVING);
+
+  ASSERT_TRUE(client_->Put(MakePut("tiny", 3, 8)).ok());
+  // Scrape /metrics over plain HTTP.
+  const auto colon = daemon_.metrics().rfind(':');
+  const int port = std::stoi(daemon_.metrics().substr(colon + 1));
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  const std::string get = "GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n";
+  ASSERT_EQ(write(fd, get.data(), get.size()), static_cast<ssize_t>(get.size()));
+  std::string body;
+  char buf[4096];
+  for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) body.append(buf, static_cast<size_t>(n));
+  close(fd);
+  EXPECT_NE(body.find("200 OK"), std::string::npos);
+  for (const char* name :
+       {"kvcd_pool_bytes{format=\"bf16\",model=\"tiny\",state=\"used\"} 2048",
+        "kvcd_pool_pages{format=\"bf16\",model=\"tiny\",state=\"used\"} 2",
+        "kvcd_radix_miss_tokens_total 8", "kvcd_evicted_pages_total", "kvcd_active_sequences 0",
+        "kvcd_rpc_duration_seconds_count{code=\"OK\",method=\"Put\"} 1",
+        "kvcd_attention_kernel_seconds"}) {
+    EXPECT_NE(body.find(name), std::string::npos) << name;
+  }
+  EXPECT_EQ(daemon_.Stop(), 0);  // SIGTERM drains and exits 0
+}
+
+}  // namespace
+}  // namespace kvcd

@@ -1,0 +1,57 @@
+#include "common/safetensors.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "kvcd/kernels/bf16.h"
+
+namespace kvcd {
+namespace {
+
+TEST(SafetensorsTest, RoundTrip) {
+  SafetensorsWriter w;
+  w.AddF32("a", {2, 3}, {1, 2, 3, 4, 5, 6});
+  std::vector<uint16_t> b = {kernels::FloatToBf16(0.5f), kernels::FloatToBf16(-2.0f)};
+  w.Add("b", "BF16", {2}, b.data(), 4);
+  w.SetMetadata("model", "tiny");
+  auto f = SafetensorsFile::Parse(w.Serialize());
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->metadata().at("model"), "tiny");
+  auto a = f->ReadFloats("a", {2, 3});
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ((*a)[5], 6.0f);
+  auto bf = f->ReadFloats("b", {});
+  ASSERT_TRUE(bf.ok());
+  EXPECT_EQ((*bf)[1], -2.0f);
+  EXPECT_EQ(f->ReadFloats("a", {3, 2}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(f->Get("missing").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(SafetensorsTest, MalformedFilesAreRejected) {
+  EXPECT_FALSE(SafetensorsFile::Parse("abc").ok());
+  std::string huge(8, '\xff');
+  EXPECT_FALSE(SafetensorsFile::Parse(huge).ok());
+  auto with_header = [](const std::string& json, size_t data) {
+    std::string out(8, '\0');
+    uint64_t n = json.size();
+    std::memcpy(out.data(), &n, 8);
+    return out + json + std::string(data, '\0');
+  };
+  EXPECT_FALSE(SafetensorsFile::Parse(with_header("[1]", 0)).ok());
+  EXPECT_FALSE(SafetensorsFile::Parse(
+                   with_header(R"({"x":{"dtype":"F32","shape":[4],"data_offsets":[0,8]}})", 8))
+                   .ok());  // 4 floats need 16 bytes
+  EXPECT_FALSE(SafetensorsFile::Parse(
+                   with_header(R"({"x":{"dtype":"Q7","shape":[1],"data_offsets":[0,1]}})", 1))
+                   .ok());
+  EXPECT_FALSE(SafetensorsFile::Parse(
+                   with_header(R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 2))
+                   .ok());  // past the end
+  EXPECT_TRUE(SafetensorsFile::Parse(
+                  with_header(R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 4))
+                  .ok());
+}
+
+}  // namespace
+}  // namespace kvcd
