@@ -7,18 +7,12 @@ cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
 ./scripts/build.sh -DKVCD_BUILD_TESTS=OFF -DKVCD_BUILD_BENCH=OFF
 build=${KVCD_BUILD_DIR:-build}
-log=$(mktemp -d)
-"$build/server/kvcd" serve --config deploy/config/kvcd-demo.yaml >"$log/out" 2>"$log/err" &
-pid=$!
-trap 'kill $pid 2>/dev/null || true' EXIT
-for _ in $(seq 600); do  # the ready line comes once the pools are allocated
-  grep -q '^kvcd ready' "$log/out" && break
-  kill -0 $pid 2>/dev/null || { cat "$log/err"; echo "kvcd exited before it was ready"; exit 1; }
-  sleep 0.1
-done
-grep '^kvcd ready' "$log/out" || { cat "$log/err"; echo "kvcd did not become ready"; exit 1; }
-target=$(sed -n 's/.*grpc=\([^ ]*\).*/\1/p' "$log/out")
-metrics=$(sed -n 's/.*metrics=\([^ ]*\).*/\1/p' "$log/out")
+source scripts/daemon-lib.sh
+start_kvcd "$build/server/kvcd" deploy/config/kvcd-demo.yaml
+trap 'kill $KVCD_PID 2>/dev/null || true' EXIT
+grep '^kvcd ready' "$KVCD_LOG_DIR/out"
+target=$KVCD_GRPC
+metrics=$KVCD_METRICS
 status=0
 "$build/client/examples/kvcd_demo" --target "$target" "$@" || status=$?
 echo
@@ -26,9 +20,8 @@ echo "--- kvctl stats ---"
 "$build/client/kvctl" --target "$target" stats || status=$?
 echo "--- a few of the daemon's metrics (http://$metrics/metrics) ---"
 curl -s "http://$metrics/metrics" | grep -E '^kvcd_(pool_pages|radix_|evicted|active_seq|attention_calls)' || true
-kill -TERM $pid
-wait $pid || status=$?
+stop_kvcd || status=$?
 trap - EXIT
 echo "--- daemon log ---"
-cat "$log/err"
+cat "$KVCD_LOG_DIR/err"
 exit $status

@@ -224,10 +224,16 @@ absl::Status CacheEngine::Put(const v1::PutRequest& req, v1::PutResponse* resp) 
   KVCD_RETURN_IF_ERROR(CheckSalt(req.cache_salt()));
   KVCD_RETURN_IF_ERROR(CheckTokens(req.tokens(), "tokens", false));
   const int64_t n = req.tokens_size();
-  KVCD_RETURN_IF_ERROR(CheckKv(m->spec(), req.k(), req.v(), n));
-  KVCD_ASSIGN_OR_RETURN(PutResult r, m->Put(req.cache_salt(), req.tokens(),
-                                            RowsOf(req.k(), n, m->spec()),
-                                            RowsOf(req.v(), n, m->spec())));
+  const int64_t first = req.kv_first_token();
+  if (first < 0 || first > n || first % m->spec().page_size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv_first_token is ", first, ", expected a multiple of page_size (",
+        m->spec().page_size, ") in 0..", n, " (the number of tokens)"));
+  }
+  KVCD_RETURN_IF_ERROR(CheckKv(m->spec(), req.k(), req.v(), n - first));
+  KVCD_ASSIGN_OR_RETURN(PutResult r, m->Put(req.cache_salt(), req.tokens(), first,
+                                            RowsOf(req.k(), n - first, m->spec()),
+                                            RowsOf(req.v(), n - first, m->spec())));
   resp->set_cached_tokens(r.cached_tokens);
   resp->set_inserted_tokens(r.inserted_tokens);
   resp->set_ignored_tokens(r.ignored_tokens);

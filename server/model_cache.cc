@@ -140,8 +140,8 @@ void ModelCache::WriteBf16Rows(const PageRef& page, int32_t slot, const KvRows& 
 }
 
 absl::StatusOr<PutResult> ModelCache::Put(const std::string& salt,
-                                          absl::Span<const int32_t> tokens, const KvRows& k,
-                                          const KvRows& v) {
+                                          absl::Span<const int32_t> tokens, int64_t kv_first,
+                                          const KvRows& k, const KvRows& v) {
   const int32_t ps = spec_.page_size;
   const int64_t n = static_cast<int64_t>(tokens.size());
   const int64_t full_pages = n / ps;
@@ -157,6 +157,13 @@ absl::StatusOr<PutResult> ModelCache::Put(const std::string& salt,
     match = tree_.MatchAndPin(salt, full);
     const int64_t cached_pages = static_cast<int64_t>(match.pages.size());
     result.cached_tokens = cached_pages * ps;
+    if (result.cached_tokens < std::min<int64_t>(kv_first, full_pages * ps)) {
+      tree_.Unpin(match.node);
+      return absl::FailedPreconditionError(absl::StrCat(
+          "kv_first_token is ", kv_first, " but only ", result.cached_tokens,
+          " tokens of this prompt are cached (evicted, or never put); resend from ",
+          result.cached_tokens));
+    }
     absl::Status s = AllocateLocked(0, static_cast<int32_t>(full_pages - cached_pages), &fresh);
     if (!s.ok()) {
       tree_.Unpin(match.node);
@@ -166,7 +173,7 @@ absl::StatusOr<PutResult> ModelCache::Put(const std::string& salt,
   // Write outside the lock: the fresh pages are private until Insert publishes them.
   const int64_t first_new = static_cast<int64_t>(match.pages.size());
   for (int64_t i = 0; i < static_cast<int64_t>(fresh.size()); ++i) {
-    WriteBf16Rows(fresh[i], 0, k, v, (first_new + i) * ps, ps, -1);
+    WriteBf16Rows(fresh[i], 0, k, v, (first_new + i) * ps - kv_first, ps, -1);
   }
   {
     std::lock_guard<std::mutex> lock(mu_);

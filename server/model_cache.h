@@ -84,10 +84,12 @@ class ModelCache {
 
   const ModelSpec& spec() const { return spec_; }
 
-  // Stores the full pages of a prompt. k, v: [num_layers][tokens.size()][kv][d].
-  // RESOURCE_EXHAUSTED when the pools cannot hold the new pages even after eviction.
+  // Stores the full pages of a prompt. k, v: [num_layers][tokens.size() - kv_first][kv][d]
+  // hold tokens [kv_first, tokens.size()); tokens [0, kv_first) must already be cached
+  // (FAILED_PRECONDITION otherwise). RESOURCE_EXHAUSTED when the pools cannot hold the
+  // new pages even after eviction.
   absl::StatusOr<PutResult> Put(const std::string& salt, absl::Span<const int32_t> tokens,
-                                const KvRows& k, const KvRows& v);
+                                int64_t kv_first, const KvRows& k, const KvRows& v);
 
   // Page-aligned longest cached prefix, in tokens (no pinning).
   int64_t Match(const std::string& salt, absl::Span<const int32_t> tokens);

@@ -115,6 +115,43 @@ TEST_F(CacheEngineTest, PutMatchOpenShareThePrefix) {
   EXPECT_EQ(st.hit_tokens(), 16u + 16u);  // second Put + Open
 }
 
+TEST_F(CacheEngineTest, ChunkedPutNeedsTheCachedPrefix) {
+  // Upload a 16-token prompt as [0, 8) then [8, 16) with kv_first_token.
+  v1::PutRequest first = MakePut(spec_, 6, 8);
+  v1::PutResponse put;
+  ASSERT_TRUE(engine_->Put(first, &put).ok());
+  v1::PutRequest whole = MakePut(spec_, 6, 16);
+  v1::PutRequest second = whole;
+  second.set_kv_first_token(8);
+  const auto p = Profile(spec_);
+  const std::vector<int64_t> shape = {2, 8, 2, 16};
+  SetBf16FromFloat(second.mutable_k(), shape, synthetic::Kv(6, p, 8, 8, 0).data());
+  SetBf16FromFloat(second.mutable_v(), shape, synthetic::Kv(6, p, 8, 8, 1).data());
+  ASSERT_TRUE(engine_->Put(second, &put).ok());
+  EXPECT_EQ(put.cached_tokens(), 8);
+  EXPECT_EQ(put.inserted_tokens(), 8);
+  // The chunked prompt fetches exactly like one put in one piece.
+  int64_t matched = 0;
+  const uint64_t seq = Open(6, 16, &matched);
+  ASSERT_EQ(matched, 16);
+  v1::FetchPagesRequest f;
+  f.set_sequence_id(seq);
+  v1::FetchPagesResponse fr;
+  ASSERT_TRUE(engine_->FetchPages(f, &fr).ok());
+  const auto k = synthetic::Kv(6, p, 0, 16, 0);
+  for (int64_t i = 0; i < static_cast<int64_t>(k.size()); ++i) {
+    ASSERT_EQ(ElementAsFloat(fr.k(), i), RoundBf16(k[i])) << i;
+  }
+  // A chunk whose prefix is not cached is refused and stores nothing.
+  v1::PutRequest orphan = MakePut(spec_, 77, 16);
+  orphan.set_kv_first_token(8);
+  SetBf16FromFloat(orphan.mutable_k(), shape, synthetic::Kv(77, p, 8, 8, 0).data());
+  SetBf16FromFloat(orphan.mutable_v(), shape, synthetic::Kv(77, p, 8, 8, 1).data());
+  const auto used_before = engine_->SnapshotModels()[0].snapshot.pools[0].pages_used;
+  EXPECT_EQ(engine_->Put(orphan, &put).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(engine_->SnapshotModels()[0].snapshot.pools[0].pages_used, used_before);
+}
+
 // Decode attention through the engine (sink | history | recent pages, split-K,
 // fused per-layer appends) against a float64 computation over everything sent.
 TEST_F(CacheEngineTest, AttentionMatchesFloat64ReferenceThroughTheDecodeLoop) {
@@ -337,6 +374,10 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
        [&] { auto r = MakePut(spec_, 4, 8); r.mutable_v()->clear_inline_data(); return engine_->Put(r, &put); }},
       {"put: cuda ipc payload", absl::StatusCode::kUnimplemented,
        [&] { auto r = MakePut(spec_, 4, 8); r.mutable_k()->mutable_cuda_ipc()->set_size(4); return engine_->Put(r, &put); }},
+      {"put: kv_first_token not page-aligned", absl::StatusCode::kInvalidArgument,
+       [&] { auto r = MakePut(spec_, 4, 8); r.set_kv_first_token(3); return engine_->Put(r, &put); }},
+      {"put: kv_first_token past the end", absl::StatusCode::kInvalidArgument,
+       [&] { auto r = MakePut(spec_, 4, 8); r.set_kv_first_token(12); return engine_->Put(r, &put); }},
       {"put: salt too long", absl::StatusCode::kInvalidArgument,
        [&] { auto r = MakePut(spec_, 4, 8); r.set_cache_salt(std::string(300, 'x')); return engine_->Put(r, &put); }},
       {"open: bad lease", absl::StatusCode::kInvalidArgument,

@@ -1,0 +1,257 @@
+// kvcd_load: loopback load generator for a running kvcd (db_bench-style named
+// workloads). For each workload and client count it runs N client threads, each with
+// its own channel, for a fixed time, and reports throughput and latency percentiles.
+//
+//   put     Put of a fresh --put-tokens prompt (new pages; eviction churn when full)
+//   match   Match of a cached --context-tokens prompt
+//   attend  AttentionDecode (unary, batch 1) over an open --context-tokens sequence,
+//           layers in turn
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "client/client.h"
+#include "client/synthetic.h"
+#include "common/tensor_ref.h"
+
+namespace {
+
+constexpr char kUsage[] = R"(kvcd_load — loopback load generator for kvcd
+
+Usage: kvcd_load --target HOST:PORT [--model NAME] [--benchmarks put,match,attend]
+                 [--clients 1,8,64] [--seconds S] [--put-tokens N] [--context-tokens N]
+                 [--results FILE.md]
+)";
+
+struct Options {
+  std::string target = "127.0.0.1:50051", model = "qwen3-8b", results;
+  std::vector<std::string> benchmarks = {"put", "match", "attend"};
+  std::vector<int> clients = {1, 8, 64};
+  double seconds = 3;
+  int64_t put_tokens = 64, context_tokens = 4096;
+};
+
+struct Result {
+  std::string name;
+  int clients = 0;
+  int64_t ops = 0, errors = 0;
+  double seconds = 0, p50 = 0, p90 = 0, p99 = 0, max = 0;
+  std::string first_error;
+};
+
+double Percentile(std::vector<double>& v, double q) {
+  if (v.empty()) return 0;
+  const size_t i = std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())));
+  std::nth_element(v.begin(), v.begin() + static_cast<long>(i), v.end());
+  return v[i];
+}
+
+// Put of tokens [0, end) carrying K/V only for [begin, end) (kv_first_token = begin).
+kvcd::v1::PutRequest MakePut(const kvcd::v1::ModelProfile& p, uint64_t seed, int64_t end,
+                             int64_t begin = 0) {
+  kvcd::v1::PutRequest req;
+  req.set_model(p.name());
+  req.set_kv_first_token(begin);
+  const auto t = kvcd::synthetic::Tokens(seed, 0, end);
+  req.mutable_tokens()->Add(t.begin(), t.end());
+  const int64_t n = end - begin;
+  const std::vector<int64_t> shape = {p.num_layers(), n, p.num_kv_heads(), p.head_dim()};
+  kvcd::SetBf16FromFloat(req.mutable_k(), shape, kvcd::synthetic::Kv(seed, p, begin, n, 0).data());
+  kvcd::SetBf16FromFloat(req.mutable_v(), shape, kvcd::synthetic::Kv(seed, p, begin, n, 1).data());
+  return req;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    if (i + 1 >= argc) {
+      std::fprintf(stderr, "kvcd_load: %s needs a value\n%s", a.c_str(), kUsage);
+      return 2;
+    }
+    const std::string v = argv[++i];
+    bool ok = true;
+    if (a == "--target") {
+      o.target = v;
+    } else if (a == "--model") {
+      o.model = v;
+    } else if (a == "--results") {
+      o.results = v;
+    } else if (a == "--benchmarks") {
+      o.benchmarks = absl::StrSplit(v, ',', absl::SkipEmpty());
+    } else if (a == "--clients") {
+      o.clients.clear();
+      for (absl::string_view c : absl::StrSplit(v, ',', absl::SkipEmpty())) {
+        int n = 0;
+        ok &= absl::SimpleAtoi(c, &n) && n > 0;
+        o.clients.push_back(n);
+      }
+    } else if (a == "--seconds") {
+      ok = absl::SimpleAtod(v, &o.seconds) && o.seconds > 0;
+    } else if (a == "--put-tokens") {
+      ok = absl::SimpleAtoi(v, &o.put_tokens) && o.put_tokens > 0;
+    } else if (a == "--context-tokens") {
+      ok = absl::SimpleAtoi(v, &o.context_tokens) && o.context_tokens > 0;
+    } else {
+      ok = false;
+    }
+    if (!ok) {
+      std::fprintf(stderr, "kvcd_load: bad flag %s %s\n%s", a.c_str(), v.c_str(), kUsage);
+      return 2;
+    }
+  }
+  kvcd::ClientOptions co;
+  co.target = o.target;
+  co.deadline = std::chrono::milliseconds(60000);
+  auto admin = kvcd::Client::Connect(co);
+  if (!admin.ok()) {
+    std::fprintf(stderr, "kvcd_load: %s\n", std::string(admin.status().message()).c_str());
+    return 1;
+  }
+  auto model = (*admin)->GetModel(o.model);
+  if (!model.ok()) {
+    std::fprintf(stderr, "kvcd_load: %s\n", std::string(model.status().message()).c_str());
+    return 1;
+  }
+  const kvcd::v1::ModelProfile p = model->profile();
+  // The shared context for match/attend.
+  const uint64_t kContextSeed = 424242;
+  // Uploaded in chunks of 1024 tokens (kv_first_token), under the message size limit;
+  // re-put before every run because the put workload may have evicted it.
+  auto put_context = [&]() -> bool {
+    for (int64_t begin = 0; begin < o.context_tokens; begin += 1024) {
+      auto put = (*admin)->Put(
+          MakePut(p, kContextSeed, std::min(o.context_tokens, begin + 1024), begin));
+      if (!put.ok()) {
+        std::fprintf(stderr, "kvcd_load: context Put: %s\n",
+                     std::string(put.status().message()).c_str());
+        return false;
+      }
+    }
+    return true;
+  };
+  const auto context = kvcd::synthetic::Tokens(kContextSeed, 0, o.context_tokens);
+  // Prebuilt Put requests (the synthesis is not what we measure).
+  std::vector<kvcd::v1::PutRequest> puts;
+  for (int i = 0; i < 64; ++i) puts.push_back(MakePut(p, 1000 + i, o.put_tokens));
+  std::atomic<uint64_t> put_seed{100000};
+
+  std::vector<Result> results;
+  for (const std::string& bench : o.benchmarks) {
+    if (bench != "put" && bench != "match" && bench != "attend") {
+      std::fprintf(stderr, "kvcd_load: unknown benchmark '%s'\n", bench.c_str());
+      return 2;
+    }
+    for (int nc : o.clients) {
+      if (!put_context()) return 1;
+      std::vector<std::vector<double>> lat(nc);
+      std::vector<int64_t> errors(nc, 0);
+      std::vector<std::string> first_error(nc);
+      std::atomic<bool> go{false};
+      std::atomic<int> ready{0};
+      std::vector<std::thread> threads;
+      for (int c = 0; c < nc; ++c) {
+        threads.emplace_back([&, c] {
+          auto client = kvcd::Client::Connect(co);
+          uint64_t seq = 0;
+          kvcd::v1::AttentionDecodeRequest dec;
+          if (client.ok() && bench == "attend") {
+            auto open = (*client)->OpenSequence(p.name(), "", context, 600000);
+            if (open.ok() && open->matched_tokens() != o.context_tokens) {
+              std::fprintf(stderr, "kvcd_load: only %lld of %lld context tokens cached\n",
+                           static_cast<long long>(open->matched_tokens()),
+                           static_cast<long long>(o.context_tokens));
+              std::exit(1);
+            }
+            if (open.ok()) {
+              seq = open->sequence_id();
+              dec.add_sequence_ids(seq);
+              kvcd::SetF32Tensor(dec.mutable_q(), {1, p.num_q_heads(), p.head_dim()},
+                                 kvcd::synthetic::Row(c, p, 0, 0, 2).data());
+            }
+          }
+          ready.fetch_add(1);
+          while (!go.load()) std::this_thread::yield();
+          if (!client.ok()) {
+            ++errors[c];
+            return;
+          }
+          const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(o.seconds);
+          int64_t i = 0;
+          while (std::chrono::steady_clock::now() < end) {
+            const auto t0 = std::chrono::steady_clock::now();
+            absl::Status s;
+            if (bench == "put") {
+              kvcd::v1::PutRequest req = puts[static_cast<size_t>(i % 64)];
+              // A fresh first token makes every prompt (and its pages) new.
+              req.set_tokens(0, static_cast<int32_t>(put_seed.fetch_add(1)));
+              s = (*client)->Put(req).status();
+            } else if (bench == "match") {
+              s = (*client)->Match(p.name(), "", context).status();
+            } else {
+              dec.set_layer(static_cast<int32_t>(i % p.num_layers()));
+              s = (*client)->AttentionDecode(dec).status();
+            }
+            lat[c].push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+            if (!s.ok()) {
+              if (errors[c]++ == 0) first_error[c] = std::string(s.message());
+            }
+            ++i;
+          }
+          if (seq != 0) (void)(*client)->CloseSequence(seq);
+        });
+      }
+      while (ready.load() < nc) std::this_thread::yield();
+      const auto t0 = std::chrono::steady_clock::now();
+      go.store(true);
+      for (auto& t : threads) t.join();
+      Result r;
+      r.name = bench;
+      r.clients = nc;
+      r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::vector<double> all;
+      for (int c = 0; c < nc; ++c) {
+        all.insert(all.end(), lat[c].begin(), lat[c].end());
+        r.errors += errors[c];
+        if (r.first_error.empty()) r.first_error = first_error[c];
+      }
+      r.ops = static_cast<int64_t>(all.size());
+      r.p50 = Percentile(all, 0.50) * 1e6;
+      r.p90 = Percentile(all, 0.90) * 1e6;
+      r.p99 = Percentile(all, 0.99) * 1e6;
+      r.max = all.empty() ? 0 : *std::max_element(all.begin(), all.end()) * 1e6;
+      std::printf("%-7s clients %3d: %9.1f ops/s  p50 %9.1f us  p90 %9.1f us  p99 %9.1f us  errors %lld%s%s\n",
+                  bench.c_str(), nc, r.ops / r.seconds, r.p50, r.p90, r.p99,
+                  static_cast<long long>(r.errors), r.first_error.empty() ? "" : " first: ",
+                  r.first_error.c_str());
+      std::fflush(stdout);
+      results.push_back(r);
+    }
+  }
+  if (!o.results.empty()) {
+    std::ofstream out(o.results, std::ios::app);
+    out << "\n| workload | clients | ops/s | p50 µs | p90 µs | p99 µs | max µs | errors |\n"
+        << "|---|---:|---:|---:|---:|---:|---:|---:|\n";
+    char line[256];
+    for (const auto& r : results) {
+      std::snprintf(line, sizeof(line), "| %s | %d | %.1f | %.1f | %.1f | %.1f | %.1f | %lld |\n",
+                    r.name.c_str(), r.clients, r.ops / r.seconds, r.p50, r.p90, r.p99, r.max,
+                    static_cast<long long>(r.errors));
+      out << line;
+    }
+  }
+  return 0;
+}
