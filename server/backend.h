@@ -40,6 +40,10 @@ struct AttentionBatch {
   int32_t head_dim = 0;
   int32_t page_size = 0;
   float softmax_scale = 0;
+  // Rotations of the layer ([head_dim][head_dim], null = none): the backend attends with
+  // q·R_k over rotated pages and returns o_rot·R_v^T.
+  const float* r_k = nullptr;
+  const float* r_v = nullptr;
   std::vector<AttentionJob> jobs;
 };
 

@@ -94,6 +94,7 @@ ModelSpec SpecFromProfile(const v1::ModelProfile& p) {
   s.rope_scaling = p.rope().scaling() == 0 ? 1.0 : p.rope().scaling();
   s.memory_bytes = p.memory_bytes();
   s.bf16_fraction = p.bf16_fraction() == 0 ? 0.25 : p.bf16_fraction();
+  s.codec = p.codec();
   return s;
 }
 
@@ -114,6 +115,7 @@ void ProfileFromSpec(const ModelSpec& s, v1::ModelProfile* p) {
   p->mutable_rope()->set_scaling(s.rope_scaling);
   p->set_memory_bytes(s.memory_bytes);
   p->set_bf16_fraction(s.bf16_fraction);
+  p->set_codec(s.codec);
 }
 
 CacheEngine::CacheEngine(const ServerConfig& config, std::unique_ptr<Backend> backend)
@@ -125,7 +127,7 @@ CacheEngine::~CacheEngine() {
   sequences_.clear();
 }
 
-absl::Status CacheEngine::RegisterModelSpec(const ModelSpec& spec) {
+absl::Status CacheEngine::RegisterModelSpec(const ModelSpec& spec, const std::string& codec_blob) {
   KVCD_RETURN_IF_ERROR(ValidateModelSpec(spec));
   std::lock_guard<std::mutex> lock(mu_);
   auto it = models_.find(spec.name);
@@ -145,7 +147,7 @@ absl::Status CacheEngine::RegisterModelSpec(const ModelSpec& spec) {
   }
   KVCD_ASSIGN_OR_RETURN(auto cache,
                         ModelCache::Create(spec, backend_.get(), config_.high_watermark,
-                                           config_.low_watermark, &counters_));
+                                           config_.low_watermark, &counters_, codec_blob));
   budget_used_ += spec.memory_bytes;
   models_.emplace(spec.name, std::move(cache));
   return absl::OkStatus();
@@ -196,18 +198,20 @@ void CacheEngine::FillModelInfo(const ModelCache& m, v1::ModelInfo* info) const 
     pi->set_pages_used(static_cast<uint64_t>(p.pages_used));
   }
   info->set_codec(snap.codec);
+  info->set_bytes_per_token_sink(snap.bf16_bytes_per_token);
+  info->set_bytes_per_token_recent(snap.bf16_bytes_per_token);
+  info->set_bytes_per_token_history(snap.history_bytes_per_token);
+  info->set_history_bits_per_element(snap.history_bits_per_element);
+  info->set_compression_ratio(snap.compression_ratio);
+  info->set_demoted_pages(snap.demoted_pages);
   info->set_cached_tokens(static_cast<uint64_t>(snap.cached_tokens));
   info->set_active_sequences(static_cast<uint64_t>(snap.active_sequences));
 }
 
 absl::Status CacheEngine::RegisterModel(const v1::RegisterModelRequest& req,
                                         v1::RegisterModelResponse* resp) {
-  if (!req.codec_blob().empty()) {
-    return absl::UnimplementedError(
-        "codec_blob: codec files need the INT2 codec, which this build does not have");
-  }
   const ModelSpec spec = SpecFromProfile(req.profile());
-  KVCD_RETURN_IF_ERROR(RegisterModelSpec(spec));
+  KVCD_RETURN_IF_ERROR(RegisterModelSpec(spec, req.codec_blob()));
   KVCD_ASSIGN_OR_RETURN(ModelCache * m, FindModel(spec.name));
   FillModelInfo(*m, resp->mutable_model());
   return absl::OkStatus();
@@ -435,8 +439,30 @@ absl::Status CacheEngine::FetchPages(const v1::FetchPagesRequest& req,
                                                    " is past the sequence length ", len));
   }
   const int64_t n = req.num_tokens() == 0 ? len - req.first_token() : req.num_tokens();
-  const auto bytes = CheckedProduct({2, 2, s.num_layers, n, s.num_kv_heads, s.head_dim});
   const int64_t limit = config_.max_message_bytes - (1 << 16);
+  resp->set_first_token(req.first_token());
+  resp->set_num_tokens(n);
+  if (!req.expand_to_bf16()) {
+    const int64_t pages = (n + s.page_size - 1) / s.page_size;
+    const auto stored = CheckedMul(pages, seq->model->PageBytes(0));
+    if (!stored || *stored > limit) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "num_tokens ", n, " covers pages larger than max_message_bytes (",
+          config_.max_message_bytes, "); fetch fewer tokens per call"));
+    }
+    std::vector<ModelCache::StoredPageCopy> copies;
+    KVCD_RETURN_IF_ERROR(seq->model->FetchStored(seq.get(), req.first_token(), n, &copies));
+    for (auto& c : copies) {
+      resp->add_page_formats(c.format);
+      v1::StoredPage* sp = resp->add_pages();
+      sp->set_format(c.format);
+      sp->set_first_token(c.first_token);
+      sp->set_num_tokens(c.num_tokens);
+      sp->set_data(std::move(c.data));
+    }
+    return absl::OkStatus();
+  }
+  const auto bytes = CheckedProduct({2, 2, s.num_layers, n, s.num_kv_heads, s.head_dim});
   if (!bytes || *bytes > limit) {
     return absl::InvalidArgumentError(absl::StrCat(
         "num_tokens ", n, " would need a response larger than max_message_bytes (",
@@ -450,8 +476,6 @@ absl::Status CacheEngine::FetchPages(const v1::FetchPagesRequest& req,
   const std::vector<int64_t> shape = {s.num_layers, n, s.num_kv_heads, s.head_dim};
   SetBf16Tensor(resp->mutable_k(), shape, k.data());
   SetBf16Tensor(resp->mutable_v(), shape, v.data());
-  resp->set_first_token(req.first_token());
-  resp->set_num_tokens(n);
   for (auto& f : formats) resp->add_page_formats(f);
   return absl::OkStatus();
 }

@@ -30,7 +30,7 @@ class CacheEngine {
 
   // Registers a model; ALREADY_EXISTS if the name is taken by a different profile,
   // RESOURCE_EXHAUSTED if the budget cannot hold memory_bytes more.
-  absl::Status RegisterModelSpec(const ModelSpec& spec);
+  absl::Status RegisterModelSpec(const ModelSpec& spec, const std::string& codec_blob = "");
 
   absl::Status RegisterModel(const v1::RegisterModelRequest& req, v1::RegisterModelResponse* resp);
   absl::Status ListModels(const v1::ListModelsRequest& req, v1::ListModelsResponse* resp);

@@ -61,7 +61,7 @@ absl::Status ParseModel(const YAML::Node& m, int index, ModelSpec* spec) {
       m, absl::StrCat("models[", index, "]"),
       {"builtin", "name", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "page_size",
        "sink_tokens", "recent_tokens", "history_format", "rope", "memory", "bf16_fraction",
-       "codec_file"}));
+       "codec_file", "codec"}));
   if (m["builtin"]) {
     const std::string b = m["builtin"].as<std::string>();
     auto builtin = BuiltinModelSpec(b);
@@ -81,6 +81,7 @@ absl::Status ParseModel(const YAML::Node& m, int index, ModelSpec* spec) {
   KVCD_RETURN_IF_ERROR(Read(m, "recent_tokens", where, &spec->recent_tokens));
   KVCD_RETURN_IF_ERROR(Read(m, "bf16_fraction", where, &spec->bf16_fraction));
   KVCD_RETURN_IF_ERROR(Read(m, "codec_file", where, &spec->codec_file));
+  KVCD_RETURN_IF_ERROR(Read(m, "codec", where, &spec->codec));
   KVCD_RETURN_IF_ERROR(ReadBytes(m, "memory", where, &spec->memory_bytes));
   if (m["history_format"]) {
     KVCD_RETURN_IF_ERROR(

@@ -7,6 +7,8 @@
 #include "absl/strings/str_cat.h"
 #include "kvcd/kernels/attention_state.h"
 #include "kvcd/kernels/bf16_attention.h"
+#include "kvcd/kernels/int2_attention.h"
+#include "kvcd/kernels/int2_codec.h"
 #include "server/backend.h"
 #include "server/thread_pool.h"
 
@@ -51,11 +53,6 @@ class CpuBackend final : public Backend {
     std::vector<Item> items;
     std::vector<int64_t> first_item;  // per (job, kv_head): index of its first item
     for (int32_t j = 0; j < static_cast<int32_t>(b.jobs.size()); ++j) {
-      for (const AttentionSegment& seg : b.jobs[j].segments) {
-        if (seg.format != PageFormat::kBf16) {
-          return absl::UnimplementedError("the CPU backend has no kernel for this page format yet");
-        }
-      }
       for (int32_t h = 0; h < b.num_kv_heads; ++h) {
         first_item.push_back(static_cast<int64_t>(items.size()));
         for (const AttentionSegment& seg : b.jobs[j].segments) {
@@ -68,11 +65,38 @@ class CpuBackend final : public Backend {
     first_item.push_back(static_cast<int64_t>(items.size()));
     const int g = b.num_q_heads / b.num_kv_heads;
     const int d = b.head_dim;
+    // Rotate every query once (q·R_k, FP32); pages hold rotated keys.
+    const int64_t q_elems = int64_t{b.num_q_heads} * d;
+    std::vector<float> q_rot;
+    if (b.r_k != nullptr) {
+      q_rot.resize(b.jobs.size() * q_elems);
+      for (size_t j = 0; j < b.jobs.size(); ++j) {
+        kernels::RotateRows(b.jobs[j].q, b.num_q_heads, d, b.r_k, q_rot.data() + j * q_elems);
+      }
+    }
+    auto query = [&](int32_t job) {
+      return b.r_k != nullptr ? q_rot.data() + job * q_elems : b.jobs[job].q;
+    };
     std::vector<float> part_o(items.size() * g * d);
     std::vector<float> part_lse(items.size() * g);
     const int64_t layer_page_elems = kernels::Bf16PageElems(b.num_kv_heads, b.page_size, d);
     pool_.ParallelFor(static_cast<int64_t>(items.size()), [&](int64_t i) {
       const Item& it = items[i];
+      const float* q = query(it.job) + static_cast<int64_t>(it.kv_head) * g * d;
+      float* o = part_o.data() + i * g * d;
+      float* lse = part_lse.data() + i * g;
+      if (it.seg->format == PageFormat::kInt2Oscar) {
+        kernels::Int2PageTable kv;
+        kv.base = it.seg->pool->LayerBase(b.layer);
+        kv.page_stride = it.seg->pool->layer_page_bytes();
+        kv.page_ids = it.seg->page_ids.data();
+        kv.num_pages = static_cast<int32_t>(it.seg->page_ids.size());
+        kv.page_size = b.page_size;
+        kv.num_kv_heads = b.num_kv_heads;
+        kv.head_dim = d;
+        kernels::AttendInt2Pages(kv, it.kv_head, q, g, b.softmax_scale, it.begin, it.end, o, lse);
+        return;
+      }
       kernels::Bf16PageTable kv;
       kv.base = reinterpret_cast<const uint16_t*>(it.seg->pool->LayerBase(b.layer));
       kv.page_stride = layer_page_elems;
@@ -81,9 +105,7 @@ class CpuBackend final : public Backend {
       kv.page_size = b.page_size;
       kv.num_kv_heads = b.num_kv_heads;
       kv.head_dim = d;
-      const float* q = b.jobs[it.job].q + static_cast<int64_t>(it.kv_head) * g * d;
-      kernels::AttendBf16Pages(kv, it.kv_head, q, g, b.softmax_scale, it.begin, it.end,
-                               part_o.data() + i * g * d, part_lse.data() + i * g);
+      kernels::AttendBf16Pages(kv, it.kv_head, q, g, b.softmax_scale, it.begin, it.end, o, lse);
     });
     for (int32_t j = 0; j < static_cast<int32_t>(b.jobs.size()); ++j) {
       for (int32_t h = 0; h < b.num_kv_heads; ++h) {
@@ -94,6 +116,10 @@ class CpuBackend final : public Backend {
                               part_lse.data() + begin * g,
                               b.jobs[j].o + static_cast<int64_t>(h) * g * d,
                               b.jobs[j].lse + static_cast<int64_t>(h) * g);
+      }
+      if (b.r_v != nullptr) {  // o = o_rot · R_v^T, once per head
+        std::vector<float> o_rot(b.jobs[j].o, b.jobs[j].o + q_elems);
+        kernels::UnrotateRows(o_rot.data(), b.num_q_heads, d, b.r_v, b.jobs[j].o);
       }
     }
     return absl::OkStatus();

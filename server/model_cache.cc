@@ -1,11 +1,14 @@
 #include "server/model_cache.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/bf16_attention.h"
+#include "kvcd/kernels/int2_attention.h"
+#include "kvcd/kernels/int2_codec.h"
 
 namespace kvcd {
 
@@ -17,6 +20,17 @@ void KvRows::CopyRowBf16(int64_t layer, int64_t token, int32_t head, int32_t hea
   } else {
     const float* src = static_cast<const float*>(data) + off;
     for (int32_t i = 0; i < head_dim; ++i) out[i] = kernels::FloatToBf16(src[i]);
+  }
+}
+
+void KvRows::CopyRowFloat(int64_t layer, int64_t token, int32_t head, int32_t head_dim,
+                          float* out) const {
+  const int64_t off = layer * layer_stride + token * token_stride + int64_t{head} * head_dim;
+  if (is_bf16) {
+    const uint16_t* src = static_cast<const uint16_t*>(data) + off;
+    for (int32_t i = 0; i < head_dim; ++i) out[i] = kernels::Bf16ToFloat(src[i]);
+  } else {
+    std::memcpy(out, static_cast<const float*>(data) + off, sizeof(float) * head_dim);
   }
 }
 
@@ -38,37 +52,85 @@ absl::StatusOr<std::unique_ptr<ModelCache>> ModelCache::Create(const ModelSpec& 
                                                                Backend* backend,
                                                                double high_watermark,
                                                                double low_watermark,
-                                                               CacheCounters* counters) {
-  if (spec.history_format != HistoryFormat::kBf16) {
-    return absl::UnimplementedError(absl::StrCat("model '", spec.name, "': history_format ",
-                                                 HistoryFormatName(spec.history_format),
-                                                 " is not available in this build; use bf16"));
-  }
+                                                               CacheCounters* counters,
+                                                               const std::string& codec_blob) {
   std::unique_ptr<ModelCache> cache(
       new ModelCache(spec, backend, high_watermark, low_watermark, counters));
-  const int64_t layer_page_bytes =
-      kernels::Bf16PageElems(spec.num_kv_heads, spec.page_size, spec.head_dim) * 2;
-  const int64_t page_bytes = layer_page_bytes * spec.num_layers;
-  const uint64_t pages = spec.memory_bytes / static_cast<uint64_t>(page_bytes);
-  if (pages < 1) {
+  const bool int2 = spec.history_format == HistoryFormat::kInt2Oscar;
+  if (!int2 && !codec_blob.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "model '", spec.name, "': memory_bytes ", spec.memory_bytes,
-        " is smaller than one BF16 page (", page_bytes, " bytes = ", spec.num_layers,
-        " layers x K,V x ", spec.num_kv_heads, " heads x ", spec.page_size, " tokens x ",
-        spec.head_dim, " x 2 bytes)"));
+        "model '", spec.name, "': codec_blob is only used with history_format int2-oscar"));
   }
-  if (pages > (1u << 30)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("model '", spec.name, "': ", pages, " pages exceed the 2^30 page limit"));
+  if (int2) {
+    if (!codec_blob.empty() || !spec.codec_file.empty()) {
+      auto file = codec_blob.empty() ? SafetensorsFile::Load(spec.codec_file)
+                                     : SafetensorsFile::Parse(codec_blob);
+      if (!file.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("model '", spec.name, "': codec file: ", file.status().message()));
+      }
+      const std::string what = codec_blob.empty() ? "oscar (" + spec.codec_file + ")"
+                                                  : std::string("oscar (registered codec)");
+      auto codec = CodecProfile::FromSafetensors(*file, spec.num_layers, spec.head_dim, what);
+      if (!codec.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("model '", spec.name, "': ", codec.status().message()));
+      }
+      cache->codec_ = std::make_unique<CodecProfile>(std::move(*codec));
+    } else if (spec.codec == "identity") {
+      cache->codec_ = std::make_unique<CodecProfile>(
+          CodecProfile::Identity(spec.num_layers, spec.head_dim));
+    } else {
+      cache->codec_ = std::make_unique<CodecProfile>(
+          CodecProfile::Hadamard(spec.num_layers, spec.head_dim));
+      if (spec.codec.empty()) {
+        std::fprintf(stderr,
+                     "kvcd: model '%s': no codec file, INT2 history uses the Hadamard rotation\n",
+                     spec.name.c_str());
+        cache->codec_->set_description("hadamard (no codec file)");
+      }
+    }
   }
-  const uint64_t bytes = pages * static_cast<uint64_t>(page_bytes);
-  auto mem = backend->AllocatePoolMemory(bytes);
-  if (!mem.ok()) return mem.status();
-  cache->memory_.push_back(*mem);
-  cache->memory_bytes_.push_back(bytes);
-  cache->pools_.push_back(std::make_unique<PagePool>("bf16", *mem, spec.num_layers,
-                                                     layer_page_bytes,
-                                                     static_cast<int32_t>(pages)));
+  const int64_t bf16_layer_bytes =
+      kernels::Bf16PageElems(spec.num_kv_heads, spec.page_size, spec.head_dim) * 2;
+  const int64_t int2_layer_bytes =
+      kernels::Int2PageBytes(spec.num_kv_heads, spec.page_size, spec.head_dim);
+  struct PoolPlan {
+    const char* format;
+    int64_t layer_bytes;
+    uint64_t budget;
+  };
+  std::vector<PoolPlan> plan;
+  if (int2) {
+    const auto bf16_budget = static_cast<uint64_t>(static_cast<double>(spec.memory_bytes) * spec.bf16_fraction);
+    plan.push_back({"bf16", bf16_layer_bytes, bf16_budget});
+    plan.push_back({"int2-oscar", int2_layer_bytes, spec.memory_bytes - bf16_budget});
+  } else {
+    plan.push_back({"bf16", bf16_layer_bytes, spec.memory_bytes});
+  }
+  for (const PoolPlan& pp : plan) {
+    const int64_t page_bytes = pp.layer_bytes * spec.num_layers;
+    const uint64_t pages = pp.budget / static_cast<uint64_t>(page_bytes);
+    if (pages < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "model '", spec.name, "': its ", pp.format, " pool gets ", pp.budget,
+          " bytes of memory_bytes ", spec.memory_bytes, ", less than one page (", page_bytes,
+          " bytes for ", spec.num_layers, " layers); raise memory_bytes",
+          int2 ? " or adjust bf16_fraction" : ""));
+    }
+    if (pages > (1u << 30)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("model '", spec.name, "': ", pages, " pages exceed the 2^30 page limit"));
+    }
+    const uint64_t bytes = pages * static_cast<uint64_t>(page_bytes);
+    auto mem = backend->AllocatePoolMemory(bytes);
+    if (!mem.ok()) return mem.status();
+    cache->memory_.push_back(*mem);
+    cache->memory_bytes_.push_back(bytes);
+    cache->pools_.push_back(std::make_unique<PagePool>(pp.format, *mem, spec.num_layers,
+                                                       pp.layer_bytes,
+                                                       static_cast<int32_t>(pages)));
+  }
   return cache;
 }
 
@@ -119,6 +181,7 @@ void ModelCache::WriteBf16Rows(const PageRef& page, int32_t slot, const KvRows& 
   const int32_t hkv = spec_.num_kv_heads;
   const int64_t v_offset = int64_t{hkv} * ps * d;  // elements
   uint16_t row[256];
+  float f[256], rot[256];
   const PagePool& pool = *pools_[page.pool];
   const int32_t l_begin = layer >= 0 ? layer : 0;
   const int32_t l_end = layer >= 0 ? layer + 1 : spec_.num_layers;
@@ -129,14 +192,113 @@ void ModelCache::WriteBf16Rows(const PageRef& page, int32_t slot, const KvRows& 
     for (int32_t t = 0; t < count; ++t) {
       for (int32_t h = 0; h < hkv; ++h) {
         const int64_t dst = (int64_t{h} * ps + slot + t) * d;
-        k.CopyRowBf16(src_layer, src_token + t, h, d, row);
-        backend_->CopyToPool(reinterpret_cast<uint8_t*>(base + dst), row, sizeof(uint16_t) * d);
-        v.CopyRowBf16(src_layer, src_token + t, h, d, row);
-        backend_->CopyToPool(reinterpret_cast<uint8_t*>(base + v_offset + dst), row,
-                             sizeof(uint16_t) * d);
+        for (int which = 0; which < 2; ++which) {
+          const KvRows& src = which == 0 ? k : v;
+          if (codec_ != nullptr) {  // the windows of an INT2 model hold rotated rows
+            src.CopyRowFloat(src_layer, src_token + t, h, d, f);
+            kernels::RotateRows(f, 1, d, which == 0 ? codec_->RK(l) : codec_->RV(l), rot);
+            kernels::FloatToBf16N(rot, row, d);
+          } else {
+            src.CopyRowBf16(src_layer, src_token + t, h, d, row);
+          }
+          backend_->CopyToPool(reinterpret_cast<uint8_t*>(base + (which ? v_offset : 0) + dst),
+                               row, sizeof(uint16_t) * d);
+        }
       }
     }
   }
+}
+
+void ModelCache::WriteInt2Page(const PageRef& page, const KvRows& k, const KvRows& v,
+                               int64_t src_token) {
+  const int32_t ps = spec_.page_size, d = spec_.head_dim, hkv = spec_.num_kv_heads;
+  const kernels::Int2PageLayout layout{hkv, ps, d};
+  const PagePool& pool = *pools_[page.pool];
+  std::vector<float> rows(static_cast<size_t>(ps) * d);
+  std::vector<uint8_t> staged(static_cast<size_t>(pool.layer_page_bytes()));
+  for (int32_t l = 0; l < spec_.num_layers; ++l) {
+    for (int32_t h = 0; h < hkv; ++h) {
+      for (int which = 0; which < 2; ++which) {
+        const KvRows& src = which == 0 ? k : v;
+        for (int32_t t = 0; t < ps; ++t) src.CopyRowFloat(l, src_token + t, h, d, rows.data() + t * d);
+        kernels::DemoteRowsToInt2(
+            rows.data(), ps, d, which == 0 ? codec_->RK(l) : codec_->RV(l),
+            which == 0 ? codec_->RhoK(l) : codec_->RhoV(l),
+            staged.data() + (which == 0 ? layout.KCodes(h, 0) : layout.VCodes(h, 0)), d / 4,
+            reinterpret_cast<uint16_t*>(staged.data() +
+                                        (which == 0 ? layout.KParams(h, 0) : layout.VParams(h, 0))),
+            2);
+      }
+    }
+    backend_->CopyToPool(pool.PagePtr(l, page.page), staged.data(), staged.size());
+  }
+}
+
+void ModelCache::ReadRows(const PageRef& page, int32_t layer, int32_t head, int which,
+                          int32_t slot, int32_t count, float* out) const {
+  const int32_t ps = spec_.page_size, d = spec_.head_dim, hkv = spec_.num_kv_heads;
+  const PagePool& pool = *pools_[page.pool];
+  const uint8_t* base = pool.PagePtr(layer, page.page);
+  if (page.pool == 0) {
+    std::vector<uint16_t> raw(static_cast<size_t>(count) * d);
+    const int64_t off = (int64_t{which} * hkv * ps + int64_t{head} * ps + slot) * d;
+    backend_->CopyFromPool(raw.data(), base + off * 2, raw.size() * 2);
+    kernels::Bf16ToFloatN(raw.data(), out, static_cast<int64_t>(raw.size()));
+    return;
+  }
+  const kernels::Int2PageLayout layout{hkv, ps, d};
+  std::vector<uint8_t> staged(static_cast<size_t>(pool.layer_page_bytes()));
+  backend_->CopyFromPool(staged.data(), base, staged.size());
+  const int64_t codes = which == 0 ? layout.KCodes(head, slot) : layout.VCodes(head, slot);
+  const int64_t params = which == 0 ? layout.KParams(head, slot) : layout.VParams(head, slot);
+  kernels::ExpandInt2Rows(staged.data() + codes, d / 4,
+                          reinterpret_cast<const uint16_t*>(staged.data() + params), 2, count, d,
+                          nullptr, out);
+}
+
+void ModelCache::DemotePages(Sequence* seq) {
+  if (codec_ == nullptr) return;
+  const int32_t ps = spec_.page_size, d = spec_.head_dim, hkv = spec_.num_kv_heads;
+  const int64_t len = seq->length();
+  const int64_t first = std::max<int64_t>({seq->next_demote_page, seq->shared_pages,
+                                           static_cast<int64_t>(spec_.sink_pages())});
+  int64_t i = first;
+  // Page i is demoted once all its tokens are older than the recent window.
+  for (; (i + 1) * ps <= len - spec_.recent_tokens; ++i) {
+    const PageRef old = seq->pages[static_cast<size_t>(i)];
+    if (old.pool != 0) continue;
+    std::vector<PageRef> fresh;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!AllocateLocked(1, 1, &fresh).ok()) break;  // INT2 pool full: stay BF16, retry later
+    }
+    const kernels::Int2PageLayout layout{hkv, ps, d};
+    const PagePool& pool = *pools_[1];
+    std::vector<float> rows(static_cast<size_t>(ps) * d);
+    std::vector<uint8_t> staged(static_cast<size_t>(pool.layer_page_bytes()));
+    for (int32_t l = 0; l < spec_.num_layers; ++l) {
+      for (int32_t h = 0; h < hkv; ++h) {
+        for (int which = 0; which < 2; ++which) {
+          ReadRows(old, l, h, which, 0, ps, rows.data());  // already rotated
+          kernels::DemoteRowsToInt2(
+              rows.data(), ps, d, nullptr, which == 0 ? codec_->RhoK(l) : codec_->RhoV(l),
+              staged.data() + (which == 0 ? layout.KCodes(h, 0) : layout.VCodes(h, 0)), d / 4,
+              reinterpret_cast<uint16_t*>(
+                  staged.data() + (which == 0 ? layout.KParams(h, 0) : layout.VParams(h, 0))),
+              2);
+        }
+      }
+      backend_->CopyToPool(pool.PagePtr(l, fresh[0].page), staged.data(), staged.size());
+    }
+    seq->pages[static_cast<size_t>(i)] = fresh[0];
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      FreeLocked({old});
+    }
+    demoted_pages_.fetch_add(1);
+    counters_->demoted_pages.fetch_add(1);
+  }
+  seq->next_demote_page = i;
 }
 
 absl::StatusOr<PutResult> ModelCache::Put(const std::string& salt,
@@ -157,15 +319,22 @@ absl::StatusOr<PutResult> ModelCache::Put(const std::string& salt,
     match = tree_.MatchAndPin(salt, full);
     const int64_t cached_pages = static_cast<int64_t>(match.pages.size());
     result.cached_tokens = cached_pages * ps;
-    if (result.cached_tokens < std::min<int64_t>(kv_first, full_pages * ps)) {
+    if (result.cached_tokens < kv_first) {
       tree_.Unpin(match.node);
       return absl::FailedPreconditionError(absl::StrCat(
           "kv_first_token is ", kv_first, " but only ", result.cached_tokens,
           " tokens of this prompt are cached (evicted, or never put); resend from ",
           result.cached_tokens));
     }
-    absl::Status s = AllocateLocked(0, static_cast<int32_t>(full_pages - cached_pages), &fresh);
+    // Sink pages stay BF16; every other page is demoted to the history format.
+    const int64_t sink_end = codec_ ? std::min<int64_t>(spec_.sink_pages(), full_pages) : full_pages;
+    const int32_t bf16_needed = static_cast<int32_t>(std::max<int64_t>(0, sink_end - cached_pages));
+    const int32_t hist_needed =
+        static_cast<int32_t>(full_pages - std::max<int64_t>(cached_pages, sink_end));
+    absl::Status s = AllocateLocked(0, bf16_needed, &fresh);
+    if (s.ok() && codec_) s = AllocateLocked(1, hist_needed, &fresh);
     if (!s.ok()) {
+      FreeLocked(fresh);
       tree_.Unpin(match.node);
       return s;
     }
@@ -173,7 +342,12 @@ absl::StatusOr<PutResult> ModelCache::Put(const std::string& salt,
   // Write outside the lock: the fresh pages are private until Insert publishes them.
   const int64_t first_new = static_cast<int64_t>(match.pages.size());
   for (int64_t i = 0; i < static_cast<int64_t>(fresh.size()); ++i) {
-    WriteBf16Rows(fresh[i], 0, k, v, (first_new + i) * ps - kv_first, ps, -1);
+    const int64_t src = (first_new + i) * ps - kv_first;
+    if (fresh[i].pool == 0) {
+      WriteBf16Rows(fresh[i], 0, k, v, src, ps, -1);
+    } else {
+      WriteInt2Page(fresh[i], k, v, src);
+    }
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -267,11 +441,12 @@ absl::StatusOr<int64_t> ModelCache::Append(Sequence* seq, absl::Span<const int32
   }
   for (auto& l : seq->layer_len) l += n;
   seq->tokens.insert(seq->tokens.end(), tokens.begin(), tokens.end());
+  DemotePages(seq);
   return len + n;
 }
 
 std::vector<AttentionSegment> ModelCache::Segments(const Sequence& seq, int64_t len) const {
-  // Consecutive pages of one pool form one segment.
+  // Consecutive pages of one pool form one segment (sink | history | recent).
   std::vector<AttentionSegment> segs;
   const int32_t ps = spec_.page_size;
   const int64_t num_pages = (len + ps - 1) / ps;
@@ -279,7 +454,7 @@ std::vector<AttentionSegment> ModelCache::Segments(const Sequence& seq, int64_t 
     const PageRef& r = seq.pages[static_cast<size_t>(i)];
     if (segs.empty() || segs.back().pool != pools_[r.pool].get()) {
       AttentionSegment s;
-      s.format = PageFormat::kBf16;
+      s.format = r.pool == 0 ? PageFormat::kBf16 : PageFormat::kInt2Oscar;
       s.pool = pools_[r.pool].get();
       segs.push_back(std::move(s));
     }
@@ -337,7 +512,10 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
         s->pending_token = new_tokens[b].token;
       }
       ++s->layer_len[layer];
-      if (s->length() > before) s->tokens.push_back(s->pending_token);
+      if (s->length() > before) {
+        s->tokens.push_back(s->pending_token);
+        DemotePages(s);
+      }
     }
   }
 
@@ -348,6 +526,8 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
   batch.head_dim = spec_.head_dim;
   batch.page_size = ps;
   batch.softmax_scale = softmax_scale;
+  batch.r_k = codec_ ? codec_->RK(layer) : nullptr;
+  batch.r_v = codec_ ? codec_->RV(layer) : nullptr;
   const int64_t q_stride = int64_t{spec_.num_q_heads} * spec_.head_dim;
   lengths->clear();
   for (size_t b = 0; b < seqs.size(); ++b) {
@@ -378,24 +558,61 @@ absl::Status ModelCache::Fetch(Sequence* seq, int64_t first, int64_t n, uint16_t
     return absl::InvalidArgumentError(absl::StrCat("first_token + num_tokens = ", first + n,
                                                    " exceeds the sequence length ", len));
   }
-  const int64_t v_offset = int64_t{hkv} * ps * d;
   for (int64_t p = first / ps; p * ps < first + n; ++p) {
     page_formats->push_back(pools_[seq->pages[static_cast<size_t>(p)].pool]->format());
   }
+  std::vector<float> rows(static_cast<size_t>(ps) * d), plain(static_cast<size_t>(ps) * d);
   for (int32_t l = 0; l < spec_.num_layers; ++l) {
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t pos = first + t;
-      const PageRef& r = seq->pages[static_cast<size_t>(pos / ps)];
-      const uint16_t* base = reinterpret_cast<const uint16_t*>(pools_[r.pool]->PagePtr(l, r.page));
+    for (int64_t t0 = first; t0 < first + n;) {
+      const int32_t slot = static_cast<int32_t>(t0 % ps);
+      const int32_t count = static_cast<int32_t>(std::min<int64_t>(ps - slot, first + n - t0));
+      const PageRef& r = seq->pages[static_cast<size_t>(t0 / ps)];
       for (int32_t h = 0; h < hkv; ++h) {
-        const int64_t src = (int64_t{h} * ps + pos % ps) * d;
-        const int64_t dst = ((int64_t{l} * n + t) * hkv + h) * d;
-        backend_->CopyFromPool(k_out + dst, reinterpret_cast<const uint8_t*>(base + src),
-                               sizeof(uint16_t) * d);
-        backend_->CopyFromPool(v_out + dst, reinterpret_cast<const uint8_t*>(base + v_offset + src),
-                               sizeof(uint16_t) * d);
+        for (int which = 0; which < 2; ++which) {
+          ReadRows(r, l, h, which, slot, count, rows.data());
+          const float* src = rows.data();
+          if (codec_ != nullptr) {  // stored rotated: x = x_rot · R^T
+            kernels::UnrotateRows(rows.data(), count, d, which == 0 ? codec_->RK(l) : codec_->RV(l),
+                                  plain.data());
+            src = plain.data();
+          }
+          uint16_t* out = which == 0 ? k_out : v_out;
+          for (int32_t t = 0; t < count; ++t) {
+            kernels::FloatToBf16N(src + t * d, out + ((int64_t{l} * n + (t0 - first + t)) * hkv + h) * d, d);
+          }
+        }
       }
+      t0 += count;
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ModelCache::FetchStored(Sequence* seq, int64_t first, int64_t n,
+                                     std::vector<StoredPageCopy>* pages) {
+  const int32_t ps = spec_.page_size;
+  std::lock_guard<std::mutex> seq_lock(seq->mu);
+  if (seq->closed) {
+    return absl::FailedPreconditionError(absl::StrCat("sequence ", seq->id, " is closed"));
+  }
+  const int64_t len = seq->length();
+  if (first + n > len) {
+    return absl::InvalidArgumentError(absl::StrCat("first_token + num_tokens = ", first + n,
+                                                   " exceeds the sequence length ", len));
+  }
+  for (int64_t p = first / ps; p * ps < first + n; ++p) {
+    const PageRef& r = seq->pages[static_cast<size_t>(p)];
+    const PagePool& pool = *pools_[r.pool];
+    StoredPageCopy c;
+    c.format = pool.format();
+    c.first_token = p * ps;
+    c.num_tokens = static_cast<int32_t>(std::min<int64_t>(ps, len - p * ps));
+    c.data.resize(static_cast<size_t>(pool.page_bytes()));
+    for (int32_t l = 0; l < spec_.num_layers; ++l) {
+      backend_->CopyFromPool(c.data.data() + l * pool.layer_page_bytes(), pool.PagePtr(l, r.page),
+                             static_cast<size_t>(pool.layer_page_bytes()));
+    }
+    pages->push_back(std::move(c));
   }
   return absl::OkStatus();
 }
@@ -407,14 +624,24 @@ int64_t ModelCache::Length(Sequence* seq) {
 
 ModelSnapshot ModelCache::Snapshot() const {
   ModelSnapshot s;
+  const double bf16_token = 2.0 * 2 * spec_.num_layers * spec_.num_kv_heads * spec_.head_dim;
+  double dense = 0, used = 0;
   for (const auto& p : pools_) {
     s.pools.push_back(PoolSnapshot{p->format(), p->page_bytes(), p->num_pages(), p->used_pages()});
+    dense += bf16_token * spec_.page_size * p->used_pages();
+    used += static_cast<double>(p->page_bytes()) * p->used_pages();
   }
+  s.bf16_bytes_per_token = bf16_token;
+  s.history_bytes_per_token = static_cast<double>(pools_.back()->page_bytes()) / spec_.page_size;
+  s.history_bits_per_element =
+      codec_ ? 2.0 + 32.0 / spec_.head_dim : 16.0;  // codes + FP16 scale and minimum per row
+  s.compression_ratio = used > 0 ? dense / used : 1.0;
+  s.demoted_pages = demoted_pages_.load();
   std::lock_guard<std::mutex> lock(mu_);
   s.cached_tokens = tree_.cached_pages() * spec_.page_size;
   s.pinned_pages = tree_.PinnedPages();
   s.active_sequences = open_sequences_.load();
-  s.codec = HistoryFormatName(spec_.history_format);
+  s.codec = codec_ ? codec_->description() : HistoryFormatName(spec_.history_format);
   return s;
 }
 

@@ -21,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "server/backend.h"
+#include "server/codec_profile.h"
 #include "server/model_spec.h"
 #include "server/page_pool.h"
 #include "server/radix_tree.h"
@@ -48,6 +49,8 @@ struct KvRows {
   int64_t token_stride = 0;  // elements
   void CopyRowBf16(int64_t layer, int64_t token, int32_t head, int32_t head_dim,
                    uint16_t* out) const;
+  void CopyRowFloat(int64_t layer, int64_t token, int32_t head, int32_t head_dim,
+                    float* out) const;
 };
 
 struct PoolSnapshot {
@@ -63,6 +66,11 @@ struct ModelSnapshot {
   int64_t pinned_pages = 0;
   int64_t active_sequences = 0;
   std::string codec;
+  double bf16_bytes_per_token = 0;     // sink and recent segments
+  double history_bytes_per_token = 0;  // history segment
+  double history_bits_per_element = 0;
+  double compression_ratio = 1;        // dense BF16 bytes of pooled tokens / bytes in use
+  uint64_t demoted_pages = 0;
 };
 
 struct PutResult {
@@ -75,11 +83,15 @@ class ModelCache {
  public:
   // Allocates the pools from `backend` (once). INVALID_ARGUMENT if memory_bytes holds
   // no page, UNIMPLEMENTED for a history format this build cannot store.
+  // For int2-oscar, the rotations come from codec_blob (a codec file's bytes), else
+  // spec.codec_file, else spec.codec ("identity" / "hadamard"), else Hadamard (logged,
+  // and reported by Snapshot().codec).
   static absl::StatusOr<std::unique_ptr<ModelCache>> Create(const ModelSpec& spec,
                                                             Backend* backend,
                                                             double high_watermark,
                                                             double low_watermark,
-                                                            CacheCounters* counters);
+                                                            CacheCounters* counters,
+                                                            const std::string& codec_blob = "");
   ~ModelCache();
 
   const ModelSpec& spec() const { return spec_; }
@@ -117,9 +129,23 @@ class ModelCache {
                       float softmax_scale, absl::Span<const NewToken> new_tokens, float* o,
                       float* lse, std::vector<int64_t>* lengths);
 
-  // BF16 K/V of tokens [first, first + n) of a sequence, [num_layers][n][kv][d] each.
+  // BF16 K/V of tokens [first, first + n) of a sequence, [num_layers][n][kv][d] each, in
+  // the original (unrotated) space; INT2 pages are expanded.
   absl::Status Fetch(Sequence* seq, int64_t first, int64_t n, uint16_t* k_out, uint16_t* v_out,
                      std::vector<std::string>* page_formats);
+  struct StoredPageCopy {
+    std::string format;
+    int64_t first_token = 0;
+    int32_t num_tokens = 0;
+    std::string data;  // [num_layers][page-layer bytes]
+  };
+  // The pages covering tokens [first, first + n), as stored. REQUIRES: first page-aligned.
+  absl::Status FetchStored(Sequence* seq, int64_t first, int64_t n,
+                           std::vector<StoredPageCopy>* pages);
+
+  // Bytes of all layers of one page of `format` (0 = BF16, else history).
+  int64_t PageBytes(int32_t pool) const { return pools_[pool]->page_bytes(); }
+  bool compressed() const { return codec_ != nullptr; }
 
   // Length of a sequence (committed tokens).
   int64_t Length(Sequence* seq);
@@ -140,6 +166,15 @@ class ModelCache {
   // when layer >= 0) into BF16 page `page` at in-page offset `slot`.
   void WriteBf16Rows(const PageRef& page, int32_t slot, const KvRows& k, const KvRows& v,
                      int64_t src_token, int32_t count, int32_t layer);
+  // Rotates, clips, quantizes and packs a full page of k/v rows (all layers) into an
+  // INT2 page (quantize-on-demote of Put).
+  void WriteInt2Page(const PageRef& page, const KvRows& k, const KvRows& v, int64_t src_token);
+  // Demotes every private BF16 page of `seq` that has left the recent window.
+  void DemotePages(Sequence* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq->mu);
+  // Reads rows [slot, slot + count) of (layer, head) of a page as float, in the
+  // rotated space (as stored). which: 0 = K, 1 = V.
+  void ReadRows(const PageRef& page, int32_t layer, int32_t head, int which, int32_t slot,
+                int32_t count, float* out) const;
   std::vector<AttentionSegment> Segments(const Sequence& seq, int64_t len) const;
 
   const ModelSpec spec_;
@@ -149,7 +184,9 @@ class ModelCache {
   CacheCounters* const counters_;
   std::vector<uint8_t*> memory_;
   std::vector<uint64_t> memory_bytes_;
-  std::vector<std::unique_ptr<PagePool>> pools_;  // [0] = BF16; [last] = history format
+  std::vector<std::unique_ptr<PagePool>> pools_;  // [0] = BF16; [1] = INT2 when compressed
+  std::unique_ptr<CodecProfile> codec_;           // null: BF16 history, no rotation
+  std::atomic<uint64_t> demoted_pages_{0};
 
   mutable std::mutex mu_;
   RadixTree tree_ ABSL_GUARDED_BY(mu_);

@@ -75,6 +75,12 @@ absl::Status ValidateModelSpec(const ModelSpec& s) {
   if (s.history_format != HistoryFormat::kBf16 && !(s.bf16_fraction > 0 && s.bf16_fraction < 1)) {
     return bad(absl::StrCat("bf16_fraction is ", s.bf16_fraction, ", expected 0 < x < 1"));
   }
+  if (!s.codec.empty() && s.codec != "identity" && s.codec != "hadamard") {
+    return bad(absl::StrCat("codec is '", s.codec, "', expected 'identity', 'hadamard' or empty"));
+  }
+  if (!s.codec.empty() && !s.codec_file.empty()) {
+    return bad("set either codec or codec_file, not both");
+  }
   return absl::OkStatus();
 }
 

@@ -41,6 +41,7 @@ struct Sequence {
   std::vector<int64_t> layer_len ABSL_GUARDED_BY(mu);  // tokens held per layer
   std::vector<int32_t> tokens ABSL_GUARDED_BY(mu);     // committed token ids
   int32_t pending_token ABSL_GUARDED_BY(mu) = 0;       // id of a partly appended token
+  int64_t next_demote_page ABSL_GUARDED_BY(mu) = 0;    // pages below are final
 
   // Lease: the sequence is reclaimed once now > deadline_ns (steady clock).
   std::atomic<int64_t> lease_ms{0};

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "simd_scalar.h"
+
 namespace kvcd::kernels::internal {
 
 inline float HorizontalSum256(__m256 v) {
@@ -37,6 +39,21 @@ inline __m256 Exp256(__m256 x) {
 }
 
 struct Avx2Ops {
+  static void UnpackInt2(const uint8_t* codes, int d, float* out) {
+    const int quarter = d / 4;
+    if (quarter % 8 != 0) {
+      UnpackInt2Scalar(codes, d, out);
+      return;
+    }
+    const __m128i three = _mm_set1_epi8(3);
+    for (int c = 0; c < quarter; c += 8) {
+      const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + c));
+      for (int k = 0; k < 4; ++k) {
+        const __m128i q = _mm_and_si128(_mm_srli_epi16(x, 2 * k), three);
+        _mm256_storeu_ps(out + k * quarter + c, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)));
+      }
+    }
+  }
   // head_dim is a multiple of 8 for every supported geometry.
   static void Widen(const uint16_t* src, float* out, int d) {
     for (int c = 0; c < d; c += 8) {

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "simd_scalar.h"
+
 namespace kvcd::kernels::internal {
 
 // exp(x) for x <= 0 (inputs are logits minus their max), relative error ~2e-7:
@@ -29,6 +31,22 @@ inline __m512 Exp512(__m512 x) {
 }
 
 struct Avx512Ops {
+  // Planar INT2 row -> d floats: plane k of 16-byte chunk c is ((x >> 2k) & 3).
+  static void UnpackInt2(const uint8_t* codes, int d, float* out) {
+    const int quarter = d / 4;
+    if (quarter % 16 != 0) {
+      UnpackInt2Scalar(codes, d, out);
+      return;
+    }
+    const __m128i three = _mm_set1_epi8(3);
+    for (int c = 0; c < quarter; c += 16) {
+      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + c));
+      for (int k = 0; k < 4; ++k) {
+        const __m128i q = _mm_and_si128(_mm_srli_epi16(x, 2 * k), three);
+        _mm512_storeu_ps(out + k * quarter + c, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)));
+      }
+    }
+  }
   static void Widen(const uint16_t* src, float* out, int d) {
     for (int c = 0; c < d; c += 16) {
       const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + c));

@@ -63,6 +63,8 @@ class CacheEngineTest : public ::testing::Test {
     }
     v1::FetchPagesRequest f;
     f.set_sequence_id(seq);
+  f.set_expand_to_bf16(true);
+    f.set_expand_to_bf16(true);
     v1::FetchPagesResponse fr;
     EXPECT_TRUE(engine_->FetchPages(f, &fr).ok());
     fp += "|" + std::to_string(fr.num_tokens()) + "|" + fr.k().inline_data() + fr.v().inline_data();
@@ -102,6 +104,7 @@ TEST_F(CacheEngineTest, PutMatchOpenShareThePrefix) {
   // The fetched history equals what was put and appended (BF16-rounded synthetic K/V).
   v1::FetchPagesRequest f;
   f.set_sequence_id(seq);
+  f.set_expand_to_bf16(true);
   v1::FetchPagesResponse fr;
   ASSERT_TRUE(engine_->FetchPages(f, &fr).ok());
   ASSERT_EQ(fr.num_tokens(), 30);
@@ -136,6 +139,7 @@ TEST_F(CacheEngineTest, ChunkedPutNeedsTheCachedPrefix) {
   ASSERT_EQ(matched, 16);
   v1::FetchPagesRequest f;
   f.set_sequence_id(seq);
+  f.set_expand_to_bf16(true);
   v1::FetchPagesResponse fr;
   ASSERT_TRUE(engine_->FetchPages(f, &fr).ok());
   const auto k = synthetic::Kv(6, p, 0, 16, 0);

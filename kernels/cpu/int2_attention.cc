@@ -1,0 +1,90 @@
+#include "kvcd/kernels/int2_attention.h"
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "kvcd/kernels/fp16.h"
+
+namespace kvcd::kernels {
+namespace internal {
+#define KVCD_DECLARE_INT2_ATTEND(fn)                                                           \
+  void fn(const Int2PageTable& kv, int kv_head, const float* q, int group, float softmax_scale, \
+          int64_t token_begin, int64_t token_end, float* o, float* lse);
+KVCD_DECLARE_INT2_ATTEND(AttendInt2PagesScalar)
+KVCD_DECLARE_INT2_ATTEND(AttendInt2PagesAvx2)
+KVCD_DECLARE_INT2_ATTEND(AttendInt2PagesAvx512)
+#undef KVCD_DECLARE_INT2_ATTEND
+}  // namespace internal
+
+void AttendInt2Pages(const Int2PageTable& kv, int kv_head, const float* q_rot, int group,
+                     float softmax_scale, int64_t token_begin, int64_t token_end, float* o_rot,
+                     float* lse, CpuIsa isa) {
+  // Dot/Axpy/Scale step 16 (AVX-512) or 8 (AVX2) floats.
+  if (isa == CpuIsa::kAvx512 && kv.head_dim % 16 != 0) isa = CpuIsa::kAvx2;
+  if (isa == CpuIsa::kAvx2 && kv.head_dim % 8 != 0) isa = CpuIsa::kScalar;
+  switch (isa) {
+    case CpuIsa::kAvx512:
+      internal::AttendInt2PagesAvx512(kv, kv_head, q_rot, group, softmax_scale, token_begin,
+                                      token_end, o_rot, lse);
+      return;
+    case CpuIsa::kAvx2:
+      internal::AttendInt2PagesAvx2(kv, kv_head, q_rot, group, softmax_scale, token_begin,
+                                    token_end, o_rot, lse);
+      return;
+    case CpuIsa::kScalar:
+      break;
+  }
+  internal::AttendInt2PagesScalar(kv, kv_head, q_rot, group, softmax_scale, token_begin,
+                                  token_end, o_rot, lse);
+}
+
+void AttendInt2PagesReference(const Int2PageTable& kv, int kv_head, const float* q_rot,
+                              int group, float softmax_scale, int64_t token_begin,
+                              int64_t token_end, float* o_rot, float* lse) {
+  const int d = kv.head_dim, ps = kv.page_size, q4 = d / 4;
+  const Int2PageLayout layout{kv.num_kv_heads, ps, d};
+  const int64_t n = token_end - token_begin;
+  std::vector<double> k(static_cast<size_t>(n * d)), v(static_cast<size_t>(n * d));
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t tok = token_begin + t;
+    const uint8_t* pb = kv.base + kv.page_ids[tok / ps] * kv.page_stride;
+    const int slot = static_cast<int>(tok % ps);
+    for (int which = 0; which < 2; ++which) {
+      const uint8_t* c = pb + (which == 0 ? layout.KCodes(kv_head, slot) : layout.VCodes(kv_head, slot));
+      const uint16_t* p = reinterpret_cast<const uint16_t*>(
+          pb + (which == 0 ? layout.KParams(kv_head, slot) : layout.VParams(kv_head, slot)));
+      const double scale = HalfToFloat(p[0]), lo = HalfToFloat(p[1]);
+      double* dst = (which == 0 ? k.data() : v.data()) + t * d;
+      for (int i = 0; i < d; ++i) dst[i] = ((c[i % q4] >> (2 * (i / q4))) & 3) * scale + lo;
+    }
+  }
+  std::vector<double> logit(static_cast<size_t>(n));
+  for (int g = 0; g < group; ++g) {
+    const float* qg = q_rot + g * d;
+    float* og = o_rot + g * d;
+    if (n == 0) {
+      for (int i = 0; i < d; ++i) og[i] = 0.0f;
+      lse[g] = -std::numeric_limits<float>::infinity();
+      continue;
+    }
+    double mx = -std::numeric_limits<double>::infinity();
+    for (int64_t t = 0; t < n; ++t) {
+      double dot = 0;
+      for (int i = 0; i < d; ++i) dot += static_cast<double>(qg[i]) * k[t * d + i];
+      logit[t] = dot * softmax_scale;
+      mx = std::max(mx, logit[t]);
+    }
+    double sum = 0;
+    std::vector<double> acc(static_cast<size_t>(d), 0.0);
+    for (int64_t t = 0; t < n; ++t) {
+      const double p = std::exp(logit[t] - mx);
+      sum += p;
+      for (int i = 0; i < d; ++i) acc[i] += p * v[t * d + i];
+    }
+    for (int i = 0; i < d; ++i) og[i] = static_cast<float>(acc[i] / sum);
+    lse[g] = static_cast<float>(mx + std::log(sum));
+  }
+}
+
+}  // namespace kvcd::kernels

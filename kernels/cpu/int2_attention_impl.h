@@ -1,0 +1,94 @@
+// Shared body of the INT2 paged decode-attention kernel, instantiated once per ISA
+// like bf16_attention_impl.h (the Ops struct adds UnpackInt2). Internal header.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "kvcd/kernels/attention_state.h"
+#include "kvcd/kernels/fp16.h"
+#include "kvcd/kernels/int2_attention.h"
+
+namespace kvcd::kernels::internal {
+
+template <class Ops>
+void AttendInt2PagesImpl(const Int2PageTable& kv, int kv_head, const float* q, int group,
+                         float softmax_scale, int64_t token_begin, int64_t token_end, float* o,
+                         float* lse) {
+  constexpr int kMaxG = 16, kMaxD = 256, kBlock = 64;
+  const int d = kv.head_dim;
+  const int ps = kv.page_size;
+  const int q4 = d / 4;
+  const Int2PageLayout layout{kv.num_kv_heads, ps, d};
+  alignas(64) float qs[kMaxG * kMaxD];
+  alignas(64) float row[kMaxD];
+  alignas(64) float s[kMaxG][kBlock];
+  float qsum[kMaxG], m[kMaxG], l[kMaxG], lacc[kMaxG];
+  float vscale[kBlock], vlo[kBlock];
+  for (int i = 0; i < group; ++i) {
+    qsum[i] = 0.0f;
+    for (int c = 0; c < d; ++c) {
+      qs[i * d + c] = q[i * d + c] * softmax_scale;
+      qsum[i] += qs[i * d + c];
+    }
+    m[i] = kEmptyLse;
+    l[i] = 0.0f;
+    lacc[i] = 0.0f;
+    std::fill(o + i * d, o + (i + 1) * d, 0.0f);
+  }
+  for (int64_t t0 = token_begin; t0 < token_end;) {
+    const int64_t page = t0 / ps;
+    const int off = static_cast<int>(t0 % ps);
+    const int n = static_cast<int>(std::min<int64_t>({ps - off, token_end - t0, kBlock}));
+    const uint8_t* pb = kv.base + kv.page_ids[page] * kv.page_stride;
+    const uint8_t* kc = pb + layout.KCodes(kv_head, off);
+    const uint8_t* vc = pb + layout.VCodes(kv_head, off);
+    const uint16_t* kp = reinterpret_cast<const uint16_t*>(pb + layout.KParams(kv_head, off));
+    const uint16_t* vp = reinterpret_cast<const uint16_t*>(pb + layout.VParams(kv_head, off));
+    // Logits: s = scale_t (q·c_t) + lo_t Σq.
+    for (int j = 0; j < n; ++j) {
+      Ops::UnpackInt2(kc + j * q4, d, row);
+      const float sc = HalfToFloat(kp[2 * j]);
+      const float lo = HalfToFloat(kp[2 * j + 1]);
+      for (int i = 0; i < group; ++i) s[i][j] = sc * Ops::Dot(row, qs + i * d, d) + lo * qsum[i];
+    }
+    for (int i = 0; i < group; ++i) {
+      float mx = m[i];
+      for (int j = 0; j < n; ++j) mx = std::max(mx, s[i][j]);
+      if (mx != m[i]) {
+        const float alpha = m[i] == kEmptyLse ? 0.0f : std::exp(m[i] - mx);
+        l[i] *= alpha;
+        lacc[i] *= alpha;
+        Ops::Scale(alpha, o + i * d, d);
+        m[i] = mx;
+      }
+      l[i] += Ops::ExpSub(s[i], n, mx);
+    }
+    // Values: o += Σ (p_t scale_t) c_t, lacc += Σ p_t lo_t.
+    for (int j = 0; j < n; ++j) {
+      vscale[j] = HalfToFloat(vp[2 * j]);
+      vlo[j] = HalfToFloat(vp[2 * j + 1]);
+    }
+    for (int j = 0; j < n; ++j) {
+      Ops::UnpackInt2(vc + j * q4, d, row);
+      for (int i = 0; i < group; ++i) {
+        Ops::Axpy(s[i][j] * vscale[j], row, o + i * d, d);
+        lacc[i] += s[i][j] * vlo[j];
+      }
+    }
+    t0 += n;
+  }
+  for (int i = 0; i < group; ++i) {
+    if (l[i] > 0.0f) {
+      float* oi = o + i * d;
+      const float inv = 1.0f / l[i];
+      for (int c = 0; c < d; ++c) oi[c] = (oi[c] + lacc[i]) * inv;
+      lse[i] = m[i] + std::log(l[i]);
+    } else {
+      lse[i] = kEmptyLse;
+    }
+  }
+}
+
+}  // namespace kvcd::kernels::internal
