@@ -1,0 +1,102 @@
+// The OSCAR INT2 quantizer and packing (DESIGN.md §5), pinned by hand-computed cases.
+#include "kvcd/kernels/int2_codec.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "common/rotation.h"
+#include "kvcd/kernels/fp16.h"
+
+namespace kvcd::kernels {
+namespace {
+
+TEST(Fp16Test, RoundTripAndRounding) {
+  for (float f : {0.0f, 1.0f, -2.5f, 0.333251953125f, 65504.0f, 6.103515625e-05f, 5.9604644775390625e-08f}) {
+    EXPECT_EQ(HalfToFloat(FloatToHalf(f)), f) << f;
+  }
+  EXPECT_EQ(FloatToHalf(1.0f), 0x3c00);
+  EXPECT_EQ(FloatToHalf(-2.0f), 0xc000);
+  // 1 + 2^-11 is halfway between 1 and 1 + 2^-10: ties to even (1.0).
+  EXPECT_EQ(HalfToFloat(FloatToHalf(1.0f + 1.0f / 2048)), 1.0f);
+  EXPECT_EQ(HalfToFloat(FloatToHalf(1.0f + 3.0f / 2048)), 1.0f + 2.0f / 1024);
+  EXPECT_TRUE(std::isinf(HalfToFloat(FloatToHalf(1e6f))));
+}
+
+TEST(Int2CodecTest, ClipThresholdIsTheQuantileOfAbsoluteValues) {
+  // d = 8, rho = 0.96: floor(7.68) = 7 -> the largest |x|; rho = 0.5 -> sort(|x|)[4].
+  const float x[8] = {-8, 1, -2, 3, 0.5f, -6, 7, 4};
+  EXPECT_EQ(Int2ClipThreshold(x, 8, 0.96f), 8.0f);
+  EXPECT_EQ(Int2ClipThreshold(x, 8, 0.5f), 4.0f);   // |x| sorted: .5 1 2 3 4 6 7 8
+  EXPECT_EQ(Int2ClipThreshold(x, 8, 1.0f), 8.0f);   // index clamped to d-1
+  EXPECT_EQ(Int2ClipThreshold(x, 8, 0.125f), 1.0f);
+}
+
+TEST(Int2CodecTest, HandComputedRow) {
+  // d = 8, identity rotation, rho = 0.625: tau = sort(|x|)[floor(5)] = 6.
+  // clipped: [-6, 1, -2, 3, 0.5, -6, 6, 4]; lo = -6, hi = 6, scale = 4, zero = 1.5.
+  // q = floor(x/4 + 1.5 + 0.5) clamped: -6->0, 1->2, -2->1, 3->2, 0.5->2, -6->0, 6->3, 4->3.
+  const float x[8] = {-8, 1, -2, 3, 0.5f, -6, 7, 4};
+  uint8_t codes[2];
+  uint16_t params[2];
+  DemoteRowsToInt2(x, 1, 8, nullptr, 0.625f, codes, 2, params, 2);
+  EXPECT_EQ(HalfToFloat(params[0]), 4.0f);
+  EXPECT_EQ(HalfToFloat(params[1]), -6.0f);
+  // byte j holds elements j, j+2, j+4, j+6 in bits [1:0], [3:2], [5:4], [7:6]:
+  // byte 0 = q0 | q2<<2 | q4<<4 | q6<<6 = 0 | 1<<2 | 2<<4 | 3<<6 = 0xE4
+  // byte 1 = q1 | q3<<2 | q5<<4 | q7<<6 = 2 | 2<<2 | 0<<4 | 3<<6 = 0xCA
+  EXPECT_EQ(codes[0], 0xE4);
+  EXPECT_EQ(codes[1], 0xCA);
+  float back[8];
+  ExpandInt2Rows(codes, 2, params, 2, 1, 8, nullptr, back);
+  const float expect[8] = {-6, 2, -2, 2, 2, -6, 6, 6};  // q*4 - 6
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(back[i], expect[i]) << i;
+}
+
+TEST(Int2CodecTest, ConstantRowUsesTheScaleFloor) {
+  const float x[8] = {2, 2, 2, 2, 2, 2, 2, 2};
+  uint8_t codes[2];
+  uint16_t params[2];
+  DemoteRowsToInt2(x, 1, 8, nullptr, 0.96f, codes, 2, params, 2);
+  float back[8];
+  ExpandInt2Rows(codes, 2, params, 2, 1, 8, nullptr, back);
+  for (float v : back) EXPECT_NEAR(v, 2.0f, 1e-3);
+}
+
+TEST(Int2CodecTest, RotatedRoundTripErrorIsBoundedByHalfAStep) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int d : {64, 128, 256}) {
+    const std::vector<float> r = HadamardMatrix(d);
+    const int n = 7;
+    std::vector<float> x(n * d), back(n * d), rot(n * d);
+    for (auto& v : x) v = normal(rng);
+    std::vector<uint8_t> codes(n * d / 4);
+    std::vector<uint16_t> params(2 * n);
+    DemoteRowsToInt2(x.data(), n, d, r.data(), 1.0f, codes.data(), d / 4, params.data(), 2);
+    // rho = 1 clips nothing: every rotated element is within scale/2 (+ FP16 rounding).
+    ExpandInt2Rows(codes.data(), d / 4, params.data(), 2, n, d, nullptr, back.data());
+    RotateRows(x.data(), n, d, r.data(), rot.data());
+    for (int t = 0; t < n; ++t) {
+      const float scale = HalfToFloat(params[2 * t]);
+      for (int i = 0; i < d; ++i) {
+        EXPECT_LE(std::fabs(back[t * d + i] - rot[t * d + i]), 0.5f * scale + 0.01f) << d;
+      }
+    }
+    // Un-rotating the expansion returns to the original space.
+    std::vector<float> plain(n * d);
+    ExpandInt2Rows(codes.data(), d / 4, params.data(), 2, n, d, r.data(), plain.data());
+    std::vector<float> again(n * d);
+    RotateRows(plain.data(), n, d, r.data(), again.data());
+    for (int i = 0; i < n * d; ++i) EXPECT_NEAR(again[i], back[i], 1e-4);
+  }
+}
+
+TEST(Int2CodecTest, BitsPerElementIs2Point25AtHeadDim128) {
+  EXPECT_EQ((Int2CodeBytes(128) + kInt2ParamBytes) * 8.0 / 128, 2.25);
+}
+
+}  // namespace
+}  // namespace kvcd::kernels
