@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "kvcd/kernels/bf16.h"
+#include "kvcd/kernels/int2_attention.h"
 #include "kvcd/kernels/reference_attention.h"
 #include "test_util.h"
 
@@ -445,6 +446,104 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
     EXPECT_EQ(s.code(), c.code) << c.name << ": " << s;
     EXPECT_FALSE(s.message().empty()) << c.name;
     EXPECT_EQ(Fingerprint(seq), before) << c.name;
+  }
+}
+
+}  // namespace
+}  // namespace kvcd
+
+namespace kvcd {
+namespace {
+
+// A model whose history is OSCAR INT2 (Hadamard rotation): Put demotes every page past
+// the sink, Append demotes pages that leave the recent window, and attention over the
+// three segments matches a float64 computation on the stored (dequantized) K/V.
+TEST(Int2HistoryTest, DemotionAndAttentionOverTheThreeSegments) {
+  CacheEngine engine(testing_util::TestConfig(), MakeCpuBackend(2));
+  ModelSpec spec = TinySpec();
+  spec.name = "tiny-int2";
+  spec.history_format = HistoryFormat::kInt2Oscar;
+  spec.codec = "hadamard";
+  ASSERT_TRUE(engine.RegisterModelSpec(spec).ok());
+  const auto p = Profile(spec);
+  v1::PutResponse put;
+  ASSERT_TRUE(engine.Put(MakePut(spec, 8, 40), &put).ok());
+  EXPECT_EQ(put.inserted_tokens(), 40);
+  auto model = engine.SnapshotModels()[0].snapshot;
+  ASSERT_EQ(model.pools.size(), 2u);
+  EXPECT_EQ(model.pools[0].format, "bf16");
+  EXPECT_EQ(model.pools[0].pages_used, 1);   // the sink page
+  EXPECT_EQ(model.pools[1].format, "int2-oscar");
+  EXPECT_EQ(model.pools[1].pages_used, 9);
+  EXPECT_EQ(model.history_bits_per_element, 4.0);  // 2 + 32/16 at head_dim 16
+  EXPECT_EQ(model.codec, "hadamard");
+
+  v1::OpenSequenceRequest open;
+  open.set_model(spec.name);
+  const auto t = synthetic::Tokens(8, 0, 40);
+  open.mutable_tokens()->Add(t.begin(), t.end());
+  v1::OpenSequenceResponse opened;
+  ASSERT_TRUE(engine.OpenSequence(open, &opened).ok());
+  const uint64_t seq = opened.sequence_id();
+  v1::AppendResponse ar;
+  ASSERT_TRUE(engine.Append(MakeAppend(spec, seq, 8, 40, 30), &ar).ok());
+  ASSERT_EQ(ar.length(), 70);
+  // Pages 10..14 hold tokens older than the 8-token recent window: demoted.
+  EXPECT_EQ(engine.SnapshotModels()[0].snapshot.demoted_pages, 5u);
+
+  v1::FetchPagesRequest f;
+  f.set_sequence_id(seq);
+  v1::FetchPagesResponse stored;
+  ASSERT_TRUE(engine.FetchPages(f, &stored).ok());
+  ASSERT_EQ(stored.pages_size(), 18);
+  EXPECT_EQ(stored.pages(0).format(), "bf16");
+  EXPECT_EQ(stored.pages(14).format(), "int2-oscar");
+  EXPECT_EQ(stored.pages(15).format(), "bf16");
+  EXPECT_EQ(stored.pages(17).num_tokens(), 2);
+  EXPECT_EQ(static_cast<int64_t>(stored.pages(3).data().size()),
+            kernels::Int2PageBytes(2, 4, 16) * 2);
+
+  f.set_expand_to_bf16(true);
+  v1::FetchPagesResponse expanded;
+  ASSERT_TRUE(engine.FetchPages(f, &expanded).ok());
+  const int hq = 4, hkv = 2, d = 16;
+  for (int32_t layer = 0; layer < 2; ++layer) {
+    v1::AttentionDecodeRequest req;
+    req.set_layer(layer);
+    req.add_sequence_ids(seq);
+    const auto q = synthetic::Row(8, p, layer, 70, 2);
+    SetF32Tensor(req.mutable_q(), {1, hq, d}, q.data());
+    v1::AttentionDecodeResponse resp;
+    ASSERT_TRUE(engine.AttentionDecode(req, &resp).ok());
+    // float64 attention over what the daemon holds (expanded, un-rotated) ...
+    std::vector<float> k(70 * hkv * d), v(70 * hkv * d), k0(k.size()), v0(v.size());
+    for (int64_t i = 0; i < 70 * hkv * d; ++i) {
+      k[i] = ElementAsFloat(expanded.k(), layer * 70 * hkv * d + i);
+      v[i] = ElementAsFloat(expanded.v(), layer * 70 * hkv * d + i);
+    }
+    // ... and over the exact K/V that were sent.
+    for (int64_t tt = 0; tt < 70; ++tt)
+      for (int h = 0; h < hkv; ++h)
+        for (int c = 0; c < d; ++c) {
+          k0[(tt * hkv + h) * d + c] = synthetic::Value(8, layer, tt, h, c, 0);
+          v0[(tt * hkv + h) * d + c] = synthetic::Value(8, layer, tt, h, c, 1);
+        }
+    std::vector<double> ro(hq * d), rl(hq), eo(hq * d), el(hq);
+    kernels::ReferenceAttention(q.data(), k.data(), v.data(), 70, hq, hkv, d, 0.25, ro.data(), rl.data());
+    kernels::ReferenceAttention(q.data(), k0.data(), v0.data(), 70, hq, hkv, d, 0.25, eo.data(), el.data());
+    double err_stored = 0, err_exact = 0, norm = 0;
+    for (int i = 0; i < hq * d; ++i) {
+      const double o = ElementAsFloat(resp.o(), i);
+      err_stored += (o - ro[i]) * (o - ro[i]);
+      err_exact += (o - eo[i]) * (o - eo[i]);
+      norm += eo[i] * eo[i];
+    }
+    // Against the stored values only BF16 rounding of the expansion differs.
+    EXPECT_LT(std::sqrt(err_stored / norm), 0.02) << "layer " << layer;
+    // Against the exact K/V: the INT2 quantization error of 4 of 5 pages (d = 16).
+    EXPECT_LT(std::sqrt(err_exact / norm), 0.5) << "layer " << layer;
+    std::printf("layer %d: rel error vs stored %.4f, vs exact %.4f\n", layer,
+                std::sqrt(err_stored / norm), std::sqrt(err_exact / norm));
   }
 }
 
