@@ -224,10 +224,7 @@ void ModelCache::WriteInt2Page(const PageRef& page, const KvRows& k, const KvRow
         kernels::DemoteRowsToInt2(
             rows.data(), ps, d, which == 0 ? codec_->RK(l) : codec_->RV(l),
             which == 0 ? codec_->RhoK(l) : codec_->RhoV(l),
-            staged.data() + (which == 0 ? layout.KCodes(h, 0) : layout.VCodes(h, 0)), d / 4,
-            reinterpret_cast<uint16_t*>(staged.data() +
-                                        (which == 0 ? layout.KParams(h, 0) : layout.VParams(h, 0))),
-            2);
+            which == 0 ? layout.K(staged.data(), h) : layout.V(staged.data(), h));
       }
     }
     backend_->CopyToPool(pool.PagePtr(l, page.page), staged.data(), staged.size());
@@ -249,11 +246,9 @@ void ModelCache::ReadRows(const PageRef& page, int32_t layer, int32_t head, int 
   const kernels::Int2PageLayout layout{hkv, ps, d};
   std::vector<uint8_t> staged(static_cast<size_t>(pool.layer_page_bytes()));
   backend_->CopyFromPool(staged.data(), base, staged.size());
-  const int64_t codes = which == 0 ? layout.KCodes(head, slot) : layout.VCodes(head, slot);
-  const int64_t params = which == 0 ? layout.KParams(head, slot) : layout.VParams(head, slot);
-  kernels::ExpandInt2Rows(staged.data() + codes, d / 4,
-                          reinterpret_cast<const uint16_t*>(staged.data() + params), 2, count, d,
-                          nullptr, out);
+  kernels::ExpandInt2Rows(
+      which == 0 ? layout.K(staged.data(), head) : layout.V(staged.data(), head), count, d,
+      nullptr, out, slot);
 }
 
 void ModelCache::DemotePages(Sequence* seq) {
@@ -282,10 +277,7 @@ void ModelCache::DemotePages(Sequence* seq) {
           ReadRows(old, l, h, which, 0, ps, rows.data());  // already rotated
           kernels::DemoteRowsToInt2(
               rows.data(), ps, d, nullptr, which == 0 ? codec_->RhoK(l) : codec_->RhoV(l),
-              staged.data() + (which == 0 ? layout.KCodes(h, 0) : layout.VCodes(h, 0)), d / 4,
-              reinterpret_cast<uint16_t*>(
-                  staged.data() + (which == 0 ? layout.KParams(h, 0) : layout.VParams(h, 0))),
-              2);
+              which == 0 ? layout.K(staged.data(), h) : layout.V(staged.data(), h));
         }
       }
       backend_->CopyToPool(pool.PagePtr(l, fresh[0].page), staged.data(), staged.size());

@@ -30,6 +30,18 @@ CpuIsa ActiveCpuIsa() {
   return isa;
 }
 
+bool CpuHasAvx512Vnni() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool vnni = [] {
+    __builtin_cpu_init();
+    return ActiveCpuIsa() == CpuIsa::kAvx512 && __builtin_cpu_supports("avx512vnni");
+  }();
+  return vnni;
+#else
+  return false;
+#endif
+}
+
 const char* CpuIsaName(CpuIsa isa) {
   switch (isa) {
     case CpuIsa::kScalar:

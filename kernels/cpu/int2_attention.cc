@@ -42,21 +42,20 @@ void AttendInt2Pages(const Int2PageTable& kv, int kv_head, const float* q_rot, i
 void AttendInt2PagesReference(const Int2PageTable& kv, int kv_head, const float* q_rot,
                               int group, float softmax_scale, int64_t token_begin,
                               int64_t token_end, float* o_rot, float* lse) {
-  const int d = kv.head_dim, ps = kv.page_size, q4 = d / 4;
+  const int d = kv.head_dim, ps = kv.page_size;
   const Int2PageLayout layout{kv.num_kv_heads, ps, d};
   const int64_t n = token_end - token_begin;
   std::vector<double> k(static_cast<size_t>(n * d)), v(static_cast<size_t>(n * d));
   for (int64_t t = 0; t < n; ++t) {
     const int64_t tok = token_begin + t;
-    const uint8_t* pb = kv.base + kv.page_ids[tok / ps] * kv.page_stride;
+    uint8_t* pb = const_cast<uint8_t*>(kv.base) + kv.page_ids[tok / ps] * kv.page_stride;
     const int slot = static_cast<int>(tok % ps);
+    float row[256];
     for (int which = 0; which < 2; ++which) {
-      const uint8_t* c = pb + (which == 0 ? layout.KCodes(kv_head, slot) : layout.VCodes(kv_head, slot));
-      const uint16_t* p = reinterpret_cast<const uint16_t*>(
-          pb + (which == 0 ? layout.KParams(kv_head, slot) : layout.VParams(kv_head, slot)));
-      const double scale = HalfToFloat(p[0]), lo = HalfToFloat(p[1]);
+      const Int2RowRef ref = which == 0 ? layout.K(pb, kv_head) : layout.V(pb, kv_head);
+      ExpandInt2Rows(ref, 1, d, nullptr, row, slot);  // x_hat = q*scale + lo
       double* dst = (which == 0 ? k.data() : v.data()) + t * d;
-      for (int i = 0; i < d; ++i) dst[i] = ((c[i % q4] >> (2 * (i / q4))) & 3) * scale + lo;
+      for (int i = 0; i < d; ++i) dst[i] = row[i];
     }
   }
   std::vector<double> logit(static_cast<size_t>(n));

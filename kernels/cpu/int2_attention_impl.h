@@ -41,16 +41,16 @@ void AttendInt2PagesImpl(const Int2PageTable& kv, int kv_head, const float* q, i
     const int64_t page = t0 / ps;
     const int off = static_cast<int>(t0 % ps);
     const int n = static_cast<int>(std::min<int64_t>({ps - off, token_end - t0, kBlock}));
-    const uint8_t* pb = kv.base + kv.page_ids[page] * kv.page_stride;
-    const uint8_t* kc = pb + layout.KCodes(kv_head, off);
-    const uint8_t* vc = pb + layout.VCodes(kv_head, off);
-    const uint16_t* kp = reinterpret_cast<const uint16_t*>(pb + layout.KParams(kv_head, off));
-    const uint16_t* vp = reinterpret_cast<const uint16_t*>(pb + layout.VParams(kv_head, off));
+    uint8_t* pb = const_cast<uint8_t*>(kv.base) + kv.page_ids[page] * kv.page_stride;
+    const Int2RowRef kr = layout.K(pb, kv_head);
+    const Int2RowRef vr = layout.V(pb, kv_head);
+    uint8_t packed[64];
     // Logits: s = scale_t (q·c_t) + lo_t Σq.
     for (int j = 0; j < n; ++j) {
-      Ops::UnpackInt2(kc + j * q4, d, row);
-      const float sc = HalfToFloat(kp[2 * j]);
-      const float lo = HalfToFloat(kp[2 * j + 1]);
+      for (int b = 0; b < q4; ++b) packed[b] = kr.codes[kr.Offset(off + j, b)];
+      Ops::UnpackInt2(packed, d, row);
+      const float sc = HalfToFloat(kr.scale[off + j]);
+      const float lo = HalfToFloat(kr.lo[off + j]);
       for (int i = 0; i < group; ++i) s[i][j] = sc * Ops::Dot(row, qs + i * d, d) + lo * qsum[i];
     }
     for (int i = 0; i < group; ++i) {
@@ -67,11 +67,12 @@ void AttendInt2PagesImpl(const Int2PageTable& kv, int kv_head, const float* q, i
     }
     // Values: o += Σ (p_t scale_t) c_t, lacc += Σ p_t lo_t.
     for (int j = 0; j < n; ++j) {
-      vscale[j] = HalfToFloat(vp[2 * j]);
-      vlo[j] = HalfToFloat(vp[2 * j + 1]);
+      vscale[j] = HalfToFloat(vr.scale[off + j]);
+      vlo[j] = HalfToFloat(vr.lo[off + j]);
     }
     for (int j = 0; j < n; ++j) {
-      Ops::UnpackInt2(vc + j * q4, d, row);
+      for (int b = 0; b < q4; ++b) packed[b] = vr.codes[vr.Offset(off + j, b)];
+      Ops::UnpackInt2(packed, d, row);
       for (int i = 0; i < group; ++i) {
         Ops::Axpy(s[i][j] * vscale[j], row, o + i * d, d);
         lacc[i] += s[i][j] * vlo[j];

@@ -42,8 +42,7 @@ void UnrotateRows(const float* y, int64_t n, int d, const float* r, float* out) 
 }
 
 void DemoteRowsToInt2(const float* rows, int64_t n, int d, const float* rotation, float rho,
-                      uint8_t* codes, int64_t code_stride, uint16_t* params,
-                      int64_t param_stride) {
+                      const Int2RowRef& out, int64_t first_row) {
   float rot[256];
   const int quarter = d / 4;
   for (int64_t t = 0; t < n; ++t) {
@@ -62,30 +61,29 @@ void DemoteRowsToInt2(const float* rows, int64_t n, int d, const float* rotation
     }
     const float scale = std::max(hi - lo, 1e-8f) / 3.0f;
     const float zero = -lo / scale;
-    uint8_t* c = codes + t * code_stride;
-    std::fill(c, c + quarter, 0);
+    uint8_t packed[64] = {};
     for (int i = 0; i < d; ++i) {
       const float qf = std::floor(rot[i] / scale + zero + 0.5f);
       const int q = static_cast<int>(std::min(std::max(qf, 0.0f), 3.0f));
-      c[i % quarter] = static_cast<uint8_t>(c[i % quarter] | (q << (2 * (i / quarter))));
+      packed[i % quarter] = static_cast<uint8_t>(packed[i % quarter] | (q << (2 * (i / quarter))));
     }
-    uint16_t* p = params + t * param_stride;
-    p[0] = FloatToHalf(scale);
-    p[1] = FloatToHalf(lo);
+    const int64_t row = first_row + t;
+    for (int j = 0; j < quarter; ++j) out.codes[out.Offset(row, j)] = packed[j];
+    out.scale[row * out.param_stride] = FloatToHalf(scale);
+    out.lo[row * out.param_stride] = FloatToHalf(lo);
   }
 }
 
-void ExpandInt2Rows(const uint8_t* codes, int64_t code_stride, const uint16_t* params,
-                    int64_t param_stride, int64_t n, int d, const float* rotation, float* out) {
+void ExpandInt2Rows(const Int2RowRef& in, int64_t n, int d, const float* rotation, float* out,
+                    int64_t first_row) {
   float xh[256];
   const int quarter = d / 4;
   for (int64_t t = 0; t < n; ++t) {
-    const uint8_t* c = codes + t * code_stride;
-    const uint16_t* p = params + t * param_stride;
-    const float scale = HalfToFloat(p[0]);
-    const float lo = HalfToFloat(p[1]);
+    const int64_t row = first_row + t;
+    const float scale = HalfToFloat(in.scale[row * in.param_stride]);
+    const float lo = HalfToFloat(in.lo[row * in.param_stride]);
     for (int i = 0; i < d; ++i) {
-      const int q = (c[i % quarter] >> (2 * (i / quarter))) & 3;
+      const int q = (in.codes[in.Offset(row, i % quarter)] >> (2 * (i / quarter))) & 3;
       xh[i] = static_cast<float>(q) * scale + lo;
     }
     if (rotation != nullptr) {

@@ -33,9 +33,9 @@ double AttentionError(const LayerActivations& a, int64_t n, const std::vector<fl
       const float* src = (which == 0 ? a.k : a.v).data() + row * kD;
       float* dst = (which == 0 ? k_hat : v_hat).data() + row * kD;
       const auto& r = which == 0 ? rk : rv;
-      kernels::DemoteRowsToInt2(src, 1, kD, r.data(), which == 0 ? 0.96f : 0.92f, codes.data(),
-                                kD / 4, params, 2);
-      kernels::ExpandInt2Rows(codes.data(), kD / 4, params, 2, 1, kD, r.data(), dst);
+      const auto ref = kernels::Int2RowRef::RowMajor(codes.data(), kD / 4, &params[0], &params[1], 2);
+      kernels::DemoteRowsToInt2(src, 1, kD, r.data(), which == 0 ? 0.96f : 0.92f, ref);
+      kernels::ExpandInt2Rows(ref, 1, kD, r.data(), dst);
     }
   }
   double total = 0;

@@ -44,11 +44,7 @@ void CheckCase(int64_t n, int hkv, int group, int d, int ps, CpuIsa isa, uint32_
       for (int which = 0; which < 2; ++which) {
         for (auto& x : row) x = normal(rng) * (which == 0 ? 2.0f : 1.0f);
         DemoteRowsToInt2(row.data(), 1, d, nullptr, which == 0 ? 0.96f : 0.92f,
-                         page + (which == 0 ? layout.KCodes(h, slot) : layout.VCodes(h, slot)),
-                         d / 4,
-                         reinterpret_cast<uint16_t*>(
-                             page + (which == 0 ? layout.KParams(h, slot) : layout.VParams(h, slot))),
-                         2);
+                         which == 0 ? layout.K(page, h) : layout.V(page, h), slot);
       }
     }
   }
@@ -56,6 +52,10 @@ void CheckCase(int64_t n, int hkv, int group, int d, int ps, CpuIsa isa, uint32_
   std::vector<float> q(group * d);
   for (auto& x : q) x = normal(rng);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  // FP32 paths differ from the float64 oracle by accumulation rounding only. The AVX-512
+  // VNNI path (head_dim >= 64) also rounds the query and the value weights to two int8
+  // digits (int2_attention_avx512.cc): logit errors up to scale*3d*max|q|/64516, ~1e-4.
+  const double tol = (isa == CpuIsa::kAvx512 && d % 64 == 0 && CpuHasAvx512Vnni()) ? 1e-3 : 1e-4;
   for (int h = 0; h < hkv; ++h) {
     for (int64_t begin : {int64_t{0}, n / 3}) {
       std::vector<float> ro(group * d), rl(group), o(group * d, NAN), l(group, NAN);
@@ -68,10 +68,10 @@ void CheckCase(int64_t n, int hkv, int group, int d, int ps, CpuIsa isa, uint32_
           norm += ro[i * d + c] * ro[i * d + c];
         }
         // FP32 accumulation against the float64 oracle on the same codes.
-        EXPECT_LE(std::sqrt(err), 1e-4 * std::sqrt(norm) + 1e-6)
+        EXPECT_LE(std::sqrt(err), tol * std::sqrt(norm) + 1e-6)
             << "n=" << n << " d=" << d << " ps=" << ps << " isa=" << CpuIsaName(isa);
         if (begin < n) {
-          EXPECT_NEAR(l[i], rl[i], 1e-4 * (1 + std::fabs(rl[i])));
+          EXPECT_NEAR(l[i], rl[i], tol * (1 + std::fabs(rl[i])));
         } else {
           EXPECT_EQ(l[i], kEmptyLse);
         }

@@ -41,7 +41,8 @@ TEST(Int2CodecTest, HandComputedRow) {
   const float x[8] = {-8, 1, -2, 3, 0.5f, -6, 7, 4};
   uint8_t codes[2];
   uint16_t params[2];
-  DemoteRowsToInt2(x, 1, 8, nullptr, 0.625f, codes, 2, params, 2);
+  const Int2RowRef ref = Int2RowRef::RowMajor(codes, 2, &params[0], &params[1], 2);
+  DemoteRowsToInt2(x, 1, 8, nullptr, 0.625f, ref);
   EXPECT_EQ(HalfToFloat(params[0]), 4.0f);
   EXPECT_EQ(HalfToFloat(params[1]), -6.0f);
   // byte j holds elements j, j+2, j+4, j+6 in bits [1:0], [3:2], [5:4], [7:6]:
@@ -50,7 +51,7 @@ TEST(Int2CodecTest, HandComputedRow) {
   EXPECT_EQ(codes[0], 0xE4);
   EXPECT_EQ(codes[1], 0xCA);
   float back[8];
-  ExpandInt2Rows(codes, 2, params, 2, 1, 8, nullptr, back);
+  ExpandInt2Rows(ref, 1, 8, nullptr, back);
   const float expect[8] = {-6, 2, -2, 2, 2, -6, 6, 6};  // q*4 - 6
   for (int i = 0; i < 8; ++i) EXPECT_EQ(back[i], expect[i]) << i;
 }
@@ -59,9 +60,10 @@ TEST(Int2CodecTest, ConstantRowUsesTheScaleFloor) {
   const float x[8] = {2, 2, 2, 2, 2, 2, 2, 2};
   uint8_t codes[2];
   uint16_t params[2];
-  DemoteRowsToInt2(x, 1, 8, nullptr, 0.96f, codes, 2, params, 2);
+  const Int2RowRef ref = Int2RowRef::RowMajor(codes, 2, &params[0], &params[1], 2);
+  DemoteRowsToInt2(x, 1, 8, nullptr, 0.96f, ref);
   float back[8];
-  ExpandInt2Rows(codes, 2, params, 2, 1, 8, nullptr, back);
+  ExpandInt2Rows(ref, 1, 8, nullptr, back);
   for (float v : back) EXPECT_NEAR(v, 2.0f, 1e-3);
 }
 
@@ -75,19 +77,23 @@ TEST(Int2CodecTest, RotatedRoundTripErrorIsBoundedByHalfAStep) {
     for (auto& v : x) v = normal(rng);
     std::vector<uint8_t> codes(n * d / 4);
     std::vector<uint16_t> params(2 * n);
-    DemoteRowsToInt2(x.data(), n, d, r.data(), 1.0f, codes.data(), d / 4, params.data(), 2);
+    // Codes interleaved as K pages store them: groups of 4 bytes per row.
+    Int2RowRef ref = Int2RowRef::RowMajor(codes.data(), 4, params.data(), params.data() + n, 1);
+    ref.bytes_per_group = 4;
+    ref.byte_group_stride = 4 * n;
+    DemoteRowsToInt2(x.data(), n, d, r.data(), 1.0f, ref);
     // rho = 1 clips nothing: every rotated element is within scale/2 (+ FP16 rounding).
-    ExpandInt2Rows(codes.data(), d / 4, params.data(), 2, n, d, nullptr, back.data());
+    ExpandInt2Rows(ref, n, d, nullptr, back.data());
     RotateRows(x.data(), n, d, r.data(), rot.data());
     for (int t = 0; t < n; ++t) {
-      const float scale = HalfToFloat(params[2 * t]);
+      const float scale = HalfToFloat(params[t]);
       for (int i = 0; i < d; ++i) {
         EXPECT_LE(std::fabs(back[t * d + i] - rot[t * d + i]), 0.5f * scale + 0.01f) << d;
       }
     }
     // Un-rotating the expansion returns to the original space.
     std::vector<float> plain(n * d);
-    ExpandInt2Rows(codes.data(), d / 4, params.data(), 2, n, d, r.data(), plain.data());
+    ExpandInt2Rows(ref, n, d, r.data(), plain.data());
     std::vector<float> again(n * d);
     RotateRows(plain.data(), n, d, r.data(), again.data());
     for (int i = 0; i < n * d; ++i) EXPECT_NEAR(again[i], back[i], 1e-4);

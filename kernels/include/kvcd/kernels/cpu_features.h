@@ -14,4 +14,7 @@ CpuIsa ActiveCpuIsa();
 
 const char* CpuIsaName(CpuIsa isa);
 
+// AVX-512 VNNI (vpdpbusd), used by the INT2 kernel's integer logit path.
+bool CpuHasAvx512Vnni();
+
 }  // namespace kvcd::kernels

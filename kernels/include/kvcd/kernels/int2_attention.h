@@ -1,10 +1,15 @@
 // Decode attention over OSCAR INT2 pages, computed on the packed codes (DESIGN.md §7).
 //
-// Layout of one layer of one INT2 page (bytes), rows as in int2_codec.h:
-//   K codes  [num_kv_heads][page_size][head_dim/4]
-//   V codes  [num_kv_heads][page_size][head_dim/4]
-//   K params [num_kv_heads][page_size][2] FP16 (scale, lo)
-//   V params [num_kv_heads][page_size][2] FP16 (scale, lo)
+// Layout of one layer of one INT2 page (bytes); a row is one token of one KV head, packed
+// as in int2_codec.h (Q = head_dim/4 bytes, G = min(4, Q), P4 = ceil(page_size/4)):
+//   K codes  [num_kv_heads][Q/G][page_size][G]   G consecutive bytes of one token, so a
+//                                               32-bit lane holds one token's 4 bytes
+//   V codes  [num_kv_heads][P4][Q][4]           byte j of 4 consecutive tokens together, so
+//                                               a 32-bit lane holds 4 tokens' byte j
+//                                               (slots past page_size are padding)
+//   K params [num_kv_heads][2][page_size]       FP16 scales, then FP16 minimums
+//   V params [num_kv_heads][2][page_size]
+// Both code layouts feed 8-bit dot-product instructions (VNNI / DP4A) without shuffles.
 // Keys and values are stored rotated (k·R_k, v·R_v); the query must be rotated by the
 // caller (q·R_k) and the output is in the rotated value space (multiply by R_v^T).
 //
@@ -16,6 +21,7 @@
 #include <cstdint>
 
 #include "kvcd/kernels/cpu_features.h"
+#include "kvcd/kernels/int2_codec.h"
 
 namespace kvcd::kernels {
 
@@ -31,24 +37,51 @@ struct Int2PageTable {
 
 // Bytes of one layer of one INT2 page.
 inline int64_t Int2PageBytes(int32_t num_kv_heads, int32_t page_size, int32_t head_dim) {
-  return 2LL * num_kv_heads * page_size * (head_dim / 4 + 4);
+  const int64_t q = head_dim / 4, p4 = (page_size + 3) / 4;
+  return int64_t{num_kv_heads} * (page_size * q + p4 * 4 * q + 8LL * page_size);
 }
 
-// Offsets inside a page-layer (bytes) of the K/V codes and params of (head, slot).
+// Where rows of K and V live inside one page-layer at `base` (row index = slot).
 struct Int2PageLayout {
   int32_t num_kv_heads, page_size, head_dim;
-  int64_t KCodes(int head, int slot) const {
-    return (static_cast<int64_t>(head) * page_size + slot) * (head_dim / 4);
+  int64_t Q() const { return head_dim / 4; }
+  int64_t G() const { return Q() < 4 ? Q() : 4; }
+  int64_t P4() const { return (page_size + 3) / 4; }
+  int64_t KHead(int head) const { return int64_t{head} * page_size * Q(); }
+  int64_t VHead(int head) const {
+    return int64_t{num_kv_heads} * page_size * Q() + int64_t{head} * P4() * 4 * Q();
   }
-  int64_t VCodes(int head, int slot) const {
-    return static_cast<int64_t>(num_kv_heads) * page_size * (head_dim / 4) + KCodes(head, slot);
+  // FP16 index (uint16 units from base) of the scale of (head, slot 0); minimums follow
+  // page_size entries later.
+  int64_t KScale(int head) const {
+    return (int64_t{num_kv_heads} * (page_size * Q() + P4() * 4 * Q())) / 2 +
+           int64_t{head} * 2 * page_size;
   }
-  int64_t KParams(int head, int slot) const {
-    return 2LL * num_kv_heads * page_size * (head_dim / 4) +
-           (static_cast<int64_t>(head) * page_size + slot) * 4;
+  int64_t VScale(int head) const {
+    return KScale(head) + int64_t{num_kv_heads} * 2 * page_size;
   }
-  int64_t VParams(int head, int slot) const {
-    return KParams(head, slot) + static_cast<int64_t>(num_kv_heads) * page_size * 4;
+  Int2RowRef K(uint8_t* base, int head) const {
+    uint16_t* p = reinterpret_cast<uint16_t*>(base);
+    Int2RowRef r;
+    r.codes = base + KHead(head);
+    r.row_stride = G();
+    r.bytes_per_group = G();
+    r.byte_group_stride = int64_t{page_size} * G();
+    r.scale = p + KScale(head);
+    r.lo = p + KScale(head) + page_size;
+    return r;
+  }
+  Int2RowRef V(uint8_t* base, int head) const {
+    uint16_t* p = reinterpret_cast<uint16_t*>(base);
+    Int2RowRef r;
+    r.codes = base + VHead(head);
+    r.rows_per_group = 4;
+    r.row_group_stride = 4 * Q();
+    r.row_stride = 1;
+    r.byte_stride = 4;
+    r.scale = p + VScale(head);
+    r.lo = p + VScale(head) + page_size;
+    return r;
   }
 };
 

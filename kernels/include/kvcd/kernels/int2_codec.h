@@ -27,17 +27,49 @@ inline constexpr int kInt2ParamBytes = 4;
 // is on the stack for d <= 256).
 float Int2ClipThreshold(const float* x, int d, float rho);
 
-// Rotates, clips, quantizes and packs n rows. rows: [n][d] float; rotation: [d][d] or
-// null; codes of row i at codes + i*code_stride (d/4 bytes); its FP16 (scale, lo) pair
-// at params + i*param_stride (uint16 elements).
-// REQUIRES: d in {8, 16, ..., 256}, 0 < rho <= 1.
+// Where packed rows live. Byte j (0 <= j < d/4) of row t is at codes + Offset(t, j):
+//   (t / rows_per_group) * row_group_stride + (t % rows_per_group) * row_stride
+//   + (j / bytes_per_group) * byte_group_stride + (j % bytes_per_group) * byte_stride
+// which covers plain row-major rows and the interleaved page layouts of int2_attention.h.
+// Row t's FP16 scale and minimum are scale[t * param_stride] and lo[t * param_stride].
+struct Int2RowRef {
+  uint8_t* codes = nullptr;
+  int64_t row_stride = 0;
+  int64_t rows_per_group = int64_t{1} << 40;
+  int64_t row_group_stride = 0;
+  int64_t bytes_per_group = int64_t{1} << 40;
+  int64_t byte_group_stride = 0;
+  int64_t byte_stride = 1;
+  uint16_t* scale = nullptr;
+  uint16_t* lo = nullptr;
+  int64_t param_stride = 1;
+
+  int64_t Offset(int64_t t, int64_t j) const {
+    return (t / rows_per_group) * row_group_stride + (t % rows_per_group) * row_stride +
+           (j / bytes_per_group) * byte_group_stride + (j % bytes_per_group) * byte_stride;
+  }
+  // Rows of d/4 contiguous bytes, row t at codes + t * row_bytes.
+  static Int2RowRef RowMajor(uint8_t* codes, int64_t row_bytes, uint16_t* scale, uint16_t* lo,
+                             int64_t param_stride) {
+    Int2RowRef r;
+    r.codes = codes;
+    r.row_stride = row_bytes;
+    r.scale = scale;
+    r.lo = lo;
+    r.param_stride = param_stride;
+    return r;
+  }
+};
+
+// Rotates, clips, quantizes and packs n rows (rows: [n][d] float; rotation: [d][d] or
+// null). REQUIRES: d in {8, 16, ..., 256}, 0 < rho <= 1.
+// Rows are written to row indices first_row .. first_row + n - 1 of `out`.
 void DemoteRowsToInt2(const float* rows, int64_t n, int d, const float* rotation, float rho,
-                      uint8_t* codes, int64_t code_stride, uint16_t* params,
-                      int64_t param_stride);
+                      const Int2RowRef& out, int64_t first_row = 0);
 
 // Unpacks and dequantizes n rows, then un-rotates them (x = x_hat · R^T; null = identity).
-void ExpandInt2Rows(const uint8_t* codes, int64_t code_stride, const uint16_t* params,
-                    int64_t param_stride, int64_t n, int d, const float* rotation, float* out);
+void ExpandInt2Rows(const Int2RowRef& in, int64_t n, int d, const float* rotation, float* out,
+                    int64_t first_row = 0);
 
 // x_rot = x · R for n rows (FP32). out may not alias x.
 void RotateRows(const float* x, int64_t n, int d, const float* rotation, float* out);
