@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
-./scripts/build.sh -DKVCD_BUILD_TESTS=OFF -DKVCD_BUILD_BENCH=OFF
+./scripts/build.sh kvcd kvctl kvcd_demo
 build=${KVCD_BUILD_DIR:-build}
 source scripts/daemon-lib.sh
 start_kvcd "$build/server/kvcd" deploy/config/kvcd-demo.yaml

@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
-./scripts/build.sh -DKVCD_BUILD_TESTS=ON -DKVCD_BUILD_BENCH=ON
+./scripts/build.sh
 ctest --test-dir "${KVCD_BUILD_DIR:-build}" --output-on-failure -j "$(nproc)" --timeout 600

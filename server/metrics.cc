@@ -44,6 +44,9 @@ class CacheCollector final : public prometheus::Collectable {
     auto pool_pages = Family("kvcd_pool_pages", "Pages of page pools by model, format and state (used|free).", MetricType::Gauge);
     auto cached = Family("kvcd_cached_tokens", "Tokens held in the radix prefix cache, by model.", MetricType::Gauge);
     auto pinned = Family("kvcd_pinned_pages", "Cached pages pinned by open sequences, by model.", MetricType::Gauge);
+    auto bpt = Family("kvcd_bytes_per_token", "Bytes stored per token (all layers, K and V, scales included) by model and segment (sink|history|recent).", MetricType::Gauge);
+    auto bits = Family("kvcd_history_bits_per_element", "Bits per K/V element of the history format (2.25 for int2-oscar at head_dim 128).", MetricType::Gauge);
+    auto ratio = Family("kvcd_pool_compression_ratio", "Dense-BF16 bytes of the tokens held in a model's pools divided by the bytes of the pages in use.", MetricType::Gauge);
     for (const auto& mv : engine_->SnapshotModels()) {
       for (const auto& p : mv.snapshot.pools) {
         const double pb = static_cast<double>(p.page_bytes);
@@ -54,11 +57,19 @@ class CacheCollector final : public prometheus::Collectable {
       }
       Add(&cached, static_cast<double>(mv.snapshot.cached_tokens), {{"model", mv.name}});
       Add(&pinned, static_cast<double>(mv.snapshot.pinned_pages), {{"model", mv.name}});
+      Add(&bpt, mv.snapshot.bf16_bytes_per_token, {{"model", mv.name}, {"segment", "sink"}});
+      Add(&bpt, mv.snapshot.history_bytes_per_token, {{"model", mv.name}, {"segment", "history"}});
+      Add(&bpt, mv.snapshot.bf16_bytes_per_token, {{"model", mv.name}, {"segment", "recent"}});
+      Add(&bits, mv.snapshot.history_bits_per_element, {{"model", mv.name}});
+      Add(&ratio, mv.snapshot.compression_ratio, {{"model", mv.name}});
     }
     out.push_back(std::move(pool_bytes));
     out.push_back(std::move(pool_pages));
     out.push_back(std::move(cached));
     out.push_back(std::move(pinned));
+    out.push_back(std::move(bpt));
+    out.push_back(std::move(bits));
+    out.push_back(std::move(ratio));
     auto counter = [&](const char* name, const char* help, uint64_t v) {
       auto f = Family(name, help, MetricType::Counter);
       Add(&f, static_cast<double>(v));

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "client/synthetic.h"
 #include "common/tensor_ref.h"
@@ -22,16 +23,17 @@ namespace {
 
 constexpr char kUsage[] = R"(kvcd_demo — synthetic prefill -> prefix-shared decode workload
 
-Usage: kvcd_demo [--target HOST:PORT] [--model NAME] [--system-tokens N]
+Usage: kvcd_demo [--target HOST:PORT] [--models A,B] [--system-tokens N]
                  [--suffix-tokens N] [--sessions N] [--steps N]
 
-Defaults: --target 127.0.0.1:50051 --model qwen3-8b --system-tokens 512
+Runs the workload once per model and prints one summary column per model.
+Defaults: --target 127.0.0.1:50051 --models qwen3-8b,qwen3-8b-int2 --system-tokens 512
           --suffix-tokens 96 --sessions 8 --steps 8
 )";
 
 struct Options {
   std::string target = "127.0.0.1:50051";
-  std::string model = "qwen3-8b";
+  std::vector<std::string> models = {"qwen3-8b", "qwen3-8b-int2"};
   int64_t system_tokens = 512, suffix_tokens = 96, sessions = 8, steps = 8;
 };
 
@@ -51,6 +53,19 @@ int Fail(const char* what, const absl::Status& s) {
 double Seconds(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
+
+struct Summary {
+  std::string model, history, codec;
+  double hit_ratio = 0, bits_per_element = 16, bytes_per_token = 0, dense_bytes_per_token = 0;
+  double compression = 1, err_exact = 0, err_stored = -1, tokens_per_s = 0, kernel_share = 0;
+  double prefill_s = 0;
+  int64_t matched = 0, prompt_tokens = 0, pages_bf16 = 0, pages_int2 = 0, demoted = 0;
+  bool pass = false;
+};
+
+int RunWorkload(kvcd::Client& client, const Options& opt, const std::string& model_name,
+                Summary* out);
+int PrintSummaries(kvcd::Client& client, const Options& opt, const std::vector<Summary>& r);
 
 }  // namespace
 
@@ -74,8 +89,8 @@ int main(int argc, char** argv) {
                                             : nullptr;
     if (a == "--target") {
       opt.target = v;
-    } else if (a == "--model") {
-      opt.model = v;
+    } else if (a == "--models") {
+      opt.models = absl::StrSplit(v, ',', absl::SkipEmpty());
     } else if (num == nullptr || !absl::SimpleAtoi(v, num) || *num < 1) {
       std::fprintf(stderr, "kvcd_demo: bad flag %s %s\n%s", a.c_str(), v.c_str(), kUsage);
       return 2;
@@ -86,8 +101,20 @@ int main(int argc, char** argv) {
   co.deadline = std::chrono::milliseconds(120000);
   auto client_or = kvcd::Client::Connect(co);
   if (!client_or.ok()) return Fail("connect", client_or.status());
-  kvcd::Client& client = **client_or;
-  auto model = client.GetModel(opt.model);
+  std::vector<Summary> results;
+  for (const std::string& name : opt.models) {
+    Summary sum;
+    if (RunWorkload(**client_or, opt, name, &sum) != 0) return 1;
+    results.push_back(sum);
+  }
+  return PrintSummaries(**client_or, opt, results);
+}
+
+namespace {
+
+int RunWorkload(kvcd::Client& client, const Options& opt, const std::string& model_name,
+                Summary* out) {
+  auto model = client.GetModel(model_name);
   if (!model.ok()) return Fail("model", model.status());
   const kvcd::v1::ModelProfile p = model->profile();
   const int L = p.num_layers(), hq = p.num_q_heads(), hkv = p.num_kv_heads(), d = p.head_dim();
@@ -168,7 +195,20 @@ int main(int argc, char** argv) {
   auto stream_or = client.OpenDecodeStream();
   if (!stream_or.ok()) return Fail("stream", stream_or.status());
   auto& stream = **stream_or;
-  double kernel_s = 0, max_abs_err = 0, max_ref = 0;
+  double kernel_s = 0, err_exact = 0, err_stored = -1, max_abs_err = 0, max_ref = 0;
+  int checks = 0;
+  auto rel_error = [&](const kvcd::v1::TensorRef& o, int64_t s, const std::vector<double>& ref) {
+    double e = 0, n2 = 0;
+    for (int64_t i = 0; i < hq * d; ++i) {
+      const double x = kvcd::ElementAsFloat(o, s * hq * d + i);
+      e += (x - ref[i]) * (x - ref[i]);
+      n2 += ref[i] * ref[i];
+      max_abs_err = std::max(max_abs_err, std::fabs(x - ref[i]));
+      max_ref = std::max(max_ref, std::fabs(ref[i]));
+    }
+    return std::sqrt(e / n2);
+  };
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   const auto t_decode = std::chrono::steady_clock::now();
   for (int64_t step = 0; step < opt.steps; ++step) {
     const int64_t pos = prompt + step;
@@ -195,9 +235,9 @@ int main(int argc, char** argv) {
       auto r = stream.Call(req);
       if (!r.ok()) return Fail("AttentionDecode", r.status());
       kernel_s += r->kernel_seconds();
-      const bool check = step == opt.steps - 1 && (l == 0 || l == L - 1);
-      if (!check) continue;
-      // float64 attention over exactly what the decode worker sent (BF16-rounded K/V).
+      if (step != opt.steps - 1 || (l != 0 && l != L - 1)) continue;
+      // float64 attention over exactly what the decode worker sent (BF16-rounded K/V): the
+      // error of the stored format.
       const int64_t n = pos + 1;
       for (int64_t s = 0; s < B; ++s) {
         std::vector<float> k(static_cast<size_t>(n * hkv * d)), v(k.size());
@@ -210,13 +250,29 @@ int main(int argc, char** argv) {
             }
         std::vector<double> ro(static_cast<size_t>(hq * d)), rl(static_cast<size_t>(hq));
         kvcd::kernels::ReferenceAttention(q.data() + s * hq * d, k.data(), v.data(), n, hq, hkv, d,
-                                          1.0 / std::sqrt(static_cast<double>(d)), ro.data(),
-                                          rl.data());
-        for (int64_t i = 0; i < hq * d; ++i) {
-          max_abs_err = std::max(max_abs_err,
-                                 std::fabs(kvcd::ElementAsFloat(r->o(), s * hq * d + i) - ro[i]));
-          max_ref = std::max(max_ref, std::fabs(ro[i]));
-        }
+                                          scale, ro.data(), rl.data());
+        err_exact += rel_error(r->o(), s, ro);
+        ++checks;
+      }
+      if (l == L - 1) {
+        // float64 attention over what kvcd holds (FetchPages, expanded to BF16): checks the
+        // kernels, independently of the format's quantization error.
+        kvcd::v1::FetchPagesRequest f;
+        f.set_sequence_id(seqs[0]);
+        f.set_expand_to_bf16(true);
+        auto fetched = client.FetchPages(f);
+        if (!fetched.ok()) return Fail("FetchPages", fetched.status());
+        const int64_t nf = fetched->num_tokens();
+        std::vector<float> k(static_cast<size_t>(nf * hkv * d)), v(k.size());
+        kvcd::CopyAsFloat(fetched->k(), static_cast<int64_t>(l) * nf * hkv * d, nf * hkv * d, k.data());
+        kvcd::CopyAsFloat(fetched->v(), static_cast<int64_t>(l) * nf * hkv * d, nf * hkv * d, v.data());
+        std::vector<double> ro(static_cast<size_t>(hq * d)), rl(static_cast<size_t>(hq));
+        kvcd::kernels::ReferenceAttention(q.data(), k.data(), v.data(), nf, hq, hkv, d, scale,
+                                          ro.data(), rl.data());
+        const double save_abs = max_abs_err, save_ref = max_ref;
+        err_stored = rel_error(r->o(), 0, ro);
+        max_abs_err = save_abs;
+        max_ref = save_ref;
       }
     }
   }
@@ -225,46 +281,91 @@ int main(int argc, char** argv) {
   if (!closed.ok()) return Fail("stream close", closed);
   auto stats = client.Stats();
   if (!stats.ok()) return Fail("Stats", stats.status());
-  uint64_t pages_used = 0, page_bytes = 0, cached_tokens = 0;
+  Summary& sum = *out;
+  sum.model = p.name();
   for (const auto& m : stats->models()) {
     if (m.profile().name() != p.name()) continue;
-    cached_tokens = m.cached_tokens();
+    sum.history = kvcd::v1::HistoryFormat_Name(m.profile().history_format());
+    sum.codec = m.codec();
+    sum.bits_per_element = m.history_bits_per_element();
+    sum.compression = m.compression_ratio();
+    sum.demoted = static_cast<int64_t>(m.demoted_pages());
+    uint64_t used = 0;
     for (const auto& pool : m.pools()) {
-      pages_used += pool.pages_used();
-      page_bytes = pool.page_bytes();
+      used += pool.pages_used() * pool.page_bytes();
+      (pool.format() == "bf16" ? sum.pages_bf16 : sum.pages_int2) += static_cast<int64_t>(pool.pages_used());
     }
+    sum.bytes_per_token = static_cast<double>(used) / static_cast<double>(B * (prompt + opt.steps));
   }
-  const int64_t tokens_held = B * (prompt + opt.steps);
   for (uint64_t id : seqs) {
     auto c = client.CloseSequence(id);
     if (!c.ok()) return Fail("CloseSequence", c.status());
   }
-  const double bf16_bytes_per_token = 2.0 * L * hkv * d * 2;
+  sum.dense_bytes_per_token = 2.0 * L * hkv * d * 2;
+  sum.hit_ratio = static_cast<double>(matched_total + put_cached) /
+                  static_cast<double>(2 * B * prompt);
+  sum.matched = matched_total;
+  sum.prompt_tokens = B * prompt;
+  sum.err_exact = err_exact / std::max(1, checks);
+  sum.err_stored = err_stored;
+  sum.tokens_per_s = B * opt.steps / decode_s;
+  sum.kernel_share = kernel_s / decode_s;
+  sum.prefill_s = prefill_s;
+  const bool compressed = sum.pages_int2 > 0;
+  // BF16 history: exact up to FP32 accumulation. INT2: the kernels must match float64 over
+  // the stored (dequantized) values up to the BF16 rounding of the fetched copy.
+  sum.pass = matched_total > 0 && (compressed ? err_stored >= 0 && err_stored < 1e-2
+                                              : max_abs_err <= 1e-4 * std::max(1.0, max_ref));
+  (void)put_inserted;
+  return 0;
+}
+
+int PrintSummaries(kvcd::Client& client, const Options& opt, const std::vector<Summary>& r) {
+  auto stats = client.Stats();
+  if (!stats.ok()) return Fail("Stats", stats.status());
   std::printf("\n=== kvcd main job summary (backend %s, kvcd %s) ===\n", stats->backend().c_str(),
               stats->version().c_str());
-  std::printf("%-44s %s\n", "model", p.name().c_str());
-  std::printf("%-44s %lld x %lld tokens (+%lld decoded each)\n", "sessions x prompt",
-              static_cast<long long>(B), static_cast<long long>(prompt),
+  std::printf("%lld sessions x %lld-token prompts (%lld shared system + %lld own), %lld decode "
+              "steps each, per-layer fused append + attention on one stream\n\n",
+              static_cast<long long>(opt.sessions),
+              static_cast<long long>(opt.system_tokens + opt.suffix_tokens),
+              static_cast<long long>(opt.system_tokens), static_cast<long long>(opt.suffix_tokens),
               static_cast<long long>(opt.steps));
-  std::printf("%-44s %.3f (%llu hit / %llu miss tokens)\n", "prefix hit ratio (daemon)",
-              stats->hit_ratio(), static_cast<unsigned long long>(stats->hit_tokens()),
-              static_cast<unsigned long long>(stats->miss_tokens()));
-  std::printf("%-44s %lld of %lld prompt tokens\n", "served from cache at OpenSequence",
-              static_cast<long long>(matched_total), static_cast<long long>(B * prompt));
-  std::printf("%-44s %lld cached, %lld inserted\n", "Put tokens", static_cast<long long>(put_cached),
-              static_cast<long long>(put_inserted));
-  std::printf("%-44s %llu (%llu tokens in the radix tree)\n", "pages in use",
-              static_cast<unsigned long long>(pages_used),
-              static_cast<unsigned long long>(cached_tokens));
-  std::printf("%-44s %.0f B stored per token held (dense BF16: %.0f B)\n", "bytes per token",
-              static_cast<double>(pages_used * page_bytes) / tokens_held, bf16_bytes_per_token);
-  std::printf("%-44s %.3g (max |o| %.3g)\n", "attention max abs error vs float64", max_abs_err,
-              max_ref);
-  std::printf("%-44s %.1f tokens/s (%lld x %lld steps, %d layers, kernel %.0f%%)\n",
-              "decode throughput", B * opt.steps / decode_s, static_cast<long long>(B),
-              static_cast<long long>(opt.steps), L, 100.0 * kernel_s / decode_s);
-  std::printf("%-44s %.2f s\n", "prefill time (synthesis + Put)", prefill_s);
-  const bool ok = max_abs_err <= 1e-4 * std::max(1.0, max_ref) && matched_total > 0;
-  std::printf("%-44s %s\n", "result", ok ? "PASS" : "FAIL");
+  auto row = [&](const char* name, auto fmt) {
+    std::printf("%-40s", name);
+    for (const auto& s : r) std::printf(" %26s", fmt(s).c_str());
+    std::printf("\n");
+  };
+  auto str = [](const char* f, auto... a) {
+    char b[128];
+    std::snprintf(b, sizeof(b), f, a...);
+    return std::string(b);
+  };
+  row("model", [&](const Summary& s) { return s.model; });
+  row("history format", [&](const Summary& s) { return s.history.substr(15); });
+  row("codec", [&](const Summary& s) { return s.codec; });
+  row("prefix hit ratio (Put + OpenSequence)", [&](const Summary& s) { return str("%.3f", s.hit_ratio); });
+  row("prompt tokens served from the cache", [&](const Summary& s) {
+    return str("%lld / %lld", static_cast<long long>(s.matched), static_cast<long long>(s.prompt_tokens));
+  });
+  row("pages in use: bf16 / int2", [&](const Summary& s) {
+    return str("%lld / %lld", static_cast<long long>(s.pages_bf16), static_cast<long long>(s.pages_int2));
+  });
+  row("history bits per element", [&](const Summary& s) { return str("%.2f", s.bits_per_element); });
+  row("bytes stored per token held", [&](const Summary& s) {
+    return str("%.0f (dense %.0f)", s.bytes_per_token, s.dense_bytes_per_token);
+  });
+  row("pool compression vs dense BF16", [&](const Summary& s) { return str("%.2fx", s.compression); });
+  row("attention rel. error vs float64, exact K/V", [&](const Summary& s) { return str("%.3g", s.err_exact); });
+  row("attention rel. error vs float64, stored", [&](const Summary& s) { return str("%.3g", s.err_stored); });
+  row("decode throughput (tokens/s)", [&](const Summary& s) {
+    return str("%.1f (kernel %.0f%%)", s.tokens_per_s, 100 * s.kernel_share);
+  });
+  row("prefill (synthesis + Put), s", [&](const Summary& s) { return str("%.2f", s.prefill_s); });
+  row("result", [&](const Summary& s) { return std::string(s.pass ? "PASS" : "FAIL"); });
+  bool ok = true;
+  for (const auto& s : r) ok &= s.pass;
   return ok ? 0 : 1;
 }
+
+}  // namespace

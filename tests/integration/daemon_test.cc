@@ -11,6 +11,8 @@
 
 #include "client/client.h"
 #include "client/synthetic.h"
+#include "common/rotation.h"
+#include "common/safetensors.h"
 #include "common/tensor_ref.h"
 #include "daemon_process.h"
 #include "kvcd/kernels/bf16.h"
@@ -229,10 +231,78 @@ TEST_F(DaemonTest, HealthMetricsAndDrain) {
         "kvcd_pool_pages{format=\"bf16\",model=\"tiny\",state=\"used\"} 2",
         "kvcd_radix_miss_tokens_total 8", "kvcd_evicted_pages_total", "kvcd_active_sequences 0",
         "kvcd_rpc_duration_seconds_count{code=\"OK\",method=\"Put\"} 1",
-        "kvcd_attention_kernel_seconds"}) {
+        "kvcd_attention_kernel_seconds",
+        "kvcd_history_bits_per_element{model=\"tiny\"} 16",
+        "kvcd_bytes_per_token{model=\"tiny\",segment=\"history\"} 256",
+        "kvcd_pool_compression_ratio{model=\"tiny\"} 1"}) {
     EXPECT_NE(body.find(name), std::string::npos) << name;
   }
   EXPECT_EQ(daemon_.Stop(), 0);  // SIGTERM drains and exits 0
+}
+
+}  // namespace
+}  // namespace kvcd
+
+namespace kvcd {
+namespace {
+
+// RegisterModel with a codec file (safetensors rotations) over the wire; a model whose
+// history is INT2 serves put -> open -> attend; a malformed codec file is rejected.
+TEST_F(DaemonTest, RegisterInt2ModelWithACodecFile) {
+  v1::ModelProfile p = profile_;
+  p.set_name("tiny-oscar");
+  p.set_history_format(v1::HISTORY_FORMAT_INT2_OSCAR);
+  p.set_memory_bytes(1 << 20);
+  p.set_bf16_fraction(0.5);
+  // A codec file with a rotation per layer (Hadamard for K, identity for V).
+  SafetensorsWriter w;
+  const int d = p.head_dim();
+  for (int l = 0; l < p.num_layers(); ++l) {
+    w.AddF32("layers." + std::to_string(l) + ".r_k", {d, d}, HadamardMatrix(d));
+    w.AddF32("layers." + std::to_string(l) + ".r_v", {d, d}, IdentityMatrix(d));
+  }
+  auto bad_profile = p;
+  bad_profile.set_name("tiny-bad");
+  auto bad = client_->RegisterModel(bad_profile, "not a safetensors file");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  SafetensorsWriter skewed;
+  for (int l = 0; l < p.num_layers(); ++l) {
+    std::vector<float> r = IdentityMatrix(d);
+    r[1] = 0.5f;  // not orthogonal
+    skewed.AddF32("layers." + std::to_string(l) + ".r_k", {d, d}, r);
+    skewed.AddF32("layers." + std::to_string(l) + ".r_v", {d, d}, IdentityMatrix(d));
+  }
+  bad = client_->RegisterModel(bad_profile, skewed.Serialize());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("not orthogonal"), std::string::npos) << bad.status();
+
+  auto info = client_->RegisterModel(p, w.Serialize());
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->codec(), "oscar (registered codec)");
+  EXPECT_EQ(info->history_bits_per_element(), 4.0);  // head_dim 16
+  ASSERT_EQ(info->pools_size(), 2);
+  EXPECT_EQ(info->pools(1).format(), "int2-oscar");
+
+  profile_ = p;
+  ASSERT_TRUE(client_->Put(MakePut("tiny-oscar", 5, 32)).ok());
+  auto open = client_->OpenSequence("tiny-oscar", "", synthetic::Tokens(5, 0, 32));
+  ASSERT_TRUE(open.ok());
+  EXPECT_EQ(open->matched_tokens(), 32);
+  v1::AttentionDecodeRequest req;
+  req.set_layer(1);
+  req.add_sequence_ids(open->sequence_id());
+  const auto q = synthetic::Row(5, p, 1, 32, 2);
+  SetF32Tensor(req.mutable_q(), {1, p.num_q_heads(), d}, q.data());
+  auto resp = client_->AttentionDecode(req);
+  ASSERT_TRUE(resp.ok()) << resp.status();
+  for (int i = 0; i < p.num_q_heads() * d; ++i) EXPECT_TRUE(std::isfinite(ElementAsFloat(resp->o(), i)));
+  v1::FetchPagesRequest f;
+  f.set_sequence_id(open->sequence_id());
+  auto stored = client_->FetchPages(f);
+  ASSERT_TRUE(stored.ok());
+  ASSERT_EQ(stored->pages_size(), 8);
+  EXPECT_EQ(stored->pages(0).format(), "bf16");  // the sink page
+  EXPECT_EQ(stored->pages(1).format(), "int2-oscar");
 }
 
 }  // namespace
