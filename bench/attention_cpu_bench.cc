@@ -43,8 +43,8 @@ Pool MakePool(kvcd::Backend& be, const char* format, int64_t pages, std::mt19937
                                    : kvcd::kernels::Bf16PageElems(kHkv, kPage, kD) * 2;
   p.bytes = static_cast<uint64_t>(layer_bytes * pages);
   p.mem = *be.AllocatePoolMemory(p.bytes);
-  p.pool = std::make_unique<kvcd::PagePool>(format, p.mem, 1, layer_bytes,
-                                            static_cast<int32_t>(pages));
+  p.pool =
+      std::make_unique<kvcd::PagePool>(format, p.mem, 1, layer_bytes, static_cast<int32_t>(pages));
   if (!int2) {
     uint16_t vals[256];
     std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -97,7 +97,8 @@ int main(int argc, char** argv) {
   std::mt19937 rng(1);
   const std::vector<float> hadamard = kvcd::HadamardMatrix(kD);
   std::string table =
-      "| context | batch | BF16 ms | BF16 MB read | BF16 GB/s | INT2 ms | INT2 MB read | INT2 GB/s | "
+      "| context | batch | BF16 ms | BF16 MB read | BF16 GB/s | INT2 ms | INT2 MB read | INT2 GB/s "
+      "| "
       "INT2 speed-up |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   std::printf("CPU decode attention, Qwen3-8B layer (32 q / 8 kv heads, d 128, page 64), isa %s\n",
               kvcd::kernels::CpuIsaName(kvcd::kernels::ActiveCpuIsa()));
@@ -106,7 +107,8 @@ int main(int argc, char** argv) {
       const int64_t pages_per_seq = (n + kPage - 1) / kPage;
       double ms[2] = {0, 0}, mb[2] = {0, 0};
       for (int fmt = 0; fmt < 2; ++fmt) {
-        Pool pool = MakePool(*backend, fmt == 0 ? "bf16" : "int2-oscar", pages_per_seq * batch, rng);
+        Pool pool =
+            MakePool(*backend, fmt == 0 ? "bf16" : "int2-oscar", pages_per_seq * batch, rng);
         std::vector<float> q(static_cast<size_t>(batch) * kHq * kD), o(q.size()), lse(batch * kHq);
         std::normal_distribution<float> normal(0.0f, 1.0f);
         for (auto& x : q) x = normal(rng);
@@ -122,7 +124,8 @@ int main(int argc, char** argv) {
           kvcd::AttentionSegment seg;
           seg.format = fmt == 0 ? kvcd::PageFormat::kBf16 : kvcd::PageFormat::kInt2Oscar;
           seg.pool = pool.pool.get();
-          for (int64_t p = 0; p < pages_per_seq; ++p) seg.page_ids.push_back(static_cast<int32_t>(s * pages_per_seq + p));
+          for (int64_t p = 0; p < pages_per_seq; ++p)
+            seg.page_ids.push_back(static_cast<int32_t>(s * pages_per_seq + p));
           seg.token_end = n;
           job.segments.push_back(std::move(seg));
           job.q = q.data() + s * kHq * kD;
@@ -130,8 +133,7 @@ int main(int argc, char** argv) {
           job.lse = lse.data() + s * kHq;
           b.jobs.push_back(std::move(job));
         }
-        const double bytes_per_token = fmt == 0 ? 2.0 * kHkv * kD * 2
-                                                : 2.0 * kHkv * (kD / 4 + 4);
+        const double bytes_per_token = fmt == 0 ? 2.0 * kHkv * kD * 2 : 2.0 * kHkv * (kD / 4 + 4);
         mb[fmt] = bytes_per_token * n * batch / 1e6;
         const int reps = iters > 0 ? iters : std::max(3, static_cast<int>(2e9 / (mb[fmt] * 1e6)));
         (void)backend->Attend(b);  // warm-up
@@ -139,14 +141,17 @@ int main(int argc, char** argv) {
         for (int r = 0; r < reps; ++r) {
           const auto t0 = std::chrono::steady_clock::now();
           (void)backend->Attend(b);
-          times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+          times.push_back(
+              std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                  .count());
         }
         std::sort(times.begin(), times.end());
         ms[fmt] = times[times.size() / 2];  // median
         backend->FreePoolMemory(pool.mem, pool.bytes);
       }
       char line[512];
-      std::snprintf(line, sizeof(line), "| %lld | %d | %.3f | %.1f | %.1f | %.3f | %.1f | %.1f | %.2fx |\n",
+      std::snprintf(line, sizeof(line),
+                    "| %lld | %d | %.3f | %.1f | %.1f | %.3f | %.1f | %.1f | %.2fx |\n",
                     static_cast<long long>(n), batch, ms[0], mb[0], mb[0] / ms[0], ms[1], mb[1],
                     mb[1] / ms[1], ms[0] / ms[1]);
       std::fputs(line, stdout);

@@ -133,8 +133,8 @@ int main(int argc, char** argv) {
   // re-put before every run because the put workload may have evicted it.
   auto put_context = [&]() -> bool {
     for (int64_t begin = 0; begin < o.context_tokens; begin += 1024) {
-      auto put = (*admin)->Put(
-          MakePut(p, kContextSeed, std::min(o.context_tokens, begin + 1024), begin));
+      auto put =
+          (*admin)->Put(MakePut(p, kContextSeed, std::min(o.context_tokens, begin + 1024), begin));
       if (!put.ok()) {
         std::fprintf(stderr, "kvcd_load: context Put: %s\n",
                      std::string(put.status().message()).c_str());
@@ -189,7 +189,8 @@ int main(int argc, char** argv) {
             ++errors[c];
             return;
           }
-          const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(o.seconds);
+          const auto end =
+              std::chrono::steady_clock::now() + std::chrono::duration<double>(o.seconds);
           int64_t i = 0;
           while (std::chrono::steady_clock::now() < end) {
             const auto t0 = std::chrono::steady_clock::now();
@@ -205,7 +206,8 @@ int main(int argc, char** argv) {
               dec.set_layer(static_cast<int32_t>(i % p.num_layers()));
               s = (*client)->AttentionDecode(dec).status();
             }
-            lat[c].push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+            lat[c].push_back(
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
             if (!s.ok()) {
               if (errors[c]++ == 0) first_error[c] = std::string(s.message());
             }
@@ -233,10 +235,12 @@ int main(int argc, char** argv) {
       r.p90 = Percentile(all, 0.90) * 1e6;
       r.p99 = Percentile(all, 0.99) * 1e6;
       r.max = all.empty() ? 0 : *std::max_element(all.begin(), all.end()) * 1e6;
-      std::printf("%-7s clients %3d: %9.1f ops/s  p50 %9.1f us  p90 %9.1f us  p99 %9.1f us  errors %lld%s%s\n",
-                  bench.c_str(), nc, r.ops / r.seconds, r.p50, r.p90, r.p99,
-                  static_cast<long long>(r.errors), r.first_error.empty() ? "" : " first: ",
-                  r.first_error.c_str());
+      std::printf(
+          "%-7s clients %3d: %9.1f ops/s  p50 %9.1f us  p90 %9.1f us  p99 %9.1f us  errors "
+          "%lld%s%s\n",
+          bench.c_str(), nc, r.ops / r.seconds, r.p50, r.p90, r.p99,
+          static_cast<long long>(r.errors),
+          r.first_error.empty() ? "" : " first: ", r.first_error.c_str());
       std::fflush(stdout);
       results.push_back(r);
     }

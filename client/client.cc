@@ -39,11 +39,11 @@ absl::StatusOr<Resp> Unary(const Client* self, Call call) {
 }
 }  // namespace
 
-#define KVCD_CALL(Resp, Method, req)                           \
-  Unary<Resp>(this, [&](Resp* resp) {                          \
-    grpc::ClientContext ctx;                                   \
-    Prepare(&ctx);                                             \
-    return stub_->Method(&ctx, req, resp);                     \
+#define KVCD_CALL(Resp, Method, req)       \
+  Unary<Resp>(this, [&](Resp* resp) {      \
+    grpc::ClientContext ctx;               \
+    Prepare(&ctx);                         \
+    return stub_->Method(&ctx, req, resp); \
   })
 
 absl::StatusOr<v1::ModelInfo> Client::RegisterModel(const v1::ModelProfile& profile,

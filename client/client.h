@@ -24,8 +24,8 @@
 namespace kvcd {
 
 struct ClientOptions {
-  std::string target = "127.0.0.1:50051";      // host:port of the daemon
-  std::chrono::milliseconds deadline{30000};    // per call
+  std::string target = "127.0.0.1:50051";     // host:port of the daemon
+  std::chrono::milliseconds deadline{30000};  // per call
   std::chrono::milliseconds connect_timeout{10000};
   int64_t max_message_bytes = 256ll << 20;
 };
@@ -44,8 +44,8 @@ class DecodeStream {
   friend class Client;
   DecodeStream() = default;
   grpc::ClientContext ctx_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::AttentionDecodeRequest,
-                                           v1::AttentionDecodeStreamResponse>>
+  std::unique_ptr<
+      grpc::ClientReaderWriter<v1::AttentionDecodeRequest, v1::AttentionDecodeStreamResponse>>
       rw_;
   bool closed_ = false;
 };
@@ -75,7 +75,8 @@ class Client {
   absl::StatusOr<int64_t> RenewLease(uint64_t sequence_id, int64_t lease_ms = 0);
   // Returns the new length.
   absl::StatusOr<int64_t> Append(const v1::AppendRequest& req);
-  absl::StatusOr<v1::AttentionDecodeResponse> AttentionDecode(const v1::AttentionDecodeRequest& req);
+  absl::StatusOr<v1::AttentionDecodeResponse> AttentionDecode(
+      const v1::AttentionDecodeRequest& req);
   absl::StatusOr<v1::FetchPagesResponse> FetchPages(const v1::FetchPagesRequest& req);
   absl::StatusOr<v1::StatsResponse> Stats();
   // grpc.health.v1 Check of the whole server ("" service): SERVING, NOT_SERVING, ...

@@ -67,7 +67,8 @@ int64_t IntFlag(const Args& a, const std::string& name, int64_t def) {
   if (it == a.flags.end()) return def;
   int64_t v;
   if (!absl::SimpleAtoi(it->second, &v)) {
-    std::fprintf(stderr, "kvctl: --%s needs an integer, got '%s'\n", name.c_str(), it->second.c_str());
+    std::fprintf(stderr, "kvctl: --%s needs an integer, got '%s'\n", name.c_str(),
+                 it->second.c_str());
     std::exit(2);
   }
   return v;
@@ -80,14 +81,15 @@ std::string Flag(const Args& a, const std::string& name, const std::string& def 
 
 void PrintModel(const kvcd::v1::ModelInfo& m) {
   const auto& p = m.profile();
-  std::printf("%s: %d layers, %d q / %d kv heads, head_dim %d, page %d, sink %d, recent %d, "
-              "history %s, codec %s\n",
-              p.name().c_str(), p.num_layers(), p.num_q_heads(), p.num_kv_heads(), p.head_dim(),
-              p.page_size(), p.sink_tokens(), p.recent_tokens(),
-              kvcd::v1::HistoryFormat_Name(p.history_format()).c_str(), m.codec().c_str());
+  std::printf(
+      "%s: %d layers, %d q / %d kv heads, head_dim %d, page %d, sink %d, recent %d, "
+      "history %s, codec %s\n",
+      p.name().c_str(), p.num_layers(), p.num_q_heads(), p.num_kv_heads(), p.head_dim(),
+      p.page_size(), p.sink_tokens(), p.recent_tokens(),
+      kvcd::v1::HistoryFormat_Name(p.history_format()).c_str(), m.codec().c_str());
   for (const auto& pool : m.pools()) {
-    std::printf("  pool %-10s %8llu / %8llu pages used, %llu bytes per page\n", pool.format().c_str(),
-                static_cast<unsigned long long>(pool.pages_used()),
+    std::printf("  pool %-10s %8llu / %8llu pages used, %llu bytes per page\n",
+                pool.format().c_str(), static_cast<unsigned long long>(pool.pages_used()),
                 static_cast<unsigned long long>(pool.pages_total()),
                 static_cast<unsigned long long>(pool.page_bytes()));
   }
@@ -176,9 +178,12 @@ int Decode(kvcd::Client& c, const Args& a) {
     kvcd::v1::AppendRequest req;
     req.set_sequence_id(open->sequence_id());
     req.mutable_tokens()->Add(tokens.begin() + matched, tokens.end());
-    const std::vector<int64_t> shape = {p.num_layers(), n - matched, p.num_kv_heads(), p.head_dim()};
-    kvcd::SetBf16FromFloat(req.mutable_k(), shape, kvcd::synthetic::Kv(seed, p, matched, n - matched, 0).data());
-    kvcd::SetBf16FromFloat(req.mutable_v(), shape, kvcd::synthetic::Kv(seed, p, matched, n - matched, 1).data());
+    const std::vector<int64_t> shape = {p.num_layers(), n - matched, p.num_kv_heads(),
+                                        p.head_dim()};
+    kvcd::SetBf16FromFloat(req.mutable_k(), shape,
+                           kvcd::synthetic::Kv(seed, p, matched, n - matched, 0).data());
+    kvcd::SetBf16FromFloat(req.mutable_v(), shape,
+                           kvcd::synthetic::Kv(seed, p, matched, n - matched, 1).data());
     auto len = c.Append(req);
     if (!len.ok()) return Fail(len.status());
   }
@@ -205,9 +210,10 @@ int Decode(kvcd::Client& c, const Args& a) {
       if (!r.ok()) return Fail(r.status());
       kernel += r->kernel_seconds();
     }
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - ts).count();
-    std::printf("step %3lld: context %lld tokens, %d layers in %.2f ms\n", static_cast<long long>(s),
-                static_cast<long long>(pos + 1), p.num_layers(), ms);
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - ts).count();
+    std::printf("step %3lld: context %lld tokens, %d layers in %.2f ms\n",
+                static_cast<long long>(s), static_cast<long long>(pos + 1), p.num_layers(), ms);
   }
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("%lld steps in %.3f s: %.1f tokens/s (kernel %.1f%% of the time)\n",

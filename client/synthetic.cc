@@ -24,7 +24,8 @@ std::vector<int32_t> Tokens(uint64_t seed, int64_t begin, int64_t n, int32_t voc
 }
 
 float Value(uint64_t seed, int32_t layer, int64_t pos, int32_t head, int32_t dim, int kind) {
-  uint64_t h = Mix(seed ^ (static_cast<uint64_t>(Token(seed, pos)) << 20) ^ static_cast<uint64_t>(pos));
+  uint64_t h =
+      Mix(seed ^ (static_cast<uint64_t>(Token(seed, pos)) << 20) ^ static_cast<uint64_t>(pos));
   h = Mix(h ^ (static_cast<uint64_t>(layer) << 40) ^ (static_cast<uint64_t>(head) << 24) ^
           (static_cast<uint64_t>(dim) << 4) ^ static_cast<uint64_t>(kind));
   return static_cast<float>(static_cast<double>(h >> 11) * (2.0 / 9007199254740992.0) - 1.0);

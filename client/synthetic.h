@@ -19,8 +19,7 @@ std::vector<int32_t> Tokens(uint64_t seed, int64_t begin, int64_t n, int32_t voc
 float Value(uint64_t seed, int32_t layer, int64_t pos, int32_t head, int32_t dim, int kind);
 
 // K or V of tokens [begin, begin + n): [layers][n][kv_heads][head_dim] floats.
-std::vector<float> Kv(uint64_t seed, const v1::ModelProfile& p, int64_t begin, int64_t n,
-                      int kind);
+std::vector<float> Kv(uint64_t seed, const v1::ModelProfile& p, int64_t begin, int64_t n, int kind);
 
 // One token at one layer: [kv_heads][head_dim] (kind 0/1) or [q_heads][head_dim] (kind 2).
 std::vector<float> Row(uint64_t seed, const v1::ModelProfile& p, int32_t layer, int64_t pos,

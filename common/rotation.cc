@@ -43,7 +43,8 @@ std::vector<int> EigenBitReversalPermutation(const std::vector<double>& eigenval
   while ((1 << bits) < d) ++bits;
   std::vector<int> s(static_cast<size_t>(d));
   std::iota(s.begin(), s.end(), 0);
-  std::stable_sort(s.begin(), s.end(), [&](int a, int b) { return eigenvalues[a] > eigenvalues[b]; });
+  std::stable_sort(s.begin(), s.end(),
+                   [&](int a, int b) { return eigenvalues[a] > eigenvalues[b]; });
   std::vector<int> perm(static_cast<size_t>(d));
   for (int i = 0; i < d; ++i) perm[BitReverse(i, bits)] = s[i];
   return perm;
@@ -73,7 +74,8 @@ std::vector<float> OscarRotation(const std::vector<double>& cov, int d,
   const std::vector<int> perm = EigenBitReversalPermutation(ev);
   std::vector<float> r(static_cast<size_t>(d) * d);
   for (int i = 0; i < d; ++i)
-    for (int k = 0; k < d; ++k) r[i * d + k] = static_cast<float>(uh(i, perm[k]));  // (UH) I[:, perm]
+    for (int k = 0; k < d; ++k)
+      r[i * d + k] = static_cast<float>(uh(i, perm[k]));  // (UH) I[:, perm]
   return r;
 }
 

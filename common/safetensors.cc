@@ -71,14 +71,14 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::string bytes) {
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | static_cast<uint8_t>(f.bytes_[i]);
   if (header_len > static_cast<uint64_t>(total - 8) || header_len > (100u << 20)) {
-    return absl::InvalidArgumentError(absl::StrCat("safetensors: header length ", header_len,
-                                                   " exceeds the file size ", total));
+    return absl::InvalidArgumentError(
+        absl::StrCat("safetensors: header length ", header_len, " exceeds the file size ", total));
   }
   f.data_start_ = 8 + static_cast<int64_t>(header_len);
   const int64_t data_len = total - f.data_start_;
-  nlohmann::json header = nlohmann::json::parse(f.bytes_.begin() + 8,
-                                                f.bytes_.begin() + f.data_start_, nullptr,
-                                                /*allow_exceptions=*/false);
+  nlohmann::json header =
+      nlohmann::json::parse(f.bytes_.begin() + 8, f.bytes_.begin() + f.data_start_, nullptr,
+                            /*allow_exceptions=*/false);
   if (header.is_discarded() || !header.is_object()) {
     return absl::InvalidArgumentError("safetensors: header is not a JSON object");
   }
@@ -130,10 +130,10 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::string bytes) {
     auto bytes_needed = CheckedMul(elems, esize);
     if (e.begin < 0 || e.end < e.begin || e.end > data_len || !bytes_needed ||
         e.end - e.begin != *bytes_needed) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "safetensors: tensor '", it.key(), "' data_offsets [", e.begin, ", ", e.end,
-          ") do not match its shape (", elems, " x ", esize, " bytes) or the data size ",
-          data_len));
+      return absl::InvalidArgumentError(absl::StrCat("safetensors: tensor '", it.key(),
+                                                     "' data_offsets [", e.begin, ", ", e.end,
+                                                     ") do not match its shape (", elems, " x ",
+                                                     esize, " bytes) or the data size ", data_len));
     }
     f.tensors_[it.key()] = std::move(e);
   }
@@ -188,9 +188,9 @@ absl::StatusOr<std::vector<float>> SafetensorsFile::ReadFloats(
 
 void SafetensorsWriter::Add(const std::string& name, const std::string& dtype,
                             std::vector<int64_t> shape, const void* data, int64_t size_bytes) {
-  tensors_.push_back(Pending{name, dtype, std::move(shape),
-                             std::string(static_cast<const char*>(data),
-                                         static_cast<size_t>(size_bytes))});
+  tensors_.push_back(
+      Pending{name, dtype, std::move(shape),
+              std::string(static_cast<const char*>(data), static_cast<size_t>(size_bytes))});
 }
 
 void SafetensorsWriter::AddF32(const std::string& name, std::vector<int64_t> shape,

@@ -17,7 +17,7 @@
 namespace kvcd {
 
 struct SafetensorView {
-  std::string dtype;            // "BF16", "F32", "F16", "U8", "I32", ...
+  std::string dtype;  // "BF16", "F32", "F16", "U8", "I32", ...
   std::vector<int64_t> shape;
   const uint8_t* data = nullptr;
   int64_t size_bytes = 0;

@@ -8,9 +8,9 @@
 #define KVCD_CONCAT(a, b) KVCD_CONCAT_INNER(a, b)
 
 // Returns the status from the enclosing function if `expr` is not OK.
-#define KVCD_RETURN_IF_ERROR(expr)              \
-  do {                                          \
-    ::absl::Status kvcd_status_ = (expr);       \
+#define KVCD_RETURN_IF_ERROR(expr)               \
+  do {                                           \
+    ::absl::Status kvcd_status_ = (expr);        \
     if (!kvcd_status_.ok()) return kvcd_status_; \
   } while (0)
 

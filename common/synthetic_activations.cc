@@ -82,7 +82,8 @@ std::vector<LayerActivations> GenerateActivations(const ActivationSpec& s) {
           float* q = L.q.data() + (t * hq + h * g + j) * d;
           for (int c = 0; c < d; ++c) {
             float acc = 0.1f * normal(rng);
-            for (int r = 0; r < s.query_rank; ++r) acc += basis[(j * d + c) * s.query_rank + r] * z[r];
+            for (int r = 0; r < s.query_rank; ++r)
+              acc += basis[(j * d + c) * s.query_rank + r] * z[r];
             q[c] = s.query_scale * acc;
           }
           ApplyRope(q, d, t, s.rope_theta);

@@ -23,10 +23,10 @@ struct ActivationSpec {
   int head_dim = 128;
   int64_t tokens = 512;
   uint64_t seed = 1;
-  int outlier_pairs = 3;       // per KV head
+  int outlier_pairs = 3;  // per KV head
   float outlier_scale = 6.0f;
   int query_rank = 8;
-  float query_scale = 0.25f;   // |q| ~ query_scale * sqrt(head_dim): logits of O(1..10)
+  float query_scale = 0.25f;  // |q| ~ query_scale * sqrt(head_dim): logits of O(1..10)
   int sink_tokens = 4;
   float sink_strength = 4.0f;
   double rope_theta = 10000.0;

@@ -43,7 +43,8 @@ absl::Status CheckTensorRef(const v1::TensorRef& t, absl::string_view field,
                             std::initializer_list<v1::DType> allowed) {
   if (t.payload_case() == v1::TensorRef::kCudaIpc || t.payload_case() == v1::TensorRef::kNccl) {
     return absl::UnimplementedError(absl::StrCat(
-        field, ": CUDA-IPC and NCCL payloads are not served by this daemon build; send inline_data"));
+        field,
+        ": CUDA-IPC and NCCL payloads are not served by this daemon build; send inline_data"));
   }
   bool dtype_ok = false;
   std::vector<std::string> names;
@@ -64,9 +65,8 @@ absl::Status CheckTensorRef(const v1::TensorRef& t, absl::string_view field,
     shape_ok = t.shape(i) >= 0 && (expected_shape[i] < 0 || t.shape(i) == expected_shape[i]);
   }
   if (!shape_ok) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".shape is [",
-                                                   absl::StrJoin(t.shape(), ", "),
-                                                   "], expected ", want_str));
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".shape is [", absl::StrJoin(t.shape(), ", "), "], expected ", want_str));
   }
   int64_t bytes = DTypeSize(t.dtype());
   for (int64_t dim : t.shape()) {
@@ -78,10 +78,9 @@ absl::Status CheckTensorRef(const v1::TensorRef& t, absl::string_view field,
     return absl::InvalidArgumentError(absl::StrCat(field, " has no payload; set inline_data"));
   }
   if (static_cast<int64_t>(t.inline_data().size()) != bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".inline_data has ",
-                                                   t.inline_data().size(), " bytes, expected ",
-                                                   bytes, " for shape ", want_str, " ",
-                                                   DTypeName(t.dtype())));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".inline_data has ", t.inline_data().size(), " bytes, expected ", bytes,
+                     " for shape ", want_str, " ", DTypeName(t.dtype())));
   }
   return absl::OkStatus();
 }

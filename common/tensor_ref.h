@@ -4,10 +4,10 @@
 
 #include <cstdint>
 #include <initializer_list>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "kvcd/v1/kvcache.pb.h"
 

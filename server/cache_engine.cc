@@ -24,14 +24,14 @@ int64_t NowNs() {
 
 absl::Status CheckSalt(const std::string& salt) {
   if (salt.size() > kMaxSaltBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("cache_salt has ", salt.size(),
-                                                   " bytes, expected at most ", kMaxSaltBytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cache_salt has ", salt.size(), " bytes, expected at most ", kMaxSaltBytes));
   }
   return absl::OkStatus();
 }
 
-absl::Status CheckTokens(const google::protobuf::RepeatedField<int32_t>& tokens,
-                         const char* field, bool allow_empty) {
+absl::Status CheckTokens(const google::protobuf::RepeatedField<int32_t>& tokens, const char* field,
+                         bool allow_empty) {
   const int64_t n = tokens.size();
   if (n == 0 && !allow_empty) {
     return absl::InvalidArgumentError(absl::StrCat(field, " is empty, expected at least 1 token"));
@@ -86,9 +86,8 @@ ModelSpec SpecFromProfile(const v1::ModelProfile& p) {
   s.page_size = p.page_size();
   s.sink_tokens = p.sink_tokens();
   s.recent_tokens = p.recent_tokens();
-  s.history_format = p.history_format() == v1::HISTORY_FORMAT_INT2_OSCAR
-                         ? HistoryFormat::kInt2Oscar
-                         : HistoryFormat::kBf16;
+  s.history_format = p.history_format() == v1::HISTORY_FORMAT_INT2_OSCAR ? HistoryFormat::kInt2Oscar
+                                                                         : HistoryFormat::kBf16;
   s.rope_theta = p.rope().theta() == 0 ? 10000.0 : p.rope().theta();
   s.rope_rotary_dims = p.rope().rotary_dims();
   s.rope_scaling = p.rope().scaling() == 0 ? 1.0 : p.rope().scaling();
@@ -136,8 +135,8 @@ absl::Status CacheEngine::RegisterModelSpec(const ModelSpec& spec, const std::st
     ProfileFromSpec(it->second->spec(), &a);
     ProfileFromSpec(spec, &b);
     if (a.SerializeAsString() == b.SerializeAsString()) return absl::OkStatus();  // idempotent
-    return absl::AlreadyExistsError(absl::StrCat(
-        "model '", spec.name, "' is already registered with a different profile"));
+    return absl::AlreadyExistsError(
+        absl::StrCat("model '", spec.name, "' is already registered with a different profile"));
   }
   if (spec.memory_bytes > config_.memory_budget_bytes - budget_used_) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -157,8 +156,8 @@ absl::StatusOr<ModelCache*> CacheEngine::FindModel(const std::string& name) cons
   std::lock_guard<std::mutex> lock(mu_);
   auto it = models_.find(name);
   if (it == models_.end()) {
-    return absl::NotFoundError(absl::StrCat("model '", name,
-                                            "' is not registered; ListModels shows the models"));
+    return absl::NotFoundError(
+        absl::StrCat("model '", name, "' is not registered; ListModels shows the models"));
   }
   return it->second.get();
 }
@@ -176,9 +175,8 @@ absl::StatusOr<std::shared_ptr<Sequence>> CacheEngine::FindSequence(uint64_t id)
 absl::StatusOr<int64_t> CacheEngine::GrantLease(int64_t requested_ms) const {
   if (requested_ms == 0) return config_.default_lease_ms;
   if (requested_ms < 10 || requested_ms > config_.max_lease_ms) {
-    return absl::InvalidArgumentError(absl::StrCat("lease_ms is ", requested_ms,
-                                                   ", expected 0 (default) or 10..",
-                                                   config_.max_lease_ms));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "lease_ms is ", requested_ms, ", expected 0 (default) or 10..", config_.max_lease_ms));
   }
   return requested_ms;
 }
@@ -230,9 +228,9 @@ absl::Status CacheEngine::Put(const v1::PutRequest& req, v1::PutResponse* resp) 
   const int64_t n = req.tokens_size();
   const int64_t first = req.kv_first_token();
   if (first < 0 || first > n || first % m->spec().page_size != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "kv_first_token is ", first, ", expected a multiple of page_size (",
-        m->spec().page_size, ") in 0..", n, " (the number of tokens)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_first_token is ", first, ", expected a multiple of page_size (",
+                     m->spec().page_size, ") in 0..", n, " (the number of tokens)"));
   }
   KVCD_RETURN_IF_ERROR(CheckKv(m->spec(), req.k(), req.v(), n - first));
   KVCD_ASSIGN_OR_RETURN(PutResult r, m->Put(req.cache_salt(), req.tokens(), first,
@@ -318,9 +316,9 @@ absl::Status CacheEngine::Append(const v1::AppendRequest& req, v1::AppendRespons
   const int64_t n = req.tokens_size();
   KVCD_RETURN_IF_ERROR(CheckKv(s, req.k(), req.v(), n));
   Touch(seq.get());
-  KVCD_ASSIGN_OR_RETURN(int64_t len, seq->model->Append(seq.get(), req.tokens(),
-                                                        RowsOf(req.k(), n, s),
-                                                        RowsOf(req.v(), n, s)));
+  KVCD_ASSIGN_OR_RETURN(
+      int64_t len,
+      seq->model->Append(seq.get(), req.tokens(), RowsOf(req.k(), n, s), RowsOf(req.v(), n, s)));
   resp->set_length(len);
   return absl::OkStatus();
 }
@@ -331,23 +329,23 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
   resp->set_request_id(req.request_id());
   const int64_t batch = req.sequence_ids_size();
   if (batch < 1 || batch > kMaxBatch) {
-    return absl::InvalidArgumentError(absl::StrCat("sequence_ids has ", batch,
-                                                   " entries, expected 1..", kMaxBatch));
+    return absl::InvalidArgumentError(
+        absl::StrCat("sequence_ids has ", batch, " entries, expected 1..", kMaxBatch));
   }
   std::vector<std::shared_ptr<Sequence>> seqs;
   std::unordered_set<uint64_t> seen;
   for (int64_t b = 0; b < batch; ++b) {
     const uint64_t id = req.sequence_ids(static_cast<int>(b));
     if (!seen.insert(id).second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("sequence_ids[", b, "] = ", id, " appears twice; a batch needs distinct ids"));
+      return absl::InvalidArgumentError(absl::StrCat("sequence_ids[", b, "] = ", id,
+                                                     " appears twice; a batch needs distinct ids"));
     }
     KVCD_ASSIGN_OR_RETURN(auto seq, FindSequence(id));
     if (!seqs.empty() && seq->model != seqs.front()->model) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "sequence_ids[", b, "] belongs to model '", seq->model->spec().name,
-          "', expected every sequence of the batch on model '", seqs.front()->model->spec().name,
-          "'"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence_ids[", b, "] belongs to model '", seq->model->spec().name,
+                       "', expected every sequence of the batch on model '",
+                       seqs.front()->model->spec().name, "'"));
     }
     seqs.push_back(std::move(seq));
   }
@@ -360,19 +358,22 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
   KVCD_RETURN_IF_ERROR(CheckTensorRef(req.q(), "q", {batch, s.num_q_heads, s.head_dim},
                                       {v1::DTYPE_BF16, v1::DTYPE_F32}));
   if (!std::isfinite(req.softmax_scale()) || req.softmax_scale() < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "softmax_scale is ", req.softmax_scale(), ", expected a finite value >= 0 (0 = 1/sqrt(d))"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("softmax_scale is ", req.softmax_scale(),
+                     ", expected a finite value >= 0 (0 = 1/sqrt(d))"));
   }
   const bool fused = req.has_k_new() || req.has_v_new();
   std::vector<ModelCache::NewToken> new_tokens;
   if (fused) {
     const std::vector<int64_t> shape = {batch, s.num_kv_heads, s.head_dim};
-    KVCD_RETURN_IF_ERROR(CheckTensorRef(req.k_new(), "k_new", shape, {v1::DTYPE_BF16, v1::DTYPE_F32}));
-    KVCD_RETURN_IF_ERROR(CheckTensorRef(req.v_new(), "v_new", shape, {v1::DTYPE_BF16, v1::DTYPE_F32}));
+    KVCD_RETURN_IF_ERROR(
+        CheckTensorRef(req.k_new(), "k_new", shape, {v1::DTYPE_BF16, v1::DTYPE_F32}));
+    KVCD_RETURN_IF_ERROR(
+        CheckTensorRef(req.v_new(), "v_new", shape, {v1::DTYPE_BF16, v1::DTYPE_F32}));
     if (req.new_tokens_size() != batch) {
       return absl::InvalidArgumentError(absl::StrCat("new_tokens has ", req.new_tokens_size(),
-                                                     " entries, expected one per sequence (",
-                                                     batch, ")"));
+                                                     " entries, expected one per sequence (", batch,
+                                                     ")"));
     }
     KVCD_RETURN_IF_ERROR(CheckTokens(req.new_tokens(), "new_tokens", false));
     const int64_t row = int64_t{s.num_kv_heads} * s.head_dim;
@@ -435,8 +436,8 @@ absl::Status CacheEngine::FetchPages(const v1::FetchPagesRequest& req,
   }
   const int64_t len = seq->model->Length(seq.get());
   if (req.first_token() > len) {
-    return absl::InvalidArgumentError(absl::StrCat("first_token ", req.first_token(),
-                                                   " is past the sequence length ", len));
+    return absl::InvalidArgumentError(
+        absl::StrCat("first_token ", req.first_token(), " is past the sequence length ", len));
   }
   const int64_t n = req.num_tokens() == 0 ? len - req.first_token() : req.num_tokens();
   const int64_t limit = config_.max_message_bytes - (1 << 16);
@@ -446,9 +447,9 @@ absl::Status CacheEngine::FetchPages(const v1::FetchPagesRequest& req,
     const int64_t pages = (n + s.page_size - 1) / s.page_size;
     const auto stored = CheckedMul(pages, seq->model->PageBytes(0));
     if (!stored || *stored > limit) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "num_tokens ", n, " covers pages larger than max_message_bytes (",
-          config_.max_message_bytes, "); fetch fewer tokens per call"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("num_tokens ", n, " covers pages larger than max_message_bytes (",
+                       config_.max_message_bytes, "); fetch fewer tokens per call"));
     }
     std::vector<ModelCache::StoredPageCopy> copies;
     KVCD_RETURN_IF_ERROR(seq->model->FetchStored(seq.get(), req.first_token(), n, &copies));
@@ -472,7 +473,8 @@ absl::Status CacheEngine::FetchPages(const v1::FetchPagesRequest& req,
   const int64_t elems = *bytes / 4;
   std::vector<uint16_t> k(static_cast<size_t>(elems)), v(static_cast<size_t>(elems));
   std::vector<std::string> formats;
-  KVCD_RETURN_IF_ERROR(seq->model->Fetch(seq.get(), req.first_token(), n, k.data(), v.data(), &formats));
+  KVCD_RETURN_IF_ERROR(
+      seq->model->Fetch(seq.get(), req.first_token(), n, k.data(), v.data(), &formats));
   const std::vector<int64_t> shape = {s.num_layers, n, s.num_kv_heads, s.head_dim};
   SetBf16Tensor(resp->mutable_k(), shape, k.data());
   SetBf16Tensor(resp->mutable_v(), shape, v.data());
@@ -539,7 +541,8 @@ int64_t CacheEngine::ActiveSequences() const {
 uint64_t CacheEngine::MemoryUsedBytes() const {
   uint64_t used = 0;
   for (const auto& mv : SnapshotModels()) {
-    for (const auto& p : mv.snapshot.pools) used += static_cast<uint64_t>(p.page_bytes) * p.pages_used;
+    for (const auto& p : mv.snapshot.pools)
+      used += static_cast<uint64_t>(p.page_bytes) * p.pages_used;
   }
   return used;
 }

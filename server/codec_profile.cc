@@ -47,9 +47,9 @@ absl::StatusOr<CodecProfile> CodecProfile::FromSafetensors(const SafetensorsFile
       }
       const double err = OrthogonalityError(*v, head_dim);
       if (!(err <= 1e-3)) {
-        return absl::InvalidArgumentError(absl::StrCat("codec file: ", name,
-                                                       " is not orthogonal (max |R R^T - I| = ",
-                                                       err, ", expected <= 1e-3)"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("codec file: ", name, " is not orthogonal (max |R R^T - I| = ", err,
+                         ", expected <= 1e-3)"));
       }
       (std::string(which) == "r_k" ? layer.r_k : layer.r_v) = std::move(*v);
     }
@@ -57,7 +57,8 @@ absl::StatusOr<CodecProfile> CodecProfile::FromSafetensors(const SafetensorsFile
       const std::string name = absl::StrCat("layers.", l, ".", which);
       if (!file.Has(name)) continue;
       auto v = file.ReadFloats(name, {});
-      if (!v.ok()) return absl::InvalidArgumentError(absl::StrCat("codec file: ", v.status().message()));
+      if (!v.ok())
+        return absl::InvalidArgumentError(absl::StrCat("codec file: ", v.status().message()));
       if (v->size() != 1 || !((*v)[0] > 0.0f && (*v)[0] <= 1.0f)) {
         return absl::InvalidArgumentError(
             absl::StrCat("codec file: ", name, " must be one value in (0, 1]"));

@@ -24,9 +24,8 @@ class CodecProfile {
   static CodecProfile Hadamard(int num_layers, int head_dim);
   // Loads a codec file; INVALID_ARGUMENT naming the tensor when a shape, dtype, ratio or
   // orthogonality check fails.
-  static absl::StatusOr<CodecProfile> FromSafetensors(const SafetensorsFile& file,
-                                                      int num_layers, int head_dim,
-                                                      const std::string& description);
+  static absl::StatusOr<CodecProfile> FromSafetensors(const SafetensorsFile& file, int num_layers,
+                                                      int head_dim, const std::string& description);
 
   const float* RK(int layer) const { return layers_[layer].r_k.data(); }
   const float* RV(int layer) const { return layers_[layer].r_v.data(); }

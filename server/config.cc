@@ -20,9 +20,9 @@ absl::Status CheckKeys(const YAML::Node& node, const std::string& where,
   for (const auto& kv : node) {
     const std::string key = kv.first.as<std::string>();
     if (!allowed.count(key)) {
-      return absl::InvalidArgumentError(absl::StrCat("unknown key '", where.empty() ? "" : where + ".",
-                                                     key, "'; expected one of: ",
-                                                     absl::StrJoin(allowed, ", ")));
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown key '", where.empty() ? "" : where + ".", key,
+                       "'; expected one of: ", absl::StrJoin(allowed, ", ")));
     }
   }
   return absl::OkStatus();
@@ -57,16 +57,17 @@ absl::Status ReadBytes(const YAML::Node& node, const std::string& key, const std
 
 absl::Status ParseModel(const YAML::Node& m, int index, ModelSpec* spec) {
   const std::string where = absl::StrCat("models[", index, "].");
-  KVCD_RETURN_IF_ERROR(CheckKeys(
-      m, absl::StrCat("models[", index, "]"),
-      {"builtin", "name", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "page_size",
-       "sink_tokens", "recent_tokens", "history_format", "rope", "memory", "bf16_fraction",
-       "codec_file", "codec"}));
+  KVCD_RETURN_IF_ERROR(
+      CheckKeys(m, absl::StrCat("models[", index, "]"),
+                {"builtin", "name", "num_layers", "num_q_heads", "num_kv_heads", "head_dim",
+                 "page_size", "sink_tokens", "recent_tokens", "history_format", "rope", "memory",
+                 "bf16_fraction", "codec_file", "codec"}));
   if (m["builtin"]) {
     const std::string b = m["builtin"].as<std::string>();
     auto builtin = BuiltinModelSpec(b);
     if (!builtin) {
-      return absl::InvalidArgumentError(absl::StrCat(where, "builtin is '", b, "', expected one of ",
+      return absl::InvalidArgumentError(absl::StrCat(where, "builtin is '", b,
+                                                     "', expected one of ",
                                                      absl::StrJoin(BuiltinModelNames(), ", ")));
     }
     *spec = *builtin;
@@ -128,8 +129,8 @@ absl::StatusOr<uint64_t> ParseByteSize(const std::string& s) {
   } else if (unit == "GB") {
     mult = 1e9;
   } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unit '", unit, "' in '", s, "' is not one of B, KiB, MiB, GiB, TiB, KB, MB, GB"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unit '", unit, "' in '", s, "' is not one of B, KiB, MiB, GiB, TiB, KB, MB, GB"));
   }
   const double bytes = value * mult;
   if (!(bytes >= 0) || bytes > 9.0e18) {
@@ -148,11 +149,11 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
   }
   if (root.IsNull()) return c;
   try {
-    KVCD_RETURN_IF_ERROR(CheckKeys(
-        root, "",
-        {"listen", "health_listen", "metrics_listen", "backend", "memory_budget", "high_watermark",
-         "low_watermark", "lease", "worker_threads", "compute_threads", "max_message_bytes",
-         "max_sequences", "drain_timeout_ms", "models"}));
+    KVCD_RETURN_IF_ERROR(
+        CheckKeys(root, "",
+                  {"listen", "health_listen", "metrics_listen", "backend", "memory_budget",
+                   "high_watermark", "low_watermark", "lease", "worker_threads", "compute_threads",
+                   "max_message_bytes", "max_sequences", "drain_timeout_ms", "models"}));
     KVCD_RETURN_IF_ERROR(Read(root, "listen", "", &c.listen));
     KVCD_RETURN_IF_ERROR(Read(root, "health_listen", "", &c.health_listen));
     KVCD_RETURN_IF_ERROR(Read(root, "metrics_listen", "", &c.metrics_listen));
@@ -187,22 +188,22 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
         absl::StrCat("backend is '", c.backend, "', expected 'cpu' or 'cuda'"));
   }
   if (!(c.low_watermark > 0 && c.low_watermark < c.high_watermark && c.high_watermark <= 1)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "watermarks must satisfy 0 < low_watermark < high_watermark <= 1; got low ",
-        c.low_watermark, ", high ", c.high_watermark));
+    return absl::InvalidArgumentError(
+        absl::StrCat("watermarks must satisfy 0 < low_watermark < high_watermark <= 1; got low ",
+                     c.low_watermark, ", high ", c.high_watermark));
   }
   if (c.default_lease_ms < 10 || c.max_lease_ms < c.default_lease_ms) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "lease.default_ms must be >= 10 and lease.max_ms >= lease.default_ms; got ",
-        c.default_lease_ms, " and ", c.max_lease_ms));
+    return absl::InvalidArgumentError(
+        absl::StrCat("lease.default_ms must be >= 10 and lease.max_ms >= lease.default_ms; got ",
+                     c.default_lease_ms, " and ", c.max_lease_ms));
   }
   if (c.worker_threads < 0 || c.worker_threads > 1024 || c.compute_threads < 0 ||
       c.compute_threads > 1024) {
     return absl::InvalidArgumentError("worker_threads and compute_threads must be in 0..1024");
   }
   if (c.max_message_bytes < (1 << 20) || c.max_message_bytes > (2047ll << 20)) {
-    return absl::InvalidArgumentError(absl::StrCat("max_message_bytes is ", c.max_message_bytes,
-                                                   ", expected 1MiB..2047MiB"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_message_bytes is ", c.max_message_bytes, ", expected 1MiB..2047MiB"));
   }
   if (c.max_sequences < 1) return absl::InvalidArgumentError("max_sequences must be >= 1");
   uint64_t total = 0;
@@ -227,7 +228,8 @@ absl::StatusOr<ServerConfig> LoadConfigFile(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   auto c = ParseConfig(ss.str());
-  if (!c.ok()) return absl::Status(c.status().code(), absl::StrCat(path, ": ", c.status().message()));
+  if (!c.ok())
+    return absl::Status(c.status().code(), absl::StrCat(path, ": ", c.status().message()));
   return c;
 }
 

@@ -17,8 +17,8 @@ struct ServerConfig {
   std::string metrics_listen = "127.0.0.1:9464";  // Prometheus exposer; "" disables
   std::string backend = "cpu";                    // "cpu" (or "cuda" when built with CUDA)
   uint64_t memory_budget_bytes = 1ull << 30;      // total for all model pools
-  double high_watermark = 0.95;  // evict when a pool is fuller than this ...
-  double low_watermark = 0.85;   // ... down to this
+  double high_watermark = 0.95;                   // evict when a pool is fuller than this ...
+  double low_watermark = 0.85;                    // ... down to this
   int64_t default_lease_ms = 30000;
   int64_t max_lease_ms = 600000;
   int worker_threads = 0;   // request executor threads (0 = number of CPUs)

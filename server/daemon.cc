@@ -46,8 +46,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerConfig& config
   }
   d->metrics_ = std::make_unique<Metrics>(d->engine_.get());
   d->executor_ = std::make_unique<ThreadPool>(config.worker_threads);
-  d->service_ = std::make_unique<KvCacheService>(d->engine_.get(), d->metrics_.get(),
-                                                 d->executor_.get());
+  d->service_ =
+      std::make_unique<KvCacheService>(d->engine_.get(), d->metrics_.get(), d->executor_.get());
 
   grpc::ServerBuilder builder;
   int port = 0;
@@ -85,8 +85,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerConfig& config
 }
 
 void Daemon::ReaperLoop() {
-  const auto period =
-      std::chrono::milliseconds(std::max<int64_t>(5, std::min<int64_t>(250, config_.default_lease_ms / 4)));
+  const auto period = std::chrono::milliseconds(
+      std::max<int64_t>(5, std::min<int64_t>(250, config_.default_lease_ms / 4)));
   std::unique_lock<std::mutex> lock(mu_);
   while (!stopping_) {
     cv_.wait_for(lock, period);
@@ -119,10 +119,11 @@ void Daemon::Drain() {
   if (health_server_) health_server_->Shutdown(deadline);
   const auto t2 = std::chrono::steady_clock::now();
   if (reaper_.joinable()) reaper_.join();
-  std::fprintf(stderr, "kvcd: drain: api %.0f ms, health %.0f ms, reaper %.0f ms\n",
-               std::chrono::duration<double, std::milli>(t1 - t0).count(),
-               std::chrono::duration<double, std::milli>(t2 - t1).count(),
-               std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t2).count());
+  std::fprintf(
+      stderr, "kvcd: drain: api %.0f ms, health %.0f ms, reaper %.0f ms\n",
+      std::chrono::duration<double, std::milli>(t1 - t0).count(),
+      std::chrono::duration<double, std::milli>(t2 - t1).count(),
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t2).count());
   {
     std::lock_guard<std::mutex> lock(mu_);
     drained_ = true;

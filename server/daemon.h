@@ -47,8 +47,8 @@ class Daemon {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<ThreadPool> executor_;
   std::unique_ptr<KvCacheService> service_;
-  HealthService health_;         // on the API port
-  HealthService health_only_;    // on the optional health-only port
+  HealthService health_;       // on the API port
+  HealthService health_only_;  // on the optional health-only port
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<grpc::Server> health_server_;
   std::string grpc_address_, metrics_address_, health_address_;

@@ -93,9 +93,9 @@ grpc::ServerUnaryReactor* HealthService::Check(grpc::CallbackServerContext* ctx,
                                                HealthCheckResponse* resp) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   if (!KnownService(req->service())) {
-    reactor->Finish(grpc::Status(grpc::StatusCode::NOT_FOUND,
-                                 "unknown service '" + req->service() +
-                                     "'; kvcd reports '' and 'kvcd.v1.KvCache'"));
+    reactor->Finish(grpc::Status(
+        grpc::StatusCode::NOT_FOUND,
+        "unknown service '" + req->service() + "'; kvcd reports '' and 'kvcd.v1.KvCache'"));
     return reactor;
   }
   resp->set_status(serving() ? HealthCheckResponse::SERVING : HealthCheckResponse::NOT_SERVING);

@@ -1,9 +1,10 @@
 // kvcd: the KV-cache daemon.
-#include <csignal>
-#include <cstdlib>
-#include <cstdio>
-#include <cstring>
 #include <pthread.h>
+
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 #include <thread>
 
@@ -99,10 +100,11 @@ int main(int argc, char** argv) {
                 config.listen.c_str(), config.backend.c_str(),
                 static_cast<unsigned long long>(config.memory_budget_bytes), config.models.size());
     for (const auto& m : config.models) {
-      std::printf("  %s: %d layers, %d q / %d kv heads, head_dim %d, page %d, history %s, %llu bytes\n",
-                  m.name.c_str(), m.num_layers, m.num_q_heads, m.num_kv_heads, m.head_dim,
-                  m.page_size, kvcd::HistoryFormatName(m.history_format),
-                  static_cast<unsigned long long>(m.memory_bytes));
+      std::printf(
+          "  %s: %d layers, %d q / %d kv heads, head_dim %d, page %d, history %s, %llu bytes\n",
+          m.name.c_str(), m.num_layers, m.num_q_heads, m.num_kv_heads, m.head_dim, m.page_size,
+          kvcd::HistoryFormatName(m.history_format),
+          static_cast<unsigned long long>(m.memory_bytes));
     }
     return 0;
   }

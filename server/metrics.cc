@@ -40,20 +40,39 @@ class CacheCollector final : public prometheus::Collectable {
   std::vector<MetricFamily> Collect() const override {
     const CacheCounters& c = engine_->counters();
     std::vector<MetricFamily> out;
-    auto pool_bytes = Family("kvcd_pool_bytes", "Bytes of page pools by model, format and state (used|total).", MetricType::Gauge);
-    auto pool_pages = Family("kvcd_pool_pages", "Pages of page pools by model, format and state (used|free).", MetricType::Gauge);
-    auto cached = Family("kvcd_cached_tokens", "Tokens held in the radix prefix cache, by model.", MetricType::Gauge);
-    auto pinned = Family("kvcd_pinned_pages", "Cached pages pinned by open sequences, by model.", MetricType::Gauge);
-    auto bpt = Family("kvcd_bytes_per_token", "Bytes stored per token (all layers, K and V, scales included) by model and segment (sink|history|recent).", MetricType::Gauge);
-    auto bits = Family("kvcd_history_bits_per_element", "Bits per K/V element of the history format (2.25 for int2-oscar at head_dim 128).", MetricType::Gauge);
-    auto ratio = Family("kvcd_pool_compression_ratio", "Dense-BF16 bytes of the tokens held in a model's pools divided by the bytes of the pages in use.", MetricType::Gauge);
+    auto pool_bytes =
+        Family("kvcd_pool_bytes", "Bytes of page pools by model, format and state (used|total).",
+               MetricType::Gauge);
+    auto pool_pages =
+        Family("kvcd_pool_pages", "Pages of page pools by model, format and state (used|free).",
+               MetricType::Gauge);
+    auto cached = Family("kvcd_cached_tokens", "Tokens held in the radix prefix cache, by model.",
+                         MetricType::Gauge);
+    auto pinned = Family("kvcd_pinned_pages", "Cached pages pinned by open sequences, by model.",
+                         MetricType::Gauge);
+    auto bpt = Family("kvcd_bytes_per_token",
+                      "Bytes stored per token (all layers, K and V, scales included) by model and "
+                      "segment (sink|history|recent).",
+                      MetricType::Gauge);
+    auto bits =
+        Family("kvcd_history_bits_per_element",
+               "Bits per K/V element of the history format (2.25 for int2-oscar at head_dim 128).",
+               MetricType::Gauge);
+    auto ratio = Family("kvcd_pool_compression_ratio",
+                        "Dense-BF16 bytes of the tokens held in a model's pools divided by the "
+                        "bytes of the pages in use.",
+                        MetricType::Gauge);
     for (const auto& mv : engine_->SnapshotModels()) {
       for (const auto& p : mv.snapshot.pools) {
         const double pb = static_cast<double>(p.page_bytes);
-        Add(&pool_bytes, pb * p.pages_used, {{"format", p.format}, {"model", mv.name}, {"state", "used"}});
-        Add(&pool_bytes, pb * p.pages_total, {{"format", p.format}, {"model", mv.name}, {"state", "total"}});
-        Add(&pool_pages, p.pages_used, {{"format", p.format}, {"model", mv.name}, {"state", "used"}});
-        Add(&pool_pages, p.pages_total - p.pages_used, {{"format", p.format}, {"model", mv.name}, {"state", "free"}});
+        Add(&pool_bytes, pb * p.pages_used,
+            {{"format", p.format}, {"model", mv.name}, {"state", "used"}});
+        Add(&pool_bytes, pb * p.pages_total,
+            {{"format", p.format}, {"model", mv.name}, {"state", "total"}});
+        Add(&pool_pages, p.pages_used,
+            {{"format", p.format}, {"model", mv.name}, {"state", "used"}});
+        Add(&pool_pages, p.pages_total - p.pages_used,
+            {{"format", p.format}, {"model", mv.name}, {"state", "free"}});
       }
       Add(&cached, static_cast<double>(mv.snapshot.cached_tokens), {{"model", mv.name}});
       Add(&pinned, static_cast<double>(mv.snapshot.pinned_pages), {{"model", mv.name}});
@@ -75,17 +94,25 @@ class CacheCollector final : public prometheus::Collectable {
       Add(&f, static_cast<double>(v));
       out.push_back(std::move(f));
     };
-    counter("kvcd_radix_hit_tokens_total", "Tokens found in the prefix cache by Put and OpenSequence.", c.hit_tokens.load());
-    counter("kvcd_radix_miss_tokens_total", "Tokens looked up by Put and OpenSequence and not cached.", c.miss_tokens.load());
-    counter("kvcd_inserted_pages_total", "Pages inserted into the prefix cache.", c.inserted_pages.load());
-    counter("kvcd_evicted_pages_total", "Pages evicted from the prefix cache (LRU leaves).", c.evicted_pages.load());
-    counter("kvcd_demoted_pages_total", "Pages demoted from BF16 to the history format.", c.demoted_pages.load());
-    counter("kvcd_expired_leases_total", "Sequences closed because their lease ran out.", c.expired_leases.load());
-    counter("kvcd_attention_calls_total", "Attention-decode batches executed.", c.attention_calls.load());
+    counter("kvcd_radix_hit_tokens_total",
+            "Tokens found in the prefix cache by Put and OpenSequence.", c.hit_tokens.load());
+    counter("kvcd_radix_miss_tokens_total",
+            "Tokens looked up by Put and OpenSequence and not cached.", c.miss_tokens.load());
+    counter("kvcd_inserted_pages_total", "Pages inserted into the prefix cache.",
+            c.inserted_pages.load());
+    counter("kvcd_evicted_pages_total", "Pages evicted from the prefix cache (LRU leaves).",
+            c.evicted_pages.load());
+    counter("kvcd_demoted_pages_total", "Pages demoted from BF16 to the history format.",
+            c.demoted_pages.load());
+    counter("kvcd_expired_leases_total", "Sequences closed because their lease ran out.",
+            c.expired_leases.load());
+    counter("kvcd_attention_calls_total", "Attention-decode batches executed.",
+            c.attention_calls.load());
     auto active = Family("kvcd_active_sequences", "Open decode sequences.", MetricType::Gauge);
     Add(&active, static_cast<double>(engine_->ActiveSequences()));
     out.push_back(std::move(active));
-    auto budget = Family("kvcd_memory_budget_bytes", "The daemon's memory budget for page pools.", MetricType::Gauge);
+    auto budget = Family("kvcd_memory_budget_bytes", "The daemon's memory budget for page pools.",
+                         MetricType::Gauge);
     Add(&budget, static_cast<double>(engine_->config().memory_budget_bytes));
     out.push_back(std::move(budget));
     return out;

@@ -45,15 +45,13 @@ ModelCache::ModelCache(const ModelSpec& spec, Backend* backend, double high, dou
 
 ModelCache::~ModelCache() {
   pools_.clear();
-  for (size_t i = 0; i < memory_.size(); ++i) backend_->FreePoolMemory(memory_[i], memory_bytes_[i]);
+  for (size_t i = 0; i < memory_.size(); ++i)
+    backend_->FreePoolMemory(memory_[i], memory_bytes_[i]);
 }
 
-absl::StatusOr<std::unique_ptr<ModelCache>> ModelCache::Create(const ModelSpec& spec,
-                                                               Backend* backend,
-                                                               double high_watermark,
-                                                               double low_watermark,
-                                                               CacheCounters* counters,
-                                                               const std::string& codec_blob) {
+absl::StatusOr<std::unique_ptr<ModelCache>> ModelCache::Create(
+    const ModelSpec& spec, Backend* backend, double high_watermark, double low_watermark,
+    CacheCounters* counters, const std::string& codec_blob) {
   std::unique_ptr<ModelCache> cache(
       new ModelCache(spec, backend, high_watermark, low_watermark, counters));
   const bool int2 = spec.history_format == HistoryFormat::kInt2Oscar;
@@ -78,11 +76,11 @@ absl::StatusOr<std::unique_ptr<ModelCache>> ModelCache::Create(const ModelSpec& 
       }
       cache->codec_ = std::make_unique<CodecProfile>(std::move(*codec));
     } else if (spec.codec == "identity") {
-      cache->codec_ = std::make_unique<CodecProfile>(
-          CodecProfile::Identity(spec.num_layers, spec.head_dim));
+      cache->codec_ =
+          std::make_unique<CodecProfile>(CodecProfile::Identity(spec.num_layers, spec.head_dim));
     } else {
-      cache->codec_ = std::make_unique<CodecProfile>(
-          CodecProfile::Hadamard(spec.num_layers, spec.head_dim));
+      cache->codec_ =
+          std::make_unique<CodecProfile>(CodecProfile::Hadamard(spec.num_layers, spec.head_dim));
       if (spec.codec.empty()) {
         std::fprintf(stderr,
                      "kvcd: model '%s': no codec file, INT2 history uses the Hadamard rotation\n",
@@ -102,7 +100,8 @@ absl::StatusOr<std::unique_ptr<ModelCache>> ModelCache::Create(const ModelSpec& 
   };
   std::vector<PoolPlan> plan;
   if (int2) {
-    const auto bf16_budget = static_cast<uint64_t>(static_cast<double>(spec.memory_bytes) * spec.bf16_fraction);
+    const auto bf16_budget =
+        static_cast<uint64_t>(static_cast<double>(spec.memory_bytes) * spec.bf16_fraction);
     plan.push_back({"bf16", bf16_layer_bytes, bf16_budget});
     plan.push_back({"int2-oscar", int2_layer_bytes, spec.memory_bytes - bf16_budget});
   } else {
@@ -112,11 +111,11 @@ absl::StatusOr<std::unique_ptr<ModelCache>> ModelCache::Create(const ModelSpec& 
     const int64_t page_bytes = pp.layer_bytes * spec.num_layers;
     const uint64_t pages = pp.budget / static_cast<uint64_t>(page_bytes);
     if (pages < 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "model '", spec.name, "': its ", pp.format, " pool gets ", pp.budget,
-          " bytes of memory_bytes ", spec.memory_bytes, ", less than one page (", page_bytes,
-          " bytes for ", spec.num_layers, " layers); raise memory_bytes",
-          int2 ? " or adjust bf16_fraction" : ""));
+      return absl::InvalidArgumentError(
+          absl::StrCat("model '", spec.name, "': its ", pp.format, " pool gets ", pp.budget,
+                       " bytes of memory_bytes ", spec.memory_bytes, ", less than one page (",
+                       page_bytes, " bytes for ", spec.num_layers, " layers); raise memory_bytes",
+                       int2 ? " or adjust bf16_fraction" : ""));
     }
     if (pages > (1u << 30)) {
       return absl::InvalidArgumentError(
@@ -127,9 +126,8 @@ absl::StatusOr<std::unique_ptr<ModelCache>> ModelCache::Create(const ModelSpec& 
     if (!mem.ok()) return mem.status();
     cache->memory_.push_back(*mem);
     cache->memory_bytes_.push_back(bytes);
-    cache->pools_.push_back(std::make_unique<PagePool>(pp.format, *mem, spec.num_layers,
-                                                       pp.layer_bytes,
-                                                       static_cast<int32_t>(pages)));
+    cache->pools_.push_back(std::make_unique<PagePool>(
+        pp.format, *mem, spec.num_layers, pp.layer_bytes, static_cast<int32_t>(pages)));
   }
   return cache;
 }
@@ -174,8 +172,8 @@ void ModelCache::EvictToWatermarksLocked() {
   }
 }
 
-void ModelCache::WriteBf16Rows(const PageRef& page, int32_t slot, const KvRows& k,
-                               const KvRows& v, int64_t src_token, int32_t count, int32_t layer) {
+void ModelCache::WriteBf16Rows(const PageRef& page, int32_t slot, const KvRows& k, const KvRows& v,
+                               int64_t src_token, int32_t count, int32_t layer) {
   const int32_t ps = spec_.page_size;
   const int32_t d = spec_.head_dim;
   const int32_t hkv = spec_.num_kv_heads;
@@ -201,8 +199,8 @@ void ModelCache::WriteBf16Rows(const PageRef& page, int32_t slot, const KvRows& 
           } else {
             src.CopyRowBf16(src_layer, src_token + t, h, d, row);
           }
-          backend_->CopyToPool(reinterpret_cast<uint8_t*>(base + (which ? v_offset : 0) + dst),
-                               row, sizeof(uint16_t) * d);
+          backend_->CopyToPool(reinterpret_cast<uint8_t*>(base + (which ? v_offset : 0) + dst), row,
+                               sizeof(uint16_t) * d);
         }
       }
     }
@@ -220,7 +218,8 @@ void ModelCache::WriteInt2Page(const PageRef& page, const KvRows& k, const KvRow
     for (int32_t h = 0; h < hkv; ++h) {
       for (int which = 0; which < 2; ++which) {
         const KvRows& src = which == 0 ? k : v;
-        for (int32_t t = 0; t < ps; ++t) src.CopyRowFloat(l, src_token + t, h, d, rows.data() + t * d);
+        for (int32_t t = 0; t < ps; ++t)
+          src.CopyRowFloat(l, src_token + t, h, d, rows.data() + t * d);
         kernels::DemoteRowsToInt2(
             rows.data(), ps, d, which == 0 ? codec_->RK(l) : codec_->RV(l),
             which == 0 ? codec_->RhoK(l) : codec_->RhoV(l),
@@ -231,8 +230,8 @@ void ModelCache::WriteInt2Page(const PageRef& page, const KvRows& k, const KvRow
   }
 }
 
-void ModelCache::ReadRows(const PageRef& page, int32_t layer, int32_t head, int which,
-                          int32_t slot, int32_t count, float* out) const {
+void ModelCache::ReadRows(const PageRef& page, int32_t layer, int32_t head, int which, int32_t slot,
+                          int32_t count, float* out) const {
   const int32_t ps = spec_.page_size, d = spec_.head_dim, hkv = spec_.num_kv_heads;
   const PagePool& pool = *pools_[page.pool];
   const uint8_t* base = pool.PagePtr(layer, page.page);
@@ -247,16 +246,16 @@ void ModelCache::ReadRows(const PageRef& page, int32_t layer, int32_t head, int 
   std::vector<uint8_t> staged(static_cast<size_t>(pool.layer_page_bytes()));
   backend_->CopyFromPool(staged.data(), base, staged.size());
   kernels::ExpandInt2Rows(
-      which == 0 ? layout.K(staged.data(), head) : layout.V(staged.data(), head), count, d,
-      nullptr, out, slot);
+      which == 0 ? layout.K(staged.data(), head) : layout.V(staged.data(), head), count, d, nullptr,
+      out, slot);
 }
 
 void ModelCache::DemotePages(Sequence* seq) {
   if (codec_ == nullptr) return;
   const int32_t ps = spec_.page_size, d = spec_.head_dim, hkv = spec_.num_kv_heads;
   const int64_t len = seq->length();
-  const int64_t first = std::max<int64_t>({seq->next_demote_page, seq->shared_pages,
-                                           static_cast<int64_t>(spec_.sink_pages())});
+  const int64_t first = std::max<int64_t>(
+      {seq->next_demote_page, seq->shared_pages, static_cast<int64_t>(spec_.sink_pages())});
   int64_t i = first;
   // Page i is demoted once all its tokens are older than the recent window.
   for (; (i + 1) * ps <= len - spec_.recent_tokens; ++i) {
@@ -293,9 +292,8 @@ void ModelCache::DemotePages(Sequence* seq) {
   seq->next_demote_page = i;
 }
 
-absl::StatusOr<PutResult> ModelCache::Put(const std::string& salt,
-                                          absl::Span<const int32_t> tokens, int64_t kv_first,
-                                          const KvRows& k, const KvRows& v) {
+absl::StatusOr<PutResult> ModelCache::Put(const std::string& salt, absl::Span<const int32_t> tokens,
+                                          int64_t kv_first, const KvRows& k, const KvRows& v) {
   const int32_t ps = spec_.page_size;
   const int64_t n = static_cast<int64_t>(tokens.size());
   const int64_t full_pages = n / ps;
@@ -313,13 +311,14 @@ absl::StatusOr<PutResult> ModelCache::Put(const std::string& salt,
     result.cached_tokens = cached_pages * ps;
     if (result.cached_tokens < kv_first) {
       tree_.Unpin(match.node);
-      return absl::FailedPreconditionError(absl::StrCat(
-          "kv_first_token is ", kv_first, " but only ", result.cached_tokens,
-          " tokens of this prompt are cached (evicted, or never put); resend from ",
-          result.cached_tokens));
+      return absl::FailedPreconditionError(
+          absl::StrCat("kv_first_token is ", kv_first, " but only ", result.cached_tokens,
+                       " tokens of this prompt are cached (evicted, or never put); resend from ",
+                       result.cached_tokens));
     }
     // Sink pages stay BF16; every other page is demoted to the history format.
-    const int64_t sink_end = codec_ ? std::min<int64_t>(spec_.sink_pages(), full_pages) : full_pages;
+    const int64_t sink_end =
+        codec_ ? std::min<int64_t>(spec_.sink_pages(), full_pages) : full_pages;
     const int32_t bf16_needed = static_cast<int32_t>(std::max<int64_t>(0, sink_end - cached_pages));
     const int32_t hist_needed =
         static_cast<int32_t>(full_pages - std::max<int64_t>(cached_pages, sink_end));
@@ -495,7 +494,8 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
     for (size_t b = 0; b < seqs.size(); ++b) {
       Sequence* s = seqs[b];
       const int64_t pos = s->layer_len[layer];
-      if (pos == static_cast<int64_t>(s->pages.size()) * ps) s->pages.push_back(fresh[next_fresh++]);
+      if (pos == static_cast<int64_t>(s->pages.size()) * ps)
+        s->pages.push_back(fresh[next_fresh++]);
       WriteBf16Rows(s->pages[static_cast<size_t>(pos / ps)], static_cast<int32_t>(pos % ps),
                     new_tokens[b].k, new_tokens[b].v, 0, 1, layer);
       const int64_t before = s->length();
@@ -570,7 +570,8 @@ absl::Status ModelCache::Fetch(Sequence* seq, int64_t first, int64_t n, uint16_t
           }
           uint16_t* out = which == 0 ? k_out : v_out;
           for (int32_t t = 0; t < count; ++t) {
-            kernels::FloatToBf16N(src + t * d, out + ((int64_t{l} * n + (t0 - first + t)) * hkv + h) * d, d);
+            kernels::FloatToBf16N(src + t * d,
+                                  out + ((int64_t{l} * n + (t0 - first + t)) * hkv + h) * d, d);
           }
         }
       }

@@ -31,8 +31,8 @@ namespace kvcd {
 
 // Engine-wide counters (monotonic), shared by all models; read by Stats and /metrics.
 struct CacheCounters {
-  std::atomic<uint64_t> hit_tokens{0};     // tokens found cached (Put, OpenSequence)
-  std::atomic<uint64_t> miss_tokens{0};    // tokens looked up and not cached
+  std::atomic<uint64_t> hit_tokens{0};   // tokens found cached (Put, OpenSequence)
+  std::atomic<uint64_t> miss_tokens{0};  // tokens looked up and not cached
   std::atomic<uint64_t> inserted_pages{0};
   std::atomic<uint64_t> evicted_pages{0};
   std::atomic<uint64_t> demoted_pages{0};
@@ -49,8 +49,7 @@ struct KvRows {
   int64_t token_stride = 0;  // elements
   void CopyRowBf16(int64_t layer, int64_t token, int32_t head, int32_t head_dim,
                    uint16_t* out) const;
-  void CopyRowFloat(int64_t layer, int64_t token, int32_t head, int32_t head_dim,
-                    float* out) const;
+  void CopyRowFloat(int64_t layer, int64_t token, int32_t head, int32_t head_dim, float* out) const;
 };
 
 struct PoolSnapshot {
@@ -69,7 +68,7 @@ struct ModelSnapshot {
   double bf16_bytes_per_token = 0;     // sink and recent segments
   double history_bytes_per_token = 0;  // history segment
   double history_bits_per_element = 0;
-  double compression_ratio = 1;        // dense BF16 bytes of pooled tokens / bytes in use
+  double compression_ratio = 1;  // dense BF16 bytes of pooled tokens / bytes in use
   uint64_t demoted_pages = 0;
 };
 
@@ -86,8 +85,7 @@ class ModelCache {
   // For int2-oscar, the rotations come from codec_blob (a codec file's bytes), else
   // spec.codec_file, else spec.codec ("identity" / "hadamard"), else Hadamard (logged,
   // and reported by Snapshot().codec).
-  static absl::StatusOr<std::unique_ptr<ModelCache>> Create(const ModelSpec& spec,
-                                                            Backend* backend,
+  static absl::StatusOr<std::unique_ptr<ModelCache>> Create(const ModelSpec& spec, Backend* backend,
                                                             double high_watermark,
                                                             double low_watermark,
                                                             CacheCounters* counters,
@@ -115,8 +113,8 @@ class ModelCache {
 
   // Appends n tokens (all layers). FAILED_PRECONDITION if the sequence is closed or a
   // per-layer token is pending; RESOURCE_EXHAUSTED if no page is available.
-  absl::StatusOr<int64_t> Append(Sequence* seq, absl::Span<const int32_t> tokens,
-                                 const KvRows& k, const KvRows& v);
+  absl::StatusOr<int64_t> Append(Sequence* seq, absl::Span<const int32_t> tokens, const KvRows& k,
+                                 const KvRows& v);
 
   struct NewToken {
     int32_t token = 0;

@@ -48,8 +48,8 @@ absl::Status ValidateModelSpec(const ModelSpec& s) {
                             ")"));
   }
   if (s.group() > 16) {
-    return bad(absl::StrCat("GQA group num_q_heads/num_kv_heads is ", s.group(),
-                            ", expected at most 16"));
+    return bad(
+        absl::StrCat("GQA group num_q_heads/num_kv_heads is ", s.group(), ", expected at most 16"));
   }
   const int d = s.head_dim;
   if (d != 8 && d != 16 && d != 32 && d != 64 && d != 128 && d != 256) {

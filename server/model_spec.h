@@ -29,10 +29,10 @@ struct ModelSpec {
   double rope_theta = 10000.0;
   int32_t rope_rotary_dims = 0;  // 0 = head_dim
   double rope_scaling = 1.0;
-  uint64_t memory_bytes = 0;     // share of the daemon budget for this model's pools
-  double bf16_fraction = 0.25;   // BF16 share of memory_bytes when history is compressed
-  std::string codec_file;        // optional codec (safetensors) path
-  std::string codec;             // int2: "identity", "hadamard", or "" (codec_file, else hadamard)
+  uint64_t memory_bytes = 0;    // share of the daemon budget for this model's pools
+  double bf16_fraction = 0.25;  // BF16 share of memory_bytes when history is compressed
+  std::string codec_file;       // optional codec (safetensors) path
+  std::string codec;            // int2: "identity", "hadamard", or "" (codec_file, else hadamard)
 
   int32_t group() const { return num_q_heads / num_kv_heads; }
   int32_t sink_pages() const { return sink_tokens / page_size; }

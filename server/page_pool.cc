@@ -2,8 +2,8 @@
 
 namespace kvcd {
 
-PagePool::PagePool(std::string format, uint8_t* base, int32_t num_layers,
-                   int64_t layer_page_bytes, int32_t num_pages)
+PagePool::PagePool(std::string format, uint8_t* base, int32_t num_layers, int64_t layer_page_bytes,
+                   int32_t num_pages)
     : format_(std::move(format)),
       base_(base),
       num_layers_(num_layers),

@@ -26,13 +26,12 @@ struct PageKeyEq {
 }  // namespace
 
 struct RadixTree::Node {
-  std::vector<int32_t> key;   // edge tokens, a multiple of page_size
-  std::vector<PageRef> pages; // key.size() / page_size
+  std::vector<int32_t> key;    // edge tokens, a multiple of page_size
+  std::vector<PageRef> pages;  // key.size() / page_size
   Node* parent = nullptr;
   // Children keyed by the first page of their edge.
-  absl::flat_hash_map<std::vector<int32_t>, std::unique_ptr<Node>, PageKeyHash, PageKeyEq>
-      children;
-  int32_t pins = 0;           // pins of this node and of its descendants
+  absl::flat_hash_map<std::vector<int32_t>, std::unique_ptr<Node>, PageKeyHash, PageKeyEq> children;
+  int32_t pins = 0;  // pins of this node and of its descendants
   uint64_t last_access = 0;
 };
 
@@ -91,7 +90,8 @@ RadixTree::MatchResult RadixTree::Walk(Node* root, absl::Span<const int32_t> tok
     const int64_t child_pages = static_cast<int64_t>(child->pages.size());
     int64_t m = 1;  // the first page matched through the hash key
     while (m < child_pages && pos + (m + 1) * page_size_ <= n &&
-           std::equal(child->key.begin() + m * page_size_, child->key.begin() + (m + 1) * page_size_,
+           std::equal(child->key.begin() + m * page_size_,
+                      child->key.begin() + (m + 1) * page_size_,
                       tokens.begin() + pos + m * page_size_)) {
       ++m;
     }
@@ -154,7 +154,8 @@ RadixTree::InsertResult RadixTree::Insert(const std::string& ns, absl::Span<cons
     const int64_t child_pages = static_cast<int64_t>(child->pages.size());
     int64_t m = 1;
     while (m < child_pages && page + m < total_pages &&
-           std::equal(child->key.begin() + m * page_size_, child->key.begin() + (m + 1) * page_size_,
+           std::equal(child->key.begin() + m * page_size_,
+                      child->key.begin() + (m + 1) * page_size_,
                       tokens.begin() + (page + m) * page_size_)) {
       ++m;
     }

@@ -12,7 +12,8 @@ double SecondsSince(std::chrono::steady_clock::time_point t0) {
 }
 
 const absl::Status& DrainingStatus() {
-  static const absl::Status s = absl::UnavailableError("kvcd is draining; retry on another replica");
+  static const absl::Status s =
+      absl::UnavailableError("kvcd is draining; retry on another replica");
   return s;
 }
 
@@ -22,8 +23,8 @@ KvCacheService::KvCacheService(CacheEngine* engine, Metrics* metrics, ThreadPool
     : engine_(engine), metrics_(metrics), executor_(executor) {}
 
 template <class Fn>
-grpc::ServerUnaryReactor* KvCacheService::Run(const char* method,
-                                              grpc::CallbackServerContext* ctx, Fn fn) {
+grpc::ServerUnaryReactor* KvCacheService::Run(const char* method, grpc::CallbackServerContext* ctx,
+                                              Fn fn) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   const auto t0 = std::chrono::steady_clock::now();
   if (draining_.load()) {
@@ -32,8 +33,8 @@ grpc::ServerUnaryReactor* KvCacheService::Run(const char* method,
     return reactor;
   }
   executor_->Submit([this, reactor, method, t0, ctx, fn = std::move(fn)]() mutable {
-    absl::Status s = ctx->IsCancelled() ? absl::CancelledError("call cancelled by the client")
-                                        : fn();
+    absl::Status s =
+        ctx->IsCancelled() ? absl::CancelledError("call cancelled by the client") : fn();
     if (s.code() == absl::StatusCode::kResourceExhausted) {
       ctx->AddTrailingMetadata("retry-after-ms", std::to_string(kRetryAfterMs));
     }
@@ -43,10 +44,10 @@ grpc::ServerUnaryReactor* KvCacheService::Run(const char* method,
   return reactor;
 }
 
-#define KVCD_UNARY(Method, Req, Resp)                                                   \
-  grpc::ServerUnaryReactor* KvCacheService::Method(grpc::CallbackServerContext* ctx,    \
+#define KVCD_UNARY(Method, Req, Resp)                                                    \
+  grpc::ServerUnaryReactor* KvCacheService::Method(grpc::CallbackServerContext* ctx,     \
                                                    const v1::Req* req, v1::Resp* resp) { \
-    return Run(#Method, ctx, [this, req, resp] { return engine_->Method(*req, resp); });  \
+    return Run(#Method, ctx, [this, req, resp] { return engine_->Method(*req, resp); }); \
   }
 KVCD_UNARY(RegisterModel, RegisterModelRequest, RegisterModelResponse)
 KVCD_UNARY(ListModels, ListModelsRequest, ListModelsResponse)
@@ -78,7 +79,8 @@ grpc::ServerUnaryReactor* KvCacheService::AttentionDecode(grpc::CallbackServerCo
 // answer, read the next. A failed request is answered with its status in the stream
 // message; the stream itself stays open.
 class DecodeStreamReactor final
-    : public grpc::ServerBidiReactor<v1::AttentionDecodeRequest, v1::AttentionDecodeStreamResponse> {
+    : public grpc::ServerBidiReactor<v1::AttentionDecodeRequest,
+                                     v1::AttentionDecodeStreamResponse> {
  public:
   DecodeStreamReactor(KvCacheService* service, grpc::CallbackServerContext* ctx)
       : service_(service), ctx_(ctx) {

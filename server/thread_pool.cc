@@ -6,7 +6,8 @@
 namespace kvcd {
 
 ThreadPool::ThreadPool(int num_threads) {
-  if (num_threads <= 0) num_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (num_threads <= 0)
+    num_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   for (int i = 0; i < num_threads; ++i) threads_.emplace_back([this] { WorkerLoop(); });
 }
 

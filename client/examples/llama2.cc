@@ -204,7 +204,8 @@ std::string Tokenizer::Piece(int prev, int token) const {
   std::string p = vocab_[token];
   if (prev == 1 && !p.empty() && p[0] == ' ') p.erase(0, 1);
   unsigned byte = 0;
-  if (p.size() == 6 && std::sscanf(p.c_str(), "<0x%02X>", &byte) == 1) return std::string(1, static_cast<char>(byte));
+  if (p.size() == 6 && std::sscanf(p.c_str(), "<0x%02X>", &byte) == 1)
+    return std::string(1, static_cast<char>(byte));
   return p;
 }
 

@@ -82,7 +82,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     const std::string v = argv[++i];
-    int64_t* num = a == "--system-tokens" ? &opt.system_tokens
+    int64_t* num = a == "--system-tokens"   ? &opt.system_tokens
                    : a == "--suffix-tokens" ? &opt.suffix_tokens
                    : a == "--sessions"      ? &opt.sessions
                    : a == "--steps"         ? &opt.steps
@@ -245,8 +245,10 @@ int RunWorkload(kvcd::Client& client, const Options& opt, const std::string& mod
           for (int32_t h = 0; h < hkv; ++h)
             for (int32_t c = 0; c < d; ++c) {
               const size_t idx = static_cast<size_t>((t * hkv + h) * d + c);
-              k[idx] = kvcd::kernels::Bf16ToFloat(kvcd::kernels::FloatToBf16(value(s, l, t, h, c, 0)));
-              v[idx] = kvcd::kernels::Bf16ToFloat(kvcd::kernels::FloatToBf16(value(s, l, t, h, c, 1)));
+              k[idx] =
+                  kvcd::kernels::Bf16ToFloat(kvcd::kernels::FloatToBf16(value(s, l, t, h, c, 0)));
+              v[idx] =
+                  kvcd::kernels::Bf16ToFloat(kvcd::kernels::FloatToBf16(value(s, l, t, h, c, 1)));
             }
         std::vector<double> ro(static_cast<size_t>(hq * d)), rl(static_cast<size_t>(hq));
         kvcd::kernels::ReferenceAttention(q.data() + s * hq * d, k.data(), v.data(), n, hq, hkv, d,
@@ -264,8 +266,10 @@ int RunWorkload(kvcd::Client& client, const Options& opt, const std::string& mod
         if (!fetched.ok()) return Fail("FetchPages", fetched.status());
         const int64_t nf = fetched->num_tokens();
         std::vector<float> k(static_cast<size_t>(nf * hkv * d)), v(k.size());
-        kvcd::CopyAsFloat(fetched->k(), static_cast<int64_t>(l) * nf * hkv * d, nf * hkv * d, k.data());
-        kvcd::CopyAsFloat(fetched->v(), static_cast<int64_t>(l) * nf * hkv * d, nf * hkv * d, v.data());
+        kvcd::CopyAsFloat(fetched->k(), static_cast<int64_t>(l) * nf * hkv * d, nf * hkv * d,
+                          k.data());
+        kvcd::CopyAsFloat(fetched->v(), static_cast<int64_t>(l) * nf * hkv * d, nf * hkv * d,
+                          v.data());
         std::vector<double> ro(static_cast<size_t>(hq * d)), rl(static_cast<size_t>(hq));
         kvcd::kernels::ReferenceAttention(q.data(), k.data(), v.data(), nf, hq, hkv, d, scale,
                                           ro.data(), rl.data());
@@ -293,7 +297,8 @@ int RunWorkload(kvcd::Client& client, const Options& opt, const std::string& mod
     uint64_t used = 0;
     for (const auto& pool : m.pools()) {
       used += pool.pages_used() * pool.page_bytes();
-      (pool.format() == "bf16" ? sum.pages_bf16 : sum.pages_int2) += static_cast<int64_t>(pool.pages_used());
+      (pool.format() == "bf16" ? sum.pages_bf16 : sum.pages_int2) +=
+          static_cast<int64_t>(pool.pages_used());
     }
     sum.bytes_per_token = static_cast<double>(used) / static_cast<double>(B * (prompt + opt.steps));
   }
@@ -302,8 +307,8 @@ int RunWorkload(kvcd::Client& client, const Options& opt, const std::string& mod
     if (!c.ok()) return Fail("CloseSequence", c.status());
   }
   sum.dense_bytes_per_token = 2.0 * L * hkv * d * 2;
-  sum.hit_ratio = static_cast<double>(matched_total + put_cached) /
-                  static_cast<double>(2 * B * prompt);
+  sum.hit_ratio =
+      static_cast<double>(matched_total + put_cached) / static_cast<double>(2 * B * prompt);
   sum.matched = matched_total;
   sum.prompt_tokens = B * prompt;
   sum.err_exact = err_exact / std::max(1, checks);
@@ -325,12 +330,13 @@ int PrintSummaries(kvcd::Client& client, const Options& opt, const std::vector<S
   if (!stats.ok()) return Fail("Stats", stats.status());
   std::printf("\n=== kvcd main job summary (backend %s, kvcd %s) ===\n", stats->backend().c_str(),
               stats->version().c_str());
-  std::printf("%lld sessions x %lld-token prompts (%lld shared system + %lld own), %lld decode "
-              "steps each, per-layer fused append + attention on one stream\n\n",
-              static_cast<long long>(opt.sessions),
-              static_cast<long long>(opt.system_tokens + opt.suffix_tokens),
-              static_cast<long long>(opt.system_tokens), static_cast<long long>(opt.suffix_tokens),
-              static_cast<long long>(opt.steps));
+  std::printf(
+      "%lld sessions x %lld-token prompts (%lld shared system + %lld own), %lld decode "
+      "steps each, per-layer fused append + attention on one stream\n\n",
+      static_cast<long long>(opt.sessions),
+      static_cast<long long>(opt.system_tokens + opt.suffix_tokens),
+      static_cast<long long>(opt.system_tokens), static_cast<long long>(opt.suffix_tokens),
+      static_cast<long long>(opt.steps));
   auto row = [&](const char* name, auto fmt) {
     std::printf("%-40s", name);
     for (const auto& s : r) std::printf(" %26s", fmt(s).c_str());
@@ -344,20 +350,27 @@ int PrintSummaries(kvcd::Client& client, const Options& opt, const std::vector<S
   row("model", [&](const Summary& s) { return s.model; });
   row("history format", [&](const Summary& s) { return s.history.substr(15); });
   row("codec", [&](const Summary& s) { return s.codec; });
-  row("prefix hit ratio (Put + OpenSequence)", [&](const Summary& s) { return str("%.3f", s.hit_ratio); });
+  row("prefix hit ratio (Put + OpenSequence)",
+      [&](const Summary& s) { return str("%.3f", s.hit_ratio); });
   row("prompt tokens served from the cache", [&](const Summary& s) {
-    return str("%lld / %lld", static_cast<long long>(s.matched), static_cast<long long>(s.prompt_tokens));
+    return str("%lld / %lld", static_cast<long long>(s.matched),
+               static_cast<long long>(s.prompt_tokens));
   });
   row("pages in use: bf16 / int2", [&](const Summary& s) {
-    return str("%lld / %lld", static_cast<long long>(s.pages_bf16), static_cast<long long>(s.pages_int2));
+    return str("%lld / %lld", static_cast<long long>(s.pages_bf16),
+               static_cast<long long>(s.pages_int2));
   });
-  row("history bits per element", [&](const Summary& s) { return str("%.2f", s.bits_per_element); });
+  row("history bits per element",
+      [&](const Summary& s) { return str("%.2f", s.bits_per_element); });
   row("bytes stored per token held", [&](const Summary& s) {
     return str("%.0f (dense %.0f)", s.bytes_per_token, s.dense_bytes_per_token);
   });
-  row("pool compression vs dense BF16", [&](const Summary& s) { return str("%.2fx", s.compression); });
-  row("attention rel. error vs float64, exact K/V", [&](const Summary& s) { return str("%.3g", s.err_exact); });
-  row("attention rel. error vs float64, stored", [&](const Summary& s) { return str("%.3g", s.err_stored); });
+  row("pool compression vs dense BF16",
+      [&](const Summary& s) { return str("%.2fx", s.compression); });
+  row("attention rel. error vs float64, exact K/V",
+      [&](const Summary& s) { return str("%.3g", s.err_exact); });
+  row("attention rel. error vs float64, stored",
+      [&](const Summary& s) { return str("%.3g", s.err_stored); });
   row("decode throughput (tokens/s)", [&](const Summary& s) {
     return str("%.1f (kernel %.0f%%)", s.tokens_per_s, 100 * s.kernel_share);
   });

@@ -32,8 +32,8 @@ void MergeStates(int num_heads, int head_dim, float* o_a, float* lse_a, const fl
   }
 }
 
-void MergeStatesN(int n, int num_heads, int head_dim, const float* o_parts,
-                  const float* lse_parts, float* o_out, float* lse_out) {
+void MergeStatesN(int n, int num_heads, int head_dim, const float* o_parts, const float* lse_parts,
+                  float* o_out, float* lse_out) {
   ResetStates(num_heads, head_dim, o_out, lse_out);
   const int64_t o_stride = static_cast<int64_t>(num_heads) * head_dim;
   for (int i = 0; i < n; ++i) {

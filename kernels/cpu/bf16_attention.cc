@@ -2,7 +2,7 @@
 
 namespace kvcd::kernels {
 namespace internal {
-#define KVCD_DECLARE_BF16_ATTEND(fn)                                                           \
+#define KVCD_DECLARE_BF16_ATTEND(fn)                                                            \
   void fn(const Bf16PageTable& kv, int kv_head, const float* q, int group, float softmax_scale, \
           int64_t token_begin, int64_t token_end, float* o, float* lse);
 KVCD_DECLARE_BF16_ATTEND(AttendBf16PagesScalar)
@@ -19,18 +19,18 @@ void AttendBf16Pages(const Bf16PageTable& kv, int kv_head, const float* q, int g
   if (isa == CpuIsa::kAvx2 && kv.head_dim % 8 != 0) isa = CpuIsa::kScalar;
   switch (isa) {
     case CpuIsa::kAvx512:
-      internal::AttendBf16PagesAvx512(kv, kv_head, q, group, softmax_scale, token_begin,
-                                      token_end, o, lse);
+      internal::AttendBf16PagesAvx512(kv, kv_head, q, group, softmax_scale, token_begin, token_end,
+                                      o, lse);
       return;
     case CpuIsa::kAvx2:
-      internal::AttendBf16PagesAvx2(kv, kv_head, q, group, softmax_scale, token_begin,
-                                    token_end, o, lse);
+      internal::AttendBf16PagesAvx2(kv, kv_head, q, group, softmax_scale, token_begin, token_end, o,
+                                    lse);
       return;
     case CpuIsa::kScalar:
       break;
   }
-  internal::AttendBf16PagesScalar(kv, kv_head, q, group, softmax_scale, token_begin, token_end,
-                                  o, lse);
+  internal::AttendBf16PagesScalar(kv, kv_head, q, group, softmax_scale, token_begin, token_end, o,
+                                  lse);
 }
 
 }  // namespace kvcd::kernels

@@ -8,7 +8,7 @@ void AttendBf16PagesAvx2(const Bf16PageTable& kv, int kv_head, const float* q, i
                          float softmax_scale, int64_t token_begin, int64_t token_end, float* o,
                          float* lse) {
   AttendBf16PagesImpl<Avx2Ops>(kv, kv_head, q, group, softmax_scale, token_begin, token_end, o,
-                              lse);
+                               lse);
 }
 
 }  // namespace kvcd::kernels::internal

@@ -5,10 +5,10 @@
 namespace kvcd::kernels::internal {
 
 void AttendBf16PagesScalar(const Bf16PageTable& kv, int kv_head, const float* q, int group,
-                         float softmax_scale, int64_t token_begin, int64_t token_end, float* o,
-                         float* lse) {
+                           float softmax_scale, int64_t token_begin, int64_t token_end, float* o,
+                           float* lse) {
   AttendBf16PagesImpl<ScalarOps>(kv, kv_head, q, group, softmax_scale, token_begin, token_end, o,
-                              lse);
+                                 lse);
 }
 
 }  // namespace kvcd::kernels::internal

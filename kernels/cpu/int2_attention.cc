@@ -8,7 +8,7 @@
 
 namespace kvcd::kernels {
 namespace internal {
-#define KVCD_DECLARE_INT2_ATTEND(fn)                                                           \
+#define KVCD_DECLARE_INT2_ATTEND(fn)                                                            \
   void fn(const Int2PageTable& kv, int kv_head, const float* q, int group, float softmax_scale, \
           int64_t token_begin, int64_t token_end, float* o, float* lse);
 KVCD_DECLARE_INT2_ATTEND(AttendInt2PagesScalar)
@@ -35,13 +35,13 @@ void AttendInt2Pages(const Int2PageTable& kv, int kv_head, const float* q_rot, i
     case CpuIsa::kScalar:
       break;
   }
-  internal::AttendInt2PagesScalar(kv, kv_head, q_rot, group, softmax_scale, token_begin,
-                                  token_end, o_rot, lse);
+  internal::AttendInt2PagesScalar(kv, kv_head, q_rot, group, softmax_scale, token_begin, token_end,
+                                  o_rot, lse);
 }
 
-void AttendInt2PagesReference(const Int2PageTable& kv, int kv_head, const float* q_rot,
-                              int group, float softmax_scale, int64_t token_begin,
-                              int64_t token_end, float* o_rot, float* lse) {
+void AttendInt2PagesReference(const Int2PageTable& kv, int kv_head, const float* q_rot, int group,
+                              float softmax_scale, int64_t token_begin, int64_t token_end,
+                              float* o_rot, float* lse) {
   const int d = kv.head_dim, ps = kv.page_size;
   const Int2PageLayout layout{kv.num_kv_heads, ps, d};
   const int64_t n = token_end - token_begin;

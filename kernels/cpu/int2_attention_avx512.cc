@@ -32,7 +32,8 @@ inline void SplitDigits(float x, float step, int* hi, int* lo) {
 
 inline uint32_t Pack4(const int* v) {
   uint32_t r = 0;
-  for (int k = 0; k < 4; ++k) r |= static_cast<uint32_t>(static_cast<uint8_t>(static_cast<int8_t>(v[k]))) << (8 * k);
+  for (int k = 0; k < 4; ++k)
+    r |= static_cast<uint32_t>(static_cast<uint8_t>(static_cast<int8_t>(v[k]))) << (8 * k);
   return r;
 }
 
@@ -143,10 +144,12 @@ void AttendInt2Vnni(const Int2PageTable& kv, int kv_head, const float* q, float 
       for (int j = 0; j < quads * 4; j += 16) {
         // lanes j..j+15 hold slots quad0*4 + j..; valid where lead <= j+lane < lead+n
         const int lo_lane = std::max(0, lead - j), hi_lane = std::min(16, lead + n - j);
-        const __mmask16 valid = hi_lane > lo_lane
-                                    ? static_cast<__mmask16>(((1u << hi_lane) - 1u) & ~((1u << lo_lane) - 1u))
-                                    : 0;
-        const __m512 sc = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, vr.scale + quad0 * 4 + j));
+        const __mmask16 valid =
+            hi_lane > lo_lane
+                ? static_cast<__mmask16>(((1u << hi_lane) - 1u) & ~((1u << lo_lane) - 1u))
+                : 0;
+        const __m512 sc =
+            _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, vr.scale + quad0 * 4 + j));
         const __m512 lov = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, vr.lo + quad0 * 4 + j));
         for (int i = 0; i < G; ++i) {
           const __m512 p = _mm512_maskz_loadu_ps(valid, sp[i] + (j - lead));

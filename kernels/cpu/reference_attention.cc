@@ -7,9 +7,9 @@
 
 namespace kvcd::kernels {
 
-void ReferenceAttention(const float* q, const float* k, const float* v, int64_t n,
-                        int num_q_heads, int num_kv_heads, int head_dim, double softmax_scale,
-                        double* o, double* lse) {
+void ReferenceAttention(const float* q, const float* k, const float* v, int64_t n, int num_q_heads,
+                        int num_kv_heads, int head_dim, double softmax_scale, double* o,
+                        double* lse) {
   const int group = num_q_heads / num_kv_heads;
   std::vector<double> logits(static_cast<size_t>(n));
   for (int h = 0; h < num_q_heads; ++h) {

@@ -33,8 +33,8 @@ inline __m256 Exp256(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
@@ -77,7 +77,8 @@ struct Avx2Ops {
   }
   static void Scale(float a, float* y, int d) {
     const __m256 va = _mm256_set1_ps(a);
-    for (int c = 0; c < d; c += 8) _mm256_storeu_ps(y + c, _mm256_mul_ps(va, _mm256_loadu_ps(y + c)));
+    for (int c = 0; c < d; c += 8)
+      _mm256_storeu_ps(y + c, _mm256_mul_ps(va, _mm256_loadu_ps(y + c)));
   }
   static float ExpSub(float* x, int n, float m) {
     const __m256 vm = _mm256_set1_ps(m);

@@ -25,8 +25,8 @@ inline __m512 Exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __m512i e =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
@@ -69,7 +69,8 @@ struct Avx512Ops {
   }
   static void Scale(float a, float* y, int d) {
     const __m512 va = _mm512_set1_ps(a);
-    for (int c = 0; c < d; c += 16) _mm512_storeu_ps(y + c, _mm512_mul_ps(va, _mm512_loadu_ps(y + c)));
+    for (int c = 0; c < d; c += 16)
+      _mm512_storeu_ps(y + c, _mm512_mul_ps(va, _mm512_loadu_ps(y + c)));
   }
   static float ExpSub(float* x, int n, float m) {
     const __m512 vm = _mm512_set1_ps(m);

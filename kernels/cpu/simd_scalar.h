@@ -12,12 +12,15 @@ namespace kvcd::kernels::internal {
 inline void UnpackInt2Scalar(const uint8_t* codes, int d, float* out) {
   const int quarter = d / 4;
   for (int k = 0; k < 4; ++k) {
-    for (int j = 0; j < quarter; ++j) out[k * quarter + j] = static_cast<float>((codes[j] >> (2 * k)) & 3);
+    for (int j = 0; j < quarter; ++j)
+      out[k * quarter + j] = static_cast<float>((codes[j] >> (2 * k)) & 3);
   }
 }
 
 struct ScalarOps {
-  static void UnpackInt2(const uint8_t* codes, int d, float* out) { UnpackInt2Scalar(codes, d, out); }
+  static void UnpackInt2(const uint8_t* codes, int d, float* out) {
+    UnpackInt2Scalar(codes, d, out);
+  }
   static void Widen(const uint16_t* src, float* out, int d) {
     for (int c = 0; c < d; ++c) out[c] = Bf16ToFloat(src[c]);
   }

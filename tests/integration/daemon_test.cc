@@ -128,8 +128,10 @@ TEST_F(DaemonTest, PutMatchOpenAppendAttendClose) {
       r.add_sequence_ids(open->sequence_id());
       r.set_request_id(pos * 10 + l);
       SetF32Tensor(r.mutable_q(), {1, hq, d}, synthetic::Row(11, profile_, l, pos, 2).data());
-      SetBf16FromFloat(r.mutable_k_new(), {1, hkv, d}, synthetic::Row(11, profile_, l, pos, 0).data());
-      SetBf16FromFloat(r.mutable_v_new(), {1, hkv, d}, synthetic::Row(11, profile_, l, pos, 1).data());
+      SetBf16FromFloat(r.mutable_k_new(), {1, hkv, d},
+                       synthetic::Row(11, profile_, l, pos, 0).data());
+      SetBf16FromFloat(r.mutable_v_new(), {1, hkv, d},
+                       synthetic::Row(11, profile_, l, pos, 1).data());
       r.add_new_tokens(synthetic::Token(11, pos));
       auto a = (*stream)->Call(r);
       ASSERT_TRUE(a.ok()) << a.status();
@@ -194,7 +196,8 @@ TEST_F(DaemonTest, ExpiredLeaseReleasesPins) {
   EXPECT_EQ(stats->expired_leases(), 1u);
   EXPECT_EQ(client_->RenewLease(open->sequence_id()).status().code(), absl::StatusCode::kNotFound);
   // Unpinned: four more prefixes can now evict it.
-  for (uint64_t seed = 30; seed < 34; ++seed) ASSERT_TRUE(client_->Put(MakePut("cramped", seed, 4)).ok());
+  for (uint64_t seed = 30; seed < 34; ++seed)
+    ASSERT_TRUE(client_->Put(MakePut("cramped", seed, 4)).ok());
   EXPECT_EQ(client_->Match("cramped", "", synthetic::Tokens(9, 0, 8))->matched_tokens(), 0);
 }
 
@@ -231,8 +234,7 @@ TEST_F(DaemonTest, HealthMetricsAndDrain) {
         "kvcd_pool_pages{format=\"bf16\",model=\"tiny\",state=\"used\"} 2",
         "kvcd_radix_miss_tokens_total 8", "kvcd_evicted_pages_total", "kvcd_active_sequences 0",
         "kvcd_rpc_duration_seconds_count{code=\"OK\",method=\"Put\"} 1",
-        "kvcd_attention_kernel_seconds",
-        "kvcd_history_bits_per_element{model=\"tiny\"} 16",
+        "kvcd_attention_kernel_seconds", "kvcd_history_bits_per_element{model=\"tiny\"} 16",
         "kvcd_bytes_per_token{model=\"tiny\",segment=\"history\"} 256",
         "kvcd_pool_compression_ratio{model=\"tiny\"} 1"}) {
     EXPECT_NE(body.find(name), std::string::npos) << name;
@@ -295,7 +297,8 @@ TEST_F(DaemonTest, RegisterInt2ModelWithACodecFile) {
   SetF32Tensor(req.mutable_q(), {1, p.num_q_heads(), d}, q.data());
   auto resp = client_->AttentionDecode(req);
   ASSERT_TRUE(resp.ok()) << resp.status();
-  for (int i = 0; i < p.num_q_heads() * d; ++i) EXPECT_TRUE(std::isfinite(ElementAsFloat(resp->o(), i)));
+  for (int i = 0; i < p.num_q_heads() * d; ++i)
+    EXPECT_TRUE(std::isfinite(ElementAsFloat(resp->o(), i)));
   v1::FetchPagesRequest f;
   f.set_sequence_id(open->sequence_id());
   auto stored = client_->FetchPages(f);

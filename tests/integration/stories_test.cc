@@ -48,8 +48,9 @@ class StoriesTest : public ::testing::Test {
     if (!std::ifstream(kData + "stories260K.bin").good()) {
       GTEST_SKIP() << "no stories260K checkpoint at " << kData;
     }
-    ASSERT_TRUE(daemon_.Start("listen: 127.0.0.1:0\nmetrics_listen: \"\"\nmemory_budget: 64MiB\n"
-                              "drain_timeout_ms: 300\n"));
+    ASSERT_TRUE(
+        daemon_.Start("listen: 127.0.0.1:0\nmetrics_listen: \"\"\nmemory_budget: 64MiB\n"
+                      "drain_timeout_ms: 300\n"));
     ClientOptions o;
     o.target = daemon_.grpc();
     auto c = Client::Connect(o);
@@ -92,7 +93,8 @@ TEST_F(StoriesTest, Int2HistoriesCompleteWithBoundedKl) {
   llama2::LocalAttention calib(model_->config()), c2(model_->config()), c3(model_->config());
   auto ref = llama2::RunReference(*model_, *tok_, bos, 100, &calib);
   ASSERT_TRUE(ref.ok());
-  ASSERT_TRUE(llama2::RunReference(*model_, *tok_, tok_->Encode("Tom had a big dog"), 64, &c2).ok());
+  ASSERT_TRUE(
+      llama2::RunReference(*model_, *tok_, tok_->Encode("Tom had a big dog"), 64, &c2).ok());
   ASSERT_TRUE(llama2::RunReference(*model_, *tok_, tok_->Encode("The sun was hot"), 64, &c3).ok());
   const std::string codec = llama2::CalibrateCodec(model_->config(), {&calib, &c2, &c3});
   // Mean KL(FP32 || served) of the next-token distributions, teacher-forced on the

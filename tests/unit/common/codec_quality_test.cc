@@ -33,7 +33,8 @@ double AttentionError(const LayerActivations& a, int64_t n, const std::vector<fl
       const float* src = (which == 0 ? a.k : a.v).data() + row * kD;
       float* dst = (which == 0 ? k_hat : v_hat).data() + row * kD;
       const auto& r = which == 0 ? rk : rv;
-      const auto ref = kernels::Int2RowRef::RowMajor(codes.data(), kD / 4, &params[0], &params[1], 2);
+      const auto ref =
+          kernels::Int2RowRef::RowMajor(codes.data(), kD / 4, &params[0], &params[1], 2);
       kernels::DemoteRowsToInt2(src, 1, kD, r.data(), which == 0 ? 0.96f : 0.92f, ref);
       kernels::ExpandInt2Rows(ref, 1, kD, r.data(), dst);
     }
@@ -44,8 +45,10 @@ double AttentionError(const LayerActivations& a, int64_t n, const std::vector<fl
   for (int64_t t = n - queries; t < n; ++t) {
     const float* q = a.q.data() + t * kHq * kD;
     const double scale = 1.0 / std::sqrt(static_cast<double>(kD));
-    kernels::ReferenceAttention(q, a.k.data(), a.v.data(), t + 1, kHq, kHkv, kD, scale, o.data(), l.data());
-    kernels::ReferenceAttention(q, k_hat.data(), v_hat.data(), t + 1, kHq, kHkv, kD, scale, oh.data(), l.data());
+    kernels::ReferenceAttention(q, a.k.data(), a.v.data(), t + 1, kHq, kHkv, kD, scale, o.data(),
+                                l.data());
+    kernels::ReferenceAttention(q, k_hat.data(), v_hat.data(), t + 1, kHq, kHkv, kD, scale,
+                                oh.data(), l.data());
     for (int h = 0; h < kHq; ++h) {
       double err = 0, norm = 0;
       for (int c = 0; c < kD; ++c) {

@@ -57,15 +57,16 @@ void CheckCase(const Case& c, CpuIsa isa, uint32_t seed) {
     }
   }
   // Unwritten slots of the last page stay NaN: the kernel must never read them.
-  Bf16PageTable table{pool.data(), page_elems, ids.data(), static_cast<int32_t>(num_pages), ps, hkv, d};
+  Bf16PageTable table{pool.data(), page_elems, ids.data(), static_cast<int32_t>(num_pages),
+                      ps,          hkv,        d};
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   std::vector<double> ref_o(c.num_q_heads * d), ref_lse(c.num_q_heads);
-  ReferenceAttention(q.data(), k.data(), v.data(), c.n, c.num_q_heads, hkv, d, scale,
-                     ref_o.data(), ref_lse.data());
+  ReferenceAttention(q.data(), k.data(), v.data(), c.n, c.num_q_heads, hkv, d, scale, ref_o.data(),
+                     ref_lse.data());
   for (int h = 0; h < hkv; ++h) {
     std::vector<float> o(g * d, NAN), lse(g, NAN);
-    AttendBf16Pages(table, h, q.data() + h * g * d, g, static_cast<float>(scale), 0, c.n,
-                    o.data(), lse.data(), isa);
+    AttendBf16Pages(table, h, q.data() + h * g * d, g, static_cast<float>(scale), 0, c.n, o.data(),
+                    lse.data(), isa);
     for (int i = 0; i < g; ++i) {
       const int qh = h * g + i;
       double err = 0, norm = 0;

@@ -48,7 +48,8 @@ void CheckCase(int64_t n, int hkv, int group, int d, int ps, CpuIsa isa, uint32_
       }
     }
   }
-  Int2PageTable kv{pool.data(), page_bytes, ids.data(), static_cast<int32_t>(num_pages), ps, hkv, d};
+  Int2PageTable kv{pool.data(), page_bytes, ids.data(), static_cast<int32_t>(num_pages),
+                   ps,          hkv,        d};
   std::vector<float> q(group * d);
   for (auto& x : q) x = normal(rng);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));

@@ -14,7 +14,8 @@ namespace kvcd::kernels {
 namespace {
 
 TEST(Fp16Test, RoundTripAndRounding) {
-  for (float f : {0.0f, 1.0f, -2.5f, 0.333251953125f, 65504.0f, 6.103515625e-05f, 5.9604644775390625e-08f}) {
+  for (float f :
+       {0.0f, 1.0f, -2.5f, 0.333251953125f, 65504.0f, 6.103515625e-05f, 5.9604644775390625e-08f}) {
     EXPECT_EQ(HalfToFloat(FloatToHalf(f)), f) << f;
   }
   EXPECT_EQ(FloatToHalf(1.0f), 0x3c00);
@@ -29,8 +30,8 @@ TEST(Int2CodecTest, ClipThresholdIsTheQuantileOfAbsoluteValues) {
   // d = 8, rho = 0.96: floor(7.68) = 7 -> the largest |x|; rho = 0.5 -> sort(|x|)[4].
   const float x[8] = {-8, 1, -2, 3, 0.5f, -6, 7, 4};
   EXPECT_EQ(Int2ClipThreshold(x, 8, 0.96f), 8.0f);
-  EXPECT_EQ(Int2ClipThreshold(x, 8, 0.5f), 4.0f);   // |x| sorted: .5 1 2 3 4 6 7 8
-  EXPECT_EQ(Int2ClipThreshold(x, 8, 1.0f), 8.0f);   // index clamped to d-1
+  EXPECT_EQ(Int2ClipThreshold(x, 8, 0.5f), 4.0f);  // |x| sorted: .5 1 2 3 4 6 7 8
+  EXPECT_EQ(Int2ClipThreshold(x, 8, 1.0f), 8.0f);  // index clamped to d-1
   EXPECT_EQ(Int2ClipThreshold(x, 8, 0.125f), 1.0f);
 }
 

@@ -40,7 +40,8 @@ class CacheEngineTest : public ::testing::Test {
     ASSERT_TRUE(engine_->RegisterModelSpec(spec_).ok());
   }
 
-  uint64_t Open(uint64_t seed, int64_t n, int64_t* matched = nullptr, const std::string& salt = "") {
+  uint64_t Open(uint64_t seed, int64_t n, int64_t* matched = nullptr,
+                const std::string& salt = "") {
     v1::OpenSequenceRequest req;
     req.set_model(spec_.name);
     req.set_cache_salt(salt);
@@ -64,7 +65,7 @@ class CacheEngineTest : public ::testing::Test {
     }
     v1::FetchPagesRequest f;
     f.set_sequence_id(seq);
-  f.set_expand_to_bf16(true);
+    f.set_expand_to_bf16(true);
     f.set_expand_to_bf16(true);
     v1::FetchPagesResponse fr;
     EXPECT_TRUE(engine_->FetchPages(f, &fr).ok());
@@ -175,8 +176,10 @@ TEST_F(CacheEngineTest, AttentionMatchesFloat64ReferenceThroughTheDecodeLoop) {
       req.add_sequence_ids(seq);
       const auto q = synthetic::Row(5, p, layer, pos, 2);
       SetF32Tensor(req.mutable_q(), {1, hq, d}, q.data());
-      SetBf16FromFloat(req.mutable_k_new(), {1, hkv, d}, synthetic::Row(5, p, layer, pos, 0).data());
-      SetBf16FromFloat(req.mutable_v_new(), {1, hkv, d}, synthetic::Row(5, p, layer, pos, 1).data());
+      SetBf16FromFloat(req.mutable_k_new(), {1, hkv, d},
+                       synthetic::Row(5, p, layer, pos, 0).data());
+      SetBf16FromFloat(req.mutable_v_new(), {1, hkv, d},
+                       synthetic::Row(5, p, layer, pos, 1).data());
       req.add_new_tokens(synthetic::Token(5, pos));
       v1::AttentionDecodeResponse resp;
       ASSERT_TRUE(engine_->AttentionDecode(req, &resp).ok());
@@ -300,8 +303,8 @@ TEST_F(CacheEngineTest, ExpiredLeasesReleasePins) {
   const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
                           std::chrono::steady_clock::now().time_since_epoch())
                           .count();
-  EXPECT_EQ(engine_->ExpireLeases(now), 0);                 // still valid
-  EXPECT_EQ(engine_->ExpireLeases(now + 60'000'000), 1);    // 60 ms later: expired
+  EXPECT_EQ(engine_->ExpireLeases(now), 0);               // still valid
+  EXPECT_EQ(engine_->ExpireLeases(now + 60'000'000), 1);  // 60 ms later: expired
   EXPECT_EQ(pinned(), 0);
   v1::RenewLeaseRequest renew;
   renew.set_sequence_id(open.sequence_id());
@@ -351,17 +354,41 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
   };
   std::vector<BadCase> cases = {
       {"put: unknown model", absl::StatusCode::kNotFound,
-       [&] { auto r = MakePut(spec_, 4, 8); r.set_model("nope"); return engine_->Put(r, &put); }},
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         r.set_model("nope");
+         return engine_->Put(r, &put);
+       }},
       {"put: no tokens", absl::StatusCode::kInvalidArgument,
-       [&] { auto r = MakePut(spec_, 4, 8); r.clear_tokens(); return engine_->Put(r, &put); }},
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         r.clear_tokens();
+         return engine_->Put(r, &put);
+       }},
       {"put: negative token", absl::StatusCode::kInvalidArgument,
-       [&] { auto r = MakePut(spec_, 4, 8); r.set_tokens(3, -1); return engine_->Put(r, &put); }},
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         r.set_tokens(3, -1);
+         return engine_->Put(r, &put);
+       }},
       {"put: k shape", absl::StatusCode::kInvalidArgument,
-       [&] { auto r = MakePut(spec_, 4, 8); r.mutable_k()->set_shape(1, 7); return engine_->Put(r, &put); }},
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         r.mutable_k()->set_shape(1, 7);
+         return engine_->Put(r, &put);
+       }},
       {"put: k bytes", absl::StatusCode::kInvalidArgument,
-       [&] { auto r = MakePut(spec_, 4, 8); r.mutable_k()->mutable_inline_data()->pop_back(); return engine_->Put(r, &put); }},
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         r.mutable_k()->mutable_inline_data()->pop_back();
+         return engine_->Put(r, &put);
+       }},
       {"put: k dtype", absl::StatusCode::kInvalidArgument,
-       [&] { auto r = MakePut(spec_, 4, 8); r.mutable_k()->set_dtype(v1::DTYPE_U8); return engine_->Put(r, &put); }},
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         r.mutable_k()->set_dtype(v1::DTYPE_U8);
+         return engine_->Put(r, &put);
+       }},
       {"put: k/v dtype mismatch", absl::StatusCode::kInvalidArgument,
        [&] {
          auto r = MakePut(spec_, 4, 8);
@@ -376,15 +403,35 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
          return engine_->Put(r, &put);
        }},
       {"put: missing payload", absl::StatusCode::kInvalidArgument,
-       [&] { auto r = MakePut(spec_, 4, 8); r.mutable_v()->clear_inline_data(); return engine_->Put(r, &put); }},
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         r.mutable_v()->clear_inline_data();
+         return engine_->Put(r, &put);
+       }},
       {"put: cuda ipc payload", absl::StatusCode::kUnimplemented,
-       [&] { auto r = MakePut(spec_, 4, 8); r.mutable_k()->mutable_cuda_ipc()->set_size(4); return engine_->Put(r, &put); }},
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         r.mutable_k()->mutable_cuda_ipc()->set_size(4);
+         return engine_->Put(r, &put);
+       }},
       {"put: kv_first_token not page-aligned", absl::StatusCode::kInvalidArgument,
-       [&] { auto r = MakePut(spec_, 4, 8); r.set_kv_first_token(3); return engine_->Put(r, &put); }},
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         r.set_kv_first_token(3);
+         return engine_->Put(r, &put);
+       }},
       {"put: kv_first_token past the end", absl::StatusCode::kInvalidArgument,
-       [&] { auto r = MakePut(spec_, 4, 8); r.set_kv_first_token(12); return engine_->Put(r, &put); }},
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         r.set_kv_first_token(12);
+         return engine_->Put(r, &put);
+       }},
       {"put: salt too long", absl::StatusCode::kInvalidArgument,
-       [&] { auto r = MakePut(spec_, 4, 8); r.set_cache_salt(std::string(300, 'x')); return engine_->Put(r, &put); }},
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         r.set_cache_salt(std::string(300, 'x'));
+         return engine_->Put(r, &put);
+       }},
       {"open: bad lease", absl::StatusCode::kInvalidArgument,
        [&] {
          v1::OpenSequenceRequest r;
@@ -393,7 +440,9 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
          return engine_->OpenSequence(r, Out<v1::OpenSequenceResponse>());
        }},
       {"append: unknown sequence", absl::StatusCode::kNotFound,
-       [&] { return engine_->Append(MakeAppend(spec_, 999, 4, 14, 1), Out<v1::AppendResponse>()); }},
+       [&] {
+         return engine_->Append(MakeAppend(spec_, 999, 4, 14, 1), Out<v1::AppendResponse>());
+       }},
       {"append: wrong token count", absl::StatusCode::kInvalidArgument,
        [&] {
          auto r = MakeAppend(spec_, seq, 4, 14, 2);
@@ -401,19 +450,47 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
          return engine_->Append(r, Out<v1::AppendResponse>());
        }},
       {"decode: layer out of range", absl::StatusCode::kInvalidArgument,
-       [&] { auto r = good_decode(); r.set_layer(2); return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>()); }},
+       [&] {
+         auto r = good_decode();
+         r.set_layer(2);
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       }},
       {"decode: negative layer", absl::StatusCode::kInvalidArgument,
-       [&] { auto r = good_decode(); r.set_layer(-1); return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>()); }},
+       [&] {
+         auto r = good_decode();
+         r.set_layer(-1);
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       }},
       {"decode: empty batch", absl::StatusCode::kInvalidArgument,
-       [&] { auto r = good_decode(); r.clear_sequence_ids(); return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>()); }},
+       [&] {
+         auto r = good_decode();
+         r.clear_sequence_ids();
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       }},
       {"decode: duplicate ids", absl::StatusCode::kInvalidArgument,
-       [&] { auto r = good_decode(); r.add_sequence_ids(seq); return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>()); }},
+       [&] {
+         auto r = good_decode();
+         r.add_sequence_ids(seq);
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       }},
       {"decode: unknown sequence", absl::StatusCode::kNotFound,
-       [&] { auto r = good_decode(); r.set_sequence_ids(0, 4242); return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>()); }},
+       [&] {
+         auto r = good_decode();
+         r.set_sequence_ids(0, 4242);
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       }},
       {"decode: q shape", absl::StatusCode::kInvalidArgument,
-       [&] { auto r = good_decode(); r.mutable_q()->set_shape(1, 3); return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>()); }},
+       [&] {
+         auto r = good_decode();
+         r.mutable_q()->set_shape(1, 3);
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       }},
       {"decode: NaN scale", absl::StatusCode::kInvalidArgument,
-       [&] { auto r = good_decode(); r.set_softmax_scale(std::nanf("")); return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>()); }},
+       [&] {
+         auto r = good_decode();
+         r.set_softmax_scale(std::nanf(""));
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       }},
       {"decode: k_new without v_new", absl::StatusCode::kInvalidArgument,
        [&] {
          auto r = good_decode();
@@ -423,13 +500,31 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
          return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
        }},
       {"decode: new_tokens without k_new", absl::StatusCode::kInvalidArgument,
-       [&] { auto r = good_decode(); r.add_new_tokens(1); return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>()); }},
+       [&] {
+         auto r = good_decode();
+         r.add_new_tokens(1);
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       }},
       {"fetch: unaligned first", absl::StatusCode::kInvalidArgument,
-       [&] { v1::FetchPagesRequest r; r.set_sequence_id(seq); r.set_first_token(1); return engine_->FetchPages(r, Out<v1::FetchPagesResponse>()); }},
+       [&] {
+         v1::FetchPagesRequest r;
+         r.set_sequence_id(seq);
+         r.set_first_token(1);
+         return engine_->FetchPages(r, Out<v1::FetchPagesResponse>());
+       }},
       {"fetch: past the end", absl::StatusCode::kInvalidArgument,
-       [&] { v1::FetchPagesRequest r; r.set_sequence_id(seq); r.set_num_tokens(100); return engine_->FetchPages(r, Out<v1::FetchPagesResponse>()); }},
+       [&] {
+         v1::FetchPagesRequest r;
+         r.set_sequence_id(seq);
+         r.set_num_tokens(100);
+         return engine_->FetchPages(r, Out<v1::FetchPagesResponse>());
+       }},
       {"close: unknown", absl::StatusCode::kNotFound,
-       [&] { v1::CloseSequenceRequest r; r.set_sequence_id(777); return engine_->CloseSequence(r, Out<v1::CloseSequenceResponse>()); }},
+       [&] {
+         v1::CloseSequenceRequest r;
+         r.set_sequence_id(777);
+         return engine_->CloseSequence(r, Out<v1::CloseSequenceResponse>());
+       }},
       {"register: bad geometry", absl::StatusCode::kInvalidArgument,
        [&] {
          v1::RegisterModelRequest r;
@@ -472,7 +567,7 @@ TEST(Int2HistoryTest, DemotionAndAttentionOverTheThreeSegments) {
   auto model = engine.SnapshotModels()[0].snapshot;
   ASSERT_EQ(model.pools.size(), 2u);
   EXPECT_EQ(model.pools[0].format, "bf16");
-  EXPECT_EQ(model.pools[0].pages_used, 1);   // the sink page
+  EXPECT_EQ(model.pools[0].pages_used, 1);  // the sink page
   EXPECT_EQ(model.pools[1].format, "int2-oscar");
   EXPECT_EQ(model.pools[1].pages_used, 9);
   EXPECT_EQ(model.history_bits_per_element, 4.0);  // 2 + 32/16 at head_dim 16
@@ -529,8 +624,10 @@ TEST(Int2HistoryTest, DemotionAndAttentionOverTheThreeSegments) {
           v0[(tt * hkv + h) * d + c] = synthetic::Value(8, layer, tt, h, c, 1);
         }
     std::vector<double> ro(hq * d), rl(hq), eo(hq * d), el(hq);
-    kernels::ReferenceAttention(q.data(), k.data(), v.data(), 70, hq, hkv, d, 0.25, ro.data(), rl.data());
-    kernels::ReferenceAttention(q.data(), k0.data(), v0.data(), 70, hq, hkv, d, 0.25, eo.data(), el.data());
+    kernels::ReferenceAttention(q.data(), k.data(), v.data(), 70, hq, hkv, d, 0.25, ro.data(),
+                                rl.data());
+    kernels::ReferenceAttention(q.data(), k0.data(), v0.data(), 70, hq, hkv, d, 0.25, eo.data(),
+                                el.data());
     double err_stored = 0, err_exact = 0, norm = 0;
     for (int i = 0; i < hq * d; ++i) {
       const double o = ElementAsFloat(resp.o(), i);

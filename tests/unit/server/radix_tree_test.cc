@@ -82,17 +82,17 @@ TEST(RadixTreeTest, TenantsNeverMatchEachOther) {
 
 TEST(RadixTreeTest, PinnedPathsSurviveEvictionAndLruLeavesGoFirst) {
   RadixTree tree(2);
-  tree.Insert("", Seq(0, 4), Pages(0, 2));      // A: [0..3]
-  tree.Insert("", Seq(100, 4), Pages(10, 2));   // B
-  tree.Insert("", Seq(200, 4), Pages(20, 2));   // C
-  tree.Match("", Seq(0, 4));                    // A is now the most recently used
-  auto pin = tree.MatchAndPin("", Seq(100, 4)); // pin B (also the newest)
+  tree.Insert("", Seq(0, 4), Pages(0, 2));       // A: [0..3]
+  tree.Insert("", Seq(100, 4), Pages(10, 2));    // B
+  tree.Insert("", Seq(200, 4), Pages(20, 2));    // C
+  tree.Match("", Seq(0, 4));                     // A is now the most recently used
+  auto pin = tree.MatchAndPin("", Seq(100, 4));  // pin B (also the newest)
   ASSERT_NE(pin.node, nullptr);
   EXPECT_EQ(tree.PinnedPages(), 2);
 
   std::vector<PageRef> freed;
-  int64_t n = tree.Evict([&] { return freed.size() < 2; },
-                         [&](const PageRef& p) { freed.push_back(p); });
+  int64_t n =
+      tree.Evict([&] { return freed.size() < 2; }, [&](const PageRef& p) { freed.push_back(p); });
   EXPECT_EQ(n, 2);
   ASSERT_EQ(freed.size(), 2u);
   EXPECT_EQ(freed[0].page, 20);  // C was the least recently used unpinned leaf

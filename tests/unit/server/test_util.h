@@ -38,8 +38,8 @@ inline v1::PutRequest MakePut(const ModelSpec& s, uint64_t seed, int64_t n,
   return req;
 }
 
-inline v1::AppendRequest MakeAppend(const ModelSpec& s, uint64_t seq, uint64_t seed,
-                                    int64_t begin, int64_t n) {
+inline v1::AppendRequest MakeAppend(const ModelSpec& s, uint64_t seq, uint64_t seed, int64_t begin,
+                                    int64_t n) {
   v1::AppendRequest req;
   req.set_sequence_id(seq);
   const auto tokens = synthetic::Tokens(seed, begin, n);

@@ -23,7 +23,7 @@ void MergeStates(int num_heads, int head_dim, float* o_a, float* lse_a, const fl
                  const float* lse_b);
 
 // Merges n states laid out [n][num_heads][head_dim] / [n][num_heads] into out.
-void MergeStatesN(int n, int num_heads, int head_dim, const float* o_parts,
-                  const float* lse_parts, float* o_out, float* lse_out);
+void MergeStatesN(int n, int num_heads, int head_dim, const float* o_parts, const float* lse_parts,
+                  float* o_out, float* lse_out);
 
 }  // namespace kvcd::kernels

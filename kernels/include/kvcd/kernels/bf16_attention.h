@@ -12,11 +12,11 @@
 namespace kvcd::kernels {
 
 struct Bf16PageTable {
-  const uint16_t* base = nullptr;  // layer base of the pool
-  int64_t page_stride = 0;         // elements between consecutive pages of the layer
+  const uint16_t* base = nullptr;     // layer base of the pool
+  int64_t page_stride = 0;            // elements between consecutive pages of the layer
   const int32_t* page_ids = nullptr;  // [num_pages] pool indices
   int32_t num_pages = 0;
-  int32_t page_size = 0;     // tokens per page
+  int32_t page_size = 0;  // tokens per page
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
 };

@@ -57,9 +57,7 @@ struct Int2PageLayout {
     return (int64_t{num_kv_heads} * (page_size * Q() + P4() * 4 * Q())) / 2 +
            int64_t{head} * 2 * page_size;
   }
-  int64_t VScale(int head) const {
-    return KScale(head) + int64_t{num_kv_heads} * 2 * page_size;
-  }
+  int64_t VScale(int head) const { return KScale(head) + int64_t{num_kv_heads} * 2 * page_size; }
   Int2RowRef K(uint8_t* base, int head) const {
     uint16_t* p = reinterpret_cast<uint16_t*>(base);
     Int2RowRef r;
@@ -95,8 +93,8 @@ void AttendInt2Pages(const Int2PageTable& kv, int kv_head, const float* q_rot, i
 
 // The scalar oracle: dequantizes every row exactly (FP16 params -> float) and computes
 // softmax attention in double. Same arguments as AttendInt2Pages.
-void AttendInt2PagesReference(const Int2PageTable& kv, int kv_head, const float* q_rot,
-                              int group, float softmax_scale, int64_t token_begin,
-                              int64_t token_end, float* o_rot, float* lse);
+void AttendInt2PagesReference(const Int2PageTable& kv, int kv_head, const float* q_rot, int group,
+                              float softmax_scale, int64_t token_begin, int64_t token_end,
+                              float* o_rot, float* lse);
 
 }  // namespace kvcd::kernels
