@@ -15,7 +15,15 @@ float Int2ClipThreshold(const float* x, int d, float rho) {
   return a[k];
 }
 
-void RotateRows(const float* x, int64_t n, int d, const float* r, float* out) {
+namespace internal {
+void RotateRowsAvx512(const float* x, int64_t n, int d, const float* r, float* out);
+}  // namespace internal
+
+void RotateRows(const float* x, int64_t n, int d, const float* r, float* out, CpuIsa isa) {
+  if (isa == CpuIsa::kAvx512 && d % 16 == 0) {
+    internal::RotateRowsAvx512(x, n, d, r, out);
+    return;
+  }
   for (int64_t t = 0; t < n; ++t) {
     const float* xr = x + t * d;
     float* o = out + t * d;

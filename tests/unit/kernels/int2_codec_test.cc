@@ -107,3 +107,26 @@ TEST(Int2CodecTest, BitsPerElementIs2Point25AtHeadDim128) {
 
 }  // namespace
 }  // namespace kvcd::kernels
+
+namespace kvcd::kernels {
+namespace {
+
+// The optimized rotation is bit-identical to the scalar loop, so demotion (clip index,
+// codes, scales) never depends on the CPU it ran on.
+TEST(Int2CodecTest, RotationIsBitIdenticalAcrossIsas) {
+  if (DetectCpuIsa() != CpuIsa::kAvx512) GTEST_SKIP() << "no AVX-512 on this CPU";
+  std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int d : {16, 64, 128, 256}) {
+    const int n = 9;
+    std::vector<float> x(n * d), r(d * d), a(n * d), b(n * d);
+    for (auto& v : x) v = normal(rng);
+    for (auto& v : r) v = normal(rng);
+    RotateRows(x.data(), n, d, r.data(), a.data(), CpuIsa::kScalar);
+    RotateRows(x.data(), n, d, r.data(), b.data(), CpuIsa::kAvx512);
+    for (int i = 0; i < n * d; ++i) ASSERT_EQ(a[i], b[i]) << "d=" << d << " i=" << i;
+  }
+}
+
+}  // namespace
+}  // namespace kvcd::kernels

@@ -14,6 +14,8 @@
 
 #include <cstdint>
 
+#include "kvcd/kernels/cpu_features.h"
+
 namespace kvcd::kernels {
 
 inline constexpr float kDefaultRhoK = 0.96f;
@@ -71,8 +73,11 @@ void DemoteRowsToInt2(const float* rows, int64_t n, int d, const float* rotation
 void ExpandInt2Rows(const Int2RowRef& in, int64_t n, int d, const float* rotation, float* out,
                     int64_t first_row = 0);
 
-// x_rot = x · R for n rows (FP32). out may not alias x.
-void RotateRows(const float* x, int64_t n, int d, const float* rotation, float* out);
+// x_rot = x · R for n rows (FP32). out may not alias x. Every ISA computes each output
+// as the same sequence of separately rounded products and sums (no FMA contraction), so
+// results are bit-identical across ISAs and demotion never depends on the CPU.
+void RotateRows(const float* x, int64_t n, int d, const float* rotation, float* out,
+                CpuIsa isa = ActiveCpuIsa());
 // x = y · R^T for n rows (FP32). out may not alias y.
 void UnrotateRows(const float* y, int64_t n, int d, const float* rotation, float* out);
 
