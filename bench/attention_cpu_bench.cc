@@ -118,7 +118,7 @@ int main(int argc, char** argv) {
         b.head_dim = kD;
         b.page_size = kPage;
         b.softmax_scale = 1.0f / std::sqrt(static_cast<float>(kD));
-        if (fmt == 1) b.r_k = b.r_v = hadamard.data();
+        if (fmt == 1) b.r_k = b.r_v_t = hadamard.data();  // H is symmetric: H^T = H
         for (int s = 0; s < batch; ++s) {
           kvcd::AttentionJob job;
           kvcd::AttentionSegment seg;

@@ -41,9 +41,9 @@ struct AttentionBatch {
   int32_t page_size = 0;
   float softmax_scale = 0;
   // Rotations of the layer ([head_dim][head_dim], null = none): the backend attends with
-  // q·R_k over rotated pages and returns o_rot·R_v^T.
+  // q·R_k over rotated pages and returns o_rot·R_v^T (given as r_v_t).
   const float* r_k = nullptr;
-  const float* r_v = nullptr;
+  const float* r_v_t = nullptr;  // R_v^T
   std::vector<AttentionJob> jobs;
 };
 

@@ -15,6 +15,7 @@ CodecProfile CodecProfile::Identity(int num_layers, int head_dim) {
   c.layers_.assign(static_cast<size_t>(num_layers),
                    Layer{id, id, kernels::kDefaultRhoK, kernels::kDefaultRhoV});
   c.description_ = "identity (naive INT2)";
+  c.ComputeTransposes();
   return c;
 }
 
@@ -25,6 +26,7 @@ CodecProfile CodecProfile::Hadamard(int num_layers, int head_dim) {
   c.layers_.assign(static_cast<size_t>(num_layers),
                    Layer{h, h, kernels::kDefaultRhoK, kernels::kDefaultRhoV});
   c.description_ = "hadamard";
+  c.ComputeTransposes();
   return c;
 }
 
@@ -67,7 +69,22 @@ absl::StatusOr<CodecProfile> CodecProfile::FromSafetensors(const SafetensorsFile
     }
     c.layers_.push_back(std::move(layer));
   }
+  c.ComputeTransposes();
   return c;
+}
+
+void CodecProfile::ComputeTransposes() {
+  const int d = head_dim_;
+  for (Layer& l : layers_) {
+    l.r_k_t.resize(l.r_k.size());
+    l.r_v_t.resize(l.r_v.size());
+    for (int i = 0; i < d; ++i) {
+      for (int j = 0; j < d; ++j) {
+        l.r_k_t[j * d + i] = l.r_k[i * d + j];
+        l.r_v_t[j * d + i] = l.r_v[i * d + j];
+      }
+    }
+  }
 }
 
 SafetensorsWriter CodecProfile::ToSafetensors() const {

@@ -29,6 +29,9 @@ class CodecProfile {
 
   const float* RK(int layer) const { return layers_[layer].r_k.data(); }
   const float* RV(int layer) const { return layers_[layer].r_v.data(); }
+  // Transposes (= inverses): un-rotating a row y is y · R^T = RotateRows(y, R^T).
+  const float* RKT(int layer) const { return layers_[layer].r_k_t.data(); }
+  const float* RVT(int layer) const { return layers_[layer].r_v_t.data(); }
   float RhoK(int layer) const { return layers_[layer].rho_k; }
   float RhoV(int layer) const { return layers_[layer].rho_v; }
   int num_layers() const { return static_cast<int>(layers_.size()); }
@@ -43,7 +46,9 @@ class CodecProfile {
   struct Layer {
     std::vector<float> r_k, r_v;
     float rho_k, rho_v;
+    std::vector<float> r_k_t, r_v_t;
   };
+  void ComputeTransposes();
   int head_dim_ = 0;
   std::vector<Layer> layers_;
   std::string description_;

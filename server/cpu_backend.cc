@@ -117,9 +117,9 @@ class CpuBackend final : public Backend {
                               b.jobs[j].o + static_cast<int64_t>(h) * g * d,
                               b.jobs[j].lse + static_cast<int64_t>(h) * g);
       }
-      if (b.r_v != nullptr) {  // o = o_rot · R_v^T, once per head
+      if (b.r_v_t != nullptr) {  // o = o_rot · R_v^T, once per head
         std::vector<float> o_rot(b.jobs[j].o, b.jobs[j].o + q_elems);
-        kernels::UnrotateRows(o_rot.data(), b.num_q_heads, d, b.r_v, b.jobs[j].o);
+        kernels::RotateRows(o_rot.data(), b.num_q_heads, d, b.r_v_t, b.jobs[j].o);
       }
     }
     return absl::OkStatus();

@@ -519,7 +519,7 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
   batch.page_size = ps;
   batch.softmax_scale = softmax_scale;
   batch.r_k = codec_ ? codec_->RK(layer) : nullptr;
-  batch.r_v = codec_ ? codec_->RV(layer) : nullptr;
+  batch.r_v_t = codec_ ? codec_->RVT(layer) : nullptr;
   const int64_t q_stride = int64_t{spec_.num_q_heads} * spec_.head_dim;
   lengths->clear();
   for (size_t b = 0; b < seqs.size(); ++b) {
@@ -564,8 +564,8 @@ absl::Status ModelCache::Fetch(Sequence* seq, int64_t first, int64_t n, uint16_t
           ReadRows(r, l, h, which, slot, count, rows.data());
           const float* src = rows.data();
           if (codec_ != nullptr) {  // stored rotated: x = x_rot · R^T
-            kernels::UnrotateRows(rows.data(), count, d, which == 0 ? codec_->RK(l) : codec_->RV(l),
-                                  plain.data());
+            kernels::RotateRows(rows.data(), count, d, which == 0 ? codec_->RKT(l) : codec_->RVT(l),
+                                plain.data());
             src = plain.data();
           }
           uint16_t* out = which == 0 ? k_out : v_out;
