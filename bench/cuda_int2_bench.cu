@@ -1,0 +1,317 @@
+// INT2 decode attention on the GPU: correctness against the CPU scalar oracle (fresh
+// random pages, odd lengths, poisoned outputs), then timing at Qwen3-8B geometry with
+// the achieved bandwidth against a read-only reduction's ceiling measured in the same run.
+// Self-contained (kernels only), so it runs on a GPU machine without the daemon's libraries.
+//
+//   cuda_int2_bench [--check-only] [--bench-only]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvcd/kernels/cuda_int2_attention.h"
+#include "kvcd/kernels/fp16.h"
+#include "kvcd/kernels/int2_attention.h"
+#include "kvcd/kernels/int2_codec.h"
+
+namespace kk = kvcd::kernels;
+
+#define CHECK(x)                                                                     \
+  do {                                                                               \
+    cudaError_t e_ = (x);                                                            \
+    if (e_ != cudaSuccess) {                                                         \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                  \
+    }                                                                                \
+  } while (0)
+
+namespace {
+
+std::vector<float> Hadamard(int d) {
+  std::vector<float> h(1, 1.0f);
+  for (int n = 1; n < d; n *= 2) {
+    std::vector<float> next(4 * n * n);
+    for (int i = 0; i < n; ++i)
+      for (int j = 0; j < n; ++j) {
+        const float v = h[i * n + j] / std::sqrt(2.0f);
+        next[i * 2 * n + j] = v;
+        next[i * 2 * n + j + n] = v;
+        next[(i + n) * 2 * n + j] = v;
+        next[(i + n) * 2 * n + j + n] = -v;
+      }
+    h.swap(next);
+  }
+  return h;
+}
+
+template <class T>
+T* Upload(const std::vector<T>& v) {
+  T* p = nullptr;
+  CHECK(cudaMalloc(&p, v.size() * sizeof(T)));
+  CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return p;
+}
+
+// One correctness case: batch sequences of the given lengths; returns max rel error.
+double CheckCase(int hq, int hkv, int d, int ps, const std::vector<int>& lengths, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int batch = static_cast<int>(lengths.size());
+  const int max_len = *std::max_element(lengths.begin(), lengths.end());
+  const int max_pages = std::max(1, (max_len + ps - 1) / ps);
+  const int64_t page_bytes = kk::Int2PageBytes(hkv, ps, d);
+  const int pool_pages = batch * max_pages + 3;
+  std::vector<uint8_t> pool(pool_pages * page_bytes);
+  for (auto& b : pool) b = static_cast<uint8_t>(rng());
+  std::vector<int32_t> ids(pool_pages);
+  for (int i = 0; i < pool_pages; ++i) ids[i] = i;
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::vector<int32_t> table(batch * max_pages);
+  for (int i = 0; i < batch * max_pages; ++i) table[i] = ids[i];
+  const kk::Int2PageLayout layout{hkv, ps, d};
+  std::vector<float> row(d);
+  for (int b = 0; b < batch; ++b) {
+    for (int t = 0; t < lengths[b]; ++t) {
+      uint8_t* page = pool.data() + table[b * max_pages + t / ps] * page_bytes;
+      for (int h = 0; h < hkv; ++h) {
+        for (int which = 0; which < 2; ++which) {
+          for (auto& x : row) x = normal(rng) * (which == 0 ? 2.0f : 1.0f);
+          kk::DemoteRowsToInt2(row.data(), 1, d, nullptr, which == 0 ? 0.96f : 0.92f,
+                               which == 0 ? layout.K(page, h) : layout.V(page, h), t % ps);
+        }
+      }
+    }
+  }
+  std::vector<float> q(batch * hq * d);
+  for (auto& x : q) x = normal(rng);
+  const std::vector<float> rk = Hadamard(d);
+  std::vector<float> rvt(d * d);  // a different rotation for V: a permuted Hadamard
+  for (int i = 0; i < d; ++i)
+    for (int j = 0; j < d; ++j) rvt[i * d + j] = rk[i * d + (j * 5 + 3) % d];
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+
+  kk::cuda::Int2DecodeParams p;
+  p.pages = Upload(pool);
+  p.page_stride = page_bytes;
+  p.page_table = Upload(table);
+  p.max_pages = max_pages;
+  p.lengths = Upload(std::vector<int32_t>(lengths.begin(), lengths.end()));
+  p.batch = batch;
+  p.num_q_heads = hq;
+  p.num_kv_heads = hkv;
+  p.head_dim = d;
+  p.page_size = ps;
+  p.q = Upload(q);
+  p.r_k = Upload(rk);
+  p.r_v_t = Upload(rvt);
+  p.softmax_scale = scale;
+  p.num_splits = kk::cuda::Int2DecodeSplits(batch, hkv, max_len, 132);
+  std::vector<float> nan_fill(batch * hq * d, NAN);
+  p.o = Upload(nan_fill);
+  p.lse = Upload(std::vector<float>(batch * hq, NAN));
+  void* ws = nullptr;
+  CHECK(cudaMalloc(&ws, kk::cuda::Int2DecodeWorkspaceBytes(batch, hq, d, p.num_splits)));
+  p.workspace = ws;
+  CHECK(kk::cuda::LaunchInt2Decode(p, max_len, nullptr));
+  CHECK(cudaDeviceSynchronize());
+  std::vector<float> o(batch * hq * d), lse(batch * hq);
+  CHECK(cudaMemcpy(o.data(), p.o, o.size() * 4, cudaMemcpyDeviceToHost));
+  CHECK(cudaMemcpy(lse.data(), p.lse, lse.size() * 4, cudaMemcpyDeviceToHost));
+
+  double worst = 0;
+  const int g = hq / hkv;
+  for (int b = 0; b < batch; ++b) {
+    std::vector<float> qr(hq * d), orot(hq * d), oref(hq * d), lref(hq);
+    kk::RotateRows(q.data() + b * hq * d, hq, d, rk.data(), qr.data());
+    kk::Int2PageTable kv{pool.data(), page_bytes, table.data() + b * max_pages, max_pages, ps, hkv, d};
+    for (int h = 0; h < hkv; ++h) {
+      kk::AttendInt2PagesReference(kv, h, qr.data() + h * g * d, g, scale, 0, lengths[b],
+                                   orot.data() + h * g * d, lref.data() + h * g);
+    }
+    kk::RotateRows(orot.data(), hq, d, rvt.data(), oref.data());
+    for (int h = 0; h < hq; ++h) {
+      double err = 0, norm = 0;
+      for (int c = 0; c < d; ++c) {
+        const double a = o[(b * hq + h) * d + c], r = oref[h * d + c];
+        if (std::isnan(a)) return INFINITY;
+        err += (a - r) * (a - r);
+        norm += r * r;
+      }
+      double rel = lengths[b] == 0 ? std::sqrt(err) : std::sqrt(err / norm);
+      if (lengths[b] > 0) {
+        rel = std::max(rel, static_cast<double>(std::fabs(lse[b * hq + h] - lref[h]) /
+                                                (1 + std::fabs(lref[h]))));
+      }
+      if (lengths[b] == 0 && !(std::isinf(lse[b * hq + h]) && lse[b * hq + h] < 0)) return INFINITY;
+      worst = std::max(worst, rel);
+    }
+  }
+  const void* to_free[] = {p.pages, p.page_table, p.lengths, p.q, p.r_k, p.r_v_t, p.o, p.lse, ws};
+  for (const void* ptr : to_free) CHECK(cudaFree(const_cast<void*>(ptr)));
+  return worst;
+}
+
+__global__ void FillPages(uint8_t* pages, int64_t n_pages, int64_t page_bytes, int64_t code_bytes,
+                          int hkv, int ps, uint32_t seed) {
+  const int64_t total = n_pages * page_bytes;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t off = i % page_bytes;
+    uint32_t x = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    x ^= x >> 13;
+    x *= 0x5bd1e995u;
+    if (off < 2 * code_bytes) {
+      pages[i] = static_cast<uint8_t>(x >> 7);
+    } else {  // FP16 params: scales 0.5..0.6 (0x3800..), minimums -0.75.. (0xBA00..)
+      const int64_t k = (off - 2 * code_bytes) / 2;  // param index in the page
+      const bool lo = (k / ps) % 2 == 1;
+      const uint16_t h = lo ? static_cast<uint16_t>(0xBA00 + (x & 0x3f)) : static_cast<uint16_t>(0x3800 + (x & 0x3f));
+      pages[i] = (off % 2 == 0) ? static_cast<uint8_t>(h & 0xff) : static_cast<uint8_t>(h >> 8);
+    }
+  }
+}
+
+__global__ void ReadReduce(const uint4* p, int64_t n, unsigned* out) {
+  unsigned acc = 0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint4 v = __ldg(p + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x12345678u) atomicAdd(out, acc);
+}
+
+float Median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool check = true, bench = true;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--check-only")) bench = false;
+    if (!std::strcmp(argv[i], "--bench-only")) check = false;
+  }
+  cudaDeviceProp prop{};
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  if (check) {
+    uint32_t seed = static_cast<uint32_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+    std::printf("correctness vs CPU oracle (seed %u): max relative error of o and lse\n", seed);
+    bool ok = true;
+    struct Case { int hq, hkv, d, ps; std::vector<int> lengths; };
+    const Case cases[] = {
+        {32, 8, 128, 64, {1, 33, 1000, 4097}}, {8, 8, 128, 32, {65, 0, 7}},
+        {16, 2, 128, 64, {3000}},              {8, 2, 64, 64, {1, 200, 999}},
+        {16, 4, 256, 32, {517, 31}},           {4, 4, 64, 32, {100000}},
+    };
+    for (const auto& c : cases) {
+      const double err = CheckCase(c.hq, c.hkv, c.d, c.ps, c.lengths, seed++);
+      const bool pass = err < 2e-3;
+      ok &= pass;
+      std::printf("  hq %2d hkv %d d %3d page %2d lengths", c.hq, c.hkv, c.d, c.ps);
+      for (int l : c.lengths) std::printf(" %d", l);
+      std::printf(": %.2e %s\n", err, pass ? "ok" : "FAIL");
+    }
+    if (!ok) return 1;
+  }
+  if (!bench) return 0;
+  // Read ceiling: a large read-only reduction.
+  {
+    const int64_t bytes = int64_t{8} << 30;
+    void* buf = nullptr;
+    unsigned* out = nullptr;
+    CHECK(cudaMalloc(&buf, bytes));
+    CHECK(cudaMalloc(&out, 4));
+    CHECK(cudaMemset(buf, 1, bytes));
+    cudaEvent_t a, b;
+    CHECK(cudaEventCreate(&a));
+    CHECK(cudaEventCreate(&b));
+    std::vector<float> ms;
+    for (int r = 0; r < 12; ++r) {
+      CHECK(cudaEventRecord(a));
+      ReadReduce<<<prop.multiProcessorCount * 8, 512>>>(static_cast<const uint4*>(buf), bytes / 16, out);
+      CHECK(cudaEventRecord(b));
+      CHECK(cudaEventSynchronize(b));
+      float t = 0;
+      CHECK(cudaEventElapsedTime(&t, a, b));
+      if (r >= 2) ms.push_back(t);
+    }
+    std::printf("read ceiling: %.2f TB/s (8 GiB read-only reduction, median of 10)\n",
+                bytes / (Median(ms) * 1e-3) / 1e12);
+    CHECK(cudaFree(buf));
+    CHECK(cudaFree(out));
+  }
+  const int hq = 32, hkv = 8, d = 128, ps = 64;
+  std::printf("\nINT2 decode attention, Qwen3-8B layer (32 q / 8 kv heads, d 128, page 64)\n");
+  std::printf("%8s %6s %7s %10s %10s %9s\n", "context", "batch", "splits", "us", "MB read", "TB/s");
+  for (int n : {32768, 100000}) {
+    for (int batch : {1, 8, 64}) {
+      const int pages_per = (n + ps - 1) / ps;
+      const int64_t page_bytes = kk::Int2PageBytes(hkv, ps, d);
+      const int64_t n_pages = int64_t{pages_per} * batch;
+      uint8_t* pages = nullptr;
+      CHECK(cudaMalloc(&pages, n_pages * page_bytes));
+      FillPages<<<4096, 256>>>(pages, n_pages, page_bytes, int64_t{hkv} * ps * (d / 4), hkv, ps, 7u);
+      CHECK(cudaGetLastError());
+      std::vector<int32_t> table(n_pages);
+      for (int64_t i = 0; i < n_pages; ++i) table[i] = static_cast<int32_t>(i);
+      std::mt19937 rng(5);
+      std::normal_distribution<float> normal(0.0f, 1.0f);
+      std::vector<float> q(batch * hq * d);
+      for (auto& x : q) x = normal(rng);
+      kk::cuda::Int2DecodeParams p;
+      p.pages = pages;
+      p.page_stride = page_bytes;
+      p.page_table = Upload(table);
+      p.max_pages = pages_per;
+      p.lengths = Upload(std::vector<int32_t>(batch, n));
+      p.batch = batch;
+      p.num_q_heads = hq;
+      p.num_kv_heads = hkv;
+      p.head_dim = d;
+      p.page_size = ps;
+      p.q = Upload(q);
+      const std::vector<float> h = Hadamard(d);
+      p.r_k = Upload(h);
+      p.r_v_t = Upload(h);
+      p.softmax_scale = 1.0f / std::sqrt(static_cast<float>(d));
+      p.num_splits = kk::cuda::Int2DecodeSplits(batch, hkv, n, prop.multiProcessorCount);
+      float *o = nullptr, *lse = nullptr;
+      void* ws = nullptr;
+      CHECK(cudaMalloc(&o, batch * hq * d * 4));
+      CHECK(cudaMalloc(&lse, batch * hq * 4));
+      CHECK(cudaMalloc(&ws, kk::cuda::Int2DecodeWorkspaceBytes(batch, hq, d, p.num_splits)));
+      p.o = o;
+      p.lse = lse;
+      p.workspace = ws;
+      cudaEvent_t a, b;
+      CHECK(cudaEventCreate(&a));
+      CHECK(cudaEventCreate(&b));
+      std::vector<float> ms;
+      for (int r = 0; r < 53; ++r) {
+        CHECK(cudaEventRecord(a));
+        CHECK(kk::cuda::LaunchInt2Decode(p, n, nullptr));
+        CHECK(cudaEventRecord(b));
+        CHECK(cudaEventSynchronize(b));
+        float t = 0;
+        CHECK(cudaEventElapsedTime(&t, a, b));
+        if (r >= 3) ms.push_back(t);
+      }
+      const double us = Median(ms) * 1e3;
+      const double mb = static_cast<double>(page_bytes) * n_pages / 1e6;
+      std::printf("%8d %6d %7d %10.1f %10.1f %9.2f\n", n, batch, p.num_splits, us, mb, mb / us);
+      const void* to_free[] = {pages, p.page_table, p.lengths, p.q, p.r_k, p.r_v_t, o, lse, ws};
+      for (const void* ptr : to_free) CHECK(cudaFree(const_cast<void*>(ptr)));
+    }
+  }
+  return 0;
+}

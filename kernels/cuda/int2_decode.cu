@@ -1,0 +1,330 @@
+// OSCAR INT2 decode attention on int8 tensor cores (see cuda_int2_attention.h).
+//
+// mma.sync.m16n8k32 fragments (g = lane / 4, t = lane % 4):
+//   A (16 x 32, row): a0 = (row g, k 4t..4t+3), a1 = (row g+8, same k), a2 = (row g,
+//                     k 4t+16..), a3 = (row g+8, k 4t+16..)
+//   B (32 x 8, col):  b0 = (k 4t..4t+3, col g), b1 = (k 4t+16.., col g)
+//   C (16 x 8):       c0, c1 = (row g, cols 2t, 2t+1), c2, c3 = (row g+8, same cols)
+// Rows are (head, digit): head h < 8 with its high digit in row h and its low digit in
+// row h + 8, so one lane holds both digits of one head for the same columns.
+#include <cuda_fp16.h>
+
+#include <cfloat>
+#include <cstdint>
+
+#include "kvcd/kernels/cuda_int2_attention.h"
+
+namespace kvcd::kernels::cuda {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kTile = 32;  // tokens per warp step
+constexpr uint32_t kPlane = 0x03030303u;
+
+__device__ __forceinline__ void Mma(int (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ int Digit(float x) { return max(-127, min(127, __float2int_rn(x))); }
+
+__device__ __forceinline__ uint32_t Pack4(int a, int b, int c, int d) {
+  return (static_cast<uint32_t>(a) & 0xffu) | ((static_cast<uint32_t>(b) & 0xffu) << 8) |
+         ((static_cast<uint32_t>(c) & 0xffu) << 16) | ((static_cast<uint32_t>(d) & 0xffu) << 24);
+}
+
+// q_rot[b][h] = (q[b][h] . R_k) * scale; one block per (b, h), head_dim threads.
+__global__ void RotateQueries(const float* q, const float* r_k, float scale, int head_dim,
+                              float* q_rot) {
+  extern __shared__ float x[];
+  const int64_t row = blockIdx.x;
+  const int j = threadIdx.x;
+  x[j] = q[row * head_dim + j];
+  __syncthreads();
+  float acc = 0.0f;
+  if (r_k == nullptr) {
+    acc = x[j];
+  } else {
+    for (int i = 0; i < head_dim; ++i) acc += x[i] * r_k[i * head_dim + j];
+  }
+  q_rot[row * head_dim + j] = acc * scale;
+}
+
+template <int D>
+__global__ void __launch_bounds__(kWarps * 32)
+    Int2DecodeKernel(Int2DecodeParams p, const float* q_rot, int tokens_per_split,
+                     float* part_o, float* part_lse) {
+  constexpr int Q = D / 4;             // bytes per row
+  constexpr int kGroups = Q / 4;       // 4-byte groups per row
+  constexpr int kKBlocks = D / 32;     // logit MMAs per 8 tokens
+  constexpr int kVTiles = D / 8;       // value MMAs per 32 tokens
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int G = p.num_q_heads / p.num_kv_heads;
+  const int ps = p.page_size;
+  const int len = p.lengths[b];
+  const int t_begin = split * tokens_per_split;
+  const int t_end = min(len, t_begin + tokens_per_split);
+
+  __shared__ float s_q[8][D];
+  __shared__ float s_step[8], s_qsum[8];
+  __shared__ __align__(16) int8_t s_w[kWarps][16][kTile];  // value weight digits
+  __shared__ float s_m[kWarps][8], s_l[kWarps][8], s_lacc[kWarps][8];
+  __shared__ float s_o[kWarps][8][D];
+
+  // Rotated, scaled queries of this KV head's group; their int8 step and sum.
+  for (int i = threadIdx.x; i < 8 * D; i += blockDim.x) {
+    const int h = i / D;
+    s_q[h][i % D] = h < G ? q_rot[(static_cast<int64_t>(b) * p.num_q_heads + kvh * G + h) * D + i % D] : 0.0f;
+  }
+  __syncthreads();
+  if (threadIdx.x < 8) {
+    float mx = 0.0f, sum = 0.0f;
+    for (int e = 0; e < D; ++e) {
+      mx = fmaxf(mx, fabsf(s_q[threadIdx.x][e]));
+      sum += s_q[threadIdx.x][e];
+    }
+    s_step[threadIdx.x] = mx > 0.0f ? mx / 127.0f : 1.0f;
+    s_qsum[threadIdx.x] = sum;
+  }
+  __syncthreads();
+  // A fragments of the logit MMAs: k-block kb covers group-planes kb*8 .. kb*8+7, where
+  // group-plane gp = plane * kGroups + group holds elements plane*Q + 4*group + 0..3.
+  uint32_t qa[kKBlocks][4];
+  const float step = s_step[g];
+#pragma unroll
+  for (int kb = 0; kb < kKBlocks; ++kb) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int gp = kb * 8 + t + 4 * half;
+      const int e0 = (gp / kGroups) * Q + 4 * (gp % kGroups);
+      int hi[4], lo[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float x = s_q[g][e0 + c];
+        hi[c] = Digit(x / step);
+        lo[c] = Digit((x - hi[c] * step) * 254.0f / step);
+      }
+      qa[kb][2 * half] = Pack4(hi[0], hi[1], hi[2], hi[3]);
+      qa[kb][2 * half + 1] = Pack4(lo[0], lo[1], lo[2], lo[3]);
+    }
+  }
+  const float qsum = s_qsum[g];
+
+  float m = -FLT_MAX, l = 0.0f, lacc = 0.0f;
+  bool any = false;
+  float o[kVTiles][2];
+#pragma unroll
+  for (int i = 0; i < kVTiles; ++i) o[i][0] = o[i][1] = 0.0f;
+
+  for (int tile = t_begin + warp * kTile; tile < t_end; tile += kWarps * kTile) {
+    const int page = tile / ps, slot0 = tile % ps;
+    const uint8_t* base = p.pages + static_cast<int64_t>(p.page_table[static_cast<int64_t>(b) * p.max_pages + page]) * p.page_stride;
+    // Page layout (int2_attention.h): K codes, V codes, K params, V params.
+    const int64_t code_bytes = static_cast<int64_t>(p.num_kv_heads) * ps * Q;
+    const uint32_t* kwords = reinterpret_cast<const uint32_t*>(base + static_cast<int64_t>(kvh) * ps * Q);
+    const uint32_t* vwords = reinterpret_cast<const uint32_t*>(base + code_bytes + static_cast<int64_t>(kvh) * ps * Q);
+    const __half* kparams = reinterpret_cast<const __half*>(base + 2 * code_bytes) + static_cast<int64_t>(kvh) * 2 * ps;
+    const __half* vparams = kparams + static_cast<int64_t>(p.num_kv_heads) * 2 * ps;
+
+    // --- logits: 4 MMA column tiles of 8 tokens ---
+    float s[4][2];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const int slot = slot0 + nt * 8 + g;  // this lane's B column (token)
+      int c[4] = {0, 0, 0, 0};
+#pragma unroll
+      for (int kb = 0; kb < kKBlocks; ++kb) {
+        const int gp0 = kb * 8 + t, gp1 = gp0 + 4;
+        const uint32_t w0 = __ldg(kwords + (gp0 % kGroups) * ps + slot);
+        const uint32_t w1 = __ldg(kwords + (gp1 % kGroups) * ps + slot);
+        Mma(c, qa[kb], (w0 >> (2 * (gp0 / kGroups))) & kPlane, (w1 >> (2 * (gp1 / kGroups))) & kPlane);
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int ts = slot0 + nt * 8 + 2 * t + j;
+        const float dot = c[j] * step + c[2 + j] * (step / 254.0f);
+        const float logit = dot * __half2float(kparams[ts]) + __half2float(kparams[ps + ts]) * qsum;
+        s[nt][j] = (tile + nt * 8 + 2 * t + j < t_end) ? logit : -FLT_MAX;
+      }
+    }
+    // --- online softmax (per head: the 4 lanes of a lane group) ---
+    float mx = m;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) mx = fmaxf(mx, fmaxf(s[nt][0], s[nt][1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float alpha = any ? __expf(m - mx) : 0.0f;
+    any = true;
+    m = mx;
+    l *= alpha;
+    lacc *= alpha;
+#pragma unroll
+    for (int i = 0; i < kVTiles; ++i) {
+      o[i][0] *= alpha;
+      o[i][1] *= alpha;
+    }
+    float w[4][2], wmax = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int ts = slot0 + nt * 8 + 2 * t + j;
+        const float pr = s[nt][j] == -FLT_MAX ? 0.0f : __expf(s[nt][j] - m);
+        l += pr;
+        lacc += pr * __half2float(vparams[ps + ts]);
+        w[nt][j] = pr * __half2float(vparams[ts]);
+        wmax = fmaxf(wmax, w[nt][j]);
+      }
+    }
+    wmax = fmaxf(wmax, __shfl_xor_sync(0xffffffffu, wmax, 1));
+    wmax = fmaxf(wmax, __shfl_xor_sync(0xffffffffu, wmax, 2));
+    const float wstep = wmax > 0.0f ? wmax / 127.0f : 1.0f;
+    // Weight digits to shared memory [row][token], rows >= G stay zero.
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int col = nt * 8 + 2 * t + j;
+        const int hi = g < G ? Digit(w[nt][j] / wstep) : 0;
+        const int lo = g < G ? Digit((w[nt][j] - hi * wstep) * 254.0f / wstep) : 0;
+        s_w[warp][g][col] = static_cast<int8_t>(hi);
+        s_w[warp][g + 8][col] = static_cast<int8_t>(lo);
+      }
+    }
+    __syncwarp();
+    uint32_t va[4];
+    va[0] = *reinterpret_cast<const uint32_t*>(&s_w[warp][g][4 * t]);
+    va[1] = *reinterpret_cast<const uint32_t*>(&s_w[warp][g + 8][4 * t]);
+    va[2] = *reinterpret_cast<const uint32_t*>(&s_w[warp][g][4 * t + 16]);
+    va[3] = *reinterpret_cast<const uint32_t*>(&s_w[warp][g + 8][4 * t + 16]);
+    __syncwarp();
+    // --- values: D/8 MMA column tiles of 8 elements; B = one plane of V words ---
+    const int quad0 = slot0 / 4 + t;
+#pragma unroll
+    for (int vt = 0; vt < kVTiles; ++vt) {
+      const int plane = (vt * 8) / Q, j0 = (vt * 8) % Q;
+      const uint32_t w0 = __ldg(vwords + quad0 * Q + j0 + g);
+      const uint32_t w1 = __ldg(vwords + (quad0 + 4) * Q + j0 + g);
+      int c[4] = {0, 0, 0, 0};
+      Mma(c, va, (w0 >> (2 * plane)) & kPlane, (w1 >> (2 * plane)) & kPlane);
+      o[vt][0] += c[0] * wstep + c[2] * (wstep / 254.0f);
+      o[vt][1] += c[1] * wstep + c[3] * (wstep / 254.0f);
+    }
+  }
+  // Reduce the per-lane sums over the 4 lanes of each head, then merge the warps.
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  lacc += __shfl_xor_sync(0xffffffffu, lacc, 1);
+  lacc += __shfl_xor_sync(0xffffffffu, lacc, 2);
+  if (t == 0) {
+    s_m[warp][g] = any ? m : -FLT_MAX;
+    s_l[warp][g] = l;
+    s_lacc[warp][g] = lacc;
+  }
+#pragma unroll
+  for (int vt = 0; vt < kVTiles; ++vt) {
+    s_o[warp][g][vt * 8 + 2 * t] = o[vt][0];
+    s_o[warp][g][vt * 8 + 2 * t + 1] = o[vt][1];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+    const int h = i / D, e = i % D;
+    float M = -FLT_MAX;
+    for (int w2 = 0; w2 < kWarps; ++w2) M = fmaxf(M, s_m[w2][h]);
+    float num = 0.0f, den = 0.0f;
+    if (M > -FLT_MAX) {
+      for (int w2 = 0; w2 < kWarps; ++w2) {
+        if (s_l[w2][h] <= 0.0f) continue;
+        const float f = __expf(s_m[w2][h] - M);
+        num += f * (s_o[w2][h][e] + s_lacc[w2][h]);
+        den += f * s_l[w2][h];
+      }
+    }
+    const int64_t row = (static_cast<int64_t>(split) * p.batch + b) * p.num_q_heads + kvh * G + h;
+    part_o[row * D + e] = den > 0.0f ? num / den : 0.0f;
+    if (e == 0) part_lse[row] = den > 0.0f ? M + __logf(den) : -INFINITY;
+  }
+}
+
+// Merges the splits of each (b, head) and applies R_v^T; one block per row, D threads.
+__global__ void MergeSplits(const float* part_o, const float* part_lse, int splits, int rows,
+                            int head_dim, const float* r_v_t, float* o, float* lse) {
+  extern __shared__ float x[];
+  const int row = blockIdx.x, j = threadIdx.x;
+  float M = -INFINITY;
+  for (int s = 0; s < splits; ++s) M = fmaxf(M, part_lse[static_cast<int64_t>(s) * rows + row]);
+  float num = 0.0f, den = 0.0f;
+  if (M > -INFINITY) {
+    for (int s = 0; s < splits; ++s) {
+      const float ls = part_lse[static_cast<int64_t>(s) * rows + row];
+      if (ls == -INFINITY) continue;
+      const float f = __expf(ls - M);
+      num += f * part_o[(static_cast<int64_t>(s) * rows + row) * head_dim + j];
+      den += f;
+    }
+  }
+  x[j] = den > 0.0f ? num / den : 0.0f;
+  __syncthreads();
+  float acc = x[j];
+  if (r_v_t != nullptr) {
+    acc = 0.0f;
+    for (int i = 0; i < head_dim; ++i) acc += x[i] * r_v_t[i * head_dim + j];
+  }
+  o[static_cast<int64_t>(row) * head_dim + j] = acc;
+  if (j == 0) lse[row] = den > 0.0f ? M + logf(den) : -INFINITY;
+}
+
+}  // namespace
+
+size_t Int2DecodeWorkspaceBytes(int batch, int num_q_heads, int head_dim, int max_splits) {
+  const size_t rows = static_cast<size_t>(batch) * num_q_heads;
+  return sizeof(float) * (rows * head_dim + static_cast<size_t>(max_splits) * rows * (head_dim + 1));
+}
+
+int Int2DecodeSplits(int batch, int num_kv_heads, int max_tokens, int num_sms) {
+  const int ctas = batch * num_kv_heads;
+  int splits = (2 * num_sms + ctas - 1) / ctas;
+  const int max_by_tokens = (max_tokens + kWarps * kTile - 1) / (kWarps * kTile);
+  splits = splits < max_by_tokens ? splits : max_by_tokens;
+  return splits < 1 ? 1 : splits;
+}
+
+cudaError_t LaunchInt2Decode(const Int2DecodeParams& p, int max_tokens, cudaStream_t stream) {
+  const int d = p.head_dim;
+  if ((d != 64 && d != 128 && d != 256) || p.num_kv_heads <= 0 ||
+      p.num_q_heads % p.num_kv_heads != 0 || p.num_q_heads / p.num_kv_heads > 8 ||
+      p.page_size % kTile != 0 || p.batch <= 0 || p.num_splits <= 0) {
+    return cudaErrorInvalidValue;
+  }
+  const int splits = p.num_splits;
+  int tokens_per_split = (max_tokens + splits - 1) / splits;
+  tokens_per_split = (tokens_per_split + kTile - 1) / kTile * kTile;
+  const int rows = p.batch * p.num_q_heads;
+  float* q_rot = static_cast<float*>(p.workspace);
+  float* part_o = q_rot + static_cast<size_t>(rows) * d;
+  float* part_lse = part_o + static_cast<size_t>(splits) * rows * d;
+  RotateQueries<<<rows, d, d * sizeof(float), stream>>>(p.q, p.r_k, p.softmax_scale, d, q_rot);
+  const dim3 grid(splits, p.num_kv_heads, p.batch);
+  switch (d) {  // one instantiation per head_dim
+    case 64:
+      Int2DecodeKernel<64><<<grid, kWarps * 32, 0, stream>>>(p, q_rot, tokens_per_split, part_o, part_lse);
+      break;
+    case 128:
+      Int2DecodeKernel<128><<<grid, kWarps * 32, 0, stream>>>(p, q_rot, tokens_per_split, part_o, part_lse);
+      break;
+    default:
+      Int2DecodeKernel<256><<<grid, kWarps * 32, 0, stream>>>(p, q_rot, tokens_per_split, part_o, part_lse);
+      break;
+  }
+  MergeSplits<<<rows, d, d * sizeof(float), stream>>>(part_o, part_lse, splits, rows, d, p.r_v_t,
+                                                       p.o, p.lse);
+  return cudaGetLastError();
+}
+
+}  // namespace kvcd::kernels::cuda

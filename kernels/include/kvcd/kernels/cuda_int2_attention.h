@@ -1,0 +1,47 @@
+// CUDA decode attention over OSCAR INT2 pages (sm_90), framework-free: raw device
+// pointers, sizes and a stream; launchers return cudaError_t and never synchronize.
+//
+// Pages use the layout of int2_attention.h, so both matrix products map straight onto
+// int8 tensor-core MMAs (mma.sync m16n8k32 u8 x s8 -> s32):
+//  - logits: A = the rotated, scaled query of the g heads as two int8 digits (rows
+//    head + 8*digit), B = one plane of 32-bit K words (4 consecutive elements of a token);
+//  - values: A = the softmax weights times the value scales as two int8 digits per 32-token
+//    tile, B = one plane of 32-bit V words (one element of 4 consecutive tokens).
+// Split-K: grid (splits, kv_heads, batch); partial (o_rot, lse) in FP32; a merge kernel
+// combines the splits (and optional extra states, e.g. BF16 windows) and applies R_v^T.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace kvcd::kernels::cuda {
+
+struct Int2DecodeParams {
+  const uint8_t* pages = nullptr;     // layer base of the INT2 pool (device)
+  int64_t page_stride = 0;            // bytes between pages of the layer
+  const int32_t* page_table = nullptr;  // [batch][max_pages] (device)
+  int32_t max_pages = 0;
+  const int32_t* lengths = nullptr;   // [batch] tokens per sequence (device)
+  int32_t batch = 0, num_q_heads = 0, num_kv_heads = 0, head_dim = 0, page_size = 0;
+  const float* q = nullptr;           // [batch][num_q_heads][head_dim] raw queries (device)
+  const float* r_k = nullptr;         // [head_dim][head_dim] (device), null = identity
+  const float* r_v_t = nullptr;       // R_v^T [head_dim][head_dim] (device), null = identity
+  float softmax_scale = 0;
+  int32_t num_splits = 0;             // 0 = chosen to fill the GPU
+  float* o = nullptr;                 // [batch][num_q_heads][head_dim] (device)
+  float* lse = nullptr;               // [batch][num_q_heads] natural log (device)
+  void* workspace = nullptr;          // Int2DecodeWorkspaceBytes(...) bytes (device)
+};
+
+// Workspace for partial states and the rotated queries.
+size_t Int2DecodeWorkspaceBytes(int batch, int num_q_heads, int head_dim, int max_splits);
+
+// The split count the launcher picks for a batch (fills ~2 CTAs per SM).
+int Int2DecodeSplits(int batch, int num_kv_heads, int max_tokens, int num_sms);
+
+// REQUIRES: head_dim in {64, 128, 256}, num_q_heads / num_kv_heads <= 8, page_size a
+// multiple of 32. Returns cudaErrorInvalidValue otherwise.
+cudaError_t LaunchInt2Decode(const Int2DecodeParams& p, int max_tokens, cudaStream_t stream);
+
+}  // namespace kvcd::kernels::cuda
