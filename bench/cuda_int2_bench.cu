@@ -196,9 +196,17 @@ float Median(std::vector<float> v) {
 
 int main(int argc, char** argv) {
   bool check = true, bench = true;
+  int one_n = 0, one_batch = 0, one_cps = 0;  // --one N BATCH CTAS_PER_SM: a single config
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--check-only")) bench = false;
     if (!std::strcmp(argv[i], "--bench-only")) check = false;
+    if (!std::strcmp(argv[i], "--one") && i + 3 < argc) {
+      one_n = std::atoi(argv[i + 1]);
+      one_batch = std::atoi(argv[i + 2]);
+      one_cps = std::atoi(argv[i + 3]);
+      check = false;
+      i += 3;
+    }
   }
   cudaDeviceProp prop{};
   CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -225,7 +233,7 @@ int main(int argc, char** argv) {
   }
   if (!bench) return 0;
   // Read ceiling: a large read-only reduction.
-  {
+  if (one_n == 0) {
     const int64_t bytes = int64_t{8} << 30;
     void* buf = nullptr;
     unsigned* out = nullptr;
@@ -253,8 +261,13 @@ int main(int argc, char** argv) {
   const int hq = 32, hkv = 8, d = 128, ps = 64;
   std::printf("\nINT2 decode attention, Qwen3-8B layer (32 q / 8 kv heads, d 128, page 64)\n");
   std::printf("%8s %6s %7s %10s %10s %9s\n", "context", "batch", "splits", "us", "MB read", "TB/s");
-  for (int n : {32768, 100000}) {
-    for (int batch : {1, 8, 64}) {
+  const std::vector<int> cps_list = one_n ? std::vector<int>{one_cps} : std::vector<int>{2, 4, 8};
+  const std::vector<int> n_list = one_n ? std::vector<int>{one_n} : std::vector<int>{32768, 100000};
+  const std::vector<int> b_list = one_n ? std::vector<int>{one_batch} : std::vector<int>{1, 8, 64};
+  for (int cps : cps_list) {
+  std::printf("-- splits for %d CTAs per SM --\n", cps);
+  for (int n : n_list) {
+    for (int batch : b_list) {
       const int pages_per = (n + ps - 1) / ps;
       const int64_t page_bytes = kk::Int2PageBytes(hkv, ps, d);
       const int64_t n_pages = int64_t{pages_per} * batch;
@@ -284,7 +297,7 @@ int main(int argc, char** argv) {
       p.r_k = Upload(h);
       p.r_v_t = Upload(h);
       p.softmax_scale = 1.0f / std::sqrt(static_cast<float>(d));
-      p.num_splits = kk::cuda::Int2DecodeSplits(batch, hkv, n, prop.multiProcessorCount);
+      p.num_splits = kk::cuda::Int2DecodeSplits(batch, hkv, n, prop.multiProcessorCount, cps);
       float *o = nullptr, *lse = nullptr;
       void* ws = nullptr;
       CHECK(cudaMalloc(&o, batch * hq * d * 4));
@@ -297,14 +310,14 @@ int main(int argc, char** argv) {
       CHECK(cudaEventCreate(&a));
       CHECK(cudaEventCreate(&b));
       std::vector<float> ms;
-      for (int r = 0; r < 53; ++r) {
+      for (int r = 0; r < (one_n ? 5 : 53); ++r) {
         CHECK(cudaEventRecord(a));
         CHECK(kk::cuda::LaunchInt2Decode(p, n, nullptr));
         CHECK(cudaEventRecord(b));
         CHECK(cudaEventSynchronize(b));
         float t = 0;
         CHECK(cudaEventElapsedTime(&t, a, b));
-        if (r >= 3) ms.push_back(t);
+        if (r >= 3 || one_n) ms.push_back(t);
       }
       const double us = Median(ms) * 1e3;
       const double mb = static_cast<double>(page_bytes) * n_pages / 1e6;
@@ -312,6 +325,7 @@ int main(int argc, char** argv) {
       const void* to_free[] = {pages, p.page_table, p.lengths, p.q, p.r_k, p.r_v_t, o, lse, ws};
       for (const void* ptr : to_free) CHECK(cudaFree(const_cast<void*>(ptr)));
     }
+  }
   }
   return 0;
 }

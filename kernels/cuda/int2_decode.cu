@@ -37,7 +37,8 @@ __device__ __forceinline__ uint32_t Pack4(int a, int b, int c, int d) {
          ((static_cast<uint32_t>(c) & 0xffu) << 16) | ((static_cast<uint32_t>(d) & 0xffu) << 24);
 }
 
-// q_rot[b][h] = (q[b][h] . R_k) * scale; one block per (b, h), head_dim threads.
+// q_rot[b][h] = (q[b][h] . R_k) * scale; one block per (b, h), head_dim threads. The
+// loop over i is unrolled so the loads of R (coalesced across j, from L2) overlap.
 __global__ void RotateQueries(const float* q, const float* r_k, float scale, int head_dim,
                               float* q_rot) {
   extern __shared__ float x[];
@@ -49,7 +50,8 @@ __global__ void RotateQueries(const float* q, const float* r_k, float scale, int
   if (r_k == nullptr) {
     acc = x[j];
   } else {
-    for (int i = 0; i < head_dim; ++i) acc += x[i] * r_k[i * head_dim + j];
+#pragma unroll 16
+    for (int i = 0; i < head_dim; ++i) acc += x[i] * __ldg(r_k + i * head_dim + j);
   }
   q_rot[row * head_dim + j] = acc * scale;
 }
@@ -132,17 +134,37 @@ __global__ void __launch_bounds__(kWarps * 32)
     const __half* kparams = reinterpret_cast<const __half*>(base + 2 * code_bytes) + static_cast<int64_t>(kvh) * 2 * ps;
     const __half* vparams = kparams + static_cast<int64_t>(p.num_kv_heads) * 2 * ps;
 
+    // Issue every global load of the tile first (K and V words are independent of the
+    // logits), so a tile costs one memory round trip.
+    // A lane needs, per token, the K words of the groups t, t+4, ... (kWordsK of them) and,
+    // per 4-token quad, the V words j0 + g for the Q/8 column offsets j0: each word feeds
+    // the MMAs of all 4 planes.
+    constexpr int kWordsK = kGroups / 4 > 0 ? kGroups / 4 : 1;
+    constexpr int kWordsV = Q / 8;
+    uint32_t kw[4][kWordsK];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const int slot = slot0 + nt * 8 + g;  // this lane's B column (token)
+#pragma unroll
+      for (int i = 0; i < kWordsK; ++i) kw[nt][i] = __ldg(kwords + (t + 4 * i) % kGroups * ps + slot);
+    }
+    const int quad0 = slot0 / 4 + t;
+    uint32_t vw[kWordsV][2];
+#pragma unroll
+    for (int i = 0; i < kWordsV; ++i) {
+      vw[i][0] = __ldg(vwords + quad0 * Q + 8 * i + g);
+      vw[i][1] = __ldg(vwords + (quad0 + 4) * Q + 8 * i + g);
+    }
     // --- logits: 4 MMA column tiles of 8 tokens ---
     float s[4][2];
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
-      const int slot = slot0 + nt * 8 + g;  // this lane's B column (token)
       int c[4] = {0, 0, 0, 0};
 #pragma unroll
       for (int kb = 0; kb < kKBlocks; ++kb) {
         const int gp0 = kb * 8 + t, gp1 = gp0 + 4;
-        const uint32_t w0 = __ldg(kwords + (gp0 % kGroups) * ps + slot);
-        const uint32_t w1 = __ldg(kwords + (gp1 % kGroups) * ps + slot);
+        const uint32_t w0 = kw[nt][((gp0 % kGroups) / 4) % kWordsK];
+        const uint32_t w1 = kw[nt][((gp1 % kGroups) / 4) % kWordsK];
         Mma(c, qa[kb], (w0 >> (2 * (gp0 / kGroups))) & kPlane, (w1 >> (2 * (gp1 / kGroups))) & kPlane);
       }
 #pragma unroll
@@ -174,11 +196,13 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
+        // Slots past the sequence hold stale bytes (possibly NaN as FP16): never read them.
         const int ts = slot0 + nt * 8 + 2 * t + j;
-        const float pr = s[nt][j] == -FLT_MAX ? 0.0f : __expf(s[nt][j] - m);
+        const bool valid = tile + nt * 8 + 2 * t + j < t_end;
+        const float pr = valid ? __expf(s[nt][j] - m) : 0.0f;
         l += pr;
-        lacc += pr * __half2float(vparams[ps + ts]);
-        w[nt][j] = pr * __half2float(vparams[ts]);
+        lacc += valid ? pr * __half2float(vparams[ps + ts]) : 0.0f;
+        w[nt][j] = valid ? pr * __half2float(vparams[ts]) : 0.0f;
         wmax = fmaxf(wmax, w[nt][j]);
       }
     }
@@ -205,14 +229,11 @@ __global__ void __launch_bounds__(kWarps * 32)
     va[3] = *reinterpret_cast<const uint32_t*>(&s_w[warp][g + 8][4 * t + 16]);
     __syncwarp();
     // --- values: D/8 MMA column tiles of 8 elements; B = one plane of V words ---
-    const int quad0 = slot0 / 4 + t;
 #pragma unroll
     for (int vt = 0; vt < kVTiles; ++vt) {
-      const int plane = (vt * 8) / Q, j0 = (vt * 8) % Q;
-      const uint32_t w0 = __ldg(vwords + quad0 * Q + j0 + g);
-      const uint32_t w1 = __ldg(vwords + (quad0 + 4) * Q + j0 + g);
+      const int plane = (vt * 8) / Q, i = ((vt * 8) % Q) / 8;
       int c[4] = {0, 0, 0, 0};
-      Mma(c, va, (w0 >> (2 * plane)) & kPlane, (w1 >> (2 * plane)) & kPlane);
+      Mma(c, va, (vw[i][0] >> (2 * plane)) & kPlane, (vw[i][1] >> (2 * plane)) & kPlane);
       o[vt][0] += c[0] * wstep + c[2] * (wstep / 254.0f);
       o[vt][1] += c[1] * wstep + c[3] * (wstep / 254.0f);
     }
@@ -253,28 +274,44 @@ __global__ void __launch_bounds__(kWarps * 32)
 }
 
 // Merges the splits of each (b, head) and applies R_v^T; one block per row, D threads.
+// The split weights exp(lse_s - M) are computed once per block in shared memory.
 __global__ void MergeSplits(const float* part_o, const float* part_lse, int splits, int rows,
                             int head_dim, const float* r_v_t, float* o, float* lse) {
-  extern __shared__ float x[];
-  const int row = blockIdx.x, j = threadIdx.x;
+  extern __shared__ float x[];  // [head_dim] merged o_rot, then [splits] weights
+  float* wts = x + head_dim;
+  __shared__ float s_max[32], s_den[32];
+  const int row = blockIdx.x, j = threadIdx.x, lane = j & 31, warp = j >> 5;
+  float mx = -INFINITY;
+  for (int s = j; s < splits; s += blockDim.x) mx = fmaxf(mx, part_lse[static_cast<int64_t>(s) * rows + row]);
+  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  if (lane == 0) s_max[warp] = mx;
+  __syncthreads();
   float M = -INFINITY;
-  for (int s = 0; s < splits; ++s) M = fmaxf(M, part_lse[static_cast<int64_t>(s) * rows + row]);
-  float num = 0.0f, den = 0.0f;
-  if (M > -INFINITY) {
-    for (int s = 0; s < splits; ++s) {
-      const float ls = part_lse[static_cast<int64_t>(s) * rows + row];
-      if (ls == -INFINITY) continue;
-      const float f = __expf(ls - M);
-      num += f * part_o[(static_cast<int64_t>(s) * rows + row) * head_dim + j];
-      den += f;
-    }
+  for (int w = 0; w < (blockDim.x + 31) / 32; ++w) M = fmaxf(M, s_max[w]);
+  float den = 0.0f;
+  for (int s = j; s < splits; s += blockDim.x) {
+    const float ls = part_lse[static_cast<int64_t>(s) * rows + row];
+    const float f = (M > -INFINITY && ls > -INFINITY) ? __expf(ls - M) : 0.0f;
+    wts[s] = f;
+    den += f;
+  }
+  for (int off = 16; off > 0; off >>= 1) den += __shfl_xor_sync(0xffffffffu, den, off);
+  if (lane == 0) s_den[warp] = den;
+  __syncthreads();
+  den = 0.0f;
+  for (int w = 0; w < (blockDim.x + 31) / 32; ++w) den += s_den[w];
+  float num = 0.0f;
+#pragma unroll 8
+  for (int s = 0; s < splits; ++s) {
+    num += wts[s] * part_o[(static_cast<int64_t>(s) * rows + row) * head_dim + j];
   }
   x[j] = den > 0.0f ? num / den : 0.0f;
   __syncthreads();
   float acc = x[j];
   if (r_v_t != nullptr) {
     acc = 0.0f;
-    for (int i = 0; i < head_dim; ++i) acc += x[i] * r_v_t[i * head_dim + j];
+#pragma unroll 16
+    for (int i = 0; i < head_dim; ++i) acc += x[i] * __ldg(r_v_t + i * head_dim + j);
   }
   o[static_cast<int64_t>(row) * head_dim + j] = acc;
   if (j == 0) lse[row] = den > 0.0f ? M + logf(den) : -INFINITY;
@@ -287,9 +324,10 @@ size_t Int2DecodeWorkspaceBytes(int batch, int num_q_heads, int head_dim, int ma
   return sizeof(float) * (rows * head_dim + static_cast<size_t>(max_splits) * rows * (head_dim + 1));
 }
 
-int Int2DecodeSplits(int batch, int num_kv_heads, int max_tokens, int num_sms) {
+int Int2DecodeSplits(int batch, int num_kv_heads, int max_tokens, int num_sms,
+                     int ctas_per_sm) {
   const int ctas = batch * num_kv_heads;
-  int splits = (2 * num_sms + ctas - 1) / ctas;
+  int splits = (ctas_per_sm * num_sms + ctas - 1) / ctas;
   const int max_by_tokens = (max_tokens + kWarps * kTile - 1) / (kWarps * kTile);
   splits = splits < max_by_tokens ? splits : max_by_tokens;
   return splits < 1 ? 1 : splits;
@@ -322,8 +360,8 @@ cudaError_t LaunchInt2Decode(const Int2DecodeParams& p, int max_tokens, cudaStre
       Int2DecodeKernel<256><<<grid, kWarps * 32, 0, stream>>>(p, q_rot, tokens_per_split, part_o, part_lse);
       break;
   }
-  MergeSplits<<<rows, d, d * sizeof(float), stream>>>(part_o, part_lse, splits, rows, d, p.r_v_t,
-                                                       p.o, p.lse);
+  MergeSplits<<<rows, d, (d + splits) * sizeof(float), stream>>>(part_o, part_lse, splits, rows,
+                                                                  d, p.r_v_t, p.o, p.lse);
   return cudaGetLastError();
 }
 

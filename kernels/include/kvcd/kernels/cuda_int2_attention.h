@@ -37,8 +37,10 @@ struct Int2DecodeParams {
 // Workspace for partial states and the rotated queries.
 size_t Int2DecodeWorkspaceBytes(int batch, int num_q_heads, int head_dim, int max_splits);
 
-// The split count the launcher picks for a batch (fills ~2 CTAs per SM).
-int Int2DecodeSplits(int batch, int num_kv_heads, int max_tokens, int num_sms);
+// The split count for a batch: about ctas_per_sm CTAs of 4 warps per SM (4 is what the
+// register file holds at head_dim 128), at least 4 tiles of 32 tokens per CTA.
+int Int2DecodeSplits(int batch, int num_kv_heads, int max_tokens, int num_sms,
+                     int ctas_per_sm = 4);
 
 // REQUIRES: head_dim in {64, 128, 256}, num_q_heads / num_kv_heads <= 8, page_size a
 // multiple of 32. Returns cudaErrorInvalidValue otherwise.
