@@ -22,13 +22,13 @@
 
 namespace kk = kvcd::kernels;
 
-#define CHECK(x)                                                                     \
-  do {                                                                               \
-    cudaError_t e_ = (x);                                                            \
-    if (e_ != cudaSuccess) {                                                         \
+#define CHECK(x)                                                                              \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
       std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                  \
-    }                                                                                \
+      std::exit(1);                                                                           \
+    }                                                                                         \
   } while (0)
 
 namespace {
@@ -129,7 +129,8 @@ double CheckCase(int hq, int hkv, int d, int ps, const std::vector<int>& lengths
   for (int b = 0; b < batch; ++b) {
     std::vector<float> qr(hq * d), orot(hq * d), oref(hq * d), lref(hq);
     kk::RotateRows(q.data() + b * hq * d, hq, d, rk.data(), qr.data());
-    kk::Int2PageTable kv{pool.data(), page_bytes, table.data() + b * max_pages, max_pages, ps, hkv, d};
+    kk::Int2PageTable kv{pool.data(), page_bytes, table.data() + b * max_pages, max_pages, ps,
+                         hkv,         d};
     for (int h = 0; h < hkv; ++h) {
       kk::AttendInt2PagesReference(kv, h, qr.data() + h * g * d, g, scale, 0, lengths[b],
                                    orot.data() + h * g * d, lref.data() + h * g);
@@ -171,7 +172,8 @@ __global__ void FillPages(uint8_t* pages, int64_t n_pages, int64_t page_bytes, i
     } else {  // FP16 params: scales 0.5..0.6 (0x3800..), minimums -0.75.. (0xBA00..)
       const int64_t k = (off - 2 * code_bytes) / 2;  // param index in the page
       const bool lo = (k / ps) % 2 == 1;
-      const uint16_t h = lo ? static_cast<uint16_t>(0xBA00 + (x & 0x3f)) : static_cast<uint16_t>(0x3800 + (x & 0x3f));
+      const uint16_t h = lo ? static_cast<uint16_t>(0xBA00 + (x & 0x3f))
+                            : static_cast<uint16_t>(0x3800 + (x & 0x3f));
       pages[i] = (off % 2 == 0) ? static_cast<uint8_t>(h & 0xff) : static_cast<uint8_t>(h >> 8);
     }
   }
@@ -212,14 +214,21 @@ int main(int argc, char** argv) {
   CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
   if (check) {
-    uint32_t seed = static_cast<uint32_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+    uint32_t seed =
+        static_cast<uint32_t>(std::chrono::steady_clock::now().time_since_epoch().count());
     std::printf("correctness vs CPU oracle (seed %u): max relative error of o and lse\n", seed);
     bool ok = true;
-    struct Case { int hq, hkv, d, ps; std::vector<int> lengths; };
+    struct Case {
+      int hq, hkv, d, ps;
+      std::vector<int> lengths;
+    };
     const Case cases[] = {
-        {32, 8, 128, 64, {1, 33, 1000, 4097}}, {8, 8, 128, 32, {65, 0, 7}},
-        {16, 2, 128, 64, {3000}},              {8, 2, 64, 64, {1, 200, 999}},
-        {16, 4, 256, 32, {517, 31}},           {4, 4, 64, 32, {100000}},
+        {32, 8, 128, 64, {1, 33, 1000, 4097}},
+        {8, 8, 128, 32, {65, 0, 7}},
+        {16, 2, 128, 64, {3000}},
+        {8, 2, 64, 64, {1, 200, 999}},
+        {16, 4, 256, 32, {517, 31}},
+        {4, 4, 64, 32, {100000}},
     };
     for (const auto& c : cases) {
       const double err = CheckCase(c.hq, c.hkv, c.d, c.ps, c.lengths, seed++);
@@ -246,7 +255,8 @@ int main(int argc, char** argv) {
     std::vector<float> ms;
     for (int r = 0; r < 12; ++r) {
       CHECK(cudaEventRecord(a));
-      ReadReduce<<<prop.multiProcessorCount * 8, 512>>>(static_cast<const uint4*>(buf), bytes / 16, out);
+      ReadReduce<<<prop.multiProcessorCount * 8, 512>>>(static_cast<const uint4*>(buf), bytes / 16,
+                                                        out);
       CHECK(cudaEventRecord(b));
       CHECK(cudaEventSynchronize(b));
       float t = 0;
@@ -265,67 +275,68 @@ int main(int argc, char** argv) {
   const std::vector<int> n_list = one_n ? std::vector<int>{one_n} : std::vector<int>{32768, 100000};
   const std::vector<int> b_list = one_n ? std::vector<int>{one_batch} : std::vector<int>{1, 8, 64};
   for (int cps : cps_list) {
-  std::printf("-- splits for %d CTAs per SM --\n", cps);
-  for (int n : n_list) {
-    for (int batch : b_list) {
-      const int pages_per = (n + ps - 1) / ps;
-      const int64_t page_bytes = kk::Int2PageBytes(hkv, ps, d);
-      const int64_t n_pages = int64_t{pages_per} * batch;
-      uint8_t* pages = nullptr;
-      CHECK(cudaMalloc(&pages, n_pages * page_bytes));
-      FillPages<<<4096, 256>>>(pages, n_pages, page_bytes, int64_t{hkv} * ps * (d / 4), hkv, ps, 7u);
-      CHECK(cudaGetLastError());
-      std::vector<int32_t> table(n_pages);
-      for (int64_t i = 0; i < n_pages; ++i) table[i] = static_cast<int32_t>(i);
-      std::mt19937 rng(5);
-      std::normal_distribution<float> normal(0.0f, 1.0f);
-      std::vector<float> q(batch * hq * d);
-      for (auto& x : q) x = normal(rng);
-      kk::cuda::Int2DecodeParams p;
-      p.pages = pages;
-      p.page_stride = page_bytes;
-      p.page_table = Upload(table);
-      p.max_pages = pages_per;
-      p.lengths = Upload(std::vector<int32_t>(batch, n));
-      p.batch = batch;
-      p.num_q_heads = hq;
-      p.num_kv_heads = hkv;
-      p.head_dim = d;
-      p.page_size = ps;
-      p.q = Upload(q);
-      const std::vector<float> h = Hadamard(d);
-      p.r_k = Upload(h);
-      p.r_v_t = Upload(h);
-      p.softmax_scale = 1.0f / std::sqrt(static_cast<float>(d));
-      p.num_splits = kk::cuda::Int2DecodeSplits(batch, hkv, n, prop.multiProcessorCount, cps);
-      float *o = nullptr, *lse = nullptr;
-      void* ws = nullptr;
-      CHECK(cudaMalloc(&o, batch * hq * d * 4));
-      CHECK(cudaMalloc(&lse, batch * hq * 4));
-      CHECK(cudaMalloc(&ws, kk::cuda::Int2DecodeWorkspaceBytes(batch, hq, d, p.num_splits)));
-      p.o = o;
-      p.lse = lse;
-      p.workspace = ws;
-      cudaEvent_t a, b;
-      CHECK(cudaEventCreate(&a));
-      CHECK(cudaEventCreate(&b));
-      std::vector<float> ms;
-      for (int r = 0; r < (one_n ? 5 : 53); ++r) {
-        CHECK(cudaEventRecord(a));
-        CHECK(kk::cuda::LaunchInt2Decode(p, n, nullptr));
-        CHECK(cudaEventRecord(b));
-        CHECK(cudaEventSynchronize(b));
-        float t = 0;
-        CHECK(cudaEventElapsedTime(&t, a, b));
-        if (r >= 3 || one_n) ms.push_back(t);
+    std::printf("-- splits for %d CTAs per SM --\n", cps);
+    for (int n : n_list) {
+      for (int batch : b_list) {
+        const int pages_per = (n + ps - 1) / ps;
+        const int64_t page_bytes = kk::Int2PageBytes(hkv, ps, d);
+        const int64_t n_pages = int64_t{pages_per} * batch;
+        uint8_t* pages = nullptr;
+        CHECK(cudaMalloc(&pages, n_pages * page_bytes));
+        FillPages<<<4096, 256>>>(pages, n_pages, page_bytes, int64_t{hkv} * ps * (d / 4), hkv, ps,
+                                 7u);
+        CHECK(cudaGetLastError());
+        std::vector<int32_t> table(n_pages);
+        for (int64_t i = 0; i < n_pages; ++i) table[i] = static_cast<int32_t>(i);
+        std::mt19937 rng(5);
+        std::normal_distribution<float> normal(0.0f, 1.0f);
+        std::vector<float> q(batch * hq * d);
+        for (auto& x : q) x = normal(rng);
+        kk::cuda::Int2DecodeParams p;
+        p.pages = pages;
+        p.page_stride = page_bytes;
+        p.page_table = Upload(table);
+        p.max_pages = pages_per;
+        p.lengths = Upload(std::vector<int32_t>(batch, n));
+        p.batch = batch;
+        p.num_q_heads = hq;
+        p.num_kv_heads = hkv;
+        p.head_dim = d;
+        p.page_size = ps;
+        p.q = Upload(q);
+        const std::vector<float> h = Hadamard(d);
+        p.r_k = Upload(h);
+        p.r_v_t = Upload(h);
+        p.softmax_scale = 1.0f / std::sqrt(static_cast<float>(d));
+        p.num_splits = kk::cuda::Int2DecodeSplits(batch, hkv, n, prop.multiProcessorCount, cps);
+        float *o = nullptr, *lse = nullptr;
+        void* ws = nullptr;
+        CHECK(cudaMalloc(&o, batch * hq * d * 4));
+        CHECK(cudaMalloc(&lse, batch * hq * 4));
+        CHECK(cudaMalloc(&ws, kk::cuda::Int2DecodeWorkspaceBytes(batch, hq, d, p.num_splits)));
+        p.o = o;
+        p.lse = lse;
+        p.workspace = ws;
+        cudaEvent_t a, b;
+        CHECK(cudaEventCreate(&a));
+        CHECK(cudaEventCreate(&b));
+        std::vector<float> ms;
+        for (int r = 0; r < (one_n ? 5 : 53); ++r) {
+          CHECK(cudaEventRecord(a));
+          CHECK(kk::cuda::LaunchInt2Decode(p, n, nullptr));
+          CHECK(cudaEventRecord(b));
+          CHECK(cudaEventSynchronize(b));
+          float t = 0;
+          CHECK(cudaEventElapsedTime(&t, a, b));
+          if (r >= 3 || one_n) ms.push_back(t);
+        }
+        const double us = Median(ms) * 1e3;
+        const double mb = static_cast<double>(page_bytes) * n_pages / 1e6;
+        std::printf("%8d %6d %7d %10.1f %10.1f %9.2f\n", n, batch, p.num_splits, us, mb, mb / us);
+        const void* to_free[] = {pages, p.page_table, p.lengths, p.q, p.r_k, p.r_v_t, o, lse, ws};
+        for (const void* ptr : to_free) CHECK(cudaFree(const_cast<void*>(ptr)));
       }
-      const double us = Median(ms) * 1e3;
-      const double mb = static_cast<double>(page_bytes) * n_pages / 1e6;
-      std::printf("%8d %6d %7d %10.1f %10.1f %9.2f\n", n, batch, p.num_splits, us, mb, mb / us);
-      const void* to_free[] = {pages, p.page_table, p.lengths, p.q, p.r_k, p.r_v_t, o, lse, ws};
-      for (const void* ptr : to_free) CHECK(cudaFree(const_cast<void*>(ptr)));
     }
-  }
   }
   return 0;
 }

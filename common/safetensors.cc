@@ -8,39 +8,10 @@
 #include "absl/strings/str_join.h"
 #include "checked_math.h"
 #include "kvcd/kernels/bf16.h"
+#include "kvcd/kernels/fp16.h"
 #include "nlohmann/json.hpp"
 
 namespace kvcd {
-namespace {
-
-float HalfToFloat(uint16_t h) {
-  const uint32_t sign = (h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu;
-  uint32_t mant = h & 0x3ffu;
-  uint32_t bits;
-  if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {  // subnormal: normalize
-      exp = 127 - 15 + 1;
-      while ((mant & 0x400u) == 0) {
-        mant <<= 1;
-        --exp;
-      }
-      mant &= 0x3ffu;
-      bits = sign | (exp << 23) | (mant << 13);
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | (mant << 13);
-  } else {
-    bits = sign | ((exp - 15 + 127) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-}  // namespace
 
 int SafetensorsDtypeSize(const std::string& dtype) {
   if (dtype == "F64" || dtype == "I64" || dtype == "U64") return 8;
@@ -177,7 +148,7 @@ absl::StatusOr<std::vector<float>> SafetensorsFile::ReadFloats(
     for (int64_t i = 0; i < n; ++i) {
       uint16_t b;
       std::memcpy(&b, view->data + 2 * i, 2);
-      out[i] = view->dtype == "BF16" ? kernels::Bf16ToFloat(b) : HalfToFloat(b);
+      out[i] = view->dtype == "BF16" ? kernels::Bf16ToFloat(b) : kernels::HalfToFloat(b);
     }
   } else {
     return absl::InvalidArgumentError(absl::StrCat("safetensors: tensor '", name, "' has dtype ",

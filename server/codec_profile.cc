@@ -8,26 +8,23 @@
 
 namespace kvcd {
 
-CodecProfile CodecProfile::Identity(int num_layers, int head_dim) {
+CodecProfile CodecProfile::Uniform(int num_layers, int head_dim, const std::vector<float>& r,
+                                   std::string description) {
   CodecProfile c;
   c.head_dim_ = head_dim;
-  const std::vector<float> id = IdentityMatrix(head_dim);
   c.layers_.assign(static_cast<size_t>(num_layers),
-                   Layer{id, id, kernels::kDefaultRhoK, kernels::kDefaultRhoV});
-  c.description_ = "identity (naive INT2)";
+                   Layer{r, r, kernels::kDefaultRhoK, kernels::kDefaultRhoV, {}, {}});
+  c.description_ = std::move(description);
   c.ComputeTransposes();
   return c;
 }
 
+CodecProfile CodecProfile::Identity(int num_layers, int head_dim) {
+  return Uniform(num_layers, head_dim, IdentityMatrix(head_dim), "identity (naive INT2)");
+}
+
 CodecProfile CodecProfile::Hadamard(int num_layers, int head_dim) {
-  CodecProfile c;
-  c.head_dim_ = head_dim;
-  const std::vector<float> h = HadamardMatrix(head_dim);
-  c.layers_.assign(static_cast<size_t>(num_layers),
-                   Layer{h, h, kernels::kDefaultRhoK, kernels::kDefaultRhoV});
-  c.description_ = "hadamard";
-  c.ComputeTransposes();
-  return c;
+  return Uniform(num_layers, head_dim, HadamardMatrix(head_dim), "hadamard");
 }
 
 absl::StatusOr<CodecProfile> CodecProfile::FromSafetensors(const SafetensorsFile& file,
@@ -38,7 +35,7 @@ absl::StatusOr<CodecProfile> CodecProfile::FromSafetensors(const SafetensorsFile
   c.description_ = description;
   const std::vector<int64_t> mat = {head_dim, head_dim};
   for (int l = 0; l < num_layers; ++l) {
-    Layer layer{{}, {}, kernels::kDefaultRhoK, kernels::kDefaultRhoV};
+    Layer layer{{}, {}, kernels::kDefaultRhoK, kernels::kDefaultRhoV, {}, {}};
     for (const char* which : {"r_k", "r_v"}) {
       const std::string name = absl::StrCat("layers.", l, ".", which);
       auto v = file.ReadFloats(name, mat);

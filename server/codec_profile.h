@@ -49,6 +49,9 @@ class CodecProfile {
     std::vector<float> r_k_t, r_v_t;
   };
   void ComputeTransposes();
+  // The same rotation r for K and V on every layer.
+  static CodecProfile Uniform(int num_layers, int head_dim, const std::vector<float>& r,
+                              std::string description);
   int head_dim_ = 0;
   std::vector<Layer> layers_;
   std::string description_;

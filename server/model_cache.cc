@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/bf16_attention.h"
 #include "kvcd/kernels/int2_attention.h"
@@ -536,20 +537,25 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
   return backend_->Attend(batch);
 }
 
+absl::Status ModelCache::CheckReadable(const Sequence& seq, int64_t first, int64_t n) const {
+  if (seq.closed) {
+    return absl::FailedPreconditionError(absl::StrCat("sequence ", seq.id, " is closed"));
+  }
+  const int64_t len = seq.length();
+  if (first + n > len) {
+    return absl::InvalidArgumentError(absl::StrCat("first_token + num_tokens = ", first + n,
+                                                   " exceeds the sequence length ", len));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ModelCache::Fetch(Sequence* seq, int64_t first, int64_t n, uint16_t* k_out,
                                uint16_t* v_out, std::vector<std::string>* page_formats) {
   const int32_t ps = spec_.page_size;
   const int32_t d = spec_.head_dim;
   const int32_t hkv = spec_.num_kv_heads;
   std::lock_guard<std::mutex> seq_lock(seq->mu);
-  if (seq->closed) {
-    return absl::FailedPreconditionError(absl::StrCat("sequence ", seq->id, " is closed"));
-  }
-  const int64_t len = seq->length();
-  if (first + n > len) {
-    return absl::InvalidArgumentError(absl::StrCat("first_token + num_tokens = ", first + n,
-                                                   " exceeds the sequence length ", len));
-  }
+  KVCD_RETURN_IF_ERROR(CheckReadable(*seq, first, n));
   for (int64_t p = first / ps; p * ps < first + n; ++p) {
     page_formats->push_back(pools_[seq->pages[static_cast<size_t>(p)].pool]->format());
   }
@@ -585,14 +591,8 @@ absl::Status ModelCache::FetchStored(Sequence* seq, int64_t first, int64_t n,
                                      std::vector<StoredPageCopy>* pages) {
   const int32_t ps = spec_.page_size;
   std::lock_guard<std::mutex> seq_lock(seq->mu);
-  if (seq->closed) {
-    return absl::FailedPreconditionError(absl::StrCat("sequence ", seq->id, " is closed"));
-  }
+  KVCD_RETURN_IF_ERROR(CheckReadable(*seq, first, n));
   const int64_t len = seq->length();
-  if (first + n > len) {
-    return absl::InvalidArgumentError(absl::StrCat("first_token + num_tokens = ", first + n,
-                                                   " exceeds the sequence length ", len));
-  }
   for (int64_t p = first / ps; p * ps < first + n; ++p) {
     const PageRef& r = seq->pages[static_cast<size_t>(p)];
     const PagePool& pool = *pools_[r.pool];

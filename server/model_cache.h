@@ -174,6 +174,8 @@ class ModelCache {
   void ReadRows(const PageRef& page, int32_t layer, int32_t head, int which, int32_t slot,
                 int32_t count, float* out) const;
   std::vector<AttentionSegment> Segments(const Sequence& seq, int64_t len) const;
+  // OK if tokens [first, first + n) of an open sequence can be read.
+  absl::Status CheckReadable(const Sequence& seq, int64_t first, int64_t n) const;
 
   const ModelSpec spec_;
   Backend* const backend_;

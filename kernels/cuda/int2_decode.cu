@@ -21,8 +21,7 @@ constexpr int kWarps = 4;
 constexpr int kTile = 32;  // tokens per warp step
 constexpr uint32_t kPlane = 0x03030303u;
 
-__device__ __forceinline__ void Mma(int (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                    uint32_t b1) {
+__device__ __forceinline__ void Mma(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
       "{%8,%9}, {%0,%1,%2,%3};\n"
@@ -58,12 +57,12 @@ __global__ void RotateQueries(const float* q, const float* r_k, float scale, int
 
 template <int D>
 __global__ void __launch_bounds__(kWarps * 32)
-    Int2DecodeKernel(Int2DecodeParams p, const float* q_rot, int tokens_per_split,
-                     float* part_o, float* part_lse) {
-  constexpr int Q = D / 4;             // bytes per row
-  constexpr int kGroups = Q / 4;       // 4-byte groups per row
-  constexpr int kKBlocks = D / 32;     // logit MMAs per 8 tokens
-  constexpr int kVTiles = D / 8;       // value MMAs per 32 tokens
+    Int2DecodeKernel(Int2DecodeParams p, const float* q_rot, int tokens_per_split, float* part_o,
+                     float* part_lse) {
+  constexpr int Q = D / 4;          // bytes per row
+  constexpr int kGroups = Q / 4;    // 4-byte groups per row
+  constexpr int kKBlocks = D / 32;  // logit MMAs per 8 tokens
+  constexpr int kVTiles = D / 8;    // value MMAs per 32 tokens
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
@@ -82,7 +81,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   // Rotated, scaled queries of this KV head's group; their int8 step and sum.
   for (int i = threadIdx.x; i < 8 * D; i += blockDim.x) {
     const int h = i / D;
-    s_q[h][i % D] = h < G ? q_rot[(static_cast<int64_t>(b) * p.num_q_heads + kvh * G + h) * D + i % D] : 0.0f;
+    s_q[h][i % D] =
+        h < G ? q_rot[(static_cast<int64_t>(b) * p.num_q_heads + kvh * G + h) * D + i % D] : 0.0f;
   }
   __syncthreads();
   if (threadIdx.x < 8) {
@@ -126,12 +126,17 @@ __global__ void __launch_bounds__(kWarps * 32)
 
   for (int tile = t_begin + warp * kTile; tile < t_end; tile += kWarps * kTile) {
     const int page = tile / ps, slot0 = tile % ps;
-    const uint8_t* base = p.pages + static_cast<int64_t>(p.page_table[static_cast<int64_t>(b) * p.max_pages + page]) * p.page_stride;
+    const uint8_t* base =
+        p.pages + static_cast<int64_t>(p.page_table[static_cast<int64_t>(b) * p.max_pages + page]) *
+                      p.page_stride;
     // Page layout (int2_attention.h): K codes, V codes, K params, V params.
     const int64_t code_bytes = static_cast<int64_t>(p.num_kv_heads) * ps * Q;
-    const uint32_t* kwords = reinterpret_cast<const uint32_t*>(base + static_cast<int64_t>(kvh) * ps * Q);
-    const uint32_t* vwords = reinterpret_cast<const uint32_t*>(base + code_bytes + static_cast<int64_t>(kvh) * ps * Q);
-    const __half* kparams = reinterpret_cast<const __half*>(base + 2 * code_bytes) + static_cast<int64_t>(kvh) * 2 * ps;
+    const uint32_t* kwords =
+        reinterpret_cast<const uint32_t*>(base + static_cast<int64_t>(kvh) * ps * Q);
+    const uint32_t* vwords =
+        reinterpret_cast<const uint32_t*>(base + code_bytes + static_cast<int64_t>(kvh) * ps * Q);
+    const __half* kparams =
+        reinterpret_cast<const __half*>(base + 2 * code_bytes) + static_cast<int64_t>(kvh) * 2 * ps;
     const __half* vparams = kparams + static_cast<int64_t>(p.num_kv_heads) * 2 * ps;
 
     // Issue every global load of the tile first (K and V words are independent of the
@@ -146,7 +151,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int nt = 0; nt < 4; ++nt) {
       const int slot = slot0 + nt * 8 + g;  // this lane's B column (token)
 #pragma unroll
-      for (int i = 0; i < kWordsK; ++i) kw[nt][i] = __ldg(kwords + (t + 4 * i) % kGroups * ps + slot);
+      for (int i = 0; i < kWordsK; ++i)
+        kw[nt][i] = __ldg(kwords + (t + 4 * i) % kGroups * ps + slot);
     }
     const int quad0 = slot0 / 4 + t;
     uint32_t vw[kWordsV][2];
@@ -165,7 +171,8 @@ __global__ void __launch_bounds__(kWarps * 32)
         const int gp0 = kb * 8 + t, gp1 = gp0 + 4;
         const uint32_t w0 = kw[nt][((gp0 % kGroups) / 4) % kWordsK];
         const uint32_t w1 = kw[nt][((gp1 % kGroups) / 4) % kWordsK];
-        Mma(c, qa[kb], (w0 >> (2 * (gp0 / kGroups))) & kPlane, (w1 >> (2 * (gp1 / kGroups))) & kPlane);
+        Mma(c, qa[kb], (w0 >> (2 * (gp0 / kGroups))) & kPlane,
+            (w1 >> (2 * (gp1 / kGroups))) & kPlane);
       }
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -282,7 +289,8 @@ __global__ void MergeSplits(const float* part_o, const float* part_lse, int spli
   __shared__ float s_max[32], s_den[32];
   const int row = blockIdx.x, j = threadIdx.x, lane = j & 31, warp = j >> 5;
   float mx = -INFINITY;
-  for (int s = j; s < splits; s += blockDim.x) mx = fmaxf(mx, part_lse[static_cast<int64_t>(s) * rows + row]);
+  for (int s = j; s < splits; s += blockDim.x)
+    mx = fmaxf(mx, part_lse[static_cast<int64_t>(s) * rows + row]);
   for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
   if (lane == 0) s_max[warp] = mx;
   __syncthreads();
@@ -321,11 +329,11 @@ __global__ void MergeSplits(const float* part_o, const float* part_lse, int spli
 
 size_t Int2DecodeWorkspaceBytes(int batch, int num_q_heads, int head_dim, int max_splits) {
   const size_t rows = static_cast<size_t>(batch) * num_q_heads;
-  return sizeof(float) * (rows * head_dim + static_cast<size_t>(max_splits) * rows * (head_dim + 1));
+  return sizeof(float) *
+         (rows * head_dim + static_cast<size_t>(max_splits) * rows * (head_dim + 1));
 }
 
-int Int2DecodeSplits(int batch, int num_kv_heads, int max_tokens, int num_sms,
-                     int ctas_per_sm) {
+int Int2DecodeSplits(int batch, int num_kv_heads, int max_tokens, int num_sms, int ctas_per_sm) {
   const int ctas = batch * num_kv_heads;
   int splits = (ctas_per_sm * num_sms + ctas - 1) / ctas;
   const int max_by_tokens = (max_tokens + kWarps * kTile - 1) / (kWarps * kTile);
@@ -351,17 +359,20 @@ cudaError_t LaunchInt2Decode(const Int2DecodeParams& p, int max_tokens, cudaStre
   const dim3 grid(splits, p.num_kv_heads, p.batch);
   switch (d) {  // one instantiation per head_dim
     case 64:
-      Int2DecodeKernel<64><<<grid, kWarps * 32, 0, stream>>>(p, q_rot, tokens_per_split, part_o, part_lse);
+      Int2DecodeKernel<64>
+          <<<grid, kWarps * 32, 0, stream>>>(p, q_rot, tokens_per_split, part_o, part_lse);
       break;
     case 128:
-      Int2DecodeKernel<128><<<grid, kWarps * 32, 0, stream>>>(p, q_rot, tokens_per_split, part_o, part_lse);
+      Int2DecodeKernel<128>
+          <<<grid, kWarps * 32, 0, stream>>>(p, q_rot, tokens_per_split, part_o, part_lse);
       break;
     default:
-      Int2DecodeKernel<256><<<grid, kWarps * 32, 0, stream>>>(p, q_rot, tokens_per_split, part_o, part_lse);
+      Int2DecodeKernel<256>
+          <<<grid, kWarps * 32, 0, stream>>>(p, q_rot, tokens_per_split, part_o, part_lse);
       break;
   }
-  MergeSplits<<<rows, d, (d + splits) * sizeof(float), stream>>>(part_o, part_lse, splits, rows,
-                                                                  d, p.r_v_t, p.o, p.lse);
+  MergeSplits<<<rows, d, (d + splits) * sizeof(float), stream>>>(part_o, part_lse, splits, rows, d,
+                                                                 p.r_v_t, p.o, p.lse);
   return cudaGetLastError();
 }
 

@@ -18,20 +18,20 @@
 namespace kvcd::kernels::cuda {
 
 struct Int2DecodeParams {
-  const uint8_t* pages = nullptr;     // layer base of the INT2 pool (device)
-  int64_t page_stride = 0;            // bytes between pages of the layer
+  const uint8_t* pages = nullptr;       // layer base of the INT2 pool (device)
+  int64_t page_stride = 0;              // bytes between pages of the layer
   const int32_t* page_table = nullptr;  // [batch][max_pages] (device)
   int32_t max_pages = 0;
-  const int32_t* lengths = nullptr;   // [batch] tokens per sequence (device)
+  const int32_t* lengths = nullptr;  // [batch] tokens per sequence (device)
   int32_t batch = 0, num_q_heads = 0, num_kv_heads = 0, head_dim = 0, page_size = 0;
-  const float* q = nullptr;           // [batch][num_q_heads][head_dim] raw queries (device)
-  const float* r_k = nullptr;         // [head_dim][head_dim] (device), null = identity
-  const float* r_v_t = nullptr;       // R_v^T [head_dim][head_dim] (device), null = identity
+  const float* q = nullptr;      // [batch][num_q_heads][head_dim] raw queries (device)
+  const float* r_k = nullptr;    // [head_dim][head_dim] (device), null = identity
+  const float* r_v_t = nullptr;  // R_v^T [head_dim][head_dim] (device), null = identity
   float softmax_scale = 0;
-  int32_t num_splits = 0;             // 0 = chosen to fill the GPU
-  float* o = nullptr;                 // [batch][num_q_heads][head_dim] (device)
-  float* lse = nullptr;               // [batch][num_q_heads] natural log (device)
-  void* workspace = nullptr;          // Int2DecodeWorkspaceBytes(...) bytes (device)
+  int32_t num_splits = 0;     // 0 = chosen to fill the GPU
+  float* o = nullptr;         // [batch][num_q_heads][head_dim] (device)
+  float* lse = nullptr;       // [batch][num_q_heads] natural log (device)
+  void* workspace = nullptr;  // Int2DecodeWorkspaceBytes(...) bytes (device)
 };
 
 // Workspace for partial states and the rotated queries.
@@ -39,8 +39,7 @@ size_t Int2DecodeWorkspaceBytes(int batch, int num_q_heads, int head_dim, int ma
 
 // The split count for a batch: about ctas_per_sm CTAs of 4 warps per SM (4 is what the
 // register file holds at head_dim 128), at least 4 tiles of 32 tokens per CTA.
-int Int2DecodeSplits(int batch, int num_kv_heads, int max_tokens, int num_sms,
-                     int ctas_per_sm = 4);
+int Int2DecodeSplits(int batch, int num_kv_heads, int max_tokens, int num_sms, int ctas_per_sm = 4);
 
 // REQUIRES: head_dim in {64, 128, 256}, num_q_heads / num_kv_heads <= 8, page_size a
 // multiple of 32. Returns cudaErrorInvalidValue otherwise.
