@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "kvcd/kernels/cuda_int2_attention.h"
+#include "kvcd/kernels/cuda_decode_attention.h"
 #include "kvcd/kernels/fp16.h"
 #include "kvcd/kernels/int2_attention.h"
 #include "kvcd/kernels/int2_codec.h"

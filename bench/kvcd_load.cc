@@ -42,7 +42,7 @@ struct Result {
   std::string name;
   int clients = 0;
   int64_t ops = 0, errors = 0;
-  double seconds = 0, p50 = 0, p90 = 0, p99 = 0, max = 0;
+  double seconds = 0, p50 = 0, p90 = 0, p99 = 0, max = 0, mean_us = 0, kernel_us = 0;
   std::string first_error;
 };
 
@@ -159,6 +159,7 @@ int main(int argc, char** argv) {
       if (!put_context()) return 1;
       std::vector<std::vector<double>> lat(nc);
       std::vector<int64_t> errors(nc, 0);
+      std::vector<double> kernel(nc, 0.0);  // attend: time inside the kernels (daemon-side)
       std::vector<std::string> first_error(nc);
       std::atomic<bool> go{false};
       std::atomic<int> ready{0};
@@ -204,7 +205,9 @@ int main(int argc, char** argv) {
               s = (*client)->Match(p.name(), "", context).status();
             } else {
               dec.set_layer(static_cast<int32_t>(i % p.num_layers()));
-              s = (*client)->AttentionDecode(dec).status();
+              auto r = (*client)->AttentionDecode(dec);
+              s = r.status();
+              if (r.ok()) kernel[c] += r->kernel_seconds();
             }
             lat[c].push_back(
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
@@ -235,12 +238,21 @@ int main(int argc, char** argv) {
       r.p90 = Percentile(all, 0.90) * 1e6;
       r.p99 = Percentile(all, 0.99) * 1e6;
       r.max = all.empty() ? 0 : *std::max_element(all.begin(), all.end()) * 1e6;
+      double ksum = 0, lsum = 0;
+      for (int c = 0; c < nc; ++c) ksum += kernel[c];
+      for (double x : all) lsum += x;
+      r.kernel_us = all.empty() ? 0 : ksum / all.size() * 1e6;
+      r.mean_us = all.empty() ? 0 : lsum / all.size() * 1e6;
       std::printf(
           "%-7s clients %3d: %9.1f ops/s  p50 %9.1f us  p90 %9.1f us  p99 %9.1f us  errors "
           "%lld%s%s\n",
           bench.c_str(), nc, r.ops / r.seconds, r.p50, r.p90, r.p99,
           static_cast<long long>(r.errors),
           r.first_error.empty() ? "" : " first: ", r.first_error.c_str());
+      if (bench == "attend") {
+        std::printf("        mean %.1f us per call: kernel %.1f us, RPC and the rest %.1f us\n",
+                    r.mean_us, r.kernel_us, r.mean_us - r.kernel_us);
+      }
       std::fflush(stdout);
       results.push_back(r);
     }

@@ -63,9 +63,17 @@ class Backend {
 
   // Runs the batch; jobs[i].o / lse receive the merged state of all segments.
   virtual absl::Status Attend(const AttentionBatch& batch) = 0;
+
+  // False once the device hit an unrecoverable (sticky) error: the daemon reports
+  // NOT_SERVING and exits non-zero.
+  virtual bool Healthy() const { return true; }
 };
 
 // The CPU backend; `compute_threads` = 0 uses every CPU.
 std::unique_ptr<Backend> MakeCpuBackend(int compute_threads);
+
+// The CUDA backend on device `device` (only in builds with KVCD_CUDA; UNAVAILABLE without
+// a usable device).
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device);
 
 }  // namespace kvcd

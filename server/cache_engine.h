@@ -53,6 +53,7 @@ class CacheEngine {
   const CacheCounters& counters() const { return counters_; }
   const ServerConfig& config() const { return config_; }
   const char* backend_name() const { return backend_->name(); }
+  bool backend_healthy() const { return backend_->Healthy(); }
 
   struct ModelView {
     std::string name;

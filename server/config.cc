@@ -158,6 +158,7 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
     KVCD_RETURN_IF_ERROR(Read(root, "health_listen", "", &c.health_listen));
     KVCD_RETURN_IF_ERROR(Read(root, "metrics_listen", "", &c.metrics_listen));
     KVCD_RETURN_IF_ERROR(Read(root, "backend", "", &c.backend));
+    KVCD_RETURN_IF_ERROR(Read(root, "cuda_device", "", &c.cuda_device));
     KVCD_RETURN_IF_ERROR(ReadBytes(root, "memory_budget", "", &c.memory_budget_bytes));
     KVCD_RETURN_IF_ERROR(Read(root, "high_watermark", "", &c.high_watermark));
     KVCD_RETURN_IF_ERROR(Read(root, "low_watermark", "", &c.low_watermark));
@@ -183,6 +184,10 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
     return absl::InvalidArgumentError(absl::StrCat("config: ", e.what()));
   }
   if (c.listen.empty()) return absl::InvalidArgumentError("listen must be host:port");
+  if (c.cuda_device < 0 || c.cuda_device > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda_device is ", c.cuda_device, ", expected a device ordinal 0..64"));
+  }
   if (c.backend != "cpu" && c.backend != "cuda") {
     return absl::InvalidArgumentError(
         absl::StrCat("backend is '", c.backend, "', expected 'cpu' or 'cuda'"));

@@ -16,6 +16,7 @@ struct ServerConfig {
   std::string health_listen;               // optional extra plaintext port serving health only
   std::string metrics_listen = "127.0.0.1:9464";  // Prometheus exposer; "" disables
   std::string backend = "cpu";                    // "cpu" (or "cuda" when built with CUDA)
+  int cuda_device = 0;                            // device ordinal of the cuda backend
   uint64_t memory_budget_bytes = 1ull << 30;      // total for all model pools
   double high_watermark = 0.95;                   // evict when a pool is fuller than this ...
   double low_watermark = 0.85;                    // ... down to this

@@ -37,8 +37,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerConfig& config
   if (config.backend == "cpu") {
     backend = MakeCpuBackend(config.compute_threads);
   } else {
+#ifdef KVCD_HAVE_CUDA_BACKEND
+    KVCD_ASSIGN_OR_RETURN(backend, MakeCudaBackend(config.cuda_device));
+#else
     return absl::InvalidArgumentError(
-        "backend 'cuda' is not available in this build of the daemon; use backend: cpu");
+        "backend 'cuda' is not available in this build of the daemon (built without CUDA); "
+        "use backend: cpu");
+#endif
   }
   d->engine_ = std::make_unique<CacheEngine>(config, std::move(backend));
   for (const ModelSpec& spec : config.models) {
@@ -97,6 +102,14 @@ void Daemon::ReaperLoop() {
                             .count();
     const int n = engine_->ExpireLeases(now);
     if (n > 0) std::fprintf(stderr, "kvcd: closed %d sequence(s) whose lease expired\n", n);
+    if (!engine_->backend_healthy() && !fatal_.exchange(true)) {
+      // A sticky device error: stop serving, drain from another thread, exit non-zero.
+      std::fprintf(stderr, "kvcd: backend '%s' hit an unrecoverable error; NOT_SERVING\n",
+                   engine_->backend_name());
+      health_.SetServing(false);
+      health_only_.SetServing(false);
+      std::thread([this] { Drain(); }).detach();
+    }
     lock.lock();
   }
 }

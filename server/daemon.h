@@ -4,6 +4,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -37,6 +38,8 @@ class Daemon {
   void Drain();
   // Blocks until Drain() has completed.
   void Wait();
+  // True if the daemon stopped because its backend failed (the process exits non-zero).
+  bool fatal() const { return fatal_.load(); }
 
  private:
   explicit Daemon(const ServerConfig& config) : config_(config) {}
@@ -56,6 +59,7 @@ class Daemon {
   std::mutex mu_;
   std::condition_variable cv_;
   bool stopping_ = false;
+  std::atomic<bool> fatal_{false};
   bool drained_ = false;
   std::thread reaper_;
 };

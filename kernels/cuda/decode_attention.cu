@@ -7,12 +7,13 @@
 //   C (16 x 8):       c0, c1 = (row g, cols 2t, 2t+1), c2, c3 = (row g+8, same cols)
 // Rows are (head, digit): head h < 8 with its high digit in row h and its low digit in
 // row h + 8, so one lane holds both digits of one head for the same columns.
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cfloat>
 #include <cstdint>
 
-#include "kvcd/kernels/cuda_int2_attention.h"
+#include "kvcd/kernels/cuda_decode_attention.h"
 
 namespace kvcd::kernels::cuda {
 namespace {
@@ -36,6 +37,16 @@ __device__ __forceinline__ uint32_t Pack4(int a, int b, int c, int d) {
          ((static_cast<uint32_t>(c) & 0xffu) << 16) | ((static_cast<uint32_t>(d) & 0xffu) << 24);
 }
 
+struct PartArgs {
+  PagedList list;
+  DecodeGeometry geo;
+  const float* q_rot;
+  int tokens_per_split;
+  float* part_o;
+  float* part_lse;
+  int part_base;
+};
+
 // q_rot[b][h] = (q[b][h] . R_k) * scale; one block per (b, h), head_dim threads. The
 // loop over i is unrolled so the loads of R (coalesced across j, from L2) overlap.
 __global__ void RotateQueries(const float* q, const float* r_k, float scale, int head_dim,
@@ -55,10 +66,39 @@ __global__ void RotateQueries(const float* q, const float* r_k, float scale, int
   q_rot[row * head_dim + j] = acc * scale;
 }
 
+// Merges the CTA's warps (state per warp and head: max m, sum l, o accumulated without the
+// 1/l, and lacc added to every element) and writes part (part_base + split).
 template <int D>
-__global__ void __launch_bounds__(kWarps * 32)
-    Int2DecodeKernel(Int2DecodeParams p, const float* q_rot, int tokens_per_split, float* part_o,
-                     float* part_lse) {
+__device__ void WritePart(const PartArgs& a, int split, int b, int kvh, int G,
+                          const float (&s_m)[kWarps][8], const float (&s_l)[kWarps][8],
+                          const float (&s_lacc)[kWarps][8], const float (&s_o)[kWarps][8][D]) {
+  for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+    const int h = i / D, e = i % D;
+    float M = -FLT_MAX;
+    for (int w2 = 0; w2 < kWarps; ++w2) M = fmaxf(M, s_m[w2][h]);
+    float num = 0.0f, den = 0.0f;
+    if (M > -FLT_MAX) {
+      for (int w2 = 0; w2 < kWarps; ++w2) {
+        if (s_l[w2][h] <= 0.0f) continue;
+        const float f = __expf(s_m[w2][h] - M);
+        num += f * (s_o[w2][h][e] + s_lacc[w2][h]);
+        den += f * s_l[w2][h];
+      }
+    }
+    const int64_t row =
+        (static_cast<int64_t>(a.part_base + split) * a.geo.batch + b) * a.geo.num_q_heads +
+        kvh * G + h;
+    a.part_o[row * D + e] = den > 0.0f ? num / den : 0.0f;
+    if (e == 0) a.part_lse[row] = den > 0.0f ? M + __logf(den) : -INFINITY;
+  }
+}
+
+template <int D>
+__global__ void __launch_bounds__(kWarps * 32) Int2DecodeKernel(PartArgs a) {
+  const PagedList& p = a.list;
+  const DecodeGeometry& geo = a.geo;
+  const float* q_rot = a.q_rot;
+  const int tokens_per_split = a.tokens_per_split;
   constexpr int Q = D / 4;          // bytes per row
   constexpr int kGroups = Q / 4;    // 4-byte groups per row
   constexpr int kKBlocks = D / 32;  // logit MMAs per 8 tokens
@@ -66,8 +106,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
-  const int G = p.num_q_heads / p.num_kv_heads;
-  const int ps = p.page_size;
+  const int G = geo.num_q_heads / geo.num_kv_heads;
+  const int ps = geo.page_size;
   const int len = p.lengths[b];
   const int t_begin = split * tokens_per_split;
   const int t_end = min(len, t_begin + tokens_per_split);
@@ -82,7 +122,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int i = threadIdx.x; i < 8 * D; i += blockDim.x) {
     const int h = i / D;
     s_q[h][i % D] =
-        h < G ? q_rot[(static_cast<int64_t>(b) * p.num_q_heads + kvh * G + h) * D + i % D] : 0.0f;
+        h < G ? q_rot[(static_cast<int64_t>(b) * geo.num_q_heads + kvh * G + h) * D + i % D] : 0.0f;
   }
   __syncthreads();
   if (threadIdx.x < 8) {
@@ -130,14 +170,14 @@ __global__ void __launch_bounds__(kWarps * 32)
         p.pages + static_cast<int64_t>(p.page_table[static_cast<int64_t>(b) * p.max_pages + page]) *
                       p.page_stride;
     // Page layout (int2_attention.h): K codes, V codes, K params, V params.
-    const int64_t code_bytes = static_cast<int64_t>(p.num_kv_heads) * ps * Q;
+    const int64_t code_bytes = static_cast<int64_t>(geo.num_kv_heads) * ps * Q;
     const uint32_t* kwords =
         reinterpret_cast<const uint32_t*>(base + static_cast<int64_t>(kvh) * ps * Q);
     const uint32_t* vwords =
         reinterpret_cast<const uint32_t*>(base + code_bytes + static_cast<int64_t>(kvh) * ps * Q);
     const __half* kparams =
         reinterpret_cast<const __half*>(base + 2 * code_bytes) + static_cast<int64_t>(kvh) * 2 * ps;
-    const __half* vparams = kparams + static_cast<int64_t>(p.num_kv_heads) * 2 * ps;
+    const __half* vparams = kparams + static_cast<int64_t>(geo.num_kv_heads) * 2 * ps;
 
     // Issue every global load of the tile first (K and V words are independent of the
     // logits), so a tile costs one memory round trip.
@@ -261,23 +301,78 @@ __global__ void __launch_bounds__(kWarps * 32)
     s_o[warp][g][vt * 8 + 2 * t + 1] = o[vt][1];
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
-    const int h = i / D, e = i % D;
-    float M = -FLT_MAX;
-    for (int w2 = 0; w2 < kWarps; ++w2) M = fmaxf(M, s_m[w2][h]);
-    float num = 0.0f, den = 0.0f;
-    if (M > -FLT_MAX) {
-      for (int w2 = 0; w2 < kWarps; ++w2) {
-        if (s_l[w2][h] <= 0.0f) continue;
-        const float f = __expf(s_m[w2][h] - M);
-        num += f * (s_o[w2][h][e] + s_lacc[w2][h]);
-        den += f * s_l[w2][h];
-      }
-    }
-    const int64_t row = (static_cast<int64_t>(split) * p.batch + b) * p.num_q_heads + kvh * G + h;
-    part_o[row * D + e] = den > 0.0f ? num / den : 0.0f;
-    if (e == 0) part_lse[row] = den > 0.0f ? M + __logf(den) : -INFINITY;
+  WritePart<D>(a, split, b, kvh, G, s_m, s_l, s_lacc, s_o);
+}
+
+// BF16 pages on CUDA cores: each warp takes tokens in turn; a lane holds D/32 elements of
+// the K and V rows, a logit is a warp reduction. Meant for the short sink/recent windows
+// (and BF16-history models), not tuned for long contexts.
+template <int D>
+__global__ void __launch_bounds__(kWarps * 32) Bf16DecodeKernel(PartArgs a) {
+  constexpr int E = D / 32;  // elements per lane
+  const PagedList& p = a.list;
+  const DecodeGeometry& geo = a.geo;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int G = geo.num_q_heads / geo.num_kv_heads;
+  const int ps = geo.page_size, hkv = geo.num_kv_heads;
+  const int len = p.lengths[b];
+  const int t_begin = split * a.tokens_per_split;
+  const int t_end = min(len, t_begin + a.tokens_per_split);
+  __shared__ float s_m[kWarps][8], s_l[kWarps][8], s_lacc[kWarps][8];
+  __shared__ float s_o[kWarps][8][D];
+  float q[8][E];
+#pragma unroll
+  for (int h = 0; h < 8; ++h)
+#pragma unroll
+    for (int e = 0; e < E; ++e)
+      q[h][e] = h < G ? a.q_rot[(static_cast<int64_t>(b) * geo.num_q_heads + kvh * G + h) * D + lane * E + e] : 0.0f;
+  float m[8], l[8], o[8][E];
+#pragma unroll
+  for (int h = 0; h < 8; ++h) {
+    m[h] = -FLT_MAX;
+    l[h] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) o[h][e] = 0.0f;
   }
+  for (int tok = t_begin + warp; tok < t_end; tok += kWarps) {
+    const __nv_bfloat16* page = reinterpret_cast<const __nv_bfloat16*>(
+        p.pages + static_cast<int64_t>(p.page_table[static_cast<int64_t>(b) * p.max_pages + tok / ps]) * p.page_stride);
+    const int64_t off = (static_cast<int64_t>(kvh) * ps + tok % ps) * D + lane * E;
+    float k[E], v[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      k[e] = __bfloat162float(page[off + e]);
+      v[e] = __bfloat162float(page[static_cast<int64_t>(hkv) * ps * D + off + e]);
+    }
+#pragma unroll
+    for (int h = 0; h < 8; ++h) {
+      if (h >= G) break;
+      float dot = 0.0f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) dot += q[h][e] * k[e];
+#pragma unroll
+      for (int off2 = 16; off2 > 0; off2 >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off2);
+      const float mx = fmaxf(m[h], dot);
+      const float alpha = __expf(m[h] - mx), pr = __expf(dot - mx);
+      l[h] = l[h] * alpha + pr;
+#pragma unroll
+      for (int e = 0; e < E; ++e) o[h][e] = o[h][e] * alpha + pr * v[e];
+      m[h] = mx;
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 8; ++h) {
+    if (lane == 0) {
+      s_m[warp][h] = l[h] > 0.0f ? m[h] : -FLT_MAX;
+      s_l[warp][h] = l[h];
+      s_lacc[warp][h] = 0.0f;
+    }
+#pragma unroll
+    for (int e = 0; e < E; ++e) s_o[warp][h][lane * E + e] = o[h][e];
+  }
+  __syncthreads();
+  WritePart<D>(a, split, b, kvh, G, s_m, s_l, s_lacc, s_o);
 }
 
 // Merges the splits of each (b, head) and applies R_v^T; one block per row, D threads.
@@ -341,39 +436,81 @@ int Int2DecodeSplits(int batch, int num_kv_heads, int max_tokens, int num_sms, i
   return splits < 1 ? 1 : splits;
 }
 
-cudaError_t LaunchInt2Decode(const Int2DecodeParams& p, int max_tokens, cudaStream_t stream) {
-  const int d = p.head_dim;
-  if ((d != 64 && d != 128 && d != 256) || p.num_kv_heads <= 0 ||
-      p.num_q_heads % p.num_kv_heads != 0 || p.num_q_heads / p.num_kv_heads > 8 ||
-      p.page_size % kTile != 0 || p.batch <= 0 || p.num_splits <= 0) {
+namespace {
+
+bool SupportedGeometry(const DecodeGeometry& g) {
+  const int d = g.head_dim;
+  return (d == 64 || d == 128 || d == 256) && g.num_kv_heads > 0 && g.batch > 0 &&
+         g.num_q_heads % g.num_kv_heads == 0 && g.num_q_heads / g.num_kv_heads <= 8 &&
+         g.page_size > 0;
+}
+
+int TokensPerSplit(int max_tokens, int splits) {
+  const int per = (max_tokens + splits - 1) / splits;
+  return (per + kTile - 1) / kTile * kTile;
+}
+
+}  // namespace
+
+cudaError_t LaunchRotateQueries(const float* q, const float* r_k, float scale, int rows,
+                                int head_dim, float* q_rot, cudaStream_t stream) {
+  RotateQueries<<<rows, head_dim, head_dim * sizeof(float), stream>>>(q, r_k, scale, head_dim, q_rot);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& geo,
+                                  const float* q_rot, int splits, int max_tokens, float* part_o,
+                                  float* part_lse, int part_base, cudaStream_t stream) {
+  if (!SupportedGeometry(geo) || geo.page_size % kTile != 0 || splits <= 0) {
     return cudaErrorInvalidValue;
   }
-  const int splits = p.num_splits;
-  int tokens_per_split = (max_tokens + splits - 1) / splits;
-  tokens_per_split = (tokens_per_split + kTile - 1) / kTile * kTile;
+  const PartArgs a{list, geo, q_rot, TokensPerSplit(max_tokens, splits), part_o, part_lse, part_base};
+  const dim3 grid(splits, geo.num_kv_heads, geo.batch);
+  switch (geo.head_dim) {  // one instantiation per head_dim
+    case 64: Int2DecodeKernel<64><<<grid, kWarps * 32, 0, stream>>>(a); break;
+    case 128: Int2DecodeKernel<128><<<grid, kWarps * 32, 0, stream>>>(a); break;
+    default: Int2DecodeKernel<256><<<grid, kWarps * 32, 0, stream>>>(a); break;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& geo,
+                                  const float* q_rot, int splits, int max_tokens, float* part_o,
+                                  float* part_lse, int part_base, cudaStream_t stream) {
+  if (!SupportedGeometry(geo) || splits <= 0) return cudaErrorInvalidValue;
+  const PartArgs a{list, geo, q_rot, TokensPerSplit(max_tokens, splits), part_o, part_lse, part_base};
+  const dim3 grid(splits, geo.num_kv_heads, geo.batch);
+  switch (geo.head_dim) {
+    case 64: Bf16DecodeKernel<64><<<grid, kWarps * 32, 0, stream>>>(a); break;
+    case 128: Bf16DecodeKernel<128><<<grid, kWarps * 32, 0, stream>>>(a); break;
+    default: Bf16DecodeKernel<256><<<grid, kWarps * 32, 0, stream>>>(a); break;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchMergeParts(const float* part_o, const float* part_lse, int parts, int rows,
+                             int head_dim, const float* r_v_t, float* o, float* lse,
+                             cudaStream_t stream) {
+  MergeSplits<<<rows, head_dim, (head_dim + parts) * sizeof(float), stream>>>(
+      part_o, part_lse, parts, rows, head_dim, r_v_t, o, lse);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchInt2Decode(const Int2DecodeParams& p, int max_tokens, cudaStream_t stream) {
+  const DecodeGeometry geo{p.batch, p.num_q_heads, p.num_kv_heads, p.head_dim, p.page_size};
+  if (!SupportedGeometry(geo) || p.page_size % kTile != 0 || p.num_splits <= 0) {
+    return cudaErrorInvalidValue;
+  }
   const int rows = p.batch * p.num_q_heads;
   float* q_rot = static_cast<float*>(p.workspace);
-  float* part_o = q_rot + static_cast<size_t>(rows) * d;
-  float* part_lse = part_o + static_cast<size_t>(splits) * rows * d;
-  RotateQueries<<<rows, d, d * sizeof(float), stream>>>(p.q, p.r_k, p.softmax_scale, d, q_rot);
-  const dim3 grid(splits, p.num_kv_heads, p.batch);
-  switch (d) {  // one instantiation per head_dim
-    case 64:
-      Int2DecodeKernel<64>
-          <<<grid, kWarps * 32, 0, stream>>>(p, q_rot, tokens_per_split, part_o, part_lse);
-      break;
-    case 128:
-      Int2DecodeKernel<128>
-          <<<grid, kWarps * 32, 0, stream>>>(p, q_rot, tokens_per_split, part_o, part_lse);
-      break;
-    default:
-      Int2DecodeKernel<256>
-          <<<grid, kWarps * 32, 0, stream>>>(p, q_rot, tokens_per_split, part_o, part_lse);
-      break;
-  }
-  MergeSplits<<<rows, d, (d + splits) * sizeof(float), stream>>>(part_o, part_lse, splits, rows, d,
-                                                                 p.r_v_t, p.o, p.lse);
-  return cudaGetLastError();
+  float* part_o = q_rot + static_cast<size_t>(rows) * p.head_dim;
+  float* part_lse = part_o + static_cast<size_t>(p.num_splits) * rows * p.head_dim;
+  cudaError_t e = LaunchRotateQueries(p.q, p.r_k, p.softmax_scale, rows, p.head_dim, q_rot, stream);
+  if (e != cudaSuccess) return e;
+  const PagedList list{p.pages, p.page_stride, p.page_table, p.max_pages, p.lengths};
+  e = LaunchInt2DecodeParts(list, geo, q_rot, p.num_splits, max_tokens, part_o, part_lse, 0, stream);
+  if (e != cudaSuccess) return e;
+  return LaunchMergeParts(part_o, part_lse, p.num_splits, rows, p.head_dim, p.r_v_t, p.o, p.lse, stream);
 }
 
 }  // namespace kvcd::kernels::cuda

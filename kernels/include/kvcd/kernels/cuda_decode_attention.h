@@ -1,0 +1,89 @@
+// CUDA decode attention over paged K/V (sm_90), framework-free: raw device pointers, sizes
+// and a stream; launchers return cudaError_t and never synchronize or allocate.
+//
+// A sequence's pages are split by format into two lists (attention does not depend on
+// token order, and only a sequence's last page can be partial): INT2 history pages and
+// BF16 pages (sink and recent windows). Each list yields partial states (o_rot, lse) per
+// split; one merge combines every part of a row and applies R_v^T.
+//
+// Pages use the layout of int2_attention.h, so both matrix products map straight onto
+// int8 tensor-core MMAs (mma.sync m16n8k32 u8 x s8 -> s32):
+//  - logits: A = the rotated, scaled query of the g heads as two int8 digits (rows
+//    head + 8*digit), B = one plane of 32-bit K words (4 consecutive elements of a token);
+//  - values: A = the softmax weights times the value scales as two int8 digits per 32-token
+//    tile, B = one plane of 32-bit V words (one element of 4 consecutive tokens).
+// Split-K: grid (splits, kv_heads, batch); partial (o_rot, lse) in FP32; a merge kernel
+// combines the splits (and optional extra states, e.g. BF16 windows) and applies R_v^T.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace kvcd::kernels::cuda {
+
+struct Int2DecodeParams {
+  const uint8_t* pages = nullptr;       // layer base of the INT2 pool (device)
+  int64_t page_stride = 0;              // bytes between pages of the layer
+  const int32_t* page_table = nullptr;  // [batch][max_pages] (device)
+  int32_t max_pages = 0;
+  const int32_t* lengths = nullptr;  // [batch] tokens per sequence (device)
+  int32_t batch = 0, num_q_heads = 0, num_kv_heads = 0, head_dim = 0, page_size = 0;
+  const float* q = nullptr;      // [batch][num_q_heads][head_dim] raw queries (device)
+  const float* r_k = nullptr;    // [head_dim][head_dim] (device), null = identity
+  const float* r_v_t = nullptr;  // R_v^T [head_dim][head_dim] (device), null = identity
+  float softmax_scale = 0;
+  int32_t num_splits = 0;     // 0 = chosen to fill the GPU
+  float* o = nullptr;         // [batch][num_q_heads][head_dim] (device)
+  float* lse = nullptr;       // [batch][num_q_heads] natural log (device)
+  void* workspace = nullptr;  // Int2DecodeWorkspaceBytes(...) bytes (device)
+};
+
+// Workspace for partial states and the rotated queries.
+size_t Int2DecodeWorkspaceBytes(int batch, int num_q_heads, int head_dim, int max_splits);
+
+// The split count for a batch: about ctas_per_sm CTAs of 4 warps per SM (4 is what the
+// register file holds at head_dim 128), at least 4 tiles of 32 tokens per CTA.
+int Int2DecodeSplits(int batch, int num_kv_heads, int max_tokens, int num_sms, int ctas_per_sm = 4);
+
+// REQUIRES: head_dim in {64, 128, 256}, num_q_heads / num_kv_heads <= 8, page_size a
+// multiple of 32. Returns cudaErrorInvalidValue otherwise.
+cudaError_t LaunchInt2Decode(const Int2DecodeParams& p, int max_tokens, cudaStream_t stream);
+
+// --- The stages, for callers that combine several page lists (the daemon) ---------------
+// Partial states: part_o [parts][rows][head_dim], part_lse [parts][rows] (rows =
+// batch * num_q_heads); a part with no tokens has lse = -inf.
+
+// q_rot[row] = (q[row] · R_k) * scale for rows of head_dim floats (R_k null = identity).
+cudaError_t LaunchRotateQueries(const float* q, const float* r_k, float scale, int rows,
+                                int head_dim, float* q_rot, cudaStream_t stream);
+
+struct PagedList {
+  const uint8_t* pages = nullptr;       // layer base of the pool
+  int64_t page_stride = 0;              // bytes between pages of the layer
+  const int32_t* page_table = nullptr;  // [batch][max_pages]
+  int32_t max_pages = 0;
+  const int32_t* lengths = nullptr;     // [batch] tokens in the list
+};
+
+struct DecodeGeometry {
+  int32_t batch = 0, num_q_heads = 0, num_kv_heads = 0, head_dim = 0, page_size = 0;
+};
+
+// INT2 pages -> parts [part_base, part_base + splits). Same requirements as above.
+cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& geo,
+                                  const float* q_rot, int splits, int max_tokens, float* part_o,
+                                  float* part_lse, int part_base, cudaStream_t stream);
+
+// BF16 pages (layout of bf16_attention.h) -> parts [part_base, part_base + splits).
+// REQUIRES: head_dim in {64, 128, 256}, num_q_heads / num_kv_heads <= 8.
+cudaError_t LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& geo,
+                                  const float* q_rot, int splits, int max_tokens, float* part_o,
+                                  float* part_lse, int part_base, cudaStream_t stream);
+
+// o[row] = merge of the parts of row, times R_v^T (null = identity); lse natural log.
+cudaError_t LaunchMergeParts(const float* part_o, const float* part_lse, int parts, int rows,
+                             int head_dim, const float* r_v_t, float* o, float* lse,
+                             cudaStream_t stream);
+
+}  // namespace kvcd::kernels::cuda

@@ -1,0 +1,210 @@
+// CUDA backend: page pools in device memory (cudaMalloc once per model), attention through
+// kernels/cuda. Only built with KVCD_CUDA; reaches CUDA only through kernels' host APIs.
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <mutex>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kvcd/kernels/cuda_decode_attention.h"
+#include "kvcd/kernels/cuda_runtime_api.h"
+#include "server/backend.h"
+
+namespace kvcd {
+namespace {
+
+namespace kc = kernels::cuda;
+
+#define RETURN_IF_CUDA(expr)                        \
+  do {                                              \
+    const std::string kvcd_err_ = (expr);           \
+    if (!kvcd_err_.empty()) return Failed(kvcd_err_); \
+  } while (0)
+#define RETURN_IF_CUDA_ERR(expr)                                          \
+  do {                                                                    \
+    const int kvcd_code_ = static_cast<int>(expr);                        \
+    if (kvcd_code_ != 0) return Failed(kc::ErrorText(kvcd_code_));        \
+  } while (0)
+
+// Device scratch that only grows (allocated on the first call that needs more).
+class DeviceBuffer {
+ public:
+  ~DeviceBuffer() {
+    if (ptr_ != nullptr) (void)kc::Free(ptr_);
+  }
+  absl::StatusOr<void*> Reserve(size_t bytes) {
+    if (bytes <= size_) return ptr_;
+    if (ptr_ != nullptr) (void)kc::Free(ptr_);
+    ptr_ = nullptr;
+    size_ = 0;
+    const size_t want = std::max(bytes, size_ * 2);
+    std::string err = kc::Malloc(&ptr_, want);
+    if (!err.empty()) return absl::ResourceExhaustedError("device scratch: " + err);
+    size_ = want;
+    return ptr_;
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t size_ = 0;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int device) : device_(device), sms_(std::max(1, kc::SmCount())) {}
+  const char* name() const override { return "cuda"; }
+
+  absl::StatusOr<uint8_t*> AllocatePoolMemory(uint64_t bytes) override {
+    void* p = nullptr;
+    const std::string err = kc::Malloc(&p, bytes);
+    if (!err.empty()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot allocate ", bytes, " bytes of device memory for a page pool: ", err));
+    }
+    return static_cast<uint8_t*>(p);
+  }
+  void FreePoolMemory(uint8_t* p, uint64_t) override { (void)kc::Free(p); }
+
+  void CopyToPool(uint8_t* dst, const void* src, size_t bytes) override {
+    Note(kc::CopyToDevice(dst, src, bytes));
+  }
+  void CopyFromPool(void* dst, const uint8_t* src, size_t bytes) override {
+    Note(kc::CopyToHost(dst, src, bytes));
+  }
+
+  bool Healthy() const override { return !sticky_.load(); }
+
+  absl::Status Attend(const AttentionBatch& b) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int batch = static_cast<int>(b.jobs.size());
+    const int d = b.head_dim, hq = b.num_q_heads;
+    const int rows = batch * hq;
+    // Per sequence: its INT2 pages and its BF16 pages (token order does not matter, and
+    // only the sequence's last page can be partial, so each list is a valid page list).
+    std::vector<int32_t> lens[2];
+    std::vector<std::vector<int32_t>> pages[2];
+    const PagePool* pool[2] = {nullptr, nullptr};
+    int max_pages[2] = {1, 1}, max_len[2] = {0, 0};
+    for (int f = 0; f < 2; ++f) {
+      lens[f].assign(batch, 0);
+      pages[f].resize(batch);
+    }
+    for (int j = 0; j < batch; ++j) {
+      for (const AttentionSegment& seg : b.jobs[j].segments) {
+        const int f = seg.format == PageFormat::kInt2Oscar ? 1 : 0;
+        pool[f] = seg.pool;
+        pages[f][j].insert(pages[f][j].end(), seg.page_ids.begin(), seg.page_ids.end());
+        lens[f][j] += static_cast<int32_t>(seg.token_end - seg.token_begin);
+      }
+      for (int f = 0; f < 2; ++f) {
+        max_pages[f] = std::max(max_pages[f], static_cast<int>(pages[f][j].size()));
+        max_len[f] = std::max(max_len[f], lens[f][j]);
+      }
+    }
+    const int sms = sms_;
+    int splits[2];
+    splits[0] = max_len[0] > 0 ? kc::Int2DecodeSplits(batch, b.num_kv_heads, max_len[0], sms) : 0;
+    splits[1] = max_len[1] > 0 ? kc::Int2DecodeSplits(batch, b.num_kv_heads, max_len[1], sms) : 0;
+    const int parts = std::max(1, splits[0] + splits[1]);
+    // Host staging: q, page tables, lengths; device: the same plus q_rot, parts, o, lse.
+    std::vector<int32_t> host_i32;
+    size_t table_off[2], len_off[2];
+    for (int f = 0; f < 2; ++f) {
+      table_off[f] = host_i32.size();
+      for (int j = 0; j < batch; ++j) {
+        std::vector<int32_t> row = pages[f][j];
+        row.resize(max_pages[f], 0);
+        host_i32.insert(host_i32.end(), row.begin(), row.end());
+      }
+      len_off[f] = host_i32.size();
+      host_i32.insert(host_i32.end(), lens[f].begin(), lens[f].end());
+    }
+    const size_t q_bytes = sizeof(float) * rows * d;
+    const size_t i32_bytes = sizeof(int32_t) * host_i32.size();
+    const size_t part_o_bytes = sizeof(float) * static_cast<size_t>(parts) * rows * d;
+    const size_t part_lse_bytes = sizeof(float) * static_cast<size_t>(parts) * rows;
+    const size_t rot_bytes = sizeof(float) * d * d * 2;
+    const size_t total = 2 * q_bytes + i32_bytes + part_o_bytes + part_lse_bytes + q_bytes +
+                         sizeof(float) * rows + rot_bytes + 64 * 8;
+    auto scratch = scratch_.Reserve(total);
+    if (!scratch.ok()) return scratch.status();
+    auto carve = [p = static_cast<uint8_t*>(*scratch)](size_t bytes) mutable {
+      uint8_t* r = p;
+      p += (bytes + 255) / 256 * 256;
+      return r;
+    };
+    float* d_q = reinterpret_cast<float*>(carve(q_bytes));
+    float* d_q_rot = reinterpret_cast<float*>(carve(q_bytes));
+    int32_t* d_i32 = reinterpret_cast<int32_t*>(carve(i32_bytes));
+    float* d_part_o = reinterpret_cast<float*>(carve(part_o_bytes));
+    float* d_part_lse = reinterpret_cast<float*>(carve(part_lse_bytes));
+    float* d_o = reinterpret_cast<float*>(carve(q_bytes));
+    float* d_lse = reinterpret_cast<float*>(carve(sizeof(float) * rows));
+    float* d_rk = reinterpret_cast<float*>(carve(sizeof(float) * d * d));
+    float* d_rvt = reinterpret_cast<float*>(carve(sizeof(float) * d * d));
+    std::vector<float> q(static_cast<size_t>(rows) * d);
+    for (int j = 0; j < batch; ++j) std::copy(b.jobs[j].q, b.jobs[j].q + hq * d, q.begin() + j * hq * d);
+    RETURN_IF_CUDA(kc::CopyToDevice(d_q, q.data(), q_bytes));
+    RETURN_IF_CUDA(kc::CopyToDevice(d_i32, host_i32.data(), i32_bytes));
+    if (b.r_k != nullptr) RETURN_IF_CUDA(kc::CopyToDevice(d_rk, b.r_k, sizeof(float) * d * d));
+    if (b.r_v_t != nullptr) RETURN_IF_CUDA(kc::CopyToDevice(d_rvt, b.r_v_t, sizeof(float) * d * d));
+    RETURN_IF_CUDA_ERR(kc::LaunchRotateQueries(d_q, b.r_k ? d_rk : nullptr, b.softmax_scale, rows,
+                                               d, d_q_rot, nullptr));
+    const kc::DecodeGeometry geo{batch, hq, b.num_kv_heads, d, b.page_size};
+    int part_base = 0;
+    for (int f = 0; f < 2; ++f) {
+      if (splits[f] == 0) continue;
+      const kc::PagedList list{pool[f]->LayerBase(b.layer), pool[f]->layer_page_bytes(),
+                               d_i32 + table_off[f], max_pages[f], d_i32 + len_off[f]};
+      const auto launch = f == 1 ? kc::LaunchInt2DecodeParts : kc::LaunchBf16DecodeParts;
+      RETURN_IF_CUDA_ERR(launch(list, geo, d_q_rot, splits[f], max_len[f], d_part_o, d_part_lse,
+                                part_base, nullptr));
+      part_base += splits[f];
+    }
+    if (part_base == 0) {  // nothing to attend: every row is the empty state
+      std::vector<float> neg(static_cast<size_t>(rows), -INFINITY);
+      RETURN_IF_CUDA(kc::CopyToDevice(d_part_lse, neg.data(), sizeof(float) * rows));
+    }
+    RETURN_IF_CUDA_ERR(kc::LaunchMergeParts(d_part_o, d_part_lse, parts, rows, d,
+                                            b.r_v_t ? d_rvt : nullptr, d_o, d_lse, nullptr));
+    std::vector<float> o(static_cast<size_t>(rows) * d), lse(rows);
+    RETURN_IF_CUDA(kc::CopyToHost(o.data(), d_o, q_bytes));
+    RETURN_IF_CUDA(kc::CopyToHost(lse.data(), d_lse, sizeof(float) * rows));
+    for (int j = 0; j < batch; ++j) {
+      std::copy(o.begin() + j * hq * d, o.begin() + (j + 1) * hq * d, b.jobs[j].o);
+      std::copy(lse.begin() + j * hq, lse.begin() + (j + 1) * hq, b.jobs[j].lse);
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  // Records a failed copy; a sticky error makes the backend unhealthy for good.
+  void Note(const std::string& err) {
+    if (err.empty()) return;
+    std::fprintf(stderr, "kvcd: CUDA error: %s\n", err.c_str());
+    if (kc::LastErrorIsSticky()) sticky_.store(true);
+  }
+  absl::Status Failed(const std::string& err) {
+    Note(err);
+    return absl::InternalError("CUDA: " + err);
+  }
+
+  const int device_;
+  const int sms_;
+  std::mutex mu_;
+  DeviceBuffer scratch_;
+  std::atomic<bool> sticky_{false};
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device) {
+  const std::string err = kc::SetDevice(device);
+  if (!err.empty()) {
+    return absl::UnavailableError(absl::StrCat("CUDA device ", device, " unavailable: ", err));
+  }
+  return std::unique_ptr<Backend>(std::make_unique<CudaBackend>(device));
+}
+
+}  // namespace kvcd
