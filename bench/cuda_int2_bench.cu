@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "kvcd/kernels/cuda_decode_attention.h"
+#include "kvcd/kernels/cuda_demote.h"
 #include "kvcd/kernels/fp16.h"
 #include "kvcd/kernels/int2_attention.h"
 #include "kvcd/kernels/int2_codec.h"
@@ -241,6 +242,44 @@ int main(int argc, char** argv) {
     if (!ok) return 1;
   }
   if (!bench) return 0;
+  // Demote throughput: rotate + clip + quantize + pack of BF16 rows, GB/s of BF16 consumed.
+  if (one_n == 0) {
+    const int d = 128;
+    const int64_t n = int64_t{8} << 20;  // 8M rows = 2 GiB of BF16
+    uint16_t* rows = nullptr;
+    uint8_t* codes = nullptr;
+    uint16_t* params = nullptr;
+    CHECK(cudaMalloc(&rows, n * d * 2));
+    CHECK(cudaMalloc(&codes, n * d / 4));
+    CHECK(cudaMalloc(&params, n * 4));
+    CHECK(cudaMemset(rows, 0x3f, n * d * 2));  // 0x3f3f: 0.746 in BF16, all rows alike
+    const std::vector<float> h = Hadamard(d);
+    float* rot = Upload(h);
+    const kk::Int2RowRef out = kk::Int2RowRef::RowMajor(codes, d / 4, params, params + 1, 2);
+    cudaEvent_t a, b;
+    CHECK(cudaEventCreate(&a));
+    CHECK(cudaEventCreate(&b));
+    for (const float* r : {static_cast<const float*>(nullptr), static_cast<const float*>(rot)}) {
+      std::vector<float> ms;
+      for (int it = 0; it < 7; ++it) {
+        CHECK(cudaEventRecord(a));
+        CHECK(kk::cuda::LaunchDemoteInt2(rows, n, d, r, 0.96f, out, 0, nullptr));
+        CHECK(cudaEventRecord(b));
+        CHECK(cudaEventSynchronize(b));
+        float t = 0;
+        CHECK(cudaEventElapsedTime(&t, a, b));
+        if (it >= 2) ms.push_back(t);
+      }
+      const double t = Median(ms) * 1e-3;
+      std::printf("demote %s: %lld rows of d=128 in %.2f ms: %.2f TB/s of BF16 consumed\n",
+                  r ? "with Hadamard rotation (FP32 d x d)" : "without rotation",
+                  static_cast<long long>(n), t * 1e3, n * d * 2 / t / 1e12);
+    }
+    CHECK(cudaFree(rows));
+    CHECK(cudaFree(codes));
+    CHECK(cudaFree(params));
+    CHECK(cudaFree(rot));
+  }
   // Read ceiling: a large read-only reduction.
   if (one_n == 0) {
     const int64_t bytes = int64_t{8} << 30;
