@@ -1,0 +1,33 @@
+// Activation dumps: post-RoPE attention activations of a model on some prompts, the input
+// of kvcd-calibrate and kvcd-eval. One safetensors file:
+//   layers.<l>.q  [n, num_q_heads, head_dim]   F32, F16 or BF16
+//   layers.<l>.k  [n, num_kv_heads, head_dim]
+//   layers.<l>.v  [n, num_kv_heads, head_dim]
+//   metadata: "kvcd.dump" = "1", "num_layers", "num_q_heads", "num_kv_heads", "head_dim",
+//             "tokens" (decimal strings), optional "source".
+// Tokens of several prompts may be concatenated; nothing in the file depends on the order.
+// tools/dump_activations.py writes this layout from a Hugging Face model;
+// `kvcd-calibrate synth` writes it from the synthetic generator.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "synthetic_activations.h"
+
+namespace kvcd {
+
+struct ActivationDump {
+  int num_layers = 0, num_q_heads = 0, num_kv_heads = 0, head_dim = 0;
+  int64_t tokens = 0;
+  std::string source;
+  std::vector<LayerActivations> layers;
+};
+
+// Reads and checks a dump (INVALID_ARGUMENT naming the tensor or key; NOT_FOUND if absent).
+absl::StatusOr<ActivationDump> LoadActivationDump(const std::string& path);
+// Writes a dump with F32 tensors.
+absl::Status WriteActivationDump(const ActivationDump& dump, const std::string& path);
+
+}  // namespace kvcd

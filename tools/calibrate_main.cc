@@ -1,0 +1,147 @@
+// kvcd-calibrate: OSCAR rotations (and optionally clip quantiles) from an activation dump,
+// written as the codec file the daemon loads (codec_file: / RegisterModel codec_blob).
+#include <cstdio>
+#include <string>
+
+#include "absl/strings/numbers.h"
+#include "common/activation_dump.h"
+#include "common/synthetic_activations.h"
+#include "tools/calibration.h"
+
+namespace {
+
+constexpr char kUsage[] = R"(kvcd-calibrate — OSCAR INT2 rotations from post-RoPE activations
+
+Usage:
+  kvcd-calibrate --dump ACTIVATIONS.safetensors --out CODEC.safetensors
+                 [--search-clip] [--holdout 0.2]
+  kvcd-calibrate synth --out DUMP.safetensors [--tokens 512] [--layers 2]
+                 [--q-heads 8] [--kv-heads 2] [--head-dim 128] [--seed 1]
+
+The dump layout (tensors layers.<l>.q/k/v, metadata kvcd.dump = "1" and the geometry) is in
+README.md "Calibration"; tools/dump_activations.py writes one from a Hugging Face model,
+'synth' writes one from kvcd's synthetic activation generator.
+
+Per layer it prints the orthogonality error of R_k and R_v, the eigenvalue spread
+(largest / smallest) of the key and value covariances, the clip quantiles and the
+attention-output relative error on the held-out tokens (the last --holdout fraction,
+excluded from the covariances).
+)";
+
+int Usage(const char* why) {
+  if (why) std::fprintf(stderr, "kvcd-calibrate: %s\n\n", why);
+  std::fputs(kUsage, why ? stderr : stdout);
+  return why ? 2 : 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string dump_path, out_path;
+  bool synth = false, search = false;
+  double holdout = 0.2;
+  int64_t tokens = 512;
+  int layers = 2, hq = 8, hkv = 2, d = 128;
+  uint64_t seed = 1;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--help" || a == "-h") return Usage(nullptr);
+    if (a == "synth" && i == 1) {
+      synth = true;
+      continue;
+    }
+    if (a == "--search-clip") {
+      search = true;
+      continue;
+    }
+    if (i + 1 >= argc) return Usage(("flag " + a + " needs a value").c_str());
+    const std::string v = argv[++i];
+    bool ok = true;
+    if (a == "--dump") {
+      dump_path = v;
+    } else if (a == "--out") {
+      out_path = v;
+    } else if (a == "--holdout") {
+      ok = absl::SimpleAtod(v, &holdout);
+    } else if (a == "--tokens") {
+      ok = absl::SimpleAtoi(v, &tokens) && tokens > 0;
+    } else if (a == "--layers") {
+      ok = absl::SimpleAtoi(v, &layers) && layers > 0;
+    } else if (a == "--q-heads") {
+      ok = absl::SimpleAtoi(v, &hq) && hq > 0;
+    } else if (a == "--kv-heads") {
+      ok = absl::SimpleAtoi(v, &hkv) && hkv > 0 && hq % hkv == 0;
+    } else if (a == "--head-dim") {
+      ok = absl::SimpleAtoi(v, &d) && d >= 8 && (d & (d - 1)) == 0;
+    } else if (a == "--seed") {
+      ok = absl::SimpleAtoi(v, &seed);
+    } else {
+      return Usage(("unknown flag " + a).c_str());
+    }
+    if (!ok) return Usage(("bad value for " + a + ": " + v).c_str());
+  }
+  if (out_path.empty()) return Usage("--out is required");
+  if (synth) {
+    kvcd::ActivationSpec spec;
+    spec.num_layers = layers;
+    spec.num_q_heads = hq;
+    spec.num_kv_heads = hkv;
+    spec.head_dim = d;
+    spec.tokens = tokens;
+    spec.seed = seed;
+    kvcd::ActivationDump dump{layers,
+                              hq,
+                              hkv,
+                              d,
+                              tokens,
+                              "kvcd synthetic generator, seed " + std::to_string(seed),
+                              kvcd::GenerateActivations(spec)};
+    auto s = kvcd::WriteActivationDump(dump, out_path);
+    if (!s.ok()) {
+      std::fprintf(stderr, "kvcd-calibrate: %s\n", std::string(s.message()).c_str());
+      return 1;
+    }
+    std::printf("wrote %s: %d layers x %lld tokens (%d q / %d kv heads, head_dim %d)\n",
+                out_path.c_str(), layers, static_cast<long long>(tokens), hq, hkv, d);
+    return 0;
+  }
+  if (dump_path.empty()) return Usage("--dump is required");
+  auto dump = kvcd::LoadActivationDump(dump_path);
+  if (!dump.ok()) {
+    std::fprintf(stderr, "kvcd-calibrate: %s\n", std::string(dump.status().message()).c_str());
+    return 1;
+  }
+  std::printf("dump %s: %d layers, %lld tokens, %d q / %d kv heads, head_dim %d%s%s\n",
+              dump_path.c_str(), dump->num_layers, static_cast<long long>(dump->tokens),
+              dump->num_q_heads, dump->num_kv_heads, dump->head_dim,
+              dump->source.empty() ? "" : ", source: ", dump->source.c_str());
+  kvcd::CalibrationOptions opt;
+  opt.holdout = holdout;
+  opt.search_clip = search;
+  opt.progress = [](int layer, int total) {
+    const int width = 30, filled = total ? width * layer / total : width;
+    std::fprintf(stderr, "\r[%.*s%*s] layer %d/%d", filled,
+                 "==============================", width - filled, "", layer, total);
+    if (layer == total) std::fprintf(stderr, "\n");
+  };
+  auto layers_out = kvcd::Calibrate(*dump, opt);
+  if (!layers_out.ok()) {
+    std::fprintf(stderr, "kvcd-calibrate: %s\n",
+                 std::string(layers_out.status().message()).c_str());
+    return 1;
+  }
+  std::printf("%5s %12s %12s %12s %12s %6s %6s %14s\n", "layer", "orth R_k", "orth R_v",
+              "spread C_q", "spread C_v", "rho_k", "rho_v", "held-out err");
+  for (size_t l = 0; l < layers_out->size(); ++l) {
+    const auto& c = (*layers_out)[l];
+    std::printf("%5zu %12.2e %12.2e %12.3g %12.3g %6.2f %6.2f %14.4f\n", l, c.orthogonality_k,
+                c.orthogonality_v, c.spread_k, c.spread_v, c.rho_k, c.rho_v, c.heldout_error);
+  }
+  auto s = kvcd::CodecFile(*layers_out, dump->head_dim, dump_path).WriteFile(out_path);
+  if (!s.ok()) {
+    std::fprintf(stderr, "kvcd-calibrate: %s\n", std::string(s.message()).c_str());
+    return 1;
+  }
+  std::printf("wrote codec file %s\n", out_path.c_str());
+  return 0;
+}
