@@ -5,7 +5,8 @@
 //   layers.<l>.v  [n, num_kv_heads, head_dim]
 //   metadata: "kvcd.dump" = "1", "num_layers", "num_q_heads", "num_kv_heads", "head_dim",
 //             "tokens" (decimal strings), optional "source".
-// Tokens of several prompts may be concatenated; nothing in the file depends on the order.
+// Tokens of several prompts may be concatenated: calibration does not depend on the order;
+// kvcd-eval reads the dump as one sequence (causal attention over everything before a query).
 // tools/dump_activations.py writes this layout from a Hugging Face model;
 // `kvcd-calibrate synth` writes it from the synthetic generator.
 #pragma once

@@ -7,6 +7,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "client/examples/stories_worker.h"
+#include "common/activation_dump.h"
 
 namespace {
 
@@ -15,12 +16,14 @@ constexpr char kUsage[] = R"(kvcd_stories — real-model decoding with attention
 Usage: kvcd_stories --checkpoint stories260K.bin --tokenizer tok512.bin
                     [--target HOST:PORT] [--steps 100] [--prompt TEXT]
                     [--formats bf16,int2-identity,int2-hadamard,int2-oscar]
+                    [--dump ACTIVATIONS.safetensors]
 
 For each history format the model is registered on the daemon (stories260k-<format>,
 page 4, sink 4, recent 8) and runs twice: greedy (the text) and teacher-forced on the
 FP32 reference's tokens (first step whose greedy token differs, KL of the next-token
 distributions). int2-oscar rotations are calibrated here on the model's own activations
-(three reference runs).
+(three reference runs). --dump writes the reference runs' post-RoPE activations as an
+activation dump (for kvcd-calibrate / kvcd-eval) and exits without a daemon.
 )";
 
 int Fail(const char* what, const absl::Status& s) {
@@ -31,7 +34,7 @@ int Fail(const char* what, const absl::Status& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string checkpoint, tokenizer, target = "127.0.0.1:50051", prompt;
+  std::string checkpoint, tokenizer, target = "127.0.0.1:50051", prompt, dump_path;
   std::vector<std::string> formats = {"bf16", "int2-identity", "int2-hadamard", "int2-oscar"};
   int steps = 100;
   for (int i = 1; i < argc; ++i) {
@@ -53,6 +56,8 @@ int main(int argc, char** argv) {
       target = v;
     } else if (a == "--prompt") {
       prompt = v;
+    } else if (a == "--dump") {
+      dump_path = v;
     } else if (a == "--formats") {
       formats = absl::StrSplit(v, ',', absl::SkipEmpty());
     } else if (a == "--steps" && absl::SimpleAtoi(v, &steps) && steps > 0) {
@@ -82,6 +87,30 @@ int main(int argc, char** argv) {
   std::printf("\n[reference, FP32 attention, %.1f tokens/s]\n%s\n", steps / ref->seconds,
               ref->text.c_str());
 
+  if (!dump_path.empty()) {
+    (void)l2::RunReference(*model, *tok, tok->Encode("Tom had a big dog"), 256, &calib2);
+    (void)l2::RunReference(*model, *tok, tok->Encode("The sun was hot"), 256, &calib3);
+    kvcd::ActivationDump dump;
+    dump.num_layers = c.n_layers;
+    dump.num_q_heads = c.n_heads;
+    dump.num_kv_heads = c.n_kv_heads;
+    dump.head_dim = c.head_dim();
+    dump.source = checkpoint + ": greedy from BOS + 2 prompts";
+    for (int l = 0; l < c.n_layers; ++l) {
+      kvcd::LayerActivations a;
+      for (const l2::LocalAttention* run : {&calib, &calib2, &calib3}) {
+        a.q.insert(a.q.end(), run->queries(l).begin(), run->queries(l).end());
+        a.k.insert(a.k.end(), run->keys(l).begin(), run->keys(l).end());
+        a.v.insert(a.v.end(), run->values(l).begin(), run->values(l).end());
+      }
+      dump.tokens = static_cast<int64_t>(a.k.size()) / c.kv_dim();
+      dump.layers.push_back(std::move(a));
+    }
+    auto s = kvcd::WriteActivationDump(dump, dump_path);
+    if (!s.ok()) return Fail("dump", s);
+    std::printf("wrote %s: %lld tokens\n", dump_path.c_str(), static_cast<long long>(dump.tokens));
+    return 0;
+  }
   kvcd::ClientOptions co;
   co.target = target;
   auto client = kvcd::Client::Connect(co);

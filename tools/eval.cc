@@ -1,0 +1,235 @@
+#include "tools/eval.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "common/rotation.h"
+#include "kvcd/kernels/bf16.h"
+#include "kvcd/kernels/fp16.h"
+#include "kvcd/kernels/int2_codec.h"
+
+namespace kvcd {
+namespace {
+
+float RoundBf16(float x) { return kernels::Bf16ToFloat(kernels::FloatToBf16(x)); }
+float RoundHalf(float x) { return kernels::HalfToFloat(kernels::FloatToHalf(x)); }
+
+// KIVI-2: asymmetric 2-bit with FP16 scale and minimum per group; K per channel over groups
+// of `group` tokens, V per token over groups of `group` channels.
+void Kivi2(std::vector<float>* x, int64_t n, int heads, int d, int group, bool per_channel) {
+  auto quant = [](float v, float lo, float scale) {
+    const float q = std::min(std::max(std::floor((v - lo) / scale + 0.5f), 0.0f), 3.0f);
+    return q * scale + lo;
+  };
+  if (per_channel) {
+    for (int h = 0; h < heads; ++h)
+      for (int c = 0; c < d; ++c)
+        for (int64_t t0 = 0; t0 + group <= n; t0 += group) {
+          float lo = std::numeric_limits<float>::max(), hi = -lo;
+          for (int64_t t = t0; t < t0 + group; ++t) {
+            lo = std::min(lo, (*x)[(t * heads + h) * d + c]);
+            hi = std::max(hi, (*x)[(t * heads + h) * d + c]);
+          }
+          const float scale = RoundHalf(std::max(hi - lo, 1e-8f) / 3.0f), lo16 = RoundHalf(lo);
+          for (int64_t t = t0; t < t0 + group; ++t) {
+            float& v = (*x)[(t * heads + h) * d + c];
+            v = quant(v, lo16, scale);
+          }
+        }
+  } else {
+    for (int64_t t = 0; t < n; ++t)
+      for (int h = 0; h < heads; ++h)
+        for (int c0 = 0; c0 < d; c0 += group) {
+          float* row = x->data() + (t * heads + h) * d + c0;
+          const int g = std::min(group, d - c0);
+          float lo = *std::min_element(row, row + g), hi = *std::max_element(row, row + g);
+          const float scale = RoundHalf(std::max(hi - lo, 1e-8f) / 3.0f), lo16 = RoundHalf(lo);
+          for (int i = 0; i < g; ++i) row[i] = quant(row[i], lo16, scale);
+        }
+  }
+}
+
+// Logits, softmax, output of one query head over rows [0, n) (double).
+void Attend(const float* q, const float* k, const float* v, int64_t n, int hkv, int kvh, int d,
+            std::vector<double>* logits, std::vector<double>* p, std::vector<double>* o) {
+  logits->assign(static_cast<size_t>(n), 0.0);
+  p->assign(static_cast<size_t>(n), 0.0);
+  o->assign(static_cast<size_t>(d), 0.0);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  double mx = -std::numeric_limits<double>::infinity();
+  for (int64_t t = 0; t < n; ++t) {
+    double s = 0;
+    const float* kt = k + (t * hkv + kvh) * d;
+    for (int c = 0; c < d; ++c) s += static_cast<double>(q[c]) * kt[c];
+    (*logits)[t] = s * scale;
+    mx = std::max(mx, (*logits)[t]);
+  }
+  double sum = 0;
+  for (int64_t t = 0; t < n; ++t) sum += ((*p)[t] = std::exp((*logits)[t] - mx));
+  for (int64_t t = 0; t < n; ++t) {
+    (*p)[t] /= sum;
+    const float* vt = v + (t * hkv + kvh) * d;
+    for (int c = 0; c < d; ++c) (*o)[c] += (*p)[t] * vt[c];
+  }
+}
+
+}  // namespace
+
+std::vector<EvalCodec> StandardCodecs(int num_layers, int d) {
+  std::vector<EvalCodec> c(4);
+  c[0].name = "bf16";
+  c[0].kind = EvalCodec::Kind::kBf16;
+  c[1].name = "int2-naive";
+  c[2].name = "int2-hadamard";
+  for (int i = 1; i <= 2; ++i) {
+    c[i].kind = EvalCodec::Kind::kInt2;
+    const auto r = i == 1 ? IdentityMatrix(d) : HadamardMatrix(d);
+    c[i].r_k.assign(num_layers, r);
+    c[i].r_v.assign(num_layers, r);
+    c[i].rho_k.assign(num_layers, kernels::kDefaultRhoK);
+    c[i].rho_v.assign(num_layers, kernels::kDefaultRhoV);
+  }
+  c[3].name = "kivi2";
+  c[3].kind = EvalCodec::Kind::kKivi2;
+  return c;
+}
+
+absl::StatusOr<std::vector<CodecResult>> Evaluate(const ActivationDump& dump,
+                                                  const std::vector<EvalCodec>& codecs,
+                                                  const EvalOptions& opt) {
+  const int64_t n = dump.tokens;
+  const int hq = dump.num_q_heads, hkv = dump.num_kv_heads, d = dump.head_dim, g = hq / hkv;
+  const int64_t first = std::max<int64_t>(opt.min_position, std::min<int64_t>(n - 1, opt.sink + opt.recent));
+  std::vector<int64_t> positions;
+  for (int i = 0; i < opt.positions; ++i) {
+    const int64_t t = first + (n - 1 - first) * (i + 1) / opt.positions;
+    if (positions.empty() || positions.back() != t) positions.push_back(t);
+  }
+  std::vector<CodecResult> results;
+  for (const EvalCodec& codec : codecs) {
+    if (codec.kind == EvalCodec::Kind::kInt2 &&
+        (static_cast<int>(codec.r_k.size()) != dump.num_layers ||
+         static_cast<int>(codec.r_v.size()) != dump.num_layers)) {
+      return absl::InvalidArgumentError(absl::StrCat("codec '", codec.name, "' has ",
+                                                     codec.r_k.size(), " layers, the dump ",
+                                                     dump.num_layers));
+    }
+    CodecResult res;
+    res.name = codec.name;
+    std::vector<double> err_at(positions.size(), 0.0);
+    std::vector<double> all_kl;
+    for (int l = 0; l < dump.num_layers; ++l) {
+      const LayerActivations& a = dump.layers[l];
+      // Stored K/V: windows BF16, history through the codec (per evaluated position the
+      // history is [sink, t - recent); rows outside it use their BF16 copy).
+      std::vector<float> kb(a.k.size()), vb(a.v.size()), kq(a.k.size()), vq(a.v.size());
+      for (size_t i = 0; i < a.k.size(); ++i) {
+        kb[i] = RoundBf16(a.k[i]);
+        vb[i] = RoundBf16(a.v[i]);
+      }
+      if (codec.kind == EvalCodec::Kind::kInt2) {
+        std::vector<uint8_t> codes(static_cast<size_t>(d / 4));
+        uint16_t params[2];
+        const auto ref = kernels::Int2RowRef::RowMajor(codes.data(), d / 4, &params[0], &params[1], 2);
+        for (int64_t row = 0; row < n * hkv; ++row) {
+          kernels::DemoteRowsToInt2(a.k.data() + row * d, 1, d, codec.r_k[l].data(), codec.rho_k[l], ref);
+          kernels::ExpandInt2Rows(ref, 1, d, codec.r_k[l].data(), kq.data() + row * d);
+          kernels::DemoteRowsToInt2(a.v.data() + row * d, 1, d, codec.r_v[l].data(), codec.rho_v[l], ref);
+          kernels::ExpandInt2Rows(ref, 1, d, codec.r_v[l].data(), vq.data() + row * d);
+        }
+      } else if (codec.kind == EvalCodec::Kind::kKivi2) {
+        kq = a.k;
+        vq = a.v;
+        Kivi2(&kq, n, hkv, d, opt.kivi_group, /*per_channel=*/true);
+        Kivi2(&vq, n, hkv, d, opt.kivi_group, /*per_channel=*/false);
+      } else {
+        kq = kb;
+        vq = vb;
+      }
+      EvalStats st;
+      std::vector<double> kls;
+      int64_t count = 0;
+      std::vector<float> ks, vs;
+      std::vector<double> l0, p0, o0, l1, p1, o1;
+      for (size_t pi = 0; pi < positions.size(); ++pi) {
+        const int64_t t = positions[pi];
+        // Assemble the stored state at position t.
+        const int64_t hist_begin = codec.kind == EvalCodec::Kind::kKivi2 ? 0 : opt.sink;
+        const int64_t hist_end = codec.kind == EvalCodec::Kind::kKivi2
+                                     ? std::max<int64_t>(0, (t + 1 - opt.kivi_residual) / opt.kivi_group * opt.kivi_group)
+                                     : std::max<int64_t>(hist_begin, t + 1 - opt.recent);
+        ks.assign(kb.begin(), kb.begin() + (t + 1) * hkv * d);
+        vs.assign(vb.begin(), vb.begin() + (t + 1) * hkv * d);
+        if (codec.kind == EvalCodec::Kind::kKivi2) {  // residual window in FP16
+          for (int64_t i = 0; i < (t + 1) * hkv * d; ++i) {
+            ks[i] = RoundHalf(a.k[i]);
+            vs[i] = RoundHalf(a.v[i]);
+          }
+        }
+        for (int64_t r = hist_begin * hkv * d; r < hist_end * hkv * d; ++r) {
+          ks[r] = kq[r];
+          vs[r] = vq[r];
+        }
+        double err_t = 0;
+        for (int h = 0; h < hq; ++h) {
+          const float* q = a.q.data() + (t * hq + h) * d;
+          Attend(q, a.k.data(), a.v.data(), t + 1, hkv, h / g, d, &l0, &p0, &o0);
+          Attend(q, ks.data(), vs.data(), t + 1, hkv, h / g, d, &l1, &p1, &o1);
+          double kl = 0, le = 0, ln = 0, oe = 0, on = 0;
+          for (int64_t j = 0; j <= t; ++j) {
+            if (p0[j] > 0) kl += p0[j] * (std::log(p0[j]) - std::log(std::max(p1[j], 1e-300)));
+            le += (l1[j] - l0[j]) * (l1[j] - l0[j]);
+            ln += l0[j] * l0[j];
+          }
+          for (int c = 0; c < d; ++c) {
+            oe += (o1[c] - o0[c]) * (o1[c] - o0[c]);
+            on += o0[c] * o0[c];
+          }
+          const double out_err = on > 0 ? std::sqrt(oe / on) : 0;
+          kls.push_back(std::max(kl, 0.0));
+          st.out_err += out_err;
+          st.logit_err += ln > 0 ? std::sqrt(le / ln) : 0;
+          err_t += out_err / hq;
+          ++count;
+        }
+        err_at[pi] += err_t / dump.num_layers;
+      }
+      for (double k : kls) st.kl_mean += k;
+      st.kl_mean /= std::max<int64_t>(1, count);
+      st.out_err /= std::max<int64_t>(1, count);
+      st.logit_err /= std::max<int64_t>(1, count);
+      std::sort(kls.begin(), kls.end());
+      st.kl_p99 = kls.empty() ? 0 : kls[std::min(kls.size() - 1, kls.size() * 99 / 100)];
+      all_kl.insert(all_kl.end(), kls.begin(), kls.end());
+      res.layers.push_back(st);
+      res.overall.kl_mean += st.kl_mean / dump.num_layers;
+      res.overall.out_err += st.out_err / dump.num_layers;
+      res.overall.logit_err += st.logit_err / dump.num_layers;
+    }
+    std::sort(all_kl.begin(), all_kl.end());
+    res.overall.kl_p99 = all_kl.empty() ? 0 : all_kl[std::min(all_kl.size() - 1, all_kl.size() * 99 / 100)];
+    for (size_t pi = 0; pi < positions.size(); ++pi) res.out_err_by_position.push_back({positions[pi], err_at[pi]});
+    // Storage cost at the full context, windows included, per token-head for K and V.
+    double bytes_th = 0;
+    const double dense = 2.0 * 2 * d;
+    if (codec.kind == EvalCodec::Kind::kBf16) {
+      bytes_th = dense;
+    } else if (codec.kind == EvalCodec::Kind::kInt2) {
+      const int64_t w = std::min<int64_t>(n, opt.sink + opt.recent);
+      bytes_th = ((n - w) * 2.0 * (d / 4 + 4) + w * dense) / n;
+    } else {
+      const int64_t w = std::min<int64_t>(n, opt.kivi_residual);
+      const double k_bytes = d / 4.0 + 4.0 * d / opt.kivi_group;   // codes + per-channel params / group tokens
+      const double v_bytes = d / 4.0 + 4.0 * std::ceil(static_cast<double>(d) / opt.kivi_group);
+      bytes_th = ((n - w) * (k_bytes + v_bytes) + w * dense) / n;
+    }
+    res.bits_per_element = bytes_th * 8 / (2.0 * d);
+    res.bytes_per_token = bytes_th * hkv * dump.num_layers;
+    results.push_back(std::move(res));
+  }
+  return results;
+}
+
+}  // namespace kvcd

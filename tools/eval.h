@@ -1,0 +1,52 @@
+// kvcd-eval's core: for an activation dump and a set of codecs, simulate the daemon's
+// storage path (BF16 sink and recent windows, everything between through the codec) and
+// measure what each codec costs in attention quality.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/activation_dump.h"
+
+namespace kvcd {
+
+struct EvalCodec {
+  enum class Kind { kBf16, kInt2, kKivi2 };
+  std::string name;
+  Kind kind = Kind::kBf16;
+  // INT2: per layer R_k, R_v ([d][d]) and clip quantiles.
+  std::vector<std::vector<float>> r_k, r_v;
+  std::vector<float> rho_k, rho_v;
+};
+
+struct EvalOptions {
+  int64_t sink = 64;         // BF16 sink window (INT2 codecs)
+  int64_t recent = 256;      // BF16 recent window (INT2 codecs)
+  int kivi_group = 32;       // KIVI-2 group size (tokens for K, channels for V)
+  int64_t kivi_residual = 128;  // KIVI-2 FP16 residual window
+  int positions = 16;        // query positions evaluated, spread over the dump
+  int64_t min_position = 0;  // first position evaluated (default: past the windows)
+};
+
+struct EvalStats {
+  double kl_mean = 0, kl_p99 = 0, out_err = 0, logit_err = 0;
+};
+
+struct CodecResult {
+  std::string name;
+  std::vector<EvalStats> layers;
+  EvalStats overall;
+  double bits_per_element = 0;  // at the dump's full context, windows included
+  double bytes_per_token = 0;   // all layers, K and V
+  std::vector<std::pair<int64_t, double>> out_err_by_position;  // mean over layers, heads
+};
+
+absl::StatusOr<std::vector<CodecResult>> Evaluate(const ActivationDump& dump,
+                                                  const std::vector<EvalCodec>& codecs,
+                                                  const EvalOptions& options);
+
+// The standard codecs: bf16, naive INT2 (identity), Hadamard INT2, KIVI-2.
+std::vector<EvalCodec> StandardCodecs(int num_layers, int head_dim);
+
+}  // namespace kvcd

@@ -1,0 +1,175 @@
+// kvcd-eval: attention quality of KV codecs on an activation dump (see tools/eval.h).
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "common/safetensors.h"
+#include "nlohmann/json.hpp"
+#include "server/codec_profile.h"
+#include "tools/eval.h"
+
+namespace {
+
+constexpr char kUsage[] = R"(kvcd-eval — attention quality of KV codecs on an activation dump
+
+Usage: kvcd-eval --dump ACTIVATIONS.safetensors [--codec NAME=CODEC.safetensors ...]
+                 [--sink 64] [--recent 256] [--positions 16]
+                 [--json OUT.json] [--plot OUT.png]
+
+Codecs: bf16, int2-naive (identity rotation), int2-hadamard, kivi2 (per-channel K /
+per-token V, group 32, FP16 residual window 128), and every --codec file (e.g. from
+kvcd-calibrate) as OSCAR INT2. The daemon's storage path is simulated: BF16 sink and recent
+windows, the history between them through the codec's kernels. Query positions are spread
+over the dump past the windows; per layer and overall it reports KL(p || p_hat) of the
+attention distributions (mean and p99 over heads and positions), the attention-output and
+logit relative errors, and bits per element / bytes per token with the windows included.
+--plot needs gnuplot (Debian: gnuplot-nox).
+)";
+
+int Usage(const char* why) {
+  if (why) std::fprintf(stderr, "kvcd-eval: %s\n\n", why);
+  std::fputs(kUsage, why ? stderr : stdout);
+  return why ? 2 : 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string dump_path, json_path, plot_path;
+  std::vector<std::pair<std::string, std::string>> codec_files;
+  kvcd::EvalOptions opt;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--help" || a == "-h") return Usage(nullptr);
+    if (i + 1 >= argc) return Usage(("flag " + a + " needs a value").c_str());
+    const std::string v = argv[++i];
+    bool ok = true;
+    if (a == "--dump") {
+      dump_path = v;
+    } else if (a == "--json") {
+      json_path = v;
+    } else if (a == "--plot") {
+      plot_path = v;
+    } else if (a == "--codec") {
+      const auto eq = v.find('=');
+      ok = eq != std::string::npos && eq > 0;
+      if (ok) codec_files.push_back({v.substr(0, eq), v.substr(eq + 1)});
+    } else if (a == "--sink") {
+      ok = absl::SimpleAtoi(v, &opt.sink) && opt.sink >= 0;
+    } else if (a == "--recent") {
+      ok = absl::SimpleAtoi(v, &opt.recent) && opt.recent >= 0;
+    } else if (a == "--positions") {
+      ok = absl::SimpleAtoi(v, &opt.positions) && opt.positions > 0;
+    } else {
+      return Usage(("unknown flag " + a).c_str());
+    }
+    if (!ok) return Usage(("bad value for " + a + ": " + v).c_str());
+  }
+  if (dump_path.empty()) return Usage("--dump is required");
+  auto dump = kvcd::LoadActivationDump(dump_path);
+  if (!dump.ok()) {
+    std::fprintf(stderr, "kvcd-eval: %s\n", std::string(dump.status().message()).c_str());
+    return 1;
+  }
+  auto codecs = kvcd::StandardCodecs(dump->num_layers, dump->head_dim);
+  for (const auto& [name, path] : codec_files) {
+    auto file = kvcd::SafetensorsFile::Load(path);
+    if (!file.ok()) {
+      std::fprintf(stderr, "kvcd-eval: %s\n", std::string(file.status().message()).c_str());
+      return 1;
+    }
+    auto profile = kvcd::CodecProfile::FromSafetensors(*file, dump->num_layers, dump->head_dim, path);
+    if (!profile.ok()) {
+      std::fprintf(stderr, "kvcd-eval: %s: %s\n", path.c_str(),
+                   std::string(profile.status().message()).c_str());
+      return 1;
+    }
+    kvcd::EvalCodec c;
+    c.name = name;
+    c.kind = kvcd::EvalCodec::Kind::kInt2;
+    const size_t dd = static_cast<size_t>(dump->head_dim) * dump->head_dim;
+    for (int l = 0; l < dump->num_layers; ++l) {
+      c.r_k.emplace_back(profile->RK(l), profile->RK(l) + dd);
+      c.r_v.emplace_back(profile->RV(l), profile->RV(l) + dd);
+      c.rho_k.push_back(profile->RhoK(l));
+      c.rho_v.push_back(profile->RhoV(l));
+    }
+    codecs.push_back(std::move(c));
+  }
+  auto results = kvcd::Evaluate(*dump, codecs, opt);
+  if (!results.ok()) {
+    std::fprintf(stderr, "kvcd-eval: %s\n", std::string(results.status().message()).c_str());
+    return 1;
+  }
+  std::printf("dump %s: %d layers, %lld tokens, %d q / %d kv heads, head_dim %d; windows %lld + %lld\n\n",
+              dump_path.c_str(), dump->num_layers, static_cast<long long>(dump->tokens),
+              dump->num_q_heads, dump->num_kv_heads, dump->head_dim,
+              static_cast<long long>(opt.sink), static_cast<long long>(opt.recent));
+  std::printf("%-16s %10s %10s %12s %12s %10s %12s\n", "codec", "KL mean", "KL p99", "out rel err",
+              "logit rel", "bits/elem", "bytes/token");
+  nlohmann::json j;
+  j["dump"] = dump_path;
+  for (const auto& r : *results) {
+    std::printf("%-16s %10.4g %10.4g %12.4f %12.4f %10.2f %12.0f\n", r.name.c_str(),
+                r.overall.kl_mean, r.overall.kl_p99, r.overall.out_err, r.overall.logit_err,
+                r.bits_per_element, r.bytes_per_token);
+    nlohmann::json c;
+    c["name"] = r.name;
+    c["kl_mean"] = r.overall.kl_mean;
+    c["kl_p99"] = r.overall.kl_p99;
+    c["out_rel_err"] = r.overall.out_err;
+    c["logit_rel_err"] = r.overall.logit_err;
+    c["bits_per_element"] = r.bits_per_element;
+    c["bytes_per_token"] = r.bytes_per_token;
+    for (size_t l = 0; l < r.layers.size(); ++l) {
+      c["layers"].push_back({{"kl_mean", r.layers[l].kl_mean}, {"kl_p99", r.layers[l].kl_p99},
+                             {"out_rel_err", r.layers[l].out_err},
+                             {"logit_rel_err", r.layers[l].logit_err}});
+    }
+    for (const auto& [t, e] : r.out_err_by_position) c["out_rel_err_by_position"].push_back({t, e});
+    j["codecs"].push_back(c);
+  }
+  std::printf("\nper layer: out rel err\n%-6s", "layer");
+  for (const auto& r : *results) std::printf(" %14s", r.name.c_str());
+  std::printf("\n");
+  for (int l = 0; l < dump->num_layers; ++l) {
+    std::printf("%-6d", l);
+    for (const auto& r : *results) std::printf(" %14.4f", r.layers[l].out_err);
+    std::printf("\n");
+  }
+  if (!json_path.empty()) {
+    std::ofstream(json_path) << j.dump(2) << "\n";
+    std::printf("wrote %s\n", json_path.c_str());
+  }
+  if (!plot_path.empty()) {
+    const std::string data = plot_path + ".dat", script = plot_path + ".gp";
+    std::ofstream out(data);
+    for (const auto& r : *results) {
+      out << "# " << r.name << "\n";
+      for (const auto& [t, e] : r.out_err_by_position) out << t << " " << e << "\n";
+      out << "\n\n";
+    }
+    out.close();
+    std::ofstream gp(script);
+    gp << "set terminal pngcairo size 900,540 noenhanced\nset output '" << plot_path << "'\n"
+       << "set title 'attention-output relative error vs context position'\n"
+       << "set xlabel 'query position (tokens)'\nset ylabel '||o_hat - o|| / ||o||'\n"
+       << "set key outside right\nset grid\nplot ";
+    for (size_t i = 0; i < results->size(); ++i) {
+      gp << (i ? ", " : "") << "'" << data << "' index " << i << " with linespoints title '"
+         << (*results)[i].name << "'";
+    }
+    gp << "\n";
+    gp.close();
+    if (std::system(("gnuplot '" + script + "'").c_str()) != 0) {
+      std::fprintf(stderr, "kvcd-eval: gnuplot failed or is not installed (apt-get install "
+                           "gnuplot-nox); data left in %s\n", data.c_str());
+      return 1;
+    }
+    std::printf("wrote %s\n", plot_path.c_str());
+  }
+  return 0;
+}
