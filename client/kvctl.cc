@@ -134,6 +134,10 @@ int Put(kvcd::Client& c, const Args& a) {
     for (const char* name : {"k", "v"}) {
       auto t = file->Get(name);
       if (!t.ok()) return Fail(t.status());
+      if (t->dtype != "BF16" && t->dtype != "F32") {
+        return Fail(absl::InvalidArgumentError(std::string("tensor '") + name + "' has dtype " +
+                                               t->dtype + ", expected BF16 or F32"));
+      }
       auto* ref = std::string(name) == "k" ? req.mutable_k() : req.mutable_v();
       ref->set_dtype(t->dtype == "BF16" ? kvcd::v1::DTYPE_BF16 : kvcd::v1::DTYPE_F32);
       for (int64_t d : t->shape) ref->add_shape(d);
