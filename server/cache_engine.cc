@@ -482,9 +482,29 @@ absl::Status CacheEngine::FetchPages(const v1::FetchPagesRequest& req,
   return absl::OkStatus();
 }
 
-absl::Status CacheEngine::PushPages(const v1::PushPagesRequest&, v1::PushPagesResponse*) {
-  return absl::UnimplementedError(
-      "PushPages moves pages over NCCL, which this build does not have; use Put with inline K/V");
+absl::Status CacheEngine::PushPages(const v1::PushPagesRequest& req, v1::PushPagesResponse* resp) {
+  KVCD_ASSIGN_OR_RETURN(ModelCache * m, FindModel(req.model()));
+  KVCD_RETURN_IF_ERROR(CheckSalt(req.cache_salt()));
+  KVCD_RETURN_IF_ERROR(CheckTokens(req.tokens(), "tokens", false));
+  if (req.has_pages()) {
+    return absl::UnimplementedError(
+        "pages: NCCL transfers are not served by this build; send inline_pages");
+  }
+  const int64_t ps = m->spec().page_size;
+  const int64_t n_pages = req.inline_pages_size();
+  const int64_t first = req.first_page();
+  if (n_pages < 1) return absl::InvalidArgumentError("inline_pages is empty, expected >= 1 page");
+  const auto end_tokens = CheckedMul(first + n_pages, ps);
+  if (first < 0 || !end_tokens || *end_tokens > req.tokens_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("first_page ", first, " + ", n_pages, " pages of ", ps, " tokens need ",
+                     end_tokens ? *end_tokens : -1, " tokens, but tokens has ", req.tokens_size()));
+  }
+  std::vector<ModelCache::StoredPageIn> pages;
+  for (const auto& p : req.inline_pages()) pages.push_back({p.format(), p.data()});
+  KVCD_ASSIGN_OR_RETURN(PutResult r, m->PushPages(req.cache_salt(), req.tokens(), first, pages));
+  resp->set_inserted_tokens(r.inserted_tokens);
+  return absl::OkStatus();
 }
 
 absl::Status CacheEngine::Stats(const v1::StatsRequest&, v1::StatsResponse* resp) {

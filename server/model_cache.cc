@@ -293,15 +293,14 @@ void ModelCache::DemotePages(Sequence* seq) {
   seq->next_demote_page = i;
 }
 
-absl::StatusOr<PutResult> ModelCache::Put(const std::string& salt, absl::Span<const int32_t> tokens,
-                                          int64_t kv_first, const KvRows& k, const KvRows& v) {
+absl::StatusOr<PutResult> ModelCache::StorePrefix(
+    const std::string& salt, absl::Span<const int32_t> tokens, int64_t full_pages,
+    int64_t required_pages, const std::function<void(int64_t, const PageRef&)>& write) {
   const int32_t ps = spec_.page_size;
   const int64_t n = static_cast<int64_t>(tokens.size());
-  const int64_t full_pages = n / ps;
   PutResult result;
   result.ignored_tokens = n - full_pages * ps;
   const auto full = tokens.subspan(0, static_cast<size_t>(full_pages * ps));
-
   RadixTree::MatchResult match;
   std::vector<PageRef> fresh;
   {
@@ -310,14 +309,14 @@ absl::StatusOr<PutResult> ModelCache::Put(const std::string& salt, absl::Span<co
     match = tree_.MatchAndPin(salt, full);
     const int64_t cached_pages = static_cast<int64_t>(match.pages.size());
     result.cached_tokens = cached_pages * ps;
-    if (result.cached_tokens < kv_first) {
+    if (cached_pages < required_pages) {
       tree_.Unpin(match.node);
       return absl::FailedPreconditionError(
-          absl::StrCat("kv_first_token is ", kv_first, " but only ", result.cached_tokens,
-                       " tokens of this prompt are cached (evicted, or never put); resend from ",
-                       result.cached_tokens));
+          absl::StrCat("the first ", required_pages * ps,
+                       " tokens must already be cached but only ", result.cached_tokens,
+                       " are (evicted, or never put); resend from token ", result.cached_tokens));
     }
-    // Sink pages stay BF16; every other page is demoted to the history format.
+    // Sink pages stay BF16; every other page is stored in the history format.
     const int64_t sink_end =
         codec_ ? std::min<int64_t>(spec_.sink_pages(), full_pages) : full_pages;
     const int32_t bf16_needed = static_cast<int32_t>(std::max<int64_t>(0, sink_end - cached_pages));
@@ -333,20 +332,13 @@ absl::StatusOr<PutResult> ModelCache::Put(const std::string& salt, absl::Span<co
   }
   // Write outside the lock: the fresh pages are private until Insert publishes them.
   const int64_t first_new = static_cast<int64_t>(match.pages.size());
-  for (int64_t i = 0; i < static_cast<int64_t>(fresh.size()); ++i) {
-    const int64_t src = (first_new + i) * ps - kv_first;
-    if (fresh[i].pool == 0) {
-      WriteBf16Rows(fresh[i], 0, k, v, src, ps, -1);
-    } else {
-      WriteInt2Page(fresh[i], k, v, src);
-    }
-  }
+  for (int64_t i = 0; i < static_cast<int64_t>(fresh.size()); ++i) write(first_new + i, fresh[i]);
   {
     std::lock_guard<std::mutex> lock(mu_);
     std::vector<PageRef> all = match.pages;
     all.insert(all.end(), fresh.begin(), fresh.end());
     RadixTree::InsertResult ins = tree_.Insert(salt, full, all);
-    // Chunks another Put inserted meanwhile: keep the tree's copy, free ours. Pages of
+    // Chunks another writer inserted meanwhile: keep the tree's copy, free ours. Pages of
     // our own pinned match come back as duplicates of themselves and are kept.
     std::vector<PageRef> to_free;
     for (const PageRef& dup : ins.duplicates) {
@@ -363,6 +355,95 @@ absl::StatusOr<PutResult> ModelCache::Put(const std::string& salt, absl::Span<co
     EvictToWatermarksLocked();
   }
   return result;
+}
+
+absl::StatusOr<PutResult> ModelCache::Put(const std::string& salt, absl::Span<const int32_t> tokens,
+                                          int64_t kv_first, const KvRows& k, const KvRows& v) {
+  const int32_t ps = spec_.page_size;
+  const int64_t full_pages = static_cast<int64_t>(tokens.size()) / ps;
+  return StorePrefix(salt, tokens, full_pages, kv_first / ps,
+                     [&](int64_t page_index, const PageRef& page) {
+                       const int64_t src = page_index * ps - kv_first;
+                       if (page.pool == 0) {
+                         WriteBf16Rows(page, 0, k, v, src, ps, -1);
+                       } else {
+                         WriteInt2Page(page, k, v, src);
+                       }
+                     });
+}
+
+int32_t ModelCache::PoolForPage(int64_t page_index) const {
+  return codec_ != nullptr && page_index >= spec_.sink_pages() ? 1 : 0;
+}
+
+absl::Status ModelCache::CheckStoredPage(int64_t page_index, const std::string& format,
+                                         absl::string_view data) const {
+  const PagePool& pool = *pools_[PoolForPage(page_index)];
+  if (format != pool.format()) {
+    return absl::InvalidArgumentError(absl::StrCat("page ", page_index, " has format '", format,
+                                                   "', expected '", pool.format(), "' there"));
+  }
+  if (static_cast<int64_t>(data.size()) != pool.page_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat("page ", page_index, " has ", data.size(),
+                                                   " bytes, expected ", pool.page_bytes(), " (one ",
+                                                   pool.format(), " page, all layers)"));
+  }
+  auto non_finite = [](uint16_t h, bool bf16) {
+    return bf16 ? (h & 0x7f80u) == 0x7f80u : (h & 0x7c00u) == 0x7c00u;
+  };
+  const int64_t layer_bytes = pool.layer_page_bytes();
+  for (int32_t l = 0; l < spec_.num_layers; ++l) {
+    const char* base = data.data() + l * layer_bytes;
+    if (PoolForPage(page_index) == 0) {  // BF16 K and V rows
+      for (int64_t i = 0; i < layer_bytes / 2; ++i) {
+        uint16_t h;
+        std::memcpy(&h, base + 2 * i, 2);
+        if (non_finite(h, true)) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("page ", page_index, " layer ", l, " holds a non-finite BF16 value"));
+        }
+      }
+    } else {  // INT2: codes are any bytes; FP16 scales (>= 0) and minimums must be finite
+      const kernels::Int2PageLayout layout{spec_.num_kv_heads, spec_.page_size, spec_.head_dim};
+      const int64_t first = layout.KScale(0),
+                    count = 2LL * 2 * spec_.num_kv_heads * spec_.page_size;
+      for (int64_t i = 0; i < count; ++i) {
+        uint16_t h;
+        std::memcpy(&h, base + 2 * (first + i), 2);
+        const bool is_scale = (i / spec_.page_size) % 2 == 0;
+        if (non_finite(h, false) || (is_scale && (h & 0x8000u) != 0 && (h & 0x7fffu) != 0)) {
+          return absl::InvalidArgumentError(absl::StrCat("page ", page_index, " layer ", l,
+                                                         " holds a non-finite FP16 parameter or a ",
+                                                         "negative scale"));
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PutResult> ModelCache::PushPages(const std::string& salt,
+                                                absl::Span<const int32_t> tokens,
+                                                int64_t first_page,
+                                                absl::Span<const StoredPageIn> pages) {
+  const int32_t ps = spec_.page_size;
+  const int64_t end_page = first_page + static_cast<int64_t>(pages.size());
+  for (size_t i = 0; i < pages.size(); ++i) {
+    absl::Status s =
+        CheckStoredPage(first_page + static_cast<int64_t>(i), pages[i].format, pages[i].data);
+    if (!s.ok())
+      return absl::Status(s.code(), absl::StrCat("inline_pages[", i, "]: ", s.message()));
+  }
+  return StorePrefix(
+      salt, tokens.subspan(0, static_cast<size_t>(end_page * ps)), end_page, first_page,
+      [&](int64_t page_index, const PageRef& page) {
+        const PagePool& pool = *pools_[page.pool];
+        const char* src = pages[static_cast<size_t>(page_index - first_page)].data.data();
+        for (int32_t l = 0; l < spec_.num_layers; ++l) {
+          backend_->CopyToPool(pool.PagePtr(l, page.page), src + l * pool.layer_page_bytes(),
+                               static_cast<size_t>(pool.layer_page_bytes()));
+        }
+      });
 }
 
 int64_t ModelCache::Match(const std::string& salt, absl::Span<const int32_t> tokens) {

@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -19,6 +20,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "server/backend.h"
 #include "server/codec_profile.h"
@@ -101,6 +103,16 @@ class ModelCache {
   absl::StatusOr<PutResult> Put(const std::string& salt, absl::Span<const int32_t> tokens,
                                 int64_t kv_first, const KvRows& k, const KvRows& v);
 
+  struct StoredPageIn {
+    std::string format;
+    absl::string_view data;  // [num_layers][page-layer bytes]
+  };
+  // Stores pages already in the model's storage format for tokens [first_page * page_size,
+  // (first_page + pages.size()) * page_size); the prefix before them must be cached
+  // (FAILED_PRECONDITION). INVALID_ARGUMENT for a wrong format, size or non-finite value.
+  absl::StatusOr<PutResult> PushPages(const std::string& salt, absl::Span<const int32_t> tokens,
+                                      int64_t first_page, absl::Span<const StoredPageIn> pages);
+
   // Page-aligned longest cached prefix, in tokens (no pinning).
   int64_t Match(const std::string& salt, absl::Span<const int32_t> tokens);
 
@@ -155,6 +167,16 @@ class ModelCache {
              CacheCounters* counters);
 
   int32_t HistoryPool() const { return static_cast<int32_t>(pools_.size()) - 1; }
+  // The common path of Put and PushPages: pins the cached prefix of the first full_pages
+  // pages (at least required_pages of them must be cached), allocates the missing pages in
+  // their format, lets `write(page_index, page)` fill each, then publishes them.
+  absl::StatusOr<PutResult> StorePrefix(const std::string& salt, absl::Span<const int32_t> tokens,
+                                        int64_t full_pages, int64_t required_pages,
+                                        const std::function<void(int64_t, const PageRef&)>& write);
+  // The pool (0 = BF16, 1 = INT2) that stores page `page_index` of a prefix.
+  int32_t PoolForPage(int64_t page_index) const;
+  absl::Status CheckStoredPage(int64_t page_index, const std::string& format,
+                               absl::string_view data) const;
   // Allocates n pages of pool `pool`, evicting LRU leaves if needed.
   absl::Status AllocateLocked(int32_t pool, int32_t n, std::vector<PageRef>* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

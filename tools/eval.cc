@@ -101,7 +101,8 @@ absl::StatusOr<std::vector<CodecResult>> Evaluate(const ActivationDump& dump,
                                                   const EvalOptions& opt) {
   const int64_t n = dump.tokens;
   const int hq = dump.num_q_heads, hkv = dump.num_kv_heads, d = dump.head_dim, g = hq / hkv;
-  const int64_t first = std::max<int64_t>(opt.min_position, std::min<int64_t>(n - 1, opt.sink + opt.recent));
+  const int64_t first =
+      std::max<int64_t>(opt.min_position, std::min<int64_t>(n - 1, opt.sink + opt.recent));
   std::vector<int64_t> positions;
   for (int i = 0; i < opt.positions; ++i) {
     const int64_t t = first + (n - 1 - first) * (i + 1) / opt.positions;
@@ -132,11 +133,14 @@ absl::StatusOr<std::vector<CodecResult>> Evaluate(const ActivationDump& dump,
       if (codec.kind == EvalCodec::Kind::kInt2) {
         std::vector<uint8_t> codes(static_cast<size_t>(d / 4));
         uint16_t params[2];
-        const auto ref = kernels::Int2RowRef::RowMajor(codes.data(), d / 4, &params[0], &params[1], 2);
+        const auto ref =
+            kernels::Int2RowRef::RowMajor(codes.data(), d / 4, &params[0], &params[1], 2);
         for (int64_t row = 0; row < n * hkv; ++row) {
-          kernels::DemoteRowsToInt2(a.k.data() + row * d, 1, d, codec.r_k[l].data(), codec.rho_k[l], ref);
+          kernels::DemoteRowsToInt2(a.k.data() + row * d, 1, d, codec.r_k[l].data(), codec.rho_k[l],
+                                    ref);
           kernels::ExpandInt2Rows(ref, 1, d, codec.r_k[l].data(), kq.data() + row * d);
-          kernels::DemoteRowsToInt2(a.v.data() + row * d, 1, d, codec.r_v[l].data(), codec.rho_v[l], ref);
+          kernels::DemoteRowsToInt2(a.v.data() + row * d, 1, d, codec.r_v[l].data(), codec.rho_v[l],
+                                    ref);
           kernels::ExpandInt2Rows(ref, 1, d, codec.r_v[l].data(), vq.data() + row * d);
         }
       } else if (codec.kind == EvalCodec::Kind::kKivi2) {
@@ -158,7 +162,8 @@ absl::StatusOr<std::vector<CodecResult>> Evaluate(const ActivationDump& dump,
         // Assemble the stored state at position t.
         const int64_t hist_begin = codec.kind == EvalCodec::Kind::kKivi2 ? 0 : opt.sink;
         const int64_t hist_end = codec.kind == EvalCodec::Kind::kKivi2
-                                     ? std::max<int64_t>(0, (t + 1 - opt.kivi_residual) / opt.kivi_group * opt.kivi_group)
+                                     ? std::max<int64_t>(0, (t + 1 - opt.kivi_residual) /
+                                                                opt.kivi_group * opt.kivi_group)
                                      : std::max<int64_t>(hist_begin, t + 1 - opt.recent);
         ks.assign(kb.begin(), kb.begin() + (t + 1) * hkv * d);
         vs.assign(vb.begin(), vb.begin() + (t + 1) * hkv * d);
@@ -209,8 +214,10 @@ absl::StatusOr<std::vector<CodecResult>> Evaluate(const ActivationDump& dump,
       res.overall.logit_err += st.logit_err / dump.num_layers;
     }
     std::sort(all_kl.begin(), all_kl.end());
-    res.overall.kl_p99 = all_kl.empty() ? 0 : all_kl[std::min(all_kl.size() - 1, all_kl.size() * 99 / 100)];
-    for (size_t pi = 0; pi < positions.size(); ++pi) res.out_err_by_position.push_back({positions[pi], err_at[pi]});
+    res.overall.kl_p99 =
+        all_kl.empty() ? 0 : all_kl[std::min(all_kl.size() - 1, all_kl.size() * 99 / 100)];
+    for (size_t pi = 0; pi < positions.size(); ++pi)
+      res.out_err_by_position.push_back({positions[pi], err_at[pi]});
     // Storage cost at the full context, windows included, per token-head for K and V.
     double bytes_th = 0;
     const double dense = 2.0 * 2 * d;
@@ -221,7 +228,8 @@ absl::StatusOr<std::vector<CodecResult>> Evaluate(const ActivationDump& dump,
       bytes_th = ((n - w) * 2.0 * (d / 4 + 4) + w * dense) / n;
     } else {
       const int64_t w = std::min<int64_t>(n, opt.kivi_residual);
-      const double k_bytes = d / 4.0 + 4.0 * d / opt.kivi_group;   // codes + per-channel params / group tokens
+      const double k_bytes =
+          d / 4.0 + 4.0 * d / opt.kivi_group;  // codes + per-channel params / group tokens
       const double v_bytes = d / 4.0 + 4.0 * std::ceil(static_cast<double>(d) / opt.kivi_group);
       bytes_th = ((n - w) * (k_bytes + v_bytes) + w * dense) / n;
     }

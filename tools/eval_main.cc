@@ -81,7 +81,8 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "kvcd-eval: %s\n", std::string(file.status().message()).c_str());
       return 1;
     }
-    auto profile = kvcd::CodecProfile::FromSafetensors(*file, dump->num_layers, dump->head_dim, path);
+    auto profile =
+        kvcd::CodecProfile::FromSafetensors(*file, dump->num_layers, dump->head_dim, path);
     if (!profile.ok()) {
       std::fprintf(stderr, "kvcd-eval: %s: %s\n", path.c_str(),
                    std::string(profile.status().message()).c_str());
@@ -104,10 +105,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvcd-eval: %s\n", std::string(results.status().message()).c_str());
     return 1;
   }
-  std::printf("dump %s: %d layers, %lld tokens, %d q / %d kv heads, head_dim %d; windows %lld + %lld\n\n",
-              dump_path.c_str(), dump->num_layers, static_cast<long long>(dump->tokens),
-              dump->num_q_heads, dump->num_kv_heads, dump->head_dim,
-              static_cast<long long>(opt.sink), static_cast<long long>(opt.recent));
+  std::printf(
+      "dump %s: %d layers, %lld tokens, %d q / %d kv heads, head_dim %d; windows %lld + %lld\n\n",
+      dump_path.c_str(), dump->num_layers, static_cast<long long>(dump->tokens), dump->num_q_heads,
+      dump->num_kv_heads, dump->head_dim, static_cast<long long>(opt.sink),
+      static_cast<long long>(opt.recent));
   std::printf("%-16s %10s %10s %12s %12s %10s %12s\n", "codec", "KL mean", "KL p99", "out rel err",
               "logit rel", "bits/elem", "bytes/token");
   nlohmann::json j;
@@ -125,7 +127,8 @@ int main(int argc, char** argv) {
     c["bits_per_element"] = r.bits_per_element;
     c["bytes_per_token"] = r.bytes_per_token;
     for (size_t l = 0; l < r.layers.size(); ++l) {
-      c["layers"].push_back({{"kl_mean", r.layers[l].kl_mean}, {"kl_p99", r.layers[l].kl_p99},
+      c["layers"].push_back({{"kl_mean", r.layers[l].kl_mean},
+                             {"kl_p99", r.layers[l].kl_p99},
                              {"out_rel_err", r.layers[l].out_err},
                              {"logit_rel_err", r.layers[l].logit_err}});
     }
@@ -165,8 +168,10 @@ int main(int argc, char** argv) {
     gp << "\n";
     gp.close();
     if (std::system(("gnuplot '" + script + "'").c_str()) != 0) {
-      std::fprintf(stderr, "kvcd-eval: gnuplot failed or is not installed (apt-get install "
-                           "gnuplot-nox); data left in %s\n", data.c_str());
+      std::fprintf(stderr,
+                   "kvcd-eval: gnuplot failed or is not installed (apt-get install "
+                   "gnuplot-nox); data left in %s\n",
+                   data.c_str());
       return 1;
     }
     std::printf("wrote %s\n", plot_path.c_str());
