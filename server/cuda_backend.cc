@@ -16,15 +16,15 @@ namespace {
 
 namespace kc = kernels::cuda;
 
-#define RETURN_IF_CUDA(expr)                        \
-  do {                                              \
-    const std::string kvcd_err_ = (expr);           \
+#define RETURN_IF_CUDA(expr)                          \
+  do {                                                \
+    const std::string kvcd_err_ = (expr);             \
     if (!kvcd_err_.empty()) return Failed(kvcd_err_); \
   } while (0)
-#define RETURN_IF_CUDA_ERR(expr)                                          \
-  do {                                                                    \
-    const int kvcd_code_ = static_cast<int>(expr);                        \
-    if (kvcd_code_ != 0) return Failed(kc::ErrorText(kvcd_code_));        \
+#define RETURN_IF_CUDA_ERR(expr)                                   \
+  do {                                                             \
+    const int kvcd_code_ = static_cast<int>(expr);                 \
+    if (kvcd_code_ != 0) return Failed(kc::ErrorText(kvcd_code_)); \
   } while (0)
 
 // Device scratch that only grows (allocated on the first call that needs more).
@@ -59,8 +59,8 @@ class CudaBackend final : public Backend {
     void* p = nullptr;
     const std::string err = kc::Malloc(&p, bytes);
     if (!err.empty()) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("cannot allocate ", bytes, " bytes of device memory for a page pool: ", err));
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "cannot allocate ", bytes, " bytes of device memory for a page pool: ", err));
     }
     return static_cast<uint8_t*>(p);
   }
@@ -144,7 +144,8 @@ class CudaBackend final : public Backend {
     float* d_rk = reinterpret_cast<float*>(carve(sizeof(float) * d * d));
     float* d_rvt = reinterpret_cast<float*>(carve(sizeof(float) * d * d));
     std::vector<float> q(static_cast<size_t>(rows) * d);
-    for (int j = 0; j < batch; ++j) std::copy(b.jobs[j].q, b.jobs[j].q + hq * d, q.begin() + j * hq * d);
+    for (int j = 0; j < batch; ++j)
+      std::copy(b.jobs[j].q, b.jobs[j].q + hq * d, q.begin() + j * hq * d);
     RETURN_IF_CUDA(kc::CopyToDevice(d_q, q.data(), q_bytes));
     RETURN_IF_CUDA(kc::CopyToDevice(d_i32, host_i32.data(), i32_bytes));
     if (b.r_k != nullptr) RETURN_IF_CUDA(kc::CopyToDevice(d_rk, b.r_k, sizeof(float) * d * d));

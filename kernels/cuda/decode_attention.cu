@@ -326,7 +326,9 @@ __global__ void __launch_bounds__(kWarps * 32) Bf16DecodeKernel(PartArgs a) {
   for (int h = 0; h < 8; ++h)
 #pragma unroll
     for (int e = 0; e < E; ++e)
-      q[h][e] = h < G ? a.q_rot[(static_cast<int64_t>(b) * geo.num_q_heads + kvh * G + h) * D + lane * E + e] : 0.0f;
+      q[h][e] = h < G ? a.q_rot[(static_cast<int64_t>(b) * geo.num_q_heads + kvh * G + h) * D +
+                                lane * E + e]
+                      : 0.0f;
   float m[8], l[8], o[8][E];
 #pragma unroll
   for (int h = 0; h < 8; ++h) {
@@ -337,7 +339,9 @@ __global__ void __launch_bounds__(kWarps * 32) Bf16DecodeKernel(PartArgs a) {
   }
   for (int tok = t_begin + warp; tok < t_end; tok += kWarps) {
     const __nv_bfloat16* page = reinterpret_cast<const __nv_bfloat16*>(
-        p.pages + static_cast<int64_t>(p.page_table[static_cast<int64_t>(b) * p.max_pages + tok / ps]) * p.page_stride);
+        p.pages +
+        static_cast<int64_t>(p.page_table[static_cast<int64_t>(b) * p.max_pages + tok / ps]) *
+            p.page_stride);
     const int64_t off = (static_cast<int64_t>(kvh) * ps + tok % ps) * D + lane * E;
     float k[E], v[E];
 #pragma unroll
@@ -454,7 +458,8 @@ int TokensPerSplit(int max_tokens, int splits) {
 
 cudaError_t LaunchRotateQueries(const float* q, const float* r_k, float scale, int rows,
                                 int head_dim, float* q_rot, cudaStream_t stream) {
-  RotateQueries<<<rows, head_dim, head_dim * sizeof(float), stream>>>(q, r_k, scale, head_dim, q_rot);
+  RotateQueries<<<rows, head_dim, head_dim * sizeof(float), stream>>>(q, r_k, scale, head_dim,
+                                                                      q_rot);
   return cudaGetLastError();
 }
 
@@ -464,12 +469,19 @@ cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& g
   if (!SupportedGeometry(geo) || geo.page_size % kTile != 0 || splits <= 0) {
     return cudaErrorInvalidValue;
   }
-  const PartArgs a{list, geo, q_rot, TokensPerSplit(max_tokens, splits), part_o, part_lse, part_base};
+  const PartArgs a{list,   geo,      q_rot,    TokensPerSplit(max_tokens, splits),
+                   part_o, part_lse, part_base};
   const dim3 grid(splits, geo.num_kv_heads, geo.batch);
   switch (geo.head_dim) {  // one instantiation per head_dim
-    case 64: Int2DecodeKernel<64><<<grid, kWarps * 32, 0, stream>>>(a); break;
-    case 128: Int2DecodeKernel<128><<<grid, kWarps * 32, 0, stream>>>(a); break;
-    default: Int2DecodeKernel<256><<<grid, kWarps * 32, 0, stream>>>(a); break;
+    case 64:
+      Int2DecodeKernel<64><<<grid, kWarps * 32, 0, stream>>>(a);
+      break;
+    case 128:
+      Int2DecodeKernel<128><<<grid, kWarps * 32, 0, stream>>>(a);
+      break;
+    default:
+      Int2DecodeKernel<256><<<grid, kWarps * 32, 0, stream>>>(a);
+      break;
   }
   return cudaGetLastError();
 }
@@ -478,12 +490,19 @@ cudaError_t LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& g
                                   const float* q_rot, int splits, int max_tokens, float* part_o,
                                   float* part_lse, int part_base, cudaStream_t stream) {
   if (!SupportedGeometry(geo) || splits <= 0) return cudaErrorInvalidValue;
-  const PartArgs a{list, geo, q_rot, TokensPerSplit(max_tokens, splits), part_o, part_lse, part_base};
+  const PartArgs a{list,   geo,      q_rot,    TokensPerSplit(max_tokens, splits),
+                   part_o, part_lse, part_base};
   const dim3 grid(splits, geo.num_kv_heads, geo.batch);
   switch (geo.head_dim) {
-    case 64: Bf16DecodeKernel<64><<<grid, kWarps * 32, 0, stream>>>(a); break;
-    case 128: Bf16DecodeKernel<128><<<grid, kWarps * 32, 0, stream>>>(a); break;
-    default: Bf16DecodeKernel<256><<<grid, kWarps * 32, 0, stream>>>(a); break;
+    case 64:
+      Bf16DecodeKernel<64><<<grid, kWarps * 32, 0, stream>>>(a);
+      break;
+    case 128:
+      Bf16DecodeKernel<128><<<grid, kWarps * 32, 0, stream>>>(a);
+      break;
+    default:
+      Bf16DecodeKernel<256><<<grid, kWarps * 32, 0, stream>>>(a);
+      break;
   }
   return cudaGetLastError();
 }
@@ -508,9 +527,11 @@ cudaError_t LaunchInt2Decode(const Int2DecodeParams& p, int max_tokens, cudaStre
   cudaError_t e = LaunchRotateQueries(p.q, p.r_k, p.softmax_scale, rows, p.head_dim, q_rot, stream);
   if (e != cudaSuccess) return e;
   const PagedList list{p.pages, p.page_stride, p.page_table, p.max_pages, p.lengths};
-  e = LaunchInt2DecodeParts(list, geo, q_rot, p.num_splits, max_tokens, part_o, part_lse, 0, stream);
+  e = LaunchInt2DecodeParts(list, geo, q_rot, p.num_splits, max_tokens, part_o, part_lse, 0,
+                            stream);
   if (e != cudaSuccess) return e;
-  return LaunchMergeParts(part_o, part_lse, p.num_splits, rows, p.head_dim, p.r_v_t, p.o, p.lse, stream);
+  return LaunchMergeParts(part_o, part_lse, p.num_splits, rows, p.head_dim, p.r_v_t, p.o, p.lse,
+                          stream);
 }
 
 }  // namespace kvcd::kernels::cuda

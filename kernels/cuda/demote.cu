@@ -104,7 +104,8 @@ __global__ void DemoteKernel(const __nv_bfloat16* rows, int64_t n, const float* 
     const int j = lane % Q;
     int byte = 0;
 #pragma unroll
-    for (int m = 0; m < 4; ++m) byte |= __shfl_sync(0xffffffffu, q[m / 2], j + 16 * (m % 2)) << (2 * m);
+    for (int m = 0; m < 4; ++m)
+      byte |= __shfl_sync(0xffffffffu, q[m / 2], j + 16 * (m % 2)) << (2 * m);
     if (lane < Q) out.codes[Offset(out, t, j)] = static_cast<uint8_t>(byte);
   }
   if (lane == 0) {
@@ -115,19 +116,29 @@ __global__ void DemoteKernel(const __nv_bfloat16* rows, int64_t n, const float* 
 
 }  // namespace
 
-cudaError_t LaunchDemoteInt2(const uint16_t* rows, int64_t n, int head_dim,
-                             const float* rotation, float rho, const Int2RowRef& out,
-                             int64_t first_row, cudaStream_t stream) {
+cudaError_t LaunchDemoteInt2(const uint16_t* rows, int64_t n, int head_dim, const float* rotation,
+                             float rho, const Int2RowRef& out, int64_t first_row,
+                             cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   if (!(rho > 0.0f && rho <= 1.0f)) return cudaErrorInvalidValue;
   constexpr int kWarpsPerBlock = 8;
   const dim3 grid(static_cast<unsigned>((n + kWarpsPerBlock - 1) / kWarpsPerBlock));
   const auto* in = reinterpret_cast<const __nv_bfloat16*>(rows);
   switch (head_dim) {  // one instantiation per head_dim
-    case 64: DemoteKernel<64><<<grid, 32 * kWarpsPerBlock, 0, stream>>>(in, n, rotation, rho, out, first_row); break;
-    case 128: DemoteKernel<128><<<grid, 32 * kWarpsPerBlock, 0, stream>>>(in, n, rotation, rho, out, first_row); break;
-    case 256: DemoteKernel<256><<<grid, 32 * kWarpsPerBlock, 0, stream>>>(in, n, rotation, rho, out, first_row); break;
-    default: return cudaErrorInvalidValue;
+    case 64:
+      DemoteKernel<64>
+          <<<grid, 32 * kWarpsPerBlock, 0, stream>>>(in, n, rotation, rho, out, first_row);
+      break;
+    case 128:
+      DemoteKernel<128>
+          <<<grid, 32 * kWarpsPerBlock, 0, stream>>>(in, n, rotation, rho, out, first_row);
+      break;
+    case 256:
+      DemoteKernel<256>
+          <<<grid, 32 * kWarpsPerBlock, 0, stream>>>(in, n, rotation, rho, out, first_row);
+      break;
+    default:
+      return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
 }

@@ -130,12 +130,18 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
   ASSERT_EQ(cuda::LaunchRotateQueries(Up(q), Up(rk), scale, rows, d, q_rot, nullptr), cudaSuccess);
   const cuda::PagedList int2_list{Up(int2_pool), int2_bytes, Up(ids), max_pages,
                                   Up(std::vector<int32_t>(int2_len.begin(), int2_len.end()))};
-  const cuda::PagedList bf16_list{reinterpret_cast<const uint8_t*>(Up(bf16_pool)),
-                                  bf16_elems * 2, Up(ids), max_pages,
+  const cuda::PagedList bf16_list{reinterpret_cast<const uint8_t*>(Up(bf16_pool)), bf16_elems * 2,
+                                  Up(ids), max_pages,
                                   Up(std::vector<int32_t>(bf16_len.begin(), bf16_len.end()))};
-  ASSERT_EQ(cuda::LaunchInt2DecodeParts(int2_list, geo, q_rot, s_int2, max_int2, part_o, part_lse, 0, nullptr), cudaSuccess);
-  ASSERT_EQ(cuda::LaunchBf16DecodeParts(bf16_list, geo, q_rot, s_bf16, max_bf16, part_o, part_lse, s_int2, nullptr), cudaSuccess);
-  ASSERT_EQ(cuda::LaunchMergeParts(part_o, part_lse, s_int2 + s_bf16, rows, d, Up(rvt), o, lse, nullptr), cudaSuccess);
+  ASSERT_EQ(cuda::LaunchInt2DecodeParts(int2_list, geo, q_rot, s_int2, max_int2, part_o, part_lse,
+                                        0, nullptr),
+            cudaSuccess);
+  ASSERT_EQ(cuda::LaunchBf16DecodeParts(bf16_list, geo, q_rot, s_bf16, max_bf16, part_o, part_lse,
+                                        s_int2, nullptr),
+            cudaSuccess);
+  ASSERT_EQ(
+      cuda::LaunchMergeParts(part_o, part_lse, s_int2 + s_bf16, rows, d, Up(rvt), o, lse, nullptr),
+      cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto got_o = Down(o, rows * d);
   const auto got_lse = Down(lse, rows);
@@ -144,10 +150,13 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
     std::vector<float> qr(hq * d), acc_o(hq * d), acc_l(hq), po(g * d), pl(g), want(hq * d);
     RotateRows(q.data() + b * hq * d, hq, d, rk.data(), qr.data());
     ResetStates(hq, d, acc_o.data(), acc_l.data());
-    Int2PageTable it{int2_pool.data(), int2_bytes, ids.data() + b * max_pages, max_pages, ps, hkv, d};
-    Bf16PageTable bt{bf16_pool.data(), bf16_elems, ids.data() + b * max_pages, max_pages, ps, hkv, d};
+    Int2PageTable it{
+        int2_pool.data(), int2_bytes, ids.data() + b * max_pages, max_pages, ps, hkv, d};
+    Bf16PageTable bt{
+        bf16_pool.data(), bf16_elems, ids.data() + b * max_pages, max_pages, ps, hkv, d};
     for (int h = 0; h < hkv; ++h) {
-      AttendInt2PagesReference(it, h, qr.data() + h * g * d, g, scale, 0, int2_len[b], po.data(), pl.data());
+      AttendInt2PagesReference(it, h, qr.data() + h * g * d, g, scale, 0, int2_len[b], po.data(),
+                               pl.data());
       MergeStates(g, d, acc_o.data() + h * g * d, acc_l.data() + h * g, po.data(), pl.data());
       AttendBf16Pages(bt, h, qr.data() + h * g * d, g, scale, 0, bf16_len[b], po.data(), pl.data());
       MergeStates(g, d, acc_o.data() + h * g * d, acc_l.data() + h * g, po.data(), pl.data());

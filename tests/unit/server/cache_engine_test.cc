@@ -347,6 +347,18 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
     SetF32Tensor(r.mutable_q(), {1, p.num_q_heads(), p.head_dim()}, q.data());
     return r;
   };
+  // One inline page for tokens 500.. of the tiny model (pages of 1024 bytes).
+  auto push = [&](int tokens, int64_t first_page, const std::string& format,
+                  const std::string& data) {
+    v1::PushPagesRequest r;
+    r.set_model(spec_.name);
+    for (int i = 0; i < tokens; ++i) r.add_tokens(500 + i);
+    r.set_first_page(first_page);
+    auto* pg = r.add_inline_pages();
+    pg->set_format(format);
+    pg->set_data(data);
+    return engine_->PushPages(r, Out<v1::PushPagesResponse>());
+  };
   struct BadCase {
     const char* name;
     absl::StatusCode code;
@@ -542,59 +554,20 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
          return engine_->PushPages(r, Out<v1::PushPagesResponse>());
        }},
       {"push pages: wrong page size", absl::StatusCode::kInvalidArgument,
-       [&] {
-         v1::PushPagesRequest r;
-         r.set_model(spec_.name);
-         for (int i = 0; i < 4; ++i) r.add_tokens(500 + i);
-         auto* pg = r.add_inline_pages();
-         pg->set_format("bf16");
-         pg->set_data(std::string(100, '\0'));
-         return engine_->PushPages(r, Out<v1::PushPagesResponse>());
-       }},
+       [&] { return push(4, 0, "bf16", std::string(100, '\0')); }},
       {"push pages: wrong format", absl::StatusCode::kInvalidArgument,
-       [&] {
-         v1::PushPagesRequest r;
-         r.set_model(spec_.name);
-         for (int i = 0; i < 4; ++i) r.add_tokens(500 + i);
-         auto* pg = r.add_inline_pages();
-         pg->set_format("int2-oscar");
-         pg->set_data(std::string(1024, '\0'));
-         return engine_->PushPages(r, Out<v1::PushPagesResponse>());
-       }},
+       [&] { return push(4, 0, "int2-oscar", std::string(1024, '\0')); }},
       {"push pages: non-finite value", absl::StatusCode::kInvalidArgument,
        [&] {
-         v1::PushPagesRequest r;
-         r.set_model(spec_.name);
-         for (int i = 0; i < 4; ++i) r.add_tokens(500 + i);
-         auto* pg = r.add_inline_pages();
-         pg->set_format("bf16");
          std::string data(1024, '\0');
          data[11] = static_cast<char>(0x7f);  // bytes 10..11 = 0x7f80: BF16 +inf
          data[10] = static_cast<char>(0x80);
-         pg->set_data(data);
-         return engine_->PushPages(r, Out<v1::PushPagesResponse>());
+         return push(4, 0, "bf16", data);
        }},
       {"push pages: more pages than tokens", absl::StatusCode::kInvalidArgument,
-       [&] {
-         v1::PushPagesRequest r;
-         r.set_model(spec_.name);
-         r.add_tokens(1);
-         auto* pg = r.add_inline_pages();
-         pg->set_format("bf16");
-         pg->set_data(std::string(1024, '\0'));
-         return engine_->PushPages(r, Out<v1::PushPagesResponse>());
-       }},
+       [&] { return push(1, 0, "bf16", std::string(1024, '\0')); }},
       {"push pages: prefix not cached", absl::StatusCode::kFailedPrecondition,
-       [&] {
-         v1::PushPagesRequest r;
-         r.set_model(spec_.name);
-         for (int i = 0; i < 8; ++i) r.add_tokens(700 + i);
-         r.set_first_page(1);
-         auto* pg = r.add_inline_pages();
-         pg->set_format("bf16");
-         pg->set_data(std::string(1024, '\0'));
-         return engine_->PushPages(r, Out<v1::PushPagesResponse>());
-       }},
+       [&] { return push(8, 1, "bf16", std::string(1024, '\0')); }},
   };
   for (const auto& c : cases) {
     const absl::Status s = c.call();

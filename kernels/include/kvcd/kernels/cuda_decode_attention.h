@@ -63,7 +63,7 @@ struct PagedList {
   int64_t page_stride = 0;              // bytes between pages of the layer
   const int32_t* page_table = nullptr;  // [batch][max_pages]
   int32_t max_pages = 0;
-  const int32_t* lengths = nullptr;     // [batch] tokens in the list
+  const int32_t* lengths = nullptr;  // [batch] tokens in the list
 };
 
 struct DecodeGeometry {
