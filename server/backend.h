@@ -67,6 +67,24 @@ class Backend {
   // False once the device hit an unrecoverable (sticky) error: the daemon reports
   // NOT_SERVING and exits non-zero.
   virtual bool Healthy() const { return true; }
+
+  // Quantize-on-demote of one page on the device, for backends whose pools are not host
+  // memory: every layer of BF16 page `src` (rows already rotated) is clipped, quantized and
+  // packed into INT2 page `dst`. Backends that return false from DemotesOnDevice() are
+  // served by the host path of ModelCache.
+  virtual bool DemotesOnDevice() const { return false; }
+  struct DemoteJob {
+    const PagePool* src_pool = nullptr;
+    int32_t src_page = 0;
+    const PagePool* dst_pool = nullptr;
+    int32_t dst_page = 0;
+    int32_t num_layers = 0, num_kv_heads = 0, page_size = 0, head_dim = 0;
+    const float* rho_k = nullptr;  // [num_layers]
+    const float* rho_v = nullptr;  // [num_layers]
+  };
+  virtual absl::Status DemotePage(const DemoteJob& job) {
+    return absl::UnimplementedError("this backend demotes on the host");
+  }
 };
 
 // The CPU backend; `compute_threads` = 0 uses every CPU.

@@ -8,7 +8,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvcd/kernels/cuda_decode_attention.h"
+#include "kvcd/kernels/cuda_demote.h"
 #include "kvcd/kernels/cuda_runtime_api.h"
+#include "kvcd/kernels/int2_attention.h"
 #include "server/backend.h"
 
 namespace kvcd {
@@ -74,6 +76,29 @@ class CudaBackend final : public Backend {
   }
 
   bool Healthy() const override { return !sticky_.load(); }
+
+  bool DemotesOnDevice() const override { return true; }
+
+  // One launch per (layer, head, K/V): the rows of a head are contiguous in the BF16 page
+  // ([head][slot][d]) and the INT2 row reference maps them to the page layout.
+  absl::Status DemotePage(const DemoteJob& j) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    const kernels::Int2PageLayout layout{j.num_kv_heads, j.page_size, j.head_dim};
+    const int64_t head_elems = static_cast<int64_t>(j.page_size) * j.head_dim;
+    for (int32_t l = 0; l < j.num_layers; ++l) {
+      const uint16_t* src = reinterpret_cast<const uint16_t*>(j.src_pool->PagePtr(l, j.src_page));
+      uint8_t* dst = j.dst_pool->PagePtr(l, j.dst_page);
+      for (int32_t h = 0; h < j.num_kv_heads; ++h) {
+        RETURN_IF_CUDA_ERR(kc::LaunchDemoteInt2(src + h * head_elems, j.page_size, j.head_dim,
+                                                nullptr, j.rho_k[l], layout.K(dst, h), 0, nullptr));
+        RETURN_IF_CUDA_ERR(kc::LaunchDemoteInt2(
+            src + (static_cast<int64_t>(j.num_kv_heads) + h) * head_elems, j.page_size, j.head_dim,
+            nullptr, j.rho_v[l], layout.V(dst, h), 0, nullptr));
+      }
+    }
+    RETURN_IF_CUDA(kc::Synchronize());
+    return absl::OkStatus();
+  }
 
   absl::Status Attend(const AttentionBatch& b) override {
     std::lock_guard<std::mutex> lock(mu_);

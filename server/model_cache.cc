@@ -90,6 +90,12 @@ absl::StatusOr<std::unique_ptr<ModelCache>> ModelCache::Create(
       }
     }
   }
+  if (cache->codec_ != nullptr) {
+    for (int l = 0; l < spec.num_layers; ++l) {
+      cache->rho_k_.push_back(cache->codec_->RhoK(l));
+      cache->rho_v_.push_back(cache->codec_->RhoV(l));
+    }
+  }
   const int64_t bf16_layer_bytes =
       kernels::Bf16PageElems(spec.num_kv_heads, spec.page_size, spec.head_dim) * 2;
   const int64_t int2_layer_bytes =
@@ -267,20 +273,38 @@ void ModelCache::DemotePages(Sequence* seq) {
       std::lock_guard<std::mutex> lock(mu_);
       if (!AllocateLocked(1, 1, &fresh).ok()) break;  // INT2 pool full: stay BF16, retry later
     }
-    const kernels::Int2PageLayout layout{hkv, ps, d};
-    const PagePool& pool = *pools_[1];
-    std::vector<float> rows(static_cast<size_t>(ps) * d);
-    std::vector<uint8_t> staged(static_cast<size_t>(pool.layer_page_bytes()));
-    for (int32_t l = 0; l < spec_.num_layers; ++l) {
-      for (int32_t h = 0; h < hkv; ++h) {
-        for (int which = 0; which < 2; ++which) {
-          ReadRows(old, l, h, which, 0, ps, rows.data());  // already rotated
-          kernels::DemoteRowsToInt2(
-              rows.data(), ps, d, nullptr, which == 0 ? codec_->RhoK(l) : codec_->RhoV(l),
-              which == 0 ? layout.K(staged.data(), h) : layout.V(staged.data(), h));
-        }
+    if (backend_->DemotesOnDevice()) {
+      Backend::DemoteJob job{pools_[0].get(),
+                             old.page,
+                             pools_[1].get(),
+                             fresh[0].page,
+                             spec_.num_layers,
+                             hkv,
+                             ps,
+                             d,
+                             rho_k_.data(),
+                             rho_v_.data()};
+      if (!backend_->DemotePage(job).ok()) {  // keep the BF16 page; the next append retries
+        std::lock_guard<std::mutex> lock(mu_);
+        FreeLocked(fresh);
+        break;
       }
-      backend_->CopyToPool(pool.PagePtr(l, fresh[0].page), staged.data(), staged.size());
+    } else {
+      const kernels::Int2PageLayout layout{hkv, ps, d};
+      const PagePool& pool = *pools_[1];
+      std::vector<float> rows(static_cast<size_t>(ps) * d);
+      std::vector<uint8_t> staged(static_cast<size_t>(pool.layer_page_bytes()));
+      for (int32_t l = 0; l < spec_.num_layers; ++l) {
+        for (int32_t h = 0; h < hkv; ++h) {
+          for (int which = 0; which < 2; ++which) {
+            ReadRows(old, l, h, which, 0, ps, rows.data());  // already rotated
+            kernels::DemoteRowsToInt2(
+                rows.data(), ps, d, nullptr, which == 0 ? codec_->RhoK(l) : codec_->RhoV(l),
+                which == 0 ? layout.K(staged.data(), h) : layout.V(staged.data(), h));
+          }
+        }
+        backend_->CopyToPool(pool.PagePtr(l, fresh[0].page), staged.data(), staged.size());
+      }
     }
     seq->pages[static_cast<size_t>(i)] = fresh[0];
     {

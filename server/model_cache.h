@@ -208,6 +208,7 @@ class ModelCache {
   std::vector<uint64_t> memory_bytes_;
   std::vector<std::unique_ptr<PagePool>> pools_;  // [0] = BF16; [1] = INT2 when compressed
   std::unique_ptr<CodecProfile> codec_;           // null: BF16 history, no rotation
+  std::vector<float> rho_k_, rho_v_;              // per layer, for device demotion
   std::atomic<uint64_t> demoted_pages_{0};
 
   mutable std::mutex mu_;
