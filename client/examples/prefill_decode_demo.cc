@@ -369,6 +369,8 @@ int PrintSummaries(kvcd::Client& client, const Options& opt, const std::vector<S
     return str("%lld / %lld", static_cast<long long>(s.pages_bf16),
                static_cast<long long>(s.pages_int2));
   });
+  row("pages demoted (quantize-on-demote)",
+      [&](const Summary& s) { return str("%lld", static_cast<long long>(s.demoted)); });
   row("history bits per element",
       [&](const Summary& s) { return str("%.2f", s.bits_per_element); });
   row("bytes stored per token held", [&](const Summary& s) {
