@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -132,7 +133,12 @@ class CudaBackend final : public Backend {
     splits[0] = max_len[0] > 0 ? kc::Int2DecodeSplits(batch, b.num_kv_heads, max_len[0], sms) : 0;
     splits[1] = max_len[1] > 0 ? kc::Int2DecodeSplits(batch, b.num_kv_heads, max_len[1], sms) : 0;
     const int parts = std::max(1, splits[0] + splits[1]);
-    // Host staging: q, page tables, lengths; device: the same plus q_rot, parts, o, lse.
+    // Host staging: q, page tables, lengths; device: the same plus parts, o, lse. The layer's
+    // rotations stay resident on the device after their first use.
+    auto d_rk = Resident(b.r_k, d);
+    if (!d_rk.ok()) return d_rk.status();
+    auto d_rvt = Resident(b.r_v_t, d);
+    if (!d_rvt.ok()) return d_rvt.status();
     std::vector<int32_t> host_i32;
     size_t table_off[2], len_off[2];
     for (int f = 0; f < 2; ++f) {
@@ -149,9 +155,8 @@ class CudaBackend final : public Backend {
     const size_t i32_bytes = sizeof(int32_t) * host_i32.size();
     const size_t part_o_bytes = sizeof(float) * static_cast<size_t>(parts) * rows * d;
     const size_t part_lse_bytes = sizeof(float) * static_cast<size_t>(parts) * rows;
-    const size_t rot_bytes = sizeof(float) * d * d * 2;
     const size_t total = 2 * q_bytes + i32_bytes + part_o_bytes + part_lse_bytes + q_bytes +
-                         sizeof(float) * rows + rot_bytes + 64 * 8;
+                         sizeof(float) * rows + 64 * 8;
     auto scratch = scratch_.Reserve(total);
     if (!scratch.ok()) return scratch.status();
     auto carve = [p = static_cast<uint8_t*>(*scratch)](size_t bytes) mutable {
@@ -160,23 +165,16 @@ class CudaBackend final : public Backend {
       return r;
     };
     float* d_q = reinterpret_cast<float*>(carve(q_bytes));
-    float* d_q_rot = reinterpret_cast<float*>(carve(q_bytes));
     int32_t* d_i32 = reinterpret_cast<int32_t*>(carve(i32_bytes));
     float* d_part_o = reinterpret_cast<float*>(carve(part_o_bytes));
     float* d_part_lse = reinterpret_cast<float*>(carve(part_lse_bytes));
     float* d_o = reinterpret_cast<float*>(carve(q_bytes));
     float* d_lse = reinterpret_cast<float*>(carve(sizeof(float) * rows));
-    float* d_rk = reinterpret_cast<float*>(carve(sizeof(float) * d * d));
-    float* d_rvt = reinterpret_cast<float*>(carve(sizeof(float) * d * d));
     std::vector<float> q(static_cast<size_t>(rows) * d);
     for (int j = 0; j < batch; ++j)
       std::copy(b.jobs[j].q, b.jobs[j].q + hq * d, q.begin() + j * hq * d);
     RETURN_IF_CUDA(kc::CopyToDevice(d_q, q.data(), q_bytes));
     RETURN_IF_CUDA(kc::CopyToDevice(d_i32, host_i32.data(), i32_bytes));
-    if (b.r_k != nullptr) RETURN_IF_CUDA(kc::CopyToDevice(d_rk, b.r_k, sizeof(float) * d * d));
-    if (b.r_v_t != nullptr) RETURN_IF_CUDA(kc::CopyToDevice(d_rvt, b.r_v_t, sizeof(float) * d * d));
-    RETURN_IF_CUDA_ERR(kc::LaunchRotateQueries(d_q, b.r_k ? d_rk : nullptr, b.softmax_scale, rows,
-                                               d, d_q_rot, nullptr));
     const kc::DecodeGeometry geo{batch, hq, b.num_kv_heads, d, b.page_size};
     int part_base = 0;
     for (int f = 0; f < 2; ++f) {
@@ -184,16 +182,16 @@ class CudaBackend final : public Backend {
       const kc::PagedList list{pool[f]->LayerBase(b.layer), pool[f]->layer_page_bytes(),
                                d_i32 + table_off[f], max_pages[f], d_i32 + len_off[f]};
       const auto launch = f == 1 ? kc::LaunchInt2DecodeParts : kc::LaunchBf16DecodeParts;
-      RETURN_IF_CUDA_ERR(launch(list, geo, d_q_rot, splits[f], max_len[f], d_part_o, d_part_lse,
-                                part_base, nullptr));
+      RETURN_IF_CUDA_ERR(launch(list, geo, d_q, *d_rk, b.softmax_scale, splits[f], max_len[f],
+                                d_part_o, d_part_lse, part_base, nullptr));
       part_base += splits[f];
     }
     if (part_base == 0) {  // nothing to attend: every row is the empty state
       std::vector<float> neg(static_cast<size_t>(rows), -INFINITY);
       RETURN_IF_CUDA(kc::CopyToDevice(d_part_lse, neg.data(), sizeof(float) * rows));
     }
-    RETURN_IF_CUDA_ERR(kc::LaunchMergeParts(d_part_o, d_part_lse, parts, rows, d,
-                                            b.r_v_t ? d_rvt : nullptr, d_o, d_lse, nullptr));
+    RETURN_IF_CUDA_ERR(
+        kc::LaunchMergeParts(d_part_o, d_part_lse, parts, rows, d, *d_rvt, d_o, d_lse, nullptr));
     std::vector<float> o(static_cast<size_t>(rows) * d), lse(rows);
     RETURN_IF_CUDA(kc::CopyToHost(o.data(), d_o, q_bytes));
     RETURN_IF_CUDA(kc::CopyToHost(lse.data(), d_lse, sizeof(float) * rows));
@@ -205,6 +203,19 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  // A device copy of a host rotation matrix (codec profiles live as long as their model).
+  absl::StatusOr<const float*> Resident(const float* host, int d) {
+    if (host == nullptr) return static_cast<const float*>(nullptr);
+    auto it = resident_.find(host);
+    if (it != resident_.end()) return static_cast<const float*>(it->second);
+    void* p = nullptr;
+    const size_t bytes = sizeof(float) * d * d;
+    std::string err = kc::Malloc(&p, bytes);
+    if (err.empty()) err = kc::CopyToDevice(p, host, bytes);
+    if (!err.empty()) return Failed(err);
+    resident_.emplace(host, p);
+    return static_cast<const float*>(p);
+  }
   // Records a failed copy; a sticky error makes the backend unhealthy for good.
   void Note(const std::string& err) {
     if (err.empty()) return;
@@ -220,6 +231,7 @@ class CudaBackend final : public Backend {
   const int sms_;
   std::mutex mu_;
   DeviceBuffer scratch_;
+  std::unordered_map<const float*, void*> resident_;  // host rotation -> device copy
   std::atomic<bool> sticky_{false};
 };
 

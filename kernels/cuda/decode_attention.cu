@@ -40,7 +40,9 @@ __device__ __forceinline__ uint32_t Pack4(int a, int b, int c, int d) {
 struct PartArgs {
   PagedList list;
   DecodeGeometry geo;
-  const float* q_rot;
+  const float* q;    // [batch][num_q_heads][D] queries (raw, or already rotated if r_k null)
+  const float* r_k;  // [D][D] or null
+  float scale;       // multiplies the (rotated) query
   int tokens_per_split;
   float* part_o;
   float* part_lse;
@@ -64,6 +66,33 @@ __global__ void RotateQueries(const float* q, const float* r_k, float scale, int
     for (int i = 0; i < head_dim; ++i) acc += x[i] * __ldg(r_k + i * head_dim + j);
   }
   q_rot[row * head_dim + j] = acc * scale;
+}
+
+// Fills s_q[h] (h < 8) with the group's queries rotated by R_k and scaled (zero rows past
+// the group); `raw` is 8 x D floats of shared scratch. Ends with a barrier.
+template <int D>
+__device__ void LoadQueries(const PartArgs& a, int b, int kvh, int G, float (*s_q)[D],
+                            float (*raw)[D]) {
+  for (int i = threadIdx.x; i < 8 * D; i += blockDim.x) {
+    const int h = i / D;
+    raw[h][i % D] =
+        h < G ? a.q[(static_cast<int64_t>(b) * a.geo.num_q_heads + kvh * G + h) * D + i % D] : 0.0f;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < 8 * D; i += blockDim.x) {
+    const int h = i / D, j = i % D;
+    float acc = 0.0f;
+    if (h < G) {
+      if (a.r_k == nullptr) {
+        acc = raw[h][j];
+      } else {
+#pragma unroll 8
+        for (int k = 0; k < D; ++k) acc += raw[h][k] * __ldg(a.r_k + k * D + j);
+      }
+    }
+    s_q[h][j] = acc * a.scale;
+  }
+  __syncthreads();
 }
 
 // Merges the CTA's warps (state per warp and head: max m, sum l, o accumulated without the
@@ -97,7 +126,6 @@ template <int D>
 __global__ void __launch_bounds__(kWarps * 32) Int2DecodeKernel(PartArgs a) {
   const PagedList& p = a.list;
   const DecodeGeometry& geo = a.geo;
-  const float* q_rot = a.q_rot;
   const int tokens_per_split = a.tokens_per_split;
   constexpr int Q = D / 4;          // bytes per row
   constexpr int kGroups = Q / 4;    // 4-byte groups per row
@@ -118,13 +146,9 @@ __global__ void __launch_bounds__(kWarps * 32) Int2DecodeKernel(PartArgs a) {
   __shared__ float s_m[kWarps][8], s_l[kWarps][8], s_lacc[kWarps][8];
   __shared__ float s_o[kWarps][8][D];
 
-  // Rotated, scaled queries of this KV head's group; their int8 step and sum.
-  for (int i = threadIdx.x; i < 8 * D; i += blockDim.x) {
-    const int h = i / D;
-    s_q[h][i % D] =
-        h < G ? q_rot[(static_cast<int64_t>(b) * geo.num_q_heads + kvh * G + h) * D + i % D] : 0.0f;
-  }
-  __syncthreads();
+  // Rotated, scaled queries of this KV head's group (s_o is free scratch until the end);
+  // their int8 step and sum.
+  LoadQueries<D>(a, b, kvh, G, s_q, s_o[0]);
   if (threadIdx.x < 8) {
     float mx = 0.0f, sum = 0.0f;
     for (int e = 0; e < D; ++e) {
@@ -321,14 +345,14 @@ __global__ void __launch_bounds__(kWarps * 32) Bf16DecodeKernel(PartArgs a) {
   const int t_end = min(len, t_begin + a.tokens_per_split);
   __shared__ float s_m[kWarps][8], s_l[kWarps][8], s_lacc[kWarps][8];
   __shared__ float s_o[kWarps][8][D];
+  __shared__ float s_q[8][D];
+  LoadQueries<D>(a, b, kvh, G, s_q, s_o[0]);
+  __syncthreads();  // s_o is reused below only after every warp read its queries
   float q[8][E];
 #pragma unroll
   for (int h = 0; h < 8; ++h)
 #pragma unroll
-    for (int e = 0; e < E; ++e)
-      q[h][e] = h < G ? a.q_rot[(static_cast<int64_t>(b) * geo.num_q_heads + kvh * G + h) * D +
-                                lane * E + e]
-                      : 0.0f;
+    for (int e = 0; e < E; ++e) q[h][e] = s_q[h][lane * E + e];
   float m[8], l[8], o[8][E];
 #pragma unroll
   for (int h = 0; h < 8; ++h) {
@@ -379,24 +403,31 @@ __global__ void __launch_bounds__(kWarps * 32) Bf16DecodeKernel(PartArgs a) {
   WritePart<D>(a, split, b, kvh, G, s_m, s_l, s_lacc, s_o);
 }
 
-// Merges the splits of each (b, head) and applies R_v^T; one block per row, D threads.
-// The split weights exp(lse_s - M) are computed once per block in shared memory.
+// Merges the parts of each (b, head) row and applies R_v^T; one block per row of
+// kMergeLanes * head_dim threads: the split weights exp(lse_s - M) are computed once in
+// shared memory, each of the kMergeLanes thread groups sums every kMergeLanes-th part.
+constexpr int kMergeLanes = 4;
+
 __global__ void MergeSplits(const float* part_o, const float* part_lse, int splits, int rows,
                             int head_dim, const float* r_v_t, float* o, float* lse) {
-  extern __shared__ float x[];  // [head_dim] merged o_rot, then [splits] weights
-  float* wts = x + head_dim;
+  extern __shared__ float smem[];  // x [head_dim], partial sums [kMergeLanes][head_dim], wts
+  float* x = smem;
+  float* partial = x + head_dim;
+  float* wts = partial + kMergeLanes * head_dim;
   __shared__ float s_max[32], s_den[32];
-  const int row = blockIdx.x, j = threadIdx.x, lane = j & 31, warp = j >> 5;
+  const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int warps = (blockDim.x + 31) / 32;
   float mx = -INFINITY;
-  for (int s = j; s < splits; s += blockDim.x)
+  for (int s = tid; s < splits; s += blockDim.x) {
     mx = fmaxf(mx, part_lse[static_cast<int64_t>(s) * rows + row]);
+  }
   for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
   if (lane == 0) s_max[warp] = mx;
   __syncthreads();
   float M = -INFINITY;
-  for (int w = 0; w < (blockDim.x + 31) / 32; ++w) M = fmaxf(M, s_max[w]);
+  for (int w = 0; w < warps; ++w) M = fmaxf(M, s_max[w]);
   float den = 0.0f;
-  for (int s = j; s < splits; s += blockDim.x) {
+  for (int s = tid; s < splits; s += blockDim.x) {
     const float ls = part_lse[static_cast<int64_t>(s) * rows + row];
     const float f = (M > -INFINITY && ls > -INFINITY) ? __expf(ls - M) : 0.0f;
     wts[s] = f;
@@ -406,14 +437,22 @@ __global__ void MergeSplits(const float* part_o, const float* part_lse, int spli
   if (lane == 0) s_den[warp] = den;
   __syncthreads();
   den = 0.0f;
-  for (int w = 0; w < (blockDim.x + 31) / 32; ++w) den += s_den[w];
+  for (int w = 0; w < warps; ++w) den += s_den[w];
+  const int group = tid / head_dim, j = tid % head_dim;
   float num = 0.0f;
-#pragma unroll 8
-  for (int s = 0; s < splits; ++s) {
+#pragma unroll 4
+  for (int s = group; s < splits; s += kMergeLanes) {
     num += wts[s] * part_o[(static_cast<int64_t>(s) * rows + row) * head_dim + j];
   }
-  x[j] = den > 0.0f ? num / den : 0.0f;
+  partial[group * head_dim + j] = num;
   __syncthreads();
+  if (group == 0) {
+    float total = 0.0f;
+    for (int g = 0; g < kMergeLanes; ++g) total += partial[g * head_dim + j];
+    x[j] = den > 0.0f ? total / den : 0.0f;
+  }
+  __syncthreads();
+  if (group != 0) return;
   float acc = x[j];
   if (r_v_t != nullptr) {
     acc = 0.0f;
@@ -463,13 +502,14 @@ cudaError_t LaunchRotateQueries(const float* q, const float* r_k, float scale, i
   return cudaGetLastError();
 }
 
-cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& geo,
-                                  const float* q_rot, int splits, int max_tokens, float* part_o,
-                                  float* part_lse, int part_base, cudaStream_t stream) {
+cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
+                                  const float* r_k, float scale, int splits, int max_tokens,
+                                  float* part_o, float* part_lse, int part_base,
+                                  cudaStream_t stream) {
   if (!SupportedGeometry(geo) || geo.page_size % kTile != 0 || splits <= 0) {
     return cudaErrorInvalidValue;
   }
-  const PartArgs a{list,   geo,      q_rot,    TokensPerSplit(max_tokens, splits),
+  const PartArgs a{list,   geo,      q,        r_k, scale, TokensPerSplit(max_tokens, splits),
                    part_o, part_lse, part_base};
   const dim3 grid(splits, geo.num_kv_heads, geo.batch);
   switch (geo.head_dim) {  // one instantiation per head_dim
@@ -486,11 +526,12 @@ cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& g
   return cudaGetLastError();
 }
 
-cudaError_t LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& geo,
-                                  const float* q_rot, int splits, int max_tokens, float* part_o,
-                                  float* part_lse, int part_base, cudaStream_t stream) {
+cudaError_t LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
+                                  const float* r_k, float scale, int splits, int max_tokens,
+                                  float* part_o, float* part_lse, int part_base,
+                                  cudaStream_t stream) {
   if (!SupportedGeometry(geo) || splits <= 0) return cudaErrorInvalidValue;
-  const PartArgs a{list,   geo,      q_rot,    TokensPerSplit(max_tokens, splits),
+  const PartArgs a{list,   geo,      q,        r_k, scale, TokensPerSplit(max_tokens, splits),
                    part_o, part_lse, part_base};
   const dim3 grid(splits, geo.num_kv_heads, geo.batch);
   switch (geo.head_dim) {
@@ -510,7 +551,8 @@ cudaError_t LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& g
 cudaError_t LaunchMergeParts(const float* part_o, const float* part_lse, int parts, int rows,
                              int head_dim, const float* r_v_t, float* o, float* lse,
                              cudaStream_t stream) {
-  MergeSplits<<<rows, head_dim, (head_dim + parts) * sizeof(float), stream>>>(
+  MergeSplits<<<rows, kMergeLanes * head_dim,
+                (head_dim * (1 + kMergeLanes) + parts) * sizeof(float), stream>>>(
       part_o, part_lse, parts, rows, head_dim, r_v_t, o, lse);
   return cudaGetLastError();
 }
@@ -521,14 +563,11 @@ cudaError_t LaunchInt2Decode(const Int2DecodeParams& p, int max_tokens, cudaStre
     return cudaErrorInvalidValue;
   }
   const int rows = p.batch * p.num_q_heads;
-  float* q_rot = static_cast<float*>(p.workspace);
-  float* part_o = q_rot + static_cast<size_t>(rows) * p.head_dim;
+  float* part_o = static_cast<float*>(p.workspace);
   float* part_lse = part_o + static_cast<size_t>(p.num_splits) * rows * p.head_dim;
-  cudaError_t e = LaunchRotateQueries(p.q, p.r_k, p.softmax_scale, rows, p.head_dim, q_rot, stream);
-  if (e != cudaSuccess) return e;
   const PagedList list{p.pages, p.page_stride, p.page_table, p.max_pages, p.lengths};
-  e = LaunchInt2DecodeParts(list, geo, q_rot, p.num_splits, max_tokens, part_o, part_lse, 0,
-                            stream);
+  const cudaError_t e = LaunchInt2DecodeParts(list, geo, p.q, p.r_k, p.softmax_scale, p.num_splits,
+                                              max_tokens, part_o, part_lse, 0, stream);
   if (e != cudaSuccess) return e;
   return LaunchMergeParts(part_o, part_lse, p.num_splits, rows, p.head_dim, p.r_v_t, p.o, p.lse,
                           stream);

@@ -122,22 +122,22 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
   const int max_bf16 = *std::max_element(bf16_len.begin(), bf16_len.end());
   const int s_int2 = cuda::Int2DecodeSplits(batch, hkv, max_int2, 132);
   const int s_bf16 = cuda::Int2DecodeSplits(batch, hkv, max_bf16, 132);
-  float* q_rot = Up(std::vector<float>(rows * d));
   float* part_o = Up(std::vector<float>((s_int2 + s_bf16) * rows * d, NAN));
   float* part_lse = Up(std::vector<float>((s_int2 + s_bf16) * rows, NAN));
   float* o = Up(std::vector<float>(rows * d, NAN));
   float* lse = Up(std::vector<float>(rows, NAN));
-  ASSERT_EQ(cuda::LaunchRotateQueries(Up(q), Up(rk), scale, rows, d, q_rot, nullptr), cudaSuccess);
+  const float* d_q = Up(q);
+  const float* d_rk = Up(rk);
   const cuda::PagedList int2_list{Up(int2_pool), int2_bytes, Up(ids), max_pages,
                                   Up(std::vector<int32_t>(int2_len.begin(), int2_len.end()))};
   const cuda::PagedList bf16_list{reinterpret_cast<const uint8_t*>(Up(bf16_pool)), bf16_elems * 2,
                                   Up(ids), max_pages,
                                   Up(std::vector<int32_t>(bf16_len.begin(), bf16_len.end()))};
-  ASSERT_EQ(cuda::LaunchInt2DecodeParts(int2_list, geo, q_rot, s_int2, max_int2, part_o, part_lse,
-                                        0, nullptr),
+  ASSERT_EQ(cuda::LaunchInt2DecodeParts(int2_list, geo, d_q, d_rk, scale, s_int2, max_int2, part_o,
+                                        part_lse, 0, nullptr),
             cudaSuccess);
-  ASSERT_EQ(cuda::LaunchBf16DecodeParts(bf16_list, geo, q_rot, s_bf16, max_bf16, part_o, part_lse,
-                                        s_int2, nullptr),
+  ASSERT_EQ(cuda::LaunchBf16DecodeParts(bf16_list, geo, d_q, d_rk, scale, s_bf16, max_bf16, part_o,
+                                        part_lse, s_int2, nullptr),
             cudaSuccess);
   ASSERT_EQ(
       cuda::LaunchMergeParts(part_o, part_lse, s_int2 + s_bf16, rows, d, Up(rvt), o, lse, nullptr),

@@ -41,6 +41,7 @@ struct Int2DecodeParams {
 
 // Workspace for partial states and the rotated queries.
 size_t Int2DecodeWorkspaceBytes(int batch, int num_q_heads, int head_dim, int max_splits);
+// (the partial states only: queries are rotated inside the decode kernels)
 
 // The split count for a batch: about ctas_per_sm CTAs of 4 warps per SM (4 is what the
 // register file holds at head_dim 128), at least 4 tiles of 32 tokens per CTA.
@@ -70,16 +71,20 @@ struct DecodeGeometry {
   int32_t batch = 0, num_q_heads = 0, num_kv_heads = 0, head_dim = 0, page_size = 0;
 };
 
-// INT2 pages -> parts [part_base, part_base + splits). Same requirements as above.
-cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& geo,
-                                  const float* q_rot, int splits, int max_tokens, float* part_o,
-                                  float* part_lse, int part_base, cudaStream_t stream);
+// INT2 pages -> parts [part_base, part_base + splits). q: [batch][num_q_heads][head_dim]
+// raw queries; each CTA rotates its group's queries by r_k (null = none) and scales them.
+// Same requirements as above.
+cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
+                                  const float* r_k, float scale, int splits, int max_tokens,
+                                  float* part_o, float* part_lse, int part_base,
+                                  cudaStream_t stream);
 
 // BF16 pages (layout of bf16_attention.h) -> parts [part_base, part_base + splits).
 // REQUIRES: head_dim in {64, 128, 256}, num_q_heads / num_kv_heads <= 8.
-cudaError_t LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& geo,
-                                  const float* q_rot, int splits, int max_tokens, float* part_o,
-                                  float* part_lse, int part_base, cudaStream_t stream);
+cudaError_t LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
+                                  const float* r_k, float scale, int splits, int max_tokens,
+                                  float* part_o, float* part_lse, int part_base,
+                                  cudaStream_t stream);
 
 // o[row] = merge of the parts of row, times R_v^T (null = identity); lse natural log.
 cudaError_t LaunchMergeParts(const float* part_o, const float* part_lse, int parts, int rows,
