@@ -588,10 +588,7 @@ namespace {
 // three segments matches a float64 computation on the stored (dequantized) K/V.
 TEST(Int2HistoryTest, DemotionAndAttentionOverTheThreeSegments) {
   CacheEngine engine(testing_util::TestConfig(), MakeCpuBackend(2));
-  ModelSpec spec = TinySpec();
-  spec.name = "tiny-int2";
-  spec.history_format = HistoryFormat::kInt2Oscar;
-  spec.codec = "hadamard";
+  const ModelSpec spec = testing_util::TinyInt2Spec();
   ASSERT_TRUE(engine.RegisterModelSpec(spec).ok());
   const auto p = Profile(spec);
   v1::PutResponse put;
@@ -687,10 +684,7 @@ namespace {
 // the same attention: INT2 pages travel without re-encoding.
 TEST(PushPagesTest, StoredPagesRoundTripIntoAnotherTenant) {
   CacheEngine engine(testing_util::TestConfig(), MakeCpuBackend(2));
-  ModelSpec spec = TinySpec();
-  spec.name = "tiny-int2";
-  spec.history_format = HistoryFormat::kInt2Oscar;
-  spec.codec = "hadamard";
+  const ModelSpec spec = testing_util::TinyInt2Spec();
   ASSERT_TRUE(engine.RegisterModelSpec(spec).ok());
   const auto p = Profile(spec);
   v1::PutResponse put;

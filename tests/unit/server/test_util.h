@@ -18,6 +18,15 @@ inline ModelSpec TinySpec(uint64_t memory_bytes = 1 << 20) {
   return s;
 }
 
+// The tiny geometry with OSCAR INT2 history and the Hadamard rotation.
+inline ModelSpec TinyInt2Spec() {
+  ModelSpec s = TinySpec();
+  s.name = "tiny-int2";
+  s.history_format = HistoryFormat::kInt2Oscar;
+  s.codec = "hadamard";
+  return s;
+}
+
 inline v1::ModelProfile Profile(const ModelSpec& s) {
   v1::ModelProfile p;
   ProfileFromSpec(s, &p);
