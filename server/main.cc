@@ -138,8 +138,8 @@ int main(int argc, char** argv) {
   raw->Wait();
   signal_thread.detach();  // still in sigwait if the backend failed
   const bool fatal = raw->fatal();
-  std::fprintf(stderr, fatal ? "kvcd: backend failed, exiting with status 1\n"
-                             : "kvcd: drained, exiting\n");
+  std::fprintf(
+      stderr, fatal ? "kvcd: backend failed, exiting with status 1\n" : "kvcd: drained, exiting\n");
   std::fflush(nullptr);
   // Every RPC has finished. Skip the remaining destructors: the metrics exposer's web
   // server (civetweb) alone takes seconds to stop, and the pools are only memory.

@@ -21,12 +21,12 @@ struct EvalCodec {
 };
 
 struct EvalOptions {
-  int64_t sink = 64;         // BF16 sink window (INT2 codecs)
-  int64_t recent = 256;      // BF16 recent window (INT2 codecs)
-  int kivi_group = 32;       // KIVI-2 group size (tokens for K, channels for V)
+  int64_t sink = 64;            // BF16 sink window (INT2 codecs)
+  int64_t recent = 256;         // BF16 recent window (INT2 codecs)
+  int kivi_group = 32;          // KIVI-2 group size (tokens for K, channels for V)
   int64_t kivi_residual = 128;  // KIVI-2 FP16 residual window
-  int positions = 16;        // query positions evaluated, spread over the dump
-  int64_t min_position = 0;  // first position evaluated (default: past the windows)
+  int positions = 16;           // query positions evaluated, spread over the dump
+  int64_t min_position = 0;     // first position evaluated (default: past the windows)
 };
 
 struct EvalStats {

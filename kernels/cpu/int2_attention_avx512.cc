@@ -205,16 +205,7 @@ void AttendInt2Vnni(const Int2PageTable& kv, int kv_head, const float* q, float 
     }
     t0 += n;
   }
-  for (int i = 0; i < G; ++i) {
-    if (l[i] > 0.0f) {
-      float* oi = o + i * d;
-      const float inv = 1.0f / l[i];
-      for (int c = 0; c < d; ++c) oi[c] = (oi[c] + lacc[i]) * inv;
-      lse[i] = m[i] + std::log(l[i]);
-    } else {
-      lse[i] = kEmptyLse;
-    }
-  }
+  FinishInt2States(G, d, m, l, lacc, o, lse);
 }
 
 }  // namespace

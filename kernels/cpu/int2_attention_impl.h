@@ -12,6 +12,23 @@
 
 namespace kvcd::kernels::internal {
 
+// Turns the running (o, m, l, lacc) of `group` query heads into final states: o holds
+// sum_j p_j (scale_j * codes_j) and lacc sum_j p_j * min_j (the value minimum folded out
+// of the inner loop), so o = (o + lacc) / l and lse = m + log l; no keys -> empty state.
+inline void FinishInt2States(int group, int d, const float* m, const float* l, const float* lacc,
+                             float* o, float* lse) {
+  for (int i = 0; i < group; ++i) {
+    if (l[i] > 0.0f) {
+      float* oi = o + i * d;
+      const float inv = 1.0f / l[i];
+      for (int c = 0; c < d; ++c) oi[c] = (oi[c] + lacc[i]) * inv;
+      lse[i] = m[i] + std::log(l[i]);
+    } else {
+      lse[i] = kEmptyLse;
+    }
+  }
+}
+
 template <class Ops>
 void AttendInt2PagesImpl(const Int2PageTable& kv, int kv_head, const float* q, int group,
                          float softmax_scale, int64_t token_begin, int64_t token_end, float* o,
@@ -80,16 +97,7 @@ void AttendInt2PagesImpl(const Int2PageTable& kv, int kv_head, const float* q, i
     }
     t0 += n;
   }
-  for (int i = 0; i < group; ++i) {
-    if (l[i] > 0.0f) {
-      float* oi = o + i * d;
-      const float inv = 1.0f / l[i];
-      for (int c = 0; c < d; ++c) oi[c] = (oi[c] + lacc[i]) * inv;
-      lse[i] = m[i] + std::log(l[i]);
-    } else {
-      lse[i] = kEmptyLse;
-    }
-  }
+  FinishInt2States(group, d, m, l, lacc, o, lse);
 }
 
 }  // namespace kvcd::kernels::internal

@@ -51,7 +51,8 @@ TEST(EvalTest, OscarBeatsHadamardBeatsNaiveOnSyntheticActivations) {
   EXPECT_LT(hadamard.kl_mean, 0.5 * naive.kl_mean);
   EXPECT_LE(osc.kl_mean, hadamard.kl_mean);
   EXPECT_GT(kivi.bits_per_element, 2.0);
-  EXPECT_NEAR((*r)[2].bits_per_element, (((1024 - 192) * 2.0 * 36 + 192 * 512.0) / 1024) * 8 / 256, 1e-9);
+  EXPECT_NEAR((*r)[2].bits_per_element, (((1024 - 192) * 2.0 * 36 + 192 * 512.0) / 1024) * 8 / 256,
+              1e-9);
 }
 
 }  // namespace
