@@ -128,6 +128,12 @@ absl::StatusOr<v1::FetchPagesResponse> Client::FetchPages(const v1::FetchPagesRe
   return KVCD_CALL(v1::FetchPagesResponse, FetchPages, req);
 }
 
+absl::StatusOr<int64_t> Client::PushPages(const v1::PushPagesRequest& req) {
+  auto r = KVCD_CALL(v1::PushPagesResponse, PushPages, req);
+  if (!r.ok()) return r.status();
+  return r->inserted_tokens();
+}
+
 absl::StatusOr<v1::StatsResponse> Client::Stats() {
   return KVCD_CALL(v1::StatsResponse, Stats, v1::StatsRequest());
 }

@@ -78,6 +78,9 @@ class Client {
   absl::StatusOr<v1::AttentionDecodeResponse> AttentionDecode(
       const v1::AttentionDecodeRequest& req);
   absl::StatusOr<v1::FetchPagesResponse> FetchPages(const v1::FetchPagesRequest& req);
+  // Stores pages as another daemon's FetchPages returned them (inline bytes; INT2 stays
+  // INT2). Returns the number of tokens newly inserted into the radix tree.
+  absl::StatusOr<int64_t> PushPages(const v1::PushPagesRequest& req);
   absl::StatusOr<v1::StatsResponse> Stats();
   // grpc.health.v1 Check of the whole server ("" service): SERVING, NOT_SERVING, ...
   absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Health();

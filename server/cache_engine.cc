@@ -494,7 +494,8 @@ absl::Status CacheEngine::PushPages(const v1::PushPagesRequest& req, v1::PushPag
   const int64_t n_pages = req.inline_pages_size();
   const int64_t first = req.first_page();
   if (n_pages < 1) return absl::InvalidArgumentError("inline_pages is empty, expected >= 1 page");
-  const auto end_tokens = CheckedMul(first + n_pages, ps);
+  const auto end_pages = CheckedAdd(first, n_pages);
+  const auto end_tokens = end_pages ? CheckedMul(*end_pages, ps) : std::nullopt;
   if (first < 0 || !end_tokens || *end_tokens > req.tokens_size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("first_page ", first, " + ", n_pages, " pages of ", ps, " tokens need ",

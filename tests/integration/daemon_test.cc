@@ -308,5 +308,84 @@ TEST_F(DaemonTest, RegisterInt2ModelWithACodecFile) {
   EXPECT_EQ(stored->pages(1).format(), "int2-oscar");
 }
 
+// A decode node's daemon pulls a prefix from another tenant's pages as stored
+// (FetchPages -> PushPages through the real client): INT2 pages stay INT2, attention over
+// the pushed copy is bit-identical, and rejected pushes store nothing.
+TEST_F(DaemonTest, FetchedPagesPushIntoAnotherTenant) {
+  v1::ModelProfile int2 = profile_;
+  int2.set_name("tiny-int2");
+  int2.set_history_format(v1::HISTORY_FORMAT_INT2_OSCAR);
+  int2.set_memory_bytes(1 << 20);
+  int2.set_bf16_fraction(0.5);
+  ASSERT_TRUE(client_->RegisterModel(int2).ok());  // no codec file: Hadamard
+  for (const std::string model : {"tiny", "tiny-int2"}) {
+    SCOPED_TRACE(model);
+    ASSERT_TRUE(client_->Put(MakePut(model, 31, 32, "alice")).ok());
+    const auto tokens = synthetic::Tokens(31, 0, 32);
+    auto src = client_->OpenSequence(model, "alice", tokens, 60000);
+    ASSERT_TRUE(src.ok()) << src.status();
+    ASSERT_EQ(src->matched_tokens(), 32);
+    v1::FetchPagesRequest f;
+    f.set_sequence_id(src->sequence_id());
+    auto fetched = client_->FetchPages(f);
+    ASSERT_TRUE(fetched.ok()) << fetched.status();
+    ASSERT_EQ(fetched->pages_size(), 8);
+    EXPECT_EQ(fetched->pages(1).format(), model == "tiny" ? "bf16" : "int2-oscar");
+
+    v1::PushPagesRequest push;
+    push.set_model(model);
+    push.set_cache_salt("bob");
+    push.mutable_tokens()->Add(tokens.begin(), tokens.end());
+    push.mutable_inline_pages()->CopyFrom(fetched->pages());
+
+    // Rejected pushes: a truncated page, pages beyond the tokens, a gap before first_page.
+    auto truncated = push;
+    truncated.mutable_inline_pages(3)->mutable_data()->pop_back();
+    auto r = client_->PushPages(truncated);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+    auto beyond = push;
+    beyond.set_first_page(1);
+    r = client_->PushPages(beyond);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+    EXPECT_NE(r.status().message().find("tokens has 32"), std::string::npos) << r.status();
+    auto gap = push;
+    gap.mutable_inline_pages()->DeleteSubrange(0, 2);
+    gap.set_first_page(2);
+    r = client_->PushPages(gap);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+    EXPECT_EQ(client_->Match(model, "bob", tokens)->matched_tokens(), 0);
+
+    auto inserted = client_->PushPages(push);
+    ASSERT_TRUE(inserted.ok()) << inserted.status();
+    EXPECT_EQ(*inserted, 32);
+    EXPECT_EQ(client_->Match(model, "bob", tokens)->matched_tokens(), 32);
+    auto dst = client_->OpenSequence(model, "bob", tokens, 60000);
+    ASSERT_TRUE(dst.ok()) << dst.status();
+    f.set_sequence_id(dst->sequence_id());
+    auto again = client_->FetchPages(f);
+    ASSERT_TRUE(again.ok());
+    ASSERT_EQ(again->pages_size(), 8);
+    for (int p = 0; p < 8; ++p) {
+      EXPECT_EQ(again->pages(p).format(), fetched->pages(p).format());
+      EXPECT_EQ(again->pages(p).data(), fetched->pages(p).data()) << "page " << p;
+    }
+    for (int32_t layer = 0; layer < profile_.num_layers(); ++layer) {
+      v1::AttentionDecodeRequest a;
+      a.set_layer(layer);
+      a.add_sequence_ids(src->sequence_id());
+      SetF32Tensor(a.mutable_q(), {1, profile_.num_q_heads(), profile_.head_dim()},
+                   synthetic::Row(31, profile_, layer, 32, 2).data());
+      auto from_src = client_->AttentionDecode(a);
+      a.set_sequence_ids(0, dst->sequence_id());
+      auto from_dst = client_->AttentionDecode(a);
+      ASSERT_TRUE(from_src.ok() && from_dst.ok());
+      EXPECT_EQ(from_src->o().inline_data(), from_dst->o().inline_data());
+      EXPECT_EQ(from_src->lse().inline_data(), from_dst->lse().inline_data());
+    }
+    ASSERT_TRUE(client_->CloseSequence(src->sequence_id()).ok());
+    ASSERT_TRUE(client_->CloseSequence(dst->sequence_id()).ok());
+  }
+}
+
 }  // namespace
 }  // namespace kvcd
