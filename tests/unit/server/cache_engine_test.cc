@@ -566,6 +566,12 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
        }},
       {"push pages: more pages than tokens", absl::StatusCode::kInvalidArgument,
        [&] { return push(1, 0, "bf16", std::string(1024, '\0')); }},
+      {"push pages: first_page overflows", absl::StatusCode::kInvalidArgument,
+       [&] {
+         return push(4, std::numeric_limits<int64_t>::max(), "bf16", std::string(1024, '\0'));
+       }},
+      {"push pages: negative first_page", absl::StatusCode::kInvalidArgument,
+       [&] { return push(4, -1, "bf16", std::string(1024, '\0')); }},
       {"push pages: prefix not cached", absl::StatusCode::kFailedPrecondition,
        [&] { return push(8, 1, "bf16", std::string(1024, '\0')); }},
   };
