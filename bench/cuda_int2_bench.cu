@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "common/rotation.h"
 #include "kvcd/kernels/cuda_decode_attention.h"
 #include "kvcd/kernels/cuda_demote.h"
 #include "kvcd/kernels/fp16.h"
@@ -33,23 +34,6 @@ namespace kk = kvcd::kernels;
   } while (0)
 
 namespace {
-
-std::vector<float> Hadamard(int d) {
-  std::vector<float> h(1, 1.0f);
-  for (int n = 1; n < d; n *= 2) {
-    std::vector<float> next(4 * n * n);
-    for (int i = 0; i < n; ++i)
-      for (int j = 0; j < n; ++j) {
-        const float v = h[i * n + j] / std::sqrt(2.0f);
-        next[i * 2 * n + j] = v;
-        next[i * 2 * n + j + n] = v;
-        next[(i + n) * 2 * n + j] = v;
-        next[(i + n) * 2 * n + j + n] = -v;
-      }
-    h.swap(next);
-  }
-  return h;
-}
 
 template <class T>
 T* Upload(const std::vector<T>& v) {
@@ -91,7 +75,7 @@ double CheckCase(int hq, int hkv, int d, int ps, const std::vector<int>& lengths
   }
   std::vector<float> q(batch * hq * d);
   for (auto& x : q) x = normal(rng);
-  const std::vector<float> rk = Hadamard(d);
+  const std::vector<float> rk = kvcd::HadamardMatrix(d);
   std::vector<float> rvt(d * d);  // a different rotation for V: a permuted Hadamard
   for (int i = 0; i < d; ++i)
     for (int j = 0; j < d; ++j) rvt[i * d + j] = rk[i * d + (j * 5 + 3) % d];
@@ -253,7 +237,7 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&codes, n * d / 4));
     CHECK(cudaMalloc(&params, n * 4));
     CHECK(cudaMemset(rows, 0x3f, n * d * 2));  // 0x3f3f: 0.746 in BF16, all rows alike
-    const std::vector<float> h = Hadamard(d);
+    const std::vector<float> h = kvcd::HadamardMatrix(d);
     float* rot = Upload(h);
     const kk::Int2RowRef out = kk::Int2RowRef::RowMajor(codes, d / 4, params, params + 1, 2);
     cudaEvent_t a, b;
@@ -343,7 +327,7 @@ int main(int argc, char** argv) {
         p.head_dim = d;
         p.page_size = ps;
         p.q = Upload(q);
-        const std::vector<float> h = Hadamard(d);
+        const std::vector<float> h = kvcd::HadamardMatrix(d);
         p.r_k = Upload(h);
         p.r_v_t = Upload(h);
         p.softmax_scale = 1.0f / std::sqrt(static_cast<float>(d));

@@ -122,13 +122,7 @@ void AttendInt2Vnni(const Int2PageTable& kv, int kv_head, const float* q, float 
         vmx = _mm512_mask_max_ps(vmx, mk, vmx, _mm512_maskz_loadu_ps(mk, sp[i] + j));
       }
       const float mx = _mm512_reduce_max_ps(vmx);
-      if (mx != m[i]) {
-        const float alpha = m[i] == kEmptyLse ? 0.0f : std::exp(m[i] - mx);
-        l[i] *= alpha;
-        lacc[i] *= alpha;
-        Avx512Ops::Scale(alpha, o + i * d, d);
-        m[i] = mx;
-      }
+      RaiseInt2Max<Avx512Ops>(mx, d, m[i], l[i], lacc[i], o + i * d);
       l[i] += Avx512Ops::ExpSub(sp[i], n, mx);
     }
     // --- values: weights w = p * scale_v in two digits per 4-token quad ---

@@ -12,6 +12,18 @@
 
 namespace kvcd::kernels::internal {
 
+// Online softmax: when a block raises a head's running max from m to mx, the sums and the
+// accumulated output so far are rescaled by exp(m - mx) (0 for the empty state).
+template <class Ops>
+inline void RaiseInt2Max(float mx, int d, float& m, float& l, float& lacc, float* o) {
+  if (mx == m) return;
+  const float alpha = m == kEmptyLse ? 0.0f : std::exp(m - mx);
+  l *= alpha;
+  lacc *= alpha;
+  Ops::Scale(alpha, o, d);
+  m = mx;
+}
+
 // Turns the running (o, m, l, lacc) of `group` query heads into final states: o holds
 // sum_j p_j (scale_j * codes_j) and lacc sum_j p_j * min_j (the value minimum folded out
 // of the inner loop), so o = (o + lacc) / l and lse = m + log l; no keys -> empty state.
@@ -73,13 +85,7 @@ void AttendInt2PagesImpl(const Int2PageTable& kv, int kv_head, const float* q, i
     for (int i = 0; i < group; ++i) {
       float mx = m[i];
       for (int j = 0; j < n; ++j) mx = std::max(mx, s[i][j]);
-      if (mx != m[i]) {
-        const float alpha = m[i] == kEmptyLse ? 0.0f : std::exp(m[i] - mx);
-        l[i] *= alpha;
-        lacc[i] *= alpha;
-        Ops::Scale(alpha, o + i * d, d);
-        m[i] = mx;
-      }
+      RaiseInt2Max<Ops>(mx, d, m[i], l[i], lacc[i], o + i * d);
       l[i] += Ops::ExpSub(s[i], n, mx);
     }
     // Values: o += Σ (p_t scale_t) c_t, lacc += Σ p_t lo_t.
