@@ -41,11 +41,6 @@ const char* DTypeName(v1::DType dtype) {
 absl::Status CheckTensorRef(const v1::TensorRef& t, absl::string_view field,
                             absl::Span<const int64_t> expected_shape,
                             std::initializer_list<v1::DType> allowed) {
-  if (t.payload_case() == v1::TensorRef::kCudaIpc || t.payload_case() == v1::TensorRef::kNccl) {
-    return absl::UnimplementedError(absl::StrCat(
-        field,
-        ": CUDA-IPC and NCCL payloads are not served by this daemon build; send inline_data"));
-  }
   bool dtype_ok = false;
   std::vector<std::string> names;
   for (v1::DType d : allowed) {
@@ -74,8 +69,20 @@ absl::Status CheckTensorRef(const v1::TensorRef& t, absl::string_view field,
     if (!next) return absl::InvalidArgumentError(absl::StrCat(field, ".shape overflows int64"));
     bytes = *next;
   }
+  if (t.payload_case() == v1::TensorRef::kCudaIpc || t.payload_case() == v1::TensorRef::kNccl) {
+    const uint64_t size = t.payload_case() == v1::TensorRef::kCudaIpc ? t.cuda_ipc().size()
+                                                                      : t.nccl().size();
+    if (size != static_cast<uint64_t>(bytes)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, t.payload_case() == v1::TensorRef::kCudaIpc ? ".cuda_ipc" : ".nccl",
+                       ".size is ", size, ", expected ", bytes, " for shape ", want_str, " ",
+                       DTypeName(t.dtype())));
+    }
+    return absl::OkStatus();
+  }
   if (t.payload_case() != v1::TensorRef::kInlineData) {
-    return absl::InvalidArgumentError(absl::StrCat(field, " has no payload; set inline_data"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " has no payload; set inline_data (or cuda_ipc / nccl where served)"));
   }
   if (static_cast<int64_t>(t.inline_data().size()) != bytes) {
     return absl::InvalidArgumentError(
@@ -165,6 +172,21 @@ void SetBf16FromFloat(v1::TensorRef* t, std::vector<int64_t> shape, const float*
     const uint16_t b = kernels::FloatToBf16(data[i]);
     std::memcpy(bytes->data() + 2 * i, &b, 2);
   }
+}
+
+int64_t TensorBytes(v1::DType dtype, const std::vector<int64_t>& shape) {
+  return DTypeSize(dtype) * Product(shape);
+}
+
+void SetIpcTensor(v1::TensorRef* t, v1::DType dtype, std::vector<int64_t> shape,
+                  uint64_t buffer_id, uint64_t offset) {
+  t->Clear();
+  t->set_dtype(dtype);
+  const int64_t bytes = TensorBytes(dtype, shape);
+  for (int64_t d : shape) t->add_shape(d);
+  t->mutable_cuda_ipc()->set_buffer_id(buffer_id);
+  t->mutable_cuda_ipc()->set_offset(offset);
+  t->mutable_cuda_ipc()->set_size(static_cast<uint64_t>(bytes));
 }
 
 }  // namespace kvcd

@@ -17,13 +17,19 @@ namespace kvcd {
 int DTypeSize(v1::DType dtype);
 const char* DTypeName(v1::DType dtype);
 
-// Checks that `t` carries inline data of one of `allowed` dtypes with exactly
-// `expected_shape` (-1 in expected_shape accepts any non-negative extent) and a payload
-// of product(shape) * dtype size bytes. Returns INVALID_ARGUMENT naming `field`, or
-// UNIMPLEMENTED for CUDA-IPC / NCCL payloads (not served by this build).
+// Checks that `t` has one of `allowed` dtypes, exactly `expected_shape` (-1 in
+// expected_shape accepts any non-negative extent) and a payload of product(shape) * dtype
+// size bytes (inline data, or a cuda_ipc region / nccl slot of that size; whether such a
+// payload is served is the caller's decision). Returns INVALID_ARGUMENT naming `field`.
 absl::Status CheckTensorRef(const v1::TensorRef& t, absl::string_view field,
                             absl::Span<const int64_t> expected_shape,
                             std::initializer_list<v1::DType> allowed);
+
+// A cuda_ipc region of `buffer_id` at `offset` for a tensor of dtype / shape.
+void SetIpcTensor(v1::TensorRef* t, v1::DType dtype, std::vector<int64_t> shape,
+                  uint64_t buffer_id, uint64_t offset);
+// Bytes of a tensor of dtype / shape.
+int64_t TensorBytes(v1::DType dtype, const std::vector<int64_t>& shape);
 
 // Element count of a checked tensor.
 int64_t NumElements(const v1::TensorRef& t);

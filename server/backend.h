@@ -45,6 +45,24 @@ struct AttentionBatch {
   const float* r_k = nullptr;
   const float* r_v_t = nullptr;  // R_v^T
   std::vector<AttentionJob> jobs;
+  // Device data plane (CUDA IPC): when set, the queries are read from device memory
+  // ([B][num_q_heads][head_dim], BF16 or F32) instead of jobs[i].q, and the results are
+  // written to device memory ([B][num_q_heads][head_dim] and [B][num_q_heads] F32)
+  // instead of jobs[i].o / lse, without waiting for the device.
+  const void* device_q = nullptr;
+  bool device_q_bf16 = false;
+  float* device_o = nullptr;
+  float* device_lse = nullptr;
+};
+
+// One span of a batched device copy (Backend::CopySpans).
+struct DeviceSpan {
+  enum Check : uint32_t { kNone = 0, kBf16Finite = 1, kFp16ScaleMin = 2 };
+  const void* src = nullptr;
+  void* dst = nullptr;  // null: check only
+  uint64_t bytes = 0;
+  uint32_t check = kNone;
+  uint32_t check_block = 0;  // kFp16ScaleMin: values per scale / minimum block
 };
 
 class Backend {
@@ -85,6 +103,28 @@ class Backend {
   virtual absl::Status DemotePage(const DemoteJob& job) {
     return absl::UnimplementedError("this backend demotes on the host");
   }
+
+  // Device data plane (CUDA IPC and NCCL). The CPU backend answers FAILED_PRECONDITION.
+  // All device work of the daemon is ordered on one stream: a copy or kernel queued after
+  // another runs after it.
+  virtual absl::Status DataPlaneAvailable() const;
+  virtual absl::StatusOr<void*> OpenIpcBuffer(const std::string& handle);
+  virtual void CloseIpcBuffer(void* ptr);
+  virtual absl::StatusOr<void*> OpenIpcEvent(const std::string& handle);
+  // An interprocess event of the daemon; *handle receives its IPC handle.
+  virtual absl::StatusOr<void*> CreateIpcEvent(std::string* handle);
+  virtual void DestroyEvent(void* event);
+  // Later device work waits for `event`; `event` completes after the work queued so far.
+  virtual absl::Status WaitEvent(void* event);
+  virtual absl::Status RecordEvent(void* event);
+  // Synchronous copies between host memory and device memory (IPC mappings included).
+  virtual absl::Status CopyDeviceToHost(void* host, const void* device, size_t bytes);
+  virtual absl::Status CopyHostToDevice(void* device, const void* host, size_t bytes);
+  // Copies (and checks) the spans in one launch, asynchronously; with `bad_values` set,
+  // waits and stores the number of values that failed their span's check.
+  virtual absl::Status CopySpans(const std::vector<DeviceSpan>& spans, uint64_t* bad_values);
+  // Waits for all queued device work.
+  virtual absl::Status Synchronize();
 };
 
 // The CPU backend; `compute_threads` = 0 uses every CPU.

@@ -2,12 +2,15 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <unordered_set>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/checked_math.h"
 #include "common/status_macros.h"
 #include "common/tensor_ref.h"
+#include "kvcd/kernels/bf16.h"
 
 namespace kvcd {
 namespace {
@@ -64,11 +67,12 @@ absl::Status CheckKv(const ModelSpec& s, const v1::TensorRef& k, const v1::Tenso
   return absl::OkStatus();
 }
 
-KvRows RowsOf(const v1::TensorRef& t, int64_t n, const ModelSpec& s, int64_t elem_offset = 0) {
+// `bytes`: the tensor's elements in host memory (CacheEngine::HostBytes).
+KvRows RowsOf(const v1::TensorRef& t, const char* bytes, int64_t n, const ModelSpec& s,
+              int64_t elem_offset = 0) {
   KvRows r;
   r.is_bf16 = t.dtype() == v1::DTYPE_BF16;
-  const char* base = t.inline_data().data() + elem_offset * (r.is_bf16 ? 2 : 4);
-  r.data = base;
+  r.data = bytes + elem_offset * (r.is_bf16 ? 2 : 4);
   r.token_stride = int64_t{s.num_kv_heads} * s.head_dim;
   r.layer_stride = n * r.token_stride;
   return r;
@@ -118,7 +122,47 @@ void ProfileFromSpec(const ModelSpec& s, v1::ModelProfile* p) {
 }
 
 CacheEngine::CacheEngine(const ServerConfig& config, std::unique_ptr<Backend> backend)
-    : config_(config), backend_(std::move(backend)) {}
+    : config_(config),
+      backend_(std::move(backend)),
+      buffers_(backend_.get()),
+      nccl_(backend_.get()) {}
+
+absl::Status CacheEngine::CheckPayload(const v1::TensorRef& t, absl::string_view field,
+                                       int kinds) const {
+  const char* name = "inline_data";
+  int kind = kInline;
+  if (t.payload_case() == v1::TensorRef::kCudaIpc) {
+    name = "cuda_ipc";
+    kind = kIpc;
+  } else if (t.payload_case() == v1::TensorRef::kNccl) {
+    name = "nccl";
+    kind = kNccl;
+  }
+  if ((kinds & kind) == 0) {
+    std::vector<std::string> want;
+    if (kinds & kInline) want.push_back("inline_data");
+    if (kinds & kIpc) want.push_back("cuda_ipc");
+    if (kinds & kNccl) want.push_back("nccl");
+    return absl::InvalidArgumentError(absl::StrCat(field, " carries ", name,
+                                                   ", which this field does not accept; expected ",
+                                                   absl::StrJoin(want, " or ")));
+  }
+  if (kind != kInline) {
+    absl::Status s = backend_->DataPlaneAvailable();
+    if (!s.ok()) return absl::Status(s.code(), absl::StrCat(field, ": ", s.message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<const char*> CacheEngine::HostBytes(const v1::TensorRef& t, absl::string_view field,
+                                                   std::string* staging) {
+  if (t.payload_case() != v1::TensorRef::kCudaIpc) return t.inline_data().data();
+  KVCD_ASSIGN_OR_RETURN(BufferRegistry::Region r, buffers_.Resolve(t.cuda_ipc(), field));
+  KVCD_RETURN_IF_ERROR(buffers_.WaitReady(r));
+  staging->resize(r.size);
+  KVCD_RETURN_IF_ERROR(backend_->CopyDeviceToHost(staging->data(), r.ptr, r.size));
+  return static_cast<const char*>(staging->data());
+}
 
 CacheEngine::~CacheEngine() {
   std::lock_guard<std::mutex> lock(mu_);
@@ -233,9 +277,14 @@ absl::Status CacheEngine::Put(const v1::PutRequest& req, v1::PutResponse* resp) 
                      m->spec().page_size, ") in 0..", n, " (the number of tokens)"));
   }
   KVCD_RETURN_IF_ERROR(CheckKv(m->spec(), req.k(), req.v(), n - first));
+  KVCD_RETURN_IF_ERROR(CheckPayload(req.k(), "k", kInline | kIpc));
+  KVCD_RETURN_IF_ERROR(CheckPayload(req.v(), "v", kInline | kIpc));
+  std::string k_staging, v_staging;
+  KVCD_ASSIGN_OR_RETURN(const char* k_bytes, HostBytes(req.k(), "k", &k_staging));
+  KVCD_ASSIGN_OR_RETURN(const char* v_bytes, HostBytes(req.v(), "v", &v_staging));
   KVCD_ASSIGN_OR_RETURN(PutResult r, m->Put(req.cache_salt(), req.tokens(), first,
-                                            RowsOf(req.k(), n - first, m->spec()),
-                                            RowsOf(req.v(), n - first, m->spec())));
+                                            RowsOf(req.k(), k_bytes, n - first, m->spec()),
+                                            RowsOf(req.v(), v_bytes, n - first, m->spec())));
   resp->set_cached_tokens(r.cached_tokens);
   resp->set_inserted_tokens(r.inserted_tokens);
   resp->set_ignored_tokens(r.ignored_tokens);
@@ -315,10 +364,15 @@ absl::Status CacheEngine::Append(const v1::AppendRequest& req, v1::AppendRespons
   KVCD_RETURN_IF_ERROR(CheckTokens(req.tokens(), "tokens", false));
   const int64_t n = req.tokens_size();
   KVCD_RETURN_IF_ERROR(CheckKv(s, req.k(), req.v(), n));
+  KVCD_RETURN_IF_ERROR(CheckPayload(req.k(), "k", kInline | kIpc));
+  KVCD_RETURN_IF_ERROR(CheckPayload(req.v(), "v", kInline | kIpc));
+  std::string k_staging, v_staging;
+  KVCD_ASSIGN_OR_RETURN(const char* k_bytes, HostBytes(req.k(), "k", &k_staging));
+  KVCD_ASSIGN_OR_RETURN(const char* v_bytes, HostBytes(req.v(), "v", &v_staging));
   Touch(seq.get());
-  KVCD_ASSIGN_OR_RETURN(
-      int64_t len,
-      seq->model->Append(seq.get(), req.tokens(), RowsOf(req.k(), n, s), RowsOf(req.v(), n, s)));
+  KVCD_ASSIGN_OR_RETURN(int64_t len, seq->model->Append(seq.get(), req.tokens(),
+                                                        RowsOf(req.k(), k_bytes, n, s),
+                                                        RowsOf(req.v(), v_bytes, n, s)));
   resp->set_length(len);
   return absl::OkStatus();
 }
@@ -357,6 +411,16 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
   }
   KVCD_RETURN_IF_ERROR(CheckTensorRef(req.q(), "q", {batch, s.num_q_heads, s.head_dim},
                                       {v1::DTYPE_BF16, v1::DTYPE_F32}));
+  KVCD_RETURN_IF_ERROR(CheckPayload(req.q(), "q", kInline | kIpc));
+  const bool device_out = req.has_o_out() || req.has_lse_out();
+  if (device_out) {
+    KVCD_RETURN_IF_ERROR(CheckTensorRef(req.o_out(), "o_out", {batch, s.num_q_heads, s.head_dim},
+                                        {v1::DTYPE_F32}));
+    KVCD_RETURN_IF_ERROR(
+        CheckTensorRef(req.lse_out(), "lse_out", {batch, s.num_q_heads}, {v1::DTYPE_F32}));
+    KVCD_RETURN_IF_ERROR(CheckPayload(req.o_out(), "o_out", kIpc));
+    KVCD_RETURN_IF_ERROR(CheckPayload(req.lse_out(), "lse_out", kIpc));
+  }
   if (!std::isfinite(req.softmax_scale()) || req.softmax_scale() < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("softmax_scale is ", req.softmax_scale(),
@@ -364,45 +428,94 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
   }
   const bool fused = req.has_k_new() || req.has_v_new();
   std::vector<ModelCache::NewToken> new_tokens;
+  std::string k_new_staging, v_new_staging;
+  const char* k_new_bytes = nullptr;
+  const char* v_new_bytes = nullptr;
   if (fused) {
     const std::vector<int64_t> shape = {batch, s.num_kv_heads, s.head_dim};
     KVCD_RETURN_IF_ERROR(
         CheckTensorRef(req.k_new(), "k_new", shape, {v1::DTYPE_BF16, v1::DTYPE_F32}));
     KVCD_RETURN_IF_ERROR(
         CheckTensorRef(req.v_new(), "v_new", shape, {v1::DTYPE_BF16, v1::DTYPE_F32}));
+    KVCD_RETURN_IF_ERROR(CheckPayload(req.k_new(), "k_new", kInline | kIpc));
+    KVCD_RETURN_IF_ERROR(CheckPayload(req.v_new(), "v_new", kInline | kIpc));
     if (req.new_tokens_size() != batch) {
       return absl::InvalidArgumentError(absl::StrCat("new_tokens has ", req.new_tokens_size(),
                                                      " entries, expected one per sequence (", batch,
                                                      ")"));
     }
     KVCD_RETURN_IF_ERROR(CheckTokens(req.new_tokens(), "new_tokens", false));
+    KVCD_ASSIGN_OR_RETURN(k_new_bytes, HostBytes(req.k_new(), "k_new", &k_new_staging));
+    KVCD_ASSIGN_OR_RETURN(v_new_bytes, HostBytes(req.v_new(), "v_new", &v_new_staging));
     const int64_t row = int64_t{s.num_kv_heads} * s.head_dim;
     for (int64_t b = 0; b < batch; ++b) {
       ModelCache::NewToken t;
       t.token = req.new_tokens(static_cast<int>(b));
-      t.k = RowsOf(req.k_new(), 1, s, b * row);
-      t.v = RowsOf(req.v_new(), 1, s, b * row);
+      t.k = RowsOf(req.k_new(), k_new_bytes, 1, s, b * row);
+      t.v = RowsOf(req.v_new(), v_new_bytes, 1, s, b * row);
       new_tokens.push_back(t);
     }
   } else if (req.new_tokens_size() != 0) {
     return absl::InvalidArgumentError("new_tokens is set without k_new/v_new");
   }
   const int64_t q_elems = batch * s.num_q_heads * s.head_dim;
-  std::vector<float> q(static_cast<size_t>(q_elems));
-  CopyAsFloat(req.q(), 0, q_elems, q.data());
   const float scale = req.softmax_scale() == 0 ? 1.0f / std::sqrt(static_cast<float>(s.head_dim))
                                                : req.softmax_scale();
-  v1::TensorRef* o = resp->mutable_o();
-  o->set_dtype(v1::DTYPE_F32);
-  o->add_shape(batch);
-  o->add_shape(s.num_q_heads);
-  o->add_shape(s.head_dim);
-  o->mutable_inline_data()->resize(static_cast<size_t>(q_elems) * sizeof(float));
-  v1::TensorRef* lse = resp->mutable_lse();
-  lse->set_dtype(v1::DTYPE_F32);
-  lse->add_shape(batch);
-  lse->add_shape(s.num_q_heads);
-  lse->mutable_inline_data()->resize(static_cast<size_t>(batch * s.num_q_heads) * sizeof(float));
+  // Queries and results: host (inline) or the worker's device buffers (cuda_ipc).
+  ModelCache::DeviceIo device;
+  BufferRegistry::Region q_region, o_region, lse_region;
+  std::vector<float> q;
+  const bool device_q = req.q().payload_case() == v1::TensorRef::kCudaIpc;
+  if (device_q || device_out) {
+    KVCD_RETURN_IF_ERROR(backend_->DataPlaneAvailable());
+  }
+  if (device_q) {
+    KVCD_ASSIGN_OR_RETURN(q_region, buffers_.Resolve(req.q().cuda_ipc(), "q"));
+    KVCD_RETURN_IF_ERROR(buffers_.WaitReady(q_region));
+  }
+  if (!device_q || !device_out) {
+    std::string q_staging;
+    KVCD_ASSIGN_OR_RETURN(const char* q_bytes, HostBytes(req.q(), "q", &q_staging));
+    q.resize(static_cast<size_t>(q_elems));
+    if (req.q().dtype() == v1::DTYPE_F32) {
+      std::memcpy(q.data(), q_bytes, q.size() * sizeof(float));
+    } else {
+      for (int64_t i = 0; i < q_elems; ++i) {
+        uint16_t h;
+        std::memcpy(&h, q_bytes + 2 * i, 2);
+        q[static_cast<size_t>(i)] = kernels::Bf16ToFloat(h);
+      }
+    }
+  }
+  if (device_out) {
+    KVCD_ASSIGN_OR_RETURN(o_region, buffers_.Resolve(req.o_out().cuda_ipc(), "o_out"));
+    KVCD_ASSIGN_OR_RETURN(lse_region, buffers_.Resolve(req.lse_out().cuda_ipc(), "lse_out"));
+    if (device_q) {
+      device.q = q_region.ptr;
+      device.q_bf16 = req.q().dtype() == v1::DTYPE_BF16;
+    } else {  // host queries, device results: the queries go up first
+      auto* staged = reinterpret_cast<float*>(o_region.ptr);
+      KVCD_RETURN_IF_ERROR(backend_->CopyHostToDevice(staged, q.data(), q.size() * sizeof(float)));
+      device.q = staged;  // o_out has the queries' shape; the merge overwrites it last
+      device.q_bf16 = false;
+    }
+    device.o = reinterpret_cast<float*>(o_region.ptr);
+    device.lse = reinterpret_cast<float*>(lse_region.ptr);
+    *resp->mutable_o() = req.o_out();
+    *resp->mutable_lse() = req.lse_out();
+  } else {
+    v1::TensorRef* o = resp->mutable_o();
+    o->set_dtype(v1::DTYPE_F32);
+    o->add_shape(batch);
+    o->add_shape(s.num_q_heads);
+    o->add_shape(s.head_dim);
+    o->mutable_inline_data()->resize(static_cast<size_t>(q_elems) * sizeof(float));
+    v1::TensorRef* lse = resp->mutable_lse();
+    lse->set_dtype(v1::DTYPE_F32);
+    lse->add_shape(batch);
+    lse->add_shape(s.num_q_heads);
+    lse->mutable_inline_data()->resize(static_cast<size_t>(batch * s.num_q_heads) * sizeof(float));
+  }
   std::vector<Sequence*> raw;
   for (auto& sq : seqs) {
     raw.push_back(sq.get());
@@ -410,10 +523,17 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
   }
   std::vector<int64_t> lengths;
   const auto t0 = std::chrono::steady_clock::now();
-  KVCD_RETURN_IF_ERROR(m->Attend(req.layer(), raw, q.data(), scale, new_tokens,
-                                 reinterpret_cast<float*>(o->mutable_inline_data()->data()),
-                                 reinterpret_cast<float*>(lse->mutable_inline_data()->data()),
-                                 &lengths));
+  if (device_out) {
+    KVCD_RETURN_IF_ERROR(m->Attend(req.layer(), raw, nullptr, scale, new_tokens, nullptr, nullptr,
+                                   &lengths, &device));
+    KVCD_RETURN_IF_ERROR(buffers_.MarkWritten(o_region));
+    if (lse_region.buffer != o_region.buffer) KVCD_RETURN_IF_ERROR(buffers_.MarkWritten(lse_region));
+  } else {
+    KVCD_RETURN_IF_ERROR(m->Attend(
+        req.layer(), raw, q.data(), scale, new_tokens,
+        reinterpret_cast<float*>(resp->mutable_o()->mutable_inline_data()->data()),
+        reinterpret_cast<float*>(resp->mutable_lse()->mutable_inline_data()->data()), &lengths));
+  }
   resp->set_kernel_seconds(
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   for (int64_t l : lengths) resp->add_lengths(l);
@@ -443,6 +563,47 @@ absl::Status CacheEngine::FetchPages(const v1::FetchPagesRequest& req,
   const int64_t limit = config_.max_message_bytes - (1 << 16);
   resp->set_first_token(req.first_token());
   resp->set_num_tokens(n);
+  if (req.has_destination()) {
+    if (req.expand_to_bf16()) {
+      return absl::InvalidArgumentError(
+          "destination is set with expand_to_bf16; device destinations receive pages as stored "
+          "(expand_to_bf16 = false)");
+    }
+    KVCD_RETURN_IF_ERROR(CheckPayload(req.destination(), "destination", kIpc | kNccl));
+    int64_t total = 0;
+    for (int64_t p = req.first_token() / s.page_size; p * s.page_size < req.first_token() + n; ++p)
+      total += seq->model->StoredPageBytes(p);
+    if (total == 0) {
+      return absl::InvalidArgumentError("the range holds no page; nothing to send to destination");
+    }
+    KVCD_RETURN_IF_ERROR(
+        CheckTensorRef(req.destination(), "destination", {total}, {v1::DTYPE_U8}));
+    std::vector<ModelCache::StoredPageCopy> copies;
+    if (req.destination().payload_case() == v1::TensorRef::kCudaIpc) {
+      KVCD_ASSIGN_OR_RETURN(BufferRegistry::Region r,
+                            buffers_.Resolve(req.destination().cuda_ipc(), "destination"));
+      KVCD_RETURN_IF_ERROR(buffers_.WaitReady(r));  // the worker may still read older bytes
+      KVCD_RETURN_IF_ERROR(
+          seq->model->FetchStoredToDevice(seq.get(), req.first_token(), n, r.ptr, total, &copies));
+      KVCD_RETURN_IF_ERROR(buffers_.MarkWritten(r));
+    } else {
+      KVCD_RETURN_IF_ERROR(nccl_.Send(req.destination().nccl().communicator_id(),
+                                      static_cast<uint64_t>(total), [&](uint8_t* staging) {
+                                        return seq->model->FetchStoredToDevice(
+                                            seq.get(), req.first_token(), n, staging, total,
+                                            &copies);
+                                      }));
+    }
+    for (auto& c : copies) {
+      resp->add_page_formats(c.format);
+      v1::StoredPage* sp = resp->add_pages();
+      sp->set_format(c.format);
+      sp->set_first_token(c.first_token);
+      sp->set_num_tokens(c.num_tokens);
+    }
+    *resp->mutable_k() = req.destination();
+    return absl::OkStatus();
+  }
   if (!req.expand_to_bf16()) {
     const int64_t pages = (n + s.page_size - 1) / s.page_size;
     const auto stored = CheckedMul(pages, seq->model->PageBytes(0));
@@ -486,11 +647,8 @@ absl::Status CacheEngine::PushPages(const v1::PushPagesRequest& req, v1::PushPag
   KVCD_ASSIGN_OR_RETURN(ModelCache * m, FindModel(req.model()));
   KVCD_RETURN_IF_ERROR(CheckSalt(req.cache_salt()));
   KVCD_RETURN_IF_ERROR(CheckTokens(req.tokens(), "tokens", false));
-  if (req.has_pages()) {
-    return absl::UnimplementedError(
-        "pages: NCCL transfers are not served by this build; send inline_pages");
-  }
   const int64_t ps = m->spec().page_size;
+  if (req.has_pages()) return PushDevicePages(*m, req, resp);
   const int64_t n_pages = req.inline_pages_size();
   const int64_t first = req.first_page();
   if (n_pages < 1) return absl::InvalidArgumentError("inline_pages is empty, expected >= 1 page");
@@ -506,6 +664,92 @@ absl::Status CacheEngine::PushPages(const v1::PushPagesRequest& req, v1::PushPag
   KVCD_ASSIGN_OR_RETURN(PutResult r, m->PushPages(req.cache_salt(), req.tokens(), first, pages));
   resp->set_inserted_tokens(r.inserted_tokens);
   return absl::OkStatus();
+}
+
+absl::Status CacheEngine::PushDevicePages(ModelCache& m, const v1::PushPagesRequest& req,
+                                          v1::PushPagesResponse* resp) {
+  if (req.inline_pages_size() != 0) {
+    return absl::InvalidArgumentError(
+        "both pages and inline_pages are set; send the pages one way");
+  }
+  KVCD_RETURN_IF_ERROR(CheckPayload(req.pages(), "pages", kIpc | kNccl));
+  const int64_t ps = m.spec().page_size;
+  const int64_t n_pages = req.num_pages();
+  const int64_t first = req.first_page();
+  if (n_pages < 1 || n_pages > kMaxTokensPerCall) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_pages is ", n_pages, ", expected 1..", kMaxTokensPerCall,
+                     " with pages (the count of pages in the device bytes)"));
+  }
+  const auto end_pages = CheckedAdd(first, n_pages);
+  const auto end_tokens = end_pages ? CheckedMul(*end_pages, ps) : std::nullopt;
+  if (first < 0 || !end_tokens || *end_tokens > req.tokens_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("first_page ", first, " + ", n_pages, " pages of ", ps, " tokens need ",
+                     end_tokens ? *end_tokens : -1, " tokens, but tokens has ", req.tokens_size()));
+  }
+  int64_t total = 0;
+  for (int64_t i = 0; i < n_pages; ++i) total += m.StoredPageBytes(first + i);
+  KVCD_RETURN_IF_ERROR(CheckTensorRef(req.pages(), "pages", {total}, {v1::DTYPE_U8}));
+  PutResult r;
+  auto store = [&](const uint8_t* src) -> absl::Status {
+    auto stored = m.PushDevicePages(req.cache_salt(), req.tokens(), first, n_pages, src);
+    if (!stored.ok()) return stored.status();
+    r = *stored;
+    return absl::OkStatus();
+  };
+  if (req.pages().payload_case() == v1::TensorRef::kCudaIpc) {
+    KVCD_ASSIGN_OR_RETURN(BufferRegistry::Region region,
+                          buffers_.Resolve(req.pages().cuda_ipc(), "pages"));
+    KVCD_RETURN_IF_ERROR(buffers_.WaitReady(region));
+    KVCD_RETURN_IF_ERROR(store(region.ptr));
+  } else {
+    KVCD_RETURN_IF_ERROR(
+        nccl_.Receive(req.pages().nccl().communicator_id(), static_cast<uint64_t>(total), store));
+  }
+  resp->set_inserted_tokens(r.inserted_tokens);
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::RegisterBuffer(const v1::RegisterBufferRequest& req,
+                                         v1::RegisterBufferResponse* resp) {
+  KVCD_ASSIGN_OR_RETURN(int64_t lease, GrantLease(req.lease_ms()));
+  std::string done;
+  KVCD_ASSIGN_OR_RETURN(auto buf, buffers_.Register(req, lease, config_.max_buffers, &done));
+  resp->set_buffer_id(buf->id);
+  resp->set_done_event_handle(done);
+  resp->set_lease_ms(lease);
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::UnregisterBuffer(const v1::UnregisterBufferRequest& req,
+                                           v1::UnregisterBufferResponse*) {
+  return buffers_.Unregister(req.buffer_id());
+}
+
+absl::Status CacheEngine::RenewBuffer(const v1::RenewBufferRequest& req,
+                                      v1::RenewBufferResponse* resp) {
+  KVCD_ASSIGN_OR_RETURN(auto buf, buffers_.Find(req.buffer_id()));
+  if (req.lease_ms() != 0) {
+    KVCD_ASSIGN_OR_RETURN(int64_t lease, GrantLease(req.lease_ms()));
+    buf->lease_ms.store(lease);
+  }
+  buf->deadline_ns.store(NowNs() + buf->lease_ms.load() * 1000000);
+  resp->set_lease_ms(buf->lease_ms.load());
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::NcclConnect(const v1::NcclConnectRequest& req,
+                                      v1::NcclConnectResponse* resp) {
+  KVCD_ASSIGN_OR_RETURN(NcclLinks::Connection c, nccl_.Connect(req.name(), req.timeout_ms()));
+  resp->set_communicator_id(c.id);
+  resp->set_unique_id(c.unique_id);
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::NcclDisconnect(const v1::NcclDisconnectRequest& req,
+                                         v1::NcclDisconnectResponse*) {
+  return nccl_.Disconnect(req.communicator_id());
 }
 
 absl::Status CacheEngine::Stats(const v1::StatsRequest&, v1::StatsResponse* resp) {
@@ -544,7 +788,9 @@ int CacheEngine::ExpireLeases(int64_t now_ns) {
   }
   for (auto& seq : expired) seq->model->Close(seq.get());
   counters_.expired_leases.fetch_add(expired.size());
-  return static_cast<int>(expired.size());
+  const int buffers = buffers_.ExpireLeases(now_ns);
+  counters_.expired_buffers.fetch_add(static_cast<uint64_t>(buffers));
+  return static_cast<int>(expired.size()) + buffers;
 }
 
 std::vector<CacheEngine::ModelView> CacheEngine::SnapshotModels() const {

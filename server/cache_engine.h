@@ -18,8 +18,10 @@
 #include "absl/status/status.h"
 #include "kvcd/v1/kvcache.pb.h"
 #include "server/backend.h"
+#include "server/buffer_registry.h"
 #include "server/config.h"
 #include "server/model_cache.h"
+#include "server/nccl_links.h"
 
 namespace kvcd {
 
@@ -45,9 +47,19 @@ class CacheEngine {
   absl::Status FetchPages(const v1::FetchPagesRequest& req, v1::FetchPagesResponse* resp);
   absl::Status PushPages(const v1::PushPagesRequest& req, v1::PushPagesResponse* resp);
   absl::Status Stats(const v1::StatsRequest& req, v1::StatsResponse* resp);
+  absl::Status RegisterBuffer(const v1::RegisterBufferRequest& req,
+                              v1::RegisterBufferResponse* resp);
+  absl::Status UnregisterBuffer(const v1::UnregisterBufferRequest& req,
+                                v1::UnregisterBufferResponse* resp);
+  absl::Status RenewBuffer(const v1::RenewBufferRequest& req, v1::RenewBufferResponse* resp);
+  absl::Status NcclConnect(const v1::NcclConnectRequest& req, v1::NcclConnectResponse* resp);
+  absl::Status NcclDisconnect(const v1::NcclDisconnectRequest& req,
+                              v1::NcclDisconnectResponse* resp);
+  int64_t RegisteredBuffers() const { return buffers_.size(); }
+  int64_t NcclCommunicators() const { return nccl_.size(); }
 
-  // Closes every sequence whose lease ran out before now_ns (steady clock); returns
-  // how many. Called periodically by the daemon.
+  // Closes every sequence and drops every registered buffer whose lease ran out before
+  // now_ns (steady clock); returns how many. Called periodically by the daemon.
   int ExpireLeases(int64_t now_ns);
 
   const CacheCounters& counters() const { return counters_; }
@@ -69,9 +81,22 @@ class CacheEngine {
   absl::StatusOr<int64_t> GrantLease(int64_t requested_ms) const;
   void Touch(Sequence* seq) const;
   void FillModelInfo(const ModelCache& m, v1::ModelInfo* info) const;
+  // Payload kinds a TensorRef field accepts.
+  enum PayloadKind { kInline = 1, kIpc = 2, kNccl = 4 };
+  // INVALID_ARGUMENT for a kind the field does not accept, FAILED_PRECONDITION for a
+  // device payload on a backend without device memory.
+  absl::Status CheckPayload(const v1::TensorRef& t, absl::string_view field, int kinds) const;
+  // The elements of a checked input tensor in host memory: its inline data, or its
+  // cuda_ipc region copied into *staging (after the buffer's ready event).
+  absl::StatusOr<const char*> HostBytes(const v1::TensorRef& t, absl::string_view field,
+                                        std::string* staging);
+  absl::Status PushDevicePages(ModelCache& m, const v1::PushPagesRequest& req,
+                               v1::PushPagesResponse* resp);
 
   const ServerConfig config_;
   std::unique_ptr<Backend> backend_;
+  BufferRegistry buffers_;  // destroyed before backend_
+  NcclLinks nccl_;
   CacheCounters counters_;
 
   mutable std::mutex mu_;

@@ -26,6 +26,7 @@ struct ServerConfig {
   int compute_threads = 0;  // attention threads (0 = number of CPUs)
   int64_t max_message_bytes = 256ll << 20;
   int max_sequences = 4096;
+  int max_buffers = 256;  // CUDA IPC buffers registered at once
   int64_t drain_timeout_ms = 10000;
   std::vector<ModelSpec> models;
 };

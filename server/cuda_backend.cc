@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvcd/kernels/cuda_decode_attention.h"
 #include "kvcd/kernels/cuda_demote.h"
+#include "kvcd/kernels/cuda_device_copy.h"
 #include "kvcd/kernels/cuda_runtime_api.h"
 #include "kvcd/kernels/int2_attention.h"
 #include "server/backend.h"
@@ -77,6 +78,82 @@ class CudaBackend final : public Backend {
   }
 
   bool Healthy() const override { return !sticky_.load(); }
+
+  absl::Status DataPlaneAvailable() const override { return absl::OkStatus(); }
+  absl::StatusOr<void*> OpenIpcBuffer(const std::string& handle) override {
+    void* p = nullptr;
+    const std::string err = kc::IpcOpenMemory(handle, &p);
+    if (!err.empty()) return absl::InvalidArgumentError(err);
+    return p;
+  }
+  void CloseIpcBuffer(void* p) override { Note(kc::IpcCloseMemory(p)); }
+  absl::StatusOr<void*> OpenIpcEvent(const std::string& handle) override {
+    void* e = nullptr;
+    const std::string err = kc::IpcOpenEvent(handle, &e);
+    if (!err.empty()) return absl::InvalidArgumentError(err);
+    return e;
+  }
+  absl::StatusOr<void*> CreateIpcEvent(std::string* handle) override {
+    void* e = nullptr;
+    RETURN_IF_CUDA(kc::IpcCreateEvent(&e, handle));
+    return e;
+  }
+  void DestroyEvent(void* e) override { Note(kc::DestroyEvent(e)); }
+  absl::Status WaitEvent(void* e) override {
+    RETURN_IF_CUDA(kc::StreamWaitEvent(e));
+    return absl::OkStatus();
+  }
+  absl::Status RecordEvent(void* e) override {
+    RETURN_IF_CUDA(kc::RecordEvent(e));
+    return absl::OkStatus();
+  }
+  absl::Status CopyDeviceToHost(void* host, const void* dev, size_t bytes) override {
+    RETURN_IF_CUDA(kc::CopyToHost(host, dev, bytes));
+    return absl::OkStatus();
+  }
+  absl::Status CopyHostToDevice(void* dev, const void* host, size_t bytes) override {
+    RETURN_IF_CUDA(kc::CopyToDevice(dev, host, bytes));
+    return absl::OkStatus();
+  }
+  absl::Status Synchronize() override {
+    RETURN_IF_CUDA(kc::Synchronize());
+    return absl::OkStatus();
+  }
+
+  // Span descriptors and the failure counter go up in one copy; the kernel walks them all.
+  absl::Status CopySpans(const std::vector<DeviceSpan>& spans, uint64_t* bad_values) override {
+    if (spans.empty()) {
+      if (bad_values != nullptr) *bad_values = 0;
+      return absl::OkStatus();
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    static_assert(sizeof(kc::CopySpan) % 8 == 0, "span layout");
+    std::vector<kc::CopySpan> host(spans.size());
+    for (size_t i = 0; i < spans.size(); ++i) {
+      host[i] = kc::CopySpan{spans[i].src, spans[i].dst, spans[i].bytes, spans[i].check,
+                             spans[i].check_block};
+    }
+    const size_t desc_bytes = sizeof(kc::CopySpan) * host.size();
+    auto scratch = span_scratch_.Reserve(desc_bytes + 256);
+    if (!scratch.ok()) return scratch.status();
+    auto* d_bad = reinterpret_cast<unsigned long long*>(static_cast<uint8_t*>(*scratch));
+    auto* d_spans = reinterpret_cast<kc::CopySpan*>(static_cast<uint8_t*>(*scratch) + 256);
+    const unsigned long long zero = 0;
+    RETURN_IF_CUDA(kc::CopyToDevice(d_bad, &zero, sizeof(zero)));
+    RETURN_IF_CUDA(kc::CopyToDevice(d_spans, host.data(), desc_bytes));
+    RETURN_IF_CUDA_ERR(
+        kc::LaunchCopySpans(d_spans, static_cast<int>(host.size()), d_bad, nullptr));
+    if (bad_values != nullptr) {
+      unsigned long long bad = 0;
+      RETURN_IF_CUDA(kc::CopyToHost(&bad, d_bad, sizeof(bad)));
+      *bad_values = bad;
+    } else {
+      // The descriptors live in reused scratch: the launch must have read them before the
+      // next call overwrites them.
+      RETURN_IF_CUDA(kc::Synchronize());
+    }
+    return absl::OkStatus();
+  }
 
   bool DemotesOnDevice() const override { return true; }
 
@@ -170,10 +247,15 @@ class CudaBackend final : public Backend {
     float* d_part_lse = reinterpret_cast<float*>(carve(part_lse_bytes));
     float* d_o = reinterpret_cast<float*>(carve(q_bytes));
     float* d_lse = reinterpret_cast<float*>(carve(sizeof(float) * rows));
-    std::vector<float> q(static_cast<size_t>(rows) * d);
-    for (int j = 0; j < batch; ++j)
-      std::copy(b.jobs[j].q, b.jobs[j].q + hq * d, q.begin() + j * hq * d);
-    RETURN_IF_CUDA(kc::CopyToDevice(d_q, q.data(), q_bytes));
+    if (b.device_q != nullptr) {
+      RETURN_IF_CUDA_ERR(kc::LaunchToFloat(b.device_q, b.device_q_bf16,
+                                           static_cast<int64_t>(rows) * d, d_q, nullptr));
+    } else {
+      std::vector<float> q(static_cast<size_t>(rows) * d);
+      for (int j = 0; j < batch; ++j)
+        std::copy(b.jobs[j].q, b.jobs[j].q + hq * d, q.begin() + j * hq * d);
+      RETURN_IF_CUDA(kc::CopyToDevice(d_q, q.data(), q_bytes));
+    }
     RETURN_IF_CUDA(kc::CopyToDevice(d_i32, host_i32.data(), i32_bytes));
     const kc::DecodeGeometry geo{batch, hq, b.num_kv_heads, d, b.page_size};
     int part_base = 0;
@@ -189,6 +271,11 @@ class CudaBackend final : public Backend {
     if (part_base == 0) {  // nothing to attend: every row is the empty state
       std::vector<float> neg(static_cast<size_t>(rows), -INFINITY);
       RETURN_IF_CUDA(kc::CopyToDevice(d_part_lse, neg.data(), sizeof(float) * rows));
+    }
+    if (b.device_o != nullptr) {  // into the worker's buffer; the caller records its event
+      RETURN_IF_CUDA_ERR(kc::LaunchMergeParts(d_part_o, d_part_lse, parts, rows, d, *d_rvt,
+                                              b.device_o, b.device_lse, nullptr));
+      return absl::OkStatus();
     }
     RETURN_IF_CUDA_ERR(
         kc::LaunchMergeParts(d_part_o, d_part_lse, parts, rows, d, *d_rvt, d_o, d_lse, nullptr));
@@ -231,6 +318,7 @@ class CudaBackend final : public Backend {
   const int sms_;
   std::mutex mu_;
   DeviceBuffer scratch_;
+  DeviceBuffer span_scratch_;
   std::unordered_map<const float*, void*> resident_;  // host rotation -> device copy
   std::atomic<bool> sticky_{false};
 };

@@ -108,6 +108,17 @@ class CacheCollector final : public prometheus::Collectable {
             c.expired_leases.load());
     counter("kvcd_attention_calls_total", "Attention-decode batches executed.",
             c.attention_calls.load());
+    counter("kvcd_expired_buffers_total",
+            "CUDA IPC buffers dropped because their lease ran out (a worker stopped renewing).",
+            c.expired_buffers.load());
+    auto buffers = Family("kvcd_registered_buffers", "Worker device buffers mapped through CUDA IPC.",
+                          MetricType::Gauge);
+    Add(&buffers, static_cast<double>(engine_->RegisteredBuffers()));
+    out.push_back(std::move(buffers));
+    auto comms = Family("kvcd_nccl_communicators", "NCCL communicators with workers.",
+                        MetricType::Gauge);
+    Add(&comms, static_cast<double>(engine_->NcclCommunicators()));
+    out.push_back(std::move(comms));
     auto active = Family("kvcd_active_sequences", "Open decode sequences.", MetricType::Gauge);
     Add(&active, static_cast<double>(engine_->ActiveSequences()));
     out.push_back(std::move(active));

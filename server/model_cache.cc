@@ -319,7 +319,8 @@ void ModelCache::DemotePages(Sequence* seq) {
 
 absl::StatusOr<PutResult> ModelCache::StorePrefix(
     const std::string& salt, absl::Span<const int32_t> tokens, int64_t full_pages,
-    int64_t required_pages, const std::function<void(int64_t, const PageRef&)>& write) {
+    int64_t required_pages, const std::function<void(int64_t, const PageRef&)>& write,
+    const std::function<absl::Status()>& check) {
   const int32_t ps = spec_.page_size;
   const int64_t n = static_cast<int64_t>(tokens.size());
   PutResult result;
@@ -357,6 +358,15 @@ absl::StatusOr<PutResult> ModelCache::StorePrefix(
   // Write outside the lock: the fresh pages are private until Insert publishes them.
   const int64_t first_new = static_cast<int64_t>(match.pages.size());
   for (int64_t i = 0; i < static_cast<int64_t>(fresh.size()); ++i) write(first_new + i, fresh[i]);
+  if (check) {
+    absl::Status s = check();
+    if (!s.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      FreeLocked(fresh);
+      tree_.Unpin(match.node);
+      return s;
+    }
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     std::vector<PageRef> all = match.pages;
@@ -470,6 +480,71 @@ absl::StatusOr<PutResult> ModelCache::PushPages(const std::string& salt,
       });
 }
 
+const std::string& ModelCache::StoredFormat(int64_t page_index) const {
+  return pools_[PoolForPage(page_index)]->format();
+}
+
+int64_t ModelCache::StoredPageBytes(int64_t page_index) const {
+  return pools_[PoolForPage(page_index)]->page_bytes();
+}
+
+absl::StatusOr<PutResult> ModelCache::PushDevicePages(const std::string& salt,
+                                                      absl::Span<const int32_t> tokens,
+                                                      int64_t first_page, int64_t num_pages,
+                                                      const uint8_t* src) {
+  const int32_t ps = spec_.page_size;
+  const int64_t end_page = first_page + num_pages;
+  std::vector<int64_t> offset(static_cast<size_t>(num_pages) + 1, 0);
+  for (int64_t i = 0; i < num_pages; ++i) {
+    offset[static_cast<size_t>(i) + 1] = offset[static_cast<size_t>(i)] + StoredPageBytes(first_page + i);
+  }
+  const kernels::Int2PageLayout layout{spec_.num_kv_heads, spec_.page_size, spec_.head_dim};
+  std::vector<DeviceSpan> spans;
+  // Every pushed page is checked (also those already cached); new pages are copied.
+  for (int64_t i = 0; i < num_pages; ++i) {
+    const PagePool& pool = *pools_[PoolForPage(first_page + i)];
+    for (int32_t l = 0; l < spec_.num_layers; ++l) {
+      const uint8_t* layer_src = src + offset[static_cast<size_t>(i)] + l * pool.layer_page_bytes();
+      DeviceSpan c;
+      if (PoolForPage(first_page + i) == 0) {
+        c.src = layer_src;
+        c.bytes = static_cast<uint64_t>(pool.layer_page_bytes());
+        c.check = DeviceSpan::kBf16Finite;
+      } else {
+        c.src = layer_src + 2 * layout.KScale(0);
+        c.bytes = 2ull * 2 * 2 * spec_.num_kv_heads * spec_.page_size;
+        c.check = DeviceSpan::kFp16ScaleMin;
+        c.check_block = static_cast<uint32_t>(spec_.page_size);
+      }
+      spans.push_back(c);
+    }
+  }
+  return StorePrefix(
+      salt, tokens.subspan(0, static_cast<size_t>(end_page * ps)), end_page, first_page,
+      [&](int64_t page_index, const PageRef& page) {
+        const PagePool& pool = *pools_[page.pool];
+        const uint8_t* page_src = src + offset[static_cast<size_t>(page_index - first_page)];
+        for (int32_t l = 0; l < spec_.num_layers; ++l) {
+          DeviceSpan c;
+          c.src = page_src + l * pool.layer_page_bytes();
+          c.dst = pool.PagePtr(l, page.page);
+          c.bytes = static_cast<uint64_t>(pool.layer_page_bytes());
+          spans.push_back(c);
+        }
+      },
+      [&]() -> absl::Status {
+        uint64_t bad = 0;
+        KVCD_RETURN_IF_ERROR(backend_->CopySpans(spans, &bad));
+        if (bad != 0) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "pages hold ", bad,
+              " non-finite BF16 values, non-finite FP16 parameters or negative scales; "
+              "nothing was stored"));
+        }
+        return absl::OkStatus();
+      });
+}
+
 int64_t ModelCache::Match(const std::string& salt, absl::Span<const int32_t> tokens) {
   std::lock_guard<std::mutex> lock(mu_);
   return tree_.Match(salt, tokens).tokens;
@@ -564,7 +639,8 @@ std::vector<AttentionSegment> ModelCache::Segments(const Sequence& seq, int64_t 
 
 absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs, const float* q,
                                 float softmax_scale, absl::Span<const NewToken> new_tokens,
-                                float* o, float* lse, std::vector<int64_t>* lengths) {
+                                float* o, float* lse, std::vector<int64_t>* lengths,
+                                const DeviceIo* device) {
   const int32_t ps = spec_.page_size;
   // Lock in id order so concurrent batches sharing sequences cannot deadlock.
   std::vector<Sequence*> order(seqs.begin(), seqs.end());
@@ -632,11 +708,19 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
     AttentionJob job;
     const int64_t len = seqs[b]->layer_len[layer];
     job.segments = Segments(*seqs[b], len);
-    job.q = q + static_cast<int64_t>(b) * q_stride;
-    job.o = o + static_cast<int64_t>(b) * q_stride;
-    job.lse = lse + static_cast<int64_t>(b) * spec_.num_q_heads;
+    if (device == nullptr) {
+      job.q = q + static_cast<int64_t>(b) * q_stride;
+      job.o = o + static_cast<int64_t>(b) * q_stride;
+      job.lse = lse + static_cast<int64_t>(b) * spec_.num_q_heads;
+    }
     batch.jobs.push_back(std::move(job));
     lengths->push_back(len);
+  }
+  if (device != nullptr) {
+    batch.device_q = device->q;
+    batch.device_q_bf16 = device->q_bf16;
+    batch.device_o = device->o;
+    batch.device_lse = device->lse;
   }
   counters_->attention_calls.fetch_add(1, std::memory_order_relaxed);
   return backend_->Attend(batch);
@@ -713,6 +797,40 @@ absl::Status ModelCache::FetchStored(Sequence* seq, int64_t first, int64_t n,
     pages->push_back(std::move(c));
   }
   return absl::OkStatus();
+}
+
+absl::Status ModelCache::FetchStoredToDevice(Sequence* seq, int64_t first, int64_t n, uint8_t* dst,
+                                             int64_t dst_bytes,
+                                             std::vector<StoredPageCopy>* pages) {
+  const int32_t ps = spec_.page_size;
+  std::lock_guard<std::mutex> seq_lock(seq->mu);
+  KVCD_RETURN_IF_ERROR(CheckReadable(*seq, first, n));
+  const int64_t len = seq->length();
+  std::vector<DeviceSpan> spans;
+  int64_t at = 0;
+  for (int64_t p = first / ps; p * ps < first + n; ++p) {
+    const PageRef& r = seq->pages[static_cast<size_t>(p)];
+    const PagePool& pool = *pools_[r.pool];
+    StoredPageCopy c;
+    c.format = pool.format();
+    c.first_token = p * ps;
+    c.num_tokens = static_cast<int32_t>(std::min<int64_t>(ps, len - p * ps));
+    if (at + pool.page_bytes() > dst_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "destination has ", dst_bytes, " bytes, too few for the pages from token ", first,
+          " (page ", p, " alone ends at byte ", at + pool.page_bytes(), ")"));
+    }
+    for (int32_t l = 0; l < spec_.num_layers; ++l) {
+      DeviceSpan sp;
+      sp.src = pool.PagePtr(l, r.page);
+      sp.dst = dst + at + l * pool.layer_page_bytes();
+      sp.bytes = static_cast<uint64_t>(pool.layer_page_bytes());
+      spans.push_back(sp);
+    }
+    at += pool.page_bytes();
+    pages->push_back(std::move(c));
+  }
+  return backend_->CopySpans(spans, nullptr);
 }
 
 int64_t ModelCache::Length(Sequence* seq) {

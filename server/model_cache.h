@@ -39,6 +39,7 @@ struct CacheCounters {
   std::atomic<uint64_t> evicted_pages{0};
   std::atomic<uint64_t> demoted_pages{0};
   std::atomic<uint64_t> expired_leases{0};
+  std::atomic<uint64_t> expired_buffers{0};  // CUDA IPC buffers dropped by lease expiry
   std::atomic<uint64_t> attention_calls{0};
 };
 
@@ -113,6 +114,18 @@ class ModelCache {
   absl::StatusOr<PutResult> PushPages(const std::string& salt, absl::Span<const int32_t> tokens,
                                       int64_t first_page, absl::Span<const StoredPageIn> pages);
 
+  // PushPages from device memory (CUDA IPC mapping or NCCL staging): `src` holds num_pages
+  // pages back to back, page i in the format stored at position first_page + i. Every
+  // page is checked on the device (finite BF16 values; finite FP16 INT2 parameters,
+  // non-negative scales) before anything is published: INVALID_ARGUMENT and nothing stored
+  // otherwise.
+  absl::StatusOr<PutResult> PushDevicePages(const std::string& salt,
+                                            absl::Span<const int32_t> tokens, int64_t first_page,
+                                            int64_t num_pages, const uint8_t* src);
+  // Format and bytes (all layers) of the page stored at position page_index of a prefix.
+  const std::string& StoredFormat(int64_t page_index) const;
+  int64_t StoredPageBytes(int64_t page_index) const;
+
   // Page-aligned longest cached prefix, in tokens (no pinning).
   int64_t Match(const std::string& salt, absl::Span<const int32_t> tokens);
 
@@ -135,9 +148,18 @@ class ModelCache {
   // Attention of one layer for a batch of distinct open sequences of this model.
   // q: [B][num_q_heads][head_dim] float; o: [B][num_q_heads][head_dim]; lse: [B][num_q_heads].
   // With new_tokens (size B), each sequence first receives its token at this layer.
+  // With `device` set (CUDA IPC), q / o / lse are unused: the queries are read from and the
+  // results written to device memory as AttentionBatch's device fields say.
+  struct DeviceIo {
+    const void* q = nullptr;
+    bool q_bf16 = false;
+    float* o = nullptr;
+    float* lse = nullptr;
+  };
   absl::Status Attend(int32_t layer, absl::Span<Sequence* const> seqs, const float* q,
                       float softmax_scale, absl::Span<const NewToken> new_tokens, float* o,
-                      float* lse, std::vector<int64_t>* lengths);
+                      float* lse, std::vector<int64_t>* lengths,
+                      const DeviceIo* device = nullptr);
 
   // BF16 K/V of tokens [first, first + n) of a sequence, [num_layers][n][kv][d] each, in
   // the original (unrotated) space; INT2 pages are expanded.
@@ -152,6 +174,11 @@ class ModelCache {
   // The pages covering tokens [first, first + n), as stored. REQUIRES: first page-aligned.
   absl::Status FetchStored(Sequence* seq, int64_t first, int64_t n,
                            std::vector<StoredPageCopy>* pages);
+
+  // The same pages copied back to back into device memory `dst` (pages[i].data stays
+  // empty); the copy is queued on the device before the sequence is unlocked.
+  absl::Status FetchStoredToDevice(Sequence* seq, int64_t first, int64_t n, uint8_t* dst,
+                                   int64_t dst_bytes, std::vector<StoredPageCopy>* pages);
 
   // Bytes of all layers of one page of `format` (0 = BF16, else history).
   int64_t PageBytes(int32_t pool) const { return pools_[pool]->page_bytes(); }
@@ -170,9 +197,11 @@ class ModelCache {
   // The common path of Put and PushPages: pins the cached prefix of the first full_pages
   // pages (at least required_pages of them must be cached), allocates the missing pages in
   // their format, lets `write(page_index, page)` fill each, then publishes them.
+  // A failing `check` (called after the writes) frees the new pages and publishes nothing.
   absl::StatusOr<PutResult> StorePrefix(const std::string& salt, absl::Span<const int32_t> tokens,
                                         int64_t full_pages, int64_t required_pages,
-                                        const std::function<void(int64_t, const PageRef&)>& write);
+                                        const std::function<void(int64_t, const PageRef&)>& write,
+                                        const std::function<absl::Status()>& check = nullptr);
   // The pool (0 = BF16, 1 = INT2) that stores page `page_index` of a prefix.
   int32_t PoolForPage(int64_t page_index) const;
   absl::Status CheckStoredPage(int64_t page_index, const std::string& format,

@@ -60,6 +60,11 @@ KVCD_UNARY(Append, AppendRequest, AppendResponse)
 KVCD_UNARY(FetchPages, FetchPagesRequest, FetchPagesResponse)
 KVCD_UNARY(PushPages, PushPagesRequest, PushPagesResponse)
 KVCD_UNARY(Stats, StatsRequest, StatsResponse)
+KVCD_UNARY(RegisterBuffer, RegisterBufferRequest, RegisterBufferResponse)
+KVCD_UNARY(UnregisterBuffer, UnregisterBufferRequest, UnregisterBufferResponse)
+KVCD_UNARY(RenewBuffer, RenewBufferRequest, RenewBufferResponse)
+KVCD_UNARY(NcclConnect, NcclConnectRequest, NcclConnectResponse)
+KVCD_UNARY(NcclDisconnect, NcclDisconnectRequest, NcclDisconnectResponse)
 #undef KVCD_UNARY
 
 absl::Status KvCacheService::Decode(const v1::AttentionDecodeRequest& req,

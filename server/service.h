@@ -53,6 +53,21 @@ class KvCacheService final : public v1::KvCache::CallbackService {
                                       v1::PushPagesResponse* resp) override;
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest* req,
                                   v1::StatsResponse* resp) override;
+  grpc::ServerUnaryReactor* RegisterBuffer(grpc::CallbackServerContext* ctx,
+                                           const v1::RegisterBufferRequest* req,
+                                           v1::RegisterBufferResponse* resp) override;
+  grpc::ServerUnaryReactor* UnregisterBuffer(grpc::CallbackServerContext* ctx,
+                                             const v1::UnregisterBufferRequest* req,
+                                             v1::UnregisterBufferResponse* resp) override;
+  grpc::ServerUnaryReactor* RenewBuffer(grpc::CallbackServerContext* ctx,
+                                        const v1::RenewBufferRequest* req,
+                                        v1::RenewBufferResponse* resp) override;
+  grpc::ServerUnaryReactor* NcclConnect(grpc::CallbackServerContext* ctx,
+                                        const v1::NcclConnectRequest* req,
+                                        v1::NcclConnectResponse* resp) override;
+  grpc::ServerUnaryReactor* NcclDisconnect(grpc::CallbackServerContext* ctx,
+                                           const v1::NcclDisconnectRequest* req,
+                                           v1::NcclDisconnectResponse* resp) override;
 
   // Runs one decode request as the stream does (also used by the unary call).
   absl::Status Decode(const v1::AttentionDecodeRequest& req, v1::AttentionDecodeResponse* resp);

@@ -1,5 +1,7 @@
 #include <cuda_runtime.h>
 
+#include <cstring>
+
 #include "kvcd/kernels/cuda_runtime_api.h"
 
 namespace kvcd::kernels::cuda {
@@ -18,6 +20,49 @@ std::string CopyToDevice(void* dst, const void* src, size_t bytes) {
 std::string CopyToHost(void* dst, const void* src, size_t bytes) {
   return Text(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
 }
+std::string CopyDeviceToDevice(void* dst, const void* src, size_t bytes) {
+  return Text(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, nullptr));
+}
+
+std::string IpcOpenMemory(const std::string& handle, void** ptr) {
+  if (handle.size() != sizeof(cudaIpcMemHandle_t)) return "IPC memory handle has the wrong size";
+  cudaIpcMemHandle_t h;
+  std::memcpy(&h, handle.data(), sizeof(h));
+  return Text(cudaIpcOpenMemHandle(ptr, h, cudaIpcMemLazyEnablePeerAccess));
+}
+std::string IpcCloseMemory(void* ptr) { return Text(cudaIpcCloseMemHandle(ptr)); }
+
+std::string IpcCreateEvent(void** event, std::string* handle) {
+  cudaEvent_t e = nullptr;
+  cudaError_t err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventInterprocess);
+  if (err != cudaSuccess) return Text(err);
+  cudaIpcEventHandle_t h;
+  err = cudaIpcGetEventHandle(&h, e);
+  if (err != cudaSuccess) {
+    cudaEventDestroy(e);
+    return Text(err);
+  }
+  handle->assign(reinterpret_cast<const char*>(&h), sizeof(h));
+  *event = e;
+  return std::string();
+}
+std::string IpcOpenEvent(const std::string& handle, void** event) {
+  if (handle.size() != sizeof(cudaIpcEventHandle_t)) return "IPC event handle has the wrong size";
+  cudaIpcEventHandle_t h;
+  std::memcpy(&h, handle.data(), sizeof(h));
+  cudaEvent_t e = nullptr;
+  const cudaError_t err = cudaIpcOpenEventHandle(&e, h);
+  if (err == cudaSuccess) *event = e;
+  return Text(err);
+}
+std::string DestroyEvent(void* event) { return Text(cudaEventDestroy(static_cast<cudaEvent_t>(event))); }
+std::string StreamWaitEvent(void* event) {
+  return Text(cudaStreamWaitEvent(nullptr, static_cast<cudaEvent_t>(event), 0));
+}
+std::string RecordEvent(void* event) {
+  return Text(cudaEventRecord(static_cast<cudaEvent_t>(event), nullptr));
+}
+
 std::string Synchronize() { return Text(cudaDeviceSynchronize()); }
 
 std::string ErrorText(int code) { return Text(static_cast<cudaError_t>(code)); }
@@ -48,3 +93,4 @@ bool LastErrorIsSticky() {
 }
 
 }  // namespace kvcd::kernels::cuda
+static_assert(sizeof(cudaIpcMemHandle_t) == kvcd::kernels::cuda::kIpcHandleBytes && sizeof(cudaIpcEventHandle_t) == kvcd::kernels::cuda::kIpcHandleBytes, "IPC handle size");

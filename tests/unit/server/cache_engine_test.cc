@@ -420,11 +420,84 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
          r.mutable_v()->clear_inline_data();
          return engine_->Put(r, &put);
        }},
-      {"put: cuda ipc payload", absl::StatusCode::kUnimplemented,
+      {"put: cuda ipc payload of the wrong size", absl::StatusCode::kInvalidArgument,
        [&] {
          auto r = MakePut(spec_, 4, 8);
          r.mutable_k()->mutable_cuda_ipc()->set_size(4);
          return engine_->Put(r, &put);
+       }},
+      {"put: cuda ipc payload on the cpu backend", absl::StatusCode::kFailedPrecondition,
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         const uint64_t bytes = r.k().inline_data().size();
+         r.mutable_k()->mutable_cuda_ipc()->set_size(bytes);
+         return engine_->Put(r, &put);
+       }},
+      {"decode: o_out inline", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = good_decode();
+         std::vector<float> o(p.num_q_heads() * p.head_dim());
+         SetF32Tensor(r.mutable_o_out(), {1, p.num_q_heads(), p.head_dim()}, o.data());
+         std::vector<float> l(p.num_q_heads());
+         SetF32Tensor(r.mutable_lse_out(), {1, p.num_q_heads()}, l.data());
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       }},
+      {"decode: o_out without lse_out", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = good_decode();
+         SetIpcTensor(r.mutable_o_out(), v1::DTYPE_F32, {1, p.num_q_heads(), p.head_dim()}, 7, 0);
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       }},
+      {"decode: o_out on the cpu backend", absl::StatusCode::kFailedPrecondition,
+       [&] {
+         auto r = good_decode();
+         SetIpcTensor(r.mutable_o_out(), v1::DTYPE_F32, {1, p.num_q_heads(), p.head_dim()}, 7, 0);
+         SetIpcTensor(r.mutable_lse_out(), v1::DTYPE_F32, {1, p.num_q_heads()}, 7, 4096);
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       }},
+      {"fetch: destination with expand_to_bf16", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::FetchPagesRequest r;
+         r.set_sequence_id(seq);
+         r.set_expand_to_bf16(true);
+         SetIpcTensor(r.mutable_destination(), v1::DTYPE_U8, {1024}, 7, 0);
+         return engine_->FetchPages(r, Out<v1::FetchPagesResponse>());
+       }},
+      {"fetch: destination on the cpu backend", absl::StatusCode::kFailedPrecondition,
+       [&] {
+         v1::FetchPagesRequest r;
+         r.set_sequence_id(seq);
+         SetIpcTensor(r.mutable_destination(), v1::DTYPE_U8, {1024}, 7, 0);
+         return engine_->FetchPages(r, Out<v1::FetchPagesResponse>());
+       }},
+      {"register buffer on the cpu backend", absl::StatusCode::kFailedPrecondition,
+       [&] {
+         v1::RegisterBufferRequest r;
+         r.set_ipc_handle(std::string(64, 'x'));
+         r.set_size(4096);
+         return engine_->RegisterBuffer(r, Out<v1::RegisterBufferResponse>());
+       }},
+      {"unregister an unknown buffer", absl::StatusCode::kNotFound,
+       [&] {
+         v1::UnregisterBufferRequest r;
+         r.set_buffer_id(12345);
+         return engine_->UnregisterBuffer(r, Out<v1::UnregisterBufferResponse>());
+       }},
+      {"renew an unknown buffer", absl::StatusCode::kNotFound,
+       [&] {
+         v1::RenewBufferRequest r;
+         r.set_buffer_id(12345);
+         return engine_->RenewBuffer(r, Out<v1::RenewBufferResponse>());
+       }},
+      {"nccl connect on the cpu backend", absl::StatusCode::kFailedPrecondition,
+       [&] {
+         return engine_->NcclConnect(v1::NcclConnectRequest(), Out<v1::NcclConnectResponse>());
+       }},
+      {"nccl disconnect of an unknown communicator", absl::StatusCode::kNotFound,
+       [&] {
+         v1::NcclDisconnectRequest r;
+         r.set_communicator_id(9);
+         return engine_->NcclDisconnect(r, Out<v1::NcclDisconnectResponse>());
        }},
       {"put: kv_first_token not page-aligned", absl::StatusCode::kInvalidArgument,
        [&] {
@@ -545,12 +618,25 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
          r.mutable_profile()->set_num_q_heads(3);
          return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
        }},
-      {"push pages over NCCL", absl::StatusCode::kUnimplemented,
+      {"push pages over NCCL on the cpu backend", absl::StatusCode::kFailedPrecondition,
        [&] {
          v1::PushPagesRequest r;
          r.set_model(spec_.name);
-         r.add_tokens(1);
-         r.mutable_pages()->mutable_nccl()->set_size(4);
+         for (int i = 0; i < 4; ++i) r.add_tokens(1 + i);
+         r.set_num_pages(1);
+         r.mutable_pages()->set_dtype(v1::DTYPE_U8);
+         r.mutable_pages()->add_shape(1024);
+         r.mutable_pages()->mutable_nccl()->set_size(1024);
+         return engine_->PushPages(r, Out<v1::PushPagesResponse>());
+       }},
+      {"push pages: pages and inline_pages", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::PushPagesRequest r;
+         r.set_model(spec_.name);
+         for (int i = 0; i < 4; ++i) r.add_tokens(1 + i);
+         r.set_num_pages(1);
+         r.add_inline_pages()->set_format("bf16");
+         r.mutable_pages()->mutable_nccl()->set_size(1024);
          return engine_->PushPages(r, Out<v1::PushPagesResponse>());
        }},
       {"push pages: wrong page size", absl::StatusCode::kInvalidArgument,

@@ -14,6 +14,23 @@ std::string Malloc(void** ptr, size_t bytes);
 std::string Free(void* ptr);
 std::string CopyToDevice(void* dst, const void* src, size_t bytes);
 std::string CopyToHost(void* dst, const void* src, size_t bytes);
+// Device -> device on the daemon's stream (the legacy default stream), asynchronous.
+std::string CopyDeviceToDevice(void* dst, const void* src, size_t bytes);
+
+// CUDA IPC (same node). Handles are the raw bytes of cudaIpcMemHandle_t /
+// cudaIpcEventHandle_t (64 bytes each).
+constexpr size_t kIpcHandleBytes = 64;
+std::string IpcOpenMemory(const std::string& handle, void** ptr);
+std::string IpcCloseMemory(void* ptr);
+// An interprocess event (timing disabled) and its handle for another process.
+std::string IpcCreateEvent(void** event, std::string* handle);
+std::string IpcOpenEvent(const std::string& handle, void** event);
+std::string DestroyEvent(void* event);
+// Later work of the daemon's stream waits for `event` / `event` completes after the
+// work queued so far.
+std::string StreamWaitEvent(void* event);
+std::string RecordEvent(void* event);
+
 // Waits for all work of the device; returns the first error, sticky or not.
 std::string Synchronize();
 // The text of a cudaError_t value returned by a launcher ("" for success).
