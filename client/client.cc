@@ -138,6 +138,40 @@ absl::StatusOr<v1::StatsResponse> Client::Stats() {
   return KVCD_CALL(v1::StatsResponse, Stats, v1::StatsRequest());
 }
 
+absl::StatusOr<v1::RegisterBufferResponse> Client::RegisterBuffer(
+    const v1::RegisterBufferRequest& req) {
+  return KVCD_CALL(v1::RegisterBufferResponse, RegisterBuffer, req);
+}
+
+absl::Status Client::UnregisterBuffer(uint64_t buffer_id) {
+  v1::UnregisterBufferRequest req;
+  req.set_buffer_id(buffer_id);
+  return KVCD_CALL(v1::UnregisterBufferResponse, UnregisterBuffer, req).status();
+}
+
+absl::StatusOr<int64_t> Client::RenewBuffer(uint64_t buffer_id, int64_t lease_ms) {
+  v1::RenewBufferRequest req;
+  req.set_buffer_id(buffer_id);
+  req.set_lease_ms(lease_ms);
+  auto r = KVCD_CALL(v1::RenewBufferResponse, RenewBuffer, req);
+  if (!r.ok()) return r.status();
+  return r->lease_ms();
+}
+
+absl::StatusOr<v1::NcclConnectResponse> Client::NcclConnect(const std::string& name,
+                                                            int64_t timeout_ms) {
+  v1::NcclConnectRequest req;
+  req.set_name(name);
+  req.set_timeout_ms(timeout_ms);
+  return KVCD_CALL(v1::NcclConnectResponse, NcclConnect, req);
+}
+
+absl::Status Client::NcclDisconnect(uint64_t communicator_id) {
+  v1::NcclDisconnectRequest req;
+  req.set_communicator_id(communicator_id);
+  return KVCD_CALL(v1::NcclDisconnectResponse, NcclDisconnect, req).status();
+}
+
 absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Client::Health() {
   grpc::ClientContext ctx;
   Prepare(&ctx);

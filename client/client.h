@@ -82,6 +82,15 @@ class Client {
   // INT2). Returns the number of tokens newly inserted into the radix tree.
   absl::StatusOr<int64_t> PushPages(const v1::PushPagesRequest& req);
   absl::StatusOr<v1::StatsResponse> Stats();
+
+  // Data plane (daemon with backend: cuda). RegisterBuffer maps a device allocation of
+  // this process into the daemon (see client/workers/ipc_buffer.h for the CUDA side).
+  absl::StatusOr<v1::RegisterBufferResponse> RegisterBuffer(const v1::RegisterBufferRequest& req);
+  absl::Status UnregisterBuffer(uint64_t buffer_id);
+  absl::StatusOr<int64_t> RenewBuffer(uint64_t buffer_id, int64_t lease_ms = 0);
+  absl::StatusOr<v1::NcclConnectResponse> NcclConnect(const std::string& name,
+                                                      int64_t timeout_ms = 0);
+  absl::Status NcclDisconnect(uint64_t communicator_id);
   // grpc.health.v1 Check of the whole server ("" service): SERVING, NOT_SERVING, ...
   absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Health();
 

@@ -151,7 +151,7 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
   try {
     KVCD_RETURN_IF_ERROR(
         CheckKeys(root, "",
-                  {"listen", "health_listen", "metrics_listen", "backend", "memory_budget",
+                  {"listen", "health_listen", "metrics_listen", "backend", "cuda_device", "memory_budget",
                    "high_watermark", "low_watermark", "lease", "worker_threads", "compute_threads",
                    "max_message_bytes", "max_sequences", "max_buffers", "drain_timeout_ms", "models"}));
     KVCD_RETURN_IF_ERROR(Read(root, "listen", "", &c.listen));

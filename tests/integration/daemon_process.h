@@ -30,8 +30,9 @@ class DaemonProcess {
       dup2(out[1], STDOUT_FILENO);
       close(out[0]);
       close(out[1]);
-      execl(KVCD_BINARY, KVCD_BINARY, "serve", "--config", config_path_.c_str(),
-            static_cast<char*>(nullptr));
+      // KVCD_BINARY in the environment overrides the build tree's binary (device runs).
+      const char* bin = std::getenv("KVCD_BINARY") ? std::getenv("KVCD_BINARY") : KVCD_BINARY;
+      execl(bin, bin, "serve", "--config", config_path_.c_str(), static_cast<char*>(nullptr));
       _exit(127);
     }
     close(out[1]);

@@ -15,6 +15,7 @@
 #include "kvcd/kernels/cuda_decode_attention.h"
 #include "kvcd/kernels/cuda_demote.h"
 #include "kvcd/kernels/cuda_device.h"
+#include "kvcd/kernels/cuda_device_copy.h"
 #include "kvcd/kernels/int2_attention.h"
 #include "kvcd/kernels/int2_codec.h"
 
@@ -175,6 +176,96 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
       EXPECT_NEAR(got_lse[b * hq + h], acc_l[h], 2e-3 * (1 + std::fabs(acc_l[h])));
     }
   }
+}
+
+
+// Scalar reference of the copy checks (the daemon's host path applies the same rules).
+uint64_t CountBad(const std::vector<uint8_t>& bytes, size_t begin, size_t n, uint32_t check,
+                  uint32_t block) {
+  uint64_t bad = 0;
+  for (size_t i = 0; i + 1 < n; i += 2) {
+    const uint16_t h = static_cast<uint16_t>(bytes[begin + i] | (bytes[begin + i + 1] << 8));
+    if (check == cuda::kCheckBf16Finite) {
+      bad += (h & 0x7f80u) == 0x7f80u;
+    } else if (check == cuda::kCheckFp16ScaleMin) {
+      const bool scale = ((i / 2) / block) % 2 == 0;
+      bad += (h & 0x7c00u) == 0x7c00u || (scale && (h & 0x8000u) && (h & 0x7fffu));
+    }
+  }
+  return bad;
+}
+
+TEST_F(CudaKernelsTest, CopySpansCopiesAndCountsLikeTheReference) {
+  const size_t n = 1 << 22;
+  std::vector<uint8_t> src(n);
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (auto& b : src) b = static_cast<uint8_t>(byte(rng_));
+  uint8_t* d_src = Up(src);
+  std::vector<uint8_t> poison(n, 0xA5);
+  uint8_t* d_dst = Up(poison);
+  // Aligned and unaligned spans of odd sizes, copy-only, check-only and copy+check.
+  std::vector<cuda::CopySpan> spans;
+  std::vector<size_t> src_off, dst_off;
+  std::uniform_int_distribution<size_t> size(1, 40000);
+  size_t at = 0;
+  uint64_t want_bad = 0;
+  for (int i = 0; i < 40; ++i) {
+    const bool aligned = i % 3 != 0;
+    size_t bytes = size(rng_);
+    if (aligned) bytes = (bytes + 15) / 16 * 16;
+    const size_t so = (at + (aligned ? 0 : 5)) % (n - bytes);
+    const size_t so_aligned = aligned ? so / 16 * 16 : so | 1;
+    const uint32_t check = static_cast<uint32_t>(i % 3);
+    const uint32_t block = 1 + i % 64;
+    const bool copy = i % 4 != 3;
+    cuda::CopySpan s;
+    s.src = d_src + so_aligned;
+    s.dst = copy ? d_dst + (aligned ? at / 16 * 16 : at + 3) : nullptr;
+    s.bytes = bytes;
+    s.check = check;
+    s.check_block = block;
+    spans.push_back(s);
+    src_off.push_back(so_aligned);
+    dst_off.push_back(copy ? (aligned ? at / 16 * 16 : at + 3) : SIZE_MAX);
+    want_bad += CountBad(src, so_aligned, bytes, check, block);
+    at = (aligned ? at / 16 * 16 : at + 3) + bytes + 32;
+    ASSERT_LT(at + 40000, n);
+  }
+  cuda::CopySpan* d_spans = Up(spans);
+  std::vector<unsigned long long> zero(1, 0);
+  unsigned long long* d_bad = Up(zero);
+  ASSERT_EQ(cuda::LaunchCopySpans(d_spans, static_cast<int>(spans.size()), d_bad, nullptr),
+            cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(Down(d_bad, 1)[0], want_bad);
+  const auto dst = Down(d_dst, n);
+  std::vector<uint8_t> want = poison;
+  for (size_t i = 0; i < spans.size(); ++i) {
+    if (dst_off[i] == SIZE_MAX) continue;
+    std::copy(src.begin() + src_off[i], src.begin() + src_off[i] + spans[i].bytes,
+              want.begin() + dst_off[i]);
+  }
+  EXPECT_TRUE(dst == want);
+  EXPECT_GT(want_bad, 0u);  // random bytes hold non-finite values: the check is exercised
+}
+
+TEST_F(CudaKernelsTest, ToFloatMatchesTheCpu) {
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  const int64_t n = 4099;
+  std::vector<uint16_t> bf(n);
+  std::vector<float> f(n);
+  for (int64_t i = 0; i < n; ++i) {
+    f[i] = normal(rng_);
+    bf[i] = FloatToBf16(f[i]);
+  }
+  std::vector<float> poison(n, NAN);
+  float* d_out = Up(poison);
+  ASSERT_EQ(cuda::LaunchToFloat(Up(bf), true, n, d_out, nullptr), cudaSuccess);
+  auto out = Down(d_out, n);
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(out[i], Bf16ToFloat(bf[i])) << i;
+  ASSERT_EQ(cuda::LaunchToFloat(Up(f), false, n, d_out, nullptr), cudaSuccess);
+  out = Down(d_out, n);
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(out[i], f[i]) << i;
 }
 
 }  // namespace

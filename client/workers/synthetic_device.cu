@@ -1,0 +1,80 @@
+#include <cuda_fp16.h>
+
+#include "client/workers/synthetic_device.h"
+
+namespace kvcd::workers {
+namespace {
+
+__device__ uint64_t Mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+__device__ float Uniform(uint64_t seed, uint64_t i) {  // [0, 1)
+  return static_cast<float>(Mix(seed * 0x100000001b3ull + i) >> 40) * (1.0f / 16777216.0f);
+}
+__device__ uint16_t ToBf16(float f) {
+  uint32_t u = __float_as_uint(f);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+__global__ void FillBf16Kernel(uint16_t* p, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    p[i] = ToBf16(2.0f * Uniform(seed, i) - 1.0f);
+}
+
+__global__ void FillInt2Kernel(uint8_t* p, int64_t chunks, int64_t bytes, int64_t params_offset,
+                               int64_t params, int block, uint64_t seed) {
+  const int64_t total = chunks * bytes;
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < total;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = j % bytes;
+    uint8_t out = 0;
+    if (r < params_offset) {
+      out = static_cast<uint8_t>(Mix(seed + j) & 0xff);
+    } else if (r < params_offset + 2 * params) {
+      const int64_t v = (r - params_offset) / 2;
+      const float u = Uniform(seed ^ 0x5bd1e995ull, (j / bytes) * params + v);
+      const __half h = __float2half((v / block) % 2 == 0 ? 0.01f + 0.04f * u : -0.1f * u);
+      const uint16_t bits = __half_as_ushort(h);
+      out = static_cast<uint8_t>((r - params_offset) % 2 == 0 ? bits & 0xff : bits >> 8);
+    }
+    p[j] = out;
+  }
+}
+
+__global__ void NextQueriesKernel(const float* o, uint16_t* q, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    q[i] = ToBf16(0.5f * o[i] + Uniform(seed, i) - 0.5f);
+}
+
+unsigned Blocks(int64_t n) {
+  const int64_t b = (n + 255) / 256;
+  return static_cast<unsigned>(b < 4096 ? (b < 1 ? 1 : b) : 4096);
+}
+
+}  // namespace
+
+cudaError_t FillBf16(uint16_t* p, int64_t n, uint64_t seed, cudaStream_t stream) {
+  FillBf16Kernel<<<Blocks(n), 256, 0, stream>>>(p, n, seed);
+  return cudaGetLastError();
+}
+
+cudaError_t FillInt2PageLayers(uint8_t* p, int64_t chunks, int64_t bytes, int64_t params_offset,
+                               int64_t params, int block, uint64_t seed, cudaStream_t stream) {
+  FillInt2Kernel<<<Blocks(chunks * bytes), 256, 0, stream>>>(p, chunks, bytes, params_offset,
+                                                             params, block, seed);
+  return cudaGetLastError();
+}
+
+cudaError_t NextQueries(const float* o, uint16_t* q, int64_t n, uint64_t seed,
+                        cudaStream_t stream) {
+  NextQueriesKernel<<<Blocks(n), 256, 0, stream>>>(o, q, n, seed);
+  return cudaGetLastError();
+}
+
+}  // namespace kvcd::workers

@@ -1,0 +1,44 @@
+// Shared by the example workers: flags, the model geometry as the daemon reports it, the
+// synthetic prompt, and the stored-page layout of a prefix.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "client/client.h"
+
+namespace kvcd::workers {
+
+// --name=value / --name value flags; Get returns `def` when absent.
+class Flags {
+ public:
+  Flags(int argc, char** argv);
+  std::string Get(const std::string& name, const std::string& def) const;
+  int64_t GetInt(const std::string& name, int64_t def) const;
+  bool Has(const std::string& name) const;
+
+ private:
+  std::vector<std::pair<std::string, std::string>> kv_;
+};
+
+struct Geometry {
+  int num_layers = 0, num_q_heads = 0, num_kv_heads = 0, head_dim = 0, page_size = 0;
+  int64_t sink_pages = 0;
+  bool int2 = false;
+  int64_t bf16_page_bytes = 0, history_page_bytes = 0;  // all layers
+  int64_t PageBytesAt(int64_t page) const {
+    return int2 && page >= sink_pages ? history_page_bytes : bf16_page_bytes;
+  }
+};
+absl::StatusOr<Geometry> FetchGeometry(Client* client, const std::string& model);
+
+// The prompt both workers agree on: n token ids from `seed`.
+std::vector<int32_t> PromptTokens(int64_t n, uint64_t seed);
+
+// Median of the values (sorts a copy).
+double Median(std::vector<double> v);
+double Percentile(std::vector<double> v, double p);
+
+}  // namespace kvcd::workers

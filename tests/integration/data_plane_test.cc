@@ -1,0 +1,403 @@
+// The CUDA IPC / NCCL data plane through the real daemon (backend: cuda) and the real
+// client, with this test process as the worker. Skips without a GPU (CI); run on the
+// device machine. Every IPC path is checked against the inline path of the same call.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <thread>
+
+#include "client/client.h"
+#include "client/synthetic.h"
+#include "client/workers/ipc_buffer.h"
+#include "common/tensor_ref.h"
+#include "daemon_process.h"
+#include "kvcd/kernels/bf16.h"
+#include "kvcd/kernels/cuda_nccl.h"
+
+namespace kvcd {
+namespace {
+
+using testing_util::DaemonProcess;
+using workers::IpcBuffer;
+
+constexpr char kConfig[] = R"(
+listen: 127.0.0.1:0
+metrics_listen: 127.0.0.1:0
+backend: cuda
+memory_budget: 512MiB
+lease: {default_ms: 30000, max_ms: 60000}
+drain_timeout_ms: 300
+models:
+  - name: small
+    num_layers: 2
+    num_q_heads: 8
+    num_kv_heads: 2
+    head_dim: 128
+    page_size: 64
+    sink_tokens: 64
+    recent_tokens: 128
+    history_format: int2-oscar
+    memory: 96MiB
+    bf16_fraction: 0.5
+  - name: small-bf16
+    num_layers: 2
+    num_q_heads: 8
+    num_kv_heads: 2
+    head_dim: 128
+    page_size: 64
+    sink_tokens: 64
+    recent_tokens: 128
+    memory: 64MiB
+)";
+
+int DeviceCount() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+std::vector<uint8_t> DeviceBytes(const uint8_t* p, size_t n) {
+  std::vector<uint8_t> out(n);
+  EXPECT_EQ(cudaMemcpy(out.data(), p, n, cudaMemcpyDeviceToHost), cudaSuccess);
+  return out;
+}
+
+class DataPlaneTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+    ASSERT_TRUE(daemon_.Start(kConfig));
+    ClientOptions o;
+    o.target = daemon_.grpc();
+    auto c = Client::Connect(o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    client_ = std::move(*c);
+    auto m = client_->GetModel(GetParam());
+    ASSERT_TRUE(m.ok()) << m.status();
+    profile_ = m->profile();
+    for (const auto& pool : m->pools()) page_bytes_[pool.format() == "bf16" ? 0 : 1] = pool.page_bytes();
+  }
+
+  v1::PutRequest MakePut(uint64_t seed, int64_t n, const std::string& salt) {
+    v1::PutRequest req;
+    req.set_model(GetParam());
+    req.set_cache_salt(salt);
+    const auto t = synthetic::Tokens(seed, 0, n);
+    req.mutable_tokens()->Add(t.begin(), t.end());
+    const std::vector<int64_t> shape = {profile_.num_layers(), n, profile_.num_kv_heads(),
+                                        profile_.head_dim()};
+    SetBf16FromFloat(req.mutable_k(), shape, synthetic::Kv(seed, profile_, 0, n, 0).data());
+    SetBf16FromFloat(req.mutable_v(), shape, synthetic::Kv(seed, profile_, 0, n, 1).data());
+    return req;
+  }
+  // The pages of a sequence as stored, inline, concatenated.
+  std::string StoredBytes(uint64_t seq) {
+    v1::FetchPagesRequest f;
+    f.set_sequence_id(seq);
+    auto r = client_->FetchPages(f);
+    EXPECT_TRUE(r.ok()) << r.status();
+    std::string all;
+    if (r.ok())
+      for (const auto& p : r->pages()) all += p.data();
+    return all;
+  }
+  uint64_t Open(const v1::PutRequest& put, const std::string& salt) {
+    const std::vector<int32_t> tokens(put.tokens().begin(), put.tokens().end());
+    auto o = client_->OpenSequence(GetParam(), salt, tokens);
+    EXPECT_TRUE(o.ok()) << o.status();
+    return o.ok() ? o->sequence_id() : 0;
+  }
+
+  DaemonProcess daemon_;
+  std::unique_ptr<Client> client_;
+  v1::ModelProfile profile_;
+  uint64_t page_bytes_[2] = {0, 0};
+};
+
+constexpr int64_t kPrompt = 512;  // 8 pages: 1 BF16 sink page + 7 history pages
+
+TEST_P(DataPlaneTest, PagesMoveThroughIpcByteForByte) {
+  const auto put = MakePut(3, kPrompt, "a");
+  ASSERT_TRUE(client_->Put(put).ok());
+  const uint64_t seq = Open(put, "a");
+  const std::string stored = StoredBytes(seq);
+  ASSERT_FALSE(stored.empty());
+  const uint64_t total = stored.size();
+
+  auto buf = IpcBuffer::Create(client_.get(), 2 * total + 4096, "test");
+  ASSERT_TRUE(buf.ok()) << buf.status();
+  IpcBuffer& b = **buf;
+  ASSERT_EQ(cudaMemset(b.data(), 0x5a, b.size()), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+  // Fetch into the buffer: identical to the inline bytes.
+  v1::FetchPagesRequest f;
+  f.set_sequence_id(seq);
+  b.Region(f.mutable_destination(), v1::DTYPE_U8, {static_cast<int64_t>(total)}, 0);
+  ASSERT_TRUE(b.MarkReady(nullptr).ok());
+  auto fetched = client_->FetchPages(f);
+  ASSERT_TRUE(fetched.ok()) << fetched.status();
+  EXPECT_EQ(fetched->pages_size(), kPrompt / profile_.page_size());
+  for (const auto& p : fetched->pages()) EXPECT_TRUE(p.data().empty());
+  ASSERT_TRUE(b.WaitDone(nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto dev = DeviceBytes(b.data(), total);
+  EXPECT_EQ(std::memcmp(dev.data(), stored.data(), total), 0);
+
+  // Push them from the buffer into tenant b: stored bytes identical, attention identical.
+  v1::PushPagesRequest push;
+  push.set_model(GetParam());
+  push.set_cache_salt("b");
+  *push.mutable_tokens() = put.tokens();
+  push.set_num_pages(kPrompt / profile_.page_size());
+  b.Region(push.mutable_pages(), v1::DTYPE_U8, {static_cast<int64_t>(total)}, 0);
+  ASSERT_TRUE(b.MarkReady(nullptr).ok());
+  auto pushed = client_->PushPages(push);
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  EXPECT_EQ(*pushed, kPrompt);
+  const uint64_t seq_b = Open(put, "b");
+  EXPECT_EQ(StoredBytes(seq_b), stored);
+
+  // Put through IPC (K then V in the buffer) into tenant c: the same stored pages.
+  const uint64_t kv_bytes = put.k().inline_data().size();
+  ASSERT_LE(2 * kv_bytes, b.size());
+  ASSERT_EQ(cudaMemcpy(b.data(), put.k().inline_data().data(), kv_bytes, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(b.data() + kv_bytes, put.v().inline_data().data(), kv_bytes,
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
+  v1::PutRequest ipc_put = put;
+  ipc_put.set_cache_salt("c");
+  const std::vector<int64_t> shape(put.k().shape().begin(), put.k().shape().end());
+  b.Region(ipc_put.mutable_k(), v1::DTYPE_BF16, shape, 0);
+  b.Region(ipc_put.mutable_v(), v1::DTYPE_BF16, shape, kv_bytes);
+  ASSERT_TRUE(b.MarkReady(nullptr).ok());
+  auto put_c = client_->Put(ipc_put);
+  ASSERT_TRUE(put_c.ok()) << put_c.status();
+  EXPECT_EQ(put_c->inserted_tokens(), kPrompt);
+  EXPECT_EQ(StoredBytes(Open(put, "c")), stored);
+}
+
+TEST_P(DataPlaneTest, AttentionThroughIpcMatchesInline) {
+  const auto put = MakePut(5, kPrompt, "");
+  ASSERT_TRUE(client_->Put(put).ok());
+  const uint64_t s1 = Open(put, ""), s2 = Open(put, "");
+  const int hq = profile_.num_q_heads(), hkv = profile_.num_kv_heads(), d = profile_.head_dim();
+  const int64_t q_bytes = 4LL * hq * d, kv_bytes = 2LL * hkv * d;
+  auto buf = IpcBuffer::Create(client_.get(), 1 << 20, "decode");
+  ASSERT_TRUE(buf.ok()) << buf.status();
+  IpcBuffer& b = **buf;
+  const uint64_t q_off = 0, k_off = 4096, v_off = 8192, o_off = 16384, l_off = 65536;
+  for (int step = 0; step < 3; ++step) {
+    for (int layer = 0; layer < profile_.num_layers(); ++layer) {
+      const int64_t pos = kPrompt + step;
+      auto q = synthetic::Row(9, profile_, layer, pos, 2);
+      auto k = synthetic::Row(9, profile_, layer, pos, 0);
+      auto v = synthetic::Row(9, profile_, layer, pos, 1);
+      std::vector<uint16_t> kb(k.size()), vb(v.size());
+      for (size_t i = 0; i < k.size(); ++i) kb[i] = kernels::FloatToBf16(k[i]);
+      for (size_t i = 0; i < v.size(); ++i) vb[i] = kernels::FloatToBf16(v[i]);
+      // Inline on sequence 1.
+      v1::AttentionDecodeRequest in;
+      in.set_layer(layer);
+      in.add_sequence_ids(s1);
+      SetF32Tensor(in.mutable_q(), {1, hq, d}, q.data());
+      SetBf16Tensor(in.mutable_k_new(), {1, hkv, d}, kb.data());
+      SetBf16Tensor(in.mutable_v_new(), {1, hkv, d}, vb.data());
+      in.add_new_tokens(synthetic::Token(9, pos));
+      auto r_in = client_->AttentionDecode(in);
+      ASSERT_TRUE(r_in.ok()) << r_in.status();
+      // The same through the buffer on sequence 2, results written on the device.
+      ASSERT_EQ(cudaMemcpy(b.data() + q_off, q.data(), q_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(b.data() + k_off, kb.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(b.data() + v_off, vb.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemset(b.data() + o_off, 0xff, q_bytes), cudaSuccess);  // NaN poison
+      v1::AttentionDecodeRequest ipc = in;
+      ipc.set_sequence_ids(0, s2);
+      b.Region(ipc.mutable_q(), v1::DTYPE_F32, {1, hq, d}, q_off);
+      b.Region(ipc.mutable_k_new(), v1::DTYPE_BF16, {1, hkv, d}, k_off);
+      b.Region(ipc.mutable_v_new(), v1::DTYPE_BF16, {1, hkv, d}, v_off);
+      b.Region(ipc.mutable_o_out(), v1::DTYPE_F32, {1, hq, d}, o_off);
+      b.Region(ipc.mutable_lse_out(), v1::DTYPE_F32, {1, hq}, l_off);
+      ASSERT_TRUE(b.MarkReady(nullptr).ok());
+      auto r_ipc = client_->AttentionDecode(ipc);
+      ASSERT_TRUE(r_ipc.ok()) << r_ipc.status();
+      EXPECT_TRUE(r_ipc->o().has_cuda_ipc());
+      ASSERT_EQ(r_ipc->lengths(0), r_in->lengths(0));
+      ASSERT_TRUE(b.WaitDone(nullptr).ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      std::vector<float> o(static_cast<size_t>(hq) * d), lse(hq);
+      ASSERT_EQ(cudaMemcpy(o.data(), b.data() + o_off, q_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(lse.data(), b.data() + l_off, 4 * hq, cudaMemcpyDeviceToHost), cudaSuccess);
+      for (int i = 0; i < hq * d; ++i) {
+        ASSERT_TRUE(std::isfinite(o[i])) << i;
+        ASSERT_FLOAT_EQ(o[i], ElementAsFloat(r_in->o(), i)) << "layer " << layer << " i " << i;
+      }
+      for (int i = 0; i < hq; ++i) ASSERT_FLOAT_EQ(lse[i], ElementAsFloat(r_in->lse(), i));
+    }
+  }
+  EXPECT_EQ(StoredBytes(s1), StoredBytes(s2));
+}
+
+TEST_P(DataPlaneTest, BadIpcRequestsStoreNothing) {
+  const auto put = MakePut(7, kPrompt, "a");
+  ASSERT_TRUE(client_->Put(put).ok());
+  const std::string stored = StoredBytes(Open(put, "a"));
+  auto buf = IpcBuffer::Create(client_.get(), stored.size() + 256, "bad");
+  ASSERT_TRUE(buf.ok()) << buf.status();
+  IpcBuffer& b = **buf;
+  const std::vector<int32_t> tokens(put.tokens().begin(), put.tokens().end());
+  auto push_with = [&](const std::string& bytes, uint64_t offset, int64_t size) {
+    EXPECT_EQ(cudaMemcpy(b.data(), bytes.data(), bytes.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    v1::PushPagesRequest push;
+    push.set_model(GetParam());
+    push.set_cache_salt("z");
+    *push.mutable_tokens() = put.tokens();
+    push.set_num_pages(kPrompt / profile_.page_size());
+    b.Region(push.mutable_pages(), v1::DTYPE_U8, {size}, offset);
+    EXPECT_TRUE(b.MarkReady(nullptr).ok());
+    return client_->PushPages(push).status();
+  };
+  const int64_t total = static_cast<int64_t>(stored.size());
+  // A NaN in the BF16 sink page, a negative scale in the last page (INT2 history, or BF16).
+  std::string nan_page = stored;
+  nan_page[101] = static_cast<char>(0xff);
+  nan_page[100] = static_cast<char>(0xff);
+  EXPECT_EQ(push_with(nan_page, 0, total).code(), absl::StatusCode::kInvalidArgument);
+  if (GetParam() == "small") {
+    std::string neg = stored;
+    const int64_t last = total - static_cast<int64_t>(page_bytes_[1]);
+    // The first K scale of the last page's first layer: after the K and V codes.
+    const int64_t scale_off =
+        last + 2 * profile_.num_kv_heads() * profile_.page_size() * (profile_.head_dim() / 4);
+    neg[scale_off] = 0x00;
+    neg[scale_off + 1] = static_cast<char>(0xbc);  // -1.0 in FP16
+    EXPECT_EQ(push_with(neg, 0, total).code(), absl::StatusCode::kInvalidArgument);
+  }
+  EXPECT_EQ(push_with(stored, 16, total).code(), absl::StatusCode::kInvalidArgument);  // past the end
+  EXPECT_EQ(push_with(stored, 8, total - 8).code(), absl::StatusCode::kInvalidArgument);  // wrong size/misaligned
+  auto match = client_->Match(GetParam(), "z", tokens);
+  ASSERT_TRUE(match.ok());
+  EXPECT_EQ(match->matched_tokens(), 0);
+  // The good bytes go in.
+  EXPECT_TRUE(push_with(stored, 0, total).ok());
+  EXPECT_EQ(client_->Match(GetParam(), "z", tokens)->matched_tokens(), kPrompt);
+
+  // A handle that is not one, and an unknown buffer.
+  v1::RegisterBufferRequest junk;
+  junk.set_ipc_handle(std::string(64, '\x07'));
+  junk.set_size(4096);
+  EXPECT_EQ(client_->RegisterBuffer(junk).status().code(), absl::StatusCode::kInvalidArgument);
+  v1::PutRequest unknown = put;
+  unknown.set_cache_salt("u");
+  SetIpcTensor(unknown.mutable_k(), v1::DTYPE_BF16,
+               {put.k().shape().begin(), put.k().shape().end()}, 424242, 0);
+  EXPECT_EQ(client_->Put(unknown).status().code(), absl::StatusCode::kNotFound);
+  auto health = client_->Health();
+  ASSERT_TRUE(health.ok());
+  EXPECT_EQ(*health, grpc::health::v1::HealthCheckResponse::SERVING);
+}
+
+TEST_P(DataPlaneTest, UnregisterAndLeaseExpiryDropTheMapping) {
+  auto buf = IpcBuffer::Create(client_.get(), 1 << 16, "short", /*lease_ms=*/100);
+  ASSERT_TRUE(buf.ok()) << buf.status();
+  const uint64_t id = (*buf)->id();
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));  // reaper period <= 250 ms
+  EXPECT_EQ(client_->RenewBuffer(id).status().code(), absl::StatusCode::kNotFound);
+  auto stats_text = [&] {
+    auto s = client_->Stats();
+    return s.ok();
+  };
+  EXPECT_TRUE(stats_text());
+  auto kept = IpcBuffer::Create(client_.get(), 1 << 16, "kept");
+  ASSERT_TRUE(kept.ok());
+  EXPECT_TRUE(client_->RenewBuffer((*kept)->id(), 20000).ok());
+  EXPECT_TRUE((*kept)->Unregister().ok());
+  EXPECT_EQ(client_->RenewBuffer((*kept)->id()).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->UnregisterBuffer((*kept)->id()).code(), absl::StatusCode::kNotFound);
+}
+
+// NCCL between this process (rank 1) and the daemon (rank 0). With two GPUs the worker
+// uses the second one and the pages must arrive byte-identical; with one GPU NCCL refuses
+// two ranks on one device and the push must fail cleanly, storing nothing.
+TEST_P(DataPlaneTest, NcclPushAndFetch) {
+  if (!kernels::cuda::NcclLoad().empty()) GTEST_SKIP() << kernels::cuda::NcclLoad();
+  const bool two_gpus = DeviceCount() >= 2;
+  const auto put = MakePut(11, kPrompt, "a");
+  ASSERT_TRUE(client_->Put(put).ok());
+  const std::string stored = StoredBytes(Open(put, "a"));
+  const int64_t total = static_cast<int64_t>(stored.size());
+  auto conn = client_->NcclConnect("test", 8000);
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  if (two_gpus) {
+    ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  }
+  void* comm = nullptr;
+  void* stream = nullptr;
+  ASSERT_EQ(kernels::cuda::CreateStream(&stream), "");
+  const std::string init = kernels::cuda::NcclInit(conn->unique_id(), 2, 1, 8000, &comm);
+  uint8_t* dev = nullptr;
+  ASSERT_EQ(cudaMalloc(&dev, 2 * total), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dev, stored.data(), total, cudaMemcpyHostToDevice), cudaSuccess);
+  v1::PushPagesRequest push;
+  push.set_model(GetParam());
+  push.set_cache_salt("n");
+  *push.mutable_tokens() = put.tokens();
+  push.set_num_pages(kPrompt / profile_.page_size());
+  push.mutable_pages()->set_dtype(v1::DTYPE_U8);
+  push.mutable_pages()->add_shape(total);
+  push.mutable_pages()->mutable_nccl()->set_communicator_id(conn->communicator_id());
+  push.mutable_pages()->mutable_nccl()->set_size(total);
+  absl::StatusOr<int64_t> pushed = absl::UnknownError("not run");
+  std::thread rpc([&] { pushed = client_->PushPages(push); });
+  std::string sent = init.empty() ? kernels::cuda::NcclSend(comm, dev, total, 0, stream) : init;
+  if (sent.empty()) sent = kernels::cuda::NcclWait(comm, stream, 8000);
+  rpc.join();
+  const std::vector<int32_t> tokens(put.tokens().begin(), put.tokens().end());
+  if (!two_gpus) {
+    EXPECT_FALSE(init.empty()) << "NCCL accepted two ranks on one GPU";
+    EXPECT_FALSE(pushed.ok());
+    EXPECT_EQ(client_->Match(GetParam(), "n", tokens)->matched_tokens(), 0);
+    EXPECT_EQ(*client_->Health(), grpc::health::v1::HealthCheckResponse::SERVING);
+    std::printf("one GPU: worker init: %s; push: %s\n", init.c_str(),
+                pushed.status().ToString().c_str());
+  } else {
+    ASSERT_EQ(init, "");
+    ASSERT_EQ(sent, "");
+    ASSERT_TRUE(pushed.ok()) << pushed.status();
+    const uint64_t seq = Open(put, "n");
+    EXPECT_EQ(StoredBytes(seq), stored);
+    v1::FetchPagesRequest f;
+    f.set_sequence_id(seq);
+    f.mutable_destination()->set_dtype(v1::DTYPE_U8);
+    f.mutable_destination()->add_shape(total);
+    f.mutable_destination()->mutable_nccl()->set_communicator_id(conn->communicator_id());
+    f.mutable_destination()->mutable_nccl()->set_size(total);
+    absl::StatusOr<v1::FetchPagesResponse> fetched = absl::UnknownError("not run");
+    std::thread frpc([&] { fetched = client_->FetchPages(f); });
+    std::string got = kernels::cuda::NcclRecv(comm, dev + total, total, 0, stream);
+    if (got.empty()) got = kernels::cuda::NcclWait(comm, stream, 8000);
+    frpc.join();
+    ASSERT_TRUE(fetched.ok()) << fetched.status();
+    ASSERT_EQ(got, "");
+    const auto back = DeviceBytes(dev + total, total);
+    EXPECT_EQ(std::memcmp(back.data(), stored.data(), total), 0);
+  }
+  if (comm != nullptr) (void)kernels::cuda::NcclDestroy(comm);
+  EXPECT_TRUE(client_->NcclDisconnect(conn->communicator_id()).ok());
+  cudaFree(dev);
+  cudaSetDevice(0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, DataPlaneTest, ::testing::Values("small", "small-bf16"),
+                         [](const auto& info) {
+                           std::string n = info.param;
+                           for (char& c : n)
+                             if (c == '-') c = '_';
+                           return n;
+                         });
+
+}  // namespace
+}  // namespace kvcd
