@@ -25,7 +25,7 @@ namespace {
 
 constexpr char kUsage[] = R"(kvcd_load — loopback load generator for kvcd
 
-Usage: kvcd_load --target HOST:PORT [--model NAME] [--benchmarks put,match,attend]
+Usage: kvcd_load --target HOST:PORT [--model NAME] [--benchmarks put,match,attend,stream]
                  [--clients 1,8,64] [--seconds S] [--put-tokens N] [--context-tokens N]
                  [--results FILE.md]
 )";
@@ -151,7 +151,7 @@ int main(int argc, char** argv) {
 
   std::vector<Result> results;
   for (const std::string& bench : o.benchmarks) {
-    if (bench != "put" && bench != "match" && bench != "attend") {
+    if (bench != "put" && bench != "match" && bench != "attend" && bench != "stream") {
       std::fprintf(stderr, "kvcd_load: unknown benchmark '%s'\n", bench.c_str());
       return 2;
     }
@@ -169,7 +169,13 @@ int main(int argc, char** argv) {
           auto client = kvcd::Client::Connect(co);
           uint64_t seq = 0;
           kvcd::v1::AttentionDecodeRequest dec;
-          if (client.ok() && bench == "attend") {
+          const bool decode = bench == "attend" || bench == "stream";
+          std::unique_ptr<kvcd::DecodeStream> stream;
+          if (client.ok() && bench == "stream") {
+            auto st = (*client)->OpenDecodeStream();
+            if (st.ok()) stream = std::move(*st);
+          }
+          if (client.ok() && decode) {
             auto open = (*client)->OpenSequence(p.name(), "", context, 600000);
             if (open.ok() && open->matched_tokens() != o.context_tokens) {
               std::fprintf(stderr, "kvcd_load: only %lld of %lld context tokens cached\n",
@@ -205,7 +211,7 @@ int main(int argc, char** argv) {
               s = (*client)->Match(p.name(), "", context).status();
             } else {
               dec.set_layer(static_cast<int32_t>(i % p.num_layers()));
-              auto r = (*client)->AttentionDecode(dec);
+              auto r = stream ? stream->Call(dec) : (*client)->AttentionDecode(dec);
               s = r.status();
               if (r.ok()) kernel[c] += r->kernel_seconds();
             }
@@ -249,7 +255,7 @@ int main(int argc, char** argv) {
           bench.c_str(), nc, r.ops / r.seconds, r.p50, r.p90, r.p99,
           static_cast<long long>(r.errors),
           r.first_error.empty() ? "" : " first: ", r.first_error.c_str());
-      if (bench == "attend") {
+      if (bench == "attend" || bench == "stream") {
         std::printf("        mean %.1f us per call: kernel %.1f us, RPC and the rest %.1f us\n",
                     r.mean_us, r.kernel_us, r.mean_us - r.kernel_us);
       }

@@ -126,7 +126,8 @@ TEST_P(DataPlaneTest, PagesMoveThroughIpcByteForByte) {
   ASSERT_FALSE(stored.empty());
   const uint64_t total = stored.size();
 
-  auto buf = IpcBuffer::Create(client_.get(), 2 * total + 4096, "test");
+  const uint64_t kv_bytes = put.k().inline_data().size();  // BF16 K (or V) of the prompt
+  auto buf = IpcBuffer::Create(client_.get(), 2 * std::max(total, kv_bytes) + 4096, "test");
   ASSERT_TRUE(buf.ok()) << buf.status();
   IpcBuffer& b = **buf;
   ASSERT_EQ(cudaMemset(b.data(), 0x5a, b.size()), cudaSuccess);
@@ -161,7 +162,6 @@ TEST_P(DataPlaneTest, PagesMoveThroughIpcByteForByte) {
   EXPECT_EQ(StoredBytes(seq_b), stored);
 
   // Put through IPC (K then V in the buffer) into tenant c: the same stored pages.
-  const uint64_t kv_bytes = put.k().inline_data().size();
   ASSERT_LE(2 * kv_bytes, b.size());
   ASSERT_EQ(cudaMemcpy(b.data(), put.k().inline_data().data(), kv_bytes, cudaMemcpyHostToDevice),
             cudaSuccess);
@@ -276,7 +276,7 @@ TEST_P(DataPlaneTest, BadIpcRequestsStoreNothing) {
     neg[scale_off + 1] = static_cast<char>(0xbc);  // -1.0 in FP16
     EXPECT_EQ(push_with(neg, 0, total).code(), absl::StatusCode::kInvalidArgument);
   }
-  EXPECT_EQ(push_with(stored, 16, total).code(), absl::StatusCode::kInvalidArgument);  // past the end
+  EXPECT_EQ(push_with(stored, 272, total).code(), absl::StatusCode::kInvalidArgument);  // past the end
   EXPECT_EQ(push_with(stored, 8, total - 8).code(), absl::StatusCode::kInvalidArgument);  // wrong size/misaligned
   auto match = client_->Match(GetParam(), "z", tokens);
   ASSERT_TRUE(match.ok());
