@@ -18,6 +18,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
+#include "client/decode_channel.h"
 #include "client/synthetic.h"
 #include "common/tensor_ref.h"
 
@@ -25,7 +26,7 @@ namespace {
 
 constexpr char kUsage[] = R"(kvcd_load — loopback load generator for kvcd
 
-Usage: kvcd_load --target HOST:PORT [--model NAME] [--benchmarks put,match,attend,stream]
+Usage: kvcd_load --target HOST:PORT [--model NAME] [--benchmarks put,match,attend,stream,channel]
                  [--clients 1,8,64] [--seconds S] [--put-tokens N] [--context-tokens N]
                  [--results FILE.md]
 )";
@@ -151,7 +152,8 @@ int main(int argc, char** argv) {
 
   std::vector<Result> results;
   for (const std::string& bench : o.benchmarks) {
-    if (bench != "put" && bench != "match" && bench != "attend" && bench != "stream") {
+    if (bench != "put" && bench != "match" && bench != "attend" && bench != "stream" &&
+        bench != "channel") {
       std::fprintf(stderr, "kvcd_load: unknown benchmark '%s'\n", bench.c_str());
       return 2;
     }
@@ -169,11 +171,20 @@ int main(int argc, char** argv) {
           auto client = kvcd::Client::Connect(co);
           uint64_t seq = 0;
           kvcd::v1::AttentionDecodeRequest dec;
-          const bool decode = bench == "attend" || bench == "stream";
+          const bool decode = bench == "attend" || bench == "stream" || bench == "channel";
           std::unique_ptr<kvcd::DecodeStream> stream;
+          std::unique_ptr<kvcd::DecodeChannel> channel;
           if (client.ok() && bench == "stream") {
             auto st = (*client)->OpenDecodeStream();
             if (st.ok()) stream = std::move(*st);
+          }
+          if (client.ok() && bench == "channel") {
+            auto ch = kvcd::DecodeChannel::Open(client->get());
+            if (!ch.ok()) {
+              std::fprintf(stderr, "kvcd_load: %s\n", ch.status().ToString().c_str());
+              std::exit(1);
+            }
+            channel = std::move(*ch);
           }
           if (client.ok() && decode) {
             auto open = (*client)->OpenSequence(p.name(), "", context, 600000);
@@ -211,7 +222,9 @@ int main(int argc, char** argv) {
               s = (*client)->Match(p.name(), "", context).status();
             } else {
               dec.set_layer(static_cast<int32_t>(i % p.num_layers()));
-              auto r = stream ? stream->Call(dec) : (*client)->AttentionDecode(dec);
+              auto r = channel  ? channel->Call(dec)
+                       : stream ? stream->Call(dec)
+                                : (*client)->AttentionDecode(dec);
               s = r.status();
               if (r.ok()) kernel[c] += r->kernel_seconds();
             }
@@ -255,7 +268,7 @@ int main(int argc, char** argv) {
           bench.c_str(), nc, r.ops / r.seconds, r.p50, r.p90, r.p99,
           static_cast<long long>(r.errors),
           r.first_error.empty() ? "" : " first: ", r.first_error.c_str());
-      if (bench == "attend" || bench == "stream") {
+      if (bench == "attend" || bench == "stream" || bench == "channel") {
         std::printf("        mean %.1f us per call: kernel %.1f us, RPC and the rest %.1f us\n",
                     r.mean_us, r.kernel_us, r.mean_us - r.kernel_us);
       }

@@ -172,6 +172,20 @@ absl::Status Client::NcclDisconnect(uint64_t communicator_id) {
   return KVCD_CALL(v1::NcclDisconnectResponse, NcclDisconnect, req).status();
 }
 
+absl::Status Client::OpenDecodeChannelRpc(const v1::OpenDecodeChannelRequest& req,
+                                          v1::OpenDecodeChannelResponse* resp) {
+  auto r = KVCD_CALL(v1::OpenDecodeChannelResponse, OpenDecodeChannel, req);
+  if (!r.ok()) return r.status();
+  *resp = *r;
+  return absl::OkStatus();
+}
+
+absl::Status Client::CloseDecodeChannel(uint64_t channel_id) {
+  v1::CloseDecodeChannelRequest req;
+  req.set_channel_id(channel_id);
+  return KVCD_CALL(v1::CloseDecodeChannelResponse, CloseDecodeChannel, req).status();
+}
+
 absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Client::Health() {
   grpc::ClientContext ctx;
   Prepare(&ctx);

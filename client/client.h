@@ -91,6 +91,10 @@ class Client {
   absl::StatusOr<v1::NcclConnectResponse> NcclConnect(const std::string& name,
                                                       int64_t timeout_ms = 0);
   absl::Status NcclDisconnect(uint64_t communicator_id);
+  // The RPCs behind DecodeChannel (client/decode_channel.h), which is what callers use.
+  absl::Status OpenDecodeChannelRpc(const v1::OpenDecodeChannelRequest& req,
+                                    v1::OpenDecodeChannelResponse* resp);
+  absl::Status CloseDecodeChannel(uint64_t channel_id);
   // grpc.health.v1 Check of the whole server ("" service): SERVING, NOT_SERVING, ...
   absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Health();
 

@@ -27,6 +27,9 @@ absl::Status Backend::CopyHostToDevice(void*, const void*, size_t) { return NoDe
 absl::Status Backend::CopySpans(const std::vector<DeviceSpan>&, uint64_t*) {
   return NoDevice(*this);
 }
+absl::Status Backend::StoreRows(const std::vector<RowStoreJob>&, int, bool) {
+  return NoDevice(*this);
+}
 absl::Status Backend::Synchronize() { return absl::OkStatus(); }
 
 }  // namespace kvcd

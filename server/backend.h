@@ -123,6 +123,16 @@ class Backend {
   // Copies (and checks) the spans in one launch, asynchronously; with `bad_values` set,
   // waits and stores the number of values that failed their span's check.
   virtual absl::Status CopySpans(const std::vector<DeviceSpan>& spans, uint64_t* bad_values);
+  // Stores new tokens' K/V rows from device memory into BF16 page slots, rotating each by
+  // its (host) rotation matrix when set, asynchronously; the stored BF16 rows are
+  // bit-identical to the host path's (RotateRows + FloatToBf16).
+  struct RowStoreJob {
+    const void* src = nullptr;        // [head_dim] BF16 or F32, device
+    uint8_t* dst = nullptr;           // [head_dim] BF16 inside a pool page
+    const float* rotation = nullptr;  // host [head_dim][head_dim] or null
+  };
+  virtual absl::Status StoreRows(const std::vector<RowStoreJob>& rows, int head_dim,
+                                 bool src_bf16);
   // Waits for all queued device work.
   virtual absl::Status Synchronize();
 };

@@ -445,14 +445,34 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
                                                      ")"));
     }
     KVCD_RETURN_IF_ERROR(CheckTokens(req.new_tokens(), "new_tokens", false));
-    KVCD_ASSIGN_OR_RETURN(k_new_bytes, HostBytes(req.k_new(), "k_new", &k_new_staging));
-    KVCD_ASSIGN_OR_RETURN(v_new_bytes, HostBytes(req.v_new(), "v_new", &v_new_staging));
     const int64_t row = int64_t{s.num_kv_heads} * s.head_dim;
+    // Device rows (both CUDA IPC, same dtype) are stored on the device without a host
+    // copy; anything else goes through host bytes.
+    const bool device_rows = req.k_new().payload_case() == v1::TensorRef::kCudaIpc &&
+                             req.v_new().payload_case() == v1::TensorRef::kCudaIpc &&
+                             req.k_new().dtype() == req.v_new().dtype();
+    BufferRegistry::Region k_region, v_region;
+    if (device_rows) {
+      KVCD_ASSIGN_OR_RETURN(k_region, buffers_.Resolve(req.k_new().cuda_ipc(), "k_new"));
+      KVCD_ASSIGN_OR_RETURN(v_region, buffers_.Resolve(req.v_new().cuda_ipc(), "v_new"));
+      KVCD_RETURN_IF_ERROR(buffers_.WaitReady(k_region));
+      if (v_region.buffer != k_region.buffer) KVCD_RETURN_IF_ERROR(buffers_.WaitReady(v_region));
+    } else {
+      KVCD_ASSIGN_OR_RETURN(k_new_bytes, HostBytes(req.k_new(), "k_new", &k_new_staging));
+      KVCD_ASSIGN_OR_RETURN(v_new_bytes, HostBytes(req.v_new(), "v_new", &v_new_staging));
+    }
+    const int64_t elem = req.k_new().dtype() == v1::DTYPE_BF16 ? 2 : 4;
     for (int64_t b = 0; b < batch; ++b) {
       ModelCache::NewToken t;
       t.token = req.new_tokens(static_cast<int>(b));
-      t.k = RowsOf(req.k_new(), k_new_bytes, 1, s, b * row);
-      t.v = RowsOf(req.v_new(), v_new_bytes, 1, s, b * row);
+      if (device_rows) {
+        t.k.is_bf16 = t.v.is_bf16 = elem == 2;
+        t.k_device = k_region.ptr + b * row * elem;
+        t.v_device = v_region.ptr + b * row * elem;
+      } else {
+        t.k = RowsOf(req.k_new(), k_new_bytes, 1, s, b * row);
+        t.v = RowsOf(req.v_new(), v_new_bytes, 1, s, b * row);
+      }
       new_tokens.push_back(t);
     }
   } else if (req.new_tokens_size() != 0) {

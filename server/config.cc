@@ -153,7 +153,7 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
         CheckKeys(root, "",
                   {"listen", "health_listen", "metrics_listen", "backend", "cuda_device", "memory_budget",
                    "high_watermark", "low_watermark", "lease", "worker_threads", "compute_threads",
-                   "max_message_bytes", "max_sequences", "max_buffers", "drain_timeout_ms", "models"}));
+                   "max_message_bytes", "max_sequences", "max_buffers", "decode_channel_spin_us", "drain_timeout_ms", "models"}));
     KVCD_RETURN_IF_ERROR(Read(root, "listen", "", &c.listen));
     KVCD_RETURN_IF_ERROR(Read(root, "health_listen", "", &c.health_listen));
     KVCD_RETURN_IF_ERROR(Read(root, "metrics_listen", "", &c.metrics_listen));
@@ -167,6 +167,7 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
     KVCD_RETURN_IF_ERROR(Read(root, "max_message_bytes", "", &c.max_message_bytes));
     KVCD_RETURN_IF_ERROR(Read(root, "max_sequences", "", &c.max_sequences));
     KVCD_RETURN_IF_ERROR(Read(root, "max_buffers", "", &c.max_buffers));
+    KVCD_RETURN_IF_ERROR(Read(root, "decode_channel_spin_us", "", &c.decode_channel_spin_us));
     KVCD_RETURN_IF_ERROR(Read(root, "drain_timeout_ms", "", &c.drain_timeout_ms));
     if (const YAML::Node lease = root["lease"]) {
       KVCD_RETURN_IF_ERROR(CheckKeys(lease, "lease", {"default_ms", "max_ms"}));
@@ -212,6 +213,11 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
         absl::StrCat("max_message_bytes is ", c.max_message_bytes, ", expected 1MiB..2047MiB"));
   }
   if (c.max_sequences < 1) return absl::InvalidArgumentError("max_sequences must be >= 1");
+  if (c.decode_channel_spin_us < 0 || c.decode_channel_spin_us > 1000000) {
+    return absl::InvalidArgumentError(absl::StrCat("decode_channel_spin_us is ",
+                                                   c.decode_channel_spin_us,
+                                                   ", expected 0..1000000"));
+  }
   if (c.max_buffers < 1 || c.max_buffers > 65536) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_buffers is ", c.max_buffers, ", expected 1..65536"));

@@ -27,6 +27,8 @@ struct ServerConfig {
   int64_t max_message_bytes = 256ll << 20;
   int max_sequences = 4096;
   int max_buffers = 256;  // CUDA IPC buffers registered at once
+  // A decode channel's thread spins this long after each request before it polls.
+  int64_t decode_channel_spin_us = 2000;
   int64_t drain_timeout_ms = 10000;
   std::vector<ModelSpec> models;
 };

@@ -1,6 +1,8 @@
 // CUDA backend: page pools in device memory (cudaMalloc once per model), attention through
 // kernels/cuda. Only built with KVCD_CUDA; reaches CUDA only through kernels' host APIs.
+#include <array>
 #include <atomic>
+#include <cstring>
 #include <cmath>
 #include <cstdio>
 #include <mutex>
@@ -117,6 +119,22 @@ class CudaBackend final : public Backend {
   }
   absl::Status Synchronize() override {
     RETURN_IF_CUDA(kc::Synchronize());
+    return absl::OkStatus();
+  }
+
+  absl::Status StoreRows(const std::vector<RowStoreJob>& rows, int head_dim,
+                         bool src_bf16) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    kc::RowStoreBatch batch;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      auto rot = Resident(rows[i].rotation, head_dim);
+      if (!rot.ok()) return rot.status();
+      batch.rows[batch.count++] = kc::RowStore{rows[i].src, reinterpret_cast<uint16_t*>(rows[i].dst), *rot};
+      if (batch.count == kc::kMaxRowStoresPerLaunch || i + 1 == rows.size()) {
+        RETURN_IF_CUDA_ERR(kc::LaunchStoreRows(batch, head_dim, src_bf16, nullptr));
+        batch.count = 0;
+      }
+    }
     return absl::OkStatus();
   }
 
@@ -256,7 +274,13 @@ class CudaBackend final : public Backend {
         std::copy(b.jobs[j].q, b.jobs[j].q + hq * d, q.begin() + j * hq * d);
       RETURN_IF_CUDA(kc::CopyToDevice(d_q, q.data(), q_bytes));
     }
-    RETURN_IF_CUDA(kc::CopyToDevice(d_i32, host_i32.data(), i32_bytes));
+    // Page tables and lengths go up from pinned staging without waiting for the device:
+    // a call whose queries and results live on the device (CUDA IPC) never blocks here.
+    auto staged = Pinned(i32_bytes);
+    if (!staged.ok()) return staged.status();
+    std::memcpy((*staged)->host, host_i32.data(), i32_bytes);
+    RETURN_IF_CUDA(kc::CopyToDeviceAsync(d_i32, (*staged)->host, i32_bytes));
+    RETURN_IF_CUDA(kc::RecordEvent((*staged)->event));
     const kc::DecodeGeometry geo{batch, hq, b.num_kv_heads, d, b.page_size};
     int part_base = 0;
     for (int f = 0; f < 2; ++f) {
@@ -290,6 +314,29 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  // A ring of pinned host buffers; a slot is reused once the copy that read it is done.
+  struct PinnedSlot {
+    void* host = nullptr;
+    size_t bytes = 0;
+    void* event = nullptr;
+    bool used = false;
+  };
+  absl::StatusOr<PinnedSlot*> Pinned(size_t bytes) {
+    PinnedSlot& slot = pinned_[next_pinned_];
+    next_pinned_ = (next_pinned_ + 1) % pinned_.size();
+    if (slot.used) RETURN_IF_CUDA(kc::EventSynchronize(slot.event));
+    if (slot.event == nullptr) RETURN_IF_CUDA(kc::CreateEvent(&slot.event));
+    if (slot.bytes < bytes) {
+      if (slot.host != nullptr) RETURN_IF_CUDA(kc::HostFree(slot.host));
+      slot.host = nullptr;
+      slot.bytes = 0;
+      RETURN_IF_CUDA(kc::HostAlloc(&slot.host, std::max<size_t>(bytes, 64 << 10)));
+      slot.bytes = std::max<size_t>(bytes, 64 << 10);
+    }
+    slot.used = true;
+    return &slot;
+  }
+
   // A device copy of a host rotation matrix (codec profiles live as long as their model).
   absl::StatusOr<const float*> Resident(const float* host, int d) {
     if (host == nullptr) return static_cast<const float*>(nullptr);
@@ -319,6 +366,8 @@ class CudaBackend final : public Backend {
   std::mutex mu_;
   DeviceBuffer scratch_;
   DeviceBuffer span_scratch_;
+  std::array<PinnedSlot, 8> pinned_;
+  size_t next_pinned_ = 0;
   std::unordered_map<const float*, void*> resident_;  // host rotation -> device copy
   std::atomic<bool> sticky_{false};
 };

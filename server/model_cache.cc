@@ -179,6 +179,25 @@ void ModelCache::EvictToWatermarksLocked() {
   }
 }
 
+void ModelCache::QueueDeviceRows(const PageRef& page, int32_t slot, int32_t layer,
+                                 const NewToken& t, std::vector<Backend::RowStoreJob>* out) const {
+  const int32_t ps = spec_.page_size;
+  const int32_t d = spec_.head_dim;
+  const int32_t hkv = spec_.num_kv_heads;
+  const int64_t elem = t.k.is_bf16 ? 2 : 4;
+  uint8_t* base = pools_[page.pool]->PagePtr(layer, page.page);
+  for (int which = 0; which < 2; ++which) {
+    const uint8_t* src = static_cast<const uint8_t*>(which == 0 ? t.k_device : t.v_device);
+    for (int32_t h = 0; h < hkv; ++h) {
+      Backend::RowStoreJob j;
+      j.src = src + int64_t{h} * d * elem;
+      j.dst = base + 2 * ((int64_t{which} * hkv + h) * ps + slot) * d;
+      j.rotation = codec_ ? (which == 0 ? codec_->RK(layer) : codec_->RV(layer)) : nullptr;
+      out->push_back(j);
+    }
+  }
+}
+
 void ModelCache::WriteBf16Rows(const PageRef& page, int32_t slot, const KvRows& k, const KvRows& v,
                                int64_t src_token, int32_t count, int32_t layer) {
   const int32_t ps = spec_.page_size;
@@ -673,13 +692,19 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
       if (!st.ok()) return st;
     }
     size_t next_fresh = 0;
+    std::vector<Backend::RowStoreJob> device_rows;
     for (size_t b = 0; b < seqs.size(); ++b) {
       Sequence* s = seqs[b];
       const int64_t pos = s->layer_len[layer];
       if (pos == static_cast<int64_t>(s->pages.size()) * ps)
         s->pages.push_back(fresh[next_fresh++]);
-      WriteBf16Rows(s->pages[static_cast<size_t>(pos / ps)], static_cast<int32_t>(pos % ps),
-                    new_tokens[b].k, new_tokens[b].v, 0, 1, layer);
+      const PageRef& page = s->pages[static_cast<size_t>(pos / ps)];
+      const int32_t slot = static_cast<int32_t>(pos % ps);
+      if (new_tokens[b].k_device != nullptr) {
+        QueueDeviceRows(page, slot, layer, new_tokens[b], &device_rows);
+      } else {
+        WriteBf16Rows(page, slot, new_tokens[b].k, new_tokens[b].v, 0, 1, layer);
+      }
       const int64_t before = s->length();
       if (std::all_of(s->layer_len.begin(), s->layer_len.end(),
                       [&](int64_t l) { return l == before; })) {
@@ -688,8 +713,17 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
       ++s->layer_len[layer];
       if (s->length() > before) {
         s->tokens.push_back(s->pending_token);
+        if (!device_rows.empty()) {  // the rows must be in their pages before demotion reads them
+          KVCD_RETURN_IF_ERROR(backend_->StoreRows(device_rows, spec_.head_dim,
+                                                   new_tokens.front().k.is_bf16));
+          device_rows.clear();
+        }
         DemotePages(s);
       }
+    }
+    if (!device_rows.empty()) {
+      KVCD_RETURN_IF_ERROR(
+          backend_->StoreRows(device_rows, spec_.head_dim, new_tokens.front().k.is_bf16));
     }
   }
 

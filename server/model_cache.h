@@ -144,6 +144,10 @@ class ModelCache {
   struct NewToken {
     int32_t token = 0;
     KvRows k, v;  // one token, one layer: [num_kv_heads][head_dim] (strides unused)
+    // Device rows instead (CUDA IPC): [num_kv_heads][head_dim] each, BF16 or F32 as
+    // k.is_bf16 says; stored by Backend::StoreRows without a host copy.
+    const void* k_device = nullptr;
+    const void* v_device = nullptr;
   };
   // Attention of one layer for a batch of distinct open sequences of this model.
   // q: [B][num_q_heads][head_dim] float; o: [B][num_q_heads][head_dim]; lse: [B][num_q_heads].
@@ -215,6 +219,9 @@ class ModelCache {
   // when layer >= 0) into BF16 page `page` at in-page offset `slot`.
   void WriteBf16Rows(const PageRef& page, int32_t slot, const KvRows& k, const KvRows& v,
                      int64_t src_token, int32_t count, int32_t layer);
+  // Row-store jobs for the device rows of one new token at (page, slot, layer).
+  void QueueDeviceRows(const PageRef& page, int32_t slot, int32_t layer, const NewToken& t,
+                       std::vector<Backend::RowStoreJob>* out) const;
   // Rotates, clips, quantizes and packs a full page of k/v rows (all layers) into an
   // INT2 page (quantize-on-demote of Put).
   void WriteInt2Page(const PageRef& page, const KvRows& k, const KvRows& v, int64_t src_token);

@@ -2,6 +2,8 @@
 
 #include <chrono>
 
+#include "absl/strings/str_cat.h"
+
 #include "server/status_mapping.h"
 
 namespace kvcd {
@@ -20,7 +22,17 @@ const absl::Status& DrainingStatus() {
 }  // namespace
 
 KvCacheService::KvCacheService(CacheEngine* engine, Metrics* metrics, ThreadPool* executor)
-    : engine_(engine), metrics_(metrics), executor_(executor) {}
+    : engine_(engine),
+      metrics_(metrics),
+      executor_(executor),
+      channels_(
+          [this](const v1::AttentionDecodeRequest& req, v1::AttentionDecodeResponse* resp) {
+            const auto t0 = std::chrono::steady_clock::now();
+            absl::Status s = Decode(req, resp);
+            metrics_->ObserveRpc("DecodeChannel", s.code(), SecondsSince(t0));
+            return s;
+          },
+          DecodeChannels::Options{engine->config().decode_channel_spin_us, 20, 64}) {}
 
 template <class Fn>
 grpc::ServerUnaryReactor* KvCacheService::Run(const char* method, grpc::CallbackServerContext* ctx,
@@ -66,6 +78,31 @@ KVCD_UNARY(RenewBuffer, RenewBufferRequest, RenewBufferResponse)
 KVCD_UNARY(NcclConnect, NcclConnectRequest, NcclConnectResponse)
 KVCD_UNARY(NcclDisconnect, NcclDisconnectRequest, NcclDisconnectResponse)
 #undef KVCD_UNARY
+
+grpc::ServerUnaryReactor* KvCacheService::OpenDecodeChannel(
+    grpc::CallbackServerContext* ctx, const v1::OpenDecodeChannelRequest* req,
+    v1::OpenDecodeChannelResponse* resp) {
+  return Run("OpenDecodeChannel", ctx, [this, req, resp]() -> absl::Status {
+    const ServerConfig& c = engine_->config();
+    const int64_t lease = req->lease_ms() == 0 ? c.default_lease_ms : req->lease_ms();
+    if (lease < 10 || lease > c.max_lease_ms) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "lease_ms is ", req->lease_ms(), ", expected 0 (default) or 10..", c.max_lease_ms));
+    }
+    absl::StatusOr<uint64_t> id = channels_.Open(req->shm_name(), lease);
+    if (!id.ok()) return id.status();
+    resp->set_channel_id(*id);
+    resp->set_lease_ms(lease);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvCacheService::CloseDecodeChannel(
+    grpc::CallbackServerContext* ctx, const v1::CloseDecodeChannelRequest* req,
+    v1::CloseDecodeChannelResponse*) {
+  return Run("CloseDecodeChannel", ctx,
+             [this, req] { return channels_.Close(req->channel_id()); });
+}
 
 absl::Status KvCacheService::Decode(const v1::AttentionDecodeRequest& req,
                                     v1::AttentionDecodeResponse* resp) {

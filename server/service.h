@@ -7,6 +7,7 @@
 
 #include "kvcd/v1/kvcache.grpc.pb.h"
 #include "server/cache_engine.h"
+#include "server/decode_channels.h"
 #include "server/metrics.h"
 #include "server/thread_pool.h"
 
@@ -16,8 +17,13 @@ class KvCacheService final : public v1::KvCache::CallbackService {
  public:
   KvCacheService(CacheEngine* engine, Metrics* metrics, ThreadPool* executor);
 
-  // After StartDraining, new calls get UNAVAILABLE; calls in flight finish.
-  void StartDraining() { draining_.store(true); }
+  // After StartDraining, new calls get UNAVAILABLE; calls in flight finish; decode
+  // channels close.
+  void StartDraining() {
+    draining_.store(true);
+    channels_.CloseAll();
+  }
+  int64_t OpenChannels() const { return channels_.size(); }
 
   grpc::ServerUnaryReactor* RegisterModel(grpc::CallbackServerContext* ctx,
                                           const v1::RegisterModelRequest* req,
@@ -69,6 +75,13 @@ class KvCacheService final : public v1::KvCache::CallbackService {
                                            const v1::NcclDisconnectRequest* req,
                                            v1::NcclDisconnectResponse* resp) override;
 
+  grpc::ServerUnaryReactor* OpenDecodeChannel(grpc::CallbackServerContext* ctx,
+                                              const v1::OpenDecodeChannelRequest* req,
+                                              v1::OpenDecodeChannelResponse* resp) override;
+  grpc::ServerUnaryReactor* CloseDecodeChannel(grpc::CallbackServerContext* ctx,
+                                               const v1::CloseDecodeChannelRequest* req,
+                                               v1::CloseDecodeChannelResponse* resp) override;
+
   // Runs one decode request as the stream does (also used by the unary call).
   absl::Status Decode(const v1::AttentionDecodeRequest& req, v1::AttentionDecodeResponse* resp);
 
@@ -80,6 +93,7 @@ class KvCacheService final : public v1::KvCache::CallbackService {
   Metrics* metrics_;
   ThreadPool* executor_;
   std::atomic<bool> draining_{false};
+  DecodeChannels channels_;
   friend class DecodeStreamReactor;
 };
 

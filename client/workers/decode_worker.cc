@@ -1,6 +1,7 @@
 // kvcd_decode_worker: the decode side of disaggregated serving. Opens a sequence on the
 // prefix a prefill worker pushed (same --tokens/--seed), then runs the per-layer decode
-// loop over one AttentionDecodeStream: for every token and layer it sends the layer's
+// loop — over the same-node decode channel (shared memory, --transport channel, the
+// default) or over one AttentionDecodeStream (--transport stream): for every token and layer it sends the layer's
 // query and the token's K/V row and receives the attention output, all through CUDA IPC
 // regions of one registered buffer. Each layer's query is computed on the GPU from the
 // previous layer's output, so the loop is data-dependent end to end; the host never waits
@@ -14,7 +15,7 @@
 // IPC result of one call is checked against the same call with inline tensors.
 //
 // Usage: kvcd_decode_worker --target HOST:PORT --model NAME [--tokens 32768] [--seed 1]
-//          [--salt prefill] [--steps 16] [--sync] [--device 0]
+//          [--salt prefill] [--steps 16] [--sync] [--device 0] [--transport channel|stream]
 #include <cuda_runtime.h>
 
 #include <chrono>
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "client/client.h"
+#include "client/decode_channel.h"
 #include "client/workers/ipc_buffer.h"
 #include "client/workers/synthetic_device.h"
 #include "client/workers/worker_common.h"
@@ -50,6 +52,11 @@ int main(int argc, char** argv) {
   const uint64_t seed = static_cast<uint64_t>(flags.GetInt("seed", 1));
   const int steps = static_cast<int>(flags.GetInt("steps", 16));
   const bool sync = flags.Has("sync");
+  const std::string transport = flags.Get("transport", "channel");
+  if (transport != "channel" && transport != "stream") {
+    std::fprintf(stderr, "--transport must be channel or stream\n");
+    return 2;
+  }
   CHECK_OK(kw::CudaCheck(cudaSetDevice(static_cast<int>(flags.GetInt("device", 0))), "cudaSetDevice"));
   auto client = kvcd::Client::Connect(opts);
   CHECK_OK(client.status());
@@ -91,8 +98,20 @@ int main(int argc, char** argv) {
   b.Region(req.mutable_lse_out(), kvcd::v1::DTYPE_F32, {1, g.num_q_heads}, l_off);
   req.add_new_tokens(0);
 
-  auto stream_rpc = (*client)->OpenDecodeStream();
-  CHECK_OK(stream_rpc.status());
+  std::unique_ptr<kvcd::DecodeStream> stream_rpc;
+  std::unique_ptr<kvcd::DecodeChannel> channel;
+  if (transport == "stream") {
+    auto st = (*client)->OpenDecodeStream();
+    CHECK_OK(st.status());
+    stream_rpc = std::move(*st);
+  } else {
+    auto ch = kvcd::DecodeChannel::Open(client->get(), 1u << 16, 600000);
+    CHECK_OK(ch.status());
+    channel = std::move(*ch);
+  }
+  auto call = [&](const kvcd::v1::AttentionDecodeRequest& r) {
+    return channel ? channel->Call(r) : stream_rpc->Call(r);
+  };
   std::vector<double> rtt_us, kernel_us, done_us;
   cudaEvent_t done_ev;
   cudaEventCreateWithFlags(&done_ev, cudaEventDisableTiming);
@@ -112,7 +131,7 @@ int main(int argc, char** argv) {
       req.set_layer(l);
       req.set_request_id(static_cast<uint64_t>(s) * g.num_layers + l);
       const auto t0 = Clock::now();
-      auto r = (*stream_rpc)->Call(req);
+      auto r = call(req);
       const double rtt = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
       CHECK_OK(r.status());
       rtt_us.push_back(rtt);
@@ -139,7 +158,7 @@ int main(int argc, char** argv) {
   b.Region(check.mutable_o_out(), kvcd::v1::DTYPE_F32, {1, g.num_q_heads, g.head_dim}, o_off);
   b.Region(check.mutable_lse_out(), kvcd::v1::DTYPE_F32, {1, g.num_q_heads}, l_off);
   CHECK_OK(b.MarkReady(stream));
-  auto via_ipc = (*stream_rpc)->Call(check);
+  auto via_ipc = call(check);
   CHECK_OK(via_ipc.status());
   CHECK_OK(b.WaitDone(stream));
   CHECK_OK(kw::CudaCheck(cudaStreamSynchronize(stream), "sync"));
@@ -147,7 +166,7 @@ int main(int argc, char** argv) {
   kvcd::SetBf16Tensor(check.mutable_q(), {1, g.num_q_heads, g.head_dim}, q_host.data());
   check.clear_o_out();
   check.clear_lse_out();
-  auto via_inline = (*stream_rpc)->Call(check);
+  auto via_inline = call(check);
   CHECK_OK(via_inline.status());
   double max_diff = 0, max_ref = 0;
   for (int64_t i = 0; i < q_n; ++i) {
@@ -155,14 +174,16 @@ int main(int argc, char** argv) {
     max_diff = std::max(max_diff, std::fabs(ref - o_ipc[static_cast<size_t>(i)]));
     max_ref = std::max(max_ref, std::fabs(ref));
   }
-  CHECK_OK((*stream_rpc)->Close());
+  CHECK_OK(channel ? channel->Close() : stream_rpc->Close());
   auto closed = (*client)->CloseSequence(seq);
   CHECK_OK(closed.status());
 
   std::vector<double> overhead(rtt_us.size());
   for (size_t i = 0; i < rtt_us.size(); ++i) overhead[i] = rtt_us[i] - kernel_us[i];
-  std::printf("decode worker: %s, context %lld tokens, %d steps x %d layers over CUDA IPC%s\n",
+  std::printf("decode worker: %s, context %lld tokens, %d steps x %d layers, tensors over CUDA "
+              "IPC, calls over the %s%s\n",
               model.c_str(), static_cast<long long>(prompt), steps, g.num_layers,
+              transport == "channel" ? "shared-memory decode channel" : "gRPC stream",
               sync ? " (host waits for every result)" : "");
   std::printf("tokens/s: %.1f (%.3f ms per token, %d layer calls per token)\n", steps / loop_s,
               loop_s / steps * 1e3, g.num_layers);

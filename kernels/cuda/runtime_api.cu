@@ -20,6 +20,21 @@ std::string CopyToDevice(void* dst, const void* src, size_t bytes) {
 std::string CopyToHost(void* dst, const void* src, size_t bytes) {
   return Text(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
 }
+std::string HostAlloc(void** ptr, size_t bytes) { return Text(cudaMallocHost(ptr, bytes)); }
+std::string HostFree(void* ptr) { return Text(cudaFreeHost(ptr)); }
+std::string CopyToDeviceAsync(void* dst, const void* src, size_t bytes) {
+  return Text(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, nullptr));
+}
+std::string CreateEvent(void** event) {
+  cudaEvent_t e = nullptr;
+  const cudaError_t err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+  if (err == cudaSuccess) *event = e;
+  return Text(err);
+}
+std::string EventSynchronize(void* event) {
+  return Text(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
+}
+
 std::string CopyDeviceToDevice(void* dst, const void* src, size_t bytes) {
   return Text(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, nullptr));
 }

@@ -1,5 +1,7 @@
 // Integration: the real kvcd binary on a loopback port, driven by the real client.
 #include <arpa/inet.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -10,6 +12,7 @@
 #include <thread>
 
 #include "client/client.h"
+#include "client/decode_channel.h"
 #include "client/synthetic.h"
 #include "common/rotation.h"
 #include "common/safetensors.h"
@@ -155,6 +158,80 @@ TEST_F(DaemonTest, PutMatchOpenAppendAttendClose) {
   EXPECT_EQ(*closed, 28);
   EXPECT_EQ(client_->CloseSequence(open->sequence_id()).status().code(),
             absl::StatusCode::kNotFound);
+}
+
+// The shared-memory decode channel answers exactly what the gRPC stream answers, appends
+// through it, reports per-request errors, and refuses bad channels.
+TEST_F(DaemonTest, DecodeChannelMatchesTheStream) {
+  ASSERT_TRUE(client_->Put(MakePut("tiny", 13, 24)).ok());
+  const auto tokens = synthetic::Tokens(13, 0, 24);
+  auto s1 = client_->OpenSequence("tiny", "", tokens, 60000);
+  auto s2 = client_->OpenSequence("tiny", "", tokens, 60000);
+  ASSERT_TRUE(s1.ok() && s2.ok());
+  const int hq = profile_.num_q_heads(), hkv = profile_.num_kv_heads(), d = profile_.head_dim();
+  auto stream = client_->OpenDecodeStream();
+  ASSERT_TRUE(stream.ok());
+  auto channel = DecodeChannel::Open(client_.get(), 1 << 16, 60000);
+  ASSERT_TRUE(channel.ok()) << channel.status();
+  for (int64_t pos = 24; pos < 27; ++pos) {
+    for (int32_t l = 0; l < profile_.num_layers(); ++l) {
+      v1::AttentionDecodeRequest r;
+      r.set_layer(l);
+      r.set_request_id(pos * 10 + l);
+      SetF32Tensor(r.mutable_q(), {1, hq, d}, synthetic::Row(13, profile_, l, pos, 2).data());
+      SetBf16FromFloat(r.mutable_k_new(), {1, hkv, d}, synthetic::Row(13, profile_, l, pos, 0).data());
+      SetBf16FromFloat(r.mutable_v_new(), {1, hkv, d}, synthetic::Row(13, profile_, l, pos, 1).data());
+      r.add_new_tokens(synthetic::Token(13, pos));
+      v1::AttentionDecodeRequest r2 = r;
+      r.add_sequence_ids(s1->sequence_id());
+      r2.add_sequence_ids(s2->sequence_id());
+      auto a = (*stream)->Call(r);
+      auto b = (*channel)->Call(r2);
+      ASSERT_TRUE(a.ok()) << a.status();
+      ASSERT_TRUE(b.ok()) << b.status();
+      EXPECT_EQ(b->request_id(), static_cast<uint64_t>(pos * 10 + l));
+      EXPECT_EQ(b->lengths(0), pos + 1);
+      ASSERT_EQ(a->o().inline_data(), b->o().inline_data());
+      ASSERT_EQ(a->lse().inline_data(), b->lse().inline_data());
+    }
+  }
+  v1::AttentionDecodeRequest bad;
+  bad.set_layer(0);
+  bad.add_sequence_ids(987654);
+  auto e = (*channel)->Call(bad);
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kNotFound) << e.status();
+  EXPECT_TRUE((*channel)->Close().ok());
+  EXPECT_EQ((*channel)->Call(bad).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(*client_->CloseSequence(s2->sequence_id()), 27);
+
+  // Bad channels: a name outside /kvcd-*, a missing object, an object that is not a channel.
+  v1::OpenDecodeChannelRequest req;
+  v1::OpenDecodeChannelResponse resp;
+  req.set_shm_name("/etc-passwd");
+  EXPECT_EQ(client_->OpenDecodeChannelRpc(req, &resp).code(), absl::StatusCode::kInvalidArgument);
+  req.set_shm_name("/kvcd-../x");
+  EXPECT_EQ(client_->OpenDecodeChannelRpc(req, &resp).code(), absl::StatusCode::kInvalidArgument);
+  req.set_shm_name("/kvcd-absent-" + std::to_string(getpid()));
+  EXPECT_EQ(client_->OpenDecodeChannelRpc(req, &resp).code(), absl::StatusCode::kNotFound);
+  const std::string junk = "/kvcd-junk-" + std::to_string(getpid());
+  const int fd = shm_open(junk.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 1 << 16), 0);
+  close(fd);
+  req.set_shm_name(junk);
+  EXPECT_EQ(client_->OpenDecodeChannelRpc(req, &resp).code(), absl::StatusCode::kInvalidArgument);
+  shm_unlink(junk.c_str());
+  EXPECT_EQ(client_->CloseDecodeChannel(424242).code(), absl::StatusCode::kNotFound);
+
+  // An idle channel is closed by the daemon after its lease.
+  auto idle = DecodeChannel::Open(client_.get(), 1 << 16, 30);
+  ASSERT_TRUE(idle.ok()) << idle.status();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  v1::AttentionDecodeRequest ok_req;
+  ok_req.set_layer(0);
+  ok_req.add_sequence_ids(s1->sequence_id());
+  SetF32Tensor(ok_req.mutable_q(), {1, hq, d}, synthetic::Row(13, profile_, 0, 30, 2).data());
+  EXPECT_EQ((*idle)->Call(ok_req).status().code(), absl::StatusCode::kUnavailable);
 }
 
 TEST_F(DaemonTest, TenantsAreIsolated) {

@@ -249,6 +249,52 @@ TEST_F(CudaKernelsTest, CopySpansCopiesAndCountsLikeTheReference) {
   EXPECT_GT(want_bad, 0u);  // random bytes hold non-finite values: the check is exercised
 }
 
+TEST_F(CudaKernelsTest, StoreRowsIsBitIdenticalToTheHostPath) {
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  for (int d : {64, 128, 256}) {
+    for (int src_bf16 = 0; src_bf16 < 2; ++src_bf16) {
+      for (int rotate = 0; rotate < 2; ++rotate) {
+        const int rows = 37;
+        std::vector<float> x(rows * d), rot(d * d);
+        std::vector<uint16_t> xb(rows * d);
+        for (int i = 0; i < rows * d; ++i) {
+          xb[i] = FloatToBf16(normal(rng_));
+          x[i] = src_bf16 ? Bf16ToFloat(xb[i]) : normal(rng_);
+        }
+        for (auto& r : rot) r = normal(rng_) / std::sqrt(static_cast<float>(d));
+        // Host path: CopyRowFloat/CopyRowBf16, RotateRows, FloatToBf16N.
+        std::vector<uint16_t> want(rows * d);
+        if (rotate) {
+          std::vector<float> y(rows * d);
+          RotateRows(x.data(), rows, d, rot.data(), y.data());
+          FloatToBf16N(y.data(), want.data(), rows * d);
+        } else if (src_bf16) {
+          want = xb;
+        } else {
+          FloatToBf16N(x.data(), want.data(), rows * d);
+        }
+        const void* d_src = src_bf16 ? static_cast<const void*>(Up(xb)) : Up(x);
+        const float* d_rot = rotate ? Up(rot) : nullptr;
+        std::vector<uint16_t> poison(rows * d, 0x7fc1);
+        uint16_t* d_dst = Up(poison);
+        cuda::RowStoreBatch batch;
+        for (int r = 0; r < rows; ++r) {
+          // Scattered destinations: row r goes to slot (r * 7) % rows.
+          batch.rows[batch.count++] = cuda::RowStore{
+              static_cast<const uint8_t*>(d_src) + static_cast<size_t>(r) * d * (src_bf16 ? 2 : 4),
+              d_dst + static_cast<size_t>((r * 7) % rows) * d, d_rot};
+        }
+        ASSERT_EQ(cuda::LaunchStoreRows(batch, d, src_bf16, nullptr), cudaSuccess);
+        const auto got = Down(d_dst, rows * d);
+        for (int r = 0; r < rows; ++r)
+          for (int j = 0; j < d; ++j)
+            ASSERT_EQ(got[((r * 7) % rows) * d + j], want[r * d + j])
+                << "d " << d << " bf16 " << src_bf16 << " rotate " << rotate << " row " << r;
+      }
+    }
+  }
+}
+
 TEST_F(CudaKernelsTest, ToFloatMatchesTheCpu) {
   std::normal_distribution<float> normal(0.0f, 3.0f);
   const int64_t n = 4099;

@@ -14,6 +14,15 @@ std::string Malloc(void** ptr, size_t bytes);
 std::string Free(void* ptr);
 std::string CopyToDevice(void* dst, const void* src, size_t bytes);
 std::string CopyToHost(void* dst, const void* src, size_t bytes);
+// Pinned host memory, and an asynchronous host -> device copy from it on the daemon's
+// stream (the source must stay untouched until an event recorded after it completes).
+std::string HostAlloc(void** ptr, size_t bytes);
+std::string HostFree(void* ptr);
+std::string CopyToDeviceAsync(void* dst, const void* pinned_src, size_t bytes);
+// A plain event (timing disabled) and a host wait for it.
+std::string CreateEvent(void** event);
+std::string EventSynchronize(void* event);
+
 // Device -> device on the daemon's stream (the legacy default stream), asynchronous.
 std::string CopyDeviceToDevice(void* dst, const void* src, size_t bytes);
 

@@ -1,0 +1,48 @@
+// DecodeChannel: the client side of the same-node decode fast path (OpenDecodeChannel).
+// Same Call() contract as DecodeStream — one request at a time, answered in order, a
+// per-request error returned as that status — but the request and the answer go through
+// a POSIX shared memory object polled by both sides instead of through gRPC. The daemon
+// must run on the same host (NOT_FOUND otherwise: fall back to OpenDecodeStream).
+//
+// Thread safety: a DecodeChannel may not be shared by threads.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "client/client.h"
+#include "common/decode_channel_layout.h"
+
+namespace kvcd {
+
+class DecodeChannel {
+ public:
+  // capacity: bytes of each message area (requests and answers must fit; with CUDA IPC
+  // tensors they are a few hundred bytes). lease_ms: the daemon closes the channel after
+  // this long without a request (0 = its default lease).
+  static absl::StatusOr<std::unique_ptr<DecodeChannel>> Open(Client* client,
+                                                             uint32_t capacity = 1u << 20,
+                                                             int64_t lease_ms = 0);
+  ~DecodeChannel();  // Close()
+
+  // Waits for the answer at most the client's deadline (DEADLINE_EXCEEDED; the channel
+  // is unusable afterwards). UNAVAILABLE once the daemon closed the channel.
+  absl::StatusOr<v1::AttentionDecodeResponse> Call(const v1::AttentionDecodeRequest& req);
+  absl::Status Close();
+  uint64_t id() const { return id_; }
+
+ private:
+  DecodeChannel() = default;
+  Client* client_ = nullptr;
+  DecodeChannelHeader* header_ = nullptr;
+  size_t bytes_ = 0;
+  uint64_t id_ = 0;
+  uint64_t seq_ = 0;
+  bool broken_ = false;
+  std::string scratch_;
+};
+
+}  // namespace kvcd

@@ -1,0 +1,58 @@
+// DecodeChannels: the daemon side of the same-node decode fast path (OpenDecodeChannel).
+// Each channel maps the worker's shared memory and runs one thread that polls it for
+// requests (spinning for spin_us after each request, then checking every poll_us), runs
+// them through `decode` (the same function the gRPC stream uses) and writes the answers
+// back. A channel ends on Close, when the worker sets the closed flag, after lease_ms
+// without a request, or when the daemon drains (CloseAll).
+//
+// Thread safety: all methods are thread-safe.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "kvcd/v1/kvcache.pb.h"
+
+namespace kvcd {
+
+class DecodeChannels {
+ public:
+  using DecodeFn =
+      std::function<absl::Status(const v1::AttentionDecodeRequest&, v1::AttentionDecodeResponse*)>;
+  struct Options {
+    int64_t spin_us = 2000;
+    int64_t poll_us = 20;
+    int max_channels = 64;
+  };
+  DecodeChannels(DecodeFn decode, Options options);
+  ~DecodeChannels();
+
+  // INVALID_ARGUMENT for a bad name or layout, NOT_FOUND if the object does not exist,
+  // RESOURCE_EXHAUSTED past max_channels.
+  absl::StatusOr<uint64_t> Open(const std::string& shm_name, int64_t lease_ms);
+  absl::Status Close(uint64_t id);
+  void CloseAll();
+  int64_t size() const;
+  uint64_t served() const { return served_.load(); }
+
+ private:
+  struct Channel;
+  void Serve(Channel* c);
+
+  const DecodeFn decode_;
+  const Options options_;
+  std::atomic<uint64_t> served_{0};
+  mutable std::mutex mu_;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<uint64_t, std::unique_ptr<Channel>> channels_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvcd
