@@ -4,7 +4,8 @@
 # binaries in .devbin and their non-system shared libraries in .devlibs (see
 # bench/results/2026-12-02-h200-data-plane.md for how they were made). NCCL is taken from
 # the machine (libnccl.so.2 of the Python nvidia-nccl package, or NCCL_LIB).
-# Usage: bench/run-data-plane.sh [tokens ...]   (default: 32768 100000)
+# Usage: bench/run-data-plane.sh [model:tokens ...]
+#   (default: qwen3-8b-int2:32768 qwen3-8b-int2:100000 qwen3-8b:32768)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0
@@ -12,21 +13,25 @@ NCCL_LIB=${NCCL_LIB:-$(python3 -c 'import nvidia.nccl as m; print(list(m.__path_
 export LD_LIBRARY_PATH=$PWD/.devlibs${NCCL_LIB:+:$NCCL_LIB}
 BIN=${KVCD_BIN:-.devbin}
 CONFIG=${KVCD_CONFIG:-deploy/config/kvcd-dataplane.yaml}
-MODEL=qwen3-8b-int2
 source scripts/daemon-lib.sh
 start_kvcd "$BIN/kvcd" "$CONFIG" || { cat "$KVCD_LOG_DIR/err"; exit 1; }
 echo "daemon: $KVCD_GRPC (config $CONFIG); NCCL from ${NCCL_LIB:-nowhere}"
 rc=0
-for n in "${@:-32768 100000}"; do
-  for t in $n; do
-    echo "=== $t tokens"
-    "$BIN/kvcd_prefill_worker" --target "$KVCD_GRPC" --model $MODEL --tokens "$t" --salt "p$t" --repeat 2 || rc=1
-    "$BIN/kvcd_decode_worker" --target "$KVCD_GRPC" --model $MODEL --tokens "$t" --salt "p$t" --steps 8 || rc=1
-    "$BIN/kvcd_decode_worker" --target "$KVCD_GRPC" --model $MODEL --tokens "$t" --salt "p$t" --steps 2 --sync || rc=1
+# model:tokens pairs; each: push/fetch through IPC, then the decode loop over the
+# shared-memory channel (pipelined, and with the host waiting for every result) and over
+# the gRPC stream.
+for run in "${@:-qwen3-8b-int2:32768 qwen3-8b-int2:100000 qwen3-8b:32768}"; do
+  for mt in $run; do
+    m=${mt%%:*}; t=${mt##*:}
+    echo "=== $m, $t tokens"
+    "$BIN/kvcd_prefill_worker" --target "$KVCD_GRPC" --model "$m" --tokens "$t" --salt "p$t" --repeat 2 || rc=1
+    "$BIN/kvcd_decode_worker" --target "$KVCD_GRPC" --model "$m" --tokens "$t" --salt "p$t" --steps 16 || rc=1
+    "$BIN/kvcd_decode_worker" --target "$KVCD_GRPC" --model "$m" --tokens "$t" --salt "p$t" --steps 2 --sync || rc=1
+    "$BIN/kvcd_decode_worker" --target "$KVCD_GRPC" --model "$m" --tokens "$t" --salt "p$t" --steps 4 --transport stream || rc=1
   done
 done
 echo "=== NCCL (worker on device ${NCCL_WORKER_DEVICE:-0})"
-"$BIN/kvcd_prefill_worker" --target "$KVCD_GRPC" --model $MODEL --tokens 4096 --salt nccl \
+"$BIN/kvcd_prefill_worker" --target "$KVCD_GRPC" --model qwen3-8b-int2 --tokens 4096 --salt nccl \
   --transport nccl --repeat 2 --timeout-ms 8000 --device "${NCCL_WORKER_DEVICE:-0}"
 echo "nccl prefill worker exit: $?"
 "$BIN/kvctl" --target "$KVCD_GRPC" stats | head -12
