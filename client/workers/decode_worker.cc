@@ -12,10 +12,12 @@
 // time of each call (kernel_seconds: validation excluded, the backend's work including its
 // copies), so RPC overhead = round trip - kernel_seconds. With --sync every call also
 // waits for its result on the host (latency of one layer, not throughput). Finally the
-// IPC result of one call is checked against the same call with inline tensors.
+// IPC result of one call is checked against the same call with inline tensors. With
+// --wait host the host waits for the ready and done events instead of the streams.
 //
 // Usage: kvcd_decode_worker --target HOST:PORT --model NAME [--tokens 32768] [--seed 1]
 //          [--salt prefill] [--steps 16] [--sync] [--device 0] [--transport channel|stream]
+//          [--wait device|host]
 #include <cuda_runtime.h>
 
 #include <chrono>
@@ -52,6 +54,16 @@ int main(int argc, char** argv) {
   const uint64_t seed = static_cast<uint64_t>(flags.GetInt("seed", 1));
   const int steps = static_cast<int>(flags.GetInt("steps", 16));
   const bool sync = flags.Has("sync");
+  // --wait device (default): cross-process order through stream waits on the IPC events;
+  // --wait host: the host waits for each event, so no stream ever waits on the other
+  // process (the per-call cost of GPU time-slicing between the two contexts shows as the
+  // difference).
+  const std::string wait = flags.Get("wait", "device");
+  if (wait != "device" && wait != "host") {
+    std::fprintf(stderr, "--wait must be device or host\n");
+    return 2;
+  }
+  const bool host_wait = wait == "host";
   const std::string transport = flags.Get("transport", "channel");
   if (transport != "channel" && transport != "stream") {
     std::fprintf(stderr, "--transport must be channel or stream\n");
@@ -128,6 +140,7 @@ int main(int argc, char** argv) {
       CHECK_OK(kw::CudaCheck(kw::FillBf16(reinterpret_cast<uint16_t*>(d + k_off), kv_n, key ^ 1, stream), "fill k"));
       CHECK_OK(kw::CudaCheck(kw::FillBf16(reinterpret_cast<uint16_t*>(d + v_off), kv_n, key ^ 2, stream), "fill v"));
       CHECK_OK(b.MarkReady(stream));
+      if (host_wait) CHECK_OK(b.WaitReadyOnHost());
       req.set_layer(l);
       req.set_request_id(static_cast<uint64_t>(s) * g.num_layers + l);
       const auto t0 = Clock::now();
@@ -136,7 +149,7 @@ int main(int argc, char** argv) {
       CHECK_OK(r.status());
       rtt_us.push_back(rtt);
       kernel_us.push_back(r->kernel_seconds() * 1e6);
-      CHECK_OK(b.WaitDone(stream));
+      CHECK_OK(host_wait ? b.WaitDoneOnHost() : b.WaitDone(stream));
       if (sync) {
         cudaEventRecord(done_ev, stream);
         CHECK_OK(kw::CudaCheck(cudaEventSynchronize(done_ev), "sync"));
@@ -181,10 +194,11 @@ int main(int argc, char** argv) {
   std::vector<double> overhead(rtt_us.size());
   for (size_t i = 0; i < rtt_us.size(); ++i) overhead[i] = rtt_us[i] - kernel_us[i];
   std::printf("decode worker: %s, context %lld tokens, %d steps x %d layers, tensors over CUDA "
-              "IPC, calls over the %s%s\n",
+              "IPC, calls over the %s%s%s\n",
               model.c_str(), static_cast<long long>(prompt), steps, g.num_layers,
               transport == "channel" ? "shared-memory decode channel" : "gRPC stream",
-              sync ? " (host waits for every result)" : "");
+              sync ? " (host waits for every result)" : "",
+              host_wait ? ", events waited on by the host" : "");
   std::printf("tokens/s: %.1f (%.3f ms per token, %d layer calls per token)\n", steps / loop_s,
               loop_s / steps * 1e3, g.num_layers);
   std::printf("per call: round trip p50 %.1f us p90 %.1f us; daemon-side p50 %.1f us; "

@@ -72,6 +72,14 @@ absl::Status IpcBuffer::WaitDone(cudaStream_t stream) {
   return CudaCheck(cudaStreamWaitEvent(stream, done_, 0), "cudaStreamWaitEvent(done)");
 }
 
+absl::Status IpcBuffer::WaitReadyOnHost() {
+  return CudaCheck(cudaEventSynchronize(ready_), "cudaEventSynchronize(ready)");
+}
+
+absl::Status IpcBuffer::WaitDoneOnHost() {
+  return CudaCheck(cudaEventSynchronize(done_), "cudaEventSynchronize(done)");
+}
+
 absl::Status IpcBuffer::Unregister() {
   if (!registered_) return absl::OkStatus();
   registered_ = false;

@@ -38,6 +38,11 @@ class IpcBuffer {
               uint64_t offset) const;
   absl::Status MarkReady(cudaStream_t stream);
   absl::Status WaitDone(cudaStream_t stream);
+  // Host-side waits, for a worker that keeps no cross-process wait pending on the GPU
+  // (without MPS the GPU time-slices between the worker's and the daemon's contexts, and a
+  // stream blocked on the other process's event keeps its context scheduled).
+  absl::Status WaitReadyOnHost();
+  absl::Status WaitDoneOnHost();
   // Unregisters now (the daemon drops its mapping); the allocation stays.
   absl::Status Unregister();
 
