@@ -44,7 +44,10 @@ T* Upload(const std::vector<T>& v) {
 }
 
 // One correctness case: batch sequences of the given lengths; returns max rel error.
-double CheckCase(int hq, int hkv, int d, int ps, const std::vector<int>& lengths, uint32_t seed) {
+// growth > 0 scales the K/V rows of token t by (1 + t * growth), so the running max of the
+// logits and the value scales keep rising (every rescale path of the kernels runs).
+double CheckCase(int hq, int hkv, int d, int ps, const std::vector<int>& lengths, uint32_t seed,
+                 float growth, kk::cuda::Int2Kernel kernel) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   const int batch = static_cast<int>(lengths.size());
@@ -66,7 +69,8 @@ double CheckCase(int hq, int hkv, int d, int ps, const std::vector<int>& lengths
       uint8_t* page = pool.data() + table[b * max_pages + t / ps] * page_bytes;
       for (int h = 0; h < hkv; ++h) {
         for (int which = 0; which < 2; ++which) {
-          for (auto& x : row) x = normal(rng) * (which == 0 ? 2.0f : 1.0f);
+          const float gain = (which == 0 ? 2.0f : 1.0f) * (1.0f + growth * static_cast<float>(t));
+          for (auto& x : row) x = normal(rng) * gain;
           kk::DemoteRowsToInt2(row.data(), 1, d, nullptr, which == 0 ? 0.96f : 0.92f,
                                which == 0 ? layout.K(page, h) : layout.V(page, h), t % ps);
         }
@@ -103,6 +107,7 @@ double CheckCase(int hq, int hkv, int d, int ps, const std::vector<int>& lengths
   void* ws = nullptr;
   CHECK(cudaMalloc(&ws, kk::cuda::Int2DecodeWorkspaceBytes(batch, hq, d, p.num_splits)));
   p.workspace = ws;
+  p.kernel = kernel;
   CHECK(kk::cuda::LaunchInt2Decode(p, max_len, nullptr));
   CHECK(cudaDeviceSynchronize());
   std::vector<float> o(batch * hq * d), lse(batch * hq);
@@ -206,22 +211,31 @@ int main(int argc, char** argv) {
     struct Case {
       int hq, hkv, d, ps;
       std::vector<int> lengths;
+      float growth;
     };
     const Case cases[] = {
-        {32, 8, 128, 64, {1, 33, 1000, 4097}},
-        {8, 8, 128, 32, {65, 0, 7}},
-        {16, 2, 128, 64, {3000}},
-        {8, 2, 64, 64, {1, 200, 999}},
-        {16, 4, 256, 32, {517, 31}},
-        {4, 4, 64, 32, {100000}},
+        {32, 8, 128, 64, {1, 33, 1000, 4097}, 0.0f},
+        {8, 8, 128, 32, {65, 0, 7}, 0.0f},
+        {16, 2, 128, 64, {3000}, 0.0f},
+        {24, 8, 128, 64, {777, 64}, 0.0f},
+        {32, 8, 128, 64, {20000, 95}, 0.002f},
+        {64, 8, 128, 32, {2049, 5}, 0.01f},
+        {8, 2, 64, 64, {1, 200, 999}, 0.0f},
+        {32, 4, 64, 64, {2000, 63}, 0.005f},
+        {16, 4, 256, 32, {517, 31}, 0.0f},
+        {4, 4, 64, 32, {100000}, 0.0f},
     };
-    for (const auto& c : cases) {
-      const double err = CheckCase(c.hq, c.hkv, c.d, c.ps, c.lengths, seed++);
-      const bool pass = err < 2e-3;
-      ok &= pass;
-      std::printf("  hq %2d hkv %d d %3d page %2d lengths", c.hq, c.hkv, c.d, c.ps);
-      for (int l : c.lengths) std::printf(" %d", l);
-      std::printf(": %.2e %s\n", err, pass ? "ok" : "FAIL");
+    for (const auto kernel : {kk::cuda::Int2Kernel::kAuto, kk::cuda::Int2Kernel::kFirst}) {
+      std::printf(" kernel %s\n", kernel == kk::cuda::Int2Kernel::kAuto ? "auto (int32 accumulation where supported)" : "first");
+      for (const auto& c : cases) {
+        const double err = CheckCase(c.hq, c.hkv, c.d, c.ps, c.lengths, seed++, c.growth, kernel);
+        const bool pass = err < 2e-3;
+        ok &= pass;
+        std::printf("  hq %2d hkv %d d %3d page %2d growth %.3f lengths", c.hq, c.hkv, c.d, c.ps,
+                    c.growth);
+        for (int l : c.lengths) std::printf(" %d", l);
+        std::printf(": %.2e %s\n", err, pass ? "ok" : "FAIL");
+      }
     }
     if (!ok) return 1;
   }
@@ -294,11 +308,22 @@ int main(int argc, char** argv) {
   const int hq = 32, hkv = 8, d = 128, ps = 64;
   std::printf("\nINT2 decode attention, Qwen3-8B layer (32 q / 8 kv heads, d 128, page 64)\n");
   std::printf("%8s %6s %7s %10s %10s %9s\n", "context", "batch", "splits", "us", "MB read", "TB/s");
-  const std::vector<int> cps_list = one_n ? std::vector<int>{one_cps} : std::vector<int>{2, 4, 8};
+  // kernel auto at 3 CTAs per SM (its occupancy) and 2; the first kernel at 4 (its best).
+  struct Variant {
+    kk::cuda::Int2Kernel kernel;
+    int cps;
+  };
+  const std::vector<Variant> variants =
+      one_n ? std::vector<Variant>{{kk::cuda::Int2Kernel::kAuto, one_cps}}
+            : std::vector<Variant>{{kk::cuda::Int2Kernel::kAuto, 3},
+                                   {kk::cuda::Int2Kernel::kAuto, 2},
+                                   {kk::cuda::Int2Kernel::kFirst, 4}};
   const std::vector<int> n_list = one_n ? std::vector<int>{one_n} : std::vector<int>{32768, 100000};
   const std::vector<int> b_list = one_n ? std::vector<int>{one_batch} : std::vector<int>{1, 8, 64};
-  for (int cps : cps_list) {
-    std::printf("-- splits for %d CTAs per SM --\n", cps);
+  for (const Variant& var : variants) {
+    const int cps = var.cps;
+    std::printf("-- kernel %s, splits for %d CTAs per SM --\n",
+                var.kernel == kk::cuda::Int2Kernel::kAuto ? "auto" : "first", cps);
     for (int n : n_list) {
       for (int batch : b_list) {
         const int pages_per = (n + ps - 1) / ps;
@@ -332,6 +357,7 @@ int main(int argc, char** argv) {
         p.r_v_t = Upload(h);
         p.softmax_scale = 1.0f / std::sqrt(static_cast<float>(d));
         p.num_splits = kk::cuda::Int2DecodeSplits(batch, hkv, n, prop.multiProcessorCount, cps);
+        p.kernel = var.kernel;
         float *o = nullptr, *lse = nullptr;
         void* ws = nullptr;
         CHECK(cudaMalloc(&o, batch * hq * d * 4));

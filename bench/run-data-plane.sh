@@ -6,6 +6,7 @@
 # the machine (libnccl.so.2 of the Python nvidia-nccl package, or NCCL_LIB).
 # Usage: bench/run-data-plane.sh [model:tokens ...]
 #   (default: qwen3-8b-int2:32768 qwen3-8b-int2:100000 qwen3-8b:32768)
+# KVCD_DECODE_WAITS="device host" runs the pipelined decode loop with both --wait modes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0
@@ -25,7 +26,9 @@ for run in "${@:-qwen3-8b-int2:32768 qwen3-8b-int2:100000 qwen3-8b:32768}"; do
     m=${mt%%:*}; t=${mt##*:}
     echo "=== $m, $t tokens"
     "$BIN/kvcd_prefill_worker" --target "$KVCD_GRPC" --model "$m" --tokens "$t" --salt "p$t" --repeat 2 || rc=1
-    "$BIN/kvcd_decode_worker" --target "$KVCD_GRPC" --model "$m" --tokens "$t" --salt "p$t" --steps 16 || rc=1
+    for w in ${KVCD_DECODE_WAITS:-device}; do  # "device host": both ways of ordering by events
+      "$BIN/kvcd_decode_worker" --target "$KVCD_GRPC" --model "$m" --tokens "$t" --salt "p$t" --steps 16 --wait "$w" || rc=1
+    done
     "$BIN/kvcd_decode_worker" --target "$KVCD_GRPC" --model "$m" --tokens "$t" --salt "p$t" --steps 2 --sync || rc=1
     "$BIN/kvcd_decode_worker" --target "$KVCD_GRPC" --model "$m" --tokens "$t" --salt "p$t" --steps 4 --transport stream || rc=1
   done

@@ -287,9 +287,11 @@ class CudaBackend final : public Backend {
       if (splits[f] == 0) continue;
       const kc::PagedList list{pool[f]->LayerBase(b.layer), pool[f]->layer_page_bytes(),
                                d_i32 + table_off[f], max_pages[f], d_i32 + len_off[f]};
-      const auto launch = f == 1 ? kc::LaunchInt2DecodeParts : kc::LaunchBf16DecodeParts;
-      RETURN_IF_CUDA_ERR(launch(list, geo, d_q, *d_rk, b.softmax_scale, splits[f], max_len[f],
-                                d_part_o, d_part_lse, part_base, nullptr));
+      RETURN_IF_CUDA_ERR(
+          f == 1 ? kc::LaunchInt2DecodeParts(list, geo, d_q, *d_rk, b.softmax_scale, splits[f],
+                                             max_len[f], d_part_o, d_part_lse, part_base, nullptr)
+                 : kc::LaunchBf16DecodeParts(list, geo, d_q, *d_rk, b.softmax_scale, splits[f],
+                                             max_len[f], d_part_o, d_part_lse, part_base, nullptr));
       part_base += splits[f];
     }
     if (part_base == 0) {  // nothing to attend: every row is the empty state

@@ -328,6 +328,399 @@ __global__ void __launch_bounds__(kWarps * 32) Int2DecodeKernel(PartArgs a) {
   WritePart<D>(a, split, b, kvh, G, s_m, s_l, s_lacc, s_o);
 }
 
+// ---------------------------------------------------------------------------------------
+// Int2DecodeKernelV2: the history read once with 16-byte loads, codes unpacked with one
+// mask (and for K a shift) per 4 elements straight into int8 MMA fragments, the value
+// products accumulated in int32 across tiles. mma.sync.m16n8k32 u8 x s8 -> s32 with the
+// fragments of the header comment (lane = 4g + t):
+//
+// logits, per 32-token tile and m-tile mt (16 tokens): A = K codes (rows = tokens: row g is
+//   token 4g + 2mt, row g + 8 is token 4g + 2mt + 1), B = the rotated query as two int8
+//   digits (column 2h' + digit for head h' of the n-tile). k-block kb = (j, pp) takes planes
+//   2pp (k 4t..4t+3) and 2pp + 1 (k 4t+16..) of the K word group 4j + t, so a lane reads
+//   only the groups 4j + t of its 4 tokens (one 16-byte load per group). The C fragment
+//   then holds, per lane, both digits of head t for the lane's 4 consecutive tokens.
+// values: A = V^T codes (rows = elements, k = tokens: a V word is one code byte of 4
+//   consecutive tokens, so one mask yields 4 tokens' codes of one plane, scaled by 4^p; the
+//   4^-p goes on the output row), B = the weights p_t * s_t as two int8 digits per head,
+//   moved from the logit layout to the B layout with two shuffles per register. The int32
+//   accumulators are converted to FP32 only when the running max of a head rises by more
+//   than kLazyLog2 (log2 units), when the tile's largest value scale exceeds the one the
+//   digits were scaled for, or every kFlushTiles tiles (int32 headroom).
+constexpr float kLazyLog2 = 1.0f;  // weights stay <= 2^kLazyLog2 * S between rescales
+constexpr int kFlushTiles = 512;   // 512 * 32 tokens * 127 * 192 < 2^31
+constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: low byte = round(x) for |x| < 2^22
+
+__device__ __forceinline__ void MmaU8S8(int (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                        uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float Exp2Approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Packs the low bytes of four words (byte c of the result = low byte of x_c).
+__device__ __forceinline__ uint32_t PackLowBytes(uint32_t x0, uint32_t x1, uint32_t x2,
+                                                 uint32_t x3) {
+  return __byte_perm(__byte_perm(x0, x1, 0x0040), __byte_perm(x2, x3, 0x0040), 0x5410);
+}
+
+template <int N>
+__device__ __forceinline__ void LoadWords(const uint32_t* p, uint32_t (&w)[N]) {
+  if constexpr (N == 2) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    w[0] = v.x;
+    w[1] = v.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(p + i));
+      w[i] = v.x;
+      w[i + 1] = v.y;
+      w[i + 2] = v.z;
+      w[i + 3] = v.w;
+    }
+  }
+}
+
+// What one lane loads for one 32-token tile.
+template <int D>
+struct TileWords {
+  static constexpr int Q = D / 4;   // code bytes per row
+  static constexpr int KW = Q / 16; // K word groups per lane (groups 4j + t)
+  static constexpr int U = Q / 8;   // V byte columns per lane (g*U .. g*U + U - 1)
+  uint32_t k[KW][4];                // [j][token 4g + c]
+  uint32_t v[2][U];                 // quads t and t + 4, byte columns g*U + u
+  uint2 ks, kl, vs, vl;             // FP16 scale/min of K and V, tokens 4g .. 4g + 3
+};
+
+template <int D>
+__device__ __forceinline__ void LoadTile(const PagedList& p, const DecodeGeometry& geo, int b,
+                                         int kvh, int page_id, int slot0, int g, int t,
+                                         TileWords<D>& tw) {
+  constexpr int Q = D / 4;
+  const int ps = geo.page_size;
+  const uint8_t* base = p.pages + static_cast<int64_t>(page_id) * p.page_stride;
+  const int64_t code_bytes = static_cast<int64_t>(geo.num_kv_heads) * ps * Q;
+  const uint32_t* kwords =
+      reinterpret_cast<const uint32_t*>(base + static_cast<int64_t>(kvh) * ps * Q);
+  const uint32_t* vwords =
+      reinterpret_cast<const uint32_t*>(base + code_bytes + static_cast<int64_t>(kvh) * ps * Q);
+  const uint16_t* kparams = reinterpret_cast<const uint16_t*>(base + 2 * code_bytes) +
+                            static_cast<int64_t>(kvh) * 2 * ps;
+  const uint16_t* vparams = kparams + static_cast<int64_t>(geo.num_kv_heads) * 2 * ps;
+#pragma unroll
+  for (int j = 0; j < TileWords<D>::KW; ++j) {
+    const uint4 w = __ldg(reinterpret_cast<const uint4*>(kwords + (4 * j + t) * ps + slot0 + 4 * g));
+    tw.k[j][0] = w.x;
+    tw.k[j][1] = w.y;
+    tw.k[j][2] = w.z;
+    tw.k[j][3] = w.w;
+  }
+  const int quad0 = slot0 / 4 + t;
+  LoadWords(vwords + quad0 * Q + g * TileWords<D>::U, tw.v[0]);
+  LoadWords(vwords + (quad0 + 4) * Q + g * TileWords<D>::U, tw.v[1]);
+  const int s = slot0 + 4 * g;
+  tw.ks = __ldg(reinterpret_cast<const uint2*>(kparams + s));
+  tw.kl = __ldg(reinterpret_cast<const uint2*>(kparams + ps + s));
+  tw.vs = __ldg(reinterpret_cast<const uint2*>(vparams + s));
+  tw.vl = __ldg(reinterpret_cast<const uint2*>(vparams + ps + s));
+}
+
+__device__ __forceinline__ void HalvesToFloat(uint2 h, float (&f)[4]) {
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&h.x));
+  const float2 c = __half22float2(*reinterpret_cast<const __half2*>(&h.y));
+  f[0] = a.x;
+  f[1] = a.y;
+  f[2] = c.x;
+  f[3] = c.y;
+}
+
+// Element of V^T m-tile vt, row r (0: row g, 1: row g + 8) for lane group g.
+template <int D>
+__device__ __forceinline__ int ValueElement(int vt, int r, int g) {
+  constexpr int Q = D / 4, U = Q / 8, per_plane = U / 2;
+  return (vt / per_plane) * Q + g * U + 2 * (vt % per_plane) + r;
+}
+
+template <int D, int NT>
+__global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a) {
+  constexpr int Q = D / 4;
+  constexpr int KB = D / 32;   // logit k-blocks (2 per K word group of a lane)
+  constexpr int VT = D / 16;   // V^T m-tiles
+  const PagedList& p = a.list;
+  const DecodeGeometry& geo = a.geo;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int G = geo.num_q_heads / geo.num_kv_heads;
+  const int ps = geo.page_size;
+  const int len = p.lengths[b];
+  const int t_begin = split * a.tokens_per_split;
+  const int t_end = min(len, t_begin + a.tokens_per_split);
+  const int32_t* table = p.page_table + static_cast<int64_t>(b) * p.max_pages;
+  constexpr int kStep = kWarps * 32;
+
+  __shared__ float s_q[8][D];
+  __shared__ float s_step[8], s_qsum[8];
+  __shared__ float s_m[kWarps][8], s_l[kWarps][8], s_lacc[kWarps][8];
+  __shared__ float s_o[kWarps][8][D];  // the warps' FP32 value sums (o without 1/l)
+
+  // The first tile's loads go out before the query rotation, so they overlap it.
+  int tile = t_begin + warp * 32;
+  TileWords<D> cur;
+  int next_page = 0;
+  if (tile < t_end) {
+    LoadTile<D>(p, geo, b, kvh, __ldg(table + tile / ps), tile % ps, g, t, cur);
+    if (tile + kStep < t_end) next_page = __ldg(table + (tile + kStep) / ps);
+  }
+  LoadQueries<D>(a, b, kvh, G, s_q, s_o[0]);
+  if (threadIdx.x < 8) {
+    float mx = 0.0f, sum = 0.0f;
+    for (int e = 0; e < D; ++e) {
+      mx = fmaxf(mx, fabsf(s_q[threadIdx.x][e]));
+      sum += s_q[threadIdx.x][e];
+    }
+    s_step[threadIdx.x] = mx > 0.0f ? mx / 127.0f : 1.0f;
+    s_qsum[threadIdx.x] = sum;
+  }
+  __syncthreads();
+  // Query digits (B of the logit MMAs): k-block kb = 2j + pp, column g = (head g/2 of the
+  // n-tile, digit g%2); b0 = plane 2pp, b1 = plane 2pp + 1 of elements 4(4j + t) + 0..3.
+  uint32_t bq[KB][NT][2];
+  {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int h = 4 * nt + (g >> 1);
+      const float step = s_step[h];
+      const bool low = (g & 1) != 0;
+#pragma unroll
+      for (int kb = 0; kb < KB; ++kb) {
+        const int j = kb / 2, pp = kb % 2;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int e0 = (2 * pp + half) * Q + 4 * (4 * j + t);
+          uint32_t d[4];
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const float x = s_q[h][e0 + c];
+            const int hi = Digit(x / step);
+            const int lo = Digit((x - hi * step) * 254.0f / step);
+            d[c] = static_cast<uint32_t>(low ? lo : hi);
+          }
+          bq[kb][nt][half] = PackLowBytes(d[0], d[1], d[2], d[3]);
+        }
+      }
+    }
+  }
+  constexpr float kLog2e = 1.4426950408889634f;
+  float unit[NT], qsum[NT];  // logit (log2 units) = dot_int * unit * s + qsum * lo
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    unit[nt] = s_step[4 * nt + t] / 254.0f * kLog2e;
+    qsum[nt] = s_qsum[4 * nt + t] * kLog2e;
+  }
+  // This lane's FP32 sums live in shared memory (touched only at rescales): zero them.
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int vt = 0; vt < VT; ++vt) {
+      s_o[warp][4 * nt + t][ValueElement<D>(vt, 0, g)] = 0.0f;
+      s_o[warp][4 * nt + t][ValueElement<D>(vt, 1, g)] = 0.0f;
+    }
+  }
+  __syncwarp();
+
+  int acc[VT][NT][4];
+#pragma unroll
+  for (int vt = 0; vt < VT; ++vt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[vt][nt][0] = acc[vt][nt][1] = acc[vt][nt][2] = acc[vt][nt][3] = 0;
+  float m_ref[NT], l[NT], lacc[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    m_ref[nt] = -INFINITY;
+    l[nt] = 0.0f;
+    lacc[nt] = 0.0f;
+  }
+  float s_run = 0.0f, inv_w = 0.0f;  // digits = w * inv_w, inv_w = 127 / (s_run * 2^lazy)
+  int since_flush = 0;
+
+  // Converts the int32 sums (scaled by the current inv_w) into the FP32 sums and rescales
+  // those by alpha (per head of the lane).
+  auto flush = [&](const float (&alpha)[NT]) {
+    const float to_w = inv_w > 0.0f ? 1.0f / inv_w : 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      float* o = s_o[warp][4 * nt + t];
+#pragma unroll
+      for (int vt = 0; vt < VT; ++vt) {
+        constexpr int per_plane = TileWords<D>::U / 2;
+        const float sc = to_w / static_cast<float>(1 << (2 * (vt / per_plane)));
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float x = (static_cast<float>(acc[vt][nt][2 * r]) +
+                           static_cast<float>(acc[vt][nt][2 * r + 1]) * (1.0f / 254.0f)) * sc;
+          const int e = ValueElement<D>(vt, r, g);
+          o[e] = (o[e] + x) * alpha[nt];
+          acc[vt][nt][2 * r] = acc[vt][nt][2 * r + 1] = 0;
+        }
+      }
+    }
+  };
+
+  for (; tile < t_end; tile += kStep) {
+    // Next tile's loads first (its page id was fetched a tile ago), then this tile's math.
+    TileWords<D> nxt;
+    const int ntile = tile + kStep;
+    if (ntile < t_end) {
+      LoadTile<D>(p, geo, b, kvh, next_page, ntile % ps, g, t, nxt);
+      if (ntile + kStep < t_end) next_page = __ldg(table + (ntile + kStep) / ps);
+    }
+    float ksc[4], klo[4], vsc[4], vlo[4];
+    HalvesToFloat(cur.ks, ksc);
+    HalvesToFloat(cur.kl, klo);
+    HalvesToFloat(cur.vs, vsc);
+    HalvesToFloat(cur.vl, vlo);
+    bool valid[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) valid[c] = tile + 4 * g + c < t_end;
+    // --- logits of head t (and 4 + t) for tokens 4g .. 4g + 3 ---
+    float lg[NT][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      int c[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0;
+#pragma unroll
+      for (int kb = 0; kb < KB; ++kb) {
+        const int j = kb / 2, pp = kb % 2;
+        const uint32_t w0 = cur.k[j][2 * mt], w1 = cur.k[j][2 * mt + 1];
+        const uint32_t a4[4] = {(w0 >> (4 * pp)) & kPlane, (w1 >> (4 * pp)) & kPlane,
+                                (w0 >> (4 * pp + 2)) & kPlane, (w1 >> (4 * pp + 2)) & kPlane};
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) MmaU8S8(c[nt], a4, bq[kb][nt][0], bq[kb][nt][1]);
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int tok = 2 * mt + r;
+          const float dot = static_cast<float>(c[nt][2 * r] * 254 + c[nt][2 * r + 1]);
+          const float x = fmaf(dot, unit[nt] * ksc[tok], qsum[nt] * klo[tok]);
+          lg[nt][tok] = valid[tok] ? x : -INFINITY;
+        }
+      }
+    }
+    // --- tile max per head, largest value scale, lazy rescale ---
+    float s_tile = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) s_tile = fmaxf(s_tile, valid[c] ? fabsf(vsc[c]) : 0.0f);
+    float mx[NT];
+    bool need = s_tile > s_run || ++since_flush >= kFlushTiles;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      mx[nt] = fmaxf(fmaxf(lg[nt][0], lg[nt][1]), fmaxf(lg[nt][2], lg[nt][3]));
+    }
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+      s_tile = fmaxf(s_tile, __shfl_xor_sync(0xffffffffu, s_tile, off));
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mx[nt] = fmaxf(mx[nt], __shfl_xor_sync(0xffffffffu, mx[nt], off));
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) need = need || mx[nt] > m_ref[nt] + kLazyLog2;
+    if (__any_sync(0xffffffffu, need)) {
+      float alpha[NT];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const float m_new = fmaxf(m_ref[nt], mx[nt]);
+        alpha[nt] = m_ref[nt] == -INFINITY ? 0.0f : Exp2Approx(m_ref[nt] - m_new);
+        m_ref[nt] = m_new;
+        l[nt] *= alpha[nt];
+        lacc[nt] *= alpha[nt];
+      }
+      flush(alpha);
+      s_run = fmaxf(s_run, fmaxf(s_tile, FLT_MIN));
+      inv_w = 127.0f / (s_run * 2.0f);  // 2 = 2^kLazyLog2
+      since_flush = 0;
+    }
+    // --- weights p * s_v as two int8 digits, moved to the B layout of the value MMAs ---
+    uint32_t bw[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      uint32_t hi[4], lo[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        // Stale slots past the sequence may hold NaN parameters: select, never multiply.
+        const float pr = valid[c] ? Exp2Approx(lg[nt][c] - m_ref[nt]) : 0.0f;
+        l[nt] += pr;
+        lacc[nt] += valid[c] ? pr * vlo[c] : 0.0f;
+        const float w = valid[c] ? pr * vsc[c] : 0.0f;
+        const float r = __fmul_rn(w, inv_w);
+        const float t1 = __fadd_rn(r, kRoundMagic);
+        const float hf = __fsub_rn(t1, kRoundMagic);
+        const float t2 = __fmaf_rn(__fsub_rn(r, hf), 254.0f, kRoundMagic);
+        hi[c] = __float_as_uint(t1);
+        lo[c] = __float_as_uint(t2);
+      }
+      const uint32_t hi4 = PackLowBytes(hi[0], hi[1], hi[2], hi[3]);
+      const uint32_t lo4 = PackLowBytes(lo[0], lo[1], lo[2], lo[3]);
+      // b0: tokens 4t'.. of column g' = (head g'/2, digit g'%2) from lane 4t' + g'/2; b1:
+      // tokens 16 + 4t'.. from lane 16 + 4t' + g'/2.
+      const int src0 = 4 * t + (g >> 1), src1 = 16 + 4 * t + (g >> 1);
+      const uint32_t h0 = __shfl_sync(0xffffffffu, hi4, src0);
+      const uint32_t l0 = __shfl_sync(0xffffffffu, lo4, src0);
+      const uint32_t h1 = __shfl_sync(0xffffffffu, hi4, src1);
+      const uint32_t l1 = __shfl_sync(0xffffffffu, lo4, src1);
+      bw[nt][0] = (g & 1) ? l0 : h0;
+      bw[nt][1] = (g & 1) ? l1 : h1;
+    }
+    // --- values: V^T m-tiles, one mask per A register ---
+#pragma unroll
+    for (int vt = 0; vt < VT; ++vt) {
+      constexpr int per_plane = TileWords<D>::U / 2;
+      const int plane = vt / per_plane, v = vt % per_plane;
+      const uint32_t mask = kPlane << (2 * plane);
+      const uint32_t a4[4] = {cur.v[0][2 * v] & mask, cur.v[0][2 * v + 1] & mask,
+                              cur.v[1][2 * v] & mask, cur.v[1][2 * v + 1] & mask};
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) MmaU8S8(acc[vt][nt], a4, bw[nt][0], bw[nt][1]);
+    }
+    if (ntile < t_end) cur = nxt;
+  }
+  {
+    float one[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) one[nt] = 1.0f;
+    flush(one);
+  }
+  constexpr float kLn2 = 0.6931471805599453f;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+      l[nt] += __shfl_xor_sync(0xffffffffu, l[nt], off);
+      lacc[nt] += __shfl_xor_sync(0xffffffffu, lacc[nt], off);
+    }
+    if (g == 0) {
+      const int h = 4 * nt + t;
+      s_m[warp][h] = l[nt] > 0.0f ? m_ref[nt] * kLn2 : -FLT_MAX;
+      s_l[warp][h] = l[nt];
+      s_lacc[warp][h] = lacc[nt];
+    }
+  }
+  __syncthreads();
+  WritePart<D>(a, split, b, kvh, G, s_m, s_l, s_lacc, s_o);
+}
+
 // BF16 pages on CUDA cores: each warp takes tokens in turn; a lane holds D/32 elements of
 // the K and V rows, a logit is a warp reduction. Meant for the short sink/recent windows
 // (and BF16-history models), not tuned for long contexts.
@@ -472,8 +865,10 @@ size_t Int2DecodeWorkspaceBytes(int batch, int num_q_heads, int head_dim, int ma
 }
 
 int Int2DecodeSplits(int batch, int num_kv_heads, int max_tokens, int num_sms, int ctas_per_sm) {
+  // As many splits as fit in one wave of resident CTAs (a second, partial wave would double
+  // the time of the last CTAs), at least one 32-token tile per warp.
   const int ctas = batch * num_kv_heads;
-  int splits = (ctas_per_sm * num_sms + ctas - 1) / ctas;
+  int splits = ctas_per_sm * num_sms / ctas;
   const int max_by_tokens = (max_tokens + kWarps * kTile - 1) / (kWarps * kTile);
   splits = splits < max_by_tokens ? splits : max_by_tokens;
   return splits < 1 ? 1 : splits;
@@ -505,14 +900,26 @@ cudaError_t LaunchRotateQueries(const float* q, const float* r_k, float scale, i
 cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
                                   const float* r_k, float scale, int splits, int max_tokens,
                                   float* part_o, float* part_lse, int part_base,
-                                  cudaStream_t stream) {
+                                  cudaStream_t stream, Int2Kernel kernel) {
   if (!SupportedGeometry(geo) || geo.page_size % kTile != 0 || splits <= 0) {
     return cudaErrorInvalidValue;
   }
   const PartArgs a{list,   geo,      q,        r_k, scale, TokensPerSplit(max_tokens, splits),
                    part_o, part_lse, part_base};
   const dim3 grid(splits, geo.num_kv_heads, geo.batch);
-  switch (geo.head_dim) {  // one instantiation per head_dim
+  const bool wide = geo.num_q_heads / geo.num_kv_heads > 4;
+  if (kernel == Int2Kernel::kAuto && geo.head_dim <= 128) {
+    // The int32-accumulating kernel (head_dim 64/128; GQA groups up to 4 or 8).
+    if (geo.head_dim == 64) {
+      if (wide) Int2DecodeKernelV2<64, 2><<<grid, kWarps * 32, 0, stream>>>(a);
+      else Int2DecodeKernelV2<64, 1><<<grid, kWarps * 32, 0, stream>>>(a);
+    } else {
+      if (wide) Int2DecodeKernelV2<128, 2><<<grid, kWarps * 32, 0, stream>>>(a);
+      else Int2DecodeKernelV2<128, 1><<<grid, kWarps * 32, 0, stream>>>(a);
+    }
+    return cudaGetLastError();
+  }
+  switch (geo.head_dim) {  // the first kernel: every head_dim, per-tile FP32 accumulation
     case 64:
       Int2DecodeKernel<64><<<grid, kWarps * 32, 0, stream>>>(a);
       break;
@@ -566,8 +973,9 @@ cudaError_t LaunchInt2Decode(const Int2DecodeParams& p, int max_tokens, cudaStre
   float* part_o = static_cast<float*>(p.workspace);
   float* part_lse = part_o + static_cast<size_t>(p.num_splits) * rows * p.head_dim;
   const PagedList list{p.pages, p.page_stride, p.page_table, p.max_pages, p.lengths};
-  const cudaError_t e = LaunchInt2DecodeParts(list, geo, p.q, p.r_k, p.softmax_scale, p.num_splits,
-                                              max_tokens, part_o, part_lse, 0, stream);
+  const cudaError_t e =
+      LaunchInt2DecodeParts(list, geo, p.q, p.r_k, p.softmax_scale, p.num_splits, max_tokens,
+                            part_o, part_lse, 0, stream, p.kernel);
   if (e != cudaSuccess) return e;
   return LaunchMergeParts(part_o, part_lse, p.num_splits, rows, p.head_dim, p.r_v_t, p.o, p.lse,
                           stream);

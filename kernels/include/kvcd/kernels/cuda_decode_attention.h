@@ -22,6 +22,11 @@
 
 namespace kvcd::kernels::cuda {
 
+// Which INT2 kernel runs: kAuto picks the int32-accumulating kernel where it exists
+// (head_dim 64/128) and the first kernel otherwise; kFirst forces the first kernel (per-tile
+// FP32 accumulation, every head_dim), kept for head_dim 256 and for comparison.
+enum class Int2Kernel { kAuto, kFirst };
+
 struct Int2DecodeParams {
   const uint8_t* pages = nullptr;       // layer base of the INT2 pool (device)
   int64_t page_stride = 0;              // bytes between pages of the layer
@@ -37,15 +42,17 @@ struct Int2DecodeParams {
   float* o = nullptr;         // [batch][num_q_heads][head_dim] (device)
   float* lse = nullptr;       // [batch][num_q_heads] natural log (device)
   void* workspace = nullptr;  // Int2DecodeWorkspaceBytes(...) bytes (device)
+  Int2Kernel kernel = Int2Kernel::kAuto;
 };
 
 // Workspace for partial states and the rotated queries.
 size_t Int2DecodeWorkspaceBytes(int batch, int num_q_heads, int head_dim, int max_splits);
 // (the partial states only: queries are rotated inside the decode kernels)
 
-// The split count for a batch: about ctas_per_sm CTAs of 4 warps per SM (4 is what the
-// register file holds at head_dim 128), at least 4 tiles of 32 tokens per CTA.
-int Int2DecodeSplits(int batch, int num_kv_heads, int max_tokens, int num_sms, int ctas_per_sm = 4);
+// The split count for a batch: one wave of ctas_per_sm CTAs of 4 warps per SM (3 is what
+// the register file holds for the INT2 kernels at head_dim 128), at least one 32-token tile
+// per warp.
+int Int2DecodeSplits(int batch, int num_kv_heads, int max_tokens, int num_sms, int ctas_per_sm = 3);
 
 // REQUIRES: head_dim in {64, 128, 256}, num_q_heads / num_kv_heads <= 8, page_size a
 // multiple of 32. Returns cudaErrorInvalidValue otherwise.
@@ -77,7 +84,7 @@ struct DecodeGeometry {
 cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
                                   const float* r_k, float scale, int splits, int max_tokens,
                                   float* part_o, float* part_lse, int part_base,
-                                  cudaStream_t stream);
+                                  cudaStream_t stream, Int2Kernel kernel = Int2Kernel::kAuto);
 
 // BF16 pages (layout of bf16_attention.h) -> parts [part_base, part_base + splits).
 // REQUIRES: head_dim in {64, 128, 256}, num_q_heads / num_kv_heads <= 8.
