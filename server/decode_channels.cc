@@ -42,6 +42,9 @@ struct DecodeChannels::Channel {
   DecodeChannelHeader* header = nullptr;
   size_t bytes = 0;
   int64_t lease_ms = 0;
+  // request_seq when the channel was opened (the worker is still waiting for the
+  // OpenDecodeChannel answer then): the serving thread may start after the first request.
+  uint64_t opened_seq = 0;
   std::atomic<bool> stop{false};
   std::atomic<bool> done{false};
   std::thread thread;
@@ -118,6 +121,7 @@ absl::StatusOr<uint64_t> DecodeChannels::Open(const std::string& name, int64_t l
         options_.max_channels, " decode channels are open; close some first"));
   }
   c->id = next_id_++;
+  c->opened_seq = c->header->request_seq.load(std::memory_order_acquire);
   Channel* raw = c.get();
   c->thread = std::thread([this, raw] { Serve(raw); });
   const uint64_t id = c->id;
@@ -127,7 +131,7 @@ absl::StatusOr<uint64_t> DecodeChannels::Open(const std::string& name, int64_t l
 
 void DecodeChannels::Serve(Channel* c) {
   DecodeChannelHeader& h = *c->header;
-  uint64_t seen = h.request_seq.load(std::memory_order_acquire);
+  uint64_t seen = c->opened_seq;
   auto last_request = Clock::now();
   v1::AttentionDecodeRequest req;
   v1::AttentionDecodeStreamResponse resp;
