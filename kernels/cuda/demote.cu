@@ -2,9 +2,8 @@
 // Lane l holds elements l + 32k. Every step uses the CPU code's FP32 operations in the same
 // order without contraction (rotation: x[i] * R[i][j] summed over i in order; quantizer:
 // ((x / scale) + zero) + 0.5), so codes and FP16 parameters are bit-identical to
-// DemoteRowsToInt2. The clip threshold sort(|x|)[floor(rho*d)] comes from ranks:
-// rank_i = #{|x_j| < |x_i|} + #{j < i : |x_j| = |x_i|} is unique, and the element of rank k
-// is sort(|x|)[k].
+// DemoteRowsToInt2. The clip threshold sort(|x|)[floor(rho*d)] comes from a radix select
+// over the bit patterns of |x|.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -54,25 +53,24 @@ __global__ void DemoteKernel(const __nv_bfloat16* rows, int64_t n, const float* 
 #pragma unroll
     for (int k = 0; k < E; ++k) x[k] = y[k];
   }
-  // Clip threshold: the element of rank floor(rho * d).
+  // Clip threshold: the element of rank kk = floor(rho * d) of the sorted |x|, by a radix
+  // select on the bits of |x| (non-negative floats order as their bit patterns): the
+  // largest v with #{|x| < v} <= kk is sort(|x|)[kk]. 31 steps of E compares and ballots
+  // instead of d * E all-pairs comparisons.
   const int kk = min(static_cast<int>(floorf(rho * static_cast<float>(D))), D - 1);
-  float tau = -1.0f;
+  uint32_t bits[E];
 #pragma unroll
-  for (int k = 0; k < E; ++k) {
-    const float a = fabsf(x[k]);
-    const int me = k * 32 + lane;
-    int rank = 0;
+  for (int k = 0; k < E; ++k) bits[k] = __float_as_uint(fabsf(x[k]));
+  uint32_t v = 0;
+#pragma unroll 1
+  for (int b = 30; b >= 0; --b) {
+    const uint32_t cand = v | (1u << b);
+    int below = 0;
 #pragma unroll
-    for (int k2 = 0; k2 < E; ++k2) {
-      for (int src = 0; src < 32; ++src) {
-        const float b = __shfl_sync(0xffffffffu, fabsf(x[k2]), src);
-        const int other = k2 * 32 + src;
-        rank += (b < a) || (b == a && other < me);
-      }
-    }
-    if (rank == kk) tau = a;
+    for (int k = 0; k < E; ++k) below += __popc(__ballot_sync(0xffffffffu, bits[k] < cand));
+    if (below <= kk) v = cand;
   }
-  tau = WarpMax(tau);
+  const float tau = __uint_as_float(v);
   float lo = tau, hi = -tau;
 #pragma unroll
   for (int k = 0; k < E; ++k) {
