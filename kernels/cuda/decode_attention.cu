@@ -342,19 +342,29 @@ __global__ void __launch_bounds__(kWarps * 32) Int2DecodeKernel(PartArgs a) {
 //   then holds, per lane, both digits of head t for the lane's 4 consecutive tokens.
 // values: A = V^T codes (rows = elements, k = tokens: a V word is one code byte of 4
 //   consecutive tokens, so one mask yields 4 tokens' codes of one plane, scaled by 4^p; the
-//   4^-p goes on the output row), B = the weights p_t * s_t as two int8 digits per head,
+//   4^-p goes on the output row), B = the weights p_t * s_t as two uint8 digits per head
+//   (w / wstep = hi + lo / 255, hi = floor, lo rounded),
 //   moved from the logit layout to the B layout with two shuffles per register. The int32
 //   accumulators are converted to FP32 only when the running max of a head rises by more
 //   than kLazyLog2 (log2 units), when the tile's largest value scale exceeds the one the
 //   digits were scaled for, or every kFlushTiles tiles (int32 headroom).
-constexpr float kLazyLog2 = 1.0f;  // weights stay <= 2^kLazyLog2 * S between rescales
-constexpr int kFlushTiles = 512;   // 512 * 32 tokens * 127 * 192 < 2^31
+constexpr float kLazyLog2 = 0.25f;  // weights stay <= 2^kLazyLog2 * S between rescales
+constexpr int kFlushTiles = 512;   // 512 * 32 tokens * 255 * 192 < 2^31
 constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: low byte = round(x) for |x| < 2^22
 
 __device__ __forceinline__ void MmaU8S8(int (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                         uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void MmaU8U8(int (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                        uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.u8.u8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -550,7 +560,8 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
     l[nt] = 0.0f;
     lacc[nt] = 0.0f;
   }
-  float s_run = 0.0f, inv_w = 0.0f;  // digits = w * inv_w, inv_w = 127 / (s_run * 2^lazy)
+  // Digits of w * inv_w with inv_w = 255.99 / (s_run * 2^lazy): below 256 for every weight.
+  float s_run = 0.0f, inv_w = 0.0f;
   int since_flush = 0;
 
   // Converts the int32 sums (scaled by the current inv_w) into the FP32 sums and rescales
@@ -567,7 +578,7 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const float x = (static_cast<float>(acc[vt][nt][2 * r]) +
-                           static_cast<float>(acc[vt][nt][2 * r + 1]) * (1.0f / 254.0f)) * sc;
+                           static_cast<float>(acc[vt][nt][2 * r + 1]) * (1.0f / 255.0f)) * sc;
           const int e = ValueElement<D>(vt, r, g);
           o[e] = (o[e] + x) * alpha[nt];
           acc[vt][nt][2 * r] = acc[vt][nt][2 * r + 1] = 0;
@@ -649,10 +660,10 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
       }
       flush(alpha);
       s_run = fmaxf(s_run, fmaxf(s_tile, FLT_MIN));
-      inv_w = 127.0f / (s_run * 2.0f);  // 2 = 2^kLazyLog2
+      inv_w = 255.99f / (s_run * exp2f(kLazyLog2));
       since_flush = 0;
     }
-    // --- weights p * s_v as two int8 digits, moved to the B layout of the value MMAs ---
+    // --- weights p * s_v as two uint8 digits, moved to the B layout of the value MMAs ---
     uint32_t bw[NT][2];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -664,10 +675,10 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
         l[nt] += pr;
         lacc[nt] += valid[c] ? pr * vlo[c] : 0.0f;
         const float w = valid[c] ? pr * vsc[c] : 0.0f;
-        const float r = __fmul_rn(w, inv_w);
-        const float t1 = __fadd_rn(r, kRoundMagic);
+        const float r = __fmul_rn(w, inv_w);           // [0, 256)
+        const float t1 = __fadd_rd(r, kRoundMagic);     // low byte: floor(r)
         const float hf = __fsub_rn(t1, kRoundMagic);
-        const float t2 = __fmaf_rn(__fsub_rn(r, hf), 254.0f, kRoundMagic);
+        const float t2 = __fmaf_rn(__fsub_rn(r, hf), 255.0f, kRoundMagic);  // round(frac*255)
         hi[c] = __float_as_uint(t1);
         lo[c] = __float_as_uint(t2);
       }
@@ -692,7 +703,7 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
       const uint32_t a4[4] = {cur.v[0][2 * v] & mask, cur.v[0][2 * v + 1] & mask,
                               cur.v[1][2 * v] & mask, cur.v[1][2 * v + 1] & mask};
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) MmaU8S8(acc[vt][nt], a4, bw[nt][0], bw[nt][1]);
+      for (int nt = 0; nt < NT; ++nt) MmaU8U8(acc[vt][nt], a4, bw[nt][0], bw[nt][1]);
     }
     if (ntile < t_end) cur = nxt;
   }
