@@ -382,7 +382,25 @@ int main(int argc, char** argv) {
         }
         const double us = Median(ms) * 1e3;
         const double mb = static_cast<double>(page_bytes) * n_pages / 1e6;
-        std::printf("%8d %6d %7d %10.1f %10.1f %9.2f\n", n, batch, p.num_splits, us, mb, mb / us);
+        std::printf("%8d %6d %7d %10.1f %10.1f %9.2f", n, batch, p.num_splits, us, mb, mb / us);
+        if (batch == 1) {  // the merge kernel alone, on the parts the last run left
+          const int rows = batch * hq;
+          const float* part_o = static_cast<const float*>(ws);
+          const float* part_lse = part_o + static_cast<size_t>(p.num_splits) * rows * d;
+          std::vector<float> mms;
+          for (int r = 0; r < 23; ++r) {
+            CHECK(cudaEventRecord(a));
+            CHECK(kk::cuda::LaunchMergeParts(part_o, part_lse, p.num_splits, rows, d, p.r_v_t, o,
+                                             lse, nullptr));
+            CHECK(cudaEventRecord(b));
+            CHECK(cudaEventSynchronize(b));
+            float t = 0;
+            CHECK(cudaEventElapsedTime(&t, a, b));
+            if (r >= 3) mms.push_back(t);
+          }
+          std::printf("   (merge alone %.1f us)", Median(mms) * 1e3);
+        }
+        std::printf("\n");
         const void* to_free[] = {pages, p.page_table, p.lengths, p.q, p.r_k, p.r_v_t, o, lse, ws};
         for (const void* ptr : to_free) CHECK(cudaFree(const_cast<void*>(ptr)));
       }

@@ -348,6 +348,10 @@ __global__ void __launch_bounds__(kWarps * 32) Int2DecodeKernel(PartArgs a) {
 //   accumulators are converted to FP32 only when the running max of a head rises by more
 //   than kLazyLog2 (log2 units), when the tile's largest value scale exceeds the one the
 //   digits were scaled for, or every kFlushTiles tiles (int32 headroom).
+// loads: each lane copies its own 16-byte chunks of a tile (K word groups, V byte columns,
+//   FP16 scale/min) into a per-warp ring of kStages tiles in shared memory with cp.async,
+//   kStages - 1 tiles ahead of the one it computes, and reads them back itself: every byte
+//   of a page is read once, coalesced, with no barrier in the loop.
 constexpr float kLazyLog2 = 0.25f;  // weights stay <= 2^kLazyLog2 * S between rescales
 constexpr int kFlushTiles = 512;   // 512 * 32 tokens * 255 * 192 < 2^31
 constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: low byte = round(x) for |x| < 2^22
@@ -382,25 +386,7 @@ __device__ __forceinline__ uint32_t PackLowBytes(uint32_t x0, uint32_t x1, uint3
   return __byte_perm(__byte_perm(x0, x1, 0x0040), __byte_perm(x2, x3, 0x0040), 0x5410);
 }
 
-template <int N>
-__device__ __forceinline__ void LoadWords(const uint32_t* p, uint32_t (&w)[N]) {
-  if constexpr (N == 2) {
-    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
-    w[0] = v.x;
-    w[1] = v.y;
-  } else {
-#pragma unroll
-    for (int i = 0; i < N; i += 4) {
-      const uint4 v = __ldg(reinterpret_cast<const uint4*>(p + i));
-      w[i] = v.x;
-      w[i + 1] = v.y;
-      w[i + 2] = v.z;
-      w[i + 3] = v.w;
-    }
-  }
-}
-
-// What one lane loads for one 32-token tile.
+// What one lane holds of one 32-token tile.
 template <int D>
 struct TileWords {
   static constexpr int Q = D / 4;   // code bytes per row
@@ -411,11 +397,39 @@ struct TileWords {
   uint2 ks, kl, vs, vl;             // FP16 scale/min of K and V, tokens 4g .. 4g + 3
 };
 
+// The tile's bytes of one lane, staged in shared memory by cp.async: 16-byte chunks, chunk c
+// of lane l at [c][l] (a warp reads or writes one chunk index as 512 contiguous bytes).
 template <int D>
-__device__ __forceinline__ void LoadTile(const PagedList& p, const DecodeGeometry& geo, int b,
-                                         int kvh, int page_id, int slot0, int g, int t,
-                                         TileWords<D>& tw) {
+struct TileChunks {
+  static constexpr int KW = TileWords<D>::KW, U = TileWords<D>::U;
+  static constexpr int kV = U >= 4 ? 2 * (U / 4) : 1;  // V chunks (two quads)
+  static constexpr int kCount = KW + kV + 2;            // + K params, V params
+  static constexpr int kWarpBytes = kCount * 32 * 16;
+};
+
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void CpAsync8(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Issues the copies of one 32-token tile (this lane's part) into `stage` (the warp's area).
+template <int D>
+__device__ __forceinline__ void StageTile(const PagedList& p, const DecodeGeometry& geo, int kvh,
+                                          int page_id, int slot0, int lane, uint8_t* stage) {
   constexpr int Q = D / 4;
+  using C = TileChunks<D>;
+  const int g = lane >> 2, t = lane & 3;
   const int ps = geo.page_size;
   const uint8_t* base = p.pages + static_cast<int64_t>(page_id) * p.page_stride;
   const int64_t code_bytes = static_cast<int64_t>(geo.num_kv_heads) * ps * Q;
@@ -426,22 +440,116 @@ __device__ __forceinline__ void LoadTile(const PagedList& p, const DecodeGeometr
   const uint16_t* kparams = reinterpret_cast<const uint16_t*>(base + 2 * code_bytes) +
                             static_cast<int64_t>(kvh) * 2 * ps;
   const uint16_t* vparams = kparams + static_cast<int64_t>(geo.num_kv_heads) * 2 * ps;
+  auto chunk = [&](int c) { return stage + (c * 32 + lane) * 16; };
 #pragma unroll
-  for (int j = 0; j < TileWords<D>::KW; ++j) {
-    const uint4 w = __ldg(reinterpret_cast<const uint4*>(kwords + (4 * j + t) * ps + slot0 + 4 * g));
+  for (int j = 0; j < C::KW; ++j) CpAsync16(chunk(j), kwords + (4 * j + t) * ps + slot0 + 4 * g);
+  const int quad0 = slot0 / 4 + t;
+  if constexpr (C::U >= 4) {
+#pragma unroll
+    for (int q = 0; q < 2; ++q)
+#pragma unroll
+      for (int i = 0; i < C::U / 4; ++i)
+        CpAsync16(chunk(C::KW + q * (C::U / 4) + i), vwords + (quad0 + 4 * q) * Q + g * C::U + 4 * i);
+  } else {
+    CpAsync8(chunk(C::KW), vwords + quad0 * Q + g * C::U);
+    CpAsync8(chunk(C::KW) + 8, vwords + (quad0 + 4) * Q + g * C::U);
+  }
+  const int s = slot0 + 4 * g;
+  CpAsync8(chunk(C::KW + C::kV), kparams + s);
+  CpAsync8(chunk(C::KW + C::kV) + 8, kparams + ps + s);
+  CpAsync8(chunk(C::KW + C::kV + 1), vparams + s);
+  CpAsync8(chunk(C::KW + C::kV + 1) + 8, vparams + ps + s);
+}
+
+// Reads this lane's staged tile back (after its copies completed).
+template <int D>
+__device__ __forceinline__ void ReadTile(const uint8_t* stage, int lane, TileWords<D>& tw) {
+  using C = TileChunks<D>;
+  auto chunk = [&](int c) { return *reinterpret_cast<const uint4*>(stage + (c * 32 + lane) * 16); };
+#pragma unroll
+  for (int j = 0; j < C::KW; ++j) {
+    const uint4 w = chunk(j);
     tw.k[j][0] = w.x;
     tw.k[j][1] = w.y;
     tw.k[j][2] = w.z;
     tw.k[j][3] = w.w;
   }
-  const int quad0 = slot0 / 4 + t;
-  LoadWords(vwords + quad0 * Q + g * TileWords<D>::U, tw.v[0]);
-  LoadWords(vwords + (quad0 + 4) * Q + g * TileWords<D>::U, tw.v[1]);
-  const int s = slot0 + 4 * g;
-  tw.ks = __ldg(reinterpret_cast<const uint2*>(kparams + s));
-  tw.kl = __ldg(reinterpret_cast<const uint2*>(kparams + ps + s));
-  tw.vs = __ldg(reinterpret_cast<const uint2*>(vparams + s));
-  tw.vl = __ldg(reinterpret_cast<const uint2*>(vparams + ps + s));
+  if constexpr (C::U >= 4) {
+#pragma unroll
+    for (int q = 0; q < 2; ++q)
+#pragma unroll
+      for (int i = 0; i < C::U / 4; ++i) {
+        const uint4 w = chunk(C::KW + q * (C::U / 4) + i);
+        tw.v[q][4 * i] = w.x;
+        tw.v[q][4 * i + 1] = w.y;
+        tw.v[q][4 * i + 2] = w.z;
+        tw.v[q][4 * i + 3] = w.w;
+      }
+  } else {
+    const uint4 w = chunk(C::KW);
+    tw.v[0][0] = w.x;
+    tw.v[0][1] = w.y;
+    tw.v[1][0] = w.z;
+    tw.v[1][1] = w.w;
+  }
+  const uint4 kp = chunk(C::KW + C::kV), vp = chunk(C::KW + C::kV + 1);
+  tw.ks = make_uint2(kp.x, kp.y);
+  tw.kl = make_uint2(kp.z, kp.w);
+  tw.vs = make_uint2(vp.x, vp.y);
+  tw.vl = make_uint2(vp.z, vp.w);
+}
+
+// Rotated, scaled queries of the group into s_q[h] (h < G; zero rows up to 8), with each
+// row's int8 step and sum: thread j computes column j of every row (G independent sums,
+// R read once per CTA, coalesced), then one warp per row reduces max |x| and the sum.
+// Ends with a barrier.
+template <int D>
+__device__ void PrepareQueries(const PartArgs& a, int b, int kvh, int G, float (*s_q)[D],
+                               float (*raw)[D], float* s_step, float* s_inv, float* s_qsum) {
+  for (int i = threadIdx.x; i < 8 * D; i += blockDim.x) {
+    const int h = i / D;
+    raw[h][i % D] =
+        h < G ? a.q[(static_cast<int64_t>(b) * a.geo.num_q_heads + kvh * G + h) * D + i % D] : 0.0f;
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < D; j += blockDim.x) {
+    float acc[8];
+#pragma unroll
+    for (int h = 0; h < 8; ++h) acc[h] = 0.0f;
+    if (a.r_k == nullptr) {
+#pragma unroll
+      for (int h = 0; h < 8; ++h) acc[h] = raw[h][j];
+    } else {
+#pragma unroll 4
+      for (int i = 0; i < D; ++i) {
+        const float r = __ldg(a.r_k + i * D + j);
+#pragma unroll
+        for (int h = 0; h < 8; ++h) acc[h] = fmaf(raw[h][i], r, acc[h]);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 8; ++h) s_q[h][j] = h < G ? acc[h] * a.scale : 0.0f;
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int h = warp; h < 8; h += blockDim.x / 32) {
+    float mx = 0.0f, sum = 0.0f;
+    for (int e = lane; e < D; e += 32) {
+      mx = fmaxf(mx, fabsf(s_q[h][e]));
+      sum += s_q[h][e];
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    }
+    if (lane == 0) {
+      s_step[h] = mx > 0.0f ? mx / 127.0f : 1.0f;
+      s_inv[h] = mx > 0.0f ? 127.0f / mx : 1.0f;
+      s_qsum[h] = sum;
+    }
+  }
+  __syncthreads();
 }
 
 __device__ __forceinline__ void HalvesToFloat(uint2 h, float (&f)[4]) {
@@ -458,6 +566,13 @@ template <int D>
 __device__ __forceinline__ int ValueElement(int vt, int r, int g) {
   constexpr int Q = D / 4, U = Q / 8, per_plane = U / 2;
   return (vt / per_plane) * Q + g * U + 2 * (vt % per_plane) + r;
+}
+
+constexpr int kStages = 4;  // tiles per warp in flight: kStages - 1 while one is computed
+
+template <int D>
+constexpr size_t Int2V2DynamicSmem() {
+  return static_cast<size_t>(kStages) * kWarps * TileChunks<D>::kWarpBytes;
 }
 
 template <int D, int NT>
@@ -479,29 +594,35 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
   constexpr int kStep = kWarps * 32;
 
   __shared__ float s_q[8][D];
-  __shared__ float s_step[8], s_qsum[8];
+  __shared__ float s_step[8], s_inv[8], s_qsum[8];
   __shared__ float s_m[kWarps][8], s_l[kWarps][8], s_lacc[kWarps][8];
   __shared__ float s_o[kWarps][8][D];  // the warps' FP32 value sums (o without 1/l)
+  extern __shared__ __align__(16) uint8_t s_stage[];  // [kStages][kWarps][chunks][32][16]
+  uint8_t* my_stage = s_stage + warp * TileChunks<D>::kWarpBytes;
+  constexpr int kStageStride = kWarps * TileChunks<D>::kWarpBytes;
 
-  // The first tile's loads go out before the query rotation, so they overlap it.
-  int tile = t_begin + warp * 32;
-  TileWords<D> cur;
-  int next_page = 0;
-  if (tile < t_end) {
-    LoadTile<D>(p, geo, b, kvh, __ldg(table + tile / ps), tile % ps, g, t, cur);
-    if (tile + kStep < t_end) next_page = __ldg(table + (tile + kStep) / ps);
-  }
-  LoadQueries<D>(a, b, kvh, G, s_q, s_o[0]);
-  if (threadIdx.x < 8) {
-    float mx = 0.0f, sum = 0.0f;
-    for (int e = 0; e < D; ++e) {
-      mx = fmaxf(mx, fabsf(s_q[threadIdx.x][e]));
-      sum += s_q[threadIdx.x][e];
+  // This warp's tiles: t_begin + warp * 32 + k * kStep for k < n_tiles. The first
+  // kStages - 1 go out before the query preparation, so their latency overlaps it; page ids
+  // are read one tile ahead of their copies.
+  const int first_tile = t_begin + warp * 32;
+  const int n_tiles = first_tile < t_end ? (t_end - first_tile + kStep - 1) / kStep : 0;
+  auto page_of = [&](int k) { return k < n_tiles ? __ldg(table + (first_tile + k * kStep) / ps) : 0; };
+  int ahead_page = 0;  // page id of tile k + kStages - 1 when iteration k starts
+  {
+    int pid = page_of(0);
+#pragma unroll
+    for (int k = 0; k < kStages - 1; ++k) {
+      const int next = page_of(k + 1);
+      if (k < n_tiles) {
+        StageTile<D>(p, geo, kvh, pid, (first_tile + k * kStep) % ps, lane,
+                     my_stage + k * kStageStride);
+      }
+      CpAsyncCommit();
+      pid = next;
     }
-    s_step[threadIdx.x] = mx > 0.0f ? mx / 127.0f : 1.0f;
-    s_qsum[threadIdx.x] = sum;
+    ahead_page = pid;
   }
-  __syncthreads();
+  PrepareQueries<D>(a, b, kvh, G, s_q, s_o[0], s_step, s_inv, s_qsum);
   // Query digits (B of the logit MMAs): k-block kb = 2j + pp, column g = (head g/2 of the
   // n-tile, digit g%2); b0 = plane 2pp, b1 = plane 2pp + 1 of elements 4(4j + t) + 0..3.
   uint32_t bq[KB][NT][2];
@@ -509,7 +630,7 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const int h = 4 * nt + (g >> 1);
-      const float step = s_step[h];
+      const float step = s_step[h], inv = s_inv[h];
       const bool low = (g & 1) != 0;
 #pragma unroll
       for (int kb = 0; kb < KB; ++kb) {
@@ -521,8 +642,8 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
 #pragma unroll
           for (int c = 0; c < 4; ++c) {
             const float x = s_q[h][e0 + c];
-            const int hi = Digit(x / step);
-            const int lo = Digit((x - hi * step) * 254.0f / step);
+            const int hi = Digit(x * inv);
+            const int lo = Digit((x - hi * step) * (254.0f * inv));
             d[c] = static_cast<uint32_t>(low ? lo : hi);
           }
           bq[kb][nt][half] = PackLowBytes(d[0], d[1], d[2], d[3]);
@@ -587,14 +708,23 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
     }
   };
 
-  for (; tile < t_end; tile += kStep) {
-    // Next tile's loads first (its page id was fetched a tile ago), then this tile's math.
-    TileWords<D> nxt;
-    const int ntile = tile + kStep;
-    if (ntile < t_end) {
-      LoadTile<D>(p, geo, b, kvh, next_page, ntile % ps, g, t, nxt);
-      if (ntile + kStep < t_end) next_page = __ldg(table + (ntile + kStep) / ps);
+  for (int k = 0; k < n_tiles; ++k) {
+    const int tile = first_tile + k * kStep;
+    // Copies of tile k + kStages - 1 go out (into the stage tile k - 1 used), then tile k is
+    // waited for and read back; each lane reads only what it copied, so no barrier.
+    {
+      const int kn = k + kStages - 1;
+      const int next = page_of(kn + 1);
+      if (kn < n_tiles) {
+        StageTile<D>(p, geo, kvh, ahead_page, (first_tile + kn * kStep) % ps, lane,
+                     my_stage + (kn % kStages) * kStageStride);
+      }
+      CpAsyncCommit();
+      ahead_page = next;
     }
+    CpAsyncWait<kStages - 1>();
+    TileWords<D> cur;
+    ReadTile<D>(my_stage + (k % kStages) * kStageStride, lane, cur);
     float ksc[4], klo[4], vsc[4], vlo[4];
     HalvesToFloat(cur.ks, ksc);
     HalvesToFloat(cur.kl, klo);
@@ -705,8 +835,8 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) MmaU8U8(acc[vt][nt], a4, bw[nt][0], bw[nt][1]);
     }
-    if (ntile < t_end) cur = nxt;
   }
+  CpAsyncWait<0>();
   {
     float one[NT];
 #pragma unroll
@@ -894,6 +1024,18 @@ bool SupportedGeometry(const DecodeGeometry& g) {
          g.page_size > 0;
 }
 
+// The staging ring is dynamic shared memory beyond the 48 KB default: opted in once per
+// instantiation (thread-safe static initialization).
+template <int D, int NT>
+cudaError_t LaunchV2(dim3 grid, const PartArgs& a, cudaStream_t stream) {
+  static const cudaError_t opt_in = cudaFuncSetAttribute(
+      Int2DecodeKernelV2<D, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      static_cast<int>(Int2V2DynamicSmem<D>()));
+  if (opt_in != cudaSuccess) return opt_in;
+  Int2DecodeKernelV2<D, NT><<<grid, kWarps * 32, Int2V2DynamicSmem<D>(), stream>>>(a);
+  return cudaGetLastError();
+}
+
 int TokensPerSplit(int max_tokens, int splits) {
   const int per = (max_tokens + splits - 1) / splits;
   return (per + kTile - 1) / kTile * kTile;
@@ -922,13 +1064,9 @@ cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& g
   if (kernel == Int2Kernel::kAuto && geo.head_dim <= 128) {
     // The int32-accumulating kernel (head_dim 64/128; GQA groups up to 4 or 8).
     if (geo.head_dim == 64) {
-      if (wide) Int2DecodeKernelV2<64, 2><<<grid, kWarps * 32, 0, stream>>>(a);
-      else Int2DecodeKernelV2<64, 1><<<grid, kWarps * 32, 0, stream>>>(a);
-    } else {
-      if (wide) Int2DecodeKernelV2<128, 2><<<grid, kWarps * 32, 0, stream>>>(a);
-      else Int2DecodeKernelV2<128, 1><<<grid, kWarps * 32, 0, stream>>>(a);
+      return wide ? LaunchV2<64, 2>(grid, a, stream) : LaunchV2<64, 1>(grid, a, stream);
     }
-    return cudaGetLastError();
+    return wide ? LaunchV2<128, 2>(grid, a, stream) : LaunchV2<128, 1>(grid, a, stream);
   }
   switch (geo.head_dim) {  // the first kernel: every head_dim, per-tile FP32 accumulation
     case 64:
