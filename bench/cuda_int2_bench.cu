@@ -227,7 +227,9 @@ int main(int argc, char** argv) {
         {4, 4, 64, 32, {100000}, 0.0f},
     };
     for (const auto kernel : {kk::cuda::Int2Kernel::kAuto, kk::cuda::Int2Kernel::kFirst}) {
-      std::printf(" kernel %s\n", kernel == kk::cuda::Int2Kernel::kAuto ? "auto (int32 accumulation where supported)" : "first");
+      std::printf(" kernel %s\n", kernel == kk::cuda::Int2Kernel::kAuto
+                                      ? "auto (int32 accumulation where supported)"
+                                      : "first");
       for (const auto& c : cases) {
         const double err = CheckCase(c.hq, c.hkv, c.d, c.ps, c.lengths, seed++, c.growth, kernel);
         const bool pass = err < 2e-3;

@@ -2,9 +2,9 @@
 // kernels/cuda. Only built with KVCD_CUDA; reaches CUDA only through kernels' host APIs.
 #include <array>
 #include <atomic>
-#include <cstring>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -129,7 +129,8 @@ class CudaBackend final : public Backend {
     for (size_t i = 0; i < rows.size(); ++i) {
       auto rot = Resident(rows[i].rotation, head_dim);
       if (!rot.ok()) return rot.status();
-      batch.rows[batch.count++] = kc::RowStore{rows[i].src, reinterpret_cast<uint16_t*>(rows[i].dst), *rot};
+      batch.rows[batch.count++] =
+          kc::RowStore{rows[i].src, reinterpret_cast<uint16_t*>(rows[i].dst), *rot};
       if (batch.count == kc::kMaxRowStoresPerLaunch || i + 1 == rows.size()) {
         RETURN_IF_CUDA_ERR(kc::LaunchStoreRows(batch, head_dim, src_bf16, nullptr));
         batch.count = 0;
@@ -161,9 +162,8 @@ class CudaBackend final : public Backend {
     const unsigned long long zero = 0;
     RETURN_IF_CUDA(kc::CopyToDevice(d_bad, &zero, sizeof(zero)));
     RETURN_IF_CUDA(kc::CopyToDevice(d_spans, host.data(), desc_bytes));
-    RETURN_IF_CUDA_ERR(
-        kc::LaunchCopySpans(d_spans, static_cast<int>(host.size()), d_bad, nullptr,
-                            total_bytes / host.size()));
+    RETURN_IF_CUDA_ERR(kc::LaunchCopySpans(d_spans, static_cast<int>(host.size()), d_bad, nullptr,
+                                           total_bytes / host.size()));
     if (bad_values != nullptr) {
       unsigned long long bad = 0;
       RETURN_IF_CUDA(kc::CopyToHost(&bad, d_bad, sizeof(bad)));

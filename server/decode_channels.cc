@@ -74,9 +74,9 @@ absl::StatusOr<uint64_t> DecodeChannels::Open(const std::string& name, int64_t l
     const int e = errno;
     const std::string why = std::strerror(e);
     if (e == ENOENT) {
-      return absl::NotFoundError(absl::StrCat("shared memory ", name,
-                                              " does not exist on the daemon's host (shm_open: ",
-                                              why, "); the channel needs the same node"));
+      return absl::NotFoundError(absl::StrCat(
+          "shared memory ", name, " does not exist on the daemon's host (shm_open: ", why,
+          "); the channel needs the same node"));
     }
     return absl::InvalidArgumentError(absl::StrCat("cannot open shared memory ", name, ": ", why));
   }
@@ -84,15 +84,16 @@ absl::StatusOr<uint64_t> DecodeChannels::Open(const std::string& name, int64_t l
   if (fstat(fd, &st) != 0 || st.st_size < static_cast<off_t>(DecodeChannelHeader::TotalBytes(
                                               DecodeChannelHeader::kMinCapacity))) {
     close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(
-        "shared memory ", name, " has ", st.st_size, " bytes, expected at least ",
-        DecodeChannelHeader::TotalBytes(DecodeChannelHeader::kMinCapacity)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shared memory ", name, " has ", st.st_size, " bytes, expected at least ",
+                     DecodeChannelHeader::TotalBytes(DecodeChannelHeader::kMinCapacity)));
   }
   const size_t bytes = static_cast<size_t>(st.st_size);
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);
   if (p == MAP_FAILED) {
-    return absl::InvalidArgumentError(absl::StrCat("cannot map ", name, ": ", std::strerror(errno)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot map ", name, ": ", std::strerror(errno)));
   }
   auto c = std::make_unique<Channel>();
   c->header = static_cast<DecodeChannelHeader*>(p);
@@ -103,10 +104,10 @@ absl::StatusOr<uint64_t> DecodeChannels::Open(const std::string& name, int64_t l
       h.capacity < DecodeChannelHeader::kMinCapacity ||
       h.capacity > DecodeChannelHeader::kMaxCapacity ||
       DecodeChannelHeader::TotalBytes(h.capacity) > bytes) {
-    const std::string msg = absl::StrCat(
-        "shared memory ", name, " is not a decode channel of version ",
-        DecodeChannelHeader::kVersion, " (magic, version, or capacity ", h.capacity,
-        " does not fit its ", bytes, " bytes); see common/decode_channel_layout.h");
+    const std::string msg =
+        absl::StrCat("shared memory ", name, " is not a decode channel of version ",
+                     DecodeChannelHeader::kVersion, " (magic, version, or capacity ", h.capacity,
+                     " does not fit its ", bytes, " bytes); see common/decode_channel_layout.h");
     munmap(p, bytes);
     c->header = nullptr;
     return absl::InvalidArgumentError(msg);
@@ -117,8 +118,8 @@ absl::StatusOr<uint64_t> DecodeChannels::Open(const std::string& name, int64_t l
     it = it->second->done.load() ? channels_.erase(it) : std::next(it);
   }
   if (static_cast<int>(channels_.size()) >= options_.max_channels) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        options_.max_channels, " decode channels are open; close some first"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat(options_.max_channels, " decode channels are open; close some first"));
   }
   c->id = next_id_++;
   c->opened_seq = c->header->request_seq.load(std::memory_order_acquire);

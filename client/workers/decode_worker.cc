@@ -1,9 +1,9 @@
 // kvcd_decode_worker: the decode side of disaggregated serving. Opens a sequence on the
 // prefix a prefill worker pushed (same --tokens/--seed), then runs the per-layer decode
 // loop — over the same-node decode channel (shared memory, --transport channel, the
-// default) or over one AttentionDecodeStream (--transport stream): for every token and layer it sends the layer's
-// query and the token's K/V row and receives the attention output, all through CUDA IPC
-// regions of one registered buffer. Each layer's query is computed on the GPU from the
+// default) or over one AttentionDecodeStream (--transport stream): for every token and layer it
+// sends the layer's query and the token's K/V row and receives the attention output, all through
+// CUDA IPC regions of one registered buffer. Each layer's query is computed on the GPU from the
 // previous layer's output, so the loop is data-dependent end to end; the host never waits
 // for the GPU inside the loop (the daemon's stream waits on the worker's ready event, the
 // worker's stream on the daemon's done event).
@@ -35,13 +35,13 @@
 namespace kw = kvcd::workers;
 using Clock = std::chrono::steady_clock;
 
-#define CHECK_OK(expr)                                                     \
-  do {                                                                     \
-    const absl::Status s_ = (expr);                                        \
-    if (!s_.ok()) {                                                        \
+#define CHECK_OK(expr)                                                    \
+  do {                                                                    \
+    const absl::Status s_ = (expr);                                       \
+    if (!s_.ok()) {                                                       \
       std::fprintf(stderr, "decode worker: %s\n", s_.ToString().c_str()); \
-      return 1;                                                            \
-    }                                                                      \
+      return 1;                                                           \
+    }                                                                     \
   } while (0)
 
 int main(int argc, char** argv) {
@@ -69,7 +69,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "--transport must be channel or stream\n");
     return 2;
   }
-  CHECK_OK(kw::CudaCheck(cudaSetDevice(static_cast<int>(flags.GetInt("device", 0))), "cudaSetDevice"));
+  CHECK_OK(
+      kw::CudaCheck(cudaSetDevice(static_cast<int>(flags.GetInt("device", 0))), "cudaSetDevice"));
   auto client = kvcd::Client::Connect(opts);
   CHECK_OK(client.status());
   auto geo = kw::FetchGeometry(client->get(), model);
@@ -80,14 +81,16 @@ int main(int argc, char** argv) {
   auto open = (*client)->OpenSequence(model, salt, tokens, 600000);
   CHECK_OK(open.status());
   if (open->matched_tokens() != prompt) {
-    std::fprintf(stderr, "only %lld of %lld prompt tokens are cached; run the prefill worker first\n",
+    std::fprintf(stderr,
+                 "only %lld of %lld prompt tokens are cached; run the prefill worker first\n",
                  static_cast<long long>(open->matched_tokens()), static_cast<long long>(prompt));
     return 1;
   }
   const uint64_t seq = open->sequence_id();
 
   // One buffer: q (BF16), k_new and v_new (BF16), o (F32), lse (F32), 256-byte aligned.
-  const int64_t q_n = int64_t{g.num_q_heads} * g.head_dim, kv_n = int64_t{g.num_kv_heads} * g.head_dim;
+  const int64_t q_n = int64_t{g.num_q_heads} * g.head_dim,
+                kv_n = int64_t{g.num_kv_heads} * g.head_dim;
   auto align = [](int64_t b) { return (b + 255) / 256 * 256; };
   const int64_t q_off = 0, k_off = align(2 * q_n), v_off = k_off + align(2 * kv_n),
                 o_off = v_off + align(2 * kv_n), l_off = o_off + align(4 * q_n),
@@ -98,7 +101,8 @@ int main(int argc, char** argv) {
   uint8_t* d = b.data();
   cudaStream_t stream;
   CHECK_OK(kw::CudaCheck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream"));
-  CHECK_OK(kw::CudaCheck(kw::FillBf16(reinterpret_cast<uint16_t*>(d + q_off), q_n, seed, stream), "fill"));
+  CHECK_OK(kw::CudaCheck(kw::FillBf16(reinterpret_cast<uint16_t*>(d + q_off), q_n, seed, stream),
+                         "fill"));
   CHECK_OK(kw::CudaCheck(cudaMemsetAsync(d + o_off, 0, 4 * q_n, stream), "memset"));
 
   kvcd::v1::AttentionDecodeRequest req;
@@ -133,12 +137,14 @@ int main(int argc, char** argv) {
     for (int l = 0; l < g.num_layers; ++l) {
       const uint64_t key = seed * 1000003ull + s * 1009ull + l;
       // This layer's query from the previous layer's output; the token's K/V row.
-      CHECK_OK(kw::CudaCheck(kw::NextQueries(reinterpret_cast<float*>(d + o_off),
-                                             reinterpret_cast<uint16_t*>(d + q_off), q_n, key,
-                                             stream),
-                             "NextQueries"));
-      CHECK_OK(kw::CudaCheck(kw::FillBf16(reinterpret_cast<uint16_t*>(d + k_off), kv_n, key ^ 1, stream), "fill k"));
-      CHECK_OK(kw::CudaCheck(kw::FillBf16(reinterpret_cast<uint16_t*>(d + v_off), kv_n, key ^ 2, stream), "fill v"));
+      CHECK_OK(
+          kw::CudaCheck(kw::NextQueries(reinterpret_cast<float*>(d + o_off),
+                                        reinterpret_cast<uint16_t*>(d + q_off), q_n, key, stream),
+                        "NextQueries"));
+      CHECK_OK(kw::CudaCheck(
+          kw::FillBf16(reinterpret_cast<uint16_t*>(d + k_off), kv_n, key ^ 1, stream), "fill k"));
+      CHECK_OK(kw::CudaCheck(
+          kw::FillBf16(reinterpret_cast<uint16_t*>(d + v_off), kv_n, key ^ 2, stream), "fill v"));
       CHECK_OK(b.MarkReady(stream));
       if (host_wait) CHECK_OK(b.WaitReadyOnHost());
       req.set_layer(l);
@@ -163,7 +169,8 @@ int main(int argc, char** argv) {
   // Check: the same attention (last layer, no append) through inline tensors.
   std::vector<uint16_t> q_host(static_cast<size_t>(q_n));
   std::vector<float> o_ipc(static_cast<size_t>(q_n));
-  CHECK_OK(kw::CudaCheck(cudaMemcpy(q_host.data(), d + q_off, 2 * q_n, cudaMemcpyDeviceToHost), "D2H"));
+  CHECK_OK(
+      kw::CudaCheck(cudaMemcpy(q_host.data(), d + q_off, 2 * q_n, cudaMemcpyDeviceToHost), "D2H"));
   kvcd::v1::AttentionDecodeRequest check;
   check.set_layer(g.num_layers - 1);
   check.add_sequence_ids(seq);
@@ -175,7 +182,8 @@ int main(int argc, char** argv) {
   CHECK_OK(via_ipc.status());
   CHECK_OK(b.WaitDone(stream));
   CHECK_OK(kw::CudaCheck(cudaStreamSynchronize(stream), "sync"));
-  CHECK_OK(kw::CudaCheck(cudaMemcpy(o_ipc.data(), d + o_off, 4 * q_n, cudaMemcpyDeviceToHost), "D2H"));
+  CHECK_OK(
+      kw::CudaCheck(cudaMemcpy(o_ipc.data(), d + o_off, 4 * q_n, cudaMemcpyDeviceToHost), "D2H"));
   kvcd::SetBf16Tensor(check.mutable_q(), {1, g.num_q_heads, g.head_dim}, q_host.data());
   check.clear_o_out();
   check.clear_lse_out();
@@ -193,18 +201,20 @@ int main(int argc, char** argv) {
 
   std::vector<double> overhead(rtt_us.size());
   for (size_t i = 0; i < rtt_us.size(); ++i) overhead[i] = rtt_us[i] - kernel_us[i];
-  std::printf("decode worker: %s, context %lld tokens, %d steps x %d layers, tensors over CUDA "
-              "IPC, calls over the %s%s%s\n",
-              model.c_str(), static_cast<long long>(prompt), steps, g.num_layers,
-              transport == "channel" ? "shared-memory decode channel" : "gRPC stream",
-              sync ? " (host waits for every result)" : "",
-              host_wait ? ", events waited on by the host" : "");
+  std::printf(
+      "decode worker: %s, context %lld tokens, %d steps x %d layers, tensors over CUDA "
+      "IPC, calls over the %s%s%s\n",
+      model.c_str(), static_cast<long long>(prompt), steps, g.num_layers,
+      transport == "channel" ? "shared-memory decode channel" : "gRPC stream",
+      sync ? " (host waits for every result)" : "",
+      host_wait ? ", events waited on by the host" : "");
   std::printf("tokens/s: %.1f (%.3f ms per token, %d layer calls per token)\n", steps / loop_s,
               loop_s / steps * 1e3, g.num_layers);
-  std::printf("per call: round trip p50 %.1f us p90 %.1f us; daemon-side p50 %.1f us; "
-              "RPC overhead p50 %.1f us p90 %.1f us\n",
-              kw::Median(rtt_us), kw::Percentile(rtt_us, 0.9), kw::Median(kernel_us),
-              kw::Median(overhead), kw::Percentile(overhead, 0.9));
+  std::printf(
+      "per call: round trip p50 %.1f us p90 %.1f us; daemon-side p50 %.1f us; "
+      "RPC overhead p50 %.1f us p90 %.1f us\n",
+      kw::Median(rtt_us), kw::Percentile(rtt_us, 0.9), kw::Median(kernel_us), kw::Median(overhead),
+      kw::Percentile(overhead, 0.9));
   if (sync) {
     std::printf("per call with the result on the host: p50 %.1f us p90 %.1f us\n",
                 kw::Median(done_us), kw::Percentile(done_us, 0.9));

@@ -19,9 +19,9 @@ absl::StatusOr<std::unique_ptr<IpcBuffer>> IpcBuffer::Create(Client* client, uin
   void* p = nullptr;
   if (auto s = CudaCheck(cudaMalloc(&p, bytes), "cudaMalloc"); !s.ok()) return s;
   b->data_ = static_cast<uint8_t*>(p);
-  if (auto s = CudaCheck(cudaEventCreateWithFlags(&b->ready_, cudaEventDisableTiming |
-                                                                  cudaEventInterprocess),
-                         "cudaEventCreateWithFlags");
+  if (auto s = CudaCheck(
+          cudaEventCreateWithFlags(&b->ready_, cudaEventDisableTiming | cudaEventInterprocess),
+          "cudaEventCreateWithFlags");
       !s.ok())
     return s;
   cudaIpcMemHandle_t mem;

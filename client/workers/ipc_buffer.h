@@ -34,8 +34,7 @@ class IpcBuffer {
   uint64_t size() const { return size_; }
   uint64_t id() const { return id_; }
   // A region of the buffer for a tensor of dtype/shape at byte `offset`.
-  void Region(v1::TensorRef* t, v1::DType dtype, std::vector<int64_t> shape,
-              uint64_t offset) const;
+  void Region(v1::TensorRef* t, v1::DType dtype, std::vector<int64_t> shape, uint64_t offset) const;
   absl::Status MarkReady(cudaStream_t stream);
   absl::Status WaitDone(cudaStream_t stream);
   // Host-side waits, for a worker that keeps no cross-process wait pending on the GPU

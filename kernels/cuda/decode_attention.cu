@@ -95,6 +95,30 @@ __device__ void LoadQueries(const PartArgs& a, int b, int kvh, int G, float (*s_
   __syncthreads();
 }
 
+// Where one KV head's rows of one INT2 page-layer live (layout of int2_attention.h: K codes,
+// V codes, K params, V params).
+struct Int2HeadPtrs {
+  const uint32_t* kwords;   // [Q/4 groups][page_size] words
+  const uint32_t* vwords;   // [page_size/4 quads][Q] words
+  const uint16_t* kparams;  // FP16 [2][page_size]: scales, minimums
+  const uint16_t* vparams;
+};
+
+__device__ __forceinline__ Int2HeadPtrs HeadPtrs(const PagedList& p, const DecodeGeometry& geo,
+                                                 int kvh, int page_id, int q_bytes) {
+  const int ps = geo.page_size;
+  const uint8_t* base = p.pages + static_cast<int64_t>(page_id) * p.page_stride;
+  const int64_t code_bytes = static_cast<int64_t>(geo.num_kv_heads) * ps * q_bytes;
+  const int64_t head_bytes = static_cast<int64_t>(kvh) * ps * q_bytes;
+  Int2HeadPtrs h;
+  h.kwords = reinterpret_cast<const uint32_t*>(base + head_bytes);
+  h.vwords = reinterpret_cast<const uint32_t*>(base + code_bytes + head_bytes);
+  h.kparams =
+      reinterpret_cast<const uint16_t*>(base + 2 * code_bytes) + static_cast<int64_t>(kvh) * 2 * ps;
+  h.vparams = h.kparams + static_cast<int64_t>(geo.num_kv_heads) * 2 * ps;
+  return h;
+}
+
 // Merges the CTA's warps (state per warp and head: max m, sum l, o accumulated without the
 // 1/l, and lacc added to every element) and writes part (part_base + split).
 template <int D>
@@ -190,18 +214,12 @@ __global__ void __launch_bounds__(kWarps * 32) Int2DecodeKernel(PartArgs a) {
 
   for (int tile = t_begin + warp * kTile; tile < t_end; tile += kWarps * kTile) {
     const int page = tile / ps, slot0 = tile % ps;
-    const uint8_t* base =
-        p.pages + static_cast<int64_t>(p.page_table[static_cast<int64_t>(b) * p.max_pages + page]) *
-                      p.page_stride;
-    // Page layout (int2_attention.h): K codes, V codes, K params, V params.
-    const int64_t code_bytes = static_cast<int64_t>(geo.num_kv_heads) * ps * Q;
-    const uint32_t* kwords =
-        reinterpret_cast<const uint32_t*>(base + static_cast<int64_t>(kvh) * ps * Q);
-    const uint32_t* vwords =
-        reinterpret_cast<const uint32_t*>(base + code_bytes + static_cast<int64_t>(kvh) * ps * Q);
-    const __half* kparams =
-        reinterpret_cast<const __half*>(base + 2 * code_bytes) + static_cast<int64_t>(kvh) * 2 * ps;
-    const __half* vparams = kparams + static_cast<int64_t>(geo.num_kv_heads) * 2 * ps;
+    const Int2HeadPtrs hp =
+        HeadPtrs(p, geo, kvh, p.page_table[static_cast<int64_t>(b) * p.max_pages + page], Q);
+    const uint32_t* kwords = hp.kwords;
+    const uint32_t* vwords = hp.vwords;
+    const __half* kparams = reinterpret_cast<const __half*>(hp.kparams);
+    const __half* vparams = reinterpret_cast<const __half*>(hp.vparams);
 
     // Issue every global load of the tile first (K and V words are independent of the
     // logits), so a tile costs one memory round trip.
@@ -352,8 +370,8 @@ __global__ void __launch_bounds__(kWarps * 32) Int2DecodeKernel(PartArgs a) {
 //   FP16 scale/min) into a per-warp ring of kStages tiles in shared memory with cp.async,
 //   kStages - 1 tiles ahead of the one it computes, and reads them back itself: every byte
 //   of a page is read once, coalesced, with no barrier in the loop.
-constexpr float kLazyLog2 = 0.25f;  // weights stay <= 2^kLazyLog2 * S between rescales
-constexpr int kFlushTiles = 512;   // 512 * 32 tokens * 255 * 192 < 2^31
+constexpr float kLazyLog2 = 0.25f;          // weights stay <= 2^kLazyLog2 * S between rescales
+constexpr int kFlushTiles = 512;            // 512 * 32 tokens * 255 * 192 < 2^31
 constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: low byte = round(x) for |x| < 2^22
 
 __device__ __forceinline__ void MmaU8S8(int (&c)[4], const uint32_t (&a)[4], uint32_t b0,
@@ -389,12 +407,12 @@ __device__ __forceinline__ uint32_t PackLowBytes(uint32_t x0, uint32_t x1, uint3
 // What one lane holds of one 32-token tile.
 template <int D>
 struct TileWords {
-  static constexpr int Q = D / 4;   // code bytes per row
-  static constexpr int KW = Q / 16; // K word groups per lane (groups 4j + t)
-  static constexpr int U = Q / 8;   // V byte columns per lane (g*U .. g*U + U - 1)
-  uint32_t k[KW][4];                // [j][token 4g + c]
-  uint32_t v[2][U];                 // quads t and t + 4, byte columns g*U + u
-  uint2 ks, kl, vs, vl;             // FP16 scale/min of K and V, tokens 4g .. 4g + 3
+  static constexpr int Q = D / 4;    // code bytes per row
+  static constexpr int KW = Q / 16;  // K word groups per lane (groups 4j + t)
+  static constexpr int U = Q / 8;    // V byte columns per lane (g*U .. g*U + U - 1)
+  uint32_t k[KW][4];                 // [j][token 4g + c]
+  uint32_t v[2][U];                  // quads t and t + 4, byte columns g*U + u
+  uint2 ks, kl, vs, vl;              // FP16 scale/min of K and V, tokens 4g .. 4g + 3
 };
 
 // The tile's bytes of one lane, staged in shared memory by cp.async: 16-byte chunks, chunk c
@@ -403,7 +421,7 @@ template <int D>
 struct TileChunks {
   static constexpr int KW = TileWords<D>::KW, U = TileWords<D>::U;
   static constexpr int kV = U >= 4 ? 2 * (U / 4) : 1;  // V chunks (two quads)
-  static constexpr int kCount = KW + kV + 2;            // + K params, V params
+  static constexpr int kCount = KW + kV + 2;           // + K params, V params
   static constexpr int kWarpBytes = kCount * 32 * 16;
 };
 
@@ -431,15 +449,9 @@ __device__ __forceinline__ void StageTile(const PagedList& p, const DecodeGeomet
   using C = TileChunks<D>;
   const int g = lane >> 2, t = lane & 3;
   const int ps = geo.page_size;
-  const uint8_t* base = p.pages + static_cast<int64_t>(page_id) * p.page_stride;
-  const int64_t code_bytes = static_cast<int64_t>(geo.num_kv_heads) * ps * Q;
-  const uint32_t* kwords =
-      reinterpret_cast<const uint32_t*>(base + static_cast<int64_t>(kvh) * ps * Q);
-  const uint32_t* vwords =
-      reinterpret_cast<const uint32_t*>(base + code_bytes + static_cast<int64_t>(kvh) * ps * Q);
-  const uint16_t* kparams = reinterpret_cast<const uint16_t*>(base + 2 * code_bytes) +
-                            static_cast<int64_t>(kvh) * 2 * ps;
-  const uint16_t* vparams = kparams + static_cast<int64_t>(geo.num_kv_heads) * 2 * ps;
+  const Int2HeadPtrs hp = HeadPtrs(p, geo, kvh, page_id, Q);
+  const uint32_t *kwords = hp.kwords, *vwords = hp.vwords;
+  const uint16_t *kparams = hp.kparams, *vparams = hp.vparams;
   auto chunk = [&](int c) { return stage + (c * 32 + lane) * 16; };
 #pragma unroll
   for (int j = 0; j < C::KW; ++j) CpAsync16(chunk(j), kwords + (4 * j + t) * ps + slot0 + 4 * g);
@@ -449,7 +461,8 @@ __device__ __forceinline__ void StageTile(const PagedList& p, const DecodeGeomet
     for (int q = 0; q < 2; ++q)
 #pragma unroll
       for (int i = 0; i < C::U / 4; ++i)
-        CpAsync16(chunk(C::KW + q * (C::U / 4) + i), vwords + (quad0 + 4 * q) * Q + g * C::U + 4 * i);
+        CpAsync16(chunk(C::KW + q * (C::U / 4) + i),
+                  vwords + (quad0 + 4 * q) * Q + g * C::U + 4 * i);
   } else {
     CpAsync8(chunk(C::KW), vwords + quad0 * Q + g * C::U);
     CpAsync8(chunk(C::KW) + 8, vwords + (quad0 + 4) * Q + g * C::U);
@@ -578,8 +591,8 @@ constexpr size_t Int2V2DynamicSmem() {
 template <int D, int NT>
 __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a) {
   constexpr int Q = D / 4;
-  constexpr int KB = D / 32;   // logit k-blocks (2 per K word group of a lane)
-  constexpr int VT = D / 16;   // V^T m-tiles
+  constexpr int KB = D / 32;  // logit k-blocks (2 per K word group of a lane)
+  constexpr int VT = D / 16;  // V^T m-tiles
   const PagedList& p = a.list;
   const DecodeGeometry& geo = a.geo;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -596,7 +609,7 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
   __shared__ float s_q[8][D];
   __shared__ float s_step[8], s_inv[8], s_qsum[8];
   __shared__ float s_m[kWarps][8], s_l[kWarps][8], s_lacc[kWarps][8];
-  __shared__ float s_o[kWarps][8][D];  // the warps' FP32 value sums (o without 1/l)
+  __shared__ float s_o[kWarps][8][D];                 // the warps' FP32 value sums (o without 1/l)
   extern __shared__ __align__(16) uint8_t s_stage[];  // [kStages][kWarps][chunks][32][16]
   uint8_t* my_stage = s_stage + warp * TileChunks<D>::kWarpBytes;
   constexpr int kStageStride = kWarps * TileChunks<D>::kWarpBytes;
@@ -606,7 +619,9 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
   // are read one tile ahead of their copies.
   const int first_tile = t_begin + warp * 32;
   const int n_tiles = first_tile < t_end ? (t_end - first_tile + kStep - 1) / kStep : 0;
-  auto page_of = [&](int k) { return k < n_tiles ? __ldg(table + (first_tile + k * kStep) / ps) : 0; };
+  auto page_of = [&](int k) {
+    return k < n_tiles ? __ldg(table + (first_tile + k * kStep) / ps) : 0;
+  };
   int ahead_page = 0;  // page id of tile k + kStages - 1 when iteration k starts
   {
     int pid = page_of(0);
@@ -673,7 +688,8 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
 #pragma unroll
   for (int vt = 0; vt < VT; ++vt)
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) acc[vt][nt][0] = acc[vt][nt][1] = acc[vt][nt][2] = acc[vt][nt][3] = 0;
+    for (int nt = 0; nt < NT; ++nt)
+      acc[vt][nt][0] = acc[vt][nt][1] = acc[vt][nt][2] = acc[vt][nt][3] = 0;
   float m_ref[NT], l[NT], lacc[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
@@ -687,7 +703,7 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
 
   // Converts the int32 sums (scaled by the current inv_w) into the FP32 sums and rescales
   // those by alpha (per head of the lane).
-  auto flush = [&](const float (&alpha)[NT]) {
+  auto flush = [&](const float(&alpha)[NT]) {
     const float to_w = inv_w > 0.0f ? 1.0f / inv_w : 0.0f;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -699,7 +715,8 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const float x = (static_cast<float>(acc[vt][nt][2 * r]) +
-                           static_cast<float>(acc[vt][nt][2 * r + 1]) * (1.0f / 255.0f)) * sc;
+                           static_cast<float>(acc[vt][nt][2 * r + 1]) * (1.0f / 255.0f)) *
+                          sc;
           const int e = ValueElement<D>(vt, r, g);
           o[e] = (o[e] + x) * alpha[nt];
           acc[vt][nt][2 * r] = acc[vt][nt][2 * r + 1] = 0;
@@ -774,7 +791,8 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
     for (int off = 4; off < 32; off <<= 1) {
       s_tile = fmaxf(s_tile, __shfl_xor_sync(0xffffffffu, s_tile, off));
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) mx[nt] = fmaxf(mx[nt], __shfl_xor_sync(0xffffffffu, mx[nt], off));
+      for (int nt = 0; nt < NT; ++nt)
+        mx[nt] = fmaxf(mx[nt], __shfl_xor_sync(0xffffffffu, mx[nt], off));
     }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) need = need || mx[nt] > m_ref[nt] + kLazyLog2;
@@ -805,8 +823,8 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
         l[nt] += pr;
         lacc[nt] += valid[c] ? pr * vlo[c] : 0.0f;
         const float w = valid[c] ? pr * vsc[c] : 0.0f;
-        const float r = __fmul_rn(w, inv_w);           // [0, 256)
-        const float t1 = __fadd_rd(r, kRoundMagic);     // low byte: floor(r)
+        const float r = __fmul_rn(w, inv_w);         // [0, 256)
+        const float t1 = __fadd_rd(r, kRoundMagic);  // low byte: floor(r)
         const float hf = __fsub_rn(t1, kRoundMagic);
         const float t2 = __fmaf_rn(__fsub_rn(r, hf), 255.0f, kRoundMagic);  // round(frac*255)
         hi[c] = __float_as_uint(t1);
@@ -1028,9 +1046,9 @@ bool SupportedGeometry(const DecodeGeometry& g) {
 // instantiation (thread-safe static initialization).
 template <int D, int NT>
 cudaError_t LaunchV2(dim3 grid, const PartArgs& a, cudaStream_t stream) {
-  static const cudaError_t opt_in = cudaFuncSetAttribute(
-      Int2DecodeKernelV2<D, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-      static_cast<int>(Int2V2DynamicSmem<D>()));
+  static const cudaError_t opt_in =
+      cudaFuncSetAttribute(Int2DecodeKernelV2<D, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(Int2V2DynamicSmem<D>()));
   if (opt_in != cudaSuccess) return opt_in;
   Int2DecodeKernelV2<D, NT><<<grid, kWarps * 32, Int2V2DynamicSmem<D>(), stream>>>(a);
   return cudaGetLastError();
@@ -1122,9 +1140,8 @@ cudaError_t LaunchInt2Decode(const Int2DecodeParams& p, int max_tokens, cudaStre
   float* part_o = static_cast<float*>(p.workspace);
   float* part_lse = part_o + static_cast<size_t>(p.num_splits) * rows * p.head_dim;
   const PagedList list{p.pages, p.page_stride, p.page_table, p.max_pages, p.lengths};
-  const cudaError_t e =
-      LaunchInt2DecodeParts(list, geo, p.q, p.r_k, p.softmax_scale, p.num_splits, max_tokens,
-                            part_o, part_lse, 0, stream, p.kernel);
+  const cudaError_t e = LaunchInt2DecodeParts(list, geo, p.q, p.r_k, p.softmax_scale, p.num_splits,
+                                              max_tokens, part_o, part_lse, 0, stream, p.kernel);
   if (e != cudaSuccess) return e;
   return LaunchMergeParts(part_o, part_lse, p.num_splits, rows, p.head_dim, p.r_v_t, p.o, p.lse,
                           stream);

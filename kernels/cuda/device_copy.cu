@@ -24,8 +24,9 @@ __device__ unsigned CheckWord(uint16_t h, uint64_t index, uint32_t check, uint32
 // One block per (span, chunk of the span): grid.y walks spans, grid.x strides inside.
 __global__ void CopySpansKernel(const CopySpan* spans, unsigned long long* bad) {
   const CopySpan s = spans[blockIdx.y];
-  const bool vec = ((reinterpret_cast<uintptr_t>(s.src) | reinterpret_cast<uintptr_t>(s.dst) |
-                     s.bytes) & 15u) == 0;
+  const bool vec =
+      ((reinterpret_cast<uintptr_t>(s.src) | reinterpret_cast<uintptr_t>(s.dst) | s.bytes) & 15u) ==
+      0;
   unsigned local_bad = 0;
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   const uint64_t first = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -94,9 +95,8 @@ __global__ void StoreRowsKernel(RowStoreBatch batch, int d, bool src_bf16) {
     } else {
       out = x[j];
     }
-    r.dst[j] = (src_bf16 && r.rotation == nullptr)
-                   ? static_cast<const uint16_t*>(r.src)[j]
-                   : FloatToBf16Host(out);
+    r.dst[j] = (src_bf16 && r.rotation == nullptr) ? static_cast<const uint16_t*>(r.src)[j]
+                                                   : FloatToBf16Host(out);
   }
 }
 
@@ -106,8 +106,8 @@ cudaError_t LaunchStoreRows(const RowStoreBatch& batch, int head_dim, bool src_b
                             cudaStream_t stream) {
   if (batch.count <= 0) return cudaSuccess;
   if (head_dim > 256 || batch.count > kMaxRowStoresPerLaunch) return cudaErrorInvalidValue;
-  StoreRowsKernel<<<batch.count, head_dim < 128 ? 128 : head_dim, 0, stream>>>(batch, head_dim,
-                                                                            src_bf16);
+  const int threads = head_dim < 128 ? 128 : head_dim;
+  StoreRowsKernel<<<batch.count, threads, 0, stream>>>(batch, head_dim, src_bf16);
   return cudaGetLastError();
 }
 

@@ -41,8 +41,8 @@ cudaError_t LaunchCopySpans(const CopySpan* spans, int n, unsigned long long* ba
 // input order — and rounded to BF16 as FloatToBf16, so a row stored on the device is
 // bit-identical to the same row stored by the host path.
 struct RowStore {
-  const void* src = nullptr;      // [head_dim] BF16 or F32 (device)
-  uint16_t* dst = nullptr;        // [head_dim] BF16 (device)
+  const void* src = nullptr;        // [head_dim] BF16 or F32 (device)
+  uint16_t* dst = nullptr;          // [head_dim] BF16 (device)
   const float* rotation = nullptr;  // [head_dim][head_dim] (device) or null
 };
 constexpr int kMaxRowStoresPerLaunch = 64;
