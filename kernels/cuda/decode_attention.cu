@@ -366,10 +366,10 @@ __global__ void __launch_bounds__(kWarps * 32) Int2DecodeKernel(PartArgs a) {
 //   accumulators are converted to FP32 only when the running max of a head rises by more
 //   than kLazyLog2 (log2 units), when the tile's largest value scale exceeds the one the
 //   digits were scaled for, or every kFlushTiles tiles (int32 headroom).
-// loads: each lane copies its own 16-byte chunks of a tile (K word groups, V byte columns,
-//   FP16 scale/min) into a per-warp ring of kStages tiles in shared memory with cp.async,
-//   kStages - 1 tiles ahead of the one it computes, and reads them back itself: every byte
-//   of a page is read once, coalesced, with no barrier in the loop.
+// loads: each lane loads its own 16-byte pieces of a tile (K word groups, V byte columns) and
+//   the FP16 scale/min of its tokens, one tile ahead in registers: every byte of a page is
+//   read once, coalesced. (A 4-deep cp.async ring in shared memory was measured slower at
+//   batch >= 8 and no faster at batch 1: bench/results/2026-12-03-h200-int2-decode-v2.md.)
 constexpr float kLazyLog2 = 0.25f;          // weights stay <= 2^kLazyLog2 * S between rescales
 constexpr int kFlushTiles = 512;            // 512 * 32 tokens * 255 * 192 < 2^31
 constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: low byte = round(x) for |x| < 2^22
@@ -415,101 +415,50 @@ struct TileWords {
   uint2 ks, kl, vs, vl;              // FP16 scale/min of K and V, tokens 4g .. 4g + 3
 };
 
-// The tile's bytes of one lane, staged in shared memory by cp.async: 16-byte chunks, chunk c
-// of lane l at [c][l] (a warp reads or writes one chunk index as 512 contiguous bytes).
-template <int D>
-struct TileChunks {
-  static constexpr int KW = TileWords<D>::KW, U = TileWords<D>::U;
-  static constexpr int kV = U >= 4 ? 2 * (U / 4) : 1;  // V chunks (two quads)
-  static constexpr int kCount = KW + kV + 2;           // + K params, V params
-  static constexpr int kWarpBytes = kCount * 32 * 16;
-};
-
-__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void CpAsync8(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void CpAsyncCommit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
 template <int N>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+__device__ __forceinline__ void LoadWords(const uint32_t* p, uint32_t (&w)[N]) {
+  if constexpr (N == 2) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    w[0] = v.x;
+    w[1] = v.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(p + i));
+      w[i] = v.x;
+      w[i + 1] = v.y;
+      w[i + 2] = v.z;
+      w[i + 3] = v.w;
+    }
+  }
 }
 
-// Issues the copies of one 32-token tile (this lane's part) into `stage` (the warp's area).
+// Loads this lane's part of one 32-token tile into registers (16-byte loads of the K word
+// groups 4j + t of tokens 4g..4g+3, of the V byte columns g*U.. of quads t and t + 4, and
+// 8-byte loads of the FP16 scale/min of tokens 4g..4g+3).
 template <int D>
-__device__ __forceinline__ void StageTile(const PagedList& p, const DecodeGeometry& geo, int kvh,
-                                          int page_id, int slot0, int lane, uint8_t* stage) {
+__device__ __forceinline__ void LoadTile(const PagedList& p, const DecodeGeometry& geo, int kvh,
+                                         int page_id, int slot0, int g, int t, TileWords<D>& tw) {
   constexpr int Q = D / 4;
-  using C = TileChunks<D>;
-  const int g = lane >> 2, t = lane & 3;
   const int ps = geo.page_size;
   const Int2HeadPtrs hp = HeadPtrs(p, geo, kvh, page_id, Q);
-  const uint32_t *kwords = hp.kwords, *vwords = hp.vwords;
-  const uint16_t *kparams = hp.kparams, *vparams = hp.vparams;
-  auto chunk = [&](int c) { return stage + (c * 32 + lane) * 16; };
 #pragma unroll
-  for (int j = 0; j < C::KW; ++j) CpAsync16(chunk(j), kwords + (4 * j + t) * ps + slot0 + 4 * g);
-  const int quad0 = slot0 / 4 + t;
-  if constexpr (C::U >= 4) {
-#pragma unroll
-    for (int q = 0; q < 2; ++q)
-#pragma unroll
-      for (int i = 0; i < C::U / 4; ++i)
-        CpAsync16(chunk(C::KW + q * (C::U / 4) + i),
-                  vwords + (quad0 + 4 * q) * Q + g * C::U + 4 * i);
-  } else {
-    CpAsync8(chunk(C::KW), vwords + quad0 * Q + g * C::U);
-    CpAsync8(chunk(C::KW) + 8, vwords + (quad0 + 4) * Q + g * C::U);
-  }
-  const int s = slot0 + 4 * g;
-  CpAsync8(chunk(C::KW + C::kV), kparams + s);
-  CpAsync8(chunk(C::KW + C::kV) + 8, kparams + ps + s);
-  CpAsync8(chunk(C::KW + C::kV + 1), vparams + s);
-  CpAsync8(chunk(C::KW + C::kV + 1) + 8, vparams + ps + s);
-}
-
-// Reads this lane's staged tile back (after its copies completed).
-template <int D>
-__device__ __forceinline__ void ReadTile(const uint8_t* stage, int lane, TileWords<D>& tw) {
-  using C = TileChunks<D>;
-  auto chunk = [&](int c) { return *reinterpret_cast<const uint4*>(stage + (c * 32 + lane) * 16); };
-#pragma unroll
-  for (int j = 0; j < C::KW; ++j) {
-    const uint4 w = chunk(j);
+  for (int j = 0; j < TileWords<D>::KW; ++j) {
+    const uint4 w =
+        __ldg(reinterpret_cast<const uint4*>(hp.kwords + (4 * j + t) * ps + slot0 + 4 * g));
     tw.k[j][0] = w.x;
     tw.k[j][1] = w.y;
     tw.k[j][2] = w.z;
     tw.k[j][3] = w.w;
   }
-  if constexpr (C::U >= 4) {
-#pragma unroll
-    for (int q = 0; q < 2; ++q)
-#pragma unroll
-      for (int i = 0; i < C::U / 4; ++i) {
-        const uint4 w = chunk(C::KW + q * (C::U / 4) + i);
-        tw.v[q][4 * i] = w.x;
-        tw.v[q][4 * i + 1] = w.y;
-        tw.v[q][4 * i + 2] = w.z;
-        tw.v[q][4 * i + 3] = w.w;
-      }
-  } else {
-    const uint4 w = chunk(C::KW);
-    tw.v[0][0] = w.x;
-    tw.v[0][1] = w.y;
-    tw.v[1][0] = w.z;
-    tw.v[1][1] = w.w;
-  }
-  const uint4 kp = chunk(C::KW + C::kV), vp = chunk(C::KW + C::kV + 1);
-  tw.ks = make_uint2(kp.x, kp.y);
-  tw.kl = make_uint2(kp.z, kp.w);
-  tw.vs = make_uint2(vp.x, vp.y);
-  tw.vl = make_uint2(vp.z, vp.w);
+  const int quad0 = slot0 / 4 + t;
+  LoadWords(hp.vwords + quad0 * Q + g * TileWords<D>::U, tw.v[0]);
+  LoadWords(hp.vwords + (quad0 + 4) * Q + g * TileWords<D>::U, tw.v[1]);
+  const int s = slot0 + 4 * g;
+  tw.ks = __ldg(reinterpret_cast<const uint2*>(hp.kparams + s));
+  tw.kl = __ldg(reinterpret_cast<const uint2*>(hp.kparams + ps + s));
+  tw.vs = __ldg(reinterpret_cast<const uint2*>(hp.vparams + s));
+  tw.vl = __ldg(reinterpret_cast<const uint2*>(hp.vparams + ps + s));
 }
 
 // Rotated, scaled queries of the group into s_q[h] (h < G; zero rows up to 8), with each
@@ -581,13 +530,6 @@ __device__ __forceinline__ int ValueElement(int vt, int r, int g) {
   return (vt / per_plane) * Q + g * U + 2 * (vt % per_plane) + r;
 }
 
-constexpr int kStages = 4;  // tiles per warp in flight: kStages - 1 while one is computed
-
-template <int D>
-constexpr size_t Int2V2DynamicSmem() {
-  return static_cast<size_t>(kStages) * kWarps * TileChunks<D>::kWarpBytes;
-}
-
 template <int D, int NT>
 __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a) {
   constexpr int Q = D / 4;
@@ -609,33 +551,16 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
   __shared__ float s_q[8][D];
   __shared__ float s_step[8], s_inv[8], s_qsum[8];
   __shared__ float s_m[kWarps][8], s_l[kWarps][8], s_lacc[kWarps][8];
-  __shared__ float s_o[kWarps][8][D];                 // the warps' FP32 value sums (o without 1/l)
-  extern __shared__ __align__(16) uint8_t s_stage[];  // [kStages][kWarps][chunks][32][16]
-  uint8_t* my_stage = s_stage + warp * TileChunks<D>::kWarpBytes;
-  constexpr int kStageStride = kWarps * TileChunks<D>::kWarpBytes;
+  __shared__ float s_o[kWarps][8][D];  // the warps' FP32 value sums (o without 1/l)
 
-  // This warp's tiles: t_begin + warp * 32 + k * kStep for k < n_tiles. The first
-  // kStages - 1 go out before the query preparation, so their latency overlaps it; page ids
-  // are read one tile ahead of their copies.
-  const int first_tile = t_begin + warp * 32;
-  const int n_tiles = first_tile < t_end ? (t_end - first_tile + kStep - 1) / kStep : 0;
-  auto page_of = [&](int k) {
-    return k < n_tiles ? __ldg(table + (first_tile + k * kStep) / ps) : 0;
-  };
-  int ahead_page = 0;  // page id of tile k + kStages - 1 when iteration k starts
-  {
-    int pid = page_of(0);
-#pragma unroll
-    for (int k = 0; k < kStages - 1; ++k) {
-      const int next = page_of(k + 1);
-      if (k < n_tiles) {
-        StageTile<D>(p, geo, kvh, pid, (first_tile + k * kStep) % ps, lane,
-                     my_stage + k * kStageStride);
-      }
-      CpAsyncCommit();
-      pid = next;
-    }
-    ahead_page = pid;
+  // The first tile's loads go out before the query preparation, so they overlap it; page
+  // ids are read one tile ahead of the tile's loads.
+  int tile = t_begin + warp * 32;
+  TileWords<D> cur;
+  int next_page = 0;
+  if (tile < t_end) {
+    LoadTile<D>(p, geo, kvh, __ldg(table + tile / ps), tile % ps, g, t, cur);
+    if (tile + kStep < t_end) next_page = __ldg(table + (tile + kStep) / ps);
   }
   PrepareQueries<D>(a, b, kvh, G, s_q, s_o[0], s_step, s_inv, s_qsum);
   // Query digits (B of the logit MMAs): k-block kb = 2j + pp, column g = (head g/2 of the
@@ -725,23 +650,14 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
     }
   };
 
-  for (int k = 0; k < n_tiles; ++k) {
-    const int tile = first_tile + k * kStep;
-    // Copies of tile k + kStages - 1 go out (into the stage tile k - 1 used), then tile k is
-    // waited for and read back; each lane reads only what it copied, so no barrier.
-    {
-      const int kn = k + kStages - 1;
-      const int next = page_of(kn + 1);
-      if (kn < n_tiles) {
-        StageTile<D>(p, geo, kvh, ahead_page, (first_tile + kn * kStep) % ps, lane,
-                     my_stage + (kn % kStages) * kStageStride);
-      }
-      CpAsyncCommit();
-      ahead_page = next;
+  for (; tile < t_end; tile += kStep) {
+    // Next tile's loads first (its page id was read a tile ago), then this tile's math.
+    TileWords<D> nxt;
+    const int ntile = tile + kStep;
+    if (ntile < t_end) {
+      LoadTile<D>(p, geo, kvh, next_page, ntile % ps, g, t, nxt);
+      if (ntile + kStep < t_end) next_page = __ldg(table + (ntile + kStep) / ps);
     }
-    CpAsyncWait<kStages - 1>();
-    TileWords<D> cur;
-    ReadTile<D>(my_stage + (k % kStages) * kStageStride, lane, cur);
     float ksc[4], klo[4], vsc[4], vlo[4];
     HalvesToFloat(cur.ks, ksc);
     HalvesToFloat(cur.kl, klo);
@@ -853,8 +769,8 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) MmaU8U8(acc[vt][nt], a4, bw[nt][0], bw[nt][1]);
     }
+    if (ntile < t_end) cur = nxt;
   }
-  CpAsyncWait<0>();
   {
     float one[NT];
 #pragma unroll
@@ -1042,15 +958,9 @@ bool SupportedGeometry(const DecodeGeometry& g) {
          g.page_size > 0;
 }
 
-// The staging ring is dynamic shared memory beyond the 48 KB default: opted in once per
-// instantiation (thread-safe static initialization).
 template <int D, int NT>
 cudaError_t LaunchV2(dim3 grid, const PartArgs& a, cudaStream_t stream) {
-  static const cudaError_t opt_in =
-      cudaFuncSetAttribute(Int2DecodeKernelV2<D, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(Int2V2DynamicSmem<D>()));
-  if (opt_in != cudaSuccess) return opt_in;
-  Int2DecodeKernelV2<D, NT><<<grid, kWarps * 32, Int2V2DynamicSmem<D>(), stream>>>(a);
+  Int2DecodeKernelV2<D, NT><<<grid, kWarps * 32, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
