@@ -148,11 +148,9 @@ class CudaBackend final : public Backend {
     std::lock_guard<std::mutex> lock(mu_);
     static_assert(sizeof(kc::CopySpan) % 8 == 0, "span layout");
     std::vector<kc::CopySpan> host(spans.size());
-    uint64_t total_bytes = 0;
     for (size_t i = 0; i < spans.size(); ++i) {
       host[i] = kc::CopySpan{spans[i].src, spans[i].dst, spans[i].bytes, spans[i].check,
                              spans[i].check_block};
-      total_bytes += spans[i].bytes;
     }
     const size_t desc_bytes = sizeof(kc::CopySpan) * host.size();
     auto scratch = span_scratch_.Reserve(desc_bytes + 256);
@@ -162,8 +160,7 @@ class CudaBackend final : public Backend {
     const unsigned long long zero = 0;
     RETURN_IF_CUDA(kc::CopyToDevice(d_bad, &zero, sizeof(zero)));
     RETURN_IF_CUDA(kc::CopyToDevice(d_spans, host.data(), desc_bytes));
-    RETURN_IF_CUDA_ERR(kc::LaunchCopySpans(d_spans, static_cast<int>(host.size()), d_bad, nullptr,
-                                           total_bytes / host.size()));
+    RETURN_IF_CUDA_ERR(kc::LaunchCopySpans(d_spans, static_cast<int>(host.size()), d_bad, nullptr));
     if (bad_values != nullptr) {
       unsigned long long bad = 0;
       RETURN_IF_CUDA(kc::CopyToHost(&bad, d_bad, sizeof(bad)));

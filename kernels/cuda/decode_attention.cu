@@ -79,18 +79,51 @@ __device__ void LoadQueries(const PartArgs& a, int b, int kvh, int G, float (*s_
         h < G ? a.q[(static_cast<int64_t>(b) * a.geo.num_q_heads + kvh * G + h) * D + i % D] : 0.0f;
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < 8 * D; i += blockDim.x) {
-    const int h = i / D, j = i % D;
-    float acc = 0.0f;
-    if (h < G) {
-      if (a.r_k == nullptr) {
-        acc = raw[h][j];
-      } else {
-#pragma unroll 8
-        for (int k = 0; k < D; ++k) acc += raw[h][k] * __ldg(a.r_k + k * D + j);
+  // Thread j computes column j of every row: 8 independent sums, R read once, coalesced.
+  for (int j = threadIdx.x; j < D; j += blockDim.x) {
+    float acc[8];
+#pragma unroll
+    for (int h = 0; h < 8; ++h) acc[h] = 0.0f;
+    if (a.r_k == nullptr) {
+#pragma unroll
+      for (int h = 0; h < 8; ++h) acc[h] = raw[h][j];
+    } else {
+#pragma unroll 4
+      for (int i = 0; i < D; ++i) {
+        const float r = __ldg(a.r_k + i * D + j);
+#pragma unroll
+        for (int h = 0; h < 8; ++h) acc[h] = fmaf(raw[h][i], r, acc[h]);
       }
     }
-    s_q[h][j] = acc * a.scale;
+#pragma unroll
+    for (int h = 0; h < 8; ++h) s_q[h][j] = h < G ? acc[h] * a.scale : 0.0f;
+  }
+  __syncthreads();
+}
+
+// LoadQueries, then each row's int8 step (and its inverse, if s_inv is not null) and sum:
+// one warp per row reduces max |x| and the sum. Ends with a barrier.
+template <int D>
+__device__ void PrepareQueries(const PartArgs& a, int b, int kvh, int G, float (*s_q)[D],
+                               float (*raw)[D], float* s_step, float* s_inv, float* s_qsum) {
+  LoadQueries<D>(a, b, kvh, G, s_q, raw);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int h = warp; h < 8; h += blockDim.x / 32) {
+    float mx = 0.0f, sum = 0.0f;
+    for (int e = lane; e < D; e += 32) {
+      mx = fmaxf(mx, fabsf(s_q[h][e]));
+      sum += s_q[h][e];
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    }
+    if (lane == 0) {
+      s_step[h] = mx > 0.0f ? mx / 127.0f : 1.0f;
+      if (s_inv != nullptr) s_inv[h] = mx > 0.0f ? 127.0f / mx : 1.0f;
+      s_qsum[h] = sum;
+    }
   }
   __syncthreads();
 }
@@ -172,17 +205,7 @@ __global__ void __launch_bounds__(kWarps * 32) Int2DecodeKernel(PartArgs a) {
 
   // Rotated, scaled queries of this KV head's group (s_o is free scratch until the end);
   // their int8 step and sum.
-  LoadQueries<D>(a, b, kvh, G, s_q, s_o[0]);
-  if (threadIdx.x < 8) {
-    float mx = 0.0f, sum = 0.0f;
-    for (int e = 0; e < D; ++e) {
-      mx = fmaxf(mx, fabsf(s_q[threadIdx.x][e]));
-      sum += s_q[threadIdx.x][e];
-    }
-    s_step[threadIdx.x] = mx > 0.0f ? mx / 127.0f : 1.0f;
-    s_qsum[threadIdx.x] = sum;
-  }
-  __syncthreads();
+  PrepareQueries<D>(a, b, kvh, G, s_q, s_o[0], s_step, nullptr, s_qsum);
   // A fragments of the logit MMAs: k-block kb covers group-planes kb*8 .. kb*8+7, where
   // group-plane gp = plane * kGroups + group holds elements plane*Q + 4*group + 0..3.
   uint32_t qa[kKBlocks][4];
@@ -459,59 +482,6 @@ __device__ __forceinline__ void LoadTile(const PagedList& p, const DecodeGeometr
   tw.kl = __ldg(reinterpret_cast<const uint2*>(hp.kparams + ps + s));
   tw.vs = __ldg(reinterpret_cast<const uint2*>(hp.vparams + s));
   tw.vl = __ldg(reinterpret_cast<const uint2*>(hp.vparams + ps + s));
-}
-
-// Rotated, scaled queries of the group into s_q[h] (h < G; zero rows up to 8), with each
-// row's int8 step and sum: thread j computes column j of every row (G independent sums,
-// R read once per CTA, coalesced), then one warp per row reduces max |x| and the sum.
-// Ends with a barrier.
-template <int D>
-__device__ void PrepareQueries(const PartArgs& a, int b, int kvh, int G, float (*s_q)[D],
-                               float (*raw)[D], float* s_step, float* s_inv, float* s_qsum) {
-  for (int i = threadIdx.x; i < 8 * D; i += blockDim.x) {
-    const int h = i / D;
-    raw[h][i % D] =
-        h < G ? a.q[(static_cast<int64_t>(b) * a.geo.num_q_heads + kvh * G + h) * D + i % D] : 0.0f;
-  }
-  __syncthreads();
-  for (int j = threadIdx.x; j < D; j += blockDim.x) {
-    float acc[8];
-#pragma unroll
-    for (int h = 0; h < 8; ++h) acc[h] = 0.0f;
-    if (a.r_k == nullptr) {
-#pragma unroll
-      for (int h = 0; h < 8; ++h) acc[h] = raw[h][j];
-    } else {
-#pragma unroll 4
-      for (int i = 0; i < D; ++i) {
-        const float r = __ldg(a.r_k + i * D + j);
-#pragma unroll
-        for (int h = 0; h < 8; ++h) acc[h] = fmaf(raw[h][i], r, acc[h]);
-      }
-    }
-#pragma unroll
-    for (int h = 0; h < 8; ++h) s_q[h][j] = h < G ? acc[h] * a.scale : 0.0f;
-  }
-  __syncthreads();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int h = warp; h < 8; h += blockDim.x / 32) {
-    float mx = 0.0f, sum = 0.0f;
-    for (int e = lane; e < D; e += 32) {
-      mx = fmaxf(mx, fabsf(s_q[h][e]));
-      sum += s_q[h][e];
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-      sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    }
-    if (lane == 0) {
-      s_step[h] = mx > 0.0f ? mx / 127.0f : 1.0f;
-      s_inv[h] = mx > 0.0f ? 127.0f / mx : 1.0f;
-      s_qsum[h] = sum;
-    }
-  }
-  __syncthreads();
 }
 
 __device__ __forceinline__ void HalvesToFloat(uint2 h, float (&f)[4]) {

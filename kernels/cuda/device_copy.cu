@@ -112,19 +112,14 @@ cudaError_t LaunchStoreRows(const RowStoreBatch& batch, int head_dim, bool src_b
 }
 
 cudaError_t LaunchCopySpans(const CopySpan* spans, int n, unsigned long long* bad,
-                            cudaStream_t stream, uint64_t typical_bytes) {
+                            cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
-  // Up to 8 blocks per span keep every SM busy for a few hundred spans of tens of KB;
-  // thousands of small spans (pages pushed layer by layer) get one block per 16 KB. A span
-  // larger than blocks * 256 * 16 bytes is walked in strides.
-  unsigned per_span = 8;
-  if (typical_bytes > 0) {
-    const uint64_t want = (typical_bytes + (16u << 10) - 1) / (16u << 10);
-    per_span = static_cast<unsigned>(want < 1 ? 1 : (want > 8 ? 8 : want));
-  }
+  // 8 blocks per span keep every SM busy for a few hundred spans of tens of KB; a span
+  // larger than 8 * 256 * 16 bytes is walked in strides. (Fewer blocks for thousands of
+  // small spans were measured: no faster, the host's per-page work bounds pushes.)
   for (int first = 0; first < n; first += 65535) {
     const int count = n - first < 65535 ? n - first : 65535;
-    CopySpansKernel<<<dim3(per_span, count), kThreads, 0, stream>>>(spans + first, bad);
+    CopySpansKernel<<<dim3(8, count), kThreads, 0, stream>>>(spans + first, bad);
   }
   return cudaGetLastError();
 }

@@ -30,10 +30,8 @@ struct CopySpan {
 
 // Copies and checks `n` spans (`spans` in device memory); atomically adds the number of
 // values failing their span's check to *bad (device, may be null when no span checks).
-// `typical_bytes` (the caller's average span size, 0 = unknown) sizes the blocks per span:
-// one block per 16 KB, 1 to 8, so many small spans do not become a million tiny blocks.
 cudaError_t LaunchCopySpans(const CopySpan* spans, int n, unsigned long long* bad,
-                            cudaStream_t stream, uint64_t typical_bytes = 0);
+                            cudaStream_t stream);
 
 // One K or V row of a new token stored into its page slot: dst[j] = bf16((src · R)[j]),
 // or bf16(src[j]) without a rotation. The rotation is computed as RotateRows
