@@ -3,7 +3,7 @@
 // the achieved bandwidth against a read-only reduction's ceiling measured in the same run.
 // Self-contained (kernels only), so it runs on a GPU machine without the daemon's libraries.
 //
-//   cuda_int2_bench [--check-only] [--bench-only]
+//   cuda_int2_bench [--check-only] [--bench-only] [--one N BATCH CTAS_PER_SM [PREFETCH]]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -188,7 +188,8 @@ float Median(std::vector<float> v) {
 
 int main(int argc, char** argv) {
   bool check = true, bench = true;
-  int one_n = 0, one_batch = 0, one_cps = 0;  // --one N BATCH CTAS_PER_SM: a single config
+  // --one N BATCH CTAS_PER_SM [PREFETCH]: a single config of the v2 kernel
+  int one_n = 0, one_batch = 0, one_cps = 0, one_prefetch = -1;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--check-only")) bench = false;
     if (!std::strcmp(argv[i], "--bench-only")) check = false;
@@ -198,6 +199,7 @@ int main(int argc, char** argv) {
       one_cps = std::atoi(argv[i + 3]);
       check = false;
       i += 3;
+      if (i + 1 < argc && argv[i + 1][0] != '-') one_prefetch = std::atoi(argv[++i]);
     }
   }
   cudaDeviceProp prop{};
@@ -312,33 +314,47 @@ int main(int argc, char** argv) {
   }
   const int hq = 32, hkv = 8, d = 128, ps = 64;
   std::printf("\nINT2 decode attention, Qwen3-8B layer (32 q / 8 kv heads, d 128, page 64)\n");
-  std::printf("%8s %6s %7s %10s %10s %9s\n", "context", "batch", "splits", "us", "MB read", "TB/s");
-  // kernel auto at 3 CTAs per SM (its occupancy) and 2; the first kernel at 4 (its best).
+  std::printf(
+      "single: one call between two events (launch gaps included); b2b: 40 calls back to back,\n"
+      "cycling over up to 4 layers of pages (what a decode step over layers sees), per call.\n");
+  std::printf("%8s %6s %7s %10s %10s %10s %9s\n", "context", "batch", "splits", "single us",
+              "b2b us", "MB read", "TB/s b2b");
   struct Variant {
+    const char* label;
     kk::cuda::Int2Kernel kernel;
-    int cps;
+    int cps, prefetch;
+    bool fuse;
   };
+  const auto kAuto = kk::cuda::Int2Kernel::kAuto;
   const std::vector<Variant> variants =
-      one_n ? std::vector<Variant>{{kk::cuda::Int2Kernel::kAuto, one_cps}}
-            : std::vector<Variant>{{kk::cuda::Int2Kernel::kAuto, 3},
-                                   {kk::cuda::Int2Kernel::kAuto, 2},
-                                   {kk::cuda::Int2Kernel::kFirst, 4}};
+      one_n ? std::vector<Variant>{{"v2", kAuto, one_cps, one_prefetch, true}}
+            : std::vector<Variant>{
+                  {"v2, no L2 prefetch, merge kernel after", kAuto, 3, 0, false},
+                  {"v2, no L2 prefetch, merge fused", kAuto, 3, 0, true},
+                  {"v2, L2 prefetch 2 tiles, merge fused", kAuto, 3, 2, true},
+                  {"v2, L2 prefetch 3 tiles (default), merge fused", kAuto, 3, -1, true},
+                  {"v2, L2 prefetch 5 tiles, merge fused", kAuto, 3, 5, true},
+                  {"first kernel, 4 CTAs per SM, merge kernel", kk::cuda::Int2Kernel::kFirst, 4,
+                   0, false}};
   const std::vector<int> n_list = one_n ? std::vector<int>{one_n} : std::vector<int>{32768, 100000};
   const std::vector<int> b_list = one_n ? std::vector<int>{one_batch} : std::vector<int>{1, 8, 64};
   for (const Variant& var : variants) {
-    const int cps = var.cps;
-    std::printf("-- kernel %s, splits for %d CTAs per SM --\n",
-                var.kernel == kk::cuda::Int2Kernel::kAuto ? "auto" : "first", cps);
+    std::printf("-- %s (splits for %d CTAs per SM) --\n", var.label, var.cps);
     for (int n : n_list) {
       for (int batch : b_list) {
         const int pages_per = (n + ps - 1) / ps;
         const int64_t page_bytes = kk::Int2PageBytes(hkv, ps, d);
         const int64_t n_pages = int64_t{pages_per} * batch;
-        uint8_t* pages = nullptr;
-        CHECK(cudaMalloc(&pages, n_pages * page_bytes));
-        FillPages<<<4096, 256>>>(pages, n_pages, page_bytes, int64_t{hkv} * ps * (d / 4), hkv, ps,
-                                 7u);
-        CHECK(cudaGetLastError());
+        const int64_t layer_bytes = n_pages * page_bytes;
+        const int layers = static_cast<int>(std::clamp<int64_t>(int64_t{1000000000} / layer_bytes,
+                                                                1, 4));
+        std::vector<uint8_t*> pages(layers);
+        for (int l = 0; l < layers; ++l) {
+          CHECK(cudaMalloc(&pages[l], layer_bytes));
+          FillPages<<<4096, 256>>>(pages[l], n_pages, page_bytes, int64_t{hkv} * ps * (d / 4), hkv,
+                                   ps, 7u + l);
+          CHECK(cudaGetLastError());
+        }
         std::vector<int32_t> table(n_pages);
         for (int64_t i = 0; i < n_pages; ++i) table[i] = static_cast<int32_t>(i);
         std::mt19937 rng(5);
@@ -346,7 +362,7 @@ int main(int argc, char** argv) {
         std::vector<float> q(batch * hq * d);
         for (auto& x : q) x = normal(rng);
         kk::cuda::Int2DecodeParams p;
-        p.pages = pages;
+        p.pages = pages[0];
         p.page_stride = page_bytes;
         p.page_table = Upload(table);
         p.max_pages = pages_per;
@@ -361,8 +377,10 @@ int main(int argc, char** argv) {
         p.r_k = Upload(h);
         p.r_v_t = Upload(h);
         p.softmax_scale = 1.0f / std::sqrt(static_cast<float>(d));
-        p.num_splits = kk::cuda::Int2DecodeSplits(batch, hkv, n, prop.multiProcessorCount, cps);
+        p.num_splits = kk::cuda::Int2DecodeSplits(batch, hkv, n, prop.multiProcessorCount, var.cps);
         p.kernel = var.kernel;
+        p.prefetch_tiles = var.prefetch;
+        p.fuse_merge = var.fuse;
         float *o = nullptr, *lse = nullptr;
         void* ws = nullptr;
         CHECK(cudaMalloc(&o, batch * hq * d * 4));
@@ -375,7 +393,7 @@ int main(int argc, char** argv) {
         CHECK(cudaEventCreate(&a));
         CHECK(cudaEventCreate(&b));
         std::vector<float> ms;
-        for (int r = 0; r < (one_n ? 5 : 53); ++r) {
+        for (int r = 0; r < (one_n ? 5 : 33); ++r) {
           CHECK(cudaEventRecord(a));
           CHECK(kk::cuda::LaunchInt2Decode(p, n, nullptr));
           CHECK(cudaEventRecord(b));
@@ -385,28 +403,50 @@ int main(int argc, char** argv) {
           if (r >= 3 || one_n) ms.push_back(t);
         }
         const double us = Median(ms) * 1e3;
-        const double mb = static_cast<double>(page_bytes) * n_pages / 1e6;
-        std::printf("%8d %6d %7d %10.1f %10.1f %9.2f", n, batch, p.num_splits, us, mb, mb / us);
-        if (batch == 1) {  // the merge kernel alone, on the parts the last run left
+        std::vector<float> b2b;
+        const int calls = 40;
+        for (int r = 0; r < 7; ++r) {
+          CHECK(cudaEventRecord(a));
+          for (int c = 0; c < calls; ++c) {
+            kk::cuda::Int2DecodeParams pc = p;
+            pc.pages = pages[c % layers];
+            CHECK(kk::cuda::LaunchInt2Decode(pc, n, nullptr));
+          }
+          CHECK(cudaEventRecord(b));
+          CHECK(cudaEventSynchronize(b));
+          float t = 0;
+          CHECK(cudaEventElapsedTime(&t, a, b));
+          if (r >= 2) b2b.push_back(t / calls);
+        }
+        const double us_b2b = Median(b2b) * 1e3;
+        const double mb = static_cast<double>(layer_bytes) / 1e6;
+        std::printf("%8d %6d %7d %10.1f %10.1f %10.1f %9.2f", n, batch, p.num_splits, us, us_b2b,
+                    mb, mb / us_b2b);
+        if (batch == 1 && !var.fuse) {  // the merge kernel alone, on the parts the last run left
           const int rows = batch * hq;
           const float* part_o = static_cast<const float*>(ws);
           const float* part_lse = part_o + static_cast<size_t>(p.num_splits) * rows * d;
           std::vector<float> mms;
-          for (int r = 0; r < 23; ++r) {
+          for (int r = 0; r < 7; ++r) {
             CHECK(cudaEventRecord(a));
-            CHECK(kk::cuda::LaunchMergeParts(part_o, part_lse, p.num_splits, rows, d, p.r_v_t, o,
-                                             lse, nullptr));
+            for (int c = 0; c < calls; ++c) {
+              CHECK(kk::cuda::LaunchMergeParts(part_o, part_lse, p.num_splits, rows, d, p.r_v_t, o,
+                                               lse, nullptr));
+            }
             CHECK(cudaEventRecord(b));
             CHECK(cudaEventSynchronize(b));
             float t = 0;
             CHECK(cudaEventElapsedTime(&t, a, b));
-            if (r >= 3) mms.push_back(t);
+            if (r >= 2) mms.push_back(t / calls);
           }
-          std::printf("   (merge alone %.1f us)", Median(mms) * 1e3);
+          std::printf("   (merge kernel alone, b2b: %.1f us)", Median(mms) * 1e3);
         }
         std::printf("\n");
-        const void* to_free[] = {pages, p.page_table, p.lengths, p.q, p.r_k, p.r_v_t, o, lse, ws};
+        for (uint8_t* pg : pages) CHECK(cudaFree(pg));
+        const void* to_free[] = {p.page_table, p.lengths, p.q, p.r_k, p.r_v_t, o, lse, ws};
         for (const void* ptr : to_free) CHECK(cudaFree(const_cast<void*>(ptr)));
+        CHECK(cudaEventDestroy(a));
+        CHECK(cudaEventDestroy(b));
       }
     }
   }

@@ -250,8 +250,9 @@ class CudaBackend final : public Backend {
     const size_t i32_bytes = sizeof(int32_t) * host_i32.size();
     const size_t part_o_bytes = sizeof(float) * static_cast<size_t>(parts) * rows * d;
     const size_t part_lse_bytes = sizeof(float) * static_cast<size_t>(parts) * rows;
+    const size_t state_bytes = kc::Int2StateBytes(batch, b.num_kv_heads);
     const size_t total = 2 * q_bytes + i32_bytes + part_o_bytes + part_lse_bytes + q_bytes +
-                         sizeof(float) * rows + 64 * 8;
+                         sizeof(float) * rows + state_bytes + 64 * 8;
     auto scratch = scratch_.Reserve(total);
     if (!scratch.ok()) return scratch.status();
     auto carve = [p = static_cast<uint8_t*>(*scratch)](size_t bytes) mutable {
@@ -265,6 +266,7 @@ class CudaBackend final : public Backend {
     float* d_part_lse = reinterpret_cast<float*>(carve(part_lse_bytes));
     float* d_o = reinterpret_cast<float*>(carve(q_bytes));
     float* d_lse = reinterpret_cast<float*>(carve(sizeof(float) * rows));
+    void* d_state = carve(state_bytes);
     if (b.device_q != nullptr) {
       RETURN_IF_CUDA_ERR(kc::LaunchToFloat(b.device_q, b.device_q_bf16,
                                            static_cast<int64_t>(rows) * d, d_q, nullptr));
@@ -282,29 +284,36 @@ class CudaBackend final : public Backend {
     RETURN_IF_CUDA(kc::CopyToDeviceAsync(d_i32, (*staged)->host, i32_bytes));
     RETURN_IF_CUDA(kc::RecordEvent((*staged)->event));
     const kc::DecodeGeometry geo{batch, hq, b.num_kv_heads, d, b.page_size};
-    int part_base = 0;
-    for (int f = 0; f < 2; ++f) {
-      if (splits[f] == 0) continue;
-      const kc::PagedList list{pool[f]->LayerBase(b.layer), pool[f]->layer_page_bytes(),
-                               d_i32 + table_off[f], max_pages[f], d_i32 + len_off[f]};
-      RETURN_IF_CUDA_ERR(
-          f == 1 ? kc::LaunchInt2DecodeParts(list, geo, d_q, *d_rk, b.softmax_scale, splits[f],
-                                             max_len[f], d_part_o, d_part_lse, part_base, nullptr)
-                 : kc::LaunchBf16DecodeParts(list, geo, d_q, *d_rk, b.softmax_scale, splits[f],
-                                             max_len[f], d_part_o, d_part_lse, part_base, nullptr));
-      part_base += splits[f];
+    // Results go into the worker's buffer (CUDA IPC; the caller records its event) or into
+    // device scratch copied back below. The BF16 windows go first, so that the INT2 launch,
+    // the last, merges every part (inside the launch where it fits).
+    const kc::MergeTarget merge{parts, *d_rvt, b.device_o != nullptr ? b.device_o : d_o,
+                                b.device_o != nullptr ? b.device_lse : d_lse};
+    if (splits[0] > 0) {
+      const kc::PagedList list{pool[0]->LayerBase(b.layer), pool[0]->layer_page_bytes(),
+                               d_i32 + table_off[0], max_pages[0], d_i32 + len_off[0]};
+      RETURN_IF_CUDA_ERR(kc::LaunchBf16DecodeParts(list, geo, d_q, *d_rk, b.softmax_scale,
+                                                   splits[0], max_len[0], d_part_o, d_part_lse,
+                                                   0, nullptr));
     }
-    if (part_base == 0) {  // nothing to attend: every row is the empty state
-      std::vector<float> neg(static_cast<size_t>(rows), -INFINITY);
-      RETURN_IF_CUDA(kc::CopyToDevice(d_part_lse, neg.data(), sizeof(float) * rows));
+    if (splits[1] > 0) {
+      const kc::PagedList list{pool[1]->LayerBase(b.layer), pool[1]->layer_page_bytes(),
+                               d_i32 + table_off[1], max_pages[1], d_i32 + len_off[1]};
+      kc::Int2PartsOptions opt;
+      opt.state = d_state;
+      opt.merge = &merge;
+      RETURN_IF_CUDA_ERR(kc::LaunchInt2DecodeParts(list, geo, d_q, *d_rk, b.softmax_scale,
+                                                   splits[1], max_len[1], d_part_o, d_part_lse,
+                                                   splits[0], nullptr, opt));
+    } else {
+      if (splits[0] == 0) {  // nothing to attend: every row is the empty state
+        std::vector<float> neg(static_cast<size_t>(rows), -INFINITY);
+        RETURN_IF_CUDA(kc::CopyToDevice(d_part_lse, neg.data(), sizeof(float) * rows));
+      }
+      RETURN_IF_CUDA_ERR(kc::LaunchMergeParts(d_part_o, d_part_lse, parts, rows, d, merge.r_v_t,
+                                              merge.o, merge.lse, nullptr));
     }
-    if (b.device_o != nullptr) {  // into the worker's buffer; the caller records its event
-      RETURN_IF_CUDA_ERR(kc::LaunchMergeParts(d_part_o, d_part_lse, parts, rows, d, *d_rvt,
-                                              b.device_o, b.device_lse, nullptr));
-      return absl::OkStatus();
-    }
-    RETURN_IF_CUDA_ERR(
-        kc::LaunchMergeParts(d_part_o, d_part_lse, parts, rows, d, *d_rvt, d_o, d_lse, nullptr));
+    if (b.device_o != nullptr) return absl::OkStatus();
     std::vector<float> o(static_cast<size_t>(rows) * d), lse(rows);
     RETURN_IF_CUDA(kc::CopyToHost(o.data(), d_o, q_bytes));
     RETURN_IF_CUDA(kc::CopyToHost(lse.data(), d_lse, sizeof(float) * rows));

@@ -20,6 +20,7 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kTile = 32;  // tokens per warp step
+constexpr int kDefaultPrefetchTiles = 3;  // v2: L2 prefetch distance, tiles per warp
 constexpr uint32_t kPlane = 0x03030303u;
 
 __device__ __forceinline__ void Mma(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -37,6 +38,25 @@ __device__ __forceinline__ uint32_t Pack4(int a, int b, int c, int d) {
          ((static_cast<uint32_t>(c) & 0xffu) << 16) | ((static_cast<uint32_t>(d) & 0xffu) << 24);
 }
 
+// What QueryFragments leaves for the v2 decode kernel, per (b, kv head): the B fragments of
+// the logit MMAs in lane order (kFragWords words), unit[8] and qsum[8] (log2 units), and
+// the fused merge's arrival counter (zeroed by QueryFragments, so no launch depends on the
+// previous one having finished cleanly).
+constexpr int kFragWords = 4 * 2 * 2 * 32;  // KB (<= 4) x NT (<= 2) x 2 registers x 32 lanes
+constexpr int kScalFloats = 16;
+struct Int2State {
+  uint32_t* frags;
+  float* scal;
+  int* counters;
+};
+
+__device__ __forceinline__ void WaitPrimaryGrid() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+__device__ __forceinline__ void LaunchDependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 struct PartArgs {
   PagedList list;
   DecodeGeometry geo;
@@ -47,6 +67,15 @@ struct PartArgs {
   float* part_o;
   float* part_lse;
   int part_base;
+  // Kernel v2 only: query fragments prepared by QueryFragments (state), the L2 prefetch
+  // distance in tiles, and the fused merge (merge_parts > 0: the last CTA of each (b, kv
+  // head) merges parts [0, merge_parts) of its rows into o/lse, with R_v^T).
+  Int2State state;
+  int prefetch;
+  int merge_parts;
+  const float* r_v_t;
+  float* o;
+  float* lse;
 };
 
 // q_rot[b][h] = (q[b][h] . R_k) * scale; one block per (b, h), head_dim threads. The
@@ -66,6 +95,22 @@ __global__ void RotateQueries(const float* q, const float* r_k, float scale, int
     for (int i = 0; i < head_dim; ++i) acc += x[i] * __ldg(r_k + i * head_dim + j);
   }
   q_rot[row * head_dim + j] = acc * scale;
+}
+
+// acc[h] += sum_i x[h][i] * m[i][j] for the 8 rows of x: column j of m (D x D, from L2)
+// is loaded 32 elements at a time, so a column costs D/32 memory round trips, not D/4.
+template <int D>
+__device__ __forceinline__ void ColumnTimesRows(const float* m, int j, const float (*x)[D],
+                                                float (&acc)[8]) {
+  for (int i0 = 0; i0 < D; i0 += 32) {
+    float r[32];
+#pragma unroll
+    for (int u = 0; u < 32; ++u) r[u] = __ldg(m + (i0 + u) * D + j);
+#pragma unroll
+    for (int u = 0; u < 32; ++u)
+#pragma unroll
+      for (int h = 0; h < 8; ++h) acc[h] = fmaf(x[h][i0 + u], r[u], acc[h]);
+  }
 }
 
 // Fills s_q[h] (h < 8) with the group's queries rotated by R_k and scaled (zero rows past
@@ -88,12 +133,7 @@ __device__ void LoadQueries(const PartArgs& a, int b, int kvh, int G, float (*s_
 #pragma unroll
       for (int h = 0; h < 8; ++h) acc[h] = raw[h][j];
     } else {
-#pragma unroll 4
-      for (int i = 0; i < D; ++i) {
-        const float r = __ldg(a.r_k + i * D + j);
-#pragma unroll
-        for (int h = 0; h < 8; ++h) acc[h] = fmaf(raw[h][i], r, acc[h]);
-      }
+      ColumnTimesRows<D>(a.r_k, j, raw, acc);
     }
 #pragma unroll
     for (int h = 0; h < 8; ++h) s_q[h][j] = h < G ? acc[h] * a.scale : 0.0f;
@@ -500,9 +540,160 @@ __device__ __forceinline__ int ValueElement(int vt, int r, int g) {
   return (vt / per_plane) * Q + g * U + 2 * (vt % per_plane) + r;
 }
 
+// Asks L2 for one 32-token tile of a page-layer of one KV head (lane c < kGroups + 5 takes
+// one contiguous piece: a K word group's 32 words, the tile's 8 V quads, or the FP16
+// scales/minimums of K and V), so the register loads of that tile, issued a tile ahead,
+// find it there. Every piece is 16-byte aligned and a multiple of 16 bytes.
+template <int D>
+__device__ __forceinline__ void PrefetchTile(const PagedList& p, const DecodeGeometry& geo,
+                                             int kvh, int page_id, int slot0, int lane) {
+  constexpr int Q = D / 4, kGroups = Q / 4;
+  const int ps = geo.page_size;
+  const Int2HeadPtrs hp = HeadPtrs(p, geo, kvh, page_id, Q);
+  const void* src = nullptr;
+  uint32_t bytes = 64;
+  if (lane < kGroups) {
+    src = hp.kwords + lane * ps + slot0;
+    bytes = 128;
+  } else if (lane == kGroups) {
+    src = hp.vwords + (slot0 / 4) * Q;
+    bytes = 32 * Q;
+  } else if (lane < kGroups + 5) {
+    const int i = lane - kGroups - 1;
+    src = (i < 2 ? hp.kparams : hp.vparams) + (i % 2) * ps + slot0;
+  }
+  if (src != nullptr) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+  }
+}
+
+// Rotated, scaled queries of one (b, kv head) group as the v2 kernel's int8 B fragments
+// (two digits per element) in lane order, with the per-head logit unit and query sum; also
+// zeroes the group's merge counter. One CTA of kWarps warps per (kv head, b). Lets the
+// decode kernel launch at once (it waits for this grid only where it reads the results).
+template <int D, int NT>
+__global__ void __launch_bounds__(kWarps * 32) QueryFragments(PartArgs a) {
+  LaunchDependents();
+  constexpr int Q = D / 4, KB = D / 32;
+  constexpr float kLog2e = 1.4426950408889634f;
+  const int kvh = blockIdx.x, b = blockIdx.y;
+  const int G = a.geo.num_q_heads / a.geo.num_kv_heads;
+  __shared__ float s_q[8][D], s_raw[8][D];
+  __shared__ float s_step[8], s_inv[8], s_qsum[8];
+  PrepareQueries<D>(a, b, kvh, G, s_q, s_raw, s_step, s_inv, s_qsum);
+  const int frag = b * a.geo.num_kv_heads + kvh;
+  uint32_t* out = a.state.frags + static_cast<int64_t>(frag) * kFragWords;
+  for (int i = threadIdx.x; i < KB * NT * 2 * 32; i += blockDim.x) {
+    const int lane = i % 32, half = (i / 32) % 2, nt = (i / 64) % NT, kb = i / (64 * NT);
+    const int g = lane >> 2, t = lane & 3;
+    const int h = 4 * nt + (g >> 1), j = kb / 2, pp = kb % 2;
+    const float step = s_step[h], inv = s_inv[h];
+    const int e0 = (2 * pp + half) * Q + 4 * (4 * j + t);
+    uint32_t d[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const float x = s_q[h][e0 + c];
+      const int hi = Digit(x * inv);
+      const int lo = Digit((x - hi * step) * (254.0f * inv));
+      d[c] = static_cast<uint32_t>((g & 1) != 0 ? lo : hi);
+    }
+    out[i] = PackLowBytes(d[0], d[1], d[2], d[3]);
+  }
+  if (threadIdx.x < 8) {
+    const int h = threadIdx.x;
+    a.state.scal[frag * kScalFloats + h] = s_step[h] / 254.0f * kLog2e;
+    a.state.scal[frag * kScalFloats + 8 + h] = s_qsum[h] * kLog2e;
+  }
+  if (threadIdx.x == 0) a.state.counters[frag] = 0;
+}
+
+// The fused merge: every CTA counts itself done; the last one of its (b, kv head) merges
+// parts [0, merge_parts) of the group's rows (this launch's splits and parts written by
+// earlier launches, e.g. the BF16 windows), applies R_v^T and writes o and lse. `scratch`:
+// kWarps * 8 * D floats of shared memory (the launcher checks 8 * parts + 8 * D fit).
+template <int D>
+__device__ void MergeTail(const PartArgs& a, int b, int kvh, int G, float* scratch) {
+  __shared__ int s_last;
+  __shared__ float s_max[8], s_den[8];
+  __threadfence();  // this CTA's part is visible before it counts itself done
+  __syncthreads();
+  const int frag = b * a.geo.num_kv_heads + kvh;
+  if (threadIdx.x == 0) {
+    s_last = atomicAdd(a.state.counters + frag, 1) == static_cast<int>(gridDim.x) - 1;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  const int P = a.merge_parts, rows = a.geo.batch * a.geo.num_q_heads;
+  const int r0 = b * a.geo.num_q_heads + kvh * G;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float* wts = scratch;                                  // [8][P]: exp(lse_s - M)
+  float(*xs)[D] = reinterpret_cast<float(*)[D]>(scratch + 8 * P);  // [8][D] merged rows
+  for (int h = warp; h < G; h += kWarps) {
+    float mx = -INFINITY;
+    for (int s = lane; s < P; s += 32) {
+      const float ls = __ldcg(a.part_lse + static_cast<int64_t>(s) * rows + r0 + h);
+      wts[h * P + s] = ls;
+      mx = fmaxf(mx, ls);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    float den = 0.0f;
+    for (int s = lane; s < P; s += 32) {
+      const float ls = wts[h * P + s];
+      const float f = (mx > -INFINITY && ls > -INFINITY) ? __expf(ls - mx) : 0.0f;
+      wts[h * P + s] = f;
+      den += f;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) den += __shfl_xor_sync(0xffffffffu, den, off);
+    if (lane == 0) {
+      s_max[h] = mx;
+      s_den[h] = den;
+    }
+  }
+  __syncthreads();
+  // Column j of every row: 8 parts x G rows of loads in flight per step.
+  for (int j = threadIdx.x; j < D; j += blockDim.x) {
+    float num[8];
+#pragma unroll
+    for (int h = 0; h < 8; ++h) num[h] = 0.0f;
+    for (int s0 = 0; s0 < P; s0 += 8) {
+      float x[8][8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u)
+#pragma unroll
+        for (int h = 0; h < 8; ++h)
+          x[u][h] = (h < G && s0 + u < P)
+                        ? __ldcg(a.part_o + (static_cast<int64_t>(s0 + u) * rows + r0 + h) * D + j)
+                        : 0.0f;
+#pragma unroll
+      for (int u = 0; u < 8; ++u)
+#pragma unroll
+        for (int h = 0; h < 8; ++h)
+          if (s0 + u < P) num[h] = fmaf(wts[h * P + s0 + u], x[u][h], num[h]);
+    }
+#pragma unroll
+    for (int h = 0; h < 8; ++h) xs[h][j] = (h < G && s_den[h] > 0.0f) ? num[h] / s_den[h] : 0.0f;
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < D; j += blockDim.x) {
+    float acc[8];
+#pragma unroll
+    for (int h = 0; h < 8; ++h) acc[h] = a.r_v_t == nullptr ? xs[h][j] : 0.0f;
+    if (a.r_v_t != nullptr) ColumnTimesRows<D>(a.r_v_t, j, xs, acc);
+#pragma unroll
+    for (int h = 0; h < 8; ++h)
+      if (h < G) a.o[static_cast<int64_t>(r0 + h) * D + j] = acc[h];
+  }
+  if (threadIdx.x < G) {
+    const int h = threadIdx.x;
+    a.lse[r0 + h] = s_den[h] > 0.0f ? s_max[h] + logf(s_den[h]) : -INFINITY;
+  }
+}
+
 template <int D, int NT>
 __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a) {
-  constexpr int Q = D / 4;
   constexpr int KB = D / 32;  // logit k-blocks (2 per K word group of a lane)
   constexpr int VT = D / 16;  // V^T m-tiles
   const PagedList& p = a.list;
@@ -518,55 +709,47 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
   const int32_t* table = p.page_table + static_cast<int64_t>(b) * p.max_pages;
   constexpr int kStep = kWarps * 32;
 
-  __shared__ float s_q[8][D];
-  __shared__ float s_step[8], s_inv[8], s_qsum[8];
   __shared__ float s_m[kWarps][8], s_l[kWarps][8], s_lacc[kWarps][8];
   __shared__ float s_o[kWarps][8][D];  // the warps' FP32 value sums (o without 1/l)
 
-  // The first tile's loads go out before the query preparation, so they overlap it; page
-  // ids are read one tile ahead of the tile's loads.
+  // The first tile's loads and the L2 prefetches of the next `pf` tiles go out before the
+  // wait for QueryFragments (programmatic dependent launch), so they overlap it. Page ids
+  // are read a tile before they are needed.
+  const int pf = a.prefetch;
   int tile = t_begin + warp * 32;
   TileWords<D> cur;
-  int next_page = 0;
+  int next_page = 0, pf_page = 0;
   if (tile < t_end) {
     LoadTile<D>(p, geo, kvh, __ldg(table + tile / ps), tile % ps, g, t, cur);
     if (tile + kStep < t_end) next_page = __ldg(table + (tile + kStep) / ps);
+    for (int k = 1; k <= pf; ++k) {
+      const int pt = tile + k * kStep;
+      if (pt < t_end) PrefetchTile<D>(p, geo, kvh, __ldg(table + pt / ps), pt % ps, lane);
+    }
+    const int pt = tile + (pf + 1) * kStep;
+    if (pf > 0 && pt < t_end) pf_page = __ldg(table + pt / ps);
   }
-  PrepareQueries<D>(a, b, kvh, G, s_q, s_o[0], s_step, s_inv, s_qsum);
-  // Query digits (B of the logit MMAs): k-block kb = 2j + pp, column g = (head g/2 of the
-  // n-tile, digit g%2); b0 = plane 2pp, b1 = plane 2pp + 1 of elements 4(4j + t) + 0..3.
+  WaitPrimaryGrid();
+  // Query digits (B of the logit MMAs), prepared by QueryFragments in lane order: k-block
+  // kb = 2j + pp, column g = (head g/2 of the n-tile, digit g%2); b0 = plane 2pp, b1 =
+  // plane 2pp + 1 of elements 4(4j + t) + 0..3.
+  const int frag = b * geo.num_kv_heads + kvh;
   uint32_t bq[KB][NT][2];
   {
+    const uint32_t* fw = a.state.frags + static_cast<int64_t>(frag) * kFragWords;
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const int h = 4 * nt + (g >> 1);
-      const float step = s_step[h], inv = s_inv[h];
-      const bool low = (g & 1) != 0;
+    for (int kb = 0; kb < KB; ++kb)
 #pragma unroll
-      for (int kb = 0; kb < KB; ++kb) {
-        const int j = kb / 2, pp = kb % 2;
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int e0 = (2 * pp + half) * Q + 4 * (4 * j + t);
-          uint32_t d[4];
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const float x = s_q[h][e0 + c];
-            const int hi = Digit(x * inv);
-            const int lo = Digit((x - hi * step) * (254.0f * inv));
-            d[c] = static_cast<uint32_t>(low ? lo : hi);
-          }
-          bq[kb][nt][half] = PackLowBytes(d[0], d[1], d[2], d[3]);
-        }
-      }
-    }
+        for (int half = 0; half < 2; ++half)
+          bq[kb][nt][half] = __ldcg(fw + ((kb * NT + nt) * 2 + half) * 32 + lane);
   }
-  constexpr float kLog2e = 1.4426950408889634f;
   float unit[NT], qsum[NT];  // logit (log2 units) = dot_int * unit * s + qsum * lo
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    unit[nt] = s_step[4 * nt + t] / 254.0f * kLog2e;
-    qsum[nt] = s_qsum[4 * nt + t] * kLog2e;
+    unit[nt] = __ldcg(a.state.scal + frag * kScalFloats + 4 * nt + t);
+    qsum[nt] = __ldcg(a.state.scal + frag * kScalFloats + 8 + 4 * nt + t);
   }
   // This lane's FP32 sums live in shared memory (touched only at rescales): zero them.
 #pragma unroll
@@ -627,6 +810,11 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
     if (ntile < t_end) {
       LoadTile<D>(p, geo, kvh, next_page, ntile % ps, g, t, nxt);
       if (ntile + kStep < t_end) next_page = __ldg(table + (ntile + kStep) / ps);
+      const int pt = ntile + pf * kStep;  // pf tiles past the one just loaded
+      if (pf > 0 && pt < t_end) {
+        PrefetchTile<D>(p, geo, kvh, pf_page, pt % ps, lane);
+        if (pt + kStep < t_end) pf_page = __ldg(table + (pt + kStep) / ps);
+      }
     }
     float ksc[4], klo[4], vsc[4], vlo[4];
     HalvesToFloat(cur.ks, ksc);
@@ -764,6 +952,7 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
   }
   __syncthreads();
   WritePart<D>(a, split, b, kvh, G, s_m, s_l, s_lacc, s_o);
+  if (a.merge_parts > 0) MergeTail<D>(a, b, kvh, G, &s_o[0][0][0]);
 }
 
 // BF16 pages on CUDA cores: each warp takes tokens in turn; a lane holds D/32 elements of
@@ -912,10 +1101,16 @@ __global__ void MergeSplits(const float* part_o, const float* part_lse, int spli
 
 }  // namespace
 
+size_t Int2StateBytes(int batch, int num_kv_heads) {
+  return static_cast<size_t>(batch) * num_kv_heads * (sizeof(uint32_t) * kFragWords +
+                                                      sizeof(float) * kScalFloats + sizeof(int));
+}
+
 size_t Int2DecodeWorkspaceBytes(int batch, int num_q_heads, int head_dim, int max_splits) {
   const size_t rows = static_cast<size_t>(batch) * num_q_heads;
-  return sizeof(float) *
-         (rows * head_dim + static_cast<size_t>(max_splits) * rows * (head_dim + 1));
+  // parts, then the v2 kernel's state (sized for up to one KV head per query head)
+  return sizeof(float) * static_cast<size_t>(max_splits) * rows * (head_dim + 1) +
+         Int2StateBytes(batch, num_q_heads);
 }
 
 int Int2DecodeSplits(int batch, int num_kv_heads, int max_tokens, int num_sms, int ctas_per_sm) {
@@ -937,8 +1132,35 @@ bool SupportedGeometry(const DecodeGeometry& g) {
          g.page_size > 0;
 }
 
+Int2State CarveState(void* state, int batch, int num_kv_heads) {
+  const int64_t n = static_cast<int64_t>(batch) * num_kv_heads;
+  Int2State st;
+  st.frags = static_cast<uint32_t*>(state);
+  st.scal = reinterpret_cast<float*>(st.frags + n * kFragWords);
+  st.counters = reinterpret_cast<int*>(st.scal + n * kScalFloats);
+  return st;
+}
+
+// QueryFragments, then the decode kernel as its programmatic dependent (it starts while
+// the first grid runs and waits for it only where it reads the fragments). Where the stream
+// does not take the attribute, the decode kernel is launched the plain way.
 template <int D, int NT>
 cudaError_t LaunchV2(dim3 grid, const PartArgs& a, cudaStream_t stream) {
+  const dim3 prep_grid(a.geo.num_kv_heads, a.geo.batch);
+  QueryFragments<D, NT><<<prep_grid, kWarps * 32, 0, stream>>>(a);
+  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kWarps * 32);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  if (cudaLaunchKernelEx(&cfg, Int2DecodeKernelV2<D, NT>, a) == cudaSuccess) return cudaSuccess;
+  (void)cudaGetLastError();
   Int2DecodeKernelV2<D, NT><<<grid, kWarps * 32, 0, stream>>>(a);
   return cudaGetLastError();
 }
@@ -960,33 +1182,59 @@ cudaError_t LaunchRotateQueries(const float* q, const float* r_k, float scale, i
 cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
                                   const float* r_k, float scale, int splits, int max_tokens,
                                   float* part_o, float* part_lse, int part_base,
-                                  cudaStream_t stream, Int2Kernel kernel) {
-  if (!SupportedGeometry(geo) || geo.page_size % kTile != 0 || splits <= 0) {
+                                  cudaStream_t stream, const Int2PartsOptions& opt) {
+  const bool v2 = opt.kernel == Int2Kernel::kAuto && geo.head_dim <= 128;
+  if (!SupportedGeometry(geo) || geo.page_size % kTile != 0 || splits <= 0 ||
+      (v2 && opt.state == nullptr) ||
+      (opt.merge != nullptr && opt.merge->parts < part_base + splits)) {
     return cudaErrorInvalidValue;
   }
-  const PartArgs a{list,   geo,      q,        r_k, scale, TokensPerSplit(max_tokens, splits),
-                   part_o, part_lse, part_base};
+  PartArgs a{};
+  a.list = list;
+  a.geo = geo;
+  a.q = q;
+  a.r_k = r_k;
+  a.scale = scale;
+  a.tokens_per_split = TokensPerSplit(max_tokens, splits);
+  a.part_o = part_o;
+  a.part_lse = part_lse;
+  a.part_base = part_base;
   const dim3 grid(splits, geo.num_kv_heads, geo.batch);
-  const bool wide = geo.num_q_heads / geo.num_kv_heads > 4;
-  if (kernel == Int2Kernel::kAuto && geo.head_dim <= 128) {
+  cudaError_t e = cudaSuccess;
+  if (v2) {
     // The int32-accumulating kernel (head_dim 64/128; GQA groups up to 4 or 8).
-    if (geo.head_dim == 64) {
-      return wide ? LaunchV2<64, 2>(grid, a, stream) : LaunchV2<64, 1>(grid, a, stream);
+    a.state = CarveState(opt.state, geo.batch, geo.num_kv_heads);
+    a.prefetch = opt.prefetch_tiles >= 0 ? opt.prefetch_tiles : kDefaultPrefetchTiles;
+    if (opt.merge != nullptr && opt.fuse_merge && opt.merge->parts <= (kWarps - 1) * geo.head_dim) {
+      a.merge_parts = opt.merge->parts;
+      a.r_v_t = opt.merge->r_v_t;
+      a.o = opt.merge->o;
+      a.lse = opt.merge->lse;
     }
-    return wide ? LaunchV2<128, 2>(grid, a, stream) : LaunchV2<128, 1>(grid, a, stream);
+    const bool wide = geo.num_q_heads / geo.num_kv_heads > 4;
+    if (geo.head_dim == 64) {
+      e = wide ? LaunchV2<64, 2>(grid, a, stream) : LaunchV2<64, 1>(grid, a, stream);
+    } else {
+      e = wide ? LaunchV2<128, 2>(grid, a, stream) : LaunchV2<128, 1>(grid, a, stream);
+    }
+  } else {
+    switch (geo.head_dim) {  // the first kernel: every head_dim, per-tile FP32 accumulation
+      case 64:
+        Int2DecodeKernel<64><<<grid, kWarps * 32, 0, stream>>>(a);
+        break;
+      case 128:
+        Int2DecodeKernel<128><<<grid, kWarps * 32, 0, stream>>>(a);
+        break;
+      default:
+        Int2DecodeKernel<256><<<grid, kWarps * 32, 0, stream>>>(a);
+        break;
+    }
+    e = cudaGetLastError();
   }
-  switch (geo.head_dim) {  // the first kernel: every head_dim, per-tile FP32 accumulation
-    case 64:
-      Int2DecodeKernel<64><<<grid, kWarps * 32, 0, stream>>>(a);
-      break;
-    case 128:
-      Int2DecodeKernel<128><<<grid, kWarps * 32, 0, stream>>>(a);
-      break;
-    default:
-      Int2DecodeKernel<256><<<grid, kWarps * 32, 0, stream>>>(a);
-      break;
-  }
-  return cudaGetLastError();
+  if (e != cudaSuccess || opt.merge == nullptr || a.merge_parts > 0) return e;
+  const MergeTarget& m = *opt.merge;
+  return LaunchMergeParts(part_o, part_lse, m.parts, geo.batch * geo.num_q_heads, geo.head_dim,
+                          m.r_v_t, m.o, m.lse, stream);
 }
 
 cudaError_t LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
@@ -1029,11 +1277,15 @@ cudaError_t LaunchInt2Decode(const Int2DecodeParams& p, int max_tokens, cudaStre
   float* part_o = static_cast<float*>(p.workspace);
   float* part_lse = part_o + static_cast<size_t>(p.num_splits) * rows * p.head_dim;
   const PagedList list{p.pages, p.page_stride, p.page_table, p.max_pages, p.lengths};
-  const cudaError_t e = LaunchInt2DecodeParts(list, geo, p.q, p.r_k, p.softmax_scale, p.num_splits,
-                                              max_tokens, part_o, part_lse, 0, stream, p.kernel);
-  if (e != cudaSuccess) return e;
-  return LaunchMergeParts(part_o, part_lse, p.num_splits, rows, p.head_dim, p.r_v_t, p.o, p.lse,
-                          stream);
+  const MergeTarget merge{p.num_splits, p.r_v_t, p.o, p.lse};
+  Int2PartsOptions opt;
+  opt.kernel = p.kernel;
+  opt.prefetch_tiles = p.prefetch_tiles;
+  opt.state = part_lse + static_cast<size_t>(p.num_splits) * rows;
+  opt.merge = &merge;
+  opt.fuse_merge = p.fuse_merge;
+  return LaunchInt2DecodeParts(list, geo, p.q, p.r_k, p.softmax_scale, p.num_splits, max_tokens,
+                               part_o, part_lse, 0, stream, opt);
 }
 
 }  // namespace kvcd::kernels::cuda

@@ -134,18 +134,47 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
   const cuda::PagedList bf16_list{reinterpret_cast<const uint8_t*>(Up(bf16_pool)), bf16_elems * 2,
                                   Up(ids), max_pages,
                                   Up(std::vector<int32_t>(bf16_len.begin(), bf16_len.end()))};
-  ASSERT_EQ(cuda::LaunchInt2DecodeParts(int2_list, geo, d_q, d_rk, scale, s_int2, max_int2, part_o,
-                                        part_lse, 0, nullptr),
-            cudaSuccess);
-  ASSERT_EQ(cuda::LaunchBf16DecodeParts(bf16_list, geo, d_q, d_rk, scale, s_bf16, max_bf16, part_o,
-                                        part_lse, s_int2, nullptr),
-            cudaSuccess);
-  ASSERT_EQ(
-      cuda::LaunchMergeParts(part_o, part_lse, s_int2 + s_bf16, rows, d, Up(rvt), o, lse, nullptr),
-      cudaSuccess);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const auto got_o = Down(o, rows * d);
-  const auto got_lse = Down(lse, rows);
+  const float* d_rvt = Up(rvt);
+  void* state = nullptr;
+  ASSERT_EQ(cudaMalloc(&state, cuda::Int2StateBytes(batch, hkv)), cudaSuccess);
+  // The daemon's order: BF16 windows first, then the INT2 launch, which merges every part
+  // (inside the launch, or with the merge kernel after it), with and without L2 prefetch.
+  struct Way {
+    bool fuse;
+    int prefetch;
+  };
+  std::vector<std::vector<float>> got_o_ways, got_lse_ways;
+  for (const Way way : {Way{true, -1}, Way{false, -1}, Way{true, 0}}) {
+    ASSERT_EQ(cudaMemcpy(part_lse, std::vector<float>((s_int2 + s_bf16) * rows, NAN).data(),
+                         sizeof(float) * (s_int2 + s_bf16) * rows, cudaMemcpyHostToDevice),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(o, std::vector<float>(rows * d, NAN).data(), sizeof(float) * rows * d,
+                         cudaMemcpyHostToDevice),
+              cudaSuccess);
+    ASSERT_EQ(cuda::LaunchBf16DecodeParts(bf16_list, geo, d_q, d_rk, scale, s_bf16, max_bf16,
+                                          part_o, part_lse, 0, nullptr),
+              cudaSuccess);
+    const cuda::MergeTarget merge{s_int2 + s_bf16, d_rvt, o, lse};
+    cuda::Int2PartsOptions opt;
+    opt.state = state;
+    opt.merge = &merge;
+    opt.fuse_merge = way.fuse;
+    opt.prefetch_tiles = way.prefetch;
+    ASSERT_EQ(cuda::LaunchInt2DecodeParts(int2_list, geo, d_q, d_rk, scale, s_int2, max_int2,
+                                          part_o, part_lse, s_bf16, nullptr, opt),
+              cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    got_o_ways.push_back(Down(o, rows * d));
+    got_lse_ways.push_back(Down(lse, rows));
+  }
+  // The fused merge sums the same parts in another order: equal up to FP32 rounding.
+  for (size_t w = 1; w < got_o_ways.size(); ++w) {
+    for (int i = 0; i < rows * d; ++i)
+      ASSERT_NEAR(got_o_ways[w][i], got_o_ways[0][i], 1e-5f * (1 + std::fabs(got_o_ways[0][i])))
+          << "way " << w << " element " << i;
+  }
+  const auto& got_o = got_o_ways[0];
+  const auto& got_lse = got_lse_ways[0];
   // CPU: the same stages with the CPU kernels.
   for (int b = 0; b < batch; ++b) {
     std::vector<float> qr(hq * d), acc_o(hq * d), acc_l(hq), po(g * d), pl(g), want(hq * d);

@@ -43,11 +43,17 @@ struct Int2DecodeParams {
   float* lse = nullptr;       // [batch][num_q_heads] natural log (device)
   void* workspace = nullptr;  // Int2DecodeWorkspaceBytes(...) bytes (device)
   Int2Kernel kernel = Int2Kernel::kAuto;
+  int32_t prefetch_tiles = -1;  // see Int2PartsOptions
+  bool fuse_merge = true;       // see Int2PartsOptions
 };
 
-// Workspace for partial states and the rotated queries.
+// Workspace for the partial states and the v2 kernel's state (Int2StateBytes).
 size_t Int2DecodeWorkspaceBytes(int batch, int num_q_heads, int head_dim, int max_splits);
-// (the partial states only: queries are rotated inside the decode kernels)
+
+// Device memory the v2 INT2 kernel (kAuto at head_dim 64/128) needs per launch besides the
+// parts: the prepared query fragments and the fused merge's arrival counters. Needs no
+// initialization; one launch at a time per buffer (stream order).
+size_t Int2StateBytes(int batch, int num_kv_heads);
 
 // The split count for a batch: one wave of ctas_per_sm CTAs of 4 warps per SM (3 is what
 // the register file holds for the INT2 kernels at head_dim 128), at least one 32-token tile
@@ -78,13 +84,36 @@ struct DecodeGeometry {
   int32_t batch = 0, num_q_heads = 0, num_kv_heads = 0, head_dim = 0, page_size = 0;
 };
 
+// Where a launch also merges: parts [0, parts) of every row (this launch's and those earlier
+// launches on the stream wrote, e.g. BF16 windows) into o / lse, times R_v^T (null = none).
+struct MergeTarget {
+  int parts = 0;
+  const float* r_v_t = nullptr;
+  float* o = nullptr;
+  float* lse = nullptr;
+};
+
+struct Int2PartsOptions {
+  Int2Kernel kernel = Int2Kernel::kAuto;
+  // v2 kernel: how many 32-token tiles per warp ahead of its register loads it asks L2 for
+  // (cp.async.bulk.prefetch); -1 = the built-in default, 0 = none.
+  int prefetch_tiles = -1;
+  void* state = nullptr;  // v2 kernel: Int2StateBytes(batch, num_kv_heads) bytes (device)
+  const MergeTarget* merge = nullptr;  // null: leave the parts for LaunchMergeParts
+  // v2 kernel: the last CTA of each (b, kv head) merges its rows inside the launch (when
+  // merge->parts <= 3 * head_dim); otherwise, or when false, a merge kernel follows.
+  bool fuse_merge = true;
+};
+
 // INT2 pages -> parts [part_base, part_base + splits). q: [batch][num_q_heads][head_dim]
-// raw queries; each CTA rotates its group's queries by r_k (null = none) and scales them.
-// Same requirements as above.
+// raw queries, rotated by r_k (null = none) and scaled (by a small kernel before the v2
+// kernel, which starts as its programmatic dependent; inside the first kernel). With
+// opt.merge the launch also produces o / lse. Same requirements as above; the v2 kernel
+// also needs opt.state.
 cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
                                   const float* r_k, float scale, int splits, int max_tokens,
                                   float* part_o, float* part_lse, int part_base,
-                                  cudaStream_t stream, Int2Kernel kernel = Int2Kernel::kAuto);
+                                  cudaStream_t stream, const Int2PartsOptions& opt = {});
 
 // BF16 pages (layout of bf16_attention.h) -> parts [part_base, part_base + splits).
 // REQUIRES: head_dim in {64, 128, 256}, num_q_heads / num_kv_heads <= 8.
