@@ -39,15 +39,12 @@ __device__ __forceinline__ uint32_t Pack4(int a, int b, int c, int d) {
 }
 
 // What QueryFragments leaves for the v2 decode kernel, per (b, kv head): the B fragments of
-// the logit MMAs in lane order (kFragWords words), unit[8] and qsum[8] (log2 units), and
-// the fused merge's arrival counter (zeroed by QueryFragments, so no launch depends on the
-// previous one having finished cleanly).
+// the logit MMAs in lane order (kFragWords words) and unit[8], qsum[8] (log2 units).
 constexpr int kFragWords = 4 * 2 * 2 * 32;  // KB (<= 4) x NT (<= 2) x 2 registers x 32 lanes
 constexpr int kScalFloats = 16;
 struct Int2State {
   uint32_t* frags;
   float* scal;
-  int* counters;
 };
 
 __device__ __forceinline__ void WaitPrimaryGrid() {
@@ -67,15 +64,10 @@ struct PartArgs {
   float* part_o;
   float* part_lse;
   int part_base;
-  // Kernel v2 only: query fragments prepared by QueryFragments (state), the L2 prefetch
-  // distance in tiles, and the fused merge (merge_parts > 0: the last CTA of each (b, kv
-  // head) merges parts [0, merge_parts) of its rows into o/lse, with R_v^T).
+  // Kernel v2 only: query fragments prepared by QueryFragments, the L2 prefetch distance
+  // in tiles.
   Int2State state;
   int prefetch;
-  int merge_parts;
-  const float* r_v_t;
-  float* o;
-  float* lse;
 };
 
 // q_rot[b][h] = (q[b][h] . R_k) * scale; one block per (b, h), head_dim threads. The
@@ -496,33 +488,92 @@ __device__ __forceinline__ void LoadWords(const uint32_t* p, uint32_t (&w)[N]) {
   }
 }
 
-// Loads this lane's part of one 32-token tile into registers (16-byte loads of the K word
-// groups 4j + t of tokens 4g..4g+3, of the V byte columns g*U.. of quads t and t + 4, and
-// 8-byte loads of the FP16 scale/min of tokens 4g..4g+3).
+// Byte offsets, from the start of a page, of what one lane reads of the 32-token tile at
+// slot 0 of its KV head's page-layer (the 16-byte K word groups 4j + t of tokens 4g..4g+3,
+// the V byte columns g*U.. of quads t and t + 4, the FP16 scale/min of tokens 4g..4g+3),
+// and of the L2 line it asks for ahead (K rows, V lines, parameter rows, one per lane).
+// A tile at slot s adds s times 4 (K), Q (V) or 2 (parameters). Computed once per CTA, so a
+// tile costs one 64-bit page address and 32-bit adds.
 template <int D>
-__device__ __forceinline__ void LoadTile(const PagedList& p, const DecodeGeometry& geo, int kvh,
-                                         int page_id, int slot0, int g, int t, TileWords<D>& tw) {
-  constexpr int Q = D / 4;
-  const int ps = geo.page_size;
-  const Int2HeadPtrs hp = HeadPtrs(p, geo, kvh, page_id, Q);
+struct LaneOffsets {
+  static constexpr int Q = D / 4, KW = Q / 16;
+  uint32_t k[KW], v[2], ks, kl, vs, vl;
+  uint32_t pf, pf_per_slot;  // pf_per_slot 0: this lane asks for nothing
+};
+
+template <int D>
+__device__ __forceinline__ LaneOffsets<D> MakeLaneOffsets(const DecodeGeometry& geo, int kvh,
+                                                          int lane) {
+  constexpr int Q = D / 4, U = Q / 8, kGroups = Q / 4, kVLines = Q / 4;
+  const uint32_t ps = geo.page_size, g = lane >> 2, t = lane & 3;
+  const uint32_t code_bytes = geo.num_kv_heads * ps * Q, head = kvh * ps * Q;
+  const uint32_t kp = 2 * code_bytes + kvh * 4 * ps, vp = kp + geo.num_kv_heads * 4 * ps;
+  LaneOffsets<D> o;
 #pragma unroll
-  for (int j = 0; j < TileWords<D>::KW; ++j) {
-    const uint4 w =
-        __ldg(reinterpret_cast<const uint4*>(hp.kwords + (4 * j + t) * ps + slot0 + 4 * g));
+  for (int j = 0; j < LaneOffsets<D>::KW; ++j) o.k[j] = head + ((4 * j + t) * ps + 4 * g) * 4;
+  o.v[0] = code_bytes + head + (t * Q + g * U) * 4;
+  o.v[1] = code_bytes + head + ((t + 4) * Q + g * U) * 4;
+  o.ks = kp + 8 * g;
+  o.kl = kp + 2 * ps + 8 * g;
+  o.vs = vp + 8 * g;
+  o.vl = vp + 2 * ps + 8 * g;
+  const uint32_t l = lane;
+  o.pf = 0;
+  o.pf_per_slot = 0;
+  if (l < kGroups) {  // K word group l: 32 words
+    o.pf = head + l * ps * 4;
+    o.pf_per_slot = 4;
+  } else if (l < kGroups + kVLines) {  // V: 8 quads of Q words, 128-byte lines
+    o.pf = code_bytes + head + (l - kGroups) * 128;
+    o.pf_per_slot = Q;
+  } else if (l < kGroups + kVLines + 4) {  // scales / minimums of K and V: 64 bytes each
+    const uint32_t i = l - kGroups - kVLines;
+    o.pf = (i < 2 ? kp : vp) + (i % 2) * 2 * ps;
+    o.pf_per_slot = 2;
+  }
+  return o;
+}
+
+template <int D>
+__device__ __forceinline__ void LoadTileAt(const uint8_t* page, uint32_t slot,
+                                           const LaneOffsets<D>& o, TileWords<D>& tw) {
+  constexpr uint32_t Q = D / 4;
+#pragma unroll
+  for (int j = 0; j < LaneOffsets<D>::KW; ++j) {
+    const uint4 w = __ldg(reinterpret_cast<const uint4*>(page + (o.k[j] + 4u * slot)));
     tw.k[j][0] = w.x;
     tw.k[j][1] = w.y;
     tw.k[j][2] = w.z;
     tw.k[j][3] = w.w;
   }
-  const int quad0 = slot0 / 4 + t;
-  LoadWords(hp.vwords + quad0 * Q + g * TileWords<D>::U, tw.v[0]);
-  LoadWords(hp.vwords + (quad0 + 4) * Q + g * TileWords<D>::U, tw.v[1]);
-  const int s = slot0 + 4 * g;
-  tw.ks = __ldg(reinterpret_cast<const uint2*>(hp.kparams + s));
-  tw.kl = __ldg(reinterpret_cast<const uint2*>(hp.kparams + ps + s));
-  tw.vs = __ldg(reinterpret_cast<const uint2*>(hp.vparams + s));
-  tw.vl = __ldg(reinterpret_cast<const uint2*>(hp.vparams + ps + s));
+  LoadWords(reinterpret_cast<const uint32_t*>(page + (o.v[0] + Q * slot)), tw.v[0]);
+  LoadWords(reinterpret_cast<const uint32_t*>(page + (o.v[1] + Q * slot)), tw.v[1]);
+  tw.ks = __ldg(reinterpret_cast<const uint2*>(page + (o.ks + 2u * slot)));
+  tw.kl = __ldg(reinterpret_cast<const uint2*>(page + (o.kl + 2u * slot)));
+  tw.vs = __ldg(reinterpret_cast<const uint2*>(page + (o.vs + 2u * slot)));
+  tw.vl = __ldg(reinterpret_cast<const uint2*>(page + (o.vl + 2u * slot)));
 }
+
+template <int D>
+__device__ __forceinline__ void PrefetchTileAt(const uint8_t* page, uint32_t slot,
+                                               const LaneOffsets<D>& o) {
+  if (o.pf_per_slot != 0) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(page + (o.pf + o.pf_per_slot * slot)));
+  }
+}
+
+// Where a warp's next tile is: the index into the sequence's page table and the slot in
+// that page. A warp steps kWarps * kTile tokens at a time; no division in the loop.
+struct TileCursor {
+  int idx, slot;
+  __device__ __forceinline__ void Advance(int ps) {
+    slot += kWarps * kTile;
+    while (slot >= ps) {
+      slot -= ps;
+      ++idx;
+    }
+  }
+};
 
 __device__ __forceinline__ void HalvesToFloat(uint2 h, float (&f)[4]) {
   const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&h.x));
@@ -540,36 +591,9 @@ __device__ __forceinline__ int ValueElement(int vt, int r, int g) {
   return (vt / per_plane) * Q + g * U + 2 * (vt % per_plane) + r;
 }
 
-// Asks L2 for one 32-token tile of a page-layer of one KV head (lane c < kGroups + 5 takes
-// one contiguous piece: a K word group's 32 words, the tile's 8 V quads, or the FP16
-// scales/minimums of K and V), so the register loads of that tile, issued a tile ahead,
-// find it there. Every piece is 16-byte aligned and a multiple of 16 bytes.
-template <int D>
-__device__ __forceinline__ void PrefetchTile(const PagedList& p, const DecodeGeometry& geo,
-                                             int kvh, int page_id, int slot0, int lane) {
-  constexpr int Q = D / 4, kGroups = Q / 4;
-  const int ps = geo.page_size;
-  const Int2HeadPtrs hp = HeadPtrs(p, geo, kvh, page_id, Q);
-  const void* src = nullptr;
-  uint32_t bytes = 64;
-  if (lane < kGroups) {
-    src = hp.kwords + lane * ps + slot0;
-    bytes = 128;
-  } else if (lane == kGroups) {
-    src = hp.vwords + (slot0 / 4) * Q;
-    bytes = 32 * Q;
-  } else if (lane < kGroups + 5) {
-    const int i = lane - kGroups - 1;
-    src = (i < 2 ? hp.kparams : hp.vparams) + (i % 2) * ps + slot0;
-  }
-  if (src != nullptr) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-  }
-}
-
 // Rotated, scaled queries of one (b, kv head) group as the v2 kernel's int8 B fragments
-// (two digits per element) in lane order, with the per-head logit unit and query sum; also
-// zeroes the group's merge counter. One CTA of kWarps warps per (kv head, b). Lets the
+// (two digits per element) in lane order, with the per-head logit unit and query sum. One
+// CTA of kWarps warps per (kv head, b). Lets the
 // decode kernel launch at once (it waits for this grid only where it reads the results).
 template <int D, int NT>
 __global__ void __launch_bounds__(kWarps * 32) QueryFragments(PartArgs a) {
@@ -604,92 +628,6 @@ __global__ void __launch_bounds__(kWarps * 32) QueryFragments(PartArgs a) {
     a.state.scal[frag * kScalFloats + h] = s_step[h] / 254.0f * kLog2e;
     a.state.scal[frag * kScalFloats + 8 + h] = s_qsum[h] * kLog2e;
   }
-  if (threadIdx.x == 0) a.state.counters[frag] = 0;
-}
-
-// The fused merge: every CTA counts itself done; the last one of its (b, kv head) merges
-// parts [0, merge_parts) of the group's rows (this launch's splits and parts written by
-// earlier launches, e.g. the BF16 windows), applies R_v^T and writes o and lse. `scratch`:
-// kWarps * 8 * D floats of shared memory (the launcher checks 8 * parts + 8 * D fit).
-template <int D>
-__device__ void MergeTail(const PartArgs& a, int b, int kvh, int G, float* scratch) {
-  __shared__ int s_last;
-  __shared__ float s_max[8], s_den[8];
-  __threadfence();  // this CTA's part is visible before it counts itself done
-  __syncthreads();
-  const int frag = b * a.geo.num_kv_heads + kvh;
-  if (threadIdx.x == 0) {
-    s_last = atomicAdd(a.state.counters + frag, 1) == static_cast<int>(gridDim.x) - 1;
-  }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  const int P = a.merge_parts, rows = a.geo.batch * a.geo.num_q_heads;
-  const int r0 = b * a.geo.num_q_heads + kvh * G;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float* wts = scratch;                                  // [8][P]: exp(lse_s - M)
-  float(*xs)[D] = reinterpret_cast<float(*)[D]>(scratch + 8 * P);  // [8][D] merged rows
-  for (int h = warp; h < G; h += kWarps) {
-    float mx = -INFINITY;
-    for (int s = lane; s < P; s += 32) {
-      const float ls = __ldcg(a.part_lse + static_cast<int64_t>(s) * rows + r0 + h);
-      wts[h * P + s] = ls;
-      mx = fmaxf(mx, ls);
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    float den = 0.0f;
-    for (int s = lane; s < P; s += 32) {
-      const float ls = wts[h * P + s];
-      const float f = (mx > -INFINITY && ls > -INFINITY) ? __expf(ls - mx) : 0.0f;
-      wts[h * P + s] = f;
-      den += f;
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) den += __shfl_xor_sync(0xffffffffu, den, off);
-    if (lane == 0) {
-      s_max[h] = mx;
-      s_den[h] = den;
-    }
-  }
-  __syncthreads();
-  // Column j of every row: 8 parts x G rows of loads in flight per step.
-  for (int j = threadIdx.x; j < D; j += blockDim.x) {
-    float num[8];
-#pragma unroll
-    for (int h = 0; h < 8; ++h) num[h] = 0.0f;
-    for (int s0 = 0; s0 < P; s0 += 8) {
-      float x[8][8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u)
-#pragma unroll
-        for (int h = 0; h < 8; ++h)
-          x[u][h] = (h < G && s0 + u < P)
-                        ? __ldcg(a.part_o + (static_cast<int64_t>(s0 + u) * rows + r0 + h) * D + j)
-                        : 0.0f;
-#pragma unroll
-      for (int u = 0; u < 8; ++u)
-#pragma unroll
-        for (int h = 0; h < 8; ++h)
-          if (s0 + u < P) num[h] = fmaf(wts[h * P + s0 + u], x[u][h], num[h]);
-    }
-#pragma unroll
-    for (int h = 0; h < 8; ++h) xs[h][j] = (h < G && s_den[h] > 0.0f) ? num[h] / s_den[h] : 0.0f;
-  }
-  __syncthreads();
-  for (int j = threadIdx.x; j < D; j += blockDim.x) {
-    float acc[8];
-#pragma unroll
-    for (int h = 0; h < 8; ++h) acc[h] = a.r_v_t == nullptr ? xs[h][j] : 0.0f;
-    if (a.r_v_t != nullptr) ColumnTimesRows<D>(a.r_v_t, j, xs, acc);
-#pragma unroll
-    for (int h = 0; h < 8; ++h)
-      if (h < G) a.o[static_cast<int64_t>(r0 + h) * D + j] = acc[h];
-  }
-  if (threadIdx.x < G) {
-    const int h = threadIdx.x;
-    a.lse[r0 + h] = s_den[h] > 0.0f ? s_max[h] + logf(s_den[h]) : -INFINITY;
-  }
 }
 
 template <int D, int NT>
@@ -714,20 +652,27 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
 
   // The first tile's loads and the L2 prefetches of the next `pf` tiles go out before the
   // wait for QueryFragments (programmatic dependent launch), so they overlap it. Page ids
-  // are read a tile before they are needed.
+  // are read a tile before they are needed; cursors walk the table without division.
   const int pf = a.prefetch;
+  const LaneOffsets<D> lo = MakeLaneOffsets<D>(geo, kvh, lane);
+  auto page_at = [&](int page_id) {
+    return p.pages + static_cast<int64_t>(page_id) * p.page_stride;
+  };
   int tile = t_begin + warp * 32;
-  TileWords<D> cur;
+  TileWords<D> ta, tb;
+  TileCursor next{0, 0}, ahead{0, 0};  // tiles tile + kStep and tile + (pf + 1) * kStep
   int next_page = 0, pf_page = 0;
   if (tile < t_end) {
-    LoadTile<D>(p, geo, kvh, __ldg(table + tile / ps), tile % ps, g, t, cur);
-    if (tile + kStep < t_end) next_page = __ldg(table + (tile + kStep) / ps);
-    for (int k = 1; k <= pf; ++k) {
-      const int pt = tile + k * kStep;
-      if (pt < t_end) PrefetchTile<D>(p, geo, kvh, __ldg(table + pt / ps), pt % ps, lane);
+    TileCursor c{tile / ps, tile % ps};
+    LoadTileAt<D>(page_at(__ldg(table + c.idx)), c.slot, lo, ta);
+    c.Advance(ps);
+    next = c;
+    if (tile + kStep < t_end) next_page = __ldg(table + next.idx);
+    for (int k = 1; k <= pf; ++k, c.Advance(ps)) {
+      if (tile + k * kStep < t_end) PrefetchTileAt<D>(page_at(__ldg(table + c.idx)), c.slot, lo);
     }
-    const int pt = tile + (pf + 1) * kStep;
-    if (pf > 0 && pt < t_end) pf_page = __ldg(table + pt / ps);
+    ahead = c;
+    if (pf > 0 && tile + (pf + 1) * kStep < t_end) pf_page = __ldg(table + ahead.idx);
   }
   WaitPrimaryGrid();
   // Query digits (B of the logit MMAs), prepared by QueryFragments in lane order: k-block
@@ -803,17 +748,18 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
     }
   };
 
-  for (; tile < t_end; tile += kStep) {
-    // Next tile's loads first (its page id was read a tile ago), then this tile's math.
-    TileWords<D> nxt;
+  // One tile: the next tile's loads (and the L2 request pf tiles further) first, then this
+  // tile's math. Called with the two register tiles in turn, so no copy between them.
+  auto step = [&](const TileWords<D>& cur, TileWords<D>& nxt) {
     const int ntile = tile + kStep;
     if (ntile < t_end) {
-      LoadTile<D>(p, geo, kvh, next_page, ntile % ps, g, t, nxt);
-      if (ntile + kStep < t_end) next_page = __ldg(table + (ntile + kStep) / ps);
-      const int pt = ntile + pf * kStep;  // pf tiles past the one just loaded
-      if (pf > 0 && pt < t_end) {
-        PrefetchTile<D>(p, geo, kvh, pf_page, pt % ps, lane);
-        if (pt + kStep < t_end) pf_page = __ldg(table + (pt + kStep) / ps);
+      LoadTileAt<D>(page_at(next_page), next.slot, lo, nxt);
+      next.Advance(ps);
+      if (ntile + kStep < t_end) next_page = __ldg(table + next.idx);
+      if (pf > 0 && ntile + pf * kStep < t_end) {
+        PrefetchTileAt<D>(page_at(pf_page), ahead.slot, lo);
+        ahead.Advance(ps);
+        if (ntile + (pf + 1) * kStep < t_end) pf_page = __ldg(table + ahead.idx);
       }
     }
     float ksc[4], klo[4], vsc[4], vlo[4];
@@ -927,8 +873,14 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) MmaU8U8(acc[vt][nt], a4, bw[nt][0], bw[nt][1]);
     }
-    if (ntile < t_end) cur = nxt;
+    tile = ntile;
+  };
+  while (tile < t_end) {
+    step(ta, tb);
+    if (tile >= t_end) break;
+    step(tb, ta);
   }
+  LaunchDependents();  // the merge kernel may start once every CTA is past its loop
   {
     float one[NT];
 #pragma unroll
@@ -952,7 +904,6 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
   }
   __syncthreads();
   WritePart<D>(a, split, b, kvh, G, s_m, s_l, s_lacc, s_o);
-  if (a.merge_parts > 0) MergeTail<D>(a, b, kvh, G, &s_o[0][0][0]);
 }
 
 // BF16 pages on CUDA cores: each warp takes tokens in turn; a lane holds D/32 elements of
@@ -1042,6 +993,7 @@ __global__ void MergeSplits(const float* part_o, const float* part_lse, int spli
   float* partial = x + head_dim;
   float* wts = partial + kMergeLanes * head_dim;
   __shared__ float s_max[32], s_den[32];
+  WaitPrimaryGrid();  // launched as a programmatic dependent of the decode kernel, or plainly
   const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int warps = (blockDim.x + 31) / 32;
   float mx = -INFINITY;
@@ -1102,8 +1054,8 @@ __global__ void MergeSplits(const float* part_o, const float* part_lse, int spli
 }  // namespace
 
 size_t Int2StateBytes(int batch, int num_kv_heads) {
-  return static_cast<size_t>(batch) * num_kv_heads * (sizeof(uint32_t) * kFragWords +
-                                                      sizeof(float) * kScalFloats + sizeof(int));
+  return static_cast<size_t>(batch) * num_kv_heads *
+         (sizeof(uint32_t) * kFragWords + sizeof(float) * kScalFloats);
 }
 
 size_t Int2DecodeWorkspaceBytes(int batch, int num_q_heads, int head_dim, int max_splits) {
@@ -1137,32 +1089,42 @@ Int2State CarveState(void* state, int batch, int num_kv_heads) {
   Int2State st;
   st.frags = static_cast<uint32_t*>(state);
   st.scal = reinterpret_cast<float*>(st.frags + n * kFragWords);
-  st.counters = reinterpret_cast<int*>(st.scal + n * kScalFloats);
   return st;
 }
 
-// QueryFragments, then the decode kernel as its programmatic dependent (it starts while
-// the first grid runs and waits for it only where it reads the fragments). Where the stream
-// does not take the attribute, the decode kernel is launched the plain way.
-template <int D, int NT>
-cudaError_t LaunchV2(dim3 grid, const PartArgs& a, cudaStream_t stream) {
-  const dim3 prep_grid(a.geo.num_kv_heads, a.geo.batch);
-  QueryFragments<D, NT><<<prep_grid, kWarps * 32, 0, stream>>>(a);
-  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+// Launches `kernel` as the programmatic dependent of the previous launch on the stream: it
+// may start while that grid runs and waits for it (griddepcontrol.wait) where it reads its
+// results. Where the stream does not take the attribute, the launch is the plain one.
+template <class... Args>
+cudaError_t LaunchDependent(void (*kernel)(Args...), dim3 grid, dim3 block, size_t smem,
+                            cudaStream_t stream, Args... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
-  cfg.blockDim = dim3(kWarps * 32);
-  cfg.dynamicSmemBytes = 0;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  if (cudaLaunchKernelEx(&cfg, Int2DecodeKernelV2<D, NT>, a) == cudaSuccess) return cudaSuccess;
+  if (cudaLaunchKernelEx(&cfg, kernel, args...) == cudaSuccess) return cudaSuccess;
   (void)cudaGetLastError();
-  Int2DecodeKernelV2<D, NT><<<grid, kWarps * 32, 0, stream>>>(a);
+  kernel<<<grid, block, smem, stream>>>(args...);
   return cudaGetLastError();
+}
+
+// QueryFragments, then the decode kernel as its programmatic dependent.
+template <int D, int NT>
+cudaError_t LaunchV2(dim3 grid, const PartArgs& a, cudaStream_t stream) {
+  const dim3 prep_grid(a.geo.num_kv_heads, a.geo.batch);
+  QueryFragments<D, NT><<<prep_grid, kWarps * 32, 0, stream>>>(a);
+  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  return LaunchDependent(Int2DecodeKernelV2<D, NT>, grid, dim3(kWarps * 32), 0, stream, a);
+}
+
+size_t MergeSmemBytes(int head_dim, int parts) {
+  return (head_dim * (1 + kMergeLanes) + parts) * sizeof(float);
 }
 
 int TokensPerSplit(int max_tokens, int splits) {
@@ -1205,12 +1167,6 @@ cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& g
     // The int32-accumulating kernel (head_dim 64/128; GQA groups up to 4 or 8).
     a.state = CarveState(opt.state, geo.batch, geo.num_kv_heads);
     a.prefetch = opt.prefetch_tiles >= 0 ? opt.prefetch_tiles : kDefaultPrefetchTiles;
-    if (opt.merge != nullptr && opt.fuse_merge && opt.merge->parts <= (kWarps - 1) * geo.head_dim) {
-      a.merge_parts = opt.merge->parts;
-      a.r_v_t = opt.merge->r_v_t;
-      a.o = opt.merge->o;
-      a.lse = opt.merge->lse;
-    }
     const bool wide = geo.num_q_heads / geo.num_kv_heads > 4;
     if (geo.head_dim == 64) {
       e = wide ? LaunchV2<64, 2>(grid, a, stream) : LaunchV2<64, 1>(grid, a, stream);
@@ -1231,10 +1187,18 @@ cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& g
     }
     e = cudaGetLastError();
   }
-  if (e != cudaSuccess || opt.merge == nullptr || a.merge_parts > 0) return e;
+  if (e != cudaSuccess || opt.merge == nullptr) return e;
+  // The merge as the decode kernel's programmatic dependent: its launch overlaps the tail
+  // of the decode grid (which signals once every CTA is past its loop).
   const MergeTarget& m = *opt.merge;
-  return LaunchMergeParts(part_o, part_lse, m.parts, geo.batch * geo.num_q_heads, geo.head_dim,
-                          m.r_v_t, m.o, m.lse, stream);
+  const int rows = geo.batch * geo.num_q_heads;
+  if (!v2) return LaunchMergeParts(part_o, part_lse, m.parts, rows, geo.head_dim, m.r_v_t, m.o,
+                                   m.lse, stream);
+  const float* const_o = part_o;
+  const float* const_lse = part_lse;
+  return LaunchDependent(MergeSplits, dim3(rows), dim3(kMergeLanes * geo.head_dim),
+                         MergeSmemBytes(geo.head_dim, m.parts), stream, const_o, const_lse,
+                         m.parts, rows, geo.head_dim, m.r_v_t, m.o, m.lse);
 }
 
 cudaError_t LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
@@ -1262,8 +1226,7 @@ cudaError_t LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& g
 cudaError_t LaunchMergeParts(const float* part_o, const float* part_lse, int parts, int rows,
                              int head_dim, const float* r_v_t, float* o, float* lse,
                              cudaStream_t stream) {
-  MergeSplits<<<rows, kMergeLanes * head_dim,
-                (head_dim * (1 + kMergeLanes) + parts) * sizeof(float), stream>>>(
+  MergeSplits<<<rows, kMergeLanes * head_dim, MergeSmemBytes(head_dim, parts), stream>>>(
       part_o, part_lse, parts, rows, head_dim, r_v_t, o, lse);
   return cudaGetLastError();
 }
@@ -1283,7 +1246,6 @@ cudaError_t LaunchInt2Decode(const Int2DecodeParams& p, int max_tokens, cudaStre
   opt.prefetch_tiles = p.prefetch_tiles;
   opt.state = part_lse + static_cast<size_t>(p.num_splits) * rows;
   opt.merge = &merge;
-  opt.fuse_merge = p.fuse_merge;
   return LaunchInt2DecodeParts(list, geo, p.q, p.r_k, p.softmax_scale, p.num_splits, max_tokens,
                                part_o, part_lse, 0, stream, opt);
 }

@@ -137,14 +137,15 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
   const float* d_rvt = Up(rvt);
   void* state = nullptr;
   ASSERT_EQ(cudaMalloc(&state, cuda::Int2StateBytes(batch, hkv)), cudaSuccess);
-  // The daemon's order: BF16 windows first, then the INT2 launch, which merges every part
-  // (inside the launch, or with the merge kernel after it), with and without L2 prefetch.
+  // The daemon's order: BF16 windows first, then the INT2 launch, which also launches the
+  // merge of every part (as its programmatic dependent); with and without L2 prefetch, and
+  // with the merge launched on its own.
   struct Way {
-    bool fuse;
+    bool merge_in_launch;
     int prefetch;
   };
   std::vector<std::vector<float>> got_o_ways, got_lse_ways;
-  for (const Way way : {Way{true, -1}, Way{false, -1}, Way{true, 0}}) {
+  for (const Way way : {Way{true, -1}, Way{true, 0}, Way{false, 5}}) {
     ASSERT_EQ(cudaMemcpy(part_lse, std::vector<float>((s_int2 + s_bf16) * rows, NAN).data(),
                          sizeof(float) * (s_int2 + s_bf16) * rows, cudaMemcpyHostToDevice),
               cudaSuccess);
@@ -157,21 +158,24 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
     const cuda::MergeTarget merge{s_int2 + s_bf16, d_rvt, o, lse};
     cuda::Int2PartsOptions opt;
     opt.state = state;
-    opt.merge = &merge;
-    opt.fuse_merge = way.fuse;
+    opt.merge = way.merge_in_launch ? &merge : nullptr;
     opt.prefetch_tiles = way.prefetch;
     ASSERT_EQ(cuda::LaunchInt2DecodeParts(int2_list, geo, d_q, d_rk, scale, s_int2, max_int2,
                                           part_o, part_lse, s_bf16, nullptr, opt),
               cudaSuccess);
+    if (!way.merge_in_launch) {
+      ASSERT_EQ(cuda::LaunchMergeParts(part_o, part_lse, s_int2 + s_bf16, rows, d, d_rvt, o, lse,
+                                       nullptr),
+                cudaSuccess);
+    }
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     got_o_ways.push_back(Down(o, rows * d));
     got_lse_ways.push_back(Down(lse, rows));
   }
-  // The fused merge sums the same parts in another order: equal up to FP32 rounding.
+  // Prefetching and how the merge is launched change nothing: bit-identical results.
   for (size_t w = 1; w < got_o_ways.size(); ++w) {
-    for (int i = 0; i < rows * d; ++i)
-      ASSERT_NEAR(got_o_ways[w][i], got_o_ways[0][i], 1e-5f * (1 + std::fabs(got_o_ways[0][i])))
-          << "way " << w << " element " << i;
+    EXPECT_EQ(got_o_ways[w], got_o_ways[0]) << "way " << w;
+    EXPECT_EQ(got_lse_ways[w], got_lse_ways[0]) << "way " << w;
   }
   const auto& got_o = got_o_ways[0];
   const auto& got_lse = got_lse_ways[0];

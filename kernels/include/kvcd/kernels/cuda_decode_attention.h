@@ -44,15 +44,13 @@ struct Int2DecodeParams {
   void* workspace = nullptr;  // Int2DecodeWorkspaceBytes(...) bytes (device)
   Int2Kernel kernel = Int2Kernel::kAuto;
   int32_t prefetch_tiles = -1;  // see Int2PartsOptions
-  bool fuse_merge = true;       // see Int2PartsOptions
 };
 
 // Workspace for the partial states and the v2 kernel's state (Int2StateBytes).
 size_t Int2DecodeWorkspaceBytes(int batch, int num_q_heads, int head_dim, int max_splits);
 
 // Device memory the v2 INT2 kernel (kAuto at head_dim 64/128) needs per launch besides the
-// parts: the prepared query fragments and the fused merge's arrival counters. Needs no
-// initialization; one launch at a time per buffer (stream order).
+// parts: the prepared query fragments. One launch at a time per buffer (stream order).
 size_t Int2StateBytes(int batch, int num_kv_heads);
 
 // The split count for a batch: one wave of ctas_per_sm CTAs of 4 warps per SM (3 is what
@@ -96,13 +94,12 @@ struct MergeTarget {
 struct Int2PartsOptions {
   Int2Kernel kernel = Int2Kernel::kAuto;
   // v2 kernel: how many 32-token tiles per warp ahead of its register loads it asks L2 for
-  // (cp.async.bulk.prefetch); -1 = the built-in default, 0 = none.
+  // (prefetch.global.L2, one line per lane); -1 = the built-in default, 0 = none.
   int prefetch_tiles = -1;
   void* state = nullptr;  // v2 kernel: Int2StateBytes(batch, num_kv_heads) bytes (device)
-  const MergeTarget* merge = nullptr;  // null: leave the parts for LaunchMergeParts
-  // v2 kernel: the last CTA of each (b, kv head) merges its rows inside the launch (when
-  // merge->parts <= 3 * head_dim); otherwise, or when false, a merge kernel follows.
-  bool fuse_merge = true;
+  // Null: leave the parts for LaunchMergeParts. Otherwise the merge kernel follows (after
+  // the v2 kernel as its programmatic dependent, so its launch overlaps the decode tail).
+  const MergeTarget* merge = nullptr;
 };
 
 // INT2 pages -> parts [part_base, part_base + splits). q: [batch][num_q_heads][head_dim]
