@@ -43,10 +43,15 @@ T* Upload(const std::vector<T>& v) {
   return p;
 }
 
-// One correctness case: batch sequences of the given lengths; returns max rel error.
+struct CaseResult {
+  double err;      // max relative error of o and lse
+  double max_lse;  // largest |lse| of the oracle: the logit range of the case
+};
+
+// One correctness case: batch sequences of the given lengths.
 // growth > 0 scales the K/V rows of token t by (1 + t * growth), so the running max of the
 // logits and the value scales keep rising (every rescale path of the kernels runs).
-double CheckCase(int hq, int hkv, int d, int ps, const std::vector<int>& lengths, uint32_t seed,
+CaseResult CheckCase(int hq, int hkv, int d, int ps, const std::vector<int>& lengths, uint32_t seed,
                  float growth, kk::cuda::Int2Kernel kernel) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -114,7 +119,7 @@ double CheckCase(int hq, int hkv, int d, int ps, const std::vector<int>& lengths
   CHECK(cudaMemcpy(o.data(), p.o, o.size() * 4, cudaMemcpyDeviceToHost));
   CHECK(cudaMemcpy(lse.data(), p.lse, lse.size() * 4, cudaMemcpyDeviceToHost));
 
-  double worst = 0;
+  double worst = 0, max_lse = 0;
   const int g = hq / hkv;
   for (int b = 0; b < batch; ++b) {
     std::vector<float> qr(hq * d), orot(hq * d), oref(hq * d), lref(hq);
@@ -130,7 +135,7 @@ double CheckCase(int hq, int hkv, int d, int ps, const std::vector<int>& lengths
       double err = 0, norm = 0;
       for (int c = 0; c < d; ++c) {
         const double a = o[(b * hq + h) * d + c], r = oref[h * d + c];
-        if (std::isnan(a)) return INFINITY;
+        if (std::isnan(a)) return {INFINITY, 0};
         err += (a - r) * (a - r);
         norm += r * r;
       }
@@ -139,13 +144,16 @@ double CheckCase(int hq, int hkv, int d, int ps, const std::vector<int>& lengths
         rel = std::max(rel, static_cast<double>(std::fabs(lse[b * hq + h] - lref[h]) /
                                                 (1 + std::fabs(lref[h]))));
       }
-      if (lengths[b] == 0 && !(std::isinf(lse[b * hq + h]) && lse[b * hq + h] < 0)) return INFINITY;
+      if (lengths[b] == 0 && !(std::isinf(lse[b * hq + h]) && lse[b * hq + h] < 0)) {
+        return {INFINITY, 0};
+      }
       worst = std::max(worst, rel);
+      if (lengths[b] > 0) max_lse = std::max(max_lse, static_cast<double>(std::fabs(lref[h])));
     }
   }
   const void* to_free[] = {p.pages, p.page_table, p.lengths, p.q, p.r_k, p.r_v_t, p.o, p.lse, ws};
   for (const void* ptr : to_free) CHECK(cudaFree(const_cast<void*>(ptr)));
-  return worst;
+  return {worst, max_lse};
 }
 
 __global__ void FillPages(uint8_t* pages, int64_t n_pages, int64_t page_bytes, int64_t code_bytes,
@@ -235,13 +243,19 @@ int main(int argc, char** argv) {
                                       ? "auto (int32 accumulation where supported)"
                                       : "first");
       for (const auto& c : cases) {
-        const double err = CheckCase(c.hq, c.hkv, c.d, c.ps, c.lengths, seed++, c.growth, kernel);
-        const bool pass = err < 2e-3;
+        const CaseResult r =
+            CheckCase(c.hq, c.hkv, c.d, c.ps, c.lengths, seed++, c.growth, kernel);
+        // The query enters the MMAs as two int8 digits (about 15 bits relative to its largest
+        // element), so the absolute logit error grows with the logit range: 2e-3 relative up
+        // to a range of 64 (real models stay well inside it), proportionally beyond.
+        const double bound = 2e-3 * std::max(1.0, r.max_lse / 64.0);
+        const bool pass = r.err < bound;
         checks_ok &= pass;
         std::printf("  hq %2d hkv %d d %3d page %2d growth %.3f lengths", c.hq, c.hkv, c.d, c.ps,
                     c.growth);
         for (int l : c.lengths) std::printf(" %d", l);
-        std::printf(": %.2e %s\n", err, pass ? "ok" : "FAIL");
+        std::printf(": %.2e (bound %.1e, max |lse| %.0f) %s\n", r.err, bound, r.max_lse,
+                    pass ? "ok" : "FAIL");
       }
     }
     if (!checks_ok) std::printf("CORRECTNESS FAILED (timings follow; exit status 1)\n");
@@ -329,11 +343,13 @@ int main(int argc, char** argv) {
       one_n ? std::vector<Variant>{{"v2", kAuto, one_cps, one_prefetch}}
             : std::vector<Variant>{
                   {"v2, no L2 prefetch", kAuto, 3, 0},
-                  {"v2, L2 prefetch 2 tiles ahead", kAuto, 3, 2},
+                  {"v2, L2 prefetch 2 tiles ahead (default)", kAuto, 3, -1},
                   {"v2, L2 prefetch 4 tiles ahead", kAuto, 3, 4},
-                  {"v2, L2 prefetch 8 tiles ahead", kAuto, 3, 8},
-                  {"v2, default prefetch, 2 CTAs per SM", kAuto, 2, -1},
                   {"first kernel", kk::cuda::Int2Kernel::kFirst, 4, 0}};
+  // Timed on a stream of its own (as a serving process would launch; the programmatic
+  // dependent launches of the v2 path are taken there).
+  cudaStream_t stream = nullptr;
+  CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const std::vector<int> n_list = one_n ? std::vector<int>{one_n} : std::vector<int>{32768, 100000};
   const std::vector<int> b_list = one_n ? std::vector<int>{one_batch} : std::vector<int>{1, 8, 64};
   for (const Variant& var : variants) {
@@ -391,9 +407,9 @@ int main(int argc, char** argv) {
         CHECK(cudaEventCreate(&b));
         std::vector<float> ms;
         for (int r = 0; r < (one_n ? 5 : 33); ++r) {
-          CHECK(cudaEventRecord(a));
-          CHECK(kk::cuda::LaunchInt2Decode(p, n, nullptr));
-          CHECK(cudaEventRecord(b));
+          CHECK(cudaEventRecord(a, stream));
+          CHECK(kk::cuda::LaunchInt2Decode(p, n, stream));
+          CHECK(cudaEventRecord(b, stream));
           CHECK(cudaEventSynchronize(b));
           float t = 0;
           CHECK(cudaEventElapsedTime(&t, a, b));
@@ -403,13 +419,13 @@ int main(int argc, char** argv) {
         std::vector<float> b2b;
         const int calls = 40;
         for (int r = 0; r < 7; ++r) {
-          CHECK(cudaEventRecord(a));
+          CHECK(cudaEventRecord(a, stream));
           for (int c = 0; c < calls; ++c) {
             kk::cuda::Int2DecodeParams pc = p;
             pc.pages = pages[c % layers];
-            CHECK(kk::cuda::LaunchInt2Decode(pc, n, nullptr));
+            CHECK(kk::cuda::LaunchInt2Decode(pc, n, stream));
           }
-          CHECK(cudaEventRecord(b));
+          CHECK(cudaEventRecord(b, stream));
           CHECK(cudaEventSynchronize(b));
           float t = 0;
           CHECK(cudaEventElapsedTime(&t, a, b));
@@ -425,12 +441,12 @@ int main(int argc, char** argv) {
           const float* part_lse = part_o + static_cast<size_t>(p.num_splits) * rows * d;
           std::vector<float> mms;
           for (int r = 0; r < 7; ++r) {
-            CHECK(cudaEventRecord(a));
+            CHECK(cudaEventRecord(a, stream));
             for (int c = 0; c < calls; ++c) {
               CHECK(kk::cuda::LaunchMergeParts(part_o, part_lse, p.num_splits, rows, d, p.r_v_t, o,
-                                               lse, nullptr));
+                                               lse, stream));
             }
-            CHECK(cudaEventRecord(b));
+            CHECK(cudaEventRecord(b, stream));
             CHECK(cudaEventSynchronize(b));
             float t = 0;
             CHECK(cudaEventElapsedTime(&t, a, b));
@@ -447,5 +463,6 @@ int main(int argc, char** argv) {
       }
     }
   }
+  CHECK(cudaStreamDestroy(stream));
   return checks_ok ? 0 : 1;
 }

@@ -6,7 +6,7 @@
 #   device: bench/run-h200.sh run        (kernel tests + sanitizers, INT2 checks and timings,
 #                                         torch SDPA cuDNN/flash baseline)
 #           bench/run-h200.sh profile [batch] [prefetch]   (ncu on one v2 launch)
-set -euo pipefail
+set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
   build)
@@ -30,7 +30,8 @@ case "${1:-}" in
     ;;
   profile)  # Nsight Compute on one v2 launch: 100k tokens, batch $2 (default 8), prefetch $3
     export LD_LIBRARY_PATH=$PWD/.devlibs
-    ncu --clock-control none -k regex:Int2DecodeKernelV2 -c 1 --section SpeedOfLight \
+    ncu --clock-control none -k "regex:${KVCD_NCU_KERNELS:-Int2DecodeKernelV2}" \
+      -c "${KVCD_NCU_COUNT:-1}" --section SpeedOfLight \
       --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
       --section LaunchStats --section Occupancy .devbin/cuda_int2_bench --one 100000 "${2:-8}" 3 \
       "${3:--1}"

@@ -20,7 +20,7 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kTile = 32;  // tokens per warp step
-constexpr int kDefaultPrefetchTiles = 3;  // v2: L2 prefetch distance, tiles per warp
+constexpr int kDefaultPrefetchTiles = 2;  // v2: L2 prefetch distance, tiles per warp
 constexpr uint32_t kPlane = 0x03030303u;
 
 __device__ __forceinline__ void Mma(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -133,11 +133,11 @@ __device__ void LoadQueries(const PartArgs& a, int b, int kvh, int G, float (*s_
   __syncthreads();
 }
 
-// LoadQueries, then each row's int8 step (and its inverse, if s_inv is not null) and sum:
+// LoadQueries, then each row's int8 step and sum:
 // one warp per row reduces max |x| and the sum. Ends with a barrier.
 template <int D>
 __device__ void PrepareQueries(const PartArgs& a, int b, int kvh, int G, float (*s_q)[D],
-                               float (*raw)[D], float* s_step, float* s_inv, float* s_qsum) {
+                               float (*raw)[D], float* s_step, float* s_qsum) {
   LoadQueries<D>(a, b, kvh, G, s_q, raw);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int h = warp; h < 8; h += blockDim.x / 32) {
@@ -153,7 +153,6 @@ __device__ void PrepareQueries(const PartArgs& a, int b, int kvh, int G, float (
     }
     if (lane == 0) {
       s_step[h] = mx > 0.0f ? mx / 127.0f : 1.0f;
-      if (s_inv != nullptr) s_inv[h] = mx > 0.0f ? 127.0f / mx : 1.0f;
       s_qsum[h] = sum;
     }
   }
@@ -237,7 +236,7 @@ __global__ void __launch_bounds__(kWarps * 32) Int2DecodeKernel(PartArgs a) {
 
   // Rotated, scaled queries of this KV head's group (s_o is free scratch until the end);
   // their int8 step and sum.
-  PrepareQueries<D>(a, b, kvh, G, s_q, s_o[0], s_step, nullptr, s_qsum);
+  PrepareQueries<D>(a, b, kvh, G, s_q, s_o[0], s_step, s_qsum);
   // A fragments of the logit MMAs: k-block kb covers group-planes kb*8 .. kb*8+7, where
   // group-plane gp = plane * kGroups + group holds elements plane*Q + 4*group + 0..3.
   uint32_t qa[kKBlocks][4];
@@ -593,26 +592,75 @@ __device__ __forceinline__ int ValueElement(int vt, int r, int g) {
 
 // Rotated, scaled queries of one (b, kv head) group as the v2 kernel's int8 B fragments
 // (two digits per element) in lane order, with the per-head logit unit and query sum. One
-// CTA of kWarps warps per (kv head, b). Lets the
-// decode kernel launch at once (it waits for this grid only where it reads the results).
+// CTA of 4 * D threads per (kv head, b): thread (part, j) sums a quarter of column j of
+// R_k for the group's rows, loading its D/4 values of R_k at once (one memory round trip;
+// a thread per column with the whole sum took ~19 us at batch 1). Lets the decode kernel
+// launch at once (it waits for this grid only where it reads the results).
 template <int D, int NT>
-__global__ void __launch_bounds__(kWarps * 32) QueryFragments(PartArgs a) {
+__global__ void __launch_bounds__(4 * D) QueryFragments(PartArgs a) {
   LaunchDependents();
-  constexpr int Q = D / 4, KB = D / 32;
+  constexpr int R = 4 * NT, Q = D / 4, KB = D / 32, kPer = D / 4;
   constexpr float kLog2e = 1.4426950408889634f;
-  const int kvh = blockIdx.x, b = blockIdx.y;
+  const int kvh = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
   const int G = a.geo.num_q_heads / a.geo.num_kv_heads;
-  __shared__ float s_q[8][D], s_raw[8][D];
+  __shared__ float s_raw[R][D], s_part[4][R][D], s_q[R][D];
   __shared__ float s_step[8], s_inv[8], s_qsum[8];
-  PrepareQueries<D>(a, b, kvh, G, s_q, s_raw, s_step, s_inv, s_qsum);
+  const float* q = a.q + (static_cast<int64_t>(b) * a.geo.num_q_heads + kvh * G) * D;
+  for (int i = tid; i < R * D; i += blockDim.x) s_raw[i / D][i % D] = i / D < G ? q[i] : 0.0f;
+  __syncthreads();
+  const int part = tid / D, j = tid % D;
+  float acc[R];
+#pragma unroll
+  for (int h = 0; h < R; ++h) acc[h] = 0.0f;
+  if (a.r_k == nullptr) {
+#pragma unroll
+    for (int h = 0; h < R; ++h) acc[h] = part == 0 ? s_raw[h][j] : 0.0f;
+  } else {
+    float r[kPer];
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) r[u] = __ldg(a.r_k + (part * kPer + u) * D + j);
+#pragma unroll
+    for (int u = 0; u < kPer; ++u)
+#pragma unroll
+      for (int h = 0; h < R; ++h) acc[h] = fmaf(s_raw[h][part * kPer + u], r[u], acc[h]);
+  }
+#pragma unroll
+  for (int h = 0; h < R; ++h) s_part[part][h][j] = acc[h];
+  __syncthreads();
+  for (int i = tid; i < R * D; i += blockDim.x) {
+    const int h = i / D, e = i % D;
+    s_q[h][e] = ((s_part[0][h][e] + s_part[1][h][e]) + (s_part[2][h][e] + s_part[3][h][e])) *
+                a.scale;
+  }
+  __syncthreads();
+  // Per row: the int8 step (max |x| / 127), its inverse and the sum; one warp per row.
+  const int lane = tid & 31, warp = tid >> 5;
+  for (int h = warp; h < R; h += blockDim.x / 32) {
+    float mx = 0.0f, sum = 0.0f;
+    for (int e = lane; e < D; e += 32) {
+      mx = fmaxf(mx, fabsf(s_q[h][e]));
+      sum += s_q[h][e];
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    }
+    if (lane == 0) {
+      s_step[h] = mx > 0.0f ? mx / 127.0f : 1.0f;
+      s_inv[h] = mx > 0.0f ? 127.0f / mx : 1.0f;
+      s_qsum[h] = sum;
+    }
+  }
+  __syncthreads();
   const int frag = b * a.geo.num_kv_heads + kvh;
   uint32_t* out = a.state.frags + static_cast<int64_t>(frag) * kFragWords;
-  for (int i = threadIdx.x; i < KB * NT * 2 * 32; i += blockDim.x) {
-    const int lane = i % 32, half = (i / 32) % 2, nt = (i / 64) % NT, kb = i / (64 * NT);
-    const int g = lane >> 2, t = lane & 3;
-    const int h = 4 * nt + (g >> 1), j = kb / 2, pp = kb % 2;
+  for (int i = tid; i < KB * NT * 2 * 32; i += blockDim.x) {
+    const int ln = i % 32, half = (i / 32) % 2, nt = (i / 64) % NT, kb = i / (64 * NT);
+    const int g = ln >> 2, t = ln & 3;
+    const int h = 4 * nt + (g >> 1), jj = kb / 2, pp = kb % 2;
     const float step = s_step[h], inv = s_inv[h];
-    const int e0 = (2 * pp + half) * Q + 4 * (4 * j + t);
+    const int e0 = (2 * pp + half) * Q + 4 * (4 * jj + t);
     uint32_t d[4];
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
@@ -623,10 +671,9 @@ __global__ void __launch_bounds__(kWarps * 32) QueryFragments(PartArgs a) {
     }
     out[i] = PackLowBytes(d[0], d[1], d[2], d[3]);
   }
-  if (threadIdx.x < 8) {
-    const int h = threadIdx.x;
-    a.state.scal[frag * kScalFloats + h] = s_step[h] / 254.0f * kLog2e;
-    a.state.scal[frag * kScalFloats + 8 + h] = s_qsum[h] * kLog2e;
+  if (tid < R) {
+    a.state.scal[frag * kScalFloats + tid] = s_step[tid] / 254.0f * kLog2e;
+    a.state.scal[frag * kScalFloats + 8 + tid] = s_qsum[tid] * kLog2e;
   }
 }
 
@@ -982,22 +1029,31 @@ __global__ void __launch_bounds__(kWarps * 32) Bf16DecodeKernel(PartArgs a) {
 }
 
 // Merges the parts of each (b, head) row and applies R_v^T; one block per row of
-// kMergeLanes * head_dim threads: the split weights exp(lse_s - M) are computed once in
-// shared memory, each of the kMergeLanes thread groups sums every kMergeLanes-th part.
+// kMergeLanes * D threads: the split weights exp(lse_s - M) are computed once in shared
+// memory, each of the kMergeLanes thread groups sums every kMergeLanes-th part and a
+// quarter of the R_v^T products. A thread's R_v^T values are loaded before the wait for
+// the decode grid (they do not depend on it), so after it only the parts are read.
 constexpr int kMergeLanes = 4;
 
-__global__ void MergeSplits(const float* part_o, const float* part_lse, int splits, int rows,
-                            int head_dim, const float* r_v_t, float* o, float* lse) {
-  extern __shared__ float smem[];  // x [head_dim], partial sums [kMergeLanes][head_dim], wts
-  float* x = smem;
-  float* partial = x + head_dim;
-  float* wts = partial + kMergeLanes * head_dim;
+template <int D>
+__global__ void __launch_bounds__(kMergeLanes * D)
+    MergeSplits(const float* part_o, const float* part_lse, int splits, int rows,
+                const float* r_v_t, float* o, float* lse) {
+  constexpr int kPer = D / kMergeLanes;
+  extern __shared__ float wts[];  // [splits]: lse, then exp(lse - M)
+  __shared__ float x[D], partial[kMergeLanes][D];
   __shared__ float s_max[32], s_den[32];
-  WaitPrimaryGrid();  // launched as a programmatic dependent of the decode kernel, or plainly
   const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int warps = (blockDim.x + 31) / 32;
+  const int group = tid / D, j = tid % D;
+  float r[kPer];
+  if (r_v_t != nullptr) {
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) r[u] = __ldg(r_v_t + (group * kPer + u) * D + j);
+  }
+  WaitPrimaryGrid();  // launched as a programmatic dependent of the decode kernel, or plainly
+  constexpr int warps = kMergeLanes * D / 32;
   float mx = -INFINITY;
-  for (int s = tid; s < splits; s += blockDim.x) {  // the lse values stay in wts[]
+  for (int s = tid; s < splits; s += blockDim.x) {
     wts[s] = part_lse[static_cast<int64_t>(s) * rows + row];
     mx = fmaxf(mx, wts[s]);
   }
@@ -1005,6 +1061,7 @@ __global__ void MergeSplits(const float* part_o, const float* part_lse, int spli
   if (lane == 0) s_max[warp] = mx;
   __syncthreads();
   float M = -INFINITY;
+#pragma unroll
   for (int w = 0; w < warps; ++w) M = fmaxf(M, s_max[w]);
   float den = 0.0f;
   for (int s = tid; s < splits; s += blockDim.x) {
@@ -1017,37 +1074,32 @@ __global__ void MergeSplits(const float* part_o, const float* part_lse, int spli
   if (lane == 0) s_den[warp] = den;
   __syncthreads();
   den = 0.0f;
+#pragma unroll
   for (int w = 0; w < warps; ++w) den += s_den[w];
-  const int group = tid / head_dim, j = tid % head_dim;
   float num = 0.0f;
-#pragma unroll 8
+#pragma unroll 16
   for (int s = group; s < splits; s += kMergeLanes) {
-    num += wts[s] * part_o[(static_cast<int64_t>(s) * rows + row) * head_dim + j];
+    num += wts[s] * part_o[(static_cast<int64_t>(s) * rows + row) * D + j];
   }
-  partial[group * head_dim + j] = num;
+  partial[group][j] = num;
   __syncthreads();
   if (group == 0) {
-    float total = 0.0f;
-    for (int g = 0; g < kMergeLanes; ++g) total += partial[g * head_dim + j];
+    const float total = (partial[0][j] + partial[1][j]) + (partial[2][j] + partial[3][j]);
     x[j] = den > 0.0f ? total / den : 0.0f;
   }
   __syncthreads();
-  // o = x R_v^T: each thread group sums a quarter of the terms (chains 4x shorter).
+  // o = x R_v^T: each thread group sums a quarter of the terms.
   if (r_v_t != nullptr) {
-    const int per = head_dim / kMergeLanes, i0 = group * per;
     float acc = 0.0f;
-#pragma unroll 8
-    for (int i = i0; i < i0 + per; ++i) acc += x[i] * __ldg(r_v_t + i * head_dim + j);
-    partial[group * head_dim + j] = acc;
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) acc = fmaf(x[group * kPer + u], r[u], acc);
+    partial[group][j] = acc;
     __syncthreads();
   }
   if (group != 0) return;
-  float acc = x[j];
-  if (r_v_t != nullptr) {
-    acc = 0.0f;
-    for (int g = 0; g < kMergeLanes; ++g) acc += partial[g * head_dim + j];
-  }
-  o[static_cast<int64_t>(row) * head_dim + j] = acc;
+  const float out =
+      r_v_t == nullptr ? x[j] : (partial[0][j] + partial[1][j]) + (partial[2][j] + partial[3][j]);
+  o[static_cast<int64_t>(row) * D + j] = out;
   if (j == 0) lse[row] = den > 0.0f ? M + logf(den) : -INFINITY;
 }
 
@@ -1118,13 +1170,36 @@ cudaError_t LaunchDependent(void (*kernel)(Args...), dim3 grid, dim3 block, size
 template <int D, int NT>
 cudaError_t LaunchV2(dim3 grid, const PartArgs& a, cudaStream_t stream) {
   const dim3 prep_grid(a.geo.num_kv_heads, a.geo.batch);
-  QueryFragments<D, NT><<<prep_grid, kWarps * 32, 0, stream>>>(a);
+  QueryFragments<D, NT><<<prep_grid, 4 * D, 0, stream>>>(a);
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   return LaunchDependent(Int2DecodeKernelV2<D, NT>, grid, dim3(kWarps * 32), 0, stream, a);
 }
 
-size_t MergeSmemBytes(int head_dim, int parts) {
-  return (head_dim * (1 + kMergeLanes) + parts) * sizeof(float);
+size_t MergeSmemBytes(int parts) { return parts * sizeof(float); }
+
+// The merge kernel for the head_dim, launched plainly or as a programmatic dependent.
+cudaError_t LaunchMerge(const float* part_o, const float* part_lse, int parts, int rows,
+                        int head_dim, const float* r_v_t, float* o, float* lse, cudaStream_t stream,
+                        bool dependent) {
+  auto go = [&](auto kernel, int d) {
+    if (dependent) {
+      return LaunchDependent(kernel, dim3(rows), dim3(kMergeLanes * d), MergeSmemBytes(parts),
+                             stream, part_o, part_lse, parts, rows, r_v_t, o, lse);
+    }
+    kernel<<<rows, kMergeLanes * d, MergeSmemBytes(parts), stream>>>(part_o, part_lse, parts, rows,
+                                                                     r_v_t, o, lse);
+    return cudaGetLastError();
+  };
+  switch (head_dim) {
+    case 64:
+      return go(MergeSplits<64>, 64);
+    case 128:
+      return go(MergeSplits<128>, 128);
+    case 256:
+      return go(MergeSplits<256>, 256);
+    default:
+      return cudaErrorInvalidValue;
+  }
 }
 
 int TokensPerSplit(int max_tokens, int splits) {
@@ -1192,13 +1267,8 @@ cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& g
   // of the decode grid (which signals once every CTA is past its loop).
   const MergeTarget& m = *opt.merge;
   const int rows = geo.batch * geo.num_q_heads;
-  if (!v2) return LaunchMergeParts(part_o, part_lse, m.parts, rows, geo.head_dim, m.r_v_t, m.o,
-                                   m.lse, stream);
-  const float* const_o = part_o;
-  const float* const_lse = part_lse;
-  return LaunchDependent(MergeSplits, dim3(rows), dim3(kMergeLanes * geo.head_dim),
-                         MergeSmemBytes(geo.head_dim, m.parts), stream, const_o, const_lse,
-                         m.parts, rows, geo.head_dim, m.r_v_t, m.o, m.lse);
+  return LaunchMerge(part_o, part_lse, m.parts, rows, geo.head_dim, m.r_v_t, m.o, m.lse, stream,
+                     /*dependent=*/v2);
 }
 
 cudaError_t LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
@@ -1226,9 +1296,8 @@ cudaError_t LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& g
 cudaError_t LaunchMergeParts(const float* part_o, const float* part_lse, int parts, int rows,
                              int head_dim, const float* r_v_t, float* o, float* lse,
                              cudaStream_t stream) {
-  MergeSplits<<<rows, kMergeLanes * head_dim, MergeSmemBytes(head_dim, parts), stream>>>(
-      part_o, part_lse, parts, rows, head_dim, r_v_t, o, lse);
-  return cudaGetLastError();
+  return LaunchMerge(part_o, part_lse, parts, rows, head_dim, r_v_t, o, lse, stream,
+                     /*dependent=*/false);
 }
 
 cudaError_t LaunchInt2Decode(const Int2DecodeParams& p, int max_tokens, cudaStream_t stream) {
