@@ -337,6 +337,7 @@ int main(int argc, char** argv) {
     const char* label;
     kk::cuda::Int2Kernel kernel;
     int cps, prefetch;
+    bool dependent = true;
   };
   const auto kAuto = kk::cuda::Int2Kernel::kAuto;
   const std::vector<Variant> variants =
@@ -345,6 +346,8 @@ int main(int argc, char** argv) {
                   {"v2, no L2 prefetch", kAuto, 3, 0},
                   {"v2, L2 prefetch 2 tiles ahead (default)", kAuto, 3, -1},
                   {"v2, L2 prefetch 4 tiles ahead", kAuto, 3, 4},
+                  {"v2, default prefetch, plain launches (no programmatic dependents)", kAuto, 3,
+                   -1, false},
                   {"first kernel", kk::cuda::Int2Kernel::kFirst, 4, 0}};
   // Timed on a stream of its own (as a serving process would launch; the programmatic
   // dependent launches of the v2 path are taken there).
@@ -394,6 +397,7 @@ int main(int argc, char** argv) {
         p.num_splits = kk::cuda::Int2DecodeSplits(batch, hkv, n, prop.multiProcessorCount, var.cps);
         p.kernel = var.kernel;
         p.prefetch_tiles = var.prefetch;
+        p.dependent_launch = var.dependent;
         float *o = nullptr, *lse = nullptr;
         void* ws = nullptr;
         CHECK(cudaMalloc(&o, batch * hq * d * 4));

@@ -488,15 +488,18 @@ __device__ __forceinline__ void LoadWords(const uint32_t* p, uint32_t (&w)[N]) {
 }
 
 // Byte offsets, from the start of a page, of what one lane reads of the 32-token tile at
-// slot 0 of its KV head's page-layer (the 16-byte K word groups 4j + t of tokens 4g..4g+3,
-// the V byte columns g*U.. of quads t and t + 4, the FP16 scale/min of tokens 4g..4g+3),
-// and of the L2 line it asks for ahead (K rows, V lines, parameter rows, one per lane).
-// A tile at slot s adds s times 4 (K), Q (V) or 2 (parameters). Computed once per CTA, so a
-// tile costs one 64-bit page address and 32-bit adds.
+// slot 0 of its KV head's page-layer: k = the 16-byte K word group t of tokens 4g..4g+3
+// (group 4j + t is k_step * j further), v = the V byte columns g*U.. of quad t (quad t + 4
+// is 16 Q bytes further), p = the FP16 K scales of tokens 4g..4g+3 (minimums p_min, V
+// parameters p_v further); and of the L2 line it asks for ahead (K rows, V lines,
+// parameter rows, one per lane). A tile at slot s adds s times 4 (K), Q (V) or 2
+// (parameters). Computed once per CTA: a tile costs one 64-bit page address and a few adds.
 template <int D>
 struct LaneOffsets {
-  static constexpr int Q = D / 4, KW = Q / 16;
-  uint32_t k[KW], v[2], ks, kl, vs, vl;
+  uint32_t k, v, p;  // K word group t of tokens 4g.., V quad t at byte column g*U, K scale 4g
+  uint32_t k_step;   // K word group 4j + t to 4(j + 1) + t: 16 * ps bytes
+  uint32_t p_min;    // scales to minimums: 2 * ps bytes
+  uint32_t p_v;      // K parameters to V parameters: num_kv_heads * 4 * ps bytes
   uint32_t pf, pf_per_slot;  // pf_per_slot 0: this lane asks for nothing
 };
 
@@ -508,14 +511,12 @@ __device__ __forceinline__ LaneOffsets<D> MakeLaneOffsets(const DecodeGeometry& 
   const uint32_t code_bytes = geo.num_kv_heads * ps * Q, head = kvh * ps * Q;
   const uint32_t kp = 2 * code_bytes + kvh * 4 * ps, vp = kp + geo.num_kv_heads * 4 * ps;
   LaneOffsets<D> o;
-#pragma unroll
-  for (int j = 0; j < LaneOffsets<D>::KW; ++j) o.k[j] = head + ((4 * j + t) * ps + 4 * g) * 4;
-  o.v[0] = code_bytes + head + (t * Q + g * U) * 4;
-  o.v[1] = code_bytes + head + ((t + 4) * Q + g * U) * 4;
-  o.ks = kp + 8 * g;
-  o.kl = kp + 2 * ps + 8 * g;
-  o.vs = vp + 8 * g;
-  o.vl = vp + 2 * ps + 8 * g;
+  o.k = head + (t * ps + 4 * g) * 4;
+  o.v = code_bytes + head + (t * Q + g * U) * 4;
+  o.p = kp + 8 * g;
+  o.k_step = 16 * ps;
+  o.p_min = 2 * ps;
+  o.p_v = vp - kp;
   const uint32_t l = lane;
   o.pf = 0;
   o.pf_per_slot = 0;
@@ -537,20 +538,23 @@ template <int D>
 __device__ __forceinline__ void LoadTileAt(const uint8_t* page, uint32_t slot,
                                            const LaneOffsets<D>& o, TileWords<D>& tw) {
   constexpr uint32_t Q = D / 4;
+  const uint8_t* kp = page + (o.k + 4u * slot);
 #pragma unroll
-  for (int j = 0; j < LaneOffsets<D>::KW; ++j) {
-    const uint4 w = __ldg(reinterpret_cast<const uint4*>(page + (o.k[j] + 4u * slot)));
+  for (int j = 0; j < TileWords<D>::KW; ++j) {
+    const uint4 w = __ldg(reinterpret_cast<const uint4*>(kp + j * o.k_step));
     tw.k[j][0] = w.x;
     tw.k[j][1] = w.y;
     tw.k[j][2] = w.z;
     tw.k[j][3] = w.w;
   }
-  LoadWords(reinterpret_cast<const uint32_t*>(page + (o.v[0] + Q * slot)), tw.v[0]);
-  LoadWords(reinterpret_cast<const uint32_t*>(page + (o.v[1] + Q * slot)), tw.v[1]);
-  tw.ks = __ldg(reinterpret_cast<const uint2*>(page + (o.ks + 2u * slot)));
-  tw.kl = __ldg(reinterpret_cast<const uint2*>(page + (o.kl + 2u * slot)));
-  tw.vs = __ldg(reinterpret_cast<const uint2*>(page + (o.vs + 2u * slot)));
-  tw.vl = __ldg(reinterpret_cast<const uint2*>(page + (o.vl + 2u * slot)));
+  const uint8_t* vp = page + (o.v + Q * slot);
+  LoadWords(reinterpret_cast<const uint32_t*>(vp), tw.v[0]);
+  LoadWords(reinterpret_cast<const uint32_t*>(vp + 16 * Q), tw.v[1]);  // quad t + 4
+  const uint8_t* pp = page + (o.p + 2u * slot);
+  tw.ks = __ldg(reinterpret_cast<const uint2*>(pp));
+  tw.kl = __ldg(reinterpret_cast<const uint2*>(pp + o.p_min));
+  tw.vs = __ldg(reinterpret_cast<const uint2*>(pp + o.p_v));
+  tw.vl = __ldg(reinterpret_cast<const uint2*>(pp + o.p_v + o.p_min));
 }
 
 template <int D>
@@ -1148,31 +1152,34 @@ Int2State CarveState(void* state, int batch, int num_kv_heads) {
 // may start while that grid runs and waits for it (griddepcontrol.wait) where it reads its
 // results. Where the stream does not take the attribute, the launch is the plain one.
 template <class... Args>
-cudaError_t LaunchDependent(void (*kernel)(Args...), dim3 grid, dim3 block, size_t smem,
-                            cudaStream_t stream, Args... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  if (cudaLaunchKernelEx(&cfg, kernel, args...) == cudaSuccess) return cudaSuccess;
-  (void)cudaGetLastError();
+cudaError_t LaunchDependent(bool dependent, void (*kernel)(Args...), dim3 grid, dim3 block,
+                            size_t smem, cudaStream_t stream, Args... args) {
+  if (dependent) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    if (cudaLaunchKernelEx(&cfg, kernel, args...) == cudaSuccess) return cudaSuccess;
+    (void)cudaGetLastError();
+  }
   kernel<<<grid, block, smem, stream>>>(args...);
   return cudaGetLastError();
 }
 
-// QueryFragments, then the decode kernel as its programmatic dependent.
+// QueryFragments, then the decode kernel (as its programmatic dependent if `dependent`).
 template <int D, int NT>
-cudaError_t LaunchV2(dim3 grid, const PartArgs& a, cudaStream_t stream) {
+cudaError_t LaunchV2(dim3 grid, const PartArgs& a, cudaStream_t stream, bool dependent) {
   const dim3 prep_grid(a.geo.num_kv_heads, a.geo.batch);
   QueryFragments<D, NT><<<prep_grid, 4 * D, 0, stream>>>(a);
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  return LaunchDependent(Int2DecodeKernelV2<D, NT>, grid, dim3(kWarps * 32), 0, stream, a);
+  return LaunchDependent(dependent, Int2DecodeKernelV2<D, NT>, grid, dim3(kWarps * 32), 0, stream,
+                         a);
 }
 
 size_t MergeSmemBytes(int parts) { return parts * sizeof(float); }
@@ -1182,13 +1189,9 @@ cudaError_t LaunchMerge(const float* part_o, const float* part_lse, int parts, i
                         int head_dim, const float* r_v_t, float* o, float* lse, cudaStream_t stream,
                         bool dependent) {
   auto go = [&](auto kernel, int d) {
-    if (dependent) {
-      return LaunchDependent(kernel, dim3(rows), dim3(kMergeLanes * d), MergeSmemBytes(parts),
-                             stream, part_o, part_lse, parts, rows, r_v_t, o, lse);
-    }
-    kernel<<<rows, kMergeLanes * d, MergeSmemBytes(parts), stream>>>(part_o, part_lse, parts, rows,
-                                                                     r_v_t, o, lse);
-    return cudaGetLastError();
+    return LaunchDependent(dependent, kernel, dim3(rows), dim3(kMergeLanes * d),
+                           MergeSmemBytes(parts), stream, part_o, part_lse, parts, rows, r_v_t, o,
+                           lse);
   };
   switch (head_dim) {
     case 64:
@@ -1243,10 +1246,11 @@ cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& g
     a.state = CarveState(opt.state, geo.batch, geo.num_kv_heads);
     a.prefetch = opt.prefetch_tiles >= 0 ? opt.prefetch_tiles : kDefaultPrefetchTiles;
     const bool wide = geo.num_q_heads / geo.num_kv_heads > 4;
+    const bool dep = opt.dependent_launch;
     if (geo.head_dim == 64) {
-      e = wide ? LaunchV2<64, 2>(grid, a, stream) : LaunchV2<64, 1>(grid, a, stream);
+      e = wide ? LaunchV2<64, 2>(grid, a, stream, dep) : LaunchV2<64, 1>(grid, a, stream, dep);
     } else {
-      e = wide ? LaunchV2<128, 2>(grid, a, stream) : LaunchV2<128, 1>(grid, a, stream);
+      e = wide ? LaunchV2<128, 2>(grid, a, stream, dep) : LaunchV2<128, 1>(grid, a, stream, dep);
     }
   } else {
     switch (geo.head_dim) {  // the first kernel: every head_dim, per-tile FP32 accumulation
@@ -1268,7 +1272,7 @@ cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& g
   const MergeTarget& m = *opt.merge;
   const int rows = geo.batch * geo.num_q_heads;
   return LaunchMerge(part_o, part_lse, m.parts, rows, geo.head_dim, m.r_v_t, m.o, m.lse, stream,
-                     /*dependent=*/v2);
+                     /*dependent=*/v2 && opt.dependent_launch);
 }
 
 cudaError_t LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
@@ -1313,6 +1317,7 @@ cudaError_t LaunchInt2Decode(const Int2DecodeParams& p, int max_tokens, cudaStre
   Int2PartsOptions opt;
   opt.kernel = p.kernel;
   opt.prefetch_tiles = p.prefetch_tiles;
+  opt.dependent_launch = p.dependent_launch;
   opt.state = part_lse + static_cast<size_t>(p.num_splits) * rows;
   opt.merge = &merge;
   return LaunchInt2DecodeParts(list, geo, p.q, p.r_k, p.softmax_scale, p.num_splits, max_tokens,

@@ -43,7 +43,8 @@ struct Int2DecodeParams {
   float* lse = nullptr;       // [batch][num_q_heads] natural log (device)
   void* workspace = nullptr;  // Int2DecodeWorkspaceBytes(...) bytes (device)
   Int2Kernel kernel = Int2Kernel::kAuto;
-  int32_t prefetch_tiles = -1;  // see Int2PartsOptions
+  int32_t prefetch_tiles = -1;   // see Int2PartsOptions
+  bool dependent_launch = true;  // see Int2PartsOptions
 };
 
 // Workspace for the partial states and the v2 kernel's state (Int2StateBytes).
@@ -100,6 +101,10 @@ struct Int2PartsOptions {
   // Null: leave the parts for LaunchMergeParts. Otherwise the merge kernel follows (after
   // the v2 kernel as its programmatic dependent, so its launch overlaps the decode tail).
   const MergeTarget* merge = nullptr;
+  // v2 kernel: launch it as the programmatic dependent of its query preparation, and the
+  // merge as its dependent (each starts while the previous grid runs); false: plain
+  // launches, one grid after the other.
+  bool dependent_launch = true;
 };
 
 // INT2 pages -> parts [part_base, part_base + splits). q: [batch][num_q_heads][head_dim]
