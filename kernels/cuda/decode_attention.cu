@@ -12,6 +12,7 @@
 
 #include <cfloat>
 #include <cstdint>
+#include <type_traits>
 
 #include "kvcd/kernels/cuda_decode_attention.h"
 
@@ -801,7 +802,10 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
 
   // One tile: the next tile's loads (and the L2 request pf tiles further) first, then this
   // tile's math. Called with the two register tiles in turn, so no copy between them.
-  auto step = [&](const TileWords<D>& cur, TileWords<D>& nxt) {
+  // `masked`: whether the tile may run past t_end (only a warp's last tile can); full tiles
+  // skip every per-token validity select.
+  auto step = [&](auto masked, const TileWords<D>& cur, TileWords<D>& nxt) {
+    constexpr bool kMasked = decltype(masked)::value;
     const int ntile = tile + kStep;
     if (ntile < t_end) {
       LoadTileAt<D>(page_at(next_page), next.slot, lo, nxt);
@@ -820,7 +824,7 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
     HalvesToFloat(cur.vl, vlo);
     bool valid[4];
 #pragma unroll
-    for (int c = 0; c < 4; ++c) valid[c] = tile + 4 * g + c < t_end;
+    for (int c = 0; c < 4; ++c) valid[c] = !kMasked || tile + 4 * g + c < t_end;
     // --- logits of head t (and 4 + t) for tokens 4g .. 4g + 3 ---
     float lg[NT][4];
 #pragma unroll
@@ -926,10 +930,20 @@ __global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a)
     }
     tile = ntile;
   };
-  while (tile < t_end) {
-    step(ta, tb);
-    if (tile >= t_end) break;
-    step(tb, ta);
+  using Full = std::integral_constant<bool, false>;
+  using Masked = std::integral_constant<bool, true>;
+  bool in_b = false;  // the current tile is in tb
+  while (tile + kTile <= t_end) {
+    step(Full{}, ta, tb);
+    if (tile + kTile > t_end) {
+      in_b = true;
+      break;
+    }
+    step(Full{}, tb, ta);
+  }
+  if (tile < t_end) {  // a last, partial tile
+    if (in_b) ta = tb;
+    step(Masked{}, ta, tb);
   }
   LaunchDependents();  // the merge kernel may start once every CTA is past its loop
   {
