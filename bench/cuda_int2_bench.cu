@@ -177,6 +177,19 @@ __global__ void FillPages(uint8_t* pages, int64_t n_pages, int64_t page_bytes, i
   }
 }
 
+// Pseudo-random BF16 values in (-4, 4), a different pattern per seed.
+__global__ void FillBf16(uint16_t* out, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint32_t x = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    x ^= x >> 15;
+    x *= 0x2c1b3c6du;
+    x ^= x >> 12;
+    const float f = (static_cast<float>(x & 0xffffff) / 16777216.0f - 0.5f) * 8.0f;
+    out[i] = static_cast<uint16_t>(__float_as_uint(f) >> 16);
+  }
+}
+
 __global__ void ReadReduce(const uint4* p, int64_t n, unsigned* out) {
   unsigned acc = 0;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
@@ -271,7 +284,8 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&rows, n * d * 2));
     CHECK(cudaMalloc(&codes, n * d / 4));
     CHECK(cudaMalloc(&params, n * 4));
-    CHECK(cudaMemset(rows, 0x3f, n * d * 2));  // 0x3f3f: 0.746 in BF16, all rows alike
+    FillBf16<<<4096, 256>>>(rows, n * d, 11u);  // pseudo-random values in (-4, 4)
+    CHECK(cudaGetLastError());
     const std::vector<float> h = kvcd::HadamardMatrix(d);
     float* rot = Upload(h);
     const kk::Int2RowRef out = kk::Int2RowRef::RowMajor(codes, d / 4, params, params + 1, 2);
