@@ -105,7 +105,8 @@ CaseResult CheckCase(int hq, int hkv, int d, int ps, const std::vector<int>& len
   p.r_k = Upload(rk);
   p.r_v_t = Upload(rvt);
   p.softmax_scale = scale;
-  p.num_splits = kk::cuda::Int2DecodeSplits(batch, hkv, max_len, 132);
+  p.num_splits = kk::cuda::Int2DecodeSplits(batch, hkv, max_len, 132,
+                                             kk::cuda::Int2CtasPerSm(hq, hkv, d));
   std::vector<float> nan_fill(batch * hq * d, NAN);
   p.o = Upload(nan_fill);
   p.lse = Upload(std::vector<float>(batch * hq, NAN));
@@ -357,11 +358,11 @@ int main(int argc, char** argv) {
   const std::vector<Variant> variants =
       one_n ? std::vector<Variant>{{"v2", kAuto, one_cps, one_prefetch}}
             : std::vector<Variant>{
-                  {"v2, no L2 prefetch", kAuto, 3, 0},
-                  {"v2, L2 prefetch 2 tiles ahead (default)", kAuto, 3, -1},
-                  {"v2, L2 prefetch 4 tiles ahead", kAuto, 3, 4},
-                  {"v2, default prefetch, plain launches (no programmatic dependents)", kAuto, 3,
-                   -1, false},
+                  {"v2, L2 prefetch 2 tiles ahead (default), 4 CTAs per SM", kAuto, 4, -1},
+                  {"v2, no L2 prefetch", kAuto, 4, 0},
+                  {"v2, L2 prefetch 4 tiles ahead", kAuto, 4, 4},
+                  {"v2, splits for 3 CTAs per SM", kAuto, 3, -1},
+                  {"v2, plain launches (no programmatic dependents)", kAuto, 4, -1, false},
                   {"first kernel", kk::cuda::Int2Kernel::kFirst, 4, 0}};
   // Timed on a stream of its own (as a serving process would launch; the programmatic
   // dependent launches of the v2 path are taken there).

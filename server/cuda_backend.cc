@@ -226,7 +226,9 @@ class CudaBackend final : public Backend {
     const int sms = sms_;
     int splits[2];
     splits[0] = max_len[0] > 0 ? kc::Int2DecodeSplits(batch, b.num_kv_heads, max_len[0], sms) : 0;
-    splits[1] = max_len[1] > 0 ? kc::Int2DecodeSplits(batch, b.num_kv_heads, max_len[1], sms) : 0;
+    splits[1] = max_len[1] > 0 ? kc::Int2DecodeSplits(batch, b.num_kv_heads, max_len[1], sms,
+                                                      kc::Int2CtasPerSm(hq, b.num_kv_heads, d))
+                               : 0;
     const int parts = std::max(1, splits[0] + splits[1]);
     // Host staging: q, page tables, lengths; device: the same plus parts, o, lse. The layer's
     // rotations stay resident on the device after their first use.

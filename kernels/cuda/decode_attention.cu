@@ -682,8 +682,9 @@ __global__ void __launch_bounds__(4 * D) QueryFragments(PartArgs a) {
   }
 }
 
+// 4 CTAs per SM for one n-tile of heads (128 registers, no spills), 3 for two.
 template <int D, int NT>
-__global__ void __launch_bounds__(kWarps * 32, 3) Int2DecodeKernelV2(PartArgs a) {
+__global__ void __launch_bounds__(kWarps * 32, NT == 1 ? 4 : 3) Int2DecodeKernelV2(PartArgs a) {
   constexpr int KB = D / 32;  // logit k-blocks (2 per K word group of a lane)
   constexpr int VT = D / 16;  // V^T m-tiles
   const PagedList& p = a.list;
@@ -1133,6 +1134,11 @@ size_t Int2DecodeWorkspaceBytes(int batch, int num_q_heads, int head_dim, int ma
   // parts, then the v2 kernel's state (sized for up to one KV head per query head)
   return sizeof(float) * static_cast<size_t>(max_splits) * rows * (head_dim + 1) +
          Int2StateBytes(batch, num_q_heads);
+}
+
+int Int2CtasPerSm(int num_q_heads, int num_kv_heads, int head_dim) {
+  const bool v2_one_tile = head_dim <= 128 && num_kv_heads > 0 && num_q_heads <= 4 * num_kv_heads;
+  return v2_one_tile ? 4 : 3;
 }
 
 int Int2DecodeSplits(int batch, int num_kv_heads, int max_tokens, int num_sms, int ctas_per_sm) {

@@ -54,10 +54,13 @@ size_t Int2DecodeWorkspaceBytes(int batch, int num_q_heads, int head_dim, int ma
 // parts: the prepared query fragments. One launch at a time per buffer (stream order).
 size_t Int2StateBytes(int batch, int num_kv_heads);
 
-// The split count for a batch: one wave of ctas_per_sm CTAs of 4 warps per SM (3 is what
-// the register file holds for the INT2 kernels at head_dim 128), at least one 32-token tile
-// per warp.
+// The split count for a batch: one wave of ctas_per_sm CTAs of 4 warps per SM, at least one
+// 32-token tile per warp.
 int Int2DecodeSplits(int batch, int num_kv_heads, int max_tokens, int num_sms, int ctas_per_sm = 3);
+
+// CTAs of the INT2 kernel kAuto picks that fit on one SM (its register use): 4 for the v2
+// kernel with up to 4 query heads per KV head (head_dim 64/128), 3 otherwise.
+int Int2CtasPerSm(int num_q_heads, int num_kv_heads, int head_dim);
 
 // REQUIRES: head_dim in {64, 128, 256}, num_q_heads / num_kv_heads <= 8, page_size a
 // multiple of 32. Returns cudaErrorInvalidValue otherwise.
