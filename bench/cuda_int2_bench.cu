@@ -52,7 +52,7 @@ struct CaseResult {
 // growth > 0 scales the K/V rows of token t by (1 + t * growth), so the running max of the
 // logits and the value scales keep rising (every rescale path of the kernels runs).
 CaseResult CheckCase(int hq, int hkv, int d, int ps, const std::vector<int>& lengths, uint32_t seed,
-                 float growth, kk::cuda::Int2Kernel kernel) {
+                     float growth, kk::cuda::Int2Kernel kernel) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   const int batch = static_cast<int>(lengths.size());
@@ -105,8 +105,8 @@ CaseResult CheckCase(int hq, int hkv, int d, int ps, const std::vector<int>& len
   p.r_k = Upload(rk);
   p.r_v_t = Upload(rvt);
   p.softmax_scale = scale;
-  p.num_splits = kk::cuda::Int2DecodeSplits(batch, hkv, max_len, 132,
-                                             kk::cuda::Int2CtasPerSm(hq, hkv, d));
+  p.num_splits =
+      kk::cuda::Int2DecodeSplits(batch, hkv, max_len, 132, kk::cuda::Int2CtasPerSm(hq, hkv, d));
   std::vector<float> nan_fill(batch * hq * d, NAN);
   p.o = Upload(nan_fill);
   p.lse = Upload(std::vector<float>(batch * hq, NAN));
@@ -257,8 +257,7 @@ int main(int argc, char** argv) {
                                       ? "auto (int32 accumulation where supported)"
                                       : "first");
       for (const auto& c : cases) {
-        const CaseResult r =
-            CheckCase(c.hq, c.hkv, c.d, c.ps, c.lengths, seed++, c.growth, kernel);
+        const CaseResult r = CheckCase(c.hq, c.hkv, c.d, c.ps, c.lengths, seed++, c.growth, kernel);
         // The query enters the MMAs as two int8 digits (about 15 bits relative to its largest
         // element), so the absolute logit error grows with the logit range: 2e-3 relative up
         // to a range of 64 (real models stay well inside it), proportionally beyond.
@@ -378,8 +377,8 @@ int main(int argc, char** argv) {
         const int64_t page_bytes = kk::Int2PageBytes(hkv, ps, d);
         const int64_t n_pages = int64_t{pages_per} * batch;
         const int64_t layer_bytes = n_pages * page_bytes;
-        const int layers = static_cast<int>(std::clamp<int64_t>(int64_t{1000000000} / layer_bytes,
-                                                                1, 4));
+        const int layers =
+            static_cast<int>(std::clamp<int64_t>(int64_t{1000000000} / layer_bytes, 1, 4));
         std::vector<uint8_t*> pages(layers);
         for (int l = 0; l < layers; ++l) {
           CHECK(cudaMalloc(&pages[l], layer_bytes));

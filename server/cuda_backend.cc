@@ -295,8 +295,8 @@ class CudaBackend final : public Backend {
       const kc::PagedList list{pool[0]->LayerBase(b.layer), pool[0]->layer_page_bytes(),
                                d_i32 + table_off[0], max_pages[0], d_i32 + len_off[0]};
       RETURN_IF_CUDA_ERR(kc::LaunchBf16DecodeParts(list, geo, d_q, *d_rk, b.softmax_scale,
-                                                   splits[0], max_len[0], d_part_o, d_part_lse,
-                                                   0, nullptr));
+                                                   splits[0], max_len[0], d_part_o, d_part_lse, 0,
+                                                   nullptr));
     }
     if (splits[1] > 0) {
       const kc::PagedList list{pool[1]->LayerBase(b.layer), pool[1]->layer_page_bytes(),

@@ -20,7 +20,7 @@ namespace kvcd::kernels::cuda {
 namespace {
 
 constexpr int kWarps = 4;
-constexpr int kTile = 32;  // tokens per warp step
+constexpr int kTile = 32;                 // tokens per warp step
 constexpr int kDefaultPrefetchTiles = 2;  // v2: L2 prefetch distance, tiles per warp
 constexpr uint32_t kPlane = 0x03030303u;
 
@@ -634,8 +634,8 @@ __global__ void __launch_bounds__(4 * D) QueryFragments(PartArgs a) {
   __syncthreads();
   for (int i = tid; i < R * D; i += blockDim.x) {
     const int h = i / D, e = i % D;
-    s_q[h][e] = ((s_part[0][h][e] + s_part[1][h][e]) + (s_part[2][h][e] + s_part[3][h][e])) *
-                a.scale;
+    s_q[h][e] =
+        ((s_part[0][h][e] + s_part[1][h][e]) + (s_part[2][h][e] + s_part[3][h][e])) * a.scale;
   }
   __syncthreads();
   // Per row: the int8 step (max |x| / 127), its inverse and the sum; one warp per row.
@@ -1054,10 +1054,12 @@ __global__ void __launch_bounds__(kWarps * 32) Bf16DecodeKernel(PartArgs a) {
 // the decode grid (they do not depend on it), so after it only the parts are read.
 constexpr int kMergeLanes = 4;
 
+// clang-format off
 template <int D>
-__global__ void __launch_bounds__(kMergeLanes * D)
-    MergeSplits(const float* part_o, const float* part_lse, int splits, int rows,
-                const float* r_v_t, float* o, float* lse) {
+__global__ void __launch_bounds__(kMergeLanes * D) MergeSplits(
+    const float* part_o, const float* part_lse, int splits, int rows, const float* r_v_t,
+    float* o, float* lse) {
+  // clang-format on
   constexpr int kPer = D / kMergeLanes;
   extern __shared__ float wts[];  // [splits]: lse, then exp(lse - M)
   __shared__ float x[D], partial[kMergeLanes][D];

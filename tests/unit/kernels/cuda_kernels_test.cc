@@ -65,7 +65,8 @@ TEST_F(CudaKernelsTest, DemoteIsBitIdenticalToTheCpu) {
     for (auto& x : r) x = normal(rng_) / std::sqrt(static_cast<float>(d));
     // rho 0.5 takes the radix select; the others the repeated warp maxima (d - 1 - floor(rho
     // d) <= 16 elements above the threshold), except at d = 256 and rho 0.92.
-    for (const float* rot : {static_cast<const float*>(r.data()), static_cast<const float*>(nullptr)}) {
+    for (const float* rot :
+         {static_cast<const float*>(r.data()), static_cast<const float*>(nullptr)}) {
       for (float rho : {0.96f, 0.92f, 1.0f, 0.5f}) {
         std::vector<uint8_t> cpu_codes(n * d / 4, 0xAA);
         std::vector<uint16_t> cpu_params(2 * n, 0xFFFF);
@@ -219,7 +220,6 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
     }
   }
 }
-
 
 // Scalar reference of the copy checks (the daemon's host path applies the same rules).
 uint64_t CountBad(const std::vector<uint8_t>& bytes, size_t begin, size_t n, uint32_t check,
