@@ -357,8 +357,8 @@ int main(int argc, char** argv) {
   const std::vector<Variant> variants =
       one_n ? std::vector<Variant>{{"v2", kAuto, one_cps, one_prefetch}}
             : std::vector<Variant>{
-                  {"v2, L2 prefetch 2 tiles ahead (default), 4 CTAs per SM", kAuto, 4, -1},
-                  {"v2, no L2 prefetch", kAuto, 4, 0},
+                  {"v2, default (no L2 prefetch), 4 CTAs per SM", kAuto, 4, -1},
+                  {"v2, L2 prefetch 2 tiles ahead", kAuto, 4, 2},
                   {"v2, L2 prefetch 4 tiles ahead", kAuto, 4, 4},
                   {"v2, splits for 3 CTAs per SM", kAuto, 3, -1},
                   {"v2, plain launches (no programmatic dependents)", kAuto, 4, -1, false},

@@ -18,6 +18,8 @@ case "${1:-}" in
     export LD_LIBRARY_PATH=$PWD/.devlibs
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
     .devbin/kvcd_cuda_tests > "$out/cuda-tests.log" 2>&1; echo "kvcd_cuda_tests rc $?"
+    KVCD_BINARY=.devbin/kvcd .devbin/kvcd_data_plane_tests > "$out/data-plane-tests.log" 2>&1
+    echo "kvcd_data_plane_tests rc $?"
     tail -3 "$out/cuda-tests.log"
     for tool in memcheck racecheck; do
       compute-sanitizer --tool $tool .devbin/kvcd_cuda_tests --gtest_filter='*Mixed*' \
