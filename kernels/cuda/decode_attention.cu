@@ -20,8 +20,9 @@ namespace kvcd::kernels::cuda {
 namespace {
 
 constexpr int kWarps = 4;
-constexpr int kTile = 32;                 // tokens per warp step
-constexpr int kDefaultPrefetchTiles = 0;  // v2: L2 prefetch distance (0: measured best at 4 CTAs per SM)
+constexpr int kTile = 32;  // tokens per warp step
+// v2: L2 prefetch distance in tiles (0: measured best at 4 CTAs per SM)
+constexpr int kDefaultPrefetchTiles = 0;
 constexpr uint32_t kPlane = 0x03030303u;
 
 __device__ __forceinline__ void Mma(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -134,14 +135,13 @@ __device__ void LoadQueries(const PartArgs& a, int b, int kvh, int G, float (*s_
   __syncthreads();
 }
 
-// LoadQueries, then each row's int8 step and sum:
-// one warp per row reduces max |x| and the sum. Ends with a barrier.
+// Per row h < rows of s_q: the int8 step (max |x| / 127), its inverse if s_inv is not null,
+// and the sum; one warp per row. Ends with a barrier.
 template <int D>
-__device__ void PrepareQueries(const PartArgs& a, int b, int kvh, int G, float (*s_q)[D],
-                               float (*raw)[D], float* s_step, float* s_qsum) {
-  LoadQueries<D>(a, b, kvh, G, s_q, raw);
+__device__ void RowSteps(const float (*s_q)[D], int rows, float* s_step, float* s_inv,
+                         float* s_qsum) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int h = warp; h < 8; h += blockDim.x / 32) {
+  for (int h = warp; h < rows; h += blockDim.x / 32) {
     float mx = 0.0f, sum = 0.0f;
     for (int e = lane; e < D; e += 32) {
       mx = fmaxf(mx, fabsf(s_q[h][e]));
@@ -154,10 +154,19 @@ __device__ void PrepareQueries(const PartArgs& a, int b, int kvh, int G, float (
     }
     if (lane == 0) {
       s_step[h] = mx > 0.0f ? mx / 127.0f : 1.0f;
+      if (s_inv != nullptr) s_inv[h] = mx > 0.0f ? 127.0f / mx : 1.0f;
       s_qsum[h] = sum;
     }
   }
   __syncthreads();
+}
+
+// LoadQueries, then RowSteps over the 8 rows. Ends with a barrier.
+template <int D>
+__device__ void PrepareQueries(const PartArgs& a, int b, int kvh, int G, float (*s_q)[D],
+                               float (*raw)[D], float* s_step, float* s_qsum) {
+  LoadQueries<D>(a, b, kvh, G, s_q, raw);
+  RowSteps<D>(s_q, 8, s_step, nullptr, s_qsum);
 }
 
 // Where one KV head's rows of one INT2 page-layer live (layout of int2_attention.h: K codes,
@@ -638,26 +647,7 @@ __global__ void __launch_bounds__(4 * D) QueryFragments(PartArgs a) {
         ((s_part[0][h][e] + s_part[1][h][e]) + (s_part[2][h][e] + s_part[3][h][e])) * a.scale;
   }
   __syncthreads();
-  // Per row: the int8 step (max |x| / 127), its inverse and the sum; one warp per row.
-  const int lane = tid & 31, warp = tid >> 5;
-  for (int h = warp; h < R; h += blockDim.x / 32) {
-    float mx = 0.0f, sum = 0.0f;
-    for (int e = lane; e < D; e += 32) {
-      mx = fmaxf(mx, fabsf(s_q[h][e]));
-      sum += s_q[h][e];
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-      sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    }
-    if (lane == 0) {
-      s_step[h] = mx > 0.0f ? mx / 127.0f : 1.0f;
-      s_inv[h] = mx > 0.0f ? 127.0f / mx : 1.0f;
-      s_qsum[h] = sum;
-    }
-  }
-  __syncthreads();
+  RowSteps<D>(s_q, R, s_step, s_inv, s_qsum);
   const int frag = b * a.geo.num_kv_heads + kvh;
   uint32_t* out = a.state.frags + static_cast<int64_t>(frag) * kFragWords;
   for (int i = tid; i < KB * NT * 2 * 32; i += blockDim.x) {
