@@ -288,7 +288,7 @@ class CudaBackend final : public Backend {
     const kc::DecodeGeometry geo{batch, hq, b.num_kv_heads, d, b.page_size};
     // Results go into the worker's buffer (CUDA IPC; the caller records its event) or into
     // device scratch copied back below. The BF16 windows go first, so that the INT2 launch,
-    // the last, merges every part (inside the launch where it fits).
+    // the last, can follow itself with the merge of every part.
     const kc::MergeTarget merge{parts, *d_rvt, b.device_o != nullptr ? b.device_o : d_o,
                                 b.device_o != nullptr ? b.device_lse : d_lse};
     if (splits[0] > 0) {
