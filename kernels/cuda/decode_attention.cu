@@ -431,9 +431,12 @@ __global__ void __launch_bounds__(kWarps * 32) Int2DecodeKernel(PartArgs a) {
 //   than kLazyLog2 (log2 units), when the tile's largest value scale exceeds the one the
 //   digits were scaled for, or every kFlushTiles tiles (int32 headroom).
 // loads: each lane loads its own 16-byte pieces of a tile (K word groups, V byte columns) and
-//   the FP16 scale/min of its tokens, one tile ahead in registers: every byte of a page is
-//   read once, coalesced. (A 4-deep cp.async ring in shared memory was measured slower at
-//   batch >= 8 and no faster at batch 1: bench/results/2026-12-03-h200-int2-decode-v2.md.)
+//   the FP16 scale/min of its tokens, one tile ahead in registers (two register tiles used
+//   in turn): every byte of a page is read once, coalesced. (A 4-deep cp.async ring in
+//   shared memory was measured slower: bench/results/2026-12-03-h200-int2-decode-v2.md;
+//   L2 prefetch further ahead is an option, off by default: ...-v2-pass2.md.)
+// query: prepared once per (b, KV head) by QueryFragments as B fragments; the kernel starts
+//   as its programmatic dependent and waits for it only before reading them.
 constexpr float kLazyLog2 = 0.25f;          // weights stay <= 2^kLazyLog2 * S between rescales
 constexpr int kFlushTiles = 512;            // 512 * 32 tokens * 255 * 192 < 2^31
 constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: low byte = round(x) for |x| < 2^22
