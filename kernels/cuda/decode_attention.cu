@@ -72,25 +72,6 @@ struct PartArgs {
   int prefetch;
 };
 
-// q_rot[b][h] = (q[b][h] . R_k) * scale; one block per (b, h), head_dim threads. The
-// loop over i is unrolled so the loads of R (coalesced across j, from L2) overlap.
-__global__ void RotateQueries(const float* q, const float* r_k, float scale, int head_dim,
-                              float* q_rot) {
-  extern __shared__ float x[];
-  const int64_t row = blockIdx.x;
-  const int j = threadIdx.x;
-  x[j] = q[row * head_dim + j];
-  __syncthreads();
-  float acc = 0.0f;
-  if (r_k == nullptr) {
-    acc = x[j];
-  } else {
-#pragma unroll 16
-    for (int i = 0; i < head_dim; ++i) acc += x[i] * __ldg(r_k + i * head_dim + j);
-  }
-  q_rot[row * head_dim + j] = acc * scale;
-}
-
 // acc[h] += sum_i x[h][i] * m[i][j] for the 8 rows of x: column j of m (D x D, from L2)
 // is loaded 32 elements at a time, so a column costs D/32 memory round trips, not D/4.
 template <int D>
@@ -1226,13 +1207,6 @@ int TokensPerSplit(int max_tokens, int splits) {
 }
 
 }  // namespace
-
-cudaError_t LaunchRotateQueries(const float* q, const float* r_k, float scale, int rows,
-                                int head_dim, float* q_rot, cudaStream_t stream) {
-  RotateQueries<<<rows, head_dim, head_dim * sizeof(float), stream>>>(q, r_k, scale, head_dim,
-                                                                      q_rot);
-  return cudaGetLastError();
-}
 
 cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
                                   const float* r_k, float scale, int splits, int max_tokens,

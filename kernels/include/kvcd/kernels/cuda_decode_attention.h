@@ -7,11 +7,12 @@
 // split; one merge combines every part of a row and applies R_v^T.
 //
 // Pages use the layout of int2_attention.h, so both matrix products map straight onto
-// int8 tensor-core MMAs (mma.sync m16n8k32 u8 x s8 -> s32):
-//  - logits: A = the rotated, scaled query of the g heads as two int8 digits (rows
-//    head + 8*digit), B = one plane of 32-bit K words (4 consecutive elements of a token);
-//  - values: A = the softmax weights times the value scales as two int8 digits per 32-token
-//    tile, B = one plane of 32-bit V words (one element of 4 consecutive tokens).
+// int8 tensor-core MMAs (mma.sync m16n8k32): the rotated, scaled query and the softmax
+// weights enter as two 8-bit digits, the codes as one masked plane of 32-bit K words (4
+// consecutive elements of a token) or V words (one element of 4 consecutive tokens). The
+// v2 kernel (head_dim 64/128) takes the codes as A and accumulates the value products in
+// int32 across tiles; the first kernel (every head_dim) takes the query as A and
+// accumulates in FP32 per tile (decode_attention.cu says more).
 // Split-K: grid (splits, kv_heads, batch); partial (o_rot, lse) in FP32; a merge kernel
 // combines the splits (and optional extra states, e.g. BF16 windows) and applies R_v^T.
 #pragma once
@@ -38,7 +39,7 @@ struct Int2DecodeParams {
   const float* r_k = nullptr;    // [head_dim][head_dim] (device), null = identity
   const float* r_v_t = nullptr;  // R_v^T [head_dim][head_dim] (device), null = identity
   float softmax_scale = 0;
-  int32_t num_splits = 0;     // 0 = chosen to fill the GPU
+  int32_t num_splits = 0;     // > 0; Int2DecodeSplits(.., Int2CtasPerSm(..)) fills the GPU
   float* o = nullptr;         // [batch][num_q_heads][head_dim] (device)
   float* lse = nullptr;       // [batch][num_q_heads] natural log (device)
   void* workspace = nullptr;  // Int2DecodeWorkspaceBytes(...) bytes (device)
@@ -69,10 +70,6 @@ cudaError_t LaunchInt2Decode(const Int2DecodeParams& p, int max_tokens, cudaStre
 // --- The stages, for callers that combine several page lists (the daemon) ---------------
 // Partial states: part_o [parts][rows][head_dim], part_lse [parts][rows] (rows =
 // batch * num_q_heads); a part with no tokens has lse = -inf.
-
-// q_rot[row] = (q[row] · R_k) * scale for rows of head_dim floats (R_k null = identity).
-cudaError_t LaunchRotateQueries(const float* q, const float* r_k, float scale, int rows,
-                                int head_dim, float* q_rot, cudaStream_t stream);
 
 struct PagedList {
   const uint8_t* pages = nullptr;       // layer base of the pool
