@@ -206,6 +206,28 @@ float Median(std::vector<float> v) {
   return v[v.size() / 2];
 }
 
+// Median microseconds per call of `launch(c)`: `repeats` rounds of `calls` calls back to back
+// on `stream` between two events, the first `skip` rounds left out (warm-up).
+template <class F>
+double MedianUsPerCall(cudaStream_t stream, int repeats, int skip, int calls, F launch) {
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int r = 0; r < repeats; ++r) {
+    CHECK(cudaEventRecord(a, stream));
+    for (int c = 0; c < calls; ++c) launch(c);
+    CHECK(cudaEventRecord(b, stream));
+    CHECK(cudaEventSynchronize(b));
+    float t = 0;
+    CHECK(cudaEventElapsedTime(&t, a, b));
+    if (r >= skip) ms.push_back(t / calls);
+  }
+  CHECK(cudaEventDestroy(a));
+  CHECK(cudaEventDestroy(b));
+  return Median(ms) * 1e3;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -420,36 +442,16 @@ int main(int argc, char** argv) {
         p.o = o;
         p.lse = lse;
         p.workspace = ws;
-        cudaEvent_t a, b;
-        CHECK(cudaEventCreate(&a));
-        CHECK(cudaEventCreate(&b));
-        std::vector<float> ms;
-        for (int r = 0; r < (one_n ? 5 : 33); ++r) {
-          CHECK(cudaEventRecord(a, stream));
+        // single: one call at a time; b2b: 40 calls back to back over the layers.
+        const double us = MedianUsPerCall(stream, one_n ? 5 : 33, one_n ? 0 : 3, 1, [&](int) {
           CHECK(kk::cuda::LaunchInt2Decode(p, n, stream));
-          CHECK(cudaEventRecord(b, stream));
-          CHECK(cudaEventSynchronize(b));
-          float t = 0;
-          CHECK(cudaEventElapsedTime(&t, a, b));
-          if (r >= 3 || one_n) ms.push_back(t);
-        }
-        const double us = Median(ms) * 1e3;
-        std::vector<float> b2b;
+        });
         const int calls = 40;
-        for (int r = 0; r < 7; ++r) {
-          CHECK(cudaEventRecord(a, stream));
-          for (int c = 0; c < calls; ++c) {
-            kk::cuda::Int2DecodeParams pc = p;
-            pc.pages = pages[c % layers];
-            CHECK(kk::cuda::LaunchInt2Decode(pc, n, stream));
-          }
-          CHECK(cudaEventRecord(b, stream));
-          CHECK(cudaEventSynchronize(b));
-          float t = 0;
-          CHECK(cudaEventElapsedTime(&t, a, b));
-          if (r >= 2) b2b.push_back(t / calls);
-        }
-        const double us_b2b = Median(b2b) * 1e3;
+        const double us_b2b = MedianUsPerCall(stream, 7, 2, calls, [&](int c) {
+          kk::cuda::Int2DecodeParams pc = p;
+          pc.pages = pages[c % layers];
+          CHECK(kk::cuda::LaunchInt2Decode(pc, n, stream));
+        });
         const double mb = static_cast<double>(layer_bytes) / 1e6;
         std::printf("%8d %6d %7d %10.1f %10.1f %10.1f %9.2f", n, batch, p.num_splits, us, us_b2b,
                     mb, mb / us_b2b);
@@ -457,27 +459,16 @@ int main(int argc, char** argv) {
           const int rows = batch * hq;
           const float* part_o = static_cast<const float*>(ws);
           const float* part_lse = part_o + static_cast<size_t>(p.num_splits) * rows * d;
-          std::vector<float> mms;
-          for (int r = 0; r < 7; ++r) {
-            CHECK(cudaEventRecord(a, stream));
-            for (int c = 0; c < calls; ++c) {
-              CHECK(kk::cuda::LaunchMergeParts(part_o, part_lse, p.num_splits, rows, d, p.r_v_t, o,
-                                               lse, stream));
-            }
-            CHECK(cudaEventRecord(b, stream));
-            CHECK(cudaEventSynchronize(b));
-            float t = 0;
-            CHECK(cudaEventElapsedTime(&t, a, b));
-            if (r >= 2) mms.push_back(t / calls);
-          }
-          std::printf("   (merge kernel alone, b2b: %.1f us)", Median(mms) * 1e3);
+          const double merge_us = MedianUsPerCall(stream, 7, 2, calls, [&](int) {
+            CHECK(kk::cuda::LaunchMergeParts(part_o, part_lse, p.num_splits, rows, d, p.r_v_t, o,
+                                             lse, stream));
+          });
+          std::printf("   (merge kernel alone, b2b: %.1f us)", merge_us);
         }
         std::printf("\n");
         for (uint8_t* pg : pages) CHECK(cudaFree(pg));
         const void* to_free[] = {p.page_table, p.lengths, p.q, p.r_k, p.r_v_t, o, lse, ws};
         for (const void* ptr : to_free) CHECK(cudaFree(const_cast<void*>(ptr)));
-        CHECK(cudaEventDestroy(a));
-        CHECK(cudaEventDestroy(b));
       }
     }
   }

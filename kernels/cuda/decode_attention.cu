@@ -25,6 +25,13 @@ constexpr int kTile = 32;  // tokens per warp step
 constexpr int kDefaultPrefetchTiles = 0;
 constexpr uint32_t kPlane = 0x03030303u;
 
+// The v2 kernel's n-tiles of query heads per KV head (4 heads each), and the CTAs of it an
+// SM holds: 4 with one tile (128 registers, no spills), 3 with two.
+constexpr int V2HeadTiles(int num_q_heads, int num_kv_heads) {
+  return num_q_heads > 4 * num_kv_heads ? 2 : 1;
+}
+constexpr int V2CtasPerSm(int head_tiles) { return head_tiles == 1 ? 4 : 3; }
+
 __device__ __forceinline__ void Mma(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
@@ -159,18 +166,28 @@ struct Int2HeadPtrs {
   const uint16_t* vparams;
 };
 
+// Byte offsets of those rows from the start of a page-layer (q_bytes = head_dim / 4).
+struct Int2HeadOffsets {
+  uint32_t k, v, kp, vp;
+};
+
+__device__ __forceinline__ Int2HeadOffsets HeadOffsets(const DecodeGeometry& geo, int kvh,
+                                                       int q_bytes) {
+  const uint32_t ps = geo.page_size, hkv = geo.num_kv_heads;
+  const uint32_t code_bytes = hkv * ps * q_bytes, head = kvh * ps * q_bytes;
+  const uint32_t kp = 2 * code_bytes + kvh * 4 * ps;
+  return {head, code_bytes + head, kp, kp + hkv * 4 * ps};
+}
+
 __device__ __forceinline__ Int2HeadPtrs HeadPtrs(const PagedList& p, const DecodeGeometry& geo,
                                                  int kvh, int page_id, int q_bytes) {
-  const int ps = geo.page_size;
   const uint8_t* base = p.pages + static_cast<int64_t>(page_id) * p.page_stride;
-  const int64_t code_bytes = static_cast<int64_t>(geo.num_kv_heads) * ps * q_bytes;
-  const int64_t head_bytes = static_cast<int64_t>(kvh) * ps * q_bytes;
+  const Int2HeadOffsets off = HeadOffsets(geo, kvh, q_bytes);
   Int2HeadPtrs h;
-  h.kwords = reinterpret_cast<const uint32_t*>(base + head_bytes);
-  h.vwords = reinterpret_cast<const uint32_t*>(base + code_bytes + head_bytes);
-  h.kparams =
-      reinterpret_cast<const uint16_t*>(base + 2 * code_bytes) + static_cast<int64_t>(kvh) * 2 * ps;
-  h.vparams = h.kparams + static_cast<int64_t>(geo.num_kv_heads) * 2 * ps;
+  h.kwords = reinterpret_cast<const uint32_t*>(base + off.k);
+  h.vwords = reinterpret_cast<const uint32_t*>(base + off.v);
+  h.kparams = reinterpret_cast<const uint16_t*>(base + off.kp);
+  h.vparams = reinterpret_cast<const uint16_t*>(base + off.vp);
   return h;
 }
 
@@ -502,27 +519,26 @@ __device__ __forceinline__ LaneOffsets<D> MakeLaneOffsets(const DecodeGeometry& 
                                                           int lane) {
   constexpr int Q = D / 4, U = Q / 8, kGroups = Q / 4, kVLines = Q / 4;
   const uint32_t ps = geo.page_size, g = lane >> 2, t = lane & 3;
-  const uint32_t code_bytes = geo.num_kv_heads * ps * Q, head = kvh * ps * Q;
-  const uint32_t kp = 2 * code_bytes + kvh * 4 * ps, vp = kp + geo.num_kv_heads * 4 * ps;
+  const Int2HeadOffsets h = HeadOffsets(geo, kvh, Q);
   LaneOffsets<D> o;
-  o.k = head + (t * ps + 4 * g) * 4;
-  o.v = code_bytes + head + (t * Q + g * U) * 4;
-  o.p = kp + 8 * g;
+  o.k = h.k + (t * ps + 4 * g) * 4;
+  o.v = h.v + (t * Q + g * U) * 4;
+  o.p = h.kp + 8 * g;
   o.k_step = 16 * ps;
   o.p_min = 2 * ps;
-  o.p_v = vp - kp;
+  o.p_v = h.vp - h.kp;
   const uint32_t l = lane;
   o.pf = 0;
   o.pf_per_slot = 0;
   if (l < kGroups) {  // K word group l: 32 words
-    o.pf = head + l * ps * 4;
+    o.pf = h.k + l * ps * 4;
     o.pf_per_slot = 4;
   } else if (l < kGroups + kVLines) {  // V: 8 quads of Q words, 128-byte lines
-    o.pf = code_bytes + head + (l - kGroups) * 128;
+    o.pf = h.v + (l - kGroups) * 128;
     o.pf_per_slot = Q;
   } else if (l < kGroups + kVLines + 4) {  // scales / minimums of K and V: 64 bytes each
     const uint32_t i = l - kGroups - kVLines;
-    o.pf = (i < 2 ? kp : vp) + (i % 2) * 2 * ps;
+    o.pf = (i < 2 ? h.kp : h.vp) + (i % 2) * 2 * ps;
     o.pf_per_slot = 2;
   }
   return o;
@@ -656,9 +672,8 @@ __global__ void __launch_bounds__(4 * D) QueryFragments(PartArgs a) {
   }
 }
 
-// 4 CTAs per SM for one n-tile of heads (128 registers, no spills), 3 for two.
 template <int D, int NT>
-__global__ void __launch_bounds__(kWarps * 32, NT == 1 ? 4 : 3) Int2DecodeKernelV2(PartArgs a) {
+__global__ void __launch_bounds__(kWarps * 32, V2CtasPerSm(NT)) Int2DecodeKernelV2(PartArgs a) {
   constexpr int KB = D / 32;  // logit k-blocks (2 per K word group of a lane)
   constexpr int VT = D / 16;  // V^T m-tiles
   const PagedList& p = a.list;
@@ -1113,8 +1128,7 @@ size_t Int2DecodeWorkspaceBytes(int batch, int num_q_heads, int head_dim, int ma
 }
 
 int Int2CtasPerSm(int num_q_heads, int num_kv_heads, int head_dim) {
-  const bool v2_one_tile = head_dim <= 128 && num_kv_heads > 0 && num_q_heads <= 4 * num_kv_heads;
-  return v2_one_tile ? 4 : 3;
+  return head_dim <= 128 ? V2CtasPerSm(V2HeadTiles(num_q_heads, num_kv_heads)) : 3;
 }
 
 int Int2DecodeSplits(int batch, int num_kv_heads, int max_tokens, int num_sms, int ctas_per_sm) {
@@ -1218,23 +1232,15 @@ cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& g
       (opt.merge != nullptr && opt.merge->parts < part_base + splits)) {
     return cudaErrorInvalidValue;
   }
-  PartArgs a{};
-  a.list = list;
-  a.geo = geo;
-  a.q = q;
-  a.r_k = r_k;
-  a.scale = scale;
-  a.tokens_per_split = TokensPerSplit(max_tokens, splits);
-  a.part_o = part_o;
-  a.part_lse = part_lse;
-  a.part_base = part_base;
+  PartArgs a{list,   geo,      q,        r_k, scale, TokensPerSplit(max_tokens, splits),
+             part_o, part_lse, part_base};
   const dim3 grid(splits, geo.num_kv_heads, geo.batch);
   cudaError_t e = cudaSuccess;
   if (v2) {
     // The int32-accumulating kernel (head_dim 64/128; GQA groups up to 4 or 8).
     a.state = CarveState(opt.state, geo.batch, geo.num_kv_heads);
     a.prefetch = opt.prefetch_tiles >= 0 ? opt.prefetch_tiles : kDefaultPrefetchTiles;
-    const bool wide = geo.num_q_heads / geo.num_kv_heads > 4;
+    const bool wide = V2HeadTiles(geo.num_q_heads, geo.num_kv_heads) == 2;
     const bool dep = opt.dependent_launch;
     if (geo.head_dim == 64) {
       e = wide ? LaunchV2<64, 2>(grid, a, stream, dep) : LaunchV2<64, 1>(grid, a, stream, dep);
