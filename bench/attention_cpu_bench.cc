@@ -22,8 +22,8 @@
 #include "kvcd/kernels/cpu_features.h"
 #include "kvcd/kernels/fp16.h"
 #include "kvcd/kernels/int2_attention.h"
-#include "server/backend.h"
-#include "server/page_pool.h"
+#include "server/backends/backend.h"
+#include "server/formats/page_pool.h"
 
 namespace {
 

@@ -8,7 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "common/safetensors.h"
 #include "nlohmann/json.hpp"
-#include "server/codec_profile.h"
+#include "common/codec_profile.h"
 #include "tools/eval.h"
 
 namespace {

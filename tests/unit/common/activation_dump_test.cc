@@ -4,7 +4,7 @@
 
 #include <cstdio>
 
-#include "server/codec_profile.h"
+#include "common/codec_profile.h"
 #include "tools/calibration.h"
 
 namespace kvcd {

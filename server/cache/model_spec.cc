@@ -1,0 +1,118 @@
+#include "server/cache/model_spec.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace kvcd {
+
+const char* HistoryFormatName(HistoryFormat f) {
+  switch (f) {
+    case HistoryFormat::kBf16:
+      return "bf16";
+    case HistoryFormat::kInt2Oscar:
+      return "int2-oscar";
+  }
+  return "unknown";
+}
+
+absl::Status ParseHistoryFormat(const std::string& s, HistoryFormat* out) {
+  if (s == "bf16") {
+    *out = HistoryFormat::kBf16;
+  } else if (s == "int2-oscar") {
+    *out = HistoryFormat::kInt2Oscar;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("history_format is '", s, "', expected 'bf16' or 'int2-oscar'"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateModelSpec(const ModelSpec& s) {
+  auto bad = [&](const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrCat("model '", s.name, "': ", what));
+  };
+  if (s.name.empty() || s.name.size() > 64) return bad("name must have 1..64 characters");
+  for (char c : s.name) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '.' || c == '_' || c == '-';
+    if (!ok) return bad("name may contain only [A-Za-z0-9._-]");
+  }
+  if (s.num_layers < 1 || s.num_layers > 1024) {
+    return bad(absl::StrCat("num_layers is ", s.num_layers, ", expected 1..1024"));
+  }
+  if (s.num_kv_heads < 1 || s.num_kv_heads > 256) {
+    return bad(absl::StrCat("num_kv_heads is ", s.num_kv_heads, ", expected 1..256"));
+  }
+  if (s.num_q_heads < 1 || s.num_q_heads % s.num_kv_heads != 0) {
+    return bad(absl::StrCat("num_q_heads is ", s.num_q_heads,
+                            ", expected a positive multiple of num_kv_heads (", s.num_kv_heads,
+                            ")"));
+  }
+  if (s.group() > 16) {
+    return bad(
+        absl::StrCat("GQA group num_q_heads/num_kv_heads is ", s.group(), ", expected at most 16"));
+  }
+  const int d = s.head_dim;
+  if (d != 8 && d != 16 && d != 32 && d != 64 && d != 128 && d != 256) {
+    return bad(absl::StrCat("head_dim is ", d, ", expected 8, 16, 32, 64, 128 or 256"));
+  }
+  if (s.page_size < 1 || s.page_size > 1024) {
+    return bad(absl::StrCat("page_size is ", s.page_size, ", expected 1..1024"));
+  }
+  if (s.sink_tokens < 0 || s.sink_tokens % s.page_size != 0) {
+    return bad(absl::StrCat("sink_tokens is ", s.sink_tokens,
+                            ", expected a non-negative multiple of page_size (", s.page_size, ")"));
+  }
+  if (s.recent_tokens < 0 || s.recent_tokens > (1 << 20)) {
+    return bad(absl::StrCat("recent_tokens is ", s.recent_tokens, ", expected 0..1048576"));
+  }
+  if (!(s.rope_theta > 0)) return bad("rope.theta must be > 0");
+  if (s.rope_rotary_dims < 0 || s.rope_rotary_dims > d || s.rope_rotary_dims % 2 != 0) {
+    return bad(absl::StrCat("rope.rotary_dims is ", s.rope_rotary_dims,
+                            ", expected an even value in 0..head_dim (0 = head_dim)"));
+  }
+  if (!(s.rope_scaling > 0)) return bad("rope.scaling must be > 0");
+  if (s.memory_bytes == 0) return bad("memory_bytes must be > 0 (the model's share of the budget)");
+  if (s.history_format != HistoryFormat::kBf16 && !(s.bf16_fraction > 0 && s.bf16_fraction < 1)) {
+    return bad(absl::StrCat("bf16_fraction is ", s.bf16_fraction, ", expected 0 < x < 1"));
+  }
+  if (!s.codec.empty() && s.codec != "identity" && s.codec != "hadamard") {
+    return bad(absl::StrCat("codec is '", s.codec, "', expected 'identity', 'hadamard' or empty"));
+  }
+  if (!s.codec.empty() && !s.codec_file.empty()) {
+    return bad("set either codec or codec_file, not both");
+  }
+  return absl::OkStatus();
+}
+
+std::optional<ModelSpec> BuiltinModelSpec(const std::string& name) {
+  ModelSpec s;
+  s.name = name;
+  if (name == "qwen3-8b") {
+    s.num_layers = 36;
+    s.num_q_heads = 32;
+    s.num_kv_heads = 8;
+    s.head_dim = 128;
+    s.page_size = 64;
+    s.sink_tokens = 64;
+    s.recent_tokens = 256;
+    s.rope_theta = 1e6;
+    s.memory_bytes = 1ull << 30;
+    return s;
+  }
+  if (name == "tiny") {
+    s.num_layers = 2;
+    s.num_q_heads = 4;
+    s.num_kv_heads = 2;
+    s.head_dim = 16;
+    s.page_size = 4;
+    s.sink_tokens = 4;
+    s.recent_tokens = 8;
+    s.memory_bytes = 1ull << 20;
+    return s;
+  }
+  return std::nullopt;
+}
+
+std::vector<std::string> BuiltinModelNames() { return {"qwen3-8b", "tiny"}; }
+
+}  // namespace kvcd

@@ -1,0 +1,55 @@
+// Sequence: the state of one decode stream (DESIGN.md §3, three-segment layout).
+//
+// Page i holds tokens [i*page_size, (i+1)*page_size) of every layer. Pages
+// [0, shared_pages) come from the radix tree (pinned while the sequence lives);
+// the rest are private. Private pages in the sink (i < sink_pages) and in the recent
+// window stay BF16; a full private page whose tokens have all left the recent window
+// is demoted to the model's history format.
+//
+// Per-layer lengths allow the per-layer decode loop: AttentionDecode with k_new/v_new
+// appends one token at one layer; the token is committed (length() grows) once every
+// layer holds it.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "server/cache/radix_tree.h"
+
+namespace kvcd {
+
+class ModelCache;
+
+struct Sequence {
+  Sequence(uint64_t id_in, ModelCache* model_in, std::string salt_in)
+      : id(id_in), model(model_in), salt(std::move(salt_in)) {}
+
+  const uint64_t id;
+  ModelCache* const model;
+  const std::string salt;
+
+  std::mutex mu;  // serializes Append / AttentionDecode / Fetch / Close of this sequence
+  bool closed ABSL_GUARDED_BY(mu) = false;
+  RadixTree::Node* pinned ABSL_GUARDED_BY(mu) = nullptr;  // pinned prefix node, or null
+  int64_t shared_pages ABSL_GUARDED_BY(mu) = 0;
+  std::vector<PageRef> pages ABSL_GUARDED_BY(mu);
+  std::vector<int64_t> layer_len ABSL_GUARDED_BY(mu);  // tokens held per layer
+  std::vector<int32_t> tokens ABSL_GUARDED_BY(mu);     // committed token ids
+  int32_t pending_token ABSL_GUARDED_BY(mu) = 0;       // id of a partly appended token
+  int64_t next_demote_page ABSL_GUARDED_BY(mu) = 0;    // pages below are final
+
+  // Lease: the sequence is reclaimed once now > deadline_ns (steady clock).
+  std::atomic<int64_t> lease_ms{0};
+  std::atomic<int64_t> deadline_ns{0};
+
+  int64_t length() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return layer_len.empty() ? 0 : *std::min_element(layer_len.begin(), layer_len.end());
+  }
+};
+
+}  // namespace kvcd

@@ -1,0 +1,252 @@
+#include "server/config/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <cmath>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+
+namespace kvcd {
+namespace {
+
+absl::Status CheckKeys(const YAML::Node& node, const std::string& where,
+                       const std::set<std::string>& allowed) {
+  if (!node.IsMap()) return absl::InvalidArgumentError(absl::StrCat(where, " must be a mapping"));
+  for (const auto& kv : node) {
+    const std::string key = kv.first.as<std::string>();
+    if (!allowed.count(key)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown key '", where.empty() ? "" : where + ".", key,
+                       "'; expected one of: ", absl::StrJoin(allowed, ", ")));
+    }
+  }
+  return absl::OkStatus();
+}
+
+template <class T>
+absl::Status Read(const YAML::Node& node, const std::string& key, const std::string& where,
+                  T* out) {
+  const YAML::Node v = node[key];
+  if (!v) return absl::OkStatus();
+  try {
+    *out = v.as<T>();
+  } catch (const YAML::Exception&) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, key, " has value '", v.Scalar(), "' of the wrong type"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadBytes(const YAML::Node& node, const std::string& key, const std::string& where,
+                       uint64_t* out) {
+  const YAML::Node v = node[key];
+  if (!v) return absl::OkStatus();
+  if (!v.IsScalar()) return absl::InvalidArgumentError(absl::StrCat(where, key, " must be a size"));
+  auto parsed = ParseByteSize(v.Scalar());
+  if (!parsed.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, key, ": ", parsed.status().message()));
+  }
+  *out = *parsed;
+  return absl::OkStatus();
+}
+
+absl::Status ParseModel(const YAML::Node& m, int index, ModelSpec* spec) {
+  const std::string where = absl::StrCat("models[", index, "].");
+  KVCD_RETURN_IF_ERROR(
+      CheckKeys(m, absl::StrCat("models[", index, "]"),
+                {"builtin", "name", "num_layers", "num_q_heads", "num_kv_heads", "head_dim",
+                 "page_size", "sink_tokens", "recent_tokens", "history_format", "rope", "memory",
+                 "bf16_fraction", "codec_file", "codec"}));
+  if (m["builtin"]) {
+    const std::string b = m["builtin"].as<std::string>();
+    auto builtin = BuiltinModelSpec(b);
+    if (!builtin) {
+      return absl::InvalidArgumentError(absl::StrCat(where, "builtin is '", b,
+                                                     "', expected one of ",
+                                                     absl::StrJoin(BuiltinModelNames(), ", ")));
+    }
+    *spec = *builtin;
+  }
+  KVCD_RETURN_IF_ERROR(Read(m, "name", where, &spec->name));
+  KVCD_RETURN_IF_ERROR(Read(m, "num_layers", where, &spec->num_layers));
+  KVCD_RETURN_IF_ERROR(Read(m, "num_q_heads", where, &spec->num_q_heads));
+  KVCD_RETURN_IF_ERROR(Read(m, "num_kv_heads", where, &spec->num_kv_heads));
+  KVCD_RETURN_IF_ERROR(Read(m, "head_dim", where, &spec->head_dim));
+  KVCD_RETURN_IF_ERROR(Read(m, "page_size", where, &spec->page_size));
+  KVCD_RETURN_IF_ERROR(Read(m, "sink_tokens", where, &spec->sink_tokens));
+  KVCD_RETURN_IF_ERROR(Read(m, "recent_tokens", where, &spec->recent_tokens));
+  KVCD_RETURN_IF_ERROR(Read(m, "bf16_fraction", where, &spec->bf16_fraction));
+  KVCD_RETURN_IF_ERROR(Read(m, "codec_file", where, &spec->codec_file));
+  KVCD_RETURN_IF_ERROR(Read(m, "codec", where, &spec->codec));
+  KVCD_RETURN_IF_ERROR(ReadBytes(m, "memory", where, &spec->memory_bytes));
+  if (m["history_format"]) {
+    KVCD_RETURN_IF_ERROR(
+        ParseHistoryFormat(m["history_format"].as<std::string>(), &spec->history_format));
+  }
+  if (const YAML::Node rope = m["rope"]) {
+    const std::string rw = where + "rope.";
+    KVCD_RETURN_IF_ERROR(CheckKeys(rope, where + "rope", {"theta", "rotary_dims", "scaling"}));
+    KVCD_RETURN_IF_ERROR(Read(rope, "theta", rw, &spec->rope_theta));
+    KVCD_RETURN_IF_ERROR(Read(rope, "rotary_dims", rw, &spec->rope_rotary_dims));
+    KVCD_RETURN_IF_ERROR(Read(rope, "scaling", rw, &spec->rope_scaling));
+  }
+  return ValidateModelSpec(*spec);
+}
+
+}  // namespace
+
+absl::StatusOr<uint64_t> ParseByteSize(const std::string& s) {
+  size_t pos = 0;
+  double value = 0;
+  try {
+    value = std::stod(s, &pos);
+  } catch (...) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", s, "' is not a size; expected e.g. 1073741824, 512MiB, 2GiB"));
+  }
+  std::string unit = s.substr(pos);
+  while (!unit.empty() && unit.front() == ' ') unit.erase(unit.begin());
+  double mult = 1;
+  if (unit.empty() || unit == "B") {
+    mult = 1;
+  } else if (unit == "KiB") {
+    mult = 1024.0;
+  } else if (unit == "MiB") {
+    mult = 1024.0 * 1024;
+  } else if (unit == "GiB") {
+    mult = 1024.0 * 1024 * 1024;
+  } else if (unit == "TiB") {
+    mult = 1024.0 * 1024 * 1024 * 1024;
+  } else if (unit == "KB") {
+    mult = 1e3;
+  } else if (unit == "MB") {
+    mult = 1e6;
+  } else if (unit == "GB") {
+    mult = 1e9;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unit '", unit, "' in '", s, "' is not one of B, KiB, MiB, GiB, TiB, KB, MB, GB"));
+  }
+  const double bytes = value * mult;
+  if (!(bytes >= 0) || bytes > 9.0e18) {
+    return absl::InvalidArgumentError(absl::StrCat("size '", s, "' is out of range"));
+  }
+  return static_cast<uint64_t>(std::llround(bytes));
+}
+
+absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
+  ServerConfig c;
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml_text);
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("config is not valid YAML: ", e.what()));
+  }
+  if (root.IsNull()) return c;
+  try {
+    KVCD_RETURN_IF_ERROR(
+        CheckKeys(root, "",
+                  {"listen", "health_listen", "metrics_listen", "backend", "cuda_device", "memory_budget",
+                   "high_watermark", "low_watermark", "lease", "worker_threads", "compute_threads",
+                   "max_message_bytes", "max_sequences", "max_buffers", "decode_channel_spin_us", "drain_timeout_ms", "models"}));
+    KVCD_RETURN_IF_ERROR(Read(root, "listen", "", &c.listen));
+    KVCD_RETURN_IF_ERROR(Read(root, "health_listen", "", &c.health_listen));
+    KVCD_RETURN_IF_ERROR(Read(root, "metrics_listen", "", &c.metrics_listen));
+    KVCD_RETURN_IF_ERROR(Read(root, "backend", "", &c.backend));
+    KVCD_RETURN_IF_ERROR(Read(root, "cuda_device", "", &c.cuda_device));
+    KVCD_RETURN_IF_ERROR(ReadBytes(root, "memory_budget", "", &c.memory_budget_bytes));
+    KVCD_RETURN_IF_ERROR(Read(root, "high_watermark", "", &c.high_watermark));
+    KVCD_RETURN_IF_ERROR(Read(root, "low_watermark", "", &c.low_watermark));
+    KVCD_RETURN_IF_ERROR(Read(root, "worker_threads", "", &c.worker_threads));
+    KVCD_RETURN_IF_ERROR(Read(root, "compute_threads", "", &c.compute_threads));
+    KVCD_RETURN_IF_ERROR(Read(root, "max_message_bytes", "", &c.max_message_bytes));
+    KVCD_RETURN_IF_ERROR(Read(root, "max_sequences", "", &c.max_sequences));
+    KVCD_RETURN_IF_ERROR(Read(root, "max_buffers", "", &c.max_buffers));
+    KVCD_RETURN_IF_ERROR(Read(root, "decode_channel_spin_us", "", &c.decode_channel_spin_us));
+    KVCD_RETURN_IF_ERROR(Read(root, "drain_timeout_ms", "", &c.drain_timeout_ms));
+    if (const YAML::Node lease = root["lease"]) {
+      KVCD_RETURN_IF_ERROR(CheckKeys(lease, "lease", {"default_ms", "max_ms"}));
+      KVCD_RETURN_IF_ERROR(Read(lease, "default_ms", "lease.", &c.default_lease_ms));
+      KVCD_RETURN_IF_ERROR(Read(lease, "max_ms", "lease.", &c.max_lease_ms));
+    }
+    if (const YAML::Node models = root["models"]) {
+      if (!models.IsSequence()) return absl::InvalidArgumentError("models must be a list");
+      for (size_t i = 0; i < models.size(); ++i) {
+        ModelSpec spec;
+        KVCD_RETURN_IF_ERROR(ParseModel(models[i], static_cast<int>(i), &spec));
+        c.models.push_back(spec);
+      }
+    }
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("config: ", e.what()));
+  }
+  if (c.listen.empty()) return absl::InvalidArgumentError("listen must be host:port");
+  if (c.cuda_device < 0 || c.cuda_device > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda_device is ", c.cuda_device, ", expected a device ordinal 0..64"));
+  }
+  if (c.backend != "cpu" && c.backend != "cuda") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("backend is '", c.backend, "', expected 'cpu' or 'cuda'"));
+  }
+  if (!(c.low_watermark > 0 && c.low_watermark < c.high_watermark && c.high_watermark <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("watermarks must satisfy 0 < low_watermark < high_watermark <= 1; got low ",
+                     c.low_watermark, ", high ", c.high_watermark));
+  }
+  if (c.default_lease_ms < 10 || c.max_lease_ms < c.default_lease_ms) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("lease.default_ms must be >= 10 and lease.max_ms >= lease.default_ms; got ",
+                     c.default_lease_ms, " and ", c.max_lease_ms));
+  }
+  if (c.worker_threads < 0 || c.worker_threads > 1024 || c.compute_threads < 0 ||
+      c.compute_threads > 1024) {
+    return absl::InvalidArgumentError("worker_threads and compute_threads must be in 0..1024");
+  }
+  if (c.max_message_bytes < (1 << 20) || c.max_message_bytes > (2047ll << 20)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_message_bytes is ", c.max_message_bytes, ", expected 1MiB..2047MiB"));
+  }
+  if (c.max_sequences < 1) return absl::InvalidArgumentError("max_sequences must be >= 1");
+  if (c.decode_channel_spin_us < 0 || c.decode_channel_spin_us > 1000000) {
+    return absl::InvalidArgumentError(absl::StrCat("decode_channel_spin_us is ",
+                                                   c.decode_channel_spin_us,
+                                                   ", expected 0..1000000"));
+  }
+  if (c.max_buffers < 1 || c.max_buffers > 65536) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_buffers is ", c.max_buffers, ", expected 1..65536"));
+  }
+  uint64_t total = 0;
+  std::set<std::string> names;
+  for (const auto& m : c.models) {
+    if (!names.insert(m.name).second) {
+      return absl::InvalidArgumentError(absl::StrCat("models: name '", m.name, "' appears twice"));
+    }
+    total += m.memory_bytes;
+  }
+  if (total > c.memory_budget_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("models ask for ", total,
+                                                   " bytes in all, more than memory_budget (",
+                                                   c.memory_budget_bytes, ")"));
+  }
+  return c;
+}
+
+absl::StatusOr<ServerConfig> LoadConfigFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read config file '", path, "'"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto c = ParseConfig(ss.str());
+  if (!c.ok())
+    return absl::Status(c.status().code(), absl::StrCat(path, ": ", c.status().message()));
+  return c;
+}
+
+}  // namespace kvcd

@@ -1,0 +1,45 @@
+// Daemon configuration (YAML). Every field is validated; unknown keys are errors, so
+// a typo never silently falls back to a default. See README.md "Configuration".
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "server/cache/model_spec.h"
+
+namespace kvcd {
+
+struct ServerConfig {
+  std::string listen = "127.0.0.1:50051";  // gRPC address; port 0 = pick a free port
+  std::string health_listen;               // optional extra plaintext port serving health only
+  std::string metrics_listen = "127.0.0.1:9464";  // Prometheus exposer; "" disables
+  std::string backend = "cpu";                    // "cpu" (or "cuda" when built with CUDA)
+  int cuda_device = 0;                            // device ordinal of the cuda backend
+  uint64_t memory_budget_bytes = 1ull << 30;      // total for all model pools
+  double high_watermark = 0.95;                   // evict when a pool is fuller than this ...
+  double low_watermark = 0.85;                    // ... down to this
+  int64_t default_lease_ms = 30000;
+  int64_t max_lease_ms = 600000;
+  int worker_threads = 0;   // request executor threads (0 = number of CPUs)
+  int compute_threads = 0;  // attention threads (0 = number of CPUs)
+  int64_t max_message_bytes = 256ll << 20;
+  int max_sequences = 4096;
+  int max_buffers = 256;  // CUDA IPC buffers registered at once
+  // A decode channel's thread spins this long after each request before it polls.
+  int64_t decode_channel_spin_us = 2000;
+  int64_t drain_timeout_ms = 10000;
+  std::vector<ModelSpec> models;
+};
+
+// Parses and validates a YAML document. INVALID_ARGUMENT names the key and the
+// expected value.
+absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text);
+// Reads and parses a file (NOT_FOUND if it cannot be read).
+absl::StatusOr<ServerConfig> LoadConfigFile(const std::string& path);
+
+// Parses "1073741824", "512MiB", "2GiB", "1.5GB" into bytes.
+absl::StatusOr<uint64_t> ParseByteSize(const std::string& s);
+
+}  // namespace kvcd

@@ -1,0 +1,159 @@
+#include "server/daemon/daemon.h"
+
+#include <chrono>
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "server/backends/backend.h"
+
+namespace kvcd {
+namespace {
+
+std::string HostOf(const std::string& address) {
+  const auto colon = address.rfind(':');
+  return colon == std::string::npos ? address : address.substr(0, colon);
+}
+
+void ApplyLimits(const ServerConfig& c, grpc::ServerBuilder* b) {
+  b->SetMaxReceiveMessageSize(static_cast<int>(c.max_message_bytes));
+  b->SetMaxSendMessageSize(static_cast<int>(c.max_message_bytes));
+  b->AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, 1024);
+  // Keepalive policy: accept client pings every >= 10 s, ping idle clients every 60 s.
+  b->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 60000);
+  b->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20000);
+  b->AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10000);
+  b->AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  grpc::ResourceQuota quota("kvcd");
+  quota.SetMaxThreads(256);
+  b->SetResourceQuota(quota);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerConfig& config) {
+  std::unique_ptr<Daemon> d(new Daemon(config));
+  std::unique_ptr<Backend> backend;
+  if (config.backend == "cpu") {
+    backend = MakeCpuBackend(config.compute_threads);
+  } else {
+#ifdef KVCD_HAVE_CUDA_BACKEND
+    KVCD_ASSIGN_OR_RETURN(backend, MakeCudaBackend(config.cuda_device));
+#else
+    return absl::InvalidArgumentError(
+        "backend 'cuda' is not available in this build of the daemon (built without CUDA); "
+        "use backend: cpu");
+#endif
+  }
+  d->engine_ = std::make_unique<CacheEngine>(config, std::move(backend));
+  for (const ModelSpec& spec : config.models) {
+    KVCD_RETURN_IF_ERROR(d->engine_->RegisterModelSpec(spec));
+  }
+  d->metrics_ = std::make_unique<Metrics>(d->engine_.get());
+  d->executor_ = std::make_unique<ThreadPool>(config.worker_threads);
+  d->service_ =
+      std::make_unique<KvCacheService>(d->engine_.get(), d->metrics_.get(), d->executor_.get());
+
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(d->service_.get());
+  builder.RegisterService(&d->health_);
+  ApplyLimits(config, &builder);
+  d->server_ = builder.BuildAndStart();
+  if (d->server_ == nullptr || port == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on '", config.listen, "'"));
+  }
+  d->grpc_address_ = absl::StrCat(HostOf(config.listen), ":", port);
+  d->health_.SetServing(true);
+
+  if (!config.health_listen.empty()) {
+    grpc::ServerBuilder hb;
+    int hport = 0;
+    hb.AddListeningPort(config.health_listen, grpc::InsecureServerCredentials(), &hport);
+    hb.RegisterService(&d->health_only_);
+    d->health_server_ = hb.BuildAndStart();
+    if (d->health_server_ == nullptr || hport == 0) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot listen for health on '", config.health_listen, "'"));
+    }
+    d->health_address_ = absl::StrCat(HostOf(config.health_listen), ":", hport);
+    d->health_only_.SetServing(true);
+  }
+
+  if (!config.metrics_listen.empty()) {
+    KVCD_ASSIGN_OR_RETURN(int mport, d->metrics_->Serve(config.metrics_listen));
+    d->metrics_address_ = absl::StrCat(HostOf(config.metrics_listen), ":", mport);
+  }
+  d->reaper_ = std::thread([raw = d.get()] { raw->ReaperLoop(); });
+  return d;
+}
+
+void Daemon::ReaperLoop() {
+  const auto period = std::chrono::milliseconds(
+      std::max<int64_t>(5, std::min<int64_t>(250, config_.default_lease_ms / 4)));
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    cv_.wait_for(lock, period);
+    if (stopping_) break;
+    lock.unlock();
+    const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            std::chrono::steady_clock::now().time_since_epoch())
+                            .count();
+    const int n = engine_->ExpireLeases(now);
+    if (n > 0) std::fprintf(stderr, "kvcd: closed %d sequence(s) whose lease expired\n", n);
+    if (!engine_->backend_healthy() && !fatal_.exchange(true)) {
+      // A sticky device error: stop serving, drain from another thread, exit non-zero.
+      std::fprintf(stderr, "kvcd: backend '%s' hit an unrecoverable error; NOT_SERVING\n",
+                   engine_->backend_name());
+      health_.SetServing(false);
+      health_only_.SetServing(false);
+      std::thread([this] { Drain(); }).detach();
+    }
+    lock.lock();
+  }
+}
+
+void Daemon::Drain() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  health_.SetServing(false);
+  health_only_.SetServing(false);
+  service_->StartDraining();
+  const auto deadline =
+      std::chrono::system_clock::now() + std::chrono::milliseconds(config_.drain_timeout_ms);
+  const auto t0 = std::chrono::steady_clock::now();
+  server_->Shutdown(deadline);
+  const auto t1 = std::chrono::steady_clock::now();
+  if (health_server_) health_server_->Shutdown(deadline);
+  const auto t2 = std::chrono::steady_clock::now();
+  if (reaper_.joinable()) reaper_.join();
+  std::fprintf(
+      stderr, "kvcd: drain: api %.0f ms, health %.0f ms, reaper %.0f ms\n",
+      std::chrono::duration<double, std::milli>(t1 - t0).count(),
+      std::chrono::duration<double, std::milli>(t2 - t1).count(),
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t2).count());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    drained_ = true;
+  }
+  cv_.notify_all();
+}
+
+void Daemon::Wait() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return drained_; });
+}
+
+Daemon::~Daemon() {
+  Drain();
+  server_.reset();
+  health_server_.reset();
+  executor_.reset();  // drains queued work before the engine goes away
+}
+
+}  // namespace kvcd

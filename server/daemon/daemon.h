@@ -1,0 +1,67 @@
+// Daemon: wires a config into a running kvcd — backend, engine, gRPC servers (API +
+// optional health-only port), Prometheus exposer, lease reaper — and drains it.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "server/engine/cache_engine.h"
+#include "server/config/config.h"
+#include "server/rpc/health_service.h"
+#include "server/metrics/metrics.h"
+#include "server/rpc/service.h"
+#include "server/backends/thread_pool.h"
+
+namespace kvcd {
+
+class Daemon {
+ public:
+  // Builds everything and starts serving. Errors: INVALID_ARGUMENT for a bad config,
+  // UNAVAILABLE when an address cannot be bound.
+  static absl::StatusOr<std::unique_ptr<Daemon>> Start(const ServerConfig& config);
+  ~Daemon();
+
+  const std::string& grpc_address() const { return grpc_address_; }
+  const std::string& metrics_address() const { return metrics_address_; }
+  const std::string& health_address() const { return health_address_; }
+  CacheEngine* engine() { return engine_.get(); }
+
+  // Graceful drain: health NOT_SERVING, new calls UNAVAILABLE, in-flight calls finish
+  // (up to drain_timeout_ms), then the servers stop. Idempotent; thread-safe.
+  void Drain();
+  // Blocks until Drain() has completed.
+  void Wait();
+  // True if the daemon stopped because its backend failed (the process exits non-zero).
+  bool fatal() const { return fatal_.load(); }
+
+ private:
+  explicit Daemon(const ServerConfig& config) : config_(config) {}
+  void ReaperLoop();
+
+  ServerConfig config_;
+  std::unique_ptr<CacheEngine> engine_;
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<ThreadPool> executor_;
+  std::unique_ptr<KvCacheService> service_;
+  HealthService health_;       // on the API port
+  HealthService health_only_;  // on the optional health-only port
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<grpc::Server> health_server_;
+  std::string grpc_address_, metrics_address_, health_address_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  std::atomic<bool> fatal_{false};
+  bool drained_ = false;
+  std::thread reaper_;
+};
+
+}  // namespace kvcd

@@ -1,0 +1,837 @@
+#include "server/engine/cache_engine.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <unordered_set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/checked_math.h"
+#include "common/status_macros.h"
+#include "common/tensor_ref.h"
+#include "kvcd/kernels/bf16.h"
+
+namespace kvcd {
+namespace {
+
+constexpr int64_t kMaxTokensPerCall = int64_t{1} << 24;
+constexpr int kMaxSaltBytes = 256;
+constexpr int kMaxBatch = 1024;
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+absl::Status CheckSalt(const std::string& salt) {
+  if (salt.size() > kMaxSaltBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cache_salt has ", salt.size(), " bytes, expected at most ", kMaxSaltBytes));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckTokens(const google::protobuf::RepeatedField<int32_t>& tokens, const char* field,
+                         bool allow_empty) {
+  const int64_t n = tokens.size();
+  if (n == 0 && !allow_empty) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " is empty, expected at least 1 token"));
+  }
+  if (n > kMaxTokensPerCall) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " has ", n, " tokens, expected at most ",
+                                                   kMaxTokensPerCall, " per call"));
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (tokens[static_cast<int>(i)] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "] is ",
+                                                     tokens[static_cast<int>(i)],
+                                                     ", expected a non-negative token id"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Checks K and V of n tokens for all layers: [L, n, Hkv, d], same dtype.
+absl::Status CheckKv(const ModelSpec& s, const v1::TensorRef& k, const v1::TensorRef& v,
+                     int64_t n) {
+  const std::vector<int64_t> shape = {s.num_layers, n, s.num_kv_heads, s.head_dim};
+  KVCD_RETURN_IF_ERROR(CheckTensorRef(k, "k", shape, {v1::DTYPE_BF16, v1::DTYPE_F32}));
+  KVCD_RETURN_IF_ERROR(CheckTensorRef(v, "v", shape, {v1::DTYPE_BF16, v1::DTYPE_F32}));
+  if (k.dtype() != v.dtype()) {
+    return absl::InvalidArgumentError(absl::StrCat("v.dtype is ", DTypeName(v.dtype()),
+                                                   ", expected the dtype of k (",
+                                                   DTypeName(k.dtype()), ")"));
+  }
+  return absl::OkStatus();
+}
+
+// `bytes`: the tensor's elements in host memory (CacheEngine::HostBytes).
+KvRows RowsOf(const v1::TensorRef& t, const char* bytes, int64_t n, const ModelSpec& s,
+              int64_t elem_offset = 0) {
+  KvRows r;
+  r.is_bf16 = t.dtype() == v1::DTYPE_BF16;
+  r.data = bytes + elem_offset * (r.is_bf16 ? 2 : 4);
+  r.token_stride = int64_t{s.num_kv_heads} * s.head_dim;
+  r.layer_stride = n * r.token_stride;
+  return r;
+}
+
+}  // namespace
+
+ModelSpec SpecFromProfile(const v1::ModelProfile& p) {
+  ModelSpec s;
+  s.name = p.name();
+  s.num_layers = p.num_layers();
+  s.num_q_heads = p.num_q_heads();
+  s.num_kv_heads = p.num_kv_heads();
+  s.head_dim = p.head_dim();
+  s.page_size = p.page_size();
+  s.sink_tokens = p.sink_tokens();
+  s.recent_tokens = p.recent_tokens();
+  s.history_format = p.history_format() == v1::HISTORY_FORMAT_INT2_OSCAR ? HistoryFormat::kInt2Oscar
+                                                                         : HistoryFormat::kBf16;
+  s.rope_theta = p.rope().theta() == 0 ? 10000.0 : p.rope().theta();
+  s.rope_rotary_dims = p.rope().rotary_dims();
+  s.rope_scaling = p.rope().scaling() == 0 ? 1.0 : p.rope().scaling();
+  s.memory_bytes = p.memory_bytes();
+  s.bf16_fraction = p.bf16_fraction() == 0 ? 0.25 : p.bf16_fraction();
+  s.codec = p.codec();
+  return s;
+}
+
+void ProfileFromSpec(const ModelSpec& s, v1::ModelProfile* p) {
+  p->set_name(s.name);
+  p->set_num_layers(s.num_layers);
+  p->set_num_q_heads(s.num_q_heads);
+  p->set_num_kv_heads(s.num_kv_heads);
+  p->set_head_dim(s.head_dim);
+  p->set_page_size(s.page_size);
+  p->set_sink_tokens(s.sink_tokens);
+  p->set_recent_tokens(s.recent_tokens);
+  p->set_history_format(s.history_format == HistoryFormat::kInt2Oscar
+                            ? v1::HISTORY_FORMAT_INT2_OSCAR
+                            : v1::HISTORY_FORMAT_BF16);
+  p->mutable_rope()->set_theta(s.rope_theta);
+  p->mutable_rope()->set_rotary_dims(s.rope_rotary_dims);
+  p->mutable_rope()->set_scaling(s.rope_scaling);
+  p->set_memory_bytes(s.memory_bytes);
+  p->set_bf16_fraction(s.bf16_fraction);
+  p->set_codec(s.codec);
+}
+
+CacheEngine::CacheEngine(const ServerConfig& config, std::unique_ptr<Backend> backend)
+    : config_(config),
+      backend_(std::move(backend)),
+      buffers_(backend_.get()),
+      nccl_(backend_.get()) {}
+
+absl::Status CacheEngine::CheckPayload(const v1::TensorRef& t, absl::string_view field,
+                                       int kinds) const {
+  const char* name = "inline_data";
+  int kind = kInline;
+  if (t.payload_case() == v1::TensorRef::kCudaIpc) {
+    name = "cuda_ipc";
+    kind = kIpc;
+  } else if (t.payload_case() == v1::TensorRef::kNccl) {
+    name = "nccl";
+    kind = kNccl;
+  }
+  if ((kinds & kind) == 0) {
+    std::vector<std::string> want;
+    if (kinds & kInline) want.push_back("inline_data");
+    if (kinds & kIpc) want.push_back("cuda_ipc");
+    if (kinds & kNccl) want.push_back("nccl");
+    return absl::InvalidArgumentError(absl::StrCat(field, " carries ", name,
+                                                   ", which this field does not accept; expected ",
+                                                   absl::StrJoin(want, " or ")));
+  }
+  if (kind != kInline) {
+    absl::Status s = backend_->DataPlaneAvailable();
+    if (!s.ok()) return absl::Status(s.code(), absl::StrCat(field, ": ", s.message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<const char*> CacheEngine::HostBytes(const v1::TensorRef& t, absl::string_view field,
+                                                   std::string* staging) {
+  if (t.payload_case() != v1::TensorRef::kCudaIpc) return t.inline_data().data();
+  KVCD_ASSIGN_OR_RETURN(BufferRegistry::Region r, buffers_.Resolve(t.cuda_ipc(), field));
+  KVCD_RETURN_IF_ERROR(buffers_.WaitReady(r));
+  staging->resize(r.size);
+  KVCD_RETURN_IF_ERROR(backend_->CopyDeviceToHost(staging->data(), r.ptr, r.size));
+  return static_cast<const char*>(staging->data());
+}
+
+CacheEngine::~CacheEngine() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [id, seq] : sequences_) seq->model->Close(seq.get());
+  sequences_.clear();
+}
+
+absl::Status CacheEngine::RegisterModelSpec(const ModelSpec& spec, const std::string& codec_blob) {
+  KVCD_RETURN_IF_ERROR(ValidateModelSpec(spec));
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = models_.find(spec.name);
+  if (it != models_.end()) {
+    v1::ModelProfile a, b;
+    ProfileFromSpec(it->second->spec(), &a);
+    ProfileFromSpec(spec, &b);
+    if (a.SerializeAsString() == b.SerializeAsString()) return absl::OkStatus();  // idempotent
+    return absl::AlreadyExistsError(
+        absl::StrCat("model '", spec.name, "' is already registered with a different profile"));
+  }
+  if (spec.memory_bytes > config_.memory_budget_bytes - budget_used_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "model '", spec.name, "' asks for memory_bytes ", spec.memory_bytes, " but only ",
+        config_.memory_budget_bytes - budget_used_, " of the daemon's memory_budget ",
+        config_.memory_budget_bytes, " are unassigned"));
+  }
+  KVCD_ASSIGN_OR_RETURN(auto cache,
+                        ModelCache::Create(spec, backend_.get(), config_.high_watermark,
+                                           config_.low_watermark, &counters_, codec_blob));
+  budget_used_ += spec.memory_bytes;
+  models_.emplace(spec.name, std::move(cache));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ModelCache*> CacheEngine::FindModel(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = models_.find(name);
+  if (it == models_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("model '", name, "' is not registered; ListModels shows the models"));
+  }
+  return it->second.get();
+}
+
+absl::StatusOr<std::shared_ptr<Sequence>> CacheEngine::FindSequence(uint64_t id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("sequence ", id, " is not open (never opened, closed, or its lease expired)"));
+  }
+  return it->second;
+}
+
+absl::StatusOr<int64_t> CacheEngine::GrantLease(int64_t requested_ms) const {
+  if (requested_ms == 0) return config_.default_lease_ms;
+  if (requested_ms < 10 || requested_ms > config_.max_lease_ms) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "lease_ms is ", requested_ms, ", expected 0 (default) or 10..", config_.max_lease_ms));
+  }
+  return requested_ms;
+}
+
+void CacheEngine::Touch(Sequence* seq) const {
+  seq->deadline_ns.store(NowNs() + seq->lease_ms.load() * 1000000);
+}
+
+void CacheEngine::FillModelInfo(const ModelCache& m, v1::ModelInfo* info) const {
+  ProfileFromSpec(m.spec(), info->mutable_profile());
+  const ModelSnapshot snap = m.Snapshot();
+  for (const auto& p : snap.pools) {
+    auto* pi = info->add_pools();
+    pi->set_format(p.format);
+    pi->set_page_bytes(static_cast<uint64_t>(p.page_bytes));
+    pi->set_pages_total(static_cast<uint64_t>(p.pages_total));
+    pi->set_pages_used(static_cast<uint64_t>(p.pages_used));
+  }
+  info->set_codec(snap.codec);
+  info->set_bytes_per_token_sink(snap.bf16_bytes_per_token);
+  info->set_bytes_per_token_recent(snap.bf16_bytes_per_token);
+  info->set_bytes_per_token_history(snap.history_bytes_per_token);
+  info->set_history_bits_per_element(snap.history_bits_per_element);
+  info->set_compression_ratio(snap.compression_ratio);
+  info->set_demoted_pages(snap.demoted_pages);
+  info->set_cached_tokens(static_cast<uint64_t>(snap.cached_tokens));
+  info->set_active_sequences(static_cast<uint64_t>(snap.active_sequences));
+}
+
+absl::Status CacheEngine::RegisterModel(const v1::RegisterModelRequest& req,
+                                        v1::RegisterModelResponse* resp) {
+  const ModelSpec spec = SpecFromProfile(req.profile());
+  KVCD_RETURN_IF_ERROR(RegisterModelSpec(spec, req.codec_blob()));
+  KVCD_ASSIGN_OR_RETURN(ModelCache * m, FindModel(spec.name));
+  FillModelInfo(*m, resp->mutable_model());
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::ListModels(const v1::ListModelsRequest&, v1::ListModelsResponse* resp) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [name, m] : models_) FillModelInfo(*m, resp->add_models());
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::Put(const v1::PutRequest& req, v1::PutResponse* resp) {
+  KVCD_ASSIGN_OR_RETURN(ModelCache * m, FindModel(req.model()));
+  KVCD_RETURN_IF_ERROR(CheckSalt(req.cache_salt()));
+  KVCD_RETURN_IF_ERROR(CheckTokens(req.tokens(), "tokens", false));
+  const int64_t n = req.tokens_size();
+  const int64_t first = req.kv_first_token();
+  if (first < 0 || first > n || first % m->spec().page_size != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_first_token is ", first, ", expected a multiple of page_size (",
+                     m->spec().page_size, ") in 0..", n, " (the number of tokens)"));
+  }
+  KVCD_RETURN_IF_ERROR(CheckKv(m->spec(), req.k(), req.v(), n - first));
+  KVCD_RETURN_IF_ERROR(CheckPayload(req.k(), "k", kInline | kIpc));
+  KVCD_RETURN_IF_ERROR(CheckPayload(req.v(), "v", kInline | kIpc));
+  std::string k_staging, v_staging;
+  KVCD_ASSIGN_OR_RETURN(const char* k_bytes, HostBytes(req.k(), "k", &k_staging));
+  KVCD_ASSIGN_OR_RETURN(const char* v_bytes, HostBytes(req.v(), "v", &v_staging));
+  KVCD_ASSIGN_OR_RETURN(PutResult r, m->Put(req.cache_salt(), req.tokens(), first,
+                                            RowsOf(req.k(), k_bytes, n - first, m->spec()),
+                                            RowsOf(req.v(), v_bytes, n - first, m->spec())));
+  resp->set_cached_tokens(r.cached_tokens);
+  resp->set_inserted_tokens(r.inserted_tokens);
+  resp->set_ignored_tokens(r.ignored_tokens);
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::Match(const v1::MatchRequest& req, v1::MatchResponse* resp) {
+  KVCD_ASSIGN_OR_RETURN(ModelCache * m, FindModel(req.model()));
+  KVCD_RETURN_IF_ERROR(CheckSalt(req.cache_salt()));
+  KVCD_RETURN_IF_ERROR(CheckTokens(req.tokens(), "tokens", true));
+  const int64_t matched = m->Match(req.cache_salt(), req.tokens());
+  resp->set_matched_tokens(matched);
+  resp->set_matched_pages(matched / m->spec().page_size);
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::OpenSequence(const v1::OpenSequenceRequest& req,
+                                       v1::OpenSequenceResponse* resp) {
+  KVCD_ASSIGN_OR_RETURN(ModelCache * m, FindModel(req.model()));
+  KVCD_RETURN_IF_ERROR(CheckSalt(req.cache_salt()));
+  KVCD_RETURN_IF_ERROR(CheckTokens(req.tokens(), "tokens", true));
+  KVCD_ASSIGN_OR_RETURN(int64_t lease, GrantLease(req.lease_ms()));
+  uint64_t id;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (static_cast<int64_t>(sequences_.size()) >= config_.max_sequences) {
+      return absl::ResourceExhaustedError(absl::StrCat("max_sequences (", config_.max_sequences,
+                                                       ") sequences are open; close some first"));
+    }
+    id = next_sequence_id_++;
+  }
+  std::shared_ptr<Sequence> seq = m->Open(id, req.cache_salt(), req.tokens());
+  seq->lease_ms.store(lease);
+  Touch(seq.get());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    sequences_.emplace(id, seq);
+  }
+  resp->set_sequence_id(id);
+  resp->set_matched_tokens(m->Length(seq.get()));
+  resp->set_lease_ms(lease);
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::CloseSequence(const v1::CloseSequenceRequest& req,
+                                        v1::CloseSequenceResponse* resp) {
+  std::shared_ptr<Sequence> seq;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sequences_.find(req.sequence_id());
+    if (it == sequences_.end()) {
+      return absl::NotFoundError(absl::StrCat("sequence ", req.sequence_id(), " is not open"));
+    }
+    seq = it->second;
+    sequences_.erase(it);
+  }
+  resp->set_length(seq->model->Length(seq.get()));
+  seq->model->Close(seq.get());
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::RenewLease(const v1::RenewLeaseRequest& req,
+                                     v1::RenewLeaseResponse* resp) {
+  KVCD_ASSIGN_OR_RETURN(auto seq, FindSequence(req.sequence_id()));
+  if (req.lease_ms() != 0) {
+    KVCD_ASSIGN_OR_RETURN(int64_t lease, GrantLease(req.lease_ms()));
+    seq->lease_ms.store(lease);
+  }
+  Touch(seq.get());
+  resp->set_lease_ms(seq->lease_ms.load());
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::Append(const v1::AppendRequest& req, v1::AppendResponse* resp) {
+  KVCD_ASSIGN_OR_RETURN(auto seq, FindSequence(req.sequence_id()));
+  const ModelSpec& s = seq->model->spec();
+  KVCD_RETURN_IF_ERROR(CheckTokens(req.tokens(), "tokens", false));
+  const int64_t n = req.tokens_size();
+  KVCD_RETURN_IF_ERROR(CheckKv(s, req.k(), req.v(), n));
+  KVCD_RETURN_IF_ERROR(CheckPayload(req.k(), "k", kInline | kIpc));
+  KVCD_RETURN_IF_ERROR(CheckPayload(req.v(), "v", kInline | kIpc));
+  std::string k_staging, v_staging;
+  KVCD_ASSIGN_OR_RETURN(const char* k_bytes, HostBytes(req.k(), "k", &k_staging));
+  KVCD_ASSIGN_OR_RETURN(const char* v_bytes, HostBytes(req.v(), "v", &v_staging));
+  Touch(seq.get());
+  KVCD_ASSIGN_OR_RETURN(int64_t len, seq->model->Append(seq.get(), req.tokens(),
+                                                        RowsOf(req.k(), k_bytes, n, s),
+                                                        RowsOf(req.v(), v_bytes, n, s)));
+  resp->set_length(len);
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
+                                          v1::AttentionDecodeResponse* resp) {
+  resp->Clear();
+  resp->set_request_id(req.request_id());
+  const int64_t batch = req.sequence_ids_size();
+  if (batch < 1 || batch > kMaxBatch) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sequence_ids has ", batch, " entries, expected 1..", kMaxBatch));
+  }
+  std::vector<std::shared_ptr<Sequence>> seqs;
+  std::unordered_set<uint64_t> seen;
+  for (int64_t b = 0; b < batch; ++b) {
+    const uint64_t id = req.sequence_ids(static_cast<int>(b));
+    if (!seen.insert(id).second) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence_ids[", b, "] = ", id,
+                                                     " appears twice; a batch needs distinct ids"));
+    }
+    KVCD_ASSIGN_OR_RETURN(auto seq, FindSequence(id));
+    if (!seqs.empty() && seq->model != seqs.front()->model) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence_ids[", b, "] belongs to model '", seq->model->spec().name,
+                       "', expected every sequence of the batch on model '",
+                       seqs.front()->model->spec().name, "'"));
+    }
+    seqs.push_back(std::move(seq));
+  }
+  ModelCache* m = seqs.front()->model;
+  const ModelSpec& s = m->spec();
+  if (req.layer() < 0 || req.layer() >= s.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer is ", req.layer(), ", expected 0..", s.num_layers - 1));
+  }
+  KVCD_RETURN_IF_ERROR(CheckTensorRef(req.q(), "q", {batch, s.num_q_heads, s.head_dim},
+                                      {v1::DTYPE_BF16, v1::DTYPE_F32}));
+  KVCD_RETURN_IF_ERROR(CheckPayload(req.q(), "q", kInline | kIpc));
+  const bool device_out = req.has_o_out() || req.has_lse_out();
+  if (device_out) {
+    KVCD_RETURN_IF_ERROR(CheckTensorRef(req.o_out(), "o_out", {batch, s.num_q_heads, s.head_dim},
+                                        {v1::DTYPE_F32}));
+    KVCD_RETURN_IF_ERROR(
+        CheckTensorRef(req.lse_out(), "lse_out", {batch, s.num_q_heads}, {v1::DTYPE_F32}));
+    KVCD_RETURN_IF_ERROR(CheckPayload(req.o_out(), "o_out", kIpc));
+    KVCD_RETURN_IF_ERROR(CheckPayload(req.lse_out(), "lse_out", kIpc));
+  }
+  if (!std::isfinite(req.softmax_scale()) || req.softmax_scale() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("softmax_scale is ", req.softmax_scale(),
+                     ", expected a finite value >= 0 (0 = 1/sqrt(d))"));
+  }
+  const bool fused = req.has_k_new() || req.has_v_new();
+  std::vector<ModelCache::NewToken> new_tokens;
+  std::string k_new_staging, v_new_staging;
+  const char* k_new_bytes = nullptr;
+  const char* v_new_bytes = nullptr;
+  if (fused) {
+    const std::vector<int64_t> shape = {batch, s.num_kv_heads, s.head_dim};
+    KVCD_RETURN_IF_ERROR(
+        CheckTensorRef(req.k_new(), "k_new", shape, {v1::DTYPE_BF16, v1::DTYPE_F32}));
+    KVCD_RETURN_IF_ERROR(
+        CheckTensorRef(req.v_new(), "v_new", shape, {v1::DTYPE_BF16, v1::DTYPE_F32}));
+    KVCD_RETURN_IF_ERROR(CheckPayload(req.k_new(), "k_new", kInline | kIpc));
+    KVCD_RETURN_IF_ERROR(CheckPayload(req.v_new(), "v_new", kInline | kIpc));
+    if (req.new_tokens_size() != batch) {
+      return absl::InvalidArgumentError(absl::StrCat("new_tokens has ", req.new_tokens_size(),
+                                                     " entries, expected one per sequence (", batch,
+                                                     ")"));
+    }
+    KVCD_RETURN_IF_ERROR(CheckTokens(req.new_tokens(), "new_tokens", false));
+    const int64_t row = int64_t{s.num_kv_heads} * s.head_dim;
+    // Device rows (both CUDA IPC, same dtype) are stored on the device without a host
+    // copy; anything else goes through host bytes.
+    const bool device_rows = req.k_new().payload_case() == v1::TensorRef::kCudaIpc &&
+                             req.v_new().payload_case() == v1::TensorRef::kCudaIpc &&
+                             req.k_new().dtype() == req.v_new().dtype();
+    BufferRegistry::Region k_region, v_region;
+    if (device_rows) {
+      KVCD_ASSIGN_OR_RETURN(k_region, buffers_.Resolve(req.k_new().cuda_ipc(), "k_new"));
+      KVCD_ASSIGN_OR_RETURN(v_region, buffers_.Resolve(req.v_new().cuda_ipc(), "v_new"));
+      KVCD_RETURN_IF_ERROR(buffers_.WaitReady(k_region));
+      if (v_region.buffer != k_region.buffer) KVCD_RETURN_IF_ERROR(buffers_.WaitReady(v_region));
+    } else {
+      KVCD_ASSIGN_OR_RETURN(k_new_bytes, HostBytes(req.k_new(), "k_new", &k_new_staging));
+      KVCD_ASSIGN_OR_RETURN(v_new_bytes, HostBytes(req.v_new(), "v_new", &v_new_staging));
+    }
+    const int64_t elem = req.k_new().dtype() == v1::DTYPE_BF16 ? 2 : 4;
+    for (int64_t b = 0; b < batch; ++b) {
+      ModelCache::NewToken t;
+      t.token = req.new_tokens(static_cast<int>(b));
+      if (device_rows) {
+        t.k.is_bf16 = t.v.is_bf16 = elem == 2;
+        t.k_device = k_region.ptr + b * row * elem;
+        t.v_device = v_region.ptr + b * row * elem;
+      } else {
+        t.k = RowsOf(req.k_new(), k_new_bytes, 1, s, b * row);
+        t.v = RowsOf(req.v_new(), v_new_bytes, 1, s, b * row);
+      }
+      new_tokens.push_back(t);
+    }
+  } else if (req.new_tokens_size() != 0) {
+    return absl::InvalidArgumentError("new_tokens is set without k_new/v_new");
+  }
+  const int64_t q_elems = batch * s.num_q_heads * s.head_dim;
+  const float scale = req.softmax_scale() == 0 ? 1.0f / std::sqrt(static_cast<float>(s.head_dim))
+                                               : req.softmax_scale();
+  // Queries and results: host (inline) or the worker's device buffers (cuda_ipc).
+  ModelCache::DeviceIo device;
+  BufferRegistry::Region q_region, o_region, lse_region;
+  std::vector<float> q;
+  const bool device_q = req.q().payload_case() == v1::TensorRef::kCudaIpc;
+  if (device_q || device_out) {
+    KVCD_RETURN_IF_ERROR(backend_->DataPlaneAvailable());
+  }
+  if (device_q) {
+    KVCD_ASSIGN_OR_RETURN(q_region, buffers_.Resolve(req.q().cuda_ipc(), "q"));
+    KVCD_RETURN_IF_ERROR(buffers_.WaitReady(q_region));
+  }
+  if (!device_q || !device_out) {
+    std::string q_staging;
+    KVCD_ASSIGN_OR_RETURN(const char* q_bytes, HostBytes(req.q(), "q", &q_staging));
+    q.resize(static_cast<size_t>(q_elems));
+    if (req.q().dtype() == v1::DTYPE_F32) {
+      std::memcpy(q.data(), q_bytes, q.size() * sizeof(float));
+    } else {
+      for (int64_t i = 0; i < q_elems; ++i) {
+        uint16_t h;
+        std::memcpy(&h, q_bytes + 2 * i, 2);
+        q[static_cast<size_t>(i)] = kernels::Bf16ToFloat(h);
+      }
+    }
+  }
+  if (device_out) {
+    KVCD_ASSIGN_OR_RETURN(o_region, buffers_.Resolve(req.o_out().cuda_ipc(), "o_out"));
+    KVCD_ASSIGN_OR_RETURN(lse_region, buffers_.Resolve(req.lse_out().cuda_ipc(), "lse_out"));
+    if (device_q) {
+      device.q = q_region.ptr;
+      device.q_bf16 = req.q().dtype() == v1::DTYPE_BF16;
+    } else {  // host queries, device results: the queries go up first
+      auto* staged = reinterpret_cast<float*>(o_region.ptr);
+      KVCD_RETURN_IF_ERROR(backend_->CopyHostToDevice(staged, q.data(), q.size() * sizeof(float)));
+      device.q = staged;  // o_out has the queries' shape; the merge overwrites it last
+      device.q_bf16 = false;
+    }
+    device.o = reinterpret_cast<float*>(o_region.ptr);
+    device.lse = reinterpret_cast<float*>(lse_region.ptr);
+    *resp->mutable_o() = req.o_out();
+    *resp->mutable_lse() = req.lse_out();
+  } else {
+    v1::TensorRef* o = resp->mutable_o();
+    o->set_dtype(v1::DTYPE_F32);
+    o->add_shape(batch);
+    o->add_shape(s.num_q_heads);
+    o->add_shape(s.head_dim);
+    o->mutable_inline_data()->resize(static_cast<size_t>(q_elems) * sizeof(float));
+    v1::TensorRef* lse = resp->mutable_lse();
+    lse->set_dtype(v1::DTYPE_F32);
+    lse->add_shape(batch);
+    lse->add_shape(s.num_q_heads);
+    lse->mutable_inline_data()->resize(static_cast<size_t>(batch * s.num_q_heads) * sizeof(float));
+  }
+  std::vector<Sequence*> raw;
+  for (auto& sq : seqs) {
+    raw.push_back(sq.get());
+    Touch(sq.get());
+  }
+  std::vector<int64_t> lengths;
+  const auto t0 = std::chrono::steady_clock::now();
+  if (device_out) {
+    KVCD_RETURN_IF_ERROR(m->Attend(req.layer(), raw, nullptr, scale, new_tokens, nullptr, nullptr,
+                                   &lengths, &device));
+    KVCD_RETURN_IF_ERROR(buffers_.MarkWritten(o_region));
+    if (lse_region.buffer != o_region.buffer) KVCD_RETURN_IF_ERROR(buffers_.MarkWritten(lse_region));
+  } else {
+    KVCD_RETURN_IF_ERROR(m->Attend(
+        req.layer(), raw, q.data(), scale, new_tokens,
+        reinterpret_cast<float*>(resp->mutable_o()->mutable_inline_data()->data()),
+        reinterpret_cast<float*>(resp->mutable_lse()->mutable_inline_data()->data()), &lengths));
+  }
+  resp->set_kernel_seconds(
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  for (int64_t l : lengths) resp->add_lengths(l);
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::FetchPages(const v1::FetchPagesRequest& req,
+                                     v1::FetchPagesResponse* resp) {
+  KVCD_ASSIGN_OR_RETURN(auto seq, FindSequence(req.sequence_id()));
+  const ModelSpec& s = seq->model->spec();
+  if (req.first_token() < 0 || req.first_token() % s.page_size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("first_token is ", req.first_token(),
+                                                   ", expected a non-negative multiple of "
+                                                   "page_size (",
+                                                   s.page_size, ")"));
+  }
+  if (req.num_tokens() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_tokens is ", req.num_tokens(), ", expected >= 0 (0 = to the end)"));
+  }
+  const int64_t len = seq->model->Length(seq.get());
+  if (req.first_token() > len) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("first_token ", req.first_token(), " is past the sequence length ", len));
+  }
+  const int64_t n = req.num_tokens() == 0 ? len - req.first_token() : req.num_tokens();
+  const int64_t limit = config_.max_message_bytes - (1 << 16);
+  resp->set_first_token(req.first_token());
+  resp->set_num_tokens(n);
+  if (req.has_destination()) {
+    if (req.expand_to_bf16()) {
+      return absl::InvalidArgumentError(
+          "destination is set with expand_to_bf16; device destinations receive pages as stored "
+          "(expand_to_bf16 = false)");
+    }
+    KVCD_RETURN_IF_ERROR(CheckPayload(req.destination(), "destination", kIpc | kNccl));
+    int64_t total = 0;
+    for (int64_t p = req.first_token() / s.page_size; p * s.page_size < req.first_token() + n; ++p)
+      total += seq->model->StoredPageBytes(p);
+    if (total == 0) {
+      return absl::InvalidArgumentError("the range holds no page; nothing to send to destination");
+    }
+    KVCD_RETURN_IF_ERROR(
+        CheckTensorRef(req.destination(), "destination", {total}, {v1::DTYPE_U8}));
+    std::vector<ModelCache::StoredPageCopy> copies;
+    if (req.destination().payload_case() == v1::TensorRef::kCudaIpc) {
+      KVCD_ASSIGN_OR_RETURN(BufferRegistry::Region r,
+                            buffers_.Resolve(req.destination().cuda_ipc(), "destination"));
+      KVCD_RETURN_IF_ERROR(buffers_.WaitReady(r));  // the worker may still read older bytes
+      KVCD_RETURN_IF_ERROR(
+          seq->model->FetchStoredToDevice(seq.get(), req.first_token(), n, r.ptr, total, &copies));
+      KVCD_RETURN_IF_ERROR(buffers_.MarkWritten(r));
+    } else {
+      KVCD_RETURN_IF_ERROR(nccl_.Send(req.destination().nccl().communicator_id(),
+                                      static_cast<uint64_t>(total), [&](uint8_t* staging) {
+                                        return seq->model->FetchStoredToDevice(
+                                            seq.get(), req.first_token(), n, staging, total,
+                                            &copies);
+                                      }));
+    }
+    for (auto& c : copies) {
+      resp->add_page_formats(c.format);
+      v1::StoredPage* sp = resp->add_pages();
+      sp->set_format(c.format);
+      sp->set_first_token(c.first_token);
+      sp->set_num_tokens(c.num_tokens);
+    }
+    *resp->mutable_k() = req.destination();
+    return absl::OkStatus();
+  }
+  if (!req.expand_to_bf16()) {
+    const int64_t pages = (n + s.page_size - 1) / s.page_size;
+    const auto stored = CheckedMul(pages, seq->model->PageBytes(0));
+    if (!stored || *stored > limit) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("num_tokens ", n, " covers pages larger than max_message_bytes (",
+                       config_.max_message_bytes, "); fetch fewer tokens per call"));
+    }
+    std::vector<ModelCache::StoredPageCopy> copies;
+    KVCD_RETURN_IF_ERROR(seq->model->FetchStored(seq.get(), req.first_token(), n, &copies));
+    for (auto& c : copies) {
+      resp->add_page_formats(c.format);
+      v1::StoredPage* sp = resp->add_pages();
+      sp->set_format(c.format);
+      sp->set_first_token(c.first_token);
+      sp->set_num_tokens(c.num_tokens);
+      sp->set_data(std::move(c.data));
+    }
+    return absl::OkStatus();
+  }
+  const auto bytes = CheckedProduct({2, 2, s.num_layers, n, s.num_kv_heads, s.head_dim});
+  if (!bytes || *bytes > limit) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "num_tokens ", n, " would need a response larger than max_message_bytes (",
+        config_.max_message_bytes, "); fetch at most ",
+        limit / (4LL * s.num_layers * s.num_kv_heads * s.head_dim), " tokens per call"));
+  }
+  const int64_t elems = *bytes / 4;
+  std::vector<uint16_t> k(static_cast<size_t>(elems)), v(static_cast<size_t>(elems));
+  std::vector<std::string> formats;
+  KVCD_RETURN_IF_ERROR(
+      seq->model->Fetch(seq.get(), req.first_token(), n, k.data(), v.data(), &formats));
+  const std::vector<int64_t> shape = {s.num_layers, n, s.num_kv_heads, s.head_dim};
+  SetBf16Tensor(resp->mutable_k(), shape, k.data());
+  SetBf16Tensor(resp->mutable_v(), shape, v.data());
+  for (auto& f : formats) resp->add_page_formats(f);
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::PushPages(const v1::PushPagesRequest& req, v1::PushPagesResponse* resp) {
+  KVCD_ASSIGN_OR_RETURN(ModelCache * m, FindModel(req.model()));
+  KVCD_RETURN_IF_ERROR(CheckSalt(req.cache_salt()));
+  KVCD_RETURN_IF_ERROR(CheckTokens(req.tokens(), "tokens", false));
+  const int64_t ps = m->spec().page_size;
+  if (req.has_pages()) return PushDevicePages(*m, req, resp);
+  const int64_t n_pages = req.inline_pages_size();
+  const int64_t first = req.first_page();
+  if (n_pages < 1) return absl::InvalidArgumentError("inline_pages is empty, expected >= 1 page");
+  const auto end_pages = CheckedAdd(first, n_pages);
+  const auto end_tokens = end_pages ? CheckedMul(*end_pages, ps) : std::nullopt;
+  if (first < 0 || !end_tokens || *end_tokens > req.tokens_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("first_page ", first, " + ", n_pages, " pages of ", ps, " tokens need ",
+                     end_tokens ? *end_tokens : -1, " tokens, but tokens has ", req.tokens_size()));
+  }
+  std::vector<ModelCache::StoredPageIn> pages;
+  for (const auto& p : req.inline_pages()) pages.push_back({p.format(), p.data()});
+  KVCD_ASSIGN_OR_RETURN(PutResult r, m->PushPages(req.cache_salt(), req.tokens(), first, pages));
+  resp->set_inserted_tokens(r.inserted_tokens);
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::PushDevicePages(ModelCache& m, const v1::PushPagesRequest& req,
+                                          v1::PushPagesResponse* resp) {
+  if (req.inline_pages_size() != 0) {
+    return absl::InvalidArgumentError(
+        "both pages and inline_pages are set; send the pages one way");
+  }
+  KVCD_RETURN_IF_ERROR(CheckPayload(req.pages(), "pages", kIpc | kNccl));
+  const int64_t ps = m.spec().page_size;
+  const int64_t n_pages = req.num_pages();
+  const int64_t first = req.first_page();
+  if (n_pages < 1 || n_pages > kMaxTokensPerCall) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_pages is ", n_pages, ", expected 1..", kMaxTokensPerCall,
+                     " with pages (the count of pages in the device bytes)"));
+  }
+  const auto end_pages = CheckedAdd(first, n_pages);
+  const auto end_tokens = end_pages ? CheckedMul(*end_pages, ps) : std::nullopt;
+  if (first < 0 || !end_tokens || *end_tokens > req.tokens_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("first_page ", first, " + ", n_pages, " pages of ", ps, " tokens need ",
+                     end_tokens ? *end_tokens : -1, " tokens, but tokens has ", req.tokens_size()));
+  }
+  int64_t total = 0;
+  for (int64_t i = 0; i < n_pages; ++i) total += m.StoredPageBytes(first + i);
+  KVCD_RETURN_IF_ERROR(CheckTensorRef(req.pages(), "pages", {total}, {v1::DTYPE_U8}));
+  PutResult r;
+  auto store = [&](const uint8_t* src) -> absl::Status {
+    auto stored = m.PushDevicePages(req.cache_salt(), req.tokens(), first, n_pages, src);
+    if (!stored.ok()) return stored.status();
+    r = *stored;
+    return absl::OkStatus();
+  };
+  if (req.pages().payload_case() == v1::TensorRef::kCudaIpc) {
+    KVCD_ASSIGN_OR_RETURN(BufferRegistry::Region region,
+                          buffers_.Resolve(req.pages().cuda_ipc(), "pages"));
+    KVCD_RETURN_IF_ERROR(buffers_.WaitReady(region));
+    KVCD_RETURN_IF_ERROR(store(region.ptr));
+  } else {
+    KVCD_RETURN_IF_ERROR(
+        nccl_.Receive(req.pages().nccl().communicator_id(), static_cast<uint64_t>(total), store));
+  }
+  resp->set_inserted_tokens(r.inserted_tokens);
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::RegisterBuffer(const v1::RegisterBufferRequest& req,
+                                         v1::RegisterBufferResponse* resp) {
+  KVCD_ASSIGN_OR_RETURN(int64_t lease, GrantLease(req.lease_ms()));
+  std::string done;
+  KVCD_ASSIGN_OR_RETURN(auto buf, buffers_.Register(req, lease, config_.max_buffers, &done));
+  resp->set_buffer_id(buf->id);
+  resp->set_done_event_handle(done);
+  resp->set_lease_ms(lease);
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::UnregisterBuffer(const v1::UnregisterBufferRequest& req,
+                                           v1::UnregisterBufferResponse*) {
+  return buffers_.Unregister(req.buffer_id());
+}
+
+absl::Status CacheEngine::RenewBuffer(const v1::RenewBufferRequest& req,
+                                      v1::RenewBufferResponse* resp) {
+  KVCD_ASSIGN_OR_RETURN(auto buf, buffers_.Find(req.buffer_id()));
+  if (req.lease_ms() != 0) {
+    KVCD_ASSIGN_OR_RETURN(int64_t lease, GrantLease(req.lease_ms()));
+    buf->lease_ms.store(lease);
+  }
+  buf->deadline_ns.store(NowNs() + buf->lease_ms.load() * 1000000);
+  resp->set_lease_ms(buf->lease_ms.load());
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::NcclConnect(const v1::NcclConnectRequest& req,
+                                      v1::NcclConnectResponse* resp) {
+  KVCD_ASSIGN_OR_RETURN(NcclLinks::Connection c, nccl_.Connect(req.name(), req.timeout_ms()));
+  resp->set_communicator_id(c.id);
+  resp->set_unique_id(c.unique_id);
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::NcclDisconnect(const v1::NcclDisconnectRequest& req,
+                                         v1::NcclDisconnectResponse*) {
+  return nccl_.Disconnect(req.communicator_id());
+}
+
+absl::Status CacheEngine::Stats(const v1::StatsRequest&, v1::StatsResponse* resp) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    resp->set_memory_budget_bytes(config_.memory_budget_bytes);
+    for (const auto& [name, m] : models_) FillModelInfo(*m, resp->add_models());
+    resp->set_active_sequences(sequences_.size());
+  }
+  resp->set_memory_used_bytes(MemoryUsedBytes());
+  const uint64_t hit = counters_.hit_tokens.load();
+  const uint64_t miss = counters_.miss_tokens.load();
+  resp->set_hit_tokens(hit);
+  resp->set_miss_tokens(miss);
+  resp->set_hit_ratio(hit + miss == 0 ? 0.0 : static_cast<double>(hit) / (hit + miss));
+  resp->set_evicted_pages(counters_.evicted_pages.load());
+  resp->set_demoted_pages(counters_.demoted_pages.load());
+  resp->set_expired_leases(counters_.expired_leases.load());
+  resp->set_backend(backend_->name());
+  resp->set_version(KVCD_VERSION);
+  return absl::OkStatus();
+}
+
+int CacheEngine::ExpireLeases(int64_t now_ns) {
+  std::vector<std::shared_ptr<Sequence>> expired;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = sequences_.begin(); it != sequences_.end();) {
+      if (it->second->deadline_ns.load() < now_ns) {
+        expired.push_back(it->second);
+        it = sequences_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& seq : expired) seq->model->Close(seq.get());
+  counters_.expired_leases.fetch_add(expired.size());
+  const int buffers = buffers_.ExpireLeases(now_ns);
+  counters_.expired_buffers.fetch_add(static_cast<uint64_t>(buffers));
+  return static_cast<int>(expired.size()) + buffers;
+}
+
+std::vector<CacheEngine::ModelView> CacheEngine::SnapshotModels() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<ModelView> out;
+  for (const auto& [name, m] : models_) out.push_back({name, m->Snapshot()});
+  return out;
+}
+
+int64_t CacheEngine::ActiveSequences() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(sequences_.size());
+}
+
+uint64_t CacheEngine::MemoryUsedBytes() const {
+  uint64_t used = 0;
+  for (const auto& mv : SnapshotModels()) {
+    for (const auto& p : mv.snapshot.pools)
+      used += static_cast<uint64_t>(p.page_bytes) * p.pages_used;
+  }
+  return used;
+}
+
+}  // namespace kvcd

@@ -1,0 +1,113 @@
+// CacheEngine: the daemon's request-level core, independent of gRPC. It validates
+// every request (shapes, dtypes, lengths, ids; int64 overflow-safe, before anything
+// is allocated), routes it to the model's ModelCache, and owns the sequence table and
+// leases. Errors are absl::Status with the codes of DESIGN.md §4; the service maps
+// them to gRPC once (status_mapping.h).
+//
+// Thread safety: all methods are thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "kvcd/v1/kvcache.pb.h"
+#include "server/backends/backend.h"
+#include "server/dataplane/buffer_registry.h"
+#include "server/config/config.h"
+#include "server/cache/model_cache.h"
+#include "server/dataplane/nccl_links.h"
+
+namespace kvcd {
+
+class CacheEngine {
+ public:
+  CacheEngine(const ServerConfig& config, std::unique_ptr<Backend> backend);
+  ~CacheEngine();
+
+  // Registers a model; ALREADY_EXISTS if the name is taken by a different profile,
+  // RESOURCE_EXHAUSTED if the budget cannot hold memory_bytes more.
+  absl::Status RegisterModelSpec(const ModelSpec& spec, const std::string& codec_blob = "");
+
+  absl::Status RegisterModel(const v1::RegisterModelRequest& req, v1::RegisterModelResponse* resp);
+  absl::Status ListModels(const v1::ListModelsRequest& req, v1::ListModelsResponse* resp);
+  absl::Status Put(const v1::PutRequest& req, v1::PutResponse* resp);
+  absl::Status Match(const v1::MatchRequest& req, v1::MatchResponse* resp);
+  absl::Status OpenSequence(const v1::OpenSequenceRequest& req, v1::OpenSequenceResponse* resp);
+  absl::Status CloseSequence(const v1::CloseSequenceRequest& req, v1::CloseSequenceResponse* resp);
+  absl::Status RenewLease(const v1::RenewLeaseRequest& req, v1::RenewLeaseResponse* resp);
+  absl::Status Append(const v1::AppendRequest& req, v1::AppendResponse* resp);
+  absl::Status AttentionDecode(const v1::AttentionDecodeRequest& req,
+                               v1::AttentionDecodeResponse* resp);
+  absl::Status FetchPages(const v1::FetchPagesRequest& req, v1::FetchPagesResponse* resp);
+  absl::Status PushPages(const v1::PushPagesRequest& req, v1::PushPagesResponse* resp);
+  absl::Status Stats(const v1::StatsRequest& req, v1::StatsResponse* resp);
+  absl::Status RegisterBuffer(const v1::RegisterBufferRequest& req,
+                              v1::RegisterBufferResponse* resp);
+  absl::Status UnregisterBuffer(const v1::UnregisterBufferRequest& req,
+                                v1::UnregisterBufferResponse* resp);
+  absl::Status RenewBuffer(const v1::RenewBufferRequest& req, v1::RenewBufferResponse* resp);
+  absl::Status NcclConnect(const v1::NcclConnectRequest& req, v1::NcclConnectResponse* resp);
+  absl::Status NcclDisconnect(const v1::NcclDisconnectRequest& req,
+                              v1::NcclDisconnectResponse* resp);
+  int64_t RegisteredBuffers() const { return buffers_.size(); }
+  int64_t NcclCommunicators() const { return nccl_.size(); }
+
+  // Closes every sequence and drops every registered buffer whose lease ran out before
+  // now_ns (steady clock); returns how many. Called periodically by the daemon.
+  int ExpireLeases(int64_t now_ns);
+
+  const CacheCounters& counters() const { return counters_; }
+  const ServerConfig& config() const { return config_; }
+  const char* backend_name() const { return backend_->name(); }
+  bool backend_healthy() const { return backend_->Healthy(); }
+
+  struct ModelView {
+    std::string name;
+    ModelSnapshot snapshot;
+  };
+  std::vector<ModelView> SnapshotModels() const;
+  int64_t ActiveSequences() const;
+  uint64_t MemoryUsedBytes() const;  // sum of the models' pool bytes
+
+ private:
+  absl::StatusOr<ModelCache*> FindModel(const std::string& name) const;
+  absl::StatusOr<std::shared_ptr<Sequence>> FindSequence(uint64_t id) const;
+  absl::StatusOr<int64_t> GrantLease(int64_t requested_ms) const;
+  void Touch(Sequence* seq) const;
+  void FillModelInfo(const ModelCache& m, v1::ModelInfo* info) const;
+  // Payload kinds a TensorRef field accepts.
+  enum PayloadKind { kInline = 1, kIpc = 2, kNccl = 4 };
+  // INVALID_ARGUMENT for a kind the field does not accept, FAILED_PRECONDITION for a
+  // device payload on a backend without device memory.
+  absl::Status CheckPayload(const v1::TensorRef& t, absl::string_view field, int kinds) const;
+  // The elements of a checked input tensor in host memory: its inline data, or its
+  // cuda_ipc region copied into *staging (after the buffer's ready event).
+  absl::StatusOr<const char*> HostBytes(const v1::TensorRef& t, absl::string_view field,
+                                        std::string* staging);
+  absl::Status PushDevicePages(ModelCache& m, const v1::PushPagesRequest& req,
+                               v1::PushPagesResponse* resp);
+
+  const ServerConfig config_;
+  std::unique_ptr<Backend> backend_;
+  BufferRegistry buffers_;  // destroyed before backend_
+  NcclLinks nccl_;
+  CacheCounters counters_;
+
+  mutable std::mutex mu_;
+  std::map<std::string, std::unique_ptr<ModelCache>> models_ ABSL_GUARDED_BY(mu_);
+  uint64_t budget_used_ ABSL_GUARDED_BY(mu_) = 0;
+  std::unordered_map<uint64_t, std::shared_ptr<Sequence>> sequences_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_sequence_id_ ABSL_GUARDED_BY(mu_) = 1;
+};
+
+// Converts a v1 profile to a spec (0 rope.theta/scaling mean the defaults 10000 / 1).
+ModelSpec SpecFromProfile(const v1::ModelProfile& p);
+void ProfileFromSpec(const ModelSpec& s, v1::ModelProfile* p);
+
+}  // namespace kvcd

@@ -1,0 +1,189 @@
+#include "server/metrics/metrics.h"
+
+#include "absl/strings/str_cat.h"
+#include "prometheus/collectable.h"
+#include "prometheus/metric_family.h"
+#include "prometheus/text_serializer.h"
+#include "absl/status/status.h"
+
+namespace kvcd {
+namespace {
+
+using prometheus::ClientMetric;
+using prometheus::MetricFamily;
+using prometheus::MetricType;
+
+MetricFamily Family(const char* name, const char* help, MetricType type) {
+  MetricFamily f;
+  f.name = name;
+  f.help = help;
+  f.type = type;
+  return f;
+}
+
+void Add(MetricFamily* f, double value, std::vector<ClientMetric::Label> labels = {}) {
+  ClientMetric m;
+  m.label = std::move(labels);
+  if (f->type == MetricType::Counter) {
+    m.counter.value = value;
+  } else {
+    m.gauge.value = value;
+  }
+  f->metric.push_back(std::move(m));
+}
+
+// Reads the engine's state at scrape time.
+class CacheCollector final : public prometheus::Collectable {
+ public:
+  explicit CacheCollector(const CacheEngine* engine) : engine_(engine) {}
+
+  std::vector<MetricFamily> Collect() const override {
+    const CacheCounters& c = engine_->counters();
+    std::vector<MetricFamily> out;
+    auto pool_bytes =
+        Family("kvcd_pool_bytes", "Bytes of page pools by model, format and state (used|total).",
+               MetricType::Gauge);
+    auto pool_pages =
+        Family("kvcd_pool_pages", "Pages of page pools by model, format and state (used|free).",
+               MetricType::Gauge);
+    auto cached = Family("kvcd_cached_tokens", "Tokens held in the radix prefix cache, by model.",
+                         MetricType::Gauge);
+    auto pinned = Family("kvcd_pinned_pages", "Cached pages pinned by open sequences, by model.",
+                         MetricType::Gauge);
+    auto bpt = Family("kvcd_bytes_per_token",
+                      "Bytes stored per token (all layers, K and V, scales included) by model and "
+                      "segment (sink|history|recent).",
+                      MetricType::Gauge);
+    auto bits =
+        Family("kvcd_history_bits_per_element",
+               "Bits per K/V element of the history format (2.25 for int2-oscar at head_dim 128).",
+               MetricType::Gauge);
+    auto ratio = Family("kvcd_pool_compression_ratio",
+                        "Dense-BF16 bytes of the tokens held in a model's pools divided by the "
+                        "bytes of the pages in use.",
+                        MetricType::Gauge);
+    for (const auto& mv : engine_->SnapshotModels()) {
+      for (const auto& p : mv.snapshot.pools) {
+        const double pb = static_cast<double>(p.page_bytes);
+        Add(&pool_bytes, pb * p.pages_used,
+            {{"format", p.format}, {"model", mv.name}, {"state", "used"}});
+        Add(&pool_bytes, pb * p.pages_total,
+            {{"format", p.format}, {"model", mv.name}, {"state", "total"}});
+        Add(&pool_pages, p.pages_used,
+            {{"format", p.format}, {"model", mv.name}, {"state", "used"}});
+        Add(&pool_pages, p.pages_total - p.pages_used,
+            {{"format", p.format}, {"model", mv.name}, {"state", "free"}});
+      }
+      Add(&cached, static_cast<double>(mv.snapshot.cached_tokens), {{"model", mv.name}});
+      Add(&pinned, static_cast<double>(mv.snapshot.pinned_pages), {{"model", mv.name}});
+      Add(&bpt, mv.snapshot.bf16_bytes_per_token, {{"model", mv.name}, {"segment", "sink"}});
+      Add(&bpt, mv.snapshot.history_bytes_per_token, {{"model", mv.name}, {"segment", "history"}});
+      Add(&bpt, mv.snapshot.bf16_bytes_per_token, {{"model", mv.name}, {"segment", "recent"}});
+      Add(&bits, mv.snapshot.history_bits_per_element, {{"model", mv.name}});
+      Add(&ratio, mv.snapshot.compression_ratio, {{"model", mv.name}});
+    }
+    out.push_back(std::move(pool_bytes));
+    out.push_back(std::move(pool_pages));
+    out.push_back(std::move(cached));
+    out.push_back(std::move(pinned));
+    out.push_back(std::move(bpt));
+    out.push_back(std::move(bits));
+    out.push_back(std::move(ratio));
+    auto counter = [&](const char* name, const char* help, uint64_t v) {
+      auto f = Family(name, help, MetricType::Counter);
+      Add(&f, static_cast<double>(v));
+      out.push_back(std::move(f));
+    };
+    counter("kvcd_radix_hit_tokens_total",
+            "Tokens found in the prefix cache by Put and OpenSequence.", c.hit_tokens.load());
+    counter("kvcd_radix_miss_tokens_total",
+            "Tokens looked up by Put and OpenSequence and not cached.", c.miss_tokens.load());
+    counter("kvcd_inserted_pages_total", "Pages inserted into the prefix cache.",
+            c.inserted_pages.load());
+    counter("kvcd_evicted_pages_total", "Pages evicted from the prefix cache (LRU leaves).",
+            c.evicted_pages.load());
+    counter("kvcd_demoted_pages_total", "Pages demoted from BF16 to the history format.",
+            c.demoted_pages.load());
+    counter("kvcd_expired_leases_total", "Sequences closed because their lease ran out.",
+            c.expired_leases.load());
+    counter("kvcd_attention_calls_total", "Attention-decode batches executed.",
+            c.attention_calls.load());
+    counter("kvcd_expired_buffers_total",
+            "CUDA IPC buffers dropped because their lease ran out (a worker stopped renewing).",
+            c.expired_buffers.load());
+    auto buffers = Family("kvcd_registered_buffers", "Worker device buffers mapped through CUDA IPC.",
+                          MetricType::Gauge);
+    Add(&buffers, static_cast<double>(engine_->RegisteredBuffers()));
+    out.push_back(std::move(buffers));
+    auto comms = Family("kvcd_nccl_communicators", "NCCL communicators with workers.",
+                        MetricType::Gauge);
+    Add(&comms, static_cast<double>(engine_->NcclCommunicators()));
+    out.push_back(std::move(comms));
+    auto active = Family("kvcd_active_sequences", "Open decode sequences.", MetricType::Gauge);
+    Add(&active, static_cast<double>(engine_->ActiveSequences()));
+    out.push_back(std::move(active));
+    auto budget = Family("kvcd_memory_budget_bytes", "The daemon's memory budget for page pools.",
+                         MetricType::Gauge);
+    Add(&budget, static_cast<double>(engine_->config().memory_budget_bytes));
+    out.push_back(std::move(budget));
+    return out;
+  }
+
+ private:
+  const CacheEngine* engine_;
+};
+
+prometheus::Histogram::BucketBoundaries LatencyBuckets() {
+  // 10 us .. ~10 s, x2.5 per bucket.
+  prometheus::Histogram::BucketBoundaries b;
+  for (double v = 1e-5; v < 20; v *= 2.5) b.push_back(v);
+  return b;
+}
+
+}  // namespace
+
+Metrics::Metrics(const CacheEngine* engine)
+    : registry_(std::make_shared<prometheus::Registry>()),
+      cache_collector_(std::make_shared<CacheCollector>(engine)) {
+  rpc_seconds_ = &prometheus::BuildHistogram()
+                      .Name("kvcd_rpc_duration_seconds")
+                      .Help("Server-side latency of kvcd RPCs by method and status code.")
+                      .Register(*registry_);
+  kernel_seconds_ = &prometheus::BuildHistogram()
+                         .Name("kvcd_attention_kernel_seconds")
+                         .Help("Time inside the attention kernels per AttentionDecode batch.")
+                         .Register(*registry_)
+                         .Add({}, LatencyBuckets());
+}
+
+Metrics::~Metrics() = default;
+
+absl::StatusOr<int> Metrics::Serve(const std::string& address) {
+  try {
+    exposer_ = std::make_unique<prometheus::Exposer>(address);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve metrics on '", address, "': ", e.what()));
+  }
+  exposer_->RegisterCollectable(registry_);
+  exposer_->RegisterCollectable(cache_collector_);
+  const auto ports = exposer_->GetListeningPorts();
+  if (ports.empty()) return absl::UnavailableError("metrics exposer has no listening port");
+  return ports.front();
+}
+
+void Metrics::ObserveRpc(const std::string& method, absl::StatusCode code, double seconds) {
+  rpc_seconds_->Add({{"method", method}, {"code", absl::StatusCodeToString(code)}}, LatencyBuckets())
+      .Observe(seconds);
+}
+
+void Metrics::ObserveKernel(double seconds) { kernel_seconds_->Observe(seconds); }
+
+std::string Metrics::Render() const {
+  auto families = registry_->Collect();
+  auto cache = cache_collector_->Collect();
+  families.insert(families.end(), cache.begin(), cache.end());
+  return prometheus::TextSerializer().Serialize(families);
+}
+
+}  // namespace kvcd

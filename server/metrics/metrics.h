@@ -1,0 +1,43 @@
+// Prometheus metrics (prometheus-cpp). Counters and gauges of the cache are read from
+// the engine at scrape time (no double bookkeeping); RPC and kernel latencies are
+// histograms observed by the service. Names follow Prometheus rules: kvcd_ prefix,
+// base units (seconds, bytes), _total for counters, bounded labels (method, code,
+// model, format). See README.md "Metrics".
+//
+// Thread safety: ObserveRpc / ObserveKernel are thread-safe.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "prometheus/exposer.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "server/engine/cache_engine.h"
+
+namespace kvcd {
+
+class Metrics {
+ public:
+  explicit Metrics(const CacheEngine* engine);
+  ~Metrics();
+
+  // Starts the HTTP exposer on `address` (host:port; port 0 picks one). Returns the port.
+  absl::StatusOr<int> Serve(const std::string& address);
+
+  void ObserveRpc(const std::string& method, absl::StatusCode code, double seconds);
+  void ObserveKernel(double seconds);
+
+  // The text exposition of all metrics (what /metrics serves).
+  std::string Render() const;
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<prometheus::Collectable> cache_collector_;
+  prometheus::Family<prometheus::Histogram>* rpc_seconds_;
+  prometheus::Histogram* kernel_seconds_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+};
+
+}  // namespace kvcd

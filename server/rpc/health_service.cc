@@ -1,0 +1,111 @@
+#include "server/rpc/health_service.h"
+
+#include <string>
+
+namespace kvcd {
+namespace {
+
+using grpc::health::v1::HealthCheckResponse;
+
+bool KnownService(const std::string& name) { return name.empty() || name == "kvcd.v1.KvCache"; }
+
+}  // namespace
+
+// One Watch stream. Writes are serialized: a change that arrives while a write is in
+// flight is sent when that write completes (only the latest status matters).
+class HealthService::Watcher final : public grpc::ServerWriteReactor<HealthCheckResponse> {
+ public:
+  Watcher(HealthService* owner, bool known) : owner_(owner), known_(known) {
+    std::lock_guard<std::mutex> lock(owner_->mu_);
+    owner_->watchers_.insert(this);
+    SendLocked(owner_->serving_);
+  }
+
+  // REQUIRES: owner_->mu_ held.
+  void SendLocked(bool serving) {
+    latest_ = !known_ ? HealthCheckResponse::SERVICE_UNKNOWN
+                      : (serving ? HealthCheckResponse::SERVING : HealthCheckResponse::NOT_SERVING);
+    if (writing_ || done_) {
+      dirty_ = true;
+      return;
+    }
+    writing_ = true;
+    resp_.set_status(latest_);
+    StartWrite(&resp_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(owner_->mu_);
+    writing_ = false;
+    if (!ok) {
+      FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "watch write failed"));
+      return;
+    }
+    if (dirty_ && !done_) {
+      dirty_ = false;
+      writing_ = true;
+      resp_.set_status(latest_);
+      StartWrite(&resp_);
+    }
+  }
+
+  void OnCancel() override {
+    std::lock_guard<std::mutex> lock(owner_->mu_);
+    FinishLocked(grpc::Status::CANCELLED);
+  }
+
+  void FinishLocked(const grpc::Status& s) {
+    if (done_) return;
+    done_ = true;
+    owner_->watchers_.erase(this);
+    Finish(s);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  HealthService* owner_;
+  const bool known_;
+  HealthCheckResponse resp_;
+  HealthCheckResponse::ServingStatus latest_ = HealthCheckResponse::UNKNOWN;
+  bool writing_ = false, dirty_ = false, done_ = false;
+};
+
+HealthService::~HealthService() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (Watcher* w : std::set<Watcher*>(watchers_)) w->FinishLocked(grpc::Status::CANCELLED);
+}
+
+void HealthService::SetServing(bool serving) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (serving_ == serving) return;
+  serving_ = serving;
+  for (Watcher* w : watchers_) w->SendLocked(serving);
+}
+
+bool HealthService::serving() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return serving_;
+}
+
+grpc::ServerUnaryReactor* HealthService::Check(grpc::CallbackServerContext* ctx,
+                                               const grpc::health::v1::HealthCheckRequest* req,
+                                               HealthCheckResponse* resp) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  if (!KnownService(req->service())) {
+    reactor->Finish(grpc::Status(
+        grpc::StatusCode::NOT_FOUND,
+        "unknown service '" + req->service() + "'; kvcd reports '' and 'kvcd.v1.KvCache'"));
+    return reactor;
+  }
+  resp->set_status(serving() ? HealthCheckResponse::SERVING : HealthCheckResponse::NOT_SERVING);
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerWriteReactor<HealthCheckResponse>* HealthService::Watch(
+    grpc::CallbackServerContext* ctx, const grpc::health::v1::HealthCheckRequest* req) {
+  return new Watcher(this, KnownService(req->service()));
+}
+
+}  // namespace kvcd

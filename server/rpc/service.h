@@ -1,0 +1,100 @@
+// KvCacheService: the gRPC callback service. Reactors never block: each call's work
+// runs on the request executor, which calls Finish(). The bidirectional decode stream
+// handles one request at a time per stream, answering in order.
+#pragma once
+
+#include <atomic>
+
+#include "kvcd/v1/kvcache.grpc.pb.h"
+#include "server/engine/cache_engine.h"
+#include "server/dataplane/decode_channels.h"
+#include "server/metrics/metrics.h"
+#include "server/backends/thread_pool.h"
+
+namespace kvcd {
+
+class KvCacheService final : public v1::KvCache::CallbackService {
+ public:
+  KvCacheService(CacheEngine* engine, Metrics* metrics, ThreadPool* executor);
+
+  // After StartDraining, new calls get UNAVAILABLE; calls in flight finish; decode
+  // channels close.
+  void StartDraining() {
+    draining_.store(true);
+    channels_.CloseAll();
+  }
+  int64_t OpenChannels() const { return channels_.size(); }
+
+  grpc::ServerUnaryReactor* RegisterModel(grpc::CallbackServerContext* ctx,
+                                          const v1::RegisterModelRequest* req,
+                                          v1::RegisterModelResponse* resp) override;
+  grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* ctx,
+                                       const v1::ListModelsRequest* req,
+                                       v1::ListModelsResponse* resp) override;
+  grpc::ServerUnaryReactor* Put(grpc::CallbackServerContext* ctx, const v1::PutRequest* req,
+                                v1::PutResponse* resp) override;
+  grpc::ServerUnaryReactor* Match(grpc::CallbackServerContext* ctx, const v1::MatchRequest* req,
+                                  v1::MatchResponse* resp) override;
+  grpc::ServerUnaryReactor* OpenSequence(grpc::CallbackServerContext* ctx,
+                                         const v1::OpenSequenceRequest* req,
+                                         v1::OpenSequenceResponse* resp) override;
+  grpc::ServerUnaryReactor* CloseSequence(grpc::CallbackServerContext* ctx,
+                                          const v1::CloseSequenceRequest* req,
+                                          v1::CloseSequenceResponse* resp) override;
+  grpc::ServerUnaryReactor* RenewLease(grpc::CallbackServerContext* ctx,
+                                       const v1::RenewLeaseRequest* req,
+                                       v1::RenewLeaseResponse* resp) override;
+  grpc::ServerUnaryReactor* Append(grpc::CallbackServerContext* ctx, const v1::AppendRequest* req,
+                                   v1::AppendResponse* resp) override;
+  grpc::ServerUnaryReactor* AttentionDecode(grpc::CallbackServerContext* ctx,
+                                            const v1::AttentionDecodeRequest* req,
+                                            v1::AttentionDecodeResponse* resp) override;
+  grpc::ServerBidiReactor<v1::AttentionDecodeRequest, v1::AttentionDecodeStreamResponse>*
+  AttentionDecodeStream(grpc::CallbackServerContext* ctx) override;
+  grpc::ServerUnaryReactor* FetchPages(grpc::CallbackServerContext* ctx,
+                                       const v1::FetchPagesRequest* req,
+                                       v1::FetchPagesResponse* resp) override;
+  grpc::ServerUnaryReactor* PushPages(grpc::CallbackServerContext* ctx,
+                                      const v1::PushPagesRequest* req,
+                                      v1::PushPagesResponse* resp) override;
+  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest* req,
+                                  v1::StatsResponse* resp) override;
+  grpc::ServerUnaryReactor* RegisterBuffer(grpc::CallbackServerContext* ctx,
+                                           const v1::RegisterBufferRequest* req,
+                                           v1::RegisterBufferResponse* resp) override;
+  grpc::ServerUnaryReactor* UnregisterBuffer(grpc::CallbackServerContext* ctx,
+                                             const v1::UnregisterBufferRequest* req,
+                                             v1::UnregisterBufferResponse* resp) override;
+  grpc::ServerUnaryReactor* RenewBuffer(grpc::CallbackServerContext* ctx,
+                                        const v1::RenewBufferRequest* req,
+                                        v1::RenewBufferResponse* resp) override;
+  grpc::ServerUnaryReactor* NcclConnect(grpc::CallbackServerContext* ctx,
+                                        const v1::NcclConnectRequest* req,
+                                        v1::NcclConnectResponse* resp) override;
+  grpc::ServerUnaryReactor* NcclDisconnect(grpc::CallbackServerContext* ctx,
+                                           const v1::NcclDisconnectRequest* req,
+                                           v1::NcclDisconnectResponse* resp) override;
+
+  grpc::ServerUnaryReactor* OpenDecodeChannel(grpc::CallbackServerContext* ctx,
+                                              const v1::OpenDecodeChannelRequest* req,
+                                              v1::OpenDecodeChannelResponse* resp) override;
+  grpc::ServerUnaryReactor* CloseDecodeChannel(grpc::CallbackServerContext* ctx,
+                                               const v1::CloseDecodeChannelRequest* req,
+                                               v1::CloseDecodeChannelResponse* resp) override;
+
+  // Runs one decode request as the stream does (also used by the unary call).
+  absl::Status Decode(const v1::AttentionDecodeRequest& req, v1::AttentionDecodeResponse* resp);
+
+ private:
+  template <class Fn>
+  grpc::ServerUnaryReactor* Run(const char* method, grpc::CallbackServerContext* ctx, Fn fn);
+
+  CacheEngine* engine_;
+  Metrics* metrics_;
+  ThreadPool* executor_;
+  std::atomic<bool> draining_{false};
+  DecodeChannels channels_;
+  friend class DecodeStreamReactor;
+};
+
+}  // namespace kvcd

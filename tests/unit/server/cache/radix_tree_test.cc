@@ -1,0 +1,141 @@
+#include "server/cache/radix_tree.h"
+
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <vector>
+
+namespace kvcd {
+namespace {
+
+std::vector<int32_t> Seq(int32_t begin, int32_t n) {
+  std::vector<int32_t> v(n);
+  std::iota(v.begin(), v.end(), begin);
+  return v;
+}
+
+std::vector<PageRef> Pages(int32_t first_id, int32_t n) {
+  std::vector<PageRef> p;
+  for (int32_t i = 0; i < n; ++i) p.push_back(PageRef{0, first_id + i});
+  return p;
+}
+
+TEST(RadixTreeTest, InsertAndMatchArePageAligned) {
+  RadixTree tree(4);
+  const auto tokens = Seq(0, 12);
+  auto ins = tree.Insert("", tokens, Pages(100, 3));
+  EXPECT_EQ(ins.new_pages, 3);
+  EXPECT_TRUE(ins.duplicates.empty());
+  EXPECT_EQ(tree.cached_pages(), 3);
+
+  auto m = tree.Match("", Seq(0, 11));  // 2 full pages + a partial one
+  EXPECT_EQ(m.tokens, 8);
+  ASSERT_EQ(m.pages.size(), 2u);
+  EXPECT_EQ(m.pages[0].page, 100);
+  EXPECT_EQ(m.pages[1].page, 101);
+
+  auto none = tree.Match("", Seq(1, 12));
+  EXPECT_EQ(none.tokens, 0);
+  EXPECT_EQ(tree.Match("", Seq(0, 3)).tokens, 0);  // shorter than a page
+}
+
+TEST(RadixTreeTest, DivergingInsertSplitsTheEdge) {
+  RadixTree tree(2);
+  tree.Insert("", Seq(0, 8), Pages(0, 4));  // [0..7]
+  auto b = Seq(0, 8);
+  b[5] = 99;  // diverges in the third page
+  auto ins = tree.Insert("", b, Pages(10, 4));
+  EXPECT_EQ(ins.new_pages, 2);
+  ASSERT_EQ(ins.duplicates.size(), 2u);  // the caller's copies of the shared 2 pages
+  EXPECT_EQ(ins.duplicates[0].page, 10);
+  EXPECT_EQ(ins.duplicates[1].page, 11);
+  EXPECT_EQ(tree.cached_pages(), 6);
+  auto m = tree.Match("", b);
+  EXPECT_EQ(m.tokens, 8);
+  ASSERT_EQ(m.pages.size(), 4u);
+  EXPECT_EQ(m.pages[0].page, 0);  // shared prefix pages come from the first insert
+  EXPECT_EQ(m.pages[2].page, 12);
+  EXPECT_EQ(tree.Match("", Seq(0, 8)).pages[3].page, 3);
+}
+
+TEST(RadixTreeTest, ReinsertIsIdempotent) {
+  RadixTree tree(4);
+  tree.Insert("", Seq(0, 8), Pages(0, 2));
+  auto again = tree.Insert("", Seq(0, 8), Pages(0, 2));
+  EXPECT_EQ(again.new_pages, 0);
+  EXPECT_EQ(tree.cached_pages(), 2);
+  auto longer = tree.Insert("", Seq(0, 12), Pages(5, 3));
+  EXPECT_EQ(longer.new_pages, 1);
+  EXPECT_EQ(tree.Match("", Seq(0, 12)).pages[2].page, 7);
+}
+
+TEST(RadixTreeTest, TenantsNeverMatchEachOther) {
+  RadixTree tree(4);
+  tree.Insert("tenant-a", Seq(0, 8), Pages(0, 2));
+  EXPECT_EQ(tree.Match("tenant-a", Seq(0, 8)).tokens, 8);
+  EXPECT_EQ(tree.Match("tenant-b", Seq(0, 8)).tokens, 0);
+  EXPECT_EQ(tree.Match("", Seq(0, 8)).tokens, 0);
+  tree.Insert("tenant-b", Seq(0, 8), Pages(2, 2));
+  EXPECT_EQ(tree.Match("tenant-b", Seq(0, 8)).pages[0].page, 2);
+  EXPECT_EQ(tree.Match("tenant-a", Seq(0, 8)).pages[0].page, 0);
+}
+
+TEST(RadixTreeTest, PinnedPathsSurviveEvictionAndLruLeavesGoFirst) {
+  RadixTree tree(2);
+  tree.Insert("", Seq(0, 4), Pages(0, 2));       // A: [0..3]
+  tree.Insert("", Seq(100, 4), Pages(10, 2));    // B
+  tree.Insert("", Seq(200, 4), Pages(20, 2));    // C
+  tree.Match("", Seq(0, 4));                     // A is now the most recently used
+  auto pin = tree.MatchAndPin("", Seq(100, 4));  // pin B (also the newest)
+  ASSERT_NE(pin.node, nullptr);
+  EXPECT_EQ(tree.PinnedPages(), 2);
+
+  std::vector<PageRef> freed;
+  int64_t n =
+      tree.Evict([&] { return freed.size() < 2; }, [&](const PageRef& p) { freed.push_back(p); });
+  EXPECT_EQ(n, 2);
+  ASSERT_EQ(freed.size(), 2u);
+  EXPECT_EQ(freed[0].page, 20);  // C was the least recently used unpinned leaf
+  EXPECT_EQ(tree.Match("", Seq(200, 4)).tokens, 0);
+
+  // Evict everything evictable: A goes, pinned B stays.
+  tree.Evict([] { return true; }, [&](const PageRef& p) { freed.push_back(p); });
+  EXPECT_EQ(tree.Match("", Seq(0, 4)).tokens, 0);
+  EXPECT_EQ(tree.Match("", Seq(100, 4)).tokens, 4);
+  tree.Unpin(pin.node);
+  EXPECT_EQ(tree.PinnedPages(), 0);
+  tree.Evict([] { return true; }, [&](const PageRef& p) { freed.push_back(p); });
+  EXPECT_EQ(tree.cached_pages(), 0);
+  EXPECT_EQ(freed.size(), 6u);
+}
+
+TEST(RadixTreeTest, PinInsideAnEdgeSplitsAndProtectsOnlyThePrefix) {
+  RadixTree tree(2);
+  tree.Insert("", Seq(0, 8), Pages(0, 4));
+  auto pin = tree.MatchAndPin("", Seq(0, 4));  // the first half of the edge
+  EXPECT_EQ(pin.tokens, 4);
+  EXPECT_EQ(tree.PinnedPages(), 2);
+  std::vector<PageRef> freed;
+  tree.Evict([] { return true; }, [&](const PageRef& p) { freed.push_back(p); });
+  ASSERT_EQ(freed.size(), 2u);  // the unpinned tail [4..7]
+  EXPECT_EQ(freed[0].page, 2);
+  EXPECT_EQ(tree.Match("", Seq(0, 8)).tokens, 4);
+  tree.Unpin(pin.node);
+}
+
+TEST(RadixTreeTest, EvictingAChildExposesItsParentAsALeaf) {
+  RadixTree tree(1);
+  tree.Insert("", Seq(0, 3), Pages(0, 3));
+  auto b = Seq(0, 3);
+  b[2] = 50;
+  tree.Insert("", b, Pages(3, 3));  // splits into [0,1] -> {[2], [50]}
+  EXPECT_EQ(tree.num_nodes(), 3);
+  std::vector<PageRef> freed;
+  tree.Evict([] { return true; }, [&](const PageRef& p) { freed.push_back(p); });
+  EXPECT_EQ(freed.size(), 4u);  // 2 leaves of 1 page + the parent of 2 pages
+  EXPECT_EQ(tree.cached_pages(), 0);
+  EXPECT_EQ(tree.num_nodes(), 0);
+}
+
+}  // namespace
+}  // namespace kvcd

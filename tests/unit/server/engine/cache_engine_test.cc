@@ -1,0 +1,832 @@
+// CacheEngine: sequences and windows, attention against the float64 oracle, eviction,
+// leases, and the table of bad requests (exact code, cache unchanged afterwards).
+#include "server/engine/cache_engine.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <functional>
+#include <limits>
+
+#include "kvcd/kernels/bf16.h"
+#include "kvcd/kernels/int2_attention.h"
+#include "kvcd/kernels/reference_attention.h"
+#include "test_util.h"
+
+namespace kvcd {
+namespace {
+
+using testing_util::MakeAppend;
+using testing_util::MakePut;
+using testing_util::Profile;
+using testing_util::TestConfig;
+using testing_util::TinySpec;
+
+// A scratch response for calls whose answer the test does not read.
+template <class T>
+T* Out() {
+  static thread_local T t;
+  t.Clear();
+  return &t;
+}
+
+float RoundBf16(float x) { return kernels::Bf16ToFloat(kernels::FloatToBf16(x)); }
+
+class CacheEngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    engine_ = std::make_unique<CacheEngine>(TestConfig(), MakeCpuBackend(2));
+    ASSERT_TRUE(engine_->RegisterModelSpec(spec_).ok());
+  }
+
+  uint64_t Open(uint64_t seed, int64_t n, int64_t* matched = nullptr,
+                const std::string& salt = "") {
+    v1::OpenSequenceRequest req;
+    req.set_model(spec_.name);
+    req.set_cache_salt(salt);
+    const auto t = synthetic::Tokens(seed, 0, n);
+    req.mutable_tokens()->Add(t.begin(), t.end());
+    v1::OpenSequenceResponse resp;
+    EXPECT_TRUE(engine_->OpenSequence(req, &resp).ok());
+    if (matched) *matched = resp.matched_tokens();
+    return resp.sequence_id();
+  }
+
+  // Everything observable about stored content: pool usage, cached tokens, and the
+  // exact bytes a fetch of `seq` returns.
+  std::string Fingerprint(uint64_t seq) {
+    v1::StatsResponse stats;
+    EXPECT_TRUE(engine_->Stats(v1::StatsRequest(), &stats).ok());
+    std::string fp;
+    for (const auto& m : stats.models()) {
+      fp += m.profile().name() + ":" + std::to_string(m.cached_tokens());
+      for (const auto& p : m.pools()) fp += "/" + std::to_string(p.pages_used());
+    }
+    v1::FetchPagesRequest f;
+    f.set_sequence_id(seq);
+    f.set_expand_to_bf16(true);
+    f.set_expand_to_bf16(true);
+    v1::FetchPagesResponse fr;
+    EXPECT_TRUE(engine_->FetchPages(f, &fr).ok());
+    fp += "|" + std::to_string(fr.num_tokens()) + "|" + fr.k().inline_data() + fr.v().inline_data();
+    return fp;
+  }
+
+  ModelSpec spec_ = TinySpec();
+  std::unique_ptr<CacheEngine> engine_;
+};
+
+TEST_F(CacheEngineTest, PutMatchOpenShareThePrefix) {
+  v1::PutResponse put;
+  ASSERT_TRUE(engine_->Put(MakePut(spec_, 1, 18), &put).ok());
+  EXPECT_EQ(put.cached_tokens(), 0);
+  EXPECT_EQ(put.inserted_tokens(), 16);  // 4 full pages of 4
+  EXPECT_EQ(put.ignored_tokens(), 2);
+  ASSERT_TRUE(engine_->Put(MakePut(spec_, 1, 18), &put).ok());  // idempotent
+  EXPECT_EQ(put.cached_tokens(), 16);
+  EXPECT_EQ(put.inserted_tokens(), 0);
+
+  v1::MatchRequest mreq;
+  mreq.set_model(spec_.name);
+  const auto t = synthetic::Tokens(1, 0, 30);
+  mreq.mutable_tokens()->Add(t.begin(), t.end());
+  v1::MatchResponse m;
+  ASSERT_TRUE(engine_->Match(mreq, &m).ok());
+  EXPECT_EQ(m.matched_tokens(), 16);
+  EXPECT_EQ(m.matched_pages(), 4);
+
+  int64_t matched = 0;
+  const uint64_t seq = Open(1, 30, &matched);
+  EXPECT_EQ(matched, 16);
+  v1::AppendResponse ar;
+  ASSERT_TRUE(engine_->Append(MakeAppend(spec_, seq, 1, 16, 14), &ar).ok());
+  EXPECT_EQ(ar.length(), 30);
+
+  // The fetched history equals what was put and appended (BF16-rounded synthetic K/V).
+  v1::FetchPagesRequest f;
+  f.set_sequence_id(seq);
+  f.set_expand_to_bf16(true);
+  v1::FetchPagesResponse fr;
+  ASSERT_TRUE(engine_->FetchPages(f, &fr).ok());
+  ASSERT_EQ(fr.num_tokens(), 30);
+  const auto expect_k = synthetic::Kv(1, Profile(spec_), 0, 30, 0);
+  for (int64_t i = 0; i < static_cast<int64_t>(expect_k.size()); ++i) {
+    ASSERT_EQ(ElementAsFloat(fr.k(), i), RoundBf16(expect_k[i])) << i;
+  }
+  v1::StatsResponse st;
+  ASSERT_TRUE(engine_->Stats(v1::StatsRequest(), &st).ok());
+  EXPECT_EQ(st.active_sequences(), 1u);
+  EXPECT_EQ(st.hit_tokens(), 16u + 16u);  // second Put + Open
+}
+
+TEST_F(CacheEngineTest, ChunkedPutNeedsTheCachedPrefix) {
+  // Upload a 16-token prompt as [0, 8) then [8, 16) with kv_first_token.
+  v1::PutRequest first = MakePut(spec_, 6, 8);
+  v1::PutResponse put;
+  ASSERT_TRUE(engine_->Put(first, &put).ok());
+  v1::PutRequest whole = MakePut(spec_, 6, 16);
+  v1::PutRequest second = whole;
+  second.set_kv_first_token(8);
+  const auto p = Profile(spec_);
+  const std::vector<int64_t> shape = {2, 8, 2, 16};
+  SetBf16FromFloat(second.mutable_k(), shape, synthetic::Kv(6, p, 8, 8, 0).data());
+  SetBf16FromFloat(second.mutable_v(), shape, synthetic::Kv(6, p, 8, 8, 1).data());
+  ASSERT_TRUE(engine_->Put(second, &put).ok());
+  EXPECT_EQ(put.cached_tokens(), 8);
+  EXPECT_EQ(put.inserted_tokens(), 8);
+  // The chunked prompt fetches exactly like one put in one piece.
+  int64_t matched = 0;
+  const uint64_t seq = Open(6, 16, &matched);
+  ASSERT_EQ(matched, 16);
+  v1::FetchPagesRequest f;
+  f.set_sequence_id(seq);
+  f.set_expand_to_bf16(true);
+  v1::FetchPagesResponse fr;
+  ASSERT_TRUE(engine_->FetchPages(f, &fr).ok());
+  const auto k = synthetic::Kv(6, p, 0, 16, 0);
+  for (int64_t i = 0; i < static_cast<int64_t>(k.size()); ++i) {
+    ASSERT_EQ(ElementAsFloat(fr.k(), i), RoundBf16(k[i])) << i;
+  }
+  // A chunk whose prefix is not cached is refused and stores nothing.
+  v1::PutRequest orphan = MakePut(spec_, 77, 16);
+  orphan.set_kv_first_token(8);
+  SetBf16FromFloat(orphan.mutable_k(), shape, synthetic::Kv(77, p, 8, 8, 0).data());
+  SetBf16FromFloat(orphan.mutable_v(), shape, synthetic::Kv(77, p, 8, 8, 1).data());
+  const auto used_before = engine_->SnapshotModels()[0].snapshot.pools[0].pages_used;
+  EXPECT_EQ(engine_->Put(orphan, &put).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(engine_->SnapshotModels()[0].snapshot.pools[0].pages_used, used_before);
+}
+
+// Decode attention through the engine (sink | history | recent pages, split-K,
+// fused per-layer appends) against a float64 computation over everything sent.
+TEST_F(CacheEngineTest, AttentionMatchesFloat64ReferenceThroughTheDecodeLoop) {
+  const auto p = Profile(spec_);
+  ASSERT_TRUE(engine_->Put(MakePut(spec_, 5, 21), Out<v1::PutResponse>()).ok());
+  int64_t matched = 0;
+  const uint64_t seq = Open(5, 23, &matched);
+  ASSERT_EQ(matched, 20);
+  ASSERT_TRUE(engine_->Append(MakeAppend(spec_, seq, 5, 20, 3), Out<v1::AppendResponse>()).ok());
+  const int hq = p.num_q_heads(), hkv = p.num_kv_heads(), d = p.head_dim();
+  double worst = 0;
+  for (int64_t pos = 23; pos < 23 + 9; ++pos) {  // crosses page boundaries
+    for (int32_t layer = 0; layer < p.num_layers(); ++layer) {
+      v1::AttentionDecodeRequest req;
+      req.set_layer(layer);
+      req.add_sequence_ids(seq);
+      const auto q = synthetic::Row(5, p, layer, pos, 2);
+      SetF32Tensor(req.mutable_q(), {1, hq, d}, q.data());
+      SetBf16FromFloat(req.mutable_k_new(), {1, hkv, d},
+                       synthetic::Row(5, p, layer, pos, 0).data());
+      SetBf16FromFloat(req.mutable_v_new(), {1, hkv, d},
+                       synthetic::Row(5, p, layer, pos, 1).data());
+      req.add_new_tokens(synthetic::Token(5, pos));
+      v1::AttentionDecodeResponse resp;
+      ASSERT_TRUE(engine_->AttentionDecode(req, &resp).ok());
+      ASSERT_EQ(resp.lengths(0), pos + 1);
+      // Reference over all pos+1 tokens of this layer.
+      const int64_t n = pos + 1;
+      std::vector<float> k(n * hkv * d), v(n * hkv * d);
+      for (int64_t t = 0; t < n; ++t)
+        for (int h = 0; h < hkv; ++h)
+          for (int c = 0; c < d; ++c) {
+            k[(t * hkv + h) * d + c] = RoundBf16(synthetic::Value(5, layer, t, h, c, 0));
+            v[(t * hkv + h) * d + c] = RoundBf16(synthetic::Value(5, layer, t, h, c, 1));
+          }
+      std::vector<double> ro(hq * d), rl(hq);
+      kernels::ReferenceAttention(q.data(), k.data(), v.data(), n, hq, hkv, d,
+                                  1.0 / std::sqrt(double(d)), ro.data(), rl.data());
+      for (int i = 0; i < hq * d; ++i) {
+        worst = std::max(worst, std::fabs(ElementAsFloat(resp.o(), i) - ro[i]));
+      }
+      for (int h = 0; h < hq; ++h) EXPECT_NEAR(ElementAsFloat(resp.lse(), h), rl[h], 1e-4);
+    }
+  }
+  EXPECT_LT(worst, 1e-5);
+  v1::CloseSequenceRequest c;
+  c.set_sequence_id(seq);
+  v1::CloseSequenceResponse cr;
+  ASSERT_TRUE(engine_->CloseSequence(c, &cr).ok());
+  EXPECT_EQ(cr.length(), 32);
+}
+
+TEST_F(CacheEngineTest, PerLayerTokenMustReachEveryLayerBeforeTheNext) {
+  const auto p = Profile(spec_);
+  const uint64_t seq = Open(9, 0);
+  auto req_for = [&](int32_t layer, int64_t pos) {
+    v1::AttentionDecodeRequest req;
+    req.set_layer(layer);
+    req.add_sequence_ids(seq);
+    SetF32Tensor(req.mutable_q(), {1, p.num_q_heads(), p.head_dim()},
+                 synthetic::Row(9, p, layer, pos, 2).data());
+    SetBf16FromFloat(req.mutable_k_new(), {1, p.num_kv_heads(), p.head_dim()},
+                     synthetic::Row(9, p, layer, pos, 0).data());
+    SetBf16FromFloat(req.mutable_v_new(), {1, p.num_kv_heads(), p.head_dim()},
+                     synthetic::Row(9, p, layer, pos, 1).data());
+    req.add_new_tokens(7);
+    return req;
+  };
+  v1::AttentionDecodeResponse resp;
+  ASSERT_TRUE(engine_->AttentionDecode(req_for(0, 0), &resp).ok());
+  // A second token at layer 0 before layer 1 got the first one.
+  EXPECT_EQ(engine_->AttentionDecode(req_for(0, 1), &resp).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(engine_->Append(MakeAppend(spec_, seq, 9, 0, 1), Out<v1::AppendResponse>()).code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(engine_->AttentionDecode(req_for(1, 0), &resp).ok());
+  ASSERT_TRUE(engine_->AttentionDecode(req_for(0, 1), &resp).ok());
+  EXPECT_EQ(resp.lengths(0), 2);
+}
+
+TEST_F(CacheEngineTest, EvictionFreesLruPrefixesButNeverPinnedOnes) {
+  // A model of 8 pages; prefixes of 2 pages each.
+  ModelSpec small = TinySpec();
+  small.name = "small";
+  const int64_t page_bytes = 2LL * 2 * 2 * 4 * 16 * 2;  // layers*K,V*heads*tokens*dim*bf16
+  small.memory_bytes = 8 * page_bytes;
+  ASSERT_TRUE(engine_->RegisterModelSpec(small).ok());
+  v1::PutResponse put;
+  ASSERT_TRUE(engine_->Put(MakePut(small, 100, 8), &put).ok());
+  spec_ = small;
+  const uint64_t pinned = Open(100, 8);  // pins prefix 100
+  for (uint64_t seed = 101; seed < 110; ++seed) {
+    ASSERT_TRUE(engine_->Put(MakePut(small, seed, 8), &put).ok()) << seed;
+    EXPECT_EQ(put.inserted_tokens(), 8);
+  }
+  v1::StatsResponse st;
+  ASSERT_TRUE(engine_->Stats(v1::StatsRequest(), &st).ok());
+  EXPECT_GT(st.evicted_pages(), 0u);
+  v1::MatchRequest m;
+  m.set_model("small");
+  auto t = synthetic::Tokens(100, 0, 8);
+  m.mutable_tokens()->Add(t.begin(), t.end());
+  v1::MatchResponse mr;
+  ASSERT_TRUE(engine_->Match(m, &mr).ok());
+  EXPECT_EQ(mr.matched_tokens(), 8);  // pinned prefix survived
+  m.clear_tokens();
+  t = synthetic::Tokens(101, 0, 8);
+  m.mutable_tokens()->Add(t.begin(), t.end());
+  ASSERT_TRUE(engine_->Match(m, &mr).ok());
+  EXPECT_EQ(mr.matched_tokens(), 0);  // oldest unpinned prefix was evicted
+  (void)pinned;
+}
+
+TEST_F(CacheEngineTest, FullPoolWithNothingEvictableIsResourceExhausted) {
+  ModelSpec small = TinySpec();
+  small.name = "small";
+  small.memory_bytes = 2 * (2LL * 2 * 2 * 4 * 16 * 2);  // 2 pages
+  ASSERT_TRUE(engine_->RegisterModelSpec(small).ok());
+  spec_ = small;
+  const uint64_t seq = Open(1, 0);
+  v1::AppendResponse ar;
+  ASSERT_TRUE(engine_->Append(MakeAppend(small, seq, 1, 0, 8), &ar).ok());
+  const std::string before = Fingerprint(seq);
+  EXPECT_EQ(engine_->Append(MakeAppend(small, seq, 1, 8, 1), &ar).code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(engine_->Put(MakePut(small, 3, 4), Out<v1::PutResponse>()).code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(Fingerprint(seq), before);
+}
+
+TEST_F(CacheEngineTest, ExpiredLeasesReleasePins) {
+  v1::PutResponse put;
+  ASSERT_TRUE(engine_->Put(MakePut(spec_, 2, 8), &put).ok());
+  v1::OpenSequenceRequest req;
+  req.set_model(spec_.name);
+  const auto t = synthetic::Tokens(2, 0, 8);
+  req.mutable_tokens()->Add(t.begin(), t.end());
+  req.set_lease_ms(50);
+  v1::OpenSequenceResponse open;
+  ASSERT_TRUE(engine_->OpenSequence(req, &open).ok());
+  auto pinned = [&] { return engine_->SnapshotModels()[0].snapshot.pinned_pages; };
+  EXPECT_EQ(pinned(), 2);
+  const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::steady_clock::now().time_since_epoch())
+                          .count();
+  EXPECT_EQ(engine_->ExpireLeases(now), 0);               // still valid
+  EXPECT_EQ(engine_->ExpireLeases(now + 60'000'000), 1);  // 60 ms later: expired
+  EXPECT_EQ(pinned(), 0);
+  v1::RenewLeaseRequest renew;
+  renew.set_sequence_id(open.sequence_id());
+  EXPECT_EQ(engine_->RenewLease(renew, Out<v1::RenewLeaseResponse>()).code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(engine_->counters().expired_leases.load(), 1u);
+}
+
+TEST_F(CacheEngineTest, RegistrationChecksBudgetAndConflicts) {
+  ModelSpec big = TinySpec(1ull << 40);
+  big.name = "big";
+  EXPECT_EQ(engine_->RegisterModelSpec(big).code(), absl::StatusCode::kResourceExhausted);
+  ModelSpec clash = TinySpec();
+  clash.num_layers = 3;
+  EXPECT_EQ(engine_->RegisterModelSpec(clash).code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_TRUE(engine_->RegisterModelSpec(TinySpec()).ok());  // same profile: idempotent
+  ModelSpec bad = TinySpec();
+  bad.name = "bad";
+  bad.head_dim = 48;
+  EXPECT_EQ(engine_->RegisterModelSpec(bad).code(), absl::StatusCode::kInvalidArgument);
+  ModelSpec tiny_mem = TinySpec(100);
+  tiny_mem.name = "tinymem";
+  EXPECT_EQ(engine_->RegisterModelSpec(tiny_mem).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Every bad request gets its exact code, and nothing stored changes.
+TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
+  const auto p = Profile(spec_);
+  v1::PutResponse put;
+  ASSERT_TRUE(engine_->Put(MakePut(spec_, 4, 12), &put).ok());
+  const uint64_t seq = Open(4, 14);
+  ASSERT_TRUE(engine_->Append(MakeAppend(spec_, seq, 4, 12, 2), Out<v1::AppendResponse>()).ok());
+  const std::string before = Fingerprint(seq);
+
+  auto good_decode = [&] {
+    v1::AttentionDecodeRequest r;
+    r.set_layer(0);
+    r.add_sequence_ids(seq);
+    std::vector<float> q(p.num_q_heads() * p.head_dim(), 0.5f);
+    SetF32Tensor(r.mutable_q(), {1, p.num_q_heads(), p.head_dim()}, q.data());
+    return r;
+  };
+  // One inline page for tokens 500.. of the tiny model (pages of 1024 bytes).
+  auto push = [&](int tokens, int64_t first_page, const std::string& format,
+                  const std::string& data) {
+    v1::PushPagesRequest r;
+    r.set_model(spec_.name);
+    for (int i = 0; i < tokens; ++i) r.add_tokens(500 + i);
+    r.set_first_page(first_page);
+    auto* pg = r.add_inline_pages();
+    pg->set_format(format);
+    pg->set_data(data);
+    return engine_->PushPages(r, Out<v1::PushPagesResponse>());
+  };
+  struct BadCase {
+    const char* name;
+    absl::StatusCode code;
+    std::function<absl::Status()> call;
+  };
+  std::vector<BadCase> cases = {
+      {"put: unknown model", absl::StatusCode::kNotFound,
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         r.set_model("nope");
+         return engine_->Put(r, &put);
+       }},
+      {"put: no tokens", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         r.clear_tokens();
+         return engine_->Put(r, &put);
+       }},
+      {"put: negative token", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         r.set_tokens(3, -1);
+         return engine_->Put(r, &put);
+       }},
+      {"put: k shape", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         r.mutable_k()->set_shape(1, 7);
+         return engine_->Put(r, &put);
+       }},
+      {"put: k bytes", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         r.mutable_k()->mutable_inline_data()->pop_back();
+         return engine_->Put(r, &put);
+       }},
+      {"put: k dtype", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         r.mutable_k()->set_dtype(v1::DTYPE_U8);
+         return engine_->Put(r, &put);
+       }},
+      {"put: k/v dtype mismatch", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         std::vector<float> v(2 * 8 * 2 * 16, 1.0f);
+         SetF32Tensor(r.mutable_v(), {2, 8, 2, 16}, v.data());
+         return engine_->Put(r, &put);
+       }},
+      {"put: overflowing shape", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         r.mutable_k()->set_shape(1, int64_t{1} << 62);
+         return engine_->Put(r, &put);
+       }},
+      {"put: missing payload", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         r.mutable_v()->clear_inline_data();
+         return engine_->Put(r, &put);
+       }},
+      {"put: cuda ipc payload of the wrong size", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         r.mutable_k()->mutable_cuda_ipc()->set_size(4);
+         return engine_->Put(r, &put);
+       }},
+      {"put: cuda ipc payload on the cpu backend", absl::StatusCode::kFailedPrecondition,
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         const uint64_t bytes = r.k().inline_data().size();
+         r.mutable_k()->mutable_cuda_ipc()->set_size(bytes);
+         return engine_->Put(r, &put);
+       }},
+      {"decode: o_out inline", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = good_decode();
+         std::vector<float> o(p.num_q_heads() * p.head_dim());
+         SetF32Tensor(r.mutable_o_out(), {1, p.num_q_heads(), p.head_dim()}, o.data());
+         std::vector<float> l(p.num_q_heads());
+         SetF32Tensor(r.mutable_lse_out(), {1, p.num_q_heads()}, l.data());
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       }},
+      {"decode: o_out without lse_out", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = good_decode();
+         SetIpcTensor(r.mutable_o_out(), v1::DTYPE_F32, {1, p.num_q_heads(), p.head_dim()}, 7, 0);
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       }},
+      {"decode: o_out on the cpu backend", absl::StatusCode::kFailedPrecondition,
+       [&] {
+         auto r = good_decode();
+         SetIpcTensor(r.mutable_o_out(), v1::DTYPE_F32, {1, p.num_q_heads(), p.head_dim()}, 7, 0);
+         SetIpcTensor(r.mutable_lse_out(), v1::DTYPE_F32, {1, p.num_q_heads()}, 7, 4096);
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       }},
+      {"fetch: destination with expand_to_bf16", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::FetchPagesRequest r;
+         r.set_sequence_id(seq);
+         r.set_expand_to_bf16(true);
+         SetIpcTensor(r.mutable_destination(), v1::DTYPE_U8, {1024}, 7, 0);
+         return engine_->FetchPages(r, Out<v1::FetchPagesResponse>());
+       }},
+      {"fetch: destination on the cpu backend", absl::StatusCode::kFailedPrecondition,
+       [&] {
+         v1::FetchPagesRequest r;
+         r.set_sequence_id(seq);
+         SetIpcTensor(r.mutable_destination(), v1::DTYPE_U8, {1024}, 7, 0);
+         return engine_->FetchPages(r, Out<v1::FetchPagesResponse>());
+       }},
+      {"register buffer on the cpu backend", absl::StatusCode::kFailedPrecondition,
+       [&] {
+         v1::RegisterBufferRequest r;
+         r.set_ipc_handle(std::string(64, 'x'));
+         r.set_size(4096);
+         return engine_->RegisterBuffer(r, Out<v1::RegisterBufferResponse>());
+       }},
+      {"unregister an unknown buffer", absl::StatusCode::kNotFound,
+       [&] {
+         v1::UnregisterBufferRequest r;
+         r.set_buffer_id(12345);
+         return engine_->UnregisterBuffer(r, Out<v1::UnregisterBufferResponse>());
+       }},
+      {"renew an unknown buffer", absl::StatusCode::kNotFound,
+       [&] {
+         v1::RenewBufferRequest r;
+         r.set_buffer_id(12345);
+         return engine_->RenewBuffer(r, Out<v1::RenewBufferResponse>());
+       }},
+      {"nccl connect on the cpu backend", absl::StatusCode::kFailedPrecondition,
+       [&] {
+         return engine_->NcclConnect(v1::NcclConnectRequest(), Out<v1::NcclConnectResponse>());
+       }},
+      {"nccl disconnect of an unknown communicator", absl::StatusCode::kNotFound,
+       [&] {
+         v1::NcclDisconnectRequest r;
+         r.set_communicator_id(9);
+         return engine_->NcclDisconnect(r, Out<v1::NcclDisconnectResponse>());
+       }},
+      {"put: kv_first_token not page-aligned", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         r.set_kv_first_token(3);
+         return engine_->Put(r, &put);
+       }},
+      {"put: kv_first_token past the end", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         r.set_kv_first_token(12);
+         return engine_->Put(r, &put);
+       }},
+      {"put: salt too long", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         r.set_cache_salt(std::string(300, 'x'));
+         return engine_->Put(r, &put);
+       }},
+      {"open: bad lease", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::OpenSequenceRequest r;
+         r.set_model(spec_.name);
+         r.set_lease_ms(-5);
+         return engine_->OpenSequence(r, Out<v1::OpenSequenceResponse>());
+       }},
+      {"append: unknown sequence", absl::StatusCode::kNotFound,
+       [&] {
+         return engine_->Append(MakeAppend(spec_, 999, 4, 14, 1), Out<v1::AppendResponse>());
+       }},
+      {"append: wrong token count", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = MakeAppend(spec_, seq, 4, 14, 2);
+         r.add_tokens(1);
+         return engine_->Append(r, Out<v1::AppendResponse>());
+       }},
+      {"decode: layer out of range", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = good_decode();
+         r.set_layer(2);
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       }},
+      {"decode: negative layer", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = good_decode();
+         r.set_layer(-1);
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       }},
+      {"decode: empty batch", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = good_decode();
+         r.clear_sequence_ids();
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       }},
+      {"decode: duplicate ids", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = good_decode();
+         r.add_sequence_ids(seq);
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       }},
+      {"decode: unknown sequence", absl::StatusCode::kNotFound,
+       [&] {
+         auto r = good_decode();
+         r.set_sequence_ids(0, 4242);
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       }},
+      {"decode: q shape", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = good_decode();
+         r.mutable_q()->set_shape(1, 3);
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       }},
+      {"decode: NaN scale", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = good_decode();
+         r.set_softmax_scale(std::nanf(""));
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       }},
+      {"decode: k_new without v_new", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = good_decode();
+         std::vector<float> k(2 * 16, 1.0f);
+         SetF32Tensor(r.mutable_k_new(), {1, 2, 16}, k.data());
+         r.add_new_tokens(1);
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       }},
+      {"decode: new_tokens without k_new", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = good_decode();
+         r.add_new_tokens(1);
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       }},
+      {"fetch: unaligned first", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::FetchPagesRequest r;
+         r.set_sequence_id(seq);
+         r.set_first_token(1);
+         return engine_->FetchPages(r, Out<v1::FetchPagesResponse>());
+       }},
+      {"fetch: past the end", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::FetchPagesRequest r;
+         r.set_sequence_id(seq);
+         r.set_num_tokens(100);
+         return engine_->FetchPages(r, Out<v1::FetchPagesResponse>());
+       }},
+      {"close: unknown", absl::StatusCode::kNotFound,
+       [&] {
+         v1::CloseSequenceRequest r;
+         r.set_sequence_id(777);
+         return engine_->CloseSequence(r, Out<v1::CloseSequenceResponse>());
+       }},
+      {"register: bad geometry", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::RegisterModelRequest r;
+         *r.mutable_profile() = p;
+         r.mutable_profile()->set_name("other");
+         r.mutable_profile()->set_num_q_heads(3);
+         return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
+       }},
+      {"push pages over NCCL on the cpu backend", absl::StatusCode::kFailedPrecondition,
+       [&] {
+         v1::PushPagesRequest r;
+         r.set_model(spec_.name);
+         for (int i = 0; i < 4; ++i) r.add_tokens(1 + i);
+         r.set_num_pages(1);
+         r.mutable_pages()->set_dtype(v1::DTYPE_U8);
+         r.mutable_pages()->add_shape(1024);
+         r.mutable_pages()->mutable_nccl()->set_size(1024);
+         return engine_->PushPages(r, Out<v1::PushPagesResponse>());
+       }},
+      {"push pages: pages and inline_pages", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::PushPagesRequest r;
+         r.set_model(spec_.name);
+         for (int i = 0; i < 4; ++i) r.add_tokens(1 + i);
+         r.set_num_pages(1);
+         r.add_inline_pages()->set_format("bf16");
+         r.mutable_pages()->mutable_nccl()->set_size(1024);
+         return engine_->PushPages(r, Out<v1::PushPagesResponse>());
+       }},
+      {"push pages: wrong page size", absl::StatusCode::kInvalidArgument,
+       [&] { return push(4, 0, "bf16", std::string(100, '\0')); }},
+      {"push pages: wrong format", absl::StatusCode::kInvalidArgument,
+       [&] { return push(4, 0, "int2-oscar", std::string(1024, '\0')); }},
+      {"push pages: non-finite value", absl::StatusCode::kInvalidArgument,
+       [&] {
+         std::string data(1024, '\0');
+         data[11] = static_cast<char>(0x7f);  // bytes 10..11 = 0x7f80: BF16 +inf
+         data[10] = static_cast<char>(0x80);
+         return push(4, 0, "bf16", data);
+       }},
+      {"push pages: more pages than tokens", absl::StatusCode::kInvalidArgument,
+       [&] { return push(1, 0, "bf16", std::string(1024, '\0')); }},
+      {"push pages: first_page overflows", absl::StatusCode::kInvalidArgument,
+       [&] {
+         return push(4, std::numeric_limits<int64_t>::max(), "bf16", std::string(1024, '\0'));
+       }},
+      {"push pages: negative first_page", absl::StatusCode::kInvalidArgument,
+       [&] { return push(4, -1, "bf16", std::string(1024, '\0')); }},
+      {"push pages: prefix not cached", absl::StatusCode::kFailedPrecondition,
+       [&] { return push(8, 1, "bf16", std::string(1024, '\0')); }},
+  };
+  for (const auto& c : cases) {
+    const absl::Status s = c.call();
+    EXPECT_EQ(s.code(), c.code) << c.name << ": " << s;
+    EXPECT_FALSE(s.message().empty()) << c.name;
+    EXPECT_EQ(Fingerprint(seq), before) << c.name;
+  }
+}
+
+}  // namespace
+}  // namespace kvcd
+
+namespace kvcd {
+namespace {
+
+// A model whose history is OSCAR INT2 (Hadamard rotation): Put demotes every page past
+// the sink, Append demotes pages that leave the recent window, and attention over the
+// three segments matches a float64 computation on the stored (dequantized) K/V.
+TEST(Int2HistoryTest, DemotionAndAttentionOverTheThreeSegments) {
+  CacheEngine engine(testing_util::TestConfig(), MakeCpuBackend(2));
+  const ModelSpec spec = testing_util::TinyInt2Spec();
+  ASSERT_TRUE(engine.RegisterModelSpec(spec).ok());
+  const auto p = Profile(spec);
+  v1::PutResponse put;
+  ASSERT_TRUE(engine.Put(MakePut(spec, 8, 40), &put).ok());
+  EXPECT_EQ(put.inserted_tokens(), 40);
+  auto model = engine.SnapshotModels()[0].snapshot;
+  ASSERT_EQ(model.pools.size(), 2u);
+  EXPECT_EQ(model.pools[0].format, "bf16");
+  EXPECT_EQ(model.pools[0].pages_used, 1);  // the sink page
+  EXPECT_EQ(model.pools[1].format, "int2-oscar");
+  EXPECT_EQ(model.pools[1].pages_used, 9);
+  EXPECT_EQ(model.history_bits_per_element, 4.0);  // 2 + 32/16 at head_dim 16
+  EXPECT_EQ(model.codec, "hadamard");
+
+  v1::OpenSequenceRequest open;
+  open.set_model(spec.name);
+  const auto t = synthetic::Tokens(8, 0, 40);
+  open.mutable_tokens()->Add(t.begin(), t.end());
+  v1::OpenSequenceResponse opened;
+  ASSERT_TRUE(engine.OpenSequence(open, &opened).ok());
+  const uint64_t seq = opened.sequence_id();
+  v1::AppendResponse ar;
+  ASSERT_TRUE(engine.Append(MakeAppend(spec, seq, 8, 40, 30), &ar).ok());
+  ASSERT_EQ(ar.length(), 70);
+  // Pages 10..14 hold tokens older than the 8-token recent window: demoted.
+  EXPECT_EQ(engine.SnapshotModels()[0].snapshot.demoted_pages, 5u);
+
+  v1::FetchPagesRequest f;
+  f.set_sequence_id(seq);
+  v1::FetchPagesResponse stored;
+  ASSERT_TRUE(engine.FetchPages(f, &stored).ok());
+  ASSERT_EQ(stored.pages_size(), 18);
+  EXPECT_EQ(stored.pages(0).format(), "bf16");
+  EXPECT_EQ(stored.pages(14).format(), "int2-oscar");
+  EXPECT_EQ(stored.pages(15).format(), "bf16");
+  EXPECT_EQ(stored.pages(17).num_tokens(), 2);
+  EXPECT_EQ(static_cast<int64_t>(stored.pages(3).data().size()),
+            kernels::Int2PageBytes(2, 4, 16) * 2);
+
+  f.set_expand_to_bf16(true);
+  v1::FetchPagesResponse expanded;
+  ASSERT_TRUE(engine.FetchPages(f, &expanded).ok());
+  const int hq = 4, hkv = 2, d = 16;
+  for (int32_t layer = 0; layer < 2; ++layer) {
+    v1::AttentionDecodeRequest req;
+    req.set_layer(layer);
+    req.add_sequence_ids(seq);
+    const auto q = synthetic::Row(8, p, layer, 70, 2);
+    SetF32Tensor(req.mutable_q(), {1, hq, d}, q.data());
+    v1::AttentionDecodeResponse resp;
+    ASSERT_TRUE(engine.AttentionDecode(req, &resp).ok());
+    // float64 attention over what the daemon holds (expanded, un-rotated) ...
+    std::vector<float> k(70 * hkv * d), v(70 * hkv * d), k0(k.size()), v0(v.size());
+    for (int64_t i = 0; i < 70 * hkv * d; ++i) {
+      k[i] = ElementAsFloat(expanded.k(), layer * 70 * hkv * d + i);
+      v[i] = ElementAsFloat(expanded.v(), layer * 70 * hkv * d + i);
+    }
+    // ... and over the exact K/V that were sent.
+    for (int64_t tt = 0; tt < 70; ++tt)
+      for (int h = 0; h < hkv; ++h)
+        for (int c = 0; c < d; ++c) {
+          k0[(tt * hkv + h) * d + c] = synthetic::Value(8, layer, tt, h, c, 0);
+          v0[(tt * hkv + h) * d + c] = synthetic::Value(8, layer, tt, h, c, 1);
+        }
+    std::vector<double> ro(hq * d), rl(hq), eo(hq * d), el(hq);
+    kernels::ReferenceAttention(q.data(), k.data(), v.data(), 70, hq, hkv, d, 0.25, ro.data(),
+                                rl.data());
+    kernels::ReferenceAttention(q.data(), k0.data(), v0.data(), 70, hq, hkv, d, 0.25, eo.data(),
+                                el.data());
+    double err_stored = 0, err_exact = 0, norm = 0;
+    for (int i = 0; i < hq * d; ++i) {
+      const double o = ElementAsFloat(resp.o(), i);
+      err_stored += (o - ro[i]) * (o - ro[i]);
+      err_exact += (o - eo[i]) * (o - eo[i]);
+      norm += eo[i] * eo[i];
+    }
+    // Against the stored values only BF16 rounding of the expansion differs.
+    EXPECT_LT(std::sqrt(err_stored / norm), 0.02) << "layer " << layer;
+    // Against the exact K/V: the INT2 quantization error of 4 of 5 pages (d = 16).
+    EXPECT_LT(std::sqrt(err_exact / norm), 0.5) << "layer " << layer;
+    std::printf("layer %d: rel error vs stored %.4f, vs exact %.4f\n", layer,
+                std::sqrt(err_stored / norm), std::sqrt(err_exact / norm));
+  }
+}
+
+}  // namespace
+}  // namespace kvcd
+
+namespace kvcd {
+namespace {
+
+// Pages fetched as stored from one tenant's sequence and pushed as stored for another give
+// the same attention: INT2 pages travel without re-encoding.
+TEST(PushPagesTest, StoredPagesRoundTripIntoAnotherTenant) {
+  CacheEngine engine(testing_util::TestConfig(), MakeCpuBackend(2));
+  const ModelSpec spec = testing_util::TinyInt2Spec();
+  ASSERT_TRUE(engine.RegisterModelSpec(spec).ok());
+  const auto p = Profile(spec);
+  v1::PutResponse put;
+  ASSERT_TRUE(engine.Put(MakePut(spec, 3, 24), &put).ok());
+  const auto tokens = synthetic::Tokens(3, 0, 24);
+  auto open = [&](const std::string& salt) {
+    v1::OpenSequenceRequest o;
+    o.set_model(spec.name);
+    o.set_cache_salt(salt);
+    o.mutable_tokens()->Add(tokens.begin(), tokens.end());
+    v1::OpenSequenceResponse r;
+    EXPECT_TRUE(engine.OpenSequence(o, &r).ok());
+    return r;
+  };
+  const auto a = open("");
+  ASSERT_EQ(a.matched_tokens(), 24);
+  v1::FetchPagesRequest f;
+  f.set_sequence_id(a.sequence_id());
+  v1::FetchPagesResponse stored;
+  ASSERT_TRUE(engine.FetchPages(f, &stored).ok());
+  ASSERT_EQ(stored.pages_size(), 6);
+  // Push in two chunks: pages 0..1, then 2..5 (first_page = 2).
+  v1::PushPagesRequest push;
+  push.set_model(spec.name);
+  push.set_cache_salt("other");
+  push.mutable_tokens()->Add(tokens.begin(), tokens.begin() + 8);
+  for (int i = 0; i < 2; ++i) *push.add_inline_pages() = stored.pages(i);
+  v1::PushPagesResponse pr;
+  ASSERT_TRUE(engine.PushPages(push, &pr).ok());
+  EXPECT_EQ(pr.inserted_tokens(), 8);
+  push.clear_inline_pages();
+  push.clear_tokens();
+  push.mutable_tokens()->Add(tokens.begin(), tokens.end());
+  push.set_first_page(2);
+  for (int i = 2; i < 6; ++i) *push.add_inline_pages() = stored.pages(i);
+  ASSERT_TRUE(engine.PushPages(push, &pr).ok()) << engine.PushPages(push, &pr);
+  const auto b = open("other");
+  ASSERT_EQ(b.matched_tokens(), 24);
+  v1::AttentionDecodeRequest req;
+  req.set_layer(1);
+  req.add_sequence_ids(a.sequence_id());
+  const auto q = synthetic::Row(3, p, 1, 24, 2);
+  SetF32Tensor(req.mutable_q(), {1, 4, 16}, q.data());
+  v1::AttentionDecodeResponse ra, rb;
+  ASSERT_TRUE(engine.AttentionDecode(req, &ra).ok());
+  req.set_sequence_ids(0, b.sequence_id());
+  ASSERT_TRUE(engine.AttentionDecode(req, &rb).ok());
+  EXPECT_EQ(ra.o().inline_data(), rb.o().inline_data());  // bit-identical
+  EXPECT_EQ(ra.lse().inline_data(), rb.lse().inline_data());
+}
+
+}  // namespace
+}  // namespace kvcd
