@@ -16,7 +16,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
-#include "common/rotation.h"
+#include "common/codec_profile.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/bf16_attention.h"
 #include "kvcd/kernels/cpu_features.h"
@@ -95,7 +95,6 @@ int main(int argc, char** argv) {
   }
   auto backend = kvcd::MakeCpuBackend(threads);
   std::mt19937 rng(1);
-  const std::vector<float> hadamard = kvcd::HadamardMatrix(kD);
   std::string table =
       "| context | batch | BF16 ms | BF16 MB read | BF16 GB/s | INT2 ms | INT2 MB read | INT2 GB/s "
       "| "
@@ -118,11 +117,25 @@ int main(int argc, char** argv) {
         b.head_dim = kD;
         b.page_size = kPage;
         b.softmax_scale = 1.0f / std::sqrt(static_cast<float>(kD));
-        if (fmt == 1) b.r_k = b.r_v_t = hadamard.data();  // H is symmetric: H^T = H
+        // INT2 pages hold Hadamard-rotated rows: the model's formats share that rotation.
+        std::shared_ptr<const kvcd::CodecProfile> rotation;
+        if (fmt == 1) {
+          rotation = std::make_shared<const kvcd::CodecProfile>(
+              kvcd::CodecProfile::Hadamard(1, kD));
+        }
+        const std::vector<kvcd::FormatId> ids = {kvcd::FormatId::kBf16,
+                                                 kvcd::FormatId::kInt2Oscar};
+        auto formats = backend->CreateFormats(ids, kvcd::PageGeometry{1, kHkv, kD, kPage},
+                                              rotation);
+        if (!formats.ok()) {
+          std::fprintf(stderr, "%s\n", std::string(formats.status().message()).c_str());
+          return 1;
+        }
+        b.model_format = (*formats)[0].get();
         for (int s = 0; s < batch; ++s) {
           kvcd::AttentionJob job;
           kvcd::AttentionSegment seg;
-          seg.format = fmt == 0 ? kvcd::PageFormat::kBf16 : kvcd::PageFormat::kInt2Oscar;
+          seg.format = (*formats)[fmt].get();
           seg.pool = pool.pool.get();
           for (int64_t p = 0; p < pages_per_seq; ++p)
             seg.page_ids.push_back(static_cast<int32_t>(s * pages_per_seq + p));

@@ -71,45 +71,7 @@ __global__ void ToFloatKernel(const void* src, bool bf16, int64_t n, float* dst)
   }
 }
 
-__device__ uint16_t FloatToBf16Host(float f) {  // FloatToBf16 of bf16.h, bit for bit
-  const uint32_t u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-__global__ void StoreRowsKernel(RowStoreBatch batch, int d, bool src_bf16) {
-  __shared__ float x[256];
-  const RowStore r = batch.rows[blockIdx.x];
-  for (int i = threadIdx.x; i < d; i += blockDim.x) {
-    x[i] = src_bf16 ? __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(r.src)[i])
-                                      << 16)
-                    : static_cast<const float*>(r.src)[i];
-  }
-  __syncthreads();
-  for (int j = threadIdx.x; j < d; j += blockDim.x) {
-    float out;
-    if (r.rotation != nullptr) {
-      float acc = 0.0f;
-      for (int i = 0; i < d; ++i) acc = __fadd_rn(acc, __fmul_rn(x[i], r.rotation[i * d + j]));
-      out = acc;
-    } else {
-      out = x[j];
-    }
-    r.dst[j] = (src_bf16 && r.rotation == nullptr) ? static_cast<const uint16_t*>(r.src)[j]
-                                                   : FloatToBf16Host(out);
-  }
-}
-
 }  // namespace
-
-cudaError_t LaunchStoreRows(const RowStoreBatch& batch, int head_dim, bool src_bf16,
-                            cudaStream_t stream) {
-  if (batch.count <= 0) return cudaSuccess;
-  if (head_dim > 256 || batch.count > kMaxRowStoresPerLaunch) return cudaErrorInvalidValue;
-  const int threads = head_dim < 128 ? 128 : head_dim;
-  StoreRowsKernel<<<batch.count, threads, 0, stream>>>(batch, head_dim, src_bf16);
-  return cudaGetLastError();
-}
 
 cudaError_t LaunchCopySpans(const CopySpan* spans, int n, unsigned long long* bad,
                             cudaStream_t stream) {

@@ -1,4 +1,5 @@
-// CPU backend: aligned host memory for pools, SIMD kernels for attention.
+// CPU backend: aligned host memory for pools, the CPU formats' SIMD kernels on the compute
+// threads, split-K over 4096-token items with an exact merge.
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -6,11 +7,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvcd/kernels/attention_state.h"
-#include "kvcd/kernels/bf16_attention.h"
-#include "kvcd/kernels/int2_attention.h"
 #include "kvcd/kernels/int2_codec.h"
 #include "server/backends/backend.h"
 #include "server/backends/thread_pool.h"
+#include "server/formats/bf16/bf16_format.h"
+#include "server/formats/cpu_page_format.h"
+#include "server/formats/int2_oscar/int2_oscar_format.h"
 
 namespace kvcd {
 namespace {
@@ -37,11 +39,38 @@ class CpuBackend final : public Backend {
   }
   void FreePoolMemory(uint8_t* p, uint64_t) override { std::free(p); }
 
-  void CopyToPool(uint8_t* dst, const void* src, size_t bytes) override {
-    std::memcpy(dst, src, bytes);
+  absl::StatusOr<std::vector<std::unique_ptr<PageFormat>>> CreateFormats(
+      absl::Span<const FormatId> ids, const PageGeometry& geometry,
+      std::shared_ptr<const CodecProfile> rotation) override {
+    std::vector<std::unique_ptr<PageFormat>> out;
+    for (FormatId id : ids) {
+      switch (id) {
+        case FormatId::kBf16:
+          out.push_back(MakeBf16CpuFormat(geometry, rotation));
+          break;
+        case FormatId::kInt2Oscar:
+          if (rotation == nullptr) {
+            return absl::InvalidArgumentError("int2-oscar pages need a codec profile");
+          }
+          out.push_back(MakeInt2OscarCpuFormat(geometry, rotation));
+          break;
+        default:
+          return absl::UnimplementedError(
+              absl::StrCat("the cpu backend has no ", FormatName(id), " format"));
+      }
+    }
+    return out;
   }
-  void CopyFromPool(void* dst, const uint8_t* src, size_t bytes) override {
-    std::memcpy(dst, src, bytes);
+
+  absl::Status CopyIntoPool(absl::Span<const CopySpan> spans, bool src_on_device) override {
+    if (src_on_device) return NoDevice();
+    for (const CopySpan& s : spans) std::memcpy(s.dst, s.src, s.bytes);
+    return absl::OkStatus();
+  }
+  absl::Status CopyFromPool(absl::Span<const CopySpan> spans, bool dst_on_device) override {
+    if (dst_on_device) return NoDevice();
+    for (const CopySpan& s : spans) std::memcpy(s.dst, s.src, s.bytes);
+    return absl::OkStatus();
   }
 
   absl::Status Attend(const AttentionBatch& b) override {
@@ -66,46 +95,29 @@ class CpuBackend final : public Backend {
     const int g = b.num_q_heads / b.num_kv_heads;
     const int d = b.head_dim;
     // Rotate every query once (q·R_k, FP32); pages hold rotated keys.
+    const CodecProfile* rotation = b.model_format->rotation();
     const int64_t q_elems = int64_t{b.num_q_heads} * d;
     std::vector<float> q_rot;
-    if (b.r_k != nullptr) {
+    if (rotation != nullptr) {
       q_rot.resize(b.jobs.size() * q_elems);
       for (size_t j = 0; j < b.jobs.size(); ++j) {
-        kernels::RotateRows(b.jobs[j].q, b.num_q_heads, d, b.r_k, q_rot.data() + j * q_elems);
+        kernels::RotateRows(b.jobs[j].q, b.num_q_heads, d, rotation->RK(b.layer),
+                            q_rot.data() + j * q_elems);
       }
     }
     auto query = [&](int32_t job) {
-      return b.r_k != nullptr ? q_rot.data() + job * q_elems : b.jobs[job].q;
+      return rotation != nullptr ? q_rot.data() + job * q_elems : b.jobs[job].q;
     };
     std::vector<float> part_o(items.size() * g * d);
     std::vector<float> part_lse(items.size() * g);
-    const int64_t layer_page_elems = kernels::Bf16PageElems(b.num_kv_heads, b.page_size, d);
     pool_.ParallelFor(static_cast<int64_t>(items.size()), [&](int64_t i) {
       const Item& it = items[i];
       const float* q = query(it.job) + static_cast<int64_t>(it.kv_head) * g * d;
       float* o = part_o.data() + i * g * d;
       float* lse = part_lse.data() + i * g;
-      if (it.seg->format == PageFormat::kInt2Oscar) {
-        kernels::Int2PageTable kv;
-        kv.base = it.seg->pool->LayerBase(b.layer);
-        kv.page_stride = it.seg->pool->layer_page_bytes();
-        kv.page_ids = it.seg->page_ids.data();
-        kv.num_pages = static_cast<int32_t>(it.seg->page_ids.size());
-        kv.page_size = b.page_size;
-        kv.num_kv_heads = b.num_kv_heads;
-        kv.head_dim = d;
-        kernels::AttendInt2Pages(kv, it.kv_head, q, g, b.softmax_scale, it.begin, it.end, o, lse);
-        return;
-      }
-      kernels::Bf16PageTable kv;
-      kv.base = reinterpret_cast<const uint16_t*>(it.seg->pool->LayerBase(b.layer));
-      kv.page_stride = layer_page_elems;
-      kv.page_ids = it.seg->page_ids.data();
-      kv.num_pages = static_cast<int32_t>(it.seg->page_ids.size());
-      kv.page_size = b.page_size;
-      kv.num_kv_heads = b.num_kv_heads;
-      kv.head_dim = d;
-      kernels::AttendBf16Pages(kv, it.kv_head, q, g, b.softmax_scale, it.begin, it.end, o, lse);
+      static_cast<const CpuPageFormat*>(it.seg->format)
+          ->Attend(*it.seg->pool, b.layer, it.seg->page_ids, it.kv_head, q, g, b.softmax_scale,
+                   it.begin, it.end, o, lse);
     });
     for (int32_t j = 0; j < static_cast<int32_t>(b.jobs.size()); ++j) {
       for (int32_t h = 0; h < b.num_kv_heads; ++h) {
@@ -117,15 +129,19 @@ class CpuBackend final : public Backend {
                               b.jobs[j].o + static_cast<int64_t>(h) * g * d,
                               b.jobs[j].lse + static_cast<int64_t>(h) * g);
       }
-      if (b.r_v_t != nullptr) {  // o = o_rot · R_v^T, once per head
+      if (rotation != nullptr) {  // o = o_rot · R_v^T, once per head
         std::vector<float> o_rot(b.jobs[j].o, b.jobs[j].o + q_elems);
-        kernels::RotateRows(o_rot.data(), b.num_q_heads, d, b.r_v_t, b.jobs[j].o);
+        kernels::RotateRows(o_rot.data(), b.num_q_heads, d, rotation->RVT(b.layer), b.jobs[j].o);
       }
     }
     return absl::OkStatus();
   }
 
  private:
+  absl::Status NoDevice() const {
+    return absl::FailedPreconditionError(
+        "the cpu backend has no device memory; send inline_data (inline_pages) instead");
+  }
   ThreadPool pool_;
 };
 

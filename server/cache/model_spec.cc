@@ -4,28 +4,6 @@
 
 namespace kvcd {
 
-const char* HistoryFormatName(HistoryFormat f) {
-  switch (f) {
-    case HistoryFormat::kBf16:
-      return "bf16";
-    case HistoryFormat::kInt2Oscar:
-      return "int2-oscar";
-  }
-  return "unknown";
-}
-
-absl::Status ParseHistoryFormat(const std::string& s, HistoryFormat* out) {
-  if (s == "bf16") {
-    *out = HistoryFormat::kBf16;
-  } else if (s == "int2-oscar") {
-    *out = HistoryFormat::kInt2Oscar;
-  } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("history_format is '", s, "', expected 'bf16' or 'int2-oscar'"));
-  }
-  return absl::OkStatus();
-}
-
 absl::Status ValidateModelSpec(const ModelSpec& s) {
   auto bad = [&](const std::string& what) {
     return absl::InvalidArgumentError(absl::StrCat("model '", s.name, "': ", what));
@@ -72,7 +50,7 @@ absl::Status ValidateModelSpec(const ModelSpec& s) {
   }
   if (!(s.rope_scaling > 0)) return bad("rope.scaling must be > 0");
   if (s.memory_bytes == 0) return bad("memory_bytes must be > 0 (the model's share of the budget)");
-  if (s.history_format != HistoryFormat::kBf16 && !(s.bf16_fraction > 0 && s.bf16_fraction < 1)) {
+  if (s.history_format != FormatId::kBf16 && !(s.bf16_fraction > 0 && s.bf16_fraction < 1)) {
     return bad(absl::StrCat("bf16_fraction is ", s.bf16_fraction, ", expected 0 < x < 1"));
   }
   if (!s.codec.empty() && s.codec != "identity" && s.codec != "hadamard") {

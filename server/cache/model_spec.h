@@ -7,14 +7,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "server/formats/format_id.h"
 
 namespace kvcd {
-
-enum class HistoryFormat { kBf16 = 0, kInt2Oscar = 1 };
-
-const char* HistoryFormatName(HistoryFormat f);
-// Parses "bf16" / "int2-oscar"; INVALID_ARGUMENT otherwise.
-absl::Status ParseHistoryFormat(const std::string& s, HistoryFormat* out);
 
 struct ModelSpec {
   std::string name;
@@ -25,7 +20,7 @@ struct ModelSpec {
   int32_t page_size = 64;
   int32_t sink_tokens = 64;
   int32_t recent_tokens = 256;
-  HistoryFormat history_format = HistoryFormat::kBf16;
+  FormatId history_format = FormatId::kBf16;  // the window is always BF16
   double rope_theta = 10000.0;
   int32_t rope_rotary_dims = 0;  // 0 = head_dim
   double rope_scaling = 1.0;

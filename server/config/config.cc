@@ -86,7 +86,7 @@ absl::Status ParseModel(const YAML::Node& m, int index, ModelSpec* spec) {
   KVCD_RETURN_IF_ERROR(ReadBytes(m, "memory", where, &spec->memory_bytes));
   if (m["history_format"]) {
     KVCD_RETURN_IF_ERROR(
-        ParseHistoryFormat(m["history_format"].as<std::string>(), &spec->history_format));
+        ParseFormatName(m["history_format"].as<std::string>(), "history_format", &spec->history_format));
   }
   if (const YAML::Node rope = m["rope"]) {
     const std::string rw = where + "rope.";

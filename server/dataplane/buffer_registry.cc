@@ -7,6 +7,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/checked_math.h"
 #include "common/status_macros.h"
+#include "common/steady_clock.h"
+#include "server/backends/device_runtime.h"
 
 namespace kvcd {
 namespace {
@@ -22,19 +24,13 @@ uint64_t RandomEpoch() {
 
 }  // namespace
 
-int64_t SteadyNowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
 BufferRegistry::Buffer::~Buffer() {
   // Work queued on the mapping (an asynchronous attention output, a fetch) must finish
   // before the mapping goes away.
-  (void)backend->Synchronize();
-  if (base != nullptr) backend->CloseIpcBuffer(base);
-  if (ready_event != nullptr) backend->DestroyEvent(ready_event);
-  if (done_event != nullptr) backend->DestroyEvent(done_event);
+  (void)device->Synchronize();
+  if (base != nullptr) device->CloseIpcBuffer(base);
+  if (ready_event != nullptr) device->DestroyEvent(ready_event);
+  if (done_event != nullptr) device->DestroyEvent(done_event);
 }
 
 BufferRegistry::BufferRegistry(Backend* backend) : backend_(backend), epoch_(RandomEpoch()) {}
@@ -42,7 +38,7 @@ BufferRegistry::BufferRegistry(Backend* backend) : backend_(backend), epoch_(Ran
 absl::StatusOr<std::shared_ptr<BufferRegistry::Buffer>> BufferRegistry::Register(
     const v1::RegisterBufferRequest& req, int64_t lease_ms, int max_buffers,
     std::string* done_handle) {
-  KVCD_RETURN_IF_ERROR(backend_->DataPlaneAvailable());
+  KVCD_ASSIGN_OR_RETURN(DeviceRuntime * device, RequireDevice(*backend_));
   if (req.ipc_handle().size() != kHandleBytes) {
     return absl::InvalidArgumentError(absl::StrCat("ipc_handle has ", req.ipc_handle().size(),
                                                    " bytes, expected ", kHandleBytes,
@@ -65,10 +61,10 @@ absl::StatusOr<std::shared_ptr<BufferRegistry::Buffer>> BufferRegistry::Register
     return absl::ResourceExhaustedError(absl::StrCat(
         max_buffers, " buffers are registered (max_buffers); unregister some first"));
   }
-  auto buf = std::make_shared<Buffer>(backend_);
+  auto buf = std::make_shared<Buffer>(device);
   buf->name = req.name();
   buf->size = req.size();
-  auto base = backend_->OpenIpcBuffer(req.ipc_handle());
+  auto base = device->OpenIpcBuffer(req.ipc_handle());
   if (!base.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "ipc_handle cannot be opened (", base.status().message(),
@@ -77,7 +73,7 @@ absl::StatusOr<std::shared_ptr<BufferRegistry::Buffer>> BufferRegistry::Register
   }
   buf->base = static_cast<uint8_t*>(*base);
   if (!req.ready_event_handle().empty()) {
-    auto ev = backend_->OpenIpcEvent(req.ready_event_handle());
+    auto ev = device->OpenIpcEvent(req.ready_event_handle());
     if (!ev.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "ready_event_handle cannot be opened (", ev.status().message(),
@@ -85,7 +81,7 @@ absl::StatusOr<std::shared_ptr<BufferRegistry::Buffer>> BufferRegistry::Register
     }
     buf->ready_event = *ev;
   }
-  KVCD_ASSIGN_OR_RETURN(buf->done_event, backend_->CreateIpcEvent(done_handle));
+  KVCD_ASSIGN_OR_RETURN(buf->done_event, device->CreateIpcEvent(done_handle));
   buf->lease_ms.store(lease_ms);
   buf->deadline_ns.store(SteadyNowNs() + lease_ms * 1000000);
   std::lock_guard<std::mutex> lock(mu_);
@@ -141,11 +137,11 @@ absl::StatusOr<BufferRegistry::Region> BufferRegistry::Resolve(const v1::CudaIpc
 
 absl::Status BufferRegistry::WaitReady(const Region& r) {
   if (r.buffer->ready_event == nullptr) return absl::OkStatus();
-  return backend_->WaitEvent(r.buffer->ready_event);
+  return r.buffer->device->WaitEvent(r.buffer->ready_event);
 }
 
 absl::Status BufferRegistry::MarkWritten(const Region& r) {
-  return backend_->RecordEvent(r.buffer->done_event);
+  return r.buffer->device->RecordEvent(r.buffer->done_event);
 }
 
 int BufferRegistry::ExpireLeases(int64_t now_ns) {

@@ -25,15 +25,16 @@
 #include "absl/strings/string_view.h"
 #include "kvcd/v1/kvcache.pb.h"
 #include "server/backends/backend.h"
+#include "server/backends/device_runtime.h"
 
 namespace kvcd {
 
 class BufferRegistry {
  public:
   struct Buffer {
-    explicit Buffer(Backend* b) : backend(b) {}
+    explicit Buffer(DeviceRuntime* d) : device(d) {}
     ~Buffer();
-    Backend* const backend;
+    DeviceRuntime* const device;
     uint64_t id = 0;
     std::string name;
     uint8_t* base = nullptr;  // daemon-side mapping of the worker's allocation
@@ -80,7 +81,5 @@ class BufferRegistry {
   uint64_t next_ ABSL_GUARDED_BY(mu_) = 1;
   std::unordered_map<uint64_t, std::shared_ptr<Buffer>> buffers_ ABSL_GUARDED_BY(mu_);
 };
-
-int64_t SteadyNowNs();
 
 }  // namespace kvcd

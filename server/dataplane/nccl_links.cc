@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "server/backends/device_runtime.h"
 
 #ifdef KVCD_HAVE_CUDA_BACKEND
 #include "kvcd/kernels/cuda_nccl.h"
@@ -103,7 +104,7 @@ absl::Status NcclLinks::Disconnect(uint64_t id) {
 
 absl::StatusOr<NcclLinks::Connection> NcclLinks::Connect(const std::string& name,
                                                          int64_t timeout_ms) {
-  if (absl::Status s = backend_->DataPlaneAvailable(); !s.ok()) return s;
+  if (absl::Status s = RequireDevice(*backend_).status(); !s.ok()) return s;
   if (timeout_ms < 0 || timeout_ms > 600000) {
     return absl::InvalidArgumentError(
         absl::StrCat("timeout_ms is ", timeout_ms, ", expected 0 (10000) or 1..600000"));
@@ -220,7 +221,7 @@ absl::Status NcclLinks::Send(uint64_t id, uint64_t bytes,
 #else  // no CUDA in this build
 
 absl::StatusOr<NcclLinks::Connection> NcclLinks::Connect(const std::string&, int64_t) {
-  absl::Status s = backend_->DataPlaneAvailable();
+  absl::Status s = RequireDevice(*backend_).status();
   if (!s.ok()) return s;
   return absl::FailedPreconditionError("this kvcd build has no CUDA/NCCL support");
 }

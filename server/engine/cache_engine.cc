@@ -9,7 +9,9 @@
 #include "absl/strings/str_join.h"
 #include "common/checked_math.h"
 #include "common/status_macros.h"
+#include "common/steady_clock.h"
 #include "common/tensor_ref.h"
+#include "server/backends/device_runtime.h"
 #include "kvcd/kernels/bf16.h"
 
 namespace kvcd {
@@ -18,12 +20,8 @@ namespace {
 constexpr int64_t kMaxTokensPerCall = int64_t{1} << 24;
 constexpr int kMaxSaltBytes = 256;
 constexpr int kMaxBatch = 1024;
-
-int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+// Input tensors (K/V, queries) come inline or from a registered device buffer.
+constexpr int kInputKinds = TensorResolver::kInline | TensorResolver::kIpc;
 
 absl::Status CheckSalt(const std::string& salt) {
   if (salt.size() > kMaxSaltBytes) {
@@ -67,17 +65,6 @@ absl::Status CheckKv(const ModelSpec& s, const v1::TensorRef& k, const v1::Tenso
   return absl::OkStatus();
 }
 
-// `bytes`: the tensor's elements in host memory (CacheEngine::HostBytes).
-KvRows RowsOf(const v1::TensorRef& t, const char* bytes, int64_t n, const ModelSpec& s,
-              int64_t elem_offset = 0) {
-  KvRows r;
-  r.is_bf16 = t.dtype() == v1::DTYPE_BF16;
-  r.data = bytes + elem_offset * (r.is_bf16 ? 2 : 4);
-  r.token_stride = int64_t{s.num_kv_heads} * s.head_dim;
-  r.layer_stride = n * r.token_stride;
-  return r;
-}
-
 }  // namespace
 
 ModelSpec SpecFromProfile(const v1::ModelProfile& p) {
@@ -90,8 +77,8 @@ ModelSpec SpecFromProfile(const v1::ModelProfile& p) {
   s.page_size = p.page_size();
   s.sink_tokens = p.sink_tokens();
   s.recent_tokens = p.recent_tokens();
-  s.history_format = p.history_format() == v1::HISTORY_FORMAT_INT2_OSCAR ? HistoryFormat::kInt2Oscar
-                                                                         : HistoryFormat::kBf16;
+  s.history_format = p.history_format() == v1::HISTORY_FORMAT_INT2_OSCAR ? FormatId::kInt2Oscar
+                                                                         : FormatId::kBf16;
   s.rope_theta = p.rope().theta() == 0 ? 10000.0 : p.rope().theta();
   s.rope_rotary_dims = p.rope().rotary_dims();
   s.rope_scaling = p.rope().scaling() == 0 ? 1.0 : p.rope().scaling();
@@ -110,7 +97,7 @@ void ProfileFromSpec(const ModelSpec& s, v1::ModelProfile* p) {
   p->set_page_size(s.page_size);
   p->set_sink_tokens(s.sink_tokens);
   p->set_recent_tokens(s.recent_tokens);
-  p->set_history_format(s.history_format == HistoryFormat::kInt2Oscar
+  p->set_history_format(s.history_format == FormatId::kInt2Oscar
                             ? v1::HISTORY_FORMAT_INT2_OSCAR
                             : v1::HISTORY_FORMAT_BF16);
   p->mutable_rope()->set_theta(s.rope_theta);
@@ -125,49 +112,22 @@ CacheEngine::CacheEngine(const ServerConfig& config, std::unique_ptr<Backend> ba
     : config_(config),
       backend_(std::move(backend)),
       buffers_(backend_.get()),
-      nccl_(backend_.get()) {}
+      nccl_(backend_.get()),
+      tensors_(backend_.get(), &buffers_),
+      sequences_(LeasePolicy{config.default_lease_ms, config.max_lease_ms}, config.max_sequences) {}
 
-absl::Status CacheEngine::CheckPayload(const v1::TensorRef& t, absl::string_view field,
-                                       int kinds) const {
-  const char* name = "inline_data";
-  int kind = kInline;
-  if (t.payload_case() == v1::TensorRef::kCudaIpc) {
-    name = "cuda_ipc";
-    kind = kIpc;
-  } else if (t.payload_case() == v1::TensorRef::kNccl) {
-    name = "nccl";
-    kind = kNccl;
-  }
-  if ((kinds & kind) == 0) {
-    std::vector<std::string> want;
-    if (kinds & kInline) want.push_back("inline_data");
-    if (kinds & kIpc) want.push_back("cuda_ipc");
-    if (kinds & kNccl) want.push_back("nccl");
-    return absl::InvalidArgumentError(absl::StrCat(field, " carries ", name,
-                                                   ", which this field does not accept; expected ",
-                                                   absl::StrJoin(want, " or ")));
-  }
-  if (kind != kInline) {
-    absl::Status s = backend_->DataPlaneAvailable();
-    if (!s.ok()) return absl::Status(s.code(), absl::StrCat(field, ": ", s.message()));
-  }
-  return absl::OkStatus();
-}
+CacheEngine::~CacheEngine() = default;
 
-absl::StatusOr<const char*> CacheEngine::HostBytes(const v1::TensorRef& t, absl::string_view field,
-                                                   std::string* staging) {
-  if (t.payload_case() != v1::TensorRef::kCudaIpc) return t.inline_data().data();
-  KVCD_ASSIGN_OR_RETURN(BufferRegistry::Region r, buffers_.Resolve(t.cuda_ipc(), field));
-  KVCD_RETURN_IF_ERROR(buffers_.WaitReady(r));
-  staging->resize(r.size);
-  KVCD_RETURN_IF_ERROR(backend_->CopyDeviceToHost(staging->data(), r.ptr, r.size));
-  return static_cast<const char*>(staging->data());
-}
-
-CacheEngine::~CacheEngine() {
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto& [id, seq] : sequences_) seq->model->Close(seq.get());
-  sequences_.clear();
+absl::StatusOr<RowSource> CacheEngine::Rows(const v1::TensorRef& t, absl::string_view field,
+                                            int64_t n, const ModelSpec& s) {
+  KVCD_ASSIGN_OR_RETURN(TensorResolver::Bytes b, tensors_.Input(t, field));
+  RowSource r;
+  r.data = b.data;
+  r.on_device = b.on_device;
+  r.is_bf16 = t.dtype() == v1::DTYPE_BF16;
+  r.token_stride = int64_t{s.num_kv_heads} * s.head_dim;
+  r.layer_stride = n * r.token_stride;
+  return r;
 }
 
 absl::Status CacheEngine::RegisterModelSpec(const ModelSpec& spec, const std::string& codec_blob) {
@@ -204,29 +164,6 @@ absl::StatusOr<ModelCache*> CacheEngine::FindModel(const std::string& name) cons
         absl::StrCat("model '", name, "' is not registered; ListModels shows the models"));
   }
   return it->second.get();
-}
-
-absl::StatusOr<std::shared_ptr<Sequence>> CacheEngine::FindSequence(uint64_t id) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = sequences_.find(id);
-  if (it == sequences_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("sequence ", id, " is not open (never opened, closed, or its lease expired)"));
-  }
-  return it->second;
-}
-
-absl::StatusOr<int64_t> CacheEngine::GrantLease(int64_t requested_ms) const {
-  if (requested_ms == 0) return config_.default_lease_ms;
-  if (requested_ms < 10 || requested_ms > config_.max_lease_ms) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "lease_ms is ", requested_ms, ", expected 0 (default) or 10..", config_.max_lease_ms));
-  }
-  return requested_ms;
-}
-
-void CacheEngine::Touch(Sequence* seq) const {
-  seq->deadline_ns.store(NowNs() + seq->lease_ms.load() * 1000000);
 }
 
 void CacheEngine::FillModelInfo(const ModelCache& m, v1::ModelInfo* info) const {
@@ -277,14 +214,11 @@ absl::Status CacheEngine::Put(const v1::PutRequest& req, v1::PutResponse* resp) 
                      m->spec().page_size, ") in 0..", n, " (the number of tokens)"));
   }
   KVCD_RETURN_IF_ERROR(CheckKv(m->spec(), req.k(), req.v(), n - first));
-  KVCD_RETURN_IF_ERROR(CheckPayload(req.k(), "k", kInline | kIpc));
-  KVCD_RETURN_IF_ERROR(CheckPayload(req.v(), "v", kInline | kIpc));
-  std::string k_staging, v_staging;
-  KVCD_ASSIGN_OR_RETURN(const char* k_bytes, HostBytes(req.k(), "k", &k_staging));
-  KVCD_ASSIGN_OR_RETURN(const char* v_bytes, HostBytes(req.v(), "v", &v_staging));
-  KVCD_ASSIGN_OR_RETURN(PutResult r, m->Put(req.cache_salt(), req.tokens(), first,
-                                            RowsOf(req.k(), k_bytes, n - first, m->spec()),
-                                            RowsOf(req.v(), v_bytes, n - first, m->spec())));
+  KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(req.k(), "k", kInputKinds));
+  KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(req.v(), "v", kInputKinds));
+  KVCD_ASSIGN_OR_RETURN(RowSource k, Rows(req.k(), "k", n - first, m->spec()));
+  KVCD_ASSIGN_OR_RETURN(RowSource v, Rows(req.v(), "v", n - first, m->spec()));
+  KVCD_ASSIGN_OR_RETURN(PutResult r, m->Put(req.cache_salt(), req.tokens(), first, k, v));
   resp->set_cached_tokens(r.cached_tokens);
   resp->set_inserted_tokens(r.inserted_tokens);
   resp->set_ignored_tokens(r.ignored_tokens);
@@ -306,24 +240,10 @@ absl::Status CacheEngine::OpenSequence(const v1::OpenSequenceRequest& req,
   KVCD_ASSIGN_OR_RETURN(ModelCache * m, FindModel(req.model()));
   KVCD_RETURN_IF_ERROR(CheckSalt(req.cache_salt()));
   KVCD_RETURN_IF_ERROR(CheckTokens(req.tokens(), "tokens", true));
-  KVCD_ASSIGN_OR_RETURN(int64_t lease, GrantLease(req.lease_ms()));
-  uint64_t id;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (static_cast<int64_t>(sequences_.size()) >= config_.max_sequences) {
-      return absl::ResourceExhaustedError(absl::StrCat("max_sequences (", config_.max_sequences,
-                                                       ") sequences are open; close some first"));
-    }
-    id = next_sequence_id_++;
-  }
-  std::shared_ptr<Sequence> seq = m->Open(id, req.cache_salt(), req.tokens());
-  seq->lease_ms.store(lease);
-  Touch(seq.get());
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    sequences_.emplace(id, seq);
-  }
-  resp->set_sequence_id(id);
+  KVCD_ASSIGN_OR_RETURN(int64_t lease, sequences_.leases().Grant(req.lease_ms()));
+  KVCD_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq,
+                        sequences_.Open(m, req.cache_salt(), req.tokens(), lease));
+  resp->set_sequence_id(seq->id);
   resp->set_matched_tokens(m->Length(seq.get()));
   resp->set_lease_ms(lease);
   return absl::OkStatus();
@@ -331,48 +251,29 @@ absl::Status CacheEngine::OpenSequence(const v1::OpenSequenceRequest& req,
 
 absl::Status CacheEngine::CloseSequence(const v1::CloseSequenceRequest& req,
                                         v1::CloseSequenceResponse* resp) {
-  std::shared_ptr<Sequence> seq;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = sequences_.find(req.sequence_id());
-    if (it == sequences_.end()) {
-      return absl::NotFoundError(absl::StrCat("sequence ", req.sequence_id(), " is not open"));
-    }
-    seq = it->second;
-    sequences_.erase(it);
-  }
-  resp->set_length(seq->model->Length(seq.get()));
-  seq->model->Close(seq.get());
+  KVCD_ASSIGN_OR_RETURN(int64_t length, sequences_.Close(req.sequence_id()));
+  resp->set_length(length);
   return absl::OkStatus();
 }
 
 absl::Status CacheEngine::RenewLease(const v1::RenewLeaseRequest& req,
                                      v1::RenewLeaseResponse* resp) {
-  KVCD_ASSIGN_OR_RETURN(auto seq, FindSequence(req.sequence_id()));
-  if (req.lease_ms() != 0) {
-    KVCD_ASSIGN_OR_RETURN(int64_t lease, GrantLease(req.lease_ms()));
-    seq->lease_ms.store(lease);
-  }
-  Touch(seq.get());
-  resp->set_lease_ms(seq->lease_ms.load());
+  KVCD_ASSIGN_OR_RETURN(int64_t lease, sequences_.Renew(req.sequence_id(), req.lease_ms()));
+  resp->set_lease_ms(lease);
   return absl::OkStatus();
 }
 
 absl::Status CacheEngine::Append(const v1::AppendRequest& req, v1::AppendResponse* resp) {
-  KVCD_ASSIGN_OR_RETURN(auto seq, FindSequence(req.sequence_id()));
+  KVCD_ASSIGN_OR_RETURN(auto seq, sequences_.Find(req.sequence_id()));
   const ModelSpec& s = seq->model->spec();
   KVCD_RETURN_IF_ERROR(CheckTokens(req.tokens(), "tokens", false));
   const int64_t n = req.tokens_size();
   KVCD_RETURN_IF_ERROR(CheckKv(s, req.k(), req.v(), n));
-  KVCD_RETURN_IF_ERROR(CheckPayload(req.k(), "k", kInline | kIpc));
-  KVCD_RETURN_IF_ERROR(CheckPayload(req.v(), "v", kInline | kIpc));
-  std::string k_staging, v_staging;
-  KVCD_ASSIGN_OR_RETURN(const char* k_bytes, HostBytes(req.k(), "k", &k_staging));
-  KVCD_ASSIGN_OR_RETURN(const char* v_bytes, HostBytes(req.v(), "v", &v_staging));
-  Touch(seq.get());
-  KVCD_ASSIGN_OR_RETURN(int64_t len, seq->model->Append(seq.get(), req.tokens(),
-                                                        RowsOf(req.k(), k_bytes, n, s),
-                                                        RowsOf(req.v(), v_bytes, n, s)));
+  KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(req.k(), "k", kInputKinds));
+  KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(req.v(), "v", kInputKinds));
+  KVCD_ASSIGN_OR_RETURN(RowSource k, Rows(req.k(), "k", n, s));
+  KVCD_ASSIGN_OR_RETURN(RowSource v, Rows(req.v(), "v", n, s));
+  KVCD_ASSIGN_OR_RETURN(int64_t len, seq->model->Append(seq.get(), req.tokens(), k, v));
   resp->set_length(len);
   return absl::OkStatus();
 }
@@ -394,7 +295,7 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
       return absl::InvalidArgumentError(absl::StrCat("sequence_ids[", b, "] = ", id,
                                                      " appears twice; a batch needs distinct ids"));
     }
-    KVCD_ASSIGN_OR_RETURN(auto seq, FindSequence(id));
+    KVCD_ASSIGN_OR_RETURN(auto seq, sequences_.Find(id));
     if (!seqs.empty() && seq->model != seqs.front()->model) {
       return absl::InvalidArgumentError(
           absl::StrCat("sequence_ids[", b, "] belongs to model '", seq->model->spec().name,
@@ -411,15 +312,15 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
   }
   KVCD_RETURN_IF_ERROR(CheckTensorRef(req.q(), "q", {batch, s.num_q_heads, s.head_dim},
                                       {v1::DTYPE_BF16, v1::DTYPE_F32}));
-  KVCD_RETURN_IF_ERROR(CheckPayload(req.q(), "q", kInline | kIpc));
+  KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(req.q(), "q", kInputKinds));
   const bool device_out = req.has_o_out() || req.has_lse_out();
   if (device_out) {
     KVCD_RETURN_IF_ERROR(CheckTensorRef(req.o_out(), "o_out", {batch, s.num_q_heads, s.head_dim},
                                         {v1::DTYPE_F32}));
     KVCD_RETURN_IF_ERROR(
         CheckTensorRef(req.lse_out(), "lse_out", {batch, s.num_q_heads}, {v1::DTYPE_F32}));
-    KVCD_RETURN_IF_ERROR(CheckPayload(req.o_out(), "o_out", kIpc));
-    KVCD_RETURN_IF_ERROR(CheckPayload(req.lse_out(), "lse_out", kIpc));
+    KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(req.o_out(), "o_out", TensorResolver::kIpc));
+    KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(req.lse_out(), "lse_out", TensorResolver::kIpc));
   }
   if (!std::isfinite(req.softmax_scale()) || req.softmax_scale() < 0) {
     return absl::InvalidArgumentError(
@@ -427,54 +328,25 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
                      ", expected a finite value >= 0 (0 = 1/sqrt(d))"));
   }
   const bool fused = req.has_k_new() || req.has_v_new();
-  std::vector<ModelCache::NewToken> new_tokens;
-  std::string k_new_staging, v_new_staging;
-  const char* k_new_bytes = nullptr;
-  const char* v_new_bytes = nullptr;
+  ModelCache::NewTokens new_tokens;
   if (fused) {
     const std::vector<int64_t> shape = {batch, s.num_kv_heads, s.head_dim};
     KVCD_RETURN_IF_ERROR(
         CheckTensorRef(req.k_new(), "k_new", shape, {v1::DTYPE_BF16, v1::DTYPE_F32}));
     KVCD_RETURN_IF_ERROR(
         CheckTensorRef(req.v_new(), "v_new", shape, {v1::DTYPE_BF16, v1::DTYPE_F32}));
-    KVCD_RETURN_IF_ERROR(CheckPayload(req.k_new(), "k_new", kInline | kIpc));
-    KVCD_RETURN_IF_ERROR(CheckPayload(req.v_new(), "v_new", kInline | kIpc));
+    KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(req.k_new(), "k_new", kInputKinds));
+    KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(req.v_new(), "v_new", kInputKinds));
     if (req.new_tokens_size() != batch) {
       return absl::InvalidArgumentError(absl::StrCat("new_tokens has ", req.new_tokens_size(),
                                                      " entries, expected one per sequence (", batch,
                                                      ")"));
     }
     KVCD_RETURN_IF_ERROR(CheckTokens(req.new_tokens(), "new_tokens", false));
-    const int64_t row = int64_t{s.num_kv_heads} * s.head_dim;
-    // Device rows (both CUDA IPC, same dtype) are stored on the device without a host
-    // copy; anything else goes through host bytes.
-    const bool device_rows = req.k_new().payload_case() == v1::TensorRef::kCudaIpc &&
-                             req.v_new().payload_case() == v1::TensorRef::kCudaIpc &&
-                             req.k_new().dtype() == req.v_new().dtype();
-    BufferRegistry::Region k_region, v_region;
-    if (device_rows) {
-      KVCD_ASSIGN_OR_RETURN(k_region, buffers_.Resolve(req.k_new().cuda_ipc(), "k_new"));
-      KVCD_ASSIGN_OR_RETURN(v_region, buffers_.Resolve(req.v_new().cuda_ipc(), "v_new"));
-      KVCD_RETURN_IF_ERROR(buffers_.WaitReady(k_region));
-      if (v_region.buffer != k_region.buffer) KVCD_RETURN_IF_ERROR(buffers_.WaitReady(v_region));
-    } else {
-      KVCD_ASSIGN_OR_RETURN(k_new_bytes, HostBytes(req.k_new(), "k_new", &k_new_staging));
-      KVCD_ASSIGN_OR_RETURN(v_new_bytes, HostBytes(req.v_new(), "v_new", &v_new_staging));
-    }
-    const int64_t elem = req.k_new().dtype() == v1::DTYPE_BF16 ? 2 : 4;
-    for (int64_t b = 0; b < batch; ++b) {
-      ModelCache::NewToken t;
-      t.token = req.new_tokens(static_cast<int>(b));
-      if (device_rows) {
-        t.k.is_bf16 = t.v.is_bf16 = elem == 2;
-        t.k_device = k_region.ptr + b * row * elem;
-        t.v_device = v_region.ptr + b * row * elem;
-      } else {
-        t.k = RowsOf(req.k_new(), k_new_bytes, 1, s, b * row);
-        t.v = RowsOf(req.v_new(), v_new_bytes, 1, s, b * row);
-      }
-      new_tokens.push_back(t);
-    }
+    // Device rows (CUDA IPC) are stored on the device straight from the worker's buffer.
+    KVCD_ASSIGN_OR_RETURN(new_tokens.k, Rows(req.k_new(), "k_new", batch, s));
+    KVCD_ASSIGN_OR_RETURN(new_tokens.v, Rows(req.v_new(), "v_new", batch, s));
+    new_tokens.tokens = req.new_tokens();
   } else if (req.new_tokens_size() != 0) {
     return absl::InvalidArgumentError("new_tokens is set without k_new/v_new");
   }
@@ -486,16 +358,13 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
   BufferRegistry::Region q_region, o_region, lse_region;
   std::vector<float> q;
   const bool device_q = req.q().payload_case() == v1::TensorRef::kCudaIpc;
-  if (device_q || device_out) {
-    KVCD_RETURN_IF_ERROR(backend_->DataPlaneAvailable());
-  }
   if (device_q) {
-    KVCD_ASSIGN_OR_RETURN(q_region, buffers_.Resolve(req.q().cuda_ipc(), "q"));
-    KVCD_RETURN_IF_ERROR(buffers_.WaitReady(q_region));
+    KVCD_ASSIGN_OR_RETURN(TensorResolver::Bytes qb, tensors_.Input(req.q(), "q"));
+    q_region = qb.region;
   }
   if (!device_q || !device_out) {
     std::string q_staging;
-    KVCD_ASSIGN_OR_RETURN(const char* q_bytes, HostBytes(req.q(), "q", &q_staging));
+    KVCD_ASSIGN_OR_RETURN(const char* q_bytes, tensors_.HostInput(req.q(), "q", &q_staging));
     q.resize(static_cast<size_t>(q_elems));
     if (req.q().dtype() == v1::DTYPE_F32) {
       std::memcpy(q.data(), q_bytes, q.size() * sizeof(float));
@@ -508,14 +377,15 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
     }
   }
   if (device_out) {
-    KVCD_ASSIGN_OR_RETURN(o_region, buffers_.Resolve(req.o_out().cuda_ipc(), "o_out"));
-    KVCD_ASSIGN_OR_RETURN(lse_region, buffers_.Resolve(req.lse_out().cuda_ipc(), "lse_out"));
+    KVCD_ASSIGN_OR_RETURN(o_region, tensors_.Output(req.o_out(), "o_out", false));
+    KVCD_ASSIGN_OR_RETURN(lse_region, tensors_.Output(req.lse_out(), "lse_out", false));
     if (device_q) {
       device.q = q_region.ptr;
       device.q_bf16 = req.q().dtype() == v1::DTYPE_BF16;
     } else {  // host queries, device results: the queries go up first
       auto* staged = reinterpret_cast<float*>(o_region.ptr);
-      KVCD_RETURN_IF_ERROR(backend_->CopyHostToDevice(staged, q.data(), q.size() * sizeof(float)));
+      KVCD_ASSIGN_OR_RETURN(DeviceRuntime * dev, RequireDevice(*backend_));
+      KVCD_RETURN_IF_ERROR(dev->CopyHostToDevice(staged, q.data(), q.size() * sizeof(float)));
       device.q = staged;  // o_out has the queries' shape; the merge overwrites it last
       device.q_bf16 = false;
     }
@@ -537,17 +407,14 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
     lse->mutable_inline_data()->resize(static_cast<size_t>(batch * s.num_q_heads) * sizeof(float));
   }
   std::vector<Sequence*> raw;
-  for (auto& sq : seqs) {
-    raw.push_back(sq.get());
-    Touch(sq.get());
-  }
+  for (auto& sq : seqs) raw.push_back(sq.get());
   std::vector<int64_t> lengths;
   const auto t0 = std::chrono::steady_clock::now();
   if (device_out) {
     KVCD_RETURN_IF_ERROR(m->Attend(req.layer(), raw, nullptr, scale, new_tokens, nullptr, nullptr,
                                    &lengths, &device));
-    KVCD_RETURN_IF_ERROR(buffers_.MarkWritten(o_region));
-    if (lse_region.buffer != o_region.buffer) KVCD_RETURN_IF_ERROR(buffers_.MarkWritten(lse_region));
+    KVCD_RETURN_IF_ERROR(tensors_.MarkWritten(o_region));
+    if (lse_region.buffer != o_region.buffer) KVCD_RETURN_IF_ERROR(tensors_.MarkWritten(lse_region));
   } else {
     KVCD_RETURN_IF_ERROR(m->Attend(
         req.layer(), raw, q.data(), scale, new_tokens,
@@ -562,7 +429,7 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
 
 absl::Status CacheEngine::FetchPages(const v1::FetchPagesRequest& req,
                                      v1::FetchPagesResponse* resp) {
-  KVCD_ASSIGN_OR_RETURN(auto seq, FindSequence(req.sequence_id()));
+  KVCD_ASSIGN_OR_RETURN(auto seq, sequences_.Find(req.sequence_id()));
   const ModelSpec& s = seq->model->spec();
   if (req.first_token() < 0 || req.first_token() % s.page_size != 0) {
     return absl::InvalidArgumentError(absl::StrCat("first_token is ", req.first_token(),
@@ -589,7 +456,8 @@ absl::Status CacheEngine::FetchPages(const v1::FetchPagesRequest& req,
           "destination is set with expand_to_bf16; device destinations receive pages as stored "
           "(expand_to_bf16 = false)");
     }
-    KVCD_RETURN_IF_ERROR(CheckPayload(req.destination(), "destination", kIpc | kNccl));
+    KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(req.destination(), "destination",
+                                               TensorResolver::kIpc | TensorResolver::kNccl));
     int64_t total = 0;
     for (int64_t p = req.first_token() / s.page_size; p * s.page_size < req.first_token() + n; ++p)
       total += seq->model->StoredPageBytes(p);
@@ -600,12 +468,12 @@ absl::Status CacheEngine::FetchPages(const v1::FetchPagesRequest& req,
         CheckTensorRef(req.destination(), "destination", {total}, {v1::DTYPE_U8}));
     std::vector<ModelCache::StoredPageCopy> copies;
     if (req.destination().payload_case() == v1::TensorRef::kCudaIpc) {
+      // The worker may still read the region's older bytes: wait for its ready event.
       KVCD_ASSIGN_OR_RETURN(BufferRegistry::Region r,
-                            buffers_.Resolve(req.destination().cuda_ipc(), "destination"));
-      KVCD_RETURN_IF_ERROR(buffers_.WaitReady(r));  // the worker may still read older bytes
+                            tensors_.Output(req.destination(), "destination", true));
       KVCD_RETURN_IF_ERROR(
           seq->model->FetchStoredToDevice(seq.get(), req.first_token(), n, r.ptr, total, &copies));
-      KVCD_RETURN_IF_ERROR(buffers_.MarkWritten(r));
+      KVCD_RETURN_IF_ERROR(tensors_.MarkWritten(r));
     } else {
       KVCD_RETURN_IF_ERROR(nccl_.Send(req.destination().nccl().communicator_id(),
                                       static_cast<uint64_t>(total), [&](uint8_t* staging) {
@@ -626,7 +494,7 @@ absl::Status CacheEngine::FetchPages(const v1::FetchPagesRequest& req,
   }
   if (!req.expand_to_bf16()) {
     const int64_t pages = (n + s.page_size - 1) / s.page_size;
-    const auto stored = CheckedMul(pages, seq->model->PageBytes(0));
+    const auto stored = CheckedMul(pages, seq->model->MaxPageBytes());
     if (!stored || *stored > limit) {
       return absl::InvalidArgumentError(
           absl::StrCat("num_tokens ", n, " covers pages larger than max_message_bytes (",
@@ -692,7 +560,8 @@ absl::Status CacheEngine::PushDevicePages(ModelCache& m, const v1::PushPagesRequ
     return absl::InvalidArgumentError(
         "both pages and inline_pages are set; send the pages one way");
   }
-  KVCD_RETURN_IF_ERROR(CheckPayload(req.pages(), "pages", kIpc | kNccl));
+  KVCD_RETURN_IF_ERROR(
+      tensors_.CheckPayload(req.pages(), "pages", TensorResolver::kIpc | TensorResolver::kNccl));
   const int64_t ps = m.spec().page_size;
   const int64_t n_pages = req.num_pages();
   const int64_t first = req.first_page();
@@ -719,10 +588,8 @@ absl::Status CacheEngine::PushDevicePages(ModelCache& m, const v1::PushPagesRequ
     return absl::OkStatus();
   };
   if (req.pages().payload_case() == v1::TensorRef::kCudaIpc) {
-    KVCD_ASSIGN_OR_RETURN(BufferRegistry::Region region,
-                          buffers_.Resolve(req.pages().cuda_ipc(), "pages"));
-    KVCD_RETURN_IF_ERROR(buffers_.WaitReady(region));
-    KVCD_RETURN_IF_ERROR(store(region.ptr));
+    KVCD_ASSIGN_OR_RETURN(TensorResolver::Bytes b, tensors_.Input(req.pages(), "pages"));
+    KVCD_RETURN_IF_ERROR(store(b.region.ptr));
   } else {
     KVCD_RETURN_IF_ERROR(
         nccl_.Receive(req.pages().nccl().communicator_id(), static_cast<uint64_t>(total), store));
@@ -733,7 +600,7 @@ absl::Status CacheEngine::PushDevicePages(ModelCache& m, const v1::PushPagesRequ
 
 absl::Status CacheEngine::RegisterBuffer(const v1::RegisterBufferRequest& req,
                                          v1::RegisterBufferResponse* resp) {
-  KVCD_ASSIGN_OR_RETURN(int64_t lease, GrantLease(req.lease_ms()));
+  KVCD_ASSIGN_OR_RETURN(int64_t lease, sequences_.leases().Grant(req.lease_ms()));
   std::string done;
   KVCD_ASSIGN_OR_RETURN(auto buf, buffers_.Register(req, lease, config_.max_buffers, &done));
   resp->set_buffer_id(buf->id);
@@ -751,10 +618,10 @@ absl::Status CacheEngine::RenewBuffer(const v1::RenewBufferRequest& req,
                                       v1::RenewBufferResponse* resp) {
   KVCD_ASSIGN_OR_RETURN(auto buf, buffers_.Find(req.buffer_id()));
   if (req.lease_ms() != 0) {
-    KVCD_ASSIGN_OR_RETURN(int64_t lease, GrantLease(req.lease_ms()));
+    KVCD_ASSIGN_OR_RETURN(int64_t lease, sequences_.leases().Grant(req.lease_ms()));
     buf->lease_ms.store(lease);
   }
-  buf->deadline_ns.store(NowNs() + buf->lease_ms.load() * 1000000);
+  buf->deadline_ns.store(SteadyNowNs() + buf->lease_ms.load() * 1000000);
   resp->set_lease_ms(buf->lease_ms.load());
   return absl::OkStatus();
 }
@@ -777,8 +644,8 @@ absl::Status CacheEngine::Stats(const v1::StatsRequest&, v1::StatsResponse* resp
     std::lock_guard<std::mutex> lock(mu_);
     resp->set_memory_budget_bytes(config_.memory_budget_bytes);
     for (const auto& [name, m] : models_) FillModelInfo(*m, resp->add_models());
-    resp->set_active_sequences(sequences_.size());
   }
+  resp->set_active_sequences(sequences_.size());
   resp->set_memory_used_bytes(MemoryUsedBytes());
   const uint64_t hit = counters_.hit_tokens.load();
   const uint64_t miss = counters_.miss_tokens.load();
@@ -794,23 +661,11 @@ absl::Status CacheEngine::Stats(const v1::StatsRequest&, v1::StatsResponse* resp
 }
 
 int CacheEngine::ExpireLeases(int64_t now_ns) {
-  std::vector<std::shared_ptr<Sequence>> expired;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto it = sequences_.begin(); it != sequences_.end();) {
-      if (it->second->deadline_ns.load() < now_ns) {
-        expired.push_back(it->second);
-        it = sequences_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-  }
-  for (auto& seq : expired) seq->model->Close(seq.get());
-  counters_.expired_leases.fetch_add(expired.size());
+  const int sequences = sequences_.Expire(now_ns);
+  counters_.expired_leases.fetch_add(static_cast<uint64_t>(sequences));
   const int buffers = buffers_.ExpireLeases(now_ns);
   counters_.expired_buffers.fetch_add(static_cast<uint64_t>(buffers));
-  return static_cast<int>(expired.size()) + buffers;
+  return sequences + buffers;
 }
 
 std::vector<CacheEngine::ModelView> CacheEngine::SnapshotModels() const {
@@ -820,10 +675,7 @@ std::vector<CacheEngine::ModelView> CacheEngine::SnapshotModels() const {
   return out;
 }
 
-int64_t CacheEngine::ActiveSequences() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return static_cast<int64_t>(sequences_.size());
-}
+int64_t CacheEngine::ActiveSequences() const { return sequences_.size(); }
 
 uint64_t CacheEngine::MemoryUsedBytes() const {
   uint64_t used = 0;

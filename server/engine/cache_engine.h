@@ -1,8 +1,9 @@
 // CacheEngine: the daemon's request-level core, independent of gRPC. It validates
 // every request (shapes, dtypes, lengths, ids; int64 overflow-safe, before anything
-// is allocated), routes it to the model's ModelCache, and owns the sequence table and
-// leases. Errors are absl::Status with the codes of DESIGN.md §4; the service maps
-// them to gRPC once (status_mapping.h).
+// is allocated) and routes it: to the model's ModelCache, to the SequenceTable (which owns
+// sequences and leases), and to the data plane (TensorResolver for where a tensor's bytes
+// are, BufferRegistry, NcclLinks). Errors are absl::Status with the codes of DESIGN.md §4;
+// the service maps them to gRPC once (rpc/status_mapping.h).
 //
 // Thread safety: all methods are thread-safe.
 #pragma once
@@ -22,6 +23,8 @@
 #include "server/config/config.h"
 #include "server/cache/model_cache.h"
 #include "server/dataplane/nccl_links.h"
+#include "server/dataplane/tensor_resolver.h"
+#include "server/engine/sequence_table.h"
 
 namespace kvcd {
 
@@ -63,6 +66,7 @@ class CacheEngine {
   int ExpireLeases(int64_t now_ns);
 
   const CacheCounters& counters() const { return counters_; }
+  const LeasePolicy& leases() const { return sequences_.leases(); }
   const ServerConfig& config() const { return config_; }
   const char* backend_name() const { return backend_->name(); }
   bool backend_healthy() const { return backend_->Healthy(); }
@@ -77,19 +81,11 @@ class CacheEngine {
 
  private:
   absl::StatusOr<ModelCache*> FindModel(const std::string& name) const;
-  absl::StatusOr<std::shared_ptr<Sequence>> FindSequence(uint64_t id) const;
-  absl::StatusOr<int64_t> GrantLease(int64_t requested_ms) const;
-  void Touch(Sequence* seq) const;
   void FillModelInfo(const ModelCache& m, v1::ModelInfo* info) const;
-  // Payload kinds a TensorRef field accepts.
-  enum PayloadKind { kInline = 1, kIpc = 2, kNccl = 4 };
-  // INVALID_ARGUMENT for a kind the field does not accept, FAILED_PRECONDITION for a
-  // device payload on a backend without device memory.
-  absl::Status CheckPayload(const v1::TensorRef& t, absl::string_view field, int kinds) const;
-  // The elements of a checked input tensor in host memory: its inline data, or its
-  // cuda_ipc region copied into *staging (after the buffer's ready event).
-  absl::StatusOr<const char*> HostBytes(const v1::TensorRef& t, absl::string_view field,
-                                        std::string* staging);
+  // K or V rows of a checked tensor ([layers, n, kv_heads, head_dim], or [B, kv_heads,
+  // head_dim] for one layer) where its bytes are (host, or device for cuda_ipc).
+  absl::StatusOr<RowSource> Rows(const v1::TensorRef& t, absl::string_view field, int64_t n,
+                                 const ModelSpec& s);
   absl::Status PushDevicePages(ModelCache& m, const v1::PushPagesRequest& req,
                                v1::PushPagesResponse* resp);
 
@@ -97,13 +93,13 @@ class CacheEngine {
   std::unique_ptr<Backend> backend_;
   BufferRegistry buffers_;  // destroyed before backend_
   NcclLinks nccl_;
+  TensorResolver tensors_;
   CacheCounters counters_;
 
   mutable std::mutex mu_;
   std::map<std::string, std::unique_ptr<ModelCache>> models_ ABSL_GUARDED_BY(mu_);
   uint64_t budget_used_ ABSL_GUARDED_BY(mu_) = 0;
-  std::unordered_map<uint64_t, std::shared_ptr<Sequence>> sequences_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_sequence_id_ ABSL_GUARDED_BY(mu_) = 1;
+  SequenceTable sequences_;  // destroyed (closing sequences) before models_
 };
 
 // Converts a v1 profile to a spec (0 rope.theta/scaling mean the defaults 10000 / 1).

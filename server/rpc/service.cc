@@ -83,16 +83,12 @@ grpc::ServerUnaryReactor* KvCacheService::OpenDecodeChannel(
     grpc::CallbackServerContext* ctx, const v1::OpenDecodeChannelRequest* req,
     v1::OpenDecodeChannelResponse* resp) {
   return Run("OpenDecodeChannel", ctx, [this, req, resp]() -> absl::Status {
-    const ServerConfig& c = engine_->config();
-    const int64_t lease = req->lease_ms() == 0 ? c.default_lease_ms : req->lease_ms();
-    if (lease < 10 || lease > c.max_lease_ms) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "lease_ms is ", req->lease_ms(), ", expected 0 (default) or 10..", c.max_lease_ms));
-    }
-    absl::StatusOr<uint64_t> id = channels_.Open(req->shm_name(), lease);
+    const absl::StatusOr<int64_t> lease = engine_->leases().Grant(req->lease_ms());
+    if (!lease.ok()) return lease.status();
+    absl::StatusOr<uint64_t> id = channels_.Open(req->shm_name(), *lease);
     if (!id.ok()) return id.status();
     resp->set_channel_id(*id);
-    resp->set_lease_ms(lease);
+    resp->set_lease_ms(*lease);
     return absl::OkStatus();
   });
 }

@@ -17,6 +17,7 @@
 #include "kvcd/kernels/cuda_demote.h"
 #include "kvcd/kernels/cuda_device.h"
 #include "kvcd/kernels/cuda_device_copy.h"
+#include "kvcd/kernels/cuda_store_rows.h"
 #include "kvcd/kernels/int2_attention.h"
 #include "kvcd/kernels/int2_codec.h"
 
@@ -291,47 +292,103 @@ TEST_F(CudaKernelsTest, CopySpansCopiesAndCountsLikeTheReference) {
   EXPECT_GT(want_bad, 0u);  // random bytes hold non-finite values: the check is exercised
 }
 
-TEST_F(CudaKernelsTest, StoreRowsIsBitIdenticalToTheHostPath) {
+// The paged row stores against the host path (RotateRows + FloatToBf16N into the BF16
+// page layout; DemoteRowsToInt2 into the INT2 page layout): every layer of 37 tokens of a
+// [layers][tokens][heads][d] source, scattered over the slots of poisoned pages.
+TEST_F(CudaKernelsTest, PagedRowStoresAreBitIdenticalToTheHostPath) {
   std::normal_distribution<float> normal(0.0f, 2.0f);
+  const int layers = 2, hkv = 3, ps = 16, tokens = 37, pool_pages = 7;
   for (int d : {64, 128, 256}) {
     for (int src_bf16 = 0; src_bf16 < 2; ++src_bf16) {
       for (int rotate = 0; rotate < 2; ++rotate) {
-        const int rows = 37;
-        std::vector<float> x(rows * d), rot(d * d);
-        std::vector<uint16_t> xb(rows * d);
-        for (int i = 0; i < rows * d; ++i) {
-          xb[i] = FloatToBf16(normal(rng_));
-          x[i] = src_bf16 ? Bf16ToFloat(xb[i]) : normal(rng_);
+        const int64_t row_elems = int64_t{layers} * tokens * hkv * d;
+        // K rows then V rows; odd rows take few distinct values (ties at the clip threshold).
+        std::vector<float> x(2 * row_elems);
+        std::vector<uint16_t> xb(2 * row_elems);
+        for (int64_t i = 0; i < 2 * row_elems; ++i) {
+          const float f = normal(rng_);
+          x[i] = (i / d) % 2 == 1 ? std::round(f) : f;
+          xb[i] = FloatToBf16(x[i]);
+          if (src_bf16) x[i] = Bf16ToFloat(xb[i]);
         }
+        std::vector<float> rot(static_cast<size_t>(layers) * 2 * d * d);
         for (auto& r : rot) r = normal(rng_) / std::sqrt(static_cast<float>(d));
-        // Host path: CopyRowFloat/CopyRowBf16, RotateRows, FloatToBf16N.
-        std::vector<uint16_t> want(rows * d);
-        if (rotate) {
-          std::vector<float> y(rows * d);
-          RotateRows(x.data(), rows, d, rot.data(), y.data());
-          FloatToBf16N(y.data(), want.data(), rows * d);
-        } else if (src_bf16) {
-          want = xb;
-        } else {
-          FloatToBf16N(x.data(), want.data(), rows * d);
-        }
+        std::vector<float> rho = {0.96f, 0.9f, 0.92f, 1.0f};  // k: layers 0, 1; v: layers 0, 1
+        // Token t goes to slot (5 t) mod (pages * page_size): scattered, distinct.
+        std::vector<int64_t> slots(tokens);
+        for (int t = 0; t < tokens; ++t) slots[t] = (t * 5) % (pool_pages * ps);
         const void* d_src = src_bf16 ? static_cast<const void*>(Up(xb)) : Up(x);
-        const float* d_rot = rotate ? Up(rot) : nullptr;
-        std::vector<uint16_t> poison(rows * d, 0x7fc1);
-        uint16_t* d_dst = Up(poison);
-        cuda::RowStoreBatch batch;
-        for (int r = 0; r < rows; ++r) {
-          // Scattered destinations: row r goes to slot (r * 7) % rows.
-          batch.rows[batch.count++] = cuda::RowStore{
-              static_cast<const uint8_t*>(d_src) + static_cast<size_t>(r) * d * (src_bf16 ? 2 : 4),
-              d_dst + static_cast<size_t>((r * 7) % rows) * d, d_rot};
+        cuda::RowBlock k, v;
+        k.data = d_src;
+        k.bf16 = v.bf16 = src_bf16;
+        k.layer_stride = v.layer_stride = int64_t{tokens} * hkv * d;
+        k.token_stride = v.token_stride = int64_t{hkv} * d;
+        k.head_stride = v.head_stride = d;
+        v.data = static_cast<const uint8_t*>(d_src) + row_elems * (src_bf16 ? 2 : 4);
+        cuda::RowCodec codec;
+        const float* d_rot = Up(rot);
+        if (rotate) {
+          codec.r_k = d_rot;
+          codec.r_v = d_rot + int64_t{layers} * d * d;
+          codec.r_layer_stride = int64_t{d} * d;
         }
-        ASSERT_EQ(cuda::LaunchStoreRows(batch, d, src_bf16, nullptr), cudaSuccess);
-        const auto got = Down(d_dst, rows * d);
-        for (int r = 0; r < rows; ++r)
-          for (int j = 0; j < d; ++j)
-            ASSERT_EQ(got[((r * 7) % rows) * d + j], want[r * d + j])
-                << "d " << d << " bf16 " << src_bf16 << " rotate " << rotate << " row " << r;
+        codec.rho_k = Up(rho);
+        codec.rho_v = codec.rho_k + 2;
+        auto host_row = [&](int which, int l, int t, int h, float* out) {
+          const float* src = x.data() + which * row_elems + ((int64_t{l} * tokens + t) * hkv + h) * d;
+          std::copy(src, src + d, out);
+        };
+        for (int fmt = 0; fmt < 2; ++fmt) {
+          const int64_t page_bytes = fmt == 0 ? Bf16PageElems(hkv, ps, d) * 2
+                                              : Int2PageBytes(hkv, ps, d);
+          std::vector<uint8_t> poison(static_cast<size_t>(layers * pool_pages * page_bytes), 0xA5);
+          uint8_t* d_pool = Up(poison);
+          cuda::PagedRows dst;
+          dst.num_layers = layers;
+          dst.num_tokens = tokens;
+          dst.num_kv_heads = hkv;
+          dst.head_dim = d;
+          dst.page_size = ps;
+          dst.base = d_pool;
+          dst.layer_stride = pool_pages * page_bytes;
+          dst.page_bytes = page_bytes;
+          dst.slots = Up(slots);
+          ASSERT_EQ(fmt == 0 ? cuda::LaunchStoreBf16Rows(k, v, dst, codec, nullptr)
+                             : cuda::LaunchStoreInt2Rows(k, v, dst, codec, nullptr),
+                    cudaSuccess);
+          const auto got = Down(d_pool, poison.size());
+          // The host path into a host copy of the same pool.
+          std::vector<uint8_t> want = poison;
+          std::vector<float> row(d), rotated(d), page_rows(static_cast<size_t>(ps) * d);
+          for (int l = 0; l < layers; ++l) {
+            for (int t = 0; t < tokens; ++t) {
+              const int64_t page = slots[t] / ps, slot = slots[t] % ps;
+              uint8_t* base = want.data() + (l * pool_pages + page) * page_bytes;
+              for (int which = 0; which < 2; ++which) {
+                for (int h = 0; h < hkv; ++h) {
+                  host_row(which, l, t, h, row.data());
+                  const float* r = rot.data() + (int64_t{which} * layers + l) * d * d;
+                  if (fmt == 0) {
+                    const float* in = row.data();
+                    if (rotate) {
+                      RotateRows(row.data(), 1, d, r, rotated.data());
+                      in = rotated.data();
+                    }
+                    FloatToBf16N(in, reinterpret_cast<uint16_t*>(base) +
+                                         ((int64_t{which} * hkv + h) * ps + slot) * d,
+                                 d);
+                  } else {
+                    const Int2PageLayout layout{hkv, ps, d};
+                    DemoteRowsToInt2(row.data(), 1, d, rotate ? r : nullptr, rho[which * 2 + l],
+                                     which == 0 ? layout.K(base, h) : layout.V(base, h), slot);
+                  }
+                }
+              }
+            }
+          }
+          ASSERT_TRUE(got == want) << "format " << fmt << " d " << d << " bf16 " << src_bf16
+                                   << " rotate " << rotate;
+        }
       }
     }
   }

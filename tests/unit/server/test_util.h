@@ -22,7 +22,7 @@ inline ModelSpec TinySpec(uint64_t memory_bytes = 1 << 20) {
 inline ModelSpec TinyInt2Spec() {
   ModelSpec s = TinySpec();
   s.name = "tiny-int2";
-  s.history_format = HistoryFormat::kInt2Oscar;
+  s.history_format = FormatId::kInt2Oscar;
   s.codec = "hadamard";
   return s;
 }

@@ -2,7 +2,7 @@
 // launch — pages of a pool are one span per (page, layer), so moving N pages of an L-layer
 // model would otherwise take N*L cudaMemcpy calls — with an optional validity check of the
 // bytes copied (pushed pages must hold finite values), and the BF16/F32 -> F32 conversion
-// of worker queries.
+// of worker queries. (Rows of new tokens go into pages through cuda_store_rows.h.)
 #pragma once
 
 #include <cuda_runtime.h>
@@ -31,25 +31,6 @@ struct CopySpan {
 // Copies and checks `n` spans (`spans` in device memory); atomically adds the number of
 // values failing their span's check to *bad (device, may be null when no span checks).
 cudaError_t LaunchCopySpans(const CopySpan* spans, int n, unsigned long long* bad,
-                            cudaStream_t stream);
-
-// One K or V row of a new token stored into its page slot: dst[j] = bf16((src · R)[j]),
-// or bf16(src[j]) without a rotation. The rotation is computed as RotateRows
-// (int2_codec.h) does — each output a sequence of separately rounded products and sums in
-// input order — and rounded to BF16 as FloatToBf16, so a row stored on the device is
-// bit-identical to the same row stored by the host path.
-struct RowStore {
-  const void* src = nullptr;        // [head_dim] BF16 or F32 (device)
-  uint16_t* dst = nullptr;          // [head_dim] BF16 (device)
-  const float* rotation = nullptr;  // [head_dim][head_dim] (device) or null
-};
-constexpr int kMaxRowStoresPerLaunch = 64;
-struct RowStoreBatch {
-  RowStore rows[kMaxRowStoresPerLaunch];
-  int count = 0;
-};
-// REQUIRES: head_dim <= 256. The batch travels as a kernel parameter (no upload).
-cudaError_t LaunchStoreRows(const RowStoreBatch& batch, int head_dim, bool src_bf16,
                             cudaStream_t stream);
 
 // dst[i] = float(src[i]) for i < n; src is BF16 (bf16 = true) or F32.

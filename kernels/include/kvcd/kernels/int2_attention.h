@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "kvcd/kernels/cpu_features.h"
+#include "kvcd/kernels/host_device.h"
 #include "kvcd/kernels/int2_codec.h"
 
 namespace kvcd::kernels {
@@ -44,20 +45,20 @@ inline int64_t Int2PageBytes(int32_t num_kv_heads, int32_t page_size, int32_t he
 // Where rows of K and V live inside one page-layer at `base` (row index = slot).
 struct Int2PageLayout {
   int32_t num_kv_heads, page_size, head_dim;
-  int64_t Q() const { return head_dim / 4; }
-  int64_t G() const { return Q() < 4 ? Q() : 4; }
-  int64_t P4() const { return (page_size + 3) / 4; }
-  int64_t KHead(int head) const { return int64_t{head} * page_size * Q(); }
-  int64_t VHead(int head) const {
+  KVCD_HOST_DEVICE int64_t Q() const { return head_dim / 4; }
+  KVCD_HOST_DEVICE int64_t G() const { return Q() < 4 ? Q() : 4; }
+  KVCD_HOST_DEVICE int64_t P4() const { return (page_size + 3) / 4; }
+  KVCD_HOST_DEVICE int64_t KHead(int head) const { return int64_t{head} * page_size * Q(); }
+  KVCD_HOST_DEVICE int64_t VHead(int head) const {
     return int64_t{num_kv_heads} * page_size * Q() + int64_t{head} * P4() * 4 * Q();
   }
   // FP16 index (uint16 units from base) of the scale of (head, slot 0); minimums follow
   // page_size entries later.
-  int64_t KScale(int head) const {
+  KVCD_HOST_DEVICE int64_t KScale(int head) const {
     return (int64_t{num_kv_heads} * (page_size * Q() + P4() * 4 * Q())) / 2 +
            int64_t{head} * 2 * page_size;
   }
-  int64_t VScale(int head) const { return KScale(head) + int64_t{num_kv_heads} * 2 * page_size; }
+  KVCD_HOST_DEVICE int64_t VScale(int head) const { return KScale(head) + int64_t{num_kv_heads} * 2 * page_size; }
   Int2RowRef K(uint8_t* base, int head) const {
     uint16_t* p = reinterpret_cast<uint16_t*>(base);
     Int2RowRef r;

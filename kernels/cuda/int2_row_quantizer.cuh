@@ -1,0 +1,144 @@
+// The OSCAR INT2 quantizer of one row on one warp (device code shared by every kernel
+// that writes INT2 rows): lane l holds elements l + 32k. Every step uses the CPU codec's
+// FP32 operations in the same order without contraction (rotation: x[i] * R[i][j] summed
+// over i in order; quantizer: ((x / scale) + zero) + 0.5), so codes and FP16 parameters
+// are bit-identical to DemoteRowsToInt2 (int2_codec.h). The clip threshold
+// sort(|x|)[floor(rho*d)] comes from repeated warp maxima (few elements above it) or a
+// radix select over the bit patterns of |x|.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace kvcd::kernels::cuda {
+
+__device__ __forceinline__ float WarpMax(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float WarpMin(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fminf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// x <- x · R (R: [D][D] FP32, row-major) for the warp's row, each output the sum over i in
+// order of separately rounded products x[i] * R[i][j], as RotateRows (int2_codec.h) does.
+template <int D>
+__device__ __forceinline__ void RotateRowWarp(float (&x)[D / 32], const float* rot, int lane) {
+  constexpr int E = D / 32;
+    float y[E];
+#pragma unroll
+    for (int k = 0; k < E; ++k) y[k] = 0.0f;
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+#pragma unroll 8
+      for (int src = 0; src < 32; ++src) {
+        const float xi = __shfl_sync(0xffffffffu, x[k], src);
+        const float* ri = rot + static_cast<int64_t>(k * 32 + src) * D + lane;
+#pragma unroll
+        for (int m = 0; m < E; ++m) y[m] = __fadd_rn(y[m], __fmul_rn(xi, __ldg(ri + 32 * m)));
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < E; ++k) x[k] = y[k];
+}
+
+// Rotates (rot: [D][D] FP32 or null), clips and quantizes the warp's row x; q receives the
+// lane's codes (0..3), *scale and *lo the FP32 parameters (identical on every lane).
+template <int D>
+__device__ __forceinline__ void QuantizeRowInt2(float (&x)[D / 32], const float* rot, float rho,
+                                                int lane, int (&q)[D / 32], float* scale_out,
+                                                float* lo_out) {
+  constexpr int E = D / 32;
+  if (rot != nullptr) RotateRowWarp<D>(x, rot, lane);
+  // Clip threshold: the element of rank kk = floor(rho * d) of the sorted |x|, compared as
+  // bit patterns (non-negative floats order as their bits). Clipping keeps the top d - kk
+  // - 1 elements out, so for a small count the threshold is found by taking the warp's
+  // largest element out that many times (one warp max and one ballot per round); otherwise
+  // by a radix select: the largest v with #{|x| < v} <= kk (31 rounds of E ballots).
+  const int kk = min(static_cast<int>(floorf(rho * static_cast<float>(D))), D - 1);
+  const int above = D - 1 - kk;  // elements ranked above the threshold
+  uint32_t bits[E];
+#pragma unroll
+  for (int k = 0; k < E; ++k) bits[k] = __float_as_uint(fabsf(x[k]));
+  uint32_t v = 0;
+  if (above <= 16) {
+#pragma unroll 1
+    for (int r = 0; r < above; ++r) {
+      uint32_t mine = bits[0];
+#pragma unroll
+      for (int k = 1; k < E; ++k) mine = max(mine, bits[k]);
+      const uint32_t top = __reduce_max_sync(0xffffffffu, mine);
+      const uint32_t holders = __ballot_sync(0xffffffffu, mine == top);
+      if (lane == __ffs(holders) - 1) {  // one instance leaves: the first lane's first slot
+        bool done = false;
+#pragma unroll
+        for (int k = 0; k < E; ++k) {
+          const bool hit = !done && bits[k] == top;
+          bits[k] = hit ? 0u : bits[k];
+          done = done || hit;
+        }
+      }
+    }
+    uint32_t mine = bits[0];
+#pragma unroll
+    for (int k = 1; k < E; ++k) mine = max(mine, bits[k]);
+    v = __reduce_max_sync(0xffffffffu, mine);
+  } else {
+#pragma unroll 1
+    for (int b = 30; b >= 0; --b) {
+      const uint32_t cand = v | (1u << b);
+      int below = 0;
+#pragma unroll
+      for (int k = 0; k < E; ++k) below += __popc(__ballot_sync(0xffffffffu, bits[k] < cand));
+      if (below <= kk) v = cand;
+    }
+  }
+  const float tau = __uint_as_float(v);
+  float lo = tau, hi = -tau;
+#pragma unroll
+  for (int k = 0; k < E; ++k) {
+    x[k] = fminf(fmaxf(x[k], -tau), tau);
+    lo = fminf(lo, x[k]);
+    hi = fmaxf(hi, x[k]);
+  }
+  lo = WarpMin(lo);
+  hi = WarpMax(hi);
+  const float scale = __fdiv_rn(fmaxf(__fsub_rn(hi, lo), 1e-8f), 3.0f);
+  const float zero = __fdiv_rn(-lo, scale);
+#pragma unroll
+  for (int k = 0; k < E; ++k) {
+    const float qf = floorf(__fadd_rn(__fadd_rn(__fdiv_rn(x[k], scale), zero), 0.5f));
+    q[k] = static_cast<int>(fminf(fmaxf(qf, 0.0f), 3.0f));
+  }
+  *scale_out = scale;
+  *lo_out = lo;
+}
+
+// Packs the warp's codes: calls put(j, byte) for each byte j < D/4 of the row (byte j holds
+// elements j, j+Q, j+2Q, j+3Q in bits [1:0], [3:2], [5:4], [7:6]); each j is put by one lane.
+template <int D, class Put>
+__device__ __forceinline__ void PackRowInt2(const int (&q)[D / 32], int lane, Put put) {
+  constexpr int Q = D / 4;
+  // Byte j holds elements j, j+Q, j+2Q, j+3Q.
+  if constexpr (Q >= 32) {
+#pragma unroll
+    for (int r = 0; r < Q / 32; ++r) {
+      int byte = 0;
+#pragma unroll
+      for (int m = 0; m < 4; ++m) byte |= q[r + m * (Q / 32)] << (2 * m);
+      put(lane + 32 * r, static_cast<uint8_t>(byte));
+    }
+  } else {  // Q = 16: element j + 16m lives in lane (j + 16m) % 32, slot m / 2
+    const int j = lane % Q;
+    int byte = 0;
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+      byte |= __shfl_sync(0xffffffffu, q[m / 2], j + 16 * (m % 2)) << (2 * m);
+    if (lane < Q) put(j, static_cast<uint8_t>(byte));
+  }
+}
+
+}  // namespace kvcd::kernels::cuda

@@ -1,0 +1,62 @@
+// Paged INT2 row stores (cuda_store_rows.h): one warp per row, the shared quantizer
+// (int2_row_quantizer.cuh), codes and FP16 parameters placed as Int2PageLayout says.
+#include <cuda_fp16.h>
+
+#include "dispatch.cuh"
+#include "int2_row_quantizer.cuh"
+#include "kvcd/kernels/cuda_store_rows.h"
+#include "kvcd/kernels/int2_attention.h"
+#include "paged_rows.cuh"
+
+namespace kvcd::kernels::cuda {
+namespace {
+
+template <int D>
+__global__ void StoreInt2RowsKernel(RowBlock k, RowBlock v, PagedRows p, RowCodec codec) {
+  constexpr int kQ = D / 4, kG = kQ < 4 ? kQ : 4;
+  const int lane = threadIdx.x & 31;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kStoreWarpsPerBlock + (threadIdx.x >> 5);
+  if (r >= int64_t{p.num_layers} * p.num_tokens * 2 * p.num_kv_heads) return;
+  const StoreRow s = DecodeStoreRow(r, p);
+  float x[D / 32];
+  LoadStoreRow<D>(s.which == 0 ? k : v, s, lane, x);
+  const float* rot = s.which == 0 ? codec.r_k : codec.r_v;
+  if (rot != nullptr) rot += s.layer * codec.r_layer_stride;
+  const float rho = (s.which == 0 ? codec.rho_k : codec.rho_v)[s.layer];
+  int q[D / 32];
+  float scale, lo;
+  QuantizeRowInt2<D>(x, rot, rho, lane, q, &scale, &lo);
+  const Int2PageLayout layout{p.num_kv_heads, p.page_size, D};
+  uint8_t* page = StorePage(p, s);
+  const int64_t ps = p.page_size;
+  if (s.which == 0) {  // K: [heads][Q/G][page_size][G]
+    uint8_t* codes = page + layout.KHead(s.head) + int64_t{s.slot} * kG;
+    PackRowInt2<D>(q, lane, [&](int j, uint8_t b) { codes[(j / kG) * ps * kG + j % kG] = b; });
+  } else {  // V: [heads][P4][Q][4]
+    uint8_t* codes = page + layout.VHead(s.head) + (s.slot / 4) * 4 * kQ + s.slot % 4;
+    PackRowInt2<D>(q, lane, [&](int j, uint8_t b) { codes[4 * j] = b; });
+  }
+  if (lane == 0) {
+    auto* params = reinterpret_cast<uint16_t*>(page) +
+                   (s.which == 0 ? layout.KScale(s.head) : layout.VScale(s.head)) + s.slot;
+    params[0] = __half_as_ushort(__float2half_rn(scale));
+    params[ps] = __half_as_ushort(__float2half_rn(lo));
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchStoreInt2Rows(const RowBlock& k, const RowBlock& v, const PagedRows& dst,
+                                const RowCodec& codec, cudaStream_t stream) {
+  if (!ValidStore(k, v, dst) || codec.rho_k == nullptr || codec.rho_v == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  if (dst.num_tokens == 0) return cudaSuccess;
+  return DispatchHeadDim(dst.head_dim, [&](auto hd) {
+    StoreInt2RowsKernel<decltype(hd)::value>
+        <<<StoreGrid(dst), 32 * kStoreWarpsPerBlock, 0, stream>>>(k, v, dst, codec);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace kvcd::kernels::cuda

@@ -1,0 +1,60 @@
+// Paged row stores on the GPU (sm_90): the K/V rows of many tokens, all layers at once,
+// written into their page slots in one launch — as BF16 (rotated or not) or quantized to
+// OSCAR INT2 — from any device memory (a worker's CUDA IPC buffer, staged request bytes,
+// or a BF16 window page being demoted). Framework-free; launchers never synchronize.
+//
+// Row (layer l, token t, head h) of a RowBlock starts at element
+//   l * layer_stride + t * token_stride + h * head_stride
+// and token t goes to slot slots[t] % page_size of page slots[t] / page_size of the pool,
+// whose layer l page p starts at base + l * layer_stride + p * page_bytes (bytes).
+// Rows are rotated exactly as RotateRows does and rounded as FloatToBf16 / quantized as
+// DemoteRowsToInt2, so the device path stores the host path's bytes bit for bit.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace kvcd::kernels::cuda {
+
+struct RowBlock {
+  const void* data = nullptr;  // device
+  bool bf16 = true;            // else F32
+  int64_t layer_stride = 0;    // elements
+  int64_t token_stride = 0;    // elements
+  int64_t head_stride = 0;     // elements
+};
+
+struct PagedRows {
+  int32_t num_layers = 0;
+  int64_t num_tokens = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t page_size = 0;
+  uint8_t* base = nullptr;         // pool memory of layer 0 (device)
+  int64_t layer_stride = 0;        // bytes between layers of the pool
+  int64_t page_bytes = 0;          // bytes of one page of one layer
+  const int64_t* slots = nullptr;  // [num_tokens] page * page_size + slot (device)
+};
+
+// Per-layer rotations and clip ratios: layer l uses r + l * r_layer_stride ([head_dim]^2
+// FP32, device) and rho[l] (device); null rotations store rows as given.
+struct RowCodec {
+  const float* r_k = nullptr;
+  const float* r_v = nullptr;
+  int64_t r_layer_stride = 0;  // elements
+  const float* rho_k = nullptr;
+  const float* rho_v = nullptr;
+};
+
+// BF16 pages: K [heads][page_size][head_dim] then V (bf16_attention.h).
+// REQUIRES: head_dim in {64, 128, 256}.
+cudaError_t LaunchStoreBf16Rows(const RowBlock& k, const RowBlock& v, const PagedRows& dst,
+                                const RowCodec& codec, cudaStream_t stream);
+
+// INT2 pages (int2_attention.h). REQUIRES: head_dim in {64, 128, 256}, rho_k and rho_v set,
+// every rho in (0, 1].
+cudaError_t LaunchStoreInt2Rows(const RowBlock& k, const RowBlock& v, const PagedRows& dst,
+                                const RowCodec& codec, cudaStream_t stream);
+
+}  // namespace kvcd::kernels::cuda

@@ -1,0 +1,38 @@
+// DeviceRuntime: the device services of the data plane — CUDA IPC mappings and events,
+// synchronous copies — offered by backends with device memory (Backend::device()).
+// All device work of the daemon is ordered on one stream: work queued after other work
+// runs after it.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "server/backends/backend.h"
+
+namespace kvcd {
+
+class DeviceRuntime {
+ public:
+  virtual ~DeviceRuntime() = default;
+  virtual absl::StatusOr<void*> OpenIpcBuffer(const std::string& handle) = 0;
+  virtual void CloseIpcBuffer(void* ptr) = 0;
+  virtual absl::StatusOr<void*> OpenIpcEvent(const std::string& handle) = 0;
+  // An interprocess event of the daemon; *handle receives its IPC handle.
+  virtual absl::StatusOr<void*> CreateIpcEvent(std::string* handle) = 0;
+  virtual void DestroyEvent(void* event) = 0;
+  // Later device work waits for `event`; `event` completes after the work queued so far.
+  virtual absl::Status WaitEvent(void* event) = 0;
+  virtual absl::Status RecordEvent(void* event) = 0;
+  // Synchronous copies between host memory and device memory (IPC mappings included).
+  virtual absl::Status CopyDeviceToHost(void* host, const void* device, size_t bytes) = 0;
+  virtual absl::Status CopyHostToDevice(void* device, const void* host, size_t bytes) = 0;
+  // Waits for all queued device work.
+  virtual absl::Status Synchronize() = 0;
+};
+
+// The backend's device runtime, or FAILED_PRECONDITION saying that CUDA IPC and NCCL
+// payloads need backend: cuda.
+absl::StatusOr<DeviceRuntime*> RequireDevice(Backend& backend);
+
+}  // namespace kvcd

@@ -1,0 +1,55 @@
+// TensorResolver: where the bytes of a request's TensorRef are. Inline data is host memory;
+// a cuda_ipc payload names a region of a registered worker buffer, which is checked,
+// ordered after the worker's ready event and handed on as device memory so that the data
+// stays on the GPU; nccl payloads are received by NcclLinks.
+//
+// Thread safety: all methods are thread-safe.
+#pragma once
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kvcd/v1/kvcache.pb.h"
+#include "server/backends/backend.h"
+#include "server/dataplane/buffer_registry.h"
+
+namespace kvcd {
+
+class TensorResolver {
+ public:
+  // Payload kinds a TensorRef field accepts (bit set).
+  enum Kind : int { kInline = 1, kIpc = 2, kNccl = 4 };
+
+  TensorResolver(Backend* backend, BufferRegistry* buffers)
+      : backend_(backend), buffers_(buffers) {}
+
+  // INVALID_ARGUMENT for a payload kind the field does not accept, FAILED_PRECONDITION for
+  // a device payload on a backend without device memory.
+  absl::Status CheckPayload(const v1::TensorRef& t, absl::string_view field, int kinds) const;
+
+  struct Bytes {
+    const char* data = nullptr;
+    bool on_device = false;
+    BufferRegistry::Region region;  // cuda_ipc only
+  };
+  // An input tensor's bytes where they are: its inline data, or its cuda_ipc region after
+  // the daemon's stream waits for the buffer's ready event.
+  absl::StatusOr<Bytes> Input(const v1::TensorRef& t, absl::string_view field);
+  // An input tensor's bytes in host memory: inline data, or its region copied into *staging.
+  absl::StatusOr<const char*> HostInput(const v1::TensorRef& t, absl::string_view field,
+                                        std::string* staging);
+  // A cuda_ipc region the daemon writes (results, fetched pages); with wait_ready, later
+  // device work also waits for the worker's ready event (the worker may still read the
+  // region's previous contents).
+  absl::StatusOr<BufferRegistry::Region> Output(const v1::TensorRef& t, absl::string_view field,
+                                                bool wait_ready);
+  // Records the region's buffer's done event after the writes queued so far.
+  absl::Status MarkWritten(const BufferRegistry::Region& r) { return buffers_->MarkWritten(r); }
+
+ private:
+  Backend* const backend_;
+  BufferRegistry* const buffers_;
+};
+
+}  // namespace kvcd

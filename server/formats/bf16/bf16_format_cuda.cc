@@ -1,0 +1,91 @@
+// BF16 pages in device memory: rows stored by the paged BF16 row store, attention by the
+// BF16 decode kernel of kernels/cuda.
+#include "common/status_macros.h"
+#include "kvcd/kernels/cuda_decode_attention.h"
+#include "server/formats/bf16/bf16_format.h"
+#include "server/formats/bf16/bf16_format_cuda.h"
+#include "server/formats/cuda_rows.h"
+
+namespace kvcd {
+namespace {
+
+namespace kc = kernels::cuda;
+
+class Bf16CudaFormat final : public CudaPageFormat {
+ public:
+  Bf16CudaFormat(const PageGeometry& g, std::shared_ptr<const CodecProfile> rotation,
+                 std::shared_ptr<const CudaCodec> device_codec)
+      : CudaPageFormat(FormatId::kBf16, g, std::move(rotation), std::move(device_codec)),
+        layout_(g) {}
+
+  int64_t layer_page_bytes() const override { return layout_.layer_page_bytes(); }
+  double bits_per_element() const override { return 16.0; }
+
+  absl::Status WritePages(const RowSource& k, const RowSource& v, int64_t first_token,
+                          absl::Span<const int32_t> pages, const PagePool& pool) const override {
+    std::vector<RowSlot> rows;
+    const int32_t ps = geometry().page_size;
+    rows.reserve(pages.size() * static_cast<size_t>(ps));
+    for (size_t i = 0; i < pages.size(); ++i) {
+      for (int32_t t = 0; t < ps; ++t) {
+        rows.push_back({first_token + static_cast<int64_t>(i) * ps + t, pages[i], t});
+      }
+    }
+    return WriteRows(k, v, rows, -1, pool);
+  }
+
+  absl::Status WriteRows(const RowSource& k, const RowSource& v, absl::Span<const RowSlot> rows,
+                         int32_t layer, const PagePool& pool) const override {
+    std::lock_guard<std::mutex> lock(scratch_.mu);
+    RowStoreArgs a;
+    KVCD_RETURN_IF_ERROR(PrepareRowStore(k, v, rows, layer, pool, geometry(), device_codec(),
+                                         /*rotate=*/true, &scratch_, &a));
+    if (rows.empty()) return absl::OkStatus();
+    return CudaStatus(kc::LaunchStoreBf16Rows(a.k, a.v, a.dst, a.codec, nullptr),
+                      "BF16 row store");
+  }
+
+  absl::Status CheckPages(const uint8_t* src, int64_t num_pages,
+                          int64_t first_index) const override {
+    return layout_.CheckPages(src, num_pages, first_index);
+  }
+
+  absl::Status CheckDevicePages(const uint8_t* src, int64_t num_pages,
+                                int64_t first_index) const override {
+    std::lock_guard<std::mutex> lock(scratch_.mu);
+    return CheckDevicePageRegions(src, num_pages, geometry().num_layers, layer_page_bytes(), 0,
+                                  layer_page_bytes(), kc::kCheckBf16Finite, 0, first_index,
+                                  "non-finite BF16 value(s)", &scratch_);
+  }
+
+  void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which, int32_t slot,
+                  int32_t count, float* out) const override {
+    layout_.ReadRows(layer_page, head, which, slot, count, out);
+    Unrotate(layer, which, count, out);
+  }
+
+  int AttendSplits(const kc::DecodeGeometry& geo, int max_tokens, int num_sms) const override {
+    return kc::Int2DecodeSplits(geo.batch, geo.num_kv_heads, max_tokens, num_sms);
+  }
+
+  absl::Status LaunchAttend(const AttendLaunch& a) const override {
+    return CudaStatus(kc::LaunchBf16DecodeParts(a.list, a.geo, a.q, a.r_k, a.scale, a.splits,
+                                                a.max_tokens, a.part_o, a.part_lse, a.part_base,
+                                                nullptr),
+                      "BF16 decode attention");
+  }
+
+ private:
+  const Bf16Format layout_;
+  mutable RowStoreScratch scratch_;
+};
+
+}  // namespace
+
+std::unique_ptr<CudaPageFormat> MakeBf16CudaFormat(const PageGeometry& geometry,
+                                                   std::shared_ptr<const CodecProfile> rotation,
+                                                   std::shared_ptr<const CudaCodec> device_codec) {
+  return std::make_unique<Bf16CudaFormat>(geometry, std::move(rotation), std::move(device_codec));
+}
+
+}  // namespace kvcd

@@ -1,0 +1,78 @@
+#include "server/formats/cuda_codec.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kvcd/kernels/cuda_runtime_api.h"
+
+namespace kvcd {
+
+namespace kc = kernels::cuda;
+
+absl::Status CudaStatus(const std::string& error, const char* what) {
+  if (error.empty()) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("CUDA: ", what, ": ", error));
+}
+
+absl::Status CudaStatus(int cuda_error, const char* what) {
+  if (cuda_error == 0) return absl::OkStatus();
+  return CudaStatus(kc::ErrorText(cuda_error), what);
+}
+
+DeviceScratch::~DeviceScratch() {
+  if (ptr_ != nullptr) (void)kc::Free(ptr_);
+}
+
+absl::StatusOr<uint8_t*> DeviceScratch::Reserve(size_t bytes) {
+  if (bytes <= size_) return static_cast<uint8_t*>(ptr_);
+  // Work queued on the old buffer must finish before it is freed.
+  if (ptr_ != nullptr) {
+    (void)kc::Synchronize();
+    (void)kc::Free(ptr_);
+  }
+  ptr_ = nullptr;
+  size_ = 0;
+  const size_t want = std::max(bytes, size_ * 2);
+  const std::string err = kc::Malloc(&ptr_, want);
+  if (!err.empty()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate ", want, " bytes of device scratch: ", err));
+  }
+  size_ = want;
+  return static_cast<uint8_t*>(ptr_);
+}
+
+absl::StatusOr<std::shared_ptr<const CudaCodec>> CudaCodec::Upload(const CodecProfile& codec) {
+  const int layers = codec.num_layers(), d = codec.head_dim();
+  const size_t m = static_cast<size_t>(d) * d;
+  std::vector<float> host(3 * m * layers + 2 * static_cast<size_t>(layers));
+  for (int l = 0; l < layers; ++l) {
+    std::copy(codec.RK(l), codec.RK(l) + m, host.begin() + l * m);
+    std::copy(codec.RV(l), codec.RV(l) + m, host.begin() + (layers + l) * m);
+    std::copy(codec.RVT(l), codec.RVT(l) + m, host.begin() + (2 * layers + l) * m);
+    host[3 * m * layers + l] = codec.RhoK(l);
+    host[3 * m * layers + layers + l] = codec.RhoV(l);
+  }
+  std::shared_ptr<CudaCodec> c(new CudaCodec());
+  c->head_dim_ = d;
+  const size_t bytes = host.size() * sizeof(float);
+  if (auto s = CudaStatus(kc::Malloc(&c->memory_, bytes), "codec upload"); !s.ok()) return s;
+  if (auto s = CudaStatus(kc::CopyToDevice(c->memory_, host.data(), bytes), "codec upload");
+      !s.ok()) {
+    return s;
+  }
+  auto* f = static_cast<float*>(c->memory_);
+  c->r_k_ = f;
+  c->r_v_ = f + m * layers;
+  c->r_v_t_ = f + 2 * m * layers;
+  c->rho_k_ = f + 3 * m * layers;
+  c->rho_v_ = c->rho_k_ + layers;
+  return std::shared_ptr<const CudaCodec>(std::move(c));
+}
+
+CudaCodec::~CudaCodec() {
+  if (memory_ != nullptr) (void)kc::Free(memory_);
+}
+
+}  // namespace kvcd

@@ -1,0 +1,52 @@
+// CudaPageFormat: what a format adds to run on the CUDA backend (pools in device memory):
+// its decode-attention launch over the model's device rotations. The CUDA backend creates
+// only CudaPageFormats, so its attention can launch them for the pages of their pools.
+// CUDA builds only.
+#pragma once
+
+#include <memory>
+
+#include "kvcd/kernels/cuda_decode_attention.h"
+#include "server/formats/cuda_codec.h"
+#include "server/formats/page_format.h"
+
+namespace kvcd {
+
+class CudaPageFormat : public PageFormat {
+ public:
+  CudaPageFormat(FormatId id, const PageGeometry& g, std::shared_ptr<const CodecProfile> rotation,
+                 std::shared_ptr<const CudaCodec> device_codec)
+      : PageFormat(id, g, std::move(rotation)), device_codec_(std::move(device_codec)) {}
+
+  // The model's rotations in device memory; null when rows are stored as given.
+  const CudaCodec* device_codec() const { return device_codec_.get(); }
+
+  // One attention launch: parts [part_base, part_base + splits) of every (sequence, query
+  // head) over the page list; with `merge` (formats whose FusesMerge() is true) the launch
+  // also merges every part into the result.
+  struct AttendLaunch {
+    kernels::cuda::PagedList list;
+    kernels::cuda::DecodeGeometry geo;
+    const float* q = nullptr;    // raw queries [batch][num_q_heads][head_dim]
+    const float* r_k = nullptr;  // device, null = none
+    float scale = 0;
+    int splits = 0;
+    int max_tokens = 0;
+    float* part_o = nullptr;
+    float* part_lse = nullptr;
+    int part_base = 0;
+    void* state = nullptr;  // AttendStateBytes(batch) bytes of device scratch
+    const kernels::cuda::MergeTarget* merge = nullptr;
+  };
+  // How many splits fill the GPU for a batch whose longest page list holds max_tokens.
+  virtual int AttendSplits(const kernels::cuda::DecodeGeometry& geo, int max_tokens,
+                           int num_sms) const = 0;
+  virtual size_t AttendStateBytes(int batch) const { return 0; }
+  virtual bool FusesMerge() const { return false; }
+  virtual absl::Status LaunchAttend(const AttendLaunch& a) const = 0;
+
+ private:
+  const std::shared_ptr<const CudaCodec> device_codec_;
+};
+
+}  // namespace kvcd

@@ -1,0 +1,137 @@
+#include "server/formats/cuda_rows.h"
+
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "kvcd/kernels/cuda_runtime_api.h"
+
+namespace kvcd {
+
+namespace kc = kernels::cuda;
+
+namespace {
+
+// The rows of tokens [first, first + n) of every source layer, on the device.
+absl::StatusOr<kc::RowBlock> DeviceRows(const RowSource& src, int64_t first, int64_t n,
+                                        int32_t layers, int32_t kv_heads, int32_t head_dim,
+                                        DeviceScratch* staging) {
+  kc::RowBlock b;
+  b.bf16 = src.is_bf16;
+  b.layer_stride = layers > 1 ? src.layer_stride : 0;
+  b.token_stride = src.token_stride;
+  b.head_stride = head_dim;
+  const int64_t elem = src.is_bf16 ? 2 : 4;
+  const auto* base = static_cast<const uint8_t*>(src.data) + first * src.token_stride * elem;
+  if (src.on_device) {
+    b.data = base;
+    return b;
+  }
+  // Host rows: the bytes from the first row to the end of the last one go up at once.
+  const int64_t span = ((layers - 1) * b.layer_stride + (n - 1) * src.token_stride +
+                        int64_t{kv_heads} * head_dim) *
+                       elem;
+  KVCD_ASSIGN_OR_RETURN(uint8_t * dev, staging->Reserve(static_cast<size_t>(span)));
+  KVCD_RETURN_IF_ERROR(
+      CudaStatus(kc::CopyToDevice(dev, base, static_cast<size_t>(span)), "staging rows"));
+  b.data = dev;
+  return b;
+}
+
+}  // namespace
+
+absl::Status PrepareRowStore(const RowSource& k, const RowSource& v,
+                             absl::Span<const RowSlot> rows, int32_t layer, const PagePool& pool,
+                             const PageGeometry& g, const CudaCodec* codec, bool rotate,
+                             RowStoreScratch* scratch, RowStoreArgs* out) {
+  const int64_t n = static_cast<int64_t>(rows.size());
+  if (n == 0) return absl::OkStatus();
+  const int64_t first = rows[0].src_token;
+  std::vector<int64_t> slots(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const RowSlot& r = rows[static_cast<size_t>(i)];
+    if (r.src_token != first + i) {
+      return absl::InternalError("device row stores take consecutive source tokens");
+    }
+    slots[static_cast<size_t>(i)] = int64_t{r.page} * g.page_size + r.slot;
+  }
+  const int32_t layers = layer < 0 ? g.num_layers : 1;
+  KVCD_ASSIGN_OR_RETURN(out->k, DeviceRows(k, first, n, layers, g.num_kv_heads, g.head_dim,
+                                           &scratch->k));
+  KVCD_ASSIGN_OR_RETURN(out->v, DeviceRows(v, first, n, layers, g.num_kv_heads, g.head_dim,
+                                           &scratch->v));
+  KVCD_ASSIGN_OR_RETURN(uint8_t * d_slots,
+                        scratch->slots.Reserve(slots.size() * sizeof(int64_t)));
+  KVCD_RETURN_IF_ERROR(CudaStatus(
+      kc::CopyToDevice(d_slots, slots.data(), slots.size() * sizeof(int64_t)), "slot list"));
+  const int32_t l0 = layer < 0 ? 0 : layer;
+  out->dst.num_layers = layers;
+  out->dst.num_tokens = n;
+  out->dst.num_kv_heads = g.num_kv_heads;
+  out->dst.head_dim = g.head_dim;
+  out->dst.page_size = g.page_size;
+  out->dst.base = pool.LayerBase(l0);
+  out->dst.layer_stride = int64_t{pool.num_pages()} * pool.layer_page_bytes();
+  out->dst.page_bytes = pool.layer_page_bytes();
+  out->dst.slots = reinterpret_cast<const int64_t*>(d_slots);
+  out->codec = kc::RowCodec{};
+  if (codec != nullptr) {
+    const int64_t m = codec->matrix_elems();
+    if (rotate) {
+      out->codec.r_k = codec->r_k() + l0 * m;
+      out->codec.r_v = codec->r_v() + l0 * m;
+      out->codec.r_layer_stride = m;
+    }
+    out->codec.rho_k = codec->rho_k() + l0;
+    out->codec.rho_v = codec->rho_v() + l0;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckDevicePageRegions(const uint8_t* src, int64_t num_pages, int32_t num_layers,
+                                    int64_t layer_bytes, int64_t check_offset,
+                                    int64_t check_bytes, uint32_t check, uint32_t check_block,
+                                    int64_t first_index, const char* what,
+                                    RowStoreScratch* scratch) {
+  if (num_pages <= 0) return absl::OkStatus();
+  std::vector<kc::CopySpan> spans;
+  spans.reserve(static_cast<size_t>(num_pages * num_layers));
+  for (int64_t p = 0; p < num_pages; ++p) {
+    for (int32_t l = 0; l < num_layers; ++l) {
+      spans.push_back(kc::CopySpan{src + (p * num_layers + l) * layer_bytes + check_offset,
+                                   nullptr, static_cast<uint64_t>(check_bytes), check,
+                                   check_block});
+    }
+  }
+  // One count per page would name the page; one counter per call and a second pass over
+  // a failing call's pages keeps the common (valid) case to one launch.
+  const size_t desc = spans.size() * sizeof(kc::CopySpan);
+  KVCD_ASSIGN_OR_RETURN(uint8_t * d, scratch->spans.Reserve(desc + 256));
+  auto* d_bad = reinterpret_cast<unsigned long long*>(d);
+  auto* d_spans = reinterpret_cast<kc::CopySpan*>(d + 256);
+  auto count = [&](size_t first, size_t n) -> absl::StatusOr<unsigned long long> {
+    const unsigned long long zero = 0;
+    KVCD_RETURN_IF_ERROR(CudaStatus(kc::CopyToDevice(d_bad, &zero, sizeof(zero)), "page check"));
+    KVCD_RETURN_IF_ERROR(CudaStatus(
+        kc::LaunchCopySpans(d_spans + first, static_cast<int>(n), d_bad, nullptr), "page check"));
+    unsigned long long bad = 0;
+    KVCD_RETURN_IF_ERROR(CudaStatus(kc::CopyToHost(&bad, d_bad, sizeof(bad)), "page check"));
+    return bad;
+  };
+  KVCD_RETURN_IF_ERROR(CudaStatus(kc::CopyToDevice(d_spans, spans.data(), desc), "page check"));
+  KVCD_ASSIGN_OR_RETURN(unsigned long long bad, count(0, spans.size()));
+  if (bad == 0) return absl::OkStatus();
+  for (int64_t p = 0; p < num_pages; ++p) {
+    KVCD_ASSIGN_OR_RETURN(unsigned long long page_bad,
+                          count(static_cast<size_t>(p * num_layers), num_layers));
+    if (page_bad != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("page ", first_index + p, " holds ",
+                                                     page_bad, " ", what,
+                                                     "; nothing was stored"));
+    }
+  }
+  return absl::InvalidArgumentError(absl::StrCat("pages hold ", bad, " ", what,
+                                                 "; nothing was stored"));
+}
+
+}  // namespace kvcd

@@ -1,0 +1,28 @@
+#include "server/formats/format_id.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace kvcd {
+
+const char* FormatName(FormatId id) {
+  switch (id) {
+    case FormatId::kBf16:
+      return "bf16";
+    case FormatId::kInt2Oscar:
+      return "int2-oscar";
+  }
+  return "unknown";
+}
+
+absl::Status ParseFormatName(const std::string& name, const char* field, FormatId* out) {
+  for (FormatId id : {FormatId::kBf16, FormatId::kInt2Oscar}) {
+    if (name == FormatName(id)) {
+      *out = id;
+      return absl::OkStatus();
+    }
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, " is '", name.substr(0, 64), "', expected 'bf16' or 'int2-oscar'"));
+}
+
+}  // namespace kvcd

@@ -1,0 +1,126 @@
+// OSCAR INT2 pages in device memory: quantize-on-put and demotion by the paged INT2 row
+// store (bit-identical to the CPU codec), attention by the INT2 tensor-core decode kernel,
+// which also merges every part of the call (windows included).
+#include "common/status_macros.h"
+#include "kvcd/kernels/cuda_decode_attention.h"
+#include "kvcd/kernels/cuda_runtime_api.h"
+#include "server/formats/cuda_rows.h"
+#include "server/formats/int2_oscar/int2_oscar_format.h"
+#include "server/formats/int2_oscar/int2_oscar_format_cuda.h"
+
+namespace kvcd {
+namespace {
+
+namespace kc = kernels::cuda;
+
+class Int2OscarCudaFormat final : public CudaPageFormat {
+ public:
+  Int2OscarCudaFormat(const PageGeometry& g, std::shared_ptr<const CodecProfile> codec,
+                      std::shared_ptr<const CudaCodec> device_codec)
+      : CudaPageFormat(FormatId::kInt2Oscar, g, std::move(codec), std::move(device_codec)),
+        layout_(g) {}
+
+  int64_t layer_page_bytes() const override { return layout_.layer_page_bytes(); }
+  double bits_per_element() const override { return layout_.bits_per_element(); }
+
+  absl::Status WritePages(const RowSource& k, const RowSource& v, int64_t first_token,
+                          absl::Span<const int32_t> pages, const PagePool& pool) const override {
+    std::vector<RowSlot> rows;
+    const int32_t ps = geometry().page_size;
+    rows.reserve(pages.size() * static_cast<size_t>(ps));
+    for (size_t i = 0; i < pages.size(); ++i) {
+      for (int32_t t = 0; t < ps; ++t) {
+        rows.push_back({first_token + static_cast<int64_t>(i) * ps + t, pages[i], t});
+      }
+    }
+    std::lock_guard<std::mutex> lock(scratch_.mu);
+    RowStoreArgs a;
+    KVCD_RETURN_IF_ERROR(PrepareRowStore(k, v, rows, -1, pool, geometry(), device_codec(),
+                                         /*rotate=*/true, &scratch_, &a));
+    if (rows.empty()) return absl::OkStatus();
+    return CudaStatus(kc::LaunchStoreInt2Rows(a.k, a.v, a.dst, a.codec, nullptr),
+                      "INT2 quantize-on-put");
+  }
+
+  absl::Status Demote(const PagePool& window_pool, absl::Span<const int32_t> src_pages,
+                      const PagePool& pool, absl::Span<const int32_t> dst_pages) const override {
+    const PageGeometry& g = geometry();
+    const int32_t ps = g.page_size, d = g.head_dim;
+    std::lock_guard<std::mutex> lock(scratch_.mu);
+    for (size_t i = 0; i < src_pages.size(); ++i) {
+      // The window page's rows ([K|V][head][slot][d], already rotated) are the source.
+      std::vector<RowSlot> rows;
+      for (int32_t t = 0; t < ps; ++t) rows.push_back({t, dst_pages[i], t});
+      RowSource k;
+      k.on_device = true;
+      k.is_bf16 = true;
+      k.data = window_pool.PagePtr(0, src_pages[i]);
+      k.token_stride = d;
+      k.layer_stride = int64_t{window_pool.num_pages()} * window_pool.layer_page_bytes() / 2;
+      RowSource v = k;
+      v.data = window_pool.PagePtr(0, src_pages[i]) + int64_t{g.num_kv_heads} * ps * d * 2;
+      RowStoreArgs a;
+      KVCD_RETURN_IF_ERROR(PrepareRowStore(k, v, rows, -1, pool, g, device_codec(),
+                                           /*rotate=*/false, &scratch_, &a));
+      a.k.head_stride = a.v.head_stride = int64_t{ps} * d;
+      KVCD_RETURN_IF_ERROR(CudaStatus(kc::LaunchStoreInt2Rows(a.k, a.v, a.dst, a.codec, nullptr),
+                                      "INT2 demotion"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status CheckPages(const uint8_t* src, int64_t num_pages,
+                          int64_t first_index) const override {
+    return layout_.CheckPages(src, num_pages, first_index);
+  }
+
+  absl::Status CheckDevicePages(const uint8_t* src, int64_t num_pages,
+                                int64_t first_index) const override {
+    std::lock_guard<std::mutex> lock(scratch_.mu);
+    return CheckDevicePageRegions(src, num_pages, geometry().num_layers, layer_page_bytes(),
+                                  layout_.ParamsOffset(), 2 * layout_.ParamsCount(),
+                                  kc::kCheckFp16ScaleMin,
+                                  static_cast<uint32_t>(geometry().page_size), first_index,
+                                  "non-finite FP16 parameter(s) or negative scale(s)", &scratch_);
+  }
+
+  void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which, int32_t slot,
+                  int32_t count, float* out) const override {
+    layout_.ReadRows(layer_page, head, which, slot, count, out);
+    Unrotate(layer, which, count, out);
+  }
+
+  int AttendSplits(const kc::DecodeGeometry& geo, int max_tokens, int num_sms) const override {
+    return kc::Int2DecodeSplits(geo.batch, geo.num_kv_heads, max_tokens, num_sms,
+                                kc::Int2CtasPerSm(geo.num_q_heads, geo.num_kv_heads, geo.head_dim));
+  }
+  size_t AttendStateBytes(int batch) const override {
+    return kc::Int2StateBytes(batch, geometry().num_kv_heads);
+  }
+  bool FusesMerge() const override { return true; }
+
+  absl::Status LaunchAttend(const AttendLaunch& a) const override {
+    kc::Int2PartsOptions opt;
+    opt.state = a.state;
+    opt.merge = a.merge;
+    return CudaStatus(kc::LaunchInt2DecodeParts(a.list, a.geo, a.q, a.r_k, a.scale, a.splits,
+                                                a.max_tokens, a.part_o, a.part_lse, a.part_base,
+                                                nullptr, opt),
+                      "INT2 decode attention");
+  }
+
+ private:
+  const Int2OscarFormat layout_;
+  mutable RowStoreScratch scratch_;
+};
+
+}  // namespace
+
+std::unique_ptr<CudaPageFormat> MakeInt2OscarCudaFormat(
+    const PageGeometry& geometry, std::shared_ptr<const CodecProfile> codec,
+    std::shared_ptr<const CudaCodec> device_codec) {
+  return std::make_unique<Int2OscarCudaFormat>(geometry, std::move(codec),
+                                               std::move(device_codec));
+}
+
+}  // namespace kvcd

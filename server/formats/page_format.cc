@@ -1,0 +1,56 @@
+#include "server/formats/page_format.h"
+
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kvcd/kernels/bf16.h"
+#include "kvcd/kernels/int2_codec.h"
+
+namespace kvcd {
+
+void RowSource::RowAsFloat(int64_t layer, int64_t token, int32_t head, int32_t head_dim,
+                           float* out) const {
+  const int64_t off = layer * layer_stride + token * token_stride + int64_t{head} * head_dim;
+  if (is_bf16) {
+    kernels::Bf16ToFloatN(static_cast<const uint16_t*>(data) + off, out, head_dim);
+  } else {
+    std::memcpy(out, static_cast<const float*>(data) + off, sizeof(float) * head_dim);
+  }
+}
+
+void RowSource::RowAsBf16(int64_t layer, int64_t token, int32_t head, int32_t head_dim,
+                          uint16_t* out) const {
+  const int64_t off = layer * layer_stride + token * token_stride + int64_t{head} * head_dim;
+  if (is_bf16) {
+    std::memcpy(out, static_cast<const uint16_t*>(data) + off, sizeof(uint16_t) * head_dim);
+  } else {
+    kernels::FloatToBf16N(static_cast<const float*>(data) + off, out, head_dim);
+  }
+}
+
+absl::Status PageFormat::WriteRows(const RowSource&, const RowSource&, absl::Span<const RowSlot>,
+                                   int32_t, const PagePool&) const {
+  return absl::UnimplementedError(
+      absl::StrCat(name(), " pages are written whole; single rows go to the window format"));
+}
+
+absl::Status PageFormat::Demote(const PagePool&, absl::Span<const int32_t>, const PagePool&,
+                                absl::Span<const int32_t>) const {
+  return absl::UnimplementedError(absl::StrCat(name(), " is not a history format"));
+}
+
+absl::Status PageFormat::CheckDevicePages(const uint8_t*, int64_t, int64_t) const {
+  return absl::FailedPreconditionError(
+      "this backend has no device memory; send pages inline (inline_pages)");
+}
+
+void PageFormat::Unrotate(int32_t layer, int which, int32_t count, float* rows) const {
+  if (rotation_ == nullptr) return;
+  const int32_t d = geometry_.head_dim;
+  std::vector<float> rotated(rows, rows + int64_t{count} * d);
+  kernels::RotateRows(rotated.data(), count, d,
+                      which == 0 ? rotation_->RKT(layer) : rotation_->RVT(layer), rows);
+}
+
+}  // namespace kvcd

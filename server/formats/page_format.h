@@ -1,0 +1,121 @@
+// PageFormat: one way of storing K/V in pages — its layout and every operation the cache
+// core needs on it — implemented once per format and backend (formats/<format>/). The core
+// (cache/model_cache) never asks which format a page has: it holds one PageFormat per pool
+// and calls it.
+//
+// A model has a window format (BF16: the sink and recent windows, which take rows one token
+// at a time) and, when its history is stored differently, a history format whose pages are
+// written whole (Put) or re-encoded from full window pages (Demote). All formats of a
+// model share one rotation: rows are stored as x·R (R = null: as given), queries are
+// rotated once and outputs un-rotated once per attention call.
+//
+// Data stays where it is: a RowSource in device memory (CUDA IPC) is read on the device;
+// host rows on a device backend go up once per call.
+//
+// Thread safety: all methods are const and thread-safe; callers own the pages they write.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "common/codec_profile.h"
+#include "server/formats/format_id.h"
+#include "server/formats/page_pool.h"
+
+namespace kvcd {
+
+struct PageGeometry {
+  int32_t num_layers = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t page_size = 0;
+};
+
+// K or V rows of a request. Row (layer, token, head) starts at element
+// layer * layer_stride + token * token_stride + head * head_dim, BF16 or F32, in host memory
+// or (on_device) in device memory.
+struct RowSource {
+  const void* data = nullptr;
+  bool is_bf16 = true;
+  bool on_device = false;
+  int64_t layer_stride = 0;
+  int64_t token_stride = 0;
+
+  // Host rows only: one row as float / as BF16 bits.
+  void RowAsFloat(int64_t layer, int64_t token, int32_t head, int32_t head_dim, float* out) const;
+  void RowAsBf16(int64_t layer, int64_t token, int32_t head, int32_t head_dim,
+                 uint16_t* out) const;
+};
+
+// Token src_token of a RowSource goes to slot `slot` of page `page`.
+struct RowSlot {
+  int64_t src_token = 0;
+  int32_t page = 0;
+  int32_t slot = 0;
+};
+
+class PageFormat {
+ public:
+  PageFormat(FormatId id, const PageGeometry& geometry,
+             std::shared_ptr<const CodecProfile> rotation)
+      : id_(id), geometry_(geometry), rotation_(std::move(rotation)) {}
+  virtual ~PageFormat() = default;
+  PageFormat(const PageFormat&) = delete;
+  PageFormat& operator=(const PageFormat&) = delete;
+
+  FormatId id() const { return id_; }
+  const char* name() const { return FormatName(id_); }
+  const PageGeometry& geometry() const { return geometry_; }
+  // Rows are stored as x·R_k / x·R_v of this profile; null = as given.
+  const CodecProfile* rotation() const { return rotation_.get(); }
+
+  // Bytes of one page of one layer, and of all layers.
+  virtual int64_t layer_page_bytes() const = 0;
+  int64_t page_bytes() const { return layer_page_bytes() * geometry_.num_layers; }
+  // Stored bits per K/V element (codes and parameters).
+  virtual double bits_per_element() const = 0;
+
+  // Fills pages[i] (every layer) with tokens first_token + i * page_size ... of k and v.
+  virtual absl::Status WritePages(const RowSource& k, const RowSource& v, int64_t first_token,
+                                  absl::Span<const int32_t> pages, const PagePool& pool) const = 0;
+
+  // Writes single tokens' rows into page slots: every layer (layer < 0; the source holds all
+  // layers) or one layer (the source holds that layer only, layer_stride unused). Window
+  // formats only; others answer UNIMPLEMENTED.
+  virtual absl::Status WriteRows(const RowSource& k, const RowSource& v,
+                                 absl::Span<const RowSlot> rows, int32_t layer,
+                                 const PagePool& pool) const;
+
+  // Re-encodes full pages of the model's window pool (rows stored rotated as the window
+  // holds them) into pages of this format: src_pages[i] -> dst_pages[i], every layer.
+  // History formats only; others answer UNIMPLEMENTED.
+  virtual absl::Status Demote(const PagePool& window_pool, absl::Span<const int32_t> src_pages,
+                              const PagePool& pool, absl::Span<const int32_t> dst_pages) const;
+
+  // Checks num_pages pages stored back to back (every layer each) before they are stored:
+  // INVALID_ARGUMENT naming the page (first_index + i) and layer whose values are not valid
+  // for the format (non-finite values, negative scales). CheckPages reads host memory;
+  // CheckDevicePages device memory (FAILED_PRECONDITION on backends without a device).
+  virtual absl::Status CheckPages(const uint8_t* src, int64_t num_pages,
+                                  int64_t first_index) const = 0;
+  virtual absl::Status CheckDevicePages(const uint8_t* src, int64_t num_pages,
+                                        int64_t first_index) const;
+
+  // Rows [slot, slot + count) of (head, which: 0 = K, 1 = V) from the host bytes of one page
+  // of layer `layer`, as float in the original (un-rotated) space.
+  virtual void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which,
+                          int32_t slot, int32_t count, float* out) const = 0;
+
+ protected:
+  // Un-rotates rows in place (x = y · R^T) when the format has a rotation.
+  void Unrotate(int32_t layer, int which, int32_t count, float* rows) const;
+
+ private:
+  const FormatId id_;
+  const PageGeometry geometry_;
+  const std::shared_ptr<const CodecProfile> rotation_;
+};
+
+}  // namespace kvcd
