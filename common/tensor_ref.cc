@@ -92,12 +92,6 @@ absl::Status CheckTensorRef(const v1::TensorRef& t, absl::string_view field,
   return absl::OkStatus();
 }
 
-int64_t NumElements(const v1::TensorRef& t) {
-  int64_t n = 1;
-  for (int64_t d : t.shape()) n *= d;
-  return n;
-}
-
 float ElementAsFloat(const v1::TensorRef& t, int64_t i) {
   const char* p = t.inline_data().data();
   if (t.dtype() == v1::DTYPE_F32) {
@@ -120,19 +114,6 @@ void CopyAsFloat(const v1::TensorRef& t, int64_t begin, int64_t n, float* out) {
     uint16_t b;
     std::memcpy(&b, p + 2 * (begin + i), 2);
     out[i] = kernels::Bf16ToFloat(b);
-  }
-}
-
-void CopyAsBf16(const v1::TensorRef& t, int64_t begin, int64_t n, uint16_t* out) {
-  const char* p = t.inline_data().data();
-  if (t.dtype() == v1::DTYPE_BF16) {
-    std::memcpy(out, p + 2 * begin, static_cast<size_t>(2 * n));
-    return;
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    float f;
-    std::memcpy(&f, p + 4 * (begin + i), 4);
-    out[i] = kernels::FloatToBf16(f);
   }
 }
 

@@ -31,15 +31,11 @@ void SetIpcTensor(v1::TensorRef* t, v1::DType dtype, std::vector<int64_t> shape,
 // Bytes of a tensor of dtype / shape.
 int64_t TensorBytes(v1::DType dtype, const std::vector<int64_t>& shape);
 
-// Element count of a checked tensor.
-int64_t NumElements(const v1::TensorRef& t);
-
 // Element i of a checked BF16 / F32 tensor as float.
 float ElementAsFloat(const v1::TensorRef& t, int64_t i);
 
-// Copies a checked BF16/F32 tensor's elements [begin, begin + n) as floats / bf16.
+// Copies a checked BF16/F32 tensor's elements [begin, begin + n) as floats.
 void CopyAsFloat(const v1::TensorRef& t, int64_t begin, int64_t n, float* out);
-void CopyAsBf16(const v1::TensorRef& t, int64_t begin, int64_t n, uint16_t* out);
 
 // Fills `t` with an inline tensor.
 void SetF32Tensor(v1::TensorRef* t, std::vector<int64_t> shape, const float* data);

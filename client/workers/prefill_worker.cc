@@ -8,9 +8,16 @@
 // It then fetches the pages back the same way and checks they are byte-identical, and
 // reports push / fetch bandwidth against a plain device-to-device copy of the same bytes
 // (IPC) measured in the same process.
+//   --mode put        instead: the prompt's BF16 K/V [layers, tokens, kv_heads, head_dim]
+//                     in a registered buffer, stored with Put (cuda_ipc tensors): the daemon
+//                     rotates / quantizes on the device, the K/V never leave the GPU. Reports
+//                     GB/s of BF16 consumed against a plain copy of the same bytes, and checks
+//                     the stored pages of the first tokens against an inline Put of the same
+//                     values (byte for byte).
 //
 // Usage: kvcd_prefill_worker --target HOST:PORT --model NAME [--tokens 32768] [--salt S]
-//          [--seed 1] [--transport ipc|nccl] [--repeat 3] [--device 0] [--timeout-ms 20000]
+//          [--seed 1] [--transport ipc|nccl] [--mode push|put] [--repeat 3] [--device 0]
+//          [--timeout-ms 20000]
 #include <cuda_runtime.h>
 
 #include <chrono>
@@ -72,6 +79,113 @@ absl::Status FillPages(const kw::Geometry& g, int64_t pages, uint8_t* dst, uint6
   return kw::CudaCheck(cudaDeviceSynchronize(), "fill");
 }
 
+// Times one D2D copy of `bytes` (median of 5, events on the legacy stream).
+absl::StatusOr<double> CopySeconds(uint8_t* dst, const uint8_t* src, int64_t bytes) {
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  std::vector<double> copy_s;
+  for (int r = 0; r < 5; ++r) {
+    cudaEventRecord(e0, 0);
+    cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, 0);
+    cudaEventRecord(e1, 0);
+    if (auto s = kw::CudaCheck(cudaEventSynchronize(e1), "copy"); !s.ok()) return s;
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    copy_s.push_back(ms / 1e3);
+  }
+  return kw::Median(copy_s);
+}
+
+// --mode put: Put of BF16 K/V from a registered buffer (see the header comment).
+int PutMode(kvcd::Client* client, const std::string& model, const kw::Geometry& g,
+            int64_t n_tokens, const std::string& salt, uint64_t seed, int repeat) {
+  const int64_t n = n_tokens / g.page_size * g.page_size;
+  const int64_t elems = int64_t{g.num_layers} * n * g.num_kv_heads * g.head_dim;
+  const int64_t bytes = 2 * elems;  // one of K, V as BF16
+  auto b = kw::IpcBuffer::Create(client, 2 * static_cast<uint64_t>(bytes), "prefill-put");
+  CHECK_OK(b.status());
+  kw::IpcBuffer& buf = **b;
+  CHECK_OK(kw::CudaCheck(kw::FillBf16(reinterpret_cast<uint16_t*>(buf.data()), 2 * elems, seed, 0),
+                         "FillBf16"));
+  CHECK_OK(kw::CudaCheck(cudaDeviceSynchronize(), "fill"));
+  const std::vector<int32_t> tokens = kw::PromptTokens(n, seed);
+  const std::vector<int64_t> shape = {g.num_layers, n, g.num_kv_heads, g.head_dim};
+  std::printf("put worker: %s, %lld tokens, %.1f MB of BF16 K/V in a CUDA IPC buffer\n",
+              model.c_str(), static_cast<long long>(n), 2 * bytes / 1e6);
+  auto put = [&](const std::string& tenant) -> absl::StatusOr<double> {
+    kvcd::v1::PutRequest req;
+    req.set_model(model);
+    req.set_cache_salt(tenant);
+    for (int32_t t : tokens) req.add_tokens(t);
+    buf.Region(req.mutable_k(), kvcd::v1::DTYPE_BF16, shape, 0);
+    buf.Region(req.mutable_v(), kvcd::v1::DTYPE_BF16, shape, static_cast<uint64_t>(bytes));
+    const auto t0 = Clock::now();
+    if (auto s = buf.MarkReady(0); !s.ok()) return s;
+    auto r = client->Put(req);
+    if (!r.ok()) return r.status();
+    if (r->inserted_tokens() != n) {
+      return absl::InternalError(absl::StrCat("Put inserted ", r->inserted_tokens(), " of ", n,
+                                              " tokens"));
+    }
+    return Seconds(t0);
+  };
+  std::vector<double> put_s;
+  for (int r = 0; r < std::max(1, repeat) + 1; ++r) {
+    auto t = put(absl::StrCat(salt, "-put", r, "-", seed));
+    CHECK_OK(t.status());
+    if (r > 0) put_s.push_back(*t);  // the first call also allocates device scratch
+  }
+  // Byte check: the first pages stored from the device against an inline Put of the same
+  // values (host bytes through the same daemon), both fetched as stored.
+  const int64_t check_tokens = std::min<int64_t>(n, 8 * g.page_size);
+  std::vector<uint16_t> host(static_cast<size_t>(2 * elems));
+  CHECK_OK(kw::CudaCheck(cudaMemcpy(host.data(), buf.data(), 2 * bytes, cudaMemcpyDeviceToHost),
+                         "D2H"));
+  kvcd::v1::PutRequest inline_req;
+  inline_req.set_model(model);
+  inline_req.set_cache_salt(salt + "-inline");
+  const int64_t row = int64_t{g.num_kv_heads} * g.head_dim;
+  for (int64_t t = 0; t < check_tokens; ++t) inline_req.add_tokens(tokens[static_cast<size_t>(t)]);
+  for (int which = 0; which < 2; ++which) {
+    kvcd::v1::TensorRef* tr = which == 0 ? inline_req.mutable_k() : inline_req.mutable_v();
+    tr->set_dtype(kvcd::v1::DTYPE_BF16);
+    for (int64_t d : {int64_t{g.num_layers}, check_tokens, int64_t{g.num_kv_heads},
+                      int64_t{g.head_dim}})
+      tr->add_shape(d);
+    std::string* data = tr->mutable_inline_data();
+    for (int32_t l = 0; l < g.num_layers; ++l) {
+      const uint16_t* src = host.data() + which * elems + int64_t{l} * n * row;
+      data->append(reinterpret_cast<const char*>(src), static_cast<size_t>(check_tokens * row * 2));
+    }
+  }
+  CHECK_OK(client->Put(inline_req).status());
+  std::vector<std::string> stored[2];
+  for (int which = 0; which < 2; ++which) {
+    const std::string tenant = which == 0 ? absl::StrCat(salt, "-put0-", seed) : salt + "-inline";
+    std::vector<int32_t> prefix(tokens.begin(), tokens.begin() + check_tokens);
+    auto open = client->OpenSequence(model, tenant, prefix);
+    CHECK_OK(open.status());
+    kvcd::v1::FetchPagesRequest f;
+    f.set_sequence_id(open->sequence_id());
+    auto resp = client->FetchPages(f);
+    CHECK_OK(resp.status());
+    for (const auto& p : resp->pages()) stored[which].push_back(p.data());
+    (void)client->CloseSequence(open->sequence_id());
+  }
+  const bool same = stored[0] == stored[1] && !stored[0].empty();
+  auto copy = CopySeconds(buf.data() + bytes, buf.data(), bytes);
+  CHECK_OK(copy.status());
+  const double gb = 2 * bytes / 1e9;
+  std::printf("put (ipc): %.3f ms per %.1f MB of BF16 K/V = %.1f GB/s consumed (median of %zu)\n",
+              kw::Median(put_s) * 1e3, 2 * bytes / 1e6, gb / kw::Median(put_s), put_s.size());
+  std::printf("plain cudaMemcpy D2D of the same bytes: %.3f ms = %.1f GB/s\n", 2 * *copy * 1e3,
+              gb / (2 * *copy));
+  std::printf("pages stored from the device byte-identical to an inline Put (%lld tokens): %s\n",
+              static_cast<long long>(check_tokens), same ? "yes" : "NO");
+  return same ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -95,6 +209,9 @@ int main(int argc, char** argv) {
   auto geo = kw::FetchGeometry(client->get(), model);
   CHECK_OK(geo.status());
   const kw::Geometry& g = *geo;
+  if (flags.Get("mode", "push") == "put") {
+    return PutMode(client->get(), model, g, n_tokens, salt, seed, repeat);
+  }
   const int64_t pages = n_tokens / g.page_size;
   if (pages < 1) {
     std::fprintf(stderr, "--tokens must hold at least one page (%d tokens)\n", g.page_size);

@@ -138,7 +138,6 @@ std::string NcclWait(void* comm, void* stream, int timeout_ms) {
               "NCCL transfer");
 }
 
-std::string NcclAbort(void* comm) { return Text(Lib().abort(static_cast<ncclComm_t>(comm))); }
 std::string NcclDestroy(void* comm) { return Text(Lib().destroy(static_cast<ncclComm_t>(comm))); }
 
 std::string CreateStream(void** stream) {

@@ -120,10 +120,6 @@ int32_t ModelCache::StoreForPage(int64_t page_index) const {
   return page_index >= spec_.sink_pages() ? HistoryStore() : kWindow;
 }
 
-const char* ModelCache::StoredFormat(int64_t page_index) const {
-  return stores_[StoreForPage(page_index)].format->name();
-}
-
 int64_t ModelCache::StoredPageBytes(int64_t page_index) const {
   return stores_[StoreForPage(page_index)].format->page_bytes();
 }

@@ -114,9 +114,8 @@ class ModelCache {
   absl::StatusOr<PutResult> PushDevicePages(const std::string& salt,
                                             absl::Span<const int32_t> tokens, int64_t first_page,
                                             int64_t num_pages, const uint8_t* src);
-  // Format name and bytes (all layers) of the page stored at position page_index of a
-  // prefix, and the largest page of any format.
-  const char* StoredFormat(int64_t page_index) const;
+  // Bytes (all layers) of the page stored at position page_index of a prefix, and the
+  // largest page of any format.
   int64_t StoredPageBytes(int64_t page_index) const;
   int64_t MaxPageBytes() const;
 

@@ -24,7 +24,6 @@ std::string NcclSend(void* comm, const void* buf, size_t bytes, int peer, void* 
 std::string NcclRecv(void* comm, void* buf, size_t bytes, int peer, void* stream);
 // Waits up to timeout_ms for the work of `stream`; aborts `comm` on timeout or error.
 std::string NcclWait(void* comm, void* stream, int timeout_ms);
-std::string NcclAbort(void* comm);
 std::string NcclDestroy(void* comm);
 
 // A non-blocking stream for transfers, and its disposal.

@@ -1,0 +1,126 @@
+// The BF16 format on the CPU backend: rows land in the page layout (rotated when the model
+// has a rotation, bit-identical to RotateRows + FloatToBf16), single rows go to one layer
+// or all, the host check names the page and layer, expansion un-rotates.
+#include "server/formats/bf16/bf16_format.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+#include <vector>
+
+#include "kvcd/kernels/bf16.h"
+#include "kvcd/kernels/int2_codec.h"
+
+namespace kvcd {
+namespace {
+
+constexpr PageGeometry kGeo{3, 2, 16, 4};  // layers, kv heads, head_dim, page size
+
+std::vector<uint16_t> RandomBf16(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<uint16_t> x(static_cast<size_t>(n));
+  for (auto& v : x) v = kernels::FloatToBf16(normal(rng));
+  return x;
+}
+
+RowSource Bf16Rows(const std::vector<uint16_t>& x, int64_t tokens) {
+  RowSource r;
+  r.data = x.data();
+  r.token_stride = int64_t{kGeo.num_kv_heads} * kGeo.head_dim;
+  r.layer_stride = tokens * r.token_stride;
+  return r;
+}
+
+const uint16_t* Row(const PagePool& pool, int32_t layer, int32_t page, int which, int32_t head,
+                    int32_t slot) {
+  return reinterpret_cast<const uint16_t*>(pool.PagePtr(layer, page)) +
+         ((int64_t{which} * kGeo.num_kv_heads + head) * kGeo.page_size + slot) * kGeo.head_dim;
+}
+
+TEST(Bf16FormatTest, WritePagesAndRowsPlaceRowsInTheLayout) {
+  for (bool rotate : {false, true}) {
+    auto rot = rotate ? std::make_shared<const CodecProfile>(
+                            CodecProfile::Hadamard(kGeo.num_layers, kGeo.head_dim))
+                      : nullptr;
+    auto f = MakeBf16CpuFormat(kGeo, rot);
+    EXPECT_STREQ(f->name(), "bf16");
+    const int64_t tokens = 2 * kGeo.page_size;
+    const int64_t row = int64_t{kGeo.num_kv_heads} * kGeo.head_dim;
+    const auto k = RandomBf16(kGeo.num_layers * tokens * row, 1);
+    const auto v = RandomBf16(kGeo.num_layers * tokens * row, 2);
+    std::vector<uint8_t> mem(static_cast<size_t>(f->page_bytes() * 3));
+    PagePool pool("bf16", mem.data(), kGeo.num_layers, f->layer_page_bytes(), 3);
+    ASSERT_TRUE(f->WritePages(Bf16Rows(k, tokens), Bf16Rows(v, tokens), 0, {2, 1}, pool).ok());
+    std::vector<float> x(kGeo.head_dim), y(kGeo.head_dim);
+    std::vector<uint16_t> want(kGeo.head_dim);
+    for (int32_t l = 0; l < kGeo.num_layers; ++l) {
+      for (int64_t t = 0; t < tokens; ++t) {
+        for (int which = 0; which < 2; ++which) {
+          for (int32_t h = 0; h < kGeo.num_kv_heads; ++h) {
+            const uint16_t* src = (which == 0 ? k : v).data() + (l * tokens + t) * row +
+                                  h * kGeo.head_dim;
+            if (rotate) {
+              kernels::Bf16ToFloatN(src, x.data(), kGeo.head_dim);
+              kernels::RotateRows(x.data(), 1, kGeo.head_dim,
+                                  which == 0 ? rot->RK(l) : rot->RV(l), y.data());
+              kernels::FloatToBf16N(y.data(), want.data(), kGeo.head_dim);
+            } else {
+              std::copy_n(src, kGeo.head_dim, want.begin());
+            }
+            const int32_t page = t < kGeo.page_size ? 2 : 1;
+            const uint16_t* got =
+                Row(pool, l, page, which, h, static_cast<int32_t>(t % kGeo.page_size));
+            ASSERT_TRUE(std::equal(want.begin(), want.end(), got))
+                << "rotate " << rotate << " layer " << l << " token " << t;
+          }
+        }
+      }
+    }
+    // One token's rows at layer 1 only (a one-layer source), into page 0 slot 3.
+    const auto k1 = RandomBf16(row, 3), v1 = RandomBf16(row, 4);
+    std::vector<uint8_t> before = mem;
+    ASSERT_TRUE(f->WriteRows(Bf16Rows(k1, 1), Bf16Rows(v1, 1), {{0, 0, 3}}, 1, pool).ok());
+    int64_t changed_other_layers = 0;
+    for (int32_t l : {0, 2}) {
+      const uint8_t* a = pool.PagePtr(l, 0);
+      changed_other_layers += !std::equal(a, a + f->layer_page_bytes(),
+                                          before.data() + (a - mem.data()));
+    }
+    EXPECT_EQ(changed_other_layers, 0);
+    // Expansion of that row un-rotates it back to (about) the input.
+    std::vector<float> got(kGeo.head_dim);
+    f->ExpandRows(pool.PagePtr(1, 0), 1, 1, 1, 3, 1, got.data());
+    for (int32_t j = 0; j < kGeo.head_dim; ++j) {
+      EXPECT_NEAR(got[j], kernels::Bf16ToFloat(v1[kGeo.head_dim + j]), rotate ? 0.05 : 0.0);
+    }
+  }
+}
+
+TEST(Bf16FormatTest, CheckPagesNamesTheNonFiniteValue) {
+  auto f = MakeBf16CpuFormat(kGeo, nullptr);
+  std::vector<uint16_t> pages(static_cast<size_t>(2 * f->page_bytes() / 2), 0x3f80);  // 1.0
+  EXPECT_TRUE(f->CheckPages(reinterpret_cast<const uint8_t*>(pages.data()), 2, 0).ok());
+  // +Inf in page 1, layer 2.
+  pages[static_cast<size_t>((1 * kGeo.num_layers + 2) * f->layer_page_bytes() / 2 + 5)] = 0x7f80;
+  absl::Status s = f->CheckPages(reinterpret_cast<const uint8_t*>(pages.data()), 2, 7);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("page 8 layer 2"), absl::string_view::npos) << s;
+  // Device pages on a backend without a device.
+  EXPECT_EQ(f->CheckDevicePages(nullptr, 1, 0).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(Bf16FormatTest, FormatNamesRoundTrip) {
+  for (FormatId id : {FormatId::kBf16, FormatId::kInt2Oscar}) {
+    FormatId parsed = FormatId::kBf16;
+    ASSERT_TRUE(ParseFormatName(FormatName(id), "history_format", &parsed).ok());
+    EXPECT_EQ(parsed, id);
+  }
+  FormatId out;
+  absl::Status s = ParseFormatName("fsq", "history_format", &out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("history_format is 'fsq'"), absl::string_view::npos);
+}
+
+}  // namespace
+}  // namespace kvcd
