@@ -19,11 +19,10 @@ std::string CudaDeviceDescription(int ordinal) {
   cudaDeviceProp prop{};
   const cudaError_t err = cudaGetDeviceProperties(&prop, ordinal);
   if (err != cudaSuccess) return cudaGetErrorString(err);
-  char buf[256];
-  std::snprintf(buf, sizeof(buf), "%s (sm_%d%d, %.0f GiB, %d SMs)", prop.name, prop.major,
-                prop.minor, static_cast<double>(prop.totalGlobalMem) / (1ull << 30),
-                prop.multiProcessorCount);
-  return buf;
+  char buf[96];
+  std::snprintf(buf, sizeof(buf), " (sm_%d%d, %.0f GiB, %d SMs)", prop.major, prop.minor,
+                static_cast<double>(prop.totalGlobalMem) / (1ull << 30), prop.multiProcessorCount);
+  return std::string(prop.name) + buf;
 }
 
 }  // namespace kvcd::kernels

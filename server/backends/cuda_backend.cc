@@ -269,13 +269,8 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     }
     // Page tables and lengths go up from pinned staging without waiting for the device:
     // a call whose queries and results live on the device (CUDA IPC) never blocks here.
-    if (!host_i32.empty()) {
-      auto staged = Pinned(i32_bytes);
-      if (!staged.ok()) return staged.status();
-      std::memcpy((*staged)->host, host_i32.data(), sizeof(int32_t) * host_i32.size());
-      RETURN_IF_CUDA(kc::CopyToDeviceAsync(d_i32, (*staged)->host, sizeof(int32_t) * host_i32.size()));
-      RETURN_IF_CUDA(kc::RecordEvent((*staged)->event));
-    }
+    KVCD_RETURN_IF_ERROR(
+        Noted(uploads_.Upload(d_i32, host_i32.data(), sizeof(int32_t) * host_i32.size())));
     // Results go into the worker's buffer (CUDA IPC; the caller records its event) or into
     // device scratch copied back below.
     const kc::MergeTarget merge{parts, d_rvt, b.device_o != nullptr ? b.device_o : d_o,
@@ -325,29 +320,6 @@ class CudaBackend final : public Backend, public DeviceRuntime {
   }
 
  private:
-  // A ring of pinned host buffers; a slot is reused once the copy that read it is done.
-  struct PinnedSlot {
-    void* host = nullptr;
-    size_t bytes = 0;
-    void* event = nullptr;
-    bool used = false;
-  };
-  absl::StatusOr<PinnedSlot*> Pinned(size_t bytes) {
-    PinnedSlot& slot = pinned_[next_pinned_];
-    next_pinned_ = (next_pinned_ + 1) % pinned_.size();
-    if (slot.used) RETURN_IF_CUDA(kc::EventSynchronize(slot.event));
-    if (slot.event == nullptr) RETURN_IF_CUDA(kc::CreateEvent(&slot.event));
-    if (slot.bytes < bytes) {
-      if (slot.host != nullptr) RETURN_IF_CUDA(kc::HostFree(slot.host));
-      slot.host = nullptr;
-      slot.bytes = 0;
-      RETURN_IF_CUDA(kc::HostAlloc(&slot.host, std::max<size_t>(bytes, 64 << 10)));
-      slot.bytes = std::max<size_t>(bytes, 64 << 10);
-    }
-    slot.used = true;
-    return &slot;
-  }
-
   static uint64_t Align16(uint64_t n) { return (n + 15) / 16 * 16; }
 
   // Copies the spans in one launch (descriptors go up first); waits until the launch has
@@ -390,8 +362,7 @@ class CudaBackend final : public Backend, public DeviceRuntime {
   DeviceScratch scratch_;
   DeviceScratch span_scratch_;
   DeviceScratch staging_;
-  std::array<PinnedSlot, 8> pinned_;
-  size_t next_pinned_ = 0;
+  PinnedUploader uploads_;
   mutable std::atomic<bool> sticky_{false};
 };
 

@@ -1,9 +1,11 @@
 #include "server/formats/cuda_codec.h"
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kvcd/kernels/cuda_runtime_api.h"
 
 namespace kvcd {
@@ -41,6 +43,35 @@ absl::StatusOr<uint8_t*> DeviceScratch::Reserve(size_t bytes) {
   }
   size_ = want;
   return static_cast<uint8_t*>(ptr_);
+}
+
+PinnedUploader::~PinnedUploader() {
+  for (Slot& s : slots_) {
+    if (s.used) (void)kc::EventSynchronize(s.event);
+    if (s.host != nullptr) (void)kc::HostFree(s.host);
+    if (s.event != nullptr) (void)kc::DestroyEvent(s.event);
+  }
+}
+
+absl::Status PinnedUploader::Upload(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  Slot& slot = slots_[next_];
+  next_ = (next_ + 1) % (sizeof(slots_) / sizeof(slots_[0]));
+  if (slot.used) KVCD_RETURN_IF_ERROR(CudaStatus(kc::EventSynchronize(slot.event), "upload"));
+  if (slot.event == nullptr) KVCD_RETURN_IF_ERROR(CudaStatus(kc::CreateEvent(&slot.event), "upload"));
+  if (slot.bytes < bytes) {
+    if (slot.host != nullptr) KVCD_RETURN_IF_ERROR(CudaStatus(kc::HostFree(slot.host), "upload"));
+    slot.host = nullptr;
+    slot.bytes = 0;
+    const size_t want = std::max<size_t>(bytes, 64 << 10);
+    KVCD_RETURN_IF_ERROR(CudaStatus(kc::HostAlloc(&slot.host, want), "upload"));
+    slot.bytes = want;
+  }
+  std::memcpy(slot.host, src, bytes);
+  KVCD_RETURN_IF_ERROR(CudaStatus(kc::CopyToDeviceAsync(dst, slot.host, bytes), "upload"));
+  KVCD_RETURN_IF_ERROR(CudaStatus(kc::RecordEvent(slot.event), "upload"));
+  slot.used = true;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::shared_ptr<const CudaCodec>> CudaCodec::Upload(const CodecProfile& codec) {

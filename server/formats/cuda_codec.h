@@ -32,6 +32,29 @@ class DeviceScratch {
   size_t size_ = 0;
 };
 
+// Uploads small host arrays (page tables, slot lists) to device memory without blocking the
+// host: each goes through a ring of pinned buffers and an asynchronous copy on the daemon's
+// stream; a buffer is reused once the copy that read it is done. One user at a time.
+class PinnedUploader {
+ public:
+  PinnedUploader() = default;
+  PinnedUploader(const PinnedUploader&) = delete;
+  PinnedUploader& operator=(const PinnedUploader&) = delete;
+  ~PinnedUploader();
+  // Queues dst[0, bytes) = src[0, bytes) on the stream.
+  absl::Status Upload(void* dst, const void* src, size_t bytes);
+
+ private:
+  struct Slot {
+    void* host = nullptr;
+    size_t bytes = 0;
+    void* event = nullptr;
+    bool used = false;
+  };
+  Slot slots_[8];
+  size_t next_ = 0;
+};
+
 class CudaCodec {
  public:
   // Uploads every layer of `codec`.

@@ -62,8 +62,8 @@ absl::Status PrepareRowStore(const RowSource& k, const RowSource& v,
                                            &scratch->v));
   KVCD_ASSIGN_OR_RETURN(uint8_t * d_slots,
                         scratch->slots.Reserve(slots.size() * sizeof(int64_t)));
-  KVCD_RETURN_IF_ERROR(CudaStatus(
-      kc::CopyToDevice(d_slots, slots.data(), slots.size() * sizeof(int64_t)), "slot list"));
+  KVCD_RETURN_IF_ERROR(
+      scratch->uploads.Upload(d_slots, slots.data(), slots.size() * sizeof(int64_t)));
   const int32_t l0 = layer < 0 ? 0 : layer;
   out->dst.num_layers = layers;
   out->dst.num_tokens = n;

@@ -18,6 +18,7 @@ namespace kvcd {
 struct RowStoreScratch {
   std::mutex mu;
   DeviceScratch k, v, slots, spans;
+  PinnedUploader uploads;  // slot lists go up without blocking the host
 };
 
 struct RowStoreArgs {
