@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/checked_math.h"
+#include "common/random_id.h"
 #include "common/status_macros.h"
 #include "common/tensor_ref.h"
 #include "kvcd/kernels/bf16.h"
@@ -314,7 +315,9 @@ absl::Status CacheEngine::OpenSequence(const v1::OpenSequenceRequest& req,
       return absl::ResourceExhaustedError(absl::StrCat("max_sequences (", config_.max_sequences,
                                                        ") sequences are open; close some first"));
     }
-    id = next_sequence_id_++;
+    do {
+      id = RandomId64();  // unguessable, never reused across restarts (common/random_id.h)
+    } while (sequences_.count(id));
   }
   std::shared_ptr<Sequence> seq = m->Open(id, req.cache_salt(), req.tokens());
   seq->lease_ms.store(lease);
@@ -327,6 +330,16 @@ absl::Status CacheEngine::OpenSequence(const v1::OpenSequenceRequest& req,
   resp->set_matched_tokens(m->Length(seq.get()));
   resp->set_lease_ms(lease);
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> CacheEngine::SequenceSalt(uint64_t id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("sequence ", id, " is not open (never opened, closed, or its lease expired)"));
+  }
+  return it->second->salt;
 }
 
 absl::Status CacheEngine::CloseSequence(const v1::CloseSequenceRequest& req,

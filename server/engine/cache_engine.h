@@ -55,6 +55,10 @@ class CacheEngine {
   absl::Status NcclConnect(const v1::NcclConnectRequest& req, v1::NcclConnectResponse* resp);
   absl::Status NcclDisconnect(const v1::NcclDisconnectRequest& req,
                               v1::NcclDisconnectResponse* resp);
+  // The tenant (cache_salt) an open sequence was opened under; NOT_FOUND with the same
+  // message as every other call on an unknown sequence. Used by the RPC layer to
+  // authorize sequence-scoped calls before routing them (server/rpc/authorizer.h).
+  absl::StatusOr<std::string> SequenceSalt(uint64_t id) const;
   int64_t RegisteredBuffers() const { return buffers_.size(); }
   int64_t NcclCommunicators() const { return nccl_.size(); }
 
@@ -103,7 +107,6 @@ class CacheEngine {
   std::map<std::string, std::unique_ptr<ModelCache>> models_ ABSL_GUARDED_BY(mu_);
   uint64_t budget_used_ ABSL_GUARDED_BY(mu_) = 0;
   std::unordered_map<uint64_t, std::shared_ptr<Sequence>> sequences_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_sequence_id_ ABSL_GUARDED_BY(mu_) = 1;
 };
 
 // Converts a v1 profile to a spec (0 rope.theta/scaling mean the defaults 10000 / 1).
