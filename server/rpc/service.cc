@@ -3,7 +3,6 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
-
 #include "server/rpc/status_mapping.h"
 
 namespace kvcd {
@@ -21,10 +20,13 @@ const absl::Status& DrainingStatus() {
 
 }  // namespace
 
-KvCacheService::KvCacheService(CacheEngine* engine, Metrics* metrics, ThreadPool* executor)
+KvCacheService::KvCacheService(CacheEngine* engine, Metrics* metrics, ThreadPool* executor,
+                               const TokenStore* tokens)
     : engine_(engine),
       metrics_(metrics),
       executor_(executor),
+      tokens_(tokens),
+      authz_([engine](uint64_t id) { return engine->SequenceSalt(id); }),
       channels_(
           [this](const v1::AttentionDecodeRequest& req, v1::AttentionDecodeResponse* resp) {
             const auto t0 = std::chrono::steady_clock::now();
@@ -33,6 +35,16 @@ KvCacheService::KvCacheService(CacheEngine* engine, Metrics* metrics, ThreadPool
             return s;
           },
           DecodeChannels::Options{engine->config().decode_channel_spin_us, 20, 64}) {}
+
+absl::StatusOr<std::shared_ptr<const Principal>> KvCacheService::Authenticate(
+    grpc::CallbackServerContext* ctx) const {
+  if (tokens_ == nullptr) return Principal::Unrestricted();
+  const auto& md = ctx->client_metadata();
+  auto it = md.find("authorization");
+  std::string value;
+  if (it != md.end()) value.assign(it->second.data(), it->second.size());
+  return kvcd::Authenticate(*tokens_->current(), it == md.end() ? nullptr : &value);
+}
 
 template <class Fn>
 grpc::ServerUnaryReactor* KvCacheService::Run(const char* method, grpc::CallbackServerContext* ctx,
@@ -44,22 +56,33 @@ grpc::ServerUnaryReactor* KvCacheService::Run(const char* method, grpc::Callback
     reactor->Finish(ToGrpcStatus(DrainingStatus()));
     return reactor;
   }
-  executor_->Submit([this, reactor, method, t0, ctx, fn = std::move(fn)]() mutable {
-    absl::Status s =
-        ctx->IsCancelled() ? absl::CancelledError("call cancelled by the client") : fn();
-    if (s.code() == absl::StatusCode::kResourceExhausted) {
-      ctx->AddTrailingMetadata("retry-after-ms", std::to_string(kRetryAfterMs));
-    }
-    metrics_->ObserveRpc(method, s.code(), SecondsSince(t0));
-    reactor->Finish(ToGrpcStatus(s));
-  });
+  absl::StatusOr<std::shared_ptr<const Principal>> principal = Authenticate(ctx);
+  if (!principal.ok()) {
+    metrics_->ObserveRpc(method, principal.status().code(), SecondsSince(t0));
+    reactor->Finish(ToGrpcStatus(principal.status()));
+    return reactor;
+  }
+  executor_->Submit(
+      [this, reactor, method, t0, ctx, p = std::move(*principal), fn = std::move(fn)]() mutable {
+        absl::Status s =
+            ctx->IsCancelled() ? absl::CancelledError("call cancelled by the client") : fn(*p);
+        if (s.code() == absl::StatusCode::kResourceExhausted) {
+          ctx->AddTrailingMetadata("retry-after-ms", std::to_string(kRetryAfterMs));
+        }
+        metrics_->ObserveRpc(method, s.code(), SecondsSince(t0));
+        reactor->Finish(ToGrpcStatus(s));
+      });
   return reactor;
 }
 
+// Authorization runs before routing, so a refused call changes nothing stored.
 #define KVCD_UNARY(Method, Req, Resp)                                                    \
   grpc::ServerUnaryReactor* KvCacheService::Method(grpc::CallbackServerContext* ctx,     \
                                                    const v1::Req* req, v1::Resp* resp) { \
-    return Run(#Method, ctx, [this, req, resp] { return engine_->Method(*req, resp); }); \
+    return Run(#Method, ctx, [this, req, resp](const Principal& p) -> absl::Status {     \
+      if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;                     \
+      return engine_->Method(*req, resp);                                                \
+    });                                                                                  \
   }
 KVCD_UNARY(RegisterModel, RegisterModelRequest, RegisterModelResponse)
 KVCD_UNARY(ListModels, ListModelsRequest, ListModelsResponse)
@@ -72,25 +95,73 @@ KVCD_UNARY(Append, AppendRequest, AppendResponse)
 KVCD_UNARY(FetchPages, FetchPagesRequest, FetchPagesResponse)
 KVCD_UNARY(PushPages, PushPagesRequest, PushPagesResponse)
 KVCD_UNARY(Stats, StatsRequest, StatsResponse)
-KVCD_UNARY(RegisterBuffer, RegisterBufferRequest, RegisterBufferResponse)
-KVCD_UNARY(UnregisterBuffer, UnregisterBufferRequest, UnregisterBufferResponse)
 KVCD_UNARY(RenewBuffer, RenewBufferRequest, RenewBufferResponse)
-KVCD_UNARY(NcclConnect, NcclConnectRequest, NcclConnectResponse)
-KVCD_UNARY(NcclDisconnect, NcclDisconnectRequest, NcclDisconnectResponse)
 #undef KVCD_UNARY
 
-grpc::ServerUnaryReactor* KvCacheService::OpenDecodeChannel(
-    grpc::CallbackServerContext* ctx, const v1::OpenDecodeChannelRequest* req,
-    v1::OpenDecodeChannelResponse* resp) {
-  return Run("OpenDecodeChannel", ctx, [this, req, resp]() -> absl::Status {
+// Data-plane objects are bound to the token that created them (authorizer.h).
+grpc::ServerUnaryReactor* KvCacheService::RegisterBuffer(grpc::CallbackServerContext* ctx,
+                                                         const v1::RegisterBufferRequest* req,
+                                                         v1::RegisterBufferResponse* resp) {
+  return Run("RegisterBuffer", ctx, [this, req, resp](const Principal& p) -> absl::Status {
+    if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;
+    absl::Status s = engine_->RegisterBuffer(*req, resp);
+    if (s.ok()) authz_.Bind(Authorizer::Object::kBuffer, resp->buffer_id(), p);
+    return s;
+  });
+}
+
+grpc::ServerUnaryReactor* KvCacheService::UnregisterBuffer(grpc::CallbackServerContext* ctx,
+                                                           const v1::UnregisterBufferRequest* req,
+                                                           v1::UnregisterBufferResponse* resp) {
+  return Run("UnregisterBuffer", ctx, [this, req, resp](const Principal& p) -> absl::Status {
+    if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;
+    absl::Status s = engine_->UnregisterBuffer(*req, resp);
+    if (s.ok()) authz_.Unbind(Authorizer::Object::kBuffer, req->buffer_id());
+    return s;
+  });
+}
+
+grpc::ServerUnaryReactor* KvCacheService::NcclConnect(grpc::CallbackServerContext* ctx,
+                                                      const v1::NcclConnectRequest* req,
+                                                      v1::NcclConnectResponse* resp) {
+  return Run("NcclConnect", ctx, [this, req, resp](const Principal& p) -> absl::Status {
+    if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;
+    absl::Status s = engine_->NcclConnect(*req, resp);
+    if (s.ok()) authz_.Bind(Authorizer::Object::kCommunicator, resp->communicator_id(), p);
+    return s;
+  });
+}
+
+grpc::ServerUnaryReactor* KvCacheService::NcclDisconnect(grpc::CallbackServerContext* ctx,
+                                                         const v1::NcclDisconnectRequest* req,
+                                                         v1::NcclDisconnectResponse* resp) {
+  return Run("NcclDisconnect", ctx, [this, req, resp](const Principal& p) -> absl::Status {
+    if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;
+    absl::Status s = engine_->NcclDisconnect(*req, resp);
+    if (s.ok()) authz_.Unbind(Authorizer::Object::kCommunicator, req->communicator_id());
+    return s;
+  });
+}
+
+grpc::ServerUnaryReactor* KvCacheService::OpenDecodeChannel(grpc::CallbackServerContext* ctx,
+                                                            const v1::OpenDecodeChannelRequest* req,
+                                                            v1::OpenDecodeChannelResponse* resp) {
+  return Run("OpenDecodeChannel", ctx, [this, req, resp](const Principal& p) -> absl::Status {
+    if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;
     const ServerConfig& c = engine_->config();
     const int64_t lease = req->lease_ms() == 0 ? c.default_lease_ms : req->lease_ms();
     if (lease < 10 || lease > c.max_lease_ms) {
       return absl::InvalidArgumentError(absl::StrCat(
           "lease_ms is ", req->lease_ms(), ", expected 0 (default) or 10..", c.max_lease_ms));
     }
-    absl::StatusOr<uint64_t> id = channels_.Open(req->shm_name(), lease);
+    // Requests on the channel run as the principal that opened it.
+    auto principal = std::make_shared<const Principal>(p);
+    absl::StatusOr<uint64_t> id = channels_.Open(
+        req->shm_name(), lease, [this, principal](const v1::AttentionDecodeRequest& r) {
+          return authz_.Check(*principal, r);
+        });
     if (!id.ok()) return id.status();
+    authz_.Bind(Authorizer::Object::kChannel, *id, p);
     resp->set_channel_id(*id);
     resp->set_lease_ms(lease);
     return absl::OkStatus();
@@ -100,8 +171,12 @@ grpc::ServerUnaryReactor* KvCacheService::OpenDecodeChannel(
 grpc::ServerUnaryReactor* KvCacheService::CloseDecodeChannel(
     grpc::CallbackServerContext* ctx, const v1::CloseDecodeChannelRequest* req,
     v1::CloseDecodeChannelResponse*) {
-  return Run("CloseDecodeChannel", ctx,
-             [this, req] { return channels_.Close(req->channel_id()); });
+  return Run("CloseDecodeChannel", ctx, [this, req](const Principal& p) -> absl::Status {
+    if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;
+    absl::Status s = channels_.Close(req->channel_id());
+    if (s.ok()) authz_.Unbind(Authorizer::Object::kChannel, req->channel_id());
+    return s;
+  });
 }
 
 absl::Status KvCacheService::Decode(const v1::AttentionDecodeRequest& req,
@@ -114,7 +189,10 @@ absl::Status KvCacheService::Decode(const v1::AttentionDecodeRequest& req,
 grpc::ServerUnaryReactor* KvCacheService::AttentionDecode(grpc::CallbackServerContext* ctx,
                                                           const v1::AttentionDecodeRequest* req,
                                                           v1::AttentionDecodeResponse* resp) {
-  return Run("AttentionDecode", ctx, [this, req, resp] { return Decode(*req, resp); });
+  return Run("AttentionDecode", ctx, [this, req, resp](const Principal& p) -> absl::Status {
+    if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;
+    return Decode(*req, resp);
+  });
 }
 
 // One stream per decode worker: read a request, run it on the executor, write the
@@ -126,6 +204,14 @@ class DecodeStreamReactor final
  public:
   DecodeStreamReactor(KvCacheService* service, grpc::CallbackServerContext* ctx)
       : service_(service), ctx_(ctx) {
+    // The stream runs as the principal of its opening call.
+    absl::StatusOr<std::shared_ptr<const Principal>> p = service_->Authenticate(ctx);
+    if (!p.ok()) {
+      service_->metrics_->ObserveRpc("AttentionDecodeStream", p.status().code(), 0);
+      Finish(ToGrpcStatus(p.status()));
+      return;
+    }
+    principal_ = std::move(*p);
     StartRead(&req_);
   }
 
@@ -141,7 +227,8 @@ class DecodeStreamReactor final
     const auto t0 = std::chrono::steady_clock::now();
     service_->executor_->Submit([this, t0] {
       resp_.Clear();
-      absl::Status s = service_->Decode(req_, resp_.mutable_response());
+      absl::Status s = service_->authz_.Check(*principal_, req_);
+      if (s.ok()) s = service_->Decode(req_, resp_.mutable_response());
       resp_.set_request_id(req_.request_id());
       if (!s.ok()) {
         resp_.clear_response();
@@ -166,6 +253,7 @@ class DecodeStreamReactor final
  private:
   KvCacheService* service_;
   grpc::CallbackServerContext* ctx_;
+  std::shared_ptr<const Principal> principal_;
   v1::AttentionDecodeRequest req_;
   v1::AttentionDecodeStreamResponse resp_;
 };
