@@ -181,11 +181,11 @@ void Daemon::Drain() {
   cv_.notify_all();
   health_.SetServing(false);
   health_only_.SetServing(false);
-  service_->StartDraining();
+  if (service_) service_->StartDraining();  // null if Start() failed early
   const auto deadline =
       std::chrono::system_clock::now() + std::chrono::milliseconds(config_.drain_timeout_ms);
   const auto t0 = std::chrono::steady_clock::now();
-  server_->Shutdown(deadline);
+  if (server_) server_->Shutdown(deadline);
   const auto t1 = std::chrono::steady_clock::now();
   if (health_server_) health_server_->Shutdown(deadline);
   const auto t2 = std::chrono::steady_clock::now();
