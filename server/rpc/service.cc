@@ -36,14 +36,23 @@ KvCacheService::KvCacheService(CacheEngine* engine, Metrics* metrics, ThreadPool
           },
           DecodeChannels::Options{engine->config().decode_channel_spin_us, 20, 64}) {}
 
+std::optional<std::string> KvCacheService::AuthorizationOf(grpc::CallbackServerContext* ctx) {
+  const auto& md = ctx->client_metadata();
+  auto it = md.find("authorization");
+  if (it == md.end()) return std::nullopt;
+  return std::string(it->second.data(), it->second.size());
+}
+
+absl::StatusOr<std::shared_ptr<const Principal>> KvCacheService::Authenticate(
+    const std::optional<std::string>& authorization) const {
+  if (tokens_ == nullptr) return Principal::Unrestricted();
+  return kvcd::Authenticate(*tokens_->current(), authorization ? &*authorization : nullptr);
+}
+
 absl::StatusOr<std::shared_ptr<const Principal>> KvCacheService::Authenticate(
     grpc::CallbackServerContext* ctx) const {
   if (tokens_ == nullptr) return Principal::Unrestricted();
-  const auto& md = ctx->client_metadata();
-  auto it = md.find("authorization");
-  std::string value;
-  if (it != md.end()) value.assign(it->second.data(), it->second.size());
-  return kvcd::Authenticate(*tokens_->current(), it == md.end() ? nullptr : &value);
+  return Authenticate(AuthorizationOf(ctx));
 }
 
 template <class Fn>
@@ -146,7 +155,7 @@ grpc::ServerUnaryReactor* KvCacheService::NcclDisconnect(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* KvCacheService::OpenDecodeChannel(grpc::CallbackServerContext* ctx,
                                                             const v1::OpenDecodeChannelRequest* req,
                                                             v1::OpenDecodeChannelResponse* resp) {
-  return Run("OpenDecodeChannel", ctx, [this, req, resp](const Principal& p) -> absl::Status {
+  return Run("OpenDecodeChannel", ctx, [this, ctx, req, resp](const Principal& p) -> absl::Status {
     if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;
     const ServerConfig& c = engine_->config();
     const int64_t lease = req->lease_ms() == 0 ? c.default_lease_ms : req->lease_ms();
@@ -154,11 +163,14 @@ grpc::ServerUnaryReactor* KvCacheService::OpenDecodeChannel(grpc::CallbackServer
       return absl::InvalidArgumentError(absl::StrCat(
           "lease_ms is ", req->lease_ms(), ", expected 0 (default) or 10..", c.max_lease_ms));
     }
-    // Requests on the channel run as the principal that opened it.
-    auto principal = std::make_shared<const Principal>(p);
+    // Requests on the channel run with the token that opened it, resolved again for
+    // every request (a revoked token stops working).
     absl::StatusOr<uint64_t> id = channels_.Open(
-        req->shm_name(), lease, [this, principal](const v1::AttentionDecodeRequest& r) {
-          return authz_.Check(*principal, r);
+        req->shm_name(), lease,
+        [this, auth = AuthorizationOf(ctx)](const v1::AttentionDecodeRequest& r) -> absl::Status {
+          absl::StatusOr<std::shared_ptr<const Principal>> now = Authenticate(auth);
+          if (!now.ok()) return now.status();
+          return authz_.Check(**now, r);
         });
     if (!id.ok()) return id.status();
     authz_.Bind(Authorizer::Object::kChannel, *id, p);
@@ -204,14 +216,15 @@ class DecodeStreamReactor final
  public:
   DecodeStreamReactor(KvCacheService* service, grpc::CallbackServerContext* ctx)
       : service_(service), ctx_(ctx) {
-    // The stream runs as the principal of its opening call.
-    absl::StatusOr<std::shared_ptr<const Principal>> p = service_->Authenticate(ctx);
+    // The stream runs with the token of its opening call, resolved again for every
+    // request (a token revoked by a reload stops working on open streams too).
+    authorization_ = KvCacheService::AuthorizationOf(ctx);
+    absl::StatusOr<std::shared_ptr<const Principal>> p = service_->Authenticate(authorization_);
     if (!p.ok()) {
       service_->metrics_->ObserveRpc("AttentionDecodeStream", p.status().code(), 0);
       Finish(ToGrpcStatus(p.status()));
       return;
     }
-    principal_ = std::move(*p);
     StartRead(&req_);
   }
 
@@ -227,7 +240,8 @@ class DecodeStreamReactor final
     const auto t0 = std::chrono::steady_clock::now();
     service_->executor_->Submit([this, t0] {
       resp_.Clear();
-      absl::Status s = service_->authz_.Check(*principal_, req_);
+      absl::StatusOr<std::shared_ptr<const Principal>> p = service_->Authenticate(authorization_);
+      absl::Status s = p.ok() ? service_->authz_.Check(**p, req_) : p.status();
       if (s.ok()) s = service_->Decode(req_, resp_.mutable_response());
       resp_.set_request_id(req_.request_id());
       if (!s.ok()) {
@@ -253,7 +267,7 @@ class DecodeStreamReactor final
  private:
   KvCacheService* service_;
   grpc::CallbackServerContext* ctx_;
-  std::shared_ptr<const Principal> principal_;
+  std::optional<std::string> authorization_;
   v1::AttentionDecodeRequest req_;
   v1::AttentionDecodeStreamResponse resp_;
 };

@@ -8,6 +8,8 @@
 #pragma once
 
 #include <atomic>
+#include <optional>
+#include <string>
 
 #include "kvcd/v1/kvcache.grpc.pb.h"
 #include "server/backends/thread_pool.h"
@@ -100,6 +102,12 @@ class KvCacheService final : public v1::KvCache::CallbackService {
   // call's bearer token (UNAUTHENTICATED if missing or unknown).
   absl::StatusOr<std::shared_ptr<const Principal>> Authenticate(
       grpc::CallbackServerContext* ctx) const;
+  // The same for a saved `authorization` value (nullopt: none was sent). Long-lived
+  // streams and decode channels re-resolve it for every request, so a token revoked by a
+  // reload stops working on them too.
+  absl::StatusOr<std::shared_ptr<const Principal>> Authenticate(
+      const std::optional<std::string>& authorization) const;
+  static std::optional<std::string> AuthorizationOf(grpc::CallbackServerContext* ctx);
 
   CacheEngine* engine_;
   Metrics* metrics_;

@@ -83,11 +83,11 @@ class SecurityTest : public ::testing::Test {
       done
       printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\n' > server.ext
       printf 'extendedKeyUsage=clientAuth\n' > client.ext
-      for who in server:ca client:ca rogue:otherca; do
+      for who in server:ca server2:otherca client:ca rogue:otherca; do
         n=${who%%:*}; ca=${who##*:}
         key $n.key
         openssl req -new -key $n.key -out $n.csr -subj /CN=kvcd-test-$n 2>/dev/null
-        ext=server.ext; [ $n = server ] || ext=client.ext
+        ext=client.ext; case $n in server*) ext=server.ext;; esac
         openssl x509 -req -in $n.csr -CA $ca.pem -CAkey $ca.key -CAcreateserial -out $n.pem \
           -days 2 -extfile $ext 2>/dev/null
       done
@@ -367,6 +367,13 @@ TEST_F(SecurityTest, TokenFileReloadAddsRevokesAndSurvivesABrokenFile) {
   auto b = client("tok-b");
   ASSERT_TRUE(a->Stats().ok());
   EXPECT_EQ(b->Stats().status().code(), absl::StatusCode::kUnauthenticated);
+  // A decode stream opened with a's token, and a request it may make (the sequence does
+  // not exist: NOT_FOUND while the token is valid).
+  auto stream = a->OpenDecodeStream();
+  ASSERT_TRUE(stream.ok());
+  v1::AttentionDecodeRequest probe;
+  probe.add_sequence_ids(12345);
+  EXPECT_EQ((*stream)->Call(probe).status().code(), absl::StatusCode::kNotFound);
 
   // Add b.
   WriteFile(tokens, "tokens:\n" + entry_a + entry_b);
@@ -376,6 +383,8 @@ TEST_F(SecurityTest, TokenFileReloadAddsRevokesAndSurvivesABrokenFile) {
   EXPECT_TRUE(
       WaitFor([&] { return a->Stats().status().code() == absl::StatusCode::kUnauthenticated; },
               std::chrono::seconds(10)));
+  // The open stream's next request is refused as well.
+  EXPECT_EQ((*stream)->Call(probe).status().code(), absl::StatusCode::kUnauthenticated);
   // A broken file: logged, and b keeps working.
   WriteFile(tokens, "tokens:\n  - name: c\n    sha256: xyz\n");
   EXPECT_TRUE(
@@ -389,7 +398,7 @@ TEST_F(SecurityTest, TokenFileReloadAddsRevokesAndSurvivesABrokenFile) {
   EXPECT_EQ(d.Stop(), 0);
 }
 
-TEST_F(SecurityTest, BrokenCertificateReloadKeepsServingWithThePreviousOne) {
+TEST_F(SecurityTest, CertificateReloadTakesGoodFilesAndIgnoresBrokenOnes) {
   // The daemon reads copies of these files, so the test may break them in place.
   const std::string cert = Path("reload-server.pem"), key = Path("reload-server.key");
   WriteFile(cert, ReadFile(Path("server.pem")));
@@ -416,6 +425,22 @@ TEST_F(SecurityTest, BrokenCertificateReloadKeepsServingWithThePreviousOne) {
     all_ok = c.ok() && (*c)->Stats().ok();
   }
   EXPECT_TRUE(all_ok);
+
+  // A good new pair (from another CA) replaces it: clients trusting only that CA get in.
+  WriteFile(key, ReadFile(Path("server2.key")));
+  WriteFile(cert, ReadFile(Path("server2.pem")));
+  ClientOptions next = Options(d);
+  next.tls_root_ca_file = Path("otherca.pem");
+  next.connect_timeout = std::chrono::milliseconds(500);
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        auto c = Client::Connect(next);
+        return c.ok() && (*c)->Stats().ok();
+      },
+      std::chrono::seconds(15)));
+  EXPECT_NE(ReadFile(StderrPath()).find("certificate files changed"), std::string::npos);
+  o.connect_timeout = std::chrono::milliseconds(1000);
+  EXPECT_EQ(Client::Connect(o).status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(d.Stop(), 0);
 }
 
