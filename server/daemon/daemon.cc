@@ -113,6 +113,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerConfig& config
   }
 
   if (!config.metrics_listen.empty()) {
+    if (!IsLoopbackAddress(config.metrics_listen)) {
+      std::fprintf(stderr,
+                   "kvcd: metrics on non-loopback address '%s' are plaintext and "
+                   "unauthenticated (aggregate counters only, no tenant data)\n",
+                   config.metrics_listen.c_str());
+    }
     KVCD_ASSIGN_OR_RETURN(int mport, d->metrics_->Serve(config.metrics_listen));
     d->metrics_address_ = absl::StrCat(HostOf(config.metrics_listen), ":", mport);
   }
