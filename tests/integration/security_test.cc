@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "client/client.h"
+#include "client/decode_channel.h"
 #include "client/synthetic.h"
 #include "common/tensor_ref.h"
 #include "daemon_process.h"
@@ -189,13 +190,15 @@ class TenantTest : public SecurityTest {
     tokens_ = Path("tenant-tokens.yaml");
     WriteFile(tokens_, "tokens:\n" + TokenEntry("alice", "tok-alice", "[team-a]") +
                            TokenEntry("bob", "tok-bob", "[team-b]") +
-                           TokenEntry("admin", "tok-admin", "[\"*\"]", true, true));
+                           TokenEntry("admin", "tok-admin", "[\"*\"]", true, true) +
+                           TokenEntry("bob-worker", "tok-bob-worker", "[team-b]", false, true));
     ASSERT_TRUE(daemon_.Start(Config("auth: {tokens_file: " + tokens_ + "}\n")));
     alice_ = Connect("tok-alice");
     bob_ = Connect("tok-bob");
     admin_ = Connect("tok-admin");
     anonymous_ = Connect("");
-    ASSERT_TRUE(alice_ && bob_ && admin_ && anonymous_);
+    bob_worker_ = Connect("tok-bob-worker");
+    ASSERT_TRUE(alice_ && bob_ && admin_ && anonymous_ && bob_worker_);
     auto m = admin_->GetModel("tiny");
     ASSERT_TRUE(m.ok()) << m.status();
     profile_ = m->profile();
@@ -240,7 +243,7 @@ class TenantTest : public SecurityTest {
 
   std::string tokens_;
   DaemonProcess daemon_;
-  std::unique_ptr<Client> alice_, bob_, admin_, anonymous_;
+  std::unique_ptr<Client> alice_, bob_, admin_, anonymous_, bob_worker_;
   v1::ModelProfile profile_;
 };
 
@@ -325,6 +328,21 @@ TEST_F(TenantTest, AnotherTenantIsRefusedOnEveryTenantScopedCall) {
   auto closed = alice_->CloseSequence(seq);
   ASSERT_TRUE(closed.ok()) << closed.status();
   EXPECT_EQ(*closed, 17);
+}
+
+TEST_F(TenantTest, DecodeChannelsRunWithTheTokenThatOpenedThem) {
+  ASSERT_TRUE(alice_->Put(MakePut(6, 16, "team-a")).ok());
+  auto open = alice_->OpenSequence("tiny", "team-a", synthetic::Tokens(6, 0, 16));
+  ASSERT_TRUE(open.ok()) << open.status();
+  const uint64_t seq = open->sequence_id();
+  // bob's data-plane token may open a channel, but not decode on alice's sequence.
+  auto bob_channel = DecodeChannel::Open(bob_worker_.get(), 1 << 16, 60000);
+  ASSERT_TRUE(bob_channel.ok()) << bob_channel.status();
+  EXPECT_EQ((*bob_channel)->Call(MakeDecode(seq, 16)).status().code(), absl::StatusCode::kNotFound);
+  // The admin's channel (every tenant) may.
+  auto admin_channel = DecodeChannel::Open(admin_.get(), 1 << 16, 60000);
+  ASSERT_TRUE(admin_channel.ok()) << admin_channel.status();
+  EXPECT_TRUE((*admin_channel)->Call(MakeDecode(seq, 16)).ok());
 }
 
 TEST_F(TenantTest, ModelRegistrationAndTheDataPlaneNeedTheirPermissions) {
