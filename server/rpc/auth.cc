@@ -199,6 +199,7 @@ absl::StatusOr<std::unique_ptr<TokenStore>> TokenStore::Load(const std::string& 
   auto set = TokenSet::Parse(*text, path);
   if (!set.ok()) return set.status();
   std::unique_ptr<TokenStore> store(new TokenStore(path));
+  std::lock_guard<std::mutex> lock(store->mu_);
   store->tokens_ = std::make_shared<const TokenSet>(std::move(*set));
   store->text_ = std::move(*text);
   return store;

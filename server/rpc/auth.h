@@ -24,6 +24,7 @@
 #include <set>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
@@ -88,9 +89,11 @@ class TokenStore {
   explicit TokenStore(std::string path) : path_(std::move(path)) {}
   const std::string path_;
   mutable std::mutex mu_;
-  std::shared_ptr<const TokenSet> tokens_;
-  std::string text_;         // contents of the file the current tokens came from
-  std::string failed_text_;  // last contents that failed to parse (reported once)
+  std::shared_ptr<const TokenSet> tokens_ ABSL_GUARDED_BY(mu_);
+  // Contents of the file the current tokens came from, and the last contents that
+  // failed (reported once).
+  std::string text_ ABSL_GUARDED_BY(mu_);
+  std::string failed_text_ ABSL_GUARDED_BY(mu_);
 };
 
 // Reads a whole file; NOT_FOUND naming the file (and `what` it is) if it cannot be read.

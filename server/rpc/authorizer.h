@@ -25,6 +25,7 @@
 #include <mutex>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "kvcd/v1/kvcache.pb.h"
 #include "server/rpc/auth.h"
@@ -73,7 +74,8 @@ class Authorizer {
 
   const SequenceSaltFn salt_of_;
   mutable std::mutex mu_;
-  std::map<std::pair<Object, uint64_t>, std::string> owners_;  // -> principal name
+  // -> principal name
+  std::map<std::pair<Object, uint64_t>, std::string> owners_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvcd

@@ -140,6 +140,7 @@ absl::StatusOr<std::unique_ptr<TlsCredentialSource>> TlsCredentialSource::Create
   s->staged_.cert_file = s->dir_ + "/cert.pem";
   s->staged_.key_file = s->dir_ + "/key.pem";
   if (!tls.client_ca_file.empty()) s->staged_.client_ca_file = s->dir_ + "/client_ca.pem";
+  std::lock_guard<std::mutex> lock(s->mu_);
   absl::Status st = s->Stage();
   if (!st.ok()) return st;
   s->next_check_ns_ = NowNs() + int64_t{tls.reload_interval_s} * 1000000000;

@@ -16,6 +16,7 @@
 #include <mutex>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "server/config/config.h"
 
@@ -41,16 +42,20 @@ class TlsCredentialSource {
   // broken and ignored (the previous credentials stay in force).
   std::string Poll();
 
+  // The private directory gRPC reads the checked copies from.
+  const std::string& staging_dir() const { return dir_; }
+
  private:
   explicit TlsCredentialSource(const TlsConfig& tls) : tls_(tls) {}
-  absl::Status Stage();  // checks the configured files and copies them on success
+  // Checks the configured files and copies them on success.
+  absl::Status Stage() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const TlsConfig tls_;
   TlsConfig staged_;  // the same settings, pointing at the staged copies
   std::string dir_;
   std::mutex mu_;
-  std::string last_;  // fingerprint of the configured files at the last check
-  int64_t next_check_ns_ = 0;
+  std::string last_ ABSL_GUARDED_BY(mu_);  // fingerprint of the files at the last check
+  int64_t next_check_ns_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace kvcd
