@@ -166,7 +166,9 @@ absl::StatusOr<std::shared_ptr<const Principal>> Authenticate(const TokenSet& to
         "with a token listed in its auth.tokens_file");
   }
   constexpr absl::string_view kBearer = "Bearer ";
-  if (!absl::StartsWith(*authorization, kBearer) || authorization->size() == kBearer.size()) {
+  // The scheme is case-insensitive (RFC 7235); the token is not.
+  if (!absl::StartsWithIgnoreCase(*authorization, kBearer) ||
+      authorization->size() == kBearer.size()) {
     return absl::UnauthenticatedError("the 'authorization' metadata must be 'Bearer <token>'");
   }
   auto p = tokens.Find(absl::string_view(*authorization).substr(kBearer.size()));

@@ -127,14 +127,16 @@ TEST(AuthenticateTest, MissingMalformedAndUnknownTokensAreUnauthenticated) {
   auto missing = Authenticate(*set, nullptr);
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kUnauthenticated);
   EXPECT_NE(missing.status().message().find("authorization: Bearer <token>"), std::string::npos);
-  for (const std::string v : {"good", "Basic good", "Bearer ", "bearer good", "Bearer bad"}) {
+  for (const std::string v : {"good", "Basic good", "Bearer ", "Bearer  good", "Bearer GOOD",
+                              "Bearer bad", "Bearergood"}) {
     auto r = Authenticate(*set, &v);
     EXPECT_EQ(r.status().code(), absl::StatusCode::kUnauthenticated) << v;
   }
-  const std::string ok = "Bearer good";
-  auto p = Authenticate(*set, &ok);
-  ASSERT_TRUE(p.ok()) << p.status();
-  EXPECT_EQ((*p)->name, "a");
+  for (const std::string ok : {"Bearer good", "bearer good", "BEARER good"}) {
+    auto p = Authenticate(*set, &ok);
+    ASSERT_TRUE(p.ok()) << ok << ": " << p.status();
+    EXPECT_EQ((*p)->name, "a");
+  }
 }
 
 TEST(TokenStoreTest, UnreadableAndMalformedFilesNameTheFile) {
