@@ -1,5 +1,10 @@
 #include "client/client.h"
 
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 
 namespace kvcd {
@@ -10,12 +15,84 @@ absl::Status FromGrpcStatus(const grpc::Status& s) {
                       s.error_message());
 }
 
+namespace {
+
+absl::StatusOr<std::string> ReadPem(const std::string& path, const char* what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", what, " '", path, "'"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  std::string s = ss.str();
+  if (s.find("-----BEGIN ") == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " '", path, "' is not PEM (no '-----BEGIN' line)"));
+  }
+  return s;
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeCredentials(const ClientOptions& o) {
+  if (!o.UsesTls()) return grpc::InsecureChannelCredentials();
+  if (o.tls_client_cert_file.empty() != o.tls_client_key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "tls_client_cert_file and tls_client_key_file go together (mutual TLS needs both)");
+  }
+  grpc::SslCredentialsOptions ssl;
+  if (!o.tls_root_ca_file.empty()) {
+    auto ca = ReadPem(o.tls_root_ca_file, "TLS root CA file");
+    if (!ca.ok()) return ca.status();
+    ssl.pem_root_certs = std::move(*ca);
+  }
+  if (!o.tls_client_cert_file.empty()) {
+    auto cert = ReadPem(o.tls_client_cert_file, "TLS client certificate file");
+    if (!cert.ok()) return cert.status();
+    auto key = ReadPem(o.tls_client_key_file, "TLS client key file");
+    if (!key.ok()) return key.status();
+    ssl.pem_cert_chain = std::move(*cert);
+    ssl.pem_private_key = std::move(*key);
+  }
+  return grpc::SslCredentials(ssl);
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read token file '", path, "'"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  std::string t(absl::StripAsciiWhitespace(ss.str()));
+  if (t.empty() || t.find_first_of(" \t\r\n") != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("token file '", path,
+                                                   "' must hold one token (no spaces), got ",
+                                                   t.empty() ? "nothing" : "several words"));
+  }
+  return t;
+}
+
+void ApplySecurityEnvironment(ClientOptions* o) {
+  auto env = [](const char* name) -> std::string {
+    const char* v = std::getenv(name);
+    return v == nullptr ? std::string() : std::string(v);
+  };
+  if (std::string v = env("KVCD_TOKEN"); !v.empty()) o->token = v;
+  if (std::string v = env("KVCD_TOKEN_FILE"); !v.empty() && o->token.empty()) {
+    if (auto t = ReadTokenFile(v); t.ok()) o->token = *t;
+  }
+  if (std::string v = env("KVCD_TLS_CA"); !v.empty()) o->tls_root_ca_file = v;
+  if (std::string v = env("KVCD_TLS_CERT"); !v.empty()) o->tls_client_cert_file = v;
+  if (std::string v = env("KVCD_TLS_KEY"); !v.empty()) o->tls_client_key_file = v;
+  if (std::string v = env("KVCD_TLS_SERVER_NAME"); !v.empty()) o->tls_server_name = v;
+}
+
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   std::unique_ptr<Client> c(new Client(options));
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
-  c->channel_ = grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
+  if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
+  auto creds = MakeCredentials(options);
+  if (!creds.ok()) return creds.status();
+  c->channel_ = grpc::CreateCustomChannel(options.target, *creds, args);
   if (!c->channel_->WaitForConnected(std::chrono::system_clock::now() + options.connect_timeout)) {
     return absl::UnavailableError(absl::StrCat("cannot connect to kvcd at ", options.target,
                                                " within ", options.connect_timeout.count(), " ms"));
@@ -27,6 +104,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
 
 void Client::Prepare(grpc::ClientContext* ctx) const {
   ctx->set_deadline(std::chrono::system_clock::now() + options_.deadline);
+  if (!options_.token.empty()) ctx->AddMetadata("authorization", "Bearer " + options_.token);
 }
 
 namespace {
@@ -201,6 +279,9 @@ absl::StatusOr<std::unique_ptr<DecodeStream>> Client::OpenDecodeStream() {
   std::unique_ptr<DecodeStream> s(new DecodeStream());
   // A stream lives for a whole decode session: no overall deadline, but every Call
   // waits at most options_.deadline for its answer through the channel's keepalive.
+  if (!options_.token.empty()) {
+    s->ctx_.AddMetadata("authorization", "Bearer " + options_.token);
+  }
   s->rw_ = stub_->AttentionDecodeStream(&s->ctx_);
   if (s->rw_ == nullptr) return absl::UnavailableError("cannot open AttentionDecodeStream");
   return s;

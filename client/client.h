@@ -28,7 +28,30 @@ struct ClientOptions {
   std::chrono::milliseconds deadline{30000};  // per call
   std::chrono::milliseconds connect_timeout{10000};
   int64_t max_message_bytes = 256ll << 20;
+
+  // Security (README.md "Security"). TLS is used when `tls` is true or any tls_* file
+  // is set; without tls_root_ca_file the system's root certificates are trusted.
+  bool tls = false;
+  std::string tls_root_ca_file;      // PEM CA bundle that signed the daemon's certificate
+  std::string tls_client_cert_file;  // mutual TLS: PEM certificate chain of this client
+  std::string tls_client_key_file;   // mutual TLS: its PEM private key
+  std::string tls_server_name;       // name to verify instead of the target's host
+  // Bearer token, sent with every call as `authorization: Bearer <token>`.
+  std::string token;
+
+  bool UsesTls() const {
+    return tls || !tls_root_ca_file.empty() || !tls_client_cert_file.empty() ||
+           !tls_client_key_file.empty();
+  }
 };
+
+// Fills the security fields from the environment where set: KVCD_TOKEN (or
+// KVCD_TOKEN_FILE, a file holding the token), KVCD_TLS_CA, KVCD_TLS_CERT, KVCD_TLS_KEY,
+// KVCD_TLS_SERVER_NAME. Command-line flags of the tools override these.
+void ApplySecurityEnvironment(ClientOptions* options);
+// Reads a token file (surrounding whitespace is dropped); NOT_FOUND / INVALID_ARGUMENT
+// name the file.
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 
 // One bidirectional AttentionDecodeStream: the per-layer decode loop of a worker.
 class DecodeStream {

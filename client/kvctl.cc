@@ -22,6 +22,14 @@ Usage: kvctl [--target HOST:PORT] [--deadline-ms N] COMMAND [options]
 Global options:
   --target HOST:PORT   daemon address (default 127.0.0.1:50051, or $KVCD_TARGET)
   --deadline-ms N      per-call deadline (default 30000)
+  --token-file FILE    bearer token for a daemon with auth.tokens_file (or $KVCD_TOKEN,
+                       $KVCD_TOKEN_FILE); never pass a token itself on the command line
+  --tls-ca FILE        use TLS, trusting this PEM CA for the daemon's certificate
+                       (or $KVCD_TLS_CA)
+  --tls-cert FILE      mutual TLS: this client's PEM certificate (or $KVCD_TLS_CERT)
+  --tls-key FILE       mutual TLS: its PEM private key (or $KVCD_TLS_KEY)
+  --tls-server-name N  name to verify in the daemon's certificate instead of the
+                       target's host (or $KVCD_TLS_SERVER_NAME)
 
 Commands:
   health               grpc.health.v1 status of the daemon
@@ -250,6 +258,16 @@ int main(int argc, char** argv) {
   if (a.command.empty()) return Usage("no command given");
   opts.target = Flag(a, "target", opts.target);
   opts.deadline = std::chrono::milliseconds(IntFlag(a, "deadline-ms", 30000));
+  kvcd::ApplySecurityEnvironment(&opts);
+  if (const std::string f = Flag(a, "token-file", ""); !f.empty()) {
+    auto t = kvcd::ReadTokenFile(f);
+    if (!t.ok()) return Fail(t.status());
+    opts.token = *t;
+  }
+  opts.tls_root_ca_file = Flag(a, "tls-ca", opts.tls_root_ca_file);
+  opts.tls_client_cert_file = Flag(a, "tls-cert", opts.tls_client_cert_file);
+  opts.tls_client_key_file = Flag(a, "tls-key", opts.tls_client_key_file);
+  opts.tls_server_name = Flag(a, "tls-server-name", opts.tls_server_name);
   auto client = kvcd::Client::Connect(opts);
   if (!client.ok()) return Fail(client.status());
   kvcd::Client& c = **client;

@@ -18,6 +18,8 @@
 // Usage: kvcd_decode_worker --target HOST:PORT --model NAME [--tokens 32768] [--seed 1]
 //          [--salt prefill] [--steps 16] [--sync] [--device 0] [--transport channel|stream]
 //          [--wait device|host]
+//        security (README "Security"): [--token-file F] [--tls-ca F] [--tls-cert F --tls-key F]
+//          [--tls-server-name N], or KVCD_TOKEN / KVCD_TLS_* in the environment
 #include <cuda_runtime.h>
 
 #include <chrono>
@@ -48,6 +50,10 @@ int main(int argc, char** argv) {
   kw::Flags flags(argc, argv);
   kvcd::ClientOptions opts;
   opts.target = flags.Get("target", "127.0.0.1:50051");
+  if (absl::Status s = kw::ApplySecurityFlags(flags, &opts); !s.ok()) {
+    std::fprintf(stderr, "%s worker: %s\n", "decode", s.ToString().c_str());
+    return 2;
+  }
   const std::string model = flags.Get("model", "qwen3-8b-int2");
   const std::string salt = flags.Get("salt", "prefill");
   const int64_t n_tokens = flags.GetInt("tokens", 32768);

@@ -18,6 +18,8 @@
 // Usage: kvcd_prefill_worker --target HOST:PORT --model NAME [--tokens 32768] [--salt S]
 //          [--seed 1] [--transport ipc|nccl] [--mode push|put] [--repeat 3] [--device 0]
 //          [--timeout-ms 20000]
+//        security (README "Security"): [--token-file F] [--tls-ca F] [--tls-cert F --tls-key F]
+//          [--tls-server-name N], or KVCD_TOKEN / KVCD_TLS_* in the environment
 #include <cuda_runtime.h>
 
 #include <chrono>
@@ -192,6 +194,10 @@ int main(int argc, char** argv) {
   kw::Flags flags(argc, argv);
   kvcd::ClientOptions opts;
   opts.target = flags.Get("target", "127.0.0.1:50051");
+  if (absl::Status s = kw::ApplySecurityFlags(flags, &opts); !s.ok()) {
+    std::fprintf(stderr, "%s worker: %s\n", "prefill", s.ToString().c_str());
+    return 2;
+  }
   const std::string model = flags.Get("model", "qwen3-8b-int2");
   const std::string salt = flags.Get("salt", "prefill");
   const std::string transport = flags.Get("transport", "ipc");

@@ -52,8 +52,10 @@ absl::StatusOr<Geometry> FetchGeometry(Client* client, const std::string& model)
   g.int2 = p.history_format() == v1::HISTORY_FORMAT_INT2_OSCAR;
   g.sink_pages = p.sink_tokens() / p.page_size();
   for (const auto& pool : info->pools()) {
-    if (pool.format() == "bf16") g.bf16_page_bytes = static_cast<int64_t>(pool.page_bytes());
-    else g.history_page_bytes = static_cast<int64_t>(pool.page_bytes());
+    if (pool.format() == "bf16")
+      g.bf16_page_bytes = static_cast<int64_t>(pool.page_bytes());
+    else
+      g.history_page_bytes = static_cast<int64_t>(pool.page_bytes());
   }
   if (g.bf16_page_bytes == 0 || (g.int2 && g.history_page_bytes == 0)) {
     return absl::FailedPreconditionError(absl::StrCat("model ", model, " reports no page pools"));
@@ -81,5 +83,19 @@ double Percentile(std::vector<double> v, double p) {
 }
 
 double Median(std::vector<double> v) { return Percentile(std::move(v), 0.5); }
+
+absl::Status ApplySecurityFlags(const Flags& flags, ClientOptions* options) {
+  ApplySecurityEnvironment(options);
+  if (const std::string f = flags.Get("token-file", ""); !f.empty()) {
+    absl::StatusOr<std::string> t = ReadTokenFile(f);
+    if (!t.ok()) return t.status();
+    options->token = *t;
+  }
+  options->tls_root_ca_file = flags.Get("tls-ca", options->tls_root_ca_file);
+  options->tls_client_cert_file = flags.Get("tls-cert", options->tls_client_cert_file);
+  options->tls_client_key_file = flags.Get("tls-key", options->tls_client_key_file);
+  options->tls_server_name = flags.Get("tls-server-name", options->tls_server_name);
+  return absl::OkStatus();
+}
 
 }  // namespace kvcd::workers

@@ -23,6 +23,10 @@ class Flags {
   std::vector<std::pair<std::string, std::string>> kv_;
 };
 
+// Security options of a worker's client: the environment (ApplySecurityEnvironment),
+// then --token-file, --tls-ca, --tls-cert, --tls-key, --tls-server-name.
+absl::Status ApplySecurityFlags(const Flags& flags, ClientOptions* options);
+
 struct Geometry {
   int num_layers = 0, num_q_heads = 0, num_kv_heads = 0, head_dim = 0, page_size = 0;
   int64_t sink_pages = 0;

@@ -153,7 +153,7 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
         CheckKeys(root, "",
                   {"listen", "health_listen", "metrics_listen", "backend", "cuda_device", "memory_budget",
                    "high_watermark", "low_watermark", "lease", "worker_threads", "compute_threads",
-                   "max_message_bytes", "max_sequences", "max_buffers", "decode_channel_spin_us", "drain_timeout_ms", "models"}));
+                   "max_message_bytes", "max_sequences", "max_buffers", "decode_channel_spin_us", "drain_timeout_ms", "models", "tls", "auth"}));
     KVCD_RETURN_IF_ERROR(Read(root, "listen", "", &c.listen));
     KVCD_RETURN_IF_ERROR(Read(root, "health_listen", "", &c.health_listen));
     KVCD_RETURN_IF_ERROR(Read(root, "metrics_listen", "", &c.metrics_listen));
@@ -173,6 +173,20 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
       KVCD_RETURN_IF_ERROR(CheckKeys(lease, "lease", {"default_ms", "max_ms"}));
       KVCD_RETURN_IF_ERROR(Read(lease, "default_ms", "lease.", &c.default_lease_ms));
       KVCD_RETURN_IF_ERROR(Read(lease, "max_ms", "lease.", &c.max_lease_ms));
+    }
+    if (const YAML::Node tls = root["tls"]) {
+      KVCD_RETURN_IF_ERROR(
+          CheckKeys(tls, "tls", {"cert_file", "key_file", "client_ca_file", "reload_interval_s"}));
+      KVCD_RETURN_IF_ERROR(Read(tls, "cert_file", "tls.", &c.tls.cert_file));
+      KVCD_RETURN_IF_ERROR(Read(tls, "key_file", "tls.", &c.tls.key_file));
+      KVCD_RETURN_IF_ERROR(Read(tls, "client_ca_file", "tls.", &c.tls.client_ca_file));
+      KVCD_RETURN_IF_ERROR(Read(tls, "reload_interval_s", "tls.", &c.tls.reload_interval_s));
+    }
+    if (const YAML::Node auth = root["auth"]) {
+      KVCD_RETURN_IF_ERROR(CheckKeys(auth, "auth", {"tokens_file", "reload_interval_ms"}));
+      KVCD_RETURN_IF_ERROR(Read(auth, "tokens_file", "auth.", &c.auth.tokens_file));
+      KVCD_RETURN_IF_ERROR(
+          Read(auth, "reload_interval_ms", "auth.", &c.auth.reload_interval_ms));
     }
     if (const YAML::Node models = root["models"]) {
       if (!models.IsSequence()) return absl::InvalidArgumentError("models must be a list");
@@ -222,6 +236,23 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_buffers is ", c.max_buffers, ", expected 1..65536"));
   }
+  if (c.tls.cert_file.empty() != c.tls.key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "tls.cert_file and tls.key_file go together: set both (PEM certificate chain and its "
+        "private key) or neither");
+  }
+  if (!c.tls.client_ca_file.empty() && c.tls.cert_file.empty()) {
+    return absl::InvalidArgumentError(
+        "tls.client_ca_file (mutual TLS) needs tls.cert_file and tls.key_file as well");
+  }
+  if (c.tls.reload_interval_s < 1 || c.tls.reload_interval_s > 86400) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tls.reload_interval_s is ", c.tls.reload_interval_s, ", expected 1..86400"));
+  }
+  if (c.auth.reload_interval_ms < 10 || c.auth.reload_interval_ms > 86400000) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "auth.reload_interval_ms is ", c.auth.reload_interval_ms, ", expected 10..86400000"));
+  }
   uint64_t total = 0;
   std::set<std::string> names;
   for (const auto& m : c.models) {
@@ -236,6 +267,33 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
                                                    c.memory_budget_bytes, ")"));
   }
   return c;
+}
+
+bool IsLoopbackAddress(const std::string& address) {
+  if (address.rfind("unix:", 0) == 0 || address.rfind("unix-abstract:", 0) == 0) return true;
+  std::string host = address;
+  const auto colon = host.rfind(':');
+  if (colon != std::string::npos && host.find(']') == std::string::npos &&
+      host.find(':') == colon) {
+    host = host.substr(0, colon);  // host:port
+  } else if (!host.empty() && host[0] == '[') {
+    host = host.substr(1, host.find(']') - 1);  // [v6]:port
+  }
+  if (host == "localhost" || host == "::1") return true;
+  return host.rfind("127.", 0) == 0;
+}
+
+absl::Status CheckExposure(const ServerConfig& c) {
+  if (IsLoopbackAddress(c.listen) || c.insecure) return absl::OkStatus();
+  if (c.tls.enabled() && c.auth.enabled()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "refusing to serve on non-loopback address '", c.listen, "' without ",
+      !c.tls.enabled() && !c.auth.enabled() ? "TLS and authentication"
+      : !c.tls.enabled()                    ? "TLS"
+                                            : "authentication",
+      ": set tls.cert_file and tls.key_file (and tls.client_ca_file for mutual TLS) and "
+      "auth.tokens_file in the config (README.md, \"Security\"), listen on 127.0.0.1, or "
+      "start with 'kvcd serve --insecure' to serve this address unprotected"));
 }
 
 absl::StatusOr<ServerConfig> LoadConfigFile(const std::string& path) {

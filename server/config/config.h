@@ -11,6 +11,23 @@
 
 namespace kvcd {
 
+// TLS on the gRPC API port (the health-only port stays plaintext). With client_ca_file
+// set it is mutual TLS: clients must present a certificate signed by that CA.
+struct TlsConfig {
+  std::string cert_file;       // PEM certificate chain of the daemon
+  std::string key_file;        // PEM private key of cert_file
+  std::string client_ca_file;  // optional PEM CA bundle: require and verify client certs
+  int reload_interval_s = 10;  // how often the files are checked for changes
+  bool enabled() const { return !cert_file.empty(); }
+};
+
+// Bearer-token authentication (server/rpc/auth.h describes the tokens file).
+struct AuthConfig {
+  std::string tokens_file;
+  int64_t reload_interval_ms = 1000;  // how often the file is checked for changes
+  bool enabled() const { return !tokens_file.empty(); }
+};
+
 struct ServerConfig {
   std::string listen = "127.0.0.1:50051";  // gRPC address; port 0 = pick a free port
   std::string health_listen;               // optional extra plaintext port serving health only
@@ -31,7 +48,18 @@ struct ServerConfig {
   int64_t decode_channel_spin_us = 2000;
   int64_t drain_timeout_ms = 10000;
   std::vector<ModelSpec> models;
+  TlsConfig tls;
+  AuthConfig auth;
+  // Set only by `kvcd serve --insecure`: allow a non-loopback listen address without
+  // TLS and auth. Never read from a config file.
+  bool insecure = false;
 };
+
+// The start-up safety rule: a non-loopback `listen` needs TLS and auth, unless
+// `insecure`. FAILED_PRECONDITION says how to configure them.
+absl::Status CheckExposure(const ServerConfig& c);
+// True for 127.0.0.0/8, ::1, localhost and unix: addresses.
+bool IsLoopbackAddress(const std::string& host_port);
 
 // Parses and validates a YAML document. INVALID_ARGUMENT names the key and the
 // expected value.

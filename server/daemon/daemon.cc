@@ -32,7 +32,38 @@ void ApplyLimits(const ServerConfig& c, grpc::ServerBuilder* b) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerConfig& config) {
+  KVCD_RETURN_IF_ERROR(CheckExposure(config));
   std::unique_ptr<Daemon> d(new Daemon(config));
+  if (config.auth.enabled()) {
+    KVCD_ASSIGN_OR_RETURN(d->tokens_, TokenStore::Load(config.auth.tokens_file));
+    std::fprintf(stderr, "kvcd: auth: %zu token(s) from %s (reloaded on change)\n",
+                 d->tokens_->current()->size(), config.auth.tokens_file.c_str());
+  } else {
+    std::fprintf(stderr,
+                 "kvcd: auth: off (no auth.tokens_file): every caller may use every "
+                 "tenant\n");
+  }
+  std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
+  if (config.tls.enabled()) {
+    KVCD_ASSIGN_OR_RETURN(d->tls_, TlsCredentialSource::Create(config.tls));
+    creds = d->tls_->ServerCredentials();
+    std::fprintf(stderr, "kvcd: tls: on (%s), certificate %s, reloaded on change\n",
+                 config.tls.client_ca_file.empty() ? "server certificate only"
+                                                   : "mutual: client certificates required",
+                 config.tls.cert_file.c_str());
+  } else {
+    std::fprintf(stderr, "kvcd: tls: off (no tls.cert_file): the API port is plaintext\n");
+  }
+  if (config.insecure && !IsLoopbackAddress(config.listen) &&
+      !(config.tls.enabled() && config.auth.enabled())) {
+    std::fprintf(stderr,
+                 "kvcd: WARNING: --insecure: serving %s on non-loopback address '%s'; anyone "
+                 "who can reach it can read and overwrite every tenant's KV cache\n",
+                 config.tls.enabled()    ? "without authentication"
+                 : config.auth.enabled() ? "without TLS (tokens travel in clear text)"
+                                         : "without TLS or authentication",
+                 config.listen.c_str());
+  }
   std::unique_ptr<Backend> backend;
   if (config.backend == "cpu") {
     backend = MakeCpuBackend(config.compute_threads);
@@ -51,12 +82,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerConfig& config
   }
   d->metrics_ = std::make_unique<Metrics>(d->engine_.get());
   d->executor_ = std::make_unique<ThreadPool>(config.worker_threads);
-  d->service_ =
-      std::make_unique<KvCacheService>(d->engine_.get(), d->metrics_.get(), d->executor_.get());
+  d->service_ = std::make_unique<KvCacheService>(d->engine_.get(), d->metrics_.get(),
+                                                 d->executor_.get(), d->tokens_.get());
 
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(config.listen, creds, &port);
   builder.RegisterService(d->service_.get());
   builder.RegisterService(&d->health_);
   ApplyLimits(config, &builder);
@@ -82,6 +113,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerConfig& config
   }
 
   if (!config.metrics_listen.empty()) {
+    if (!IsLoopbackAddress(config.metrics_listen)) {
+      std::fprintf(stderr,
+                   "kvcd: metrics on non-loopback address '%s' are plaintext and "
+                   "unauthenticated (aggregate counters only, no tenant data)\n",
+                   config.metrics_listen.c_str());
+    }
     KVCD_ASSIGN_OR_RETURN(int mport, d->metrics_->Serve(config.metrics_listen));
     d->metrics_address_ = absl::StrCat(HostOf(config.metrics_listen), ":", mport);
   }
@@ -90,8 +127,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerConfig& config
 }
 
 void Daemon::ReaperLoop() {
-  const auto period = std::chrono::milliseconds(
-      std::max<int64_t>(5, std::min<int64_t>(250, config_.default_lease_ms / 4)));
+  int64_t period_ms = std::max<int64_t>(5, std::min<int64_t>(250, config_.default_lease_ms / 4));
+  if (tokens_)
+    period_ms = std::min(period_ms, std::max<int64_t>(5, config_.auth.reload_interval_ms));
+  const auto period = std::chrono::milliseconds(period_ms);
   std::unique_lock<std::mutex> lock(mu_);
   while (!stopping_) {
     cv_.wait_for(lock, period);
@@ -100,6 +139,7 @@ void Daemon::ReaperLoop() {
     const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
                             std::chrono::steady_clock::now().time_since_epoch())
                             .count();
+    ReloadCredentials();
     const int n = engine_->ExpireLeases(now);
     if (n > 0) std::fprintf(stderr, "kvcd: closed %d sequence(s) whose lease expired\n", n);
     if (!engine_->backend_healthy() && !fatal_.exchange(true)) {
@@ -114,6 +154,30 @@ void Daemon::ReaperLoop() {
   }
 }
 
+void Daemon::ReloadCredentials() {
+  if (tls_) {
+    const std::string line = tls_->Poll();
+    if (!line.empty()) std::fprintf(stderr, "kvcd: %s\n", line.c_str());
+  }
+  if (!tokens_) return;
+  const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::steady_clock::now().time_since_epoch())
+                          .count();
+  if (now < next_token_check_ns_) return;
+  next_token_check_ns_ = now + config_.auth.reload_interval_ms * 1000000;
+  std::string message;
+  switch (tokens_->Reload(&message)) {
+    case TokenStore::ReloadResult::kUnchanged:
+      break;
+    case TokenStore::ReloadResult::kReloaded:
+      std::fprintf(stderr, "kvcd: auth: %s\n", message.c_str());
+      break;
+    case TokenStore::ReloadResult::kFailed:
+      std::fprintf(stderr, "kvcd: auth: reload failed: %s\n", message.c_str());
+      break;
+  }
+}
+
 void Daemon::Drain() {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -123,15 +187,16 @@ void Daemon::Drain() {
   cv_.notify_all();
   health_.SetServing(false);
   health_only_.SetServing(false);
-  service_->StartDraining();
+  if (service_) service_->StartDraining();  // null if Start() failed early
   const auto deadline =
       std::chrono::system_clock::now() + std::chrono::milliseconds(config_.drain_timeout_ms);
   const auto t0 = std::chrono::steady_clock::now();
-  server_->Shutdown(deadline);
+  if (server_) server_->Shutdown(deadline);
   const auto t1 = std::chrono::steady_clock::now();
   if (health_server_) health_server_->Shutdown(deadline);
   const auto t2 = std::chrono::steady_clock::now();
   if (reaper_.joinable()) reaper_.join();
+  tls_.reset();  // removes the staged copies of the TLS files
   std::fprintf(
       stderr, "kvcd: drain: api %.0f ms, health %.0f ms, reaper %.0f ms\n",
       std::chrono::duration<double, std::milli>(t1 - t0).count(),

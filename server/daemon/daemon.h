@@ -12,18 +12,22 @@
 #include <thread>
 
 #include "absl/status/statusor.h"
-#include "server/engine/cache_engine.h"
-#include "server/config/config.h"
-#include "server/rpc/health_service.h"
-#include "server/metrics/metrics.h"
-#include "server/rpc/service.h"
 #include "server/backends/thread_pool.h"
+#include "server/config/config.h"
+#include "server/engine/cache_engine.h"
+#include "server/metrics/metrics.h"
+#include "server/rpc/auth.h"
+#include "server/rpc/health_service.h"
+#include "server/rpc/service.h"
+#include "server/rpc/tls.h"
 
 namespace kvcd {
 
 class Daemon {
  public:
-  // Builds everything and starts serving. Errors: INVALID_ARGUMENT for a bad config,
+  // Builds everything and starts serving. Errors: INVALID_ARGUMENT for a bad config or
+  // a bad TLS / tokens file (naming the file), NOT_FOUND for an unreadable one,
+  // FAILED_PRECONDITION for a non-loopback address without TLS and auth (CheckExposure),
   // UNAVAILABLE when an address cannot be bound.
   static absl::StatusOr<std::unique_ptr<Daemon>> Start(const ServerConfig& config);
   ~Daemon();
@@ -44,8 +48,12 @@ class Daemon {
  private:
   explicit Daemon(const ServerConfig& config) : config_(config) {}
   void ReaperLoop();
+  void ReloadCredentials();  // token file and TLS files, when they changed
 
   ServerConfig config_;
+  std::unique_ptr<TokenStore> tokens_;        // auth.tokens_file, or null
+  std::unique_ptr<TlsCredentialSource> tls_;  // tls.*, or null
+  int64_t next_token_check_ns_ = 0;
   std::unique_ptr<CacheEngine> engine_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<ThreadPool> executor_;

@@ -11,6 +11,8 @@
 #include "kvcd/kernels/cpu_features.h"
 #include "server/config/config.h"
 #include "server/daemon/daemon.h"
+#include "server/rpc/auth.h"
+#include "server/rpc/tls.h"
 
 namespace {
 
@@ -18,7 +20,7 @@ constexpr char kUsage[] = R"(kvcd — GPU-resident KV-cache daemon (CPU backend 
 
 Usage:
   kvcd serve [--config FILE] [--listen HOST:PORT] [--metrics-listen HOST:PORT]
-             [--health-listen HOST:PORT]
+             [--health-listen HOST:PORT] [--insecure]
   kvcd check-config --config FILE
   kvcd --version | --help
 
@@ -29,7 +31,11 @@ serve         Start the daemon. Without --config it serves the built-in profiles
                 kvcd ready grpc=HOST:PORT metrics=HOST:PORT health=HOST:PORT
               SIGTERM/SIGINT drain it: health turns NOT_SERVING, new calls get
               UNAVAILABLE, calls in flight finish, then it exits 0.
-check-config  Validate a config file and print what it would serve.
+              A non-loopback --listen/listen needs TLS (tls.cert_file, tls.key_file)
+              and bearer tokens (auth.tokens_file); --insecure serves it without
+              them (logged as a warning; never on an untrusted network).
+check-config  Validate a config file (and its TLS and tokens files) and print
+              what it would serve.
 
 Configuration keys are documented in README.md ("Configuration").
 )";
@@ -56,7 +62,7 @@ int main(int argc, char** argv) {
     return Fail("unknown command '" + cmd + "'; run 'kvcd --help'");
   }
   std::string config_path, listen, metrics_listen, health_listen;
-  bool have_metrics = false, have_health = false;
+  bool have_metrics = false, have_health = false, insecure = false;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&](std::string* out) {
@@ -72,6 +78,8 @@ int main(int argc, char** argv) {
     } else if (a == "--metrics-listen") {
       ok = value(&metrics_listen);
       have_metrics = true;
+    } else if (a == "--insecure") {
+      insecure = true;
     } else if (a == "--health-listen") {
       ok = value(&health_listen);
       have_health = true;
@@ -94,8 +102,22 @@ int main(int argc, char** argv) {
   if (!listen.empty()) config.listen = listen;
   if (have_metrics) config.metrics_listen = metrics_listen;
   if (have_health) config.health_listen = health_listen;
+  config.insecure = insecure;
 
   if (cmd == "check-config") {
+    if (absl::Status s = kvcd::CheckExposure(config); !s.ok())
+      return Fail(std::string(s.message()));
+    if (config.tls.enabled()) {
+      if (absl::Status s = kvcd::CheckTlsFiles(config.tls); !s.ok()) {
+        return Fail(std::string(s.message()));
+      }
+    }
+    if (config.auth.enabled()) {
+      auto tokens = kvcd::TokenStore::Load(config.auth.tokens_file);
+      if (!tokens.ok()) return Fail(std::string(tokens.status().message()));
+      std::printf("auth: %zu token(s) in %s\n", (*tokens)->current()->size(),
+                  config.auth.tokens_file.c_str());
+    }
     std::printf("config OK: listen %s, backend %s, budget %llu bytes, %zu model(s)\n",
                 config.listen.c_str(), config.backend.c_str(),
                 static_cast<unsigned long long>(config.memory_budget_bytes), config.models.size());

@@ -1,11 +1,11 @@
 #include "server/dataplane/buffer_registry.h"
 
 #include <chrono>
-#include <random>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/checked_math.h"
+#include "common/random_id.h"
 #include "common/status_macros.h"
 #include "common/steady_clock.h"
 #include "server/backends/device_runtime.h"
@@ -14,13 +14,6 @@ namespace kvcd {
 namespace {
 
 constexpr size_t kHandleBytes = 64;  // cudaIpcMemHandle_t / cudaIpcEventHandle_t
-
-uint64_t RandomEpoch() {
-  std::random_device rd;
-  uint64_t e = 0;
-  while (e == 0) e = rd() & 0xffffffffu;
-  return e << 32;
-}
 
 }  // namespace
 
@@ -33,7 +26,7 @@ BufferRegistry::Buffer::~Buffer() {
   if (done_event != nullptr) device->DestroyEvent(done_event);
 }
 
-BufferRegistry::BufferRegistry(Backend* backend) : backend_(backend), epoch_(RandomEpoch()) {}
+BufferRegistry::BufferRegistry(Backend* backend) : backend_(backend) {}
 
 absl::StatusOr<std::shared_ptr<BufferRegistry::Buffer>> BufferRegistry::Register(
     const v1::RegisterBufferRequest& req, int64_t lease_ms, int max_buffers,
@@ -58,8 +51,8 @@ absl::StatusOr<std::shared_ptr<BufferRegistry::Buffer>> BufferRegistry::Register
         absl::StrCat("name has ", req.name().size(), " bytes, expected at most 128"));
   }
   if (size() >= max_buffers) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        max_buffers, " buffers are registered (max_buffers); unregister some first"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat(max_buffers, " buffers are registered (max_buffers); unregister some first"));
   }
   auto buf = std::make_shared<Buffer>(device);
   buf->name = req.name();
@@ -85,7 +78,9 @@ absl::StatusOr<std::shared_ptr<BufferRegistry::Buffer>> BufferRegistry::Register
   buf->lease_ms.store(lease_ms);
   buf->deadline_ns.store(SteadyNowNs() + lease_ms * 1000000);
   std::lock_guard<std::mutex> lock(mu_);
-  buf->id = epoch_ | next_++;
+  do {
+    buf->id = RandomId64();
+  } while (buffers_.count(buf->id));
   buffers_.emplace(buf->id, buf);
   return buf;
 }
@@ -117,9 +112,10 @@ absl::StatusOr<std::shared_ptr<BufferRegistry::Buffer>> BufferRegistry::Find(uin
 }
 
 absl::StatusOr<BufferRegistry::Region> BufferRegistry::Resolve(const v1::CudaIpcRegion& r,
-                                                                absl::string_view field) {
+                                                               absl::string_view field) {
   auto buf = Find(r.buffer_id());
-  if (!buf.ok()) return absl::Status(buf.status().code(), absl::StrCat(field, ": ", buf.status().message()));
+  if (!buf.ok())
+    return absl::Status(buf.status().code(), absl::StrCat(field, ": ", buf.status().message()));
   const auto end = CheckedAdd(static_cast<int64_t>(r.offset()), static_cast<int64_t>(r.size()));
   if (r.offset() > (uint64_t{1} << 62) || r.size() > (uint64_t{1} << 62) || !end ||
       static_cast<uint64_t>(*end) > (*buf)->size) {
@@ -128,8 +124,8 @@ absl::StatusOr<BufferRegistry::Region> BufferRegistry::Resolve(const v1::CudaIpc
                      r.size(), ") but buffer ", r.buffer_id(), " has ", (*buf)->size, " bytes"));
   }
   if (r.offset() % 16 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".cuda_ipc.offset is ", r.offset(),
-                                                   ", expected a multiple of 16"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".cuda_ipc.offset is ", r.offset(), ", expected a multiple of 16"));
   }
   (*buf)->deadline_ns.store(SteadyNowNs() + (*buf)->lease_ms.load() * 1000000);
   return Region{*buf, (*buf)->base + r.offset(), r.size()};

@@ -7,8 +7,8 @@
 // a region in use keeps its entry alive until the call finishes, and the mapping is closed
 // only after the device has drained the work queued on it.
 //
-// Buffer ids carry a random per-daemon epoch in their high 32 bits, so an id handed out
-// by an earlier daemon process is NOT_FOUND rather than someone else's buffer.
+// Buffer ids are random 64-bit values (common/random_id.h): unguessable, and an id handed
+// out by an earlier daemon process is NOT_FOUND rather than someone else's buffer.
 //
 // Thread safety: all methods are thread-safe.
 #pragma once
@@ -76,9 +76,7 @@ class BufferRegistry {
 
  private:
   Backend* const backend_;
-  const uint64_t epoch_;
   mutable std::mutex mu_;
-  uint64_t next_ ABSL_GUARDED_BY(mu_) = 1;
   std::unordered_map<uint64_t, std::shared_ptr<Buffer>> buffers_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/decode_channel_layout.h"
+#include "common/random_id.h"
 
 namespace kvcd {
 namespace {
@@ -42,6 +43,7 @@ struct DecodeChannels::Channel {
   DecodeChannelHeader* header = nullptr;
   size_t bytes = 0;
   int64_t lease_ms = 0;
+  CheckFn check;  // runs before every request of this channel (may be empty)
   // request_seq when the channel was opened (the worker is still waiting for the
   // OpenDecodeChannel answer then): the serving thread may start after the first request.
   uint64_t opened_seq = 0;
@@ -63,7 +65,8 @@ DecodeChannels::DecodeChannels(DecodeFn decode, Options options)
 
 DecodeChannels::~DecodeChannels() { CloseAll(); }
 
-absl::StatusOr<uint64_t> DecodeChannels::Open(const std::string& name, int64_t lease_ms) {
+absl::StatusOr<uint64_t> DecodeChannels::Open(const std::string& name, int64_t lease_ms,
+                                              CheckFn check) {
   if (!ValidName(name)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "shm_name is '", name.substr(0, 140),
@@ -99,6 +102,7 @@ absl::StatusOr<uint64_t> DecodeChannels::Open(const std::string& name, int64_t l
   c->header = static_cast<DecodeChannelHeader*>(p);
   c->bytes = bytes;
   c->lease_ms = lease_ms;
+  c->check = std::move(check);
   const DecodeChannelHeader& h = *c->header;
   if (h.magic != DecodeChannelHeader::kMagic || h.version != DecodeChannelHeader::kVersion ||
       h.capacity < DecodeChannelHeader::kMinCapacity ||
@@ -121,7 +125,9 @@ absl::StatusOr<uint64_t> DecodeChannels::Open(const std::string& name, int64_t l
     return absl::ResourceExhaustedError(
         absl::StrCat(options_.max_channels, " decode channels are open; close some first"));
   }
-  c->id = next_id_++;
+  do {
+    c->id = RandomId64();
+  } while (channels_.count(c->id));
   c->opened_seq = c->header->request_seq.load(std::memory_order_acquire);
   Channel* raw = c.get();
   c->thread = std::thread([this, raw] { Serve(raw); });
@@ -160,7 +166,8 @@ void DecodeChannels::Serve(Channel* c) {
           "decode channel request of ", n, " bytes is not an AttentionDecodeRequest within the ",
           h.capacity, "-byte area"));
     } else {
-      s = decode_(req, resp.mutable_response());
+      if (c->check) s = c->check(req);
+      if (s.ok()) s = decode_(req, resp.mutable_response());
       resp.set_request_id(req.request_id());
     }
     if (!s.ok()) {

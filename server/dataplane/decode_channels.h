@@ -27,6 +27,9 @@ class DecodeChannels {
  public:
   using DecodeFn =
       std::function<absl::Status(const v1::AttentionDecodeRequest&, v1::AttentionDecodeResponse*)>;
+  // Checked before each request of one channel (e.g. that the channel's credential may
+  // use every sequence of the request); a failure answers the request with that status.
+  using CheckFn = std::function<absl::Status(const v1::AttentionDecodeRequest&)>;
   struct Options {
     int64_t spin_us = 2000;
     int64_t poll_us = 20;
@@ -37,7 +40,8 @@ class DecodeChannels {
 
   // INVALID_ARGUMENT for a bad name or layout, NOT_FOUND if the object does not exist,
   // RESOURCE_EXHAUSTED past max_channels.
-  absl::StatusOr<uint64_t> Open(const std::string& shm_name, int64_t lease_ms);
+  absl::StatusOr<uint64_t> Open(const std::string& shm_name, int64_t lease_ms,
+                                CheckFn check = nullptr);
   absl::Status Close(uint64_t id);
   void CloseAll();
   int64_t size() const;
@@ -51,7 +55,6 @@ class DecodeChannels {
   const Options options_;
   std::atomic<uint64_t> served_{0};
   mutable std::mutex mu_;
-  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<uint64_t, std::unique_ptr<Channel>> channels_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/backends/device_runtime.h"
+#include "common/random_id.h"
 
 #ifdef KVCD_HAVE_CUDA_BACKEND
 #include "kvcd/kernels/cuda_nccl.h"
@@ -51,12 +52,13 @@ struct NcclLinks::Link {
                     [&] { return state != State::kJoining; });
     if (state == State::kReady) return absl::OkStatus();
     if (state == State::kJoining) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "NCCL communicator ", id, " is still waiting for the worker to join (ncclCommInitRank "
-                                    "with rank 1)"));
+      return absl::DeadlineExceededError(
+          absl::StrCat("NCCL communicator ", id,
+                       " is still waiting for the worker to join (ncclCommInitRank "
+                       "with rank 1)"));
     }
-    return absl::FailedPreconditionError(absl::StrCat("NCCL communicator ", id, " failed: ", error,
-                                                      "; call NcclConnect again"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("NCCL communicator ", id, " failed: ", error, "; call NcclConnect again"));
   }
   void Fail(const std::string& why) {
     std::lock_guard<std::mutex> lock(state_mu);
@@ -132,7 +134,9 @@ absl::StatusOr<NcclLinks::Connection> NcclLinks::Connect(const std::string& name
       return absl::ResourceExhaustedError(
           absl::StrCat(kMaxLinks, " NCCL communicators are open; disconnect some first"));
     }
-    c.id = next_id_++;
+    do {
+      c.id = RandomId64();
+    } while (links_.count(c.id));
     link->id = c.id;
     links_.emplace(c.id, link);
   }
@@ -177,8 +181,8 @@ absl::Status NcclLinks::Receive(uint64_t id, uint64_t bytes,
   if (!link.ok()) return link.status();
   Link& l = **link;
   if (bytes == 0 || bytes > kMaxTransferBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("an NCCL transfer of ", bytes,
-                                                   " bytes, expected 1..", kMaxTransferBytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("an NCCL transfer of ", bytes, " bytes, expected 1..", kMaxTransferBytes));
   }
   std::lock_guard<std::mutex> transfer(l.transfer_mu);
   if (absl::Status s = l.Ready(); !s.ok()) return s;
@@ -187,9 +191,8 @@ absl::Status NcclLinks::Receive(uint64_t id, uint64_t bytes,
   if (e.empty()) e = kc::NcclWait(l.comm, l.stream, l.timeout_ms);
   if (!e.empty()) {
     l.Fail(e);
-    return absl::DeadlineExceededError(absl::StrCat("NCCL receive of ", bytes,
-                                                    " bytes on communicator ", id, ": ", e,
-                                                    "; nothing was stored"));
+    return absl::DeadlineExceededError(absl::StrCat(
+        "NCCL receive of ", bytes, " bytes on communicator ", id, ": ", e, "; nothing was stored"));
   }
   return use(static_cast<const uint8_t*>(l.staging));
 }
@@ -200,8 +203,8 @@ absl::Status NcclLinks::Send(uint64_t id, uint64_t bytes,
   if (!link.ok()) return link.status();
   Link& l = **link;
   if (bytes == 0 || bytes > kMaxTransferBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("an NCCL transfer of ", bytes,
-                                                   " bytes, expected 1..", kMaxTransferBytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("an NCCL transfer of ", bytes, " bytes, expected 1..", kMaxTransferBytes));
   }
   std::lock_guard<std::mutex> transfer(l.transfer_mu);
   if (absl::Status s = l.Ready(); !s.ok()) return s;

@@ -56,7 +56,6 @@ class NcclLinks {
 
   Backend* const backend_;
   mutable std::mutex mu_;
-  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<uint64_t, std::shared_ptr<Link>> links_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -249,6 +249,10 @@ absl::Status CacheEngine::OpenSequence(const v1::OpenSequenceRequest& req,
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::string> CacheEngine::SequenceSalt(uint64_t id) const {
+  return sequences_.Salt(id);
+}
+
 absl::Status CacheEngine::CloseSequence(const v1::CloseSequenceRequest& req,
                                         v1::CloseSequenceResponse* resp) {
   KVCD_ASSIGN_OR_RETURN(int64_t length, sequences_.Close(req.sequence_id()));

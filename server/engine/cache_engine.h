@@ -58,6 +58,10 @@ class CacheEngine {
   absl::Status NcclConnect(const v1::NcclConnectRequest& req, v1::NcclConnectResponse* resp);
   absl::Status NcclDisconnect(const v1::NcclDisconnectRequest& req,
                               v1::NcclDisconnectResponse* resp);
+  // The tenant (cache_salt) an open sequence was opened under; NOT_FOUND with the same
+  // message as every other call on an unknown sequence. Used by the RPC layer to
+  // authorize sequence-scoped calls before routing them (server/rpc/authorizer.h).
+  absl::StatusOr<std::string> SequenceSalt(uint64_t id) const;
   int64_t RegisteredBuffers() const { return buffers_.size(); }
   int64_t NcclCommunicators() const { return nccl_.size(); }
 

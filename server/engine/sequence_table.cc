@@ -1,6 +1,7 @@
 #include "server/engine/sequence_table.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/random_id.h"
 
 namespace kvcd {
 
@@ -34,7 +35,9 @@ absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Open(ModelCache* model,
       return absl::ResourceExhaustedError(absl::StrCat("max_sequences (", max_sequences_,
                                                        ") sequences are open; close some first"));
     }
-    id = next_id_++;
+    do {
+      id = RandomId64();
+    } while (sequences_.count(id) != 0);
   }
   std::shared_ptr<Sequence> seq = model->Open(id, salt, tokens);
   seq->lease_ms.store(lease_ms);
@@ -57,6 +60,16 @@ absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Find(uint64_t id) {
   }
   Touch(seq.get());
   return seq;
+}
+
+absl::StatusOr<std::string> SequenceTable::Salt(uint64_t id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrCat(
+        "sequence ", id, " is not open (never opened, closed, or its lease expired)"));
+  }
+  return it->second->salt;
 }
 
 absl::StatusOr<int64_t> SequenceTable::Close(uint64_t id) {

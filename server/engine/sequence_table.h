@@ -1,6 +1,7 @@
-// SequenceTable: the one owner of the daemon's open sequences — ids, leases, the
-// max_sequences bound — and the lease policy every leased object (sequences, CUDA IPC
-// buffers, decode channels) is granted by.
+// SequenceTable: the one owner of the daemon's open sequences — ids (random 64-bit values,
+// unguessable and not reused across restarts), leases, the max_sequences bound — and the
+// lease policy every leased object (sequences, CUDA IPC buffers, decode channels) is
+// granted by.
 //
 // Thread safety: all methods are thread-safe.
 #pragma once
@@ -42,6 +43,9 @@ class SequenceTable {
                                                  int64_t lease_ms);
   // NOT_FOUND unless open; refreshes the lease of a found sequence.
   absl::StatusOr<std::shared_ptr<Sequence>> Find(uint64_t id);
+  // The tenant (cache_salt) of an open sequence, without touching its lease; NOT_FOUND with
+  // Find's message otherwise.
+  absl::StatusOr<std::string> Salt(uint64_t id) const;
   // Removes and closes it; its length before closing.
   absl::StatusOr<int64_t> Close(uint64_t id);
   // Sets a new lease (0 keeps the current one) and refreshes it; the lease in force.
@@ -57,7 +61,6 @@ class SequenceTable {
   const int64_t max_sequences_;
   mutable std::mutex mu_;
   std::unordered_map<uint64_t, std::shared_ptr<Sequence>> sequences_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
 };
 
 }  // namespace kvcd

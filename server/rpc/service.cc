@@ -3,7 +3,6 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
-
 #include "server/rpc/status_mapping.h"
 
 namespace kvcd {
@@ -21,10 +20,13 @@ const absl::Status& DrainingStatus() {
 
 }  // namespace
 
-KvCacheService::KvCacheService(CacheEngine* engine, Metrics* metrics, ThreadPool* executor)
+KvCacheService::KvCacheService(CacheEngine* engine, Metrics* metrics, ThreadPool* executor,
+                               const TokenStore* tokens)
     : engine_(engine),
       metrics_(metrics),
       executor_(executor),
+      tokens_(tokens),
+      authz_([engine](uint64_t id) { return engine->SequenceSalt(id); }),
       channels_(
           [this](const v1::AttentionDecodeRequest& req, v1::AttentionDecodeResponse* resp) {
             const auto t0 = std::chrono::steady_clock::now();
@@ -33,6 +35,25 @@ KvCacheService::KvCacheService(CacheEngine* engine, Metrics* metrics, ThreadPool
             return s;
           },
           DecodeChannels::Options{engine->config().decode_channel_spin_us, 20, 64}) {}
+
+std::optional<std::string> KvCacheService::AuthorizationOf(grpc::CallbackServerContext* ctx) {
+  const auto& md = ctx->client_metadata();
+  auto it = md.find("authorization");
+  if (it == md.end()) return std::nullopt;
+  return std::string(it->second.data(), it->second.size());
+}
+
+absl::StatusOr<std::shared_ptr<const Principal>> KvCacheService::Authenticate(
+    const std::optional<std::string>& authorization) const {
+  if (tokens_ == nullptr) return Principal::Unrestricted();
+  return kvcd::Authenticate(*tokens_->current(), authorization ? &*authorization : nullptr);
+}
+
+absl::StatusOr<std::shared_ptr<const Principal>> KvCacheService::Authenticate(
+    grpc::CallbackServerContext* ctx) const {
+  if (tokens_ == nullptr) return Principal::Unrestricted();
+  return Authenticate(AuthorizationOf(ctx));
+}
 
 template <class Fn>
 grpc::ServerUnaryReactor* KvCacheService::Run(const char* method, grpc::CallbackServerContext* ctx,
@@ -44,22 +65,33 @@ grpc::ServerUnaryReactor* KvCacheService::Run(const char* method, grpc::Callback
     reactor->Finish(ToGrpcStatus(DrainingStatus()));
     return reactor;
   }
-  executor_->Submit([this, reactor, method, t0, ctx, fn = std::move(fn)]() mutable {
-    absl::Status s =
-        ctx->IsCancelled() ? absl::CancelledError("call cancelled by the client") : fn();
-    if (s.code() == absl::StatusCode::kResourceExhausted) {
-      ctx->AddTrailingMetadata("retry-after-ms", std::to_string(kRetryAfterMs));
-    }
-    metrics_->ObserveRpc(method, s.code(), SecondsSince(t0));
-    reactor->Finish(ToGrpcStatus(s));
-  });
+  absl::StatusOr<std::shared_ptr<const Principal>> principal = Authenticate(ctx);
+  if (!principal.ok()) {
+    metrics_->ObserveRpc(method, principal.status().code(), SecondsSince(t0));
+    reactor->Finish(ToGrpcStatus(principal.status()));
+    return reactor;
+  }
+  executor_->Submit(
+      [this, reactor, method, t0, ctx, p = std::move(*principal), fn = std::move(fn)]() mutable {
+        absl::Status s =
+            ctx->IsCancelled() ? absl::CancelledError("call cancelled by the client") : fn(*p);
+        if (s.code() == absl::StatusCode::kResourceExhausted) {
+          ctx->AddTrailingMetadata("retry-after-ms", std::to_string(kRetryAfterMs));
+        }
+        metrics_->ObserveRpc(method, s.code(), SecondsSince(t0));
+        reactor->Finish(ToGrpcStatus(s));
+      });
   return reactor;
 }
 
+// Authorization runs before routing, so a refused call changes nothing stored.
 #define KVCD_UNARY(Method, Req, Resp)                                                    \
   grpc::ServerUnaryReactor* KvCacheService::Method(grpc::CallbackServerContext* ctx,     \
                                                    const v1::Req* req, v1::Resp* resp) { \
-    return Run(#Method, ctx, [this, req, resp] { return engine_->Method(*req, resp); }); \
+    return Run(#Method, ctx, [this, req, resp](const Principal& p) -> absl::Status {     \
+      if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;                     \
+      return engine_->Method(*req, resp);                                                \
+    });                                                                                  \
   }
 KVCD_UNARY(RegisterModel, RegisterModelRequest, RegisterModelResponse)
 KVCD_UNARY(ListModels, ListModelsRequest, ListModelsResponse)
@@ -72,21 +104,72 @@ KVCD_UNARY(Append, AppendRequest, AppendResponse)
 KVCD_UNARY(FetchPages, FetchPagesRequest, FetchPagesResponse)
 KVCD_UNARY(PushPages, PushPagesRequest, PushPagesResponse)
 KVCD_UNARY(Stats, StatsRequest, StatsResponse)
-KVCD_UNARY(RegisterBuffer, RegisterBufferRequest, RegisterBufferResponse)
-KVCD_UNARY(UnregisterBuffer, UnregisterBufferRequest, UnregisterBufferResponse)
 KVCD_UNARY(RenewBuffer, RenewBufferRequest, RenewBufferResponse)
-KVCD_UNARY(NcclConnect, NcclConnectRequest, NcclConnectResponse)
-KVCD_UNARY(NcclDisconnect, NcclDisconnectRequest, NcclDisconnectResponse)
 #undef KVCD_UNARY
 
-grpc::ServerUnaryReactor* KvCacheService::OpenDecodeChannel(
-    grpc::CallbackServerContext* ctx, const v1::OpenDecodeChannelRequest* req,
-    v1::OpenDecodeChannelResponse* resp) {
-  return Run("OpenDecodeChannel", ctx, [this, req, resp]() -> absl::Status {
+// Data-plane objects are bound to the token that created them (authorizer.h).
+grpc::ServerUnaryReactor* KvCacheService::RegisterBuffer(grpc::CallbackServerContext* ctx,
+                                                         const v1::RegisterBufferRequest* req,
+                                                         v1::RegisterBufferResponse* resp) {
+  return Run("RegisterBuffer", ctx, [this, req, resp](const Principal& p) -> absl::Status {
+    if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;
+    absl::Status s = engine_->RegisterBuffer(*req, resp);
+    if (s.ok()) authz_.Bind(Authorizer::Object::kBuffer, resp->buffer_id(), p);
+    return s;
+  });
+}
+
+grpc::ServerUnaryReactor* KvCacheService::UnregisterBuffer(grpc::CallbackServerContext* ctx,
+                                                           const v1::UnregisterBufferRequest* req,
+                                                           v1::UnregisterBufferResponse* resp) {
+  return Run("UnregisterBuffer", ctx, [this, req, resp](const Principal& p) -> absl::Status {
+    if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;
+    absl::Status s = engine_->UnregisterBuffer(*req, resp);
+    if (s.ok()) authz_.Unbind(Authorizer::Object::kBuffer, req->buffer_id());
+    return s;
+  });
+}
+
+grpc::ServerUnaryReactor* KvCacheService::NcclConnect(grpc::CallbackServerContext* ctx,
+                                                      const v1::NcclConnectRequest* req,
+                                                      v1::NcclConnectResponse* resp) {
+  return Run("NcclConnect", ctx, [this, req, resp](const Principal& p) -> absl::Status {
+    if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;
+    absl::Status s = engine_->NcclConnect(*req, resp);
+    if (s.ok()) authz_.Bind(Authorizer::Object::kCommunicator, resp->communicator_id(), p);
+    return s;
+  });
+}
+
+grpc::ServerUnaryReactor* KvCacheService::NcclDisconnect(grpc::CallbackServerContext* ctx,
+                                                         const v1::NcclDisconnectRequest* req,
+                                                         v1::NcclDisconnectResponse* resp) {
+  return Run("NcclDisconnect", ctx, [this, req, resp](const Principal& p) -> absl::Status {
+    if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;
+    absl::Status s = engine_->NcclDisconnect(*req, resp);
+    if (s.ok()) authz_.Unbind(Authorizer::Object::kCommunicator, req->communicator_id());
+    return s;
+  });
+}
+
+grpc::ServerUnaryReactor* KvCacheService::OpenDecodeChannel(grpc::CallbackServerContext* ctx,
+                                                            const v1::OpenDecodeChannelRequest* req,
+                                                            v1::OpenDecodeChannelResponse* resp) {
+  return Run("OpenDecodeChannel", ctx, [this, ctx, req, resp](const Principal& p) -> absl::Status {
+    if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;
     const absl::StatusOr<int64_t> lease = engine_->leases().Grant(req->lease_ms());
     if (!lease.ok()) return lease.status();
-    absl::StatusOr<uint64_t> id = channels_.Open(req->shm_name(), *lease);
+    // Requests on the channel run with the token that opened it, resolved again for
+    // every request (a revoked token stops working).
+    absl::StatusOr<uint64_t> id = channels_.Open(
+        req->shm_name(), *lease,
+        [this, auth = AuthorizationOf(ctx)](const v1::AttentionDecodeRequest& r) -> absl::Status {
+          absl::StatusOr<std::shared_ptr<const Principal>> now = Authenticate(auth);
+          if (!now.ok()) return now.status();
+          return authz_.Check(**now, r);
+        });
     if (!id.ok()) return id.status();
+    authz_.Bind(Authorizer::Object::kChannel, *id, p);
     resp->set_channel_id(*id);
     resp->set_lease_ms(*lease);
     return absl::OkStatus();
@@ -96,8 +179,12 @@ grpc::ServerUnaryReactor* KvCacheService::OpenDecodeChannel(
 grpc::ServerUnaryReactor* KvCacheService::CloseDecodeChannel(
     grpc::CallbackServerContext* ctx, const v1::CloseDecodeChannelRequest* req,
     v1::CloseDecodeChannelResponse*) {
-  return Run("CloseDecodeChannel", ctx,
-             [this, req] { return channels_.Close(req->channel_id()); });
+  return Run("CloseDecodeChannel", ctx, [this, req](const Principal& p) -> absl::Status {
+    if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;
+    absl::Status s = channels_.Close(req->channel_id());
+    if (s.ok()) authz_.Unbind(Authorizer::Object::kChannel, req->channel_id());
+    return s;
+  });
 }
 
 absl::Status KvCacheService::Decode(const v1::AttentionDecodeRequest& req,
@@ -110,7 +197,10 @@ absl::Status KvCacheService::Decode(const v1::AttentionDecodeRequest& req,
 grpc::ServerUnaryReactor* KvCacheService::AttentionDecode(grpc::CallbackServerContext* ctx,
                                                           const v1::AttentionDecodeRequest* req,
                                                           v1::AttentionDecodeResponse* resp) {
-  return Run("AttentionDecode", ctx, [this, req, resp] { return Decode(*req, resp); });
+  return Run("AttentionDecode", ctx, [this, req, resp](const Principal& p) -> absl::Status {
+    if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;
+    return Decode(*req, resp);
+  });
 }
 
 // One stream per decode worker: read a request, run it on the executor, write the
@@ -122,6 +212,15 @@ class DecodeStreamReactor final
  public:
   DecodeStreamReactor(KvCacheService* service, grpc::CallbackServerContext* ctx)
       : service_(service), ctx_(ctx) {
+    // The stream runs with the token of its opening call, resolved again for every
+    // request (a token revoked by a reload stops working on open streams too).
+    authorization_ = KvCacheService::AuthorizationOf(ctx);
+    absl::StatusOr<std::shared_ptr<const Principal>> p = service_->Authenticate(authorization_);
+    if (!p.ok()) {
+      service_->metrics_->ObserveRpc("AttentionDecodeStream", p.status().code(), 0);
+      Finish(ToGrpcStatus(p.status()));
+      return;
+    }
     StartRead(&req_);
   }
 
@@ -137,7 +236,9 @@ class DecodeStreamReactor final
     const auto t0 = std::chrono::steady_clock::now();
     service_->executor_->Submit([this, t0] {
       resp_.Clear();
-      absl::Status s = service_->Decode(req_, resp_.mutable_response());
+      absl::StatusOr<std::shared_ptr<const Principal>> p = service_->Authenticate(authorization_);
+      absl::Status s = p.ok() ? service_->authz_.Check(**p, req_) : p.status();
+      if (s.ok()) s = service_->Decode(req_, resp_.mutable_response());
       resp_.set_request_id(req_.request_id());
       if (!s.ok()) {
         resp_.clear_response();
@@ -162,6 +263,7 @@ class DecodeStreamReactor final
  private:
   KvCacheService* service_;
   grpc::CallbackServerContext* ctx_;
+  std::optional<std::string> authorization_;
   v1::AttentionDecodeRequest req_;
   v1::AttentionDecodeStreamResponse resp_;
 };

@@ -1,21 +1,31 @@
 // KvCacheService: the gRPC callback service. Reactors never block: each call's work
 // runs on the request executor, which calls Finish(). The bidirectional decode stream
 // handles one request at a time per stream, answering in order.
+//
+// With a TokenStore (auth.tokens_file) every call is authenticated from its
+// `authorization: Bearer <token>` metadata and authorized (authorizer.h) before it
+// reaches the engine; without one every call runs unrestricted, as before.
 #pragma once
 
 #include <atomic>
+#include <optional>
+#include <string>
 
 #include "kvcd/v1/kvcache.grpc.pb.h"
-#include "server/engine/cache_engine.h"
-#include "server/dataplane/decode_channels.h"
-#include "server/metrics/metrics.h"
 #include "server/backends/thread_pool.h"
+#include "server/dataplane/decode_channels.h"
+#include "server/engine/cache_engine.h"
+#include "server/metrics/metrics.h"
+#include "server/rpc/auth.h"
+#include "server/rpc/authorizer.h"
 
 namespace kvcd {
 
 class KvCacheService final : public v1::KvCache::CallbackService {
  public:
-  KvCacheService(CacheEngine* engine, Metrics* metrics, ThreadPool* executor);
+  // tokens may be null (auth off); it must outlive the service.
+  KvCacheService(CacheEngine* engine, Metrics* metrics, ThreadPool* executor,
+                 const TokenStore* tokens = nullptr);
 
   // After StartDraining, new calls get UNAVAILABLE; calls in flight finish; decode
   // channels close.
@@ -88,10 +98,22 @@ class KvCacheService final : public v1::KvCache::CallbackService {
  private:
   template <class Fn>
   grpc::ServerUnaryReactor* Run(const char* method, grpc::CallbackServerContext* ctx, Fn fn);
+  // The principal of a call: Principal::Unrestricted() without auth, else from the
+  // call's bearer token (UNAUTHENTICATED if missing or unknown).
+  absl::StatusOr<std::shared_ptr<const Principal>> Authenticate(
+      grpc::CallbackServerContext* ctx) const;
+  // The same for a saved `authorization` value (nullopt: none was sent). Long-lived
+  // streams and decode channels re-resolve it for every request, so a token revoked by a
+  // reload stops working on them too.
+  absl::StatusOr<std::shared_ptr<const Principal>> Authenticate(
+      const std::optional<std::string>& authorization) const;
+  static std::optional<std::string> AuthorizationOf(grpc::CallbackServerContext* ctx);
 
   CacheEngine* engine_;
   Metrics* metrics_;
   ThreadPool* executor_;
+  const TokenStore* tokens_;
+  Authorizer authz_;
   std::atomic<bool> draining_{false};
   DecodeChannels channels_;
   friend class DecodeStreamReactor;

@@ -2,6 +2,7 @@
 // with SIGTERM. Readiness is the daemon's "kvcd ready ..." stdout line (no sleeps).
 #pragma once
 
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -10,6 +11,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <string>
+#include <vector>
 
 namespace kvcd::testing_util {
 
@@ -30,9 +32,16 @@ class DaemonProcess {
       dup2(out[1], STDOUT_FILENO);
       close(out[0]);
       close(out[1]);
+      if (!stderr_path_.empty()) {
+        const int e = open(stderr_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        if (e >= 0) dup2(e, STDERR_FILENO);
+      }
       // KVCD_BINARY in the environment overrides the build tree's binary (device runs).
       const char* bin = std::getenv("KVCD_BINARY") ? std::getenv("KVCD_BINARY") : KVCD_BINARY;
-      execl(bin, bin, "serve", "--config", config_path_.c_str(), static_cast<char*>(nullptr));
+      std::vector<const char*> args = {bin, "serve", "--config", config_path_.c_str()};
+      for (const std::string& a : extra_args_) args.push_back(a.c_str());
+      args.push_back(nullptr);
+      execv(bin, const_cast<char* const*>(args.data()));
       _exit(127);
     }
     close(out[1]);
@@ -47,6 +56,22 @@ class DaemonProcess {
       return true;
     }
     return false;  // exited before it was ready
+  }
+
+  // Arguments after `serve --config FILE` (e.g. --insecure), and a file that receives
+  // the daemon's stderr ("" = inherited). Set before Start().
+  void set_extra_args(std::vector<std::string> args) { extra_args_ = std::move(args); }
+  void set_stderr_path(std::string path) { stderr_path_ = std::move(path); }
+
+  // After Start() returned false: waits for the daemon to exit and returns its status.
+  int WaitExit() {
+    if (pid_ <= 0) return -1;
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+    if (stdout_) fclose(stdout_);
+    stdout_ = nullptr;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   }
 
   // SIGTERM, then the exit status (or -1 if it died of a signal).
@@ -82,6 +107,8 @@ class DaemonProcess {
   pid_t pid_ = -1;
   FILE* stdout_ = nullptr;
   std::string config_path_, grpc_, metrics_, health_;
+  std::vector<std::string> extra_args_;
+  std::string stderr_path_;
 };
 
 }  // namespace kvcd::testing_util

@@ -1,0 +1,193 @@
+#include "server/rpc/authorizer.h"
+
+#include <google/protobuf/descriptor.h>
+#include <google/protobuf/reflection.h>
+
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+
+namespace kvcd {
+namespace {
+
+using google::protobuf::FieldDescriptor;
+using google::protobuf::Message;
+
+std::string TenantList(const Principal& p) {
+  if (p.tenants.empty()) return "none";
+  std::vector<std::string> quoted;
+  for (const auto& t : p.tenants) quoted.push_back(absl::StrCat("'", t, "'"));
+  return absl::StrJoin(quoted, ", ");
+}
+
+// Appends every CudaIpcRegion.buffer_id and NcclSlot.communicator_id set in m.
+void CollectRefs(const Message& m, std::vector<std::pair<Authorizer::Object, uint64_t>>* out) {
+  if (const auto* r = dynamic_cast<const v1::CudaIpcRegion*>(&m)) {
+    out->emplace_back(Authorizer::Object::kBuffer, r->buffer_id());
+    return;
+  }
+  if (const auto* s = dynamic_cast<const v1::NcclSlot*>(&m)) {
+    out->emplace_back(Authorizer::Object::kCommunicator, s->communicator_id());
+    return;
+  }
+  const auto* refl = m.GetReflection();
+  std::vector<const FieldDescriptor*> fields;
+  refl->ListFields(m, &fields);
+  for (const FieldDescriptor* f : fields) {
+    if (f->cpp_type() != FieldDescriptor::CPPTYPE_MESSAGE) continue;
+    if (f->is_repeated()) {
+      const int n = refl->FieldSize(m, f);
+      for (int i = 0; i < n; ++i) CollectRefs(refl->GetRepeatedMessage(m, f, i), out);
+    } else {
+      CollectRefs(refl->GetMessage(m, f), out);
+    }
+  }
+}
+
+}  // namespace
+
+absl::Status Authorizer::CheckTenant(const Principal& p, const std::string& salt) const {
+  if (p.MayUseTenant(salt)) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat("token '", p.name,
+                                                  "' may not use tenant (cache_salt) '", salt,
+                                                  "'; its tenants are: ", TenantList(p)));
+}
+
+absl::Status Authorizer::CheckSequence(const Principal& p, uint64_t id) const {
+  if (p.unrestricted) return absl::OkStatus();
+  absl::StatusOr<std::string> salt = salt_of_(id);
+  if (!salt.ok()) return salt.status();
+  if (p.MayUseTenant(*salt)) return absl::OkStatus();
+  // Exactly the answer for a sequence that does not exist: no probing across tenants.
+  return absl::NotFoundError(
+      absl::StrCat("sequence ", id, " is not open (never opened, closed, or its lease expired)"));
+}
+
+absl::Status Authorizer::CheckDataPlane(const Principal& p, const char* what) const {
+  if (p.data_plane) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat("token '", p.name, "' may not ", what,
+                                                  " (needs data_plane: true in the tokens file)"));
+}
+
+absl::Status Authorizer::CheckOwner(const Principal& p, Object kind, uint64_t id) const {
+  if (p.unrestricted) return absl::OkStatus();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = owners_.find({kind, id});
+    // Unknown ids go on to the engine, which answers NOT_FOUND.
+    if (it == owners_.end() || it->second == p.name) return absl::OkStatus();
+  }
+  switch (kind) {
+    case Object::kBuffer:
+      return absl::NotFoundError(absl::StrCat("buffer ", id, " is not registered"));
+    case Object::kCommunicator:
+      return absl::NotFoundError(absl::StrCat("NCCL communicator ", id,
+                                              " does not exist (never connected, or "
+                                              "disconnected); call NcclConnect"));
+    case Object::kChannel:
+      break;
+  }
+  return absl::NotFoundError(absl::StrCat(
+      "decode channel ", id, " is not open (closed, idle past its lease, or never opened)"));
+}
+
+absl::Status Authorizer::CheckRefs(const Principal& p, const Message& m) const {
+  if (p.unrestricted) return absl::OkStatus();
+  std::vector<std::pair<Object, uint64_t>> refs;
+  CollectRefs(m, &refs);
+  if (refs.empty()) return absl::OkStatus();
+  KVCD_RETURN_IF_ERROR(CheckDataPlane(p, "name cuda_ipc buffers or nccl communicators"));
+  for (const auto& [kind, id] : refs) KVCD_RETURN_IF_ERROR(CheckOwner(p, kind, id));
+  return absl::OkStatus();
+}
+
+void Authorizer::Bind(Object kind, uint64_t id, const Principal& p) {
+  if (p.unrestricted) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  owners_[{kind, id}] = p.name;
+}
+
+void Authorizer::Unbind(Object kind, uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  owners_.erase({kind, id});
+}
+
+absl::Status Authorizer::Check(const Principal& p, const v1::RegisterModelRequest&) const {
+  if (p.register_models) return absl::OkStatus();
+  return absl::PermissionDeniedError(
+      absl::StrCat("token '", p.name,
+                   "' may not register models (needs register_models: true in the "
+                   "tokens file)"));
+}
+absl::Status Authorizer::Check(const Principal&, const v1::ListModelsRequest&) const {
+  return absl::OkStatus();
+}
+absl::Status Authorizer::Check(const Principal&, const v1::StatsRequest&) const {
+  return absl::OkStatus();
+}
+absl::Status Authorizer::Check(const Principal& p, const v1::PutRequest& r) const {
+  KVCD_RETURN_IF_ERROR(CheckTenant(p, r.cache_salt()));
+  return CheckRefs(p, r);
+}
+absl::Status Authorizer::Check(const Principal& p, const v1::MatchRequest& r) const {
+  return CheckTenant(p, r.cache_salt());
+}
+absl::Status Authorizer::Check(const Principal& p, const v1::OpenSequenceRequest& r) const {
+  return CheckTenant(p, r.cache_salt());
+}
+absl::Status Authorizer::Check(const Principal& p, const v1::PushPagesRequest& r) const {
+  KVCD_RETURN_IF_ERROR(CheckTenant(p, r.cache_salt()));
+  return CheckRefs(p, r);
+}
+absl::Status Authorizer::Check(const Principal& p, const v1::CloseSequenceRequest& r) const {
+  return CheckSequence(p, r.sequence_id());
+}
+absl::Status Authorizer::Check(const Principal& p, const v1::RenewLeaseRequest& r) const {
+  return CheckSequence(p, r.sequence_id());
+}
+absl::Status Authorizer::Check(const Principal& p, const v1::AppendRequest& r) const {
+  KVCD_RETURN_IF_ERROR(CheckSequence(p, r.sequence_id()));
+  return CheckRefs(p, r);
+}
+absl::Status Authorizer::Check(const Principal& p, const v1::AttentionDecodeRequest& r) const {
+  for (int b = 0; b < r.sequence_ids_size(); ++b) {
+    absl::Status s = CheckSequence(p, r.sequence_ids(b));
+    if (!s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("sequence_ids[", b, "]: ", s.message()));
+    }
+  }
+  return CheckRefs(p, r);
+}
+absl::Status Authorizer::Check(const Principal& p, const v1::FetchPagesRequest& r) const {
+  KVCD_RETURN_IF_ERROR(CheckSequence(p, r.sequence_id()));
+  return CheckRefs(p, r);
+}
+absl::Status Authorizer::Check(const Principal& p, const v1::RegisterBufferRequest&) const {
+  return CheckDataPlane(p, "register buffers");
+}
+absl::Status Authorizer::Check(const Principal& p, const v1::UnregisterBufferRequest& r) const {
+  KVCD_RETURN_IF_ERROR(CheckDataPlane(p, "unregister buffers"));
+  return CheckOwner(p, Object::kBuffer, r.buffer_id());
+}
+absl::Status Authorizer::Check(const Principal& p, const v1::RenewBufferRequest& r) const {
+  KVCD_RETURN_IF_ERROR(CheckDataPlane(p, "renew buffers"));
+  return CheckOwner(p, Object::kBuffer, r.buffer_id());
+}
+absl::Status Authorizer::Check(const Principal& p, const v1::NcclConnectRequest&) const {
+  return CheckDataPlane(p, "connect NCCL communicators");
+}
+absl::Status Authorizer::Check(const Principal& p, const v1::NcclDisconnectRequest& r) const {
+  KVCD_RETURN_IF_ERROR(CheckDataPlane(p, "disconnect NCCL communicators"));
+  return CheckOwner(p, Object::kCommunicator, r.communicator_id());
+}
+absl::Status Authorizer::Check(const Principal& p, const v1::OpenDecodeChannelRequest&) const {
+  return CheckDataPlane(p, "open decode channels");
+}
+absl::Status Authorizer::Check(const Principal& p, const v1::CloseDecodeChannelRequest& r) const {
+  KVCD_RETURN_IF_ERROR(CheckDataPlane(p, "close decode channels"));
+  return CheckOwner(p, Object::kChannel, r.channel_id());
+}
+
+}  // namespace kvcd

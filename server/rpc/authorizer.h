@@ -1,0 +1,81 @@
+// Authorizer: what an authenticated principal (auth.h) may do, checked for every call
+// before it is routed to the engine, so a refused call changes nothing stored.
+//
+// Rules (none apply to the unrestricted principal of a daemon without auth):
+// - Put, Match, OpenSequence, PushPages: the request's cache_salt must be one of the
+//   token's tenants, else PERMISSION_DENIED.
+// - Append, AttentionDecode (every id of the batch), FetchPages, RenewLease,
+//   CloseSequence: the sequence must have been opened under one of the token's
+//   tenants. Another tenant's sequence is answered exactly like a sequence that does not
+//   exist (NOT_FOUND, same message), so ids cannot be probed across tenants.
+// - RegisterModel needs register_models: true, else PERMISSION_DENIED.
+// - RegisterBuffer/UnregisterBuffer/RenewBuffer, NcclConnect/NcclDisconnect,
+//   OpenDecodeChannel/CloseDecodeChannel, and any TensorRef naming a cuda_ipc buffer or
+//   an nccl communicator, need data_plane: true (else PERMISSION_DENIED). Buffers,
+//   communicators and channels are bound to the token (by name) that created them;
+//   another token's object is NOT_FOUND with the message of a missing one.
+// - ListModels and Stats: any valid token.
+//
+// Thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "kvcd/v1/kvcache.pb.h"
+#include "server/rpc/auth.h"
+
+namespace kvcd {
+
+class Authorizer {
+ public:
+  // The tenant (cache_salt) of an open sequence, NOT_FOUND if it is not open
+  // (CacheEngine::SequenceSalt).
+  using SequenceSaltFn = std::function<absl::StatusOr<std::string>(uint64_t)>;
+  explicit Authorizer(SequenceSaltFn salt_of) : salt_of_(std::move(salt_of)) {}
+
+  absl::Status Check(const Principal& p, const v1::RegisterModelRequest& r) const;
+  absl::Status Check(const Principal& p, const v1::ListModelsRequest& r) const;
+  absl::Status Check(const Principal& p, const v1::PutRequest& r) const;
+  absl::Status Check(const Principal& p, const v1::MatchRequest& r) const;
+  absl::Status Check(const Principal& p, const v1::OpenSequenceRequest& r) const;
+  absl::Status Check(const Principal& p, const v1::CloseSequenceRequest& r) const;
+  absl::Status Check(const Principal& p, const v1::RenewLeaseRequest& r) const;
+  absl::Status Check(const Principal& p, const v1::AppendRequest& r) const;
+  absl::Status Check(const Principal& p, const v1::AttentionDecodeRequest& r) const;
+  absl::Status Check(const Principal& p, const v1::FetchPagesRequest& r) const;
+  absl::Status Check(const Principal& p, const v1::PushPagesRequest& r) const;
+  absl::Status Check(const Principal& p, const v1::StatsRequest& r) const;
+  absl::Status Check(const Principal& p, const v1::RegisterBufferRequest& r) const;
+  absl::Status Check(const Principal& p, const v1::UnregisterBufferRequest& r) const;
+  absl::Status Check(const Principal& p, const v1::RenewBufferRequest& r) const;
+  absl::Status Check(const Principal& p, const v1::NcclConnectRequest& r) const;
+  absl::Status Check(const Principal& p, const v1::NcclDisconnectRequest& r) const;
+  absl::Status Check(const Principal& p, const v1::OpenDecodeChannelRequest& r) const;
+  absl::Status Check(const Principal& p, const v1::CloseDecodeChannelRequest& r) const;
+
+  // Data-plane objects and the principal that created them.
+  enum class Object { kBuffer, kCommunicator, kChannel };
+  void Bind(Object kind, uint64_t id, const Principal& p);
+  void Unbind(Object kind, uint64_t id);
+
+ private:
+  absl::Status CheckTenant(const Principal& p, const std::string& salt) const;
+  absl::Status CheckSequence(const Principal& p, uint64_t id) const;
+  absl::Status CheckDataPlane(const Principal& p, const char* what) const;
+  absl::Status CheckOwner(const Principal& p, Object kind, uint64_t id) const;
+  // Every cuda_ipc buffer and nccl communicator the request's TensorRefs name.
+  absl::Status CheckRefs(const Principal& p, const google::protobuf::Message& m) const;
+
+  const SequenceSaltFn salt_of_;
+  mutable std::mutex mu_;
+  // -> principal name
+  std::map<std::pair<Object, uint64_t>, std::string> owners_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvcd

@@ -1,0 +1,545 @@
+// Integration: TLS, mutual TLS, bearer tokens and the start-up safety rule, through the
+// real kvcd binary on loopback. Certificates are made at test time with the openssl CLI.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <sstream>
+#include <thread>
+
+#include "client/client.h"
+#include "client/decode_channel.h"
+#include "client/synthetic.h"
+#include "common/tensor_ref.h"
+#include "daemon_process.h"
+
+namespace kvcd {
+namespace {
+
+using testing_util::DaemonProcess;
+using Clock = std::chrono::steady_clock;
+
+std::string g_dir;  // certificates and token files of this test run
+
+std::string Path(const std::string& name) { return g_dir + "/" + name; }
+
+void WriteFile(const std::string& path, const std::string& text) {
+  // Replaced through a rename, as deployment tooling (or a Kubernetes secret) does.
+  const std::string tmp = path + ".tmp";
+  std::ofstream(tmp) << text;
+  ASSERT_EQ(std::rename(tmp.c_str(), path.c_str()), 0);
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Polls `done` until it holds or `timeout` passes; true if it held.
+bool WaitFor(const std::function<bool()>& done, std::chrono::milliseconds timeout) {
+  const auto end = Clock::now() + timeout;
+  while (Clock::now() < end) {
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return done();
+}
+
+std::string TokenHash(const std::string& token) {
+  // The operator's way: printf %s "$TOKEN" | sha256sum.
+  const std::string out = Path("hash.txt");
+  const std::string cmd = "printf %s '" + token + "' | sha256sum | cut -c1-64 > " + out;
+  if (std::system(cmd.c_str()) != 0) return "";
+  std::string h = ReadFile(out);
+  while (!h.empty() && (h.back() == '\n' || h.back() == ' ')) h.pop_back();
+  return h;
+}
+
+std::string TokenEntry(const std::string& name, const std::string& token,
+                       const std::string& tenants, bool reg = false, bool dp = false) {
+  return "  - name: " + name + "\n    sha256: " + TokenHash(token) + "\n    tenants: " + tenants +
+         "\n    register_models: " + (reg ? "true" : "false") +
+         "\n    data_plane: " + (dp ? "true" : "false") + "\n";
+}
+
+class SecurityTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    char dir[] = "/tmp/kvcd-security-XXXXXX";
+    ASSERT_NE(mkdtemp(dir), nullptr);
+    g_dir = dir;
+    // A CA, a server certificate for 127.0.0.1/localhost, a client certificate, and a
+    // second CA nobody trusts. EC P-256 keys: fast to make.
+    const std::string script = "set -e; cd " + g_dir + R"(
+      key() { openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out $1 2>/dev/null; }
+      for ca in ca otherca; do
+        key $ca.key
+        openssl req -x509 -new -key $ca.key -out $ca.pem -days 2 -subj /CN=kvcd-test-$ca 2>/dev/null
+      done
+      printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\n' > server.ext
+      printf 'extendedKeyUsage=clientAuth\n' > client.ext
+      for who in server:ca server2:otherca client:ca rogue:otherca; do
+        n=${who%%:*}; ca=${who##*:}
+        key $n.key
+        openssl req -new -key $n.key -out $n.csr -subj /CN=kvcd-test-$n 2>/dev/null
+        ext=client.ext; case $n in server*) ext=server.ext;; esac
+        openssl x509 -req -in $n.csr -CA $ca.pem -CAkey $ca.key -CAcreateserial -out $n.pem \
+          -days 2 -extfile $ext 2>/dev/null
+      done
+      printf 'not a certificate\n' > garbage.pem
+    )";
+    ASSERT_EQ(std::system(script.c_str()), 0) << "openssl failed in " << g_dir;
+  }
+  static void TearDownTestSuite() {
+    if (!g_dir.empty()) std::system(("rm -rf " + g_dir).c_str());
+  }
+
+  static std::string Config(const std::string& extra, const std::string& listen = "127.0.0.1:0") {
+    return "listen: " + listen + R"(
+metrics_listen: ""
+health_listen: 127.0.0.1:0
+memory_budget: 4MiB
+drain_timeout_ms: 300
+models:
+  - builtin: tiny
+    memory: 1MiB
+)" + extra;
+  }
+
+  static std::string TlsBlock(bool mutual) {
+    return "tls:\n  cert_file: " + Path("server.pem") + "\n  key_file: " + Path("server.key") +
+           "\n" + (mutual ? "  client_ca_file: " + Path("ca.pem") + "\n" : "");
+  }
+
+  static ClientOptions Options(const DaemonProcess& d) {
+    ClientOptions o;
+    o.target = d.grpc();
+    o.deadline = std::chrono::milliseconds(10000);
+    o.connect_timeout = std::chrono::milliseconds(3000);
+    return o;
+  }
+
+  std::string StderrPath() {
+    const std::string p = Path(
+        std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) + ".stderr");
+    return p;
+  }
+};
+
+TEST_F(SecurityTest, TlsIsAcceptedAndPlaintextOrAnUntrustedCaIsRefused) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.Start(Config(TlsBlock(false))));
+  ClientOptions o = Options(d);
+  o.tls_root_ca_file = Path("ca.pem");
+  auto c = Client::Connect(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto stats = (*c)->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+
+  ClientOptions plain = Options(d);
+  auto p = Client::Connect(plain);
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kUnavailable) << p.status();
+
+  ClientOptions other = Options(d);
+  other.tls_root_ca_file = Path("otherca.pem");
+  auto u = Client::Connect(other);
+  EXPECT_EQ(u.status().code(), absl::StatusCode::kUnavailable) << u.status();
+
+  // Kubelet probes: the health-only port stays plaintext.
+  ClientOptions health;
+  health.target = d.health();
+  auto h = Client::Connect(health);
+  ASSERT_TRUE(h.ok()) << h.status();
+  auto serving = (*h)->Health();
+  ASSERT_TRUE(serving.ok()) << serving.status();
+  EXPECT_EQ(*serving, grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_EQ(d.Stop(), 0);
+}
+
+TEST_F(SecurityTest, MutualTlsRequiresAClientCertificateFromTheConfiguredCa) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.Start(Config(TlsBlock(true))));
+  ClientOptions o = Options(d);
+  o.tls_root_ca_file = Path("ca.pem");
+  auto without = Client::Connect(o);
+  EXPECT_EQ(without.status().code(), absl::StatusCode::kUnavailable) << without.status();
+
+  ClientOptions rogue = o;  // a certificate from a CA the daemon does not trust
+  rogue.tls_client_cert_file = Path("rogue.pem");
+  rogue.tls_client_key_file = Path("rogue.key");
+  auto r = Client::Connect(rogue);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+
+  o.tls_client_cert_file = Path("client.pem");
+  o.tls_client_key_file = Path("client.key");
+  auto with = Client::Connect(o);
+  ASSERT_TRUE(with.ok()) << with.status();
+  EXPECT_TRUE((*with)->Stats().ok());
+}
+
+// A daemon with tokens for two tenants and an admin.
+class TenantTest : public SecurityTest {
+ protected:
+  void SetUp() override {
+    tokens_ = Path("tenant-tokens.yaml");
+    WriteFile(tokens_, "tokens:\n" + TokenEntry("alice", "tok-alice", "[team-a]") +
+                           TokenEntry("bob", "tok-bob", "[team-b]") +
+                           TokenEntry("admin", "tok-admin", "[\"*\"]", true, true) +
+                           TokenEntry("bob-worker", "tok-bob-worker", "[team-b]", false, true));
+    ASSERT_TRUE(daemon_.Start(Config("auth: {tokens_file: " + tokens_ + "}\n")));
+    alice_ = Connect("tok-alice");
+    bob_ = Connect("tok-bob");
+    admin_ = Connect("tok-admin");
+    anonymous_ = Connect("");
+    bob_worker_ = Connect("tok-bob-worker");
+    ASSERT_TRUE(alice_ && bob_ && admin_ && anonymous_ && bob_worker_);
+    auto m = admin_->GetModel("tiny");
+    ASSERT_TRUE(m.ok()) << m.status();
+    profile_ = m->profile();
+  }
+  std::unique_ptr<Client> Connect(const std::string& token) {
+    ClientOptions o = Options(daemon_);
+    o.token = token;
+    auto c = Client::Connect(o);
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+  v1::PutRequest MakePut(uint64_t seed, int64_t n, const std::string& salt) const {
+    v1::PutRequest req;
+    req.set_model("tiny");
+    req.set_cache_salt(salt);
+    const auto t = synthetic::Tokens(seed, 0, n);
+    req.mutable_tokens()->Add(t.begin(), t.end());
+    const std::vector<int64_t> shape = {profile_.num_layers(), n, profile_.num_kv_heads(),
+                                        profile_.head_dim()};
+    SetBf16FromFloat(req.mutable_k(), shape, synthetic::Kv(seed, profile_, 0, n, 0).data());
+    SetBf16FromFloat(req.mutable_v(), shape, synthetic::Kv(seed, profile_, 0, n, 1).data());
+    return req;
+  }
+  v1::AppendRequest MakeAppend(uint64_t seq, uint64_t seed, int64_t begin, int64_t n) const {
+    v1::AppendRequest app;
+    app.set_sequence_id(seq);
+    const auto t = synthetic::Tokens(seed, begin, n);
+    app.mutable_tokens()->Add(t.begin(), t.end());
+    const std::vector<int64_t> shape = {profile_.num_layers(), n, profile_.num_kv_heads(),
+                                        profile_.head_dim()};
+    SetBf16FromFloat(app.mutable_k(), shape, synthetic::Kv(seed, profile_, begin, n, 0).data());
+    SetBf16FromFloat(app.mutable_v(), shape, synthetic::Kv(seed, profile_, begin, n, 1).data());
+    return app;
+  }
+  v1::AttentionDecodeRequest MakeDecode(uint64_t seq, int64_t pos) const {
+    v1::AttentionDecodeRequest req;
+    req.set_layer(0);
+    req.add_sequence_ids(seq);
+    const auto q = synthetic::Row(5, profile_, 0, pos, 2);
+    SetF32Tensor(req.mutable_q(), {1, profile_.num_q_heads(), profile_.head_dim()}, q.data());
+    return req;
+  }
+
+  std::string tokens_;
+  DaemonProcess daemon_;
+  std::unique_ptr<Client> alice_, bob_, admin_, anonymous_, bob_worker_;
+  v1::ModelProfile profile_;
+};
+
+TEST_F(TenantTest, MissingOrUnknownTokensAreUnauthenticated) {
+  const auto kUnauth = absl::StatusCode::kUnauthenticated;
+  EXPECT_EQ(anonymous_->Stats().status().code(), kUnauth);
+  EXPECT_EQ(anonymous_->ListModels().status().code(), kUnauth);
+  EXPECT_EQ(anonymous_->Put(MakePut(1, 16, "team-a")).status().code(), kUnauth);
+  EXPECT_EQ(anonymous_->OpenSequence("tiny", "team-a", synthetic::Tokens(1, 0, 16)).status().code(),
+            kUnauth);
+  auto stranger = Connect("tok-nobody");
+  ASSERT_NE(stranger, nullptr);
+  auto s = stranger->Stats();
+  EXPECT_EQ(s.status().code(), kUnauth);
+  EXPECT_NE(s.status().message().find("not valid"), std::string::npos) << s.status();
+  // A stream without a token ends UNAUTHENTICATED.
+  auto stream = anonymous_->OpenDecodeStream();
+  ASSERT_TRUE(stream.ok());
+  EXPECT_EQ((*stream)->Call(MakeDecode(1, 0)).status().code(), kUnauth);
+  // Nothing was stored by the refused Put.
+  auto m = alice_->Match("tiny", "team-a", synthetic::Tokens(1, 0, 16));
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->matched_tokens(), 0);
+}
+
+TEST_F(TenantTest, AnotherTenantIsRefusedOnEveryTenantScopedCall) {
+  const auto kDenied = absl::StatusCode::kPermissionDenied;
+  const auto kNotFound = absl::StatusCode::kNotFound;
+  const std::vector<int32_t> prompt = synthetic::Tokens(3, 0, 16);
+  ASSERT_TRUE(alice_->Put(MakePut(3, 16, "team-a")).ok());
+  auto open = alice_->OpenSequence("tiny", "team-a", prompt);
+  ASSERT_TRUE(open.ok()) << open.status();
+  const uint64_t seq = open->sequence_id();
+  EXPECT_EQ(open->matched_tokens(), 16);
+
+  // Salt-scoped calls naming alice's tenant with bob's token: PERMISSION_DENIED.
+  auto put = bob_->Put(MakePut(4, 16, "team-a"));
+  EXPECT_EQ(put.status().code(), kDenied) << put.status();
+  EXPECT_NE(put.status().message().find("'team-a'"), std::string::npos) << put.status();
+  EXPECT_EQ(bob_->Match("tiny", "team-a", prompt).status().code(), kDenied);
+  EXPECT_EQ(bob_->OpenSequence("tiny", "team-a", prompt).status().code(), kDenied);
+  v1::PushPagesRequest push;
+  push.set_model("tiny");
+  push.set_cache_salt("team-a");
+  EXPECT_EQ(bob_->PushPages(push).status().code(), kDenied);
+  // The default tenant is not implied either.
+  EXPECT_EQ(bob_->Match("tiny", "", prompt).status().code(), kDenied);
+
+  // Sequence-scoped calls on alice's sequence with bob's token: NOT_FOUND, exactly as
+  // for an id that does not exist; the same requests succeed for alice.
+  EXPECT_EQ(bob_->Append(MakeAppend(seq, 3, 16, 1)).status().code(), kNotFound);
+  EXPECT_EQ(bob_->AttentionDecode(MakeDecode(seq, 16)).status().code(), kNotFound);
+  auto bob_stream = bob_->OpenDecodeStream();
+  ASSERT_TRUE(bob_stream.ok());
+  EXPECT_EQ((*bob_stream)->Call(MakeDecode(seq, 16)).status().code(), kNotFound);
+  v1::FetchPagesRequest fetch;
+  fetch.set_sequence_id(seq);
+  auto bob_fetch = bob_->FetchPages(fetch);
+  EXPECT_EQ(bob_fetch.status().code(), kNotFound);
+  auto bob_missing = bob_->FetchPages([&] {
+    v1::FetchPagesRequest r;
+    r.set_sequence_id(seq ^ 0x1234567ull);
+    return r;
+  }());
+  EXPECT_EQ(bob_missing.status().code(), kNotFound);
+  EXPECT_EQ(bob_->RenewLease(seq).status().code(), kNotFound);
+  EXPECT_EQ(bob_->CloseSequence(seq).status().code(), kNotFound);
+
+  // Nothing of alice's changed, and bob's refused Put stored nothing.
+  auto len = alice_->Append(MakeAppend(seq, 3, 16, 1));
+  ASSERT_TRUE(len.ok()) << len.status();
+  EXPECT_EQ(*len, 17);
+  EXPECT_TRUE(alice_->AttentionDecode(MakeDecode(seq, 17)).ok());
+  auto alice_stream = alice_->OpenDecodeStream();
+  ASSERT_TRUE(alice_stream.ok());
+  EXPECT_TRUE((*alice_stream)->Call(MakeDecode(seq, 17)).ok());
+  EXPECT_TRUE(alice_->FetchPages(fetch).ok());
+  EXPECT_TRUE(alice_->RenewLease(seq).ok());
+  auto m = admin_->Match("tiny", "team-a", synthetic::Tokens(4, 0, 16));
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->matched_tokens(), 0);
+  auto closed = alice_->CloseSequence(seq);
+  ASSERT_TRUE(closed.ok()) << closed.status();
+  EXPECT_EQ(*closed, 17);
+}
+
+TEST_F(TenantTest, DecodeChannelsRunWithTheTokenThatOpenedThem) {
+  ASSERT_TRUE(alice_->Put(MakePut(6, 16, "team-a")).ok());
+  auto open = alice_->OpenSequence("tiny", "team-a", synthetic::Tokens(6, 0, 16));
+  ASSERT_TRUE(open.ok()) << open.status();
+  const uint64_t seq = open->sequence_id();
+  // bob's data-plane token may open a channel, but not decode on alice's sequence.
+  auto bob_channel = DecodeChannel::Open(bob_worker_.get(), 1 << 16, 60000);
+  ASSERT_TRUE(bob_channel.ok()) << bob_channel.status();
+  EXPECT_EQ((*bob_channel)->Call(MakeDecode(seq, 16)).status().code(), absl::StatusCode::kNotFound);
+  // The admin's channel (every tenant) may.
+  auto admin_channel = DecodeChannel::Open(admin_.get(), 1 << 16, 60000);
+  ASSERT_TRUE(admin_channel.ok()) << admin_channel.status();
+  EXPECT_TRUE((*admin_channel)->Call(MakeDecode(seq, 16)).ok());
+}
+
+TEST_F(TenantTest, ModelRegistrationAndTheDataPlaneNeedTheirPermissions) {
+  v1::ModelProfile p = profile_;
+  p.set_name("tiny-2");
+  auto reg = alice_->RegisterModel(p);
+  EXPECT_EQ(reg.status().code(), absl::StatusCode::kPermissionDenied) << reg.status();
+  EXPECT_NE(reg.status().message().find("register_models"), std::string::npos);
+  EXPECT_FALSE(admin_->GetModel("tiny-2").ok());  // nothing registered
+  EXPECT_TRUE(admin_->RegisterModel(p).ok());
+
+  v1::RegisterBufferRequest buf;
+  buf.set_ipc_handle(std::string(64, '\0'));
+  buf.set_size(1 << 20);
+  EXPECT_EQ(alice_->RegisterBuffer(buf).status().code(), absl::StatusCode::kPermissionDenied);
+  // The admin passes authorization; the CPU backend has no data plane.
+  EXPECT_EQ(admin_->RegisterBuffer(buf).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(alice_->NcclConnect("w").status().code(), absl::StatusCode::kPermissionDenied);
+  v1::OpenDecodeChannelRequest ch;
+  ch.set_shm_name("/kvcd-test-none");
+  v1::OpenDecodeChannelResponse ch_resp;
+  EXPECT_EQ(alice_->OpenDecodeChannelRpc(ch, &ch_resp).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(admin_->OpenDecodeChannelRpc(ch, &ch_resp).code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(SecurityTest, TokenFileReloadAddsRevokesAndSurvivesABrokenFile) {
+  const std::string tokens = Path("reload-tokens.yaml");
+  const std::string entry_a = TokenEntry("a", "tok-a", "[t]");
+  const std::string entry_b = TokenEntry("b", "tok-b", "[t]");
+  WriteFile(tokens, "tokens:\n" + entry_a);
+  DaemonProcess d;
+  d.set_stderr_path(StderrPath());
+  ASSERT_TRUE(d.Start(Config("auth: {tokens_file: " + tokens + ", reload_interval_ms: 50}\n")));
+  auto client = [&](const std::string& token) {
+    ClientOptions o = Options(d);
+    o.token = token;
+    return std::move(*Client::Connect(o));
+  };
+  auto a = client("tok-a");
+  auto b = client("tok-b");
+  ASSERT_TRUE(a->Stats().ok());
+  EXPECT_EQ(b->Stats().status().code(), absl::StatusCode::kUnauthenticated);
+  // A decode stream opened with a's token, and a request it may make (the sequence does
+  // not exist: NOT_FOUND while the token is valid).
+  auto stream = a->OpenDecodeStream();
+  ASSERT_TRUE(stream.ok());
+  v1::AttentionDecodeRequest probe;
+  probe.add_sequence_ids(12345);
+  EXPECT_EQ((*stream)->Call(probe).status().code(), absl::StatusCode::kNotFound);
+
+  // Add b.
+  WriteFile(tokens, "tokens:\n" + entry_a + entry_b);
+  EXPECT_TRUE(WaitFor([&] { return b->Stats().ok(); }, std::chrono::seconds(10)));
+  // Revoke a.
+  WriteFile(tokens, "tokens:\n" + entry_b);
+  EXPECT_TRUE(
+      WaitFor([&] { return a->Stats().status().code() == absl::StatusCode::kUnauthenticated; },
+              std::chrono::seconds(10)));
+  // The open stream's next request is refused as well.
+  EXPECT_EQ((*stream)->Call(probe).status().code(), absl::StatusCode::kUnauthenticated);
+  // A broken file: logged, and b keeps working.
+  WriteFile(tokens, "tokens:\n  - name: c\n    sha256: xyz\n");
+  EXPECT_TRUE(
+      WaitFor([&] { return ReadFile(StderrPath()).find("reload failed") != std::string::npos; },
+              std::chrono::seconds(10)));
+  const std::string log = ReadFile(StderrPath());
+  EXPECT_NE(log.find(tokens), std::string::npos) << log;
+  EXPECT_NE(log.find("keeping the previous 1 token(s)"), std::string::npos) << log;
+  EXPECT_TRUE(b->Stats().ok());
+  EXPECT_EQ(a->Stats().status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(d.Stop(), 0);
+}
+
+TEST_F(SecurityTest, CertificateReloadTakesGoodFilesAndIgnoresBrokenOnes) {
+  // The daemon reads copies of these files, so the test may break them in place.
+  const std::string cert = Path("reload-server.pem"), key = Path("reload-server.key");
+  WriteFile(cert, ReadFile(Path("server.pem")));
+  WriteFile(key, ReadFile(Path("server.key")));
+  DaemonProcess d;
+  d.set_stderr_path(StderrPath());
+  ASSERT_TRUE(d.Start(
+      Config("tls: {cert_file: " + cert + ", key_file: " + key + ", reload_interval_s: 1}\n")));
+  WriteFile(cert, "-----BEGIN CERTIFICATE-----\nbroken\n-----END CERTIFICATE-----\n");
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        return ReadFile(StderrPath()).find("keeping the previous credentials") != std::string::npos;
+      },
+      std::chrono::seconds(10)));
+  EXPECT_NE(ReadFile(StderrPath()).find(cert), std::string::npos);
+  // A new connection still gets the previous certificate (gRPC re-reads its copies
+  // every second; give it two periods, checking all along).
+  ClientOptions o = Options(d);
+  o.tls_root_ca_file = Path("ca.pem");
+  bool all_ok = true;
+  const auto end = Clock::now() + std::chrono::milliseconds(2500);
+  while (Clock::now() < end && all_ok) {
+    auto c = Client::Connect(o);
+    all_ok = c.ok() && (*c)->Stats().ok();
+  }
+  EXPECT_TRUE(all_ok);
+
+  // A good new pair (from another CA) replaces it: clients trusting only that CA get in.
+  WriteFile(key, ReadFile(Path("server2.key")));
+  WriteFile(cert, ReadFile(Path("server2.pem")));
+  ClientOptions next = Options(d);
+  next.tls_root_ca_file = Path("otherca.pem");
+  next.connect_timeout = std::chrono::milliseconds(500);
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        auto c = Client::Connect(next);
+        return c.ok() && (*c)->Stats().ok();
+      },
+      std::chrono::seconds(15)));
+  EXPECT_NE(ReadFile(StderrPath()).find("certificate files changed"), std::string::npos);
+  o.connect_timeout = std::chrono::milliseconds(1000);
+  EXPECT_EQ(Client::Connect(o).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(d.Stop(), 0);
+}
+
+TEST_F(SecurityTest, NonLoopbackWithoutTlsAndAuthIsRefusedUnlessInsecure) {
+  DaemonProcess refused;
+  refused.set_stderr_path(StderrPath());
+  EXPECT_FALSE(refused.Start(Config("", "0.0.0.0:0")));
+  EXPECT_EQ(refused.WaitExit(), 2);
+  const std::string why = ReadFile(StderrPath());
+  EXPECT_NE(why.find("refusing to serve on non-loopback address '0.0.0.0:0' without TLS and "
+                     "authentication"),
+            std::string::npos)
+      << why;
+  EXPECT_NE(why.find("auth.tokens_file"), std::string::npos) << why;
+
+  // TLS alone is not enough.
+  DaemonProcess tls_only;
+  tls_only.set_stderr_path(StderrPath());
+  EXPECT_FALSE(tls_only.Start(Config(TlsBlock(false), "0.0.0.0:0")));
+  EXPECT_EQ(tls_only.WaitExit(), 2);
+  EXPECT_NE(ReadFile(StderrPath()).find("without authentication"), std::string::npos);
+
+  DaemonProcess insecure;
+  insecure.set_stderr_path(StderrPath());
+  insecure.set_extra_args({"--insecure"});
+  ASSERT_TRUE(insecure.Start(Config("", "0.0.0.0:0")));
+  EXPECT_NE(ReadFile(StderrPath()).find("WARNING: --insecure"), std::string::npos);
+  ClientOptions o;
+  o.target = "127.0.0.1:" + insecure.grpc().substr(insecure.grpc().rfind(':') + 1);
+  auto c = Client::Connect(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE((*c)->Stats().ok());
+  EXPECT_EQ(insecure.Stop(), 0);
+
+  // With TLS and auth a non-loopback address is served.
+  const std::string tokens = Path("exposed-tokens.yaml");
+  WriteFile(tokens, "tokens:\n" + TokenEntry("a", "tok-a", "[t]"));
+  DaemonProcess secured;
+  ASSERT_TRUE(secured.Start(
+      Config(TlsBlock(false) + "auth: {tokens_file: " + tokens + "}\n", "0.0.0.0:0")));
+  ClientOptions so;
+  so.target = "127.0.0.1:" + secured.grpc().substr(secured.grpc().rfind(':') + 1);
+  so.tls_root_ca_file = Path("ca.pem");
+  so.token = "tok-a";
+  auto sc = Client::Connect(so);
+  ASSERT_TRUE(sc.ok()) << sc.status();
+  EXPECT_TRUE((*sc)->Stats().ok());
+}
+
+TEST_F(SecurityTest, BadCredentialFilesFailStartUpNamingTheFile) {
+  const std::string bad_tokens = Path("bad-tokens.yaml");
+  WriteFile(bad_tokens, "tokens:\n  - {name: x, sha256: 12, tenants: [t]}\n");
+  struct Case {
+    std::string extra;
+    std::string expect;  // in the error, besides the file's path
+    std::string file;
+  };
+  const Case cases[] = {
+      {"tls: {cert_file: " + Path("garbage.pem") + ", key_file: " + Path("server.key") + "}\n",
+       "holds no PEM certificate", Path("garbage.pem")},
+      {"tls: {cert_file: " + Path("server.pem") + ", key_file: " + Path("missing.key") + "}\n",
+       "cannot read tls.key_file", Path("missing.key")},
+      {"tls: {cert_file: " + Path("server.pem") + ", key_file: " + Path("client.key") + "}\n",
+       "is not the private key of the certificate", Path("client.key")},
+      {"tls: {cert_file: " + Path("server.pem") + ", key_file: " + Path("server.key") +
+           ", client_ca_file: " + Path("garbage.pem") + "}\n",
+       "tls.client_ca_file", Path("garbage.pem")},
+      {"auth: {tokens_file: " + bad_tokens + "}\n", "expected 64 hex digits", bad_tokens},
+      {"auth: {tokens_file: " + Path("missing.yaml") + "}\n", "cannot read auth.tokens_file",
+       Path("missing.yaml")},
+  };
+  for (const Case& c : cases) {
+    DaemonProcess d;
+    d.set_stderr_path(StderrPath());
+    EXPECT_FALSE(d.Start(Config(c.extra))) << c.extra;
+    EXPECT_EQ(d.WaitExit(), 2) << c.extra;
+    const std::string err = ReadFile(StderrPath());
+    EXPECT_NE(err.find(c.expect), std::string::npos) << err;
+    EXPECT_NE(err.find(c.file), std::string::npos) << err;
+  }
+}
+
+}  // namespace
+}  // namespace kvcd
