@@ -134,3 +134,48 @@ def fresh_daemon():
     d = Daemon(CONFIG)
     yield d
     d.stop()
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers shared by the tests
+# ---------------------------------------------------------------------------------------
+
+def random_kv(profile, n, seed):
+    """K/V [L, n, H, D] float32 with values that survive BF16 well (|x| ~ 1)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    shape = (profile.num_layers, n, profile.num_kv_heads, profile.head_dim)
+    return (rng.standard_normal(shape).astype(np.float32),
+            rng.standard_normal(shape).astype(np.float32))
+
+
+def random_tokens(n, seed):
+    import numpy as np
+
+    return np.random.default_rng(seed + 1000).integers(3, 30000, size=n).astype(np.int32)
+
+
+def bf16_round(x):
+    from kvcd.tensors import bf16_bits_to_float, float_to_bf16_bits
+
+    return bf16_bits_to_float(float_to_bf16_bits(x)).reshape(x.shape)
+
+
+def reference_attention(q, k, v, scale=None):
+    """float64 attention of one sequence: q [Hq, D], k/v [n, Hkv, D] -> o [Hq, D], lse [Hq]."""
+    import numpy as np
+
+    hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    o = np.zeros((hq, d))
+    lse = np.zeros(hq)
+    for h in range(hq):
+        s = (k[:, h // g, :].astype(np.float64) @ q[h].astype(np.float64)) * scale
+        m = s.max()
+        p = np.exp(s - m)
+        o[h] = (p[:, None] * v[:, h // g, :]).sum(0) / p.sum()
+        lse[h] = m + np.log(p.sum())
+    return o, lse
