@@ -251,12 +251,14 @@ class Client:
             "/grpc.health.v1.Health/Watch",
             request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
             response_deserializer=health_pb2.HealthCheckResponse.FromString)
+        call = watch(health_pb2.HealthCheckRequest(service=service), metadata=self._metadata)
         try:
-            async for r in watch(health_pb2.HealthCheckRequest(service=service),
-                                 metadata=self._metadata):
+            async for r in call:
                 yield health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
         except grpc.RpcError as e:
             raise _from_rpc_error(e) from None
+        finally:
+            call.cancel()
 
     # -- data plane (CUDA backend) ------------------------------------------------------
 

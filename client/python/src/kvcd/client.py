@@ -318,12 +318,14 @@ class Client:
         watch = self._channel.unary_stream(
             _HEALTH_WATCH, request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
             response_deserializer=health_pb2.HealthCheckResponse.FromString)
+        call = watch(health_pb2.HealthCheckRequest(service=service), metadata=self._metadata)
         try:
-            for r in watch(health_pb2.HealthCheckRequest(service=service),
-                           metadata=self._metadata):
+            for r in call:
                 yield health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
         except grpc.RpcError as e:
             raise _from_rpc_error(e) from None
+        finally:
+            call.cancel()  # closing the generator ends the stream
 
     # -- data plane (CUDA backend) ------------------------------------------------------
 
