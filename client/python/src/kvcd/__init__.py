@@ -19,6 +19,7 @@ from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceed
                      Unavailable, Unimplemented, Unknown)
 from .pages import PageGeometry, decode_page, hadamard
 from .v1 import kvcache_pb2 as pb
+from . import aio, cuda, errors, pages, tensors, v1  # noqa: E402  (kvcd.aio etc. as attributes)
 
 __all__ = [
     "__version__", "Client", "Sequence", "DecodeSession", "TLS", "PutResult", "MatchResult",
