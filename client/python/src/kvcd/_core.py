@@ -440,6 +440,12 @@ def push_request(p: pb.ModelProfile, model: str, tokens: List[int],
         r.first_page = int(first_page or 0)
         return r
     plist = list(pages.pages if isinstance(pages, FetchedPages) else pages)
+    # Like Put, only full pages can be stored: a sequence's trailing partial page (as
+    # FetchPages returns it) is left out.
+    if plist and int(plist[-1].num_tokens) < p.page_size:
+        plist = plist[:-1]
+    if any(int(pg.num_tokens) != p.page_size for pg in plist):
+        raise ValueError("only the last page may be partial")
     if not plist:
         raise ValueError("no pages to push (fetch them with expand_to_bf16=False)")
     if first_page is None:

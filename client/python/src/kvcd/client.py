@@ -288,7 +288,8 @@ class Client:
                    device_pages: Optional[pb.TensorRef] = None, num_pages: int = 0) -> int:
         """Stores pages already in the model's storage format (e.g. another daemon's or
         tenant's ``fetch_pages``) for ``tokens``, without re-encoding. ``first_page``
-        defaults to the first page's position; the prefix before it must be cached.
+        defaults to the first page's position; the prefix before it must be cached. A
+        trailing partial page is left out (only full pages are stored, as with ``put``).
         Returns the tokens newly inserted."""
         p = self.profile(model)
         req = C.push_request(p, model, C.tokens_list(tokens), pages or [], first_page,
