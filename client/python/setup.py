@@ -35,7 +35,7 @@ def _version() -> str:
 
 
 def _generate(out_root: Path) -> str:
-    """Generates the stubs under out_root/kvcd; returns the gencode protobuf version."""
+    """Generates the stubs under out_root/kvcd; returns (protobuf, grpcio) run-time floors."""
     from grpc_tools import protoc  # build requirement
     import grpc_tools
 
@@ -61,33 +61,40 @@ def _generate(out_root: Path) -> str:
             shutil.copy(Path(tmp) / "grpc" / "health" / "v1" / name, dst / name)
         (dst / "__init__.py").write_text('"""Generated grpc.health.v1 messages."""\n')
     (out_root / "kvcd" / "v1" / "__init__.py").write_text('"""Generated kvcd.v1 stubs."""\n')
-    code = (out_root / "kvcd" / "v1" / "kvcache_pb2.py").read_text()
+    return _gencode_floors(out_root)
+
+
+def _gencode_floors(out_root: Path):
+    """(protobuf, grpcio) versions the generated code needs at run time: protobuf refuses
+    gencode newer than its runtime, and the gRPC stubs refuse an older grpcio."""
+    pb2 = (out_root / "kvcd" / "v1" / "kvcache_pb2.py").read_text()
     m = re.search(r"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,\s*"
-                  r"(\d+),\s*(\d+),\s*(\d+)", code)
-    return ".".join(m.groups()) if m else "4.21.0"
+                  r"(\d+),\s*(\d+),\s*(\d+)", pb2)
+    protobuf = ".".join(m.groups()) if m else "4.21.0"  # older gencode: the builder API (4.21+)
+    grpc_stub = (out_root / "kvcd" / "v1" / "kvcache_pb2_grpc.py").read_text()
+    m = re.search(r"GRPC_GENERATED_VERSION\s*=\s*'([0-9.]+)'", grpc_stub)
+    grpcio = m.group(1) if m else "1.60.0"
+    return protobuf, grpcio
 
 
 class BuildPyWithStubs(build_py):
     def run(self):
         super().run()
         out = Path(self.build_lib)
-        gencode = _generate(out)
+        protobuf, grpcio = _generate(out)
         (out / "kvcd" / "_version.py").write_text(
-            f'__version__ = "{_version()}"\n__protobuf_gencode__ = "{gencode}"\n')
+            f'__version__ = "{_version()}"\n__protobuf_gencode__ = "{protobuf}"\n'
+            f'__grpc_generated__ = "{grpcio}"\n')
 
 
-def _gencode_version() -> str:
+def _gencode_floors_now():
     with tempfile.TemporaryDirectory() as tmp:
         return _generate(Path(tmp))
 
 
-_GENCODE = _gencode_version()
+_PROTOBUF, _GRPCIO = _gencode_floors_now()
 setup(
     version=_version(),
-    install_requires=[
-        "grpcio>=1.60",
-        f"protobuf>={_GENCODE},<{int(_GENCODE.split('.')[0]) + 2}",
-        "numpy>=1.22",
-    ],
+    install_requires=[f"grpcio>={_GRPCIO}", f"protobuf>={_PROTOBUF}", "numpy>=1.22"],
     cmdclass={"build_py": BuildPyWithStubs},
 )
