@@ -179,3 +179,17 @@ def reference_attention(q, k, v, scale=None):
         o[h] = (p[:, None] * v[:, h // g, :]).sum(0) / p.sum()
         lse[h] = m + np.log(p.sum())
     return o, lse
+
+
+def wait_until(predicate, timeout=20.0, poll=0.02):
+    """Polls ``predicate`` until it is true (True) or ``timeout`` s pass (False): waiting
+    for a state change of the daemon (a lease reaped), bounded in time."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    stop = threading.Event()
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        stop.wait(poll)
+    return True

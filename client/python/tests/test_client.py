@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import kvcd
-from conftest import bf16_round, random_kv, random_tokens, reference_attention
+from conftest import bf16_round, random_kv, random_tokens, reference_attention, wait_until
 
 
 def test_version_matches_cmake():
@@ -216,14 +216,9 @@ def test_lease_is_renewed_in_the_background(client):
     assert client.stats().expired_leases == expired0
     # Control: without renewal the same lease runs out and the daemon closes it.
     seq = client.open_sequence("tiny", toks, lease_ms=150, auto_renew=False)
-    done = threading.Event()
-    while not done.wait(0.02):  # wait for the daemon's reaper (an event we poll for)
-        try:
-            client.renew_lease(seq, 10)  # a short lease so the reaper fires soon
-            done.wait(0.05)
-        except kvcd.NotFound:
-            done.set()
-    assert client.stats().expired_leases >= expired0 + 1
+    assert wait_until(lambda: client.stats().expired_leases > expired0)
+    with pytest.raises(kvcd.NotFound):
+        client.renew_lease(seq)
 
 
 def test_fetch_and_push_pages_into_another_tenant(client):
@@ -284,3 +279,21 @@ def test_unreachable_daemon_is_unavailable():
         port = sock.getsockname()[1]
     with pytest.raises(kvcd.Unavailable):
         kvcd.Client(f"127.0.0.1:{port}", wait_ready=0.5)
+
+
+def test_a_dropped_sequence_is_no_longer_renewed(client):
+    import gc
+
+    p = client.profile("tiny")
+    toks = random_tokens(8, 14)
+    k, v = random_kv(p, 8, 14)
+    expired0 = client.stats().expired_leases
+    seq = client.open_sequence("tiny", toks, k=k, v=v, lease_ms=100)
+    assert seq.wait_renewals(2, timeout=30)
+    sid = seq.id
+    del seq
+    gc.collect()
+    # The daemon's reaper closes it once the 100 ms lease has run out.
+    assert wait_until(lambda: client.stats().expired_leases > expired0)
+    with pytest.raises(kvcd.NotFound):
+        client.close_sequence(sid)

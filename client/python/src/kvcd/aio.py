@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import weakref
 from typing import Any, AsyncIterator, Dict, List, Optional, Sequence as Seq, Tuple, Union
 
 import grpc
@@ -333,22 +334,13 @@ class Sequence:
         return self.lease_ms
 
     def start_renewing(self, interval: Optional[float] = None) -> None:
+        """Renews the lease every ``interval`` s (default: a third of the lease) in a task
+        that holds only a weak reference to the sequence."""
         if self._task is not None:
             return
         period = interval if interval is not None else max(self.lease_ms, 30) / 3000.0
-        self._task = asyncio.get_running_loop().create_task(self._renew_loop(period))
-
-    async def _renew_loop(self, period: float) -> None:
-        while True:
-            await asyncio.sleep(period)  # the renewal period itself, not a synchronization
-            try:
-                await self.client.renew_lease(self)
-            except KvcdError as e:
-                self.renew_error = e
-                return
-            async with self._renewed:
-                self.renewals += 1
-                self._renewed.notify_all()
+        self._task = asyncio.get_running_loop().create_task(
+            _renew_loop(weakref.ref(self), period))
 
     async def wait_renewals(self, n: int, timeout: float) -> bool:
         try:
@@ -386,6 +378,24 @@ class Sequence:
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
         await self.close(missing_ok=exc_type is not None)
+
+
+async def _renew_loop(ref: "weakref.ref[Sequence]", period: float) -> None:
+    while True:
+        await asyncio.sleep(period)  # the renewal period itself, not a synchronization
+        seq = ref()
+        if seq is None:
+            return
+        try:
+            await seq.client.renew_lease(seq)
+        except Exception as e:  # NotFound (expired, closed elsewhere), closed channel, ...
+            seq.renew_error = e if isinstance(e, KvcdError) else error_from_status(
+                grpc.StatusCode.UNKNOWN, f"lease renewal stopped: {e!r}")
+            return
+        async with seq._renewed:
+            seq.renewals += 1
+            seq._renewed.notify_all()
+        del seq
 
 
 class DecodeSession:

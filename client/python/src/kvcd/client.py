@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence as Seq, Tuple, Union
 
 import grpc
@@ -415,24 +416,17 @@ class Sequence:
     # -- background renewal -----------------------------------------------------------
 
     def start_renewing(self, interval: Optional[float] = None) -> None:
-        """Renews the lease every ``interval`` s (default: a third of the lease)."""
+        """Renews the lease every ``interval`` s (default: a third of the lease).
+
+        The thread holds only a weak reference: a Sequence dropped without ``close`` stops
+        being renewed, and the daemon closes it when its lease runs out."""
         if self._thread is not None:
             return
         period = interval if interval is not None else max(self.lease_ms, 30) / 3000.0
-        self._thread = threading.Thread(target=self._renew_loop, args=(period,),
-                                        name=f"kvcd-renew-{self.id}", daemon=True)
+        self._thread = threading.Thread(
+            target=_renew_loop, args=(weakref.ref(self), self._stop, period),
+            name=f"kvcd-renew-{self.id}", daemon=True)
         self._thread.start()
-
-    def _renew_loop(self, period: float) -> None:
-        while not self._stop.wait(period):
-            try:
-                self.client.renew_lease(self)
-            except KvcdError as e:  # NotFound: expired or closed elsewhere
-                self.renew_error = e
-                return
-            with self._renewed:
-                self.renewals += 1
-                self._renewed.notify_all()
 
     def wait_renewals(self, n: int, timeout: float) -> bool:
         """Blocks until the background thread has renewed ``n`` times (True) or timeout."""
@@ -466,6 +460,23 @@ class Sequence:
     def __exit__(self, exc_type, exc, tb) -> None:
         # On an exception the original error wins; a sequence already reaped is fine.
         self.close(missing_ok=exc_type is not None)
+
+
+def _renew_loop(ref: "weakref.ref[Sequence]", stop: threading.Event, period: float) -> None:
+    while not stop.wait(period):
+        seq = ref()
+        if seq is None:
+            return
+        try:
+            seq.client.renew_lease(seq)
+        except Exception as e:  # NotFound (expired, closed elsewhere), closed channel, ...
+            seq.renew_error = e if isinstance(e, KvcdError) else error_from_status(
+                grpc.StatusCode.UNKNOWN, f"lease renewal stopped: {e!r}")
+            return
+        with seq._renewed:
+            seq.renewals += 1
+            seq._renewed.notify_all()
+        del seq
 
 
 class DecodeSession:
