@@ -31,10 +31,17 @@ from .v1 import kvcache_pb2_grpc as pb_grpc
 __all__ = ["Client", "Sequence", "DecodeSession"]
 
 SequenceLike = Union["Sequence", int]
+_EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # end of a stream's reads
 
 
 def _seq_id(s: SequenceLike) -> int:
     return int(s.id) if isinstance(s, Sequence) else int(s)
+
+
+def _seq_list(sequences: Union[SequenceLike, Seq[SequenceLike]]) -> List[SequenceLike]:
+    if isinstance(sequences, (Sequence, int)):
+        return [sequences]
+    return list(sequences)
 
 
 class Client:
@@ -76,7 +83,7 @@ class Client:
                 from None
 
     async def close(self) -> None:
-        await self._channel.close()
+        await self._channel.close(None)
 
     async def __aenter__(self) -> "Client":
         return self
@@ -195,7 +202,7 @@ class Client:
                                o_out: Optional[pb.TensorRef] = None,
                                lse_out: Optional[pb.TensorRef] = None,
                                wire_dtype: Optional[str] = None) -> DecodeResult:
-        seqs = list(sequences) if isinstance(sequences, (list, tuple)) else [sequences]
+        seqs = _seq_list(sequences)
         req = C.decode_request(await self._decode_profile(seqs), layer,
                                [_seq_id(s) for s in seqs], q, k_new, v_new, new_tokens,
                                softmax_scale, o_out, lse_out, wire_dtype,
@@ -415,7 +422,7 @@ class DecodeSession:
                      wire_dtype: Optional[str] = None) -> DecodeResult:
         if self._closed:
             raise ValueError("the decode session is closed")
-        seqs = list(sequences) if isinstance(sequences, (list, tuple)) else [sequences]
+        seqs = _seq_list(sequences)
         req = C.decode_request(await self._client._decode_profile(seqs), layer,
                                [_seq_id(s) for s in seqs], q, k_new, v_new, new_tokens,
                                softmax_scale, o_out, lse_out, wire_dtype, next(self._ids))
@@ -424,7 +431,7 @@ class DecodeSession:
             r = await self._call.read()
         except grpc.RpcError as e:
             raise _from_rpc_error(e) from None
-        if r is grpc.aio.EOF:
+        if r is _EOF:
             raise error_from_status(grpc.StatusCode.UNAVAILABLE, "the decode stream ended")
         if r.error_code != 0:
             raise error_from_status(r.error_code, r.error_message)
@@ -436,7 +443,7 @@ class DecodeSession:
         self._closed = True
         try:
             await self._call.done_writing()
-            while await self._call.read() is not grpc.aio.EOF:
+            while await self._call.read() is not _EOF:
                 pass
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]

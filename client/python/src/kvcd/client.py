@@ -28,6 +28,12 @@ def _seq_id(s: SequenceLike) -> int:
     return int(s.id) if isinstance(s, Sequence) else int(s)
 
 
+def _seq_list(sequences: Union[SequenceLike, Seq[SequenceLike]]) -> List[SequenceLike]:
+    if isinstance(sequences, (Sequence, int)):
+        return [sequences]
+    return list(sequences)
+
+
 class Client:
     """A blocking client of one kvcd daemon.
 
@@ -254,7 +260,7 @@ class Client:
         (see :class:`kvcd.DecodeResult`). ``o_out``/``lse_out``: cuda_ipc regions the daemon
         writes instead (CUDA backend).
         """
-        seqs = list(sequences) if isinstance(sequences, (list, tuple)) else [sequences]
+        seqs = _seq_list(sequences)
         req = C.decode_request(self._decode_profile(seqs), layer, [_seq_id(s) for s in seqs],
                                q, k_new, v_new, new_tokens, softmax_scale, o_out, lse_out,
                                wire_dtype, next(self._request_ids))
@@ -514,7 +520,7 @@ class DecodeSession:
         """Same arguments and result as :meth:`Client.attention_decode`."""
         if self._closed:
             raise ValueError("the decode session is closed")
-        seqs = list(sequences) if isinstance(sequences, (list, tuple)) else [sequences]
+        seqs = _seq_list(sequences)
         req = C.decode_request(self._client._decode_profile(seqs), layer,
                                [_seq_id(s) for s in seqs], q, k_new, v_new, new_tokens,
                                softmax_scale, o_out, lse_out, wire_dtype, next(self._ids))

@@ -46,7 +46,7 @@ def available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def _dtype_code(dtype) -> int:
+def _dtype_code(dtype: Any) -> "pb.DType":
     import torch
 
     if dtype == torch.bfloat16:
@@ -100,7 +100,7 @@ class CudaIpcBuffer:
             self._ready.record()
             self.ready_event_handle: bytes = bytes(self._ready.ipc_handle())
         self.buffer_id: Optional[int] = None
-        self._done = None
+        self._done: Any = None
         self.lease_ms = 0
         self._name = name
         self._lease_request = int(lease_ms)

@@ -13,7 +13,7 @@ from the transport (DEADLINE_EXCEEDED, CANCELLED, ...).
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple, Type
+from typing import Any, Dict, Optional, Sequence, Tuple, Type
 
 import grpc
 
@@ -168,7 +168,7 @@ def error_from_status(code, message: str,
 def _from_rpc_error(e: grpc.RpcError) -> KvcdError:
     """Maps a grpc.RpcError (sync) or grpc.aio.AioRpcError to a KvcdError."""
     try:
-        md = e.trailing_metadata() or ()  # type: ignore[attr-defined]
+        md: Any = e.trailing_metadata() or ()  # type: ignore[attr-defined]
     except Exception:  # pragma: no cover - some transport errors carry none
         md = ()
     pairs = [(str(k), v) for k, v in md]

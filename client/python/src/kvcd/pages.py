@@ -170,9 +170,11 @@ def decode_page(page, g: PageGeometry, *, rotation_k: Rotation = None,
     For a model with ``int2-oscar`` history, BF16 pages are stored rotated too, so the
     same rotations apply to both formats."""
     fmt = page.format
-    kwargs = dict(num_tokens=int(page.num_tokens), rotation_k=rotation_k, rotation_v=rotation_v)
+    n = int(page.num_tokens)
     if fmt == "bf16":
-        return decode_bf16_page(page.data, g, **kwargs)
+        return decode_bf16_page(page.data, g, num_tokens=n, rotation_k=rotation_k,
+                                rotation_v=rotation_v)
     if fmt == "int2-oscar":
-        return decode_int2_page(page.data, g, **kwargs)
+        return decode_int2_page(page.data, g, num_tokens=n, rotation_k=rotation_k,
+                                rotation_v=rotation_v)
     raise ValueError(f"page format '{fmt}' has no decoder (expected 'bf16' or 'int2-oscar')")

@@ -58,7 +58,7 @@ def shape_of(x: Any) -> Tuple[int, ...]:
     return tuple(int(s) for s in x.shape)
 
 
-def _wire(wire_dtype: Optional[str]) -> Optional[int]:
+def _wire(wire_dtype: Optional[str]) -> "Optional[pb.DType]":
     if wire_dtype is None:
         return None
     w = wire_dtype.lower()
