@@ -112,6 +112,10 @@ def test_tensor_inside_a_shared_allocator_segment(cclient):
     buf = kvcd.cuda.CudaIpcBuffer(c, t)
     try:
         assert buf.offset_of(t) >= 0 and buf.size >= buf.offset_of(t) + t.numel()
+        # The driver's view (allocation base, handle) agrees with torch's own sharing.
+        shared = t.untyped_storage()._share_cuda_()
+        assert buf.ipc_handle in bytes(shared[1])
+        assert buf.offset_of(t) == int(shared[3]) + (t.data_ptr() - t.untyped_storage().data_ptr())
         n = 8
         toks = random_tokens(n, 71)
         k, v = random_kv(p, n, 71)

@@ -18,17 +18,20 @@ recorded by :meth:`mark_ready` on the worker's stream after its writes, and the 
 stream waits on it before every read; the daemon records its *done* event after writing,
 and :meth:`wait_done` makes the worker's stream wait on it (no host sleeps or polls).
 
-How the handles are obtained: ``storage._share_cuda_()`` gives the ``cudaIpcMemHandle_t``
-of the allocation *segment* holding the tensor (torch's caching allocator may place
-several tensors in one segment) and the storage's byte offset inside it, so regions are
-addressed relative to the segment base and the registered size covers the storage's end.
-Events: ``torch.cuda.Event(interprocess=True).ipc_handle()`` and
-``torch.cuda.Event.from_ipc_handle``. Requires torch with CUDA; nothing here runs on
+How the handles are obtained: torch's caching allocator may place several tensors in one
+``cudaMalloc`` allocation (a segment), and an IPC handle always maps a whole allocation
+from its base. The allocation base comes from the CUDA driver (``cuMemGetAddressRange``)
+and its handle from ``cuIpcGetMemHandle`` (libcuda through ctypes; when libcuda cannot be
+loaded, from ``storage._share_cuda_()``, which returns the same handle and the storage's
+offset in the segment). Regions are addressed relative to that base, and the registered
+size ends at the storage's end. Events: ``torch.cuda.Event(interprocess=True).ipc_handle()``
+and ``torch.cuda.Event.from_ipc_handle``. Requires torch with CUDA; nothing here runs on
 the CPU backend (its calls answer FAILED_PRECONDITION for cuda_ipc tensors).
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence as Seq
+import ctypes
+from typing import Any, Optional, Sequence as Seq, Tuple
 
 from .v1 import kvcache_pb2 as pb
 
@@ -44,6 +47,51 @@ def available() -> bool:
     except ImportError:
         return False
     return bool(torch.cuda.is_available())
+
+
+class _CuIpcMemHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * _IPC_HANDLE_BYTES)]
+
+
+def _libcuda() -> Optional[ctypes.CDLL]:
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+def _allocation_handle(storage: Any) -> Tuple[int, bytes]:
+    """(allocation base address, cudaIpcMemHandle_t bytes) of the allocation holding a CUDA
+    storage. REQUIRES: the storage's device is current."""
+    ptr = storage.data_ptr()
+    cu = _libcuda()
+    if cu is not None:
+        base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+        _cu_check(cu, cu.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
+                                                 ctypes.c_uint64(ptr)), "cuMemGetAddressRange")
+        raw = _CuIpcMemHandle()
+        _cu_check(cu, cu.cuIpcGetMemHandle(ctypes.byref(raw), ctypes.c_uint64(base.value)),
+                  "cuIpcGetMemHandle")
+        return int(base.value), ctypes.string_at(ctypes.addressof(raw), _IPC_HANDLE_BYTES)
+    # (device, handle, storage bytes, offset in the segment, ref-counter handle, ref-counter
+    #  offset, event handle, event sync required); recent torch prefixes the handle with a
+    #  one-byte type tag ('c' for cudaMalloc segments).
+    shared = storage._share_cuda_()
+    handle, offset = bytes(shared[1]), int(shared[3])
+    if len(handle) == _IPC_HANDLE_BYTES + 1 and handle[:1] == b"c":
+        handle = handle[1:]
+    if len(handle) != _IPC_HANDLE_BYTES:
+        raise RuntimeError(f"torch returned a {len(handle)}-byte CUDA IPC handle (expandable "
+                           "segments?): expected a cudaIpcMemHandle_t of 64 bytes")
+    return ptr - offset, handle
+
+
+def _cu_check(cu: ctypes.CDLL, result: int, what: str) -> None:
+    if result != 0:
+        msg = ctypes.c_char_p()
+        cu.cuGetErrorString(result, ctypes.byref(msg))
+        text = msg.value.decode() if msg.value else f"CUresult {result}"
+        raise RuntimeError(f"{what}: {text}")
 
 
 def _dtype_code(dtype: Any) -> "pb.DType":
@@ -84,16 +132,13 @@ class CudaIpcBuffer:
         self.tensor = tensor
         self.device = tensor.device
         storage = tensor.untyped_storage()
-        shared = storage._share_cuda_()
-        # (device, mem handle, storage bytes, storage offset in the segment, ref-counter
-        #  handle, ref-counter offset, event handle, event sync required)
-        self.ipc_handle: bytes = bytes(shared[1])
-        storage_bytes, segment_offset = int(shared[2]), int(shared[3])
-        if len(self.ipc_handle) != _IPC_HANDLE_BYTES:
-            raise RuntimeError(f"unexpected cudaIpcMemHandle size {len(self.ipc_handle)}")
         self._storage_ptr = storage.data_ptr()
-        self._segment_base = self._storage_ptr - segment_offset
-        self.size = segment_offset + storage_bytes  # bytes from the segment base
+        with torch.cuda.device(self.device):
+            base, handle = _allocation_handle(storage)
+        self.ipc_handle: bytes = handle
+        self._segment_base = base
+        # bytes from the allocation base the daemon may address: up to the storage's end
+        self.size = self._storage_ptr - base + storage.nbytes()
         with torch.cuda.device(self.device):
             self._ready = torch.cuda.Event(interprocess=True, blocking=False)
             # The ready event must have been recorded once before the daemon waits on it.
