@@ -21,14 +21,27 @@ metrics_listen: ""
 backend: cuda
 memory_budget: 256MiB
 drain_timeout_ms: 300
-models:
-  - builtin: tiny
-    memory: 4MiB
-  - builtin: tiny
-    name: tiny-int2
+models:   # the CUDA kernels serve head_dim 64/128/256 (as tests/integration/data_plane_test.cc)
+  - name: small
+    num_layers: 2
+    num_q_heads: 8
+    num_kv_heads: 2
+    head_dim: 128
+    page_size: 64
+    sink_tokens: 64
+    recent_tokens: 128
     history_format: int2-oscar
-    codec: identity
-    memory: 4MiB
+    memory: 96MiB
+    bf16_fraction: 0.5
+  - name: small-bf16
+    num_layers: 2
+    num_q_heads: 8
+    num_kv_heads: 2
+    head_dim: 128
+    page_size: 64
+    sink_tokens: 64
+    recent_tokens: 128
+    memory: 64MiB
 """
 
 
@@ -50,11 +63,11 @@ def cclient(cuda_daemon):
         yield c
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-int2"])
+@pytest.mark.parametrize("model", ["small-bf16", "small"])
 def test_put_attend_fetch_through_ipc_regions(cclient, model):
     c = cclient
     p = c.profile(model)
-    n = 24
+    n = 256  # 4 pages: a BF16 sink page, then 3 history pages (INT2 for 'small')
     toks = random_tokens(n, 70)
     k, v = random_kv(p, n, 70)
     backing = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
@@ -68,6 +81,13 @@ def test_put_attend_fetch_through_ipc_regions(cclient, model):
         r = c.put(model, toks, buf.ref(kd), buf.ref(vd))
         assert r.inserted_tokens == n
         with c.open_sequence(model, toks) as seq:
+            # One more token appended through the buffer.
+            k1 = buf.view(torch.bfloat16, (p.num_layers, 1, p.num_kv_heads, p.head_dim))
+            v1 = buf.view(torch.bfloat16, (p.num_layers, 1, p.num_kv_heads, p.head_dim))
+            k1.copy_(kd[:, :1])
+            v1.copy_(vd[:, :1])
+            buf.mark_ready()
+            assert seq.append([5], buf.ref(k1), buf.ref(v1)) == n + 1
             # Inline reference of the same call.
             q = torch.randn(1, p.num_q_heads, p.head_dim, generator=torch.Generator().manual_seed(1))
             o_inline, lse_inline = seq.attention_decode(1, q)
@@ -79,12 +99,14 @@ def test_put_attend_fetch_through_ipc_regions(cclient, model):
             buf.mark_ready()
             res = c.attention_decode(1, [seq], buf.ref(qd), o_out=buf.ref(od),
                                      lse_out=buf.ref(lsed))
-            assert res.o is None and res.lengths == (n,)
+            assert res.o is None and res.lengths == (n + 1,)
             buf.wait_done()
             torch.testing.assert_close(od.cpu(), o_inline, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(lsed.cpu(), lse_inline, rtol=1e-5, atol=1e-5)
-            if model == "tiny":
-                ro, _ = reference_attention(q[0].numpy(), bf16_round(k[1]), bf16_round(v[1]))
+            if model == "small-bf16":
+                k_all = np.concatenate([k[1], k[1, :1]])  # the appended token repeats token 0
+                v_all = np.concatenate([v[1], v[1, :1]])
+                ro, _ = reference_attention(q[0].numpy(), bf16_round(k_all), bf16_round(v_all))
                 np.testing.assert_allclose(od[0].cpu().numpy(), ro, rtol=1e-3, atol=1e-4)
             # Stored pages into the device buffer, byte-identical to the inline answer.
             inline = seq.fetch_pages()
@@ -93,6 +115,8 @@ def test_put_attend_fetch_through_ipc_regions(cclient, model):
             buf.mark_ready()
             dev = seq.fetch_pages(destination=buf.ref(dst))
             assert dev.page_formats == inline.page_formats
+            if model == "small":
+                assert inline.page_formats == ["bf16"] + ["int2-oscar"] * 3 + ["bf16"]  # + recent
             buf.wait_done()
             assert bytes(dst.cpu().numpy()) == b"".join(pg.data for pg in inline.pages)
             assert buf.renew() > 0
@@ -106,9 +130,9 @@ def test_tensor_inside_a_shared_allocator_segment(cclient):
     """torch's caching allocator packs small tensors into one segment: the region offset
     is relative to the segment base that the IPC handle maps."""
     c = cclient
-    p = c.profile("tiny")
+    p = c.profile("small-bf16")
     pad = torch.empty(4096, dtype=torch.uint8, device="cuda")  # noqa: F841 (occupies the segment start)
-    t = torch.empty(64 << 10, dtype=torch.uint8, device="cuda")
+    t = torch.empty(512 << 10, dtype=torch.uint8, device="cuda")  # same 2 MiB small-pool segment
     buf = kvcd.cuda.CudaIpcBuffer(c, t)
     try:
         assert buf.offset_of(t) >= 0 and buf.size >= buf.offset_of(t) + t.numel()
@@ -116,7 +140,7 @@ def test_tensor_inside_a_shared_allocator_segment(cclient):
         shared = t.untyped_storage()._share_cuda_()
         assert buf.ipc_handle in bytes(shared[1])
         assert buf.offset_of(t) == int(shared[3]) + (t.data_ptr() - t.untyped_storage().data_ptr())
-        n = 8
+        n = 64
         toks = random_tokens(n, 71)
         k, v = random_kv(p, n, 71)
         kd = buf.view(torch.float32, k.shape)
@@ -124,8 +148,8 @@ def test_tensor_inside_a_shared_allocator_segment(cclient):
         kd.copy_(torch.from_numpy(k).cuda())
         vd.copy_(torch.from_numpy(v).cuda())
         buf.mark_ready()
-        assert c.put("tiny", toks, buf.ref(kd), buf.ref(vd)).inserted_tokens == n
-        with c.open_sequence("tiny", toks) as seq:
+        assert c.put("small-bf16", toks, buf.ref(kd), buf.ref(vd)).inserted_tokens == n
+        with c.open_sequence("small-bf16", toks) as seq:
             f = seq.fetch_pages(expand_to_bf16=True)
             np.testing.assert_array_equal(f.k, bf16_round(k))
     finally:
