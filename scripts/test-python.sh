@@ -15,6 +15,7 @@ if [[ -z "${KVCD_BINARY:-}" && ! -x "$build/server/kvcd" ]]; then
   exit 1
 fi
 venv=${KVCD_PY_VENV:-.cache/python-venv}
+[[ $venv == /* ]] || venv=$PWD/$venv
 py=${PYTHON:-python3}
 if [[ ! -x "$venv/bin/python" ]]; then
   if ! "$py" -c 'import venv, ensurepip' 2>/dev/null; then
@@ -34,4 +35,4 @@ fi
 "$venv/bin/python" -m pip install -q ./client/python pytest
 rm -rf client/python/build client/python/src/kvcd.egg-info  # in-tree build leftovers
 cd client/python
-exec "../../$venv/bin/python" -m pytest -p no:cacheprovider -q -rs "$@" tests
+exec "$venv/bin/python" -m pytest -p no:cacheprovider -q -rs "$@" tests
