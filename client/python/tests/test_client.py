@@ -159,7 +159,7 @@ def test_decode_session_fused_loop_and_per_request_errors(client):
         with pytest.raises(kvcd.FailedPrecondition, match="layer 0 already holds"):
             s.attend(0, seq, q, k_new=kn, v_new=kn, new_tokens=[2])
         r = s.attend(1, seq, q, k_new=kn, v_new=kn, new_tokens=[1])
-        assert r.lengths == (13,)
+        assert r.lengths == (13,) and seq.length == 13
         with pytest.raises(kvcd.NotFound):
             s.attend(0, [987654321], q)
         assert s.attend(0, seq, q).lengths == (13,)

@@ -38,6 +38,14 @@ def _seq_id(s: SequenceLike) -> int:
     return int(s.id) if isinstance(s, Sequence) else int(s)
 
 
+def _track(seqs: List[SequenceLike], result: DecodeResult) -> DecodeResult:
+    """Keeps Sequence.length current: the tokens attended include fused appends."""
+    for s, n in zip(seqs, result.lengths):
+        if isinstance(s, Sequence):
+            s.length = n
+    return result
+
+
 def _seq_list(sequences: Union[SequenceLike, Seq[SequenceLike]]) -> List[SequenceLike]:
     if isinstance(sequences, (Sequence, int)):
         return [sequences]
@@ -207,7 +215,7 @@ class Client:
                                [_seq_id(s) for s in seqs], q, k_new, v_new, new_tokens,
                                softmax_scale, o_out, lse_out, wire_dtype,
                                next(self._request_ids))
-        return C.decode_result(await self._call("AttentionDecode", req), q)
+        return _track(seqs, C.decode_result(await self._call("AttentionDecode", req), q))
 
     def decode_session(self) -> "DecodeSession":
         return DecodeSession(self)
@@ -435,7 +443,7 @@ class DecodeSession:
             raise error_from_status(grpc.StatusCode.UNAVAILABLE, "the decode stream ended")
         if r.error_code != 0:
             raise error_from_status(r.error_code, r.error_message)
-        return C.decode_result(r.response, q)
+        return _track(seqs, C.decode_result(r.response, q))
 
     async def close(self) -> None:
         if self._closed:

@@ -28,6 +28,14 @@ def _seq_id(s: SequenceLike) -> int:
     return int(s.id) if isinstance(s, Sequence) else int(s)
 
 
+def _track(seqs: List[SequenceLike], result: DecodeResult) -> DecodeResult:
+    """Keeps Sequence.length current: the tokens attended include fused appends."""
+    for s, n in zip(seqs, result.lengths):
+        if isinstance(s, Sequence):
+            s.length = n
+    return result
+
+
 def _seq_list(sequences: Union[SequenceLike, Seq[SequenceLike]]) -> List[SequenceLike]:
     if isinstance(sequences, (Sequence, int)):
         return [sequences]
@@ -264,7 +272,7 @@ class Client:
         req = C.decode_request(self._decode_profile(seqs), layer, [_seq_id(s) for s in seqs],
                                q, k_new, v_new, new_tokens, softmax_scale, o_out, lse_out,
                                wire_dtype, next(self._request_ids))
-        return C.decode_result(self._call("AttentionDecode", req), q)
+        return _track(seqs, C.decode_result(self._call("AttentionDecode", req), q))
 
     def decode_session(self) -> "DecodeSession":
         """A bidirectional ``AttentionDecodeStream`` for the per-layer decode loop."""
@@ -534,7 +542,7 @@ class DecodeSession:
             raise _from_rpc_error(e) from None
         if r.error_code != 0:
             raise error_from_status(r.error_code, r.error_message)
-        return C.decode_result(r.response, q)
+        return _track(seqs, C.decode_result(r.response, q))
 
     def close(self) -> None:
         """Half-closes the stream and waits for the daemon to finish it."""
