@@ -58,12 +58,16 @@ def test_prompt_is_prefilled_put_and_opened(client, stories):
     assert client.match("s-py-bf16", prompt[:-1]).matched_tokens == (len(prompt) - 1) // 4 * 4
 
 
-def test_int2_history_stays_close(client, stories):
+def test_int2_history_matches_the_cpp_example(client, stories):
     mod, model, tok = stories
-    ref = mod.run_reference(model, tok, [1], 60)
-    mod.register(client, model.c, "s-py-int2", "int2-oscar")
-    served = mod.run_served(client, model, tok, "s-py-int2", [1], 60)
-    assert len(served.logits) == 60
-    # greedy, so texts may diverge; the first steps use the BF16 sink/recent windows only
-    assert served.tokens[:10] == ref.tokens[:10]
-    assert all(np.isfinite(lg).all() for lg in served.logits)
+    ref = mod.run_reference(model, tok, [1], 100)
+    mod.register(client, model.c, "s-py-int2", "int2-oscar")  # Hadamard rotations
+    forced = mod.run_served(client, model, tok, "s-py-int2", [1], 100, teacher=ref.tokens)
+    assert forced.tokens == ref.tokens  # teacher-forced
+    kl = [mod.kl_divergence(a, b) for a, b in zip(ref.logits, forced.logits)]
+    mean = sum(kl) / len(kl)
+    # kvcd_stories, int2 Hadamard: mean KL 1.96, first differing greedy token 16 (README)
+    assert 1e-3 < mean < 2.3
+    first = next(i for i, (a, b) in enumerate(zip(ref.logits, forced.logits))
+                 if np.argmax(a) != np.argmax(b))
+    assert 8 <= first <= 40
