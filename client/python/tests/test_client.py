@@ -1,5 +1,4 @@
 """The blocking client against the real daemon: every call, the traps, chunking, leases."""
-import threading
 
 import grpc
 import numpy as np

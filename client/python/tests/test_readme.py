@@ -1,5 +1,4 @@
 """The README's complete example runs against the real daemon."""
-import os
 import re
 from pathlib import Path
 

@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import kvcd
 from conftest import SHARED_DATA
 
 DATA = SHARED_DATA / "stories260K"

@@ -5,7 +5,6 @@ run where torch is present (e.g. the H200 image, see client/python/README.md).""
 import numpy as np
 import pytest
 
-import kvcd
 from conftest import bf16_round, random_kv, random_tokens, reference_attention
 
 torch = pytest.importorskip("torch")

@@ -22,7 +22,7 @@ from .v1 import kvcache_pb2 as pb
 from . import aio, cuda, errors, pages, tensors, v1  # noqa: E402  (kvcd.aio etc. as attributes)
 
 __all__ = [
-    "__version__", "Client", "Sequence", "DecodeSession", "TLS", "PutResult", "MatchResult",
+    "__version__", "aio", "cuda", "errors", "pages", "tensors", "v1", "Client", "Sequence", "DecodeSession", "TLS", "PutResult", "MatchResult",
     "DecodeResult", "FetchedPages", "PageGeometry", "decode_page", "hadamard", "make_profile",
     "pb", "KvcdError", "Cancelled", "Unknown", "InvalidArgument", "DeadlineExceeded",
     "NotFound", "AlreadyExists", "PermissionDenied", "ResourceExhausted", "FailedPrecondition",
