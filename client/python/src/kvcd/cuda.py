@@ -134,6 +134,9 @@ class CudaIpcBuffer:
         storage = tensor.untyped_storage()
         self._storage_ptr = storage.data_ptr()
         with torch.cuda.device(self.device):
+            # A runtime call on this thread makes the device's primary context current for
+            # the driver calls below (and the allocation is complete).
+            torch.cuda.synchronize(self.device)
             base, handle = _allocation_handle(storage)
         self.ipc_handle: bytes = handle
         self._segment_base = base
