@@ -74,6 +74,22 @@ def test_chunked_put_under_the_message_limit(daemon):
             np.testing.assert_array_equal(f.v, bf16_round(v[:, :48]))
 
 
+def test_append_is_split_under_the_message_limit(daemon):
+    limit = (64 << 10) + 10 * 512 + 400  # ~10 tokens of tiny K/V per message
+    with kvcd.Client(daemon.grpc, max_message_bytes=limit) as c:
+        p = c.profile("tiny")
+        toks = random_tokens(45, 15)
+        k, v = random_kv(p, 45, 15)
+        assert len(kvcd._core.append_requests(p, 1, list(toks), k, v, None, limit)) == 5
+        with c.open_sequence("tiny", toks[:1], auto_renew=False) as seq:
+            assert seq.length == 0
+            assert seq.append(toks, k, v) == 45  # 5 Append calls
+            f = seq.fetch_pages(expand_to_bf16=True, first_token=0, num_tokens=20)
+            np.testing.assert_array_equal(f.k, bf16_round(k[:, :20]))
+            f = seq.fetch_pages(expand_to_bf16=True, first_token=20)
+            np.testing.assert_array_equal(f.v, bf16_round(v[:, 20:]))
+
+
 def test_chunk_smaller_than_a_page_is_refused(daemon):
     with kvcd.Client(daemon.grpc, max_message_bytes=(64 << 10) + 1000) as c:
         p = c.profile("qwen3-8b")
