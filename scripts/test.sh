@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# The tests: install dependencies, build everything (CUDA sources compile-checked for
-# sm_90 when nvcc exists), and run every unit and integration test with CTest.
+# The tests: install dependencies, check formatting, build everything with warnings as
+# errors (CUDA sources compile-checked for sm_90 when nvcc exists), run every unit and
+# integration test with CTest, the unit tests again under ASan+UBSan, and the Python
+# client's tests against the real daemon.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
+./scripts/check-format.sh
 ./scripts/build.sh
 ctest --test-dir "${KVCD_BUILD_DIR:-build}" --output-on-failure -j "$(nproc)" --timeout 600
+./scripts/test-asan.sh
+./scripts/test-python.sh
