@@ -4,7 +4,9 @@
 # data-plane tests against the daemon, then — for the daemon built from this tree and for
 # the one before the redesign (.devbin/kvcd-before, optional) — Put of BF16 K/V over CUDA
 # IPC, PushPages / FetchPages over CUDA IPC against a plain device-to-device copy, and the
-# INT2 decode loop; finally the main-job workload on the CUDA backend.
+# INT2 decode loop (under MPS when KVCD_MPS=1, as the earlier data-plane figures were);
+# the main-job workload on the CUDA backend; the Python client's tests (.whl from
+# scripts/pack-python-device.sh) against the CUDA daemon, torch CUDA IPC included.
 #   here:   ./scripts/build.sh && ./scripts/pack-device.sh  (+ strip an older kvcd into
 #           .devbin/kvcd-before to compare)
 #   device: bench/run-h200-formats.sh            (device tool, carry [".devbin", ".devlibs"])
@@ -23,6 +25,7 @@ KVCD_BINARY=.devbin/kvcd .devbin/kvcd_data_plane_tests > "$out/data-plane-tests.
 echo "kvcd_data_plane_tests rc $?: $(grep -E '^\[  (PASSED|FAILED)' "$out/data-plane-tests.log" | tr '\n' ' ')"
 grep -E '^\[  FAILED' "$out/cuda-tests.log" "$out/data-plane-tests.log"
 source scripts/daemon-lib.sh
+if [ "${KVCD_MPS:-0}" = 1 ]; then nvidia-cuda-mps-control -d && echo "MPS on"; fi
 for bin in kvcd kvcd-before; do
   [ -x ".devbin/$bin" ] || continue
   start_kvcd ".devbin/$bin" deploy/config/kvcd-dataplane.yaml || { cat "$KVCD_LOG_DIR/err"; continue; }
@@ -44,7 +47,13 @@ for bin in kvcd kvcd-before; do
   stop_kvcd; echo "daemon exit: $?"
   grep -iE 'error|fail' "$KVCD_LOG_DIR/err" | head -5
 done
+if [ "${KVCD_MPS:-0}" = 1 ]; then echo quit | nvidia-cuda-mps-control; fi
 echo "===== main-job workload on the CUDA backend"
 start_kvcd .devbin/kvcd deploy/config/kvcd-h200.yaml || { cat "$KVCD_LOG_DIR/err"; exit 1; }
 .devbin/kvcd_demo --target "$KVCD_GRPC" 2>&1 | tail -16
 stop_kvcd; echo "daemon exit: $?"
+if [ -d .whl ]; then
+  echo "===== Python client tests against the CUDA daemon"
+  ./scripts/test-python-device.sh > "$out/python.log" 2>&1
+  echo "python tests rc $?"; tail -15 "$out/python.log"
+fi

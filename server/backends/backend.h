@@ -56,13 +56,6 @@ struct AttentionBatch {
   float* device_lse = nullptr;
 };
 
-// One span of a batched copy between pool memory and host or device memory.
-struct CopySpan {
-  const void* src = nullptr;
-  void* dst = nullptr;
-  uint64_t bytes = 0;
-};
-
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -82,11 +75,15 @@ class Backend {
       absl::Span<const FormatId> ids, const PageGeometry& geometry,
       std::shared_ptr<const CodecProfile> rotation) = 0;
 
-  // Batched copies into pool memory (dst) from host or device memory, and out of pool memory
-  // (src) into host or device memory. Device work is ordered on the daemon's one stream;
-  // CopyFromPool into host memory returns once the bytes are there.
-  virtual absl::Status CopyIntoPool(absl::Span<const CopySpan> spans, bool src_on_device) = 0;
-  virtual absl::Status CopyFromPool(absl::Span<const CopySpan> spans, bool dst_on_device) = 0;
+  // Whole pages between a pool and a run of pages stored back to back ([page][layer]
+  // [layer_page_bytes], the form pages travel in) in host or device memory: WritePages
+  // copies run page i into pool page ids[i] (every layer), ReadPages the other way. Device
+  // work is ordered on the daemon's one stream; ReadPages into host memory returns once the
+  // bytes are there.
+  virtual absl::Status WritePages(const PagePool& pool, absl::Span<const int32_t> ids,
+                                  const uint8_t* run, bool run_on_device) = 0;
+  virtual absl::Status ReadPages(const PagePool& pool, absl::Span<const int32_t> ids, uint8_t* run,
+                                 bool run_on_device) = 0;
 
   // Runs the batch; jobs[i].o / lse receive the merged state of all segments.
   virtual absl::Status Attend(const AttentionBatch& batch) = 0;

@@ -62,14 +62,28 @@ class CpuBackend final : public Backend {
     return out;
   }
 
-  absl::Status CopyIntoPool(absl::Span<const CopySpan> spans, bool src_on_device) override {
-    if (src_on_device) return NoDevice();
-    for (const CopySpan& s : spans) std::memcpy(s.dst, s.src, s.bytes);
+  absl::Status WritePages(const PagePool& pool, absl::Span<const int32_t> ids,
+                          const uint8_t* run, bool run_on_device) override {
+    if (run_on_device) return NoDevice();
+    const int64_t layer_bytes = pool.layer_page_bytes();
+    for (size_t i = 0; i < ids.size(); ++i) {
+      for (int32_t l = 0; l < pool.num_layers(); ++l) {
+        std::memcpy(pool.PagePtr(l, ids[i]), run + (i * pool.num_layers() + l) * layer_bytes,
+                    static_cast<size_t>(layer_bytes));
+      }
+    }
     return absl::OkStatus();
   }
-  absl::Status CopyFromPool(absl::Span<const CopySpan> spans, bool dst_on_device) override {
-    if (dst_on_device) return NoDevice();
-    for (const CopySpan& s : spans) std::memcpy(s.dst, s.src, s.bytes);
+  absl::Status ReadPages(const PagePool& pool, absl::Span<const int32_t> ids, uint8_t* run,
+                         bool run_on_device) override {
+    if (run_on_device) return NoDevice();
+    const int64_t layer_bytes = pool.layer_page_bytes();
+    for (size_t i = 0; i < ids.size(); ++i) {
+      for (int32_t l = 0; l < pool.num_layers(); ++l) {
+        std::memcpy(run + (i * pool.num_layers() + l) * layer_bytes, pool.PagePtr(l, ids[i]),
+                    static_cast<size_t>(layer_bytes));
+      }
+    }
     return absl::OkStatus();
   }
 

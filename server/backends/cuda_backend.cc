@@ -13,6 +13,7 @@
 #include "common/status_macros.h"
 #include "kvcd/kernels/cuda_decode_attention.h"
 #include "kvcd/kernels/cuda_device_copy.h"
+#include "kvcd/kernels/cuda_page_copy.h"
 #include "kvcd/kernels/cuda_runtime_api.h"
 #include "server/backends/backend.h"
 #include "server/backends/device_runtime.h"
@@ -87,50 +88,32 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     return out;
   }
 
-  // Host sources go up in one copy into device staging first; then one batched copy kernel
-  // moves every span.
-  absl::Status CopyIntoPool(absl::Span<const CopySpan> spans, bool src_on_device) override {
-    if (spans.empty()) return absl::OkStatus();
+  // One paged-copy launch per call; host runs go through device staging in one copy.
+  absl::Status WritePages(const PagePool& pool, absl::Span<const int32_t> ids,
+                          const uint8_t* run, bool run_on_device) override {
+    if (ids.empty()) return absl::OkStatus();
     std::lock_guard<std::mutex> lock(mu_);
-    if (src_on_device) return CopySpansLocked(spans);
-    uint64_t total = 0;
-    for (const CopySpan& s : spans) total += Align16(s.bytes);
-    auto staged = staging_.Reserve(total);
-    if (!staged.ok()) return staged.status();
-    std::vector<uint8_t> host(total);
-    std::vector<CopySpan> device_spans;
-    uint64_t at = 0;
-    for (const CopySpan& s : spans) {
-      std::memcpy(host.data() + at, s.src, s.bytes);
-      device_spans.push_back({*staged + at, s.dst, s.bytes});
-      at += Align16(s.bytes);
+    const uint64_t bytes = static_cast<uint64_t>(pool.page_bytes()) * ids.size();
+    const uint8_t* src = run;
+    if (!run_on_device) {
+      auto staged = staging_.Reserve(bytes);
+      if (!staged.ok()) return staged.status();
+      RETURN_IF_CUDA(kc::CopyToDevice(*staged, run, bytes));
+      src = *staged;
     }
-    RETURN_IF_CUDA(kc::CopyToDevice(*staged, host.data(), total));
-    return CopySpansLocked(device_spans);
+    return PagedCopyLocked(kc::PageCopy::kScatter, pool, ids, const_cast<uint8_t*>(src));
   }
 
-  absl::Status CopyFromPool(absl::Span<const CopySpan> spans, bool dst_on_device) override {
-    if (spans.empty()) return absl::OkStatus();
+  absl::Status ReadPages(const PagePool& pool, absl::Span<const int32_t> ids, uint8_t* run,
+                         bool run_on_device) override {
+    if (ids.empty()) return absl::OkStatus();
     std::lock_guard<std::mutex> lock(mu_);
-    if (dst_on_device) return CopySpansLocked(spans);
-    uint64_t total = 0;
-    for (const CopySpan& s : spans) total += Align16(s.bytes);
-    auto staged = staging_.Reserve(total);
+    if (run_on_device) return PagedCopyLocked(kc::PageCopy::kGather, pool, ids, run);
+    const uint64_t bytes = static_cast<uint64_t>(pool.page_bytes()) * ids.size();
+    auto staged = staging_.Reserve(bytes);
     if (!staged.ok()) return staged.status();
-    std::vector<CopySpan> device_spans;
-    uint64_t at = 0;
-    for (const CopySpan& s : spans) {
-      device_spans.push_back({s.src, *staged + at, s.bytes});
-      at += Align16(s.bytes);
-    }
-    KVCD_RETURN_IF_ERROR(CopySpansLocked(device_spans));
-    std::vector<uint8_t> host(total);
-    RETURN_IF_CUDA(kc::CopyToHost(host.data(), *staged, total));
-    at = 0;
-    for (const CopySpan& s : spans) {
-      std::memcpy(s.dst, host.data() + at, s.bytes);
-      at += Align16(s.bytes);
-    }
+    KVCD_RETURN_IF_ERROR(PagedCopyLocked(kc::PageCopy::kGather, pool, ids, *staged));
+    RETURN_IF_CUDA(kc::CopyToHost(run, *staged, bytes));
     return absl::OkStatus();
   }
 
@@ -320,24 +303,22 @@ class CudaBackend final : public Backend, public DeviceRuntime {
   }
 
  private:
-  static uint64_t Align16(uint64_t n) { return (n + 15) / 16 * 16; }
-
-  // Copies the spans in one launch (descriptors go up first); waits until the launch has
-  // read them, since the descriptor scratch is reused.
-  absl::Status CopySpansLocked(absl::Span<const CopySpan> spans) {
-    if (spans.empty()) return absl::OkStatus();
-    static_assert(sizeof(kc::CopySpan) % 8 == 0, "span layout");
-    std::vector<kc::CopySpan> host(spans.size());
-    for (size_t i = 0; i < spans.size(); ++i) {
-      host[i] = kc::CopySpan{spans[i].src, spans[i].dst, spans[i].bytes, kc::kCheckNone, 0};
-    }
-    const size_t desc_bytes = sizeof(kc::CopySpan) * host.size();
-    auto d_spans = span_scratch_.Reserve(desc_bytes);
-    if (!d_spans.ok()) return d_spans.status();
-    RETURN_IF_CUDA(kc::CopyToDevice(*d_spans, host.data(), desc_bytes));
-    RETURN_IF_CUDA_ERR(kc::LaunchCopySpans(reinterpret_cast<const kc::CopySpan*>(*d_spans),
-                                           static_cast<int>(host.size()), nullptr, nullptr));
-    RETURN_IF_CUDA(kc::Synchronize());
+  // Queues one paged copy between `pool` and the device run (page ids go up through the
+  // pinned uploader, so the host does not wait).
+  absl::Status PagedCopyLocked(kc::PageCopy kind, const PagePool& pool,
+                               absl::Span<const int32_t> ids, uint8_t* run) {
+    auto d_ids = ids_scratch_.Reserve(sizeof(int32_t) * ids.size());
+    if (!d_ids.ok()) return d_ids.status();
+    KVCD_RETURN_IF_ERROR(Noted(uploads_.Upload(*d_ids, ids.data(), sizeof(int32_t) * ids.size())));
+    kc::PagedCopyArgs a;
+    a.pool = pool.LayerBase(0);
+    a.pool_layer_stride = int64_t{pool.num_pages()} * pool.layer_page_bytes();
+    a.layer_bytes = pool.layer_page_bytes();
+    a.num_layers = pool.num_layers();
+    a.page_ids = reinterpret_cast<const int32_t*>(*d_ids);
+    a.num_pages = static_cast<int64_t>(ids.size());
+    a.run = run;
+    RETURN_IF_CUDA_ERR(kc::LaunchPagedCopy(kind, a, nullptr, nullptr));
     return absl::OkStatus();
   }
 
@@ -360,7 +341,7 @@ class CudaBackend final : public Backend, public DeviceRuntime {
   const int sms_;
   std::mutex mu_;
   DeviceScratch scratch_;
-  DeviceScratch span_scratch_;
+  DeviceScratch ids_scratch_;
   DeviceScratch staging_;
   PinnedUploader uploads_;
   mutable std::atomic<bool> sticky_{false};

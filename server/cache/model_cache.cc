@@ -328,16 +328,16 @@ absl::StatusOr<PutResult> ModelCache::PushPages(const std::string& salt,
   return StorePrefix(
       salt, tokens.subspan(0, static_cast<size_t>(end_page * ps)), end_page, first_page,
       [&](int64_t first, int32_t store, absl::Span<const int32_t> ids) {
-        const PagePool& pool = *stores_[store].pool;
-        std::vector<CopySpan> spans;
+        // The pages (one string each) as one run in host memory.
+        std::string run;
+        run.reserve(ids.size() * static_cast<size_t>(stores_[store].pool->page_bytes()));
         for (size_t i = 0; i < ids.size(); ++i) {
-          const char* src = pages[static_cast<size_t>(first - first_page) + i].data.data();
-          for (int32_t l = 0; l < spec_.num_layers; ++l) {
-            spans.push_back({src + l * pool.layer_page_bytes(), pool.PagePtr(l, ids[i]),
-                             static_cast<uint64_t>(pool.layer_page_bytes())});
-          }
+          const absl::string_view data = pages[static_cast<size_t>(first - first_page) + i].data;
+          run.append(data.data(), data.size());
         }
-        return backend_->CopyIntoPool(spans, /*src_on_device=*/false);
+        return backend_->WritePages(*stores_[store].pool, ids,
+                                    reinterpret_cast<const uint8_t*>(run.data()),
+                                    /*run_on_device=*/false);
       });
 }
 
@@ -365,16 +365,9 @@ absl::StatusOr<PutResult> ModelCache::PushDevicePages(const std::string& salt,
   return StorePrefix(
       salt, tokens.subspan(0, static_cast<size_t>(end_page * ps)), end_page, first_page,
       [&](int64_t first, int32_t store, absl::Span<const int32_t> ids) {
-        const PagePool& pool = *stores_[store].pool;
-        std::vector<CopySpan> spans;
-        for (size_t i = 0; i < ids.size(); ++i) {
-          const uint8_t* page_src = src + offset[static_cast<size_t>(first - first_page) + i];
-          for (int32_t l = 0; l < spec_.num_layers; ++l) {
-            spans.push_back({page_src + l * pool.layer_page_bytes(), pool.PagePtr(l, ids[i]),
-                             static_cast<uint64_t>(pool.layer_page_bytes())});
-          }
-        }
-        return backend_->CopyIntoPool(spans, /*src_on_device=*/true);
+        return backend_->WritePages(*stores_[store].pool, ids,
+                                    src + offset[static_cast<size_t>(first - first_page)],
+                                    /*run_on_device=*/true);
       });
 }
 
@@ -592,26 +585,30 @@ absl::Status ModelCache::CheckReadable(const Sequence& seq, int64_t first, int64
   return absl::OkStatus();
 }
 
-int64_t ModelCache::PageSpans(const Sequence& seq, int64_t first, int64_t n, uint8_t* dst,
-                              std::vector<CopySpan>* spans,
-                              std::vector<StoredPageCopy>* pages) const {
+int64_t ModelCache::ReadRuns(const Sequence& seq, int64_t first, int64_t n, uint8_t* dst,
+                             bool dst_on_device, std::vector<StoredPageCopy>* pages,
+                             absl::Status* status) const {
   const int32_t ps = spec_.page_size;
   const int64_t len = seq.length();
   int64_t at = 0;
-  for (int64_t p = first / ps; p * ps < first + n; ++p) {
-    const PageRef& r = seq.pages[static_cast<size_t>(p)];
-    const PagePool& pool = PoolOf(r);
-    StoredPageCopy c;
-    c.format = FormatOf(r).name();
-    c.first_token = p * ps;
-    c.num_tokens = static_cast<int32_t>(std::min<int64_t>(ps, len - p * ps));
-    for (int32_t l = 0; l < spec_.num_layers; ++l) {
-      spans->push_back({pool.PagePtr(l, r.page),
-                        dst == nullptr ? nullptr : dst + at + l * pool.layer_page_bytes(),
-                        static_cast<uint64_t>(pool.layer_page_bytes())});
+  for (int64_t p = first / ps; p * ps < first + n;) {
+    // A run of consecutive pages of one store goes in one ReadPages.
+    const int32_t store = seq.pages[static_cast<size_t>(p)].pool;
+    std::vector<int32_t> ids;
+    const int64_t run_at = at;
+    for (; p * ps < first + n && seq.pages[static_cast<size_t>(p)].pool == store; ++p) {
+      ids.push_back(seq.pages[static_cast<size_t>(p)].page);
+      StoredPageCopy c;
+      c.format = stores_[store].format->name();
+      c.first_token = p * ps;
+      c.num_tokens = static_cast<int32_t>(std::min<int64_t>(ps, len - p * ps));
+      c.bytes = stores_[store].pool->page_bytes();
+      at += c.bytes;
+      pages->push_back(std::move(c));
     }
-    at += pool.page_bytes();
-    pages->push_back(std::move(c));
+    if (dst != nullptr && status->ok()) {
+      *status = backend_->ReadPages(*stores_[store].pool, ids, dst + run_at, dst_on_device);
+    }
   }
   return at;
 }
@@ -622,14 +619,13 @@ absl::Status ModelCache::Fetch(Sequence* seq, int64_t first, int64_t n, uint16_t
   std::lock_guard<std::mutex> seq_lock(seq->mu);
   KVCD_RETURN_IF_ERROR(CheckReadable(*seq, first, n));
   // The pages as stored, in host memory, then each format expands its rows.
-  std::vector<CopySpan> spans;
   std::vector<StoredPageCopy> copies;
-  std::string staged(static_cast<size_t>(PageSpans(*seq, first, n, nullptr, &spans, &copies)),
-                     '\0');
-  for (size_t i = 0, at = 0; i < spans.size(); at += spans[i].bytes, ++i) {
-    spans[i].dst = staged.data() + at;
-  }
-  KVCD_RETURN_IF_ERROR(backend_->CopyFromPool(spans, /*dst_on_device=*/false));
+  absl::Status read;
+  std::string staged(
+      static_cast<size_t>(ReadRuns(*seq, first, n, nullptr, false, &copies, &read)), '\0');
+  copies.clear();
+  ReadRuns(*seq, first, n, reinterpret_cast<uint8_t*>(staged.data()), false, &copies, &read);
+  KVCD_RETURN_IF_ERROR(read);
   for (const auto& c : copies) page_formats->push_back(c.format);
   std::vector<float> rows(static_cast<size_t>(ps) * d);
   int64_t page_at = 0;
@@ -663,18 +659,20 @@ absl::Status ModelCache::FetchStored(Sequence* seq, int64_t first, int64_t n,
                                      std::vector<StoredPageCopy>* pages) {
   std::lock_guard<std::mutex> seq_lock(seq->mu);
   KVCD_RETURN_IF_ERROR(CheckReadable(*seq, first, n));
-  std::vector<CopySpan> spans;
-  const size_t first_copy = pages->size();
-  PageSpans(*seq, first, n, nullptr, &spans, pages);
-  // Spans are page-major: span j * num_layers + l is layer l of page j.
-  const size_t layers = static_cast<size_t>(spec_.num_layers);
-  for (size_t j = first_copy; j < pages->size(); ++j) {
-    StoredPageCopy& c = (*pages)[j];
-    const size_t k = (j - first_copy) * layers;
-    c.data.resize(static_cast<size_t>(spans[k].bytes) * layers);
-    for (size_t l = 0; l < layers; ++l) spans[k + l].dst = c.data.data() + l * spans[k].bytes;
+  std::vector<StoredPageCopy> copies;
+  absl::Status read;
+  std::string staged(
+      static_cast<size_t>(ReadRuns(*seq, first, n, nullptr, false, &copies, &read)), '\0');
+  copies.clear();
+  ReadRuns(*seq, first, n, reinterpret_cast<uint8_t*>(staged.data()), false, &copies, &read);
+  KVCD_RETURN_IF_ERROR(read);
+  size_t at = 0;
+  for (StoredPageCopy& c : copies) {
+    c.data = staged.substr(at, static_cast<size_t>(c.bytes));
+    at += static_cast<size_t>(c.bytes);
+    pages->push_back(std::move(c));
   }
-  return backend_->CopyFromPool(spans, /*dst_on_device=*/false);
+  return absl::OkStatus();
 }
 
 absl::Status ModelCache::FetchStoredToDevice(Sequence* seq, int64_t first, int64_t n, uint8_t* dst,
@@ -682,14 +680,16 @@ absl::Status ModelCache::FetchStoredToDevice(Sequence* seq, int64_t first, int64
                                              std::vector<StoredPageCopy>* pages) {
   std::lock_guard<std::mutex> seq_lock(seq->mu);
   KVCD_RETURN_IF_ERROR(CheckReadable(*seq, first, n));
-  std::vector<CopySpan> spans;
-  const int64_t total = PageSpans(*seq, first, n, dst, &spans, pages);
+  std::vector<StoredPageCopy> sizes;
+  absl::Status read;
+  const int64_t total = ReadRuns(*seq, first, n, nullptr, true, &sizes, &read);
   if (total > dst_bytes) {
     return absl::InvalidArgumentError(absl::StrCat("destination has ", dst_bytes,
                                                    " bytes, too few for the pages from token ",
                                                    first, " (", total, " bytes)"));
   }
-  return backend_->CopyFromPool(spans, /*dst_on_device=*/true);
+  ReadRuns(*seq, first, n, dst, true, pages, &read);
+  return read;
 }
 
 int64_t ModelCache::Length(Sequence* seq) {

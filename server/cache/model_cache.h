@@ -163,7 +163,8 @@ class ModelCache {
     std::string format;
     int64_t first_token = 0;
     int32_t num_tokens = 0;
-    std::string data;  // [num_layers][page-layer bytes]
+    int64_t bytes = 0;  // of the page, all layers
+    std::string data;   // [num_layers][page-layer bytes] (FetchStored)
   };
   // The pages covering tokens [first, first + n), as stored. REQUIRES: first page-aligned.
   absl::Status FetchStored(Sequence* seq, int64_t first, int64_t n,
@@ -221,10 +222,11 @@ class ModelCache {
   std::vector<AttentionSegment> Segments(const Sequence& seq, int64_t len) const;
   // OK if tokens [first, first + n) of an open sequence can be read.
   absl::Status CheckReadable(const Sequence& seq, int64_t first, int64_t n) const;
-  // Copy spans of every layer of the pages covering [first, first + n) to consecutive
-  // bytes at dst (or, with dst null, sizes only); fills the copies' metadata.
-  int64_t PageSpans(const Sequence& seq, int64_t first, int64_t n, uint8_t* dst,
-                    std::vector<CopySpan>* spans, std::vector<StoredPageCopy>* pages) const;
+  // Reads the pages covering [first, first + n) back to back into dst (host or device; with
+  // dst null, only the sizes), one ReadPages per run of same-store pages; appends their
+  // descriptions to *pages, the first read error to *status; returns the bytes.
+  int64_t ReadRuns(const Sequence& seq, int64_t first, int64_t n, uint8_t* dst, bool dst_on_device,
+                   std::vector<StoredPageCopy>* pages, absl::Status* status) const;
 
   const ModelSpec spec_;
   Backend* const backend_;

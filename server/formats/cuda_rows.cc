@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kvcd/kernels/cuda_page_copy.h"
 #include "kvcd/kernels/cuda_runtime_api.h"
 
 namespace kvcd {
@@ -94,44 +95,40 @@ absl::Status CheckDevicePageRegions(const uint8_t* src, int64_t num_pages, int32
                                     int64_t first_index, const char* what,
                                     RowStoreScratch* scratch) {
   if (num_pages <= 0) return absl::OkStatus();
-  std::vector<kc::CopySpan> spans;
-  spans.reserve(static_cast<size_t>(num_pages * num_layers));
-  for (int64_t p = 0; p < num_pages; ++p) {
-    for (int32_t l = 0; l < num_layers; ++l) {
-      spans.push_back(kc::CopySpan{src + (p * num_layers + l) * layer_bytes + check_offset,
-                                   nullptr, static_cast<uint64_t>(check_bytes), check,
-                                   check_block});
-    }
-  }
-  // One count per page would name the page; one counter per call and a second pass over
-  // a failing call's pages keeps the common (valid) case to one launch.
-  const size_t desc = spans.size() * sizeof(kc::CopySpan);
-  KVCD_ASSIGN_OR_RETURN(uint8_t * d, scratch->spans.Reserve(desc + 256));
+  KVCD_ASSIGN_OR_RETURN(uint8_t * d, scratch->spans.Reserve(sizeof(unsigned long long)));
   auto* d_bad = reinterpret_cast<unsigned long long*>(d);
-  auto* d_spans = reinterpret_cast<kc::CopySpan*>(d + 256);
-  auto count = [&](size_t first, size_t n) -> absl::StatusOr<unsigned long long> {
+  // One check launch over all pages; only a failing call walks its pages to name the first
+  // bad one.
+  auto count = [&](int64_t first, int64_t n) -> absl::StatusOr<unsigned long long> {
+    kc::PagedCopyArgs a;
+    a.layer_bytes = layer_bytes;
+    a.num_layers = num_layers;
+    a.num_pages = n;
+    a.run = const_cast<uint8_t*>(src) + first * num_layers * layer_bytes;
+    a.check = check;
+    a.check_block = check_block;
+    a.check_offset = check_offset;
+    a.check_bytes = check_bytes;
     const unsigned long long zero = 0;
     KVCD_RETURN_IF_ERROR(CudaStatus(kc::CopyToDevice(d_bad, &zero, sizeof(zero)), "page check"));
-    KVCD_RETURN_IF_ERROR(CudaStatus(
-        kc::LaunchCopySpans(d_spans + first, static_cast<int>(n), d_bad, nullptr), "page check"));
+    KVCD_RETURN_IF_ERROR(CudaStatus(kc::LaunchPagedCopy(kc::PageCopy::kCheck, a, d_bad, nullptr),
+                                    "page check"));
     unsigned long long bad = 0;
     KVCD_RETURN_IF_ERROR(CudaStatus(kc::CopyToHost(&bad, d_bad, sizeof(bad)), "page check"));
     return bad;
   };
-  KVCD_RETURN_IF_ERROR(CudaStatus(kc::CopyToDevice(d_spans, spans.data(), desc), "page check"));
-  KVCD_ASSIGN_OR_RETURN(unsigned long long bad, count(0, spans.size()));
+  KVCD_ASSIGN_OR_RETURN(unsigned long long bad, count(0, num_pages));
   if (bad == 0) return absl::OkStatus();
   for (int64_t p = 0; p < num_pages; ++p) {
-    KVCD_ASSIGN_OR_RETURN(unsigned long long page_bad,
-                          count(static_cast<size_t>(p * num_layers), num_layers));
+    KVCD_ASSIGN_OR_RETURN(unsigned long long page_bad, count(p, 1));
     if (page_bad != 0) {
       return absl::InvalidArgumentError(absl::StrCat("page ", first_index + p, " holds ",
                                                      page_bad, " ", what,
                                                      "; nothing was stored"));
     }
   }
-  return absl::InvalidArgumentError(absl::StrCat("pages hold ", bad, " ", what,
-                                                 "; nothing was stored"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("pages hold ", bad, " ", what, "; nothing was stored"));
 }
 
 }  // namespace kvcd

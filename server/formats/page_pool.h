@@ -29,6 +29,7 @@ class PagePool {
 
   const std::string& format() const { return format_; }
   int32_t num_pages() const { return num_pages_; }
+  int32_t num_layers() const { return num_layers_; }
   int64_t layer_page_bytes() const { return layer_page_bytes_; }
   // Bytes of one page over all layers.
   int64_t page_bytes() const { return layer_page_bytes_ * num_layers_; }

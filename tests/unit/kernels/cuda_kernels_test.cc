@@ -17,6 +17,7 @@
 #include "kvcd/kernels/cuda_demote.h"
 #include "kvcd/kernels/cuda_device.h"
 #include "kvcd/kernels/cuda_device_copy.h"
+#include "kvcd/kernels/cuda_page_copy.h"
 #include "kvcd/kernels/cuda_store_rows.h"
 #include "kvcd/kernels/int2_attention.h"
 #include "kvcd/kernels/int2_codec.h"
@@ -391,6 +392,64 @@ TEST_F(CudaKernelsTest, PagedRowStoresAreBitIdenticalToTheHostPath) {
         }
       }
     }
+  }
+}
+
+// Paged copies against a host reference: scatter a run into scattered pool pages of every
+// layer, gather them back, and count FP16 parameter failures in a sub-range of each page,
+// on the vector path and the byte path (odd layer sizes).
+TEST_F(CudaKernelsTest, PagedCopyScattersGathersAndChecksLikeTheReference) {
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (int64_t layer_bytes : {int64_t{4096}, int64_t{1030}}) {
+    const int layers = 3, pool_pages = 9;
+    const std::vector<int32_t> ids = {7, 0, 4, 2};
+    const int64_t pages = static_cast<int64_t>(ids.size());
+    std::vector<uint8_t> run(static_cast<size_t>(pages * layers * layer_bytes));
+    for (auto& b : run) b = static_cast<uint8_t>(byte(rng_));
+    std::vector<uint8_t> pool(static_cast<size_t>(pool_pages * layers * layer_bytes), 0x5a);
+    uint8_t* d_pool = Up(pool);
+    uint8_t* d_run = Up(run);
+    cuda::PagedCopyArgs a;
+    a.pool = d_pool;
+    a.pool_layer_stride = pool_pages * layer_bytes;
+    a.layer_bytes = layer_bytes;
+    a.num_layers = layers;
+    a.page_ids = Up(ids);
+    a.num_pages = pages;
+    a.run = d_run;
+    a.check = cuda::kCheckFp16ScaleMin;
+    a.check_block = 16;
+    a.check_offset = 512;
+    a.check_bytes = 256;
+    unsigned long long* d_bad = Up(std::vector<unsigned long long>{0});
+    ASSERT_EQ(cuda::LaunchPagedCopy(cuda::PageCopy::kScatter, a, d_bad, nullptr), cudaSuccess);
+    std::vector<uint8_t> want = pool;
+    unsigned long long want_bad = 0;
+    for (int64_t p = 0; p < pages; ++p) {
+      for (int l = 0; l < layers; ++l) {
+        const uint8_t* src = run.data() + (p * layers + l) * layer_bytes;
+        std::copy(src, src + layer_bytes,
+                  want.begin() + l * pool_pages * layer_bytes + ids[p] * layer_bytes);
+        for (int64_t i = 0; i < a.check_bytes / 2; ++i) {
+          const uint16_t h = static_cast<uint16_t>(src[a.check_offset + 2 * i] |
+                                                   (src[a.check_offset + 2 * i + 1] << 8));
+          const bool scale = (i / a.check_block) % 2 == 0;
+          want_bad += (h & 0x7c00u) == 0x7c00u || (scale && (h & 0x8000u) && (h & 0x7fffu));
+        }
+      }
+    }
+    EXPECT_TRUE(Down(d_pool, pool.size()) == want) << "layer_bytes " << layer_bytes;
+    EXPECT_EQ(Down(d_bad, 1)[0], want_bad);
+    EXPECT_GT(want_bad, 0u);  // random bytes: the check is exercised
+    // Check only: the same count, nothing written.
+    ASSERT_EQ(cudaMemset(d_bad, 0, sizeof(unsigned long long)), cudaSuccess);
+    ASSERT_EQ(cuda::LaunchPagedCopy(cuda::PageCopy::kCheck, a, d_bad, nullptr), cudaSuccess);
+    EXPECT_EQ(Down(d_bad, 1)[0], want_bad);
+    // Gather into a poisoned run: the original run comes back.
+    ASSERT_EQ(cudaMemset(d_run, 0xee, run.size()), cudaSuccess);
+    a.check = cuda::kCheckNone;
+    ASSERT_EQ(cuda::LaunchPagedCopy(cuda::PageCopy::kGather, a, nullptr, nullptr), cudaSuccess);
+    EXPECT_TRUE(Down(d_run, run.size()) == run) << "layer_bytes " << layer_bytes;
   }
 }
 

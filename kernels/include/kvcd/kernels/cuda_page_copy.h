@@ -1,0 +1,41 @@
+// Whole pages between a pool ([layer][page][layer_bytes], page ids) and a run of pages
+// stored back to back ([page][layer][layer_bytes]) — the form in which pages travel
+// (PushPages, FetchPages, NCCL staging) — in one launch, with an optional validity check
+// of the bytes read (cuda_device_copy.h's CopyCheck). sm_90, framework-free.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace kvcd::kernels::cuda {
+
+enum class PageCopy : int {
+  kScatter = 0,  // run -> pool (pages page_ids[i] of every layer)
+  kGather = 1,   // pool -> run
+  kCheck = 2,    // run only: count the values that fail the check
+};
+
+struct PagedCopyArgs {
+  uint8_t* pool = nullptr;        // layer 0, page 0 of the pool (device)
+  int64_t pool_layer_stride = 0;  // bytes between layers of the pool
+  int64_t layer_bytes = 0;        // bytes of one page of one layer
+  int32_t num_layers = 0;
+  const int32_t* page_ids = nullptr;  // [num_pages] (device); unused by kCheck
+  int64_t num_pages = 0;
+  uint8_t* run = nullptr;  // num_pages * num_layers * layer_bytes bytes (device)
+  // The check: values in bytes [check_offset, check_offset + check_bytes) of every layer
+  // page (16-bit words), CopyCheck semantics with check_block.
+  uint32_t check = 0;
+  uint32_t check_block = 0;
+  int64_t check_offset = 0;
+  int64_t check_bytes = 0;
+};
+
+// With a check, atomically adds the number of failing values to *bad (device).
+// REQUIRES: layer_bytes, check_offset and check_bytes even; 16-byte alignment of pool, run
+// and layer_bytes takes the vector path, anything else the byte path.
+cudaError_t LaunchPagedCopy(PageCopy kind, const PagedCopyArgs& a, unsigned long long* bad,
+                            cudaStream_t stream);
+
+}  // namespace kvcd::kernels::cuda
