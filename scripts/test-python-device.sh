@@ -8,8 +8,12 @@ cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
 site=${KVCD_PY_SITE:-/tmp/kvcd-python-site}
 rm -rf "$site"
-"$py" -m pip install -q --no-index --find-links .whl --target "$site" --no-deps kvcd protobuf \
-  pytest iniconfig pluggy packaging pygments tomli exceptiongroup typing_extensions
+# The image's own protobuf (grpcio's) when it has one: a second copy on the path mixes the
+# two versions' modules.
+pkgs=(kvcd pytest iniconfig pluggy packaging pygments tomli exceptiongroup typing_extensions)
+if ! "$py" -c 'import google.protobuf' 2>/dev/null; then pkgs+=(protobuf); fi
+"$py" -c 'import google.protobuf as p; print("image protobuf", p.__version__)' 2>/dev/null || true
+"$py" -m pip install -q --no-index --find-links .whl --target "$site" --no-deps "${pkgs[@]}"
 "$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())' || true
 root=$PWD
 cd client/python

@@ -31,7 +31,7 @@ __device__ __forceinline__ StoreRow DecodeStoreRow(int64_t r, const PagedRows& p
   r >>= 1;
   s.token = r % p.num_tokens;
   s.layer = static_cast<int32_t>(r / p.num_tokens);
-  const int64_t at = p.slots[s.token];
+  const int64_t at = p.slots != nullptr ? p.slots[s.token] : p.inline_slots[s.token];
   s.page = at / p.page_size;
   s.slot = static_cast<int32_t>(at - s.page * p.page_size);
   return s;
@@ -59,8 +59,8 @@ __device__ __forceinline__ uint8_t* StorePage(const PagedRows& p, const StoreRow
 }
 
 inline bool ValidStore(const RowBlock& k, const RowBlock& v, const PagedRows& p) {
-  return k.data != nullptr && v.data != nullptr && p.base != nullptr && p.slots != nullptr &&
-         p.num_layers > 0 && p.num_kv_heads > 0 && p.page_size > 0 && p.num_tokens >= 0;
+  return k.data != nullptr && v.data != nullptr && p.base != nullptr &&
+         (p.slots != nullptr || p.num_tokens <= PagedRows::kInlineSlots) && p.num_layers > 0 && p.num_kv_heads > 0 && p.page_size > 0 && p.num_tokens >= 0;
 }
 
 inline dim3 StoreGrid(const PagedRows& p) {

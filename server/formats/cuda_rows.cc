@@ -1,5 +1,6 @@
 #include "server/formats/cuda_rows.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -61,10 +62,16 @@ absl::Status PrepareRowStore(const RowSource& k, const RowSource& v,
                                            &scratch->k));
   KVCD_ASSIGN_OR_RETURN(out->v, DeviceRows(v, first, n, layers, g.num_kv_heads, g.head_dim,
                                            &scratch->v));
-  KVCD_ASSIGN_OR_RETURN(uint8_t * d_slots,
-                        scratch->slots.Reserve(slots.size() * sizeof(int64_t)));
-  KVCD_RETURN_IF_ERROR(
-      scratch->uploads.Upload(d_slots, slots.data(), slots.size() * sizeof(int64_t)));
+  if (n <= kc::PagedRows::kInlineSlots) {  // in the launch's parameters
+    std::copy(slots.begin(), slots.end(), out->dst.inline_slots);
+    out->dst.slots = nullptr;
+  } else {
+    KVCD_ASSIGN_OR_RETURN(uint8_t * d_slots,
+                          scratch->slots.Reserve(slots.size() * sizeof(int64_t)));
+    KVCD_RETURN_IF_ERROR(
+        scratch->uploads.Upload(d_slots, slots.data(), slots.size() * sizeof(int64_t)));
+    out->dst.slots = reinterpret_cast<const int64_t*>(d_slots);
+  }
   const int32_t l0 = layer < 0 ? 0 : layer;
   out->dst.num_layers = layers;
   out->dst.num_tokens = n;
@@ -74,7 +81,6 @@ absl::Status PrepareRowStore(const RowSource& k, const RowSource& v,
   out->dst.base = pool.LayerBase(l0);
   out->dst.layer_stride = int64_t{pool.num_pages()} * pool.layer_page_bytes();
   out->dst.page_bytes = pool.layer_page_bytes();
-  out->dst.slots = reinterpret_cast<const int64_t*>(d_slots);
   out->codec = kc::RowCodec{};
   if (codec != nullptr) {
     const int64_t m = codec->matrix_elems();

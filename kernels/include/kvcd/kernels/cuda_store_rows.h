@@ -26,6 +26,9 @@ struct RowBlock {
 };
 
 struct PagedRows {
+  // Up to this many tokens' slots travel in the launch's parameters (decode steps: no
+  // upload before the launch).
+  static constexpr int kInlineSlots = 32;
   int32_t num_layers = 0;
   int64_t num_tokens = 0;
   int32_t num_kv_heads = 0;
@@ -34,7 +37,8 @@ struct PagedRows {
   uint8_t* base = nullptr;         // pool memory of layer 0 (device)
   int64_t layer_stride = 0;        // bytes between layers of the pool
   int64_t page_bytes = 0;          // bytes of one page of one layer
-  const int64_t* slots = nullptr;  // [num_tokens] page * page_size + slot (device)
+  const int64_t* slots = nullptr;  // [num_tokens] page * page_size + slot (device), or null:
+  int64_t inline_slots[kInlineSlots] = {};  // the same, for num_tokens <= kInlineSlots
 };
 
 // Per-layer rotations and clip ratios: layer l uses r + l * r_layer_stride ([head_dim]^2
