@@ -63,9 +63,10 @@ inline bool ValidStore(const RowBlock& k, const RowBlock& v, const PagedRows& p)
          (p.slots != nullptr || p.num_tokens <= PagedRows::kInlineSlots) && p.num_layers > 0 && p.num_kv_heads > 0 && p.page_size > 0 && p.num_tokens >= 0;
 }
 
-inline dim3 StoreGrid(const PagedRows& p) {
-  const int64_t rows = int64_t{p.num_layers} * p.num_tokens * 2 * p.num_kv_heads;
-  return dim3(static_cast<unsigned>((rows + kStoreWarpsPerBlock - 1) / kStoreWarpsPerBlock));
+// Blocks of kStoreWarpsPerBlock warps for warps_per_row warps on every row.
+inline dim3 StoreGrid(const PagedRows& p, int warps_per_row = 1) {
+  const int64_t warps = int64_t{p.num_layers} * p.num_tokens * 2 * p.num_kv_heads * warps_per_row;
+  return dim3(static_cast<unsigned>((warps + kStoreWarpsPerBlock - 1) / kStoreWarpsPerBlock));
 }
 
 }  // namespace kvcd::kernels::cuda

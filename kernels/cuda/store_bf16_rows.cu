@@ -1,7 +1,8 @@
-// Paged BF16 row stores (cuda_store_rows.h): one warp per row, rotation as RotateRows,
-// rounding as FloatToBf16.
+// Paged BF16 row stores (cuda_store_rows.h): D/32 warps per row, warp w producing outputs
+// [32w, 32w + 32) (one per lane) so that the rotation's reads of R spread over as many warps
+// as there are columns to make; each output summed in input order as RotateRows does, and
+// rounded as FloatToBf16.
 #include "dispatch.cuh"
-#include "int2_row_quantizer.cuh"
 #include "kvcd/kernels/cuda_store_rows.h"
 #include "paged_rows.cuh"
 
@@ -16,18 +17,33 @@ __device__ __forceinline__ uint16_t FloatToBf16Bits(float f) {  // FloatToBf16 o
 
 template <int D>
 __global__ void StoreBf16RowsKernel(RowBlock k, RowBlock v, PagedRows p, RowCodec codec) {
+  constexpr int kWarpsPerRow = D / 32;
   const int lane = threadIdx.x & 31;
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * kStoreWarpsPerBlock + (threadIdx.x >> 5);
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * kStoreWarpsPerBlock + (threadIdx.x >> 5);
+  const int64_t r = warp / kWarpsPerRow;
+  const int slice = static_cast<int>(warp - r * kWarpsPerRow);
   if (r >= int64_t{p.num_layers} * p.num_tokens * 2 * p.num_kv_heads) return;
   const StoreRow s = DecodeStoreRow(r, p);
   float x[D / 32];
   LoadStoreRow<D>(s.which == 0 ? k : v, s, lane, x);
+  const int j = 32 * slice + lane;  // this lane's output
+  float y = x[slice];
   const float* rot = s.which == 0 ? codec.r_k : codec.r_v;
-  if (rot != nullptr) RotateRowWarp<D>(x, rot + s.layer * codec.r_layer_stride, lane);
+  if (rot != nullptr) {
+    rot += s.layer * codec.r_layer_stride + j;
+    y = 0.0f;
+#pragma unroll
+    for (int e = 0; e < D / 32; ++e) {
+#pragma unroll 8
+      for (int src = 0; src < 32; ++src) {
+        const float xi = __shfl_sync(0xffffffffu, x[e], src);
+        y = __fadd_rn(y, __fmul_rn(xi, __ldg(rot + static_cast<int64_t>(32 * e + src) * D)));
+      }
+    }
+  }
   auto* dst = reinterpret_cast<uint16_t*>(StorePage(p, s)) +
               ((int64_t{s.which} * p.num_kv_heads + s.head) * p.page_size + s.slot) * D;
-#pragma unroll
-  for (int e = 0; e < D / 32; ++e) dst[lane + 32 * e] = FloatToBf16Bits(x[e]);
+  dst[j] = FloatToBf16Bits(y);
 }
 
 }  // namespace
@@ -37,8 +53,9 @@ cudaError_t LaunchStoreBf16Rows(const RowBlock& k, const RowBlock& v, const Page
   if (!ValidStore(k, v, dst)) return cudaErrorInvalidValue;
   if (dst.num_tokens == 0) return cudaSuccess;
   return DispatchHeadDim(dst.head_dim, [&](auto hd) {
-    StoreBf16RowsKernel<decltype(hd)::value>
-        <<<StoreGrid(dst), 32 * kStoreWarpsPerBlock, 0, stream>>>(k, v, dst, codec);
+    constexpr int kD = decltype(hd)::value;
+    StoreBf16RowsKernel<kD>
+        <<<StoreGrid(dst, kD / 32), 32 * kStoreWarpsPerBlock, 0, stream>>>(k, v, dst, codec);
     return cudaGetLastError();
   });
 }

@@ -675,6 +675,14 @@ absl::Status ModelCache::FetchStored(Sequence* seq, int64_t first, int64_t n,
   return absl::OkStatus();
 }
 
+absl::StatusOr<int64_t> ModelCache::StoredBytes(Sequence* seq, int64_t first, int64_t n) {
+  std::lock_guard<std::mutex> seq_lock(seq->mu);
+  KVCD_RETURN_IF_ERROR(CheckReadable(*seq, first, n));
+  std::vector<StoredPageCopy> pages;
+  absl::Status unused;
+  return ReadRuns(*seq, first, n, nullptr, false, &pages, &unused);
+}
+
 absl::Status ModelCache::FetchStoredToDevice(Sequence* seq, int64_t first, int64_t n, uint8_t* dst,
                                              int64_t dst_bytes,
                                              std::vector<StoredPageCopy>* pages) {

@@ -170,6 +170,9 @@ class ModelCache {
   absl::Status FetchStored(Sequence* seq, int64_t first, int64_t n,
                            std::vector<StoredPageCopy>* pages);
 
+  // Bytes of the pages covering tokens [first, first + n) as they are stored now.
+  absl::StatusOr<int64_t> StoredBytes(Sequence* seq, int64_t first, int64_t n);
+
   // The same pages copied back to back into device memory `dst` (pages[i].data stays
   // empty); the copy is queued on the device before the sequence is unlocked.
   absl::Status FetchStoredToDevice(Sequence* seq, int64_t first, int64_t n, uint8_t* dst,

@@ -462,9 +462,10 @@ absl::Status CacheEngine::FetchPages(const v1::FetchPagesRequest& req,
     }
     KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(req.destination(), "destination",
                                                TensorResolver::kIpc | TensorResolver::kNccl));
-    int64_t total = 0;
-    for (int64_t p = req.first_token() / s.page_size; p * s.page_size < req.first_token() + n; ++p)
-      total += seq->model->StoredPageBytes(p);
+    // The bytes of the pages as this sequence holds them (a recent-window page is BF16 until
+    // it is demoted, wherever it sits).
+    KVCD_ASSIGN_OR_RETURN(const int64_t total,
+                          seq->model->StoredBytes(seq.get(), req.first_token(), n));
     if (total == 0) {
       return absl::InvalidArgumentError("the range holds no page; nothing to send to destination");
     }
