@@ -14,6 +14,7 @@ import os
 import pathlib
 import re
 import subprocess
+import sys
 import tempfile
 
 import helm_python as helm
@@ -366,6 +367,6 @@ def test_helm_lint_strict_is_clean():
 
 
 def test_generated_copies_are_in_sync():
-    r = subprocess.run(["python3", str(ROOT / "deploy/tools/sync_generated.py"), "--check"],
+    r = subprocess.run([sys.executable, str(ROOT / "deploy/tools/sync_generated.py"), "--check"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
