@@ -114,9 +114,16 @@ build_args=(--build-arg "BASE_IMAGE=$base" --build-arg "KVCD_VERSION=$version")
 if [[ $variant == cuda ]]; then
   cuda=${CUDA_HOME:-/usr/local/cuda}
   [[ -x $cuda/bin/nvcc ]] || { log "the CUDA variant needs a CUDA toolkit at $cuda"; exit 1; }
-  # Only what nvcc and the link need (compiler, headers, static runtime); see Dockerfile.cuda.
-  mkdir -p "$ctx/cuda"
-  cp -a "$cuda/." "$ctx/cuda/" 2>/dev/null || true
+  # Only what nvcc, CMake's FindCUDAToolkit and the link need, plus NCCL for the runtime
+  # image (see Dockerfile.cuda): ~0.4 GB of the toolkit's 2.7.
+  mkdir -p "$ctx/cuda/lib"
+  cp -a "$cuda/bin" "$cuda/nvvm" "$cuda/include" "$cuda/targets" "$ctx/cuda/"
+  [[ ! -e $cuda/version.json ]] || cp -a "$cuda/version.json" "$ctx/cuda/"
+  ln -s lib "$ctx/cuda/lib64"
+  for f in libcudart_static.a libcudadevrt.a libculibos.a libcudart.so libcudart.so.* \
+           libnccl.so libnccl.so.2 cmake; do
+    for g in "$cuda"/lib/$f; do [[ ! -e $g ]] || cp -a "$g" "$ctx/cuda/lib/"; done
+  done
 fi
 
 log "docker build ($variant) FROM $base"
