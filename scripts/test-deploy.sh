@@ -4,7 +4,8 @@
 # Debian packages (prometheus for promtool, docker.io, debootstrap) and a venv under
 # .cache/deploy-venv with the PyPI tools (helm-python-sdk, kubernetes-validate,
 # grafana-foundation-sdk, pytest).
-#   1. promtool check rules + promtool test rules (a unit test per alert)
+#   1. promtool check rules + promtool test rules (a unit test per alert, and each alert
+#      disabled in turn must fail its test)
 #   2. the committed Grafana JSON and the synced copies equal their generators' output
 #   3. kustomize and Helm renders: strict schemas, assertions, equivalence (pytest)
 #   4. a real kvcd scraped by a real Prometheus: promtool check metrics, every dashboard
@@ -54,7 +55,7 @@ step() {  # step NAME COMMAND...
   fi
 }
 step "promtool check/test rules" bash -c \
-  'promtool check rules deploy/prometheus/kvcd-rules.yaml && cd deploy/prometheus && promtool test rules kvcd-rules.test.yaml'
+  "promtool check rules deploy/prometheus/kvcd-rules.yaml && '$py' -m pytest -q -p no:cacheprovider deploy/tests/test_rules.py"
 step "generated files up to date" bash -c \
   "'$py' deploy/grafana/generate_dashboard.py --check && '$py' deploy/tools/sync_generated.py --check"
 step "kustomize + helm renders" "$py" -m pytest -q -p no:cacheprovider deploy/tests/test_kubernetes.py
