@@ -55,8 +55,10 @@ class CacheCollector final : public prometheus::Collectable {
                       "segment (sink|history|recent).",
                       MetricType::Gauge);
     auto bits =
-        Family("kvcd_history_bits_per_element",
-               "Bits per K/V element of the history format (2.25 for int2-oscar at head_dim 128).",
+        Family("kvcd_history_bytes_per_element",
+               "Bytes per K/V element of the history format, scales included (0.28125, i.e. "
+               "2.25 bits, for int2-oscar at head_dim 128; 2 for bf16). In bytes, the base unit "
+               "Prometheus naming asks for.",
                MetricType::Gauge);
     auto ratio = Family("kvcd_pool_compression_ratio",
                         "Dense-BF16 bytes of the tokens held in a model's pools divided by the "
@@ -79,7 +81,7 @@ class CacheCollector final : public prometheus::Collectable {
       Add(&bpt, mv.snapshot.bf16_bytes_per_token, {{"model", mv.name}, {"segment", "sink"}});
       Add(&bpt, mv.snapshot.history_bytes_per_token, {{"model", mv.name}, {"segment", "history"}});
       Add(&bpt, mv.snapshot.bf16_bytes_per_token, {{"model", mv.name}, {"segment", "recent"}});
-      Add(&bits, mv.snapshot.history_bits_per_element, {{"model", mv.name}});
+      Add(&bits, mv.snapshot.history_bits_per_element / 8, {{"model", mv.name}});
       Add(&ratio, mv.snapshot.compression_ratio, {{"model", mv.name}});
     }
     out.push_back(std::move(pool_bytes));

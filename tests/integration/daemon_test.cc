@@ -311,7 +311,7 @@ TEST_F(DaemonTest, HealthMetricsAndDrain) {
         "kvcd_pool_pages{format=\"bf16\",model=\"tiny\",state=\"used\"} 2",
         "kvcd_radix_miss_tokens_total 8", "kvcd_evicted_pages_total", "kvcd_active_sequences 0",
         "kvcd_rpc_duration_seconds_count{code=\"OK\",method=\"Put\"} 1",
-        "kvcd_attention_kernel_seconds", "kvcd_history_bits_per_element{model=\"tiny\"} 16",
+        "kvcd_attention_kernel_seconds", "kvcd_history_bytes_per_element{model=\"tiny\"} 2",
         "kvcd_bytes_per_token{model=\"tiny\",segment=\"history\"} 256",
         "kvcd_pool_compression_ratio{model=\"tiny\"} 1"}) {
     EXPECT_NE(body.find(name), std::string::npos) << name;

@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# Builds the kvcd container image with no container registry: the base image is a Debian 12
+# root made here with debootstrap (from the Debian archive this machine's apt uses) and
+# imported into Docker; the Dockerfile then builds FROM it with the classic builder.
+#
+#   deploy/container/build-image.sh [--cuda] [--tag NAME:TAG]
+#
+# Starts dockerd if none answers. Caches under ${KVCD_DEPLOY_CACHE:-.cache/deploy}: the
+# debootstrap tarball (rebuilt after ${KVCD_BASE_MAX_AGE_DAYS:-7} days), and the build
+# stage's ccache (copied out of the build stage after each build and sent back in the
+# context next time). Prints the image name on its last line.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+root=$PWD
+variant=cpu
+tag=""
+while (($#)); do
+  case $1 in
+    --cuda) variant=cuda ;;
+    --tag) tag=$2; shift ;;
+    *) echo "build-image: unknown argument '$1'" >&2; exit 2 ;;
+  esac
+  shift
+done
+cache=${KVCD_DEPLOY_CACHE:-$root/.cache/deploy}
+mkdir -p "$cache"
+cache=$(cd "$cache" && pwd)
+version=$(git describe --always --dirty 2>/dev/null || echo dev)
+[[ -n $tag ]] || tag="kvcd:${version}-${variant}"
+log() { echo "build-image: $*" >&2; }
+
+need=()
+command -v dockerd >/dev/null || need+=(docker.io)
+command -v debootstrap >/dev/null || need+=(debootstrap)
+if ((${#need[@]})); then
+  log "installing ${need[*]}"
+  DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+
+# --- the Docker engine -----------------------------------------------------------------
+if ! docker info >/dev/null 2>&1; then
+  log "no Docker engine answers; starting dockerd (log: $cache/dockerd.log)"
+  nohup dockerd >"$cache/dockerd.log" 2>&1 &
+  for _ in $(seq 120); do docker info >/dev/null 2>&1 && break; sleep 0.5; done
+  docker info >/dev/null 2>&1 || { tail -20 "$cache/dockerd.log" >&2; log "dockerd did not start"; exit 1; }
+fi
+
+# --- the base image: debootstrap --variant=minbase bookworm -> docker import -------------
+# The mirror is the one this machine's apt already uses (deb822 or one-line sources).
+apt_uri() {  # $1: suite to look for
+  local f
+  for f in /etc/apt/sources.list.d/*.sources; do
+    [[ -f $f ]] || continue
+    awk -v s="$1" 'BEGIN{RS=""} $0 ~ ("Suites:[^\n]*" s "([ \n]|$)") {
+      for (i = 1; i <= NF; i++) if ($i == "URIs:") { print $(i+1); exit } }' "$f"
+  done
+  grep -hsE "^deb[[:space:]]+[^[:space:]]+[[:space:]]+$1([[:space:]]|$)" /etc/apt/sources.list \
+    /etc/apt/sources.list.d/*.list | awk '{print $2}'
+  return 0
+}
+tarball=$cache/debian-bookworm-minbase.tar
+max_age=${KVCD_BASE_MAX_AGE_DAYS:-7}
+if [[ ! -s $tarball ]] || [[ -n $(find "$tarball" -mtime +"$max_age" 2>/dev/null) ]]; then
+  mirror=$(apt_uri bookworm | head -1)
+  security=$(apt_uri bookworm-security | head -1)
+  [[ -n $mirror ]] || { log "no bookworm mirror in /etc/apt sources"; exit 1; }
+  log "debootstrap --variant=minbase bookworm from $mirror"
+  rootfs=$(mktemp -d "$cache/rootfs.XXXXXX")
+  trap 'rm -rf "$rootfs"' EXIT
+  debootstrap --variant=minbase bookworm "$rootfs" "$mirror" >"$cache/debootstrap.log" 2>&1 ||
+    { tail -20 "$cache/debootstrap.log" >&2; exit 1; }
+  {
+    echo "deb $mirror bookworm main"
+    echo "deb $mirror bookworm-updates main"
+    [[ -z $security ]] || echo "deb $security bookworm-security main"
+  } >"$rootfs/etc/apt/sources.list"
+  # Like Debian's own container images: no docs or man pages, no apt caches in layers.
+  cat >"$rootfs/etc/dpkg/dpkg.cfg.d/excludes" <<'CFG'
+path-exclude /usr/share/doc/*
+path-include /usr/share/doc/*/copyright
+path-exclude /usr/share/man/*
+path-exclude /usr/share/info/*
+path-exclude /usr/share/locale/*
+CFG
+  echo 'APT::Install-Recommends "false"; APT::Install-Suggests "false";' \
+    >"$rootfs/etc/apt/apt.conf.d/90kvcd-no-recommends"
+  rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
+  tar -C "$rootfs" --numeric-owner -cf "$tarball.tmp" .
+  mv "$tarball.tmp" "$tarball"
+  rm -rf "$rootfs"
+  trap - EXIT
+fi
+base="kvcd-base/debian:bookworm-$(sha256sum "$tarball" | cut -c1-12)"
+if ! docker image inspect "$base" >/dev/null 2>&1; then
+  log "docker import $tarball as $base"
+  docker import --change 'CMD ["/bin/bash"]' "$tarball" "$base" >/dev/null
+fi
+
+# --- the build context: the sources CMake needs, the ccache, the image's files -----------
+ctx=$cache/context-$variant
+rm -rf "$ctx" && mkdir -p "$ctx/src" "$ctx/ccache"
+srcs=(CMakeLists.txt proto kernels common server client tools deploy/container)
+if git rev-parse --git-dir >/dev/null 2>&1; then
+  git ls-files -z --cached --others --exclude-standard -- "${srcs[@]}" | xargs -0 cp --parents -t "$ctx/src"
+else
+  cp -r --parents -t "$ctx/src" "${srcs[@]}"
+fi
+ccache_dir=$cache/ccache-$variant
+[[ ! -d $ccache_dir ]] || cp -a "$ccache_dir/." "$ctx/ccache/"
+dockerfile=deploy/container/Dockerfile
+[[ $variant == cpu ]] || dockerfile=deploy/container/Dockerfile.cuda
+build_args=(--build-arg "BASE_IMAGE=$base" --build-arg "KVCD_VERSION=$version")
+if [[ $variant == cuda ]]; then
+  cuda=${CUDA_HOME:-/usr/local/cuda}
+  [[ -x $cuda/bin/nvcc ]] || { log "the CUDA variant needs a CUDA toolkit at $cuda"; exit 1; }
+  # Only what nvcc, CMake's FindCUDAToolkit and the link need, plus NCCL for the runtime
+  # image (see Dockerfile.cuda): ~0.4 GB of the toolkit's 2.7.
+  mkdir -p "$ctx/cuda/lib"
+  cp -a "$cuda/bin" "$cuda/nvvm" "$cuda/include" "$cuda/targets" "$ctx/cuda/"
+  [[ ! -e $cuda/version.json ]] || cp -a "$cuda/version.json" "$ctx/cuda/"
+  ln -s lib "$ctx/cuda/lib64"
+  for f in libcudart_static.a libcudadevrt.a libculibos.a libcudart.so libcudart.so.* \
+           libnccl.so libnccl.so.2 cmake; do
+    for g in "$cuda"/lib/$f; do [[ ! -e $g ]] || cp -a "$g" "$ctx/cuda/lib/"; done
+  done
+fi
+
+log "docker build ($variant) FROM $base"
+start=$(date +%s)
+DOCKER_BUILDKIT=0 docker build -f "$ctx/src/$dockerfile" "${build_args[@]}" -t "$tag" "$ctx" \
+  >"$cache/docker-build-$variant.log" 2>&1 || { tail -40 "$cache/docker-build-$variant.log" >&2; exit 1; }
+# The same build up to its build stage: every layer comes from the cache; tagged to copy out.
+DOCKER_BUILDKIT=0 docker build -q -f "$ctx/src/$dockerfile" "${build_args[@]}" \
+  --target build -t "$tag-buildstage" "$ctx" >/dev/null
+log "built $tag in $(($(date +%s) - start)) s ($(docker image inspect -f '{{.Size}}' "$tag" | awk '{printf "%.0f MB", $1/1e6}'))"
+# Keep the build stage's ccache for the next build.
+cid=$(docker create "$tag-buildstage")
+rm -rf "$ccache_dir.new" && docker cp "$cid:/ccache" "$ccache_dir.new" && rm -rf "$ccache_dir" &&
+  mv "$ccache_dir.new" "$ccache_dir"
+docker rm "$cid" >/dev/null
+docker image rm "$tag-buildstage" >/dev/null
+rm -rf "$ctx"
+echo "$tag"

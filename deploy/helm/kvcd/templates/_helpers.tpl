@@ -1,0 +1,45 @@
+{{/* Name of every object: the release name, or release-kvcd when it does not say kvcd. */}}
+{{- define "kvcd.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvcd.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "kvcd.labels" -}}
+{{ include "kvcd.selectorLabels" . }}
+app.kubernetes.io/part-of: kvcd
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{/* The daemon's config file: the values' config plus what the chart owns. */}}
+{{- define "kvcd.config" -}}
+{{- $c := deepCopy .Values.config -}}
+{{- $_ := set $c "listen" (printf "0.0.0.0:%d" (int .Values.ports.grpc)) -}}
+{{- $_ := set $c "health_listen" (printf "0.0.0.0:%d" (int .Values.ports.health)) -}}
+{{- $_ := set $c "metrics_listen" (printf "0.0.0.0:%d" (int .Values.ports.metrics)) -}}
+{{- $_ := set $c "backend" .Values.backend -}}
+{{- if eq .Values.backend "cuda" }}{{ $_ := set $c "cuda_device" 0 }}{{ end -}}
+{{- if .Values.tls.enabled -}}
+{{- $tls := dict "cert_file" "/etc/kvcd/tls/tls.crt" "key_file" "/etc/kvcd/tls/tls.key" -}}
+{{- if .Values.tls.clientCA }}{{ $_ := set $tls "client_ca_file" "/etc/kvcd/tls/ca.crt" }}{{ end -}}
+{{- $_ := set $c "tls" $tls -}}
+{{- end -}}
+{{- if .Values.auth.enabled -}}
+{{- $_ := set $c "auth" (dict "tokens_file" "/etc/kvcd/auth/tokens") -}}
+{{- end -}}
+{{- toYaml $c -}}
+{{- end -}}
+
+{{/* preStop sleep + the drain rounded up to seconds + 5 s of margin. */}}
+{{- define "kvcd.terminationGracePeriodSeconds" -}}
+{{- add (int .Values.preStopSleepSeconds) (div (add (int .Values.config.drain_timeout_ms) 999) 1000) 5 -}}
+{{- end -}}

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The deployment and observability checks (deploy/, see deploy/README.md). Needs kvcd and
+# kvctl built (${KVCD_BUILD_DIR:-build}/server/kvcd, .../client/kvctl); installs the rest:
+# Debian packages (prometheus for promtool, docker.io, debootstrap) and a venv under
+# .cache/deploy-venv with the PyPI tools (helm-python-sdk, kubernetes-validate,
+# grafana-foundation-sdk, pytest).
+#   1. promtool check rules + promtool test rules (a unit test per alert, and each alert
+#      disabled in turn must fail its test)
+#   2. the committed Grafana JSON and the synced copies equal their generators' output
+#   3. kustomize and Helm renders: strict schemas, assertions, equivalence (pytest)
+#   4. a real kvcd scraped by a real Prometheus: promtool check metrics, every dashboard
+#      query returns data, recording rules evaluate, SIGTERM drains (pytest)
+#   5. the container image: registry-free build, run on 127.0.0.1, kvctl, docker stop drains
+#      (KVCD_DEPLOY_SKIP_IMAGE=1 skips it)
+#   6. with KVCD_DEPLOY_CUDA_IMAGE=1: the CUDA image builds (compile and link for sm_90)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+build=${KVCD_BUILD_DIR:-build}
+export KVCD_BIN=$PWD/$build/server/kvcd KVCTL_BIN=$PWD/$build/client/kvctl
+for b in "$KVCD_BIN" "$KVCTL_BIN"; do
+  [[ -x $b ]] || { echo "test-deploy: $b is missing: run scripts/build.sh kvcd kvctl" >&2; exit 1; }
+done
+command -v kubectl >/dev/null || { echo "test-deploy: kubectl (kustomize) is missing" >&2; exit 1; }
+
+pkgs=(prometheus curl python3-venv)
+[[ -n ${KVCD_DEPLOY_SKIP_IMAGE:-} ]] || pkgs+=(docker.io debootstrap)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "test-deploy: installing ${missing[*]}"
+  DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+venv=${KVCD_DEPLOY_VENV:-$PWD/.cache/deploy-venv}
+reqs="helm-python-sdk==0.2.2 kubernetes-validate==1.37.0 grafana-foundation-sdk==1769699998!10.1.0 pytest==8.* PyYAML==6.*"
+if [[ ! -f $venv/.reqs ]] || [[ $(cat "$venv/.reqs") != "$reqs" ]]; then
+  echo "test-deploy: PyPI tools into $venv"
+  python3 -m venv "$venv" && "$venv/bin/pip" install -q $reqs && echo "$reqs" >"$venv/.reqs" ||
+    { echo "test-deploy: pip install failed" >&2; exit 1; }
+fi
+py=$venv/bin/python
+export PATH=$venv/bin:$PATH
+
+passed=0 failed=0 names=()
+step() {  # step NAME COMMAND...
+  local name=$1 start=$SECONDS
+  shift
+  echo "=== test-deploy: $name"
+  if "$@"; then
+    passed=$((passed + 1)); names+=("PASS $name ($((SECONDS - start)) s)")
+  else
+    failed=$((failed + 1)); names+=("FAIL $name ($((SECONDS - start)) s)")
+  fi
+}
+step "promtool check/test rules" bash -c \
+  "promtool check rules deploy/prometheus/kvcd-rules.yaml && '$py' -m pytest -q -p no:cacheprovider deploy/tests/test_rules.py"
+step "generated files up to date" bash -c \
+  "'$py' deploy/grafana/generate_dashboard.py --check && '$py' deploy/tools/sync_generated.py --check"
+step "kustomize + helm renders" "$py" -m pytest -q -p no:cacheprovider deploy/tests/test_kubernetes.py
+step "live kvcd + prometheus" "$py" -m pytest -q -p no:cacheprovider deploy/tests/test_live_metrics.py
+if [[ -z ${KVCD_DEPLOY_SKIP_IMAGE:-} ]]; then
+  step "container image" deploy/tests/test_container.sh
+fi
+if [[ -n ${KVCD_DEPLOY_CUDA_IMAGE:-} ]]; then
+  step "CUDA image builds" deploy/container/build-image.sh --cuda
+fi
+echo "--- test-deploy summary"
+printf '  %s\n' "${names[@]}"
+echo "test-deploy: $SECONDS s"
+echo "$passed passed, $failed failed"
+((failed == 0))
