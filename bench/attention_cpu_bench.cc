@@ -120,13 +120,12 @@ int main(int argc, char** argv) {
         // INT2 pages hold Hadamard-rotated rows: the model's formats share that rotation.
         std::shared_ptr<const kvcd::CodecProfile> rotation;
         if (fmt == 1) {
-          rotation = std::make_shared<const kvcd::CodecProfile>(
-              kvcd::CodecProfile::Hadamard(1, kD));
+          rotation =
+              std::make_shared<const kvcd::CodecProfile>(kvcd::CodecProfile::Hadamard(1, kD));
         }
-        const std::vector<kvcd::FormatId> ids = {kvcd::FormatId::kBf16,
-                                                 kvcd::FormatId::kInt2Oscar};
-        auto formats = backend->CreateFormats(ids, kvcd::PageGeometry{1, kHkv, kD, kPage},
-                                              rotation);
+        const std::vector<kvcd::FormatId> ids = {kvcd::FormatId::kBf16, kvcd::FormatId::kInt2Oscar};
+        auto formats =
+            backend->CreateFormats(ids, kvcd::PageGeometry{1, kHkv, kD, kPage}, rotation);
         if (!formats.ok()) {
           std::fprintf(stderr, "%s\n", std::string(formats.status().message()).c_str());
           return 1;

@@ -26,7 +26,8 @@ inline void CpuRelax() {
 absl::StatusOr<std::unique_ptr<DecodeChannel>> DecodeChannel::Open(Client* client,
                                                                    uint32_t capacity,
                                                                    int64_t lease_ms) {
-  if (capacity < DecodeChannelHeader::kMinCapacity || capacity > DecodeChannelHeader::kMaxCapacity) {
+  if (capacity < DecodeChannelHeader::kMinCapacity ||
+      capacity > DecodeChannelHeader::kMaxCapacity) {
     return absl::InvalidArgumentError(absl::StrCat("capacity is ", capacity, ", expected ",
                                                    DecodeChannelHeader::kMinCapacity, "..",
                                                    DecodeChannelHeader::kMaxCapacity));
@@ -37,7 +38,8 @@ absl::StatusOr<std::unique_ptr<DecodeChannel>> DecodeChannel::Open(Client* clien
   std::random_device rd;
   const std::string name = absl::StrCat("/kvcd-", getpid(), "-", rd(), rd());
   const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-  if (fd < 0) return absl::InternalError(absl::StrCat("shm_open ", name, ": ", std::strerror(errno)));
+  if (fd < 0)
+    return absl::InternalError(absl::StrCat("shm_open ", name, ": ", std::strerror(errno)));
   if (ftruncate(fd, static_cast<off_t>(ch->bytes_)) != 0) {
     const int e = errno;
     close(fd);
@@ -83,14 +85,14 @@ absl::StatusOr<v1::AttentionDecodeResponse> DecodeChannel::Call(
   }
   DecodeChannelHeader& h = *header_;
   if (h.closed.load(std::memory_order_acquire) != 0) {
-    return absl::UnavailableError("the daemon closed the decode channel (idle past its lease, "
-                                  "or draining); open a new one");
+    return absl::UnavailableError(
+        "the daemon closed the decode channel (idle past its lease, "
+        "or draining); open a new one");
   }
   const size_t n = req.ByteSizeLong();
   if (n > h.capacity) {
-    return absl::InvalidArgumentError(absl::StrCat("the request has ", n,
-                                                   " bytes, more than the channel's capacity ",
-                                                   h.capacity));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the request has ", n, " bytes, more than the channel's capacity ", h.capacity));
   }
   req.SerializeWithCachedSizesToArray(h.RequestArea());
   h.request_bytes.store(static_cast<uint32_t>(n), std::memory_order_relaxed);

@@ -70,13 +70,12 @@ absl::Status CheckTensorRef(const v1::TensorRef& t, absl::string_view field,
     bytes = *next;
   }
   if (t.payload_case() == v1::TensorRef::kCudaIpc || t.payload_case() == v1::TensorRef::kNccl) {
-    const uint64_t size = t.payload_case() == v1::TensorRef::kCudaIpc ? t.cuda_ipc().size()
-                                                                      : t.nccl().size();
+    const uint64_t size =
+        t.payload_case() == v1::TensorRef::kCudaIpc ? t.cuda_ipc().size() : t.nccl().size();
     if (size != static_cast<uint64_t>(bytes)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, t.payload_case() == v1::TensorRef::kCudaIpc ? ".cuda_ipc" : ".nccl",
-                       ".size is ", size, ", expected ", bytes, " for shape ", want_str, " ",
-                       DTypeName(t.dtype())));
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, t.payload_case() == v1::TensorRef::kCudaIpc ? ".cuda_ipc" : ".nccl", ".size is ",
+          size, ", expected ", bytes, " for shape ", want_str, " ", DTypeName(t.dtype())));
     }
     return absl::OkStatus();
   }
@@ -159,8 +158,8 @@ int64_t TensorBytes(v1::DType dtype, const std::vector<int64_t>& shape) {
   return DTypeSize(dtype) * Product(shape);
 }
 
-void SetIpcTensor(v1::TensorRef* t, v1::DType dtype, std::vector<int64_t> shape,
-                  uint64_t buffer_id, uint64_t offset) {
+void SetIpcTensor(v1::TensorRef* t, v1::DType dtype, std::vector<int64_t> shape, uint64_t buffer_id,
+                  uint64_t offset) {
   t->Clear();
   t->set_dtype(dtype);
   const int64_t bytes = TensorBytes(dtype, shape);

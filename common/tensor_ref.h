@@ -26,8 +26,8 @@ absl::Status CheckTensorRef(const v1::TensorRef& t, absl::string_view field,
                             std::initializer_list<v1::DType> allowed);
 
 // A cuda_ipc region of `buffer_id` at `offset` for a tensor of dtype / shape.
-void SetIpcTensor(v1::TensorRef* t, v1::DType dtype, std::vector<int64_t> shape,
-                  uint64_t buffer_id, uint64_t offset);
+void SetIpcTensor(v1::TensorRef* t, v1::DType dtype, std::vector<int64_t> shape, uint64_t buffer_id,
+                  uint64_t offset);
 // Bytes of a tensor of dtype / shape.
 int64_t TensorBytes(v1::DType dtype, const std::vector<int64_t>& shape);
 

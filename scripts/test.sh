@@ -2,7 +2,8 @@
 # The tests: install dependencies, check formatting, build everything with warnings as
 # errors (CUDA sources compile-checked for sm_90 when nvcc exists), run every unit and
 # integration test with CTest, the unit tests again under ASan+UBSan, and the Python
-# client's tests against the real daemon.
+# client's tests against the real daemon, and the deployment checks (image, manifests,
+# chart, rules, dashboard against a real Prometheus).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
@@ -11,3 +12,4 @@ cd "$(dirname "$0")/.."
 ctest --test-dir "${KVCD_BUILD_DIR:-build}" --output-on-failure -j "$(nproc)" --timeout 600
 ./scripts/test-asan.sh
 ./scripts/test-python.sh
+./scripts/test-deploy.sh

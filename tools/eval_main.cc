@@ -6,9 +6,9 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "common/codec_profile.h"
 #include "common/safetensors.h"
 #include "nlohmann/json.hpp"
-#include "common/codec_profile.h"
 #include "tools/eval.h"
 
 namespace {

@@ -46,13 +46,13 @@ double Seconds(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-#define CHECK_OK(expr)                                                  \
-  do {                                                                  \
-    const absl::Status s_ = (expr);                                     \
-    if (!s_.ok()) {                                                     \
+#define CHECK_OK(expr)                                                     \
+  do {                                                                     \
+    const absl::Status s_ = (expr);                                        \
+    if (!s_.ok()) {                                                        \
       std::fprintf(stderr, "prefill worker: %s\n", s_.ToString().c_str()); \
-      return 1;                                                         \
-    }                                                                   \
+      return 1;                                                            \
+    }                                                                      \
   } while (0)
 
 // Fills the pages of tokens [0, pages * page_size) at `dst`, back to back.
@@ -100,8 +100,8 @@ absl::StatusOr<double> CopySeconds(uint8_t* dst, const uint8_t* src, int64_t byt
 }
 
 // --mode put: Put of BF16 K/V from a registered buffer (see the header comment).
-int PutMode(kvcd::Client* client, const std::string& model, const kw::Geometry& g,
-            int64_t n_tokens, const std::string& salt, uint64_t seed, int repeat) {
+int PutMode(kvcd::Client* client, const std::string& model, const kw::Geometry& g, int64_t n_tokens,
+            const std::string& salt, uint64_t seed, int repeat) {
   const int64_t n = n_tokens / g.page_size * g.page_size;
   const int64_t elems = int64_t{g.num_layers} * n * g.num_kv_heads * g.head_dim;
   const int64_t bytes = 2 * elems;  // one of K, V as BF16
@@ -127,8 +127,8 @@ int PutMode(kvcd::Client* client, const std::string& model, const kw::Geometry& 
     auto r = client->Put(req);
     if (!r.ok()) return r.status();
     if (r->inserted_tokens() != n) {
-      return absl::InternalError(absl::StrCat("Put inserted ", r->inserted_tokens(), " of ", n,
-                                              " tokens"));
+      return absl::InternalError(
+          absl::StrCat("Put inserted ", r->inserted_tokens(), " of ", n, " tokens"));
     }
     return Seconds(t0);
   };
@@ -142,8 +142,8 @@ int PutMode(kvcd::Client* client, const std::string& model, const kw::Geometry& 
   // values (host bytes through the same daemon), both fetched as stored.
   const int64_t check_tokens = std::min<int64_t>(n, 8 * g.page_size);
   std::vector<uint16_t> host(static_cast<size_t>(2 * elems));
-  CHECK_OK(kw::CudaCheck(cudaMemcpy(host.data(), buf.data(), 2 * bytes, cudaMemcpyDeviceToHost),
-                         "D2H"));
+  CHECK_OK(
+      kw::CudaCheck(cudaMemcpy(host.data(), buf.data(), 2 * bytes, cudaMemcpyDeviceToHost), "D2H"));
   kvcd::v1::PutRequest inline_req;
   inline_req.set_model(model);
   inline_req.set_cache_salt(salt + "-inline");
@@ -152,8 +152,8 @@ int PutMode(kvcd::Client* client, const std::string& model, const kw::Geometry& 
   for (int which = 0; which < 2; ++which) {
     kvcd::v1::TensorRef* tr = which == 0 ? inline_req.mutable_k() : inline_req.mutable_v();
     tr->set_dtype(kvcd::v1::DTYPE_BF16);
-    for (int64_t d : {int64_t{g.num_layers}, check_tokens, int64_t{g.num_kv_heads},
-                      int64_t{g.head_dim}})
+    for (int64_t d :
+         {int64_t{g.num_layers}, check_tokens, int64_t{g.num_kv_heads}, int64_t{g.head_dim}})
       tr->add_shape(d);
     std::string* data = tr->mutable_inline_data();
     for (int32_t l = 0; l < g.num_layers; ++l) {
@@ -209,7 +209,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "--transport must be ipc or nccl\n");
     return 2;
   }
-  CHECK_OK(kw::CudaCheck(cudaSetDevice(static_cast<int>(flags.GetInt("device", 0))), "cudaSetDevice"));
+  CHECK_OK(
+      kw::CudaCheck(cudaSetDevice(static_cast<int>(flags.GetInt("device", 0))), "cudaSetDevice"));
   auto client = kvcd::Client::Connect(opts);
   CHECK_OK(client.status());
   auto geo = kw::FetchGeometry(client->get(), model);
@@ -352,7 +353,8 @@ int main(int argc, char** argv) {
   CHECK_OK(kw::CudaCheck(cudaMemcpy(a.data(), pushed, total, cudaMemcpyDeviceToHost), "D2H"));
   CHECK_OK(kw::CudaCheck(cudaMemcpy(b.data(), fetched, total, cudaMemcpyDeviceToHost), "D2H"));
   int64_t diff = 0;
-  for (int64_t i = 0; i < total; ++i) diff += a[static_cast<size_t>(i)] != b[static_cast<size_t>(i)];
+  for (int64_t i = 0; i < total; ++i)
+    diff += a[static_cast<size_t>(i)] != b[static_cast<size_t>(i)];
   (void)(*client)->CloseSequence(open->sequence_id());
 
   // Baseline: a plain device-to-device copy of the same bytes, timed with events.

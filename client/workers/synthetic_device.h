@@ -18,7 +18,6 @@ cudaError_t FillBf16(uint16_t* p, int64_t n, uint64_t seed, cudaStream_t stream)
 cudaError_t FillInt2PageLayers(uint8_t* p, int64_t chunks, int64_t bytes, int64_t params_offset,
                                int64_t params, int block, uint64_t seed, cudaStream_t stream);
 // q[i] = bf16(0.5 * o[i] + noise(seed, i)) for i < n.
-cudaError_t NextQueries(const float* o, uint16_t* q, int64_t n, uint64_t seed,
-                        cudaStream_t stream);
+cudaError_t NextQueries(const float* o, uint16_t* q, int64_t n, uint64_t seed, cudaStream_t stream);
 
 }  // namespace kvcd::workers

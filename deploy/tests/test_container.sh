@@ -15,8 +15,8 @@ fi
 name=kvcd-test-$$
 trap 'docker rm -f "$name" >/dev/null 2>&1 || true' EXIT
 args=(serve --config /etc/kvcd/kvcd.yaml)
-# Once the daemon has TLS, plaintext on 0.0.0.0 needs --insecure.
-if docker run --rm "$image" --help 2>&1 | grep -q -- --insecure; then args+=(--insecure); fi
+# Plaintext on 0.0.0.0 (inside the container) needs --insecure.
+args+=(--insecure)
 docker run -d --name "$name" -p 127.0.0.1::50051 -p 127.0.0.1::8081 -p 127.0.0.1::9464 \
   "$image" "${args[@]}" >/dev/null
 port() { docker port "$name" "$1/tcp" | head -1; }

@@ -28,21 +28,21 @@ __device__ __forceinline__ float WarpMin(float v) {
 template <int D>
 __device__ __forceinline__ void RotateRowWarp(float (&x)[D / 32], const float* rot, int lane) {
   constexpr int E = D / 32;
-    float y[E];
+  float y[E];
 #pragma unroll
-    for (int k = 0; k < E; ++k) y[k] = 0.0f;
+  for (int k = 0; k < E; ++k) y[k] = 0.0f;
 #pragma unroll
-    for (int k = 0; k < E; ++k) {
+  for (int k = 0; k < E; ++k) {
 #pragma unroll 8
-      for (int src = 0; src < 32; ++src) {
-        const float xi = __shfl_sync(0xffffffffu, x[k], src);
-        const float* ri = rot + static_cast<int64_t>(k * 32 + src) * D + lane;
+    for (int src = 0; src < 32; ++src) {
+      const float xi = __shfl_sync(0xffffffffu, x[k], src);
+      const float* ri = rot + static_cast<int64_t>(k * 32 + src) * D + lane;
 #pragma unroll
-        for (int m = 0; m < E; ++m) y[m] = __fadd_rn(y[m], __fmul_rn(xi, __ldg(ri + 32 * m)));
-      }
+      for (int m = 0; m < E; ++m) y[m] = __fadd_rn(y[m], __fmul_rn(xi, __ldg(ri + 32 * m)));
     }
+  }
 #pragma unroll
-    for (int k = 0; k < E; ++k) x[k] = y[k];
+  for (int k = 0; k < E; ++k) x[k] = y[k];
 }
 
 // Rotates (rot: [D][D] FP32 or null), clips and quantizes the warp's row x; q receives the

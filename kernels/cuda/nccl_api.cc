@@ -40,11 +40,13 @@ const Nccl& Lib() {
     }
     auto sym = [&](const char* name) {
       void* p = dlsym(h, name);
-      if (p == nullptr && n.load_error.empty()) n.load_error = std::string("libnccl.so.2 lacks ") + name;
+      if (p == nullptr && n.load_error.empty())
+        n.load_error = std::string("libnccl.so.2 lacks ") + name;
       return p;
     };
     n.get_unique_id = reinterpret_cast<decltype(n.get_unique_id)>(sym("ncclGetUniqueId"));
-    n.init_rank_config = reinterpret_cast<decltype(n.init_rank_config)>(sym("ncclCommInitRankConfig"));
+    n.init_rank_config =
+        reinterpret_cast<decltype(n.init_rank_config)>(sym("ncclCommInitRankConfig"));
     n.get_async_error = reinterpret_cast<decltype(n.get_async_error)>(sym("ncclCommGetAsyncError"));
     n.send = reinterpret_cast<decltype(n.send)>(sym("ncclSend"));
     n.recv = reinterpret_cast<decltype(n.recv)>(sym("ncclRecv"));

@@ -58,11 +58,10 @@ __global__ void PagedCopyKernel(int kind, PagedCopyArgs a, unsigned long long* b
       const uint4 v = *reinterpret_cast<const uint4*>(src);
       if (dst != nullptr) *reinterpret_cast<uint4*>(dst) = v;
       if (a.check != kCheckNone) {
-        const uint16_t h[8] = {
-            static_cast<uint16_t>(v.x), static_cast<uint16_t>(v.x >> 16),
-            static_cast<uint16_t>(v.y), static_cast<uint16_t>(v.y >> 16),
-            static_cast<uint16_t>(v.z), static_cast<uint16_t>(v.z >> 16),
-            static_cast<uint16_t>(v.w), static_cast<uint16_t>(v.w >> 16)};
+        const uint16_t h[8] = {static_cast<uint16_t>(v.x), static_cast<uint16_t>(v.x >> 16),
+                               static_cast<uint16_t>(v.y), static_cast<uint16_t>(v.y >> 16),
+                               static_cast<uint16_t>(v.z), static_cast<uint16_t>(v.z >> 16),
+                               static_cast<uint16_t>(v.w), static_cast<uint16_t>(v.w >> 16)};
         local_bad += CheckHalves(h, 8, off, a);
       }
     } else {
@@ -88,10 +87,10 @@ cudaError_t LaunchPagedCopy(PageCopy kind, const PagedCopyArgs& a, unsigned long
     return cudaErrorInvalidValue;
   }
   if (a.num_pages == 0) return cudaSuccess;
-  const bool vec = ((reinterpret_cast<uintptr_t>(a.pool) | reinterpret_cast<uintptr_t>(a.run) |
-                     static_cast<uintptr_t>(a.layer_bytes) |
-                     static_cast<uintptr_t>(a.pool_layer_stride)) &
-                    15u) == 0;
+  const bool vec =
+      ((reinterpret_cast<uintptr_t>(a.pool) | reinterpret_cast<uintptr_t>(a.run) |
+        static_cast<uintptr_t>(a.layer_bytes) | static_cast<uintptr_t>(a.pool_layer_stride)) &
+       15u) == 0;
   const int64_t units = a.layer_bytes / (vec ? 16 : 2) * a.num_layers * a.num_pages;
   // Enough blocks to fill the GPU several times over; each thread strides through the rest.
   int device = 0, sms = 132;

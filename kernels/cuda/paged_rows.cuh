@@ -60,7 +60,8 @@ __device__ __forceinline__ uint8_t* StorePage(const PagedRows& p, const StoreRow
 
 inline bool ValidStore(const RowBlock& k, const RowBlock& v, const PagedRows& p) {
   return k.data != nullptr && v.data != nullptr && p.base != nullptr &&
-         (p.slots != nullptr || p.num_tokens <= PagedRows::kInlineSlots) && p.num_layers > 0 && p.num_kv_heads > 0 && p.page_size > 0 && p.num_tokens >= 0;
+         (p.slots != nullptr || p.num_tokens <= PagedRows::kInlineSlots) && p.num_layers > 0 &&
+         p.num_kv_heads > 0 && p.page_size > 0 && p.num_tokens >= 0;
 }
 
 // Blocks of kStoreWarpsPerBlock warps for warps_per_row warps on every row.

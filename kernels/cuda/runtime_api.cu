@@ -70,7 +70,9 @@ std::string IpcOpenEvent(const std::string& handle, void** event) {
   if (err == cudaSuccess) *event = e;
   return Text(err);
 }
-std::string DestroyEvent(void* event) { return Text(cudaEventDestroy(static_cast<cudaEvent_t>(event))); }
+std::string DestroyEvent(void* event) {
+  return Text(cudaEventDestroy(static_cast<cudaEvent_t>(event)));
+}
 std::string StreamWaitEvent(void* event) {
   return Text(cudaStreamWaitEvent(nullptr, static_cast<cudaEvent_t>(event), 0));
 }
@@ -108,4 +110,6 @@ bool LastErrorIsSticky() {
 }
 
 }  // namespace kvcd::kernels::cuda
-static_assert(sizeof(cudaIpcMemHandle_t) == kvcd::kernels::cuda::kIpcHandleBytes && sizeof(cudaIpcEventHandle_t) == kvcd::kernels::cuda::kIpcHandleBytes, "IPC handle size");
+static_assert(sizeof(cudaIpcMemHandle_t) == kvcd::kernels::cuda::kIpcHandleBytes &&
+                  sizeof(cudaIpcEventHandle_t) == kvcd::kernels::cuda::kIpcHandleBytes,
+              "IPC handle size");

@@ -62,8 +62,8 @@ class CpuBackend final : public Backend {
     return out;
   }
 
-  absl::Status WritePages(const PagePool& pool, absl::Span<const int32_t> ids,
-                          const uint8_t* run, bool run_on_device) override {
+  absl::Status WritePages(const PagePool& pool, absl::Span<const int32_t> ids, const uint8_t* run,
+                          bool run_on_device) override {
     if (run_on_device) return NoDevice();
     const int64_t layer_bytes = pool.layer_page_bytes();
     for (size_t i = 0; i < ids.size(); ++i) {

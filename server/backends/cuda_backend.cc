@@ -89,8 +89,8 @@ class CudaBackend final : public Backend, public DeviceRuntime {
   }
 
   // One paged-copy launch per call; host runs go through device staging in one copy.
-  absl::Status WritePages(const PagePool& pool, absl::Span<const int32_t> ids,
-                          const uint8_t* run, bool run_on_device) override {
+  absl::Status WritePages(const PagePool& pool, absl::Span<const int32_t> ids, const uint8_t* run,
+                          bool run_on_device) override {
     if (ids.empty()) return absl::OkStatus();
     std::lock_guard<std::mutex> lock(mu_);
     const uint64_t bytes = static_cast<uint64_t>(pool.page_bytes()) * ids.size();
@@ -178,8 +178,8 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     for (int j = 0; j < batch; ++j) {
       for (const AttentionSegment& seg : b.jobs[j].segments) {
         const auto* f = static_cast<const CudaPageFormat*>(seg.format);
-        auto it = std::find_if(lists.begin(), lists.end(),
-                               [&](const List& l) { return l.format == f; });
+        auto it =
+            std::find_if(lists.begin(), lists.end(), [&](const List& l) { return l.format == f; });
         if (it == lists.end()) {
           List l;
           l.format = f;

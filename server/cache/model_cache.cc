@@ -42,8 +42,8 @@ absl::StatusOr<std::shared_ptr<const CodecProfile>> LoadCodec(const ModelSpec& s
     return std::make_shared<const CodecProfile>(
         CodecProfile::Identity(spec.num_layers, spec.head_dim));
   }
-  auto hadamard = std::make_shared<CodecProfile>(
-      CodecProfile::Hadamard(spec.num_layers, spec.head_dim));
+  auto hadamard =
+      std::make_shared<CodecProfile>(CodecProfile::Hadamard(spec.num_layers, spec.head_dim));
   if (spec.codec.empty()) {
     std::fprintf(stderr,
                  "kvcd: model '%s': no codec file, INT2 history uses the Hadamard rotation\n",
@@ -96,11 +96,11 @@ absl::StatusOr<std::unique_ptr<ModelCache>> ModelCache::Create(
     const int64_t page_bytes = store.format->page_bytes();
     const uint64_t pages = budget / static_cast<uint64_t>(page_bytes);
     if (pages < 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "model '", spec.name, "': its ", store.format->name(), " pool gets ", budget,
-          " bytes of memory_bytes ", spec.memory_bytes, ", less than one page (", page_bytes,
-          " bytes for ", spec.num_layers, " layers); raise memory_bytes",
-          split ? " or adjust bf16_fraction" : ""));
+      return absl::InvalidArgumentError(
+          absl::StrCat("model '", spec.name, "': its ", store.format->name(), " pool gets ", budget,
+                       " bytes of memory_bytes ", spec.memory_bytes, ", less than one page (",
+                       page_bytes, " bytes for ", spec.num_layers, " layers); raise memory_bytes",
+                       split ? " or adjust bf16_fraction" : ""));
     }
     if (pages > (1u << 30)) {
       return absl::InvalidArgumentError(
@@ -108,9 +108,9 @@ absl::StatusOr<std::unique_ptr<ModelCache>> ModelCache::Create(
     }
     store.bytes = pages * static_cast<uint64_t>(page_bytes);
     KVCD_ASSIGN_OR_RETURN(store.memory, backend->AllocatePoolMemory(store.bytes));
-    store.pool = std::make_unique<PagePool>(store.format->name(), store.memory, spec.num_layers,
-                                            store.format->layer_page_bytes(),
-                                            static_cast<int32_t>(pages));
+    store.pool =
+        std::make_unique<PagePool>(store.format->name(), store.memory, spec.num_layers,
+                                   store.format->layer_page_bytes(), static_cast<int32_t>(pages));
     cache->stores_.push_back(std::move(store));
   }
   return cache;
@@ -191,8 +191,8 @@ void ModelCache::DemotePages(Sequence* seq) {
     const absl::Status s =
         history.format->Demote(*window.pool, {old.page}, *history.pool, {fresh[0].page});
     if (!s.ok()) {  // keep the window page; the next append retries
-      std::fprintf(stderr, "kvcd: model '%s': demotion failed, page kept: %s\n",
-                   spec_.name.c_str(), std::string(s.message()).c_str());
+      std::fprintf(stderr, "kvcd: model '%s': demotion failed, page kept: %s\n", spec_.name.c_str(),
+                   std::string(s.message()).c_str());
       std::lock_guard<std::mutex> lock(mu_);
       FreeLocked(fresh);
       break;
@@ -311,9 +311,8 @@ absl::StatusOr<PutResult> ModelCache::PushPages(const std::string& salt,
     const PageFormat& f = *stores_[StoreForPage(index)].format;
     absl::Status s;
     if (pages[i].format != f.name()) {
-      s = absl::InvalidArgumentError(absl::StrCat("page ", index, " has format '",
-                                                  pages[i].format, "', expected '", f.name(),
-                                                  "' there"));
+      s = absl::InvalidArgumentError(absl::StrCat("page ", index, " has format '", pages[i].format,
+                                                  "', expected '", f.name(), "' there"));
     } else if (static_cast<int64_t>(pages[i].data.size()) != f.page_bytes()) {
       s = absl::InvalidArgumentError(absl::StrCat("page ", index, " has ", pages[i].data.size(),
                                                   " bytes, expected ", f.page_bytes(), " (one ",
@@ -362,13 +361,13 @@ absl::StatusOr<PutResult> ModelCache::PushDevicePages(const std::string& salt,
         src + offset[static_cast<size_t>(i)], j - i, first_page + i));
     i = j;
   }
-  return StorePrefix(
-      salt, tokens.subspan(0, static_cast<size_t>(end_page * ps)), end_page, first_page,
-      [&](int64_t first, int32_t store, absl::Span<const int32_t> ids) {
-        return backend_->WritePages(*stores_[store].pool, ids,
-                                    src + offset[static_cast<size_t>(first - first_page)],
-                                    /*run_on_device=*/true);
-      });
+  return StorePrefix(salt, tokens.subspan(0, static_cast<size_t>(end_page * ps)), end_page,
+                     first_page, [&](int64_t first, int32_t store, absl::Span<const int32_t> ids) {
+                       return backend_->WritePages(
+                           *stores_[store].pool, ids,
+                           src + offset[static_cast<size_t>(first - first_page)],
+                           /*run_on_device=*/true);
+                     });
 }
 
 int64_t ModelCache::Match(const std::string& salt, absl::Span<const int32_t> tokens) {
@@ -433,8 +432,8 @@ absl::StatusOr<int64_t> ModelCache::Append(Sequence* seq, absl::Span<const int32
   for (int64_t t = 0; t < n; ++t) {
     const int64_t pos = len + t;
     const size_t page = static_cast<size_t>(pos / ps);
-    const PageRef& r = page < seq->pages.size() ? seq->pages[page]
-                                                : fresh[page - seq->pages.size()];
+    const PageRef& r =
+        page < seq->pages.size() ? seq->pages[page] : fresh[page - seq->pages.size()];
     slots.push_back({t, r.page, static_cast<int32_t>(pos % ps)});
   }
   const PageStore& window = stores_[kWindow];
@@ -473,8 +472,7 @@ std::vector<AttentionSegment> ModelCache::Segments(const Sequence& seq, int64_t 
 
 absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs, const float* q,
                                 float softmax_scale, const NewTokens& new_tokens, float* o,
-                                float* lse, std::vector<int64_t>* lengths,
-                                const DeviceIo* device) {
+                                float* lse, std::vector<int64_t>* lengths, const DeviceIo* device) {
   const int32_t ps = spec_.page_size;
   const bool append = !new_tokens.tokens.empty();
   // Lock in id order so concurrent batches sharing sequences cannot deadlock.
@@ -527,7 +525,8 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
     for (size_t b = 0; b < seqs.size(); ++b) {
       Sequence* s = seqs[b];
       const int64_t pos = s->layer_len[layer];
-      if (pos == static_cast<int64_t>(s->pages.size()) * ps) s->pages.push_back(fresh[next_fresh++]);
+      if (pos == static_cast<int64_t>(s->pages.size()) * ps)
+        s->pages.push_back(fresh[next_fresh++]);
       const int64_t before = s->length();
       if (std::all_of(s->layer_len.begin(), s->layer_len.end(),
                       [&](int64_t l) { return l == before; })) {
@@ -621,8 +620,8 @@ absl::Status ModelCache::Fetch(Sequence* seq, int64_t first, int64_t n, uint16_t
   // The pages as stored, in host memory, then each format expands its rows.
   std::vector<StoredPageCopy> copies;
   absl::Status read;
-  std::string staged(
-      static_cast<size_t>(ReadRuns(*seq, first, n, nullptr, false, &copies, &read)), '\0');
+  std::string staged(static_cast<size_t>(ReadRuns(*seq, first, n, nullptr, false, &copies, &read)),
+                     '\0');
   copies.clear();
   ReadRuns(*seq, first, n, reinterpret_cast<uint8_t*>(staged.data()), false, &copies, &read);
   KVCD_RETURN_IF_ERROR(read);
@@ -661,8 +660,8 @@ absl::Status ModelCache::FetchStored(Sequence* seq, int64_t first, int64_t n,
   KVCD_RETURN_IF_ERROR(CheckReadable(*seq, first, n));
   std::vector<StoredPageCopy> copies;
   absl::Status read;
-  std::string staged(
-      static_cast<size_t>(ReadRuns(*seq, first, n, nullptr, false, &copies, &read)), '\0');
+  std::string staged(static_cast<size_t>(ReadRuns(*seq, first, n, nullptr, false, &copies, &read)),
+                     '\0');
   copies.clear();
   ReadRuns(*seq, first, n, reinterpret_cast<uint8_t*>(staged.data()), false, &copies, &read);
   KVCD_RETURN_IF_ERROR(read);

@@ -85,8 +85,8 @@ absl::Status ParseModel(const YAML::Node& m, int index, ModelSpec* spec) {
   KVCD_RETURN_IF_ERROR(Read(m, "codec", where, &spec->codec));
   KVCD_RETURN_IF_ERROR(ReadBytes(m, "memory", where, &spec->memory_bytes));
   if (m["history_format"]) {
-    KVCD_RETURN_IF_ERROR(
-        ParseFormatName(m["history_format"].as<std::string>(), "history_format", &spec->history_format));
+    KVCD_RETURN_IF_ERROR(ParseFormatName(m["history_format"].as<std::string>(), "history_format",
+                                         &spec->history_format));
   }
   if (const YAML::Node rope = m["rope"]) {
     const std::string rw = where + "rope.";
@@ -151,9 +151,10 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
   try {
     KVCD_RETURN_IF_ERROR(
         CheckKeys(root, "",
-                  {"listen", "health_listen", "metrics_listen", "backend", "cuda_device", "memory_budget",
-                   "high_watermark", "low_watermark", "lease", "worker_threads", "compute_threads",
-                   "max_message_bytes", "max_sequences", "max_buffers", "decode_channel_spin_us", "drain_timeout_ms", "models", "tls", "auth"}));
+                  {"listen", "health_listen", "metrics_listen", "backend", "cuda_device",
+                   "memory_budget", "high_watermark", "low_watermark", "lease", "worker_threads",
+                   "compute_threads", "max_message_bytes", "max_sequences", "max_buffers",
+                   "decode_channel_spin_us", "drain_timeout_ms", "models", "tls", "auth"}));
     KVCD_RETURN_IF_ERROR(Read(root, "listen", "", &c.listen));
     KVCD_RETURN_IF_ERROR(Read(root, "health_listen", "", &c.health_listen));
     KVCD_RETURN_IF_ERROR(Read(root, "metrics_listen", "", &c.metrics_listen));
@@ -185,8 +186,7 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
     if (const YAML::Node auth = root["auth"]) {
       KVCD_RETURN_IF_ERROR(CheckKeys(auth, "auth", {"tokens_file", "reload_interval_ms"}));
       KVCD_RETURN_IF_ERROR(Read(auth, "tokens_file", "auth.", &c.auth.tokens_file));
-      KVCD_RETURN_IF_ERROR(
-          Read(auth, "reload_interval_ms", "auth.", &c.auth.reload_interval_ms));
+      KVCD_RETURN_IF_ERROR(Read(auth, "reload_interval_ms", "auth.", &c.auth.reload_interval_ms));
     }
     if (const YAML::Node models = root["models"]) {
       if (!models.IsSequence()) return absl::InvalidArgumentError("models must be a list");
@@ -228,9 +228,8 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
   }
   if (c.max_sequences < 1) return absl::InvalidArgumentError("max_sequences must be >= 1");
   if (c.decode_channel_spin_us < 0 || c.decode_channel_spin_us > 1000000) {
-    return absl::InvalidArgumentError(absl::StrCat("decode_channel_spin_us is ",
-                                                   c.decode_channel_spin_us,
-                                                   ", expected 0..1000000"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "decode_channel_spin_us is ", c.decode_channel_spin_us, ", expected 0..1000000"));
   }
   if (c.max_buffers < 1 || c.max_buffers > 65536) {
     return absl::InvalidArgumentError(
@@ -246,8 +245,8 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
         "tls.client_ca_file (mutual TLS) needs tls.cert_file and tls.key_file as well");
   }
   if (c.tls.reload_interval_s < 1 || c.tls.reload_interval_s > 86400) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tls.reload_interval_s is ", c.tls.reload_interval_s, ", expected 1..86400"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tls.reload_interval_s is ", c.tls.reload_interval_s, ", expected 1..86400"));
   }
   if (c.auth.reload_interval_ms < 10 || c.auth.reload_interval_ms > 86400000) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -125,8 +125,7 @@ int main(int argc, char** argv) {
       std::printf(
           "  %s: %d layers, %d q / %d kv heads, head_dim %d, page %d, history %s, %llu bytes\n",
           m.name.c_str(), m.num_layers, m.num_q_heads, m.num_kv_heads, m.head_dim, m.page_size,
-          kvcd::FormatName(m.history_format),
-          static_cast<unsigned long long>(m.memory_bytes));
+          kvcd::FormatName(m.history_format), static_cast<unsigned long long>(m.memory_bytes));
     }
     return 0;
   }

@@ -5,8 +5,8 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "server/backends/device_runtime.h"
 #include "common/random_id.h"
+#include "server/backends/device_runtime.h"
 
 #ifdef KVCD_HAVE_CUDA_BACKEND
 #include "kvcd/kernels/cuda_nccl.h"

@@ -11,8 +11,8 @@
 #include "common/status_macros.h"
 #include "common/steady_clock.h"
 #include "common/tensor_ref.h"
-#include "server/backends/device_runtime.h"
 #include "kvcd/kernels/bf16.h"
+#include "server/backends/device_runtime.h"
 
 namespace kvcd {
 namespace {
@@ -77,8 +77,8 @@ ModelSpec SpecFromProfile(const v1::ModelProfile& p) {
   s.page_size = p.page_size();
   s.sink_tokens = p.sink_tokens();
   s.recent_tokens = p.recent_tokens();
-  s.history_format = p.history_format() == v1::HISTORY_FORMAT_INT2_OSCAR ? FormatId::kInt2Oscar
-                                                                         : FormatId::kBf16;
+  s.history_format =
+      p.history_format() == v1::HISTORY_FORMAT_INT2_OSCAR ? FormatId::kInt2Oscar : FormatId::kBf16;
   s.rope_theta = p.rope().theta() == 0 ? 10000.0 : p.rope().theta();
   s.rope_rotary_dims = p.rope().rotary_dims();
   s.rope_scaling = p.rope().scaling() == 0 ? 1.0 : p.rope().scaling();
@@ -97,9 +97,8 @@ void ProfileFromSpec(const ModelSpec& s, v1::ModelProfile* p) {
   p->set_page_size(s.page_size);
   p->set_sink_tokens(s.sink_tokens);
   p->set_recent_tokens(s.recent_tokens);
-  p->set_history_format(s.history_format == FormatId::kInt2Oscar
-                            ? v1::HISTORY_FORMAT_INT2_OSCAR
-                            : v1::HISTORY_FORMAT_BF16);
+  p->set_history_format(s.history_format == FormatId::kInt2Oscar ? v1::HISTORY_FORMAT_INT2_OSCAR
+                                                                 : v1::HISTORY_FORMAT_BF16);
   p->mutable_rope()->set_theta(s.rope_theta);
   p->mutable_rope()->set_rotary_dims(s.rope_rotary_dims);
   p->mutable_rope()->set_scaling(s.rope_scaling);
@@ -319,8 +318,8 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
   KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(req.q(), "q", kInputKinds));
   const bool device_out = req.has_o_out() || req.has_lse_out();
   if (device_out) {
-    KVCD_RETURN_IF_ERROR(CheckTensorRef(req.o_out(), "o_out", {batch, s.num_q_heads, s.head_dim},
-                                        {v1::DTYPE_F32}));
+    KVCD_RETURN_IF_ERROR(
+        CheckTensorRef(req.o_out(), "o_out", {batch, s.num_q_heads, s.head_dim}, {v1::DTYPE_F32}));
     KVCD_RETURN_IF_ERROR(
         CheckTensorRef(req.lse_out(), "lse_out", {batch, s.num_q_heads}, {v1::DTYPE_F32}));
     KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(req.o_out(), "o_out", TensorResolver::kIpc));
@@ -418,7 +417,8 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
     KVCD_RETURN_IF_ERROR(m->Attend(req.layer(), raw, nullptr, scale, new_tokens, nullptr, nullptr,
                                    &lengths, &device));
     KVCD_RETURN_IF_ERROR(tensors_.MarkWritten(o_region));
-    if (lse_region.buffer != o_region.buffer) KVCD_RETURN_IF_ERROR(tensors_.MarkWritten(lse_region));
+    if (lse_region.buffer != o_region.buffer)
+      KVCD_RETURN_IF_ERROR(tensors_.MarkWritten(lse_region));
   } else {
     KVCD_RETURN_IF_ERROR(m->Attend(
         req.layer(), raw, q.data(), scale, new_tokens,
@@ -469,8 +469,7 @@ absl::Status CacheEngine::FetchPages(const v1::FetchPagesRequest& req,
     if (total == 0) {
       return absl::InvalidArgumentError("the range holds no page; nothing to send to destination");
     }
-    KVCD_RETURN_IF_ERROR(
-        CheckTensorRef(req.destination(), "destination", {total}, {v1::DTYPE_U8}));
+    KVCD_RETURN_IF_ERROR(CheckTensorRef(req.destination(), "destination", {total}, {v1::DTYPE_U8}));
     std::vector<ModelCache::StoredPageCopy> copies;
     if (req.destination().payload_case() == v1::TensorRef::kCudaIpc) {
       // The worker may still read the region's older bytes: wait for its ready event.

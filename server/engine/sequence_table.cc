@@ -8,8 +8,8 @@ namespace kvcd {
 absl::StatusOr<int64_t> LeasePolicy::Grant(int64_t requested_ms) const {
   if (requested_ms == 0) return default_ms;
   if (requested_ms < 10 || requested_ms > max_ms) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "lease_ms is ", requested_ms, ", expected 0 (default) or 10..", max_ms));
+    return absl::InvalidArgumentError(
+        absl::StrCat("lease_ms is ", requested_ms, ", expected 0 (default) or 10..", max_ms));
   }
   return requested_ms;
 }
@@ -66,8 +66,8 @@ absl::StatusOr<std::string> SequenceTable::Salt(uint64_t id) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = sequences_.find(id);
   if (it == sequences_.end()) {
-    return absl::NotFoundError(absl::StrCat(
-        "sequence ", id, " is not open (never opened, closed, or its lease expired)"));
+    return absl::NotFoundError(
+        absl::StrCat("sequence ", id, " is not open (never opened, closed, or its lease expired)"));
   }
   return it->second->salt;
 }

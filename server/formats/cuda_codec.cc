@@ -58,7 +58,8 @@ absl::Status PinnedUploader::Upload(void* dst, const void* src, size_t bytes) {
   Slot& slot = slots_[next_];
   next_ = (next_ + 1) % (sizeof(slots_) / sizeof(slots_[0]));
   if (slot.used) KVCD_RETURN_IF_ERROR(CudaStatus(kc::EventSynchronize(slot.event), "upload"));
-  if (slot.event == nullptr) KVCD_RETURN_IF_ERROR(CudaStatus(kc::CreateEvent(&slot.event), "upload"));
+  if (slot.event == nullptr)
+    KVCD_RETURN_IF_ERROR(CudaStatus(kc::CreateEvent(&slot.event), "upload"));
   if (slot.bytes < bytes) {
     if (slot.host != nullptr) KVCD_RETURN_IF_ERROR(CudaStatus(kc::HostFree(slot.host), "upload"));
     slot.host = nullptr;

@@ -30,9 +30,9 @@ absl::StatusOr<kc::RowBlock> DeviceRows(const RowSource& src, int64_t first, int
     return b;
   }
   // Host rows: the bytes from the first row to the end of the last one go up at once.
-  const int64_t span = ((layers - 1) * b.layer_stride + (n - 1) * src.token_stride +
-                        int64_t{kv_heads} * head_dim) *
-                       elem;
+  const int64_t span =
+      ((layers - 1) * b.layer_stride + (n - 1) * src.token_stride + int64_t{kv_heads} * head_dim) *
+      elem;
   KVCD_ASSIGN_OR_RETURN(uint8_t * dev, staging->Reserve(static_cast<size_t>(span)));
   KVCD_RETURN_IF_ERROR(
       CudaStatus(kc::CopyToDevice(dev, base, static_cast<size_t>(span)), "staging rows"));
@@ -42,10 +42,10 @@ absl::StatusOr<kc::RowBlock> DeviceRows(const RowSource& src, int64_t first, int
 
 }  // namespace
 
-absl::Status PrepareRowStore(const RowSource& k, const RowSource& v,
-                             absl::Span<const RowSlot> rows, int32_t layer, const PagePool& pool,
-                             const PageGeometry& g, const CudaCodec* codec, bool rotate,
-                             RowStoreScratch* scratch, RowStoreArgs* out) {
+absl::Status PrepareRowStore(const RowSource& k, const RowSource& v, absl::Span<const RowSlot> rows,
+                             int32_t layer, const PagePool& pool, const PageGeometry& g,
+                             const CudaCodec* codec, bool rotate, RowStoreScratch* scratch,
+                             RowStoreArgs* out) {
   const int64_t n = static_cast<int64_t>(rows.size());
   if (n == 0) return absl::OkStatus();
   const int64_t first = rows[0].src_token;
@@ -58,10 +58,10 @@ absl::Status PrepareRowStore(const RowSource& k, const RowSource& v,
     slots[static_cast<size_t>(i)] = int64_t{r.page} * g.page_size + r.slot;
   }
   const int32_t layers = layer < 0 ? g.num_layers : 1;
-  KVCD_ASSIGN_OR_RETURN(out->k, DeviceRows(k, first, n, layers, g.num_kv_heads, g.head_dim,
-                                           &scratch->k));
-  KVCD_ASSIGN_OR_RETURN(out->v, DeviceRows(v, first, n, layers, g.num_kv_heads, g.head_dim,
-                                           &scratch->v));
+  KVCD_ASSIGN_OR_RETURN(out->k,
+                        DeviceRows(k, first, n, layers, g.num_kv_heads, g.head_dim, &scratch->k));
+  KVCD_ASSIGN_OR_RETURN(out->v,
+                        DeviceRows(v, first, n, layers, g.num_kv_heads, g.head_dim, &scratch->v));
   if (n <= kc::PagedRows::kInlineSlots) {  // in the launch's parameters
     std::copy(slots.begin(), slots.end(), out->dst.inline_slots);
     out->dst.slots = nullptr;
@@ -96,10 +96,9 @@ absl::Status PrepareRowStore(const RowSource& k, const RowSource& v,
 }
 
 absl::Status CheckDevicePageRegions(const uint8_t* src, int64_t num_pages, int32_t num_layers,
-                                    int64_t layer_bytes, int64_t check_offset,
-                                    int64_t check_bytes, uint32_t check, uint32_t check_block,
-                                    int64_t first_index, const char* what,
-                                    RowStoreScratch* scratch) {
+                                    int64_t layer_bytes, int64_t check_offset, int64_t check_bytes,
+                                    uint32_t check, uint32_t check_block, int64_t first_index,
+                                    const char* what, RowStoreScratch* scratch) {
   if (num_pages <= 0) return absl::OkStatus();
   KVCD_ASSIGN_OR_RETURN(uint8_t * d, scratch->spans.Reserve(sizeof(unsigned long long)));
   auto* d_bad = reinterpret_cast<unsigned long long*>(d);
@@ -117,8 +116,8 @@ absl::Status CheckDevicePageRegions(const uint8_t* src, int64_t num_pages, int32
     a.check_bytes = check_bytes;
     const unsigned long long zero = 0;
     KVCD_RETURN_IF_ERROR(CudaStatus(kc::CopyToDevice(d_bad, &zero, sizeof(zero)), "page check"));
-    KVCD_RETURN_IF_ERROR(CudaStatus(kc::LaunchPagedCopy(kc::PageCopy::kCheck, a, d_bad, nullptr),
-                                    "page check"));
+    KVCD_RETURN_IF_ERROR(
+        CudaStatus(kc::LaunchPagedCopy(kc::PageCopy::kCheck, a, d_bad, nullptr), "page check"));
     unsigned long long bad = 0;
     KVCD_RETURN_IF_ERROR(CudaStatus(kc::CopyToHost(&bad, d_bad, sizeof(bad)), "page check"));
     return bad;
@@ -128,9 +127,8 @@ absl::Status CheckDevicePageRegions(const uint8_t* src, int64_t num_pages, int32
   for (int64_t p = 0; p < num_pages; ++p) {
     KVCD_ASSIGN_OR_RETURN(unsigned long long page_bad, count(p, 1));
     if (page_bad != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("page ", first_index + p, " holds ",
-                                                     page_bad, " ", what,
-                                                     "; nothing was stored"));
+      return absl::InvalidArgumentError(absl::StrCat("page ", first_index + p, " holds ", page_bad,
+                                                     " ", what, "; nothing was stored"));
     }
   }
   return absl::InvalidArgumentError(

@@ -30,19 +30,18 @@ struct RowStoreArgs {
 // Arguments storing `rows` (consecutive source tokens) of k and v into `pool` at every layer
 // (layer < 0) or one layer, with the device codec's rotations when `rotate` and its clip
 // ratios. REQUIRES: scratch->mu held until the launch is queued.
-absl::Status PrepareRowStore(const RowSource& k, const RowSource& v,
-                             absl::Span<const RowSlot> rows, int32_t layer, const PagePool& pool,
-                             const PageGeometry& g, const CudaCodec* codec, bool rotate,
-                             RowStoreScratch* scratch, RowStoreArgs* out);
+absl::Status PrepareRowStore(const RowSource& k, const RowSource& v, absl::Span<const RowSlot> rows,
+                             int32_t layer, const PagePool& pool, const PageGeometry& g,
+                             const CudaCodec* codec, bool rotate, RowStoreScratch* scratch,
+                             RowStoreArgs* out);
 
 // Checks num_pages pages of page_bytes bytes (layer_bytes per layer) at device `src`: in each
 // layer page, `check_bytes` bytes from `check_offset` must pass `check`
 // (kernels::cuda::CopyCheck). INVALID_ARGUMENT naming the first failing page's index
 // otherwise. REQUIRES: scratch->mu held.
 absl::Status CheckDevicePageRegions(const uint8_t* src, int64_t num_pages, int32_t num_layers,
-                                    int64_t layer_bytes, int64_t check_offset,
-                                    int64_t check_bytes, uint32_t check, uint32_t check_block,
-                                    int64_t first_index, const char* what,
-                                    RowStoreScratch* scratch);
+                                    int64_t layer_bytes, int64_t check_offset, int64_t check_bytes,
+                                    uint32_t check, uint32_t check_block, int64_t first_index,
+                                    const char* what, RowStoreScratch* scratch);
 
 }  // namespace kvcd

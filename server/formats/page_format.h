@@ -45,8 +45,7 @@ struct RowSource {
 
   // Host rows only: one row as float / as BF16 bits.
   void RowAsFloat(int64_t layer, int64_t token, int32_t head, int32_t head_dim, float* out) const;
-  void RowAsBf16(int64_t layer, int64_t token, int32_t head, int32_t head_dim,
-                 uint16_t* out) const;
+  void RowAsBf16(int64_t layer, int64_t token, int32_t head, int32_t head_dim, uint16_t* out) const;
 };
 
 // Token src_token of a RowSource goes to slot `slot` of page `page`.

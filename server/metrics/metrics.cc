@@ -1,10 +1,10 @@
 #include "server/metrics/metrics.h"
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/text_serializer.h"
-#include "absl/status/status.h"
 
 namespace kvcd {
 namespace {
@@ -113,12 +113,12 @@ class CacheCollector final : public prometheus::Collectable {
     counter("kvcd_expired_buffers_total",
             "CUDA IPC buffers dropped because their lease ran out (a worker stopped renewing).",
             c.expired_buffers.load());
-    auto buffers = Family("kvcd_registered_buffers", "Worker device buffers mapped through CUDA IPC.",
-                          MetricType::Gauge);
+    auto buffers = Family("kvcd_registered_buffers",
+                          "Worker device buffers mapped through CUDA IPC.", MetricType::Gauge);
     Add(&buffers, static_cast<double>(engine_->RegisteredBuffers()));
     out.push_back(std::move(buffers));
-    auto comms = Family("kvcd_nccl_communicators", "NCCL communicators with workers.",
-                        MetricType::Gauge);
+    auto comms =
+        Family("kvcd_nccl_communicators", "NCCL communicators with workers.", MetricType::Gauge);
     Add(&comms, static_cast<double>(engine_->NcclCommunicators()));
     out.push_back(std::move(comms));
     auto active = Family("kvcd_active_sequences", "Open decode sequences.", MetricType::Gauge);
@@ -175,7 +175,8 @@ absl::StatusOr<int> Metrics::Serve(const std::string& address) {
 }
 
 void Metrics::ObserveRpc(const std::string& method, absl::StatusCode code, double seconds) {
-  rpc_seconds_->Add({{"method", method}, {"code", absl::StatusCodeToString(code)}}, LatencyBuckets())
+  rpc_seconds_
+      ->Add({{"method", method}, {"code", absl::StatusCodeToString(code)}}, LatencyBuckets())
       .Observe(seconds);
 }
 

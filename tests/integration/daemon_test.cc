@@ -1,9 +1,9 @@
 // Integration: the real kvcd binary on a loopback port, driven by the real client.
 #include <arpa/inet.h>
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -179,8 +179,10 @@ TEST_F(DaemonTest, DecodeChannelMatchesTheStream) {
       r.set_layer(l);
       r.set_request_id(pos * 10 + l);
       SetF32Tensor(r.mutable_q(), {1, hq, d}, synthetic::Row(13, profile_, l, pos, 2).data());
-      SetBf16FromFloat(r.mutable_k_new(), {1, hkv, d}, synthetic::Row(13, profile_, l, pos, 0).data());
-      SetBf16FromFloat(r.mutable_v_new(), {1, hkv, d}, synthetic::Row(13, profile_, l, pos, 1).data());
+      SetBf16FromFloat(r.mutable_k_new(), {1, hkv, d},
+                       synthetic::Row(13, profile_, l, pos, 0).data());
+      SetBf16FromFloat(r.mutable_v_new(), {1, hkv, d},
+                       synthetic::Row(13, profile_, l, pos, 1).data());
       r.add_new_tokens(synthetic::Token(13, pos));
       v1::AttentionDecodeRequest r2 = r;
       r.add_sequence_ids(s1->sequence_id());

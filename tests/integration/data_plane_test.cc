@@ -77,7 +77,8 @@ class DataPlaneTest : public ::testing::TestWithParam<std::string> {
     auto m = client_->GetModel(GetParam());
     ASSERT_TRUE(m.ok()) << m.status();
     profile_ = m->profile();
-    for (const auto& pool : m->pools()) page_bytes_[pool.format() == "bf16" ? 0 : 1] = pool.page_bytes();
+    for (const auto& pool : m->pools())
+      page_bytes_[pool.format() == "bf16" ? 0 : 1] = pool.page_bytes();
   }
 
   v1::PutRequest MakePut(uint64_t seed, int64_t n, const std::string& salt) {
@@ -210,9 +211,12 @@ TEST_P(DataPlaneTest, AttentionThroughIpcMatchesInline) {
       auto r_in = client_->AttentionDecode(in);
       ASSERT_TRUE(r_in.ok()) << r_in.status();
       // The same through the buffer on sequence 2, results written on the device.
-      ASSERT_EQ(cudaMemcpy(b.data() + q_off, q.data(), q_bytes, cudaMemcpyHostToDevice), cudaSuccess);
-      ASSERT_EQ(cudaMemcpy(b.data() + k_off, kb.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
-      ASSERT_EQ(cudaMemcpy(b.data() + v_off, vb.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(b.data() + q_off, q.data(), q_bytes, cudaMemcpyHostToDevice),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(b.data() + k_off, kb.data(), kv_bytes, cudaMemcpyHostToDevice),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(b.data() + v_off, vb.data(), kv_bytes, cudaMemcpyHostToDevice),
+                cudaSuccess);
       ASSERT_EQ(cudaMemset(b.data() + o_off, 0xff, q_bytes), cudaSuccess);  // NaN poison
       v1::AttentionDecodeRequest ipc = in;
       ipc.set_sequence_ids(0, s2);
@@ -229,8 +233,10 @@ TEST_P(DataPlaneTest, AttentionThroughIpcMatchesInline) {
       ASSERT_TRUE(b.WaitDone(nullptr).ok());
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       std::vector<float> o(static_cast<size_t>(hq) * d), lse(hq);
-      ASSERT_EQ(cudaMemcpy(o.data(), b.data() + o_off, q_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
-      ASSERT_EQ(cudaMemcpy(lse.data(), b.data() + l_off, 4 * hq, cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(o.data(), b.data() + o_off, q_bytes, cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(lse.data(), b.data() + l_off, 4 * hq, cudaMemcpyDeviceToHost),
+                cudaSuccess);
       for (int i = 0; i < hq * d; ++i) {
         ASSERT_TRUE(std::isfinite(o[i])) << i;
         ASSERT_FLOAT_EQ(o[i], ElementAsFloat(r_in->o(), i)) << "layer " << layer << " i " << i;
@@ -250,7 +256,8 @@ TEST_P(DataPlaneTest, BadIpcRequestsStoreNothing) {
   IpcBuffer& b = **buf;
   const std::vector<int32_t> tokens(put.tokens().begin(), put.tokens().end());
   auto push_with = [&](const std::string& bytes, uint64_t offset, int64_t size) {
-    EXPECT_EQ(cudaMemcpy(b.data(), bytes.data(), bytes.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(b.data(), bytes.data(), bytes.size(), cudaMemcpyHostToDevice),
+              cudaSuccess);
     v1::PushPagesRequest push;
     push.set_model(GetParam());
     push.set_cache_salt("z");
@@ -276,8 +283,10 @@ TEST_P(DataPlaneTest, BadIpcRequestsStoreNothing) {
     neg[scale_off + 1] = static_cast<char>(0xbc);  // -1.0 in FP16
     EXPECT_EQ(push_with(neg, 0, total).code(), absl::StatusCode::kInvalidArgument);
   }
-  EXPECT_EQ(push_with(stored, 272, total).code(), absl::StatusCode::kInvalidArgument);  // past the end
-  EXPECT_EQ(push_with(stored, 8, total - 8).code(), absl::StatusCode::kInvalidArgument);  // wrong size/misaligned
+  EXPECT_EQ(push_with(stored, 272, total).code(),
+            absl::StatusCode::kInvalidArgument);  // past the end
+  EXPECT_EQ(push_with(stored, 8, total - 8).code(),
+            absl::StatusCode::kInvalidArgument);  // wrong size/misaligned
   auto match = client_->Match(GetParam(), "z", tokens);
   ASSERT_TRUE(match.ok());
   EXPECT_EQ(match->matched_tokens(), 0);

@@ -28,8 +28,8 @@ absl::Status Bf16Format::CheckPages(const uint8_t* src, int64_t num_pages,
         uint16_t h;
         std::memcpy(&h, base + 2 * i, 2);
         if ((h & 0x7f80u) == 0x7f80u) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "page ", first_index + p, " layer ", l, " holds a non-finite BF16 value"));
+          return absl::InvalidArgumentError(absl::StrCat("page ", first_index + p, " layer ", l,
+                                                         " holds a non-finite BF16 value"));
         }
       }
     }

@@ -1,9 +1,10 @@
 // BF16 pages in device memory: rows stored by the paged BF16 row store, attention by the
 // BF16 decode kernel of kernels/cuda.
+#include "server/formats/bf16/bf16_format_cuda.h"
+
 #include "common/status_macros.h"
 #include "kvcd/kernels/cuda_decode_attention.h"
 #include "server/formats/bf16/bf16_format.h"
-#include "server/formats/bf16/bf16_format_cuda.h"
 #include "server/formats/cuda_rows.h"
 
 namespace kvcd {
@@ -41,8 +42,7 @@ class Bf16CudaFormat final : public CudaPageFormat {
     KVCD_RETURN_IF_ERROR(PrepareRowStore(k, v, rows, layer, pool, geometry(), device_codec(),
                                          /*rotate=*/true, &scratch_, &a));
     if (rows.empty()) return absl::OkStatus();
-    return CudaStatus(kc::LaunchStoreBf16Rows(a.k, a.v, a.dst, a.codec, nullptr),
-                      "BF16 row store");
+    return CudaStatus(kc::LaunchStoreBf16Rows(a.k, a.v, a.dst, a.codec, nullptr), "BF16 row store");
   }
 
   absl::Status CheckPages(const uint8_t* src, int64_t num_pages,
@@ -69,10 +69,10 @@ class Bf16CudaFormat final : public CudaPageFormat {
   }
 
   absl::Status LaunchAttend(const AttendLaunch& a) const override {
-    return CudaStatus(kc::LaunchBf16DecodeParts(a.list, a.geo, a.q, a.r_k, a.scale, a.splits,
-                                                a.max_tokens, a.part_o, a.part_lse, a.part_base,
-                                                nullptr),
-                      "BF16 decode attention");
+    return CudaStatus(
+        kc::LaunchBf16DecodeParts(a.list, a.geo, a.q, a.r_k, a.scale, a.splits, a.max_tokens,
+                                  a.part_o, a.part_lse, a.part_base, nullptr),
+        "BF16 decode attention");
   }
 
  private:

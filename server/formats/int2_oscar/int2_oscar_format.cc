@@ -78,8 +78,7 @@ class Int2OscarCpuFormat final : public CpuPageFormat {
           for (int which = 0; which < 2; ++which) {
             const RowSource& in = which == 0 ? k : v;
             for (int32_t t = 0; t < ps; ++t) in.RowAsFloat(l, src + t, h, d, rows.data() + t * d);
-            kernels::DemoteRowsToInt2(rows.data(), ps, d,
-                                      which == 0 ? codec.RK(l) : codec.RV(l),
+            kernels::DemoteRowsToInt2(rows.data(), ps, d, which == 0 ? codec.RK(l) : codec.RV(l),
                                       which == 0 ? codec.RhoK(l) : codec.RhoV(l),
                                       which == 0 ? layout.K(page, h) : layout.V(page, h));
           }
@@ -98,7 +97,8 @@ class Int2OscarCpuFormat final : public CpuPageFormat {
     std::vector<float> rows(static_cast<size_t>(ps) * d);
     for (size_t i = 0; i < src_pages.size(); ++i) {
       for (int32_t l = 0; l < g.num_layers; ++l) {
-        const auto* window = reinterpret_cast<const uint16_t*>(window_pool.PagePtr(l, src_pages[i]));
+        const auto* window =
+            reinterpret_cast<const uint16_t*>(window_pool.PagePtr(l, src_pages[i]));
         uint8_t* page = pool.PagePtr(l, dst_pages[i]);
         for (int32_t h = 0; h < g.num_kv_heads; ++h) {
           for (int which = 0; which < 2; ++which) {

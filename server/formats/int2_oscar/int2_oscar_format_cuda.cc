@@ -1,12 +1,13 @@
 // OSCAR INT2 pages in device memory: quantize-on-put and demotion by the paged INT2 row
 // store (bit-identical to the CPU codec), attention by the INT2 tensor-core decode kernel,
 // which also merges every part of the call (windows included).
+#include "server/formats/int2_oscar/int2_oscar_format_cuda.h"
+
 #include "common/status_macros.h"
 #include "kvcd/kernels/cuda_decode_attention.h"
 #include "kvcd/kernels/cuda_runtime_api.h"
 #include "server/formats/cuda_rows.h"
 #include "server/formats/int2_oscar/int2_oscar_format.h"
-#include "server/formats/int2_oscar/int2_oscar_format_cuda.h"
 
 namespace kvcd {
 namespace {
@@ -63,8 +64,8 @@ class Int2OscarCudaFormat final : public CudaPageFormat {
       KVCD_RETURN_IF_ERROR(PrepareRowStore(k, v, rows, -1, pool, g, device_codec(),
                                            /*rotate=*/false, &scratch_, &a));
       a.k.head_stride = a.v.head_stride = int64_t{ps} * d;
-      KVCD_RETURN_IF_ERROR(CudaStatus(kc::LaunchStoreInt2Rows(a.k, a.v, a.dst, a.codec, nullptr),
-                                      "INT2 demotion"));
+      KVCD_RETURN_IF_ERROR(
+          CudaStatus(kc::LaunchStoreInt2Rows(a.k, a.v, a.dst, a.codec, nullptr), "INT2 demotion"));
     }
     return absl::OkStatus();
   }
@@ -103,10 +104,10 @@ class Int2OscarCudaFormat final : public CudaPageFormat {
     kc::Int2PartsOptions opt;
     opt.state = a.state;
     opt.merge = a.merge;
-    return CudaStatus(kc::LaunchInt2DecodeParts(a.list, a.geo, a.q, a.r_k, a.scale, a.splits,
-                                                a.max_tokens, a.part_o, a.part_lse, a.part_base,
-                                                nullptr, opt),
-                      "INT2 decode attention");
+    return CudaStatus(
+        kc::LaunchInt2DecodeParts(a.list, a.geo, a.q, a.r_k, a.scale, a.splits, a.max_tokens,
+                                  a.part_o, a.part_lse, a.part_base, nullptr, opt),
+        "INT2 decode attention");
   }
 
  private:
@@ -119,8 +120,7 @@ class Int2OscarCudaFormat final : public CudaPageFormat {
 std::unique_ptr<CudaPageFormat> MakeInt2OscarCudaFormat(
     const PageGeometry& geometry, std::shared_ptr<const CodecProfile> codec,
     std::shared_ptr<const CudaCodec> device_codec) {
-  return std::make_unique<Int2OscarCudaFormat>(geometry, std::move(codec),
-                                               std::move(device_codec));
+  return std::make_unique<Int2OscarCudaFormat>(geometry, std::move(codec), std::move(device_codec));
 }
 
 }  // namespace kvcd

@@ -336,12 +336,13 @@ TEST_F(CudaKernelsTest, PagedRowStoresAreBitIdenticalToTheHostPath) {
         codec.rho_k = Up(rho);
         codec.rho_v = codec.rho_k + 2;
         auto host_row = [&](int which, int l, int t, int h, float* out) {
-          const float* src = x.data() + which * row_elems + ((int64_t{l} * tokens + t) * hkv + h) * d;
+          const float* src =
+              x.data() + which * row_elems + ((int64_t{l} * tokens + t) * hkv + h) * d;
           std::copy(src, src + d, out);
         };
         for (int fmt = 0; fmt < 2; ++fmt) {
-          const int64_t page_bytes = fmt == 0 ? Bf16PageElems(hkv, ps, d) * 2
-                                              : Int2PageBytes(hkv, ps, d);
+          const int64_t page_bytes =
+              fmt == 0 ? Bf16PageElems(hkv, ps, d) * 2 : Int2PageBytes(hkv, ps, d);
           std::vector<uint8_t> poison(static_cast<size_t>(layers * pool_pages * page_bytes), 0xA5);
           uint8_t* d_pool = Up(poison);
           cuda::PagedRows dst;
@@ -375,8 +376,9 @@ TEST_F(CudaKernelsTest, PagedRowStoresAreBitIdenticalToTheHostPath) {
                       RotateRows(row.data(), 1, d, r, rotated.data());
                       in = rotated.data();
                     }
-                    FloatToBf16N(in, reinterpret_cast<uint16_t*>(base) +
-                                         ((int64_t{which} * hkv + h) * ps + slot) * d,
+                    FloatToBf16N(in,
+                                 reinterpret_cast<uint16_t*>(base) +
+                                     ((int64_t{which} * hkv + h) * ps + slot) * d,
                                  d);
                   } else {
                     const Int2PageLayout layout{hkv, ps, d};
@@ -387,8 +389,8 @@ TEST_F(CudaKernelsTest, PagedRowStoresAreBitIdenticalToTheHostPath) {
               }
             }
           }
-          ASSERT_TRUE(got == want) << "format " << fmt << " d " << d << " bf16 " << src_bf16
-                                   << " rotate " << rotate;
+          ASSERT_TRUE(got == want)
+              << "format " << fmt << " d " << d << " bf16 " << src_bf16 << " rotate " << rotate;
         }
       }
     }

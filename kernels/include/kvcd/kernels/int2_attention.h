@@ -58,7 +58,9 @@ struct Int2PageLayout {
     return (int64_t{num_kv_heads} * (page_size * Q() + P4() * 4 * Q())) / 2 +
            int64_t{head} * 2 * page_size;
   }
-  KVCD_HOST_DEVICE int64_t VScale(int head) const { return KScale(head) + int64_t{num_kv_heads} * 2 * page_size; }
+  KVCD_HOST_DEVICE int64_t VScale(int head) const {
+    return KScale(head) + int64_t{num_kv_heads} * 2 * page_size;
+  }
   Int2RowRef K(uint8_t* base, int head) const {
     uint16_t* p = reinterpret_cast<uint16_t*>(base);
     Int2RowRef r;

@@ -59,8 +59,8 @@ std::vector<int32_t> Tokens(int64_t n, int32_t first = 1) {
 double MaxAbsDiff(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
   double m = 0;
   for (size_t i = 0; i < a.size(); ++i) {
-    m = std::max(m, std::abs(static_cast<double>(kernels::Bf16ToFloat(a[i])) -
-                             kernels::Bf16ToFloat(b[i])));
+    m = std::max(
+        m, std::abs(static_cast<double>(kernels::Bf16ToFloat(a[i])) - kernels::Bf16ToFloat(b[i])));
   }
   return m;
 }
@@ -179,7 +179,8 @@ TEST(ModelCacheTest, RefusedPutsChangeNothing) {
   small.memory_bytes = static_cast<uint64_t>(4 * page_bytes);  // room for exactly 4 pages
   Fixture f(small);
   const int64_t n = 3 * small.page_size;
-  const auto k = RandomKv(small, 8 * small.page_size, 7), v = RandomKv(small, 8 * small.page_size, 8);
+  const auto k = RandomKv(small, 8 * small.page_size, 7),
+             v = RandomKv(small, 8 * small.page_size, 8);
   ASSERT_TRUE(f.cache->Put("t", Tokens(n), 0, Rows(small, k, n), Rows(small, v, n)).ok());
   auto seq = f.cache->Open(1, "t", Tokens(n));  // pins the 3 pages
   // Needs 8 pages with 1 free and 3 pinned: RESOURCE_EXHAUSTED, the cached prefix stays.

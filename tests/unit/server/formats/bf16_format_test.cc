@@ -58,12 +58,12 @@ TEST(Bf16FormatTest, WritePagesAndRowsPlaceRowsInTheLayout) {
       for (int64_t t = 0; t < tokens; ++t) {
         for (int which = 0; which < 2; ++which) {
           for (int32_t h = 0; h < kGeo.num_kv_heads; ++h) {
-            const uint16_t* src = (which == 0 ? k : v).data() + (l * tokens + t) * row +
-                                  h * kGeo.head_dim;
+            const uint16_t* src =
+                (which == 0 ? k : v).data() + (l * tokens + t) * row + h * kGeo.head_dim;
             if (rotate) {
               kernels::Bf16ToFloatN(src, x.data(), kGeo.head_dim);
-              kernels::RotateRows(x.data(), 1, kGeo.head_dim,
-                                  which == 0 ? rot->RK(l) : rot->RV(l), y.data());
+              kernels::RotateRows(x.data(), 1, kGeo.head_dim, which == 0 ? rot->RK(l) : rot->RV(l),
+                                  y.data());
               kernels::FloatToBf16N(y.data(), want.data(), kGeo.head_dim);
             } else {
               std::copy_n(src, kGeo.head_dim, want.begin());
@@ -84,8 +84,8 @@ TEST(Bf16FormatTest, WritePagesAndRowsPlaceRowsInTheLayout) {
     int64_t changed_other_layers = 0;
     for (int32_t l : {0, 2}) {
       const uint8_t* a = pool.PagePtr(l, 0);
-      changed_other_layers += !std::equal(a, a + f->layer_page_bytes(),
-                                          before.data() + (a - mem.data()));
+      changed_other_layers +=
+          !std::equal(a, a + f->layer_page_bytes(), before.data() + (a - mem.data()));
     }
     EXPECT_EQ(changed_other_layers, 0);
     // Expansion of that row un-rotates it back to (about) the input.

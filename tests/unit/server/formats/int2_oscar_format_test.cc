@@ -75,8 +75,8 @@ TEST(Int2OscarFormatTest, WritePagesIsTheCodecInThePageLayout) {
           const auto& src = which == 0 ? k : v;
           for (int32_t t = 0; t < kGeo.page_size; ++t) {
             const int64_t tok = 3 + static_cast<int64_t>(i) * kGeo.page_size + t;
-            std::copy_n(src.begin() + (l * tokens + tok) * row + h * kGeo.head_dim,
-                        kGeo.head_dim, rows.begin() + t * kGeo.head_dim);
+            std::copy_n(src.begin() + (l * tokens + tok) * row + h * kGeo.head_dim, kGeo.head_dim,
+                        rows.begin() + t * kGeo.head_dim);
           }
           kernels::DemoteRowsToInt2(rows.data(), kGeo.page_size, kGeo.head_dim,
                                     which == 0 ? codec->RK(l) : codec->RV(l),
@@ -112,9 +112,9 @@ TEST(Int2OscarFormatTest, DemoteQuantizesTheWindowRowsAsStored) {
     std::fill(want.begin(), want.end(), 0xA5);
     for (int32_t h = 0; h < kGeo.num_kv_heads; ++h) {
       for (int which = 0; which < 2; ++which) {
-        kernels::Bf16ToFloatN(w + (int64_t{which} * kGeo.num_kv_heads + h) * kGeo.page_size *
-                                      kGeo.head_dim,
-                              rows.data(), kGeo.page_size * kGeo.head_dim);
+        kernels::Bf16ToFloatN(
+            w + (int64_t{which} * kGeo.num_kv_heads + h) * kGeo.page_size * kGeo.head_dim,
+            rows.data(), kGeo.page_size * kGeo.head_dim);
         kernels::DemoteRowsToInt2(rows.data(), kGeo.page_size, kGeo.head_dim, nullptr,
                                   which == 0 ? codec->RhoK(l) : codec->RhoV(l),
                                   which == 0 ? layout.K(want.data(), h) : layout.V(want.data(), h));
@@ -138,8 +138,8 @@ TEST(Int2OscarFormatTest, CheckPagesNamesTheBadPageAndLayer) {
   }
   EXPECT_TRUE(f->CheckPages(pages.data(), 3, 10).ok());
   // A negative scale (first block of page 2, layer 1).
-  uint8_t* scale = pages.data() + (2 * kGeo.num_layers + 1) * f->layer_page_bytes() +
-                   layout.ParamsOffset();
+  uint8_t* scale =
+      pages.data() + (2 * kGeo.num_layers + 1) * f->layer_page_bytes() + layout.ParamsOffset();
   scale[1] = 0xbc;  // -1.0
   absl::Status s = f->CheckPages(pages.data(), 3, 10);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
