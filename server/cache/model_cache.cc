@@ -612,6 +612,17 @@ int64_t ModelCache::ReadRuns(const Sequence& seq, int64_t first, int64_t n, uint
   return at;
 }
 
+absl::StatusOr<std::string> ModelCache::ReadToHost(const Sequence& seq, int64_t first, int64_t n,
+                                                   std::vector<StoredPageCopy>* pages) const {
+  std::vector<StoredPageCopy> sizes;
+  absl::Status read;
+  std::string staged(static_cast<size_t>(ReadRuns(seq, first, n, nullptr, false, &sizes, &read)),
+                     '\0');
+  ReadRuns(seq, first, n, reinterpret_cast<uint8_t*>(staged.data()), false, pages, &read);
+  if (!read.ok()) return read;
+  return staged;
+}
+
 absl::Status ModelCache::Fetch(Sequence* seq, int64_t first, int64_t n, uint16_t* k_out,
                                uint16_t* v_out, std::vector<std::string>* page_formats) {
   const int32_t ps = spec_.page_size, d = spec_.head_dim, hkv = spec_.num_kv_heads;
@@ -619,12 +630,7 @@ absl::Status ModelCache::Fetch(Sequence* seq, int64_t first, int64_t n, uint16_t
   KVCD_RETURN_IF_ERROR(CheckReadable(*seq, first, n));
   // The pages as stored, in host memory, then each format expands its rows.
   std::vector<StoredPageCopy> copies;
-  absl::Status read;
-  std::string staged(static_cast<size_t>(ReadRuns(*seq, first, n, nullptr, false, &copies, &read)),
-                     '\0');
-  copies.clear();
-  ReadRuns(*seq, first, n, reinterpret_cast<uint8_t*>(staged.data()), false, &copies, &read);
-  KVCD_RETURN_IF_ERROR(read);
+  KVCD_ASSIGN_OR_RETURN(std::string staged, ReadToHost(*seq, first, n, &copies));
   for (const auto& c : copies) page_formats->push_back(c.format);
   std::vector<float> rows(static_cast<size_t>(ps) * d);
   int64_t page_at = 0;
@@ -659,12 +665,7 @@ absl::Status ModelCache::FetchStored(Sequence* seq, int64_t first, int64_t n,
   std::lock_guard<std::mutex> seq_lock(seq->mu);
   KVCD_RETURN_IF_ERROR(CheckReadable(*seq, first, n));
   std::vector<StoredPageCopy> copies;
-  absl::Status read;
-  std::string staged(static_cast<size_t>(ReadRuns(*seq, first, n, nullptr, false, &copies, &read)),
-                     '\0');
-  copies.clear();
-  ReadRuns(*seq, first, n, reinterpret_cast<uint8_t*>(staged.data()), false, &copies, &read);
-  KVCD_RETURN_IF_ERROR(read);
+  KVCD_ASSIGN_OR_RETURN(std::string staged, ReadToHost(*seq, first, n, &copies));
   size_t at = 0;
   for (StoredPageCopy& c : copies) {
     c.data = staged.substr(at, static_cast<size_t>(c.bytes));

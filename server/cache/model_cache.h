@@ -230,6 +230,9 @@ class ModelCache {
   // descriptions to *pages, the first read error to *status; returns the bytes.
   int64_t ReadRuns(const Sequence& seq, int64_t first, int64_t n, uint8_t* dst, bool dst_on_device,
                    std::vector<StoredPageCopy>* pages, absl::Status* status) const;
+  // The same pages read back to back into host memory.
+  absl::StatusOr<std::string> ReadToHost(const Sequence& seq, int64_t first, int64_t n,
+                                         std::vector<StoredPageCopy>* pages) const;
 
   const ModelSpec spec_;
   Backend* const backend_;

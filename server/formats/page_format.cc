@@ -9,6 +9,18 @@
 
 namespace kvcd {
 
+std::vector<RowSlot> PageRowSlots(int64_t first_token, absl::Span<const int32_t> pages,
+                                  int32_t page_size) {
+  std::vector<RowSlot> rows;
+  rows.reserve(pages.size() * static_cast<size_t>(page_size));
+  for (size_t i = 0; i < pages.size(); ++i) {
+    for (int32_t t = 0; t < page_size; ++t) {
+      rows.push_back({first_token + static_cast<int64_t>(i) * page_size + t, pages[i], t});
+    }
+  }
+  return rows;
+}
+
 void RowSource::RowAsFloat(int64_t layer, int64_t token, int32_t head, int32_t head_dim,
                            float* out) const {
   const int64_t off = layer * layer_stride + token * token_stride + int64_t{head} * head_dim;

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
@@ -54,6 +55,11 @@ struct RowSlot {
   int32_t page = 0;
   int32_t slot = 0;
 };
+
+// The slots of whole pages: source token first_token + i * page_size + t goes to slot t of
+// pages[i] (what WritePages writes).
+std::vector<RowSlot> PageRowSlots(int64_t first_token, absl::Span<const int32_t> pages,
+                                  int32_t page_size);
 
 class PageFormat {
  public:

@@ -26,14 +26,7 @@ class Int2OscarCudaFormat final : public CudaPageFormat {
 
   absl::Status WritePages(const RowSource& k, const RowSource& v, int64_t first_token,
                           absl::Span<const int32_t> pages, const PagePool& pool) const override {
-    std::vector<RowSlot> rows;
-    const int32_t ps = geometry().page_size;
-    rows.reserve(pages.size() * static_cast<size_t>(ps));
-    for (size_t i = 0; i < pages.size(); ++i) {
-      for (int32_t t = 0; t < ps; ++t) {
-        rows.push_back({first_token + static_cast<int64_t>(i) * ps + t, pages[i], t});
-      }
-    }
+    const std::vector<RowSlot> rows = PageRowSlots(first_token, pages, geometry().page_size);
     std::lock_guard<std::mutex> lock(scratch_.mu);
     RowStoreArgs a;
     KVCD_RETURN_IF_ERROR(PrepareRowStore(k, v, rows, -1, pool, geometry(), device_codec(),
