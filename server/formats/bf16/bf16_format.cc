@@ -69,7 +69,10 @@ class Bf16CpuFormat final : public CpuPageFormat {
     const PageGeometry& g = geometry();
     const int32_t d = g.head_dim;
     const CodecProfile* rot = rotation();
-    std::vector<float> f(static_cast<size_t>(d)), rotated(static_cast<size_t>(d));
+    // One row at a time on the stack, 64-byte aligned (head_dim <= 256): the rotation's
+    // vector loads never straddle cache lines.
+    alignas(64) float f[256];
+    alignas(64) float rotated[256];
     const int32_t l_begin = layer >= 0 ? layer : 0;
     const int32_t l_end = layer >= 0 ? layer + 1 : g.num_layers;
     for (int32_t l = l_begin; l < l_end; ++l) {
@@ -81,10 +84,9 @@ class Bf16CpuFormat final : public CpuPageFormat {
           for (int32_t h = 0; h < g.num_kv_heads; ++h) {
             auto* dst = reinterpret_cast<uint16_t*>(page + layout_.RowOffset(which, h, r.slot));
             if (rot != nullptr) {
-              src.RowAsFloat(src_layer, r.src_token, h, d, f.data());
-              kernels::RotateRows(f.data(), 1, d, which == 0 ? rot->RK(l) : rot->RV(l),
-                                  rotated.data());
-              kernels::FloatToBf16N(rotated.data(), dst, d);
+              src.RowAsFloat(src_layer, r.src_token, h, d, f);
+              kernels::RotateRows(f, 1, d, which == 0 ? rot->RK(l) : rot->RV(l), rotated);
+              kernels::FloatToBf16N(rotated, dst, d);
             } else {
               src.RowAsBf16(src_layer, r.src_token, h, d, dst);
             }
