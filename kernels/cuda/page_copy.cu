@@ -3,7 +3,6 @@
 // page p = item / num_layers, layer l = item % num_layers.
 #include <cstdint>
 
-#include "kvcd/kernels/cuda_device_copy.h"
 #include "kvcd/kernels/cuda_page_copy.h"
 
 namespace kvcd::kernels::cuda {

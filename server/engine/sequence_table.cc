@@ -47,29 +47,26 @@ absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Open(ModelCache* model,
   return seq;
 }
 
-absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Find(uint64_t id) {
-  std::shared_ptr<Sequence> seq;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = sequences_.find(id);
-    if (it == sequences_.end()) {
-      return absl::NotFoundError(absl::StrCat(
-          "sequence ", id, " is not open (never opened, closed, or its lease expired)"));
-    }
-    seq = it->second;
-  }
-  Touch(seq.get());
-  return seq;
-}
-
-absl::StatusOr<std::string> SequenceTable::Salt(uint64_t id) const {
+absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Get(uint64_t id) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = sequences_.find(id);
   if (it == sequences_.end()) {
     return absl::NotFoundError(
         absl::StrCat("sequence ", id, " is not open (never opened, closed, or its lease expired)"));
   }
-  return it->second->salt;
+  return it->second;
+}
+
+absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Find(uint64_t id) {
+  absl::StatusOr<std::shared_ptr<Sequence>> seq = Get(id);
+  if (seq.ok()) Touch(seq->get());
+  return seq;
+}
+
+absl::StatusOr<std::string> SequenceTable::Salt(uint64_t id) const {
+  absl::StatusOr<std::shared_ptr<Sequence>> seq = Get(id);
+  if (!seq.ok()) return seq.status();
+  return (*seq)->salt;
 }
 
 absl::StatusOr<int64_t> SequenceTable::Close(uint64_t id) {
@@ -89,23 +86,15 @@ absl::StatusOr<int64_t> SequenceTable::Close(uint64_t id) {
 }
 
 absl::StatusOr<int64_t> SequenceTable::Renew(uint64_t id, int64_t lease_ms) {
-  std::shared_ptr<Sequence> seq;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = sequences_.find(id);
-    if (it == sequences_.end()) {
-      return absl::NotFoundError(absl::StrCat(
-          "sequence ", id, " is not open (never opened, closed, or its lease expired)"));
-    }
-    seq = it->second;
-  }
+  absl::StatusOr<std::shared_ptr<Sequence>> seq = Get(id);
+  if (!seq.ok()) return seq.status();
   if (lease_ms != 0) {
     absl::StatusOr<int64_t> lease = leases_.Grant(lease_ms);
     if (!lease.ok()) return lease.status();
-    seq->lease_ms.store(*lease);
+    (*seq)->lease_ms.store(*lease);
   }
-  Touch(seq.get());
-  return seq->lease_ms.load();
+  Touch(seq->get());
+  return (*seq)->lease_ms.load();
 }
 
 int SequenceTable::Expire(int64_t now_ns) {

@@ -55,6 +55,7 @@ class SequenceTable {
   int64_t size() const;
 
  private:
+  absl::StatusOr<std::shared_ptr<Sequence>> Get(uint64_t id) const;
   static void Touch(Sequence* seq);
 
   const LeasePolicy leases_;

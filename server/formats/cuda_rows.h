@@ -7,7 +7,7 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
-#include "kvcd/kernels/cuda_device_copy.h"
+#include "kvcd/kernels/cuda_page_copy.h"
 #include "kvcd/kernels/cuda_store_rows.h"
 #include "server/formats/cuda_codec.h"
 #include "server/formats/page_format.h"

@@ -239,60 +239,6 @@ uint64_t CountBad(const std::vector<uint8_t>& bytes, size_t begin, size_t n, uin
   return bad;
 }
 
-TEST_F(CudaKernelsTest, CopySpansCopiesAndCountsLikeTheReference) {
-  const size_t n = 1 << 22;
-  std::vector<uint8_t> src(n);
-  std::uniform_int_distribution<int> byte(0, 255);
-  for (auto& b : src) b = static_cast<uint8_t>(byte(rng_));
-  uint8_t* d_src = Up(src);
-  std::vector<uint8_t> poison(n, 0xA5);
-  uint8_t* d_dst = Up(poison);
-  // Aligned and unaligned spans of odd sizes, copy-only, check-only and copy+check.
-  std::vector<cuda::CopySpan> spans;
-  std::vector<size_t> src_off, dst_off;
-  std::uniform_int_distribution<size_t> size(1, 40000);
-  size_t at = 0;
-  uint64_t want_bad = 0;
-  for (int i = 0; i < 40; ++i) {
-    const bool aligned = i % 3 != 0;
-    size_t bytes = size(rng_);
-    if (aligned) bytes = (bytes + 15) / 16 * 16;
-    const size_t so = (at + (aligned ? 0 : 5)) % (n - bytes);
-    const size_t so_aligned = aligned ? so / 16 * 16 : so | 1;
-    const uint32_t check = static_cast<uint32_t>(i % 3);
-    const uint32_t block = 1 + i % 64;
-    const bool copy = i % 4 != 3;
-    cuda::CopySpan s;
-    s.src = d_src + so_aligned;
-    s.dst = copy ? d_dst + (aligned ? at / 16 * 16 : at + 3) : nullptr;
-    s.bytes = bytes;
-    s.check = check;
-    s.check_block = block;
-    spans.push_back(s);
-    src_off.push_back(so_aligned);
-    dst_off.push_back(copy ? (aligned ? at / 16 * 16 : at + 3) : SIZE_MAX);
-    want_bad += CountBad(src, so_aligned, bytes, check, block);
-    at = (aligned ? at / 16 * 16 : at + 3) + bytes + 32;
-    ASSERT_LT(at + 40000, n);
-  }
-  cuda::CopySpan* d_spans = Up(spans);
-  std::vector<unsigned long long> zero(1, 0);
-  unsigned long long* d_bad = Up(zero);
-  ASSERT_EQ(cuda::LaunchCopySpans(d_spans, static_cast<int>(spans.size()), d_bad, nullptr),
-            cudaSuccess);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  EXPECT_EQ(Down(d_bad, 1)[0], want_bad);
-  const auto dst = Down(d_dst, n);
-  std::vector<uint8_t> want = poison;
-  for (size_t i = 0; i < spans.size(); ++i) {
-    if (dst_off[i] == SIZE_MAX) continue;
-    std::copy(src.begin() + src_off[i], src.begin() + src_off[i] + spans[i].bytes,
-              want.begin() + dst_off[i]);
-  }
-  EXPECT_TRUE(dst == want);
-  EXPECT_GT(want_bad, 0u);  // random bytes hold non-finite values: the check is exercised
-}
-
 // The paged row stores against the host path (RotateRows + FloatToBf16N into the BF16
 // page layout; DemoteRowsToInt2 into the INT2 page layout): every layer of 37 tokens of a
 // [layers][tokens][heads][d] source, scattered over the slots of poisoned pages.
@@ -432,12 +378,9 @@ TEST_F(CudaKernelsTest, PagedCopyScattersGathersAndChecksLikeTheReference) {
         const uint8_t* src = run.data() + (p * layers + l) * layer_bytes;
         std::copy(src, src + layer_bytes,
                   want.begin() + l * pool_pages * layer_bytes + ids[p] * layer_bytes);
-        for (int64_t i = 0; i < a.check_bytes / 2; ++i) {
-          const uint16_t h = static_cast<uint16_t>(src[a.check_offset + 2 * i] |
-                                                   (src[a.check_offset + 2 * i + 1] << 8));
-          const bool scale = (i / a.check_block) % 2 == 0;
-          want_bad += (h & 0x7c00u) == 0x7c00u || (scale && (h & 0x8000u) && (h & 0x7fffu));
-        }
+        want_bad +=
+            CountBad(run, static_cast<size_t>((p * layers + l) * layer_bytes + a.check_offset),
+                     static_cast<size_t>(a.check_bytes), a.check, a.check_block);
       }
     }
     EXPECT_TRUE(Down(d_pool, pool.size()) == want) << "layer_bytes " << layer_bytes;
@@ -447,6 +390,15 @@ TEST_F(CudaKernelsTest, PagedCopyScattersGathersAndChecksLikeTheReference) {
     ASSERT_EQ(cudaMemset(d_bad, 0, sizeof(unsigned long long)), cudaSuccess);
     ASSERT_EQ(cuda::LaunchPagedCopy(cuda::PageCopy::kCheck, a, d_bad, nullptr), cudaSuccess);
     EXPECT_EQ(Down(d_bad, 1)[0], want_bad);
+    // The BF16 check over whole layer pages: random bytes hold Inf/NaN patterns.
+    const uint64_t want_bf16 = CountBad(run, 0, run.size(), cuda::kCheckBf16Finite, 0);
+    a.check = cuda::kCheckBf16Finite;
+    a.check_offset = 0;
+    a.check_bytes = layer_bytes;
+    ASSERT_EQ(cudaMemset(d_bad, 0, sizeof(unsigned long long)), cudaSuccess);
+    ASSERT_EQ(cuda::LaunchPagedCopy(cuda::PageCopy::kCheck, a, d_bad, nullptr), cudaSuccess);
+    EXPECT_EQ(Down(d_bad, 1)[0], want_bf16);
+    EXPECT_GT(want_bf16, 0u);
     // Gather into a poisoned run: the original run comes back.
     ASSERT_EQ(cudaMemset(d_run, 0xee, run.size()), cudaSuccess);
     a.check = cuda::kCheckNone;

@@ -1,7 +1,7 @@
 // Whole pages between a pool ([layer][page][layer_bytes], page ids) and a run of pages
 // stored back to back ([page][layer][layer_bytes]) — the form in which pages travel
 // (PushPages, FetchPages, NCCL staging) — in one launch, with an optional validity check
-// of the bytes read (cuda_device_copy.h's CopyCheck). sm_90, framework-free.
+// of the bytes read (CopyCheck). sm_90, framework-free.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,6 +9,15 @@
 #include <cstdint>
 
 namespace kvcd::kernels::cuda {
+
+enum CopyCheck : uint32_t {
+  kCheckNone = 0,
+  // Every 16-bit word is a finite BF16 value.
+  kCheckBf16Finite = 1,
+  // 16-bit FP16 parameters in blocks of `check_block` values alternating scale, minimum,
+  // scale, ...: all finite, scales not negative (-0 allowed).
+  kCheckFp16ScaleMin = 2,
+};
 
 enum class PageCopy : int {
   kScatter = 0,  // run -> pool (pages page_ids[i] of every layer)
