@@ -5,10 +5,12 @@
 #include <cmath>
 #include <vector>
 
+#include "fsq_encode.h"
 #include "fsq_math.h"
 #include "kvcd/kernels/fsq.h"
 
 namespace kvcd::kernels {
+namespace internal {
 namespace {
 
 // Round half to even of a finite double, exact (v - floor(v) is exact below 2^52).
@@ -18,16 +20,6 @@ double RoundHalfEven(double v) {
   if (frac > 0.5) return f + 1.0;
   if (frac < 0.5) return f;
   return std::fmod(f, 2.0) == 0.0 ? f : f + 1.0;
-}
-
-// z = clamp(round_half_even(h tanh(u + atanh(delta/h)) - delta), -8, 7); NaN -> 0 (callers
-// reject non-finite residuals before encoding, this keeps the kernel total).
-int QuantizeLatent(double u) {
-  static const double kShift = std::atanh(kFsqDelta / kFsqH);
-  const double ut = kFsqH * std::tanh(u + kShift) - kFsqDelta;
-  if (std::isnan(ut)) return 0;
-  const double r = RoundHalfEven(std::clamp(ut, -8.0, 7.0));
-  return static_cast<int>(r);
 }
 
 // u[t][r] = sum_c E[g0+r][c] x[t][c] in order of c, for kT tokens and kR rows at once
@@ -45,15 +37,6 @@ void DotBlock(const float* e, int64_t C, const float* x, double (&u)[kT][kR]) {
     for (int r = 0; r < kR; ++r) u[t][r] = acc[t][r];
 }
 
-void PutNibble(uint8_t* code, int g, int z) {
-  const uint8_t nib = static_cast<uint8_t>(z + 8);
-  if (g % 2 == 0) {
-    code[g / 2] = static_cast<uint8_t>((code[g / 2] & 0xF0) | nib);
-  } else {
-    code[g / 2] = static_cast<uint8_t>((code[g / 2] & 0x0F) | (nib << 4));
-  }
-}
-
 template <int kT, int kR>
 void EncodeBlock(const FsqLayerCodec& codec, const float* x, int g0, uint8_t* codes) {
   const int64_t C = codec.residual_width;
@@ -62,30 +45,49 @@ void EncodeBlock(const FsqLayerCodec& codec, const float* x, int g0, uint8_t* co
   DotBlock<kT, kR>(codec.encoder + g0 * C, C, x, u);
   for (int t = 0; t < kT; ++t) {
     for (int r = 0; r < kR; ++r) {
-      const double ub = u[t][r] + static_cast<double>(codec.encoder_bias[g0 + r]);
-      PutNibble(codes + t * cb, g0 + r, QuantizeLatent(ub));
+      FsqPutNibble(codes + t * cb, g0 + r, FsqQuantizeLatent(u[t][r], codec.encoder_bias[g0 + r]));
     }
   }
 }
 
 }  // namespace
 
-void FsqEncodeRows(const FsqLayerCodec& codec, const float* x, int64_t tokens, uint8_t* codes) {
+int FsqQuantizeLatent(double sum, float bias) {
+  static const double kShift = std::atanh(kFsqDelta / kFsqH);
+  const double u = sum + static_cast<double>(bias);
+  const double ut = kFsqH * std::tanh(u + kShift) - kFsqDelta;
+  if (std::isnan(ut)) return 0;
+  return static_cast<int>(RoundHalfEven(std::clamp(ut, -8.0, 7.0)));
+}
+
+void FsqEncodeRowsScalar(const FsqLayerCodec& codec, const float* x, int64_t tokens, int g_begin,
+                         int g_end, uint8_t* codes) {
   constexpr int kT = 4, kR = 2;
   const int64_t C = codec.residual_width;
-  const int G = codec.latent_width;
-  const int64_t cb = FsqCodeBytes(G);
-  std::fill(codes, codes + tokens * cb, uint8_t{0});  // an odd G leaves the last high nibble 0
+  const int64_t cb = FsqCodeBytes(codec.latent_width);
   int64_t t = 0;
   for (; t + kT <= tokens; t += kT) {
-    int g = 0;
-    for (; g + kR <= G; g += kR) EncodeBlock<kT, kR>(codec, x + t * C, g, codes + t * cb);
-    for (; g < G; ++g) EncodeBlock<kT, 1>(codec, x + t * C, g, codes + t * cb);
+    int g = g_begin;
+    for (; g + kR <= g_end; g += kR) EncodeBlock<kT, kR>(codec, x + t * C, g, codes + t * cb);
+    for (; g < g_end; ++g) EncodeBlock<kT, 1>(codec, x + t * C, g, codes + t * cb);
   }
   for (; t < tokens; ++t) {
-    int g = 0;
-    for (; g + kR <= G; g += kR) EncodeBlock<1, kR>(codec, x + t * C, g, codes + t * cb);
-    for (; g < G; ++g) EncodeBlock<1, 1>(codec, x + t * C, g, codes + t * cb);
+    int g = g_begin;
+    for (; g + kR <= g_end; g += kR) EncodeBlock<1, kR>(codec, x + t * C, g, codes + t * cb);
+    for (; g < g_end; ++g) EncodeBlock<1, 1>(codec, x + t * C, g, codes + t * cb);
+  }
+}
+
+}  // namespace internal
+
+void FsqEncodeRows(const FsqLayerCodec& codec, const float* x, int64_t tokens, uint8_t* codes,
+                   CpuIsa isa) {
+  const int G = codec.latent_width;
+  std::fill(codes, codes + tokens * FsqCodeBytes(G), uint8_t{0});  // odd G: last high nibble 0
+  if (isa >= CpuIsa::kAvx2) {
+    internal::FsqEncodeRowsAvx2(codec, x, tokens, codes);
+  } else {
+    internal::FsqEncodeRowsScalar(codec, x, tokens, 0, G, codes);
   }
 }
 

@@ -62,43 +62,46 @@ TEST(FsqEncodeTest, MatchesTheDefinitionWithSaturation) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (int G : {1, 7, 84, 256}) {
-    for (int C : {5, 37, 300}) {
-      // Spread 3: |u| often above 2, so both saturated levels (-8 and 7) appear.
-      RandomEncoder enc(C, G, 3.0f, rng);
-      const int tokens = 11;  // blocks of 4 tokens and a tail
-      std::vector<float> x(static_cast<size_t>(tokens) * C);
-      for (auto& v : x) v = normal(rng);
-      const int64_t cb = FsqCodeBytes(G);
-      std::vector<uint8_t> codes(tokens * cb, 0xAB);
-      FsqEncodeRows(enc.codec, x.data(), tokens, codes.data());
-      int lo = 0, hi = 0;
-      for (int t = 0; t < tokens; ++t) {
-        std::vector<int> z(G);
-        for (int g = 0; g < G; ++g) {
-          double u = 0;
-          for (int c = 0; c < C; ++c)
-            u += static_cast<double>(enc.e[g * C + c]) * static_cast<double>(x[t * C + c]);
-          u += enc.bias[g];
-          z[g] = ExpectedLatent(u);
-          lo += z[g] == -8;
-          hi += z[g] == 7;
+  for (CpuIsa isa : AvailableIsas()) {
+    for (int G : {1, 7, 84, 91, 256}) {
+      for (int C : {5, 37, 300}) {
+        SCOPED_TRACE(testing::Message() << "isa " << CpuIsaName(isa) << " G " << G << " C " << C);
+        // Spread 3: |u| often above 2, so both saturated levels (-8 and 7) appear.
+        RandomEncoder enc(C, G, 3.0f, rng);
+        const int tokens = 11;  // blocks of 4 tokens and a tail
+        std::vector<float> x(static_cast<size_t>(tokens) * C);
+        for (auto& v : x) v = normal(rng);
+        const int64_t cb = FsqCodeBytes(G);
+        std::vector<uint8_t> codes(tokens * cb, 0xAB);
+        FsqEncodeRows(enc.codec, x.data(), tokens, codes.data(), isa);
+        int lo = 0, hi = 0;
+        for (int t = 0; t < tokens; ++t) {
+          std::vector<int> z(G);
+          for (int g = 0; g < G; ++g) {
+            double u = 0;
+            for (int c = 0; c < C; ++c)
+              u += static_cast<double>(enc.e[g * C + c]) * static_cast<double>(x[t * C + c]);
+            u += enc.bias[g];
+            z[g] = ExpectedLatent(u);
+            lo += z[g] == -8;
+            hi += z[g] == 7;
+          }
+          std::vector<uint8_t> want;
+          ExpectedCode(z, want);
+          for (int b = 0; b < cb; ++b)
+            ASSERT_EQ(codes[t * cb + b], want[b]) << "G=" << G << " C=" << C << " t=" << t;
+          if (G % 2 == 1) {
+            EXPECT_EQ(codes[t * cb + cb - 1] >> 4, 0);
+          }
+          // A token's code does not depend on the batch it is encoded in.
+          std::vector<uint8_t> alone(cb, 0x5C);
+          FsqEncodeRows(enc.codec, x.data() + t * C, 1, alone.data(), isa);
+          for (int b = 0; b < cb; ++b) ASSERT_EQ(alone[b], codes[t * cb + b]);
         }
-        std::vector<uint8_t> want;
-        ExpectedCode(z, want);
-        for (int b = 0; b < cb; ++b)
-          ASSERT_EQ(codes[t * cb + b], want[b]) << "G=" << G << " C=" << C << " t=" << t;
-        if (G % 2 == 1) {
-          EXPECT_EQ(codes[t * cb + cb - 1] >> 4, 0);
+        if (G * tokens >= 84 * 11) {
+          EXPECT_GT(lo, 0) << "no saturation at -8";
+          EXPECT_GT(hi, 0) << "no saturation at 7";
         }
-        // A token's code does not depend on the batch it is encoded in.
-        std::vector<uint8_t> alone(cb, 0x5C);
-        FsqEncodeRows(enc.codec, x.data() + t * C, 1, alone.data());
-        for (int b = 0; b < cb; ++b) ASSERT_EQ(alone[b], codes[t * cb + b]);
-      }
-      if (G * tokens >= 84 * 11) {
-        EXPECT_GT(lo, 0) << "no saturation at -8";
-        EXPECT_GT(hi, 0) << "no saturation at 7";
       }
     }
   }
@@ -145,11 +148,13 @@ TEST(FsqEncodeTest, ExactTiesRoundToEven) {
   codec.latent_width = G;
   codec.encoder = rows.data();
   codec.encoder_bias = bias.data();
-  std::vector<uint8_t> codes(FsqCodeBytes(G));
-  FsqEncodeRows(codec, x.data(), 1, codes.data());
-  std::vector<int8_t> z(G);
-  FsqUnpackCode(codes.data(), G, z.data());
-  for (int g = 0; g < G; ++g) EXPECT_EQ(z[g], want[g]) << "tie " << g;
+  for (CpuIsa isa : AvailableIsas()) {
+    std::vector<uint8_t> codes(FsqCodeBytes(G));
+    FsqEncodeRows(codec, x.data(), 1, codes.data(), isa);
+    std::vector<int8_t> z(G);
+    FsqUnpackCode(codes.data(), G, z.data());
+    for (int g = 0; g < G; ++g) EXPECT_EQ(z[g], want[g]) << "tie " << g << " " << CpuIsaName(isa);
+  }
 }
 
 TEST(FsqEncodeTest, NonFiniteResidualGivesZero) {
