@@ -449,12 +449,8 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
   }
   std::vector<Sequence*> raw;
   for (auto& sq : seqs) raw.push_back(sq.get());
-  if (fused) {  // one token more per sequence: at most one page more, under the tenant's quota
-    for (auto& sq : seqs) {
-      const int64_t next = m->Length(sq.get()) + 1;
-      KVCD_RETURN_IF_ERROR(sequences_.ReservePages(*sq, (next + s.page_size - 1) / s.page_size));
-    }
-  }
+  // Whatever happens below, each sequence's pages are recorded as they end up (this also
+  // undoes the reservations of a batch refused half-way).
   struct SettleOnExit {
     std::function<void()> fn;
     ~SettleOnExit() { fn(); }
@@ -464,6 +460,12 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
       sequences_.Settle(*sq, (m->Length(sq.get()) + s.page_size - 1) / s.page_size);
     }
   }};
+  if (fused) {  // one token more per sequence: at most one page more, under the tenant's quota
+    for (auto& sq : seqs) {
+      const int64_t next = m->Length(sq.get()) + 1;
+      KVCD_RETURN_IF_ERROR(sequences_.ReservePages(*sq, (next + s.page_size - 1) / s.page_size));
+    }
+  }
   std::vector<int64_t> lengths;
   const auto t0 = std::chrono::steady_clock::now();
   if (device_out) {
