@@ -13,6 +13,8 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
+#include <functional>
+#include <limits>
 #include <map>
 #include <set>
 #include <sstream>
@@ -106,6 +108,83 @@ class HardeningTest : public ::testing::Test {
   std::unique_ptr<Client> client_;
   v1::ModelProfile profile_;
 };
+
+// The numbered defects that a client sees over the wire, one table: each call gets its
+// exact code, and the stored prefix, the open sequence and the model list are unchanged.
+TEST_F(HardeningTest, BadRequestsOverTheWireChangeNothing) {
+  ASSERT_TRUE(client_->Put(MakePut(5, 8)).ok());
+  auto seq = client_->OpenSequence("tiny", "", synthetic::Tokens(5, 0, 8), 60000);
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  auto fingerprint = [&] {
+    auto models = client_->ListModels();
+    auto match = client_->Match("tiny", "", synthetic::Tokens(5, 0, 8));
+    v1::FetchPagesRequest f;
+    f.set_sequence_id(seq->sequence_id());
+    f.set_expand_to_bf16(true);
+    auto fetched = client_->FetchPages(f);
+    EXPECT_TRUE(models.ok() && match.ok() && fetched.ok());
+    return std::to_string(models->size()) + "|" + std::to_string(match->matched_tokens()) + "|" +
+           fetched->k().inline_data() + fetched->v().inline_data();
+  };
+  const std::string before = fingerprint();
+  struct Case {
+    const char* name;
+    absl::StatusCode code;
+    std::function<absl::Status()> call;
+  };
+  const std::vector<Case> cases = {
+      {"#3 NaN in k", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = MakePut(6, 8);
+         (*r.mutable_k()->mutable_inline_data())[11] = static_cast<char>(0x7f);
+         (*r.mutable_k()->mutable_inline_data())[10] = static_cast<char>(0xc0);
+         return client_->Put(r).status();
+       }},
+      {"#8 FSQ history format", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::ModelProfile p = profile_;
+         p.set_name("fsq");
+         p.set_history_format(v1::HISTORY_FORMAT_FSQ);
+         return client_->RegisterModel(p).status();
+       }},
+      {"#9 a 10 KB model name is NOT_FOUND (not a metadata overflow)", absl::StatusCode::kNotFound,
+       [&] {
+         auto r = MakePut(6, 8);
+         r.set_model(std::string(10240, 'x'));
+         return client_->Put(r).status();
+       }},
+      {"#11 FetchPages num_tokens INT64_MAX", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::FetchPagesRequest f;
+         f.set_sequence_id(seq->sequence_id());
+         f.set_num_tokens(std::numeric_limits<int64_t>::max());
+         return client_->FetchPages(f).status();
+       }},
+      {"#2 a flood of one-page models stops at the rounded budget",
+       absl::StatusCode::kResourceExhausted,
+       [&] {
+         absl::Status last;
+         for (int i = 0; i < 64 && last.ok(); ++i) {  // 16 MiB budget: at most 7 more pools
+           v1::ModelProfile p = profile_;
+           p.set_name("flood" + std::to_string(i));
+           p.set_memory_bytes(1024);
+           last = client_->RegisterModel(p).status();
+         }
+         return last;
+       }},
+  };
+  for (const auto& c : cases) {
+    const absl::Status s = c.call();
+    EXPECT_EQ(s.code(), c.code) << c.name << ": " << s;
+    EXPECT_LE(s.message().size(), 600u) << c.name;
+    if (std::string(c.name).rfind("#2", 0) != 0) {
+      EXPECT_EQ(fingerprint(), before) << c.name;
+    }
+  }
+  auto models = client_->ListModels();
+  ASSERT_TRUE(models.ok());
+  EXPECT_LE(models->size(), 8u);  // tiny (2 MiB) + at most 7 flood models of 2 MiB each
+}
 
 // Issue #21.6: SO_REUSEPORT is off, so a second daemon on the same port fails at start-up
 // with a clear message and a non-zero exit instead of splitting the connections.
