@@ -72,7 +72,9 @@ void DemoteRowsToInt2(const float* rows, int64_t n, int d, const float* rotation
     uint8_t packed[64] = {};
     for (int i = 0; i < d; ++i) {
       const float qf = std::floor(rot[i] / scale + zero + 0.5f);
-      const int q = static_cast<int>(std::min(std::max(qf, 0.0f), 3.0f));
+      // Clamp to 0..3 without casting an out-of-range float (a NaN row would make the cast,
+      // and the shift of its negative result, undefined); NaN maps to 0.
+      const unsigned q = qf >= 3.0f ? 3u : qf > 0.0f ? static_cast<unsigned>(qf) : 0u;
       packed[i % quarter] = static_cast<uint8_t>(packed[i % quarter] | (q << (2 * (i / quarter))));
     }
     const int64_t row = first_row + t;

@@ -13,6 +13,7 @@ constexpr int kThreads = 256;
 __device__ __forceinline__ unsigned CheckHalf(uint16_t h, int64_t index, uint32_t check,
                                               uint32_t block) {
   if (check == kCheckBf16Finite) return (h & 0x7f80u) == 0x7f80u ? 1u : 0u;
+  if (check == kCheckF32Finite) return (index & 1) != 0 && (h & 0x7f80u) == 0x7f80u ? 1u : 0u;
   if (check == kCheckFp16ScaleMin) {
     if ((h & 0x7c00u) == 0x7c00u) return 1u;  // Inf or NaN
     const bool is_scale = block == 0 || (index / block) % 2 == 0;

@@ -68,6 +68,13 @@ class Backend {
   // backend cannot provide it.
   virtual absl::StatusOr<uint8_t*> AllocatePoolMemory(uint64_t bytes) = 0;
   virtual void FreePoolMemory(uint8_t* p, uint64_t bytes) = 0;
+  // What AllocatePoolMemory(bytes) really takes: the request rounded up to 2 MiB (the
+  // CPU backend's huge-page alignment; the CUDA allocator's granularity for pools).
+  // The memory budget counts this, not the requested bytes.
+  virtual uint64_t PoolAllocationBytes(uint64_t bytes) const {
+    constexpr uint64_t kGranularity = uint64_t{2} << 20;
+    return (bytes + kGranularity - 1) / kGranularity * kGranularity;
+  }
 
   // The page formats of one model (ids[i] -> result[i]), all sharing `rotation` (null: rows
   // stored as given). UNIMPLEMENTED for a format this backend cannot run.

@@ -27,8 +27,8 @@ class CpuBackend final : public Backend {
   const char* name() const override { return "cpu"; }
 
   absl::StatusOr<uint8_t*> AllocatePoolMemory(uint64_t bytes) override {
-    constexpr uint64_t kAlign = 2u << 20;  // huge-page friendly
-    const uint64_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
+    constexpr uint64_t kAlign = 2u << 20;                 // huge-page friendly
+    const uint64_t rounded = PoolAllocationBytes(bytes);  // a multiple of kAlign
     void* p = std::aligned_alloc(kAlign, rounded);
     if (p == nullptr) {
       return absl::ResourceExhaustedError(

@@ -157,6 +157,28 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     RETURN_IF_CUDA(kc::Synchronize());
     return absl::OkStatus();
   }
+  // The paged copy's check mode over one "page" that is the whole tensor.
+  absl::StatusOr<int64_t> CountNonFinite(const void* data, int64_t count, bool bf16) override {
+    if (count <= 0) return int64_t{0};
+    std::lock_guard<std::mutex> lock(mu_);
+    auto d = check_scratch_.Reserve(sizeof(unsigned long long));
+    if (!d.ok()) return d.status();
+    auto* d_bad = reinterpret_cast<unsigned long long*>(*d);
+    kc::PagedCopyArgs a;
+    a.layer_bytes = count * (bf16 ? 2 : 4);
+    a.num_layers = 1;
+    a.num_pages = 1;
+    a.run = static_cast<uint8_t*>(const_cast<void*>(data));
+    a.check = bf16 ? kc::kCheckBf16Finite : kc::kCheckF32Finite;
+    a.check_offset = 0;
+    a.check_bytes = a.layer_bytes;
+    const unsigned long long zero = 0;
+    RETURN_IF_CUDA(kc::CopyToDevice(d_bad, &zero, sizeof(zero)));
+    RETURN_IF_CUDA_ERR(kc::LaunchPagedCopy(kc::PageCopy::kCheck, a, d_bad, nullptr));
+    unsigned long long bad = 0;
+    RETURN_IF_CUDA(kc::CopyToHost(&bad, d_bad, sizeof(bad)));
+    return static_cast<int64_t>(bad);
+  }
 
   absl::Status Attend(const AttentionBatch& b) override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -343,6 +365,7 @@ class CudaBackend final : public Backend, public DeviceRuntime {
   DeviceScratch scratch_;
   DeviceScratch ids_scratch_;
   DeviceScratch staging_;
+  DeviceScratch check_scratch_;  // CountNonFinite's counter
   PinnedUploader uploads_;
   mutable std::atomic<bool> sticky_{false};
 };

@@ -29,6 +29,9 @@ class DeviceRuntime {
   virtual absl::Status CopyHostToDevice(void* device, const void* host, size_t bytes) = 0;
   // Waits for all queued device work.
   virtual absl::Status Synchronize() = 0;
+  // How many of the `count` values at device address `data` (BF16 if bf16, else F32) are
+  // NaN or ±Inf: one check launch after the work queued so far, then a wait for its count.
+  virtual absl::StatusOr<int64_t> CountNonFinite(const void* data, int64_t count, bool bf16) = 0;
 };
 
 // The backend's device runtime, or FAILED_PRECONDITION saying that CUDA IPC and NCCL

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/quote.h"
 #include "common/status_macros.h"
 #include "kvcd/kernels/bf16.h"
 
@@ -27,14 +28,14 @@ absl::StatusOr<std::shared_ptr<const CodecProfile>> LoadCodec(const ModelSpec& s
                                    : SafetensorsFile::Parse(codec_blob);
     if (!file.ok()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("model '", spec.name, "': codec file: ", file.status().message()));
+          absl::StrCat("model ", Quote(spec.name), ": codec file: ", file.status().message()));
     }
     const std::string what = codec_blob.empty() ? "oscar (" + spec.codec_file + ")"
                                                 : std::string("oscar (registered codec)");
     auto codec = CodecProfile::FromSafetensors(*file, spec.num_layers, spec.head_dim, what);
     if (!codec.ok()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("model '", spec.name, "': ", codec.status().message()));
+          absl::StrCat("model ", Quote(spec.name), ": ", codec.status().message()));
     }
     return std::make_shared<const CodecProfile>(std::move(*codec));
   }
@@ -73,7 +74,7 @@ ModelCache::~ModelCache() {
 
 absl::StatusOr<std::unique_ptr<ModelCache>> ModelCache::Create(
     const ModelSpec& spec, Backend* backend, double high_watermark, double low_watermark,
-    CacheCounters* counters, const std::string& codec_blob) {
+    CacheCounters* counters, const std::string& codec_blob, uint64_t allocation_limit) {
   std::unique_ptr<ModelCache> cache(
       new ModelCache(spec, backend, high_watermark, low_watermark, counters));
   KVCD_ASSIGN_OR_RETURN(cache->codec_, LoadCodec(spec, codec_blob));
@@ -84,29 +85,47 @@ absl::StatusOr<std::unique_ptr<ModelCache>> ModelCache::Create(
   auto formats = backend->CreateFormats(ids, geometry, cache->codec_);
   if (!formats.ok()) {
     return absl::Status(formats.status().code(),
-                        absl::StrCat("model '", spec.name, "': ", formats.status().message()));
+                        absl::StrCat("model ", Quote(spec.name), ": ", formats.status().message()));
   }
   const bool split = ids.size() > 1;
   const auto window_budget = static_cast<uint64_t>(
       split ? static_cast<double>(spec.memory_bytes) * spec.bf16_fraction : spec.memory_bytes);
+  // Sizes first, then the budget check on what the backend will really allocate, then the
+  // allocations: a registration that does not fit allocates nothing.
+  std::vector<uint64_t> pool_pages;
+  uint64_t allocation = 0;
   for (size_t i = 0; i < ids.size(); ++i) {
-    PageStore store;
-    store.format = std::move((*formats)[i]);
+    const PageFormat& format = *(*formats)[i];
     const uint64_t budget = i == 0 ? window_budget : spec.memory_bytes - window_budget;
-    const int64_t page_bytes = store.format->page_bytes();
+    const int64_t page_bytes = format.page_bytes();
     const uint64_t pages = budget / static_cast<uint64_t>(page_bytes);
     if (pages < 1) {
       return absl::InvalidArgumentError(
-          absl::StrCat("model '", spec.name, "': its ", store.format->name(), " pool gets ", budget,
+          absl::StrCat("model ", Quote(spec.name), ": its ", format.name(), " pool gets ", budget,
                        " bytes of memory_bytes ", spec.memory_bytes, ", less than one page (",
                        page_bytes, " bytes for ", spec.num_layers, " layers); raise memory_bytes",
                        split ? " or adjust bf16_fraction" : ""));
     }
     if (pages > (1u << 30)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("model '", spec.name, "': ", pages, " pages exceed the 2^30 page limit"));
+      return absl::InvalidArgumentError(absl::StrCat("model ", Quote(spec.name), ": ", pages,
+                                                     " pages exceed the 2^30 page limit"));
     }
-    store.bytes = pages * static_cast<uint64_t>(page_bytes);
+    pool_pages.push_back(pages);
+    allocation += backend->PoolAllocationBytes(pages * static_cast<uint64_t>(page_bytes));
+  }
+  if (allocation > allocation_limit) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("model ", Quote(spec.name), ": its pools take ", allocation,
+                     " bytes once rounded to the backend's allocation granularity (memory_bytes ",
+                     spec.memory_bytes, "), but only ", allocation_limit,
+                     " bytes of the daemon's memory_budget are unassigned"));
+  }
+  cache->allocated_bytes_ = allocation;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    PageStore store;
+    store.format = std::move((*formats)[i]);
+    const uint64_t pages = pool_pages[i];
+    store.bytes = pages * static_cast<uint64_t>(store.format->page_bytes());
     KVCD_ASSIGN_OR_RETURN(store.memory, backend->AllocatePoolMemory(store.bytes));
     store.pool =
         std::make_unique<PagePool>(store.format->name(), store.memory, spec.num_layers,
@@ -130,9 +149,24 @@ int64_t ModelCache::MaxPageBytes() const {
   return m;
 }
 
+absl::Status ModelCache::CheckFitsLocked(int32_t store, int64_t n) const {
+  const PagePool& p = *stores_[store].pool;
+  if (n <= p.free_pages()) return absl::OkStatus();
+  const int64_t evictable = tree_.EvictablePages(store);
+  if (n <= p.free_pages() + evictable) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "model ", Quote(spec_.name), ": the ", p.format(), " pool cannot hold the request: need ", n,
+      " page(s), ", p.free_pages(), " free + ", evictable, " evictable of ", p.num_pages(), " (",
+      tree_.PinnedPages(),
+      " cached pages pinned by open sequences); nothing was evicted; close sequences, send "
+      "fewer tokens or give the model more memory; retry later"));
+}
+
 absl::Status ModelCache::AllocateLocked(int32_t store, int32_t n, std::vector<PageRef>* out) {
   if (n == 0) return absl::OkStatus();
   PagePool& p = *stores_[store].pool;
+  // Feasibility first: an impossible request must not flush the cache on its way to failing.
+  KVCD_RETURN_IF_ERROR(CheckFitsLocked(store, n));
   if (p.free_pages() < n) {
     tree_.Evict([&] { return p.free_pages() < n; },
                 [&](const PageRef& r) {
@@ -233,7 +267,13 @@ absl::StatusOr<PutResult> ModelCache::StorePrefix(const std::string& salt,
                        " are (evicted, or never put); resend from token ", result.cached_tokens));
     }
     // Pages go to the store StoreForPage names: window pages first, then history pages.
+    // Every store's need is checked before any store evicts.
     absl::Status s;
+    std::vector<int64_t> need(stores_.size(), 0);
+    for (int64_t i = cached_pages; i < full_pages; ++i) ++need[StoreForPage(i)];
+    for (size_t st = 0; s.ok() && st < stores_.size(); ++st) {
+      s = CheckFitsLocked(static_cast<int32_t>(st), need[st]);
+    }
     for (int64_t i = cached_pages; s.ok() && i < full_pages;) {
       const int32_t store = StoreForPage(i);
       int64_t j = i;
@@ -277,12 +317,16 @@ absl::StatusOr<PutResult> ModelCache::StorePrefix(const std::string& salt,
       }
     }
     FreeLocked(to_free);
+    // Keep the whole put prefix pinned while the pools are brought back under the
+    // watermarks, so that eviction cannot take the pages this call reports as inserted.
+    const RadixTree::MatchResult own = tree_.MatchAndPin(salt, full);
     tree_.Unpin(match.node);
+    EvictToWatermarksLocked();
+    tree_.Unpin(own.node);
     result.inserted_tokens = ins.new_pages * ps;
     counters_->inserted_pages.fetch_add(static_cast<uint64_t>(ins.new_pages));
     counters_->hit_tokens.fetch_add(static_cast<uint64_t>(result.cached_tokens));
     counters_->miss_tokens.fetch_add(static_cast<uint64_t>(n - result.cached_tokens));
-    EvictToWatermarksLocked();
   }
   return result;
 }
@@ -577,8 +621,8 @@ absl::Status ModelCache::CheckReadable(const Sequence& seq, int64_t first, int64
     return absl::FailedPreconditionError(absl::StrCat("sequence ", seq.id, " is closed"));
   }
   const int64_t len = seq.length();
-  if (first + n > len) {
-    return absl::InvalidArgumentError(absl::StrCat("first_token + num_tokens = ", first + n,
+  if (first < 0 || n < 0 || first > len || n > len - first) {  // no first + n: it may overflow
+    return absl::InvalidArgumentError(absl::StrCat("first_token ", first, " + num_tokens ", n,
                                                    " exceeds the sequence length ", len));
   }
   return absl::OkStatus();

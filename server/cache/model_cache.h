@@ -80,13 +80,19 @@ class ModelCache {
   // UNIMPLEMENTED for a history format the backend cannot store. For int2-oscar, the
   // rotations come from codec_blob (a codec file's bytes), else spec.codec_file, else
   // spec.codec ("identity" / "hadamard"), else Hadamard (logged, and reported by
-  // Snapshot().codec).
+  // Snapshot().codec). RESOURCE_EXHAUSTED, before anything is allocated, if the pools
+  // would really take (Backend::PoolAllocationBytes, rounding included) more than
+  // allocation_limit bytes.
   static absl::StatusOr<std::unique_ptr<ModelCache>> Create(const ModelSpec& spec, Backend* backend,
                                                             double high_watermark,
                                                             double low_watermark,
                                                             CacheCounters* counters,
-                                                            const std::string& codec_blob = "");
+                                                            const std::string& codec_blob = "",
+                                                            uint64_t allocation_limit = UINT64_MAX);
   ~ModelCache();
+
+  // Bytes the pools really hold (each pool's size rounded by the backend).
+  uint64_t allocated_bytes() const { return allocated_bytes_; }
 
   const ModelSpec& spec() const { return spec_; }
 
@@ -215,7 +221,11 @@ class ModelCache {
   absl::StatusOr<PutResult> StorePrefix(const std::string& salt, absl::Span<const int32_t> tokens,
                                         int64_t full_pages, int64_t required_pages,
                                         const PageWriter& write);
-  // Allocates n pages of store `store`, evicting LRU leaves if needed.
+  // OK if n pages of store `store` can be had (free, or by evicting unpinned pages);
+  // RESOURCE_EXHAUSTED otherwise. Evicts nothing.
+  absl::Status CheckFitsLocked(int32_t store, int64_t n) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Allocates n pages of store `store`, evicting LRU leaves if needed; when the pages
+  // cannot be had even by evicting, fails before evicting anything.
   absl::Status AllocateLocked(int32_t store, int32_t n, std::vector<PageRef>* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeLocked(absl::Span<const PageRef> pages) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -241,6 +251,7 @@ class ModelCache {
   CacheCounters* const counters_;
   std::shared_ptr<const CodecProfile> codec_;  // null: rows stored as given
   std::vector<PageStore> stores_;
+  uint64_t allocated_bytes_ = 0;  // set once by Create
   std::atomic<uint64_t> demoted_pages_{0};
 
   mutable std::mutex mu_;

@@ -1,12 +1,13 @@
 #include "server/cache/model_spec.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/quote.h"
 
 namespace kvcd {
 
 absl::Status ValidateModelSpec(const ModelSpec& s) {
   auto bad = [&](const std::string& what) {
-    return absl::InvalidArgumentError(absl::StrCat("model '", s.name, "': ", what));
+    return absl::InvalidArgumentError(absl::StrCat("model ", Quote(s.name), ": ", what));
   };
   if (s.name.empty() || s.name.size() > 64) return bad("name must have 1..64 characters");
   for (char c : s.name) {
@@ -54,7 +55,8 @@ absl::Status ValidateModelSpec(const ModelSpec& s) {
     return bad(absl::StrCat("bf16_fraction is ", s.bf16_fraction, ", expected 0 < x < 1"));
   }
   if (!s.codec.empty() && s.codec != "identity" && s.codec != "hadamard") {
-    return bad(absl::StrCat("codec is '", s.codec, "', expected 'identity', 'hadamard' or empty"));
+    return bad(
+        absl::StrCat("codec is ", Quote(s.codec), ", expected 'identity', 'hadamard' or empty"));
   }
   if (!s.codec.empty() && !s.codec_file.empty()) {
     return bad("set either codec or codec_file, not both");

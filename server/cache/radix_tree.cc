@@ -207,6 +207,21 @@ int64_t RadixTree::Evict(const std::function<bool()>& want_more,
   return freed;
 }
 
+int64_t RadixTree::EvictablePages(int32_t pool) const {
+  int64_t evictable = 0;
+  std::vector<const Node*> stack;
+  for (const auto& [ns, root] : roots_) stack.push_back(root.get());
+  while (!stack.empty()) {
+    const Node* n = stack.back();
+    stack.pop_back();
+    if (n->parent != nullptr && n->pins == 0) {
+      for (const PageRef& p : n->pages) evictable += p.pool == pool ? 1 : 0;
+    }
+    for (const auto& [k, c] : n->children) stack.push_back(c.get());
+  }
+  return evictable;
+}
+
 int64_t RadixTree::PinnedPages() const {
   int64_t pinned = 0;
   std::vector<const Node*> stack;

@@ -71,6 +71,10 @@ class RadixTree {
   int32_t page_size() const { return page_size_; }
   // Number of pages reachable only through pinned nodes (for tests/metrics).
   int64_t PinnedPages() const;
+  // Pages of pool `pool` that Evict could free if asked to free everything: those of
+  // unpinned nodes (a node with no pins has no pinned descendant, so all of them are
+  // leaves in turn). Callers decide feasibility with it before evicting anything.
+  int64_t EvictablePages(int32_t pool) const;
 
  private:
   Node* Root(const std::string& ns, bool create);

@@ -149,12 +149,27 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
   }
   if (root.IsNull()) return c;
   try {
-    KVCD_RETURN_IF_ERROR(
-        CheckKeys(root, "",
-                  {"listen", "health_listen", "metrics_listen", "backend", "cuda_device",
-                   "memory_budget", "high_watermark", "low_watermark", "lease", "worker_threads",
-                   "compute_threads", "max_message_bytes", "max_sequences", "max_buffers",
-                   "decode_channel_spin_us", "drain_timeout_ms", "models", "tls", "auth"}));
+    KVCD_RETURN_IF_ERROR(CheckKeys(root, "",
+                                   {"listen",
+                                    "health_listen",
+                                    "metrics_listen",
+                                    "backend",
+                                    "cuda_device",
+                                    "memory_budget",
+                                    "high_watermark",
+                                    "low_watermark",
+                                    "lease",
+                                    "worker_threads",
+                                    "compute_threads",
+                                    "max_message_bytes",
+                                    "max_sequences",
+                                    "max_buffers",
+                                    "decode_channel_spin_us",
+                                    "drain_timeout_ms",
+                                    "models",
+                                    "tls",
+                                    "auth",
+                                    "quotas"}));
     KVCD_RETURN_IF_ERROR(Read(root, "listen", "", &c.listen));
     KVCD_RETURN_IF_ERROR(Read(root, "health_listen", "", &c.health_listen));
     KVCD_RETURN_IF_ERROR(Read(root, "metrics_listen", "", &c.metrics_listen));
@@ -187,6 +202,50 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
       KVCD_RETURN_IF_ERROR(CheckKeys(auth, "auth", {"tokens_file", "reload_interval_ms"}));
       KVCD_RETURN_IF_ERROR(Read(auth, "tokens_file", "auth.", &c.auth.tokens_file));
       KVCD_RETURN_IF_ERROR(Read(auth, "reload_interval_ms", "auth.", &c.auth.reload_interval_ms));
+    }
+    if (const YAML::Node quotas = root["quotas"]) {
+      KVCD_RETURN_IF_ERROR(CheckKeys(quotas, "quotas", {"default", "tenants"}));
+      auto read_quota = [&](const YAML::Node& n, const std::string& where,
+                            TenantQuota* q) -> absl::Status {
+        KVCD_RETURN_IF_ERROR(
+            CheckKeys(n, where, {"tenant", "max_sequences", "max_pinned_pages", "max_lease_ms"}));
+        const std::string prefix = where + ".";
+        KVCD_RETURN_IF_ERROR(Read(n, "max_sequences", prefix, &q->max_sequences));
+        KVCD_RETURN_IF_ERROR(Read(n, "max_pinned_pages", prefix, &q->max_pinned_pages));
+        KVCD_RETURN_IF_ERROR(Read(n, "max_lease_ms", prefix, &q->max_lease_ms));
+        if (q->max_sequences < 0 || q->max_pinned_pages < 0 || q->max_lease_ms < 0) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, ": quotas must be >= 0 (0 = no limit)"));
+        }
+        if (q->max_lease_ms != 0 && q->max_lease_ms < 10) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, ".max_lease_ms is ", q->max_lease_ms, ", expected 0 or >= 10"));
+        }
+        return absl::OkStatus();
+      };
+      if (const YAML::Node d = quotas["default"]) {
+        KVCD_RETURN_IF_ERROR(read_quota(d, "quotas.default", &c.quotas.defaults));
+      }
+      if (const YAML::Node tenants = quotas["tenants"]) {
+        if (!tenants.IsSequence()) {
+          return absl::InvalidArgumentError(
+              "quotas.tenants must be a list of {tenant: <cache_salt>, max_...: N}");
+        }
+        for (size_t i = 0; i < tenants.size(); ++i) {
+          const std::string where = absl::StrCat("quotas.tenants[", i, "]");
+          if (!tenants[i]["tenant"]) {
+            return absl::InvalidArgumentError(
+                absl::StrCat(where, ".tenant is missing (the tenant's cache_salt)"));
+          }
+          const std::string name = tenants[i]["tenant"].as<std::string>();
+          TenantQuota q = c.quotas.defaults;  // keys not given: the defaults
+          KVCD_RETURN_IF_ERROR(read_quota(tenants[i], where, &q));
+          if (!c.quotas.tenants.emplace(name, q).second) {
+            return absl::InvalidArgumentError(
+                absl::StrCat(where, ": tenant '", name, "' appears twice"));
+          }
+        }
+      }
     }
     if (const YAML::Node models = root["models"]) {
       if (!models.IsSequence()) return absl::InvalidArgumentError("models must be a list");

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,25 @@ struct AuthConfig {
   bool enabled() const { return !tokens_file.empty(); }
 };
 
+// Fair sharing between tenants. The tenant of a request is its cache_salt: with auth on,
+// the token must grant that tenant (authorizer.h), so the quota is the authenticated
+// tenant's; with auth off it is whatever salt the client sends (cooperative sharing only:
+// nothing stops a client from using many salts). 0 = no limit of that kind.
+struct TenantQuota {
+  int64_t max_sequences = 0;     // open sequences
+  int64_t max_pinned_pages = 0;  // pages held by its open sequences (prefix + own pages)
+  int64_t max_lease_ms = 0;      // longer leases are granted this long
+};
+
+struct TenantQuotaConfig {
+  TenantQuota defaults;                        // every tenant not listed below
+  std::map<std::string, TenantQuota> tenants;  // per tenant (cache_salt); unset keys: defaults
+  const TenantQuota& For(const std::string& tenant) const {
+    auto it = tenants.find(tenant);
+    return it == tenants.end() ? defaults : it->second;
+  }
+};
+
 struct ServerConfig {
   std::string listen = "127.0.0.1:50051";  // gRPC address; port 0 = pick a free port
   std::string health_listen;               // optional extra plaintext port serving health only
@@ -48,6 +68,7 @@ struct ServerConfig {
   int64_t decode_channel_spin_us = 2000;
   int64_t drain_timeout_ms = 10000;
   std::vector<ModelSpec> models;
+  TenantQuotaConfig quotas;
   TlsConfig tls;
   AuthConfig auth;
   // Set only by `kvcd serve --insecure`: allow a non-loopback listen address without

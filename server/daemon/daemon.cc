@@ -1,5 +1,6 @@
 #include "server/daemon/daemon.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 
@@ -24,6 +25,9 @@ void ApplyLimits(const ServerConfig& c, grpc::ServerBuilder* b) {
   b->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20000);
   b->AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10000);
   b->AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  // gRPC sets SO_REUSEPORT by default, which lets a second daemon bind the same port and
+  // take half the new connections to a different cache. One port, one daemon.
+  b->AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   grpc::ResourceQuota quota("kvcd");
   quota.SetMaxThreads(256);
   b->SetResourceQuota(quota);
@@ -93,7 +97,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerConfig& config
   ApplyLimits(config, &builder);
   d->server_ = builder.BuildAndStart();
   if (d->server_ == nullptr || port == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on '", config.listen, "'"));
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on '", config.listen,
+        "': the address is invalid or already in use (is another kvcd serving this port?)"));
   }
   d->grpc_address_ = absl::StrCat(HostOf(config.listen), ":", port);
   d->health_.SetServing(true);
@@ -103,10 +109,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerConfig& config
     int hport = 0;
     hb.AddListeningPort(config.health_listen, grpc::InsecureServerCredentials(), &hport);
     hb.RegisterService(&d->health_only_);
+    hb.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     d->health_server_ = hb.BuildAndStart();
     if (d->health_server_ == nullptr || hport == 0) {
       return absl::UnavailableError(
-          absl::StrCat("cannot listen for health on '", config.health_listen, "'"));
+          absl::StrCat("cannot listen for health on '", config.health_listen,
+                       "': the address is invalid or already in use (is another kvcd serving "
+                       "this port?)"));
     }
     d->health_address_ = absl::StrCat(HostOf(config.health_listen), ":", hport);
     d->health_only_.SetServing(true);
@@ -187,19 +196,45 @@ void Daemon::Drain() {
   cv_.notify_all();
   health_.SetServing(false);
   health_only_.SetServing(false);
-  if (service_) service_->StartDraining();  // null if Start() failed early
+  const auto t0 = std::chrono::steady_clock::now();
   const auto deadline =
       std::chrono::system_clock::now() + std::chrono::milliseconds(config_.drain_timeout_ms);
-  const auto t0 = std::chrono::steady_clock::now();
-  if (server_) server_->Shutdown(deadline);
+  // The servers keep accepting calls while the calls in flight finish: health checks
+  // answer NOT_SERVING and new API calls UNAVAILABLE (a stopped server would refuse them
+  // with transport errors, or cancel them). Open decode streams end when idle and health
+  // watches are ended before the stop: neither ends by itself.
+  //
+  // Why a drain with an idle client used to last drain_timeout_ms: gRPC's
+  // Server::Shutdown(deadline) returns only once every call has finished *and every
+  // connection is gone*; it sends GOAWAY and waits for the clients to close their idle
+  // connections, which gRPC clients do only when they next use the channel (or never,
+  // for a channel kept open with keepalive), and otherwise force-closes them at the
+  // deadline. Whether a run waited therefore depended on what the connected clients did
+  // next. The daemon now does the waiting itself (WaitIdle: calls and stream requests in
+  // flight) and then gives Shutdown only a short grace for the last answers to go out,
+  // after which idle connections are closed.
+  if (service_) {  // null if Start() failed early
+    service_->StartDraining();
+    service_->WaitIdle(t0 + std::chrono::milliseconds(config_.drain_timeout_ms));
+  }
+  const auto t_idle = std::chrono::steady_clock::now();
+  health_.EndWatches();
+  health_only_.EndWatches();
+  constexpr auto kShutdownGrace = std::chrono::milliseconds(100);
+  const auto grace = std::min(deadline, std::chrono::system_clock::now() + kShutdownGrace);
+  if (server_) server_->Shutdown(grace);
   const auto t1 = std::chrono::steady_clock::now();
-  if (health_server_) health_server_->Shutdown(deadline);
+  if (health_server_) {
+    health_server_->Shutdown(std::min(deadline, std::chrono::system_clock::now() + kShutdownGrace));
+  }
   const auto t2 = std::chrono::steady_clock::now();
   if (reaper_.joinable()) reaper_.join();
   tls_.reset();  // removes the staged copies of the TLS files
   std::fprintf(
-      stderr, "kvcd: drain: api %.0f ms, health %.0f ms, reaper %.0f ms\n",
+      stderr,
+      "kvcd: drain: api %.0f ms (calls in flight %.0f ms), health %.0f ms, reaper %.0f ms\n",
       std::chrono::duration<double, std::milli>(t1 - t0).count(),
+      std::chrono::duration<double, std::milli>(t_idle - t0).count(),
       std::chrono::duration<double, std::milli>(t2 - t1).count(),
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t2).count());
   {

@@ -11,6 +11,7 @@
 #include "kvcd/kernels/cpu_features.h"
 #include "server/config/config.h"
 #include "server/daemon/daemon.h"
+#include "server/daemon/protobuf_log.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/tls.h"
 
@@ -137,6 +138,7 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  kvcd::InstallRateLimitedProtobufLog();  // invalid UTF-8 in requests must not flood the log
   auto daemon = kvcd::Daemon::Start(config);
   if (!daemon.ok()) return Fail(std::string(daemon.status().message()));
   std::fprintf(stderr, "kvcd %s: backend %s (cpu isa %s), %zu model(s), budget %llu bytes\n",

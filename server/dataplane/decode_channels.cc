@@ -8,12 +8,15 @@
 #include <cctype>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/decode_channel_layout.h"
+#include "common/quote.h"
 #include "common/random_id.h"
+#include "server/dataplane/guarded_memory.h"
 
 namespace kvcd {
 namespace {
@@ -38,10 +41,16 @@ inline void CpuRelax() {
 
 }  // namespace
 
+// Everything read from the mapping is client-controlled and may change or vanish at any
+// moment: the serving thread reads each field once into a local, validates it against
+// what was fixed at Open (capacity, mapping size), and touches the mapping only through
+// guarded copies (guarded_memory.h), so a rewritten field gets an error answer and a
+// truncated object ends that channel alone.
 struct DecodeChannels::Channel {
   uint64_t id = 0;
   DecodeChannelHeader* header = nullptr;
-  size_t bytes = 0;
+  size_t bytes = 0;       // mapped bytes: TotalBytes(capacity), fixed at Open
+  uint32_t capacity = 0;  // the capacity validated at Open; the header's copy is never reused
   int64_t lease_ms = 0;
   CheckFn check;  // runs before every request of this channel (may be empty)
   // request_seq when the channel was opened (the worker is still waiting for the
@@ -50,11 +59,49 @@ struct DecodeChannels::Channel {
   std::atomic<bool> stop{false};
   std::atomic<bool> done{false};
   std::thread thread;
+
+  uint8_t* request_area() const {
+    return reinterpret_cast<uint8_t*>(header) + DecodeChannelHeader::kAreasOffset;
+  }
+  uint8_t* response_area() const { return request_area() + capacity; }
+
+  // Guarded loads and stores of the header's atomics; false if the mapping faulted.
+  template <typename T>
+  bool Load(const std::atomic<T>& a, T* out, std::memory_order order) const {
+    struct Args {
+      const std::atomic<T>* a;
+      T* out;
+      std::memory_order order;
+    } args{&a, out, order};
+    return RunGuarded(
+        header, bytes,
+        [](void* p) {
+          auto* x = static_cast<Args*>(p);
+          *x->out = x->a->load(x->order);
+        },
+        &args);
+  }
+  template <typename T>
+  bool Store(std::atomic<T>& a, T value, std::memory_order order) const {
+    struct Args {
+      std::atomic<T>* a;
+      T value;
+      std::memory_order order;
+    } args{&a, value, order};
+    return RunGuarded(
+        header, bytes,
+        [](void* p) {
+          auto* x = static_cast<Args*>(p);
+          x->a->store(x->value, x->order);
+        },
+        &args);
+  }
+
   ~Channel() {
     stop.store(true);
     if (thread.joinable()) thread.join();
     if (header != nullptr) {
-      header->closed.store(1, std::memory_order_release);
+      Store(header->closed, 1u, std::memory_order_release);
       munmap(header, bytes);
     }
   }
@@ -68,9 +115,9 @@ DecodeChannels::~DecodeChannels() { CloseAll(); }
 absl::StatusOr<uint64_t> DecodeChannels::Open(const std::string& name, int64_t lease_ms,
                                               CheckFn check) {
   if (!ValidName(name)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "shm_name is '", name.substr(0, 140),
-        "', expected \"/kvcd-\" followed by [A-Za-z0-9._-], at most 128 bytes in all"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shm_name is ", Quote(name),
+                     ", expected \"/kvcd-\" followed by [A-Za-z0-9._-], at most 128 bytes in all"));
   }
   const int fd = shm_open(name.c_str(), O_RDWR, 0);
   if (fd < 0) {
@@ -83,15 +130,33 @@ absl::StatusOr<uint64_t> DecodeChannels::Open(const std::string& name, int64_t l
     }
     return absl::InvalidArgumentError(absl::StrCat("cannot open shared memory ", name, ": ", why));
   }
+  // The fixed header fields are read with pread (a short read, never a fault), validated,
+  // and only then is exactly TotalBytes(capacity) mapped: the mapping's size is the
+  // daemon's decision, whatever size the object claims or later takes.
+  struct {
+    uint64_t magic;
+    uint32_t version;
+    uint32_t capacity;
+  } fixed{};
+  static_assert(sizeof(fixed) == 16, "magic, version, capacity lead the header");
   struct stat st {};
-  if (fstat(fd, &st) != 0 || st.st_size < static_cast<off_t>(DecodeChannelHeader::TotalBytes(
-                                              DecodeChannelHeader::kMinCapacity))) {
+  const bool have_size = fstat(fd, &st) == 0;
+  const ssize_t got = pread(fd, &fixed, sizeof(fixed), 0);
+  if (!have_size || got != static_cast<ssize_t>(sizeof(fixed)) ||
+      fixed.magic != DecodeChannelHeader::kMagic ||
+      fixed.version != DecodeChannelHeader::kVersion ||
+      fixed.capacity < DecodeChannelHeader::kMinCapacity ||
+      fixed.capacity > DecodeChannelHeader::kMaxCapacity ||
+      static_cast<uint64_t>(st.st_size) < DecodeChannelHeader::TotalBytes(fixed.capacity)) {
     close(fd);
-    return absl::InvalidArgumentError(
-        absl::StrCat("shared memory ", name, " has ", st.st_size, " bytes, expected at least ",
-                     DecodeChannelHeader::TotalBytes(DecodeChannelHeader::kMinCapacity)));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shared memory ", name, " is not a decode channel of version ",
+        DecodeChannelHeader::kVersion, " (magic, version, or capacity ", fixed.capacity,
+        " does not fit its ", have_size ? static_cast<int64_t>(st.st_size) : -1,
+        " bytes; capacity must be ", DecodeChannelHeader::kMinCapacity, "..",
+        DecodeChannelHeader::kMaxCapacity, "); see common/decode_channel_layout.h"));
   }
-  const size_t bytes = static_cast<size_t>(st.st_size);
+  const size_t bytes = DecodeChannelHeader::TotalBytes(fixed.capacity);
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);
   if (p == MAP_FAILED) {
@@ -101,20 +166,12 @@ absl::StatusOr<uint64_t> DecodeChannels::Open(const std::string& name, int64_t l
   auto c = std::make_unique<Channel>();
   c->header = static_cast<DecodeChannelHeader*>(p);
   c->bytes = bytes;
+  c->capacity = fixed.capacity;
   c->lease_ms = lease_ms;
   c->check = std::move(check);
-  const DecodeChannelHeader& h = *c->header;
-  if (h.magic != DecodeChannelHeader::kMagic || h.version != DecodeChannelHeader::kVersion ||
-      h.capacity < DecodeChannelHeader::kMinCapacity ||
-      h.capacity > DecodeChannelHeader::kMaxCapacity ||
-      DecodeChannelHeader::TotalBytes(h.capacity) > bytes) {
-    const std::string msg =
-        absl::StrCat("shared memory ", name, " is not a decode channel of version ",
-                     DecodeChannelHeader::kVersion, " (magic, version, or capacity ", h.capacity,
-                     " does not fit its ", bytes, " bytes); see common/decode_channel_layout.h");
-    munmap(p, bytes);
-    c->header = nullptr;
-    return absl::InvalidArgumentError(msg);
+  if (!c->Load(c->header->request_seq, &c->opened_seq, std::memory_order_acquire)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shared memory ", name, " shrank while the channel was opened"));
   }
   std::lock_guard<std::mutex> lock(mu_);
   // Channels that ended on their own are reaped here.
@@ -128,7 +185,6 @@ absl::StatusOr<uint64_t> DecodeChannels::Open(const std::string& name, int64_t l
   do {
     c->id = RandomId64();
   } while (channels_.count(c->id));
-  c->opened_seq = c->header->request_seq.load(std::memory_order_acquire);
   Channel* raw = c.get();
   c->thread = std::thread([this, raw] { Serve(raw); });
   const uint64_t id = c->id;
@@ -142,11 +198,21 @@ void DecodeChannels::Serve(Channel* c) {
   auto last_request = Clock::now();
   v1::AttentionDecodeRequest req;
   v1::AttentionDecodeStreamResponse resp;
-  std::string out;
+  std::string in, out;
+  bool faulted = false;
   while (!c->stop.load(std::memory_order_relaxed)) {
-    const uint64_t seq = h.request_seq.load(std::memory_order_acquire);
+    uint64_t seq = 0;
+    if (!c->Load(h.request_seq, &seq, std::memory_order_acquire)) {
+      faulted = true;
+      break;
+    }
     if (seq == seen) {
-      if (h.closed.load(std::memory_order_acquire) != 0) break;
+      uint32_t closed = 0;
+      if (!c->Load(h.closed, &closed, std::memory_order_acquire)) {
+        faulted = true;
+        break;
+      }
+      if (closed != 0) break;
       const auto idle = Clock::now() - last_request;
       if (idle > std::chrono::milliseconds(c->lease_ms)) break;
       if (idle < std::chrono::microseconds(options_.spin_us)) {
@@ -159,16 +225,31 @@ void DecodeChannels::Serve(Channel* c) {
     seen = seq;
     last_request = Clock::now();
     resp.Clear();
-    const uint32_t n = h.request_bytes.load(std::memory_order_relaxed);
+    uint32_t n = 0;  // read once; validated against the capacity fixed at Open
+    if (!c->Load(h.request_bytes, &n, std::memory_order_relaxed)) {
+      faulted = true;
+      break;
+    }
     absl::Status s;
-    if (n > h.capacity || !req.ParseFromArray(h.RequestArea(), static_cast<int>(n))) {
-      s = absl::InvalidArgumentError(absl::StrCat(
-          "decode channel request of ", n, " bytes is not an AttentionDecodeRequest within the ",
-          h.capacity, "-byte area"));
+    if (n > c->capacity) {
+      s = absl::InvalidArgumentError(absl::StrCat("decode channel request_bytes is ", n,
+                                                  ", more than the channel's capacity ",
+                                                  c->capacity, " (fixed when it was opened)"));
     } else {
-      if (c->check) s = c->check(req);
-      if (s.ok()) s = decode_(req, resp.mutable_response());
-      resp.set_request_id(req.request_id());
+      // A private copy: the worker may rewrite the area while the daemon parses it.
+      in.resize(n);
+      if (!CopyGuarded(in.data(), c->request_area(), n, c->header, c->bytes)) {
+        faulted = true;
+        break;
+      }
+      if (!req.ParseFromString(in)) {
+        s = absl::InvalidArgumentError(absl::StrCat("decode channel request of ", n,
+                                                    " bytes is not an AttentionDecodeRequest"));
+      } else {
+        if (c->check) s = c->check(req);
+        if (s.ok()) s = decode_(req, resp.mutable_response());
+        resp.set_request_id(req.request_id());
+      }
     }
     if (!s.ok()) {
       resp.clear_response();
@@ -177,22 +258,32 @@ void DecodeChannels::Serve(Channel* c) {
     }
     out.clear();
     resp.SerializeToString(&out);
-    if (out.size() > h.capacity) {
+    if (out.size() > c->capacity) {
       resp.Clear();
       resp.set_request_id(req.request_id());
       resp.set_error_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
       resp.set_error_message(absl::StrCat("the response has ", out.size(),
-                                          " bytes, more than the channel's capacity ", h.capacity,
+                                          " bytes, more than the channel's capacity ", c->capacity,
                                           "; open a larger channel or write o_out to CUDA IPC"));
       out.clear();
       resp.SerializeToString(&out);
     }
-    std::memcpy(h.ResponseArea(), out.data(), out.size());
-    h.response_bytes.store(static_cast<uint32_t>(out.size()), std::memory_order_relaxed);
-    h.response_seq.store(seq, std::memory_order_release);
+    if (!CopyGuarded(c->response_area(), out.data(), out.size(), c->header, c->bytes) ||
+        !c->Store(h.response_bytes, static_cast<uint32_t>(out.size()), std::memory_order_relaxed) ||
+        !c->Store(h.response_seq, seq, std::memory_order_release)) {
+      faulted = true;
+      break;
+    }
     served_.fetch_add(1, std::memory_order_relaxed);
   }
-  h.closed.store(1, std::memory_order_release);
+  if (faulted) {
+    std::fprintf(stderr,
+                 "kvcd: decode channel %llu: its shared memory shrank under the mapping "
+                 "(SIGBUS caught); channel closed\n",
+                 static_cast<unsigned long long>(c->id));
+  } else {
+    c->Store(h.closed, 1u, std::memory_order_release);
+  }
   c->done.store(true);
 }
 

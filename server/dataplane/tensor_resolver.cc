@@ -1,10 +1,14 @@
 #include "server/dataplane/tensor_resolver.h"
 
+#include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "kvcd/kernels/bf16.h"
+#include "kvcd/kernels/finite_check.h"
 #include "server/backends/device_runtime.h"
 
 namespace kvcd {
@@ -48,6 +52,37 @@ absl::StatusOr<TensorResolver::Bytes> TensorResolver::Input(const v1::TensorRef&
   b.data = reinterpret_cast<const char*>(b.region.ptr);
   b.on_device = true;
   return b;
+}
+
+absl::Status TensorResolver::CheckFinite(const Bytes& b, const v1::TensorRef& t,
+                                         absl::string_view field) const {
+  if (t.dtype() != v1::DTYPE_BF16 && t.dtype() != v1::DTYPE_F32) return absl::OkStatus();
+  const bool bf16 = t.dtype() == v1::DTYPE_BF16;
+  int64_t count = 1;
+  for (int64_t d : t.shape()) count *= d;  // checked by CheckTensorRef: no overflow
+  if (count <= 0) return absl::OkStatus();
+  if (b.on_device) {
+    KVCD_ASSIGN_OR_RETURN(DeviceRuntime * device, RequireDevice(*backend_));
+    KVCD_ASSIGN_OR_RETURN(const int64_t bad, device->CountNonFinite(b.data, count, bf16));
+    if (bad == 0) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " holds ", bad, " NaN or infinite ", bf16 ? "BF16" : "F32",
+                     " value(s) of ", count, "; expected finite values (nothing was stored)"));
+  }
+  const int64_t i = kernels::FirstNonFinite(b.data, count, bf16);
+  if (i < 0) return absl::OkStatus();
+  float x;
+  if (bf16) {
+    uint16_t h;
+    std::memcpy(&h, b.data + 2 * i, 2);
+    x = kernels::Bf16ToFloat(h);
+  } else {
+    std::memcpy(&x, b.data + 4 * i, 4);
+  }
+  return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "] (flat index of ", count, " ",
+                                                 bf16 ? "BF16" : "F32", " values) is ",
+                                                 std::isnan(x) ? "NaN" : (x > 0 ? "+Inf" : "-Inf"),
+                                                 "; expected finite values (nothing was stored)"));
 }
 
 absl::StatusOr<const char*> TensorResolver::HostInput(const v1::TensorRef& t,

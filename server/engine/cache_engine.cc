@@ -3,11 +3,13 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <unordered_set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/checked_math.h"
+#include "common/quote.h"
 #include "common/status_macros.h"
 #include "common/steady_clock.h"
 #include "common/tensor_ref.h"
@@ -65,6 +67,26 @@ absl::Status CheckKv(const ModelSpec& s, const v1::TensorRef& k, const v1::Tenso
   return absl::OkStatus();
 }
 
+// The history formats this daemon stores. Anything else (an undefined enum value, or a
+// defined format whose backend is not built yet) is refused rather than served as BF16.
+absl::Status CheckHistoryFormat(int format) {
+  switch (format) {
+    case v1::HISTORY_FORMAT_UNSPECIFIED:
+    case v1::HISTORY_FORMAT_BF16:
+    case v1::HISTORY_FORMAT_INT2_OSCAR:
+      return absl::OkStatus();
+    case v1::HISTORY_FORMAT_FSQ:
+      return absl::InvalidArgumentError(
+          "profile.history_format is HISTORY_FORMAT_FSQ (3), which this daemon does not "
+          "support yet; expected HISTORY_FORMAT_BF16 (1) or HISTORY_FORMAT_INT2_OSCAR (2)");
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("profile.history_format is ", format,
+                       ", not a known HistoryFormat; expected HISTORY_FORMAT_BF16 (1) or "
+                       "HISTORY_FORMAT_INT2_OSCAR (2)"));
+  }
+}
+
 }  // namespace
 
 ModelSpec SpecFromProfile(const v1::ModelProfile& p) {
@@ -113,13 +135,16 @@ CacheEngine::CacheEngine(const ServerConfig& config, std::unique_ptr<Backend> ba
       buffers_(backend_.get()),
       nccl_(backend_.get()),
       tensors_(backend_.get(), &buffers_),
-      sequences_(LeasePolicy{config.default_lease_ms, config.max_lease_ms}, config.max_sequences) {}
+      sequences_(LeasePolicy{config.default_lease_ms, config.max_lease_ms}, config.max_sequences,
+                 config.quotas) {}
 
 CacheEngine::~CacheEngine() = default;
 
 absl::StatusOr<RowSource> CacheEngine::Rows(const v1::TensorRef& t, absl::string_view field,
                                             int64_t n, const ModelSpec& s) {
   KVCD_ASSIGN_OR_RETURN(TensorResolver::Bytes b, tensors_.Input(t, field));
+  // A NaN or Inf stored in a shared prefix would poison every later reader of it.
+  KVCD_RETURN_IF_ERROR(tensors_.CheckFinite(b, t, field));
   RowSource r;
   r.data = b.data;
   r.on_device = b.on_device;
@@ -138,19 +163,22 @@ absl::Status CacheEngine::RegisterModelSpec(const ModelSpec& spec, const std::st
     ProfileFromSpec(it->second->spec(), &a);
     ProfileFromSpec(spec, &b);
     if (a.SerializeAsString() == b.SerializeAsString()) return absl::OkStatus();  // idempotent
-    return absl::AlreadyExistsError(
-        absl::StrCat("model '", spec.name, "' is already registered with a different profile"));
+    return absl::AlreadyExistsError(absl::StrCat(
+        "model ", Quote(spec.name), " is already registered with a different profile"));
   }
   if (spec.memory_bytes > config_.memory_budget_bytes - budget_used_) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "model '", spec.name, "' asks for memory_bytes ", spec.memory_bytes, " but only ",
+        "model ", Quote(spec.name), " asks for memory_bytes ", spec.memory_bytes, " but only ",
         config_.memory_budget_bytes - budget_used_, " of the daemon's memory_budget ",
         config_.memory_budget_bytes, " are unassigned"));
   }
-  KVCD_ASSIGN_OR_RETURN(auto cache,
-                        ModelCache::Create(spec, backend_.get(), config_.high_watermark,
-                                           config_.low_watermark, &counters_, codec_blob));
-  budget_used_ += spec.memory_bytes;
+  // The budget counts what the pools really take (rounded by the backend); a model that
+  // does not fit once rounded is refused before anything is allocated.
+  KVCD_ASSIGN_OR_RETURN(
+      auto cache,
+      ModelCache::Create(spec, backend_.get(), config_.high_watermark, config_.low_watermark,
+                         &counters_, codec_blob, config_.memory_budget_bytes - budget_used_));
+  budget_used_ += cache->allocated_bytes();
   models_.emplace(spec.name, std::move(cache));
   return absl::OkStatus();
 }
@@ -160,7 +188,7 @@ absl::StatusOr<ModelCache*> CacheEngine::FindModel(const std::string& name) cons
   auto it = models_.find(name);
   if (it == models_.end()) {
     return absl::NotFoundError(
-        absl::StrCat("model '", name, "' is not registered; ListModels shows the models"));
+        absl::StrCat("model ", Quote(name), " is not registered; ListModels shows the models"));
   }
   return it->second.get();
 }
@@ -188,6 +216,7 @@ void CacheEngine::FillModelInfo(const ModelCache& m, v1::ModelInfo* info) const 
 
 absl::Status CacheEngine::RegisterModel(const v1::RegisterModelRequest& req,
                                         v1::RegisterModelResponse* resp) {
+  KVCD_RETURN_IF_ERROR(CheckHistoryFormat(req.profile().history_format()));
   const ModelSpec spec = SpecFromProfile(req.profile());
   KVCD_RETURN_IF_ERROR(RegisterModelSpec(spec, req.codec_blob()));
   KVCD_ASSIGN_OR_RETURN(ModelCache * m, FindModel(spec.name));
@@ -239,7 +268,7 @@ absl::Status CacheEngine::OpenSequence(const v1::OpenSequenceRequest& req,
   KVCD_ASSIGN_OR_RETURN(ModelCache * m, FindModel(req.model()));
   KVCD_RETURN_IF_ERROR(CheckSalt(req.cache_salt()));
   KVCD_RETURN_IF_ERROR(CheckTokens(req.tokens(), "tokens", true));
-  KVCD_ASSIGN_OR_RETURN(int64_t lease, sequences_.leases().Grant(req.lease_ms()));
+  KVCD_ASSIGN_OR_RETURN(int64_t lease, sequences_.GrantLease(req.cache_salt(), req.lease_ms()));
   KVCD_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq,
                         sequences_.Open(m, req.cache_salt(), req.tokens(), lease));
   resp->set_sequence_id(seq->id);
@@ -276,8 +305,13 @@ absl::Status CacheEngine::Append(const v1::AppendRequest& req, v1::AppendRespons
   KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(req.v(), "v", kInputKinds));
   KVCD_ASSIGN_OR_RETURN(RowSource k, Rows(req.k(), "k", n, s));
   KVCD_ASSIGN_OR_RETURN(RowSource v, Rows(req.v(), "v", n, s));
-  KVCD_ASSIGN_OR_RETURN(int64_t len, seq->model->Append(seq.get(), req.tokens(), k, v));
-  resp->set_length(len);
+  // The tenant's max_pinned_pages quota covers the pages this append adds.
+  const int64_t before = seq->model->Length(seq.get());
+  KVCD_RETURN_IF_ERROR(sequences_.ReservePages(*seq, (before + n + s.page_size - 1) / s.page_size));
+  absl::StatusOr<int64_t> len = seq->model->Append(seq.get(), req.tokens(), k, v);
+  sequences_.Settle(*seq, (seq->model->Length(seq.get()) + s.page_size - 1) / s.page_size);
+  if (!len.ok()) return len.status();
+  resp->set_length(*len);
   return absl::OkStatus();
 }
 
@@ -364,10 +398,14 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
   if (device_q) {
     KVCD_ASSIGN_OR_RETURN(TensorResolver::Bytes qb, tensors_.Input(req.q(), "q"));
     q_region = qb.region;
+    if (device_out) KVCD_RETURN_IF_ERROR(tensors_.CheckFinite(qb, req.q(), "q"));
   }
   if (!device_q || !device_out) {
     std::string q_staging;
     KVCD_ASSIGN_OR_RETURN(const char* q_bytes, tensors_.HostInput(req.q(), "q", &q_staging));
+    TensorResolver::Bytes host_q;
+    host_q.data = q_bytes;
+    KVCD_RETURN_IF_ERROR(tensors_.CheckFinite(host_q, req.q(), "q"));
     q.resize(static_cast<size_t>(q_elems));
     if (req.q().dtype() == v1::DTYPE_F32) {
       std::memcpy(q.data(), q_bytes, q.size() * sizeof(float));
@@ -411,6 +449,23 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
   }
   std::vector<Sequence*> raw;
   for (auto& sq : seqs) raw.push_back(sq.get());
+  // Whatever happens below, each sequence's pages are recorded as they end up (this also
+  // undoes the reservations of a batch refused half-way).
+  struct SettleOnExit {
+    std::function<void()> fn;
+    ~SettleOnExit() { fn(); }
+  } settle{[&] {
+    if (!fused) return;
+    for (auto& sq : seqs) {
+      sequences_.Settle(*sq, (m->Length(sq.get()) + s.page_size - 1) / s.page_size);
+    }
+  }};
+  if (fused) {  // one token more per sequence: at most one page more, under the tenant's quota
+    for (auto& sq : seqs) {
+      const int64_t next = m->Length(sq.get()) + 1;
+      KVCD_RETURN_IF_ERROR(sequences_.ReservePages(*sq, (next + s.page_size - 1) / s.page_size));
+    }
+  }
   std::vector<int64_t> lengths;
   const auto t0 = std::chrono::steady_clock::now();
   if (device_out) {
@@ -449,6 +504,14 @@ absl::Status CacheEngine::FetchPages(const v1::FetchPagesRequest& req,
   if (req.first_token() > len) {
     return absl::InvalidArgumentError(
         absl::StrCat("first_token ", req.first_token(), " is past the sequence length ", len));
+  }
+  // first_token <= len here, so len - first_token cannot overflow; a num_tokens past the
+  // end is refused before any arithmetic on it (first_token + num_tokens may not fit).
+  if (req.num_tokens() > len - req.first_token()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("first_token ", req.first_token(), " + num_tokens ", req.num_tokens(),
+                     " is past the sequence length ", len,
+                     "; expected num_tokens <= ", len - req.first_token()));
   }
   const int64_t n = req.num_tokens() == 0 ? len - req.first_token() : req.num_tokens();
   const int64_t limit = config_.max_message_bytes - (1 << 16);
@@ -661,6 +724,15 @@ absl::Status CacheEngine::Stats(const v1::StatsRequest&, v1::StatsResponse* resp
   resp->set_expired_leases(counters_.expired_leases.load());
   resp->set_backend(backend_->name());
   resp->set_version(KVCD_VERSION);
+  for (const TenantUsage& u : sequences_.Usage()) {
+    v1::TenantUsage* t = resp->add_tenants();
+    t->set_tenant(u.tenant);
+    t->set_open_sequences(static_cast<uint64_t>(u.open_sequences));
+    t->set_pinned_pages(static_cast<uint64_t>(u.pinned_pages));
+    t->set_max_sequences(static_cast<uint64_t>(u.quota.max_sequences));
+    t->set_max_pinned_pages(static_cast<uint64_t>(u.quota.max_pinned_pages));
+    t->set_max_lease_ms(u.quota.max_lease_ms);
+  }
   return absl::OkStatus();
 }
 

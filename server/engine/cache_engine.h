@@ -81,6 +81,7 @@ class CacheEngine {
   };
   std::vector<ModelView> SnapshotModels() const;
   int64_t ActiveSequences() const;
+  std::vector<TenantUsage> TenantUsages() const { return sequences_.Usage(); }
   uint64_t MemoryUsedBytes() const;  // sum of the models' pool bytes
 
  private:

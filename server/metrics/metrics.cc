@@ -128,6 +128,30 @@ class CacheCollector final : public prometheus::Collectable {
                          MetricType::Gauge);
     Add(&budget, static_cast<double>(engine_->config().memory_budget_bytes));
     out.push_back(std::move(budget));
+    // Per tenant (cache_salt): only tenants with open sequences or a configured quota, so
+    // the label's values stay bounded by max_sequences plus the config.
+    auto t_seqs = Family("kvcd_tenant_open_sequences", "Open sequences by tenant (cache_salt).",
+                         MetricType::Gauge);
+    auto t_pages =
+        Family("kvcd_tenant_pinned_pages",
+               "Pages held by a tenant's open sequences (prefix + own pages).", MetricType::Gauge);
+    auto t_quota = Family("kvcd_tenant_quota",
+                          "A tenant's quota by kind (max_sequences, max_pinned_pages, "
+                          "max_lease_ms); 0 = no limit.",
+                          MetricType::Gauge);
+    for (const TenantUsage& u : engine_->TenantUsages()) {
+      Add(&t_seqs, static_cast<double>(u.open_sequences), {{"tenant", u.tenant}});
+      Add(&t_pages, static_cast<double>(u.pinned_pages), {{"tenant", u.tenant}});
+      Add(&t_quota, static_cast<double>(u.quota.max_sequences),
+          {{"quota", "max_sequences"}, {"tenant", u.tenant}});
+      Add(&t_quota, static_cast<double>(u.quota.max_pinned_pages),
+          {{"quota", "max_pinned_pages"}, {"tenant", u.tenant}});
+      Add(&t_quota, static_cast<double>(u.quota.max_lease_ms),
+          {{"quota", "max_lease_ms"}, {"tenant", u.tenant}});
+    }
+    out.push_back(std::move(t_seqs));
+    out.push_back(std::move(t_pages));
+    out.push_back(std::move(t_quota));
     return out;
   }
 

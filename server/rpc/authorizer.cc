@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/quote.h"
 #include "common/status_macros.h"
 
 namespace kvcd {
@@ -51,8 +52,8 @@ void CollectRefs(const Message& m, std::vector<std::pair<Authorizer::Object, uin
 absl::Status Authorizer::CheckTenant(const Principal& p, const std::string& salt) const {
   if (p.MayUseTenant(salt)) return absl::OkStatus();
   return absl::PermissionDeniedError(absl::StrCat("token '", p.name,
-                                                  "' may not use tenant (cache_salt) '", salt,
-                                                  "'; its tenants are: ", TenantList(p)));
+                                                  "' may not use tenant (cache_salt) ", Quote(salt),
+                                                  "; its tenants are: ", TenantList(p)));
 }
 
 absl::Status Authorizer::CheckSequence(const Principal& p, uint64_t id) const {

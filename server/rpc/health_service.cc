@@ -83,6 +83,13 @@ void HealthService::SetServing(bool serving) {
   for (Watcher* w : watchers_) w->SendLocked(serving);
 }
 
+void HealthService::EndWatches() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (Watcher* w : std::set<Watcher*>(watchers_)) {
+    w->FinishLocked(grpc::Status(grpc::StatusCode::UNAVAILABLE, "kvcd is shutting down"));
+  }
+}
+
 bool HealthService::serving() const {
   std::lock_guard<std::mutex> lock(mu_);
   return serving_;

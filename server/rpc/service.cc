@@ -1,6 +1,7 @@
 #include "server/rpc/service.h"
 
 #include <chrono>
+#include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "server/rpc/status_mapping.h"
@@ -60,15 +61,20 @@ grpc::ServerUnaryReactor* KvCacheService::Run(const char* method, grpc::Callback
                                               Fn fn) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   const auto t0 = std::chrono::steady_clock::now();
+  // Counted before the draining check (both seq_cst), so that WaitIdle cannot miss a call
+  // that got past the check.
+  in_flight_.fetch_add(1);
   if (draining_.load()) {
     metrics_->ObserveRpc(method, DrainingStatus().code(), 0);
     reactor->Finish(ToGrpcStatus(DrainingStatus()));
+    CallDone();
     return reactor;
   }
   absl::StatusOr<std::shared_ptr<const Principal>> principal = Authenticate(ctx);
   if (!principal.ok()) {
     metrics_->ObserveRpc(method, principal.status().code(), SecondsSince(t0));
     reactor->Finish(ToGrpcStatus(principal.status()));
+    CallDone();
     return reactor;
   }
   executor_->Submit(
@@ -76,12 +82,26 @@ grpc::ServerUnaryReactor* KvCacheService::Run(const char* method, grpc::Callback
         absl::Status s =
             ctx->IsCancelled() ? absl::CancelledError("call cancelled by the client") : fn(*p);
         if (s.code() == absl::StatusCode::kResourceExhausted) {
-          ctx->AddTrailingMetadata("retry-after-ms", std::to_string(kRetryAfterMs));
+          // gRPC's standard retry hint (honoured by gRPC's own retry policy).
+          ctx->AddTrailingMetadata(kRetryPushbackKey, std::to_string(kRetryAfterMs));
         }
         metrics_->ObserveRpc(method, s.code(), SecondsSince(t0));
         reactor->Finish(ToGrpcStatus(s));
+        CallDone();
       });
   return reactor;
+}
+
+void KvCacheService::CallDone() {
+  if (in_flight_.fetch_sub(1) == 1 && draining_.load()) {
+    std::lock_guard<std::mutex> lock(idle_mu_);
+    idle_cv_.notify_all();
+  }
+}
+
+bool KvCacheService::WaitIdle(std::chrono::steady_clock::time_point deadline) {
+  std::unique_lock<std::mutex> lock(idle_mu_);
+  return idle_cv_.wait_until(lock, deadline, [this] { return in_flight_.load() == 0; });
 }
 
 // Authorization runs before routing, so a refused call changes nothing stored.
@@ -205,10 +225,12 @@ grpc::ServerUnaryReactor* KvCacheService::AttentionDecode(grpc::CallbackServerCo
 
 // One stream per decode worker: read a request, run it on the executor, write the
 // answer, read the next. A failed request is answered with its status in the stream
-// message; the stream itself stays open.
+// message; the stream itself stays open. A message that is not an AttentionDecodeRequest
+// ends the stream with INVALID_ARGUMENT (the requests after it would be unanswerable).
+// A drain ends a stream that waits for its next request at once (Drain), and one that is
+// running a request after its answer, both with UNAVAILABLE.
 class DecodeStreamReactor final
-    : public grpc::ServerBidiReactor<v1::AttentionDecodeRequest,
-                                     v1::AttentionDecodeStreamResponse> {
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   DecodeStreamReactor(KvCacheService* service, grpc::CallbackServerContext* ctx)
       : service_(service), ctx_(ctx) {
@@ -218,19 +240,63 @@ class DecodeStreamReactor final
     absl::StatusOr<std::shared_ptr<const Principal>> p = service_->Authenticate(authorization_);
     if (!p.ok()) {
       service_->metrics_->ObserveRpc("AttentionDecodeStream", p.status().code(), 0);
-      Finish(ToGrpcStatus(p.status()));
+      FinishOnce(ToGrpcStatus(p.status()));
       return;
     }
-    StartRead(&req_);
+    {
+      std::lock_guard<std::mutex> lock(service_->streams_mu_);
+      service_->streams_.insert(this);
+      registered_ = true;
+    }
+    if (service_->draining_.load()) {
+      FinishOnce(ToGrpcStatus(DrainingStatus()));
+      return;
+    }
+    Read();
+  }
+
+  // Called by StartDraining (under streams_mu_): ends the stream now if it is waiting
+  // for a request; a running request ends it after its answer (OnWriteDone).
+  void Drain() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (reading_) FinishLocked(ToGrpcStatus(DrainingStatus()));
   }
 
   void OnReadDone(bool ok) override {
-    if (!ok) {  // client half-closed (or the call broke)
-      Finish(grpc::Status::OK);
-      return;
+    // Counted before the draining check, like a unary call (Run), so that a drain's
+    // WaitIdle cannot miss a request that got past it.
+    service_->in_flight_.fetch_add(1);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      reading_ = false;
+      bool end = true;
+      if (finished_) {
+        // ended by Drain while the read was pending
+      } else if (!ok) {  // client half-closed (or the call broke)
+        FinishLocked(grpc::Status::OK);
+      } else if (service_->draining_.load()) {
+        FinishLocked(ToGrpcStatus(DrainingStatus()));
+      } else {
+        end = false;
+      }
+      if (end) {
+        service_->CallDone();
+        return;
+      }
     }
-    if (service_->draining_.load()) {
-      Finish(ToGrpcStatus(DrainingStatus()));
+    ++messages_;
+    const size_t bytes = in_.Length();
+    const bool parsed =
+        grpc::SerializationTraits<v1::AttentionDecodeRequest>::Deserialize(&in_, &req_).ok();
+    in_.Clear();
+    if (!parsed) {
+      const absl::Status bad = absl::InvalidArgumentError(absl::StrCat(
+          "stream message ", messages_, " (", bytes,
+          " bytes) is not a valid AttentionDecodeRequest; the stream is closed, the requests "
+          "after it were not read"));
+      service_->metrics_->ObserveRpc("AttentionDecodeStream", bad.code(), 0);
+      FinishOnce(ToGrpcStatus(bad));
+      service_->CallDone();
       return;
     }
     const auto t0 = std::chrono::steady_clock::now();
@@ -246,30 +312,80 @@ class DecodeStreamReactor final
         resp_.set_error_message(std::string(s.message()));
       }
       service_->metrics_->ObserveRpc("AttentionDecodeStream", s.code(), SecondsSince(t0));
-      StartWrite(&resp_);
+      service_->CallDone();
+      out_.Clear();
+      bool own = false;
+      if (!grpc::SerializationTraits<v1::AttentionDecodeStreamResponse>::Serialize(resp_, &out_,
+                                                                                   &own)
+               .ok()) {
+        FinishOnce(
+            grpc::Status(grpc::StatusCode::INTERNAL, "cannot serialize the stream response"));
+        return;
+      }
+      StartWrite(&out_);
     });
   }
 
   void OnWriteDone(bool ok) override {
     if (!ok) {
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "stream write failed"));
+      FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "stream write failed"));
       return;
     }
-    StartRead(&req_);
+    if (service_->draining_.load()) {
+      FinishOnce(ToGrpcStatus(DrainingStatus()));
+      return;
+    }
+    Read();
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    if (registered_) {
+      std::lock_guard<std::mutex> lock(service_->streams_mu_);
+      service_->streams_.erase(this);
+    }
+    delete this;
+  }
 
  private:
+  void Read() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finished_) return;
+    reading_ = true;
+    StartRead(&in_);
+  }
+  void FinishOnce(const grpc::Status& s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    FinishLocked(s);
+  }
+  void FinishLocked(const grpc::Status& s) {
+    if (finished_) return;
+    finished_ = true;
+    Finish(s);
+  }
+
   KvCacheService* service_;
   grpc::CallbackServerContext* ctx_;
   std::optional<std::string> authorization_;
+  bool registered_ = false;
+  std::mutex mu_;
+  bool reading_ = false;   // a StartRead is pending (the stream is idle)
+  bool finished_ = false;  // Finish was called
+  int64_t messages_ = 0;
+  grpc::ByteBuffer in_;
+  grpc::ByteBuffer out_;
   v1::AttentionDecodeRequest req_;
   v1::AttentionDecodeStreamResponse resp_;
 };
 
-grpc::ServerBidiReactor<v1::AttentionDecodeRequest, v1::AttentionDecodeStreamResponse>*
-KvCacheService::AttentionDecodeStream(grpc::CallbackServerContext* ctx) {
+void KvCacheService::StartDraining() {
+  draining_.store(true);
+  channels_.CloseAll();
+  std::lock_guard<std::mutex> lock(streams_mu_);
+  for (DecodeStreamReactor* s : streams_) s->Drain();
+}
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvCacheService::AttentionDecodeStream(
+    grpc::CallbackServerContext* ctx) {
   return new DecodeStreamReactor(this, ctx);
 }
 

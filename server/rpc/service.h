@@ -8,7 +8,11 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 
 #include "kvcd/v1/kvcache.grpc.pb.h"
@@ -21,18 +25,47 @@
 
 namespace kvcd {
 
-class KvCacheService final : public v1::KvCache::CallbackService {
+class DecodeStreamReactor;
+
+// The generated CallbackService, except that AttentionDecodeStream takes raw bytes: the
+// typed handler reports a message that does not parse exactly like the client's
+// half-close (OnReadDone(false)), so the stream would end OK and drop the requests after
+// the bad one. With the bytes in hand, the stream parses each message itself and ends
+// with INVALID_ARGUMENT when one does not parse.
+using KvCacheCallbackBase = v1::KvCache::WithCallbackMethod_RegisterModel<
+    v1::KvCache::WithCallbackMethod_ListModels<v1::KvCache::WithCallbackMethod_Put<
+        v1::KvCache::WithCallbackMethod_Match<v1::KvCache::WithCallbackMethod_OpenSequence<
+            v1::KvCache::WithCallbackMethod_CloseSequence<v1::KvCache::WithCallbackMethod_RenewLease<
+                v1::KvCache::WithCallbackMethod_Append<v1::KvCache::WithCallbackMethod_AttentionDecode<
+                    v1::KvCache::WithRawCallbackMethod_AttentionDecodeStream<
+                        v1::KvCache::WithCallbackMethod_FetchPages<
+                            v1::KvCache::WithCallbackMethod_PushPages<
+                                v1::KvCache::WithCallbackMethod_Stats<
+                                    v1::KvCache::WithCallbackMethod_RegisterBuffer<
+                                        v1::KvCache::WithCallbackMethod_UnregisterBuffer<
+                                            v1::KvCache::WithCallbackMethod_RenewBuffer<
+                                                v1::KvCache::WithCallbackMethod_NcclConnect<
+                                                    v1::KvCache::WithCallbackMethod_NcclDisconnect<
+                                                        v1::KvCache::WithCallbackMethod_OpenDecodeChannel<
+                                                            v1::KvCache::
+                                                                WithCallbackMethod_CloseDecodeChannel<
+                                                                    v1::KvCache::
+                                                                        Service>>>>>>>>>>>>>>>>>>>>;
+
+class KvCacheService final : public KvCacheCallbackBase {
  public:
   // tokens may be null (auth off); it must outlive the service.
   KvCacheService(CacheEngine* engine, Metrics* metrics, ThreadPool* executor,
                  const TokenStore* tokens = nullptr);
 
-  // After StartDraining, new calls get UNAVAILABLE; calls in flight finish; decode
-  // channels close.
-  void StartDraining() {
-    draining_.store(true);
-    channels_.CloseAll();
-  }
+  // After StartDraining, new calls get UNAVAILABLE (the server keeps accepting them, so
+  // clients see UNAVAILABLE rather than a transport error); unary calls in flight finish;
+  // decode streams waiting for their next request end with UNAVAILABLE (one that is
+  // running a request ends after answering it); decode channels close.
+  void StartDraining();
+  // After StartDraining: waits until no unary call is in flight, or until `deadline`.
+  // Returns true if none is left.
+  bool WaitIdle(std::chrono::steady_clock::time_point deadline);
   int64_t OpenChannels() const { return channels_.size(); }
 
   grpc::ServerUnaryReactor* RegisterModel(grpc::CallbackServerContext* ctx,
@@ -59,8 +92,10 @@ class KvCacheService final : public v1::KvCache::CallbackService {
   grpc::ServerUnaryReactor* AttentionDecode(grpc::CallbackServerContext* ctx,
                                             const v1::AttentionDecodeRequest* req,
                                             v1::AttentionDecodeResponse* resp) override;
-  grpc::ServerBidiReactor<v1::AttentionDecodeRequest, v1::AttentionDecodeStreamResponse>*
-  AttentionDecodeStream(grpc::CallbackServerContext* ctx) override;
+  // Raw bytes in and out (see KvCacheCallbackBase): AttentionDecodeRequest messages in,
+  // AttentionDecodeStreamResponse messages out.
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionDecodeStream(
+      grpc::CallbackServerContext* ctx) override;
   grpc::ServerUnaryReactor* FetchPages(grpc::CallbackServerContext* ctx,
                                        const v1::FetchPagesRequest* req,
                                        v1::FetchPagesResponse* resp) override;
@@ -98,6 +133,7 @@ class KvCacheService final : public v1::KvCache::CallbackService {
  private:
   template <class Fn>
   grpc::ServerUnaryReactor* Run(const char* method, grpc::CallbackServerContext* ctx, Fn fn);
+  void CallDone();  // a call or stream request finished (in_flight_ - 1; wakes WaitIdle)
   // The principal of a call: Principal::Unrestricted() without auth, else from the
   // call's bearer token (UNAUTHENTICATED if missing or unknown).
   absl::StatusOr<std::shared_ptr<const Principal>> Authenticate(
@@ -115,6 +151,11 @@ class KvCacheService final : public v1::KvCache::CallbackService {
   const TokenStore* tokens_;
   Authorizer authz_;
   std::atomic<bool> draining_{false};
+  std::atomic<int64_t> in_flight_{0};  // unary calls and stream requests being handled
+  std::mutex idle_mu_;
+  std::condition_variable idle_cv_;
+  std::mutex streams_mu_;
+  std::set<DecodeStreamReactor*> streams_ ABSL_GUARDED_BY(streams_mu_);
   DecodeChannels channels_;
   friend class DecodeStreamReactor;
 };

@@ -65,7 +65,7 @@ def test_resource_exhausted_carries_the_retry_hint(client):
         k2, v2 = random_kv(p, 8, 34)
         with pytest.raises(kvcd.ResourceExhausted) as e:
             client.put("cramped", other, k2, v2)
-    assert e.value.retry_after_ms == 50  # kvcd's `retry-after-ms` trailer
+    assert e.value.retry_after_ms == 50  # the daemon's `grpc-retry-pushback-ms` trailer
     assert e.value.retry_after == pytest.approx(0.05)
     assert e.value.message
 

@@ -231,6 +231,8 @@ uint64_t CountBad(const std::vector<uint8_t>& bytes, size_t begin, size_t n, uin
     const uint16_t h = static_cast<uint16_t>(bytes[begin + i] | (bytes[begin + i + 1] << 8));
     if (check == cuda::kCheckBf16Finite) {
       bad += (h & 0x7f80u) == 0x7f80u;
+    } else if (check == cuda::kCheckF32Finite) {
+      bad += ((i / 2) & 1) != 0 && (h & 0x7f80u) == 0x7f80u;  // the F32's high half
     } else if (check == cuda::kCheckFp16ScaleMin) {
       const bool scale = ((i / 2) / block) % 2 == 0;
       bad += (h & 0x7c00u) == 0x7c00u || (scale && (h & 0x8000u) && (h & 0x7fffu));
@@ -399,6 +401,19 @@ TEST_F(CudaKernelsTest, PagedCopyScattersGathersAndChecksLikeTheReference) {
     ASSERT_EQ(cuda::LaunchPagedCopy(cuda::PageCopy::kCheck, a, d_bad, nullptr), cudaSuccess);
     EXPECT_EQ(Down(d_bad, 1)[0], want_bf16);
     EXPECT_GT(want_bf16, 0u);
+    // The F32 check (the daemon's check of device K/V and queries, CountNonFinite): the
+    // high half of every 32-bit word, counted from the start of each layer page.
+    uint64_t want_f32 = 0;
+    for (int64_t item = 0; item < pages * layers; ++item) {
+      want_f32 += CountBad(run, static_cast<size_t>(item * layer_bytes),
+                           static_cast<size_t>(layer_bytes), cuda::kCheckF32Finite, 0);
+    }
+    a.check = cuda::kCheckF32Finite;
+    ASSERT_EQ(cudaMemset(d_bad, 0, sizeof(unsigned long long)), cudaSuccess);
+    ASSERT_EQ(cuda::LaunchPagedCopy(cuda::PageCopy::kCheck, a, d_bad, nullptr), cudaSuccess);
+    EXPECT_EQ(Down(d_bad, 1)[0], want_f32);
+    EXPECT_GT(want_f32, 0u);
+    EXPECT_LT(want_f32, want_bf16);
     // Gather into a poisoned run: the original run comes back.
     ASSERT_EQ(cudaMemset(d_run, 0xee, run.size()), cudaSuccess);
     a.check = cuda::kCheckNone;

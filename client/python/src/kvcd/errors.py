@@ -83,8 +83,9 @@ class ResourceExhausted(KvcdError):
     """Pool full and nothing evictable (or a message over the size limit).
 
     ``retry_after`` is the daemon's retry hint in seconds, read from the standard
-    ``grpc-retry-pushback-ms`` trailer or kvcd's ``retry-after-ms`` trailer (``None``
-    when neither is present, e.g. a transport-level size error or a stream error).
+    ``grpc-retry-pushback-ms`` trailer, or the ``retry-after-ms`` trailer of older
+    daemons (``None`` when neither is present, e.g. a transport-level size error or a
+    stream error).
     """
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 

@@ -17,6 +17,10 @@ enum CopyCheck : uint32_t {
   // 16-bit FP16 parameters in blocks of `check_block` values alternating scale, minimum,
   // scale, ...: all finite, scales not negative (-0 allowed).
   kCheckFp16ScaleMin = 2,
+  // Every 32-bit word (two 16-bit values, little-endian) is a finite F32 value: the check
+  // reads the high half of each, which holds the F32 exponent where a BF16 holds its own.
+  // REQUIRES: check_offset a multiple of 4.
+  kCheckF32Finite = 3,
 };
 
 enum class PageCopy : int {

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <map>
 
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/int2_attention.h"
@@ -330,6 +331,189 @@ TEST_F(CacheEngineTest, RegistrationChecksBudgetAndConflicts) {
   EXPECT_EQ(engine_->RegisterModelSpec(tiny_mem).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// Issue #21.2: the budget counts what the pools really take (2 MiB-rounded), and a
+// registration that does not fit is refused before anything is allocated.
+TEST(CacheEngineBudgetTest, RegistrationCountsTheRoundedAllocation) {
+  CacheEngine engine(TestConfig(8 << 20), MakeCpuBackend(1));
+  for (int i = 0; i < 4; ++i) {
+    ModelSpec m = TinySpec(4096);  // 4 pages of 1 KiB, one 2 MiB allocation
+    m.name = "m" + std::to_string(i);
+    ASSERT_TRUE(engine.RegisterModelSpec(m).ok()) << i;
+  }
+  ModelSpec fifth = TinySpec(4096);
+  fifth.name = "m4";
+  const absl::Status s = engine.RegisterModelSpec(fifth);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_EQ(engine.SnapshotModels().size(), 4u);
+  v1::StatsResponse stats;
+  ASSERT_TRUE(engine.Stats(v1::StatsRequest(), &stats).ok());
+  EXPECT_EQ(stats.models_size(), 4);
+
+  // 3 MiB asked of 4 MiB fits as requested, but an INT2 model has two pools (768 KiB
+  // BF16 window, 2.25 MiB history): 2 MiB + 4 MiB once rounded.
+  CacheEngine small(TestConfig(4 << 20), MakeCpuBackend(1));
+  ModelSpec int2 = testing_util::TinyInt2Spec();
+  int2.memory_bytes = 3 << 20;
+  const absl::Status r = small.RegisterModelSpec(int2);
+  EXPECT_EQ(r.code(), absl::StatusCode::kResourceExhausted) << r;
+  EXPECT_NE(r.message().find("its pools take 6291456 bytes"), absl::string_view::npos) << r;
+  EXPECT_TRUE(small.SnapshotModels().empty());
+  int2.memory_bytes = 1 << 20;  // 256 KiB + 768 KiB: two 2 MiB pools, exactly the budget
+  EXPECT_TRUE(small.RegisterModelSpec(int2).ok());
+}
+
+// Issue #21.4: a request that cannot fit even after evicting everything evictable fails
+// before evicting anything; one that fits evicts as before.
+TEST_F(CacheEngineTest, ImpossibleAppendEvictsNothing) {
+  ModelSpec eight = TinySpec(8 * 1024);  // 8 pages
+  eight.name = "eight";
+  ASSERT_TRUE(engine_->RegisterModelSpec(eight).ok());
+  spec_ = eight;
+  v1::PutResponse put;
+  for (uint64_t seed = 1; seed <= 3; ++seed) {
+    ASSERT_TRUE(engine_->Put(MakePut(eight, seed, 8), &put).ok());  // 6 cached pages, unpinned
+  }
+  auto match = [&](uint64_t seed) {
+    v1::MatchRequest r;
+    r.set_model(eight.name);
+    const auto t = synthetic::Tokens(seed, 0, 8);
+    r.mutable_tokens()->Add(t.begin(), t.end());
+    v1::MatchResponse resp;
+    EXPECT_TRUE(engine_->Match(r, &resp).ok());
+    return resp.matched_tokens();
+  };
+  const uint64_t seq = Open(9, 0);
+  const uint64_t evicted = engine_->counters().evicted_pages.load();
+  const absl::Status s =
+      engine_->Append(MakeAppend(eight, seq, 9, 0, 40), Out<v1::AppendResponse>());  // 10 pages
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("nothing was evicted"), absl::string_view::npos) << s;
+  EXPECT_EQ(engine_->counters().evicted_pages.load(), evicted);
+  for (uint64_t seed = 1; seed <= 3; ++seed) EXPECT_EQ(match(seed), 8) << seed;
+  // 3 pages: 2 free + LRU eviction of one cached prefix.
+  ASSERT_TRUE(engine_->Append(MakeAppend(eight, seq, 9, 0, 12), Out<v1::AppendResponse>()).ok());
+  EXPECT_GT(engine_->counters().evicted_pages.load(), evicted);
+  EXPECT_EQ(match(1), 0);  // the least recently used prefix went
+  EXPECT_EQ(match(3), 8);
+}
+
+// Issue #21.10: with every other page pinned, the watermark eviction at the end of a Put
+// must not take the pages the Put reports as inserted.
+TEST_F(CacheEngineTest, PutKeepsTheTokensItReports) {
+  ModelSpec four = TinySpec(4 * 1024);  // 4 pages
+  four.name = "four";
+  ASSERT_TRUE(engine_->RegisterModelSpec(four).ok());
+  spec_ = four;
+  v1::PutResponse put;
+  ASSERT_TRUE(engine_->Put(MakePut(four, 1, 12), &put).ok());
+  int64_t matched = 0;
+  const uint64_t seq = Open(1, 12, &matched);  // pins all 3 cached pages
+  ASSERT_EQ(matched, 12);
+  // The fourth page fills the pool past the high watermark (0.95); the only unpinned
+  // page is the one this Put just wrote.
+  ASSERT_TRUE(engine_->Put(MakePut(four, 2, 4), &put).ok());
+  EXPECT_EQ(put.inserted_tokens(), 4);
+  v1::MatchRequest m;
+  m.set_model(four.name);
+  const auto t = synthetic::Tokens(2, 0, 4);
+  m.mutable_tokens()->Add(t.begin(), t.end());
+  v1::MatchResponse mr;
+  ASSERT_TRUE(engine_->Match(m, &mr).ok());
+  EXPECT_EQ(mr.matched_tokens(), 4);
+  // With the pool full and every other page pinned, the next Put evicts the unpinned
+  // prefix (LRU) and keeps its own.
+  ASSERT_TRUE(engine_->Put(MakePut(four, 3, 4), &put).ok());
+  EXPECT_EQ(put.inserted_tokens(), 4);
+  const auto t3 = synthetic::Tokens(3, 0, 4);
+  m.mutable_tokens()->Clear();
+  m.mutable_tokens()->Add(t3.begin(), t3.end());
+  ASSERT_TRUE(engine_->Match(m, &mr).ok());
+  EXPECT_EQ(mr.matched_tokens(), 4);
+  v1::CloseSequenceRequest close;
+  close.set_sequence_id(seq);
+  EXPECT_TRUE(engine_->CloseSequence(close, Out<v1::CloseSequenceResponse>()).ok());
+}
+
+// Fair sharing: per-tenant quotas on open sequences, pages held and lease length keep a
+// greedy tenant from taking every slot; each refusal is RESOURCE_EXHAUSTED naming the
+// quota and changes nothing; Stats reports use against quota.
+TEST(TenantQuotaTest, AGreedyTenantCannotStarveAnother) {
+  ServerConfig config = TestConfig();
+  config.max_sequences = 4;
+  config.quotas.defaults = {/*max_sequences=*/3, /*max_pinned_pages=*/6, /*max_lease_ms=*/1000};
+  config.quotas.tenants["vip"] = {/*max_sequences=*/1, /*max_pinned_pages=*/0, 0};
+  CacheEngine engine(config, MakeCpuBackend(1));
+  const ModelSpec spec = TinySpec();
+  ASSERT_TRUE(engine.RegisterModelSpec(spec).ok());
+  v1::PutResponse put;
+  ASSERT_TRUE(engine.Put(MakePut(spec, 1, 8, "greedy"), &put).ok());
+  auto open = [&](const std::string& tenant, int64_t n, int64_t lease_ms,
+                  v1::OpenSequenceResponse* resp) {
+    v1::OpenSequenceRequest r;
+    r.set_model(spec.name);
+    r.set_cache_salt(tenant);
+    const auto t = synthetic::Tokens(1, 0, n);
+    r.mutable_tokens()->Add(t.begin(), t.end());
+    r.set_lease_ms(lease_ms);
+    return engine.OpenSequence(r, resp);
+  };
+  // The greedy tenant asks for long leases and as many sequences as it can get.
+  std::vector<uint64_t> greedy;
+  v1::OpenSequenceResponse resp;
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(open("greedy", 0, 600000, &resp).ok()) << i;
+    EXPECT_EQ(resp.lease_ms(), 1000);  // capped by max_lease_ms
+    greedy.push_back(resp.sequence_id());
+  }
+  absl::Status s = open("greedy", 0, 0, &resp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("max_sequences is 3"), absl::string_view::npos) << s;
+  // Another tenant still gets the fourth slot.
+  ASSERT_TRUE(open("polite", 0, 0, &resp).ok());
+  const uint64_t polite = resp.sequence_id();
+  // The global bound still holds for everyone (vip's own quota would allow one).
+  EXPECT_EQ(open("vip", 0, 0, &resp).code(), absl::StatusCode::kResourceExhausted);
+
+  // Pages: greedy's first sequence may hold 6 pages (24 tokens); the append that would
+  // make it 7 is refused and stores nothing.
+  v1::AppendResponse ar;
+  ASSERT_TRUE(engine.Append(MakeAppend(spec, greedy[0], 1, 0, 24), &ar).ok());
+  s = engine.Append(MakeAppend(spec, greedy[0], 1, 24, 1), &ar);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("max_pinned_pages is 6"), absl::string_view::npos) << s;
+  EXPECT_EQ(engine.Append(MakeAppend(spec, greedy[1], 1, 0, 1), &ar).code(),
+            absl::StatusCode::kResourceExhausted);  // the quota is the tenant's, not per sequence
+  // The polite tenant is not affected by greedy's pages.
+  ASSERT_TRUE(engine.Append(MakeAppend(spec, polite, 2, 0, 24), &ar).ok());
+  EXPECT_EQ(ar.length(), 24);
+  // A matched prefix counts too: pinning greedy's cached 8 tokens (2 pages) is refused.
+  v1::CloseSequenceRequest close;
+  close.set_sequence_id(greedy[2]);
+  v1::CloseSequenceResponse closed;
+  ASSERT_TRUE(engine.CloseSequence(close, &closed).ok());
+  s = open("greedy", 8, 0, &resp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("max_pinned_pages"), absl::string_view::npos) << s;
+
+  v1::StatsResponse stats;
+  ASSERT_TRUE(engine.Stats(v1::StatsRequest(), &stats).ok());
+  std::map<std::string, v1::TenantUsage> by_name;
+  for (const auto& t : stats.tenants()) by_name[t.tenant()] = t;
+  ASSERT_EQ(by_name.count("greedy"), 1u);
+  EXPECT_EQ(by_name["greedy"].open_sequences(), 2u);
+  EXPECT_EQ(by_name["greedy"].pinned_pages(), 6u);
+  EXPECT_EQ(by_name["greedy"].max_sequences(), 3u);
+  EXPECT_EQ(by_name["polite"].open_sequences(), 1u);
+  EXPECT_EQ(by_name["polite"].pinned_pages(), 6u);
+  EXPECT_EQ(by_name["vip"].open_sequences(), 0u);  // configured: listed even when idle
+  EXPECT_EQ(by_name["vip"].max_sequences(), 1u);
+  // Closing releases the tenant's share.
+  close.set_sequence_id(greedy[0]);
+  ASSERT_TRUE(engine.CloseSequence(close, &closed).ok());
+  EXPECT_EQ(closed.length(), 24);
+  ASSERT_TRUE(engine.Append(MakeAppend(spec, greedy[1], 1, 0, 24), &ar).ok());
+}
+
 // Every bad request gets its exact code, and nothing stored changes.
 TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
   const auto p = Profile(spec_);
@@ -363,6 +547,21 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
     const char* name;
     absl::StatusCode code;
     std::function<absl::Status()> call;
+    const char* says = nullptr;  // the message must contain this, when set
+  };
+  // BF16 bit patterns of the non-finite values, written over element i of a tensor.
+  auto poison_bf16 = [](v1::TensorRef* t, int64_t i, uint16_t bits) {
+    (*t->mutable_inline_data())[2 * i] = static_cast<char>(bits & 0xff);
+    (*t->mutable_inline_data())[2 * i + 1] = static_cast<char>(bits >> 8);
+  };
+  constexpr uint16_t kBf16Nan = 0x7fc0, kBf16Inf = 0x7f80, kBf16NegInf = 0xff80;
+  auto fused_decode = [&] {
+    auto r = good_decode();
+    std::vector<float> kv(2 * 16, 0.25f);
+    SetBf16FromFloat(r.mutable_k_new(), {1, 2, 16}, kv.data());
+    SetBf16FromFloat(r.mutable_v_new(), {1, 2, 16}, kv.data());
+    r.add_new_tokens(7);
+    return r;
   };
   std::vector<BadCase> cases = {
       {"put: unknown model", absl::StatusCode::kNotFound,
@@ -660,13 +859,114 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
        [&] { return push(4, -1, "bf16", std::string(1024, '\0')); }},
       {"push pages: prefix not cached", absl::StatusCode::kFailedPrecondition,
        [&] { return push(8, 1, "bf16", std::string(1024, '\0')); }},
+      // Issue #21.3: non-finite K/V and queries, on every inline path.
+      {"put: NaN in k (bf16)", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         poison_bf16(r.mutable_k(), 37, kBf16Nan);
+         return engine_->Put(r, &put);
+       },
+       "k[37]"},
+      {"put: +Inf in v (f32)", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = MakePut(spec_, 9, 8);
+         std::vector<float> kv(2 * 8 * 2 * 16, 0.5f);
+         SetF32Tensor(r.mutable_k(), {2, 8, 2, 16}, kv.data());
+         kv[500] = std::numeric_limits<float>::infinity();
+         SetF32Tensor(r.mutable_v(), {2, 8, 2, 16}, kv.data());
+         return engine_->Put(r, &put);
+       },
+       "v[500]"},
+      {"append: -Inf in k", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = MakeAppend(spec_, seq, 4, 14, 2);
+         poison_bf16(r.mutable_k(), 3, kBf16NegInf);
+         return engine_->Append(r, Out<v1::AppendResponse>());
+       },
+       "-Inf"},
+      {"decode: NaN query", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = good_decode();
+         std::vector<float> q(4 * 16, 0.5f);
+         q[5] = std::nanf("");
+         SetF32Tensor(r.mutable_q(), {1, 4, 16}, q.data());
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       },
+       "q[5]"},
+      {"decode: Inf in fused k_new", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = fused_decode();
+         poison_bf16(r.mutable_k_new(), 20, kBf16Inf);
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       },
+       "k_new[20]"},
+      {"decode: NaN in fused v_new", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = fused_decode();
+         poison_bf16(r.mutable_v_new(), 0, kBf16Nan);
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       },
+       "v_new[0]"},
+      // Issue #21.11: no signed overflow on num_tokens = INT64_MAX (UBSan-clean).
+      {"fetch: num_tokens INT64_MAX", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::FetchPagesRequest r;
+         r.set_sequence_id(seq);
+         r.set_first_token(4);
+         r.set_num_tokens(std::numeric_limits<int64_t>::max());
+         return engine_->FetchPages(r, Out<v1::FetchPagesResponse>());
+       },
+       "past the sequence length"},
+      {"fetch: num_tokens INT64_MAX, stored pages", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::FetchPagesRequest r;
+         r.set_sequence_id(seq);
+         r.set_num_tokens(std::numeric_limits<int64_t>::max());
+         r.set_expand_to_bf16(false);
+         return engine_->FetchPages(r, Out<v1::FetchPagesResponse>());
+       }},
+      // Issue #21.8: a history format the daemon does not serve is refused, by name.
+      {"register: FSQ history (not supported yet)", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::RegisterModelRequest r;
+         *r.mutable_profile() = p;
+         r.mutable_profile()->set_name("fsq");
+         r.mutable_profile()->set_history_format(v1::HISTORY_FORMAT_FSQ);
+         return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
+       },
+       "HISTORY_FORMAT_FSQ"},
+      {"register: undefined history format", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::RegisterModelRequest r;
+         *r.mutable_profile() = p;
+         r.mutable_profile()->set_name("undefined");
+         r.mutable_profile()->set_history_format(static_cast<v1::HistoryFormat>(99));
+         return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
+       },
+       "history_format is 99"},
+      // Issue #21.9: a 10 KB model name is quoted in 64 bytes, not echoed.
+      {"put: 10 KB model name", absl::StatusCode::kNotFound,
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         r.set_model(std::string(10240, 'm'));
+         return engine_->Put(r, &put);
+       },
+       "...' (10240 bytes)"},
   };
   for (const auto& c : cases) {
     const absl::Status s = c.call();
     EXPECT_EQ(s.code(), c.code) << c.name << ": " << s;
     EXPECT_FALSE(s.message().empty()) << c.name;
+    EXPECT_LE(s.message().size(), 600u) << c.name << ": messages quote client strings bounded";
+    if (c.says != nullptr) {
+      EXPECT_NE(s.message().find(c.says), absl::string_view::npos) << c.name << ": " << s;
+    }
     EXPECT_EQ(Fingerprint(seq), before) << c.name;
   }
+  // Registrations refused above left no model behind.
+  v1::ListModelsResponse models;
+  ASSERT_TRUE(engine_->ListModels(v1::ListModelsRequest(), &models).ok());
+  EXPECT_EQ(models.models_size(), 1);
 }
 
 }  // namespace

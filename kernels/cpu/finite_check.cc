@@ -1,0 +1,61 @@
+#include "kvcd/kernels/finite_check.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "kvcd/kernels/bf16.h"
+
+namespace kvcd::kernels {
+namespace {
+
+// A value is NaN or ±Inf exactly when its exponent bits are all ones (BF16: bits 7..14,
+// F32: bits 23..30). Each block is scanned with one flag per lane and no branch (the
+// compiler vectorizes the loop: load, and, compare, or); only a block whose flag is set
+// is walked again to find the first bad value.
+template <typename Word, Word kExponent>
+int64_t FirstBad(const uint8_t* bytes, int64_t count) {
+  constexpr int64_t kBlock = 2048;
+  for (int64_t start = 0; start < count; start += kBlock) {
+    const int64_t n = count - start < kBlock ? count - start : kBlock;
+    const uint8_t* p = bytes + start * static_cast<int64_t>(sizeof(Word));
+    Word any = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      Word w;
+      std::memcpy(&w, p + i * static_cast<int64_t>(sizeof(Word)), sizeof(Word));
+      any = static_cast<Word>(any | static_cast<Word>((w & kExponent) == kExponent));
+    }
+    if (any == 0) continue;
+    for (int64_t i = 0; i < n; ++i) {
+      Word w;
+      std::memcpy(&w, p + i * static_cast<int64_t>(sizeof(Word)), sizeof(Word));
+      if ((w & kExponent) == kExponent) return start + i;
+    }
+  }
+  return -1;
+}
+
+}  // namespace
+
+int64_t FirstNonFinite(const void* data, int64_t count, bool bf16) {
+  const auto* bytes = static_cast<const uint8_t*>(data);
+  return bf16 ? FirstBad<uint16_t, 0x7f80u>(bytes, count)
+              : FirstBad<uint32_t, 0x7f800000u>(bytes, count);
+}
+
+int64_t FirstNonFiniteReference(const void* data, int64_t count, bool bf16) {
+  const auto* bytes = static_cast<const uint8_t*>(data);
+  for (int64_t i = 0; i < count; ++i) {
+    float x;
+    if (bf16) {
+      uint16_t h;
+      std::memcpy(&h, bytes + 2 * i, 2);
+      x = Bf16ToFloat(h);
+    } else {
+      std::memcpy(&x, bytes + 4 * i, 4);
+    }
+    if (!std::isfinite(x)) return i;
+  }
+  return -1;
+}
+
+}  // namespace kvcd::kernels

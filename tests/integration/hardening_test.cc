@@ -1,0 +1,483 @@
+// Integration: the hostile-client defects of issue #21 against the real daemon binary —
+// each asserts the exact status code and that the daemon (and what it stores) survives.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <map>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "client/client.h"
+#include "client/synthetic.h"
+#include "common/decode_channel_layout.h"
+#include "common/tensor_ref.h"
+#include "daemon_process.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+
+namespace kvcd {
+namespace {
+
+using testing_util::DaemonProcess;
+
+constexpr char kConfig[] = R"(
+listen: 127.0.0.1:0
+metrics_listen: ""
+memory_budget: 16MiB
+drain_timeout_ms: 2000
+models:
+  - builtin: tiny
+    memory: 1MiB
+)";
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+// Waits (bounded) until `done` holds, checking every few milliseconds.
+bool WaitFor(const std::function<bool()>& done, std::chrono::milliseconds limit) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > end) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
+}
+
+class HardeningTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    stderr_path_ = "/tmp/kvcd-hardening-" + std::to_string(getpid()) + ".log";
+    daemon_.set_stderr_path(stderr_path_);
+    ASSERT_TRUE(daemon_.Start(kConfig));
+    Connect();
+  }
+  void TearDown() override { std::remove(stderr_path_.c_str()); }
+
+  void Connect() {
+    ClientOptions o;
+    o.target = daemon_.grpc();
+    o.deadline = std::chrono::milliseconds(10000);
+    auto c = Client::Connect(o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    client_ = std::move(*c);
+    auto m = client_->GetModel("tiny");
+    ASSERT_TRUE(m.ok()) << m.status();
+    profile_ = m->profile();
+  }
+
+  v1::PutRequest MakePut(uint64_t seed, int64_t n) {
+    v1::PutRequest req;
+    req.set_model("tiny");
+    const auto t = synthetic::Tokens(seed, 0, n);
+    req.mutable_tokens()->Add(t.begin(), t.end());
+    const std::vector<int64_t> shape = {profile_.num_layers(), n, profile_.num_kv_heads(),
+                                        profile_.head_dim()};
+    SetBf16FromFloat(req.mutable_k(), shape, synthetic::Kv(seed, profile_, 0, n, 0).data());
+    SetBf16FromFloat(req.mutable_v(), shape, synthetic::Kv(seed, profile_, 0, n, 1).data());
+    return req;
+  }
+
+  v1::AttentionDecodeRequest Decode(uint64_t seq, uint64_t request_id) {
+    v1::AttentionDecodeRequest r;
+    r.set_layer(0);
+    r.set_request_id(request_id);
+    r.add_sequence_ids(seq);
+    const int hq = profile_.num_q_heads(), d = profile_.head_dim();
+    SetF32Tensor(r.mutable_q(), {1, hq, d}, synthetic::Row(5, profile_, 0, 8, 2).data());
+    return r;
+  }
+
+  std::string stderr_path_;
+  DaemonProcess daemon_;
+  std::unique_ptr<Client> client_;
+  v1::ModelProfile profile_;
+};
+
+// The numbered defects that a client sees over the wire, one table: each call gets its
+// exact code, and the stored prefix, the open sequence and the model list are unchanged.
+TEST_F(HardeningTest, BadRequestsOverTheWireChangeNothing) {
+  ASSERT_TRUE(client_->Put(MakePut(5, 8)).ok());
+  auto seq = client_->OpenSequence("tiny", "", synthetic::Tokens(5, 0, 8), 60000);
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  auto fingerprint = [&] {
+    auto models = client_->ListModels();
+    auto match = client_->Match("tiny", "", synthetic::Tokens(5, 0, 8));
+    v1::FetchPagesRequest f;
+    f.set_sequence_id(seq->sequence_id());
+    f.set_expand_to_bf16(true);
+    auto fetched = client_->FetchPages(f);
+    EXPECT_TRUE(models.ok() && match.ok() && fetched.ok());
+    return std::to_string(models->size()) + "|" + std::to_string(match->matched_tokens()) + "|" +
+           fetched->k().inline_data() + fetched->v().inline_data();
+  };
+  const std::string before = fingerprint();
+  struct Case {
+    const char* name;
+    absl::StatusCode code;
+    std::function<absl::Status()> call;
+  };
+  const std::vector<Case> cases = {
+      {"#3 NaN in k", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = MakePut(6, 8);
+         (*r.mutable_k()->mutable_inline_data())[11] = static_cast<char>(0x7f);
+         (*r.mutable_k()->mutable_inline_data())[10] = static_cast<char>(0xc0);
+         return client_->Put(r).status();
+       }},
+      {"#8 FSQ history format", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::ModelProfile p = profile_;
+         p.set_name("fsq");
+         p.set_history_format(v1::HISTORY_FORMAT_FSQ);
+         return client_->RegisterModel(p).status();
+       }},
+      {"#9 a 10 KB model name is NOT_FOUND (not a metadata overflow)", absl::StatusCode::kNotFound,
+       [&] {
+         auto r = MakePut(6, 8);
+         r.set_model(std::string(10240, 'x'));
+         return client_->Put(r).status();
+       }},
+      {"#11 FetchPages num_tokens INT64_MAX", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::FetchPagesRequest f;
+         f.set_sequence_id(seq->sequence_id());
+         f.set_num_tokens(std::numeric_limits<int64_t>::max());
+         return client_->FetchPages(f).status();
+       }},
+      {"#2 a flood of one-page models stops at the rounded budget",
+       absl::StatusCode::kResourceExhausted,
+       [&] {
+         absl::Status last;
+         for (int i = 0; i < 64 && last.ok(); ++i) {  // 16 MiB budget: at most 7 more pools
+           v1::ModelProfile p = profile_;
+           p.set_name("flood" + std::to_string(i));
+           p.set_memory_bytes(1024);
+           last = client_->RegisterModel(p).status();
+         }
+         return last;
+       }},
+  };
+  for (const auto& c : cases) {
+    const absl::Status s = c.call();
+    EXPECT_EQ(s.code(), c.code) << c.name << ": " << s;
+    EXPECT_LE(s.message().size(), 600u) << c.name;
+    if (std::string(c.name).rfind("#2", 0) != 0) {
+      EXPECT_EQ(fingerprint(), before) << c.name;
+    }
+  }
+  auto models = client_->ListModels();
+  ASSERT_TRUE(models.ok());
+  EXPECT_LE(models->size(), 8u);  // tiny (2 MiB) + at most 7 flood models of 2 MiB each
+}
+
+// Issue #21.6: SO_REUSEPORT is off, so a second daemon on the same port fails at start-up
+// with a clear message and a non-zero exit instead of splitting the connections.
+TEST_F(HardeningTest, SecondDaemonOnTheSamePortFailsAtStartUp) {
+  DaemonProcess second;
+  const std::string log = stderr_path_ + ".second";
+  second.set_stderr_path(log);
+  std::string config = kConfig;
+  config.replace(config.find("127.0.0.1:0"), 11, daemon_.grpc());
+  EXPECT_FALSE(second.Start(config));
+  EXPECT_NE(second.WaitExit(), 0);
+  const std::string err = ReadFile(log);
+  EXPECT_NE(err.find("cannot listen on '" + daemon_.grpc() + "'"), std::string::npos) << err;
+  EXPECT_NE(err.find("already in use"), std::string::npos) << err;
+  std::remove(log.c_str());
+  auto stats = client_->Stats();  // the first daemon still serves
+  EXPECT_TRUE(stats.ok()) << stats.status();
+}
+
+// Issue #21.7: a stream message that does not parse ends the stream with
+// INVALID_ARGUMENT (not OK), after the valid requests before it were answered.
+TEST_F(HardeningTest, GarbageOnTheDecodeStreamEndsItWithInvalidArgument) {
+  ASSERT_TRUE(client_->Put(MakePut(5, 8)).ok());
+  auto seq = client_->OpenSequence("tiny", "", synthetic::Tokens(5, 0, 8), 60000);
+  ASSERT_TRUE(seq.ok()) << seq.status();
+
+  auto channel = grpc::CreateChannel(daemon_.grpc(), grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  grpc::CompletionQueue cq;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  auto call = stub.PrepareCall(&ctx, "/kvcd.v1.KvCache/AttentionDecodeStream", &cq);
+  auto await = [&](intptr_t tag) {
+    void* got = nullptr;
+    bool ok = false;
+    EXPECT_TRUE(cq.Next(&got, &ok));
+    EXPECT_EQ(reinterpret_cast<intptr_t>(got), tag);
+    return ok;
+  };
+  auto bytes = [](const std::string& s) {
+    grpc::Slice slice(s);
+    return grpc::ByteBuffer(&slice, 1);
+  };
+  call->StartCall(reinterpret_cast<void*>(1));
+  ASSERT_TRUE(await(1));
+  call->Write(bytes(Decode(seq->sequence_id(), 41).SerializeAsString()),
+              reinterpret_cast<void*>(2));
+  ASSERT_TRUE(await(2));
+  grpc::ByteBuffer in;
+  call->Read(&in, reinterpret_cast<void*>(3));
+  ASSERT_TRUE(await(3));
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(in.Dump(&slices).ok());
+  std::string answer;
+  for (const auto& s : slices) answer.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  v1::AttentionDecodeStreamResponse resp;
+  ASSERT_TRUE(resp.ParseFromString(answer));
+  EXPECT_EQ(resp.request_id(), 41u);
+  EXPECT_EQ(resp.error_code(), 0) << resp.error_message();
+
+  // Not a protobuf message: a truncated varint field key.
+  call->Write(bytes(std::string("\xff\xff\xff\xff\xff", 5)), reinterpret_cast<void*>(4));
+  await(4);
+  call->Read(&in, reinterpret_cast<void*>(5));
+  EXPECT_FALSE(await(5));  // no answer: the stream ended
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(6));
+  ASSERT_TRUE(await(6));
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_NE(status.error_message().find("stream message 2 (5 bytes) is not a valid"),
+            std::string::npos)
+      << status.error_message();
+  // The sequence is unchanged and the daemon serves on.
+  EXPECT_EQ(*client_->CloseSequence(seq->sequence_id()), 8);
+}
+
+// Issue #21.1: the decode channel's shared region is untrusted. A rewritten capacity and an
+// oversized request_bytes get an error answer on that channel; truncating the object under
+// the daemon's mapping (SIGBUS) closes that channel alone; the daemon serves on.
+TEST_F(HardeningTest, ACorruptOrTruncatedDecodeChannelCannotCrashTheDaemon) {
+  ASSERT_TRUE(client_->Put(MakePut(5, 8)).ok());
+  auto seq = client_->OpenSequence("tiny", "", synthetic::Tokens(5, 0, 8), 60000);
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  const uint32_t capacity = 1 << 16;
+  const size_t bytes = DecodeChannelHeader::TotalBytes(capacity);
+  const std::string name = "/kvcd-hardening-" + std::to_string(getpid());
+  const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0);
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  auto* h = new (p) DecodeChannelHeader{};
+  h->magic = DecodeChannelHeader::kMagic;
+  h->version = DecodeChannelHeader::kVersion;
+  h->capacity = capacity;
+  v1::OpenDecodeChannelRequest open;
+  open.set_shm_name(name);
+  open.set_lease_ms(60000);
+  v1::OpenDecodeChannelResponse opened;
+  ASSERT_TRUE(client_->OpenDecodeChannelRpc(open, &opened).ok());
+  shm_unlink(name.c_str());
+
+  uint64_t next_seq = h->request_seq.load();
+  // Sends raw request bytes (or only a request_bytes value) and waits for the answer.
+  auto send = [&](const std::string& msg, uint32_t claimed_bytes) {
+    std::memcpy(h->RequestArea(), msg.data(), std::min<size_t>(msg.size(), capacity));
+    h->request_bytes.store(claimed_bytes, std::memory_order_relaxed);
+    h->request_seq.store(++next_seq, std::memory_order_release);
+    EXPECT_TRUE(
+        WaitFor([&] { return h->response_seq.load() == next_seq; }, std::chrono::seconds(10)));
+    v1::AttentionDecodeStreamResponse r;
+    const uint32_t n = h->response_bytes.load();
+    EXPECT_LE(n, capacity);
+    EXPECT_TRUE(r.ParseFromArray(h->RequestArea() + capacity, static_cast<int>(n)));
+    return r;
+  };
+  const std::string good = Decode(seq->sequence_id(), 7).SerializeAsString();
+  auto r = send(good, static_cast<uint32_t>(good.size()));
+  EXPECT_EQ(r.error_code(), 0) << r.error_message();
+  EXPECT_EQ(r.request_id(), 7u);
+
+  // The client rewrites capacity (the daemon used to index with it) and claims 1 GiB.
+  h->capacity = 0xffffffffu;
+  r = send(good, 1u << 30);
+  EXPECT_EQ(r.error_code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_NE(r.error_message().find("more than the channel's capacity 65536"), std::string::npos)
+      << r.error_message();
+  // Garbage within the area: an error answer, the channel stays up.
+  r = send(std::string(64, '\xff'), 64);
+  EXPECT_EQ(r.error_code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  r = send(good, static_cast<uint32_t>(good.size()));  // still served (capacity ignored)
+  EXPECT_EQ(r.error_code(), 0) << r.error_message();
+
+  // Truncate the object under the daemon's mapping: its next look faults (SIGBUS).
+  ASSERT_EQ(ftruncate(fd, 0), 0);
+  EXPECT_TRUE(
+      WaitFor([&] { return ReadFile(stderr_path_).find("SIGBUS caught") != std::string::npos; },
+              std::chrono::seconds(10)))
+      << ReadFile(stderr_path_);
+  EXPECT_EQ(client_->CloseDecodeChannel(opened.channel_id()).code(), absl::StatusCode::kNotFound);
+  munmap(p, bytes);
+  close(fd);
+
+  // The daemon is alive, the stored prefix and the sequence are intact.
+  auto stats = client_->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(client_->Match("tiny", "", synthetic::Tokens(5, 0, 8))->matched_tokens(), 8);
+  EXPECT_EQ(*client_->CloseSequence(seq->sequence_id()), 8);
+}
+
+// Issue #21.5: ids are random 64-bit values, so a stale client's id from before a restart
+// names nothing in the new process (and never another client's sequence).
+TEST_F(HardeningTest, SequenceIdsAreUnguessableAndNotReusedAcrossRestarts) {
+  std::set<uint64_t> before;
+  for (int i = 0; i < 16; ++i) {
+    auto s = client_->OpenSequence("tiny", "", {1, 2, 3}, 60000);
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_GT(s->sequence_id(), uint64_t{1} << 20);  // not a small counter (p ~ 2^-44)
+    before.insert(s->sequence_id());
+  }
+  EXPECT_EQ(before.size(), 16u);
+  // Neighbours of a live id are not live ids.
+  EXPECT_EQ(client_->RenewLease(*before.begin() + 1).status().code(), absl::StatusCode::kNotFound);
+  ASSERT_EQ(daemon_.Stop(), 0);
+  ASSERT_TRUE(daemon_.Start(kConfig));
+  Connect();
+  auto fresh = client_->OpenSequence("tiny", "", {1, 2, 3}, 60000);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  EXPECT_EQ(before.count(fresh->sequence_id()), 0u);
+  for (uint64_t stale : before) {
+    EXPECT_EQ(client_->CloseSequence(stale).status().code(), absl::StatusCode::kNotFound);
+  }
+  // The new client's sequence survived the stale client's closes.
+  EXPECT_TRUE(client_->RenewLease(fresh->sequence_id()).ok());
+}
+
+// A drain with an idle client holding a decode stream and a health Watch: the watch sees
+// NOT_SERVING, then both end with UNAVAILABLE (not CANCELLED), and the drain does not
+// wait for them until drain_timeout_ms (2000 ms here).
+TEST_F(HardeningTest, DrainEndsIdleStreamsAndWatchesWithUnavailable) {
+  ASSERT_TRUE(client_->Put(MakePut(5, 8)).ok());
+  auto seq = client_->OpenSequence("tiny", "", synthetic::Tokens(5, 0, 8), 60000);
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  auto stream = client_->OpenDecodeStream();
+  ASSERT_TRUE(stream.ok());
+  ASSERT_TRUE((*stream)->Call(Decode(seq->sequence_id(), 1)).ok());  // established, now idle
+
+  auto channel = grpc::CreateChannel(daemon_.grpc(), grpc::InsecureChannelCredentials());
+  auto health = grpc::health::v1::Health::NewStub(channel);
+  grpc::ClientContext watch_ctx;
+  watch_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  grpc::health::v1::HealthCheckRequest hreq;
+  auto watch = health->Watch(&watch_ctx, hreq);
+  grpc::health::v1::HealthCheckResponse hresp;
+  ASSERT_TRUE(watch->Read(&hresp));
+  EXPECT_EQ(hresp.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+
+  int rc = -1;
+  std::thread stopper([&] { rc = daemon_.Stop(); });  // SIGTERM: drain
+  ASSERT_TRUE(watch->Read(&hresp));
+  EXPECT_EQ(hresp.status(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  EXPECT_FALSE(watch->Read(&hresp));
+  const grpc::Status ws = watch->Finish();
+  EXPECT_EQ(ws.error_code(), grpc::StatusCode::UNAVAILABLE) << ws.error_message();
+  auto after = (*stream)->Call(Decode(seq->sequence_id(), 2));
+  EXPECT_EQ(after.status().code(), absl::StatusCode::kUnavailable) << after.status();
+  stopper.join();
+  EXPECT_EQ(rc, 0);
+  const std::string log = ReadFile(stderr_path_);
+  const auto at = log.find("drain: api ");
+  ASSERT_NE(at, std::string::npos) << log;
+  EXPECT_LT(std::stoi(log.substr(at + 11)), 1000) << log.substr(at, 80);
+}
+
+// Fair sharing against the real daemon: two tenants, the greedy one takes what its quota
+// allows and is refused past it (RESOURCE_EXHAUSTED naming the quota), the other still
+// gets sequences; Stats and /metrics report both.
+TEST(TenantQuotaDaemonTest, AGreedyTenantCannotStarveAnother) {
+  constexpr char kQuotaConfig[] = R"(
+listen: 127.0.0.1:0
+metrics_listen: 127.0.0.1:0
+memory_budget: 16MiB
+max_sequences: 6
+quotas:
+  default: {max_sequences: 4, max_lease_ms: 2000}
+  tenants:
+    - {tenant: greedy, max_sequences: 3}
+models:
+  - builtin: tiny
+    memory: 1MiB
+)";
+  DaemonProcess daemon;
+  ASSERT_TRUE(daemon.Start(kQuotaConfig));
+  ClientOptions o;
+  o.target = daemon.grpc();
+  auto c = Client::Connect(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  Client& client = **c;
+  std::vector<uint64_t> greedy;
+  absl::Status refused;
+  for (int i = 0; i < 10; ++i) {  // as many 600 s leases as it can get
+    auto s = client.OpenSequence("tiny", "greedy", {1, 2, 3}, 600000);
+    if (!s.ok()) {
+      refused = s.status();
+      break;
+    }
+    EXPECT_EQ(s->lease_ms(), 2000);  // capped by max_lease_ms
+    greedy.push_back(s->sequence_id());
+  }
+  EXPECT_EQ(greedy.size(), 3u);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("tenant 'greedy'"), absl::string_view::npos) << refused;
+  EXPECT_NE(refused.message().find("max_sequences is 3"), absl::string_view::npos) << refused;
+  for (int i = 0; i < 3; ++i) {
+    auto s = client.OpenSequence("tiny", "other", {1, 2, 3}, 0);
+    ASSERT_TRUE(s.ok()) << i << ": " << s.status();
+  }
+  auto stats = client.Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  std::map<std::string, v1::TenantUsage> by_name;
+  for (const auto& t : stats->tenants()) by_name[t.tenant()] = t;
+  EXPECT_EQ(by_name["greedy"].open_sequences(), 3u);
+  EXPECT_EQ(by_name["greedy"].max_sequences(), 3u);
+  EXPECT_EQ(by_name["other"].open_sequences(), 3u);
+  EXPECT_EQ(by_name["other"].max_sequences(), 4u);
+  EXPECT_EQ(by_name["other"].max_lease_ms(), 2000);
+
+  // /metrics carries the same, labelled by tenant.
+  const std::string metrics = daemon.metrics();
+  const auto colon = metrics.rfind(':');
+  const int port = std::stoi(metrics.substr(colon + 1));
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  const std::string get = "GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n";
+  ASSERT_EQ(write(fd, get.data(), get.size()), static_cast<ssize_t>(get.size()));
+  std::string body;
+  char buf[4096];
+  for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) body.append(buf, static_cast<size_t>(n));
+  close(fd);
+  for (const char* line : {"kvcd_tenant_open_sequences{tenant=\"greedy\"} 3",
+                           "kvcd_tenant_open_sequences{tenant=\"other\"} 3",
+                           "kvcd_tenant_quota{quota=\"max_sequences\",tenant=\"greedy\"} 3"}) {
+    EXPECT_NE(body.find(line), std::string::npos) << line;
+  }
+  // Closing one of greedy's sequences gives it a slot back.
+  ASSERT_TRUE(client.CloseSequence(greedy[0]).ok());
+  EXPECT_TRUE(client.OpenSequence("tiny", "greedy", {1, 2, 3}, 0).ok());
+  EXPECT_EQ(daemon.Stop(), 0);
+}
+
+}  // namespace
+}  // namespace kvcd
