@@ -433,6 +433,27 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
          r.mutable_k()->mutable_cuda_ipc()->set_size(bytes);
          return engine_->Put(r, &put);
        }},
+      {"put: residuals for a model that is not fsq", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         std::vector<float> x(2 * 8 * 4, 0.5f);
+         SetF32Tensor(r.mutable_x(), {2, 8, 4}, x.data());
+         return engine_->Put(r, &put);
+       }},
+      {"append: residuals for a model that is not fsq", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = MakeAppend(spec_, seq, 4, 14, 1);
+         std::vector<float> x(2 * 4, 0.5f);
+         SetF32Tensor(r.mutable_x(), {2, 1, 4}, x.data());
+         return engine_->Append(r, Out<v1::AppendResponse>());
+       }},
+      {"decode: x_new without k_new", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = good_decode();
+         std::vector<float> x(4, 0.5f);
+         SetF32Tensor(r.mutable_x_new(), {1, 4}, x.data());
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       }},
       {"decode: o_out inline", absl::StatusCode::kInvalidArgument,
        [&] {
          auto r = good_decode();
