@@ -605,7 +605,8 @@ TEST_F(DaemonTest, FsqModelServesCodesEndToEnd) {
          SetBf16FromFloat(r->mutable_x(), {L, put_tokens, C}, x.data());
        },
        "x[0, 0, 3] is inf"},
-      {"dtype", [&](v1::PutRequest* r) { r->mutable_x()->set_dtype(v1::DTYPE_U8); }, "x"},
+      {"dtype", [&](v1::PutRequest* r) { r->mutable_x()->set_dtype(v1::DTYPE_U8); },
+       "x.dtype is U8, expected one of BF16, F32"},
   };
   const auto put_tk = synthetic::Tokens(seed, 0, put_tokens);
   for (const BadPut& b : bad_puts) {

@@ -40,18 +40,32 @@ absl::Status EncodeInto(const FsqModelCodec& m, const PageGeometry& g, const Fsq
                         int64_t codes_offset, const RowSource& x, absl::Span<const RowSlot> rows,
                         int32_t layer, const PagePool& pool) {
   if (x.on_device) return absl::FailedPreconditionError("the CPU backend cannot read device rows");
+  // Runs of consecutive source tokens going to consecutive slots of one page are encoded
+  // in one call (the encoder blocks tokens); a code does not depend on the run it is in.
+  constexpr size_t kMaxRun = 64;
   const int32_t c = m.codec.shape().residual_width;
-  std::vector<float> row(static_cast<size_t>(c));
+  std::vector<float> run(kMaxRun * static_cast<size_t>(c));
   const int32_t l_begin = layer >= 0 ? layer : 0;
   const int32_t l_end = layer >= 0 ? layer + 1 : g.num_layers;
   for (int32_t l = l_begin; l < l_end; ++l) {
     const kernels::FsqLayerCodec codec = m.codec.Layer(l);
     const int64_t src_layer = layer >= 0 ? 0 : l;  // a one-layer source has no layer offset
-    for (const RowSlot& r : rows) {
-      x.RowAsFloat(src_layer, r.src_token, 0, c, row.data());
+    for (size_t i = 0; i < rows.size();) {
+      const RowSlot& r = rows[i];
+      size_t n = 1;
+      while (i + n < rows.size() && n < kMaxRun && rows[i + n].page == r.page &&
+             rows[i + n].slot == r.slot + static_cast<int32_t>(n) &&
+             rows[i + n].src_token == r.src_token + static_cast<int64_t>(n)) {
+        ++n;
+      }
+      for (size_t t = 0; t < n; ++t) {
+        x.RowAsFloat(src_layer, r.src_token + static_cast<int64_t>(t), 0, c,
+                     run.data() + t * static_cast<size_t>(c));
+      }
       uint8_t* code =
           pool.PagePtr(l, r.page) + codes_offset + int64_t{r.slot} * layout.code_bytes();
-      kernels::FsqEncodeRows(codec, row.data(), 1, code);
+      kernels::FsqEncodeRows(codec, run.data(), static_cast<int64_t>(n), code);
+      i += n;
     }
   }
   return absl::OkStatus();
