@@ -1,8 +1,10 @@
 // Shared body of the FSQ paged decode-attention kernel (docs/fsq.md), instantiated once per
 // ISA. The Ops struct supplies RebuildKeys, the only part whose cost grows with d*G per
-// token: kb[j][i] = b_k[i] + sum_g W_k^T[g][i] z_j[g] for Ops::kTokens tokens at once.
-// Everything else (key norm, RoPE, logits, online softmax, weighted codes) is O(d + G) per
-// token and head and written as plain loops the compiler vectorizes. Internal header.
+// token: kb[j][i] = b_k[i] + sum_g W_k^T[g][i] z_j[g] for Ops::kTokens tokens at once, and
+// the O(d + G) pieces worth intrinsics (Unpack, Logits); the rest (key norm, RoPE, online
+// softmax, weighted codes) is plain loops the compiler vectorizes. Every helper here is a
+// template on Ops, so each ISA's translation unit has its own copy (no inline function
+// compiled for AVX-512 can be picked by the linker for another ISA). Internal header.
 #pragma once
 
 #include <algorithm>
@@ -10,13 +12,13 @@
 #include <cstdint>
 #include <vector>
 
-#include "fsq_math.h"
 #include "kvcd/kernels/attention_state.h"
 #include "kvcd/kernels/fsq.h"
 
 namespace kvcd::kernels::internal {
 
 // Dot product with 8 partial sums (vectorizable without reassociation flags).
+template <class Ops>
 inline float FsqDot(const float* a, const float* b, int n) {
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int i = 0;
@@ -28,6 +30,7 @@ inline float FsqDot(const float* a, const float* b, int n) {
 }
 
 // Unpacks one packed code to G floats z in -8..7.
+template <class Ops>
 inline void FsqUnpackToFloat(const uint8_t* code, int latent, float* z) {
   int g = 0;
   for (; g + 2 <= latent; g += 2) {
@@ -39,6 +42,7 @@ inline void FsqUnpackToFloat(const uint8_t* code, int latent, float* z) {
 
 // cos/sin of p*f_i for consecutive positions: exact every kSync tokens, in between a float64
 // rotation by the per-token step (error ~kSync ulps of double, far below the float output).
+template <class Ops>
 class FsqRopeAngles {
  public:
   static constexpr int kSync = 64;
@@ -54,7 +58,7 @@ class FsqRopeAngles {
         cf_(half_),
         sf_(half_) {
     for (int i = 0; i < half_; ++i) {
-      freq_[i] = FsqRopeFrequency(rope, i);
+      freq_[i] = std::pow(rope.theta, -2.0 * i / rope.rotary_dims);  // FsqRopeFrequency
       step_c_[i] = std::cos(freq_[i] / rope.scaling);
       step_s_[i] = std::sin(freq_[i] / rope.scaling);
     }
@@ -137,7 +141,7 @@ void AttendFsqPagesImpl(const FsqPageTable& pages, const FsqLayerCodec& codec, c
   std::fill(zacc, zacc + group * G, 0.0f);
   const float* knorm = codec.key_norm;
   const float eps = codec.key_norm_eps;
-  FsqRopeAngles angles(rope, pages.first_position + token_begin);
+  FsqRopeAngles<Ops> angles(rope, pages.first_position + token_begin);
 
   for (int64_t t0 = token_begin; t0 < token_end; t0 += T) {
     const int n = static_cast<int>(std::min<int64_t>(T, token_end - t0));
@@ -145,8 +149,7 @@ void AttendFsqPagesImpl(const FsqPageTable& pages, const FsqLayerCodec& codec, c
       float* zj = zf + j * G;
       if (j < n) {
         const int64_t t = t0 + j;
-        FsqUnpackToFloat(pages.base + pages.page_ids[t / ps] * pages.page_stride + (t % ps) * cb, G,
-                         zj);
+        Ops::Unpack(pages.base + pages.page_ids[t / ps] * pages.page_stride + (t % ps) * cb, G, zj);
       } else {
         std::fill(zj, zj + G, 0.0f);
       }
@@ -155,12 +158,14 @@ void AttendFsqPagesImpl(const FsqPageTable& pages, const FsqLayerCodec& codec, c
     for (int j = 0; j < n; ++j) {
       float* k = kb + j * d;
       if (knorm != nullptr) {
-        const float inv = 1.0f / std::sqrt(FsqDot(k, k, d) / static_cast<float>(d) + eps);
+        float ss;
+        Ops::Logits(k, 1, k, d, &ss, 1);
+        const float inv = 1.0f / std::sqrt(ss / static_cast<float>(d) + eps);
         for (int i = 0; i < d; ++i) k[i] = k[i] * inv * knorm[i];
       }
       angles.Next();
       angles.Apply(k);
-      for (int g = 0; g < group; ++g) sc[g * T + j] = FsqDot(qs + g * d, k, d);
+      Ops::Logits(qs, group, k, d, sc + j, T);
     }
     // Online softmax per query head; the weights multiply the codes, not the values.
     for (int g = 0; g < group; ++g) {
@@ -189,7 +194,7 @@ void AttendFsqPagesImpl(const FsqPageTable& pages, const FsqLayerCodec& codec, c
     float* acc = zacc + int64_t{g} * G;
     const float inv = 1.0f / l[g];
     for (int c = 0; c < G; ++c) acc[c] *= inv;
-    for (int i = 0; i < d; ++i) o[g * d + i] = bv[i] + FsqDot(wv + int64_t{i} * G, acc, G);
+    for (int i = 0; i < d; ++i) o[g * d + i] = bv[i] + FsqDot<Ops>(wv + int64_t{i} * G, acc, G);
     lse[g] = m[g] + std::log(l[g]);
   }
 }
@@ -197,6 +202,13 @@ void AttendFsqPagesImpl(const FsqPageTable& pages, const FsqLayerCodec& codec, c
 // Portable RebuildKeys (also the reference shape of the SIMD versions).
 struct FsqScalarOps {
   static constexpr int kTokens = 4;
+  static void Unpack(const uint8_t* code, int G, float* z) {
+    FsqUnpackToFloat<FsqScalarOps>(code, G, z);
+  }
+  // out[g * stride] = q_g . k for the `group` rows of qs [group][d].
+  static void Logits(const float* qs, int group, const float* k, int d, float* out, int stride) {
+    for (int g = 0; g < group; ++g) out[g * stride] = FsqDot<FsqScalarOps>(qs + g * d, k, d);
+  }
   static void RebuildKeys(const float* wt, const float* bias, const float* zf, int G, int d,
                           float* kb) {
     for (int j = 0; j < kTokens; ++j) {

@@ -305,9 +305,10 @@ void CheckAttend(const AttendCase& cs, CpuIsa isa, uint32_t seed) {
   std::vector<float> q(cs.group * d);
   for (auto& x : q) x = normal(rng);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  // FP32 key rebuild and softmax against the float64 oracle on the same codes: logit errors
-  // ~1e-6 relative, so outputs within 2e-4 of the oracle's norm.
-  constexpr double kTol = 2e-4;
+  // FP32 key rebuild, RoPE recurrence and softmax against the float64 oracle on the same
+  // codes: the relative L2 error of o and of lse measured up to ~2.5e-6 over many seeds; the
+  // bound leaves a 10x margin.
+  constexpr double kTol = 3e-5;
   const int64_t n = cs.n;
   const std::pair<int64_t, int64_t> ranges[] = {{0, n}, {n / 3, n - n / 5}, {n / 2, n / 2}};
   for (int h = 0; h < hkv; ++h) {

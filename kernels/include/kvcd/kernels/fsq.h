@@ -49,6 +49,7 @@ struct RopeSpec {
 // Encodes `tokens` residual rows x [tokens][C] into packed codes [tokens][FsqCodeBytes(G)]
 // exactly as docs/fsq.md (float64 accumulation, round half to even): the one definition
 // of a code, whatever the ISA (`isa` picks the implementation, every one gives the same bits).
+// A NaN in u gives z = 0; callers reject non-finite residuals before encoding.
 void FsqEncodeRows(const FsqLayerCodec& codec, const float* x, int64_t tokens, uint8_t* codes,
                    CpuIsa isa = ActiveCpuIsa());
 
