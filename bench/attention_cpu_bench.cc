@@ -125,7 +125,7 @@ int main(int argc, char** argv) {
         }
         const std::vector<kvcd::FormatId> ids = {kvcd::FormatId::kBf16, kvcd::FormatId::kInt2Oscar};
         auto formats =
-            backend->CreateFormats(ids, kvcd::PageGeometry{1, kHkv, kD, kPage}, rotation);
+            backend->CreateFormats(ids, kvcd::PageGeometry{1, kHkv, kD, kPage}, rotation, nullptr);
         if (!formats.ok()) {
           std::fprintf(stderr, "%s\n", std::string(formats.status().message()).c_str());
           return 1;

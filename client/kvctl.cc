@@ -37,8 +37,10 @@ Commands:
   models               registered model profiles and their pools
   put      --model M [--salt S] (--synthetic N [--seed X] | --safetensors FILE)
                        cache a prompt's K/V. A safetensors file holds 'tokens' (I32 [n]),
-                       'k' and 'v' (BF16 or F32 [layers, n, kv_heads, head_dim]).
-                       --synthetic N makes a deterministic N-token prompt from --seed.
+                       'k' and 'v' (BF16 or F32 [layers, n, kv_heads, head_dim]), and
+                       for FSQ models 'x' (BF16 or F32 [layers, n, C], the residuals).
+                       --synthetic N makes a deterministic N-token prompt from --seed
+                       (with synthetic residuals for FSQ models).
   match    --model M [--salt S] (--tokens 1,2,3 | --synthetic N [--seed X])
                        longest cached prefix, in tokens
   decode   --model M [--salt S] --synthetic N [--seed X] [--steps K]
@@ -151,6 +153,18 @@ int Put(kvcd::Client& c, const Args& a) {
       for (int64_t d : t->shape) ref->add_shape(d);
       ref->set_inline_data(t->data, static_cast<size_t>(t->size_bytes));
     }
+    if (file->Has("x")) {  // FSQ models: the residuals [layers, n, C]
+      auto t = file->Get("x");
+      if (!t.ok()) return Fail(t.status());
+      if (t->dtype != "BF16" && t->dtype != "F32") {
+        return Fail(absl::InvalidArgumentError("tensor 'x' has dtype " + t->dtype +
+                                               ", expected BF16 or F32"));
+      }
+      auto* ref = req.mutable_x();
+      ref->set_dtype(t->dtype == "BF16" ? kvcd::v1::DTYPE_BF16 : kvcd::v1::DTYPE_F32);
+      for (int64_t d : t->shape) ref->add_shape(d);
+      ref->set_inline_data(t->data, static_cast<size_t>(t->size_bytes));
+    }
   } else if (a.flags.count("synthetic")) {
     const uint64_t seed = IntFlag(a, "seed", 1);
     const int64_t n = IntFlag(a, "synthetic", 0);
@@ -159,6 +173,10 @@ int Put(kvcd::Client& c, const Args& a) {
     const std::vector<int64_t> shape = {p.num_layers(), n, p.num_kv_heads(), p.head_dim()};
     kvcd::SetBf16FromFloat(req.mutable_k(), shape, kvcd::synthetic::Kv(seed, p, 0, n, 0).data());
     kvcd::SetBf16FromFloat(req.mutable_v(), shape, kvcd::synthetic::Kv(seed, p, 0, n, 1).data());
+    if (p.history_format() == kvcd::v1::HISTORY_FORMAT_FSQ) {
+      kvcd::SetBf16FromFloat(req.mutable_x(), {p.num_layers(), n, p.fsq_residual_width()},
+                             kvcd::synthetic::Residuals(seed, p, 0, n).data());
+    }
   } else {
     return Usage("put needs --synthetic N or --safetensors FILE");
   }
@@ -196,6 +214,10 @@ int Decode(kvcd::Client& c, const Args& a) {
                            kvcd::synthetic::Kv(seed, p, matched, n - matched, 0).data());
     kvcd::SetBf16FromFloat(req.mutable_v(), shape,
                            kvcd::synthetic::Kv(seed, p, matched, n - matched, 1).data());
+    if (p.history_format() == kvcd::v1::HISTORY_FORMAT_FSQ) {
+      kvcd::SetBf16FromFloat(req.mutable_x(), {p.num_layers(), n - matched, p.fsq_residual_width()},
+                             kvcd::synthetic::Residuals(seed, p, matched, n - matched).data());
+    }
     auto len = c.Append(req);
     if (!len.ok()) return Fail(len.status());
   }
@@ -217,6 +239,10 @@ int Decode(kvcd::Client& c, const Args& a) {
                              kvcd::synthetic::Row(seed, p, l, pos, 0).data());
       kvcd::SetBf16FromFloat(req.mutable_v_new(), {1, p.num_kv_heads(), p.head_dim()},
                              kvcd::synthetic::Row(seed, p, l, pos, 1).data());
+      if (p.history_format() == kvcd::v1::HISTORY_FORMAT_FSQ) {
+        kvcd::SetBf16FromFloat(req.mutable_x_new(), {1, p.fsq_residual_width()},
+                               kvcd::synthetic::ResidualRow(seed, p, l, pos).data());
+      }
       req.add_new_tokens(kvcd::synthetic::Token(seed, pos));
       auto r = (*stream)->Call(req);
       if (!r.ok()) return Fail(r.status());

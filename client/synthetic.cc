@@ -53,4 +53,21 @@ std::vector<float> Row(uint64_t seed, const v1::ModelProfile& p, int32_t layer, 
   return out;
 }
 
+std::vector<float> Residuals(uint64_t seed, const v1::ModelProfile& p, int64_t begin, int64_t n) {
+  const int32_t c = p.fsq_residual_width();
+  std::vector<float> out(static_cast<size_t>(p.num_layers() * n * c));
+  size_t i = 0;
+  for (int32_t l = 0; l < p.num_layers(); ++l)
+    for (int64_t t = 0; t < n; ++t)
+      for (int32_t j = 0; j < c; ++j) out[i++] = Value(seed, l, begin + t, 0, j, 3);
+  return out;
+}
+
+std::vector<float> ResidualRow(uint64_t seed, const v1::ModelProfile& p, int32_t layer,
+                               int64_t pos) {
+  std::vector<float> out(static_cast<size_t>(p.fsq_residual_width()));
+  for (int32_t j = 0; j < p.fsq_residual_width(); ++j) out[j] = Value(seed, layer, pos, 0, j, 3);
+  return out;
+}
+
 }  // namespace kvcd::synthetic

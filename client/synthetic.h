@@ -25,4 +25,10 @@ std::vector<float> Kv(uint64_t seed, const v1::ModelProfile& p, int64_t begin, i
 std::vector<float> Row(uint64_t seed, const v1::ModelProfile& p, int32_t layer, int64_t pos,
                        int kind);
 
+// FSQ residuals (kind 3) of tokens [begin, begin + n): [layers][n][fsq_residual_width],
+// and of one token at one layer: [fsq_residual_width].
+std::vector<float> Residuals(uint64_t seed, const v1::ModelProfile& p, int64_t begin, int64_t n);
+std::vector<float> ResidualRow(uint64_t seed, const v1::ModelProfile& p, int32_t layer,
+                               int64_t pos);
+
 }  // namespace kvcd::synthetic

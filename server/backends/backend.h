@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "common/codec_profile.h"
+#include "server/formats/fsq/fsq_format.h"
 #include "server/formats/page_format.h"
 #include "server/formats/page_pool.h"
 
@@ -23,6 +24,7 @@ struct AttentionSegment {
   const PageFormat* format = nullptr;  // created by this backend
   const PagePool* pool = nullptr;
   std::vector<int32_t> page_ids;
+  int64_t first_position = 0;  // absolute position in the sequence of the run's token 0
   int64_t token_begin = 0;
   int64_t token_end = 0;
 };
@@ -77,10 +79,11 @@ class Backend {
   }
 
   // The page formats of one model (ids[i] -> result[i]), all sharing `rotation` (null: rows
-  // stored as given). UNIMPLEMENTED for a format this backend cannot run.
+  // stored as given) and, for the fsq formats, the FSQ codec `fsq` (null otherwise).
+  // UNIMPLEMENTED for a format this backend cannot run.
   virtual absl::StatusOr<std::vector<std::unique_ptr<PageFormat>>> CreateFormats(
       absl::Span<const FormatId> ids, const PageGeometry& geometry,
-      std::shared_ptr<const CodecProfile> rotation) = 0;
+      std::shared_ptr<const CodecProfile> rotation, std::shared_ptr<const FsqModelCodec> fsq) = 0;
 
   // Whole pages between a pool and a run of pages stored back to back ([page][layer]
   // [layer_page_bytes], the form pages travel in) in host or device memory: WritePages

@@ -12,6 +12,7 @@
 #include "server/backends/thread_pool.h"
 #include "server/formats/bf16/bf16_format.h"
 #include "server/formats/cpu_page_format.h"
+#include "server/formats/fsq/fsq_format.h"
 #include "server/formats/int2_oscar/int2_oscar_format.h"
 
 namespace kvcd {
@@ -41,7 +42,8 @@ class CpuBackend final : public Backend {
 
   absl::StatusOr<std::vector<std::unique_ptr<PageFormat>>> CreateFormats(
       absl::Span<const FormatId> ids, const PageGeometry& geometry,
-      std::shared_ptr<const CodecProfile> rotation) override {
+      std::shared_ptr<const CodecProfile> rotation,
+      std::shared_ptr<const FsqModelCodec> fsq) override {
     std::vector<std::unique_ptr<PageFormat>> out;
     for (FormatId id : ids) {
       switch (id) {
@@ -53,6 +55,12 @@ class CpuBackend final : public Backend {
             return absl::InvalidArgumentError("int2-oscar pages need a codec profile");
           }
           out.push_back(MakeInt2OscarCpuFormat(geometry, rotation));
+          break;
+        case FormatId::kFsq:
+        case FormatId::kFsqWindow:
+          if (fsq == nullptr) return absl::InvalidArgumentError("fsq pages need an FSQ codec");
+          out.push_back(id == FormatId::kFsq ? MakeFsqCpuFormat(geometry, fsq)
+                                             : MakeFsqWindowCpuFormat(geometry, fsq));
           break;
         default:
           return absl::UnimplementedError(
@@ -130,8 +138,8 @@ class CpuBackend final : public Backend {
       float* o = part_o.data() + i * g * d;
       float* lse = part_lse.data() + i * g;
       static_cast<const CpuPageFormat*>(it.seg->format)
-          ->Attend(*it.seg->pool, b.layer, it.seg->page_ids, it.kv_head, q, g, b.softmax_scale,
-                   it.begin, it.end, o, lse);
+          ->Attend(*it.seg->pool, b.layer, it.seg->page_ids, it.seg->first_position, it.kv_head, q,
+                   g, b.softmax_scale, it.begin, it.end, o, lse);
     });
     for (int32_t j = 0; j < static_cast<int32_t>(b.jobs.size()); ++j) {
       for (int32_t h = 0; h < b.num_kv_heads; ++h) {

@@ -62,7 +62,8 @@ class CudaBackend final : public Backend, public DeviceRuntime {
 
   absl::StatusOr<std::vector<std::unique_ptr<PageFormat>>> CreateFormats(
       absl::Span<const FormatId> ids, const PageGeometry& geometry,
-      std::shared_ptr<const CodecProfile> rotation) override {
+      std::shared_ptr<const CodecProfile> rotation,
+      std::shared_ptr<const FsqModelCodec> /*fsq*/) override {
     // One device copy of the rotations for all of the model's formats.
     std::shared_ptr<const CudaCodec> device_codec;
     if (rotation != nullptr) {
@@ -80,6 +81,11 @@ class CudaBackend final : public Backend, public DeviceRuntime {
           }
           out.push_back(MakeInt2OscarCudaFormat(geometry, rotation, device_codec));
           break;
+        case FormatId::kFsq:
+        case FormatId::kFsqWindow:
+          return absl::UnimplementedError(
+              "history_format fsq is served by the cpu backend only (the CUDA FSQ kernels are "
+              "not there yet); run the daemon with backend: cpu for this model");
         default:
           return absl::UnimplementedError(
               absl::StrCat("the cuda backend has no ", FormatName(id), " format"));

@@ -17,7 +17,7 @@ namespace {
 absl::StatusOr<std::shared_ptr<const CodecProfile>> LoadCodec(const ModelSpec& spec,
                                                               const std::string& codec_blob) {
   if (spec.history_format != FormatId::kInt2Oscar) {
-    if (!codec_blob.empty()) {
+    if (!codec_blob.empty() && !spec.is_fsq()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "model '", spec.name, "': codec_blob is only used with history_format int2-oscar"));
     }
@@ -54,6 +54,46 @@ absl::StatusOr<std::shared_ptr<const CodecProfile>> LoadCodec(const ModelSpec& s
   return std::shared_ptr<const CodecProfile>(std::move(hadamard));
 }
 
+// The FSQ codec of an FSQ model: from the registered codec file bytes, else the configured
+// codec file; it must match the profile (docs/fsq.md).
+absl::StatusOr<std::shared_ptr<const FsqModelCodec>> LoadFsqCodec(const ModelSpec& spec,
+                                                                  const std::string& codec_blob) {
+  if (!spec.is_fsq()) return std::shared_ptr<const FsqModelCodec>();
+  if (codec_blob.empty() && spec.codec_file.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model '", spec.name,
+                     "': history_format fsq needs its codec: codec_blob (RegisterModel) or "
+                     "codec_file (config), a safetensors file as docs/fsq.md describes"));
+  }
+  auto file = codec_blob.empty() ? SafetensorsFile::Load(spec.codec_file)
+                                 : SafetensorsFile::Parse(codec_blob);
+  if (!file.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model '", spec.name, "': codec file: ", file.status().message()));
+  }
+  FsqCodecShape shape;
+  shape.num_layers = spec.num_layers;
+  shape.residual_width = spec.fsq_residual_width;
+  shape.latent_width = spec.fsq_latent_width;
+  shape.num_kv_heads = spec.num_kv_heads;
+  shape.head_dim = spec.head_dim;
+  shape.key_norm = spec.key_norm;
+  shape.key_norm_eps = spec.key_norm_eps;
+  auto codec = FsqCodec::FromSafetensors(*file, shape);
+  if (!codec.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model '", spec.name, "': codec_blob: ", codec.status().message()));
+  }
+  auto m = std::make_shared<FsqModelCodec>();
+  m->codec = std::move(*codec);
+  m->rope.theta = spec.rope_theta;
+  m->rope.rotary_dims = spec.rotary_dims();
+  m->rope.scaling = spec.rope_scaling;
+  m->rope.pairing =
+      spec.rope_interleaved ? kernels::RopePairing::kInterleaved : kernels::RopePairing::kHalf;
+  return std::shared_ptr<const FsqModelCodec>(std::move(m));
+}
+
 }  // namespace
 
 ModelCache::ModelCache(const ModelSpec& spec, Backend* backend, double high, double low,
@@ -78,11 +118,13 @@ absl::StatusOr<std::unique_ptr<ModelCache>> ModelCache::Create(
   std::unique_ptr<ModelCache> cache(
       new ModelCache(spec, backend, high_watermark, low_watermark, counters));
   KVCD_ASSIGN_OR_RETURN(cache->codec_, LoadCodec(spec, codec_blob));
-  // The window is BF16; a history format of its own gets the rest of the memory.
-  std::vector<FormatId> ids = {FormatId::kBf16};
+  KVCD_ASSIGN_OR_RETURN(cache->fsq_, LoadFsqCodec(spec, codec_blob));
+  // The window is BF16 (with each token's code beside it for FSQ models); a history format
+  // of its own gets the rest of the memory.
+  std::vector<FormatId> ids = {spec.is_fsq() ? FormatId::kFsqWindow : FormatId::kBf16};
   if (spec.history_format != FormatId::kBf16) ids.push_back(spec.history_format);
   const PageGeometry geometry{spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.page_size};
-  auto formats = backend->CreateFormats(ids, geometry, cache->codec_);
+  auto formats = backend->CreateFormats(ids, geometry, cache->codec_, cache->fsq_);
   if (!formats.ok()) {
     return absl::Status(formats.status().code(),
                         absl::StrCat("model ", Quote(spec.name), ": ", formats.status().message()));
@@ -160,6 +202,17 @@ absl::Status ModelCache::CheckFitsLocked(int32_t store, int64_t n) const {
       tree_.PinnedPages(),
       " cached pages pinned by open sequences); nothing was evicted; close sequences, send "
       "fewer tokens or give the model more memory; retry later"));
+}
+
+absl::Status ModelCache::WriteCodes(int32_t store, const RowSource* x,
+                                    absl::Span<const RowSlot> rows, int32_t layer) const {
+  const PageStore& s = stores_[store];
+  if (!s.format->needs_residuals()) return absl::OkStatus();
+  if (x == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model ", Quote(spec_.name), " stores FSQ codes: the residuals x of the tokens are required"));
+  }
+  return s.format->WriteCodes(*x, rows, layer, *s.pool);
 }
 
 absl::Status ModelCache::AllocateLocked(int32_t store, int32_t n, std::vector<PageRef>* out) {
@@ -332,16 +385,20 @@ absl::StatusOr<PutResult> ModelCache::StorePrefix(const std::string& salt,
 }
 
 absl::StatusOr<PutResult> ModelCache::Put(const std::string& salt, absl::Span<const int32_t> tokens,
-                                          int64_t kv_first, const RowSource& k,
-                                          const RowSource& v) {
+                                          int64_t kv_first, const RowSource& k, const RowSource& v,
+                                          const RowSource* x) {
   const int32_t ps = spec_.page_size;
   const int64_t full_pages = static_cast<int64_t>(tokens.size()) / ps;
-  return StorePrefix(salt, tokens, full_pages, kv_first / ps,
-                     [&](int64_t first_page, int32_t store, absl::Span<const int32_t> pages) {
-                       const PageStore& s = stores_[store];
-                       return s.format->WritePages(k, v, first_page * ps - kv_first, pages,
-                                                   *s.pool);
-                     });
+  return StorePrefix(
+      salt, tokens, full_pages, kv_first / ps,
+      [&](int64_t first_page, int32_t store, absl::Span<const int32_t> pages) {
+        const PageStore& s = stores_[store];
+        const int64_t first_token = first_page * ps - kv_first;
+        if (s.format->stores_kv()) {
+          KVCD_RETURN_IF_ERROR(s.format->WritePages(k, v, first_token, pages, *s.pool));
+        }
+        return WriteCodes(store, x, PageRowSlots(first_token, pages, ps), -1);
+      });
 }
 
 absl::StatusOr<PutResult> ModelCache::PushPages(const std::string& salt,
@@ -450,7 +507,8 @@ void ModelCache::Close(Sequence* seq) {
 }
 
 absl::StatusOr<int64_t> ModelCache::Append(Sequence* seq, absl::Span<const int32_t> tokens,
-                                           const RowSource& k, const RowSource& v) {
+                                           const RowSource& k, const RowSource& v,
+                                           const RowSource* x) {
   const int32_t ps = spec_.page_size;
   std::lock_guard<std::mutex> seq_lock(seq->mu);
   if (seq->closed) {
@@ -482,6 +540,7 @@ absl::StatusOr<int64_t> ModelCache::Append(Sequence* seq, absl::Span<const int32
   }
   const PageStore& window = stores_[kWindow];
   absl::Status written = window.format->WriteRows(k, v, slots, -1, *window.pool);
+  if (written.ok()) written = WriteCodes(kWindow, x, slots, -1);
   if (!written.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
     FreeLocked(fresh);
@@ -505,6 +564,7 @@ std::vector<AttentionSegment> ModelCache::Segments(const Sequence& seq, int64_t 
       AttentionSegment s;
       s.format = &FormatOf(r);
       s.pool = &PoolOf(r);
+      s.first_position = i * ps;
       segs.push_back(std::move(s));
     }
     AttentionSegment& s = segs.back();
@@ -560,6 +620,7 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
     const PageStore& window = stores_[kWindow];
     absl::Status written =
         window.format->WriteRows(new_tokens.k, new_tokens.v, slots, layer, *window.pool);
+    if (written.ok()) written = WriteCodes(kWindow, new_tokens.x, slots, layer);
     if (!written.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
       FreeLocked(fresh);
@@ -690,7 +751,7 @@ absl::Status ModelCache::Fetch(Sequence* seq, int64_t first, int64_t n, uint16_t
           reinterpret_cast<const uint8_t*>(staged.data()) + page_at + l * f.layer_page_bytes();
       for (int32_t h = 0; h < hkv; ++h) {
         for (int which = 0; which < 2; ++which) {
-          f.ExpandRows(layer_page, l, h, which, slot, count, rows.data());
+          f.ExpandRows(layer_page, l, h, which, p * ps, slot, count, rows.data());
           uint16_t* out = which == 0 ? k_out : v_out;
           for (int32_t t = 0; t < count; ++t) {
             kernels::FloatToBf16N(rows.data() + int64_t{t} * d,
@@ -760,7 +821,9 @@ ModelSnapshot ModelCache::Snapshot() const {
     used += static_cast<double>(p.page_bytes()) * p.used_pages();
   }
   const PageFormat& history = *stores_[HistoryStore()].format;
-  s.bf16_bytes_per_token = bf16_token;
+  // Stored bytes per window token (BF16 K/V, plus the code beside them for FSQ models).
+  s.bf16_bytes_per_token =
+      static_cast<double>(stores_[kWindow].format->page_bytes()) / spec_.page_size;
   s.history_bytes_per_token = static_cast<double>(history.page_bytes()) / spec_.page_size;
   s.history_bits_per_element = history.bits_per_element();
   s.compression_ratio = used > 0 ? dense / used : 1.0;
@@ -770,6 +833,10 @@ ModelSnapshot ModelCache::Snapshot() const {
   s.pinned_pages = tree_.PinnedPages();
   s.active_sequences = open_sequences_.load();
   s.codec = codec_ ? codec_->description() : std::string(history.name());
+  if (fsq_ != nullptr) {
+    s.codec = absl::StrCat("fsq G=", fsq_->codec.shape().latent_width,
+                           fsq_->codec.source().empty() ? "" : " (" + fsq_->codec.source() + ")");
+  }
   return s;
 }
 

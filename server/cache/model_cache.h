@@ -60,7 +60,7 @@ struct ModelSnapshot {
   int64_t pinned_pages = 0;
   int64_t active_sequences = 0;
   std::string codec;
-  double bf16_bytes_per_token = 0;     // sink and recent segments
+  double bf16_bytes_per_token = 0;     // sink and recent segments (as stored)
   double history_bytes_per_token = 0;  // history segment
   double history_bits_per_element = 0;
   double compression_ratio = 1;  // dense BF16 bytes of pooled tokens / bytes in use
@@ -80,9 +80,10 @@ class ModelCache {
   // UNIMPLEMENTED for a history format the backend cannot store. For int2-oscar, the
   // rotations come from codec_blob (a codec file's bytes), else spec.codec_file, else
   // spec.codec ("identity" / "hadamard"), else Hadamard (logged, and reported by
-  // Snapshot().codec). RESOURCE_EXHAUSTED, before anything is allocated, if the pools
-  // would really take (Backend::PoolAllocationBytes, rounding included) more than
-  // allocation_limit bytes.
+  // Snapshot().codec). For fsq, the FSQ codec comes from codec_blob, else spec.codec_file
+  // (required; INVALID_ARGUMENT naming the wrong tensor when it disagrees with the spec).
+  // RESOURCE_EXHAUSTED, before anything is allocated, if the pools would really take
+  // (Backend::PoolAllocationBytes, rounding included) more than allocation_limit bytes.
   static absl::StatusOr<std::unique_ptr<ModelCache>> Create(const ModelSpec& spec, Backend* backend,
                                                             double high_watermark,
                                                             double low_watermark,
@@ -99,9 +100,11 @@ class ModelCache {
   // Stores the full pages of a prompt. k, v: [num_layers][tokens.size() - kv_first][kv][d]
   // hold tokens [kv_first, tokens.size()); tokens [0, kv_first) must already be cached
   // (FAILED_PRECONDITION otherwise). RESOURCE_EXHAUSTED when the pools cannot hold the
-  // new pages even after eviction.
+  // new pages even after eviction. x: the residuals of the same tokens
+  // ([num_layers][tokens][C]), REQUIRED for FSQ models (null otherwise).
   absl::StatusOr<PutResult> Put(const std::string& salt, absl::Span<const int32_t> tokens,
-                                int64_t kv_first, const RowSource& k, const RowSource& v);
+                                int64_t kv_first, const RowSource& k, const RowSource& v,
+                                const RowSource* x = nullptr);
 
   struct StoredPageIn {
     std::string format;
@@ -137,14 +140,17 @@ class ModelCache {
 
   // Appends n tokens (all layers). FAILED_PRECONDITION if the sequence is closed or a
   // per-layer token is pending; RESOURCE_EXHAUSTED if no page is available.
+  // x: residuals [num_layers][n][C], REQUIRED for FSQ models (null otherwise).
   absl::StatusOr<int64_t> Append(Sequence* seq, absl::Span<const int32_t> tokens,
-                                 const RowSource& k, const RowSource& v);
+                                 const RowSource& k, const RowSource& v,
+                                 const RowSource* x = nullptr);
 
   // A new token of the fused append: its rows at one layer. k, v hold the batch's rows
   // ([B][num_kv_heads][head_dim], host or device); sequence b's are token b.
   struct NewTokens {
     absl::Span<const int32_t> tokens;  // [B] token ids; empty = no append
     RowSource k, v;
+    const RowSource* x = nullptr;  // FSQ models: residuals [B][C] (REQUIRED there)
   };
   // Queries and results in device memory (CUDA IPC) instead of host arrays.
   struct DeviceIo {
@@ -224,6 +230,10 @@ class ModelCache {
   // OK if n pages of store `store` can be had (free, or by evicting unpinned pages);
   // RESOURCE_EXHAUSTED otherwise. Evicts nothing.
   absl::Status CheckFitsLocked(int32_t store, int64_t n) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Stores the codes of `rows` (every layer, or one) in store `store` when its format keeps
+  // residual codes; INVALID_ARGUMENT when it does and x is null.
+  absl::Status WriteCodes(int32_t store, const RowSource* x, absl::Span<const RowSlot> rows,
+                          int32_t layer) const;
   // Allocates n pages of store `store`, evicting LRU leaves if needed; when the pages
   // cannot be had even by evicting, fails before evicting anything.
   absl::Status AllocateLocked(int32_t store, int32_t n, std::vector<PageRef>* out)
@@ -250,6 +260,7 @@ class ModelCache {
   const double low_watermark_;
   CacheCounters* const counters_;
   std::shared_ptr<const CodecProfile> codec_;  // null: rows stored as given
+  std::shared_ptr<const FsqModelCodec> fsq_;   // FSQ models only
   std::vector<PageStore> stores_;
   uint64_t allocated_bytes_ = 0;  // set once by Create
   std::atomic<uint64_t> demoted_pages_{0};

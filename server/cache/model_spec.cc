@@ -61,6 +61,26 @@ absl::Status ValidateModelSpec(const ModelSpec& s) {
   if (!s.codec.empty() && !s.codec_file.empty()) {
     return bad("set either codec or codec_file, not both");
   }
+  if (s.is_fsq()) {
+    if (s.fsq_residual_width < 1 || s.fsq_residual_width > (1 << 16)) {
+      return bad(absl::StrCat("fsq_residual_width is ", s.fsq_residual_width,
+                              ", expected 1..65536 (the residual width C)"));
+    }
+    if (s.fsq_latent_width < 1 || s.fsq_latent_width > 4096) {
+      return bad(absl::StrCat("fsq_latent_width is ", s.fsq_latent_width,
+                              ", expected 1..4096 (the latent width G)"));
+    }
+    if (!s.codec.empty()) {
+      return bad(absl::StrCat("codec is '", s.codec,
+                              "', expected empty for history_format fsq (the FSQ codec comes "
+                              "from codec_blob or codec_file)"));
+    }
+    if (s.key_norm && !(s.key_norm_eps > 0.0f && s.key_norm_eps < 1.0f)) {
+      return bad(absl::StrCat("key_norm_eps is ", s.key_norm_eps, ", expected 0 < eps < 1"));
+    }
+  } else if (s.fsq_residual_width != 0 || s.fsq_latent_width != 0) {
+    return bad("fsq_residual_width / fsq_latent_width are only used with history_format fsq");
+  }
   return absl::OkStatus();
 }
 

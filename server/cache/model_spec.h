@@ -24,13 +24,20 @@ struct ModelSpec {
   double rope_theta = 10000.0;
   int32_t rope_rotary_dims = 0;  // 0 = head_dim
   double rope_scaling = 1.0;
-  uint64_t memory_bytes = 0;    // share of the daemon budget for this model's pools
-  double bf16_fraction = 0.25;  // BF16 share of memory_bytes when history is compressed
-  std::string codec_file;       // optional codec (safetensors) path
-  std::string codec;            // int2: "identity", "hadamard", or "" (codec_file, else hadamard)
+  bool rope_interleaved = false;  // pairing: false = half (i, i + r/2), true = (2i, 2i+1)
+  bool key_norm = false;          // per-head RMSNorm on the keys (FSQ rebuilds keys)
+  float key_norm_eps = 1e-6f;
+  int32_t fsq_residual_width = 0;  // C (history_format fsq only)
+  int32_t fsq_latent_width = 0;    // G (history_format fsq only), 1..4096
+  uint64_t memory_bytes = 0;       // share of the daemon budget for this model's pools
+  double bf16_fraction = 0.25;     // BF16 share of memory_bytes when history is compressed
+  std::string codec_file;          // optional codec (safetensors) path
+  std::string codec;  // int2: "identity", "hadamard", or "" (codec_file, else hadamard)
 
   int32_t group() const { return num_q_heads / num_kv_heads; }
   int32_t sink_pages() const { return sink_tokens / page_size; }
+  bool is_fsq() const { return history_format == FormatId::kFsq; }
+  int32_t rotary_dims() const { return rope_rotary_dims == 0 ? head_dim : rope_rotary_dims; }
 };
 
 // Checks every field; INVALID_ARGUMENT naming the field and the accepted range.

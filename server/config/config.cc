@@ -61,7 +61,8 @@ absl::Status ParseModel(const YAML::Node& m, int index, ModelSpec* spec) {
       CheckKeys(m, absl::StrCat("models[", index, "]"),
                 {"builtin", "name", "num_layers", "num_q_heads", "num_kv_heads", "head_dim",
                  "page_size", "sink_tokens", "recent_tokens", "history_format", "rope", "memory",
-                 "bf16_fraction", "codec_file", "codec"}));
+                 "bf16_fraction", "codec_file", "codec", "fsq_residual_width", "fsq_latent_width",
+                 "key_norm", "key_norm_eps"}));
   if (m["builtin"]) {
     const std::string b = m["builtin"].as<std::string>();
     auto builtin = BuiltinModelSpec(b);
@@ -84,13 +85,33 @@ absl::Status ParseModel(const YAML::Node& m, int index, ModelSpec* spec) {
   KVCD_RETURN_IF_ERROR(Read(m, "codec_file", where, &spec->codec_file));
   KVCD_RETURN_IF_ERROR(Read(m, "codec", where, &spec->codec));
   KVCD_RETURN_IF_ERROR(ReadBytes(m, "memory", where, &spec->memory_bytes));
+  KVCD_RETURN_IF_ERROR(Read(m, "fsq_residual_width", where, &spec->fsq_residual_width));
+  KVCD_RETURN_IF_ERROR(Read(m, "fsq_latent_width", where, &spec->fsq_latent_width));
+  KVCD_RETURN_IF_ERROR(Read(m, "key_norm_eps", where, &spec->key_norm_eps));
+  if (m["key_norm"]) {
+    const std::string kn = m["key_norm"].as<std::string>();
+    if (kn != "none" && kn != "rms") {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, "key_norm is '", kn.substr(0, 64), "', expected 'none' or 'rms'"));
+    }
+    spec->key_norm = kn == "rms";
+  }
   if (m["history_format"]) {
     KVCD_RETURN_IF_ERROR(ParseFormatName(m["history_format"].as<std::string>(), "history_format",
                                          &spec->history_format));
   }
   if (const YAML::Node rope = m["rope"]) {
     const std::string rw = where + "rope.";
-    KVCD_RETURN_IF_ERROR(CheckKeys(rope, where + "rope", {"theta", "rotary_dims", "scaling"}));
+    KVCD_RETURN_IF_ERROR(
+        CheckKeys(rope, where + "rope", {"theta", "rotary_dims", "scaling", "pairing"}));
+    if (rope["pairing"]) {
+      const std::string pairing = rope["pairing"].as<std::string>();
+      if (pairing != "half" && pairing != "interleaved") {
+        return absl::InvalidArgumentError(absl::StrCat(rw, "pairing is '", pairing.substr(0, 64),
+                                                       "', expected 'half' or 'interleaved'"));
+      }
+      spec->rope_interleaved = pairing == "interleaved";
+    }
     KVCD_RETURN_IF_ERROR(Read(rope, "theta", rw, &spec->rope_theta));
     KVCD_RETURN_IF_ERROR(Read(rope, "rotary_dims", rw, &spec->rope_rotary_dims));
     KVCD_RETURN_IF_ERROR(Read(rope, "scaling", rw, &spec->rope_scaling));

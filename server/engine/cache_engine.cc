@@ -74,16 +74,13 @@ absl::Status CheckHistoryFormat(int format) {
     case v1::HISTORY_FORMAT_UNSPECIFIED:
     case v1::HISTORY_FORMAT_BF16:
     case v1::HISTORY_FORMAT_INT2_OSCAR:
-      return absl::OkStatus();
     case v1::HISTORY_FORMAT_FSQ:
-      return absl::InvalidArgumentError(
-          "profile.history_format is HISTORY_FORMAT_FSQ (3), which this daemon does not "
-          "support yet; expected HISTORY_FORMAT_BF16 (1) or HISTORY_FORMAT_INT2_OSCAR (2)");
+      return absl::OkStatus();
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("profile.history_format is ", format,
-                       ", not a known HistoryFormat; expected HISTORY_FORMAT_BF16 (1) or "
-                       "HISTORY_FORMAT_INT2_OSCAR (2)"));
+                       ", not a known HistoryFormat; expected HISTORY_FORMAT_BF16 (1), "
+                       "HISTORY_FORMAT_INT2_OSCAR (2) or HISTORY_FORMAT_FSQ (3)"));
   }
 }
 
@@ -99,11 +96,17 @@ ModelSpec SpecFromProfile(const v1::ModelProfile& p) {
   s.page_size = p.page_size();
   s.sink_tokens = p.sink_tokens();
   s.recent_tokens = p.recent_tokens();
-  s.history_format =
-      p.history_format() == v1::HISTORY_FORMAT_INT2_OSCAR ? FormatId::kInt2Oscar : FormatId::kBf16;
+  s.history_format = p.history_format() == v1::HISTORY_FORMAT_INT2_OSCAR ? FormatId::kInt2Oscar
+                     : p.history_format() == v1::HISTORY_FORMAT_FSQ      ? FormatId::kFsq
+                                                                         : FormatId::kBf16;
   s.rope_theta = p.rope().theta() == 0 ? 10000.0 : p.rope().theta();
   s.rope_rotary_dims = p.rope().rotary_dims();
   s.rope_scaling = p.rope().scaling() == 0 ? 1.0 : p.rope().scaling();
+  s.rope_interleaved = p.rope().pairing() == v1::ROPE_PAIRING_INTERLEAVED;
+  s.key_norm = p.key_norm() == v1::KEY_NORM_RMS;
+  s.key_norm_eps = p.key_norm_eps() == 0 ? 1e-6f : p.key_norm_eps();
+  s.fsq_residual_width = p.fsq_residual_width();
+  s.fsq_latent_width = p.fsq_latent_width();
   s.memory_bytes = p.memory_bytes();
   s.bf16_fraction = p.bf16_fraction() == 0 ? 0.25 : p.bf16_fraction();
   s.codec = p.codec();
@@ -120,10 +123,17 @@ void ProfileFromSpec(const ModelSpec& s, v1::ModelProfile* p) {
   p->set_sink_tokens(s.sink_tokens);
   p->set_recent_tokens(s.recent_tokens);
   p->set_history_format(s.history_format == FormatId::kInt2Oscar ? v1::HISTORY_FORMAT_INT2_OSCAR
+                        : s.history_format == FormatId::kFsq     ? v1::HISTORY_FORMAT_FSQ
                                                                  : v1::HISTORY_FORMAT_BF16);
   p->mutable_rope()->set_theta(s.rope_theta);
   p->mutable_rope()->set_rotary_dims(s.rope_rotary_dims);
   p->mutable_rope()->set_scaling(s.rope_scaling);
+  p->mutable_rope()->set_pairing(s.rope_interleaved ? v1::ROPE_PAIRING_INTERLEAVED
+                                                    : v1::ROPE_PAIRING_HALF);
+  p->set_key_norm(s.key_norm ? v1::KEY_NORM_RMS : v1::KEY_NORM_NONE);
+  p->set_key_norm_eps(s.key_norm_eps);
+  p->set_fsq_residual_width(s.fsq_residual_width);
+  p->set_fsq_latent_width(s.fsq_latent_width);
   p->set_memory_bytes(s.memory_bytes);
   p->set_bf16_fraction(s.bf16_fraction);
   p->set_codec(s.codec);
@@ -151,6 +161,54 @@ absl::StatusOr<RowSource> CacheEngine::Rows(const v1::TensorRef& t, absl::string
   r.is_bf16 = t.dtype() == v1::DTYPE_BF16;
   r.token_stride = int64_t{s.num_kv_heads} * s.head_dim;
   r.layer_stride = n * r.token_stride;
+  return r;
+}
+
+absl::StatusOr<RowSource> CacheEngine::Residuals(const v1::TensorRef& t, bool present,
+                                                 absl::string_view field, int64_t layers, int64_t n,
+                                                 const ModelSpec& s, std::string* staging) {
+  if (!s.is_fsq()) {
+    if (present) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, " is set, expected it absent: model '", s.name, "' has history_format ",
+          FormatName(s.history_format), " (residuals are only for history_format fsq)"));
+    }
+    return RowSource{};
+  }
+  const int64_t c = s.fsq_residual_width;
+  std::vector<int64_t> shape = {n, c};
+  if (layers > 0) shape.insert(shape.begin(), layers);
+  if (!present) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, " is missing: model '", s.name, "' stores FSQ codes, expected the residuals [",
+        absl::StrJoin(shape, ", "), "] (BF16 or F32) beside the K/V"));
+  }
+  KVCD_RETURN_IF_ERROR(CheckTensorRef(t, field, shape, {v1::DTYPE_BF16, v1::DTYPE_F32}));
+  KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(t, field, kInputKinds));
+  KVCD_ASSIGN_OR_RETURN(const char* bytes, tensors_.HostInput(t, field, staging));
+  const bool bf16 = t.dtype() == v1::DTYPE_BF16;
+  const int64_t total = (layers > 0 ? layers : 1) * n * c;
+  for (int64_t i = 0; i < total; ++i) {
+    float f;
+    if (bf16) {
+      uint16_t h;
+      std::memcpy(&h, bytes + 2 * i, 2);
+      f = kernels::Bf16ToFloat(h);
+    } else {
+      std::memcpy(&f, bytes + 4 * i, 4);
+    }
+    if (!std::isfinite(f)) {
+      const int64_t ch = i % c, tok = (i / c) % n, layer = i / (c * n);
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, "[", layers > 0 ? absl::StrCat(layer, ", ") : "", tok, ", ", ch,
+                       "] is ", f, ", expected finite residuals"));
+    }
+  }
+  RowSource r;
+  r.data = bytes;
+  r.is_bf16 = bf16;
+  r.token_stride = c;
+  r.layer_stride = n * c;
   return r;
 }
 
@@ -246,7 +304,11 @@ absl::Status CacheEngine::Put(const v1::PutRequest& req, v1::PutResponse* resp) 
   KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(req.v(), "v", kInputKinds));
   KVCD_ASSIGN_OR_RETURN(RowSource k, Rows(req.k(), "k", n - first, m->spec()));
   KVCD_ASSIGN_OR_RETURN(RowSource v, Rows(req.v(), "v", n - first, m->spec()));
-  KVCD_ASSIGN_OR_RETURN(PutResult r, m->Put(req.cache_salt(), req.tokens(), first, k, v));
+  std::string x_staging;
+  KVCD_ASSIGN_OR_RETURN(RowSource x, Residuals(req.x(), req.has_x(), "x", m->spec().num_layers,
+                                               n - first, m->spec(), &x_staging));
+  KVCD_ASSIGN_OR_RETURN(PutResult r, m->Put(req.cache_salt(), req.tokens(), first, k, v,
+                                            x.data != nullptr ? &x : nullptr));
   resp->set_cached_tokens(r.cached_tokens);
   resp->set_inserted_tokens(r.inserted_tokens);
   resp->set_ignored_tokens(r.ignored_tokens);
@@ -305,10 +367,14 @@ absl::Status CacheEngine::Append(const v1::AppendRequest& req, v1::AppendRespons
   KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(req.v(), "v", kInputKinds));
   KVCD_ASSIGN_OR_RETURN(RowSource k, Rows(req.k(), "k", n, s));
   KVCD_ASSIGN_OR_RETURN(RowSource v, Rows(req.v(), "v", n, s));
+  std::string x_staging;
+  KVCD_ASSIGN_OR_RETURN(RowSource x,
+                        Residuals(req.x(), req.has_x(), "x", s.num_layers, n, s, &x_staging));
   // The tenant's max_pinned_pages quota covers the pages this append adds.
   const int64_t before = seq->model->Length(seq.get());
   KVCD_RETURN_IF_ERROR(sequences_.ReservePages(*seq, (before + n + s.page_size - 1) / s.page_size));
-  absl::StatusOr<int64_t> len = seq->model->Append(seq.get(), req.tokens(), k, v);
+  absl::StatusOr<int64_t> len =
+      seq->model->Append(seq.get(), req.tokens(), k, v, x.data != nullptr ? &x : nullptr);
   sequences_.Settle(*seq, (seq->model->Length(seq.get()) + s.page_size - 1) / s.page_size);
   if (!len.ok()) return len.status();
   resp->set_length(*len);
@@ -366,6 +432,8 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
   }
   const bool fused = req.has_k_new() || req.has_v_new();
   ModelCache::NewTokens new_tokens;
+  std::string x_staging;
+  RowSource x_new;
   if (fused) {
     const std::vector<int64_t> shape = {batch, s.num_kv_heads, s.head_dim};
     KVCD_RETURN_IF_ERROR(
@@ -383,9 +451,14 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
     // Device rows (CUDA IPC) are stored on the device straight from the worker's buffer.
     KVCD_ASSIGN_OR_RETURN(new_tokens.k, Rows(req.k_new(), "k_new", batch, s));
     KVCD_ASSIGN_OR_RETURN(new_tokens.v, Rows(req.v_new(), "v_new", batch, s));
+    KVCD_ASSIGN_OR_RETURN(
+        x_new, Residuals(req.x_new(), req.has_x_new(), "x_new", 0, batch, s, &x_staging));
+    if (x_new.data != nullptr) new_tokens.x = &x_new;
     new_tokens.tokens = req.new_tokens();
   } else if (req.new_tokens_size() != 0) {
     return absl::InvalidArgumentError("new_tokens is set without k_new/v_new");
+  } else if (req.has_x_new()) {
+    return absl::InvalidArgumentError("x_new is set without k_new/v_new");
   }
   const int64_t q_elems = batch * s.num_q_heads * s.head_dim;
   const float scale = req.softmax_scale() == 0 ? 1.0f / std::sqrt(static_cast<float>(s.head_dim))

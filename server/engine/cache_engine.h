@@ -91,6 +91,13 @@ class CacheEngine {
   // head_dim] for one layer) where its bytes are (host, or device for cuda_ipc).
   absl::StatusOr<RowSource> Rows(const v1::TensorRef& t, absl::string_view field, int64_t n,
                                  const ModelSpec& s);
+  // The residuals `field` of n tokens (`layers` = num_layers: [layers, n, C]; 0: one layer,
+  // [n, C]) of an FSQ model, checked (present exactly for FSQ models, dtype, shape, every
+  // value finite) and in host memory (*staging when copied from a device buffer). A
+  // RowSource with data == nullptr for other models. INVALID_ARGUMENT naming the field.
+  absl::StatusOr<RowSource> Residuals(const v1::TensorRef& t, bool present, absl::string_view field,
+                                      int64_t layers, int64_t n, const ModelSpec& s,
+                                      std::string* staging);
   absl::Status PushDevicePages(ModelCache& m, const v1::PushPagesRequest& req,
                                v1::PushPagesResponse* resp);
 

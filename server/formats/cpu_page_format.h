@@ -12,11 +12,13 @@ class CpuPageFormat : public PageFormat {
   using PageFormat::PageFormat;
 
   // Attention of the `group` rotated queries of KV head kv_head over tokens [begin, end)
-  // of the pages (token t in page_ids[t / page_size]) at layer `layer`: o in the rotated
-  // value space, lse the natural log (-inf for an empty range).
+  // of the pages (token t in page_ids[t / page_size], at absolute position
+  // first_position + t) at layer `layer`: o in the rotated value space, lse the natural log
+  // (-inf for an empty range).
   virtual void Attend(const PagePool& pool, int32_t layer, absl::Span<const int32_t> page_ids,
-                      int32_t kv_head, const float* q_rot, int group, float softmax_scale,
-                      int64_t begin, int64_t end, float* o, float* lse) const = 0;
+                      int64_t first_position, int32_t kv_head, const float* q_rot, int group,
+                      float softmax_scale, int64_t begin, int64_t end, float* o,
+                      float* lse) const = 0;
 };
 
 }  // namespace kvcd

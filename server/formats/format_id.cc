@@ -10,19 +10,24 @@ const char* FormatName(FormatId id) {
       return "bf16";
     case FormatId::kInt2Oscar:
       return "int2-oscar";
+    case FormatId::kFsq:
+      return "fsq";
+    case FormatId::kFsqWindow:
+      return "bf16+fsq";
   }
   return "unknown";
 }
 
 absl::Status ParseFormatName(const std::string& name, const char* field, FormatId* out) {
-  for (FormatId id : {FormatId::kBf16, FormatId::kInt2Oscar}) {
+  // History formats a config may name (the window format follows from the history).
+  for (FormatId id : {FormatId::kBf16, FormatId::kInt2Oscar, FormatId::kFsq}) {
     if (name == FormatName(id)) {
       *out = id;
       return absl::OkStatus();
     }
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat(field, " is '", name.substr(0, 64), "', expected 'bf16' or 'int2-oscar'"));
+  return absl::InvalidArgumentError(absl::StrCat(field, " is '", name.substr(0, 64),
+                                                 "', expected 'bf16', 'int2-oscar' or 'fsq'"));
 }
 
 }  // namespace kvcd

@@ -47,6 +47,11 @@ absl::Status PageFormat::WriteRows(const RowSource&, const RowSource&, absl::Spa
       absl::StrCat(name(), " pages are written whole; single rows go to the window format"));
 }
 
+absl::Status PageFormat::WriteCodes(const RowSource&, absl::Span<const RowSlot>, int32_t,
+                                    const PagePool&) const {
+  return absl::UnimplementedError(absl::StrCat(name(), " pages store no residual codes"));
+}
+
 absl::Status PageFormat::Demote(const PagePool&, absl::Span<const int32_t>, const PagePool&,
                                 absl::Span<const int32_t>) const {
   return absl::UnimplementedError(absl::StrCat(name(), " is not a history format"));

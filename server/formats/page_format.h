@@ -81,6 +81,12 @@ class PageFormat {
   int64_t page_bytes() const { return layer_page_bytes() * geometry_.num_layers; }
   // Stored bits per K/V element (codes and parameters).
   virtual double bits_per_element() const = 0;
+  // False when the pages hold no K/V rows (fsq history: codes only, filled by WriteCodes;
+  // WritePages / WriteRows are not called).
+  virtual bool stores_kv() const { return true; }
+  // True when the format stores codes computed from the tokens' residuals (WriteCodes):
+  // every write of its pages carries them.
+  virtual bool needs_residuals() const { return false; }
 
   // Fills pages[i] (every layer) with tokens first_token + i * page_size ... of k and v.
   virtual absl::Status WritePages(const RowSource& k, const RowSource& v, int64_t first_token,
@@ -92,6 +98,13 @@ class PageFormat {
   virtual absl::Status WriteRows(const RowSource& k, const RowSource& v,
                                  absl::Span<const RowSlot> rows, int32_t layer,
                                  const PagePool& pool) const;
+
+  // Computes and stores the codes of single tokens from their residuals x (rows of
+  // residual_width values; head 0, head_dim = residual_width), every layer (layer < 0) or
+  // one layer, like WriteRows. Formats with needs_residuals() only; others answer
+  // UNIMPLEMENTED.
+  virtual absl::Status WriteCodes(const RowSource& x, absl::Span<const RowSlot> rows, int32_t layer,
+                                  const PagePool& pool) const;
 
   // Re-encodes full pages of the model's window pool (rows stored rotated as the window
   // holds them) into pages of this format: src_pages[i] -> dst_pages[i], every layer.
@@ -109,9 +122,11 @@ class PageFormat {
                                         int64_t first_index) const;
 
   // Rows [slot, slot + count) of (head, which: 0 = K, 1 = V) from the host bytes of one page
-  // of layer `layer`, as float in the original (un-rotated) space.
+  // of layer `layer`, as float in the original (un-rotated) space. page_first_token: the
+  // absolute position of the page's slot 0 (formats that rebuild post-RoPE keys need it).
   virtual void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which,
-                          int32_t slot, int32_t count, float* out) const = 0;
+                          int64_t page_first_token, int32_t slot, int32_t count,
+                          float* out) const = 0;
 
  protected:
   // Un-rotates rows in place (x = y · R^T) when the format has a rotation.

@@ -140,7 +140,7 @@ TEST_F(HardeningTest, BadRequestsOverTheWireChangeNothing) {
          (*r.mutable_k()->mutable_inline_data())[10] = static_cast<char>(0xc0);
          return client_->Put(r).status();
        }},
-      {"#8 FSQ history format", absl::StatusCode::kInvalidArgument,
+      {"#8 FSQ history format without widths or codec", absl::StatusCode::kInvalidArgument,
        [&] {
          v1::ModelProfile p = profile_;
          p.set_name("fsq");

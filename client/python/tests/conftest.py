@@ -193,3 +193,37 @@ def wait_until(predicate, timeout=20.0, poll=0.02):
             return False
         stop.wait(poll)
     return True
+
+
+def fsq_codec_blob(num_layers, c, g, num_kv_heads, head_dim, seed, key_norm=False):
+    """A small random but well-formed FSQ codec file (docs/fsq.md), as safetensors bytes."""
+    import json
+    import struct
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    kv = num_kv_heads * head_dim
+    tensors = {}
+    for layer in range(num_layers):
+        pre = f"layers.{layer}."
+        tensors[pre + "encoder"] = rng.standard_normal((g, c)) * (2.0 / np.sqrt(c))
+        tensors[pre + "encoder_bias"] = rng.standard_normal(g) * 0.1
+        tensors[pre + "decoder_k"] = rng.standard_normal((kv, g)) / np.sqrt(g)
+        tensors[pre + "decoder_v"] = rng.standard_normal((kv, g)) / np.sqrt(g)
+        tensors[pre + "bias_k"] = rng.standard_normal(kv) * 0.1
+        tensors[pre + "bias_v"] = rng.standard_normal(kv) * 0.1
+        if key_norm:
+            tensors[pre + "key_norm"] = 1.0 + 0.1 * rng.standard_normal(head_dim)
+    header = {"__metadata__": {
+        "kvcd.codec": "fsq", "version": "1", "num_layers": str(num_layers),
+        "residual_width": str(c), "latent_width": str(g), "num_kv_heads": str(num_kv_heads),
+        "head_dim": str(head_dim), "key_norm": "rms" if key_norm else "none"}}
+    data = b""
+    for name, t in tensors.items():
+        raw = np.ascontiguousarray(t, dtype="<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(t.shape),
+                        "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    head = json.dumps(header).encode()
+    return struct.pack("<Q", len(head)) + head + data

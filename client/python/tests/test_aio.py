@@ -6,7 +6,7 @@ import pytest
 
 import kvcd
 import kvcd.aio
-from conftest import bf16_round, random_kv, random_tokens, reference_attention
+from conftest import bf16_round, fsq_codec_blob, random_kv, random_tokens, reference_attention
 
 
 def run(coro):
@@ -95,5 +95,39 @@ def test_many_concurrent_decode_sessions(daemon):
             p = await c.profile("tiny")
             lengths = await asyncio.gather(*(worker(c, p, i) for i in range(sessions)))
             assert lengths == [6 + i % 5 + steps for i in range(sessions)]
+
+    run(main())
+
+
+def test_aio_fsq_model_carries_the_residuals(daemon):
+    async def main():
+        async with kvcd.aio.Client(daemon.grpc, timeout=20) as c:
+            info = await c.register_model(
+                name="aio-fsq", num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                page_size=4, sink_tokens=4, recent_tokens=8, history_format="fsq",
+                memory_bytes=1 << 20, bf16_fraction=0.5, fsq_residual_width=24,
+                fsq_latent_width=9, codec_blob=fsq_codec_blob(2, 24, 9, 2, 16, 4))
+            p = info.profile
+            toks = random_tokens(12, 70)
+            k, v = random_kv(p, 12, 70)
+            rng = np.random.default_rng(70)
+            x = rng.standard_normal((2, 12, 24)).astype(np.float32)
+            with pytest.raises(ValueError, match="x .*is required"):
+                await c.put("aio-fsq", toks, k, v)
+            assert (await c.put("aio-fsq", toks, k, v, x=x)).inserted_tokens == 12
+            async with await c.open_sequence("aio-fsq", toks) as seq:
+                assert seq.length == 12
+                f = await seq.fetch_pages()
+                assert f.page_formats == ["bf16+fsq", "fsq", "fsq"]
+                assert await seq.append([5], k[:, :1], v[:, :1], x=x[:, :1]) == 13
+                q = rng.standard_normal((1, 4, 16)).astype(np.float32)
+                for layer in range(2):
+                    o, lse = await seq.attention_decode(
+                        layer, q, k_new=k[layer, :1], v_new=v[layer, :1], new_tokens=[6],
+                        x_new=x[layer, :1])
+                    assert np.isfinite(o).all()
+                assert seq.length == 14
+                with pytest.raises(kvcd.InvalidArgument, match="x is missing"):
+                    await c.append(seq.id, [9], k[:, :1], v[:, :1])
 
     run(main())

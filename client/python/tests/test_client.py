@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import kvcd
-from conftest import bf16_round, random_kv, random_tokens, reference_attention, wait_until
+from conftest import (bf16_round, fsq_codec_blob, random_kv, random_tokens, reference_attention,
+                      wait_until)
 
 
 def test_version_matches_cmake():
@@ -312,3 +313,75 @@ def test_a_dropped_sequence_is_no_longer_renewed(client):
     assert wait_until(lambda: client.stats().expired_leases > expired0)
     with pytest.raises(kvcd.NotFound):
         client.close_sequence(sid)
+
+
+def register_fsq(c, name):
+    """A tiny FSQ model (C = 24, G = 9) with a random codec."""
+    return c.register_model(name=name, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                            page_size=4, sink_tokens=4, recent_tokens=8, history_format="fsq",
+                            memory_bytes=1 << 20, bf16_fraction=0.5, fsq_residual_width=24,
+                            fsq_latent_width=9, rope={"theta": 10000.0, "pairing": 1},
+                            codec_blob=fsq_codec_blob(2, 24, 9, 2, 16, 3))
+
+
+def residuals(p, n, seed):
+    rng = np.random.default_rng(seed + 77)
+    return bf16_round(rng.standard_normal((p.num_layers, n, p.fsq_residual_width))
+                      .astype(np.float32))
+
+
+def test_fsq_model_carries_the_residuals(client):
+    info = register_fsq(client, "py-fsq")
+    assert [pl.format for pl in info.pools] == ["bf16+fsq", "fsq"]
+    p = info.profile
+    toks = random_tokens(16, 60)
+    k, v = random_kv(p, 16, 60)
+    x = residuals(p, 16, 60)
+    # Without residuals, or with the wrong width: refused before anything is sent.
+    with pytest.raises(ValueError, match="x .*is required"):
+        client.put("py-fsq", toks, k, v)
+    with pytest.raises(ValueError, match=r"x has shape \[2, 16, 23\], expected \[2, 16, 24\]"):
+        client.put("py-fsq", toks, k, v, x=x[:, :, :23])
+    with pytest.raises(ValueError, match="not an FSQ model"):
+        client.put("tiny", toks, k, v, x=x)
+    assert client.match("py-fsq", toks).matched_tokens == 0
+    # F32 and BF16 on the wire give the same codes (x is BF16-exact); other residuals
+    # give other codes.
+    assert client.put("py-fsq", toks, k, v, x=x, cache_salt="a").inserted_tokens == 16
+    assert client.put("py-fsq", toks, k, v, x=x, cache_salt="b",
+                      wire_dtype="bf16").inserted_tokens == 16
+    assert client.put("py-fsq", toks, k, v, x=-x, cache_salt="c").inserted_tokens == 16
+    pages = {}
+    for salt in "abc":
+        with client.open_sequence("py-fsq", toks, cache_salt=salt) as seq:
+            f = seq.fetch_pages()
+            assert f.page_formats == ["bf16+fsq", "fsq", "fsq", "fsq"]
+            pages[salt] = [pg.data for pg in f.pages]
+            assert len(pages[salt][1]) == 2 * 4 * 5  # layers x tokens x ceil(9/2) bytes
+    assert pages["a"] == pages["b"]
+    assert pages["a"][1:] != pages["c"][1:]
+
+    # A sequence: the unmatched tail is appended with its residuals, then the per-layer
+    # decode loop with x_new.
+    toks2 = np.concatenate([toks, random_tokens(3, 61)])
+    k2, v2 = random_kv(p, 19, 61)
+    k2[:, :16], v2[:, :16] = k, v
+    x2 = residuals(p, 19, 61)
+    x2[:, :16] = x
+    with client.open_sequence("py-fsq", toks2, k=k2, v=v2, x=x2, cache_salt="a") as seq:
+        assert seq.length == 19 and seq.pending_tokens == []
+        rng = np.random.default_rng(5)
+        with client.decode_session() as s:
+            for layer in range(p.num_layers):
+                q = rng.standard_normal((1, 4, 16)).astype(np.float32)
+                k1 = rng.standard_normal((1, 2, 16)).astype(np.float32)
+                with pytest.raises(ValueError, match="x_new .*is required"):
+                    s.attend(layer, seq, q, k_new=k1, v_new=k1, new_tokens=[7])
+                o, lse = s.attend(layer, seq, q, k_new=k1, v_new=k1, new_tokens=[7],
+                                  x_new=rng.standard_normal((1, 24)).astype(np.float32))
+                assert np.isfinite(o).all() and np.isfinite(lse).all()
+        assert seq.length == 20
+        # The daemon refuses an append without residuals (the check is not only local).
+        with pytest.raises(kvcd.InvalidArgument, match="x is missing"):
+            client.append(seq.id, [9], k2[:, :1], v2[:, :1])
+        assert seq.append([9], k2[:, :1], v2[:, :1], x=x2[:, :1]) == 21

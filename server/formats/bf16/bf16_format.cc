@@ -102,15 +102,17 @@ class Bf16CpuFormat final : public CpuPageFormat {
     return layout_.CheckPages(src, num_pages, first_index);
   }
 
-  void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which, int32_t slot,
-                  int32_t count, float* out) const override {
+  void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which,
+                  int64_t /*page_first_token*/, int32_t slot, int32_t count,
+                  float* out) const override {
     layout_.ReadRows(layer_page, head, which, slot, count, out);
     Unrotate(layer, which, count, out);
   }
 
   void Attend(const PagePool& pool, int32_t layer, absl::Span<const int32_t> page_ids,
-              int32_t kv_head, const float* q_rot, int group, float softmax_scale, int64_t begin,
-              int64_t end, float* o, float* lse) const override {
+              int64_t /*first_position*/, int32_t kv_head, const float* q_rot, int group,
+              float softmax_scale, int64_t begin, int64_t end, float* o,
+              float* lse) const override {
     const PageGeometry& g = geometry();
     kernels::Bf16PageTable kv;
     kv.base = reinterpret_cast<const uint16_t*>(pool.LayerBase(layer));

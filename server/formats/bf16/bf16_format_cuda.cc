@@ -51,8 +51,9 @@ class Bf16CudaFormat final : public CudaPageFormat {
                                   "non-finite BF16 value(s)", &scratch_);
   }
 
-  void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which, int32_t slot,
-                  int32_t count, float* out) const override {
+  void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which,
+                  int64_t /*page_first_token*/, int32_t slot, int32_t count,
+                  float* out) const override {
     layout_.ReadRows(layer_page, head, which, slot, count, out);
     Unrotate(layer, which, count, out);
   }

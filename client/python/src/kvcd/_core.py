@@ -270,12 +270,15 @@ def elem_bytes(x: Any, wire_dtype: Optional[str]) -> int:
 
 
 def kv_chunks(p: pb.ModelProfile, n_kv: int, k: Any, wire_dtype: Optional[str],
-              max_message_bytes: int, extra_bytes: int, align: int) -> List[Tuple[int, int]]:
+              max_message_bytes: int, extra_bytes: int, align: int,
+              extra_per_token: int = 0) -> List[Tuple[int, int]]:
     """Splits n_kv K/V rows into [start, end) chunks whose request fits the message limit;
-    chunk boundaries are multiples of ``align`` (page_size for Put, 1 for Append)."""
+    chunk boundaries are multiples of ``align`` (page_size for Put, 1 for Append).
+    ``extra_per_token``: bytes per token sent beside K/V (FSQ residuals)."""
     if isinstance(k, pb.TensorRef) and k.WhichOneof("payload") != "inline_data":
         return [(0, n_kv)]  # device regions: nothing travels in the message
-    per_token = 2 * p.num_layers * p.num_kv_heads * p.head_dim * elem_bytes(k, wire_dtype)
+    per_token = (2 * p.num_layers * p.num_kv_heads * p.head_dim * elem_bytes(k, wire_dtype)
+                 + extra_per_token)
     budget = max_message_bytes - _MESSAGE_OVERHEAD - extra_bytes
     if per_token * n_kv <= budget or n_kv == 0:
         return [(0, n_kv)]
@@ -299,9 +302,34 @@ def kv_shape(p: pb.ModelProfile, n: int) -> Tuple[int, int, int, int]:
     return (p.num_layers, n, p.num_kv_heads, p.head_dim)
 
 
+def is_fsq(p: Optional[pb.ModelProfile]) -> bool:
+    return p is not None and p.history_format == pb.HISTORY_FORMAT_FSQ
+
+
+def check_residuals(p: Optional[pb.ModelProfile], name: str, x: Any,
+                    shape: Optional[Tuple[int, ...]]) -> None:
+    """FSQ models need the residuals ``x`` beside K/V; other models must not get them."""
+    if p is None:
+        return
+    if is_fsq(p) and x is None:
+        raise ValueError(f"model '{p.name}' stores FSQ codes: {name} (the residuals, "
+                         f"{list(shape) if shape else ''}) is required")
+    if not is_fsq(p) and x is not None:
+        raise ValueError(f"{name} is set but model '{p.name}' is not an FSQ model")
+    if x is not None and shape is not None:
+        T.check_shape(name, x, shape)
+
+
+def residual_bytes(p: pb.ModelProfile, x: Any, wire_dtype: Optional[str]) -> int:
+    """Bytes per token of the residuals (all layers)."""
+    if x is None:
+        return 0
+    return p.num_layers * p.fsq_residual_width * elem_bytes(x, wire_dtype)
+
+
 def put_requests(p: pb.ModelProfile, model: str, tokens: List[int], k: Any, v: Any,
                  cache_salt: str, kv_first_token: int, wire_dtype: Optional[str],
-                 max_message_bytes: int) -> List[pb.PutRequest]:
+                 max_message_bytes: int, x: Any = None) -> List[pb.PutRequest]:
     n = len(tokens)
     if n < 1:
         raise ValueError("tokens must hold at least one token")
@@ -310,8 +338,9 @@ def put_requests(p: pb.ModelProfile, model: str, tokens: List[int], k: Any, v: A
                          f"{p.page_size} in [0, {n}]")
     T.check_shape("k", k, kv_shape(p, n - kv_first_token))
     T.check_shape("v", v, kv_shape(p, n - kv_first_token))
+    check_residuals(p, "x", x, (p.num_layers, n - kv_first_token, p.fsq_residual_width))
     chunks = kv_chunks(p, n - kv_first_token, k, wire_dtype, max_message_bytes, 4 * n,
-                       p.page_size)
+                       p.page_size, residual_bytes(p, x, wire_dtype))
     reqs = []
     for s, e in chunks:
         r = pb.PutRequest(model=model, cache_salt=cache_salt,
@@ -319,6 +348,8 @@ def put_requests(p: pb.ModelProfile, model: str, tokens: List[int], k: Any, v: A
         r.tokens.extend(tokens[:kv_first_token + e])
         T.to_tensor_ref(slice_tokens(k, s, e), wire_dtype, r.k)
         T.to_tensor_ref(slice_tokens(v, s, e), wire_dtype, r.v)
+        if x is not None:
+            T.to_tensor_ref(slice_tokens(x, s, e), wire_dtype, r.x)
         reqs.append(r)
     return reqs
 
@@ -339,15 +370,17 @@ def log_ignored(model: str, result: PutResult) -> None:
 
 
 def append_requests(p: Optional[pb.ModelProfile], sequence_id: int, tokens: List[int], k: Any,
-                    v: Any, wire_dtype: Optional[str], max_message_bytes: int
-                    ) -> List[pb.AppendRequest]:
+                    v: Any, wire_dtype: Optional[str], max_message_bytes: int,
+                    x: Any = None) -> List[pb.AppendRequest]:
     n = len(tokens)
     if n < 1:
         raise ValueError("append needs at least one token")
     if p is not None:
         T.check_shape("k", k, kv_shape(p, n))
         T.check_shape("v", v, kv_shape(p, n))
-        chunks = kv_chunks(p, n, k, wire_dtype, max_message_bytes, 4 * n, 1)
+        check_residuals(p, "x", x, (p.num_layers, n, p.fsq_residual_width))
+        chunks = kv_chunks(p, n, k, wire_dtype, max_message_bytes, 4 * n, 1,
+                           residual_bytes(p, x, wire_dtype))
     else:
         if T.shape_of(k) != T.shape_of(v) or len(T.shape_of(k)) != 4 or T.shape_of(k)[1] != n:
             raise ValueError(f"k and v must be [num_layers, {n}, num_kv_heads, head_dim]")
@@ -358,6 +391,8 @@ def append_requests(p: Optional[pb.ModelProfile], sequence_id: int, tokens: List
         r.tokens.extend(tokens[s:e])
         T.to_tensor_ref(slice_tokens(k, s, e), wire_dtype, r.k)
         T.to_tensor_ref(slice_tokens(v, s, e), wire_dtype, r.v)
+        if x is not None:
+            T.to_tensor_ref(slice_tokens(x, s, e), wire_dtype, r.x)
         reqs.append(r)
     return reqs
 
@@ -365,7 +400,8 @@ def append_requests(p: Optional[pb.ModelProfile], sequence_id: int, tokens: List
 def decode_request(p: Optional[pb.ModelProfile], layer: int, ids: List[int], q: Any,
                    k_new: Any, v_new: Any, new_tokens: Optional[TokenSeq], softmax_scale: float,
                    o_out: Optional[pb.TensorRef], lse_out: Optional[pb.TensorRef],
-                   wire_dtype: Optional[str], request_id: int) -> pb.AttentionDecodeRequest:
+                   wire_dtype: Optional[str], request_id: int,
+                   x_new: Any = None) -> pb.AttentionDecodeRequest:
     B = len(ids)
     if B < 1:
         raise ValueError("attention needs at least one sequence")
@@ -394,9 +430,15 @@ def decode_request(p: Optional[pb.ModelProfile], layer: int, ids: List[int], q: 
                 raise ValueError(f"{name} must be [{B}, num_kv_heads, head_dim]")
         T.to_tensor_ref(k_new, wire_dtype, r.k_new)
         T.to_tensor_ref(v_new, wire_dtype, r.v_new)
+        check_residuals(p, "x_new", x_new,
+                        (B, p.fsq_residual_width) if p is not None else None)
+        if x_new is not None:
+            T.to_tensor_ref(x_new, wire_dtype, r.x_new)
         r.new_tokens.extend(toks)
     elif new_tokens is not None:
         raise ValueError("new_tokens needs k_new and v_new")
+    elif x_new is not None:
+        raise ValueError("x_new needs k_new and v_new")
     if (o_out is None) != (lse_out is None):
         raise ValueError("o_out and lse_out go together")
     if o_out is not None:

@@ -128,12 +128,13 @@ class Client:
     # -- prefix cache -----------------------------------------------------------------
 
     async def put(self, model: str, tokens: TokenSeq, k: Any, v: Any, *, cache_salt: str = "",
-                  kv_first_token: int = 0, wire_dtype: Optional[str] = None) -> PutResult:
+                  kv_first_token: int = 0, wire_dtype: Optional[str] = None,
+                  x: Any = None) -> PutResult:
         """See :meth:`kvcd.Client.put` (chunks are sent one after the other)."""
         p = await self.profile(model)
         toks = C.tokens_list(tokens)
         reqs = C.put_requests(p, model, toks, k, v, cache_salt, kv_first_token, wire_dtype,
-                              self.max_message_bytes)
+                              self.max_message_bytes, x)
         responses = []
         for r in reqs:
             responses.append(await self._call("Put", r))
@@ -151,7 +152,7 @@ class Client:
     async def open_sequence(self, model: str, tokens: TokenSeq, *, k: Any = None,
                             v: Any = None, cache_salt: str = "", lease_ms: int = 0,
                             auto_renew: bool = True,
-                            wire_dtype: Optional[str] = None) -> "Sequence":
+                            wire_dtype: Optional[str] = None, x: Any = None) -> "Sequence":
         """See :meth:`kvcd.Client.open_sequence`; ``async with await c.open_sequence(...)``."""
         toks = C.tokens_list(tokens)
         p = await self.profile(model)
@@ -166,7 +167,8 @@ class Client:
             if k is not None and seq.pending_tokens:
                 m = seq.matched_tokens
                 await seq.append(seq.pending_tokens, C.slice_tokens(k, m, len(toks)),
-                                 C.slice_tokens(v, m, len(toks)), wire_dtype=wire_dtype)
+                                 C.slice_tokens(v, m, len(toks)), wire_dtype=wire_dtype,
+                                 x=None if x is None else C.slice_tokens(x, m, len(toks)))
         except BaseException:
             await seq.close(missing_ok=True)
             raise
@@ -175,12 +177,12 @@ class Client:
         return seq
 
     async def append(self, sequence: SequenceLike, tokens: TokenSeq, k: Any, v: Any, *,
-                     wire_dtype: Optional[str] = None) -> int:
+                     wire_dtype: Optional[str] = None, x: Any = None) -> int:
         toks = C.tokens_list(tokens)
         p = await self.profile(sequence.model) if isinstance(sequence, Sequence) else None
         length = 0
         for r in C.append_requests(p, _seq_id(sequence), toks, k, v, wire_dtype,
-                                   self.max_message_bytes):
+                                   self.max_message_bytes, x):
             length = int((await self._call("Append", r)).length)
         if isinstance(sequence, Sequence):
             sequence.length = length
@@ -209,12 +211,13 @@ class Client:
                                softmax_scale: float = 0.0,
                                o_out: Optional[pb.TensorRef] = None,
                                lse_out: Optional[pb.TensorRef] = None,
-                               wire_dtype: Optional[str] = None) -> DecodeResult:
+                               wire_dtype: Optional[str] = None,
+                               x_new: Any = None) -> DecodeResult:
         seqs = _seq_list(sequences)
         req = C.decode_request(await self._decode_profile(seqs), layer,
                                [_seq_id(s) for s in seqs], q, k_new, v_new, new_tokens,
                                softmax_scale, o_out, lse_out, wire_dtype,
-                               next(self._request_ids))
+                               next(self._request_ids), x_new)
         return _track(seqs, C.decode_result(await self._call("AttentionDecode", req), q))
 
     def decode_session(self) -> "DecodeSession":
@@ -331,9 +334,9 @@ class Sequence:
         return f"<kvcd.aio.Sequence {self.id} model={self.model} length={self.length}>"
 
     async def append(self, tokens: TokenSeq, k: Any, v: Any, *,
-                     wire_dtype: Optional[str] = None) -> int:
+                     wire_dtype: Optional[str] = None, x: Any = None) -> int:
         toks = C.tokens_list(tokens)
-        length = await self.client.append(self, toks, k, v, wire_dtype=wire_dtype)
+        length = await self.client.append(self, toks, k, v, wire_dtype=wire_dtype, x=x)
         if self.pending_tokens and toks[:len(self.pending_tokens)] == self.pending_tokens[:len(toks)]:
             self.pending_tokens = self.pending_tokens[len(toks):]
         return length
@@ -427,13 +430,13 @@ class DecodeSession:
                      new_tokens: Optional[TokenSeq] = None, softmax_scale: float = 0.0,
                      o_out: Optional[pb.TensorRef] = None,
                      lse_out: Optional[pb.TensorRef] = None,
-                     wire_dtype: Optional[str] = None) -> DecodeResult:
+                     wire_dtype: Optional[str] = None, x_new: Any = None) -> DecodeResult:
         if self._closed:
             raise ValueError("the decode session is closed")
         seqs = _seq_list(sequences)
         req = C.decode_request(await self._client._decode_profile(seqs), layer,
                                [_seq_id(s) for s in seqs], q, k_new, v_new, new_tokens,
-                               softmax_scale, o_out, lse_out, wire_dtype, next(self._ids))
+                               softmax_scale, o_out, lse_out, wire_dtype, next(self._ids), x_new)
         try:
             await self._call.write(req)
             r = await self._call.read()

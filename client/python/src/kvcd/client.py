@@ -158,7 +158,8 @@ class Client:
     # -- prefix cache -----------------------------------------------------------------
 
     def put(self, model: str, tokens: TokenSeq, k: Any, v: Any, *, cache_salt: str = "",
-            kv_first_token: int = 0, wire_dtype: Optional[str] = None) -> PutResult:
+            kv_first_token: int = 0, wire_dtype: Optional[str] = None,
+            x: Any = None) -> PutResult:
         """Caches the K/V of a prompt (prefill -> kvcd).
 
         ``k``/``v``: ``[num_layers, len(tokens) - kv_first_token, num_kv_heads, head_dim]``
@@ -167,13 +168,17 @@ class Client:
         ``max_message_bytes`` is split into page-aligned chunks sent in order with
         ``kv_first_token`` (each chunk's prefix is cached by the one before).
 
+        FSQ models (``history_format`` FSQ) also need ``x``: the attention blocks'
+        normalized residuals of the same tokens, ``[num_layers, n, fsq_residual_width]``;
+        the daemon stores their 4-bit codes as the history. Other models must not get ``x``.
+
         Only full pages are stored: a trailing partial page is ignored by the daemon and
         reported in ``PutResult.ignored_tokens``. Idempotent on cached prefixes.
         """
         p = self.profile(model)
         toks = C.tokens_list(tokens)
         reqs = C.put_requests(p, model, toks, k, v, cache_salt, kv_first_token, wire_dtype,
-                              self.max_message_bytes)
+                              self.max_message_bytes, x)
         result = C.put_result(len(toks), [self._call("Put", r) for r in reqs])
         C.log_ignored(model, result)
         return result
@@ -188,7 +193,7 @@ class Client:
 
     def open_sequence(self, model: str, tokens: TokenSeq, *, k: Any = None, v: Any = None,
                       cache_salt: str = "", lease_ms: int = 0, auto_renew: bool = True,
-                      wire_dtype: Optional[str] = None) -> "Sequence":
+                      wire_dtype: Optional[str] = None, x: Any = None) -> "Sequence":
         """Opens a decode sequence on the longest cached prefix of ``tokens``.
 
         The daemon keeps only the matched (page-aligned, cached) tokens: the sequence holds
@@ -213,7 +218,8 @@ class Client:
             if k is not None and seq.pending_tokens:
                 m = seq.matched_tokens
                 seq.append(seq.pending_tokens, C.slice_tokens(k, m, len(toks)),
-                           C.slice_tokens(v, m, len(toks)), wire_dtype=wire_dtype)
+                           C.slice_tokens(v, m, len(toks)), wire_dtype=wire_dtype,
+                           x=None if x is None else C.slice_tokens(x, m, len(toks)))
         except BaseException:
             seq.close(missing_ok=True)
             raise
@@ -222,14 +228,15 @@ class Client:
         return seq
 
     def append(self, sequence: SequenceLike, tokens: TokenSeq, k: Any, v: Any, *,
-               wire_dtype: Optional[str] = None) -> int:
+               wire_dtype: Optional[str] = None, x: Any = None) -> int:
         """Appends new tokens' K/V (``[num_layers, n, num_kv_heads, head_dim]``) for all
-        layers; split under the message limit if needed. Returns the new length."""
+        layers, with their residuals ``x`` (``[num_layers, n, fsq_residual_width]``) for FSQ
+        models; split under the message limit if needed. Returns the new length."""
         toks = C.tokens_list(tokens)
         p = self.profile(sequence.model) if isinstance(sequence, Sequence) else None
         length = 0
         for r in C.append_requests(p, _seq_id(sequence), toks, k, v, wire_dtype,
-                                   self.max_message_bytes):
+                                   self.max_message_bytes, x):
             length = int(self._call("Append", r).length)
         if isinstance(sequence, Sequence):
             sequence.length = length
@@ -258,20 +265,21 @@ class Client:
                          new_tokens: Optional[TokenSeq] = None, softmax_scale: float = 0.0,
                          o_out: Optional[pb.TensorRef] = None,
                          lse_out: Optional[pb.TensorRef] = None,
-                         wire_dtype: Optional[str] = None) -> DecodeResult:
+                         wire_dtype: Optional[str] = None, x_new: Any = None) -> DecodeResult:
         """Attention of one layer for a batch of B sequences over everything they hold.
 
         ``q``: ``[B, num_q_heads, head_dim]`` raw post-RoPE queries. With ``k_new``/``v_new``
         (``[B, num_kv_heads, head_dim]``) and ``new_tokens`` (B ids) each sequence first
         receives one token at this layer (fused append; the token is committed once every
-        layer has it). ``softmax_scale`` 0 means ``1/sqrt(head_dim)``. Returns ``(o, lse)``
+        layer has it); FSQ models also need ``x_new`` (``[B, fsq_residual_width]``, the
+        token's residual at this layer). ``softmax_scale`` 0 means ``1/sqrt(head_dim)``. Returns ``(o, lse)``
         (see :class:`kvcd.DecodeResult`). ``o_out``/``lse_out``: cuda_ipc regions the daemon
         writes instead (CUDA backend).
         """
         seqs = _seq_list(sequences)
         req = C.decode_request(self._decode_profile(seqs), layer, [_seq_id(s) for s in seqs],
                                q, k_new, v_new, new_tokens, softmax_scale, o_out, lse_out,
-                               wire_dtype, next(self._request_ids))
+                               wire_dtype, next(self._request_ids), x_new)
         return _track(seqs, C.decode_result(self._call("AttentionDecode", req), q))
 
     def decode_session(self) -> "DecodeSession":
@@ -408,10 +416,10 @@ class Sequence:
         return f"<kvcd.Sequence {self.id} model={self.model} length={self.length}>"
 
     def append(self, tokens: TokenSeq, k: Any, v: Any, *,
-               wire_dtype: Optional[str] = None) -> int:
+               wire_dtype: Optional[str] = None, x: Any = None) -> int:
         """Appends tokens' K/V; tokens listed in ``pending_tokens`` are removed from it."""
         toks = C.tokens_list(tokens)
-        length = self.client.append(self, toks, k, v, wire_dtype=wire_dtype)
+        length = self.client.append(self, toks, k, v, wire_dtype=wire_dtype, x=x)
         if self.pending_tokens and toks[:len(self.pending_tokens)] == self.pending_tokens[:len(toks)]:
             self.pending_tokens = self.pending_tokens[len(toks):]
         return length
@@ -524,14 +532,14 @@ class DecodeSession:
                k_new: Any = None, v_new: Any = None, new_tokens: Optional[TokenSeq] = None,
                softmax_scale: float = 0.0, o_out: Optional[pb.TensorRef] = None,
                lse_out: Optional[pb.TensorRef] = None,
-               wire_dtype: Optional[str] = None) -> DecodeResult:
+               wire_dtype: Optional[str] = None, x_new: Any = None) -> DecodeResult:
         """Same arguments and result as :meth:`Client.attention_decode`."""
         if self._closed:
             raise ValueError("the decode session is closed")
         seqs = _seq_list(sequences)
         req = C.decode_request(self._client._decode_profile(seqs), layer,
                                [_seq_id(s) for s in seqs], q, k_new, v_new, new_tokens,
-                               softmax_scale, o_out, lse_out, wire_dtype, next(self._ids))
+                               softmax_scale, o_out, lse_out, wire_dtype, next(self._ids), x_new)
         self._requests.put(req)
         try:
             r = next(self._responses)

@@ -6,12 +6,16 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "common/fsq_codec.h"
 #include "kvcd/kernels/bf16.h"
+#include "kvcd/kernels/fsq.h"
 #include "kvcd/kernels/reference_attention.h"
 #include "test_util.h"
 
@@ -22,8 +26,9 @@ using testing_util::TinyInt2Spec;
 using testing_util::TinySpec;
 
 struct Fixture {
-  explicit Fixture(const ModelSpec& spec) : backend(MakeCpuBackend(2)) {
-    auto c = ModelCache::Create(spec, backend.get(), 0.95, 0.85, &counters);
+  explicit Fixture(const ModelSpec& spec, const std::string& codec_blob = "")
+      : backend(MakeCpuBackend(2)) {
+    auto c = ModelCache::Create(spec, backend.get(), 0.95, 0.85, &counters, codec_blob);
     EXPECT_TRUE(c.ok()) << c.status();
     cache = std::move(*c);
   }
@@ -272,6 +277,303 @@ TEST(ModelCacheTest, AttentionWithFusedAppendMatchesTheOracleOverTheStoredKv) {
     }
     f.cache->Close(seq.get());
   }
+}
+
+// ---------------------------------------------------------------------------------------
+// FSQ history: codes computed from the residuals when they arrive.
+
+constexpr int kFsqC = 24;
+
+ModelSpec TinyFsqSpec() {
+  ModelSpec s = TinySpec();
+  s.name = "tiny-fsq";
+  s.history_format = FormatId::kFsq;
+  s.fsq_residual_width = kFsqC;
+  s.fsq_latent_width = 9;
+  s.key_norm = true;
+  s.rope_rotary_dims = 8;
+  s.rope_interleaved = true;
+  return s;
+}
+
+FsqCodecShape FsqShape(const ModelSpec& s) {
+  FsqCodecShape c;
+  c.num_layers = s.num_layers;
+  c.residual_width = s.fsq_residual_width;
+  c.latent_width = s.fsq_latent_width;
+  c.num_kv_heads = s.num_kv_heads;
+  c.head_dim = s.head_dim;
+  c.key_norm = s.key_norm;
+  c.key_norm_eps = s.key_norm_eps;
+  return c;
+}
+
+std::string FsqBlob(const ModelSpec& s) {
+  return FsqCodec::Synthetic(FsqShape(s), 21).ToSafetensors().Serialize();
+}
+
+// F32 residuals of n tokens, [layers][n][C].
+std::vector<float> RandomX(const ModelSpec& s, int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(s.num_layers * n * s.fsq_residual_width));
+  for (auto& v : x) v = normal(rng);
+  return x;
+}
+
+RowSource XRows(const ModelSpec& s, const std::vector<float>& x, int64_t n) {
+  RowSource r;
+  r.data = x.data();
+  r.is_bf16 = false;
+  r.token_stride = s.fsq_residual_width;
+  r.layer_stride = n * r.token_stride;
+  return r;
+}
+
+// The pages of tokens [0, n) of a sequence as stored: formats and bytes.
+std::vector<ModelCache::StoredPageCopy> Stored(ModelCache& c, Sequence* seq, int64_t n) {
+  std::vector<ModelCache::StoredPageCopy> pages;
+  EXPECT_TRUE(c.FetchStored(seq, 0, n, &pages).ok());
+  return pages;
+}
+
+TEST(ModelCacheTest, FsqPutKeepsSinkKvWithCodesAndOnlyCodesInTheHistory) {
+  const ModelSpec s = TinyFsqSpec();
+  Fixture f(s, FsqBlob(s));
+  ASSERT_NE(f.cache, nullptr);
+  const FsqCodec codec = FsqCodec::Synthetic(FsqShape(s), 21);
+  const int64_t n = 4 * s.page_size;
+  const auto k = RandomKv(s, n, 1), v = RandomKv(s, n, 2);
+  const auto x = RandomX(s, n, 3);
+  // K/V without residuals: refused, nothing stored.
+  auto bad = f.cache->Put("t", Tokens(n), 0, Rows(s, k, n), Rows(s, v, n));
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(bad.status().message()).find("residuals"), std::string::npos);
+  EXPECT_EQ(f.cache->Match("t", Tokens(n)), 0);
+  EXPECT_EQ(f.cache->Snapshot().pools[0].pages_used, 0);
+  EXPECT_EQ(f.cache->Snapshot().pools[1].pages_used, 0);
+
+  const RowSource xr = XRows(s, x, n);
+  auto put = f.cache->Put("t", Tokens(n), 0, Rows(s, k, n), Rows(s, v, n), &xr);
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->inserted_tokens, n);
+  const ModelSnapshot snap = f.cache->Snapshot();
+  ASSERT_EQ(snap.pools.size(), 2u);
+  EXPECT_EQ(snap.pools[0].format, "bf16+fsq");
+  EXPECT_EQ(snap.pools[1].format, "fsq");
+  const int64_t code = kernels::FsqCodeBytes(s.fsq_latent_width);
+  EXPECT_EQ(snap.pools[1].page_bytes, s.num_layers * s.page_size * code);
+  EXPECT_DOUBLE_EQ(snap.history_bytes_per_token, double(s.num_layers * code));
+  // The window keeps the codes beside the BF16 K/V, and says so.
+  EXPECT_DOUBLE_EQ(snap.bf16_bytes_per_token,
+                   double(s.num_layers * (4 * s.num_kv_heads * s.head_dim + code)));
+  // Dense BF16 over what is stored: 4 pages, one of them a window page with codes.
+  const double dense = 4.0 * s.page_size * 2 * 2 * s.num_layers * s.num_kv_heads * s.head_dim;
+  EXPECT_DOUBLE_EQ(snap.compression_ratio,
+                   dense / (snap.pools[0].page_bytes + 3.0 * snap.pools[1].page_bytes));
+  EXPECT_NE(snap.codec.find("fsq G=9"), std::string::npos) << snap.codec;
+
+  auto seq = f.cache->Open(1, "t", Tokens(n));
+  const auto pages = Stored(*f.cache, seq.get(), n);
+  ASSERT_EQ(pages.size(), 4u);
+  EXPECT_EQ(pages[0].format, "bf16+fsq");
+  const int64_t row = int64_t{s.num_kv_heads} * s.head_dim;
+  const int64_t kv_bytes = 2 * 2 * s.page_size * row;
+  std::vector<uint8_t> want(static_cast<size_t>(code));
+  for (size_t p = 0; p < pages.size(); ++p) {
+    EXPECT_EQ(pages[p].format, p == 0 ? "bf16+fsq" : "fsq");
+    const int64_t layer_bytes = pages[p].bytes / s.num_layers;
+    const int64_t codes_at = p == 0 ? kv_bytes : 0;
+    for (int32_t l = 0; l < s.num_layers; ++l) {
+      for (int32_t t = 0; t < s.page_size; ++t) {
+        const int64_t tok = static_cast<int64_t>(p) * s.page_size + t;
+        kernels::FsqEncodeRows(codec.Layer(l), x.data() + (l * n + tok) * kFsqC, 1, want.data());
+        EXPECT_EQ(0, std::memcmp(pages[p].data.data() + l * layer_bytes + codes_at + t * code,
+                                 want.data(), static_cast<size_t>(code)))
+            << "page " << p << " layer " << l << " slot " << t;
+      }
+    }
+  }
+  // Expanded: the sink is the BF16 K/V as sent; the history is rebuilt from the codes at
+  // each token's position.
+  std::vector<uint16_t> k_out(k.size()), v_out(v.size());
+  std::vector<std::string> formats;
+  ASSERT_TRUE(f.cache->Fetch(seq.get(), 0, n, k_out.data(), v_out.data(), &formats).ok());
+  const int64_t sink = s.sink_tokens;
+  kernels::RopeSpec rope;
+  rope.theta = s.rope_theta;
+  rope.rotary_dims = s.rope_rotary_dims;
+  rope.pairing = kernels::RopePairing::kInterleaved;
+  std::vector<float> kt(static_cast<size_t>(row)), vt(kt.size());
+  for (int32_t l = 0; l < s.num_layers; ++l) {
+    for (int64_t t = 0; t < n; ++t) {
+      const size_t at = static_cast<size_t>((l * n + t) * row);
+      if (t < sink) {
+        EXPECT_TRUE(std::equal(k.begin() + at, k.begin() + at + row, k_out.begin() + at));
+        continue;
+      }
+      const size_t page = static_cast<size_t>(t / s.page_size);
+      const auto* c = reinterpret_cast<const uint8_t*>(pages[page].data.data()) +
+                      l * (pages[page].bytes / s.num_layers) + (t % s.page_size) * code;
+      kernels::FsqExpandToken(codec.Layer(l), rope, c, t, kt.data(), vt.data());
+      for (int64_t i = 0; i < row; ++i) {
+        EXPECT_EQ(k_out[at + i], kernels::FloatToBf16(kt[static_cast<size_t>(i)]));
+        EXPECT_EQ(v_out[at + i], kernels::FloatToBf16(vt[static_cast<size_t>(i)]));
+      }
+    }
+  }
+  f.cache->Close(seq.get());
+}
+
+TEST(ModelCacheTest, FsqCodesDoNotDependOnWhenAPageIsDemoted) {
+  const ModelSpec s = TinyFsqSpec();
+  Fixture f(s, FsqBlob(s));
+  ASSERT_NE(f.cache, nullptr);
+  const int64_t n = s.sink_tokens + s.recent_tokens + 3 * s.page_size;
+  const auto k = RandomKv(s, n, 4), v = RandomKv(s, n, 5);
+  const auto x = RandomX(s, n, 6);
+  const RowSource xr = XRows(s, x, n);
+  // Put straight into the history.
+  const int64_t put_pages = n / s.page_size;
+  ASSERT_TRUE(f.cache->Put("put", Tokens(n), 0, Rows(s, k, n), Rows(s, v, n), &xr).ok());
+  auto a = f.cache->Open(1, "put", Tokens(n));
+  // Demoted late: one Append of everything.
+  auto b = f.cache->Open(2, "late", {});
+  ASSERT_TRUE(f.cache->Append(b.get(), Tokens(n), Rows(s, k, n), Rows(s, v, n), &xr).ok());
+  // Demoted early: token by token, each page as soon as it leaves the recent window.
+  auto c = f.cache->Open(3, "early", {});
+  const int64_t row = int64_t{s.num_kv_heads} * s.head_dim;
+  for (int64_t t = 0; t < n; ++t) {
+    std::vector<uint16_t> k1(static_cast<size_t>(s.num_layers * row)), v1(k1.size());
+    std::vector<float> x1(static_cast<size_t>(s.num_layers * kFsqC));
+    for (int32_t l = 0; l < s.num_layers; ++l) {
+      std::copy_n(k.begin() + (l * n + t) * row, row, k1.begin() + l * row);
+      std::copy_n(v.begin() + (l * n + t) * row, row, v1.begin() + l * row);
+      std::copy_n(x.begin() + (l * n + t) * kFsqC, kFsqC, x1.begin() + l * kFsqC);
+    }
+    const RowSource x1r = XRows(s, x1, 1);
+    ASSERT_TRUE(f.cache
+                    ->Append(c.get(), Tokens(1, 1 + static_cast<int32_t>(t)), Rows(s, k1, 1),
+                             Rows(s, v1, 1), &x1r)
+                    .ok());
+  }
+  // Without residuals an FSQ append is refused and the sequence is unchanged.
+  EXPECT_EQ(f.cache->Append(c.get(), Tokens(1), Rows(s, k, 1), Rows(s, v, 1)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(f.cache->Length(c.get()), n);
+  const auto pa = Stored(*f.cache, a.get(), put_pages * s.page_size);
+  const auto pb = Stored(*f.cache, b.get(), n);
+  const auto pc = Stored(*f.cache, c.get(), n);
+  ASSERT_EQ(pb.size(), pc.size());
+  int history = 0;
+  for (size_t p = 0; p < pb.size(); ++p) {
+    EXPECT_EQ(pb[p].format, pc[p].format);
+    EXPECT_EQ(pb[p].data, pc[p].data) << "page " << p;
+    if (pb[p].format == "fsq") {
+      ++history;
+      EXPECT_EQ(pb[p].data, pa[p].data) << "page " << p;  // the Put path's codes
+    }
+  }
+  EXPECT_EQ(history, 3);
+  for (auto* seq : {a.get(), b.get(), c.get()}) f.cache->Close(seq);
+}
+
+TEST(ModelCacheTest, FsqAttentionWithFusedAppendMatchesTheOracleOverRebuiltKv) {
+  const ModelSpec s = TinyFsqSpec();
+  Fixture f(s, FsqBlob(s));
+  ASSERT_NE(f.cache, nullptr);
+  const FsqCodec codec = FsqCodec::Synthetic(FsqShape(s), 21);
+  kernels::RopeSpec rope;
+  rope.theta = s.rope_theta;
+  rope.rotary_dims = s.rope_rotary_dims;
+  rope.pairing = kernels::RopePairing::kInterleaved;
+  const int64_t n = s.sink_tokens + s.recent_tokens + 3 * s.page_size + 1;
+  const auto k = RandomKv(s, n, 7), v = RandomKv(s, n, 8);
+  const auto x = RandomX(s, n, 9);
+  const RowSource xr = XRows(s, x, n);
+  auto seq = f.cache->Open(1, "", {});
+  ASSERT_TRUE(f.cache->Append(seq.get(), Tokens(n), Rows(s, k, n), Rows(s, v, n), &xr).ok());
+  const int64_t row = int64_t{s.num_kv_heads} * s.head_dim;
+  std::mt19937 rng(10);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> q(static_cast<size_t>(s.num_q_heads * s.head_dim));
+  std::vector<float> o(q.size()), lse(static_cast<size_t>(s.num_q_heads));
+  std::vector<uint16_t> k_new(static_cast<size_t>(row)), v_new(k_new.size());
+  std::vector<float> x_new(kFsqC);
+  const std::vector<int32_t> token = {77};
+  Sequence* batch[] = {seq.get()};
+  for (int32_t l = 0; l < s.num_layers; ++l) {
+    for (auto& e : k_new) e = kernels::FloatToBf16(normal(rng));
+    for (auto& e : v_new) e = kernels::FloatToBf16(normal(rng));
+    for (auto& e : x_new) e = normal(rng);
+    for (auto& e : q) e = normal(rng);
+    ModelCache::NewTokens nt;
+    nt.tokens = token;
+    nt.k = Rows(s, k_new, 1);
+    nt.v = Rows(s, v_new, 1);
+    // Without x_new: refused, nothing appended.
+    std::vector<int64_t> lengths;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+    EXPECT_EQ(f.cache->Attend(l, batch, q.data(), scale, nt, o.data(), lse.data(), &lengths).code(),
+              absl::StatusCode::kInvalidArgument);
+    const RowSource xnr = XRows(s, x_new, 1);
+    nt.x = &xnr;
+    ASSERT_TRUE(
+        f.cache->Attend(l, batch, q.data(), scale, nt, o.data(), lse.data(), &lengths).ok());
+    ASSERT_EQ(lengths, std::vector<int64_t>{n + 1});
+    // The oracle: window tokens as sent, history tokens rebuilt from their codes (float).
+    const auto pages = Stored(*f.cache, seq.get(), l + 1 == s.num_layers ? n + 1 : n);
+    std::vector<float> kl(static_cast<size_t>((n + 1) * row)), vl(kl.size());
+    std::vector<float> kt(static_cast<size_t>(row)), vt(kt.size());
+    int history = 0;
+    for (int64_t t = 0; t <= n; ++t) {
+      const auto& page = pages[static_cast<size_t>(t / s.page_size)];
+      if (page.format == "fsq") {
+        ++history;
+        const auto* c = reinterpret_cast<const uint8_t*>(page.data.data()) +
+                        l * (page.bytes / s.num_layers) +
+                        (t % s.page_size) * kernels::FsqCodeBytes(s.fsq_latent_width);
+        kernels::FsqExpandToken(codec.Layer(l), rope, c, t, kt.data(), vt.data());
+        std::copy(kt.begin(), kt.end(), kl.begin() + t * row);
+        std::copy(vt.begin(), vt.end(), vl.begin() + t * row);
+      } else {
+        for (int64_t i = 0; i < row; ++i) {
+          const bool fresh = t == n;
+          kl[static_cast<size_t>(t * row + i)] =
+              kernels::Bf16ToFloat(fresh ? k_new[static_cast<size_t>(i)]
+                                         : k[static_cast<size_t>((l * n + t) * row + i)]);
+          vl[static_cast<size_t>(t * row + i)] =
+              kernels::Bf16ToFloat(fresh ? v_new[static_cast<size_t>(i)]
+                                         : v[static_cast<size_t>((l * n + t) * row + i)]);
+        }
+      }
+    }
+    EXPECT_EQ(history, 3 * s.page_size);
+    std::vector<double> ro(o.size()), rl(lse.size());
+    kernels::ReferenceAttention(q.data(), kl.data(), vl.data(), n + 1, s.num_q_heads,
+                                s.num_kv_heads, s.head_dim, scale, ro.data(), rl.data());
+    for (size_t i = 0; i < o.size(); ++i) ASSERT_NEAR(o[i], ro[i], 2e-3) << l << " " << i;
+    for (size_t i = 0; i < lse.size(); ++i) ASSERT_NEAR(lse[i], rl[i], 2e-3) << l;
+  }
+  f.cache->Close(seq.get());
+}
+
+TEST(ModelCacheTest, FsqNeedsAMatchingCodec) {
+  const ModelSpec s = TinyFsqSpec();
+  auto backend = MakeCpuBackend(1);
+  CacheCounters counters;
+  auto none = ModelCache::Create(s, backend.get(), 0.95, 0.85, &counters);
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(none.status().message()).find("needs its codec"), std::string::npos);
+  FsqCodecShape other = FsqShape(s);
+  other.latent_width = 8;  // G of the codec != the profile's
+  auto wrong = ModelCache::Create(s, backend.get(), 0.95, 0.85, &counters,
+                                  FsqCodec::Synthetic(other, 1).ToSafetensors().Serialize());
+  EXPECT_EQ(wrong.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(
+      std::string(wrong.status().message()).find("metadata 'latent_width' is '8', expected 9"),
+      std::string::npos)
+      << wrong.status();
 }
 
 }  // namespace

@@ -61,6 +61,23 @@ TEST(ConfigTest, EveryBadFieldIsNamed) {
       {"models: [{builtin: tiny}, {builtin: tiny}]", "appears twice"},
       {"memory_budget: 1MiB\nmodels: [{builtin: tiny, memory: 2MiB}]", "more than memory_budget"},
       {"listen: [1, 2", "not valid YAML"},
+      {"models: [{builtin: tiny, history_format: fsq, fsq_latent_width: 8}]",
+       "fsq_residual_width is 0, expected 1..65536"},
+      {"models: [{builtin: tiny, history_format: fsq, fsq_residual_width: 64}]",
+       "fsq_latent_width is 0, expected 1..4096"},
+      {"models: [{builtin: tiny, history_format: fsq, fsq_residual_width: 64, "
+       "fsq_latent_width: 5000}]",
+       "fsq_latent_width is 5000"},
+      {"models: [{builtin: tiny, history_format: fsq, fsq_residual_width: 64, "
+       "fsq_latent_width: 8, codec: hadamard}]",
+       "expected empty for history_format fsq"},
+      {"models: [{builtin: tiny, history_format: fsq, fsq_residual_width: 64, "
+       "fsq_latent_width: 8, key_norm: rms, key_norm_eps: 0}]",
+       "key_norm_eps is 0"},
+      {"models: [{builtin: tiny, key_norm: layer}]", "key_norm is 'layer'"},
+      {"models: [{builtin: tiny, fsq_latent_width: 8}]", "only used with history_format fsq"},
+      {"models: [{builtin: tiny, rope: {pairing: zigzag}}]", "rope.pairing is 'zigzag'"},
+      {"models: [{builtin: tiny, rope: {rotary_dims: 7}}]", "rope.rotary_dims is 7"},
   };
   for (const auto& c : cases) {
     auto r = ParseConfig(c.yaml);
@@ -69,6 +86,31 @@ TEST(ConfigTest, EveryBadFieldIsNamed) {
     EXPECT_NE(r.status().message().find(c.needle), std::string::npos)
         << c.yaml << " -> " << r.status().message();
   }
+}
+
+TEST(ConfigTest, FsqModelProfile) {
+  auto c = ParseConfig(R"(
+models:
+  - builtin: tiny
+    name: tiny-fsq
+    history_format: fsq
+    fsq_residual_width: 64
+    fsq_latent_width: 21
+    key_norm: rms
+    key_norm_eps: 1e-5
+    codec_file: /tmp/codec.safetensors
+    rope: {theta: 1e6, rotary_dims: 8, pairing: interleaved}
+)");
+  ASSERT_TRUE(c.ok()) << c.status();
+  const ModelSpec& m = c->models[0];
+  EXPECT_EQ(m.history_format, FormatId::kFsq);
+  EXPECT_EQ(m.fsq_residual_width, 64);
+  EXPECT_EQ(m.fsq_latent_width, 21);
+  EXPECT_TRUE(m.key_norm);
+  EXPECT_FLOAT_EQ(m.key_norm_eps, 1e-5f);
+  EXPECT_TRUE(m.rope_interleaved);
+  EXPECT_EQ(m.rotary_dims(), 8);
+  EXPECT_EQ(m.codec_file, "/tmp/codec.safetensors");
 }
 
 TEST(ConfigTest, ByteSizes) {

@@ -632,6 +632,27 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
          r.mutable_k()->mutable_cuda_ipc()->set_size(bytes);
          return engine_->Put(r, &put);
        }},
+      {"put: residuals for a model that is not fsq", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = MakePut(spec_, 4, 8);
+         std::vector<float> x(2 * 8 * 4, 0.5f);
+         SetF32Tensor(r.mutable_x(), {2, 8, 4}, x.data());
+         return engine_->Put(r, &put);
+       }},
+      {"append: residuals for a model that is not fsq", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = MakeAppend(spec_, seq, 4, 14, 1);
+         std::vector<float> x(2 * 4, 0.5f);
+         SetF32Tensor(r.mutable_x(), {2, 1, 4}, x.data());
+         return engine_->Append(r, Out<v1::AppendResponse>());
+       }},
+      {"decode: x_new without k_new", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = good_decode();
+         std::vector<float> x(4, 0.5f);
+         SetF32Tensor(r.mutable_x_new(), {1, 4}, x.data());
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       }},
       {"decode: o_out inline", absl::StatusCode::kInvalidArgument,
        [&] {
          auto r = good_decode();
@@ -925,8 +946,9 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
          r.set_expand_to_bf16(false);
          return engine_->FetchPages(r, Out<v1::FetchPagesResponse>());
        }},
-      // Issue #21.8: a history format the daemon does not serve is refused, by name.
-      {"register: FSQ history (not supported yet)", absl::StatusCode::kInvalidArgument,
+      // Issue #21.8: an FSQ profile without its widths and codec, and an undefined format,
+      // are refused by name.
+      {"register: FSQ history without widths or codec", absl::StatusCode::kInvalidArgument,
        [&] {
          v1::RegisterModelRequest r;
          *r.mutable_profile() = p;
@@ -934,7 +956,7 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
          r.mutable_profile()->set_history_format(v1::HISTORY_FORMAT_FSQ);
          return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
        },
-       "HISTORY_FORMAT_FSQ"},
+       "fsq"},
       {"register: undefined history format", absl::StatusCode::kInvalidArgument,
        [&] {
          v1::RegisterModelRequest r;

@@ -90,7 +90,7 @@ TEST(Bf16FormatTest, WritePagesAndRowsPlaceRowsInTheLayout) {
     EXPECT_EQ(changed_other_layers, 0);
     // Expansion of that row un-rotates it back to (about) the input.
     std::vector<float> got(kGeo.head_dim);
-    f->ExpandRows(pool.PagePtr(1, 0), 1, 1, 1, 3, 1, got.data());
+    f->ExpandRows(pool.PagePtr(1, 0), 1, 1, 1, 0, 3, 1, got.data());
     for (int32_t j = 0; j < kGeo.head_dim; ++j) {
       EXPECT_NEAR(got[j], kernels::Bf16ToFloat(v1[kGeo.head_dim + j]), rotate ? 0.05 : 0.0);
     }
@@ -111,15 +111,19 @@ TEST(Bf16FormatTest, CheckPagesNamesTheNonFiniteValue) {
 }
 
 TEST(Bf16FormatTest, FormatNamesRoundTrip) {
-  for (FormatId id : {FormatId::kBf16, FormatId::kInt2Oscar}) {
+  for (FormatId id : {FormatId::kBf16, FormatId::kInt2Oscar, FormatId::kFsq}) {
     FormatId parsed = FormatId::kBf16;
     ASSERT_TRUE(ParseFormatName(FormatName(id), "history_format", &parsed).ok());
     EXPECT_EQ(parsed, id);
   }
   FormatId out;
-  absl::Status s = ParseFormatName("fsq", "history_format", &out);
+  absl::Status s = ParseFormatName("int4", "history_format", &out);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(s.message().find("history_format is 'fsq'"), absl::string_view::npos);
+  EXPECT_NE(s.message().find("history_format is 'int4'"), absl::string_view::npos);
+  // The window format of FSQ models is not a history format a config may name.
+  s = ParseFormatName("bf16+fsq", "history_format", &out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("expected 'bf16', 'int2-oscar' or 'fsq'"), absl::string_view::npos);
 }
 
 }  // namespace

@@ -162,7 +162,7 @@ TEST(Int2OscarFormatTest, ExpandRowsUnrotatesTheDequantizedRows) {
   Pool p(f->layer_page_bytes(), 1);
   ASSERT_TRUE(f->WritePages(F32Rows(k, tokens), F32Rows(k, tokens), 0, {0}, p.pool).ok());
   std::vector<float> got(static_cast<size_t>(3 * kGeo.head_dim));
-  f->ExpandRows(p.pool.PagePtr(1, 0), 1, 2, 0, 4, 3, got.data());
+  f->ExpandRows(p.pool.PagePtr(1, 0), 1, 2, 0, 0, 4, 3, got.data());
   // Reference: dequantize in the rotated space, then x = y · R^T.
   const kernels::Int2PageLayout layout{kGeo.num_kv_heads, kGeo.page_size, kGeo.head_dim};
   std::vector<float> want(got.size());

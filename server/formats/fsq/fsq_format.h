@@ -1,0 +1,59 @@
+// Transformer-FSQ history pages (docs/fsq.md, DESIGN.md §6): each token of each layer is
+// one code of G coordinates x 4 bits, computed from the attention block's normalized
+// residual x_t, shared by all KV heads. Two formats serve an FSQ model:
+//
+//   fsq       (history)  one layer of one page: codes [page_size][FsqCodeBytes(G)]
+//                        (kvcd/kernels/fsq.h); keys and values are rebuilt from the codes
+//                        (attention by kernels::AttendFsqPages).
+//   bf16+fsq  (windows)  one layer of one page: the BF16 K/V of the bf16 format, then the
+//                        same code rows [page_size][FsqCodeBytes(G)].
+//
+// When codes are computed: when the residuals arrive (Put, Append, fused append:
+// WriteCodes), never at demotion. The windows keep each token's code beside its BF16 K/V,
+// and Demote copies the codes of a full window page into an fsq page, so a token's code
+// is the same whether its page was put straight into the history, demoted early or
+// demoted late. The window's code rows are stored bytes, counted in the bf16+fsq page size
+// (and so in bytes_per_token and compression_ratio).
+#pragma once
+
+#include <memory>
+
+#include "common/fsq_codec.h"
+#include "kvcd/kernels/fsq.h"
+#include "server/formats/cpu_page_format.h"
+
+namespace kvcd {
+
+// The codec and RoPE of an FSQ model, shared by its two formats.
+struct FsqModelCodec {
+  FsqCodec codec;
+  kernels::RopeSpec rope;
+};
+
+// The layouts and host-side checks, shared by the backends' implementations.
+class FsqLayout {
+ public:
+  FsqLayout(const PageGeometry& g, int latent_width);
+  int64_t code_bytes() const { return code_bytes_; }                  // per token per layer
+  int64_t codes_bytes() const { return code_bytes_ * g_.page_size; }  // per page per layer
+  int64_t window_kv_bytes() const { return window_kv_bytes_; }        // BF16 part of a window page
+  // Checks the code rows of num_pages pages stored back to back ([page][layer][layer_bytes],
+  // codes at `codes_offset` of each layer page): with an odd G, the unused last high
+  // nibble must be 0. INVALID_ARGUMENT naming the page, layer and token.
+  absl::Status CheckCodes(const uint8_t* src, int64_t num_pages, int64_t first_index,
+                          int64_t layer_bytes, int64_t codes_offset) const;
+
+ private:
+  PageGeometry g_;
+  int latent_width_;
+  int64_t code_bytes_;
+  int64_t window_kv_bytes_;
+};
+
+// REQUIRES: codec matches geometry (layers, heads, head_dim); no rotation for FSQ models.
+std::unique_ptr<CpuPageFormat> MakeFsqCpuFormat(const PageGeometry& geometry,
+                                                std::shared_ptr<const FsqModelCodec> codec);
+std::unique_ptr<CpuPageFormat> MakeFsqWindowCpuFormat(const PageGeometry& geometry,
+                                                      std::shared_ptr<const FsqModelCodec> codec);
+
+}  // namespace kvcd
