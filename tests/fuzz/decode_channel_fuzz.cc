@@ -167,13 +167,14 @@ struct Channel {
     absl::StatusOr<uint64_t> opened = channels.Open(name, 60000);
     if (!opened.ok()) __builtin_trap();  // a well-formed channel must open
     id = *opened;
+    // Both sides have it mapped: the name can go now, so a crash leaves nothing in /dev/shm.
+    shm_unlink(name.c_str());
   }
   ~Channel() {
     (void)channels.Close(id);
     channels.CloseAll();
     munmap(header, bytes);
     close(fd);
-    shm_unlink(name.c_str());
   }
   DecodeChannels channels;
   std::string name;
