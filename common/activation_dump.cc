@@ -22,6 +22,12 @@ absl::StatusOr<int64_t> MetaInt(const SafetensorsFile& f, const std::string& key
 absl::StatusOr<ActivationDump> LoadActivationDump(const std::string& path) {
   auto f = SafetensorsFile::Load(path);
   if (!f.ok()) return f.status();
+  return ParseActivationDump(*f, path);
+}
+
+absl::StatusOr<ActivationDump> ParseActivationDump(const SafetensorsFile& file,
+                                                   const std::string& path) {
+  const SafetensorsFile* f = &file;
   auto marker = f->metadata().find("kvcd.dump");
   if (marker == f->metadata().end() || marker->second != "1") {
     return absl::InvalidArgumentError(

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "safetensors.h"
 #include "synthetic_activations.h"
 
 namespace kvcd {
@@ -28,6 +29,9 @@ struct ActivationDump {
 
 // Reads and checks a dump (INVALID_ARGUMENT naming the tensor or key; NOT_FOUND if absent).
 absl::StatusOr<ActivationDump> LoadActivationDump(const std::string& path);
+// The same checks on a parsed file (`path` only names it in messages).
+absl::StatusOr<ActivationDump> ParseActivationDump(const SafetensorsFile& file,
+                                                   const std::string& path);
 // Writes a dump with F32 tensors.
 absl::Status WriteActivationDump(const ActivationDump& dump, const std::string& path);
 

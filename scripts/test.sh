@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The tests: install dependencies, check formatting, build everything with warnings as
 # errors (CUDA sources compile-checked for sm_90 when nvcc exists), run every unit and
-# integration test with CTest, the unit tests again under ASan+UBSan, and the Python
+# integration test with CTest, the unit tests again under ASan+UBSan, the libFuzzer targets
+# (corpus replay + 20 s of fuzzing each, scripts/test-fuzz.sh), and the Python
 # client's tests against the real daemon, and the deployment checks (image, manifests,
 # chart, rules, dashboard against a real Prometheus).
 set -euo pipefail
@@ -11,5 +12,6 @@ cd "$(dirname "$0")/.."
 ./scripts/build.sh
 ctest --test-dir "${KVCD_BUILD_DIR:-build}" --output-on-failure -j "$(nproc)" --timeout 600
 ./scripts/test-asan.sh
+./scripts/test-fuzz.sh
 ./scripts/test-python.sh
 ./scripts/test-deploy.sh

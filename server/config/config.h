@@ -74,6 +74,9 @@ struct ServerConfig {
   // Set only by `kvcd serve --insecure`: allow a non-loopback listen address without
   // TLS and auth. Never read from a config file.
   bool insecure = false;
+  // Set only by `kvcd serve --fault-inject SPEC` (tests): make the backend fail on purpose
+  // (server/backends/fault_injector.h). Never read from a config file.
+  std::string fault_inject;
 };
 
 // The start-up safety rule: a non-loopback `listen` needs TLS and auth, unless

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "server/backends/backend.h"
+#include "server/backends/fault_injector.h"
 
 namespace kvcd {
 namespace {
@@ -79,6 +80,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerConfig& config
         "backend 'cuda' is not available in this build of the daemon (built without CUDA); "
         "use backend: cpu");
 #endif
+  }
+  if (!config.fault_inject.empty()) {
+    KVCD_ASSIGN_OR_RETURN(std::shared_ptr<FaultInjector> injector,
+                          FaultInjector::Parse(config.fault_inject));
+    std::fprintf(stderr, "kvcd: WARNING: --fault-inject %s: the backend fails on purpose (tests)\n",
+                 config.fault_inject.c_str());
+    backend = WithFaultInjection(std::move(backend), std::move(injector));
   }
   d->engine_ = std::make_unique<CacheEngine>(config, std::move(backend));
   for (const ModelSpec& spec : config.models) {

@@ -21,7 +21,7 @@ constexpr char kUsage[] = R"(kvcd — GPU-resident KV-cache daemon (CPU backend 
 
 Usage:
   kvcd serve [--config FILE] [--listen HOST:PORT] [--metrics-listen HOST:PORT]
-             [--health-listen HOST:PORT] [--insecure]
+             [--health-listen HOST:PORT] [--insecure] [--fault-inject SPEC]
   kvcd check-config --config FILE
   kvcd --version | --help
 
@@ -35,6 +35,9 @@ serve         Start the daemon. Without --config it serves the built-in profiles
               A non-loopback --listen/listen needs TLS (tls.cert_file, tls.key_file)
               and bearer tokens (auth.tokens_file); --insecure serves it without
               them (logged as a warning; never on an untrusted network).
+              --fault-inject (tests only) makes the backend fail on purpose:
+              SPEC is alloc:N, copy:N, attend:N or sticky:KIND:N, comma-separated
+              (server/backends/fault_injector.h).
 check-config  Validate a config file (and its TLS and tokens files) and print
               what it would serve.
 
@@ -62,7 +65,7 @@ int main(int argc, char** argv) {
   if (cmd != "serve" && cmd != "check-config") {
     return Fail("unknown command '" + cmd + "'; run 'kvcd --help'");
   }
-  std::string config_path, listen, metrics_listen, health_listen;
+  std::string config_path, listen, metrics_listen, health_listen, fault_inject;
   bool have_metrics = false, have_health = false, insecure = false;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
@@ -84,6 +87,8 @@ int main(int argc, char** argv) {
     } else if (a == "--health-listen") {
       ok = value(&health_listen);
       have_health = true;
+    } else if (a == "--fault-inject") {
+      ok = value(&fault_inject);
     } else {
       return Fail("unknown flag '" + a + "'; run 'kvcd --help'");
     }
@@ -104,6 +109,7 @@ int main(int argc, char** argv) {
   if (have_metrics) config.metrics_listen = metrics_listen;
   if (have_health) config.health_listen = health_listen;
   config.insecure = insecure;
+  config.fault_inject = fault_inject;
 
   if (cmd == "check-config") {
     if (absl::Status s = kvcd::CheckExposure(config); !s.ok())
