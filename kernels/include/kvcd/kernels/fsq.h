@@ -48,8 +48,9 @@ struct RopeSpec {
 
 // Encodes `tokens` residual rows x [tokens][C] into packed codes [tokens][FsqCodeBytes(G)]
 // exactly as docs/fsq.md (float64 accumulation, round half to even): the one definition
-// of a code, whatever the ISA.
-void FsqEncodeRows(const FsqLayerCodec& codec, const float* x, int64_t tokens, uint8_t* codes);
+// of a code, whatever the ISA (`isa` picks the implementation, every one gives the same bits).
+void FsqEncodeRows(const FsqLayerCodec& codec, const float* x, int64_t tokens, uint8_t* codes,
+                   CpuIsa isa = ActiveCpuIsa());
 
 // Unpacks one token's code to z in {-8..7} (G values).
 void FsqUnpackCode(const uint8_t* code, int latent_width, int8_t* z);
