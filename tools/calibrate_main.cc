@@ -115,7 +115,7 @@ int Fsq(int argc, char** argv) {
                 r.v_rel_err, r.x_rel_err, r.explained, r.saturated,
                 static_cast<long long>(r.train_tokens), static_cast<long long>(r.heldout_tokens));
   }
-  auto s = kvcd::FsqCodecFile(*codec).WriteFile(out_path);
+  auto s = codec->ToSafetensors().WriteFile(out_path);
   if (!s.ok()) return fail(s);
   std::printf("wrote FSQ codec file %s\n", out_path.c_str());
   return 0;

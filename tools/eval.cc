@@ -111,16 +111,16 @@ absl::StatusOr<std::vector<CodecResult>> Evaluate(const ActivationDump& dump,
   std::vector<CodecResult> results;
   for (const EvalCodec& codec : codecs) {
     if (codec.kind == EvalCodec::Kind::kFsq) {
-      const FsqCodec& f = codec.fsq;
+      const FsqCodecShape& f = codec.fsq.shape();
       if (dump.residual_width == 0) {
         return absl::InvalidArgumentError(absl::StrCat(
             "codec '", codec.name, "' is FSQ: the dump must carry residuals (layers.<l>.x)"));
       }
       if (f.residual_width != dump.residual_width || f.num_kv_heads != hkv || f.head_dim != d ||
-          static_cast<int>(f.layers.size()) != dump.num_layers) {
+          f.num_layers != dump.num_layers) {
         return absl::InvalidArgumentError(absl::StrCat(
             "codec '", codec.name, "' has C = ", f.residual_width, ", ", f.num_kv_heads,
-            " kv heads, head_dim ", f.head_dim, ", ", f.layers.size(), " layers; the dump C = ",
+            " kv heads, head_dim ", f.head_dim, ", ", f.num_layers, " layers; the dump C = ",
             dump.residual_width, ", ", hkv, ", ", d, ", ", dump.num_layers));
       }
       if (codec.rope.rotary_dims <= 0 || codec.rope.rotary_dims > d ||
@@ -164,11 +164,15 @@ absl::StatusOr<std::vector<CodecResult>> Evaluate(const ActivationDump& dump,
           kernels::ExpandInt2Rows(ref, 1, d, codec.r_v[l].data(), vq.data() + row * d);
         }
       } else if (codec.kind == EvalCodec::Kind::kFsq) {
-        const kernels::FsqLayerCodec view = codec.fsq.View(l);
-        const int64_t c = dump.residual_width;
+        // Every token's code (kernels::FsqEncodeRows, the one definition), then its K/V
+        // rebuilt at its position as the daemon's attention does.
+        const kernels::FsqLayerCodec view = codec.fsq.Layer(l);
+        const int64_t cb = kernels::FsqCodeBytes(view.latent_width);
+        std::vector<uint8_t> codes(static_cast<size_t>(n * cb));
+        kernels::FsqEncodeRows(view, dump.x[l].data(), n, codes.data());
         for (int64_t t = 0; t < n; ++t) {
-          FsqRoundTripToken(view, codec.rope, dump.x[l].data() + t * c, t, kq.data() + t * hkv * d,
-                            vq.data() + t * hkv * d);
+          kernels::FsqExpandToken(view, codec.rope, codes.data() + t * cb, t,
+                                  kq.data() + t * hkv * d, vq.data() + t * hkv * d);
         }
       } else if (codec.kind == EvalCodec::Kind::kKivi2) {
         kq = a.k;
@@ -257,12 +261,12 @@ absl::StatusOr<std::vector<CodecResult>> Evaluate(const ActivationDump& dump,
     } else if (codec.kind == EvalCodec::Kind::kFsq) {
       // One code of ceil(G/2) bytes per token per layer, shared by the KV heads.
       const int64_t w = std::min<int64_t>(n, opt.sink + opt.recent);
-      const double code = static_cast<double>(kernels::FsqCodeBytes(codec.fsq.latent_width));
+      const FsqCodecShape& f = codec.fsq.shape();
+      const double code = static_cast<double>(kernels::FsqCodeBytes(f.latent_width));
       bytes_th = ((n - w) * code / hkv + w * dense) / n;
-      const double g = codec.fsq.latent_width, c = codec.fsq.residual_width, kvd = hkv * d;
-      res.fixed_bytes = 4.0 * dump.num_layers *
-                        (g * c + g + 2 * kvd * g + 2 * kvd +
-                         (codec.fsq.layers.empty() ? 0.0 : codec.fsq.layers[0].key_norm.size()));
+      const double g = f.latent_width, c = f.residual_width, kvd = hkv * d;
+      res.fixed_bytes =
+          4.0 * dump.num_layers * (g * c + g + 2 * kvd * g + 2 * kvd + (f.key_norm ? d : 0));
     } else {
       const int64_t w = std::min<int64_t>(n, opt.kivi_residual);
       const double k_bytes =

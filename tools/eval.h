@@ -8,7 +8,8 @@
 
 #include "absl/status/statusor.h"
 #include "common/activation_dump.h"
-#include "tools/fsq_calibration.h"
+#include "common/fsq_codec.h"
+#include "kvcd/kernels/fsq.h"
 
 namespace kvcd {
 

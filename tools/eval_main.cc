@@ -105,16 +105,38 @@ int main(int argc, char** argv) {
     }
     if (auto kind = file->metadata().find("kvcd.codec");
         kind != file->metadata().end() && kind->second == "fsq") {
-      auto fsq = kvcd::ReadFsqCodecFile(*file, path);
+      if (dump->residual_width == 0) {
+        std::fprintf(stderr,
+                     "kvcd-eval: %s is an FSQ codec: the dump must carry the residuals "
+                     "(layers.<l>.x, metadata residual_width; kvcd_stories --dump writes them)\n",
+                     path.c_str());
+        return 1;
+      }
+      // The dump fixes the geometry; G and the key norm come from the file's metadata.
+      kvcd::FsqCodecShape shape;
+      shape.num_layers = dump->num_layers;
+      shape.residual_width = dump->residual_width;
+      shape.num_kv_heads = dump->num_kv_heads;
+      shape.head_dim = dump->head_dim;
+      shape.key_norm_eps = key_norm_eps;
+      auto g = file->metadata().find("latent_width");
+      auto norm = file->metadata().find("key_norm");
+      shape.key_norm = norm != file->metadata().end() && norm->second == "rms";
+      if (g == file->metadata().end() || !absl::SimpleAtoi(g->second, &shape.latent_width)) {
+        std::fprintf(stderr, "kvcd-eval: %s: metadata 'latent_width' missing or not a number\n",
+                     path.c_str());
+        return 1;
+      }
+      auto fsq = kvcd::FsqCodec::FromSafetensors(*file, shape);
       if (!fsq.ok()) {
-        std::fprintf(stderr, "kvcd-eval: %s\n", std::string(fsq.status().message()).c_str());
+        std::fprintf(stderr, "kvcd-eval: %s: %s\n", path.c_str(),
+                     std::string(fsq.status().message()).c_str());
         return 1;
       }
       kvcd::EvalCodec c;
       c.name = name;
       c.kind = kvcd::EvalCodec::Kind::kFsq;
       c.fsq = std::move(*fsq);
-      c.fsq.key_norm_eps = key_norm_eps;
       c.rope = rope;
       if (c.rope.rotary_dims == 0) c.rope.rotary_dims = dump->head_dim;
       codecs.push_back(std::move(c));

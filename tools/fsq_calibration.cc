@@ -28,200 +28,10 @@ bool AllFinite(const std::vector<float>& v) {
   return std::all_of(v.begin(), v.end(), [](float x) { return std::isfinite(x); });
 }
 
-absl::StatusOr<int> MetaPositive(const SafetensorsFile& f, const std::string& key,
-                                 const std::string& what) {
-  auto it = f.metadata().find(key);
-  int v = 0;
-  if (it == f.metadata().end() || !absl::SimpleAtoi(it->second, &v) || v <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": metadata '", key, "' must be a positive integer"));
-  }
-  return v;
-}
-
 }  // namespace
 
-kernels::FsqLayerCodec FsqCodec::View(int l) const {
-  const FsqCodecLayer& c = layers[static_cast<size_t>(l)];
-  kernels::FsqLayerCodec v;
-  v.residual_width = residual_width;
-  v.latent_width = latent_width;
-  v.num_kv_heads = num_kv_heads;
-  v.head_dim = head_dim;
-  v.encoder = c.encoder.data();
-  v.encoder_bias = c.encoder_bias.data();
-  v.decoder_k = c.decoder_k.data();
-  v.decoder_v = c.decoder_v.data();
-  v.bias_k = c.bias_k.data();
-  v.bias_v = c.bias_v.data();
-  v.key_norm = c.key_norm.empty() ? nullptr : c.key_norm.data();
-  v.key_norm_eps = key_norm_eps;
-  return v;
-}
-
-SafetensorsWriter FsqCodecFile(const FsqCodec& codec) {
-  SafetensorsWriter w;
-  const int g = codec.latent_width, c = codec.residual_width;
-  const int kv = codec.num_kv_heads * codec.head_dim;
-  bool rms = false;
-  for (size_t l = 0; l < codec.layers.size(); ++l) {
-    const FsqCodecLayer& L = codec.layers[l];
-    const std::string p = absl::StrCat("layers.", l, ".");
-    w.AddF32(p + "encoder", {g, c}, L.encoder);
-    w.AddF32(p + "encoder_bias", {g}, L.encoder_bias);
-    w.AddF32(p + "decoder_k", {kv, g}, L.decoder_k);
-    w.AddF32(p + "decoder_v", {kv, g}, L.decoder_v);
-    w.AddF32(p + "bias_k", {kv}, L.bias_k);
-    w.AddF32(p + "bias_v", {kv}, L.bias_v);
-    if (!L.key_norm.empty()) {
-      w.AddF32(p + "key_norm", {codec.head_dim}, L.key_norm);
-      rms = true;
-    }
-  }
-  w.SetMetadata("kvcd.codec", "fsq");
-  w.SetMetadata("version", "1");
-  w.SetMetadata("num_layers", absl::StrCat(codec.layers.size()));
-  w.SetMetadata("residual_width", absl::StrCat(c));
-  w.SetMetadata("latent_width", absl::StrCat(g));
-  w.SetMetadata("num_kv_heads", absl::StrCat(codec.num_kv_heads));
-  w.SetMetadata("head_dim", absl::StrCat(codec.head_dim));
-  w.SetMetadata("key_norm", rms ? "rms" : "none");
-  if (!codec.source.empty()) w.SetMetadata("source", codec.source);
-  return w;
-}
-
-absl::StatusOr<FsqCodec> ReadFsqCodecFile(const SafetensorsFile& f, const std::string& what) {
-  auto kind = f.metadata().find("kvcd.codec");
-  if (kind == f.metadata().end() || kind->second != "fsq") {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": metadata 'kvcd.codec' must be \"fsq\""));
-  }
-  auto version = f.metadata().find("version");
-  if (version == f.metadata().end() || version->second != "1") {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": metadata 'version' must be \"1\""));
-  }
-  FsqCodec codec;
-  int num_layers = 0;
-  for (auto [key, field] : {std::pair<const char*, int*>{"num_layers", &num_layers},
-                            {"residual_width", &codec.residual_width},
-                            {"latent_width", &codec.latent_width},
-                            {"num_kv_heads", &codec.num_kv_heads},
-                            {"head_dim", &codec.head_dim}}) {
-    auto v = MetaPositive(f, key, what);
-    if (!v.ok()) return v.status();
-    *field = *v;
-  }
-  if (codec.latent_width > kernels::kFsqMaxLatent) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": latent_width ", codec.latent_width,
-                                                   " exceeds ", kernels::kFsqMaxLatent));
-  }
-  auto norm = f.metadata().find("key_norm");
-  if (norm == f.metadata().end() || (norm->second != "none" && norm->second != "rms")) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": metadata 'key_norm' must be \"none\" or \"rms\""));
-  }
-  const bool rms = norm->second == "rms";
-  if (auto s = f.metadata().find("source"); s != f.metadata().end()) codec.source = s->second;
-  const int64_t g = codec.latent_width, c = codec.residual_width,
-                kv = int64_t{codec.num_kv_heads} * codec.head_dim;
-  for (int l = 0; l < num_layers; ++l) {
-    FsqCodecLayer L;
-    const std::string p = absl::StrCat("layers.", l, ".");
-    std::vector<std::pair<std::string, std::pair<std::vector<float>*, std::vector<int64_t>>>>
-        tensors = {{"encoder", {&L.encoder, {g, c}}},       {"encoder_bias", {&L.encoder_bias, {g}}},
-                   {"decoder_k", {&L.decoder_k, {kv, g}}},  {"decoder_v", {&L.decoder_v, {kv, g}}},
-                   {"bias_k", {&L.bias_k, {kv}}},           {"bias_v", {&L.bias_v, {kv}}}};
-    if (rms) tensors.push_back({"key_norm", {&L.key_norm, {codec.head_dim}}});
-    for (auto& [name, target] : tensors) {
-      if (f.Has(p + name)) {
-        auto view = f.Get(p + name);
-        if (!view.ok()) return view.status();
-        if (view->dtype != "F32") {
-          return absl::InvalidArgumentError(
-              absl::StrCat(what, ": tensor '", p, name, "' has dtype ", view->dtype, ", expected F32"));
-        }
-      }
-      auto v = f.ReadFloats(p + name, target.second);
-      if (!v.ok()) return absl::InvalidArgumentError(absl::StrCat(what, ": ", v.status().message()));
-      if (!AllFinite(*v)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(what, ": tensor '", p, name, "' has a NaN or Inf"));
-      }
-      *target.first = std::move(*v);
-    }
-    if (!rms && f.Has(p + "key_norm")) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(what, ": tensor '", p, "key_norm' present but metadata key_norm = none"));
-    }
-    codec.layers.push_back(std::move(L));
-  }
-  return codec;
-}
-
-void FsqEncodeLatent(const kernels::FsqLayerCodec& codec, const float* x, int8_t* z) {
-  const int c = codec.residual_width;
-  const double shift = std::atanh(kernels::kFsqDelta / kernels::kFsqH);
-  for (int i = 0; i < codec.latent_width; ++i) {
-    const float* row = codec.encoder + static_cast<int64_t>(i) * c;
-    double u = 0;
-    for (int j = 0; j < c; ++j) u += static_cast<double>(row[j]) * static_cast<double>(x[j]);
-    u += codec.encoder_bias[i];
-    const double t = kernels::kFsqH * std::tanh(u + shift) - kernels::kFsqDelta;
-    const double r = std::nearbyint(t);  // default rounding mode: half to even
-    z[i] = static_cast<int8_t>(std::min(7.0, std::max(-8.0, r)));
-  }
-}
-
-void FsqDecodeLatent(const kernels::FsqLayerCodec& codec, const int8_t* z, double* k, double* v) {
-  const int g = codec.latent_width, kv = codec.num_kv_heads * codec.head_dim;
-  for (int j = 0; j < kv; ++j) {
-    double ak = codec.bias_k[j], av = codec.bias_v[j];
-    const float* rk = codec.decoder_k + static_cast<int64_t>(j) * g;
-    const float* rv = codec.decoder_v + static_cast<int64_t>(j) * g;
-    for (int i = 0; i < g; ++i) {
-      ak += static_cast<double>(rk[i]) * z[i];
-      av += static_cast<double>(rv[i]) * z[i];
-    }
-    k[j] = ak;
-    v[j] = av;
-  }
-  KeyNorm(k, codec.num_kv_heads, codec.head_dim, codec.key_norm, codec.key_norm_eps);
-}
-
-void FsqApplyRope(const kernels::RopeSpec& rope, int hkv, int d, int64_t position, double* k) {
-  const int r = rope.rotary_dims;
-  const double p = static_cast<double>(position) / rope.scaling;
-  for (int h = 0; h < hkv; ++h) {
-    double* y = k + static_cast<int64_t>(h) * d;
-    for (int i = 0; i < r / 2; ++i) {
-      const double angle = p * std::pow(rope.theta, -2.0 * i / r);
-      const double cs = std::cos(angle), sn = std::sin(angle);
-      const int ia = rope.pairing == kernels::RopePairing::kHalf ? i : 2 * i;
-      const int ib = rope.pairing == kernels::RopePairing::kHalf ? i + r / 2 : 2 * i + 1;
-      const double a = y[ia], b = y[ib];
-      y[ia] = a * cs - b * sn;
-      y[ib] = a * sn + b * cs;
-    }
-  }
-}
-
-void FsqRoundTripToken(const kernels::FsqLayerCodec& codec, const kernels::RopeSpec& rope,
-                       const float* x, int64_t position, float* k, float* v) {
-  const int kv = codec.num_kv_heads * codec.head_dim;
-  std::vector<int8_t> z(static_cast<size_t>(codec.latent_width));
-  std::vector<double> kd(static_cast<size_t>(kv)), vd(kd.size());
-  FsqEncodeLatent(codec, x, z.data());
-  FsqDecodeLatent(codec, z.data(), kd.data(), vd.data());
-  FsqApplyRope(rope, codec.num_kv_heads, codec.head_dim, position, kd.data());
-  for (int j = 0; j < kv; ++j) {
-    k[j] = static_cast<float>(kd[j]);
-    v[j] = static_cast<float>(vd[j]);
-  }
-}
-
 absl::StatusOr<std::vector<KvProjection>> ReadKvProjections(const SafetensorsFile& f,
-                                                            int num_layers, int kv, int c,
-                                                            int d) {
+                                                            int num_layers, int kv, int c, int d) {
   std::vector<KvProjection> out;
   for (int l = 0; l < num_layers; ++l) {
     KvProjection p;
@@ -249,8 +59,9 @@ absl::StatusOr<std::vector<KvProjection>> ReadKvProjections(const SafetensorsFil
 
 std::vector<double> RidgeDecoder(const std::vector<double>& z, const std::vector<double>& xc,
                                  int64_t n, int g, int c, double lambda) {
-  const Eigen::Map<const Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>
-      Z(z.data(), n, g), X(xc.data(), n, c);
+  const Eigen::Map<const Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> Z(
+      z.data(), n, g),
+      X(xc.data(), n, c);
   MatrixXd a = Z.transpose() * Z;
   a.diagonal().array() += lambda;
   const MatrixXd d = a.ldlt().solve(Z.transpose() * X);  // [G][C]
@@ -280,13 +91,12 @@ absl::StatusOr<FsqCodec> CalibrateFsq(const ActivationDump& dump,
   }
   if (!(opt.lambda >= 0)) return absl::InvalidArgumentError("ridge lambda must be >= 0");
   if (static_cast<int>(dump.x.size()) != dump.num_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("activation dump has residuals of ",
-                                                   dump.x.size(), " layers, expected ",
-                                                   dump.num_layers));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "activation dump has residuals of ", dump.x.size(), " layers, expected ", dump.num_layers));
   }
   if (static_cast<int>(proj.size()) != dump.num_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("weights have ", proj.size(),
-                                                   " layers, the dump ", dump.num_layers));
+    return absl::InvalidArgumentError(
+        absl::StrCat("weights have ", proj.size(), " layers, the dump ", dump.num_layers));
   }
   const int64_t n = dump.tokens;
   const int64_t train = static_cast<int64_t>(std::floor(n * (1.0 - opt.holdout)));
@@ -300,26 +110,37 @@ absl::StatusOr<FsqCodec> CalibrateFsq(const ActivationDump& dump,
         (!proj[l].bk.empty() && proj[l].bk.size() != static_cast<size_t>(kv)) ||
         (!proj[l].bv.empty() && proj[l].bv.size() != static_cast<size_t>(kv)) ||
         (!proj[l].key_norm.empty() && proj[l].key_norm.size() != static_cast<size_t>(d))) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "layer ", l, ": projections must be W^K, W^V [", kv, ", ", c, "], biases [", kv,
-          "], key norm [", d, "]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", l, ": projections must be W^K, W^V [", kv, ", ", c, "], biases [",
+                       kv, "], key norm [", d, "]"));
     }
     if (dump.x[l].size() != static_cast<size_t>(n) * c) {
       return absl::InvalidArgumentError(
           absl::StrCat("residual layers.", l, ".x must hold [", n, ", ", c, "]"));
     }
-    if (!std::all_of(dump.x[l].begin(), dump.x[l].end(), [](float v) { return std::isfinite(v); })) {
+    if (!std::all_of(dump.x[l].begin(), dump.x[l].end(),
+                     [](float v) { return std::isfinite(v); })) {
       return absl::InvalidArgumentError(absl::StrCat("residual layers.", l, ".x has a NaN or Inf"));
     }
   }
-  FsqCodec codec;
-  codec.residual_width = c;
-  codec.latent_width = g;
-  codec.num_kv_heads = hkv;
-  codec.head_dim = d;
-  codec.key_norm_eps = opt.key_norm_eps;
-  codec.source = absl::StrCat("kvcd-calibrate fsq: PCA + ridge (lambda ", opt.lambda, ") on ",
-                              train, " tokens of ", dump.source);
+  FsqCodecShape shape;
+  shape.num_layers = dump.num_layers;
+  shape.residual_width = c;
+  shape.latent_width = g;
+  shape.num_kv_heads = hkv;
+  shape.head_dim = d;
+  shape.key_norm = !proj[0].key_norm.empty();
+  shape.key_norm_eps = opt.key_norm_eps;
+  for (int l = 1; l < dump.num_layers; ++l) {
+    if (proj[l].key_norm.empty() == shape.key_norm) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", l, ": key norm weights present in some layers only"));
+    }
+  }
+  const kernels::RopeSpec no_rope{10000.0, d, 1.0, kernels::RopePairing::kHalf};  // position 0
+  std::vector<FsqLayerTensors> layers;
+  const std::string source = absl::StrCat("kvcd-calibrate fsq: PCA + ridge (lambda ", opt.lambda,
+                                          ") on ", train, " tokens of ", dump.source);
   if (reports) reports->clear();
   for (int l = 0; l < dump.num_layers; ++l) {
     const KvProjection& P = proj[l];
@@ -349,7 +170,7 @@ absl::StatusOr<FsqCodec> CalibrateFsq(const ActivationDump& dump,
       sigma[i] = std::sqrt(std::max(eig.eigenvalues()(src), 0.0));
     }
     const double total_var = std::max(cov.trace(), 1e-300);
-    FsqCodecLayer L;
+    FsqLayerTensors L;
     L.encoder.assign(static_cast<size_t>(g) * c, 0.0f);
     L.encoder_bias.assign(static_cast<size_t>(g), 0.0f);
     // A principal direction with (numerically) no variance gets a zero encoder row: its
@@ -374,8 +195,12 @@ absl::StatusOr<FsqCodec> CalibrateFsq(const ActivationDump& dump,
     view.head_dim = d;
     view.encoder = L.encoder.data();
     view.encoder_bias = L.encoder_bias.data();
+    const int64_t cb = kernels::FsqCodeBytes(g);
+    std::vector<uint8_t> packed(static_cast<size_t>(n * cb));
+    kernels::FsqEncodeRows(view, xs, n, packed.data());
     std::vector<int8_t> z(static_cast<size_t>(n) * g);
-    for (int64_t t = 0; t < n; ++t) FsqEncodeLatent(view, xs + t * c, z.data() + t * g);
+    for (int64_t t = 0; t < n; ++t)
+      kernels::FsqUnpackCode(packed.data() + t * cb, g, z.data() + t * g);
     std::vector<double> zt(static_cast<size_t>(train) * g), xct(static_cast<size_t>(train) * c);
     for (int64_t i = 0; i < train * g; ++i) zt[i] = z[i];
     for (int64_t t = 0; t < train; ++t)
@@ -407,7 +232,6 @@ absl::StatusOr<FsqCodec> CalibrateFsq(const ActivationDump& dump,
       L.bias_v[r] = static_cast<float>(bv);
     }
     L.key_norm = P.key_norm;
-    codec.layers.push_back(std::move(L));
 
     // Held-out report: K, V through the model's projections vs rebuilt from the codes.
     FsqLayerReport rep;
@@ -416,8 +240,14 @@ absl::StatusOr<FsqCodec> CalibrateFsq(const ActivationDump& dump,
     double ev = 0;
     for (int i = 0; i < std::min(g, c); ++i) ev += sigma[i] * sigma[i];
     rep.explained = ev / total_var;
-    const kernels::FsqLayerCodec cv = codec.View(l);
-    std::vector<double> k(static_cast<size_t>(kv)), v(k.size()), kh(k.size()), vh(k.size());
+    view.decoder_k = L.decoder_k.data();
+    view.decoder_v = L.decoder_v.data();
+    view.bias_k = L.bias_k.data();
+    view.bias_v = L.bias_v.data();
+    view.key_norm = L.key_norm.empty() ? nullptr : L.key_norm.data();
+    view.key_norm_eps = opt.key_norm_eps;
+    std::vector<double> k(static_cast<size_t>(kv)), v(k.size());
+    std::vector<float> kh(k.size()), vh(k.size());
     double ek = 0, nk = 0, evv = 0, nv = 0, ex = 0, nx = 0;
     int64_t sat = 0;
     for (int64_t t = train; t < n; ++t) {
@@ -433,9 +263,8 @@ absl::StatusOr<FsqCodec> CalibrateFsq(const ActivationDump& dump,
         k[r] = ak;
         v[r] = av;
       }
-      KeyNorm(k.data(), hkv, d, P.key_norm.empty() ? nullptr : P.key_norm.data(),
-              opt.key_norm_eps);
-      FsqDecodeLatent(cv, zz, kh.data(), vh.data());
+      KeyNorm(k.data(), hkv, d, P.key_norm.empty() ? nullptr : P.key_norm.data(), opt.key_norm_eps);
+      kernels::FsqExpandToken(view, no_rope, packed.data() + t * cb, 0, kh.data(), vh.data());
       for (int r = 0; r < kv; ++r) {
         ek += (kh[r] - k[r]) * (kh[r] - k[r]);
         nk += k[r] * k[r];
@@ -455,8 +284,9 @@ absl::StatusOr<FsqCodec> CalibrateFsq(const ActivationDump& dump,
     rep.x_rel_err = nx > 0 ? std::sqrt(ex / nx) : 0;
     rep.saturated = static_cast<double>(sat) / static_cast<double>((n - train) * g);
     if (reports) reports->push_back(rep);
+    layers.push_back(std::move(L));
   }
-  return codec;
+  return FsqCodec::FromLayers(shape, std::move(layers), source);
 }
 
 }  // namespace kvcd

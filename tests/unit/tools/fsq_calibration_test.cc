@@ -1,12 +1,12 @@
 #include "tools/fsq_calibration.h"
 
-#include "tools/eval.h"
-
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdio>
 #include <random>
+
+#include "tools/eval.h"
 
 namespace kvcd {
 namespace {
@@ -26,6 +26,19 @@ struct Synthetic {
   ActivationDump dump;
   std::vector<KvProjection> proj;
 };
+
+// Interleaved RoPE (pairs 2i, 2i+1, frequency 10000^(-2i/d)) of every head, as the
+// llama2.c model applies it: the test's own ground truth for the post-RoPE keys.
+void RopeInterleaved(double* k, int heads, int d, int64_t pos) {
+  for (int h = 0; h < heads; ++h)
+    for (int i = 0; i < d / 2; ++i) {
+      const double a = pos * std::pow(10000.0, -2.0 * i / d), c = std::cos(a), s = std::sin(a);
+      double* y = k + h * d + 2 * i;
+      const double y0 = y[0], y1 = y[1];
+      y[0] = y0 * c - y1 * s;
+      y[1] = y0 * s + y1 * c;
+    }
+}
 
 int Hadamard(int t, int j) { return __builtin_popcount(static_cast<unsigned>(t & j)) % 2 ? -1 : 1; }
 
@@ -112,32 +125,6 @@ TEST(FsqCalibrationTest, RidgeSolveOnATinyCase) {
   EXPECT_NEAR(d[1], 10.0 / 9, 1e-12);
 }
 
-TEST(FsqCalibrationTest, EncodeIsTheDocumentedFsq) {
-  // One coordinate, C = 1, E = 1, e = 0: z = clamp(round_half_even(h tanh(u + atanh(δ/h)) − δ)).
-  const float enc = 1.0f, bias = 0.0f;
-  kernels::FsqLayerCodec c;
-  c.residual_width = 1;
-  c.latent_width = 1;
-  c.encoder = &enc;
-  c.encoder_bias = &bias;
-  for (float x : {-100.0f, -1.0f, -1.0f / 3, 0.0f, 1.0f / 3, 0.5f, 1.0f, 2.0f, 100.0f}) {
-    int8_t z = 0;
-    FsqEncodeLatent(c, &x, &z);
-    const double t = kernels::kFsqH * std::tanh(x + std::atanh(0.5 / kernels::kFsqH)) - 0.5;
-    EXPECT_EQ(z, static_cast<int8_t>(std::min(7.0, std::max(-8.0, std::nearbyint(t))))) << x;
-  }
-  int8_t z = 0;
-  float x = 1.0f / 3;
-  FsqEncodeLatent(c, &x, &z);
-  EXPECT_EQ(z, 2);
-  x = 100.0f;
-  FsqEncodeLatent(c, &x, &z);
-  EXPECT_EQ(z, 7);
-  x = -100.0f;
-  FsqEncodeLatent(c, &x, &z);
-  EXPECT_EQ(z, -8);
-}
-
 TEST(FsqCalibrationTest, RecoversTheSubspaceAndItsScale) {
   const Synthetic syn = MakeSynthetic();
   FsqCalibrationOptions opt;
@@ -148,7 +135,7 @@ TEST(FsqCalibrationTest, RecoversTheSubspaceAndItsScale) {
   ASSERT_TRUE(codec.ok()) << codec.status();
   ASSERT_EQ(rep.size(), 1u);
   EXPECT_EQ(rep[0].train_tokens, kTrain);
-  const FsqCodecLayer& L = codec->layers[0];
+  const FsqLayerTensors& L = codec->layer(0);
   // E_i = ±b_i / (3 σ_i), the sign making the row's largest-magnitude entry positive.
   for (int i = 0; i < kRank; ++i) {
     int arg = 0;
@@ -207,7 +194,7 @@ TEST(FsqCalibrationTest, LatentsBeyondTheRankAndBeyondCRepeatDirections) {
   opt.latent_width = 12;
   auto codec = CalibrateFsq(syn.dump, syn.proj, opt, &rep);
   ASSERT_TRUE(codec.ok());
-  for (int k = 0; k < kC; ++k) EXPECT_EQ(codec->layers[0].encoder[10 * kC + k], 0.0f);
+  for (int k = 0; k < kC; ++k) EXPECT_EQ(codec->layer(0).encoder[10 * kC + k], 0.0f);
   EXPECT_NEAR(rep[0].k_rel_err, 1.0 / (4.0 * kTrain + 1.0), 2e-5);
   // G = C + 4 = 20: latents 16..19 repeat directions 0..3 (i mod C); the ridge splits the
   // duplicated columns evenly, keeping 8n / (8n + λ) of them.
@@ -215,43 +202,29 @@ TEST(FsqCalibrationTest, LatentsBeyondTheRankAndBeyondCRepeatDirections) {
   codec = CalibrateFsq(syn.dump, syn.proj, opt, &rep);
   ASSERT_TRUE(codec.ok());
   for (int k = 0; k < kC; ++k) {
-    EXPECT_EQ(codec->layers[0].encoder[(kC + 2) * kC + k], codec->layers[0].encoder[2 * kC + k]);
+    EXPECT_EQ(codec->layer(0).encoder[(kC + 2) * kC + k], codec->layer(0).encoder[2 * kC + k]);
   }
   const double k8 = 8.0 * kTrain / (8.0 * kTrain + 1.0), k4 = 4.0 * kTrain / (4.0 * kTrain + 1.0);
-  EXPECT_NEAR(rep[0].k_rel_err, ExpectedRelErr(syn, syn.proj[0].wk, {k8, k8, k8, k8, k4, k4, k4, k4}),
-              2e-5);
+  EXPECT_NEAR(rep[0].k_rel_err,
+              ExpectedRelErr(syn, syn.proj[0].wk, {k8, k8, k8, k8, k4, k4, k4, k4}), 2e-5);
 }
 
-TEST(FsqCalibrationTest, CodecFileRoundTripsAndNamesTheWrongTensor) {
+TEST(FsqCalibrationTest, CalibratedCodecRoundTripsThroughTheCodecFile) {
   const Synthetic syn = MakeSynthetic();
   FsqCalibrationOptions opt;
   opt.latent_width = 5;
   auto codec = CalibrateFsq(syn.dump, syn.proj, opt, nullptr);
-  ASSERT_TRUE(codec.ok());
-  auto file = SafetensorsFile::Parse(FsqCodecFile(*codec).Serialize());
+  ASSERT_TRUE(codec.ok()) << codec.status();
+  auto file = SafetensorsFile::Parse(codec->ToSafetensors().Serialize());
   ASSERT_TRUE(file.ok());
   EXPECT_EQ(file->metadata().at("kvcd.codec"), "fsq");
   EXPECT_EQ(file->metadata().at("latent_width"), "5");
   EXPECT_EQ(file->metadata().at("key_norm"), "none");
-  auto back = ReadFsqCodecFile(*file, "codec");
+  auto back = FsqCodec::FromSafetensors(*file, codec->shape());
   ASSERT_TRUE(back.ok()) << back.status();
-  EXPECT_EQ(back->layers[0].decoder_v, codec->layers[0].decoder_v);
-  EXPECT_EQ(back->layers[0].encoder, codec->layers[0].encoder);
-
-  FsqCodec bad = *codec;
-  bad.layers[0].bias_v[3] = std::nanf("");
-  auto nan = ReadFsqCodecFile(*SafetensorsFile::Parse(FsqCodecFile(bad).Serialize()), "codec");
-  ASSERT_EQ(nan.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(nan.status().message().find("layers.0.bias_v"), std::string::npos) << nan.status();
-  // A decoder of the wrong width.
-  bad = *codec;
-  bad.latent_width = 4;
-  bad.layers[0].encoder.resize(4 * kC);
-  bad.layers[0].encoder_bias.resize(4);
-  auto wide = ReadFsqCodecFile(*SafetensorsFile::Parse(FsqCodecFile(bad).Serialize()), "codec");
-  ASSERT_EQ(wide.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(wide.status().message().find("layers.0.decoder_k"), std::string::npos)
-      << wide.status();
+  EXPECT_EQ(back->layer(0).decoder_v, codec->layer(0).decoder_v);
+  EXPECT_EQ(back->layer(0).encoder, codec->layer(0).encoder);
+  EXPECT_EQ(back->layer(0).bias_k, codec->layer(0).bias_k);
 }
 
 TEST(FsqCalibrationTest, BadInputIsRejected) {
@@ -312,29 +285,6 @@ TEST(FsqCalibrationTest, ResidualsRoundTripThroughTheDump) {
   std::remove(path.c_str());
 }
 
-TEST(FsqCalibrationTest, RopeFollowsTheContract) {
-  kernels::RopeSpec rope;
-  rope.theta = 100;
-  rope.rotary_dims = 4;
-  rope.pairing = kernels::RopePairing::kInterleaved;
-  double k[6] = {1, 0, 1, 0, 5, 6};  // head_dim 6: dims 4, 5 pass through
-  FsqApplyRope(rope, 1, 6, 1, k);
-  EXPECT_NEAR(k[0], std::cos(1.0), 1e-12);
-  EXPECT_NEAR(k[1], std::sin(1.0), 1e-12);
-  EXPECT_NEAR(k[2], std::cos(0.1), 1e-12);  // 100^(-2/4) = 0.1
-  EXPECT_NEAR(k[3], std::sin(0.1), 1e-12);
-  EXPECT_EQ(k[4], 5);
-  EXPECT_EQ(k[5], 6);
-  rope.pairing = kernels::RopePairing::kHalf;
-  rope.scaling = 2;  // position 2 / 2 = 1
-  double h[6] = {1, 1, 0, 0, 5, 6};
-  FsqApplyRope(rope, 1, 6, 2, h);
-  EXPECT_NEAR(h[0], std::cos(1.0), 1e-12);
-  EXPECT_NEAR(h[2], std::sin(1.0), 1e-12);
-  EXPECT_NEAR(h[1], std::cos(0.1), 1e-12);
-  EXPECT_NEAR(h[3], std::sin(0.1), 1e-12);
-}
-
 TEST(FsqCalibrationTest, EvalRebuildsPostRopeKeysAndCountsCodeBytes) {
   Synthetic syn = MakeSynthetic();
   ActivationDump& d = syn.dump;
@@ -352,7 +302,7 @@ TEST(FsqCalibrationTest, EvalRebuildsPostRopeKeysAndCountsCodeBytes) {
         k[r] += static_cast<double>(syn.proj[0].wk[r * kC + i]) * d.x[0][t * kC + i];
         v[r] += static_cast<double>(syn.proj[0].wv[r * kC + i]) * d.x[0][t * kC + i];
       }
-    FsqApplyRope(rope, kHkv, kD, t, k.data());
+    RopeInterleaved(k.data(), kHkv, kD, t);
     for (int r = 0; r < kKv; ++r) {
       a.k.push_back(static_cast<float>(k[r]));
       a.v.push_back(static_cast<float>(v[r]));
@@ -388,7 +338,13 @@ TEST(FsqCalibrationTest, EvalRebuildsPostRopeKeysAndCountsCodeBytes) {
   EXPECT_NEAR((*res)[0].bytes_per_token, per_token, 1e-9);
   EXPECT_NEAR((*res)[0].compression, kHkv * kD * 4 / per_token, 1e-9);
   // A codec whose geometry does not match the dump is rejected.
-  codecs[0].fsq.residual_width = kC + 1;
+  FsqCodecShape other = codec->shape();
+  other.num_kv_heads = 1;
+  other.head_dim = 2 * kD;  // same K/V width, another geometry
+  std::vector<FsqLayerTensors> layers = {codec->layer(0)};
+  auto wrong = FsqCodec::FromLayers(other, layers);
+  ASSERT_TRUE(wrong.ok()) << wrong.status();
+  codecs[0].fsq = *wrong;
   EXPECT_EQ(Evaluate(d, {codecs[0]}, eo).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
