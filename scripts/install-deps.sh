@@ -7,7 +7,7 @@ pkgs=(build-essential cmake ninja-build ccache pkg-config git curl
       libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
       prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev libeigen3-dev
       libyaml-cpp-dev nlohmann-json3-dev gnuplot-nox libssl-dev openssl clang-format
-      clang libclang-rt-14-dev)
+      clang libclang-rt-14-dev python3-venv)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -19,3 +19,5 @@ if ((${#missing[@]})); then
   "${sudo_cmd[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq
   "${sudo_cmd[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
+# PyPI packages of the Python FSQ tools (pinned, into .cache/fsq-venv).
+"$(dirname "$0")/fsq-venv.sh" >/dev/null

@@ -2,9 +2,9 @@
 # The tests: install dependencies, check formatting, build everything with warnings as
 # errors (CUDA sources compile-checked for sm_90 when nvcc exists), run every unit and
 # integration test with CTest, the unit tests again under ASan+UBSan, the libFuzzer targets
-# (corpus replay + 20 s of fuzzing each, scripts/test-fuzz.sh), and the Python
-# client's tests against the real daemon, and the deployment checks (image, manifests,
-# chart, rules, dashboard against a real Prometheus).
+# (corpus replay + 20 s of fuzzing each, scripts/test-fuzz.sh), the Python client's tests
+# against the real daemon, the Python FSQ tools' tests, and the deployment checks (image,
+# manifests, chart, rules, dashboard against a real Prometheus).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
@@ -14,4 +14,5 @@ ctest --test-dir "${KVCD_BUILD_DIR:-build}" --output-on-failure -j "$(nproc)" --
 ./scripts/test-asan.sh
 ./scripts/test-fuzz.sh
 ./scripts/test-python.sh
+./scripts/test-fsq-tools.sh
 ./scripts/test-deploy.sh
