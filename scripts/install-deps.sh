@@ -6,7 +6,8 @@ set -euo pipefail
 pkgs=(build-essential cmake ninja-build ccache pkg-config git curl
       libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
       prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev libeigen3-dev
-      libyaml-cpp-dev nlohmann-json3-dev gnuplot-nox libssl-dev openssl clang-format)
+      libyaml-cpp-dev nlohmann-json3-dev gnuplot-nox libssl-dev openssl clang-format
+      python3-venv)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

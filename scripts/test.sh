@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
 ./scripts/check-format.sh
 ./scripts/build.sh
+./scripts/fetch-smollm2.sh >/dev/null  # SmolLM2-135M for tests/integration/smollm2_test.cc (cached)
 ctest --test-dir "${KVCD_BUILD_DIR:-build}" --output-on-failure -j "$(nproc)" --timeout 600
 ./scripts/test-asan.sh
 ./scripts/test-python.sh

@@ -1,0 +1,268 @@
+#include "client/examples/llama_model.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace kvcd::llama {
+namespace {
+
+void RmsNorm(const float* x, const float* w, int n, double eps, float* out) {
+  double ss = 0;
+  for (int i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
+  const float inv = static_cast<float>(1.0 / std::sqrt(ss / n + eps));
+  for (int i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+// y = W x, W [out][in] row-major. Eight partial sums per row so that the compiler can
+// vectorize without reassociating one chain.
+void MatVec(const float* w, const float* x, int out, int in, float* y) {
+  for (int o = 0; o < out; ++o) {
+    const float* row = w + static_cast<int64_t>(o) * in;
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int i = 0;
+    for (; i + 8 <= in; i += 8) {
+      for (int j = 0; j < 8; ++j) acc[j] += row[i + j] * x[i + j];
+    }
+    float sum = 0;
+    for (; i < in; ++i) sum += row[i] * x[i];
+    y[o] = sum + ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+  }
+}
+
+absl::StatusOr<int> IntMeta(const SafetensorsFile& f, const std::string& key) {
+  auto it = f.metadata().find("kvcd." + key);
+  int v = 0;
+  if (it == f.metadata().end() || !absl::SimpleAtoi(it->second, &v) || v <= 0 || v > (1 << 24)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model metadata kvcd.", key, ": expected a positive integer, got '",
+                     it == f.metadata().end() ? "<missing>" : it->second, "'"));
+  }
+  return v;
+}
+
+absl::StatusOr<double> DoubleMeta(const SafetensorsFile& f, const std::string& key) {
+  auto it = f.metadata().find("kvcd." + key);
+  double v = 0;
+  if (it == f.metadata().end() || !absl::SimpleAtod(it->second, &v) || !(v > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model metadata kvcd.", key, ": expected a positive number, got '",
+                     it == f.metadata().end() ? "<missing>" : it->second, "'"));
+  }
+  return v;
+}
+
+absl::StatusOr<bool> FlagMeta(const SafetensorsFile& f, const std::string& key) {
+  auto it = f.metadata().find("kvcd." + key);
+  if (it == f.metadata().end() || (it->second != "0" && it->second != "1")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model metadata kvcd.", key, ": expected \"0\" or \"1\", got '",
+                     it == f.metadata().end() ? "<missing>" : it->second, "'"));
+  }
+  return it->second == "1";
+}
+
+}  // namespace
+
+void ApplyRope(float* x, int n_heads, int head_dim, int pos, double theta, RopePairing pairing) {
+  const int half = head_dim / 2;
+  for (int i = 0; i < half; ++i) {
+    const double angle = pos * std::pow(theta, -2.0 * i / head_dim);
+    const float c = static_cast<float>(std::cos(angle)), s = static_cast<float>(std::sin(angle));
+    const int a = pairing == RopePairing::kHalf ? i : 2 * i;
+    const int b = pairing == RopePairing::kHalf ? i + half : 2 * i + 1;
+    for (int h = 0; h < n_heads; ++h) {
+      float* v = x + static_cast<int64_t>(h) * head_dim;
+      const float x0 = v[a], x1 = v[b];
+      v[a] = x0 * c - x1 * s;
+      v[b] = x0 * s + x1 * c;
+    }
+  }
+}
+
+absl::StatusOr<Model> Model::Load(const std::string& path) {
+  auto f = SafetensorsFile::Load(path);
+  if (!f.ok()) return f.status();
+  return FromSafetensors(*f);
+}
+
+#define KVCD_ASSIGN_META(lhs, expr) \
+  {                                 \
+    auto r = (expr);                \
+    if (!r.ok()) return r.status(); \
+    lhs = *r;                       \
+  }
+
+absl::StatusOr<Model> Model::FromSafetensors(const SafetensorsFile& f) {
+  auto kind = f.metadata().find("kvcd.model");
+  if (kind == f.metadata().end() || kind->second != "llama") {
+    return absl::InvalidArgumentError(
+        "model metadata kvcd.model: expected \"llama\" (a file written by "
+        "tools/gguf_to_safetensors.py)");
+  }
+  Model m;
+  Config& c = m.c_;
+  KVCD_ASSIGN_META(c.dim, IntMeta(f, "dim"));
+  KVCD_ASSIGN_META(c.hidden_dim, IntMeta(f, "hidden_dim"));
+  KVCD_ASSIGN_META(c.n_layers, IntMeta(f, "n_layers"));
+  KVCD_ASSIGN_META(c.n_heads, IntMeta(f, "n_heads"));
+  KVCD_ASSIGN_META(c.n_kv_heads, IntMeta(f, "n_kv_heads"));
+  KVCD_ASSIGN_META(c.head_dim, IntMeta(f, "head_dim"));
+  KVCD_ASSIGN_META(c.vocab_size, IntMeta(f, "vocab_size"));
+  KVCD_ASSIGN_META(c.max_seq_len, IntMeta(f, "max_seq_len"));
+  KVCD_ASSIGN_META(c.rope_theta, DoubleMeta(f, "rope_theta"));
+  KVCD_ASSIGN_META(c.rms_eps, DoubleMeta(f, "rms_eps"));
+  KVCD_ASSIGN_META(c.tied_embeddings, FlagMeta(f, "tied_embeddings"));
+  KVCD_ASSIGN_META(c.qk_norm, FlagMeta(f, "qk_norm"));
+  auto pairing = f.metadata().find("kvcd.rope_pairing");
+  if (pairing != f.metadata().end() && pairing->second == "half") {
+    c.pairing = RopePairing::kHalf;
+  } else if (pairing != f.metadata().end() && pairing->second == "interleaved") {
+    c.pairing = RopePairing::kInterleaved;
+  } else {
+    return absl::InvalidArgumentError(
+        "model metadata kvcd.rope_pairing: expected \"half\" or \"interleaved\"");
+  }
+  if (c.head_dim % 2 != 0 || c.n_heads % c.n_kv_heads != 0 || c.n_layers > 1024) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model geometry: expected an even head_dim, n_heads a multiple of n_kv_heads and at "
+        "most 1024 layers; got head_dim ",
+        c.head_dim, ", ", c.n_heads, " / ", c.n_kv_heads, " heads, ", c.n_layers, " layers"));
+  }
+  const int64_t d = c.dim, qd = c.q_dim(), kv = c.kv_dim(), hid = c.hidden_dim, hd = c.head_dim;
+  auto read = [&](const std::string& name, std::vector<int64_t> shape,
+                  std::vector<float>* out) -> absl::Status {
+    auto v = f.ReadFloats(name, shape);
+    if (!v.ok()) return v.status();
+    *out = std::move(*v);
+    return absl::OkStatus();
+  };
+#define KVCD_READ(name, shape, out)          \
+  {                                          \
+    absl::Status s = read(name, shape, out); \
+    if (!s.ok()) return s;                   \
+  }
+  KVCD_READ("model.embed_tokens.weight", (std::vector<int64_t>{c.vocab_size, d}), &m.embed_);
+  KVCD_READ("model.norm.weight", {d}, &m.final_norm_);
+  if (!c.tied_embeddings) {
+    KVCD_READ("lm_head.weight", (std::vector<int64_t>{c.vocab_size, d}), &m.lm_head_);
+  }
+  m.layers_.resize(static_cast<size_t>(c.n_layers));
+  for (int l = 0; l < c.n_layers; ++l) {
+    Layer& L = m.layers_[l];
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    KVCD_READ(p + "input_layernorm.weight", {d}, &L.attn_norm);
+    KVCD_READ(p + "self_attn.q_proj.weight", (std::vector<int64_t>{qd, d}), &L.wq);
+    KVCD_READ(p + "self_attn.k_proj.weight", (std::vector<int64_t>{kv, d}), &L.wk);
+    KVCD_READ(p + "self_attn.v_proj.weight", (std::vector<int64_t>{kv, d}), &L.wv);
+    KVCD_READ(p + "self_attn.o_proj.weight", (std::vector<int64_t>{d, qd}), &L.wo);
+    if (c.qk_norm) {
+      KVCD_READ(p + "self_attn.q_norm.weight", {hd}, &L.q_norm);
+      KVCD_READ(p + "self_attn.k_norm.weight", {hd}, &L.k_norm);
+    }
+    KVCD_READ(p + "post_attention_layernorm.weight", {d}, &L.ffn_norm);
+    KVCD_READ(p + "mlp.gate_proj.weight", (std::vector<int64_t>{hid, d}), &L.w_gate);
+    KVCD_READ(p + "mlp.up_proj.weight", (std::vector<int64_t>{hid, d}), &L.w_up);
+    KVCD_READ(p + "mlp.down_proj.weight", (std::vector<int64_t>{d, hid}), &L.w_down);
+  }
+#undef KVCD_READ
+  return m;
+}
+
+#undef KVCD_ASSIGN_META
+
+absl::Status Model::Forward(int token, int pos, const AttentionFn& attend,
+                            std::vector<float>* logits) const {
+  const Config& c = c_;
+  const int d = c.dim, qd = c.q_dim(), kv = c.kv_dim(), hid = c.hidden_dim, hd = c.head_dim;
+  if (token < 0 || token >= c.vocab_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("token ", token, " out of range [0, ", c.vocab_size, ")"));
+  }
+  if (pos < 0 || pos >= c.max_seq_len) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("position ", pos, " out of range [0, ", c.max_seq_len, ")"));
+  }
+  std::vector<float> x(embed_.begin() + static_cast<int64_t>(token) * d,
+                       embed_.begin() + static_cast<int64_t>(token + 1) * d);
+  std::vector<float> xb(d), q(qd), k(kv), v(kv), o(qd), tmp(d), gate(hid), up(hid);
+  for (int l = 0; l < c.n_layers; ++l) {
+    const Layer& L = layers_[l];
+    RmsNorm(x.data(), L.attn_norm.data(), d, c.rms_eps, xb.data());
+    MatVec(L.wq.data(), xb.data(), qd, d, q.data());
+    MatVec(L.wk.data(), xb.data(), kv, d, k.data());
+    MatVec(L.wv.data(), xb.data(), kv, d, v.data());
+    if (c.qk_norm) {
+      for (int h = 0; h < c.n_heads; ++h) {
+        RmsNorm(&q[h * hd], L.q_norm.data(), hd, c.rms_eps, &q[h * hd]);
+      }
+      for (int h = 0; h < c.n_kv_heads; ++h) {
+        RmsNorm(&k[h * hd], L.k_norm.data(), hd, c.rms_eps, &k[h * hd]);
+      }
+    }
+    ApplyRope(q.data(), c.n_heads, hd, pos, c.rope_theta, c.pairing);
+    ApplyRope(k.data(), c.n_kv_heads, hd, pos, c.rope_theta, c.pairing);
+    absl::Status s = attend(l, pos, q.data(), k.data(), v.data(), o.data());
+    if (!s.ok()) return s;
+    MatVec(L.wo.data(), o.data(), d, qd, tmp.data());
+    for (int i = 0; i < d; ++i) x[i] += tmp[i];
+    RmsNorm(x.data(), L.ffn_norm.data(), d, c.rms_eps, xb.data());
+    MatVec(L.w_gate.data(), xb.data(), hid, d, gate.data());
+    MatVec(L.w_up.data(), xb.data(), hid, d, up.data());
+    for (int i = 0; i < hid; ++i)
+      gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];  // SwiGLU
+    MatVec(L.w_down.data(), gate.data(), d, hid, tmp.data());
+    for (int i = 0; i < d; ++i) x[i] += tmp[i];
+  }
+  RmsNorm(x.data(), final_norm_.data(), d, c.rms_eps, xb.data());
+  logits->resize(static_cast<size_t>(c.vocab_size));
+  const std::vector<float>& head = c.tied_embeddings ? embed_ : lm_head_;
+  MatVec(head.data(), xb.data(), c.vocab_size, d, logits->data());
+  return absl::OkStatus();
+}
+
+LocalAttention::LocalAttention(const Config& c)
+    : c_(c), k_(static_cast<size_t>(c.n_layers)), v_(k_.size()), q_(k_.size()) {}
+
+absl::Status LocalAttention::operator()(int layer, int pos, const float* q, const float* k,
+                                        const float* v, float* o) {
+  const int hd = c_.head_dim, kv = c_.kv_dim(), g = c_.n_heads / c_.n_kv_heads;
+  if (layer < 0 || layer >= c_.n_layers ||
+      static_cast<int64_t>(k_[layer].size()) != static_cast<int64_t>(pos) * kv) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("local attention: layer ", layer, " position ", pos, " arrived out of order"));
+  }
+  k_[layer].insert(k_[layer].end(), k, k + kv);
+  v_[layer].insert(v_[layer].end(), v, v + kv);
+  q_[layer].insert(q_[layer].end(), q, q + c_.q_dim());
+  const int n = pos + 1;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const float* keys = k_[layer].data();
+  const float* values = v_[layer].data();
+  std::vector<float> att(static_cast<size_t>(n));
+  for (int h = 0; h < c_.n_heads; ++h) {
+    const int kvh = h / g;  // grouped-query attention: g query heads share a KV head
+    float mx = -1e30f;
+    for (int t = 0; t < n; ++t) {
+      float s = 0;
+      const float* kr = keys + static_cast<int64_t>(t) * kv + kvh * hd;
+      for (int i = 0; i < hd; ++i) s += q[h * hd + i] * kr[i];
+      att[t] = s * scale;
+      mx = std::max(mx, att[t]);
+    }
+    float sum = 0;
+    for (int t = 0; t < n; ++t) sum += (att[t] = std::exp(att[t] - mx));
+    float* out = o + h * hd;
+    std::fill(out, out + hd, 0.0f);
+    for (int t = 0; t < n; ++t) {
+      const float* vr = values + static_cast<int64_t>(t) * kv + kvh * hd;
+      const float w = att[t] / sum;
+      for (int i = 0; i < hd; ++i) out[i] += w * vr[i];
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvcd::llama

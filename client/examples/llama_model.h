@@ -1,0 +1,85 @@
+// A llama-family decoder (Llama, SmolLM2, Mistral; Qwen3 with its q/k norm) run on the
+// CPU in FP32, one token at a time, with attention delegated to a callback: local FP32
+// attention (the reference) or kvcd. Loaded from one safetensors file with Hugging Face
+// tensor names and the geometry in its metadata (tools/gguf_to_safetensors.py writes it):
+//   kvcd.model = "llama", kvcd.{dim, hidden_dim, n_layers, n_heads, n_kv_heads, head_dim,
+//   vocab_size, max_seq_len, rope_theta, rms_eps, rope_pairing (half | interleaved),
+//   tied_embeddings (0 | 1), qk_norm (0 | 1)}.
+//
+// Thread safety: a loaded Model is immutable; Forward may run concurrently.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/safetensors.h"
+
+namespace kvcd::llama {
+
+// Which lanes of a head RoPE rotates together: kHalf pairs (i, i + d/2) (Hugging Face
+// rotate_half, GPT-NeoX), kInterleaved pairs (2i, 2i + 1) (Meta's original, llama.cpp's
+// permuted rows). Pair i turns by pos * theta^(-2i/d) either way.
+enum class RopePairing { kHalf, kInterleaved };
+
+struct Config {
+  int dim = 0, hidden_dim = 0, n_layers = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0,
+      vocab_size = 0, max_seq_len = 0;
+  double rope_theta = 10000, rms_eps = 1e-5;
+  RopePairing pairing = RopePairing::kHalf;
+  bool tied_embeddings = true;
+  bool qk_norm = false;  // per-head RMSNorm of q and k before RoPE (Qwen3)
+  int q_dim() const { return n_heads * head_dim; }
+  int kv_dim() const { return n_kv_heads * head_dim; }
+};
+
+// Applies RoPE in place to `n_heads` heads of `head_dim` lanes at position `pos`.
+void ApplyRope(float* x, int n_heads, int head_dim, int pos, double theta, RopePairing pairing);
+
+class Model {
+ public:
+  // NOT_FOUND for a missing file or tensor; INVALID_ARGUMENT naming the metadata key
+  // that is missing or malformed, or the tensor of the wrong shape or dtype.
+  static absl::StatusOr<Model> Load(const std::string& path);
+  static absl::StatusOr<Model> FromSafetensors(const SafetensorsFile& file);
+  const Config& config() const { return c_; }
+
+  // Attention of one layer for the current token: q [n_heads*head_dim] and the token's
+  // own k, v [kv_dim] (post-RoPE); writes o [n_heads*head_dim]. It must include the
+  // token itself (causal decode).
+  using AttentionFn = std::function<absl::Status(int layer, int pos, const float* q, const float* k,
+                                                 const float* v, float* o)>;
+  // One forward step of `token` at position `pos`; logits [vocab_size]. INVALID_ARGUMENT
+  // for a token or position out of range; the callback's error otherwise.
+  absl::Status Forward(int token, int pos, const AttentionFn& attend,
+                       std::vector<float>* logits) const;
+
+ private:
+  struct Layer {
+    std::vector<float> attn_norm, wq, wk, wv, wo, q_norm, k_norm, ffn_norm, w_gate, w_up, w_down;
+  };
+  Config c_;
+  std::vector<float> embed_, final_norm_, lm_head_;  // lm_head_ empty when tied
+  std::vector<Layer> layers_;
+};
+
+// FP32 causal attention over a local KV cache (the reference path and the prefill
+// worker). It also records what it saw: post-RoPE q [pos][q_dim], k, v [pos][kv_dim].
+class LocalAttention {
+ public:
+  explicit LocalAttention(const Config& c);
+  // FAILED_PRECONDITION unless positions of a layer arrive in order 0, 1, 2, ...
+  absl::Status operator()(int layer, int pos, const float* q, const float* k, const float* v,
+                          float* o);
+  const std::vector<float>& keys(int layer) const { return k_[layer]; }
+  const std::vector<float>& values(int layer) const { return v_[layer]; }
+  const std::vector<float>& queries(int layer) const { return q_[layer]; }
+  int tokens() const { return static_cast<int>(k_[0].size() / c_.kv_dim()); }
+
+ private:
+  Config c_;
+  std::vector<std::vector<float>> k_, v_, q_;
+};
+
+}  // namespace kvcd::llama

@@ -1,0 +1,266 @@
+#include "client/examples/llama_model.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "common/safetensors.h"
+
+namespace kvcd::llama {
+namespace {
+
+// A small random llama-family model, written and read through safetensors like the real one.
+struct Spec {
+  int dim = 32, hidden = 48, layers = 2, heads = 4, kv_heads = 2, head_dim = 8, vocab = 40;
+  std::string pairing = "half";
+  bool tied = true, qk_norm = false;
+};
+
+struct Tensors {
+  std::map<std::string, std::pair<std::vector<int64_t>, std::vector<float>>> t;
+  std::vector<float>& operator[](const std::string& name) { return t[name].second; }
+};
+
+Tensors RandomTensors(const Spec& s, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  Tensors out;
+  auto add = [&](const std::string& name, std::vector<int64_t> shape, float scale, float mean) {
+    int64_t size = 1;
+    for (int64_t d : shape) size *= d;
+    std::vector<float> v(static_cast<size_t>(size));
+    for (auto& x : v) x = mean + scale * n(rng);
+    out.t[name] = {shape, v};
+  };
+  const int64_t d = s.dim, qd = s.heads * s.head_dim, kv = s.kv_heads * s.head_dim;
+  add("model.embed_tokens.weight", {s.vocab, d}, 1.0f, 0);
+  add("model.norm.weight", {d}, 0.1f, 1);
+  if (!s.tied) add("lm_head.weight", {s.vocab, d}, 1.0f, 0);
+  for (int l = 0; l < s.layers; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    add(p + "input_layernorm.weight", {d}, 0.1f, 1);
+    add(p + "self_attn.q_proj.weight", {qd, d}, 0.4f, 0);
+    add(p + "self_attn.k_proj.weight", {kv, d}, 0.4f, 0);
+    add(p + "self_attn.v_proj.weight", {kv, d}, 0.3f, 0);
+    add(p + "self_attn.o_proj.weight", {d, qd}, 0.2f, 0);
+    if (s.qk_norm) {
+      add(p + "self_attn.q_norm.weight", {s.head_dim}, 0.1f, 1);
+      add(p + "self_attn.k_norm.weight", {s.head_dim}, 0.1f, 1);
+    }
+    add(p + "post_attention_layernorm.weight", {d}, 0.1f, 1);
+    add(p + "mlp.gate_proj.weight", {s.hidden, d}, 0.3f, 0);
+    add(p + "mlp.up_proj.weight", {s.hidden, d}, 0.3f, 0);
+    add(p + "mlp.down_proj.weight", {d, s.hidden}, 0.2f, 0);
+  }
+  return out;
+}
+
+absl::StatusOr<Model> Build(const Spec& s, const Tensors& t,
+                            std::map<std::string, std::string> meta_override = {}) {
+  SafetensorsWriter w;
+  for (const auto& [name, v] : t.t) w.AddF32(name, v.first, v.second);
+  std::map<std::string, std::string> meta = {
+      {"kvcd.model", "llama"},
+      {"kvcd.dim", std::to_string(s.dim)},
+      {"kvcd.hidden_dim", std::to_string(s.hidden)},
+      {"kvcd.n_layers", std::to_string(s.layers)},
+      {"kvcd.n_heads", std::to_string(s.heads)},
+      {"kvcd.n_kv_heads", std::to_string(s.kv_heads)},
+      {"kvcd.head_dim", std::to_string(s.head_dim)},
+      {"kvcd.vocab_size", std::to_string(s.vocab)},
+      {"kvcd.max_seq_len", "64"},
+      {"kvcd.rope_theta", "100.0"},
+      {"kvcd.rms_eps", "1e-5"},
+      {"kvcd.rope_pairing", s.pairing},
+      {"kvcd.tied_embeddings", s.tied ? "1" : "0"},
+      {"kvcd.qk_norm", s.qk_norm ? "1" : "0"},
+  };
+  for (const auto& [k, v] : meta_override) meta[k] = v;
+  for (const auto& [k, v] : meta) {
+    if (!v.empty()) w.SetMetadata(k, v);
+  }
+  auto f = SafetensorsFile::Parse(w.Serialize());
+  if (!f.ok()) return f.status();
+  return Model::FromSafetensors(*f);
+}
+
+// Logits of a few tokens decoded in sequence with local attention.
+std::vector<std::vector<float>> Decode(const Model& m) {
+  LocalAttention attn(m.config());
+  std::vector<std::vector<float>> out;
+  const int tokens[] = {3, 17, 5, 39, 0, 22, 8};
+  for (int pos = 0; pos < 7; ++pos) {
+    std::vector<float> logits;
+    EXPECT_TRUE(m.Forward(tokens[pos], pos, std::ref(attn), &logits).ok());
+    out.push_back(logits);
+  }
+  return out;
+}
+
+double MaxDiff(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    for (size_t j = 0; j < a[i].size(); ++j) m = std::max(m, std::fabs(double{a[i][j]} - b[i][j]));
+  }
+  return m;
+}
+
+// llama.cpp's converter permutation of q/k rows: per head [2][d/2] -> [d/2][2].
+std::vector<float> PermuteToInterleaved(const std::vector<float>& w, int heads, int hd, int in) {
+  std::vector<float> out(w.size());
+  for (int h = 0; h < heads; ++h) {
+    for (int half = 0; half < 2; ++half) {
+      for (int i = 0; i < hd / 2; ++i) {
+        const int src = h * hd + half * (hd / 2) + i, dst = h * hd + 2 * i + half;
+        std::copy(w.begin() + int64_t{src} * in, w.begin() + int64_t{src + 1} * in,
+                  out.begin() + int64_t{dst} * in);
+      }
+    }
+  }
+  return out;
+}
+
+TEST(LlamaModelTest, RopeRotatesPairsByPositionAngles) {
+  // head_dim 4, theta 100: pair 0 turns by pos rad, pair 1 by pos / 10 rad.
+  float half[4] = {1, 2, 3, 4}, inter[4] = {1, 3, 2, 4};
+  ApplyRope(half, 1, 4, 2, 100.0, RopePairing::kHalf);          // pairs (0,2), (1,3)
+  ApplyRope(inter, 1, 4, 2, 100.0, RopePairing::kInterleaved);  // pairs (0,1), (2,3)
+  const double c0 = std::cos(2.0), s0 = std::sin(2.0), c1 = std::cos(0.2), s1 = std::sin(0.2);
+  EXPECT_NEAR(half[0], 1 * c0 - 3 * s0, 1e-6);
+  EXPECT_NEAR(half[2], 1 * s0 + 3 * c0, 1e-6);
+  EXPECT_NEAR(half[1], 2 * c1 - 4 * s1, 1e-6);
+  EXPECT_NEAR(half[3], 2 * s1 + 4 * c1, 1e-6);
+  // The interleaved layout of the same vector gives the same values, permuted.
+  EXPECT_FLOAT_EQ(inter[0], half[0]);
+  EXPECT_FLOAT_EQ(inter[1], half[2]);
+  EXPECT_FLOAT_EQ(inter[2], half[1]);
+  EXPECT_FLOAT_EQ(inter[3], half[3]);
+  float zero[4] = {1, 2, 3, 4};
+  ApplyRope(zero, 1, 4, 0, 100.0, RopePairing::kHalf);
+  EXPECT_FLOAT_EQ(zero[1], 2);
+}
+
+TEST(LlamaModelTest, PermutedRowsWithInterleavedRopeEqualHalfSplitRope) {
+  Spec s;
+  Tensors t = RandomTensors(s, 1);
+  auto half = Build(s, t);
+  ASSERT_TRUE(half.ok()) << half.status();
+  Tensors p = t;
+  for (int l = 0; l < s.layers; ++l) {
+    const std::string q = absl::StrCat("model.layers.", l, ".self_attn.q_proj.weight");
+    const std::string k = absl::StrCat("model.layers.", l, ".self_attn.k_proj.weight");
+    p[q] = PermuteToInterleaved(t[q], s.heads, s.head_dim, s.dim);
+    p[k] = PermuteToInterleaved(t[k], s.kv_heads, s.head_dim, s.dim);
+  }
+  Spec si = s;
+  si.pairing = "interleaved";
+  auto inter = Build(si, p);
+  ASSERT_TRUE(inter.ok());
+  const auto ref = Decode(*half);
+  EXPECT_LT(MaxDiff(ref, Decode(*inter)), 1e-4);
+  // The permuted rows with the wrong pairing are a different model.
+  auto wrong = Build(s, p);
+  ASSERT_TRUE(wrong.ok());
+  EXPECT_GT(MaxDiff(ref, Decode(*wrong)), 1e-2);
+}
+
+TEST(LlamaModelTest, GroupedQueryHeadsShareTheirKvHead) {
+  // 4 query heads on 2 KV heads == 4 KV heads where heads 2i and 2i+1 carry KV head i.
+  Spec s;
+  Tensors t = RandomTensors(s, 2);
+  auto gqa = Build(s, t);
+  ASSERT_TRUE(gqa.ok());
+  Spec sm = s;
+  sm.kv_heads = s.heads;
+  Tensors m = t;
+  for (int l = 0; l < s.layers; ++l) {
+    for (const char* w : {"k_proj", "v_proj"}) {
+      const std::string name = absl::StrCat("model.layers.", l, ".self_attn.", w, ".weight");
+      const int64_t rows = int64_t{s.head_dim} * s.dim;
+      std::vector<float> full;
+      for (int h = 0; h < s.heads; ++h) {
+        const int kvh = h / (s.heads / s.kv_heads);
+        full.insert(full.end(), t[name].begin() + kvh * rows, t[name].begin() + (kvh + 1) * rows);
+      }
+      m.t[name] = {{int64_t{s.heads} * s.head_dim, s.dim}, full};
+    }
+  }
+  auto mha = Build(sm, m);
+  ASSERT_TRUE(mha.ok()) << mha.status();
+  EXPECT_LT(MaxDiff(Decode(*gqa), Decode(*mha)), 1e-4);
+}
+
+TEST(LlamaModelTest, SeparateHeadEqualToEmbeddingsMatchesTiedModel) {
+  Spec s;
+  Tensors t = RandomTensors(s, 3);
+  auto tied = Build(s, t);
+  Spec ss = s;
+  ss.tied = false;
+  Tensors u = t;
+  u.t["lm_head.weight"] = t.t["model.embed_tokens.weight"];
+  auto separate = Build(ss, u);
+  ASSERT_TRUE(tied.ok() && separate.ok());
+  EXPECT_LT(MaxDiff(Decode(*tied), Decode(*separate)), 1e-5);
+  u["lm_head.weight"][0] += 1.0f;  // a different head changes the logits
+  auto other = Build(ss, u);
+  ASSERT_TRUE(other.ok());
+  EXPECT_GT(MaxDiff(Decode(*tied), Decode(*other)), 1e-3);
+}
+
+TEST(LlamaModelTest, QkNormMakesAttentionInvariantToQkScale) {
+  // Per-head RMSNorm of q and k: scaling W_q and W_k changes nothing with it, much without.
+  for (bool qk_norm : {true, false}) {
+    Spec s;
+    s.qk_norm = qk_norm;
+    Tensors t = RandomTensors(s, 4);
+    Tensors scaled = t;
+    for (int l = 0; l < s.layers; ++l) {
+      for (const char* w : {"q_proj", "k_proj"}) {
+        for (auto& x : scaled[absl::StrCat("model.layers.", l, ".self_attn.", w, ".weight")])
+          x *= 4;
+      }
+    }
+    auto a = Build(s, t), b = Build(s, scaled);
+    ASSERT_TRUE(a.ok() && b.ok());
+    if (qk_norm) {
+      EXPECT_LT(MaxDiff(Decode(*a), Decode(*b)), 1e-3);
+    } else {
+      EXPECT_GT(MaxDiff(Decode(*a), Decode(*b)), 1e-2);
+    }
+  }
+}
+
+TEST(LlamaModelTest, RejectsBadFilesAndInputs) {
+  Spec s;
+  Tensors t = RandomTensors(s, 5);
+  EXPECT_EQ(Build(s, t, {{"kvcd.model", ""}}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Build(s, t, {{"kvcd.n_heads", "x"}}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Build(s, t, {{"kvcd.n_heads", "3"}}).status().code(),  // 3 % 2 kv heads
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Build(s, t, {{"kvcd.rope_pairing", "neox"}}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Build(s, t, {{"kvcd.dim", "31"}}).status().code(),  // shapes no longer match
+            absl::StatusCode::kInvalidArgument);
+  Tensors missing = t;
+  missing.t.erase("model.layers.1.mlp.up_proj.weight");
+  auto m = Build(s, missing);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kNotFound);
+  auto good = Build(s, t);
+  ASSERT_TRUE(good.ok());
+  LocalAttention attn(good->config());
+  std::vector<float> logits;
+  EXPECT_EQ(good->Forward(s.vocab, 0, std::ref(attn), &logits).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(good->Forward(1, 64, std::ref(attn), &logits).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(good->Forward(1, 1, std::ref(attn), &logits).code(),  // position 0 never seen
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(Model::Load("/nonexistent/model.safetensors").status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace kvcd::llama
