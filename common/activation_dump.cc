@@ -45,6 +45,14 @@ absl::StatusOr<ActivationDump> LoadActivationDump(const std::string& path) {
     return absl::InvalidArgumentError(
         "activation dump: num_q_heads must be a multiple of num_kv_heads");
   }
+  if (f->metadata().count("residual_width")) {
+    auto c = MetaInt(*f, "residual_width");
+    if (!c.ok()) return c.status();
+    d.residual_width = static_cast<int>(*c);
+  } else if (f->Has("layers.0.x")) {
+    return absl::InvalidArgumentError(
+        "activation dump: layers.0.x present without metadata 'residual_width'");
+  }
   if (auto s = f->metadata().find("source"); s != f->metadata().end()) d.source = s->second;
   for (int l = 0; l < d.num_layers; ++l) {
     LayerActivations a;
@@ -59,6 +67,11 @@ absl::StatusOr<ActivationDump> LoadActivationDump(const std::string& path) {
     a.k = std::move(*k);
     a.v = std::move(*vv);
     d.layers.push_back(std::move(a));
+    if (d.residual_width > 0) {
+      auto x = f->ReadFloats(p + "x", {d.tokens, d.residual_width});
+      if (!x.ok()) return x.status();
+      d.x.push_back(std::move(*x));
+    }
   }
   return d;
 }
@@ -70,7 +83,9 @@ absl::Status WriteActivationDump(const ActivationDump& d, const std::string& pat
     w.AddF32(p + "q", {d.tokens, d.num_q_heads, d.head_dim}, d.layers[l].q);
     w.AddF32(p + "k", {d.tokens, d.num_kv_heads, d.head_dim}, d.layers[l].k);
     w.AddF32(p + "v", {d.tokens, d.num_kv_heads, d.head_dim}, d.layers[l].v);
+    if (d.residual_width > 0) w.AddF32(p + "x", {d.tokens, d.residual_width}, d.x[l]);
   }
+  if (d.residual_width > 0) w.SetMetadata("residual_width", absl::StrCat(d.residual_width));
   w.SetMetadata("kvcd.dump", "1");
   w.SetMetadata("num_layers", absl::StrCat(d.num_layers));
   w.SetMetadata("num_q_heads", absl::StrCat(d.num_q_heads));

@@ -3,8 +3,12 @@
 //   layers.<l>.q  [n, num_q_heads, head_dim]   F32, F16 or BF16
 //   layers.<l>.k  [n, num_kv_heads, head_dim]
 //   layers.<l>.v  [n, num_kv_heads, head_dim]
+//   layers.<l>.x  [n, residual_width]          optional (FSQ, docs/fsq.md): the attention
+//                                               block's normalized residual (after the input
+//                                               norm, before the Q/K/V projections)
 //   metadata: "kvcd.dump" = "1", "num_layers", "num_q_heads", "num_kv_heads", "head_dim",
-//             "tokens" (decimal strings), optional "source".
+//             "tokens" (decimal strings), optional "source"; "residual_width" (C) iff the
+//             layers carry x (then every layer does).
 // Tokens of several prompts may be concatenated: calibration does not depend on the order;
 // kvcd-eval reads the dump as one sequence (causal attention over everything before a query).
 // tools/dump_activations.py writes this layout from a Hugging Face model;
@@ -24,6 +28,8 @@ struct ActivationDump {
   int64_t tokens = 0;
   std::string source;
   std::vector<LayerActivations> layers;
+  int residual_width = 0;             // C; 0 = the dump carries no residuals
+  std::vector<std::vector<float>> x;  // per layer [tokens][residual_width] (empty if C = 0)
 };
 
 // Reads and checks a dump (INVALID_ARGUMENT naming the tensor or key; NOT_FOUND if absent).

@@ -1,5 +1,6 @@
 // kvcd-calibrate: OSCAR rotations (and optionally clip quantiles) from an activation dump,
 // written as the codec file the daemon loads (codec_file: / RegisterModel codec_blob).
+#include <algorithm>
 #include <cstdio>
 #include <string>
 
@@ -7,6 +8,7 @@
 #include "common/activation_dump.h"
 #include "common/synthetic_activations.h"
 #include "tools/calibration.h"
+#include "tools/fsq_calibration.h"
 
 namespace {
 
@@ -15,6 +17,9 @@ constexpr char kUsage[] = R"(kvcd-calibrate — OSCAR INT2 rotations from post-R
 Usage:
   kvcd-calibrate --dump ACTIVATIONS.safetensors --out CODEC.safetensors
                  [--search-clip] [--holdout 0.2]
+  kvcd-calibrate fsq --dump ACTIVATIONS.safetensors --weights WEIGHTS.safetensors
+                 --latent G --out CODEC.safetensors [--holdout 0.2] [--lambda 1]
+                 [--key-norm-eps 1e-6]
   kvcd-calibrate synth --out DUMP.safetensors [--tokens 512] [--layers 2]
                  [--q-heads 8] [--kv-heads 2] [--head-dim 128] [--seed 1]
 
@@ -26,6 +31,17 @@ Per layer it prints the orthogonality error of R_k and R_v, the eigenvalue sprea
 (largest / smallest) of the key and value covariances, the clip quantiles and the
 attention-output relative error on the held-out tokens (the last --holdout fraction,
 excluded from the covariances).
+
+'fsq' initializes a Transformer-FSQ codec (docs/fsq.md) without training: per layer, PCA
+of the dump's normalized residuals (layers.<l>.x), E_i = u_(i mod C) / (3 sigma_(i mod C)),
+e = -E mu, the 4-bit codes of the training tokens, the ridge decoder
+D = (Z^T Z + lambda I)^-1 Z^T X_c and W_k = W^K D^T, b_k = W^K mu + b^K (same for V).
+WEIGHTS holds the model's projections layers.<l>.wk / .wv [Hkv*d, C] and the optional
+layers.<l>.bk / .bv [Hkv*d] and layers.<l>.k_norm [d] (kvcd_stories --weights writes
+them for a llama2.c checkpoint). Per layer it prints the relative error of K and V
+(||K_hat - K||_F / ||K||_F, pre-RoPE, equal to post-RoPE) and of the centered residual on
+the held-out tokens, the training variance in the first G principal components and the
+fraction of saturated code coordinates.
 )";
 
 int Usage(const char* why) {
@@ -36,7 +52,79 @@ int Usage(const char* why) {
 
 }  // namespace
 
+namespace {
+
+int Fsq(int argc, char** argv) {
+  std::string dump_path, out_path, weights_path;
+  kvcd::FsqCalibrationOptions opt;
+  for (int i = 2; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--help" || a == "-h") return Usage(nullptr);
+    if (i + 1 >= argc) return Usage(("flag " + a + " needs a value").c_str());
+    const std::string v = argv[++i];
+    bool ok = true;
+    if (a == "--dump") {
+      dump_path = v;
+    } else if (a == "--out") {
+      out_path = v;
+    } else if (a == "--weights") {
+      weights_path = v;
+    } else if (a == "--latent") {
+      ok = absl::SimpleAtoi(v, &opt.latent_width) && opt.latent_width > 0;
+    } else if (a == "--holdout") {
+      ok = absl::SimpleAtod(v, &opt.holdout) && opt.holdout > 0 && opt.holdout < 1;
+    } else if (a == "--lambda") {
+      ok = absl::SimpleAtod(v, &opt.lambda) && opt.lambda >= 0;
+    } else if (a == "--key-norm-eps") {
+      ok = absl::SimpleAtof(v, &opt.key_norm_eps) && opt.key_norm_eps > 0;
+    } else {
+      return Usage(("unknown flag " + a).c_str());
+    }
+    if (!ok) return Usage(("bad value for " + a + ": " + v).c_str());
+  }
+  if (dump_path.empty() || weights_path.empty() || out_path.empty() || opt.latent_width == 0) {
+    return Usage("fsq needs --dump, --weights, --latent and --out");
+  }
+  auto fail = [](const absl::Status& s) {
+    std::fprintf(stderr, "kvcd-calibrate: %s\n", std::string(s.message()).c_str());
+    return 1;
+  };
+  auto dump = kvcd::LoadActivationDump(dump_path);
+  if (!dump.ok()) return fail(dump.status());
+  auto wfile = kvcd::SafetensorsFile::Load(weights_path);
+  if (!wfile.ok()) return fail(wfile.status());
+  auto proj = kvcd::ReadKvProjections(*wfile, dump->num_layers, dump->num_kv_heads * dump->head_dim,
+                                      std::max(dump->residual_width, 1), dump->head_dim);
+  if (!proj.ok()) return fail(proj.status());
+  std::vector<kvcd::FsqLayerReport> reports;
+  auto codec = kvcd::CalibrateFsq(*dump, *proj, opt, &reports);
+  if (!codec.ok()) return fail(codec.status());
+  const double dense = 2.0 * 2 * dump->num_kv_heads * dump->head_dim;
+  std::printf(
+      "dump %s: %d layers, %lld tokens, C = %d; G = %d: %lld code bytes per token per "
+      "layer, %.2fx of dense BF16 K/V (%.0f bytes)\n",
+      dump_path.c_str(), dump->num_layers, static_cast<long long>(dump->tokens),
+      dump->residual_width, opt.latent_width,
+      static_cast<long long>(kvcd::kernels::FsqCodeBytes(opt.latent_width)),
+      dense / static_cast<double>(kvcd::kernels::FsqCodeBytes(opt.latent_width)), dense);
+  std::printf("%5s %10s %10s %10s %10s %10s %8s %8s\n", "layer", "K rel err", "V rel err",
+              "x rel err", "explained", "saturated", "train", "held");
+  for (size_t l = 0; l < reports.size(); ++l) {
+    const auto& r = reports[l];
+    std::printf("%5zu %10.4f %10.4f %10.4f %10.4f %10.4f %8lld %8lld\n", l, r.k_rel_err,
+                r.v_rel_err, r.x_rel_err, r.explained, r.saturated,
+                static_cast<long long>(r.train_tokens), static_cast<long long>(r.heldout_tokens));
+  }
+  auto s = codec->ToSafetensors().WriteFile(out_path);
+  if (!s.ok()) return fail(s);
+  std::printf("wrote FSQ codec file %s\n", out_path.c_str());
+  return 0;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "fsq") return Fsq(argc, argv);
   std::string dump_path, out_path;
   bool synth = false, search = false;
   double holdout = 0.2;

@@ -110,6 +110,26 @@ absl::StatusOr<std::vector<CodecResult>> Evaluate(const ActivationDump& dump,
   }
   std::vector<CodecResult> results;
   for (const EvalCodec& codec : codecs) {
+    if (codec.kind == EvalCodec::Kind::kFsq) {
+      const FsqCodecShape& f = codec.fsq.shape();
+      if (dump.residual_width == 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "codec '", codec.name, "' is FSQ: the dump must carry residuals (layers.<l>.x)"));
+      }
+      if (f.residual_width != dump.residual_width || f.num_kv_heads != hkv || f.head_dim != d ||
+          f.num_layers != dump.num_layers) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "codec '", codec.name, "' has C = ", f.residual_width, ", ", f.num_kv_heads,
+            " kv heads, head_dim ", f.head_dim, ", ", f.num_layers, " layers; the dump C = ",
+            dump.residual_width, ", ", hkv, ", ", d, ", ", dump.num_layers));
+      }
+      if (codec.rope.rotary_dims <= 0 || codec.rope.rotary_dims > d ||
+          codec.rope.rotary_dims % 2 != 0) {
+        return absl::InvalidArgumentError(absl::StrCat("codec '", codec.name, "': rotary_dims ",
+                                                       codec.rope.rotary_dims,
+                                                       " must be even and in 2..", d));
+      }
+    }
     if (codec.kind == EvalCodec::Kind::kInt2 &&
         (static_cast<int>(codec.r_k.size()) != dump.num_layers ||
          static_cast<int>(codec.r_v.size()) != dump.num_layers)) {
@@ -142,6 +162,17 @@ absl::StatusOr<std::vector<CodecResult>> Evaluate(const ActivationDump& dump,
           kernels::DemoteRowsToInt2(a.v.data() + row * d, 1, d, codec.r_v[l].data(), codec.rho_v[l],
                                     ref);
           kernels::ExpandInt2Rows(ref, 1, d, codec.r_v[l].data(), vq.data() + row * d);
+        }
+      } else if (codec.kind == EvalCodec::Kind::kFsq) {
+        // Every token's code (kernels::FsqEncodeRows, the one definition), then its K/V
+        // rebuilt at its position as the daemon's attention does.
+        const kernels::FsqLayerCodec view = codec.fsq.Layer(l);
+        const int64_t cb = kernels::FsqCodeBytes(view.latent_width);
+        std::vector<uint8_t> codes(static_cast<size_t>(n * cb));
+        kernels::FsqEncodeRows(view, dump.x[l].data(), n, codes.data());
+        for (int64_t t = 0; t < n; ++t) {
+          kernels::FsqExpandToken(view, codec.rope, codes.data() + t * cb, t,
+                                  kq.data() + t * hkv * d, vq.data() + t * hkv * d);
         }
       } else if (codec.kind == EvalCodec::Kind::kKivi2) {
         kq = a.k;
@@ -226,6 +257,16 @@ absl::StatusOr<std::vector<CodecResult>> Evaluate(const ActivationDump& dump,
     } else if (codec.kind == EvalCodec::Kind::kInt2) {
       const int64_t w = std::min<int64_t>(n, opt.sink + opt.recent);
       bytes_th = ((n - w) * 2.0 * (d / 4 + 4) + w * dense) / n;
+      res.fixed_bytes = 2.0 * d * d * 4 * dump.num_layers;  // R_k, R_v F32
+    } else if (codec.kind == EvalCodec::Kind::kFsq) {
+      // One code of ceil(G/2) bytes per token per layer, shared by the KV heads.
+      const int64_t w = std::min<int64_t>(n, opt.sink + opt.recent);
+      const FsqCodecShape& f = codec.fsq.shape();
+      const double code = static_cast<double>(kernels::FsqCodeBytes(f.latent_width));
+      bytes_th = ((n - w) * code / hkv + w * dense) / n;
+      const double g = f.latent_width, c = f.residual_width, kvd = hkv * d;
+      res.fixed_bytes =
+          4.0 * dump.num_layers * (g * c + g + 2 * kvd * g + 2 * kvd + (f.key_norm ? d : 0));
     } else {
       const int64_t w = std::min<int64_t>(n, opt.kivi_residual);
       const double k_bytes =
@@ -235,6 +276,7 @@ absl::StatusOr<std::vector<CodecResult>> Evaluate(const ActivationDump& dump,
     }
     res.bits_per_element = bytes_th * 8 / (2.0 * d);
     res.bytes_per_token = bytes_th * hkv * dump.num_layers;
+    res.compression = dense / bytes_th;
     results.push_back(std::move(res));
   }
   return results;

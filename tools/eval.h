@@ -8,16 +8,22 @@
 
 #include "absl/status/statusor.h"
 #include "common/activation_dump.h"
+#include "common/fsq_codec.h"
+#include "kvcd/kernels/fsq.h"
 
 namespace kvcd {
 
 struct EvalCodec {
-  enum class Kind { kBf16, kInt2, kKivi2 };
+  enum class Kind { kBf16, kInt2, kKivi2, kFsq };
   std::string name;
   Kind kind = Kind::kBf16;
   // INT2: per layer R_k, R_v ([d][d]) and clip quantiles.
   std::vector<std::vector<float>> r_k, r_v;
   std::vector<float> rho_k, rho_v;
+  // FSQ (docs/fsq.md): history K/V rebuilt from the codes of the dump's residuals; dump row
+  // t is RoPE position t (the dump must be one sequence).
+  FsqCodec fsq;
+  kernels::RopeSpec rope;
 };
 
 struct EvalOptions {
@@ -38,7 +44,9 @@ struct CodecResult {
   std::vector<EvalStats> layers;
   EvalStats overall;
   double bits_per_element = 0;  // at the dump's full context, windows included
-  double bytes_per_token = 0;   // all layers, K and V
+  double bytes_per_token = 0;   // all layers, K and V (FSQ: codes), windows included
+  double compression = 0;       // dense BF16 K/V bytes / bytes_per_token
+  double fixed_bytes = 0;       // per model, not per token: the codec's tensors
   std::vector<std::pair<int64_t, double>> out_err_by_position;  // mean over layers, heads
 };
 

@@ -18,15 +18,23 @@ constexpr char kUsage[] = R"(kvcd-eval — attention quality of KV codecs on an 
 Usage: kvcd-eval --dump ACTIVATIONS.safetensors [--codec NAME=CODEC.safetensors ...]
                  [--sink 64] [--recent 256] [--positions 16]
                  [--json OUT.json] [--plot OUT.png]
+                 [--rope-theta 10000] [--rope-pairing half|interleaved]
+                 [--rotary-dims HEAD_DIM] [--rope-scaling 1] [--key-norm-eps 1e-6]
 
 Codecs: bf16, int2-naive (identity rotation), int2-hadamard, kivi2 (per-channel K /
-per-token V, group 32, FP16 residual window 128), and every --codec file (e.g. from
-kvcd-calibrate) as OSCAR INT2. The daemon's storage path is simulated: BF16 sink and recent
+per-token V, group 32, FP16 residual window 128), and every --codec file: an OSCAR INT2
+codec (kvcd-calibrate), or an FSQ codec (metadata kvcd.codec = "fsq", from
+kvcd-calibrate fsq or tools/fsq_finetune): its history K/V are rebuilt from the 4-bit
+codes of the dump's residuals (layers.<l>.x) with the --rope-* parameters of the model
+(dump row t = position t: one sequence per dump). The daemon's storage path is simulated: BF16 sink and recent
 windows, the history between them through the codec's kernels. Query positions are spread
 over the dump past the windows; per layer and overall it reports KL(p || p_hat) of the
 attention distributions (mean and p99 over heads and positions), the attention-output and
-logit relative errors, and bits per element / bytes per token with the windows included.
---plot needs gnuplot (Debian: gnuplot-nox).
+logit relative errors, and bits per element / bytes per token with the windows included
+(FSQ: ceil(G/2) code bytes per token per layer for all KV heads) and the compression
+ratio against dense BF16 K/V; the codec's own tensors are a fixed per-model cost, listed
+apart. --json writes all of it (tools/plot_quality.py draws quality against compression);
+--plot (error against position) needs gnuplot (Debian: gnuplot-nox).
 )";
 
 int Usage(const char* why) {
@@ -41,6 +49,8 @@ int main(int argc, char** argv) {
   std::string dump_path, json_path, plot_path;
   std::vector<std::pair<std::string, std::string>> codec_files;
   kvcd::EvalOptions opt;
+  kvcd::kernels::RopeSpec rope;
+  float key_norm_eps = 1e-6f;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--help" || a == "-h") return Usage(nullptr);
@@ -61,6 +71,18 @@ int main(int argc, char** argv) {
       ok = absl::SimpleAtoi(v, &opt.sink) && opt.sink >= 0;
     } else if (a == "--recent") {
       ok = absl::SimpleAtoi(v, &opt.recent) && opt.recent >= 0;
+    } else if (a == "--rope-theta") {
+      ok = absl::SimpleAtod(v, &rope.theta) && rope.theta > 0;
+    } else if (a == "--rope-scaling") {
+      ok = absl::SimpleAtod(v, &rope.scaling) && rope.scaling > 0;
+    } else if (a == "--rotary-dims") {
+      ok = absl::SimpleAtoi(v, &rope.rotary_dims) && rope.rotary_dims > 0;
+    } else if (a == "--rope-pairing") {
+      ok = v == "half" || v == "interleaved";
+      rope.pairing = v == "half" ? kvcd::kernels::RopePairing::kHalf
+                                 : kvcd::kernels::RopePairing::kInterleaved;
+    } else if (a == "--key-norm-eps") {
+      ok = absl::SimpleAtof(v, &key_norm_eps) && key_norm_eps > 0;
     } else if (a == "--positions") {
       ok = absl::SimpleAtoi(v, &opt.positions) && opt.positions > 0;
     } else {
@@ -80,6 +102,45 @@ int main(int argc, char** argv) {
     if (!file.ok()) {
       std::fprintf(stderr, "kvcd-eval: %s\n", std::string(file.status().message()).c_str());
       return 1;
+    }
+    if (auto kind = file->metadata().find("kvcd.codec");
+        kind != file->metadata().end() && kind->second == "fsq") {
+      if (dump->residual_width == 0) {
+        std::fprintf(stderr,
+                     "kvcd-eval: %s is an FSQ codec: the dump must carry the residuals "
+                     "(layers.<l>.x, metadata residual_width; kvcd_stories --dump writes them)\n",
+                     path.c_str());
+        return 1;
+      }
+      // The dump fixes the geometry; G and the key norm come from the file's metadata.
+      kvcd::FsqCodecShape shape;
+      shape.num_layers = dump->num_layers;
+      shape.residual_width = dump->residual_width;
+      shape.num_kv_heads = dump->num_kv_heads;
+      shape.head_dim = dump->head_dim;
+      shape.key_norm_eps = key_norm_eps;
+      auto g = file->metadata().find("latent_width");
+      auto norm = file->metadata().find("key_norm");
+      shape.key_norm = norm != file->metadata().end() && norm->second == "rms";
+      if (g == file->metadata().end() || !absl::SimpleAtoi(g->second, &shape.latent_width)) {
+        std::fprintf(stderr, "kvcd-eval: %s: metadata 'latent_width' missing or not a number\n",
+                     path.c_str());
+        return 1;
+      }
+      auto fsq = kvcd::FsqCodec::FromSafetensors(*file, shape);
+      if (!fsq.ok()) {
+        std::fprintf(stderr, "kvcd-eval: %s: %s\n", path.c_str(),
+                     std::string(fsq.status().message()).c_str());
+        return 1;
+      }
+      kvcd::EvalCodec c;
+      c.name = name;
+      c.kind = kvcd::EvalCodec::Kind::kFsq;
+      c.fsq = std::move(*fsq);
+      c.rope = rope;
+      if (c.rope.rotary_dims == 0) c.rope.rotary_dims = dump->head_dim;
+      codecs.push_back(std::move(c));
+      continue;
     }
     auto profile =
         kvcd::CodecProfile::FromSafetensors(*file, dump->num_layers, dump->head_dim, path);
@@ -110,14 +171,17 @@ int main(int argc, char** argv) {
       dump_path.c_str(), dump->num_layers, static_cast<long long>(dump->tokens), dump->num_q_heads,
       dump->num_kv_heads, dump->head_dim, static_cast<long long>(opt.sink),
       static_cast<long long>(opt.recent));
-  std::printf("%-16s %10s %10s %12s %12s %10s %12s\n", "codec", "KL mean", "KL p99", "out rel err",
-              "logit rel", "bits/elem", "bytes/token");
+  std::printf("%-16s %10s %10s %12s %12s %10s %12s %8s %12s\n", "codec", "KL mean", "KL p99",
+              "out rel err", "logit rel", "bits/elem", "bytes/token", "ratio", "fixed bytes");
   nlohmann::json j;
   j["dump"] = dump_path;
+  j["tokens"] = dump->tokens;
+  j["sink"] = opt.sink;
+  j["recent"] = opt.recent;
   for (const auto& r : *results) {
-    std::printf("%-16s %10.4g %10.4g %12.4f %12.4f %10.2f %12.0f\n", r.name.c_str(),
+    std::printf("%-16s %10.4g %10.4g %12.4f %12.4f %10.2f %12.1f %8.2f %12.0f\n", r.name.c_str(),
                 r.overall.kl_mean, r.overall.kl_p99, r.overall.out_err, r.overall.logit_err,
-                r.bits_per_element, r.bytes_per_token);
+                r.bits_per_element, r.bytes_per_token, r.compression, r.fixed_bytes);
     nlohmann::json c;
     c["name"] = r.name;
     c["kl_mean"] = r.overall.kl_mean;
@@ -126,6 +190,8 @@ int main(int argc, char** argv) {
     c["logit_rel_err"] = r.overall.logit_err;
     c["bits_per_element"] = r.bits_per_element;
     c["bytes_per_token"] = r.bytes_per_token;
+    c["compression_ratio"] = r.compression;
+    c["fixed_bytes"] = r.fixed_bytes;
     for (size_t l = 0; l < r.layers.size(); ++l) {
       c["layers"].push_back({{"kl_mean", r.layers[l].kl_mean},
                              {"kl_p99", r.layers[l].kl_p99},

@@ -72,7 +72,7 @@ absl::StatusOr<Model> Model::Load(const std::string& path) {
 }
 
 absl::Status Model::Forward(int token, int pos, const AttentionFn& attend,
-                            std::vector<float>* logits) {
+                            std::vector<float>* logits, const ResidualFn& residual) {
   const Config& c = c_;
   const int d = c.dim, kv = c.kv_dim(), hid = c.hidden_dim, hd = c.head_dim();
   if (token < 0 || token >= c.vocab_size) {
@@ -83,6 +83,7 @@ absl::Status Model::Forward(int token, int pos, const AttentionFn& attend,
   std::vector<float> xb(d), q(d), k(kv), v(kv), o(d), tmp(d), h1(hid), h3(hid);
   for (int l = 0; l < c.n_layers; ++l) {
     RmsNorm(x.data(), rms_att_.data() + l * d, d, xb.data());
+    if (residual) residual(l, pos, xb.data());
     MatVec(wq_.data() + static_cast<int64_t>(l) * d * d, xb.data(), d, d, q.data());
     MatVec(wk_.data() + static_cast<int64_t>(l) * kv * d, xb.data(), kv, d, k.data());
     MatVec(wv_.data() + static_cast<int64_t>(l) * kv * d, xb.data(), kv, d, v.data());
@@ -106,7 +107,7 @@ absl::Status Model::Forward(int token, int pos, const AttentionFn& attend,
 }
 
 LocalAttention::LocalAttention(const Config& c)
-    : c_(c), k_(static_cast<size_t>(c.n_layers)), v_(k_.size()), q_(k_.size()) {}
+    : c_(c), k_(static_cast<size_t>(c.n_layers)), v_(k_.size()), q_(k_.size()), r_(k_.size()) {}
 
 absl::Status LocalAttention::operator()(int layer, int pos, const float* q, const float* k,
                                         const float* v, float* o) {

@@ -29,8 +29,15 @@ class Model {
   // itself (causal decode).
   using AttentionFn = std::function<absl::Status(int layer, int pos, const float* q, const float* k,
                                                  const float* v, float* o)>;
+  // Observes the attention block's normalized residual x [dim] of a layer (after the
+  // input RMSNorm, before the Q/K/V projections: the FSQ codec's input, docs/fsq.md).
+  using ResidualFn = std::function<void(int layer, int pos, const float* x)>;
   // One forward step of `token` at position `pos`; logits [vocab_size].
-  absl::Status Forward(int token, int pos, const AttentionFn& attend, std::vector<float>* logits);
+  absl::Status Forward(int token, int pos, const AttentionFn& attend, std::vector<float>* logits,
+                       const ResidualFn& residual = nullptr);
+  // The K and V projections of a layer, [kv_dim][dim] row-major (no biases in llama2.c).
+  const float* wk(int layer) const { return wk_.data() + int64_t{layer} * c_.kv_dim() * c_.dim; }
+  const float* wv(int layer) const { return wv_.data() + int64_t{layer} * c_.kv_dim() * c_.dim; }
 
  private:
   Config c_;
@@ -48,10 +55,13 @@ class LocalAttention {
   const std::vector<float>& values(int layer) const { return v_[layer]; }
   // Post-RoPE queries [pos][n_heads*head_dim] seen at a layer (for calibration).
   const std::vector<float>& queries(int layer) const { return q_[layer]; }
+  // Normalized residuals [pos][dim] recorded with AddResidual (Model::ResidualFn).
+  void AddResidual(int layer, const float* x) { r_[layer].insert(r_[layer].end(), x, x + c_.dim); }
+  const std::vector<float>& residuals(int layer) const { return r_[layer]; }
 
  private:
   Config c_;
-  std::vector<std::vector<float>> k_, v_, q_;
+  std::vector<std::vector<float>> k_, v_, q_, r_;
 };
 
 class Tokenizer {

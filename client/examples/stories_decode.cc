@@ -8,6 +8,7 @@
 #include "absl/strings/str_split.h"
 #include "client/examples/stories_worker.h"
 #include "common/activation_dump.h"
+#include "common/safetensors.h"
 
 namespace {
 
@@ -16,14 +17,23 @@ constexpr char kUsage[] = R"(kvcd_stories — real-model decoding with attention
 Usage: kvcd_stories --checkpoint stories260K.bin --tokenizer tok512.bin
                     [--target HOST:PORT] [--steps 100] [--prompt TEXT]
                     [--formats bf16,int2-identity,int2-hadamard,int2-oscar]
-                    [--dump ACTIVATIONS.safetensors]
+                    [--dump ACTIVATIONS.safetensors [--dump-prompts 'A;B']
+                     [--weights WEIGHTS.safetensors] [--logits LOGITS.safetensors]]
 
 For each history format the model is registered on the daemon (stories260k-<format>,
 page 4, sink 4, recent 8) and runs twice: greedy (the text) and teacher-forced on the
 FP32 reference's tokens (first step whose greedy token differs, KL of the next-token
 distributions). int2-oscar rotations are calibrated here on the model's own activations
-(three reference runs). --dump writes the reference runs' post-RoPE activations as an
-activation dump (for kvcd-calibrate / kvcd-eval) and exits without a daemon.
+(three reference runs). --dump writes the reference runs' post-RoPE activations and the
+attention blocks' normalized residuals (layers.<l>.x) as an activation dump (for
+kvcd-calibrate / kvcd-eval) and exits without a daemon. Its runs are the greedy run from
+--prompt plus two fixed prompts (256 positions each), or, with --dump-prompts, one greedy
+run of --steps positions per ';'-separated prompt (one prompt = one sequence whose row t
+is position t, as kvcd-eval's FSQ codecs need). --weights writes the model's K/V
+projections as safetensors (layers.<l>.wk, layers.<l>.wv [kv_dim, dim], F32; no biases in
+llama2.c) for `kvcd-calibrate fsq`; --logits writes the FP32 reference run from --prompt
+(inputs [steps] I32: the token fed at each position; logits [steps, vocab] F32) to check
+another implementation of the model against this one.
 )";
 
 int Fail(const char* what, const absl::Status& s) {
@@ -34,7 +44,9 @@ int Fail(const char* what, const absl::Status& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string checkpoint, tokenizer, target = "127.0.0.1:50051", prompt, dump_path;
+  std::string checkpoint, tokenizer, target = "127.0.0.1:50051", prompt, dump_path, weights_path,
+                                     logits_path;
+  std::vector<std::string> dump_prompts;
   std::vector<std::string> formats = {"bf16", "int2-identity", "int2-hadamard", "int2-oscar"};
   int steps = 100;
   for (int i = 1; i < argc; ++i) {
@@ -58,6 +70,12 @@ int main(int argc, char** argv) {
       prompt = v;
     } else if (a == "--dump") {
       dump_path = v;
+    } else if (a == "--dump-prompts") {
+      dump_prompts = absl::StrSplit(v, ';', absl::SkipEmpty());
+    } else if (a == "--weights") {
+      weights_path = v;
+    } else if (a == "--logits") {
+      logits_path = v;
     } else if (a == "--formats") {
       formats = absl::StrSplit(v, ',', absl::SkipEmpty());
     } else if (a == "--steps" && absl::SimpleAtoi(v, &steps) && steps > 0) {
@@ -87,30 +105,76 @@ int main(int argc, char** argv) {
   std::printf("\n[reference, FP32 attention, %.1f tokens/s]\n%s\n", steps / ref->seconds,
               ref->text.c_str());
 
+  if (!logits_path.empty()) {
+    kvcd::SafetensorsWriter w;
+    std::vector<int32_t> inputs;
+    std::vector<float> logits;
+    for (int pos = 0; pos < steps; ++pos) {
+      inputs.push_back(pos == 0 ? ptoks[0] : ref->tokens[pos - 1]);
+      logits.insert(logits.end(), ref->logits[pos].begin(), ref->logits[pos].end());
+    }
+    w.Add("inputs", "I32", {steps}, inputs.data(), static_cast<int64_t>(inputs.size()) * 4);
+    w.AddF32("logits", {steps, c.vocab_size}, logits);
+    w.SetMetadata("source", checkpoint + ": FP32 reference, prompt '" + prompt + "'");
+    auto s = w.WriteFile(logits_path);
+    if (!s.ok()) return Fail("logits", s);
+    std::printf("wrote %s: %d positions\n", logits_path.c_str(), steps);
+  }
+  if (!weights_path.empty()) {
+    kvcd::SafetensorsWriter w;
+    const int64_t n = int64_t{c.kv_dim()} * c.dim;
+    for (int l = 0; l < c.n_layers; ++l) {
+      w.AddF32("layers." + std::to_string(l) + ".wk", {c.kv_dim(), c.dim},
+               std::vector<float>(model->wk(l), model->wk(l) + n));
+      w.AddF32("layers." + std::to_string(l) + ".wv", {c.kv_dim(), c.dim},
+               std::vector<float>(model->wv(l), model->wv(l) + n));
+    }
+    w.SetMetadata("source", checkpoint);
+    auto s = w.WriteFile(weights_path);
+    if (!s.ok()) return Fail("weights", s);
+    std::printf("wrote %s: K/V projections of %d layers\n", weights_path.c_str(), c.n_layers);
+  }
   if (!dump_path.empty()) {
-    (void)l2::RunReference(*model, *tok, tok->Encode("Tom had a big dog"), 256, &calib2);
-    (void)l2::RunReference(*model, *tok, tok->Encode("The sun was hot"), 256, &calib3);
+    std::vector<l2::LocalAttention> runs;
+    std::string source = checkpoint + ": greedy from BOS + 2 prompts";
+    if (dump_prompts.empty()) {
+      runs = {calib, l2::LocalAttention(c), l2::LocalAttention(c)};
+      (void)l2::RunReference(*model, *tok, tok->Encode("Tom had a big dog"), 256, &runs[1]);
+      (void)l2::RunReference(*model, *tok, tok->Encode("The sun was hot"), 256, &runs[2]);
+    } else {
+      source = checkpoint + ": greedy, " + std::to_string(steps) + " positions from";
+      for (const auto& p : dump_prompts) {
+        runs.emplace_back(c);
+        auto r = l2::RunReference(*model, *tok, tok->Encode(p), steps, &runs.back());
+        if (!r.ok()) return Fail("dump run", r.status());
+        source += " '" + p + "'";
+      }
+    }
     kvcd::ActivationDump dump;
     dump.num_layers = c.n_layers;
     dump.num_q_heads = c.n_heads;
     dump.num_kv_heads = c.n_kv_heads;
     dump.head_dim = c.head_dim();
-    dump.source = checkpoint + ": greedy from BOS + 2 prompts";
+    dump.residual_width = c.dim;
+    dump.source = source;
     for (int l = 0; l < c.n_layers; ++l) {
       kvcd::LayerActivations a;
-      for (const l2::LocalAttention* run : {&calib, &calib2, &calib3}) {
-        a.q.insert(a.q.end(), run->queries(l).begin(), run->queries(l).end());
-        a.k.insert(a.k.end(), run->keys(l).begin(), run->keys(l).end());
-        a.v.insert(a.v.end(), run->values(l).begin(), run->values(l).end());
+      std::vector<float> x;
+      for (const l2::LocalAttention& run : runs) {
+        a.q.insert(a.q.end(), run.queries(l).begin(), run.queries(l).end());
+        a.k.insert(a.k.end(), run.keys(l).begin(), run.keys(l).end());
+        a.v.insert(a.v.end(), run.values(l).begin(), run.values(l).end());
+        x.insert(x.end(), run.residuals(l).begin(), run.residuals(l).end());
       }
       dump.tokens = static_cast<int64_t>(a.k.size()) / c.kv_dim();
       dump.layers.push_back(std::move(a));
+      dump.x.push_back(std::move(x));
     }
     auto s = kvcd::WriteActivationDump(dump, dump_path);
     if (!s.ok()) return Fail("dump", s);
     std::printf("wrote %s: %lld tokens\n", dump_path.c_str(), static_cast<long long>(dump.tokens));
-    return 0;
   }
+  if (!dump_path.empty() || !weights_path.empty() || !logits_path.empty()) return 0;
   kvcd::ClientOptions co;
   co.target = target;
   auto client = kvcd::Client::Connect(co);

@@ -52,7 +52,9 @@ absl::StatusOr<RunResult> RunReference(Model& model, const Tokenizer& tok,
   const double t0 = Now();
   for (int pos = 0; pos < steps; ++pos) {
     std::vector<float> logits;
-    absl::Status s = model.Forward(token, pos, std::ref(attn), &logits);
+    absl::Status s =
+        model.Forward(token, pos, std::ref(attn), &logits,
+                      [&attn](int layer, int, const float* x) { attn.AddResidual(layer, x); });
     if (!s.ok()) return s;
     const int next = pos + 1 < static_cast<int>(prompt.size()) ? prompt[pos + 1] : Argmax(logits);
     r.text += tok.Piece(token, next);

@@ -22,7 +22,8 @@ struct RunResult {
 
 // Greedy generation with local FP32 attention. steps = forward passes (positions
 // 0..steps-1), starting from `prompt` (BOS first). `calibration` (optional) receives the
-// post-RoPE activations seen, per layer: q [n][n_heads*hd], k and v [n][kv_dim].
+// post-RoPE activations seen, per layer: q [n][n_heads*hd], k and v [n][kv_dim], and the
+// normalized residuals [n][dim].
 absl::StatusOr<RunResult> RunReference(Model& model, const Tokenizer& tok,
                                        const std::vector<int>& prompt, int steps,
                                        LocalAttention* calibration = nullptr);

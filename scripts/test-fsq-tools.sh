@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Tests of the Python FSQ tools (tools/fsq_finetune: the JAX stories260K forward pass
+# against the C++ worker, fine-tuning a codec; tools/plot_quality.py) on the real
+# stories260K model (../shared/data; they skip without it). Needs the C++ tools built
+# (scripts/build.sh kvcd_stories kvcd-calibrate kvcd-eval). Creates (or reuses) the virtual
+# environment .cache/fsq-venv with the pinned PyPI packages below (JAX CPU: ~100 MB, no
+# CUDA). Arguments are passed to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export KVCD_BUILD_DIR=${KVCD_BUILD_DIR:-build}
+venv=$(./scripts/fsq-venv.sh)
+exec "$venv/bin/python" -m pytest -p no:cacheprovider -q -rs "$@" tools/fsq_finetune/tests
