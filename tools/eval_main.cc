@@ -6,7 +6,6 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
-#include "common/codec_profile.h"
 #include "common/safetensors.h"
 #include "nlohmann/json.hpp"
 #include "tools/eval.h"
@@ -142,24 +141,13 @@ int main(int argc, char** argv) {
       codecs.push_back(std::move(c));
       continue;
     }
-    auto profile =
-        kvcd::CodecProfile::FromSafetensors(*file, dump->num_layers, dump->head_dim, path);
-    if (!profile.ok()) {
+    auto c = kvcd::LoadInt2Codec(*file, *dump, name);
+    if (!c.ok()) {
       std::fprintf(stderr, "kvcd-eval: %s: %s\n", path.c_str(),
-                   std::string(profile.status().message()).c_str());
+                   std::string(c.status().message()).c_str());
       return 1;
     }
-    kvcd::EvalCodec c;
-    c.name = name;
-    c.kind = kvcd::EvalCodec::Kind::kInt2;
-    const size_t dd = static_cast<size_t>(dump->head_dim) * dump->head_dim;
-    for (int l = 0; l < dump->num_layers; ++l) {
-      c.r_k.emplace_back(profile->RK(l), profile->RK(l) + dd);
-      c.r_v.emplace_back(profile->RV(l), profile->RV(l) + dd);
-      c.rho_k.push_back(profile->RhoK(l));
-      c.rho_v.push_back(profile->RhoV(l));
-    }
-    codecs.push_back(std::move(c));
+    codecs.push_back(std::move(*c));
   }
   auto results = kvcd::Evaluate(*dump, codecs, opt);
   if (!results.ok()) {

@@ -21,10 +21,7 @@ TEST(EvalTest, OscarBeatsHadamardBeatsNaiveOnSyntheticActivations) {
   EvalCodec oscar;
   oscar.name = "oscar";
   oscar.kind = EvalCodec::Kind::kInt2;
-  oscar.r_k = {(*cal)[0].r_k};
-  oscar.r_v = {(*cal)[0].r_v};
-  oscar.rho_k = {(*cal)[0].rho_k};
-  oscar.rho_v = {(*cal)[0].rho_v};
+  oscar.int2 = {(*cal)[0].codec};
   codecs.push_back(oscar);
   EvalOptions opt;
   opt.sink = 64;
