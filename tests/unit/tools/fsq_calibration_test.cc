@@ -86,7 +86,7 @@ Synthetic MakeSynthetic() {
   return syn;
 }
 
-// ||W (x - x_hat)||_F / ||W (x - mu)||_F over the held-out tokens, where the centered
+// ||W (x - x_hat)||_F / ||W x||_F over the held-out tokens, where the centered
 // reconstruction keeps coordinate j scaled by keep[j] (the ridge shrinkage) and drops the
 // rest: x - x_hat = Σ_j (1 - keep[j]) s_j b_j.
 double ExpectedRelErr(const Synthetic& syn, const std::vector<float>& w,
@@ -99,6 +99,7 @@ double ExpectedRelErr(const Synthetic& syn, const std::vector<float>& w,
         diff[i] += (1.0 - keep[j]) * syn.s[t][j] * syn.b[j][i];
         xc[i] += syn.s[t][j] * syn.b[j][i];
       }
+    for (int i = 0; i < kC; ++i) xc[i] += syn.mu[i];  // K = W x, mean included
     for (int r = 0; r < kKv; ++r) {
       double a = 0, b = 0;
       for (int i = 0; i < kC; ++i) {
@@ -156,11 +157,14 @@ TEST(FsqCalibrationTest, RecoversTheSubspaceAndItsScale) {
     for (int k = 0; k < kC; ++k) bk += syn.proj[0].wk[r * kC + k] * syn.mu[k];
     EXPECT_NEAR(L.bias_k[r], bk, 1e-4);
   }
-  // Every code is ±2, ZᵀZ = 4n·I, so the ridge keeps 4n / (4n + λ) of each coordinate.
-  const double expected = 1.0 / (4.0 * kTrain + 1.0);
-  EXPECT_NEAR(rep[0].k_rel_err, expected, 2e-5);
-  EXPECT_NEAR(rep[0].v_rel_err, expected, 2e-5);
-  EXPECT_NEAR(rep[0].x_rel_err, expected, 2e-5);
+  // Every code is ±2, ZᵀZ = 4n·I, so the ridge keeps 4n / (4n + λ) of each coordinate:
+  // the centered residual's relative error is λ / (4n + λ).
+  const double keep = 4.0 * kTrain / (4.0 * kTrain + 1.0);
+  const std::vector<double> all(kRank, keep);
+  EXPECT_NEAR(rep[0].x_rel_err, 1.0 / (4.0 * kTrain + 1.0), 1e-6);
+  EXPECT_NEAR(rep[0].k_rel_err, ExpectedRelErr(syn, syn.proj[0].wk, all), 1e-6);
+  EXPECT_NEAR(rep[0].v_rel_err, ExpectedRelErr(syn, syn.proj[0].wv, all), 1e-6);
+  EXPECT_GT(rep[0].k_rel_err, 1e-4);
   EXPECT_NEAR(rep[0].explained, 1.0, 1e-9);
   EXPECT_EQ(rep[0].saturated, 0.0);
   // Without the ridge term the codes reconstruct the residuals exactly.
@@ -178,8 +182,8 @@ TEST(FsqCalibrationTest, FewerLatentsDropTheSmallestComponents) {
   ASSERT_TRUE(CalibrateFsq(syn.dump, syn.proj, opt, &rep).ok());
   const double keep = 4.0 * kTrain / (4.0 * kTrain + 1.0);
   const std::vector<double> keeps = {keep, keep, keep, keep, 0, 0, 0, 0};
-  EXPECT_NEAR(rep[0].k_rel_err, ExpectedRelErr(syn, syn.proj[0].wk, keeps), 1e-4);
-  EXPECT_NEAR(rep[0].v_rel_err, ExpectedRelErr(syn, syn.proj[0].wv, keeps), 1e-4);
+  EXPECT_NEAR(rep[0].k_rel_err, ExpectedRelErr(syn, syn.proj[0].wk, keeps), 1e-5);
+  EXPECT_NEAR(rep[0].v_rel_err, ExpectedRelErr(syn, syn.proj[0].wv, keeps), 1e-5);
   double top = 0, all = 0;
   for (int j = 0; j < kRank; ++j) (j < 4 ? top : all) += kSigma[j] * kSigma[j];
   EXPECT_NEAR(rep[0].explained, top / (top + all), 1e-9);
@@ -195,7 +199,10 @@ TEST(FsqCalibrationTest, LatentsBeyondTheRankAndBeyondCRepeatDirections) {
   auto codec = CalibrateFsq(syn.dump, syn.proj, opt, &rep);
   ASSERT_TRUE(codec.ok());
   for (int k = 0; k < kC; ++k) EXPECT_EQ(codec->layer(0).encoder[10 * kC + k], 0.0f);
-  EXPECT_NEAR(rep[0].k_rel_err, 1.0 / (4.0 * kTrain + 1.0), 2e-5);
+  const double k4 = 4.0 * kTrain / (4.0 * kTrain + 1.0);
+  EXPECT_NEAR(rep[0].k_rel_err, ExpectedRelErr(syn, syn.proj[0].wk, std::vector<double>(kRank, k4)),
+              1e-6);
+  EXPECT_NEAR(rep[0].x_rel_err, 1.0 / (4.0 * kTrain + 1.0), 1e-6);
   // G = C + 4 = 20: latents 16..19 repeat directions 0..3 (i mod C); the ridge splits the
   // duplicated columns evenly, keeping 8n / (8n + λ) of them.
   opt.latent_width = kC + 4;
@@ -204,9 +211,9 @@ TEST(FsqCalibrationTest, LatentsBeyondTheRankAndBeyondCRepeatDirections) {
   for (int k = 0; k < kC; ++k) {
     EXPECT_EQ(codec->layer(0).encoder[(kC + 2) * kC + k], codec->layer(0).encoder[2 * kC + k]);
   }
-  const double k8 = 8.0 * kTrain / (8.0 * kTrain + 1.0), k4 = 4.0 * kTrain / (4.0 * kTrain + 1.0);
+  const double k8 = 8.0 * kTrain / (8.0 * kTrain + 1.0);
   EXPECT_NEAR(rep[0].k_rel_err,
-              ExpectedRelErr(syn, syn.proj[0].wk, {k8, k8, k8, k8, k4, k4, k4, k4}), 2e-5);
+              ExpectedRelErr(syn, syn.proj[0].wk, {k8, k8, k8, k8, k4, k4, k4, k4}), 1e-6);
 }
 
 TEST(FsqCalibrationTest, CalibratedCodecRoundTripsThroughTheCodecFile) {
@@ -330,7 +337,7 @@ TEST(FsqCalibrationTest, EvalRebuildsPostRopeKeysAndCountsCodeBytes) {
   auto res = Evaluate(d, codecs, eo);
   ASSERT_TRUE(res.ok()) << res.status();
   EXPECT_LT((*res)[0].overall.out_err, 1e-3);
-  EXPECT_LT((*res)[0].overall.kl_mean, 1e-6);
+  EXPECT_LT((*res)[0].overall.kl_mean, 1e-5);  // the BF16 windows' rounding
   EXPECT_GT((*res)[1].overall.kl_mean, 100 * (*res)[0].overall.kl_mean + 1e-4);
   // 244 history tokens of ceil(8/2) = 4 bytes for both KV heads, 12 window tokens of
   // 2 heads x 8 dims x 2 (K, V) x 2 bytes.
