@@ -20,6 +20,7 @@ Usage: kvcd-llama --model DIR [--prompt TEXT] [--chat] [--max-new 32]
                   [--target HOST:PORT] [--histories bf16,int2-identity,int2-hadamard]
                   [--page 16] [--sink 16] [--recent 32]
        kvcd-llama --model DIR --dump OUT.safetensors --dump-text FILE [--dump-max-tokens 512]
+       kvcd-llama --model DIR --encode FILE
 
 DIR holds model.safetensors and tokenizer.txt (scripts/fetch-smollm2.sh prints it).
 Without --target: greedy generation with local FP32 attention (the reference), stopping at
@@ -30,7 +31,9 @@ runs teacher-forced on the reference's tokens: the table gives the first step wh
 greedy token differs and KL(FP32 || served) of the next-token distributions.
 --dump runs the reference over each line of FILE (tokens concatenated, each line at most
 --dump-max-tokens) and writes the post-RoPE q, k, v of every layer as an activation dump
-for kvcd-calibrate / kvcd-eval.
+for kvcd-calibrate / kvcd-eval. --encode prints the token ids of each line of FILE (the
+two characters \n stand for a newline; tools/check_tokenizer_hf.py compares them with the
+Hugging Face tokenizers library).
 )";
 
 int Fail(const char* what, const absl::Status& s) {
@@ -54,7 +57,7 @@ std::string Printable(const std::string& s) {
 
 int main(int argc, char** argv) {
   namespace ll = kvcd::llama;
-  std::string dir, prompt = "The capital of France is", target, dump_path, dump_text;
+  std::string dir, prompt = "The capital of France is", target, dump_path, dump_text, encode;
   std::vector<std::string> histories = {"bf16", "int2-identity", "int2-hadamard"};
   bool chat = false;
   int max_new = 32, page = 16, sink = 16, recent = 32, dump_max = 512;
@@ -82,6 +85,8 @@ int main(int argc, char** argv) {
       target = v;
     } else if (a == "--dump") {
       dump_path = v;
+    } else if (a == "--encode") {
+      encode = v;
     } else if (a == "--dump-text") {
       dump_text = v;
     } else if (a == "--histories") {
@@ -98,10 +103,26 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvcd-llama: --model DIR is required\n%s", kUsage);
     return 2;
   }
-  auto model = ll::Model::Load(dir + "/model.safetensors");
-  if (!model.ok()) return Fail("model", model.status());
   auto tok = ll::BpeTokenizer::Load(dir + "/tokenizer.txt");
   if (!tok.ok()) return Fail("tokenizer", tok.status());
+  if (!encode.empty()) {
+    std::ifstream in(encode);
+    if (!in) return Fail("encode", absl::NotFoundError("cannot open --encode '" + encode + "'"));
+    std::string line;
+    while (std::getline(in, line)) {
+      std::string s;
+      for (size_t i = 0; i < line.size(); ++i) {
+        const bool newline = line[i] == '\\' && i + 1 < line.size() && line[i + 1] == 'n';
+        s += newline ? '\n' : line[i];
+        i += newline ? 1 : 0;
+      }
+      for (int id : tok->Encode(s)) std::printf("%d ", id);
+      std::printf("\n");
+    }
+    return 0;
+  }
+  auto model = ll::Model::Load(dir + "/model.safetensors");
+  if (!model.ok()) return Fail("model", model.status());
   const ll::Config& c = model->config();
   std::printf("model: dim %d, %d layers, %d q / %d kv heads, head_dim %d, vocab %d, rope %s\n",
               c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.vocab_size,

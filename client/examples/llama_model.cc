@@ -5,6 +5,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace kvcd::llama {
 namespace {
@@ -88,13 +89,6 @@ absl::StatusOr<Model> Model::Load(const std::string& path) {
   return FromSafetensors(*f);
 }
 
-#define KVCD_ASSIGN_META(lhs, expr) \
-  {                                 \
-    auto r = (expr);                \
-    if (!r.ok()) return r.status(); \
-    lhs = *r;                       \
-  }
-
 absl::StatusOr<Model> Model::FromSafetensors(const SafetensorsFile& f) {
   auto kind = f.metadata().find("kvcd.model");
   if (kind == f.metadata().end() || kind->second != "llama") {
@@ -104,18 +98,18 @@ absl::StatusOr<Model> Model::FromSafetensors(const SafetensorsFile& f) {
   }
   Model m;
   Config& c = m.c_;
-  KVCD_ASSIGN_META(c.dim, IntMeta(f, "dim"));
-  KVCD_ASSIGN_META(c.hidden_dim, IntMeta(f, "hidden_dim"));
-  KVCD_ASSIGN_META(c.n_layers, IntMeta(f, "n_layers"));
-  KVCD_ASSIGN_META(c.n_heads, IntMeta(f, "n_heads"));
-  KVCD_ASSIGN_META(c.n_kv_heads, IntMeta(f, "n_kv_heads"));
-  KVCD_ASSIGN_META(c.head_dim, IntMeta(f, "head_dim"));
-  KVCD_ASSIGN_META(c.vocab_size, IntMeta(f, "vocab_size"));
-  KVCD_ASSIGN_META(c.max_seq_len, IntMeta(f, "max_seq_len"));
-  KVCD_ASSIGN_META(c.rope_theta, DoubleMeta(f, "rope_theta"));
-  KVCD_ASSIGN_META(c.rms_eps, DoubleMeta(f, "rms_eps"));
-  KVCD_ASSIGN_META(c.tied_embeddings, FlagMeta(f, "tied_embeddings"));
-  KVCD_ASSIGN_META(c.qk_norm, FlagMeta(f, "qk_norm"));
+  KVCD_ASSIGN_OR_RETURN(c.dim, IntMeta(f, "dim"));
+  KVCD_ASSIGN_OR_RETURN(c.hidden_dim, IntMeta(f, "hidden_dim"));
+  KVCD_ASSIGN_OR_RETURN(c.n_layers, IntMeta(f, "n_layers"));
+  KVCD_ASSIGN_OR_RETURN(c.n_heads, IntMeta(f, "n_heads"));
+  KVCD_ASSIGN_OR_RETURN(c.n_kv_heads, IntMeta(f, "n_kv_heads"));
+  KVCD_ASSIGN_OR_RETURN(c.head_dim, IntMeta(f, "head_dim"));
+  KVCD_ASSIGN_OR_RETURN(c.vocab_size, IntMeta(f, "vocab_size"));
+  KVCD_ASSIGN_OR_RETURN(c.max_seq_len, IntMeta(f, "max_seq_len"));
+  KVCD_ASSIGN_OR_RETURN(c.rope_theta, DoubleMeta(f, "rope_theta"));
+  KVCD_ASSIGN_OR_RETURN(c.rms_eps, DoubleMeta(f, "rms_eps"));
+  KVCD_ASSIGN_OR_RETURN(c.tied_embeddings, FlagMeta(f, "tied_embeddings"));
+  KVCD_ASSIGN_OR_RETURN(c.qk_norm, FlagMeta(f, "qk_norm"));
   auto pairing = f.metadata().find("kvcd.rope_pairing");
   if (pairing != f.metadata().end() && pairing->second == "half") {
     c.pairing = RopePairing::kHalf;
@@ -139,39 +133,35 @@ absl::StatusOr<Model> Model::FromSafetensors(const SafetensorsFile& f) {
     *out = std::move(*v);
     return absl::OkStatus();
   };
-#define KVCD_READ(name, shape, out)          \
-  {                                          \
-    absl::Status s = read(name, shape, out); \
-    if (!s.ok()) return s;                   \
-  }
-  KVCD_READ("model.embed_tokens.weight", (std::vector<int64_t>{c.vocab_size, d}), &m.embed_);
-  KVCD_READ("model.norm.weight", {d}, &m.final_norm_);
+  KVCD_RETURN_IF_ERROR(
+      read("model.embed_tokens.weight", (std::vector<int64_t>{c.vocab_size, d}), &m.embed_));
+  KVCD_RETURN_IF_ERROR(read("model.norm.weight", {d}, &m.final_norm_));
   if (!c.tied_embeddings) {
-    KVCD_READ("lm_head.weight", (std::vector<int64_t>{c.vocab_size, d}), &m.lm_head_);
+    KVCD_RETURN_IF_ERROR(
+        read("lm_head.weight", (std::vector<int64_t>{c.vocab_size, d}), &m.lm_head_));
   }
   m.layers_.resize(static_cast<size_t>(c.n_layers));
   for (int l = 0; l < c.n_layers; ++l) {
     Layer& L = m.layers_[l];
     const std::string p = absl::StrCat("model.layers.", l, ".");
-    KVCD_READ(p + "input_layernorm.weight", {d}, &L.attn_norm);
-    KVCD_READ(p + "self_attn.q_proj.weight", (std::vector<int64_t>{qd, d}), &L.wq);
-    KVCD_READ(p + "self_attn.k_proj.weight", (std::vector<int64_t>{kv, d}), &L.wk);
-    KVCD_READ(p + "self_attn.v_proj.weight", (std::vector<int64_t>{kv, d}), &L.wv);
-    KVCD_READ(p + "self_attn.o_proj.weight", (std::vector<int64_t>{d, qd}), &L.wo);
+    KVCD_RETURN_IF_ERROR(read(p + "input_layernorm.weight", {d}, &L.attn_norm));
+    KVCD_RETURN_IF_ERROR(read(p + "self_attn.q_proj.weight", (std::vector<int64_t>{qd, d}), &L.wq));
+    KVCD_RETURN_IF_ERROR(read(p + "self_attn.k_proj.weight", (std::vector<int64_t>{kv, d}), &L.wk));
+    KVCD_RETURN_IF_ERROR(read(p + "self_attn.v_proj.weight", (std::vector<int64_t>{kv, d}), &L.wv));
+    KVCD_RETURN_IF_ERROR(read(p + "self_attn.o_proj.weight", (std::vector<int64_t>{d, qd}), &L.wo));
     if (c.qk_norm) {
-      KVCD_READ(p + "self_attn.q_norm.weight", {hd}, &L.q_norm);
-      KVCD_READ(p + "self_attn.k_norm.weight", {hd}, &L.k_norm);
+      KVCD_RETURN_IF_ERROR(read(p + "self_attn.q_norm.weight", {hd}, &L.q_norm));
+      KVCD_RETURN_IF_ERROR(read(p + "self_attn.k_norm.weight", {hd}, &L.k_norm));
     }
-    KVCD_READ(p + "post_attention_layernorm.weight", {d}, &L.ffn_norm);
-    KVCD_READ(p + "mlp.gate_proj.weight", (std::vector<int64_t>{hid, d}), &L.w_gate);
-    KVCD_READ(p + "mlp.up_proj.weight", (std::vector<int64_t>{hid, d}), &L.w_up);
-    KVCD_READ(p + "mlp.down_proj.weight", (std::vector<int64_t>{d, hid}), &L.w_down);
+    KVCD_RETURN_IF_ERROR(read(p + "post_attention_layernorm.weight", {d}, &L.ffn_norm));
+    KVCD_RETURN_IF_ERROR(
+        read(p + "mlp.gate_proj.weight", (std::vector<int64_t>{hid, d}), &L.w_gate));
+    KVCD_RETURN_IF_ERROR(read(p + "mlp.up_proj.weight", (std::vector<int64_t>{hid, d}), &L.w_up));
+    KVCD_RETURN_IF_ERROR(
+        read(p + "mlp.down_proj.weight", (std::vector<int64_t>{d, hid}), &L.w_down));
   }
-#undef KVCD_READ
   return m;
 }
-
-#undef KVCD_ASSIGN_META
 
 absl::Status Model::Forward(int token, int pos, const AttentionFn& attend,
                             std::vector<float>* logits) const {

@@ -106,6 +106,19 @@ TEST_F(SmolLm2Test, Bf16HistoryReproducesTheFp32GreedyText) {
   EXPECT_LT(max_kl, kBf16MaxKl);
 }
 
+TEST_F(SmolLm2Test, ChatTemplateAnswersThroughTheDaemon) {
+  // One user turn in the model's ChatML template; the FP32 reference answers the same
+  // (bench/results/2026-12-03-smollm2.md).
+  auto prompt = tok_->EncodeChat("What is the capital of France?");
+  ASSERT_TRUE(prompt.ok()) << prompt.status();
+  llama::ServedProfile p;
+  p.name = "smollm2-chat";
+  ASSERT_TRUE(llama::RegisterProfile(*client_, model_->config(), p).ok());
+  auto served = llama::RunServed(*client_, *model_, p.name, *prompt, 16, tok_->eos());
+  ASSERT_TRUE(served.ok()) << served.status();
+  EXPECT_EQ(Text(served->tokens), "The capital of France is Paris.<|im_end|>");
+}
+
 TEST_F(SmolLm2Test, Int2HistoryTeacherForcedKlIsBounded) {
   const std::vector<int> prompt = tok_->Encode(kLongPrompt);
   ASSERT_GT(prompt.size(), 64u);
