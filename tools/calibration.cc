@@ -131,8 +131,10 @@ absl::StatusOr<std::vector<LayerCalibration>> Calibrate(const ActivationDump& du
     }
     Int2RoundTrip(a.k, n, hkv, d, codec, 0, -1, &kh);
     Int2RoundTrip(a.v, n, hkv, d, codec, 1, -1, &vh);
+    const std::vector<double> exact = ExactOutputs(a, hq, hkv, d, queries);
     auto score = [&](int kv_head) {
-      return StoredAttentionError(a, hq, hkv, d, kb, vb, kh, vh, opt.windows, queries, kv_head);
+      return StoredAttentionError(a, hq, hkv, d, kb, vb, kh, vh, opt.windows, queries, kv_head,
+                                  &exact);
     };
     if (opt.search_clip) {
       // Per group, keys first, then values with the chosen key quantile. A group's

@@ -157,14 +157,14 @@ absl::StatusOr<std::vector<CodecResult>> Evaluate(const ActivationDump& dump,
                        "' would store nothing and score as BF16; use a longer dump or smaller "
                        "--sink/--recent"));
     }
-    if (codec.kind == EvalCodec::Kind::kKivi2 && n < opt.kivi_residual + opt.kivi_group) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("the dump has ", n, " tokens, fewer than KIVI-2's FP16 residual window ",
-                       opt.kivi_residual, " + one group of ", opt.kivi_group,
-                       ": kivi2 would quantize nothing; use a longer dump"));
-    }
     CodecResult res;
     res.name = codec.name;
+    if (codec.kind == EvalCodec::Kind::kKivi2 && n < opt.kivi_residual + opt.kivi_group) {
+      res.warning =
+          absl::StrCat("the dump has ", n, " tokens, fewer than KIVI-2's FP16 residual window ",
+                       opt.kivi_residual, " + one group of ", opt.kivi_group,
+                       ": kivi2 quantizes nothing here (its figures are FP16's)");
+    }
     std::vector<double> err_at(positions.size(), 0.0);
     std::vector<double> all_kl;
     for (int l = 0; l < dump.num_layers; ++l) {

@@ -49,11 +49,14 @@ struct CodecResult {
   double compression = 0;       // dense BF16 K/V bytes / bytes_per_token
   double fixed_bytes = 0;       // per model, not per token: the codec's tensors
   std::vector<std::pair<int64_t, double>> out_err_by_position;  // mean over layers, heads
+  std::string warning;  // non-empty when the figures do not measure the codec (short dump)
 };
 
 // INVALID_ARGUMENT when a codec does not fit the dump, or when the dump is too short for
 // any evaluated position to have codec-stored history (tokens <= sink + recent for INT2
-// and FSQ, <= the residual window for KIVI-2): that would report the codec equal to BF16.
+// and FSQ): that would report the codec equal to BF16. A dump shorter than KIVI-2's FP16
+// residual window plus one group gets CodecResult::warning instead (kivi2 is a standard
+// codec, and the short dumps of the small-window FSQ runs are otherwise fine).
 absl::StatusOr<std::vector<CodecResult>> Evaluate(const ActivationDump& dump,
                                                   const std::vector<EvalCodec>& codecs,
                                                   const EvalOptions& options);

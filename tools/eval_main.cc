@@ -167,6 +167,10 @@ int main(int argc, char** argv) {
   j["sink"] = opt.sink;
   j["recent"] = opt.recent;
   for (const auto& r : *results) {
+    if (!r.warning.empty())
+      std::fprintf(stderr, "kvcd-eval: warning: %s: %s\n", r.name.c_str(), r.warning.c_str());
+  }
+  for (const auto& r : *results) {
     std::printf("%-16s %10.4g %10.4g %12.4f %12.4f %10.2f %12.1f %8.2f %12.0f\n", r.name.c_str(),
                 r.overall.kl_mean, r.overall.kl_p99, r.overall.out_err, r.overall.logit_err,
                 r.bits_per_element, r.bytes_per_token, r.compression, r.fixed_bytes);
@@ -180,6 +184,7 @@ int main(int argc, char** argv) {
     c["bytes_per_token"] = r.bytes_per_token;
     c["compression_ratio"] = r.compression;
     c["fixed_bytes"] = r.fixed_bytes;
+    if (!r.warning.empty()) c["warning"] = r.warning;
     for (size_t l = 0; l < r.layers.size(); ++l) {
       c["layers"].push_back({{"kl_mean", r.layers[l].kl_mean},
                              {"kl_p99", r.layers[l].kl_p99},

@@ -4,7 +4,6 @@
 #include <cmath>
 
 #include "kvcd/kernels/int2_codec.h"
-#include "kvcd/kernels/reference_attention.h"
 
 namespace kvcd {
 
@@ -27,18 +26,64 @@ void Int2RoundTrip(const std::vector<float>& rows, int64_t n, int hkv, int d, co
   }
 }
 
+namespace {
+
+// Softmax attention output of query head h (double) over rows [0, n) of kv head kvh.
+void AttendHead(const float* q, const float* k, const float* v, int64_t n, int hkv, int kvh, int d,
+                double scale, std::vector<double>* logits, double* o) {
+  logits->resize(static_cast<size_t>(n));
+  double mx = -1e300;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* kt = k + (t * hkv + kvh) * d;
+    double s = 0;
+    for (int c = 0; c < d; ++c) s += static_cast<double>(q[c]) * kt[c];
+    (*logits)[t] = s * scale;
+    mx = std::max(mx, (*logits)[t]);
+  }
+  double sum = 0;
+  std::fill(o, o + d, 0.0);
+  for (int64_t t = 0; t < n; ++t) {
+    const double p = std::exp((*logits)[t] - mx);
+    sum += p;
+    const float* vt = v + (t * hkv + kvh) * d;
+    for (int c = 0; c < d; ++c) o[c] += p * vt[c];
+  }
+  for (int c = 0; c < d; ++c) o[c] /= sum;
+}
+
+}  // namespace
+
+std::vector<double> ExactOutputs(const LayerActivations& a, int hq, int hkv, int d,
+                                 const std::vector<int64_t>& queries) {
+  const int g = hq / hkv;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  std::vector<double> o(queries.size() * hq * d), logits;
+  for (size_t i = 0; i < queries.size(); ++i) {
+    const int64_t t = queries[i];
+    for (int h = 0; h < hq; ++h) {
+      AttendHead(a.q.data() + (t * hq + h) * d, a.k.data(), a.v.data(), t + 1, hkv, h / g, d, scale,
+                 &logits, o.data() + (i * hq + h) * d);
+    }
+  }
+  return o;
+}
+
 double StoredAttentionError(const LayerActivations& a, int hq, int hkv, int d,
                             const std::vector<float>& k_bf16, const std::vector<float>& v_bf16,
                             const std::vector<float>& k_hat, const std::vector<float>& v_hat,
                             const StoredWindows& w, const std::vector<int64_t>& queries,
-                            int kv_head) {
+                            int kv_head, const std::vector<double>* exact) {
   const int g = hq / hkv;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const std::vector<double> own =
+      exact != nullptr ? std::vector<double>() : ExactOutputs(a, hq, hkv, d, queries);
+  const std::vector<double>& ref = exact != nullptr ? *exact : own;
   std::vector<float> ks, vs;
-  std::vector<double> o(static_cast<size_t>(hq * d)), oh(o.size()), l(static_cast<size_t>(hq));
+  std::vector<double> oh(static_cast<size_t>(d)), logits;
   double total = 0;
   int64_t count = 0;
-  for (int64_t t : queries) {
+  for (size_t i = 0; i < queries.size(); ++i) {
+    const int64_t t = queries[i];
     const int64_t rows = (t + 1) * hkv * d;
     ks.assign(k_bf16.begin(), k_bf16.begin() + rows);
     vs.assign(v_bf16.begin(), v_bf16.begin() + rows);
@@ -49,18 +94,16 @@ double StoredAttentionError(const LayerActivations& a, int hq, int hkv, int d,
       std::copy(v_hat.begin() + w.sink * hkv * d, v_hat.begin() + hist_end * hkv * d,
                 vs.begin() + w.sink * hkv * d);
     }
-    const float* q = a.q.data() + t * hq * d;
-    kernels::ReferenceAttention(q, a.k.data(), a.v.data(), t + 1, hq, hkv, d, scale, o.data(),
-                                l.data());
-    kernels::ReferenceAttention(q, ks.data(), vs.data(), t + 1, hq, hkv, d, scale, oh.data(),
-                                l.data());
     for (int h = 0; h < hq; ++h) {
       if (kv_head >= 0 && h / g != kv_head) continue;
+      AttendHead(a.q.data() + (t * hq + h) * d, ks.data(), vs.data(), t + 1, hkv, h / g, d, scale,
+                 &logits, oh.data());
+      const double* o = ref.data() + (i * hq + h) * d;
       double err = 0, norm = 0;
       for (int c = 0; c < d; ++c) {
-        const double diff = oh[h * d + c] - o[h * d + c];
+        const double diff = oh[c] - o[c];
         err += diff * diff;
-        norm += o[h * d + c] * o[h * d + c];
+        norm += o[c] * o[c];
       }
       if (norm > 0) {
         total += std::sqrt(err / norm);

@@ -40,6 +40,11 @@ double StoredAttentionError(const LayerActivations& a, int hq, int hkv, int d,
                             const std::vector<float>& k_bf16, const std::vector<float>& v_bf16,
                             const std::vector<float>& k_hat, const std::vector<float>& v_hat,
                             const StoredWindows& windows, const std::vector<int64_t>& queries,
-                            int kv_head);
+                            int kv_head, const std::vector<double>* exact = nullptr);
+
+// The exact attention outputs [queries][hq][d] (FP64 over a.k / a.v) that
+// StoredAttentionError compares against; pass them as `exact` to score many codecs.
+std::vector<double> ExactOutputs(const LayerActivations& a, int hq, int hkv, int d,
+                                 const std::vector<int64_t>& queries);
 
 }  // namespace kvcd

@@ -59,8 +59,7 @@ TEST(CalibrationTest, StoredAttentionErrorKeepsTheWindowsBf16) {
   const std::vector<int64_t> queries = {100, 127};
   // Windows that cover every row: the codec's rows are never used, only BF16 rounding.
   StoredWindows all_bf16{200, 0};
-  const double bf16 =
-      StoredAttentionError(a, 4, 2, d, kb, vb, zeros, zeros, all_bf16, queries, -1);
+  const double bf16 = StoredAttentionError(a, 4, 2, d, kb, vb, zeros, zeros, all_bf16, queries, -1);
   EXPECT_LT(bf16, 0.01);
   // Sink 8 + recent 16: rows [8, t - 15) come from the codec (zeros): a large error.
   const double hist =
@@ -136,7 +135,18 @@ TEST(CalibrationTest, EvalRefusesADumpShorterThanTheWindows) {
   EXPECT_NE(r.status().message().find("windows"), std::string::npos) << r.status();
   opt.sink = 16;
   opt.recent = 64;
-  EXPECT_TRUE(Evaluate(dump, StandardCodecs(1, 32), opt).ok());
+  auto ok = Evaluate(dump, StandardCodecs(1, 32), opt);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  for (const auto& c : *ok) EXPECT_TRUE(c.warning.empty()) << c.name;
+  // KIVI-2 with fewer tokens than its FP16 window + a group: a warning, not silence.
+  ActivationDump short_dump = Synthetic(1, 120, 32, 9);
+  opt.sink = 4;
+  opt.recent = 8;
+  auto warned = Evaluate(short_dump, StandardCodecs(1, 32), opt);
+  ASSERT_TRUE(warned.ok()) << warned.status();
+  EXPECT_EQ((*warned)[3].name, "kivi2");
+  EXPECT_NE((*warned)[3].warning.find("quantizes nothing"), std::string::npos);
+  EXPECT_TRUE((*warned)[2].warning.empty());
 }
 
 TEST(CalibrationTest, CodecFilesMustMatchTheDumpAndPerHeadFilesAreVersion2) {
