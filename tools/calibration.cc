@@ -72,13 +72,6 @@ absl::StatusOr<std::vector<LayerCalibration>> Calibrate(const ActivationDump& du
   const int64_t train = std::max<int64_t>(1, static_cast<int64_t>(n * (1.0 - opt.holdout)));
   const std::vector<int64_t> queries = HeldOutQueries(train, n, opt.max_queries);
   if (report != nullptr) {
-    if (train < d) {
-      report->warnings.push_back(absl::StrCat(
-          "only ", train, " training tokens for head_dim ", d,
-          ": the covariances are singular (spread reported as inf) and the rotations are "
-          "fitted to noise in the null space; use a dump of at least ",
-          static_cast<int64_t>(std::ceil(d / (1.0 - opt.holdout))), " tokens"));
-    }
     const int64_t first_int2 = opt.windows.sink + opt.windows.recent;
     if (queries.empty() || queries.back() < first_int2) {
       report->warnings.push_back(absl::StrCat(
@@ -164,6 +157,18 @@ absl::StatusOr<std::vector<LayerCalibration>> Calibrate(const ActivationDump& du
     out.push_back(std::move(c));
   }
   if (opt.progress) opt.progress(dump.num_layers, dump.num_layers);
+  int singular = 0;
+  for (const auto& c : out) singular += std::isinf(c.spread_k) || std::isinf(c.spread_v);
+  if (report != nullptr && singular > 0) {
+    report->warnings.push_back(absl::StrCat(
+        "singular covariances on ", singular, " of ", dump.num_layers,
+        " layers (spread inf): ", train, " training tokens give fewer rows than head_dim ", d, " (",
+        train * (opt.per_head ? 1 : hkv),
+        " value rows per covariance); the rotations are fitted to noise in the null space: "
+        "use a dump of at least ",
+        static_cast<int64_t>(std::ceil(d / ((1.0 - opt.holdout) * (opt.per_head ? 1 : hkv)))),
+        " tokens"));
+  }
   return out;
 }
 
