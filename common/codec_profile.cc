@@ -34,6 +34,18 @@ absl::StatusOr<CodecProfile> CodecProfile::FromSafetensors(const SafetensorsFile
   c.head_dim_ = head_dim;
   c.description_ = description;
   const std::vector<int64_t> mat = {head_dim, head_dim};
+  if (auto v = file.metadata().find("kvcd.codec_version");
+      v != file.metadata().end() && v->second != "1") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "codec file version ", v->second,
+        " (one rotation per KV head) is not supported here: expected version 1 (one rotation "
+        "per layer)"));
+  }
+  if (file.Has(absl::StrCat("layers.", num_layers, ".r_k"))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("codec file has more layers than the model's ", num_layers, " (layers.",
+                     num_layers, ".r_k exists): it was calibrated for another model"));
+  }
   for (int l = 0; l < num_layers; ++l) {
     Layer layer{{}, {}, kernels::kDefaultRhoK, kernels::kDefaultRhoV, {}, {}};
     for (const char* which : {"r_k", "r_v"}) {

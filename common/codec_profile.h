@@ -6,7 +6,9 @@
 //   layers.<l>.r_v   F32 [head_dim, head_dim]   value rotation of layer l
 //   layers.<l>.rho_k F32 [] or [1] (optional)   key clip quantile (default 0.96)
 //   layers.<l>.rho_v F32 [] or [1] (optional)   value clip quantile (default 0.92)
-// Every rotation must be orthogonal (max |R R^T - I| <= 1e-3).
+// Every rotation must be orthogonal (max |R R^T - I| <= 1e-3). Files with more layers than
+// the model, or with metadata kvcd.codec_version other than "1" (version 2: one rotation
+// per KV head, written by kvcd-calibrate --per-head, read by the tools only), are rejected.
 #pragma once
 
 #include <string>

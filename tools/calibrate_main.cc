@@ -9,6 +9,7 @@
 #include "common/synthetic_activations.h"
 #include "tools/calibration.h"
 #include "tools/fsq_calibration.h"
+#include "tools/progress.h"
 
 namespace {
 
@@ -16,7 +17,8 @@ constexpr char kUsage[] = R"(kvcd-calibrate — OSCAR INT2 rotations from post-R
 
 Usage:
   kvcd-calibrate --dump ACTIVATIONS.safetensors --out CODEC.safetensors
-                 [--search-clip] [--holdout 0.2]
+                 [--search-clip] [--per-head] [--hadamard] [--holdout 0.2]
+                 [--sink 64] [--recent 256] [--max-queries 64]
   kvcd-calibrate fsq --dump ACTIVATIONS.safetensors --weights WEIGHTS.safetensors
                  --latent G --out CODEC.safetensors [--holdout 0.2] [--lambda 1]
                  [--key-norm-eps 1e-6]
@@ -30,7 +32,19 @@ README.md "Calibration"; tools/dump_activations.py writes one from a Hugging Fac
 Per layer it prints the orthogonality error of R_k and R_v, the eigenvalue spread
 (largest / smallest) of the key and value covariances, the clip quantiles and the
 attention-output relative error on the held-out tokens (the last --holdout fraction,
-excluded from the covariances).
+excluded from the covariances). The error is scored the way kvcd stores K/V at each
+held-out query position t: rows [sink, t + 1 - recent) through INT2, the BF16 sink and
+recent windows (--sink, --recent) as BF16, against exact attention; the held-out queries
+are all of the held-out fraction, or --max-queries of them evenly spaced over it. A dump
+too short for any held-out query to have INT2 history gets a warning (the error is then
+BF16 rounding only). A spread of inf means a singular covariance (fewer training tokens
+than head_dim; warned).
+
+--search-clip grid-searches rho_k, then rho_v, over 0.60, 0.62, ..., 1.00 per layer (per
+KV head with --per-head) on that error. --per-head fits one rotation and clip pair per KV
+head (covariances of that head's query group) and writes codec file version 2
+(layers.<l>.r_k/r_v [Hkv, d, d], rho_k/rho_v [Hkv]); kvcd-eval reads it, the daemon reads
+version 1 only. --hadamard keeps R = H (the data-free rotation) and only fits the clips.
 
 'fsq' initializes a Transformer-FSQ codec (docs/fsq.md) without training: per layer, PCA
 of the dump's normalized residuals (layers.<l>.x), E_i = u_(i mod C) / (3 sigma_(i mod C)),
@@ -126,7 +140,8 @@ int Fsq(int argc, char** argv) {
 int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "fsq") return Fsq(argc, argv);
   std::string dump_path, out_path;
-  bool synth = false, search = false;
+  bool synth = false, search = false, per_head = false;
+  kvcd::CalibrationOptions opt;
   double holdout = 0.2;
   int64_t tokens = 512;
   int layers = 2, hq = 8, hkv = 2, d = 128;
@@ -142,6 +157,14 @@ int main(int argc, char** argv) {
       search = true;
       continue;
     }
+    if (a == "--per-head") {
+      per_head = true;
+      continue;
+    }
+    if (a == "--hadamard") {
+      opt.hadamard = true;
+      continue;
+    }
     if (i + 1 >= argc) return Usage(("flag " + a + " needs a value").c_str());
     const std::string v = argv[++i];
     bool ok = true;
@@ -151,6 +174,12 @@ int main(int argc, char** argv) {
       out_path = v;
     } else if (a == "--holdout") {
       ok = absl::SimpleAtod(v, &holdout);
+    } else if (a == "--sink") {
+      ok = absl::SimpleAtoi(v, &opt.windows.sink) && opt.windows.sink >= 0;
+    } else if (a == "--recent") {
+      ok = absl::SimpleAtoi(v, &opt.windows.recent) && opt.windows.recent >= 0;
+    } else if (a == "--max-queries") {
+      ok = absl::SimpleAtoi(v, &opt.max_queries) && opt.max_queries > 0;
     } else if (a == "--tokens") {
       ok = absl::SimpleAtoi(v, &tokens) && tokens > 0;
     } else if (a == "--layers") {
@@ -203,16 +232,14 @@ int main(int argc, char** argv) {
               dump_path.c_str(), dump->num_layers, static_cast<long long>(dump->tokens),
               dump->num_q_heads, dump->num_kv_heads, dump->head_dim,
               dump->source.empty() ? "" : ", source: ", dump->source.c_str());
-  kvcd::CalibrationOptions opt;
   opt.holdout = holdout;
   opt.search_clip = search;
-  opt.progress = [](int layer, int total) {
-    const int width = 30, filled = total ? width * layer / total : width;
-    std::fprintf(stderr, "\r[%.*s%*s] layer %d/%d", filled,
-                 "==============================", width - filled, "", layer, total);
-    if (layer == total) std::fprintf(stderr, "\n");
-  };
-  auto layers_out = kvcd::Calibrate(*dump, opt);
+  opt.per_head = per_head;
+  opt.progress = kvcd::LayerProgress(stderr);
+  kvcd::CalibrationReport report;
+  auto layers_out = kvcd::Calibrate(*dump, opt, &report);
+  for (const auto& w : report.warnings)
+    std::fprintf(stderr, "kvcd-calibrate: warning: %s\n", w.c_str());
   if (!layers_out.ok()) {
     std::fprintf(stderr, "kvcd-calibrate: %s\n",
                  std::string(layers_out.status().message()).c_str());
@@ -222,8 +249,11 @@ int main(int argc, char** argv) {
               "spread C_q", "spread C_v", "rho_k", "rho_v", "held-out err");
   for (size_t l = 0; l < layers_out->size(); ++l) {
     const auto& c = (*layers_out)[l];
-    std::printf("%5zu %12.2e %12.2e %12.3g %12.3g %6.2f %6.2f %14.4f\n", l, c.orthogonality_k,
-                c.orthogonality_v, c.spread_k, c.spread_v, c.rho_k, c.rho_v, c.heldout_error);
+    for (int g = 0; g < c.codec.groups; ++g) {
+      std::printf("%5zu %12.2e %12.2e %12.3g %12.3g %6.2f %6.2f %14.4f\n", l, c.orthogonality_k,
+                  c.orthogonality_v, c.spread_k, c.spread_v, c.codec.rho_k[g], c.codec.rho_v[g],
+                  c.heldout_error);
+    }
   }
   auto s = kvcd::CodecFile(*layers_out, dump->head_dim, dump_path).WriteFile(out_path);
   if (!s.ok()) {

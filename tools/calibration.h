@@ -1,6 +1,7 @@
-// OSCAR calibration (DESIGN.md §5): per layer, R_k from the GQA-grouped query covariance
-// and R_v from the score-weighted value covariance, composed as R = U·H·P in FP64; and
-// optionally the clip quantiles that minimize attention-output error on held-out rows.
+// OSCAR calibration (DESIGN.md §5): per layer (or per KV head), R_k from the GQA-grouped
+// query covariance and R_v from the score-weighted value covariance, composed as R = U·H·P
+// in FP64; and optionally the clip quantiles that minimize the attention-output error of
+// held-out queries over K/V stored the way kvcd stores them.
 #pragma once
 
 #include <functional>
@@ -10,35 +11,53 @@
 #include "absl/status/statusor.h"
 #include "common/activation_dump.h"
 #include "common/safetensors.h"
+#include "tools/int2_layer.h"
 
 namespace kvcd {
 
 struct LayerCalibration {
-  std::vector<float> r_k, r_v;  // [d][d]
-  float rho_k = 0.96f, rho_v = 0.92f;
-  double orthogonality_k = 0, orthogonality_v = 0;  // max |R R^T - I|
-  double spread_k = 0, spread_v = 0;                // largest / smallest eigenvalue
+  Int2Layer codec;                                  // rotations, clip quantiles
+  double orthogonality_k = 0, orthogonality_v = 0;  // max |R R^T - I| (worst group)
+  // Largest / smallest eigenvalue of the key and value covariances (worst group); +inf
+  // when the covariance is singular (fewer training rows than head_dim).
+  double spread_k = 0, spread_v = 0;
   double heldout_error = 0;  // attention-output rel. error on held-out queries (with the rhos)
 };
 
+// The clip quantiles --search-clip tries (for K and V separately).
+std::vector<float> ClipGrid();
+
 struct CalibrationOptions {
   double holdout = 0.2;      // last fraction of tokens: held-out queries, not in covariances
-  bool search_clip = false;  // grid-search rho_k, rho_v per layer on the held-out rows
-  int max_queries = 32;      // held-out queries scored per layer
+  bool search_clip = false;  // grid-search rho_k, rho_v per group on the held-out queries
+  bool per_head = false;     // one rotation and clip pair per KV head (codec file version 2)
+  bool hadamard = false;     // R = H (data-free) instead of U·H·P; clips still searched
+  StoredWindows windows;     // BF16 sink / recent windows of the scoring (as kvcd stores)
+  // Held-out queries scored: all of the held-out fraction, or max_queries of them evenly
+  // spaced over it when it is longer.
+  int max_queries = 64;
   std::function<void(int layer, int num_layers)> progress;
 };
 
+// Warnings about the dump (e.g. too few tokens for full-rank covariances), one line each.
+struct CalibrationReport {
+  std::vector<std::string> warnings;
+};
+
 absl::StatusOr<std::vector<LayerCalibration>> Calibrate(const ActivationDump& dump,
-                                                        const CalibrationOptions& options);
+                                                        const CalibrationOptions& options,
+                                                        CalibrationReport* report = nullptr);
 
-// Mean relative error ||o_hat - o|| / ||o|| of queries [q_begin, q_end) attending causally,
-// with every K/V row of the layer stored through the INT2 codec (rotations, clip quantiles).
-double AttentionErrorWithCodec(const LayerActivations& a, int64_t n, int num_q_heads,
-                               int num_kv_heads, int head_dim, const std::vector<float>& r_k,
-                               const std::vector<float>& r_v, float rho_k, float rho_v,
-                               int64_t q_begin, int64_t q_end);
+// The held-out query positions scored: [train, n) evenly subsampled to max_queries.
+std::vector<int64_t> HeldOutQueries(int64_t train, int64_t n, int max_queries);
 
-// The codec file (CodecProfile layout: layers.<l>.r_k/r_v/rho_k/rho_v).
+// Largest / smallest of ascending eigenvalues; +inf when the smallest is not positive
+// relative to the largest (a singular covariance).
+double EigenSpread(const std::vector<double>& ascending);
+
+// The codec file: version 1 (every layer one group: layers.<l>.r_k/r_v [d, d],
+// rho_k/rho_v [1]) or, when any layer has one group per KV head, version 2
+// (layers.<l>.r_k/r_v [Hkv, d, d], rho_k/rho_v [Hkv], metadata kvcd.codec_version = "2").
 SafetensorsWriter CodecFile(const std::vector<LayerCalibration>& layers, int head_dim,
                             const std::string& source);
 

@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "common/codec_profile.h"
 #include "common/rotation.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/fp16.h"
@@ -86,10 +87,11 @@ std::vector<EvalCodec> StandardCodecs(int num_layers, int d) {
   for (int i = 1; i <= 2; ++i) {
     c[i].kind = EvalCodec::Kind::kInt2;
     const auto r = i == 1 ? IdentityMatrix(d) : HadamardMatrix(d);
-    c[i].r_k.assign(num_layers, r);
-    c[i].r_v.assign(num_layers, r);
-    c[i].rho_k.assign(num_layers, kernels::kDefaultRhoK);
-    c[i].rho_v.assign(num_layers, kernels::kDefaultRhoV);
+    Int2Layer layer;
+    layer.r_k = layer.r_v = r;
+    layer.rho_k = {kernels::kDefaultRhoK};
+    layer.rho_v = {kernels::kDefaultRhoV};
+    c[i].int2.assign(num_layers, layer);
   }
   c[3].name = "kivi2";
   c[3].kind = EvalCodec::Kind::kKivi2;
@@ -130,15 +132,39 @@ absl::StatusOr<std::vector<CodecResult>> Evaluate(const ActivationDump& dump,
                                                        " must be even and in 2..", d));
       }
     }
-    if (codec.kind == EvalCodec::Kind::kInt2 &&
-        (static_cast<int>(codec.r_k.size()) != dump.num_layers ||
-         static_cast<int>(codec.r_v.size()) != dump.num_layers)) {
-      return absl::InvalidArgumentError(absl::StrCat("codec '", codec.name, "' has ",
-                                                     codec.r_k.size(), " layers, the dump ",
-                                                     dump.num_layers));
+    if (codec.kind == EvalCodec::Kind::kInt2) {
+      if (static_cast<int>(codec.int2.size()) != dump.num_layers) {
+        return absl::InvalidArgumentError(absl::StrCat("codec '", codec.name, "' has ",
+                                                       codec.int2.size(), " layers, the dump ",
+                                                       dump.num_layers));
+      }
+      for (const Int2Layer& l : codec.int2) {
+        const size_t dd = static_cast<size_t>(d) * d, g = static_cast<size_t>(l.groups);
+        if ((l.groups != 1 && l.groups != hkv) || l.r_k.size() != g * dd ||
+            l.r_v.size() != g * dd || l.rho_k.size() != g || l.rho_v.size() != g) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "codec '", codec.name, "': ", l.groups, " rotation groups per layer, expected 1 or ",
+              hkv, " of [", d, ", ", d, "] with one rho_k and rho_v each"));
+        }
+      }
+    }
+    const bool windowed =
+        codec.kind == EvalCodec::Kind::kInt2 || codec.kind == EvalCodec::Kind::kFsq;
+    if (windowed && n <= opt.sink + opt.recent) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the dump has ", n, " tokens, not more than the BF16 windows (sink ",
+                       opt.sink, " + recent ", opt.recent, "): codec '", codec.name,
+                       "' would store nothing and score as BF16; use a longer dump or smaller "
+                       "--sink/--recent"));
     }
     CodecResult res;
     res.name = codec.name;
+    if (codec.kind == EvalCodec::Kind::kKivi2 && n < opt.kivi_residual + opt.kivi_group) {
+      res.warning =
+          absl::StrCat("the dump has ", n, " tokens, fewer than KIVI-2's FP16 residual window ",
+                       opt.kivi_residual, " + one group of ", opt.kivi_group,
+                       ": kivi2 quantizes nothing here (its figures are FP16's)");
+    }
     std::vector<double> err_at(positions.size(), 0.0);
     std::vector<double> all_kl;
     for (int l = 0; l < dump.num_layers; ++l) {
@@ -151,18 +177,8 @@ absl::StatusOr<std::vector<CodecResult>> Evaluate(const ActivationDump& dump,
         vb[i] = RoundBf16(a.v[i]);
       }
       if (codec.kind == EvalCodec::Kind::kInt2) {
-        std::vector<uint8_t> codes(static_cast<size_t>(d / 4));
-        uint16_t params[2];
-        const auto ref =
-            kernels::Int2RowRef::RowMajor(codes.data(), d / 4, &params[0], &params[1], 2);
-        for (int64_t row = 0; row < n * hkv; ++row) {
-          kernels::DemoteRowsToInt2(a.k.data() + row * d, 1, d, codec.r_k[l].data(), codec.rho_k[l],
-                                    ref);
-          kernels::ExpandInt2Rows(ref, 1, d, codec.r_k[l].data(), kq.data() + row * d);
-          kernels::DemoteRowsToInt2(a.v.data() + row * d, 1, d, codec.r_v[l].data(), codec.rho_v[l],
-                                    ref);
-          kernels::ExpandInt2Rows(ref, 1, d, codec.r_v[l].data(), vq.data() + row * d);
-        }
+        Int2RoundTrip(a.k, n, hkv, d, codec.int2[l], 0, -1, &kq);
+        Int2RoundTrip(a.v, n, hkv, d, codec.int2[l], 1, -1, &vq);
       } else if (codec.kind == EvalCodec::Kind::kFsq) {
         // Every token's code (kernels::FsqEncodeRows, the one definition), then its K/V
         // rebuilt at its position as the daemon's attention does.
@@ -257,7 +273,7 @@ absl::StatusOr<std::vector<CodecResult>> Evaluate(const ActivationDump& dump,
     } else if (codec.kind == EvalCodec::Kind::kInt2) {
       const int64_t w = std::min<int64_t>(n, opt.sink + opt.recent);
       bytes_th = ((n - w) * 2.0 * (d / 4 + 4) + w * dense) / n;
-      res.fixed_bytes = 2.0 * d * d * 4 * dump.num_layers;  // R_k, R_v F32
+      for (const Int2Layer& il : codec.int2) res.fixed_bytes += 2.0 * il.groups * d * d * 4;
     } else if (codec.kind == EvalCodec::Kind::kFsq) {
       // One code of ceil(G/2) bytes per token per layer, shared by the KV heads.
       const int64_t w = std::min<int64_t>(n, opt.sink + opt.recent);
@@ -280,6 +296,78 @@ absl::StatusOr<std::vector<CodecResult>> Evaluate(const ActivationDump& dump,
     results.push_back(std::move(res));
   }
   return results;
+}
+
+absl::StatusOr<EvalCodec> LoadInt2Codec(const SafetensorsFile& file, const ActivationDump& dump,
+                                        const std::string& name) {
+  const int d = dump.head_dim, hkv = dump.num_kv_heads, layers = dump.num_layers;
+  EvalCodec c;
+  c.name = name;
+  c.kind = EvalCodec::Kind::kInt2;
+  auto version = file.metadata().find("kvcd.codec_version");
+  if (version == file.metadata().end() || version->second == "1") {
+    auto profile = CodecProfile::FromSafetensors(file, layers, d, name);
+    if (!profile.ok()) return profile.status();
+    const size_t dd = static_cast<size_t>(d) * d;
+    for (int l = 0; l < layers; ++l) {
+      Int2Layer il;
+      il.r_k.assign(profile->RK(l), profile->RK(l) + dd);
+      il.r_v.assign(profile->RV(l), profile->RV(l) + dd);
+      il.rho_k = {profile->RhoK(l)};
+      il.rho_v = {profile->RhoV(l)};
+      c.int2.push_back(std::move(il));
+    }
+    return c;
+  }
+  if (version->second != "2") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("codec file version ", version->second, ": expected 1 or 2"));
+  }
+  if (file.Has(absl::StrCat("layers.", layers, ".r_k"))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("codec file has more layers than the dump's ", layers, " (layers.", layers,
+                     ".r_k exists): it was calibrated for another model"));
+  }
+  for (int l = 0; l < layers; ++l) {
+    Int2Layer il;
+    il.groups = hkv;
+    for (const char* which : {"r_k", "r_v"}) {
+      const std::string t = absl::StrCat("layers.", l, ".", which);
+      auto v = file.ReadFloats(t, {hkv, d, d});
+      if (!v.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("codec file version 2: ", v.status().message(),
+                         " (every layer needs r_k and r_v of [", hkv, ", ", d, ", ", d, "])"));
+      }
+      for (int g = 0; g < hkv; ++g) {
+        const std::vector<float> r(v->begin() + g * d * d, v->begin() + (g + 1) * d * d);
+        const double err = OrthogonalityError(r, d);
+        if (!(err <= 1e-3)) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("codec file: ", t, "[", g,
+                           "] is not orthogonal (max |R R^T - I| = ", err, ", expected <= 1e-3)"));
+        }
+      }
+      (std::string(which) == "r_k" ? il.r_k : il.r_v) = std::move(*v);
+    }
+    for (const char* which : {"rho_k", "rho_v"}) {
+      const std::string t = absl::StrCat("layers.", l, ".", which);
+      auto v = file.ReadFloats(t, {hkv});
+      if (!v.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "codec file version 2: ", v.status().message(), " (expected [", hkv, "])"));
+      }
+      for (float r : *v) {
+        if (!(r > 0.0f && r <= 1.0f)) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("codec file: ", t, " holds ", r, ", expected values in (0, 1]"));
+        }
+      }
+      (std::string(which) == "rho_k" ? il.rho_k : il.rho_v) = std::move(*v);
+    }
+    c.int2.push_back(std::move(il));
+  }
+  return c;
 }
 
 }  // namespace kvcd

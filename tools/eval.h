@@ -9,7 +9,9 @@
 #include "absl/status/statusor.h"
 #include "common/activation_dump.h"
 #include "common/fsq_codec.h"
+#include "common/safetensors.h"
 #include "kvcd/kernels/fsq.h"
+#include "tools/int2_layer.h"
 
 namespace kvcd {
 
@@ -17,9 +19,8 @@ struct EvalCodec {
   enum class Kind { kBf16, kInt2, kKivi2, kFsq };
   std::string name;
   Kind kind = Kind::kBf16;
-  // INT2: per layer R_k, R_v ([d][d]) and clip quantiles.
-  std::vector<std::vector<float>> r_k, r_v;
-  std::vector<float> rho_k, rho_v;
+  // INT2: per layer the rotations and clip quantiles (per layer or per KV head).
+  std::vector<Int2Layer> int2;
   // FSQ (docs/fsq.md): history K/V rebuilt from the codes of the dump's residuals; dump row
   // t is RoPE position t (the dump must be one sequence).
   FsqCodec fsq;
@@ -48,11 +49,23 @@ struct CodecResult {
   double compression = 0;       // dense BF16 K/V bytes / bytes_per_token
   double fixed_bytes = 0;       // per model, not per token: the codec's tensors
   std::vector<std::pair<int64_t, double>> out_err_by_position;  // mean over layers, heads
+  std::string warning;  // non-empty when the figures do not measure the codec (short dump)
 };
 
+// INVALID_ARGUMENT when a codec does not fit the dump, or when the dump is too short for
+// any evaluated position to have codec-stored history (tokens <= sink + recent for INT2
+// and FSQ): that would report the codec equal to BF16. A dump shorter than KIVI-2's FP16
+// residual window plus one group gets CodecResult::warning instead (kivi2 is a standard
+// codec, and the short dumps of the small-window FSQ runs are otherwise fine).
 absl::StatusOr<std::vector<CodecResult>> Evaluate(const ActivationDump& dump,
                                                   const std::vector<EvalCodec>& codecs,
                                                   const EvalOptions& options);
+
+// An OSCAR INT2 codec file (version 1: CodecProfile; version 2: one rotation and clip pair
+// per KV head, layers.<l>.r_k/r_v [Hkv, d, d], rho_k/rho_v [Hkv]) for the dump's
+// geometry; INVALID_ARGUMENT naming what does not fit (layer count, shapes, orthogonality).
+absl::StatusOr<EvalCodec> LoadInt2Codec(const SafetensorsFile& file, const ActivationDump& dump,
+                                        const std::string& name);
 
 // The standard codecs: bf16, naive INT2 (identity), Hadamard INT2, KIVI-2.
 std::vector<EvalCodec> StandardCodecs(int num_layers, int head_dim);

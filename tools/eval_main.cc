@@ -6,7 +6,6 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
-#include "common/codec_profile.h"
 #include "common/safetensors.h"
 #include "nlohmann/json.hpp"
 #include "tools/eval.h"
@@ -142,24 +141,13 @@ int main(int argc, char** argv) {
       codecs.push_back(std::move(c));
       continue;
     }
-    auto profile =
-        kvcd::CodecProfile::FromSafetensors(*file, dump->num_layers, dump->head_dim, path);
-    if (!profile.ok()) {
+    auto c = kvcd::LoadInt2Codec(*file, *dump, name);
+    if (!c.ok()) {
       std::fprintf(stderr, "kvcd-eval: %s: %s\n", path.c_str(),
-                   std::string(profile.status().message()).c_str());
+                   std::string(c.status().message()).c_str());
       return 1;
     }
-    kvcd::EvalCodec c;
-    c.name = name;
-    c.kind = kvcd::EvalCodec::Kind::kInt2;
-    const size_t dd = static_cast<size_t>(dump->head_dim) * dump->head_dim;
-    for (int l = 0; l < dump->num_layers; ++l) {
-      c.r_k.emplace_back(profile->RK(l), profile->RK(l) + dd);
-      c.r_v.emplace_back(profile->RV(l), profile->RV(l) + dd);
-      c.rho_k.push_back(profile->RhoK(l));
-      c.rho_v.push_back(profile->RhoV(l));
-    }
-    codecs.push_back(std::move(c));
+    codecs.push_back(std::move(*c));
   }
   auto results = kvcd::Evaluate(*dump, codecs, opt);
   if (!results.ok()) {
@@ -179,6 +167,10 @@ int main(int argc, char** argv) {
   j["sink"] = opt.sink;
   j["recent"] = opt.recent;
   for (const auto& r : *results) {
+    if (!r.warning.empty())
+      std::fprintf(stderr, "kvcd-eval: warning: %s: %s\n", r.name.c_str(), r.warning.c_str());
+  }
+  for (const auto& r : *results) {
     std::printf("%-16s %10.4g %10.4g %12.4f %12.4f %10.2f %12.1f %8.2f %12.0f\n", r.name.c_str(),
                 r.overall.kl_mean, r.overall.kl_p99, r.overall.out_err, r.overall.logit_err,
                 r.bits_per_element, r.bytes_per_token, r.compression, r.fixed_bytes);
@@ -192,6 +184,7 @@ int main(int argc, char** argv) {
     c["bytes_per_token"] = r.bytes_per_token;
     c["compression_ratio"] = r.compression;
     c["fixed_bytes"] = r.fixed_bytes;
+    if (!r.warning.empty()) c["warning"] = r.warning;
     for (size_t l = 0; l < r.layers.size(); ++l) {
       c["layers"].push_back({{"kl_mean", r.layers[l].kl_mean},
                              {"kl_p99", r.layers[l].kl_p99},

@@ -40,8 +40,8 @@ TEST(ActivationDumpTest, RoundTripAndCalibrationToALoadableCodecFile) {
   ASSERT_TRUE(file.ok());
   auto codec = CodecProfile::FromSafetensors(*file, 2, 32, "calibrated");
   ASSERT_TRUE(codec.ok()) << codec.status();
-  EXPECT_EQ(codec->RhoK(1), (*layers)[1].rho_k);
-  EXPECT_EQ(std::vector<float>(codec->RV(0), codec->RV(0) + 32 * 32), (*layers)[0].r_v);
+  EXPECT_EQ(codec->RhoK(1), (*layers)[1].codec.rho_k[0]);
+  EXPECT_EQ(std::vector<float>(codec->RV(0), codec->RV(0) + 32 * 32), (*layers)[0].codec.r_v);
   // A round trip of the codec profile itself.
   auto again = SafetensorsFile::Parse(codec->ToSafetensors().Serialize());
   ASSERT_TRUE(again.ok());
