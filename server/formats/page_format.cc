@@ -24,10 +24,9 @@ std::vector<RowSlot> PageRowSlots(int64_t first_token, absl::Span<const int32_t>
 }
 
 absl::Status RowSource::CheckRow(const void* row, int64_t offset, int32_t head_dim) const {
-  // The row was just read into `out`, so this second look hits L1, not memory.
+  // Only for a row known to hold a NaN/Inf: find and name the first one.
   const int64_t j = kernels::FirstNonFinite(row, head_dim, is_bf16);
-  if (j < 0) return absl::OkStatus();
-  float x;
+  float x = 0;
   if (is_bf16) {
     uint16_t h;
     std::memcpy(&h, static_cast<const uint16_t*>(row) + j, 2);
@@ -44,29 +43,38 @@ absl::Status RowSource::CheckRow(const void* row, int64_t offset, int32_t head_d
 absl::Status RowSource::RowAsFloat(int64_t layer, int64_t token, int32_t head, int32_t head_dim,
                                    float* out) const {
   const int64_t off = layer * layer_stride + token * token_stride + int64_t{head} * head_dim;
-  const void* row;
   if (is_bf16) {
-    row = static_cast<const uint16_t*>(data) + off;
-    kernels::Bf16ToFloatN(static_cast<const uint16_t*>(row), out, head_dim);
+    const uint16_t* row = static_cast<const uint16_t*>(data) + off;
+    kernels::Bf16ToFloatN(row, out, head_dim);
+    if (check_finite && !kernels::AllFinite(row, head_dim, true))
+      return CheckRow(row, off, head_dim);
   } else {
-    row = static_cast<const float*>(data) + off;
+    const float* row = static_cast<const float*>(data) + off;
     std::memcpy(out, row, sizeof(float) * head_dim);
+    if (check_finite && !kernels::AllFinite(out, head_dim, false))
+      return CheckRow(row, off, head_dim);
   }
-  return check_finite ? CheckRow(row, off, head_dim) : absl::OkStatus();
+  return absl::OkStatus();
 }
 
 absl::Status RowSource::RowAsBf16(int64_t layer, int64_t token, int32_t head, int32_t head_dim,
                                   uint16_t* out) const {
   const int64_t off = layer * layer_stride + token * token_stride + int64_t{head} * head_dim;
-  const void* row;
   if (is_bf16) {
-    row = static_cast<const uint16_t*>(data) + off;
-    std::memcpy(out, row, sizeof(uint16_t) * head_dim);
+    const uint16_t* row = static_cast<const uint16_t*>(data) + off;
+    if (!check_finite) {
+      std::memcpy(out, row, sizeof(uint16_t) * head_dim);
+      return absl::OkStatus();
+    }
+    // The copy and the check in one loop: each value is read once.
+    if (!kernels::CopyBf16AllFinite(row, out, head_dim)) return CheckRow(row, off, head_dim);
   } else {
-    row = static_cast<const float*>(data) + off;
-    kernels::FloatToBf16N(static_cast<const float*>(row), out, head_dim);
+    const float* row = static_cast<const float*>(data) + off;
+    kernels::FloatToBf16N(row, out, head_dim);
+    if (check_finite && !kernels::AllFinite(row, head_dim, false))
+      return CheckRow(row, off, head_dim);
   }
-  return check_finite ? CheckRow(row, off, head_dim) : absl::OkStatus();
+  return absl::OkStatus();
 }
 
 absl::Status PageFormat::WriteRows(const RowSource&, const RowSource&, absl::Span<const RowSlot>,
