@@ -42,6 +42,36 @@ int64_t FirstNonFinite(const void* data, int64_t count, bool bf16) {
               : FirstBad<uint32_t, 0x7f800000u>(bytes, count);
 }
 
+bool CopyBf16AllFinite(const uint16_t* src, uint16_t* dst, int64_t count) {
+  uint16_t any = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const uint16_t h = src[i];
+    dst[i] = h;
+    any = static_cast<uint16_t>(any | static_cast<uint16_t>((h & 0x7f80u) == 0x7f80u));
+  }
+  return any == 0;
+}
+
+bool AllFinite(const void* data, int64_t count, bool bf16) {
+  const auto* bytes = static_cast<const uint8_t*>(data);
+  if (bf16) {
+    uint16_t any = 0;
+    for (int64_t i = 0; i < count; ++i) {
+      uint16_t w;
+      std::memcpy(&w, bytes + 2 * i, 2);
+      any = static_cast<uint16_t>(any | static_cast<uint16_t>((w & 0x7f80u) == 0x7f80u));
+    }
+    return any == 0;
+  }
+  uint32_t any = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    uint32_t w;
+    std::memcpy(&w, bytes + 4 * i, 4);
+    any |= static_cast<uint32_t>((w & 0x7f800000u) == 0x7f800000u);
+  }
+  return any == 0;
+}
+
 int64_t FirstNonFiniteReference(const void* data, int64_t count, bool bf16) {
   const auto* bytes = static_cast<const uint8_t*>(data);
   for (int64_t i = 0; i < count; ++i) {

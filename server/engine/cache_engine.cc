@@ -153,9 +153,14 @@ CacheEngine::~CacheEngine() = default;
 absl::StatusOr<RowSource> CacheEngine::Rows(const v1::TensorRef& t, absl::string_view field,
                                             int64_t n, const ModelSpec& s) {
   KVCD_ASSIGN_OR_RETURN(TensorResolver::Bytes b, tensors_.Input(t, field));
-  // A NaN or Inf stored in a shared prefix would poison every later reader of it.
-  KVCD_RETURN_IF_ERROR(tensors_.CheckFinite(b, t, field));
+  // A NaN or Inf stored in a shared prefix would poison every later reader of it. Host rows
+  // on a backend without a device are checked by the CPU formats as they write them, in
+  // the same pass over the client's memory, into pages not yet published (a failure frees
+  // them); device rows, and host rows bound for a device, are checked here first.
   RowSource r;
+  r.check_finite = !b.on_device && backend_->device() == nullptr;
+  r.name = field;
+  if (!r.check_finite) KVCD_RETURN_IF_ERROR(tensors_.CheckFinite(b, t, field));
   r.data = b.data;
   r.on_device = b.on_device;
   r.is_bf16 = t.dtype() == v1::DTYPE_BF16;

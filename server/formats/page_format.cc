@@ -1,10 +1,12 @@
 #include "server/formats/page_format.h"
 
+#include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kvcd/kernels/bf16.h"
+#include "kvcd/kernels/finite_check.h"
 #include "kvcd/kernels/int2_codec.h"
 
 namespace kvcd {
@@ -21,24 +23,58 @@ std::vector<RowSlot> PageRowSlots(int64_t first_token, absl::Span<const int32_t>
   return rows;
 }
 
-void RowSource::RowAsFloat(int64_t layer, int64_t token, int32_t head, int32_t head_dim,
-                           float* out) const {
-  const int64_t off = layer * layer_stride + token * token_stride + int64_t{head} * head_dim;
+absl::Status RowSource::CheckRow(const void* row, int64_t offset, int32_t head_dim) const {
+  // Only for a row known to hold a NaN/Inf: find and name the first one.
+  const int64_t j = kernels::FirstNonFinite(row, head_dim, is_bf16);
+  float x = 0;
   if (is_bf16) {
-    kernels::Bf16ToFloatN(static_cast<const uint16_t*>(data) + off, out, head_dim);
+    uint16_t h;
+    std::memcpy(&h, static_cast<const uint16_t*>(row) + j, 2);
+    x = kernels::Bf16ToFloat(h);
   } else {
-    std::memcpy(out, static_cast<const float*>(data) + off, sizeof(float) * head_dim);
+    std::memcpy(&x, static_cast<const float*>(row) + j, 4);
   }
+  return absl::InvalidArgumentError(absl::StrCat(name, "[", offset + j, "] (flat index, ",
+                                                 is_bf16 ? "BF16" : "F32", ") is ",
+                                                 std::isnan(x) ? "NaN" : (x > 0 ? "+Inf" : "-Inf"),
+                                                 "; expected finite values (nothing was stored)"));
 }
 
-void RowSource::RowAsBf16(int64_t layer, int64_t token, int32_t head, int32_t head_dim,
-                          uint16_t* out) const {
+absl::Status RowSource::RowAsFloat(int64_t layer, int64_t token, int32_t head, int32_t head_dim,
+                                   float* out) const {
   const int64_t off = layer * layer_stride + token * token_stride + int64_t{head} * head_dim;
   if (is_bf16) {
-    std::memcpy(out, static_cast<const uint16_t*>(data) + off, sizeof(uint16_t) * head_dim);
+    const uint16_t* row = static_cast<const uint16_t*>(data) + off;
+    kernels::Bf16ToFloatN(row, out, head_dim);
+    if (check_finite && !kernels::AllFinite(row, head_dim, true))
+      return CheckRow(row, off, head_dim);
   } else {
-    kernels::FloatToBf16N(static_cast<const float*>(data) + off, out, head_dim);
+    const float* row = static_cast<const float*>(data) + off;
+    std::memcpy(out, row, sizeof(float) * head_dim);
+    if (check_finite && !kernels::AllFinite(out, head_dim, false))
+      return CheckRow(row, off, head_dim);
   }
+  return absl::OkStatus();
+}
+
+absl::Status RowSource::RowAsBf16(int64_t layer, int64_t token, int32_t head, int32_t head_dim,
+                                  uint16_t* out) const {
+  const int64_t off = layer * layer_stride + token * token_stride + int64_t{head} * head_dim;
+  if (is_bf16) {
+    const uint16_t* row = static_cast<const uint16_t*>(data) + off;
+    if (!check_finite) {
+      std::memcpy(out, row, sizeof(uint16_t) * head_dim);
+      return absl::OkStatus();
+    }
+    // The copy and the check in one loop: each value is read once.
+    if (!kernels::CopyBf16AllFinite(row, out, head_dim)) return CheckRow(row, off, head_dim);
+  } else {
+    const float* row = static_cast<const float*>(data) + off;
+    kernels::FloatToBf16N(row, out, head_dim);
+    if (check_finite && !kernels::AllFinite(row, head_dim, false))
+      return CheckRow(row, off, head_dim);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status PageFormat::WriteRows(const RowSource&, const RowSource&, absl::Span<const RowSlot>,

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "common/codec_profile.h"
 #include "server/formats/format_id.h"
@@ -43,10 +44,22 @@ struct RowSource {
   bool on_device = false;
   int64_t layer_stride = 0;
   int64_t token_stride = 0;
+  // Host rows only: when set, the rows have not been checked for NaN/Inf yet and the
+  // format's write path checks each row as it reads it (one pass over the client's memory
+  // instead of two); `name` is the request field the rows came from, for the error.
+  bool check_finite = false;
+  absl::string_view name = "rows";
 
-  // Host rows only: one row as float / as BF16 bits.
-  void RowAsFloat(int64_t layer, int64_t token, int32_t head, int32_t head_dim, float* out) const;
-  void RowAsBf16(int64_t layer, int64_t token, int32_t head, int32_t head_dim, uint16_t* out) const;
+  // Host rows only: one row as float / as BF16 bits. With check_finite, OK or
+  // INVALID_ARGUMENT naming the first NaN/Inf of the row by its flat index in the tensor
+  // (`out` is then partly written and must not be published); without it, always OK.
+  absl::Status RowAsFloat(int64_t layer, int64_t token, int32_t head, int32_t head_dim,
+                          float* out) const;
+  absl::Status RowAsBf16(int64_t layer, int64_t token, int32_t head, int32_t head_dim,
+                         uint16_t* out) const;
+
+ private:
+  absl::Status CheckRow(const void* row, int64_t offset, int32_t head_dim) const;
 };
 
 // Token src_token of a RowSource goes to slot `slot` of page `page`.

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/bf16_attention.h"
 #include "kvcd/kernels/int2_codec.h"
@@ -84,11 +85,11 @@ class Bf16CpuFormat final : public CpuPageFormat {
           for (int32_t h = 0; h < g.num_kv_heads; ++h) {
             auto* dst = reinterpret_cast<uint16_t*>(page + layout_.RowOffset(which, h, r.slot));
             if (rot != nullptr) {
-              src.RowAsFloat(src_layer, r.src_token, h, d, f);
+              KVCD_RETURN_IF_ERROR(src.RowAsFloat(src_layer, r.src_token, h, d, f));
               kernels::RotateRows(f, 1, d, which == 0 ? rot->RK(l) : rot->RV(l), rotated);
               kernels::FloatToBf16N(rotated, dst, d);
             } else {
-              src.RowAsBf16(src_layer, r.src_token, h, d, dst);
+              KVCD_RETURN_IF_ERROR(src.RowAsBf16(src_layer, r.src_token, h, d, dst));
             }
           }
         }

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/int2_attention.h"
 #include "kvcd/kernels/int2_codec.h"
@@ -77,7 +78,9 @@ class Int2OscarCpuFormat final : public CpuPageFormat {
         for (int32_t h = 0; h < g.num_kv_heads; ++h) {
           for (int which = 0; which < 2; ++which) {
             const RowSource& in = which == 0 ? k : v;
-            for (int32_t t = 0; t < ps; ++t) in.RowAsFloat(l, src + t, h, d, rows.data() + t * d);
+            for (int32_t t = 0; t < ps; ++t) {
+              KVCD_RETURN_IF_ERROR(in.RowAsFloat(l, src + t, h, d, rows.data() + t * d));
+            }
             kernels::DemoteRowsToInt2(rows.data(), ps, d, which == 0 ? codec.RK(l) : codec.RV(l),
                                       which == 0 ? codec.RhoK(l) : codec.RhoV(l),
                                       which == 0 ? layout.K(page, h) : layout.V(page, h));

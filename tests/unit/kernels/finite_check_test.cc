@@ -1,5 +1,5 @@
-// FirstNonFinite against its scalar reference (std::isfinite per value) on random inputs
-// with planted NaN/Inf, odd sizes and unaligned starts, BF16 and F32.
+// FirstNonFinite, AllFinite and CopyBf16AllFinite against the scalar reference (std::isfinite per
+// value) on random inputs with planted NaN/Inf, odd sizes and unaligned starts, BF16 and F32.
 #include "kvcd/kernels/finite_check.h"
 
 #include <gtest/gtest.h>
@@ -50,6 +50,13 @@ TEST(FiniteCheckTest, MatchesTheReferenceOnRandomInputs) {
           const int64_t want = FirstNonFiniteReference(data, n, bf16 != 0);
           EXPECT_EQ(FirstNonFinite(data, n, bf16 != 0), want)
               << "bf16 " << bf16 << " n " << n << " offset " << offset << " trial " << trial;
+          EXPECT_EQ(AllFinite(data, n, bf16 != 0), want < 0) << "bf16 " << bf16 << " n " << n;
+          if (bf16 != 0 && offset == 0) {  // the fused copy: same answer, exact copy
+            std::vector<uint16_t> src(static_cast<size_t>(n)), dst(src.size(), 0x1234);
+            std::memcpy(src.data(), data, src.size() * 2);
+            EXPECT_EQ(CopyBf16AllFinite(src.data(), dst.data(), n), want < 0) << "n " << n;
+            EXPECT_EQ(src, dst) << "n " << n;
+          }
           if (trial == 0) {
             EXPECT_EQ(want, -1);
           }

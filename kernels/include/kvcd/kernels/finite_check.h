@@ -16,4 +16,12 @@ int64_t FirstNonFinite(const void* data, int64_t count, bool bf16);
 // The scalar reference: the same answer, one value at a time through std::isfinite.
 int64_t FirstNonFiniteReference(const void* data, int64_t count, bool bf16);
 
+// Copies `count` BF16 values from src to dst (no overlap) and returns whether all are
+// finite, in one loop: each value is read once (the check fused into a page write).
+bool CopyBf16AllFinite(const uint16_t* src, uint16_t* dst, int64_t count);
+
+// Whether all `count` values at `data` are finite (FirstNonFinite(...) < 0, one pass
+// without early exit, for rows that were just read and sit in L1).
+bool AllFinite(const void* data, int64_t count, bool bf16);
+
 }  // namespace kvcd::kernels

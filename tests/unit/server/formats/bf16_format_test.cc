@@ -5,10 +5,15 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "kvcd/kernels/bf16.h"
+#include "kvcd/kernels/finite_check.h"
 #include "kvcd/kernels/int2_codec.h"
 
 namespace kvcd {
@@ -124,6 +129,92 @@ TEST(Bf16FormatTest, FormatNamesRoundTrip) {
   s = ParseFormatName("bf16+fsq", "history_format", &out);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("expected 'bf16', 'int2-oscar' or 'fsq'"), absl::string_view::npos);
+}
+
+}  // namespace
+}  // namespace kvcd
+
+namespace kvcd {
+namespace {
+
+// Issue #21.3, fused: with check_finite the write path refuses the first NaN/Inf it reads,
+// naming the tensor and the value's flat index (the same index the whole-tensor scan
+// kernels::FirstNonFiniteReference gives for a single bad value), for BF16 and F32 rows,
+// rotated or not, whole pages and single rows; without it, or with every value finite,
+// the pages are bit-identical to an unchecked write.
+TEST(Bf16FormatTest, CheckedWritesRefuseNonFiniteValuesByFlatIndex) {
+  const int64_t tokens = 2 * kGeo.page_size;
+  const int64_t row = int64_t{kGeo.num_kv_heads} * kGeo.head_dim;
+  const int64_t n = kGeo.num_layers * tokens * row;
+  std::mt19937 rng(7);
+  for (bool rotate : {false, true}) {
+    auto rot = rotate ? std::make_shared<const CodecProfile>(
+                            CodecProfile::Hadamard(kGeo.num_layers, kGeo.head_dim))
+                      : nullptr;
+    auto f = MakeBf16CpuFormat(kGeo, rot);
+    for (bool bf16 : {true, false}) {
+      auto k16 = RandomBf16(n, 11), v16 = RandomBf16(n, 12);
+      std::vector<float> k32(static_cast<size_t>(n)), v32(static_cast<size_t>(n));
+      kernels::Bf16ToFloatN(k16.data(), k32.data(), n);
+      kernels::Bf16ToFloatN(v16.data(), v32.data(), n);
+      auto rows = [&](bool is_k, bool check) {
+        RowSource r = Bf16Rows(k16, tokens);
+        r.data = bf16 ? static_cast<const void*>((is_k ? k16 : v16).data())
+                      : static_cast<const void*>((is_k ? k32 : v32).data());
+        r.is_bf16 = bf16;
+        r.check_finite = check;
+        r.name = is_k ? "k" : "v";
+        return r;
+      };
+      std::vector<uint8_t> plain(static_cast<size_t>(f->page_bytes() * 2));
+      std::vector<uint8_t> checked(plain.size());
+      PagePool plain_pool("bf16", plain.data(), kGeo.num_layers, f->layer_page_bytes(), 2);
+      PagePool checked_pool("bf16", checked.data(), kGeo.num_layers, f->layer_page_bytes(), 2);
+      ASSERT_TRUE(f->WritePages(rows(true, false), rows(false, false), 0, {0, 1}, plain_pool).ok());
+      ASSERT_TRUE(f->WritePages(rows(true, true), rows(false, true), 0, {0, 1}, checked_pool).ok());
+      EXPECT_EQ(plain, checked) << "rotate " << rotate << " bf16 " << bf16;
+
+      for (int trial = 0; trial < 20; ++trial) {
+        const bool in_k = trial % 2 == 0;
+        const int64_t i = std::uniform_int_distribution<int64_t>(0, n - 1)(rng);
+        const int kind = trial % 3;  // NaN, +Inf, -Inf
+        const float bad = kind == 0   ? std::nanf("")
+                          : kind == 1 ? std::numeric_limits<float>::infinity()
+                                      : -std::numeric_limits<float>::infinity();
+        auto& t16 = in_k ? k16 : v16;
+        auto& t32 = in_k ? k32 : v32;
+        const uint16_t keep16 = t16[static_cast<size_t>(i)];
+        const float keep32 = t32[static_cast<size_t>(i)];
+        t16[static_cast<size_t>(i)] = kernels::FloatToBf16(bad);
+        t32[static_cast<size_t>(i)] = bad;
+        const void* data = bf16 ? static_cast<const void*>(t16.data()) : t32.data();
+        ASSERT_EQ(kernels::FirstNonFiniteReference(data, n, bf16), i);
+        const std::string want = absl::StrCat(in_k ? "k" : "v", "[", i, "]");
+        const char* what = kind == 0 ? "NaN" : (kind == 1 ? "+Inf" : "-Inf");
+        absl::Status s =
+            f->WritePages(rows(true, true), rows(false, true), 0, {0, 1}, checked_pool);
+        EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+        EXPECT_NE(s.message().find(want), absl::string_view::npos) << s << " want " << want;
+        EXPECT_NE(s.message().find(what), absl::string_view::npos) << s;
+        // Single rows, every layer: token t of the source to slot t of page 0.
+        std::vector<RowSlot> slots;
+        for (int32_t t = 0; t < kGeo.page_size; ++t) slots.push_back({t, 0, t});
+        const int64_t token = (i / row) % tokens;
+        s = f->WriteRows(rows(true, true), rows(false, true), slots, -1, checked_pool);
+        if (token < kGeo.page_size) {
+          EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+          EXPECT_NE(s.message().find(want), absl::string_view::npos) << s << " want " << want;
+        } else {
+          EXPECT_TRUE(s.ok()) << "token " << token << " is not written: " << s;
+        }
+        // Unchecked, the same rows are written without complaint (the engine checks first).
+        EXPECT_TRUE(
+            f->WritePages(rows(true, false), rows(false, false), 0, {0, 1}, plain_pool).ok());
+        t16[static_cast<size_t>(i)] = keep16;
+        t32[static_cast<size_t>(i)] = keep32;
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -7,9 +7,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/int2_attention.h"
 #include "kvcd/kernels/int2_codec.h"
@@ -179,6 +182,46 @@ TEST(Int2OscarFormatTest, ExpandRowsUnrotatesTheDequantizedRows) {
     }
   }
   EXPECT_LT(std::sqrt(err / norm), 0.6);
+}
+
+}  // namespace
+}  // namespace kvcd
+
+namespace kvcd {
+namespace {
+
+// Issue #21.3, fused: a checked INT2 write refuses a NaN/Inf row before it reaches the
+// quantizer (whose integer codes are undefined for them), naming the tensor and flat
+// index; all-finite checked writes equal unchecked ones byte for byte.
+TEST(Int2OscarFormatTest, CheckedWritePagesRefusesNonFiniteRowsByFlatIndex) {
+  auto f = MakeInt2OscarCpuFormat(kGeo, Hadamard());
+  const int64_t tokens = 2 * kGeo.page_size;
+  const int64_t n = kGeo.num_layers * tokens * kGeo.num_kv_heads * kGeo.head_dim;
+  auto k = RandomRows(n, 21), v = RandomRows(n, 22);
+  auto rows = [&](const std::vector<float>& x, bool check, const char* name) {
+    RowSource r = F32Rows(x, tokens);
+    r.check_finite = check;
+    r.name = name;
+    return r;
+  };
+  Pool plain(f->layer_page_bytes(), 2), checked(f->layer_page_bytes(), 2);
+  ASSERT_TRUE(f->WritePages(rows(k, false, "k"), rows(v, false, "v"), 0, {0, 1}, plain.pool).ok());
+  ASSERT_TRUE(f->WritePages(rows(k, true, "k"), rows(v, true, "v"), 0, {0, 1}, checked.pool).ok());
+  EXPECT_EQ(plain.mem, checked.mem);
+  std::mt19937 rng(3);
+  for (int trial = 0; trial < 20; ++trial) {
+    auto& x = trial % 2 == 0 ? k : v;
+    const int64_t i = std::uniform_int_distribution<int64_t>(0, n - 1)(rng);
+    const float keep = x[static_cast<size_t>(i)];
+    x[static_cast<size_t>(i)] =
+        trial % 3 == 0 ? std::nanf("") : std::numeric_limits<float>::infinity();
+    absl::Status s =
+        f->WritePages(rows(k, true, "k_new"), rows(v, true, "v_new"), 0, {0, 1}, checked.pool);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    const std::string want = absl::StrCat(trial % 2 == 0 ? "k_new" : "v_new", "[", i, "]");
+    EXPECT_NE(s.message().find(want), absl::string_view::npos) << s << " want " << want;
+    x[static_cast<size_t>(i)] = keep;
+  }
 }
 
 }  // namespace
