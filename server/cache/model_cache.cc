@@ -209,8 +209,9 @@ absl::Status ModelCache::WriteCodes(int32_t store, const RowSource* x,
   const PageStore& s = stores_[store];
   if (!s.format->needs_residuals()) return absl::OkStatus();
   if (x == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "model ", Quote(spec_.name), " stores FSQ codes: the residuals x of the tokens are required"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("model ", Quote(spec_.name),
+                     " stores FSQ codes: the residuals x of the tokens are required"));
   }
   return s.format->WriteCodes(*x, rows, layer, *s.pool);
 }

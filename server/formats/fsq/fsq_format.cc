@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "server/formats/bf16/bf16_format.h"
 
 namespace kvcd {
@@ -59,8 +60,8 @@ absl::Status EncodeInto(const FsqModelCodec& m, const PageGeometry& g, const Fsq
         ++n;
       }
       for (size_t t = 0; t < n; ++t) {
-        x.RowAsFloat(src_layer, r.src_token + static_cast<int64_t>(t), 0, c,
-                     run.data() + t * static_cast<size_t>(c));
+        KVCD_RETURN_IF_ERROR(x.RowAsFloat(src_layer, r.src_token + static_cast<int64_t>(t), 0, c,
+                                          run.data() + t * static_cast<size_t>(c)));
       }
       uint8_t* code =
           pool.PagePtr(l, r.page) + codes_offset + int64_t{r.slot} * layout.code_bytes();
