@@ -156,11 +156,14 @@ absl::StatusOr<RowSource> CacheEngine::Rows(const v1::TensorRef& t, absl::string
   // A NaN or Inf stored in a shared prefix would poison every later reader of it. Host rows
   // on a backend without a device are checked by the CPU formats as they write them, in
   // the same pass over the client's memory, into pages not yet published (a failure frees
-  // them); device rows, and host rows bound for a device, are checked here first.
+  // them); host rows bound for a device are checked here first. Rows already on the device
+  // (CUDA IPC) are not checked yet: a separate synchronous check launch cost 10-25x the
+  // Put over IPC on the H200 (bench/results/2026-12-03-h200-hardening.md); the check
+  // belongs fused into the store kernels.
   RowSource r;
   r.check_finite = !b.on_device && backend_->device() == nullptr;
   r.name = field;
-  if (!r.check_finite) KVCD_RETURN_IF_ERROR(tensors_.CheckFinite(b, t, field));
+  if (!r.check_finite && !b.on_device) KVCD_RETURN_IF_ERROR(tensors_.CheckFinite(b, t, field));
   r.data = b.data;
   r.on_device = b.on_device;
   r.is_bf16 = t.dtype() == v1::DTYPE_BF16;
@@ -476,7 +479,9 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
   if (device_q) {
     KVCD_ASSIGN_OR_RETURN(TensorResolver::Bytes qb, tensors_.Input(req.q(), "q"));
     q_region = qb.region;
-    if (device_out) KVCD_RETURN_IF_ERROR(tensors_.CheckFinite(qb, req.q(), "q"));
+    // Device queries with device outputs stay on the device, unchecked: a synchronous check
+    // launch would wait for the queued layers and more than double the decode round trip
+    // (bench/results/2026-12-03-h200-hardening.md).
   }
   if (!device_q || !device_out) {
     std::string q_staging;
