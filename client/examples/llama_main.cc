@@ -3,9 +3,11 @@
 // given a daemon, with its attention served by kvcd; or dumping its real activations.
 #include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "client/examples/bpe_tokenizer.h"
@@ -17,7 +19,8 @@ namespace {
 constexpr char kUsage[] = R"(kvcd-llama — a llama-family model with its attention served by kvcd
 
 Usage: kvcd-llama --model DIR [--prompt TEXT] [--chat] [--max-new 32]
-                  [--target HOST:PORT] [--histories bf16,int2-identity,int2-hadamard]
+                  [--target HOST:PORT] [--histories bf16,int2-identity,int2-hadamard,
+                                                    int2-oscar=CODEC.safetensors]
                   [--page 16] [--sink 16] [--recent 32]
        kvcd-llama --model DIR --dump OUT.safetensors --dump-text FILE [--dump-max-tokens 512]
        kvcd-llama --model DIR --encode FILE
@@ -203,6 +206,14 @@ int main(int argc, char** argv) {
     ll::ServedProfile p;
     p.name = "llama-" + h;
     p.history = h;
+    if (absl::StartsWith(h, "int2-oscar=")) {  // a codec file from kvcd-calibrate
+      const std::string path = h.substr(std::string("int2-oscar=").size());
+      std::ifstream in(path, std::ios::binary);
+      if (!in) return Fail("codec", absl::NotFoundError("cannot open codec file '" + path + "'"));
+      p.codec_blob.assign(std::istreambuf_iterator<char>(in), {});
+      p.history = "int2-oscar";
+      p.name = absl::StrCat("llama-oscar-", rows.size());
+    }
     p.page_size = page;
     p.sink_tokens = sink;
     p.recent_tokens = recent;

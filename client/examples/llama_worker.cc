@@ -108,11 +108,14 @@ absl::Status RegisterProfile(Client& client, const Config& c, const ServedProfil
   } else if (sp.history == "int2-identity" || sp.history == "int2-hadamard") {
     p.set_history_format(v1::HISTORY_FORMAT_INT2_OSCAR);
     p.set_codec(sp.history == "int2-identity" ? "identity" : "hadamard");
+  } else if (sp.history == "int2-oscar" && !sp.codec_blob.empty()) {
+    p.set_history_format(v1::HISTORY_FORMAT_INT2_OSCAR);
   } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("history '", sp.history, "': expected bf16, int2-identity or int2-hadamard"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "history '", sp.history,
+        "': expected bf16, int2-identity, int2-hadamard or int2-oscar with a codec file"));
   }
-  return client.RegisterModel(p, "").status();
+  return client.RegisterModel(p, sp.history == "int2-oscar" ? sp.codec_blob : "").status();
 }
 
 absl::StatusOr<Generation> RunServed(Client& client, const Model& model, const std::string& name,

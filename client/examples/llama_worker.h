@@ -28,9 +28,11 @@ absl::StatusOr<Generation> RunReference(const Model& model, const std::vector<in
                                         int max_new, int stop = -1,
                                         LocalAttention* record = nullptr);
 
-// kvcd model geometry and windows; history "bf16", "int2-identity" or "int2-hadamard".
+// kvcd model geometry and windows; history "bf16", "int2-identity", "int2-hadamard", or
+// "int2-oscar" with `codec_blob` (the bytes of a kvcd-calibrate codec file).
 struct ServedProfile {
   std::string name, history = "bf16";
+  std::string codec_blob;
   int page_size = 16, sink_tokens = 16, recent_tokens = 32;
   int64_t memory_bytes = 64 << 20;
 };
