@@ -281,9 +281,9 @@ void DecodeChannels::Serve(Channel* c) {
                  "kvcd: decode channel %llu: its shared memory shrank under the mapping "
                  "(SIGBUS caught); channel closed\n",
                  static_cast<unsigned long long>(c->id));
-  } else {
-    c->Store(h.closed, 1u, std::memory_order_release);
   }
+  // Tell the worker (a guarded store: when the header page is gone too, nothing to tell).
+  (void)c->Store(h.closed, 1u, std::memory_order_release);
   c->done.store(true);
 }
 
