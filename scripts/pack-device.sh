@@ -3,16 +3,28 @@
 # build: stripped binaries into .devbin and their non-system shared libraries (every ldd
 # dependency except glibc, libstdc++, libgcc and zlib, which the device has) into .devlibs.
 # Both folders are ignored by git; the device tool carries them.
+#   scripts/pack-device.sh        # the daemon, workers, benches and device tests
+#   scripts/pack-device.sh fuzz   # adds the libFuzzer targets of build-fuzz into .devfuzz
+#                                 # (bench/run-fuzz-campaign.sh), keeping .devbin/.devlibs
 set -euo pipefail
 cd "$(dirname "$0")/.."
-build=${KVCD_BUILD_DIR:-build}
-bins=(server/kvcd client/kvctl bench/kvcd_load client/examples/kvcd_demo
-      client/workers/kvcd_prefill_worker client/workers/kvcd_decode_worker
-      tests/kvcd_data_plane_tests tests/kvcd_cuda_tests bench/cuda_int2_bench)
-rm -rf .devbin .devlibs && mkdir -p .devbin .devlibs
+if [[ ${1:-} == fuzz ]]; then
+  build=${KVCD_FUZZ_BUILD_DIR:-build-fuzz}
+  bins=(tests/fuzz/config_fuzz tests/fuzz/safetensors_fuzz tests/fuzz/codec_profile_fuzz
+        tests/fuzz/activation_dump_fuzz tests/fuzz/rpc_fuzz tests/fuzz/decode_channel_fuzz)
+  dest=.devfuzz
+  rm -rf .devfuzz && mkdir -p .devfuzz .devlibs
+else
+  build=${KVCD_BUILD_DIR:-build}
+  bins=(server/kvcd client/kvctl bench/kvcd_load client/examples/kvcd_demo
+        client/workers/kvcd_prefill_worker client/workers/kvcd_decode_worker
+        tests/kvcd_data_plane_tests tests/kvcd_cuda_tests bench/cuda_int2_bench)
+  dest=.devbin
+  rm -rf .devbin .devlibs && mkdir -p .devbin .devlibs
+fi
 for b in "${bins[@]}"; do
-  strip -o ".devbin/$(basename "$b")" "$build/$b"
+  strip -o "$dest/$(basename "$b")" "$build/$b"
   ldd "$build/$b" | awk '/=> \//{print $3}'
 done | sort -u | grep -vE '/(libc|libm|libgcc_s|libstdc\+\+|libz|ld-linux[^/]*)\.so' |
   while read -r lib; do cp -L "$lib" .devlibs/; done
-du -sh .devbin .devlibs
+du -sh "$dest" .devlibs
