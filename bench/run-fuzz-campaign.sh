@@ -6,13 +6,16 @@
 # reproducer. Binaries come from .devfuzz (scripts/pack-device.sh fuzz, after
 # scripts/test-fuzz.sh built them in build-fuzz), their shared libraries from .devlibs.
 #   bench/run-fuzz-campaign.sh            # on the device machine, repository root
-# Writes a per-target summary (executions, seconds, crashes) to stdout and the logs to
-# ${OUT:-/tmp}/fuzz-campaign/.
+#   bench/run-fuzz-campaign.sh rpc_fuzz   # only some targets
+# Prints a per-target summary (executions, seconds, crashes); works in /tmp/fuzz-campaign/;
+# copies each target's first two reproducers and its first crash report (sanitizer stack)
+# to ${OUT:-/tmp} (fuzz-<target>-crash-*, fuzz-<target>-report.txt).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 runs=${KVCD_FUZZ_RUNS:-1000000}
 max_seconds=${KVCD_FUZZ_MAX_SECONDS:-480}  # each job also stops here (the device call limit)
-out=${OUT:-/tmp}/fuzz-campaign
+out=/tmp/fuzz-campaign
+keep=${OUT:-/tmp}
 bins=${KVCD_FUZZ_BIN_DIR:-.devfuzz}
 export LD_LIBRARY_PATH="$PWD/.devlibs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:allocator_may_return_null=1
@@ -22,9 +25,18 @@ cores=$(nproc)
 # engine per input and are 10-50x slower than the readers).
 declare -A share=([config_fuzz]=2 [safetensors_fuzz]=1 [codec_profile_fuzz]=1
   [activation_dump_fuzz]=1 [rpc_fuzz]=4 [decode_channel_fuzz]=6)
+if (($#)); then  # only the named targets, sharing the cores the same way
+  declare -A picked=()
+  for t in "$@"; do picked[$t]=${share[$t]:?unknown target $t}; done
+  unset share && declare -A share=() && for t in "${!picked[@]}"; do share[$t]=${picked[$t]}; done
+fi
+# KVCD_FUZZ_DETECT_LEAKS=0 turns off libFuzzer's per-input leak check (-detect_leaks=0).
+# Use it only where LeakSanitizer cannot stop other threads (ptrace denied in a container:
+# it then reports the locals of a live serving thread as leaks); ASan's own checks stay on.
+leak_flag=(-detect_leaks="${KVCD_FUZZ_DETECT_LEAKS:-1}")
 total=0
 for t in "${!share[@]}"; do total=$((total + share[$t])); done
-mkdir -p "$out"
+rm -rf "$out" && mkdir -p "$out"
 start=$SECONDS
 for t in "${!share[@]}"; do
   jobs=$(((share[$t] * cores + total - 1) / total))
@@ -32,7 +44,7 @@ for t in "${!share[@]}"; do
   mkdir -p "$out/$t/corpus" "$out/$t/logs"
   (
     cd "$out/$t/logs" &&
-      "$OLDPWD/$bins/$t" -jobs="$jobs" -workers="$jobs" -runs="$per_job" -max_total_time="$max_seconds" -timeout=10 \
+      "$OLDPWD/$bins/$t" -jobs="$jobs" -workers="$jobs" -runs="$per_job" -max_total_time="$max_seconds" -timeout=10 "${leak_flag[@]}" \
         -rss_limit_mb=4096 -print_final_stats=1 -artifact_prefix="$out/$t/crash-" \
         "$out/$t/corpus" "$OLDPWD/tests/fuzz/corpus/$t" >"$out/$t/driver.log" 2>&1
   ) &
@@ -42,6 +54,7 @@ status=0
 printf '| target | jobs | executions | seconds | crashes |\n|---|---:|---:|---:|---:|\n'
 for t in config_fuzz safetensors_fuzz codec_profile_fuzz activation_dump_fuzz rpc_fuzz \
     decode_channel_fuzz; do
+  [[ -n ${share[$t]:-} ]] || continue
   jobs=$(((share[$t] * cores + total - 1) / total))
   execs=$(cat "$out/$t"/logs/fuzz-*.log 2>/dev/null |
     sed -n 's/^stat::number_of_executed_units: *//p' | awk '{s += $1} END {print s + 0}')
@@ -49,6 +62,13 @@ for t in config_fuzz safetensors_fuzz codec_profile_fuzz activation_dump_fuzz rp
   secs=$(grep -h 'Done [0-9]* runs in [0-9]* second' "$out/$t"/logs/fuzz-*.log |
     sed 's/.* in \([0-9]*\) second.*/\1/' | sort -n | tail -1)
   printf '| %s | %d | %d | %s | %d |\n' "$t" "$jobs" "$execs" "${secs:-?}" "$crashes"
+  if ((crashes > 0)); then
+    find "$out/$t" -maxdepth 1 -name 'crash-*' | head -2 | while read -r f; do
+      cp "$f" "$keep/fuzz-$t-$(basename "$f")"
+    done
+    report=$(grep -l 'ERROR:\|==ERROR\|runtime error' "$out/$t"/logs/fuzz-*.log | head -1)
+    [[ -n $report ]] && grep -A 60 -m 1 'ERROR\|runtime error' "$report" >"$keep/fuzz-$t-report.txt"
+  fi
   ((crashes == 0 && execs >= runs)) || status=1
 done
 echo "wall: $((SECONDS - start)) s on $cores cores"
