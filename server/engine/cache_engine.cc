@@ -87,12 +87,14 @@ absl::Status CheckHistoryFormat(int format) {
 
 // INVALID_ARGUMENT once a pipelined call's kernel met a NaN/±Inf in the sequence's device
 // inputs (Sequence::device_fault): every later call on it answers this.
-absl::Status DeviceFaultStatus(const Sequence& seq) {
+// this_call: the caller waited for the kernels of the call it answers.
+absl::Status DeviceFaultStatus(const Sequence& seq, bool this_call = false) {
   const uint64_t w = seq.device_fault.Read();
   if (w == 0) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
-      "sequence ", seq.id, ": ", kernels::FaultInputName(kernels::FaultInputOf(w)),
-      " of an earlier AttentionDecode call (layer ", kernels::FaultLayerOf(w),
+      "sequence ", seq.id, ": ", kernels::FaultInputName(kernels::FaultInputOf(w)), " of ",
+      this_call ? "this (or an earlier)" : "an earlier", " AttentionDecode call (layer ",
+      kernels::FaultLayerOf(w),
       ") held NaN or +-Inf in device memory; that call's outputs for it are NaN and the "
       "sequence cannot be used any more: close it and open a new one"));
 }
@@ -586,7 +588,7 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
         reinterpret_cast<float*>(resp->mutable_lse()->mutable_inline_data()->data()), &lengths));
     // Host results: the call waited for its kernels, so a NaN/±Inf they met is known now.
     for (size_t b = 0; b < seqs.size(); ++b) {
-      if (absl::Status f = DeviceFaultStatus(*seqs[b]); !f.ok()) {
+      if (absl::Status f = DeviceFaultStatus(*seqs[b], /*this_call=*/true); !f.ok()) {
         return absl::Status(f.code(), absl::StrCat("sequence_ids[", b, "]: ", f.message()));
       }
     }
