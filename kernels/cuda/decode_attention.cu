@@ -1047,7 +1047,7 @@ constexpr int kMergeLanes = 4;
 template <int D>
 __global__ void __launch_bounds__(kMergeLanes * D) MergeSplits(
     const float* part_o, const float* part_lse, int splits, int rows, const float* r_v_t,
-    float* o, float* lse) {
+    float* o, float* lse, const DeviceFault* faults, int rows_per_entry) {
   // clang-format on
   constexpr int kPer = D / kMergeLanes;
   extern __shared__ float wts[];  // [splits]: lse, then exp(lse - M)
@@ -1059,6 +1059,16 @@ __global__ void __launch_bounds__(kMergeLanes * D) MergeSplits(
   if (r_v_t != nullptr) {
 #pragma unroll
     for (int u = 0; u < kPer; ++u) r[u] = __ldg(r_v_t + (group * kPer + u) * D + j);
+  }
+  // A faulted sequence (device_fault.h). Read before the wait: the words are written by the
+  // row stores and the query conversion, plain launches queued before the decode kernels,
+  // so they are complete once this grid runs at all.
+  bool poison = false;
+  if (faults != nullptr) {
+    const DeviceFault f = faults[row / rows_per_entry];
+    poison =
+        f.tag != 0 &&
+        FaultMatches(*reinterpret_cast<const volatile unsigned long long*>(f.device_word), f.tag);
   }
   WaitPrimaryGrid();  // launched as a programmatic dependent of the decode kernel, or plainly
   constexpr int warps = kMergeLanes * D / 32;
@@ -1109,8 +1119,8 @@ __global__ void __launch_bounds__(kMergeLanes * D) MergeSplits(
   if (group != 0) return;
   const float out =
       r_v_t == nullptr ? x[j] : (partial[0][j] + partial[1][j]) + (partial[2][j] + partial[3][j]);
-  o[static_cast<int64_t>(row) * D + j] = out;
-  if (j == 0) lse[row] = den > 0.0f ? M + logf(den) : -INFINITY;
+  o[static_cast<int64_t>(row) * D + j] = poison ? NAN : out;
+  if (j == 0) lse[row] = poison ? NAN : den > 0.0f ? M + logf(den) : -INFINITY;
 }
 
 }  // namespace
@@ -1197,11 +1207,12 @@ size_t MergeSmemBytes(int parts) { return parts * sizeof(float); }
 // The merge kernel for the head_dim, launched plainly or as a programmatic dependent.
 cudaError_t LaunchMerge(const float* part_o, const float* part_lse, int parts, int rows,
                         int head_dim, const float* r_v_t, float* o, float* lse, cudaStream_t stream,
-                        bool dependent) {
+                        bool dependent, const DeviceFault* faults, int rows_per_entry) {
+  if (faults != nullptr && rows_per_entry <= 0) return cudaErrorInvalidValue;
   auto go = [&](auto kernel, int d) {
     return LaunchDependent(dependent, kernel, dim3(rows), dim3(kMergeLanes * d),
                            MergeSmemBytes(parts), stream, part_o, part_lse, parts, rows, r_v_t, o,
-                           lse);
+                           lse, faults, rows_per_entry);
   };
   switch (head_dim) {
     case 64:
@@ -1267,7 +1278,7 @@ cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& g
   const MergeTarget& m = *opt.merge;
   const int rows = geo.batch * geo.num_q_heads;
   return LaunchMerge(part_o, part_lse, m.parts, rows, geo.head_dim, m.r_v_t, m.o, m.lse, stream,
-                     /*dependent=*/v2 && opt.dependent_launch);
+                     /*dependent=*/v2 && opt.dependent_launch, m.faults, m.rows_per_entry);
 }
 
 cudaError_t LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
@@ -1294,9 +1305,9 @@ cudaError_t LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& g
 
 cudaError_t LaunchMergeParts(const float* part_o, const float* part_lse, int parts, int rows,
                              int head_dim, const float* r_v_t, float* o, float* lse,
-                             cudaStream_t stream) {
+                             cudaStream_t stream, const DeviceFault* faults, int rows_per_entry) {
   return LaunchMerge(part_o, part_lse, parts, rows, head_dim, r_v_t, o, lse, stream,
-                     /*dependent=*/false);
+                     /*dependent=*/false, faults, rows_per_entry);
 }
 
 cudaError_t LaunchInt2Decode(const Int2DecodeParams& p, int max_tokens, cudaStream_t stream) {

@@ -53,15 +53,53 @@ __device__ __forceinline__ void LoadStoreRow(const RowBlock& b, const StoreRow& 
   }
 }
 
+// The fused non-finite check (StoreCheck): how many of the warp's row values (lane l holds
+// l + 32k) are NaN or ±Inf, the same on every lane. The clean path costs one exponent test
+// per value and one vote per row; counting runs only for a row that has a bad value.
+template <int D>
+__device__ __forceinline__ int RowNonFiniteCount(const float (&x)[D / 32]) {
+  bool any = false;
+#pragma unroll
+  for (int k = 0; k < D / 32; ++k) any |= (__float_as_uint(x[k]) & 0x7f800000u) == 0x7f800000u;
+  if (!__any_sync(0xffffffffu, any)) return 0;
+  int n = 0;
+#pragma unroll
+  for (int k = 0; k < D / 32; ++k) {
+    n += __popc(__ballot_sync(0xffffffffu, (__float_as_uint(x[k]) & 0x7f800000u) == 0x7f800000u));
+  }
+  return n;
+}
+
+// Reports row r (bad values `bad` > 0) of a launch as StoreCheck says; one lane calls it.
+__device__ __forceinline__ void ReportBadRow(const StoreCheck& c, const StoreRow& s, int64_t r,
+                                             int bad) {
+  if (c.count != nullptr) atomicAdd(c.count, static_cast<unsigned long long>(bad));
+  if (c.first_row != nullptr) atomicMin(c.first_row, static_cast<unsigned long long>(r));
+  // By value: taking the address of the launch's parameters would copy them to local memory.
+  const DeviceFault f = c.use_inline_faults   ? c.inline_faults[s.token]
+                        : c.faults != nullptr ? c.faults[s.token]
+                                              : DeviceFault{};
+  if (f.tag != 0) {
+    const unsigned long long word =
+        f.tag | (static_cast<unsigned long long>(s.which == 0 ? kFaultKNew : kFaultVNew)
+                 << kFaultInputShift);
+    *reinterpret_cast<volatile unsigned long long*>(f.device_word) = word;
+    *reinterpret_cast<volatile unsigned long long*>(f.host_word) = word;
+    __threadfence_system();
+  }
+}
+
 // The first byte of (layer, page) of the pool.
 __device__ __forceinline__ uint8_t* StorePage(const PagedRows& p, const StoreRow& s) {
   return p.base + s.layer * p.layer_stride + s.page * p.page_bytes;
 }
 
-inline bool ValidStore(const RowBlock& k, const RowBlock& v, const PagedRows& p) {
+inline bool ValidStore(const RowBlock& k, const RowBlock& v, const PagedRows& p,
+                       const StoreCheck* check) {
   return k.data != nullptr && v.data != nullptr && p.base != nullptr &&
          (p.slots != nullptr || p.num_tokens <= PagedRows::kInlineSlots) && p.num_layers > 0 &&
-         p.num_kv_heads > 0 && p.page_size > 0 && p.num_tokens >= 0;
+         p.num_kv_heads > 0 && p.page_size > 0 && p.num_tokens >= 0 &&
+         (check == nullptr || !check->use_inline_faults || p.num_tokens <= PagedRows::kInlineSlots);
 }
 
 // Blocks of kStoreWarpsPerBlock warps for warps_per_row warps on every row.

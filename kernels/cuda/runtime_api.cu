@@ -21,6 +21,18 @@ std::string CopyToHost(void* dst, const void* src, size_t bytes) {
   return Text(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
 }
 std::string HostAlloc(void** ptr, size_t bytes) { return Text(cudaMallocHost(ptr, bytes)); }
+std::string HostAllocMapped(void** host, void** device_view, size_t bytes) {
+  void* h = nullptr;
+  cudaError_t e = cudaHostAlloc(&h, bytes, cudaHostAllocMapped);
+  if (e != cudaSuccess) return Text(e);
+  e = cudaHostGetDevicePointer(device_view, h, 0);
+  if (e != cudaSuccess) {
+    cudaFreeHost(h);
+    return Text(e);
+  }
+  *host = h;
+  return std::string();
+}
 std::string HostFree(void* ptr) { return Text(cudaFreeHost(ptr)); }
 std::string CopyToDeviceAsync(void* dst, const void* src, size_t bytes) {
   return Text(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, nullptr));

@@ -1,7 +1,7 @@
 // Paged BF16 row stores (cuda_store_rows.h): D/32 warps per row, warp w producing outputs
 // [32w, 32w + 32) (one per lane) so that the rotation's reads of R spread over as many warps
 // as there are columns to make; each output summed in input order as RotateRows does, and
-// rounded as FloatToBf16.
+// rounded as FloatToBf16. kCheck compiles the fused non-finite check in (StoreCheck).
 #include "dispatch.cuh"
 #include "kvcd/kernels/cuda_store_rows.h"
 #include "paged_rows.cuh"
@@ -15,8 +15,9 @@ __device__ __forceinline__ uint16_t FloatToBf16Bits(float f) {  // FloatToBf16 o
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-template <int D>
-__global__ void StoreBf16RowsKernel(RowBlock k, RowBlock v, PagedRows p, RowCodec codec) {
+template <int D, bool kCheck>
+__global__ void StoreBf16RowsKernel(RowBlock k, RowBlock v, PagedRows p, RowCodec codec,
+                                    StoreCheck check) {
   constexpr int kWarpsPerRow = D / 32;
   const int lane = threadIdx.x & 31;
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * kStoreWarpsPerBlock + (threadIdx.x >> 5);
@@ -26,6 +27,12 @@ __global__ void StoreBf16RowsKernel(RowBlock k, RowBlock v, PagedRows p, RowCode
   const StoreRow s = DecodeStoreRow(r, p);
   float x[D / 32];
   LoadStoreRow<D>(s.which == 0 ? k : v, s, lane, x);
+  bool bad = false;
+  if constexpr (kCheck) {  // every warp of the row holds all of it; the first one reports
+    const int n = RowNonFiniteCount<D>(x);
+    bad = n > 0;
+    if (bad && slice == 0 && lane == 0) ReportBadRow(check, s, r, n);
+  }
   const int j = 32 * slice + lane;  // this lane's output
   float y = x[slice];
   const float* rot = s.which == 0 ? codec.r_k : codec.r_v;
@@ -43,19 +50,27 @@ __global__ void StoreBf16RowsKernel(RowBlock k, RowBlock v, PagedRows p, RowCode
   }
   auto* dst = reinterpret_cast<uint16_t*>(StorePage(p, s)) +
               ((int64_t{s.which} * p.num_kv_heads + s.head) * p.page_size + s.slot) * D;
-  dst[j] = FloatToBf16Bits(y);
+  dst[j] = bad ? uint16_t{0} : FloatToBf16Bits(y);
 }
 
 }  // namespace
 
 cudaError_t LaunchStoreBf16Rows(const RowBlock& k, const RowBlock& v, const PagedRows& dst,
-                                const RowCodec& codec, cudaStream_t stream) {
-  if (!ValidStore(k, v, dst)) return cudaErrorInvalidValue;
+                                const RowCodec& codec, cudaStream_t stream,
+                                const StoreCheck* check) {
+  if (!ValidStore(k, v, dst, check)) return cudaErrorInvalidValue;
   if (dst.num_tokens == 0) return cudaSuccess;
+  const StoreCheck c = check != nullptr ? *check : StoreCheck{};
   return DispatchHeadDim(dst.head_dim, [&](auto hd) {
     constexpr int kD = decltype(hd)::value;
-    StoreBf16RowsKernel<kD>
-        <<<StoreGrid(dst, kD / 32), 32 * kStoreWarpsPerBlock, 0, stream>>>(k, v, dst, codec);
+    const dim3 grid = StoreGrid(dst, kD / 32);
+    if (check != nullptr) {
+      StoreBf16RowsKernel<kD, true>
+          <<<grid, 32 * kStoreWarpsPerBlock, 0, stream>>>(k, v, dst, codec, c);
+    } else {
+      StoreBf16RowsKernel<kD, false>
+          <<<grid, 32 * kStoreWarpsPerBlock, 0, stream>>>(k, v, dst, codec, c);
+    }
     return cudaGetLastError();
   });
 }

@@ -1,5 +1,6 @@
 // Paged INT2 row stores (cuda_store_rows.h): one warp per row, the shared quantizer
 // (int2_row_quantizer.cuh), codes and FP16 parameters placed as Int2PageLayout says.
+// kCheck compiles the fused non-finite check in (StoreCheck).
 #include <cuda_fp16.h>
 
 #include "dispatch.cuh"
@@ -11,8 +12,9 @@
 namespace kvcd::kernels::cuda {
 namespace {
 
-template <int D>
-__global__ void StoreInt2RowsKernel(RowBlock k, RowBlock v, PagedRows p, RowCodec codec) {
+template <int D, bool kCheck>
+__global__ void StoreInt2RowsKernel(RowBlock k, RowBlock v, PagedRows p, RowCodec codec,
+                                    StoreCheck check) {
   constexpr int kQ = D / 4, kG = kQ < 4 ? kQ : 4;
   const int lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kStoreWarpsPerBlock + (threadIdx.x >> 5);
@@ -22,6 +24,14 @@ __global__ void StoreInt2RowsKernel(RowBlock k, RowBlock v, PagedRows p, RowCode
   LoadStoreRow<D>(s.which == 0 ? k : v, s, lane, x);
   const float* rot = s.which == 0 ? codec.r_k : codec.r_v;
   if (rot != nullptr) rot += s.layer * codec.r_layer_stride;
+  if constexpr (kCheck) {
+    if (const int n = RowNonFiniteCount<D>(x); n > 0) {  // stored as zeros, not rotated
+      if (lane == 0) ReportBadRow(check, s, r, n);
+#pragma unroll
+      for (int e = 0; e < D / 32; ++e) x[e] = 0.0f;
+      rot = nullptr;
+    }
+  }
   const float rho = (s.which == 0 ? codec.rho_k : codec.rho_v)[s.layer];
   int q[D / 32];
   float scale, lo;
@@ -47,14 +57,22 @@ __global__ void StoreInt2RowsKernel(RowBlock k, RowBlock v, PagedRows p, RowCode
 }  // namespace
 
 cudaError_t LaunchStoreInt2Rows(const RowBlock& k, const RowBlock& v, const PagedRows& dst,
-                                const RowCodec& codec, cudaStream_t stream) {
-  if (!ValidStore(k, v, dst) || codec.rho_k == nullptr || codec.rho_v == nullptr) {
+                                const RowCodec& codec, cudaStream_t stream,
+                                const StoreCheck* check) {
+  if (!ValidStore(k, v, dst, check) || codec.rho_k == nullptr || codec.rho_v == nullptr) {
     return cudaErrorInvalidValue;
   }
   if (dst.num_tokens == 0) return cudaSuccess;
+  const StoreCheck c = check != nullptr ? *check : StoreCheck{};
   return DispatchHeadDim(dst.head_dim, [&](auto hd) {
-    StoreInt2RowsKernel<decltype(hd)::value>
-        <<<StoreGrid(dst), 32 * kStoreWarpsPerBlock, 0, stream>>>(k, v, dst, codec);
+    constexpr int kD = decltype(hd)::value;
+    if (check != nullptr) {
+      StoreInt2RowsKernel<kD, true>
+          <<<StoreGrid(dst), 32 * kStoreWarpsPerBlock, 0, stream>>>(k, v, dst, codec, c);
+    } else {
+      StoreInt2RowsKernel<kD, false>
+          <<<StoreGrid(dst), 32 * kStoreWarpsPerBlock, 0, stream>>>(k, v, dst, codec, c);
+    }
     return cudaGetLastError();
   });
 }

@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "common/codec_profile.h"
+#include "kvcd/kernels/device_fault.h"
 #include "server/formats/fsq/fsq_format.h"
 #include "server/formats/page_format.h"
 #include "server/formats/page_pool.h"
@@ -35,6 +36,9 @@ struct AttentionJob {
   const float* q = nullptr;  // [num_q_heads][head_dim], raw post-RoPE
   float* o = nullptr;        // [num_q_heads][head_dim]
   float* lse = nullptr;      // [num_q_heads]
+  // Backends with a device: the sequence's fault target at this layer (tag 0 = none). A
+  // NaN/±Inf in its device queries sets it, and a set one makes its outputs NaN.
+  kernels::DeviceFault fault;
 };
 
 struct AttentionBatch {

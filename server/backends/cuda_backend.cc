@@ -15,7 +15,9 @@
 #include "kvcd/kernels/cuda_device_copy.h"
 #include "kvcd/kernels/cuda_page_copy.h"
 #include "kvcd/kernels/cuda_runtime_api.h"
+#include "kvcd/kernels/device_fault.h"
 #include "server/backends/backend.h"
+#include "server/backends/cuda_fault_board.h"
 #include "server/backends/device_runtime.h"
 #include "server/formats/bf16/bf16_format_cuda.h"
 #include "server/formats/cuda_codec.h"
@@ -163,28 +165,8 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     RETURN_IF_CUDA(kc::Synchronize());
     return absl::OkStatus();
   }
-  // The paged copy's check mode over one "page" that is the whole tensor.
-  absl::StatusOr<int64_t> CountNonFinite(const void* data, int64_t count, bool bf16) override {
-    if (count <= 0) return int64_t{0};
-    std::lock_guard<std::mutex> lock(mu_);
-    auto d = check_scratch_.Reserve(sizeof(unsigned long long));
-    if (!d.ok()) return d.status();
-    auto* d_bad = reinterpret_cast<unsigned long long*>(*d);
-    kc::PagedCopyArgs a;
-    a.layer_bytes = count * (bf16 ? 2 : 4);
-    a.num_layers = 1;
-    a.num_pages = 1;
-    a.run = static_cast<uint8_t*>(const_cast<void*>(data));
-    a.check = bf16 ? kc::kCheckBf16Finite : kc::kCheckF32Finite;
-    a.check_offset = 0;
-    a.check_bytes = a.layer_bytes;
-    const unsigned long long zero = 0;
-    RETURN_IF_CUDA(kc::CopyToDevice(d_bad, &zero, sizeof(zero)));
-    RETURN_IF_CUDA_ERR(kc::LaunchPagedCopy(kc::PageCopy::kCheck, a, d_bad, nullptr));
-    unsigned long long bad = 0;
-    RETURN_IF_CUDA(kc::CopyToHost(&bad, d_bad, sizeof(bad)));
-    return static_cast<int64_t>(bad);
-  }
+  absl::StatusOr<DeviceFaultWords> AcquireFaultWords() override { return faults_.Acquire(); }
+  void ReleaseFaultWords(const DeviceFaultWords& words) override { faults_.Release(words); }
 
   absl::Status Attend(const AttentionBatch& b) override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -244,6 +226,20 @@ class CudaBackend final : public Backend, public DeviceRuntime {
       l.len_off = host_i32.size();
       host_i32.insert(host_i32.end(), l.lens.begin(), l.lens.end());
     }
+    // The sequences' fault targets (device_fault.h) travel with the page tables, 8-byte
+    // aligned: the query conversion sets them, the merge poisons the rows of a set one.
+    bool any_fault = false;
+    for (const AttentionJob& job : b.jobs) any_fault = any_fault || job.fault.tag != 0;
+    size_t faults_off = 0;
+    if (any_fault) {
+      if (host_i32.size() % 2 != 0) host_i32.push_back(0);
+      faults_off = host_i32.size();
+      host_i32.resize(faults_off + batch * sizeof(kernels::DeviceFault) / sizeof(int32_t));
+      for (int j = 0; j < batch; ++j) {
+        std::memcpy(host_i32.data() + faults_off + j * sizeof(kernels::DeviceFault) / 4,
+                    &b.jobs[j].fault, sizeof(kernels::DeviceFault));
+      }
+    }
     parts = std::max(1, parts);
     const CudaCodec* codec = static_cast<const CudaPageFormat*>(b.model_format)->device_codec();
     const float* d_rk = codec != nullptr ? codec->RK(b.layer) : nullptr;
@@ -269,23 +265,32 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     float* d_o = reinterpret_cast<float*>(carve(q_bytes));
     float* d_lse = reinterpret_cast<float*>(carve(sizeof(float) * rows));
     void* d_state = carve(state_bytes);
+    // Page tables and lengths go up from pinned staging without waiting for the device:
+    // a call whose queries and results live on the device (CUDA IPC) never blocks here.
+    KVCD_RETURN_IF_ERROR(
+        Noted(uploads_.Upload(d_i32, host_i32.data(), sizeof(int32_t) * host_i32.size())));
+    const auto* d_faults =
+        any_fault ? reinterpret_cast<const kernels::DeviceFault*>(d_i32 + faults_off) : nullptr;
     if (b.device_q != nullptr) {
-      RETURN_IF_CUDA_ERR(kc::LaunchToFloat(b.device_q, b.device_q_bf16,
-                                           static_cast<int64_t>(rows) * d, d_q, nullptr));
+      // The worker's queries are read here and only here: the non-finite check is fused
+      // into this conversion (a bad value becomes 0 and marks its sequence's fault words).
+      RETURN_IF_CUDA_ERR(kc::LaunchQueriesToFloat(b.device_q, b.device_q_bf16, batch,
+                                                  static_cast<int64_t>(hq) * d, d_q, d_faults,
+                                                  nullptr));
     } else {
       std::vector<float> q(static_cast<size_t>(rows) * d);
       for (int j = 0; j < batch; ++j)
         std::copy(b.jobs[j].q, b.jobs[j].q + hq * d, q.begin() + j * hq * d);
       RETURN_IF_CUDA(kc::CopyToDevice(d_q, q.data(), q_bytes));
     }
-    // Page tables and lengths go up from pinned staging without waiting for the device:
-    // a call whose queries and results live on the device (CUDA IPC) never blocks here.
-    KVCD_RETURN_IF_ERROR(
-        Noted(uploads_.Upload(d_i32, host_i32.data(), sizeof(int32_t) * host_i32.size())));
     // Results go into the worker's buffer (CUDA IPC; the caller records its event) or into
     // device scratch copied back below.
-    const kc::MergeTarget merge{parts, d_rvt, b.device_o != nullptr ? b.device_o : d_o,
-                                b.device_o != nullptr ? b.device_lse : d_lse};
+    const kc::MergeTarget merge{parts,
+                                d_rvt,
+                                b.device_o != nullptr ? b.device_o : d_o,
+                                b.device_o != nullptr ? b.device_lse : d_lse,
+                                d_faults,
+                                hq};
     int part_base = 0;
     bool merged = false;
     for (const List& l : lists) {
@@ -317,7 +322,7 @@ class CudaBackend final : public Backend, public DeviceRuntime {
         RETURN_IF_CUDA(kc::CopyToDevice(d_part_lse, neg.data(), sizeof(float) * rows));
       }
       RETURN_IF_CUDA_ERR(kc::LaunchMergeParts(d_part_o, d_part_lse, parts, rows, d, merge.r_v_t,
-                                              merge.o, merge.lse, nullptr));
+                                              merge.o, merge.lse, nullptr, d_faults, hq));
     }
     if (b.device_o != nullptr) return absl::OkStatus();
     std::vector<float> o(static_cast<size_t>(rows) * d), lse(rows);
@@ -371,7 +376,7 @@ class CudaBackend final : public Backend, public DeviceRuntime {
   DeviceScratch scratch_;
   DeviceScratch ids_scratch_;
   DeviceScratch staging_;
-  DeviceScratch check_scratch_;  // CountNonFinite's counter
+  CudaFaultBoard faults_;
   PinnedUploader uploads_;
   mutable std::atomic<bool> sticky_{false};
 };

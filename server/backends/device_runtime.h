@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "server/backends/backend.h"
+#include "server/backends/device_fault_words.h"
 
 namespace kvcd {
 
@@ -29,9 +30,12 @@ class DeviceRuntime {
   virtual absl::Status CopyHostToDevice(void* device, const void* host, size_t bytes) = 0;
   // Waits for all queued device work.
   virtual absl::Status Synchronize() = 0;
-  // How many of the `count` values at device address `data` (BF16 if bf16, else F32) are
-  // NaN or ±Inf: one check launch after the work queued so far, then a wait for its count.
-  virtual absl::StatusOr<int64_t> CountNonFinite(const void* data, int64_t count, bool bf16) = 0;
+  // A clean pair of fault words for one sequence (device_fault_words.h), held until
+  // ReleaseFaultWords; RESOURCE_EXHAUSTED / INTERNAL if the memory for more cannot be had.
+  // A released pair goes to a later sequence under a new owner number, so writes of
+  // kernels still queued for the earlier owner never count for the new one.
+  virtual absl::StatusOr<DeviceFaultWords> AcquireFaultWords() = 0;
+  virtual void ReleaseFaultWords(const DeviceFaultWords& words) = 0;
 };
 
 // The backend's device runtime, or FAILED_PRECONDITION saying that CUDA IPC and NCCL

@@ -8,6 +8,7 @@
 #include "common/quote.h"
 #include "common/status_macros.h"
 #include "kvcd/kernels/bf16.h"
+#include "server/backends/device_runtime.h"
 
 namespace kvcd {
 namespace {
@@ -480,6 +481,10 @@ int64_t ModelCache::Match(const std::string& salt, absl::Span<const int32_t> tok
 std::shared_ptr<Sequence> ModelCache::Open(uint64_t id, const std::string& salt,
                                            absl::Span<const int32_t> tokens) {
   auto seq = std::make_shared<Sequence>(id, this, salt);
+  if (DeviceRuntime* device = backend_->device(); device != nullptr) {
+    // Without fault words the device inputs of this sequence are checked synchronously.
+    if (auto words = device->AcquireFaultWords(); words.ok()) seq->device_fault = *words;
+  }
   std::lock_guard<std::mutex> seq_lock(seq->mu);
   std::lock_guard<std::mutex> lock(mu_);
   RadixTree::MatchResult m = tree_.MatchAndPin(salt, tokens);
@@ -505,6 +510,7 @@ void ModelCache::Close(Sequence* seq) {
   FreeLocked(absl::MakeConstSpan(seq->pages).subspan(static_cast<size_t>(seq->shared_pages)));
   seq->pages.clear();
   open_sequences_.fetch_sub(1);
+  if (seq->device_fault.held()) backend_->device()->ReleaseFaultWords(seq->device_fault);
 }
 
 absl::StatusOr<int64_t> ModelCache::Append(Sequence* seq, absl::Span<const int32_t> tokens,
@@ -575,6 +581,19 @@ std::vector<AttentionSegment> ModelCache::Segments(const Sequence& seq, int64_t 
   return segs;
 }
 
+bool ModelCache::PipelinedFaults(absl::Span<Sequence* const> seqs, int32_t layer,
+                                 const RowSource& k, const RowSource& v,
+                                 std::vector<kernels::DeviceFault>* faults) {
+  const bool device_rows = (k.on_device && k.check_finite) || (v.on_device && v.check_finite);
+  if (!device_rows) return false;
+  for (const Sequence* s : seqs) {
+    if (!s->device_fault.held()) return false;  // checked synchronously then
+  }
+  faults->clear();
+  for (const Sequence* s : seqs) faults->push_back(s->device_fault.AtLayer(layer));
+  return true;
+}
+
 absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs, const float* q,
                                 float softmax_scale, const NewTokens& new_tokens, float* o,
                                 float* lse, std::vector<int64_t>* lengths, const DeviceIo* device) {
@@ -618,9 +637,14 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
       const PageRef& r = page < s->pages.size() ? s->pages[page] : fresh[next_fresh++];
       slots.push_back({static_cast<int64_t>(b), r.page, static_cast<int32_t>(pos % ps)});
     }
+    // Device rows of a pipelined call: a NaN/±Inf marks its sequence (Sequence::device_fault)
+    // instead of failing the call, which does not wait for its kernels.
+    RowSource k = new_tokens.k, v = new_tokens.v;
+    std::vector<kernels::DeviceFault> faults;
+    if (PipelinedFaults(seqs, layer, k, v, &faults))
+      k.device_faults = v.device_faults = faults.data();
     const PageStore& window = stores_[kWindow];
-    absl::Status written =
-        window.format->WriteRows(new_tokens.k, new_tokens.v, slots, layer, *window.pool);
+    absl::Status written = window.format->WriteRows(k, v, slots, layer, *window.pool);
     if (written.ok()) written = WriteCodes(kWindow, new_tokens.x, slots, layer);
     if (!written.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
@@ -658,6 +682,7 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
   lengths->clear();
   for (size_t b = 0; b < seqs.size(); ++b) {
     AttentionJob job;
+    job.fault = seqs[b]->device_fault.AtLayer(layer);
     const int64_t len = seqs[b]->layer_len[layer];
     job.segments = Segments(*seqs[b], len);
     if (device == nullptr) {

@@ -160,6 +160,11 @@ class ModelCache {
     float* lse = nullptr;
   };
   // Attention of one layer for a batch of distinct open sequences of this model.
+  // New tokens' device rows (on_device, check_finite) are checked by the store kernel: when
+  // every sequence holds fault words the call does not wait for it (a NaN/±Inf row is
+  // stored as zeros and sets the sequence's Sequence::device_fault, and the call's outputs
+  // for that sequence are NaN); otherwise the store is synchronous and a bad row fails the
+  // call with INVALID_ARGUMENT, its fresh pages freed.
   // q: [B][num_q_heads][head_dim] float; o: [B][num_q_heads][head_dim]; lse: [B][num_q_heads].
   // With new tokens, each sequence first receives its token at this layer.
   // With `device` set, q / o / lse are unused.
@@ -196,6 +201,11 @@ class ModelCache {
   ModelSnapshot Snapshot() const;
 
  private:
+  // The per-token fault targets of a pipelined fused append (see Attend); false when the
+  // rows need no device check or a sequence holds no fault words.
+  static bool PipelinedFaults(absl::Span<Sequence* const> seqs, int32_t layer, const RowSource& k,
+                              const RowSource& v, std::vector<kernels::DeviceFault>* faults);
+
   // One format's pages: the format (created by the backend) and its pool.
   struct PageStore {
     std::unique_ptr<PageFormat> format;

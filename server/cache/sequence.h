@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "server/backends/device_fault_words.h"
 #include "server/cache/radix_tree.h"
 
 namespace kvcd {
@@ -42,6 +43,11 @@ struct Sequence {
   std::vector<int32_t> tokens ABSL_GUARDED_BY(mu);     // committed token ids
   int32_t pending_token ABSL_GUARDED_BY(mu) = 0;       // id of a partly appended token
   int64_t next_demote_page ABSL_GUARDED_BY(mu) = 0;    // pages below are final
+
+  // Backends with a device: set when a pipelined call's kernel met a NaN/±Inf in this
+  // sequence's device inputs (device_fault_words.h); from then on the sequence answers
+  // INVALID_ARGUMENT. Set at Open (not held when none could be had), released at Close.
+  DeviceFaultWords device_fault;
 
   // Lease: the sequence is reclaimed once now > deadline_ns (steady clock).
   std::atomic<int64_t> lease_ms{0};

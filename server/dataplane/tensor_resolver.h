@@ -36,10 +36,10 @@ class TensorResolver {
   // An input tensor's bytes where they are: its inline data, or its cuda_ipc region after
   // the daemon's stream waits for the buffer's ready event.
   absl::StatusOr<Bytes> Input(const v1::TensorRef& t, absl::string_view field);
-  // INVALID_ARGUMENT if a value of a BF16 or F32 input (its shape already checked) is NaN
-  // or ±Inf: host bytes are scanned (the message names the first bad element), device
-  // bytes are counted by one check launch (DeviceRuntime::CountNonFinite). Other dtypes
-  // pass.
+  // INVALID_ARGUMENT if a value of a BF16 or F32 input (its shape already checked) in host
+  // memory is NaN or ±Inf (the message names the first bad element); other dtypes pass.
+  // Device bytes are not scanned here (INTERNAL): the kernels that read them check them
+  // (cuda_store_rows.h StoreCheck, cuda_device_copy.h LaunchQueriesToFloat).
   absl::Status CheckFinite(const Bytes& b, const v1::TensorRef& t, absl::string_view field) const;
   // An input tensor's bytes in host memory: inline data, or its region copied into *staging.
   absl::StatusOr<const char*> HostInput(const v1::TensorRef& t, absl::string_view field,

@@ -14,6 +14,7 @@
 #include "common/steady_clock.h"
 #include "common/tensor_ref.h"
 #include "kvcd/kernels/bf16.h"
+#include "kvcd/kernels/device_fault.h"
 #include "server/backends/device_runtime.h"
 
 namespace kvcd {
@@ -82,6 +83,20 @@ absl::Status CheckHistoryFormat(int format) {
                        ", not a known HistoryFormat; expected HISTORY_FORMAT_BF16 (1), "
                        "HISTORY_FORMAT_INT2_OSCAR (2) or HISTORY_FORMAT_FSQ (3)"));
   }
+}
+
+// INVALID_ARGUMENT once a pipelined call's kernel met a NaN/±Inf in the sequence's device
+// inputs (Sequence::device_fault): every later call on it answers this.
+// this_call: the caller waited for the kernels of the call it answers.
+absl::Status DeviceFaultStatus(const Sequence& seq, bool this_call = false) {
+  const uint64_t w = seq.device_fault.Read();
+  if (w == 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "sequence ", seq.id, ": ", kernels::FaultInputName(kernels::FaultInputOf(w)), " of ",
+      this_call ? "this (or an earlier)" : "an earlier", " AttentionDecode call (layer ",
+      kernels::FaultLayerOf(w),
+      ") held NaN or +-Inf in device memory; that call's outputs for it are NaN and the "
+      "sequence cannot be used any more: close it and open a new one"));
 }
 
 }  // namespace
@@ -157,13 +172,13 @@ absl::StatusOr<RowSource> CacheEngine::Rows(const v1::TensorRef& t, absl::string
   // on a backend without a device are checked by the CPU formats as they write them, in
   // the same pass over the client's memory, into pages not yet published (a failure frees
   // them); host rows bound for a device are checked here first. Rows already on the device
-  // (CUDA IPC) are not checked yet: a separate synchronous check launch cost 10-25x the
-  // Put over IPC on the H200 (bench/results/2026-12-03-h200-hardening.md); the check
-  // belongs fused into the store kernels.
+  // (CUDA IPC) are checked by the CUDA store kernels as they read them (RowSource::
+  // check_finite): Put and Append wait for the store and fail before publishing; a fused
+  // append marks its sequence instead (ModelCache::Attend, DeviceFaultStatus below).
   RowSource r;
-  r.check_finite = !b.on_device && backend_->device() == nullptr;
+  r.check_finite = b.on_device || backend_->device() == nullptr;
   r.name = field;
-  if (!r.check_finite && !b.on_device) KVCD_RETURN_IF_ERROR(tensors_.CheckFinite(b, t, field));
+  if (!r.check_finite) KVCD_RETURN_IF_ERROR(tensors_.CheckFinite(b, t, field));
   r.data = b.data;
   r.on_device = b.on_device;
   r.is_bf16 = t.dtype() == v1::DTYPE_BF16;
@@ -360,6 +375,8 @@ absl::Status CacheEngine::CloseSequence(const v1::CloseSequenceRequest& req,
 
 absl::Status CacheEngine::RenewLease(const v1::RenewLeaseRequest& req,
                                      v1::RenewLeaseResponse* resp) {
+  KVCD_ASSIGN_OR_RETURN(auto seq, sequences_.Find(req.sequence_id()));
+  KVCD_RETURN_IF_ERROR(DeviceFaultStatus(*seq));
   KVCD_ASSIGN_OR_RETURN(int64_t lease, sequences_.Renew(req.sequence_id(), req.lease_ms()));
   resp->set_lease_ms(lease);
   return absl::OkStatus();
@@ -367,6 +384,7 @@ absl::Status CacheEngine::RenewLease(const v1::RenewLeaseRequest& req,
 
 absl::Status CacheEngine::Append(const v1::AppendRequest& req, v1::AppendResponse* resp) {
   KVCD_ASSIGN_OR_RETURN(auto seq, sequences_.Find(req.sequence_id()));
+  KVCD_RETURN_IF_ERROR(DeviceFaultStatus(*seq));
   const ModelSpec& s = seq->model->spec();
   KVCD_RETURN_IF_ERROR(CheckTokens(req.tokens(), "tokens", false));
   const int64_t n = req.tokens_size();
@@ -407,6 +425,9 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
                                                      " appears twice; a batch needs distinct ids"));
     }
     KVCD_ASSIGN_OR_RETURN(auto seq, sequences_.Find(id));
+    if (absl::Status f = DeviceFaultStatus(*seq); !f.ok()) {
+      return absl::Status(f.code(), absl::StrCat("sequence_ids[", b, "]: ", f.message()));
+    }
     if (!seqs.empty() && seq->model != seqs.front()->model) {
       return absl::InvalidArgumentError(
           absl::StrCat("sequence_ids[", b, "] belongs to model '", seq->model->spec().name,
@@ -476,14 +497,17 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
   BufferRegistry::Region q_region, o_region, lse_region;
   std::vector<float> q;
   const bool device_q = req.q().payload_case() == v1::TensorRef::kCudaIpc;
+  // Device queries with device outputs stay on the device: the query conversion checks them
+  // and marks a sequence with a NaN/±Inf (its outputs are NaN, its next call fails), so the
+  // call does not wait. That needs every sequence's fault words; else they come to the host
+  // and are scanned.
+  bool q_on_device = device_q && device_out;
+  for (const auto& sq : seqs) q_on_device = q_on_device && sq->device_fault.held();
   if (device_q) {
     KVCD_ASSIGN_OR_RETURN(TensorResolver::Bytes qb, tensors_.Input(req.q(), "q"));
     q_region = qb.region;
-    // Device queries with device outputs stay on the device, unchecked: a synchronous check
-    // launch would wait for the queued layers and more than double the decode round trip
-    // (bench/results/2026-12-03-h200-hardening.md).
   }
-  if (!device_q || !device_out) {
+  if (!q_on_device) {
     std::string q_staging;
     KVCD_ASSIGN_OR_RETURN(const char* q_bytes, tensors_.HostInput(req.q(), "q", &q_staging));
     TensorResolver::Bytes host_q;
@@ -503,7 +527,7 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
   if (device_out) {
     KVCD_ASSIGN_OR_RETURN(o_region, tensors_.Output(req.o_out(), "o_out", false));
     KVCD_ASSIGN_OR_RETURN(lse_region, tensors_.Output(req.lse_out(), "lse_out", false));
-    if (device_q) {
+    if (q_on_device) {
       device.q = q_region.ptr;
       device.q_bf16 = req.q().dtype() == v1::DTYPE_BF16;
     } else {  // host queries, device results: the queries go up first
@@ -562,6 +586,12 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
         req.layer(), raw, q.data(), scale, new_tokens,
         reinterpret_cast<float*>(resp->mutable_o()->mutable_inline_data()->data()),
         reinterpret_cast<float*>(resp->mutable_lse()->mutable_inline_data()->data()), &lengths));
+    // Host results: the call waited for its kernels, so a NaN/±Inf they met is known now.
+    for (size_t b = 0; b < seqs.size(); ++b) {
+      if (absl::Status f = DeviceFaultStatus(*seqs[b], /*this_call=*/true); !f.ok()) {
+        return absl::Status(f.code(), absl::StrCat("sequence_ids[", b, "]: ", f.message()));
+      }
+    }
   }
   resp->set_kernel_seconds(
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
@@ -572,6 +602,7 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
 absl::Status CacheEngine::FetchPages(const v1::FetchPagesRequest& req,
                                      v1::FetchPagesResponse* resp) {
   KVCD_ASSIGN_OR_RETURN(auto seq, sequences_.Find(req.sequence_id()));
+  KVCD_RETURN_IF_ERROR(DeviceFaultStatus(*seq));
   const ModelSpec& s = seq->model->spec();
   if (req.first_token() < 0 || req.first_token() % s.page_size != 0) {
     return absl::InvalidArgumentError(absl::StrCat("first_token is ", req.first_token(),
@@ -652,6 +683,8 @@ absl::Status CacheEngine::FetchPages(const v1::FetchPagesRequest& req,
     }
     std::vector<ModelCache::StoredPageCopy> copies;
     KVCD_RETURN_IF_ERROR(seq->model->FetchStored(seq.get(), req.first_token(), n, &copies));
+    // The read waited for the device: a fault of a call still in flight before is known now.
+    KVCD_RETURN_IF_ERROR(DeviceFaultStatus(*seq));
     for (auto& c : copies) {
       resp->add_page_formats(c.format);
       v1::StoredPage* sp = resp->add_pages();
@@ -674,6 +707,7 @@ absl::Status CacheEngine::FetchPages(const v1::FetchPagesRequest& req,
   std::vector<std::string> formats;
   KVCD_RETURN_IF_ERROR(
       seq->model->Fetch(seq.get(), req.first_token(), n, k.data(), v.data(), &formats));
+  KVCD_RETURN_IF_ERROR(DeviceFaultStatus(*seq));  // as above
   const std::vector<int64_t> shape = {s.num_layers, n, s.num_kv_heads, s.head_dim};
   SetBf16Tensor(resp->mutable_k(), shape, k.data());
   SetBf16Tensor(resp->mutable_v(), shape, v.data());

@@ -92,7 +92,62 @@ absl::Status PrepareRowStore(const RowSource& k, const RowSource& v, absl::Span<
     out->codec.rho_k = codec->rho_k() + l0;
     out->codec.rho_v = codec->rho_v() + l0;
   }
+  out->first_layer = l0;
+  out->first_token = first;
+  out->checked = false;
+  out->sync = false;
+  // Device rows have not been checked: the store checks them as it reads them. Host rows
+  // were scanned before they went up.
+  const bool device_rows = (k.on_device && k.check_finite) || (v.on_device && v.check_finite);
+  if (!device_rows) return absl::OkStatus();
+  kc::StoreCheck& c = out->check_args;
+  c = kc::StoreCheck{};
+  const kernels::DeviceFault* faults =
+      k.device_faults != nullptr ? k.device_faults : v.device_faults;
+  if (faults != nullptr) {  // pipelined: a bad row marks its sequence, nobody waits
+    if (n <= kc::PagedRows::kInlineSlots) {
+      std::copy(faults + first, faults + first + n, c.inline_faults);
+      c.use_inline_faults = true;
+    } else {
+      const size_t bytes = static_cast<size_t>(n) * sizeof(kernels::DeviceFault);
+      KVCD_ASSIGN_OR_RETURN(uint8_t * d, scratch->faults.Reserve(bytes));
+      KVCD_RETURN_IF_ERROR(scratch->uploads.Upload(d, faults + first, bytes));
+      c.faults = reinterpret_cast<const kernels::DeviceFault*>(d);
+    }
+  } else {  // synchronous: count and first bad row, read back by FinishRowStore
+    KVCD_ASSIGN_OR_RETURN(uint8_t * d, scratch->check.Reserve(2 * sizeof(unsigned long long)));
+    const unsigned long long init[2] = {0, ~0ull};
+    KVCD_RETURN_IF_ERROR(scratch->uploads.Upload(d, init, sizeof(init)));
+    c.count = reinterpret_cast<unsigned long long*>(d);
+    c.first_row = c.count + 1;
+    out->sync = true;
+  }
+  out->checked = true;
   return absl::OkStatus();
+}
+
+absl::Status FinishRowStore(const RowSource& k, const RowSource& v, const RowStoreArgs& a,
+                            RowStoreScratch* /*scratch*/) {
+  if (!a.sync) return absl::OkStatus();
+  unsigned long long got[2] = {0, 0};  // the copy waits for the store
+  KVCD_RETURN_IF_ERROR(CudaStatus(kc::CopyToHost(got, a.check_args.count, sizeof(got)),
+                                  "reading the non-finite count of a row store"));
+  if (got[0] == 0) return absl::OkStatus();
+  // Row index ((layer * tokens + token) * 2 + which) * heads + head of the launch.
+  uint64_t r = got[1];
+  const uint64_t heads = static_cast<uint64_t>(a.dst.num_kv_heads);
+  const uint64_t head = r % heads;
+  r /= heads;
+  const uint64_t which = r & 1;
+  r >>= 1;
+  const uint64_t tokens = static_cast<uint64_t>(std::max<int64_t>(1, a.dst.num_tokens));
+  const int64_t token = a.first_token + static_cast<int64_t>(r % tokens);
+  const int64_t layer = a.first_layer + static_cast<int64_t>(r / tokens);
+  const RowSource& src = which == 0 ? k : v;
+  return absl::InvalidArgumentError(absl::StrCat(
+      src.name, "[", layer, ", ", token, ", ", head, ", :] (layer, token, KV head) holds NaN or ",
+      "+-Inf (", got[0], " non-finite value(s) in ", k.name, " and ", v.name,
+      " in all); expected finite values; nothing was stored"));
 }
 
 absl::Status CheckDevicePageRegions(const uint8_t* src, int64_t num_pages, int32_t num_layers,

@@ -17,7 +17,7 @@ namespace kvcd {
 // Device scratch of one format's row stores and checks (guarded by mu).
 struct RowStoreScratch {
   std::mutex mu;
-  DeviceScratch k, v, slots, spans;
+  DeviceScratch k, v, slots, spans, faults, check;
   PinnedUploader uploads;  // slot lists go up without blocking the host
 };
 
@@ -25,6 +25,15 @@ struct RowStoreArgs {
   kernels::cuda::RowBlock k, v;
   kernels::cuda::PagedRows dst;
   kernels::cuda::RowCodec codec;
+  // The fused non-finite check (RowSource::check_finite on device rows): check() is what
+  // the launch gets (null: the kernel without the check), `sync` whether FinishRowStore
+  // waits for the store and reads its count.
+  kernels::cuda::StoreCheck check_args;
+  bool checked = false;
+  bool sync = false;
+  const kernels::cuda::StoreCheck* check() const { return checked ? &check_args : nullptr; }
+  int32_t first_layer = 0;
+  int64_t first_token = 0;
 };
 
 // Arguments storing `rows` (consecutive source tokens) of k and v into `pool` at every layer
@@ -34,6 +43,13 @@ absl::Status PrepareRowStore(const RowSource& k, const RowSource& v, absl::Span<
                              int32_t layer, const PagePool& pool, const PageGeometry& g,
                              const CudaCodec* codec, bool rotate, RowStoreScratch* scratch,
                              RowStoreArgs* out);
+
+// After the launch of a store prepared by PrepareRowStore: with a synchronous check, waits
+// for the store and answers INVALID_ARGUMENT naming the first bad row (k.name / v.name,
+// layer, token, head in the source tensor) if the store met a NaN or ±Inf; else OK at once.
+// REQUIRES: scratch->mu held since PrepareRowStore.
+absl::Status FinishRowStore(const RowSource& k, const RowSource& v, const RowStoreArgs& a,
+                            RowStoreScratch* scratch);
 
 // Checks num_pages pages of page_bytes bytes (layer_bytes per layer) at device `src`: in each
 // layer page, `check_bytes` bytes from `check_offset` must pass `check`

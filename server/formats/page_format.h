@@ -23,6 +23,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "common/codec_profile.h"
+#include "kvcd/kernels/device_fault.h"
 #include "server/formats/format_id.h"
 #include "server/formats/page_pool.h"
 
@@ -47,8 +48,16 @@ struct RowSource {
   // Host rows only: when set, the rows have not been checked for NaN/Inf yet and the
   // format's write path checks each row as it reads it (one pass over the client's memory
   // instead of two); `name` is the request field the rows came from, for the error.
+  //
+  // Device rows (on_device) with check_finite: the store kernel checks every value it reads
+  // (kernels/cuda cuda_store_rows.h StoreCheck) and stores a bad row as zeros. Without
+  // device_faults the write is synchronous: the format waits for its store and answers
+  // INVALID_ARGUMENT naming `name` and the first bad (layer, token, head); the caller frees
+  // the pages written. With device_faults (one per source token: pipelined decode) it does
+  // not wait: a bad row of token t sets device_faults[t] (kernels/device_fault.h).
   bool check_finite = false;
   absl::string_view name = "rows";
+  const kernels::DeviceFault* device_faults = nullptr;
 
   // Host rows only: one row as float / as BF16 bits. With check_finite, OK or
   // INVALID_ARGUMENT naming the first NaN/Inf of the row by its flat index in the tensor

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <random>
 #include <thread>
 
 #include "client/client.h"
@@ -304,6 +305,183 @@ TEST_P(DataPlaneTest, BadIpcRequestsStoreNothing) {
   SetIpcTensor(unknown.mutable_k(), v1::DTYPE_BF16,
                {put.k().shape().begin(), put.k().shape().end()}, 424242, 0);
   EXPECT_EQ(client_->Put(unknown).status().code(), absl::StatusCode::kNotFound);
+  auto health = client_->Health();
+  ASSERT_TRUE(health.ok());
+  EXPECT_EQ(*health, grpc::health::v1::HealthCheckResponse::SERVING);
+}
+
+// NaN, +Inf and -Inf at random places of the device inputs (CUDA IPC) of Put, Append and
+// the fused AttentionDecode: Put and Append fail with INVALID_ARGUMENT naming the tensor and
+// store nothing; a pipelined fused call (device q and outputs) answers, poisons that
+// sequence's outputs with NaN, and every later call on the sequence fails naming the input
+// and layer, while the other sequence of the batch and the shared prefix are untouched.
+TEST_P(DataPlaneTest, NonFiniteDeviceInputsAreRefused) {
+  const auto put = MakePut(11, kPrompt, "a");
+  ASSERT_TRUE(client_->Put(put).ok());
+  const std::string prefix_bytes = StoredBytes(Open(put, "a"));
+  ASSERT_FALSE(prefix_bytes.empty());
+  auto pages_used = [&] {
+    int64_t used = 0;
+    auto m = client_->GetModel(GetParam());
+    EXPECT_TRUE(m.ok()) << m.status();
+    if (m.ok())
+      for (const auto& pool : m->pools()) used += static_cast<int64_t>(pool.pages_used());
+    return used;
+  };
+  const int hq = profile_.num_q_heads(), hkv = profile_.num_kv_heads(), d = profile_.head_dim();
+  const int layers = profile_.num_layers();
+  const uint64_t kv_bytes = put.k().inline_data().size();
+  auto buf = IpcBuffer::Create(client_.get(), 2 * kv_bytes + (1 << 20), "nonfinite");
+  ASSERT_TRUE(buf.ok()) << buf.status();
+  IpcBuffer& b = **buf;
+  std::mt19937_64 rng(std::random_device{}());
+  const uint16_t kBad[3] = {0x7fc0, 0x7f80, 0xff80};  // BF16 NaN, +Inf, -Inf
+  const char* kBadName[3] = {"NaN", "+Inf", "-Inf"};
+  // Puts the BF16 bytes of `req` (inline K, V) into the buffer with one bad value at a
+  // random element of `which` (0 = k, 1 = v); returns the request with cuda_ipc tensors.
+  auto ipc_kv = [&](const auto& req, auto* out, int which, int bad) {
+    std::string k = req.k().inline_data(), v = req.v().inline_data();
+    std::string& t = which == 0 ? k : v;
+    const size_t at = 2 * (rng() % (t.size() / 2));
+    std::memcpy(&t[at], &kBad[bad], 2);
+    EXPECT_EQ(cudaMemcpy(b.data(), k.data(), k.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(b.data() + k.size(), v.data(), v.size(), cudaMemcpyHostToDevice),
+              cudaSuccess);
+    const std::vector<int64_t> shape(req.k().shape().begin(), req.k().shape().end());
+    b.Region(out->mutable_k(), v1::DTYPE_BF16, shape, 0);
+    b.Region(out->mutable_v(), v1::DTYPE_BF16, shape, k.size());
+    EXPECT_TRUE(b.MarkReady(nullptr).ok());
+  };
+  const std::vector<int32_t> tokens(put.tokens().begin(), put.tokens().end());
+  const int64_t used0 = pages_used();
+  for (int which = 0; which < 2; ++which) {
+    for (int bad = 0; bad < 3; ++bad) {
+      SCOPED_TRACE(std::string(which == 0 ? "k " : "v ") + kBadName[bad]);
+      // Put of a new prompt.
+      v1::PutRequest p = MakePut(100 + bad, kPrompt, "b");
+      ipc_kv(p, &p, which, bad);
+      absl::Status st = client_->Put(p).status();
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+      EXPECT_NE(st.message().find(which == 0 ? "k[" : "v["), std::string::npos) << st;
+      const std::vector<int32_t> pt(p.tokens().begin(), p.tokens().end());
+      EXPECT_EQ(client_->Match(GetParam(), "b", pt)->matched_tokens(), 0);
+      // Append of 3 tokens to a sequence on the cached prefix.
+      const uint64_t seq = Open(put, "a");
+      v1::PutRequest three = MakePut(200 + bad, 3, "");
+      v1::AppendRequest app;
+      app.set_sequence_id(seq);
+      *app.mutable_tokens() = three.tokens();
+      ipc_kv(three, &app, which, bad);
+      st = client_->Append(app).status();
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+      EXPECT_EQ(StoredBytes(seq), prefix_bytes);  // length and pages unchanged
+      ASSERT_TRUE(client_->CloseSequence(seq).ok());
+      EXPECT_EQ(pages_used(), used0);  // nothing kept
+    }
+  }
+
+  // The fused per-layer call, pipelined: device q, k_new, v_new and outputs.
+  const int64_t q_bytes = 4LL * 2 * hq * d, row_bytes = 2LL * 2 * hkv * d;
+  const uint64_t q_off = 0, k_off = 65536, v_off = 131072, o_off = 196608, l_off = 458752;
+  for (int input = 0; input < 3; ++input) {  // k_new, v_new, q
+    for (int bad = 0; bad < 3; ++bad) {
+      const char* names[3] = {"k_new", "v_new", "q"};
+      SCOPED_TRACE(std::string(names[input]) + " " + kBadName[bad]);
+      const uint64_t good = Open(put, "a"), hit = Open(put, "a");
+      const int bad_layer = static_cast<int>(rng() % layers);
+      for (int layer = 0; layer <= bad_layer; ++layer) {
+        std::vector<float> q(static_cast<size_t>(2) * hq * d);
+        std::vector<uint16_t> k(static_cast<size_t>(2) * hkv * d), v(k.size());
+        for (auto& x : q) x = std::normal_distribution<float>(0.0f, 1.0f)(rng);
+        for (auto& x : k) x = kernels::FloatToBf16(std::normal_distribution<float>()(rng));
+        for (auto& x : v) x = kernels::FloatToBf16(std::normal_distribution<float>()(rng));
+        if (layer == bad_layer) {  // batch entry 1 only
+          const size_t at = rng() % (input == 2 ? hq * d : hkv * d);
+          if (input == 2) {
+            const float f[3] = {NAN, INFINITY, -INFINITY};
+            q[hq * d + at] = f[bad];
+          } else {
+            (input == 0 ? k : v)[hkv * d + at] = kBad[bad];
+          }
+        }
+        ASSERT_EQ(cudaMemcpy(b.data() + q_off, q.data(), q_bytes, cudaMemcpyHostToDevice),
+                  cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(b.data() + k_off, k.data(), row_bytes, cudaMemcpyHostToDevice),
+                  cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(b.data() + v_off, v.data(), row_bytes, cudaMemcpyHostToDevice),
+                  cudaSuccess);
+        v1::AttentionDecodeRequest req;
+        req.set_layer(layer);
+        req.add_sequence_ids(good);
+        req.add_sequence_ids(hit);
+        req.add_new_tokens(1);
+        req.add_new_tokens(2);
+        b.Region(req.mutable_q(), v1::DTYPE_F32, {2, hq, d}, q_off);
+        b.Region(req.mutable_k_new(), v1::DTYPE_BF16, {2, hkv, d}, k_off);
+        b.Region(req.mutable_v_new(), v1::DTYPE_BF16, {2, hkv, d}, v_off);
+        b.Region(req.mutable_o_out(), v1::DTYPE_F32, {2, hq, d}, o_off);
+        b.Region(req.mutable_lse_out(), v1::DTYPE_F32, {2, hq}, l_off);
+        ASSERT_TRUE(b.MarkReady(nullptr).ok());
+        auto r = client_->AttentionDecode(req);
+        ASSERT_TRUE(r.ok()) << r.status();  // answered before its kernels ran
+        ASSERT_TRUE(b.WaitDone(nullptr).ok());
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        std::vector<float> o(static_cast<size_t>(2) * hq * d), lse(2 * hq);
+        ASSERT_EQ(cudaMemcpy(o.data(), b.data() + o_off, q_bytes, cudaMemcpyDeviceToHost),
+                  cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(lse.data(), b.data() + l_off, 8 * hq, cudaMemcpyDeviceToHost),
+                  cudaSuccess);
+        for (int i = 0; i < hq * d; ++i) ASSERT_TRUE(std::isfinite(o[i])) << i;
+        for (int i = 0; i < hq; ++i) ASSERT_TRUE(std::isfinite(lse[i])) << i;
+        for (int i = hq * d; i < 2 * hq * d; ++i) {
+          ASSERT_EQ(std::isnan(o[i]), layer == bad_layer) << "layer " << layer << " i " << i;
+        }
+        for (int i = hq; i < 2 * hq; ++i) ASSERT_EQ(std::isnan(lse[i]), layer == bad_layer);
+      }
+      // Every later call on the faulted sequence names the input and the layer.
+      const std::string want = std::string(names[input]) + " of an earlier AttentionDecode " +
+                               "call (layer " + std::to_string(bad_layer) + ")";
+      v1::AttentionDecodeRequest next;
+      next.set_layer((bad_layer + 1) % layers);
+      next.add_sequence_ids(hit);
+      SetF32Tensor(next.mutable_q(), {1, hq, d}, std::vector<float>(hq * d, 0.5f).data());
+      absl::Status st = client_->AttentionDecode(next).status();
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+      EXPECT_NE(st.message().find(want), std::string::npos) << st;
+      v1::FetchPagesRequest f;
+      f.set_sequence_id(hit);
+      EXPECT_EQ(client_->FetchPages(f).status().code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_EQ(client_->RenewLease(hit).status().code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_TRUE(client_->CloseSequence(hit).ok());
+      // The other sequence of the batch goes on.
+      next.set_sequence_ids(0, good);
+      EXPECT_TRUE(client_->AttentionDecode(next).ok());
+      EXPECT_TRUE(client_->CloseSequence(good).ok());
+      EXPECT_EQ(StoredBytes(Open(put, "a")), prefix_bytes);
+    }
+  }
+
+  // Host outputs: the call waits for its kernels and fails itself.
+  const uint64_t seq = Open(put, "a");
+  std::vector<uint16_t> k(static_cast<size_t>(hkv) * d, kernels::FloatToBf16(0.25f));
+  const std::vector<uint16_t> v = k;
+  k[rng() % k.size()] = kBad[rng() % 3];
+  ASSERT_EQ(cudaMemcpy(b.data() + k_off, k.data(), k.size() * 2, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(b.data() + v_off, v.data(), v.size() * 2, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  v1::AttentionDecodeRequest req;
+  req.set_layer(0);
+  req.add_sequence_ids(seq);
+  req.add_new_tokens(3);
+  SetF32Tensor(req.mutable_q(), {1, hq, d}, std::vector<float>(hq * d, 0.5f).data());
+  b.Region(req.mutable_k_new(), v1::DTYPE_BF16, {1, hkv, d}, k_off);
+  b.Region(req.mutable_v_new(), v1::DTYPE_BF16, {1, hkv, d}, v_off);
+  ASSERT_TRUE(b.MarkReady(nullptr).ok());
+  const absl::Status st = client_->AttentionDecode(req).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("k_new"), std::string::npos) << st;
+  EXPECT_TRUE(client_->CloseSequence(seq).ok());
   auto health = client_->Health();
   ASSERT_TRUE(health.ok());
   EXPECT_EQ(*health, grpc::health::v1::HealthCheckResponse::SERVING);

@@ -35,7 +35,9 @@ class Bf16CudaFormat final : public CudaPageFormat {
     KVCD_RETURN_IF_ERROR(PrepareRowStore(k, v, rows, layer, pool, geometry(), device_codec(),
                                          /*rotate=*/true, &scratch_, &a));
     if (rows.empty()) return absl::OkStatus();
-    return CudaStatus(kc::LaunchStoreBf16Rows(a.k, a.v, a.dst, a.codec, nullptr), "BF16 row store");
+    KVCD_RETURN_IF_ERROR(CudaStatus(
+        kc::LaunchStoreBf16Rows(a.k, a.v, a.dst, a.codec, nullptr, a.check()), "BF16 row store"));
+    return FinishRowStore(k, v, a, &scratch_);
   }
 
   absl::Status CheckPages(const uint8_t* src, int64_t num_pages,

@@ -32,8 +32,10 @@ class Int2OscarCudaFormat final : public CudaPageFormat {
     KVCD_RETURN_IF_ERROR(PrepareRowStore(k, v, rows, -1, pool, geometry(), device_codec(),
                                          /*rotate=*/true, &scratch_, &a));
     if (rows.empty()) return absl::OkStatus();
-    return CudaStatus(kc::LaunchStoreInt2Rows(a.k, a.v, a.dst, a.codec, nullptr),
-                      "INT2 quantize-on-put");
+    KVCD_RETURN_IF_ERROR(
+        CudaStatus(kc::LaunchStoreInt2Rows(a.k, a.v, a.dst, a.codec, nullptr, a.check()),
+                   "INT2 quantize-on-put"));
+    return FinishRowStore(k, v, a, &scratch_);
   }
 
   absl::Status Demote(const PagePool& window_pool, absl::Span<const int32_t> src_pages,

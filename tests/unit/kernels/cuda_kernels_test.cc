@@ -19,6 +19,7 @@
 #include "kvcd/kernels/cuda_device_copy.h"
 #include "kvcd/kernels/cuda_page_copy.h"
 #include "kvcd/kernels/cuda_store_rows.h"
+#include "kvcd/kernels/device_fault.h"
 #include "kvcd/kernels/int2_attention.h"
 #include "kvcd/kernels/int2_codec.h"
 
@@ -401,7 +402,7 @@ TEST_F(CudaKernelsTest, PagedCopyScattersGathersAndChecksLikeTheReference) {
     ASSERT_EQ(cuda::LaunchPagedCopy(cuda::PageCopy::kCheck, a, d_bad, nullptr), cudaSuccess);
     EXPECT_EQ(Down(d_bad, 1)[0], want_bf16);
     EXPECT_GT(want_bf16, 0u);
-    // The F32 check (the daemon's check of device K/V and queries, CountNonFinite): the
+    // The F32 check (F32 values in device memory, e.g. a pushed run of F32 words): the
     // high half of every 32-bit word, counted from the start of each layer page.
     uint64_t want_f32 = 0;
     for (int64_t item = 0; item < pages * layers; ++item) {
@@ -419,6 +420,289 @@ TEST_F(CudaKernelsTest, PagedCopyScattersGathersAndChecksLikeTheReference) {
     a.check = cuda::kCheckNone;
     ASSERT_EQ(cuda::LaunchPagedCopy(cuda::PageCopy::kGather, a, nullptr, nullptr), cudaSuccess);
     EXPECT_TRUE(Down(d_run, run.size()) == run) << "layer_bytes " << layer_bytes;
+  }
+}
+
+// The non-finite check fused into the paged row stores against a scalar reference: random
+// rows with NaN, +Inf and -Inf injected at random places (or none); the synchronous report
+// (count, first bad row in launch order), the pipelined one (per-token fault words, inline
+// and uploaded targets), and the pool: bad rows stored as zeros, every other row exactly as
+// the host path stores it.
+TEST_F(CudaKernelsTest, FusedStoreCheckMatchesAScalarReference) {
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  const float kBad[3] = {NAN, INFINITY, -INFINITY};
+  const int layers = 2, hkv = 3, ps = 16, pool_pages = 8, first_layer = 3;
+  for (int tokens : {5, 37}) {
+    for (int d : {64, 128, 256}) {
+      for (int src_bf16 = 0; src_bf16 < 2; ++src_bf16) {
+        for (int injections : {0, 1, 7}) {
+          const int64_t row_elems = int64_t{layers} * tokens * hkv * d;
+          std::vector<float> x(2 * row_elems);
+          for (auto& f : x) f = normal(rng_);
+          for (int i = 0; i < injections; ++i) {
+            x[rng_() % x.size()] = kBad[rng_() % 3];
+          }
+          std::vector<uint16_t> xb(x.size());
+          for (size_t i = 0; i < x.size(); ++i) {
+            xb[i] = FloatToBf16(x[i]);
+            if (src_bf16) x[i] = Bf16ToFloat(xb[i]);
+          }
+          // Scalar reference: per row (layer, token, which, head) its non-finite count.
+          uint64_t want_count = 0, want_first = ~0ull;
+          std::vector<int> token_bad(tokens, 0);  // bit 0: a K row, bit 1: a V row
+          std::vector<char> row_bad(2 * layers * tokens * hkv, 0);  // by launch row index
+          for (int l = 0; l < layers; ++l)
+            for (int t = 0; t < tokens; ++t)
+              for (int which = 0; which < 2; ++which)
+                for (int h = 0; h < hkv; ++h) {
+                  const int64_t at = which * row_elems + ((int64_t{l} * tokens + t) * hkv + h) * d;
+                  int n = 0;
+                  for (int e = 0; e < d; ++e) n += !std::isfinite(x[at + e]);
+                  if (n == 0) continue;
+                  want_count += n;
+                  const uint64_t r =
+                      ((static_cast<uint64_t>(l) * tokens + t) * 2 + which) * hkv + h;
+                  want_first = std::min(want_first, r);
+                  token_bad[t] |= 1 << which;
+                  row_bad[r] = 1;
+                }
+          ASSERT_EQ(want_count > 0, injections > 0);
+          std::vector<float> rot(static_cast<size_t>(layers) * 2 * d * d);
+          for (auto& r : rot) r = normal(rng_) / std::sqrt(static_cast<float>(d));
+          std::vector<float> rho = {0.96f, 0.9f, 0.92f, 1.0f};
+          std::vector<int64_t> slots(tokens);
+          for (int t = 0; t < tokens; ++t) slots[t] = (t * 5) % (pool_pages * ps);
+          const void* d_src = src_bf16 ? static_cast<const void*>(Up(xb)) : Up(x);
+          cuda::RowBlock k, v;
+          k.data = d_src;
+          k.bf16 = v.bf16 = src_bf16;
+          k.layer_stride = v.layer_stride = int64_t{tokens} * hkv * d;
+          k.token_stride = v.token_stride = int64_t{hkv} * d;
+          k.head_stride = v.head_stride = d;
+          v.data = static_cast<const uint8_t*>(d_src) + row_elems * (src_bf16 ? 2 : 4);
+          cuda::RowCodec codec;
+          const float* d_rot = Up(rot);
+          codec.r_k = d_rot;
+          codec.r_v = d_rot + int64_t{layers} * d * d;
+          codec.r_layer_stride = int64_t{d} * d;
+          codec.rho_k = Up(rho);
+          codec.rho_v = codec.rho_k + 2;
+          for (int fmt = 0; fmt < 2; ++fmt) {
+            const std::string where = "tokens " + std::to_string(tokens) + " d " +
+                                      std::to_string(d) + " bf16 " + std::to_string(src_bf16) +
+                                      " injections " + std::to_string(injections) + " format " +
+                                      std::to_string(fmt);
+            const int64_t page_bytes =
+                fmt == 0 ? Bf16PageElems(hkv, ps, d) * 2 : Int2PageBytes(hkv, ps, d);
+            const std::vector<uint8_t> poison(static_cast<size_t>(layers * pool_pages * page_bytes),
+                                              0xA5);
+            // The host path over the clean rows.
+            std::vector<uint8_t> want = poison;
+            std::vector<float> rotated(d), zeros(d, 0.0f);
+            for (int l = 0; l < layers; ++l)
+              for (int t = 0; t < tokens; ++t) {
+                uint8_t* base = want.data() + (l * pool_pages + slots[t] / ps) * page_bytes;
+                const int64_t slot = slots[t] % ps;
+                for (int which = 0; which < 2; ++which)
+                  for (int h = 0; h < hkv; ++h) {
+                    // A bad row is stored as a row of zeros (not rotated).
+                    const bool bad = row_bad[((int64_t{l} * tokens + t) * 2 + which) * hkv + h];
+                    const float* row = bad ? zeros.data()
+                                           : x.data() + which * row_elems +
+                                                 ((int64_t{l} * tokens + t) * hkv + h) * d;
+                    const float* r =
+                        bad ? nullptr : rot.data() + (int64_t{which} * layers + l) * d * d;
+                    if (fmt == 0) {
+                      if (r != nullptr) RotateRows(row, 1, d, r, rotated.data());
+                      FloatToBf16N(r != nullptr ? rotated.data() : row,
+                                   reinterpret_cast<uint16_t*>(base) +
+                                       ((int64_t{which} * hkv + h) * ps + slot) * d,
+                                   d);
+                    } else {
+                      const Int2PageLayout layout{hkv, ps, d};
+                      DemoteRowsToInt2(row, 1, d, r, rho[which * 2 + l],
+                                       which == 0 ? layout.K(base, h) : layout.V(base, h), slot);
+                    }
+                  }
+              }
+            cuda::PagedRows dst;
+            dst.num_layers = layers;
+            dst.num_tokens = tokens;
+            dst.num_kv_heads = hkv;
+            dst.head_dim = d;
+            dst.page_size = ps;
+            dst.layer_stride = pool_pages * page_bytes;
+            dst.page_bytes = page_bytes;
+            dst.slots = Up(slots);
+            auto launch = [&](const cuda::StoreCheck* c) {
+              return fmt == 0 ? cuda::LaunchStoreBf16Rows(k, v, dst, codec, nullptr, c)
+                              : cuda::LaunchStoreInt2Rows(k, v, dst, codec, nullptr, c);
+            };
+            // Synchronous report.
+            dst.base = Up(poison);
+            cuda::StoreCheck sync;
+            sync.count = Up(std::vector<unsigned long long>{0, ~0ull});
+            sync.first_row = sync.count + 1;
+            ASSERT_EQ(launch(&sync), cudaSuccess);
+            const auto report = Down(sync.count, 2);
+            EXPECT_EQ(report[0], want_count) << where;
+            EXPECT_EQ(report[1], want_first) << where;
+            ASSERT_TRUE(Down(dst.base, poison.size()) == want) << where;
+            // Pipelined report: one fault target per token (owner 100 + t, layer 3).
+            std::vector<unsigned long long> words(2 * tokens, 0);
+            unsigned long long* d_words = Up(words);
+            std::vector<DeviceFault> faults(tokens);
+            for (int t = 0; t < tokens; ++t) {
+              faults[t].host_word = d_words + t;
+              faults[t].device_word = d_words + tokens + t;
+              faults[t].tag = FaultTag(100 + t, first_layer);
+            }
+            cuda::StoreCheck piped;
+            if (tokens <= cuda::PagedRows::kInlineSlots) {
+              std::copy(faults.begin(), faults.end(), piped.inline_faults);
+              piped.use_inline_faults = true;
+            } else {
+              piped.faults = Up(faults);
+            }
+            dst.base = Up(poison);
+            ASSERT_EQ(launch(&piped), cudaSuccess);
+            ASSERT_TRUE(Down(dst.base, poison.size()) == want) << where;
+            const auto got_words = Down(d_words, words.size());
+            for (int t = 0; t < tokens; ++t) {
+              const uint64_t w = got_words[t];
+              EXPECT_EQ(w, got_words[tokens + t]) << where << " token " << t;
+              if (token_bad[t] == 0) {
+                EXPECT_EQ(w, 0u) << where << " token " << t;
+                continue;
+              }
+              ASSERT_TRUE(FaultMatches(w, faults[t].tag)) << where << " token " << t;
+              EXPECT_EQ(FaultLayerOf(w), first_layer);
+              const FaultInput in = FaultInputOf(w);
+              EXPECT_TRUE((in == kFaultKNew && (token_bad[t] & 1)) ||
+                          (in == kFaultVNew && (token_bad[t] & 2)))
+                  << where << " token " << t << " input " << in;
+            }
+            // Without the check compiled in, clean rows store the same bytes.
+            if (injections == 0) {
+              dst.base = Up(poison);
+              ASSERT_EQ(launch(nullptr), cudaSuccess);
+              ASSERT_TRUE(Down(dst.base, poison.size()) == want) << where;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The query conversion with the fused check against a scalar reference: non-finite values
+// become 0, exactly the sequences holding one get their fault words set (input q), a
+// target with tag 0 is left alone.
+TEST_F(CudaKernelsTest, QueryConversionCheckMatchesAScalarReference) {
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  const float kBad[3] = {NAN, INFINITY, -INFINITY};
+  for (int bf16 = 0; bf16 < 2; ++bf16) {
+    for (int64_t batch : {1, 5, 67}) {
+      const int64_t row = 8 * 128;
+      std::vector<float> f(batch * row);
+      for (auto& x : f) x = normal(rng_);
+      const int injections = static_cast<int>(rng_() % 6);
+      for (int i = 0; i < injections; ++i) f[rng_() % f.size()] = kBad[rng_() % 3];
+      std::vector<uint16_t> h(f.size());
+      for (size_t i = 0; i < f.size(); ++i) {
+        h[i] = FloatToBf16(f[i]);
+        if (bf16) f[i] = Bf16ToFloat(h[i]);
+      }
+      std::vector<unsigned long long> words(2 * batch, 0);
+      unsigned long long* d_words = Up(words);
+      std::vector<DeviceFault> faults(batch);
+      for (int64_t b = 0; b < batch; ++b) {
+        faults[b].host_word = d_words + b;
+        faults[b].device_word = d_words + batch + b;
+        faults[b].tag = b % 7 == 3 ? 0 : FaultTag(1000 + b, 5);  // some sequences untracked
+      }
+      float* d_out = Up(std::vector<float>(f.size(), NAN));
+      const void* src = bf16 ? static_cast<const void*>(Up(h)) : Up(f);
+      ASSERT_EQ(cuda::LaunchQueriesToFloat(src, bf16, batch, row, d_out, Up(faults), nullptr),
+                cudaSuccess);
+      const auto out = Down(d_out, f.size());
+      const auto got = Down(d_words, words.size());
+      for (int64_t b = 0; b < batch; ++b) {
+        bool any = false;
+        for (int64_t i = b * row; i < (b + 1) * row; ++i) {
+          const bool bad = !std::isfinite(f[i]);
+          any = any || bad;
+          ASSERT_EQ(out[i], bad ? 0.0f : f[i]) << "b " << b << " i " << i;
+        }
+        const bool tracked = faults[b].tag != 0;
+        EXPECT_EQ(got[b] != 0, any && tracked) << "b " << b;
+        EXPECT_EQ(got[b], got[batch + b]);
+        if (any && tracked) {
+          EXPECT_TRUE(FaultMatches(got[b], faults[b].tag));
+          EXPECT_EQ(FaultInputOf(got[b]), kFaultQuery);
+          EXPECT_EQ(FaultLayerOf(got[b]), 5);
+        }
+      }
+    }
+  }
+}
+
+// The merge poisons exactly the rows of sequences whose device word is set for their own
+// owner (a stale owner's word, a clean word and an untracked sequence are merged as usual,
+// bit for bit as without fault targets).
+TEST_F(CudaKernelsTest, MergePoisonsFaultedSequences) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int d : {64, 128, 256}) {
+    const int batch = 5, hq = 4, rows = batch * hq, parts = 3;
+    std::vector<float> po(parts * rows * d), pl(parts * rows);
+    for (auto& x : po) x = normal(rng_);
+    for (auto& x : pl) x = 4 * normal(rng_);
+    pl[rows + 2] = -INFINITY;  // an empty part
+    std::vector<float> rvt(d * d);
+    for (auto& x : rvt) x = normal(rng_) / std::sqrt(static_cast<float>(d));
+    const float* d_po = Up(po);
+    const float* d_pl = Up(pl);
+    const float* d_rvt = Up(rvt);
+    float* o = Up(std::vector<float>(rows * d, 1.0f));
+    float* lse = Up(std::vector<float>(rows, 1.0f));
+    ASSERT_EQ(cuda::LaunchMergeParts(d_po, d_pl, parts, rows, d, d_rvt, o, lse, nullptr),
+              cudaSuccess);
+    const auto base_o = Down(o, rows * d);
+    const auto base_lse = Down(lse, rows);
+    // b0 clean, b1 set for its owner, b2 set by an earlier owner, b3 untracked (tag 0) with
+    // a set word, b4 set for its owner at another layer.
+    std::vector<unsigned long long> words = {0, FaultTag(21, 4) | (kFaultKNew << kFaultInputShift),
+                                             FaultTag(30, 0) | (kFaultQuery << kFaultInputShift),
+                                             FaultTag(40, 1), FaultTag(50, 9) | kFaultVNew << 14};
+    unsigned long long* d_words = Up(words);
+    std::vector<DeviceFault> faults(batch);
+    const uint64_t owners[5] = {10, 21, 31, 0, 50};
+    for (int b = 0; b < batch; ++b) {
+      faults[b].device_word = d_words + b;
+      faults[b].host_word = d_words + b;
+      faults[b].tag = owners[b] == 0 ? 0 : FaultTag(owners[b], 2);
+    }
+    const DeviceFault* d_faults = Up(faults);
+    ASSERT_EQ(
+        cuda::LaunchMergeParts(d_po, d_pl, parts, rows, d, d_rvt, o, lse, nullptr, d_faults, hq),
+        cudaSuccess);
+    const auto got_o = Down(o, rows * d);
+    const auto got_lse = Down(lse, rows);
+    for (int r = 0; r < rows; ++r) {
+      const int b = r / hq;
+      const bool poisoned = b == 1 || b == 4;
+      EXPECT_EQ(std::isnan(got_lse[r]), poisoned) << "d " << d << " row " << r;
+      if (!poisoned) {
+        EXPECT_EQ(got_lse[r], base_lse[r]);
+      }
+      for (int j = 0; j < d; ++j) {
+        if (poisoned) {
+          ASSERT_TRUE(std::isnan(got_o[r * d + j])) << "row " << r;
+        } else {
+          ASSERT_EQ(got_o[r * d + j], base_o[r * d + j]) << "row " << r;
+        }
+      }
+    }
   }
 }
 

@@ -21,6 +21,8 @@
 
 #include <cstdint>
 
+#include "kvcd/kernels/device_fault.h"
+
 namespace kvcd::kernels::cuda {
 
 // Which INT2 kernel runs: kAuto picks the int32-accumulating kernel where it exists
@@ -85,11 +87,16 @@ struct DecodeGeometry {
 
 // Where a launch also merges: parts [0, parts) of every row (this launch's and those earlier
 // launches on the stream wrote, e.g. BF16 windows) into o / lse, times R_v^T (null = none).
+// With faults ([batch] device, device_fault.h), every row of batch entry b (rows b *
+// rows_per_entry ...) whose faults[b] device word is set for its tag gets NaN in o and lse:
+// a pipelined caller reading the outputs of a call whose inputs were not finite sees it.
 struct MergeTarget {
   int parts = 0;
   const float* r_v_t = nullptr;
   float* o = nullptr;
   float* lse = nullptr;
+  const DeviceFault* faults = nullptr;
+  int rows_per_entry = 1;
 };
 
 struct Int2PartsOptions {
@@ -124,9 +131,11 @@ cudaError_t LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& g
                                   float* part_o, float* part_lse, int part_base,
                                   cudaStream_t stream);
 
-// o[row] = merge of the parts of row, times R_v^T (null = identity); lse natural log.
+// o[row] = merge of the parts of row, times R_v^T (null = identity); lse natural log;
+// faults / rows_per_entry as in MergeTarget.
 cudaError_t LaunchMergeParts(const float* part_o, const float* part_lse, int parts, int rows,
                              int head_dim, const float* r_v_t, float* o, float* lse,
-                             cudaStream_t stream);
+                             cudaStream_t stream, const DeviceFault* faults = nullptr,
+                             int rows_per_entry = 1);
 
 }  // namespace kvcd::kernels::cuda

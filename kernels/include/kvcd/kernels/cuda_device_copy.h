@@ -6,9 +6,20 @@
 
 #include <cstdint>
 
+#include "kvcd/kernels/device_fault.h"
+
 namespace kvcd::kernels::cuda {
 
 // dst[i] = float(src[i]) for i < n; src is BF16 (bf16 = true) or F32.
 cudaError_t LaunchToFloat(const void* src, bool bf16, int64_t n, float* dst, cudaStream_t stream);
+
+// The worker's queries of `batch` sequences ([batch][row_elems]) to F32, with the non-finite
+// check fused into the conversion (the one kernel that reads device queries, for every page
+// format): dst[i] = float(src[i]) where that is finite, else 0, and sequence b's fault words
+// (device_fault.h, input kFaultQuery) are set when faults (null: no report) has a target
+// with a nonzero tag for it. The zeros keep NaN/Inf out of the attention kernels; the merge
+// NaN-poisons the outputs of a faulted sequence (MergeTarget::faults).
+cudaError_t LaunchQueriesToFloat(const void* src, bool bf16, int64_t batch, int64_t row_elems,
+                                 float* dst, const DeviceFault* faults, cudaStream_t stream);
 
 }  // namespace kvcd::kernels::cuda

@@ -19,6 +19,10 @@ std::string CopyToHost(void* dst, const void* src, size_t bytes);
 std::string HostAlloc(void** ptr, size_t bytes);
 std::string HostFree(void* ptr);
 std::string CopyToDeviceAsync(void* dst, const void* pinned_src, size_t bytes);
+// Pinned host memory mapped into the device's address space: *host for the host,
+// *device_view for kernels (free with HostFree(*host)). Kernel writes to it reach the host
+// without a copy.
+std::string HostAllocMapped(void** host, void** device_view, size_t bytes);
 // A plain event (timing disabled) and a host wait for it.
 std::string CreateEvent(void** event);
 std::string EventSynchronize(void* event);

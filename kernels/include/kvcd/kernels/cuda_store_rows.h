@@ -15,6 +15,8 @@
 
 #include <cstdint>
 
+#include "kvcd/kernels/device_fault.h"
+
 namespace kvcd::kernels::cuda {
 
 struct RowBlock {
@@ -51,14 +53,38 @@ struct RowCodec {
   const float* rho_v = nullptr;
 };
 
-// BF16 pages: K [heads][page_size][head_dim] then V (bf16_attention.h).
+// The non-finite check fused into a store (a client's K/V must never reach a pool with a
+// NaN or ±Inf in it). Every value the store reads is tested as it is loaded, so the check
+// adds no memory traffic; a row (one token, KV head, K or V) holding a non-finite value is
+// stored as zeros, and reported:
+//   - count / first_row (synchronous callers: device words the caller sets to 0 and ~0
+//     before the launch and reads after it): count += the non-finite values of the launch
+//     (one atomicAdd per row that has any), first_row = min of the launch row indices
+//     ((layer * num_tokens + token) * 2 + which) * num_kv_heads + head of the bad rows
+//     (layer and token counted from the launch's first), which: 0 = K, 1 = V;
+//   - faults (pipelined callers, device_fault.h): a bad row of token t stores
+//     faults[t].tag | input << kFaultInputShift (input kFaultKNew / kFaultVNew) into both
+//     words of faults[t]; a target whose tag is 0 is skipped.
+// Either report may be absent (null pointers).
+struct StoreCheck {
+  unsigned long long* count = nullptr;                      // device
+  unsigned long long* first_row = nullptr;                  // device
+  const DeviceFault* faults = nullptr;                      // [num_tokens] (device), or null:
+  DeviceFault inline_faults[PagedRows::kInlineSlots] = {};  // for num_tokens <= kInlineSlots
+  bool use_inline_faults = false;
+};
+
+// BF16 pages: K [heads][page_size][head_dim] then V (bf16_attention.h). With `check` (not
+// null) the checked kernel runs, without it the kernel with no check compiled in.
 // REQUIRES: head_dim in {64, 128, 256}.
 cudaError_t LaunchStoreBf16Rows(const RowBlock& k, const RowBlock& v, const PagedRows& dst,
-                                const RowCodec& codec, cudaStream_t stream);
+                                const RowCodec& codec, cudaStream_t stream,
+                                const StoreCheck* check = nullptr);
 
 // INT2 pages (int2_attention.h). REQUIRES: head_dim in {64, 128, 256}, rho_k and rho_v set,
 // every rho in (0, 1].
 cudaError_t LaunchStoreInt2Rows(const RowBlock& k, const RowBlock& v, const PagedRows& dst,
-                                const RowCodec& codec, cudaStream_t stream);
+                                const RowCodec& codec, cudaStream_t stream,
+                                const StoreCheck* check = nullptr);
 
 }  // namespace kvcd::kernels::cuda
