@@ -266,6 +266,7 @@ KVCD_INT2_AVX2_TARGET void AttendInt2Madd(const Int2PageTable& kv, int kv_head, 
                                    nb + 2 * layout.KScale(kv_head)};
       const int64_t sizes[3] = {code_bytes, code_bytes, int64_t{ps} * 4};
       for (int r = 0; r < 3; ++r) {
+#pragma GCC unroll 8
         for (int64_t b = 0; b < sizes[r]; b += 64) {
           _mm_prefetch(reinterpret_cast<const char*>(regions[r] + b), _MM_HINT_T0);
         }
