@@ -14,7 +14,10 @@
 //    weight digits (w = p * scale_v split the same way per block of <= 64 tokens, i.e. <= 16
 //    quads: |sum| <= 16*762), and each block's sums are added to the FP32 output once.
 // Digit rounding leaves <= step/508 per query element and <= max(w)/64516 per weight, the
-// same as the AVX-512 VNNI path. FP16 scales are widened with F16C (checked at run time).
+// same as the AVX-512 VNNI path; the exactly known residuals Σ(q - digits) and Σ(w -
+// digits) are added back at the mean code 1.5 (into each logit and into the value-minimum
+// term). FP16 scales are widened with F16C (checked at run time). Blocks work on 8-aligned
+// slots; slots outside [begin, end) get logit -inf, weight 0 and value scale/minimum 0.
 // Used where head_dim % 32 == 0 and page_size % 8 == 0, so every 8-token K load and every
 // quad of V stays inside its page; other geometries take the FP32 path.
 #include <immintrin.h>
