@@ -1,17 +1,22 @@
 // CPU decode attention: OSCAR INT2 history against BF16 history, same process, same
 // geometry, through the CPU backend (split-K items on the compute threads, exact merge,
 // q rotation and output un-rotation for INT2). Prints a table and optionally appends it
-// to a results file.
+// to a results file. BF16 and INT2 repetitions alternate so both see the same machine load;
+// times are medians; the last columns give core-nanoseconds per token and KV head and the
+// 1-minute load average when the row finished.
 //
 //   attention_cpu_bench [--contexts 4096,32768,100000] [--batches 1,8] [--threads N]
 //                       [--iters N] [--results FILE.md]
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -70,6 +75,14 @@ Pool MakePool(kvcd::Backend& be, const char* format, int64_t pages, std::mt19937
   return p;
 }
 
+struct Setup {
+  Pool pool;
+  std::vector<std::unique_ptr<kvcd::PageFormat>> formats;
+  std::vector<float> q, o, lse;
+  kvcd::AttentionBatch batch;
+  double mb = 0;
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -95,77 +108,101 @@ int main(int argc, char** argv) {
   }
   auto backend = kvcd::MakeCpuBackend(threads);
   std::mt19937 rng(1);
+  const int cores =
+      threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   std::string table =
-      "| context | batch | BF16 ms | BF16 MB read | BF16 GB/s | INT2 ms | INT2 MB read | INT2 GB/s "
-      "| "
-      "INT2 speed-up |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+      "| context | batch | reps | BF16 ms | BF16 MB read | BF16 GB/s | INT2 ms | INT2 MB read | "
+      "INT2 GB/s | INT2 speed-up | BF16 core-ns/token-head | INT2 core-ns/token-head | load |\n"
+      "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   std::printf("CPU decode attention, Qwen3-8B layer (32 q / 8 kv heads, d 128, page 64), isa %s\n",
               kvcd::kernels::CpuIsaName(kvcd::kernels::ActiveCpuIsa()));
   for (int64_t n : contexts) {
     for (int batch : batches) {
       const int64_t pages_per_seq = (n + kPage - 1) / kPage;
-      double ms[2] = {0, 0}, mb[2] = {0, 0};
+      // Both formats set up as the daemon sets up a model (model_cache.cc): a BF16-history
+      // model has only the BF16 format and no codec profile; an INT2-history model has the
+      // BF16 window format plus int2-oscar, both sharing its codec profile (Hadamard, as a
+      // model without a codec file gets), and Attend rotates q and un-rotates the output.
+      Setup setup[2];
       for (int fmt = 0; fmt < 2; ++fmt) {
-        Pool pool =
-            MakePool(*backend, fmt == 0 ? "bf16" : "int2-oscar", pages_per_seq * batch, rng);
-        std::vector<float> q(static_cast<size_t>(batch) * kHq * kD), o(q.size()), lse(batch * kHq);
+        Setup& su = setup[fmt];
+        su.pool = MakePool(*backend, fmt == 0 ? "bf16" : "int2-oscar", pages_per_seq * batch, rng);
+        std::shared_ptr<const kvcd::CodecProfile> profile;
+        std::vector<kvcd::FormatId> ids = {kvcd::FormatId::kBf16};
+        if (fmt == 1) {
+          profile = std::make_shared<const kvcd::CodecProfile>(kvcd::CodecProfile::Hadamard(1, kD));
+          ids.push_back(kvcd::FormatId::kInt2Oscar);
+        }
+        auto formats =
+            backend->CreateFormats(ids, kvcd::PageGeometry{1, kHkv, kD, kPage}, profile, nullptr);
+        if (!formats.ok()) {
+          std::fprintf(stderr, "%s\n", std::string(formats.status().message()).c_str());
+          return 1;
+        }
+        su.formats = std::move(*formats);
+        su.q.resize(static_cast<size_t>(batch) * kHq * kD);
+        su.o.resize(su.q.size());
+        su.lse.resize(static_cast<size_t>(batch) * kHq);
         std::normal_distribution<float> normal(0.0f, 1.0f);
-        for (auto& x : q) x = normal(rng);
-        kvcd::AttentionBatch b;
+        for (auto& x : su.q) x = normal(rng);
+        kvcd::AttentionBatch& b = su.batch;
         b.num_q_heads = kHq;
         b.num_kv_heads = kHkv;
         b.head_dim = kD;
         b.page_size = kPage;
         b.softmax_scale = 1.0f / std::sqrt(static_cast<float>(kD));
-        // INT2 pages hold Hadamard-rotated rows: the model's formats share that rotation.
-        std::shared_ptr<const kvcd::CodecProfile> rotation;
-        if (fmt == 1) {
-          rotation =
-              std::make_shared<const kvcd::CodecProfile>(kvcd::CodecProfile::Hadamard(1, kD));
-        }
-        const std::vector<kvcd::FormatId> ids = {kvcd::FormatId::kBf16, kvcd::FormatId::kInt2Oscar};
-        auto formats =
-            backend->CreateFormats(ids, kvcd::PageGeometry{1, kHkv, kD, kPage}, rotation, nullptr);
-        if (!formats.ok()) {
-          std::fprintf(stderr, "%s\n", std::string(formats.status().message()).c_str());
-          return 1;
-        }
-        b.model_format = (*formats)[0].get();
+        b.model_format = su.formats[0].get();
         for (int s = 0; s < batch; ++s) {
           kvcd::AttentionJob job;
           kvcd::AttentionSegment seg;
-          seg.format = (*formats)[fmt].get();
-          seg.pool = pool.pool.get();
+          seg.format = su.formats.back().get();
+          seg.pool = su.pool.pool.get();
           for (int64_t p = 0; p < pages_per_seq; ++p)
             seg.page_ids.push_back(static_cast<int32_t>(s * pages_per_seq + p));
           seg.token_end = n;
           job.segments.push_back(std::move(seg));
-          job.q = q.data() + s * kHq * kD;
-          job.o = o.data() + s * kHq * kD;
-          job.lse = lse.data() + s * kHq;
+          job.q = su.q.data() + s * kHq * kD;
+          job.o = su.o.data() + s * kHq * kD;
+          job.lse = su.lse.data() + s * kHq;
           b.jobs.push_back(std::move(job));
         }
         const double bytes_per_token = fmt == 0 ? 2.0 * kHkv * kD * 2 : 2.0 * kHkv * (kD / 4 + 4);
-        mb[fmt] = bytes_per_token * n * batch / 1e6;
-        const int reps = iters > 0 ? iters : std::max(3, static_cast<int>(2e9 / (mb[fmt] * 1e6)));
-        (void)backend->Attend(b);  // warm-up
-        std::vector<double> times;
-        for (int r = 0; r < reps; ++r) {
+        su.mb = bytes_per_token * n * batch / 1e6;
+        if (absl::Status st = backend->Attend(b); !st.ok()) {  // warm-up
+          std::fprintf(stderr, "%s\n", std::string(st.message()).c_str());
+          return 1;
+        }
+      }
+      // Interleaved repetitions (BF16, INT2, BF16, ...): both see the same machine load.
+      const int reps = iters > 0 ? iters : std::max(5, static_cast<int>(2e9 / (setup[0].mb * 1e6)));
+      std::vector<double> times[2];
+      for (int r = 0; r < reps; ++r) {
+        for (int fmt = 0; fmt < 2; ++fmt) {
           const auto t0 = std::chrono::steady_clock::now();
-          (void)backend->Attend(b);
-          times.push_back(
+          (void)backend->Attend(setup[fmt].batch);
+          times[fmt].push_back(
               std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
                   .count());
         }
-        std::sort(times.begin(), times.end());
-        ms[fmt] = times[times.size() / 2];  // median
-        backend->FreePoolMemory(pool.mem, pool.bytes);
       }
+      double ms[2], mb[2];
+      for (int fmt = 0; fmt < 2; ++fmt) {
+        std::sort(times[fmt].begin(), times[fmt].end());
+        ms[fmt] = times[fmt][times[fmt].size() / 2];  // median
+        mb[fmt] = setup[fmt].mb;
+        backend->FreePoolMemory(setup[fmt].pool.mem, setup[fmt].pool.bytes);
+      }
+      // Core-nanoseconds per token and KV head (the 4 query heads of its group).
+      const double token_heads = static_cast<double>(n) * batch * kHkv;
+      double load[3] = {0, 0, 0};
+      if (getloadavg(load, 3) < 1) load[0] = -1;
       char line[512];
       std::snprintf(line, sizeof(line),
-                    "| %lld | %d | %.3f | %.1f | %.1f | %.3f | %.1f | %.1f | %.2fx |\n",
-                    static_cast<long long>(n), batch, ms[0], mb[0], mb[0] / ms[0], ms[1], mb[1],
-                    mb[1] / ms[1], ms[0] / ms[1]);
+                    "| %lld | %d | %d | %.3f | %.1f | %.1f | %.3f | %.1f | %.1f | %.2fx | %.1f | "
+                    "%.1f | %.2f |\n",
+                    static_cast<long long>(n), batch, reps, ms[0], mb[0], mb[0] / ms[0], ms[1],
+                    mb[1], mb[1] / ms[1], ms[0] / ms[1], ms[0] * 1e6 * cores / token_heads,
+                    ms[1] * 1e6 * cores / token_heads, load[0]);
       std::fputs(line, stdout);
       std::fflush(stdout);
       table += line;

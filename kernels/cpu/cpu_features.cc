@@ -42,6 +42,18 @@ bool CpuHasAvx512Vnni() {
 #endif
 }
 
+bool CpuHasF16c() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool f16c = [] {
+    __builtin_cpu_init();
+    return ActiveCpuIsa() >= CpuIsa::kAvx2 && __builtin_cpu_supports("f16c");
+  }();
+  return f16c;
+#else
+  return false;
+#endif
+}
+
 const char* CpuIsaName(CpuIsa isa) {
   switch (isa) {
     case CpuIsa::kScalar:

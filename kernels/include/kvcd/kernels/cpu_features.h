@@ -17,4 +17,7 @@ const char* CpuIsaName(CpuIsa isa);
 // AVX-512 VNNI (vpdpbusd), used by the INT2 kernel's integer logit path.
 bool CpuHasAvx512Vnni();
 
+// F16C (vcvtph2ps), used by the AVX2 INT2 kernel's integer path for the FP16 row scales.
+bool CpuHasF16c();
+
 }  // namespace kvcd::kernels
