@@ -397,7 +397,7 @@ void ModelCache::EvictToWatermarksLocked(const std::string& tenant) {
   }
 }
 
-void ModelCache::DemotePages(Sequence* seq) {
+void ModelCache::DemotePages(Sequence* seq, std::vector<Demotion>* deferred) {
   if (!DemotesHistory()) return;
   const int32_t ps = spec_.page_size;
   const int64_t len = seq->length();
@@ -426,6 +426,10 @@ void ModelCache::DemotePages(Sequence* seq) {
       break;
     }
     seq->pages[static_cast<size_t>(i)] = fresh[0];
+    if (deferred != nullptr) {
+      deferred->push_back({i, old, fresh[0]});
+      continue;
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       FreeLocked({old});
@@ -739,7 +743,15 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
           "; send the other layers' k_new/v_new before the next token"));
     }
   }
-  std::vector<PageRef> fresh_pages;  // pages the append added (taken back if attention fails)
+  // What the append did to each sequence, to take it back if the attention fails.
+  struct Undo {
+    bool pushed_page = false;
+    bool committed = false;
+    int32_t pending_token = 0;
+    int64_t next_demote_page = 0;
+    std::vector<Demotion> demotions;
+  };
+  std::vector<Undo> undo(append ? seqs.size() : 0);
   if (append) {
     // All-or-nothing: allocate every page the batch needs, then write every row.
     // A sequence at a page boundary needs a page, owned by its tenant.
@@ -772,18 +784,32 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
       FreeLocked(fresh);
       return written;
     }
-    // The rows are in place; the lengths grow so that attention sees them, but the token is
-    // committed (and pages demoted) only once the attention succeeded: a failed launch
-    // takes the rows back (all-or-nothing).
+    // The rows are in place: the lengths grow, a completed token is committed and what aged
+    // out of the recent window is demoted, all so that attention sees them; but until the
+    // attention succeeded every step can be taken back (demoted pages keep their window
+    // page): a failed launch leaves the sequences as they were (all-or-nothing).
     next_fresh = 0;
     for (size_t b = 0; b < seqs.size(); ++b) {
       Sequence* s = seqs[b];
+      Undo& u = undo[b];
+      u.pending_token = s->pending_token;
+      u.next_demote_page = s->next_demote_page;
       if (s->layer_len[layer] == static_cast<int64_t>(s->pages.size()) * ps) {
         s->pages.push_back(fresh[next_fresh++]);
+        u.pushed_page = true;
+      }
+      const int64_t before = s->length();
+      if (std::all_of(s->layer_len.begin(), s->layer_len.end(),
+                      [&](int64_t l) { return l == before; })) {
+        s->pending_token = new_tokens.tokens[b];
       }
       ++s->layer_len[layer];
+      if (s->length() > before) {  // the token is complete: commit it, demote what aged out
+        s->tokens.push_back(s->pending_token);
+        u.committed = true;
+        DemotePages(s, &u.demotions);
+      }
     }
-    fresh_pages = std::move(fresh);
   }
   AttentionBatch batch;
   batch.layer = layer;
@@ -816,33 +842,36 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
   counters_->attention_calls.fetch_add(1, std::memory_order_relaxed);
   const absl::Status attended = backend_->Attend(batch);
   if (!append) return attended;
-  if (!attended.ok()) {
-    // Undo the append: the rows stay behind the lengths, where nothing reads them.
+  std::vector<PageRef> to_free;
+  if (attended.ok()) {  // final: the demoted pages' window copies go
+    for (const Undo& u : undo) {
+      for (const Demotion& d : u.demotions) to_free.push_back(d.window);
+    }
+    demoted_pages_.fetch_add(to_free.size());
+    counters_->demoted_pages.fetch_add(to_free.size());
+  } else {  // take the append back; its rows stay behind the lengths, where nothing reads them
     for (size_t b = seqs.size(); b-- > 0;) {
       Sequence* s = seqs[b];
+      const Undo& u = undo[b];
+      for (const Demotion& d : u.demotions) {
+        s->pages[static_cast<size_t>(d.index)] = d.window;
+        to_free.push_back(d.history);
+      }
+      s->next_demote_page = u.next_demote_page;
+      if (u.committed) s->tokens.pop_back();
+      s->pending_token = u.pending_token;
       --s->layer_len[layer];
-      if (std::find(fresh_pages.begin(), fresh_pages.end(), s->pages.back()) != fresh_pages.end()) {
+      if (u.pushed_page) {
+        to_free.push_back(s->pages.back());
         s->pages.pop_back();
       }
     }
+  }
+  if (!to_free.empty()) {
     std::lock_guard<std::mutex> lock(mu_);
-    FreeLocked(fresh_pages);
-    return attended;
+    FreeLocked(to_free);
   }
-  for (size_t b = 0; b < seqs.size(); ++b) {
-    Sequence* s = seqs[b];
-    const int64_t before = (*lengths)[b] - 1;  // this layer's length before the append
-    // The first layer to receive the token names it; the last one commits it.
-    if (std::count(s->layer_len.begin(), s->layer_len.end(), before) ==
-        static_cast<int64_t>(s->layer_len.size()) - 1) {
-      s->pending_token = new_tokens.tokens[b];
-    }
-    if (s->length() > before) {  // the token is complete: commit it, demote what aged out
-      s->tokens.push_back(s->pending_token);
-      DemotePages(s);
-    }
-  }
-  return absl::OkStatus();
+  return attended;
 }
 
 absl::Status ModelCache::CheckReadable(const Sequence& seq, int64_t first, int64_t n) const {

@@ -284,8 +284,16 @@ class ModelCache {
   int64_t HeldLocked(const std::string& tenant, int32_t store) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int64_t ShareLimit(const std::string& tenant, int32_t store) const;
-  // Demotes every private window page of `seq` that has left the recent window.
-  void DemotePages(Sequence* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq->mu);
+  // A demotion not final yet: page `index` of a sequence now refers to `history`, and its
+  // `window` page is kept until the caller commits (frees it) or reverts (puts it back).
+  struct Demotion {
+    int64_t index;
+    PageRef window, history;
+  };
+  // Demotes every private window page of `seq` that has left the recent window. With
+  // `deferred`, the window pages are kept and listed there (and not counted yet).
+  void DemotePages(Sequence* seq, std::vector<Demotion>* deferred = nullptr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq->mu);
   std::vector<AttentionSegment> Segments(const Sequence& seq, int64_t len) const;
   // OK if tokens [first, first + n) of an open sequence can be read.
   absl::Status CheckReadable(const Sequence& seq, int64_t first, int64_t n) const;

@@ -642,6 +642,91 @@ TEST(ModelCacheTest, FusedAppendIsTakenBackWhenTheAttentionLaunchFails) {
   cache.Close(seq.get());
 }
 
+// The same with a demotion: the fused token that completes at the last layer commits and
+// demotes a page that left the recent window before attending; when that launch fails, the
+// page is BF16 again (its history copy freed), the token is not committed, and both pools
+// are as before.
+TEST(ModelCacheTest, FailedFusedAttentionTakesBackTheDemotionItCaused) {
+  const ModelSpec s = TinyInt2Spec();  // page 4, sink 4, recent 8
+  auto injector = FaultInjector::Parse("attend:2");
+  ASSERT_TRUE(injector.ok()) << injector.status();
+  auto backend = WithFaultInjection(MakeCpuBackend(1), std::move(*injector));
+  CacheCounters counters;
+  auto created = ModelCache::Create(s, backend.get(), 0.95, 0.85, &counters);
+  ASSERT_TRUE(created.ok()) << created.status();
+  ModelCache& cache = **created;
+  const int64_t n = 19;  // token 19 completes page 2's exit from the recent window
+  const auto k = RandomKv(s, n, 1), v = RandomKv(s, n, 2);
+  auto seq = cache.Open(1, "t", {});
+  ASSERT_TRUE(cache.Append(seq.get(), Tokens(n), Rows(s, k, n), Rows(s, v, n)).ok());
+  const int64_t row = int64_t{s.num_kv_heads} * s.head_dim;
+  const auto k_new = RandomKv(s, 1, 3), v_new = RandomKv(s, 1, 4);
+  std::vector<float> q(static_cast<size_t>(s.num_q_heads * s.head_dim), 0.5f);
+  std::vector<float> o(q.size()), lse(static_cast<size_t>(s.num_q_heads));
+  const std::vector<int32_t> token = {4242};
+  Sequence* batch[] = {seq.get()};
+  auto attend = [&](int32_t layer) {
+    ModelCache::NewTokens nt;
+    nt.tokens = token;
+    RowSource kr = Rows(s, k_new, 1), vr = Rows(s, v_new, 1);
+    kr.data = k_new.data() + layer * row;
+    vr.data = v_new.data() + layer * row;
+    nt.k = kr;
+    nt.v = vr;
+    std::vector<int64_t> lengths;
+    return cache.Attend(layer, batch, q.data(), 0.25f, nt, o.data(), lse.data(), &lengths);
+  };
+  ASSERT_TRUE(attend(0).ok());
+  auto pools = [&] {
+    std::vector<int32_t> used;
+    for (const auto& p : cache.Snapshot().pools) used.push_back(p.pages_used);
+    return used;
+  };
+  const std::vector<int32_t> used = pools();
+  std::vector<ModelCache::StoredPageCopy> before;
+  ASSERT_TRUE(cache.FetchStored(seq.get(), 0, n, &before).ok());
+  ASSERT_EQ(before.size(), 5u);
+  EXPECT_EQ(before[2].format, "bf16");
+  // The tokens as the sequence holds them (the partial last page's slots past the length
+  // hold whatever was written there last; only its tokens count).
+  auto tokens_kv = [&] {
+    std::vector<uint16_t> ko(static_cast<size_t>(s.num_layers * n * row)), vo(ko.size());
+    std::vector<std::string> formats;
+    EXPECT_TRUE(cache.Fetch(seq.get(), 0, n, ko.data(), vo.data(), &formats).ok());
+    return std::make_pair(ko, vo);
+  };
+  const auto kv_before = tokens_kv();
+  const uint64_t demoted = counters.demoted_pages.load();
+  EXPECT_EQ(attend(1).code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(cache.Length(seq.get()), n);
+  EXPECT_EQ(pools(), used);
+  EXPECT_EQ(counters.demoted_pages.load(), demoted);
+  std::vector<ModelCache::StoredPageCopy> after;
+  ASSERT_TRUE(cache.FetchStored(seq.get(), 0, n, &after).ok());
+  ASSERT_EQ(after.size(), before.size());
+  for (size_t i = 0; i < after.size(); ++i) {
+    EXPECT_EQ(after[i].format, before[i].format) << i;
+    if (i + 1 < after.size()) {  // full pages
+      EXPECT_EQ(after[i].data, before[i].data) << i;
+    }
+  }
+  EXPECT_TRUE(tokens_kv() == kv_before);
+  // Retried, the token commits and page 2 is demoted for good.
+  ASSERT_TRUE(attend(1).ok());
+  EXPECT_EQ(cache.Length(seq.get()), n + 1);
+  EXPECT_EQ(counters.demoted_pages.load(), demoted + 1);
+  EXPECT_EQ(pools(), (std::vector<int32_t>{used[0] - 1, used[1] + 1}));
+  std::vector<ModelCache::StoredPageCopy> done;
+  ASSERT_TRUE(cache.FetchStored(seq.get(), 0, n + 1, &done).ok());
+  EXPECT_EQ(done[2].format, "int2-oscar");
+  {
+    std::lock_guard<std::mutex> lock(seq->mu);
+    EXPECT_EQ(seq->tokens.back(), 4242);
+    EXPECT_EQ(seq->tokens.size(), static_cast<size_t>(n + 1));
+  }
+  cache.Close(seq.get());
+}
+
 // Memory shares (issue #21, fair sharing): a tenant may hold floor(share * pages) of each
 // pool. Past its share it evicts only its own unpinned pages, and fails RESOURCE_EXHAUSTED
 // (naming tenant, share and usage, evicting nothing) when those are too few; another
