@@ -125,10 +125,12 @@ absl::StatusOr<Resp> Unary(const Client* self, Call call) {
   })
 
 absl::StatusOr<v1::ModelInfo> Client::RegisterModel(const v1::ModelProfile& profile,
-                                                    const std::string& codec_blob) {
+                                                    const std::string& codec_blob,
+                                                    const std::string& tenant) {
   v1::RegisterModelRequest req;
   *req.mutable_profile() = profile;
   req.set_codec_blob(codec_blob);
+  req.set_tenant(tenant);
   auto r = KVCD_CALL(v1::RegisterModelResponse, RegisterModel, req);
   if (!r.ok()) return r.status();
   return r->model();

@@ -79,8 +79,10 @@ class Client {
   // (UNAVAILABLE otherwise).
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
 
+  // `tenant`: the tenant the registration counts against (RegisterModelRequest.tenant).
   absl::StatusOr<v1::ModelInfo> RegisterModel(const v1::ModelProfile& profile,
-                                              const std::string& codec_blob = "");
+                                              const std::string& codec_blob = "",
+                                              const std::string& tenant = "");
   absl::StatusOr<std::vector<v1::ModelInfo>> ListModels();
   // The registered model `name` (NOT_FOUND if absent).
   absl::StatusOr<v1::ModelInfo> GetModel(const std::string& name);

@@ -1,6 +1,7 @@
 #include "server/cache/model_cache.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 
@@ -115,7 +116,8 @@ ModelCache::~ModelCache() {
 
 absl::StatusOr<std::unique_ptr<ModelCache>> ModelCache::Create(
     const ModelSpec& spec, Backend* backend, double high_watermark, double low_watermark,
-    CacheCounters* counters, const std::string& codec_blob, uint64_t allocation_limit) {
+    CacheCounters* counters, const std::string& codec_blob, uint64_t allocation_limit,
+    const std::string& limit_what) {
   std::unique_ptr<ModelCache> cache(
       new ModelCache(spec, backend, high_watermark, low_watermark, counters));
   KVCD_ASSIGN_OR_RETURN(cache->codec_, LoadCodec(spec, codec_blob));
@@ -161,7 +163,8 @@ absl::StatusOr<std::unique_ptr<ModelCache>> ModelCache::Create(
         absl::StrCat("model ", Quote(spec.name), ": its pools take ", allocation,
                      " bytes once rounded to the backend's allocation granularity (memory_bytes ",
                      spec.memory_bytes, "), but only ", allocation_limit,
-                     " bytes of the daemon's memory_budget are unassigned"));
+                     limit_what.empty() ? " bytes of the daemon's memory_budget are unassigned"
+                                        : " bytes are left under " + limit_what));
   }
   cache->allocated_bytes_ = allocation;
   for (size_t i = 0; i < ids.size(); ++i) {
@@ -174,6 +177,10 @@ absl::StatusOr<std::unique_ptr<ModelCache>> ModelCache::Create(
         std::make_unique<PagePool>(store.format->name(), store.memory, spec.num_layers,
                                    store.format->layer_page_bytes(), static_cast<int32_t>(pages));
     cache->stores_.push_back(std::move(store));
+  }
+  std::lock_guard<std::mutex> lock(cache->mu_);
+  for (const PageStore& store : cache->stores_) {
+    cache->owner_.emplace_back(static_cast<size_t>(store.pool->num_pages()), -1);
   }
   return cache;
 }
@@ -192,14 +199,75 @@ int64_t ModelCache::MaxPageBytes() const {
   return m;
 }
 
-absl::Status ModelCache::CheckFitsLocked(int32_t store, int64_t n) const {
+int64_t ModelCache::ShareLimit(const std::string& tenant, int32_t store) const {
+  if (!share_of_) return INT64_MAX;
+  const double share = share_of_(tenant);
+  if (!(share < 1)) return INT64_MAX;
+  return static_cast<int64_t>(std::floor(std::max(share, 0.0) * stores_[store].pool->num_pages()));
+}
+
+int64_t ModelCache::HeldLocked(const std::string& tenant, int32_t store) const {
+  auto it = slot_of_.find(tenant);
+  return it == slot_of_.end() ? 0 : tenants_[static_cast<size_t>(it->second)].held[store];
+}
+
+namespace {
+
+// The needs of one call summed per tenant, in order of first appearance.
+// (Need: ModelCache::TenantNeed.)
+template <class Need>
+std::vector<std::pair<const std::string*, int64_t>> PerTenant(absl::Span<const Need> needs) {
+  std::vector<std::pair<const std::string*, int64_t>> out;
+  for (const Need& n : needs) {
+    if (n.pages == 0) continue;
+    auto it =
+        std::find_if(out.begin(), out.end(), [&](const auto& t) { return *t.first == *n.tenant; });
+    if (it == out.end()) {
+      out.emplace_back(n.tenant, n.pages);
+    } else {
+      it->second += n.pages;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::Status ModelCache::CheckFitsLocked(int32_t store, absl::Span<const TenantNeed> needs) const {
   const PagePool& p = *stores_[store].pool;
-  if (n <= p.free_pages()) return absl::OkStatus();
-  const int64_t evictable = tree_.EvictablePages(store);
-  if (n <= p.free_pages() + evictable) return absl::OkStatus();
+  int64_t free = p.free_pages();
+  int64_t own_evicted = 0;  // by tenants past their share, from their own pages
+  int64_t others = 0;       // pages of tenants within their share
+  for (const auto& [tenant, n] : PerTenant(needs)) {
+    const int64_t limit = ShareLimit(*tenant, store);
+    const int64_t held = HeldLocked(*tenant, store);
+    if (n <= limit && held <= limit - n) {
+      others += n;
+      continue;
+    }
+    // Past its share: its own unpinned pages must make room under the share, and in the
+    // pool when it has too few free pages.
+    const int64_t own = tree_.EvictablePages(store, tenant);
+    const int64_t must = n > limit ? INT64_MAX : std::max(held + n - limit, n - free);
+    if (own < must) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "model ", Quote(spec_.name), ": tenant ", Quote(*tenant), " (cache_salt) holds ", held,
+          " of the ", p.num_pages(), " pages of the ", p.format(),
+          " pool, and its max_memory_share ", share_of_(*tenant), " lets it hold ", limit,
+          "; this call needs ", n, " page(s) more", n > limit ? ", more than its whole share" : "",
+          ", and a tenant at its share evicts only its own pages: ", own,
+          " of them are unpinned; nothing was evicted; close its sequences, send fewer tokens "
+          "or raise its max_memory_share; retry later"));
+    }
+    free += must - n;
+    own_evicted += must;
+  }
+  if (others <= free) return absl::OkStatus();
+  const int64_t evictable = tree_.EvictablePages(store) - own_evicted;
+  if (others <= free + evictable) return absl::OkStatus();
   return absl::ResourceExhaustedError(absl::StrCat(
-      "model ", Quote(spec_.name), ": the ", p.format(), " pool cannot hold the request: need ", n,
-      " page(s), ", p.free_pages(), " free + ", evictable, " evictable of ", p.num_pages(), " (",
+      "model ", Quote(spec_.name), ": the ", p.format(), " pool cannot hold the request: need ",
+      others, " page(s), ", free, " free + ", evictable, " evictable of ", p.num_pages(), " (",
       tree_.PinnedPages(),
       " cached pages pinned by open sequences); nothing was evicted; close sequences, send "
       "fewer tokens or give the model more memory; retry later"));
@@ -217,49 +285,120 @@ absl::Status ModelCache::WriteCodes(int32_t store, const RowSource* x,
   return s.format->WriteCodes(*x, rows, layer, *s.pool);
 }
 
-absl::Status ModelCache::AllocateLocked(int32_t store, int32_t n, std::vector<PageRef>* out) {
-  if (n == 0) return absl::OkStatus();
+void ModelCache::EvictLocked(const std::function<bool()>& want_more, const std::string* tenant) {
+  tree_.Evict(
+      want_more,
+      [&](const PageRef& r) {
+        FreeLocked({r});
+        counters_->evicted_pages.fetch_add(1, std::memory_order_relaxed);
+      },
+      tenant);
+}
+
+absl::Status ModelCache::AllocateLocked(int32_t store, absl::Span<const TenantNeed> needs,
+                                        std::vector<PageRef>* out) {
+  const auto per_tenant = PerTenant(needs);
+  if (per_tenant.empty()) return absl::OkStatus();
   PagePool& p = *stores_[store].pool;
   // Feasibility first: an impossible request must not flush the cache on its way to failing.
-  KVCD_RETURN_IF_ERROR(CheckFitsLocked(store, n));
-  if (p.free_pages() < n) {
-    tree_.Evict([&] { return p.free_pages() < n; },
-                [&](const PageRef& r) {
-                  stores_[r.pool].pool->Free({r.page});
-                  counters_->evicted_pages.fetch_add(1, std::memory_order_relaxed);
-                });
+  KVCD_RETURN_IF_ERROR(CheckFitsLocked(store, needs));
+  // In CheckFitsLocked's order: tenants past their share (evicting their own pages), then
+  // the others (LRU over everyone's).
+  std::vector<std::vector<int32_t>> ids(per_tenant.size());
+  std::vector<bool> past(per_tenant.size());  // decided once, before anything moves
+  for (size_t i = 0; i < per_tenant.size(); ++i) {
+    const std::string& tenant = *per_tenant[i].first;
+    past[i] = HeldLocked(tenant, store) + per_tenant[i].second > ShareLimit(tenant, store);
   }
-  std::vector<int32_t> ids;
-  if (!p.Allocate(n, &ids)) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "model '", spec_.name, "': the ", p.format(), " pool is full: need ", n, " page(s), ",
-        p.free_pages(), " free of ", p.num_pages(), ", nothing evictable (", tree_.PinnedPages(),
-        " cached pages pinned by open sequences); close sequences or give the model more "
-        "memory; retry later"));
+  absl::Status status;
+  for (int pass = 0; pass < 2 && status.ok(); ++pass) {
+    for (size_t i = 0; i < per_tenant.size() && status.ok(); ++i) {
+      const std::string& tenant = *per_tenant[i].first;
+      const int64_t n = per_tenant[i].second;
+      const int64_t limit = ShareLimit(tenant, store);
+      const bool past_share = past[i];
+      if (past_share != (pass == 0)) continue;
+      auto want_more = [&] {
+        return p.free_pages() < n || (past_share && HeldLocked(tenant, store) + n > limit);
+      };
+      if (want_more()) EvictLocked(want_more, past_share ? &tenant : nullptr);
+      if (!p.Allocate(static_cast<int32_t>(n), &ids[i])) {
+        status = absl::ResourceExhaustedError(absl::StrCat(
+            "model ", Quote(spec_.name), ": the ", p.format(), " pool is full: need ", n,
+            " page(s), ", p.free_pages(), " free of ", p.num_pages(), ", nothing evictable (",
+            tree_.PinnedPages(),
+            " cached pages pinned by open sequences); close sequences or give the model more "
+            "memory; retry later"));
+        break;
+      }
+      // Record the owner.
+      int32_t slot;
+      auto it = slot_of_.find(tenant);
+      if (it != slot_of_.end()) {
+        slot = it->second;
+      } else {
+        if (free_slots_.empty()) {
+          free_slots_.push_back(static_cast<int32_t>(tenants_.size()));
+          tenants_.emplace_back();
+        }
+        slot = free_slots_.back();
+        free_slots_.pop_back();
+        tenants_[static_cast<size_t>(slot)].name = tenant;
+        tenants_[static_cast<size_t>(slot)].held.assign(stores_.size(), 0);
+        slot_of_.emplace(tenant, slot);
+      }
+      TenantSlot& t = tenants_[static_cast<size_t>(slot)];
+      for (int32_t id : ids[i]) owner_[static_cast<size_t>(store)][static_cast<size_t>(id)] = slot;
+      t.held[static_cast<size_t>(store)] += n;
+      t.total += n;
+    }
   }
-  for (int32_t id : ids) out->push_back(PageRef{store, id});
+  if (!status.ok()) {
+    for (const auto& got : ids) {
+      for (int32_t id : got) FreeLocked({PageRef{store, id}});
+    }
+    return status;
+  }
+  // Hand the pages out in the order of `needs`.
+  std::vector<size_t> next(per_tenant.size(), 0);
+  for (const TenantNeed& need : needs) {
+    if (need.pages == 0) continue;
+    size_t i = 0;
+    while (*per_tenant[i].first != *need.tenant) ++i;
+    for (int64_t k = 0; k < need.pages; ++k) out->push_back(PageRef{store, ids[i][next[i]++]});
+  }
   return absl::OkStatus();
 }
 
 void ModelCache::FreeLocked(absl::Span<const PageRef> pages) {
-  for (const PageRef& r : pages) stores_[r.pool].pool->Free({r.page});
-}
-
-void ModelCache::EvictToWatermarksLocked() {
-  for (PageStore& store : stores_) {
-    PagePool* p = store.pool.get();
-    const int32_t total = p->num_pages();
-    if (p->used_pages() <= high_watermark_ * total) continue;
-    const double low = low_watermark_ * total;
-    tree_.Evict([&] { return p->used_pages() > low; },
-                [&](const PageRef& r) {
-                  stores_[r.pool].pool->Free({r.page});
-                  counters_->evicted_pages.fetch_add(1, std::memory_order_relaxed);
-                });
+  for (const PageRef& r : pages) {
+    stores_[r.pool].pool->Free({r.page});
+    int32_t& owner = owner_[static_cast<size_t>(r.pool)][static_cast<size_t>(r.page)];
+    if (owner < 0) continue;
+    TenantSlot& t = tenants_[static_cast<size_t>(owner)];
+    --t.held[static_cast<size_t>(r.pool)];
+    if (--t.total == 0) {  // the tenant holds nothing here any more: recycle its slot
+      slot_of_.erase(t.name);
+      t.name.clear();
+      free_slots_.push_back(owner);
+    }
+    owner = -1;
   }
 }
 
-void ModelCache::DemotePages(Sequence* seq) {
+void ModelCache::EvictToWatermarksLocked(const std::string& tenant) {
+  for (size_t st = 0; st < stores_.size(); ++st) {
+    PagePool* p = stores_[st].pool.get();
+    const int32_t total = p->num_pages();
+    if (p->used_pages() <= high_watermark_ * total) continue;
+    const double low = low_watermark_ * total;
+    const int32_t store = static_cast<int32_t>(st);
+    const bool at_share = HeldLocked(tenant, store) >= ShareLimit(tenant, store);
+    EvictLocked([&] { return p->used_pages() > low; }, at_share ? &tenant : nullptr);
+  }
+}
+
+void ModelCache::DemotePages(Sequence* seq, std::vector<Demotion>* deferred) {
   if (!DemotesHistory()) return;
   const int32_t ps = spec_.page_size;
   const int64_t len = seq->length();
@@ -275,7 +414,8 @@ void ModelCache::DemotePages(Sequence* seq) {
     std::vector<PageRef> fresh;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!AllocateLocked(HistoryStore(), 1, &fresh).ok()) break;  // full: stay, retry later
+      if (!AllocateLocked(HistoryStore(), seq->salt, 1, &fresh).ok())
+        break;  // full: stay, retry later
     }
     const absl::Status s =
         history.format->Demote(*window.pool, {old.page}, *history.pool, {fresh[0].page});
@@ -287,6 +427,10 @@ void ModelCache::DemotePages(Sequence* seq) {
       break;
     }
     seq->pages[static_cast<size_t>(i)] = fresh[0];
+    if (deferred != nullptr) {
+      deferred->push_back({i, old, fresh[0]});
+      continue;
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       FreeLocked({old});
@@ -327,13 +471,14 @@ absl::StatusOr<PutResult> ModelCache::StorePrefix(const std::string& salt,
     std::vector<int64_t> need(stores_.size(), 0);
     for (int64_t i = cached_pages; i < full_pages; ++i) ++need[StoreForPage(i)];
     for (size_t st = 0; s.ok() && st < stores_.size(); ++st) {
-      s = CheckFitsLocked(static_cast<int32_t>(st), need[st]);
+      const TenantNeed tenant_need{&salt, need[st]};
+      s = CheckFitsLocked(static_cast<int32_t>(st), absl::MakeConstSpan(&tenant_need, 1));
     }
     for (int64_t i = cached_pages; s.ok() && i < full_pages;) {
       const int32_t store = StoreForPage(i);
       int64_t j = i;
       while (j < full_pages && StoreForPage(j) == store) ++j;
-      s = AllocateLocked(store, static_cast<int32_t>(j - i), &fresh);
+      s = AllocateLocked(store, salt, j - i, &fresh);
       i = j;
     }
     if (!s.ok()) {
@@ -376,7 +521,7 @@ absl::StatusOr<PutResult> ModelCache::StorePrefix(const std::string& salt,
     // watermarks, so that eviction cannot take the pages this call reports as inserted.
     const RadixTree::MatchResult own = tree_.MatchAndPin(salt, full);
     tree_.Unpin(match.node);
-    EvictToWatermarksLocked();
+    EvictToWatermarksLocked(salt);
     tree_.Unpin(own.node);
     result.inserted_tokens = ins.new_pages * ps;
     counters_->inserted_pages.fetch_add(static_cast<uint64_t>(ins.new_pages));
@@ -534,7 +679,7 @@ absl::StatusOr<int64_t> ModelCache::Append(Sequence* seq, absl::Span<const int32
   if (pages_needed > 0) {
     std::lock_guard<std::mutex> lock(mu_);
     if (pages_needed > (1 << 30)) return absl::ResourceExhaustedError("append too large");
-    KVCD_RETURN_IF_ERROR(AllocateLocked(kWindow, static_cast<int32_t>(pages_needed), &fresh));
+    KVCD_RETURN_IF_ERROR(AllocateLocked(kWindow, seq->salt, pages_needed, &fresh));
   }
   std::vector<RowSlot> slots;
   slots.reserve(static_cast<size_t>(n));
@@ -617,16 +762,28 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
           "; send the other layers' k_new/v_new before the next token"));
     }
   }
+  // What the append did to each sequence, to take it back if the attention fails.
+  struct Undo {
+    bool pushed_page = false;
+    bool committed = false;
+    int32_t pending_token = 0;
+    int64_t next_demote_page = 0;
+    std::vector<Demotion> demotions;
+  };
+  std::vector<Undo> undo(append ? seqs.size() : 0);
   if (append) {
     // All-or-nothing: allocate every page the batch needs, then write every row.
-    int32_t pages_needed = 0;
+    // A sequence at a page boundary needs a page, owned by its tenant.
+    std::vector<TenantNeed> needs;
     for (Sequence* s : seqs) {
-      if (s->layer_len[layer] == static_cast<int64_t>(s->pages.size()) * ps) ++pages_needed;
+      if (s->layer_len[layer] == static_cast<int64_t>(s->pages.size()) * ps) {
+        needs.push_back({&s->salt, 1});
+      }
     }
     std::vector<PageRef> fresh;
-    if (pages_needed > 0) {
+    if (!needs.empty()) {
       std::lock_guard<std::mutex> lock(mu_);
-      KVCD_RETURN_IF_ERROR(AllocateLocked(kWindow, pages_needed, &fresh));
+      KVCD_RETURN_IF_ERROR(AllocateLocked(kWindow, needs, &fresh));
     }
     std::vector<RowSlot> slots;
     size_t next_fresh = 0;
@@ -651,12 +808,20 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
       FreeLocked(fresh);
       return written;
     }
+    // The rows are in place: the lengths grow, a completed token is committed and what aged
+    // out of the recent window is demoted, all so that attention sees them; but until the
+    // attention succeeded every step can be taken back (demoted pages keep their window
+    // page): a failed launch leaves the sequences as they were (all-or-nothing).
     next_fresh = 0;
     for (size_t b = 0; b < seqs.size(); ++b) {
       Sequence* s = seqs[b];
-      const int64_t pos = s->layer_len[layer];
-      if (pos == static_cast<int64_t>(s->pages.size()) * ps)
+      Undo& u = undo[b];
+      u.pending_token = s->pending_token;
+      u.next_demote_page = s->next_demote_page;
+      if (s->layer_len[layer] == static_cast<int64_t>(s->pages.size()) * ps) {
         s->pages.push_back(fresh[next_fresh++]);
+        u.pushed_page = true;
+      }
       const int64_t before = s->length();
       if (std::all_of(s->layer_len.begin(), s->layer_len.end(),
                       [&](int64_t l) { return l == before; })) {
@@ -665,11 +830,11 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
       ++s->layer_len[layer];
       if (s->length() > before) {  // the token is complete: commit it, demote what aged out
         s->tokens.push_back(s->pending_token);
-        DemotePages(s);
+        u.committed = true;
+        DemotePages(s, &u.demotions);
       }
     }
   }
-
   AttentionBatch batch;
   batch.layer = layer;
   batch.num_q_heads = spec_.num_q_heads;
@@ -700,7 +865,38 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
     batch.device_lse = device->lse;
   }
   counters_->attention_calls.fetch_add(1, std::memory_order_relaxed);
-  return backend_->Attend(batch);
+  const absl::Status attended = backend_->Attend(batch);
+  if (!append) return attended;
+  std::vector<PageRef> to_free;
+  if (attended.ok()) {  // final: the demoted pages' window copies go
+    for (const Undo& u : undo) {
+      for (const Demotion& d : u.demotions) to_free.push_back(d.window);
+    }
+    demoted_pages_.fetch_add(to_free.size());
+    counters_->demoted_pages.fetch_add(to_free.size());
+  } else {  // take the append back; its rows stay behind the lengths, where nothing reads them
+    for (size_t b = seqs.size(); b-- > 0;) {
+      Sequence* s = seqs[b];
+      const Undo& u = undo[b];
+      for (const Demotion& d : u.demotions) {
+        s->pages[static_cast<size_t>(d.index)] = d.window;
+        to_free.push_back(d.history);
+      }
+      s->next_demote_page = u.next_demote_page;
+      if (u.committed) s->tokens.pop_back();
+      s->pending_token = u.pending_token;
+      --s->layer_len[layer];
+      if (u.pushed_page) {
+        to_free.push_back(s->pages.back());
+        s->pages.pop_back();
+      }
+    }
+  }
+  if (!to_free.empty()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    FreeLocked(to_free);
+  }
+  return attended;
 }
 
 absl::Status ModelCache::CheckReadable(const Sequence& seq, int64_t first, int64_t n) const {
@@ -858,6 +1054,18 @@ ModelSnapshot ModelCache::Snapshot() const {
   s.cached_tokens = tree_.cached_pages() * spec_.page_size;
   s.pinned_pages = tree_.PinnedPages();
   s.active_sequences = open_sequences_.load();
+  for (const TenantSlot& t : tenants_) {
+    if (t.total == 0) continue;
+    TenantPagesSnapshot tp;
+    tp.tenant = t.name;
+    tp.pages = t.held;
+    for (size_t st = 0; st < stores_.size(); ++st) {
+      tp.limit.push_back(ShareLimit(t.name, static_cast<int32_t>(st)));
+    }
+    s.tenants.push_back(std::move(tp));
+  }
+  std::sort(s.tenants.begin(), s.tenants.end(),
+            [](const auto& a, const auto& b) { return a.tenant < b.tenant; });
   s.codec = codec_ ? codec_->description() : std::string(history.name());
   if (fsq_ != nullptr) {
     s.codec = absl::StrCat("fsq G=", fsq_->codec.shape().latent_width,

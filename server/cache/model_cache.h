@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
@@ -54,8 +55,17 @@ struct PoolSnapshot {
   int32_t pages_used = 0;
 };
 
+// The pages one tenant holds in each pool (the order of ModelSnapshot::pools), and the
+// most its memory share lets it hold there (INT64_MAX: no limit).
+struct TenantPagesSnapshot {
+  std::string tenant;
+  std::vector<int64_t> pages;
+  std::vector<int64_t> limit;
+};
+
 struct ModelSnapshot {
   std::vector<PoolSnapshot> pools;
+  std::vector<TenantPagesSnapshot> tenants;  // tenants holding pages, by name
   int64_t cached_tokens = 0;
   int64_t pinned_pages = 0;
   int64_t active_sequences = 0;
@@ -83,17 +93,26 @@ class ModelCache {
   // Snapshot().codec). For fsq, the FSQ codec comes from codec_blob, else spec.codec_file
   // (required; INVALID_ARGUMENT naming the wrong tensor when it disagrees with the spec).
   // RESOURCE_EXHAUSTED, before anything is allocated, if the pools would really take
-  // (Backend::PoolAllocationBytes, rounding included) more than allocation_limit bytes.
-  static absl::StatusOr<std::unique_ptr<ModelCache>> Create(const ModelSpec& spec, Backend* backend,
-                                                            double high_watermark,
-                                                            double low_watermark,
-                                                            CacheCounters* counters,
-                                                            const std::string& codec_blob = "",
-                                                            uint64_t allocation_limit = UINT64_MAX);
+  // (Backend::PoolAllocationBytes, rounding included) more than allocation_limit bytes;
+  // the message says the limit is `limit_what` (default: the unassigned memory_budget).
+  static absl::StatusOr<std::unique_ptr<ModelCache>> Create(
+      const ModelSpec& spec, Backend* backend, double high_watermark, double low_watermark,
+      CacheCounters* counters, const std::string& codec_blob = "",
+      uint64_t allocation_limit = UINT64_MAX, const std::string& limit_what = "");
   ~ModelCache();
 
   // Bytes the pools really hold (each pool's size rounded by the backend).
   uint64_t allocated_bytes() const { return allocated_bytes_; }
+
+  // Memory shares: every page is owned by the tenant (cache_salt) whose Put, PushPages,
+  // Append or fused append created it. A tenant may hold at most floor(share * pages) of
+  // each pool, share = share_of(tenant) (>= 1: no limit). A tenant that would go past its
+  // share evicts only its own unpinned pages, and when those are too few the call fails
+  // RESOURCE_EXHAUSTED naming the tenant, its share and its usage, having evicted nothing;
+  // below its share it evicts by LRU over every tenant. Without a function every share is
+  // 1. REQUIRES: called before the cache is shared with other threads.
+  using MemoryShareFn = std::function<double(const std::string& tenant)>;
+  void set_memory_shares(MemoryShareFn share_of) { share_of_ = std::move(share_of); }
 
   const ModelSpec& spec() const { return spec_; }
 
@@ -237,21 +256,54 @@ class ModelCache {
   absl::StatusOr<PutResult> StorePrefix(const std::string& salt, absl::Span<const int32_t> tokens,
                                         int64_t full_pages, int64_t required_pages,
                                         const PageWriter& write);
-  // OK if n pages of store `store` can be had (free, or by evicting unpinned pages);
-  // RESOURCE_EXHAUSTED otherwise. Evicts nothing.
-  absl::Status CheckFitsLocked(int32_t store, int64_t n) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Pages one call needs in one store for one tenant.
+  struct TenantNeed {
+    const std::string* tenant;
+    int64_t pages;
+  };
+  // OK if the needs can be had in store `store` (free pages, the tenants' own pages for a
+  // tenant that would pass its share, else unpinned pages of anyone, LRU); RESOURCE_EXHAUSTED
+  // otherwise. Evicts nothing. The needs are met in the order AllocateLocked meets them:
+  // tenants that would pass their share first (each evicts only its own pages), then the
+  // others.
+  absl::Status CheckFitsLocked(int32_t store, absl::Span<const TenantNeed> needs) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Stores the codes of `rows` (every layer, or one) in store `store` when its format keeps
   // residual codes; INVALID_ARGUMENT when it does and x is null.
   absl::Status WriteCodes(int32_t store, const RowSource* x, absl::Span<const RowSlot> rows,
                           int32_t layer) const;
-  // Allocates n pages of store `store`, evicting LRU leaves if needed; when the pages
-  // cannot be had even by evicting, fails before evicting anything.
-  absl::Status AllocateLocked(int32_t store, int32_t n, std::vector<PageRef>* out)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Allocates the needs' pages in store `store` (appended to *out in the order of `needs`)
+  // and records their owners, evicting as CheckFitsLocked describes; when they cannot be
+  // had, fails before evicting anything.
+  absl::Status AllocateLocked(int32_t store, absl::Span<const TenantNeed> needs,
+                              std::vector<PageRef>* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status AllocateLocked(int32_t store, const std::string& tenant, int64_t n,
+                              std::vector<PageRef>* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const TenantNeed need{&tenant, n};
+    return AllocateLocked(store, absl::MakeConstSpan(&need, 1), out);
+  }
+  // Returns pages to their pools and their owners' counts.
   void FreeLocked(absl::Span<const PageRef> pages) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void EvictToWatermarksLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Demotes every private window page of `seq` that has left the recent window.
-  void DemotePages(Sequence* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq->mu);
+  // Brings each pool under the low watermark once it is over the high one, after a Put of
+  // `tenant`: evicting only the tenant's pages where it is at its share.
+  void EvictToWatermarksLocked(const std::string& tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Evicts unpinned pages (LRU; only `tenant`'s when set) while want_more().
+  void EvictLocked(const std::function<bool()>& want_more, const std::string* tenant)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Pages of store `store` that `tenant` holds, and the most its share lets it hold.
+  int64_t HeldLocked(const std::string& tenant, int32_t store) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int64_t ShareLimit(const std::string& tenant, int32_t store) const;
+  // A demotion not final yet: page `index` of a sequence now refers to `history`, and its
+  // `window` page is kept until the caller commits (frees it) or reverts (puts it back).
+  struct Demotion {
+    int64_t index;
+    PageRef window, history;
+  };
+  // Demotes every private window page of `seq` that has left the recent window. With
+  // `deferred`, the window pages are kept and listed there (and not counted yet).
+  void DemotePages(Sequence* seq, std::vector<Demotion>* deferred = nullptr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq->mu);
   std::vector<AttentionSegment> Segments(const Sequence& seq, int64_t len) const;
   // OK if tokens [first, first + n) of an open sequence can be read.
   absl::Status CheckReadable(const Sequence& seq, int64_t first, int64_t n) const;
@@ -275,8 +327,21 @@ class ModelCache {
   uint64_t allocated_bytes_ = 0;  // set once by Create
   std::atomic<uint64_t> demoted_pages_{0};
 
+  MemoryShareFn share_of_;  // null: no shares
+
   mutable std::mutex mu_;
   RadixTree tree_ ABSL_GUARDED_BY(mu_);
+  // Page owners: owner_[store][page] is a slot of tenants_ (-1: free). A slot is recycled
+  // once its tenant holds no page, so their number stays bounded by the pages.
+  struct TenantSlot {
+    std::string name;
+    std::vector<int64_t> held;  // per store
+    int64_t total = 0;
+  };
+  std::vector<std::vector<int32_t>> owner_ ABSL_GUARDED_BY(mu_);
+  std::vector<TenantSlot> tenants_ ABSL_GUARDED_BY(mu_);
+  std::vector<int32_t> free_slots_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, int32_t> slot_of_ ABSL_GUARDED_BY(mu_);
   std::atomic<int64_t> open_sequences_{0};
 };
 

@@ -169,11 +169,14 @@ RadixTree::InsertResult RadixTree::Insert(const std::string& ns, absl::Span<cons
 }
 
 int64_t RadixTree::Evict(const std::function<bool()>& want_more,
-                         const std::function<void(const PageRef&)>& on_free) {
+                         const std::function<void(const PageRef&)>& on_free,
+                         const std::string* only) {
   using Entry = std::pair<uint64_t, Node*>;
   std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
   std::vector<Node*> stack;
-  for (auto& [ns, root] : roots_) stack.push_back(root.get());
+  for (auto& [ns, root] : roots_) {
+    if (only == nullptr || ns == *only) stack.push_back(root.get());
+  }
   while (!stack.empty()) {
     Node* n = stack.back();
     stack.pop_back();
@@ -207,10 +210,12 @@ int64_t RadixTree::Evict(const std::function<bool()>& want_more,
   return freed;
 }
 
-int64_t RadixTree::EvictablePages(int32_t pool) const {
+int64_t RadixTree::EvictablePages(int32_t pool, const std::string* only) const {
   int64_t evictable = 0;
   std::vector<const Node*> stack;
-  for (const auto& [ns, root] : roots_) stack.push_back(root.get());
+  for (const auto& [ns, root] : roots_) {
+    if (only == nullptr || ns == *only) stack.push_back(root.get());
+  }
   while (!stack.empty()) {
     const Node* n = stack.back();
     stack.pop_back();

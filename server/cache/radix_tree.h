@@ -62,9 +62,11 @@ class RadixTree {
                       absl::Span<const PageRef> pages);
 
   // Evicts least-recently-used unpinned leaves while want_more() is true, handing
-  // every freed page to on_free. Returns the number of pages freed.
+  // every freed page to on_free. Returns the number of pages freed. With `ns`, only
+  // leaves of that namespace (a tenant evicting its own pages).
   int64_t Evict(const std::function<bool()>& want_more,
-                const std::function<void(const PageRef&)>& on_free);
+                const std::function<void(const PageRef&)>& on_free,
+                const std::string* ns = nullptr);
 
   int64_t cached_pages() const { return cached_pages_; }
   int64_t num_nodes() const { return num_nodes_; }
@@ -74,7 +76,8 @@ class RadixTree {
   // Pages of pool `pool` that Evict could free if asked to free everything: those of
   // unpinned nodes (a node with no pins has no pinned descendant, so all of them are
   // leaves in turn). Callers decide feasibility with it before evicting anything.
-  int64_t EvictablePages(int32_t pool) const;
+  // With `ns`, only that namespace's pages.
+  int64_t EvictablePages(int32_t pool, const std::string* ns = nullptr) const;
 
  private:
   Node* Root(const std::string& ns, bool create);

@@ -229,14 +229,26 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
       auto read_quota = [&](const YAML::Node& n, const std::string& where,
                             TenantQuota* q) -> absl::Status {
         KVCD_RETURN_IF_ERROR(
-            CheckKeys(n, where, {"tenant", "max_sequences", "max_pinned_pages", "max_lease_ms"}));
+            CheckKeys(n, where,
+                      {"tenant", "max_sequences", "max_pinned_pages", "max_lease_ms",
+                       "max_memory_share", "max_models", "max_model_bytes"}));
         const std::string prefix = where + ".";
         KVCD_RETURN_IF_ERROR(Read(n, "max_sequences", prefix, &q->max_sequences));
         KVCD_RETURN_IF_ERROR(Read(n, "max_pinned_pages", prefix, &q->max_pinned_pages));
         KVCD_RETURN_IF_ERROR(Read(n, "max_lease_ms", prefix, &q->max_lease_ms));
-        if (q->max_sequences < 0 || q->max_pinned_pages < 0 || q->max_lease_ms < 0) {
+        KVCD_RETURN_IF_ERROR(Read(n, "max_memory_share", prefix, &q->max_memory_share));
+        KVCD_RETURN_IF_ERROR(Read(n, "max_models", prefix, &q->max_models));
+        KVCD_RETURN_IF_ERROR(ReadBytes(n, "max_model_bytes", prefix, &q->max_model_bytes));
+        if (q->max_sequences < 0 || q->max_pinned_pages < 0 || q->max_lease_ms < 0 ||
+            q->max_models < 0) {
           return absl::InvalidArgumentError(
               absl::StrCat(where, ": quotas must be >= 0 (0 = no limit)"));
+        }
+        if (!(q->max_memory_share > 0 && q->max_memory_share <= 1)) {  // NaN fails too
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, ".max_memory_share is ", q->max_memory_share,
+                           ", expected a fraction of each model's page pools in (0, 1] "
+                           "(1 = no limit)"));
         }
         if (q->max_lease_ms != 0 && q->max_lease_ms < 10) {
           return absl::InvalidArgumentError(

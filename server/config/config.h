@@ -29,14 +29,22 @@ struct AuthConfig {
   bool enabled() const { return !tokens_file.empty(); }
 };
 
-// Fair sharing between tenants. The tenant of a request is its cache_salt: with auth on,
-// the token must grant that tenant (authorizer.h), so the quota is the authenticated
-// tenant's; with auth off it is whatever salt the client sends (cooperative sharing only:
-// nothing stops a client from using many salts). 0 = no limit of that kind.
+// Fair sharing between tenants. The tenant of a request is its cache_salt (RegisterModel:
+// its `tenant` field): with auth on, the token must grant that tenant (authorizer.h), so the
+// quota is the authenticated tenant's; with auth off it is whatever the client sends
+// (cooperative sharing only: nothing stops a client from using many salts). 0 = no limit of
+// that kind.
 struct TenantQuota {
   int64_t max_sequences = 0;     // open sequences
   int64_t max_pinned_pages = 0;  // pages held by its open sequences (prefix + own pages)
   int64_t max_lease_ms = 0;      // longer leases are granted this long
+  // The fraction of each page pool of each model that the tenant's pages may take (cached
+  // prefix pages it stored and its sequences' own pages): at most floor(share * pages of
+  // the pool). A tenant at its share that needs pages evicts only its own. In (0, 1];
+  // 1 = no limit.
+  double max_memory_share = 1.0;
+  int64_t max_models = 0;        // models registered by RegisterModel under this tenant
+  uint64_t max_model_bytes = 0;  // pool bytes (as allocated) of the models it registered
 };
 
 struct TenantQuotaConfig {

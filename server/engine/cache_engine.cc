@@ -235,7 +235,8 @@ absl::StatusOr<RowSource> CacheEngine::Residuals(const v1::TensorRef& t, bool pr
   return r;
 }
 
-absl::Status CacheEngine::RegisterModelSpec(const ModelSpec& spec, const std::string& codec_blob) {
+absl::Status CacheEngine::RegisterModelSpec(const ModelSpec& spec, const std::string& codec_blob,
+                                            const std::string* tenant) {
   KVCD_RETURN_IF_ERROR(ValidateModelSpec(spec));
   std::lock_guard<std::mutex> lock(mu_);
   auto it = models_.find(spec.name);
@@ -253,13 +254,48 @@ absl::Status CacheEngine::RegisterModelSpec(const ModelSpec& spec, const std::st
         config_.memory_budget_bytes - budget_used_, " of the daemon's memory_budget ",
         config_.memory_budget_bytes, " are unassigned"));
   }
+  // A tenant's registrations: at most max_models, and max_model_bytes of pools in all.
+  uint64_t limit = config_.memory_budget_bytes - budget_used_;
+  std::string limit_what;
+  if (tenant != nullptr) {
+    const TenantQuota& q = config_.quotas.For(*tenant);
+    const auto found = registered_.find(*tenant);
+    const Registered r = found == registered_.end() ? Registered{} : found->second;
+    if (q.max_models > 0 && r.models >= q.max_models) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("tenant ", Quote(*tenant), " has registered ", r.models,
+                       " models; its quota max_models is ", q.max_models, "; model ",
+                       Quote(spec.name), " was not registered"));
+    }
+    if (q.max_model_bytes > 0) {
+      const uint64_t left = q.max_model_bytes - std::min(q.max_model_bytes, r.bytes);
+      limit_what = absl::StrCat("tenant ", Quote(*tenant), "'s quota max_model_bytes ",
+                                q.max_model_bytes, " (", r.bytes, " bytes registered already)");
+      if (spec.memory_bytes > left) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("model ", Quote(spec.name), " asks for memory_bytes ", spec.memory_bytes,
+                         " but only ", left, " bytes are left under ", limit_what));
+      }
+      if (left < limit) {
+        limit = left;
+      } else {
+        limit_what.clear();
+      }
+    }
+  }
   // The budget counts what the pools really take (rounded by the backend); a model that
   // does not fit once rounded is refused before anything is allocated.
-  KVCD_ASSIGN_OR_RETURN(
-      auto cache,
-      ModelCache::Create(spec, backend_.get(), config_.high_watermark, config_.low_watermark,
-                         &counters_, codec_blob, config_.memory_budget_bytes - budget_used_));
+  KVCD_ASSIGN_OR_RETURN(auto cache, ModelCache::Create(spec, backend_.get(), config_.high_watermark,
+                                                       config_.low_watermark, &counters_,
+                                                       codec_blob, limit, limit_what));
+  cache->set_memory_shares(
+      [this](const std::string& t) { return config_.quotas.For(t).max_memory_share; });
   budget_used_ += cache->allocated_bytes();
+  if (tenant != nullptr) {
+    Registered& r = registered_[*tenant];
+    ++r.models;
+    r.bytes += cache->allocated_bytes();
+  }
   models_.emplace(spec.name, std::move(cache));
   return absl::OkStatus();
 }
@@ -299,7 +335,11 @@ absl::Status CacheEngine::RegisterModel(const v1::RegisterModelRequest& req,
                                         v1::RegisterModelResponse* resp) {
   KVCD_RETURN_IF_ERROR(CheckHistoryFormat(req.profile().history_format()));
   const ModelSpec spec = SpecFromProfile(req.profile());
-  KVCD_RETURN_IF_ERROR(RegisterModelSpec(spec, req.codec_blob()));
+  if (req.tenant().size() > kMaxSaltBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("tenant has ", req.tenant().size(),
+                                                   " bytes, expected at most ", kMaxSaltBytes));
+  }
+  KVCD_RETURN_IF_ERROR(RegisterModelSpec(spec, req.codec_blob(), &req.tenant()));
   KVCD_ASSIGN_OR_RETURN(ModelCache * m, FindModel(spec.name));
   FillModelInfo(*m, resp->mutable_model());
   return absl::OkStatus();
@@ -841,7 +881,7 @@ absl::Status CacheEngine::Stats(const v1::StatsRequest&, v1::StatsResponse* resp
   resp->set_expired_leases(counters_.expired_leases.load());
   resp->set_backend(backend_->name());
   resp->set_version(KVCD_VERSION);
-  for (const TenantUsage& u : sequences_.Usage()) {
+  for (const TenantUsage& u : TenantUsages()) {
     v1::TenantUsage* t = resp->add_tenants();
     t->set_tenant(u.tenant);
     t->set_open_sequences(static_cast<uint64_t>(u.open_sequences));
@@ -849,6 +889,12 @@ absl::Status CacheEngine::Stats(const v1::StatsRequest&, v1::StatsResponse* resp
     t->set_max_sequences(static_cast<uint64_t>(u.quota.max_sequences));
     t->set_max_pinned_pages(static_cast<uint64_t>(u.quota.max_pinned_pages));
     t->set_max_lease_ms(u.quota.max_lease_ms);
+    t->set_held_pages(static_cast<uint64_t>(u.held_pages));
+    t->set_max_memory_share(u.quota.max_memory_share);
+    t->set_registered_models(static_cast<uint64_t>(u.registered_models));
+    t->set_registered_model_bytes(u.registered_model_bytes);
+    t->set_max_models(static_cast<uint64_t>(u.quota.max_models));
+    t->set_max_model_bytes(u.quota.max_model_bytes);
   }
   return absl::OkStatus();
 }
@@ -869,6 +915,33 @@ std::vector<CacheEngine::ModelView> CacheEngine::SnapshotModels() const {
 }
 
 int64_t CacheEngine::ActiveSequences() const { return sequences_.size(); }
+
+std::vector<TenantUsage> CacheEngine::TenantUsages() const {
+  std::map<std::string, TenantUsage> all;
+  for (TenantUsage& u : sequences_.Usage()) all[u.tenant] = std::move(u);
+  auto entry = [&](const std::string& tenant) -> TenantUsage& {
+    auto [it, added] = all.try_emplace(tenant);
+    if (added) {
+      it->second.tenant = tenant;
+      it->second.quota = config_.quotas.For(tenant);
+    }
+    return it->second;
+  };
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [name, m] : models_) {
+    for (const TenantPagesSnapshot& t : m->Snapshot().tenants) {
+      for (int64_t pages : t.pages) entry(t.tenant).held_pages += pages;
+    }
+  }
+  for (const auto& [tenant, r] : registered_) {
+    TenantUsage& u = entry(tenant);
+    u.registered_models = r.models;
+    u.registered_model_bytes = r.bytes;
+  }
+  std::vector<TenantUsage> out;
+  for (auto& [name, u] : all) out.push_back(std::move(u));
+  return out;
+}
 
 uint64_t CacheEngine::MemoryUsedBytes() const {
   uint64_t used = 0;

@@ -34,8 +34,13 @@ class CacheEngine {
   ~CacheEngine();
 
   // Registers a model; ALREADY_EXISTS if the name is taken by a different profile,
-  // RESOURCE_EXHAUSTED if the budget cannot hold memory_bytes more.
-  absl::Status RegisterModelSpec(const ModelSpec& spec, const std::string& codec_blob = "");
+  // RESOURCE_EXHAUSTED if the budget cannot hold memory_bytes more. With `tenant` (a
+  // RegisterModel call) the registration counts against that tenant's max_models and
+  // max_model_bytes (RESOURCE_EXHAUSTED naming the quota, nothing allocated); without
+  // (the config's models) it counts against no tenant. Registering a model already
+  // registered with the same profile is OK and counts nothing.
+  absl::Status RegisterModelSpec(const ModelSpec& spec, const std::string& codec_blob = "",
+                                 const std::string* tenant = nullptr);
 
   absl::Status RegisterModel(const v1::RegisterModelRequest& req, v1::RegisterModelResponse* resp);
   absl::Status ListModels(const v1::ListModelsRequest& req, v1::ListModelsResponse* resp);
@@ -81,7 +86,8 @@ class CacheEngine {
   };
   std::vector<ModelView> SnapshotModels() const;
   int64_t ActiveSequences() const;
-  std::vector<TenantUsage> TenantUsages() const { return sequences_.Usage(); }
+  // Every tenant with open sequences, pages, registered models or a configured quota.
+  std::vector<TenantUsage> TenantUsages() const;
   uint64_t MemoryUsedBytes() const;  // sum of the models' pool bytes
 
  private:
@@ -111,6 +117,11 @@ class CacheEngine {
   mutable std::mutex mu_;
   std::map<std::string, std::unique_ptr<ModelCache>> models_ ABSL_GUARDED_BY(mu_);
   uint64_t budget_used_ ABSL_GUARDED_BY(mu_) = 0;
+  struct Registered {
+    int64_t models = 0;
+    uint64_t bytes = 0;  // allocated
+  };
+  std::map<std::string, Registered> registered_ ABSL_GUARDED_BY(mu_);  // by tenant
   SequenceTable sequences_;  // destroyed (closing sequences) before models_
 };
 

@@ -37,6 +37,11 @@ struct TenantUsage {
   int64_t open_sequences = 0;
   int64_t pinned_pages = 0;
   TenantQuota quota;
+  // Filled by CacheEngine: pages held in all models' pools (ModelCache owners), and the
+  // models registered under the tenant with their pool bytes.
+  int64_t held_pages = 0;
+  int64_t registered_models = 0;
+  uint64_t registered_model_bytes = 0;
 };
 
 class SequenceTable {

@@ -128,16 +128,27 @@ class CacheCollector final : public prometheus::Collectable {
                          MetricType::Gauge);
     Add(&budget, static_cast<double>(engine_->config().memory_budget_bytes));
     out.push_back(std::move(budget));
-    // Per tenant (cache_salt): only tenants with open sequences or a configured quota, so
-    // the label's values stay bounded by max_sequences plus the config.
+    // Per tenant (cache_salt): only tenants with open sequences, pages in a pool, registered
+    // models or a configured quota, so the label's values stay bounded by max_sequences,
+    // the pools' pages, the memory budget and the config.
     auto t_seqs = Family("kvcd_tenant_open_sequences", "Open sequences by tenant (cache_salt).",
                          MetricType::Gauge);
     auto t_pages =
         Family("kvcd_tenant_pinned_pages",
                "Pages held by a tenant's open sequences (prefix + own pages).", MetricType::Gauge);
+    auto t_held = Family("kvcd_tenant_held_pages",
+                         "Pages a tenant holds in all models' pools (cached pages it stored and "
+                         "its sequences' own pages).",
+                         MetricType::Gauge);
+    auto t_models = Family("kvcd_tenant_registered_models",
+                           "Models registered by RegisterModel under a tenant.", MetricType::Gauge);
+    auto t_model_bytes = Family(
+        "kvcd_tenant_registered_model_bytes",
+        "Pool bytes (as allocated) of the models registered under a tenant.", MetricType::Gauge);
     auto t_quota = Family("kvcd_tenant_quota",
                           "A tenant's quota by kind (max_sequences, max_pinned_pages, "
-                          "max_lease_ms); 0 = no limit.",
+                          "max_lease_ms, max_models, max_model_bytes: 0 = no limit; "
+                          "max_memory_share: 1 = no limit).",
                           MetricType::Gauge);
     for (const TenantUsage& u : engine_->TenantUsages()) {
       Add(&t_seqs, static_cast<double>(u.open_sequences), {{"tenant", u.tenant}});
@@ -148,9 +159,21 @@ class CacheCollector final : public prometheus::Collectable {
           {{"quota", "max_pinned_pages"}, {"tenant", u.tenant}});
       Add(&t_quota, static_cast<double>(u.quota.max_lease_ms),
           {{"quota", "max_lease_ms"}, {"tenant", u.tenant}});
+      Add(&t_quota, u.quota.max_memory_share,
+          {{"quota", "max_memory_share"}, {"tenant", u.tenant}});
+      Add(&t_quota, static_cast<double>(u.quota.max_models),
+          {{"quota", "max_models"}, {"tenant", u.tenant}});
+      Add(&t_quota, static_cast<double>(u.quota.max_model_bytes),
+          {{"quota", "max_model_bytes"}, {"tenant", u.tenant}});
+      Add(&t_held, static_cast<double>(u.held_pages), {{"tenant", u.tenant}});
+      Add(&t_models, static_cast<double>(u.registered_models), {{"tenant", u.tenant}});
+      Add(&t_model_bytes, static_cast<double>(u.registered_model_bytes), {{"tenant", u.tenant}});
     }
     out.push_back(std::move(t_seqs));
     out.push_back(std::move(t_pages));
+    out.push_back(std::move(t_held));
+    out.push_back(std::move(t_models));
+    out.push_back(std::move(t_model_bytes));
     out.push_back(std::move(t_quota));
     return out;
   }

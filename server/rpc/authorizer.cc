@@ -115,12 +115,14 @@ void Authorizer::Unbind(Object kind, uint64_t id) {
   owners_.erase({kind, id});
 }
 
-absl::Status Authorizer::Check(const Principal& p, const v1::RegisterModelRequest&) const {
-  if (p.register_models) return absl::OkStatus();
-  return absl::PermissionDeniedError(
-      absl::StrCat("token '", p.name,
-                   "' may not register models (needs register_models: true in the "
-                   "tokens file)"));
+absl::Status Authorizer::Check(const Principal& p, const v1::RegisterModelRequest& r) const {
+  if (!p.register_models) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("token '", p.name,
+                     "' may not register models (needs register_models: true in the "
+                     "tokens file)"));
+  }
+  return CheckTenant(p, r.tenant());  // the registration counts against this tenant
 }
 absl::Status Authorizer::Check(const Principal&, const v1::ListModelsRequest&) const {
   return absl::OkStatus();

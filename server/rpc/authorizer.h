@@ -8,7 +8,9 @@
 //   CloseSequence: the sequence must have been opened under one of the token's
 //   tenants. Another tenant's sequence is answered exactly like a sequence that does not
 //   exist (NOT_FOUND, same message), so ids cannot be probed across tenants.
-// - RegisterModel needs register_models: true, else PERMISSION_DENIED.
+// - RegisterModel needs register_models: true, else PERMISSION_DENIED; its `tenant` (the
+//   tenant whose max_models / max_model_bytes quotas it counts against) must be one of the
+//   token's tenants, as a cache_salt must.
 // - RegisterBuffer/UnregisterBuffer/RenewBuffer, NcclConnect/NcclDisconnect,
 //   OpenDecodeChannel/CloseDecodeChannel, and any TensorRef naming a cuda_ipc buffer or
 //   an nccl communicator, need data_plane: true (else PERMISSION_DENIED). Buffers,

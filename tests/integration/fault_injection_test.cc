@@ -108,6 +108,58 @@ TEST_F(FaultInjectionTest, TransientAttentionFaultFailsOneCall) {
   EXPECT_EQ(daemon_.Stop(), 0);
 }
 
+// A fused decode (k_new/v_new appended, then attention) whose attention launch fails keeps
+// nothing of its append: the pool is as before, the same call succeeds when retried (the
+// layer does not "already hold" the token), and the token is stored once.
+TEST_F(FaultInjectionTest, FailedAttentionOfAFusedDecodeKeepsNoAppendedRow) {
+  ASSERT_TRUE(Start("attend:1"));
+  const uint64_t seq = OpenSequence();  // 16 tokens: 4 full pages
+  auto pages_used = [&]() -> uint64_t {
+    auto stats = client_->Stats();
+    EXPECT_TRUE(stats.ok()) << stats.status();
+    return stats.ok() ? stats->models(0).pools(0).pages_used() : 0;
+  };
+  const uint64_t used = pages_used();
+  const int hkv = profile_.num_kv_heads(), d = profile_.head_dim();
+  auto fused = [&](int32_t layer) {
+    v1::AttentionDecodeRequest req = Decode(seq);
+    req.set_layer(layer);
+    req.add_new_tokens(77);
+    SetBf16FromFloat(req.mutable_k_new(), {1, hkv, d},
+                     synthetic::Row(9, profile_, layer, 16, 0).data());
+    SetBf16FromFloat(req.mutable_v_new(), {1, hkv, d},
+                     synthetic::Row(9, profile_, layer, 16, 1).data());
+    return client_->AttentionDecode(req);
+  };
+  auto bad = fused(0);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInternal) << bad.status();
+  EXPECT_EQ(pages_used(), used);  // the page taken for token 16 went back
+  auto again = fused(0);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->lengths(0), 17);
+  EXPECT_EQ(pages_used(), used + 1);
+  for (int32_t layer = 1; layer < profile_.num_layers(); ++layer) {
+    auto r = fused(layer);
+    ASSERT_TRUE(r.ok()) << layer << ": " << r.status();
+  }
+  v1::FetchPagesRequest fetch;
+  fetch.set_sequence_id(seq);
+  fetch.set_first_token(16);
+  fetch.set_expand_to_bf16(true);
+  auto fetched = client_->FetchPages(fetch);
+  ASSERT_TRUE(fetched.ok()) << fetched.status();
+  EXPECT_EQ(fetched->num_tokens(), 1);  // token 16, once
+  for (int32_t layer = 0; layer < profile_.num_layers(); ++layer) {
+    v1::TensorRef k;
+    SetBf16FromFloat(&k, {1, hkv, d}, synthetic::Row(9, profile_, layer, 16, 0).data());
+    const size_t row_bytes = static_cast<size_t>(hkv) * d * 2;
+    EXPECT_EQ(fetched->k().inline_data().substr(layer * row_bytes, row_bytes), k.inline_data())
+        << layer;
+  }
+  EXPECT_EQ(daemon_.Stop(), 0);
+}
+
 TEST_F(FaultInjectionTest, FailedAllocationAtStartUpStopsTheDaemon) {
   EXPECT_FALSE(Start("alloc:1"));
   EXPECT_EQ(daemon_.WaitExit(), 2);

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -17,6 +18,7 @@
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/fsq.h"
 #include "kvcd/kernels/reference_attention.h"
+#include "server/backends/fault_injector.h"
 #include "test_util.h"
 
 namespace kvcd {
@@ -556,6 +558,346 @@ TEST(ModelCacheTest, FsqAttentionWithFusedAppendMatchesTheOracleOverRebuiltKv) {
     for (size_t i = 0; i < lse.size(); ++i) ASSERT_NEAR(lse[i], rl[i], 2e-3) << l;
   }
   f.cache->Close(seq.get());
+}
+
+// Issue #21: a fused AttentionDecode whose attention launch fails keeps nothing of its
+// append: the length, the pages (a page the append took is returned) and the stored bytes
+// are as before, and the same call succeeds when retried. A failure on the last layer
+// does not commit the token either.
+TEST(ModelCacheTest, FusedAppendIsTakenBackWhenTheAttentionLaunchFails) {
+  const ModelSpec s = TinySpec();
+  auto injector = FaultInjector::Parse("attend:1,attend:3");
+  ASSERT_TRUE(injector.ok()) << injector.status();
+  std::shared_ptr<FaultInjector> faults = std::move(*injector);
+  auto backend = WithFaultInjection(MakeCpuBackend(1), faults);
+  CacheCounters counters;
+  auto created = ModelCache::Create(s, backend.get(), 0.95, 0.85, &counters);
+  ASSERT_TRUE(created.ok()) << created.status();
+  ModelCache& cache = **created;
+  const int64_t n = 2 * s.page_size;  // full pages: the new token needs a fresh page
+  const auto k = RandomKv(s, n, 1), v = RandomKv(s, n, 2);
+  auto seq = cache.Open(1, "t", {});
+  ASSERT_TRUE(cache.Append(seq.get(), Tokens(n), Rows(s, k, n), Rows(s, v, n)).ok());
+  const int32_t used = cache.Snapshot().pools[0].pages_used;
+  std::vector<ModelCache::StoredPageCopy> before;
+  ASSERT_TRUE(cache.FetchStored(seq.get(), 0, n, &before).ok());
+
+  const int64_t row = int64_t{s.num_kv_heads} * s.head_dim;
+  const auto k_new = RandomKv(s, 1, 3), v_new = RandomKv(s, 1, 4);  // [layers][1][kv][d]
+  std::vector<float> q(static_cast<size_t>(s.num_q_heads * s.head_dim), 0.5f);
+  std::vector<float> o(q.size()), lse(static_cast<size_t>(s.num_q_heads));
+  const std::vector<int32_t> token = {4242};
+  Sequence* batch[] = {seq.get()};
+  auto attend = [&](int32_t layer, std::vector<int64_t>* lengths) {
+    ModelCache::NewTokens nt;
+    nt.tokens = token;
+    RowSource kr = Rows(s, k_new, 1), vr = Rows(s, v_new, 1);
+    kr.data = k_new.data() + layer * row;
+    vr.data = v_new.data() + layer * row;
+    nt.k = kr;
+    nt.v = vr;
+    return cache.Attend(layer, batch, q.data(), 0.25f, nt, o.data(), lse.data(), lengths);
+  };
+  auto unchanged = [&](const char* when) {
+    EXPECT_EQ(cache.Length(seq.get()), n) << when;
+    EXPECT_EQ(cache.Snapshot().pools[0].pages_used, used) << when;
+    std::vector<ModelCache::StoredPageCopy> now;
+    ASSERT_TRUE(cache.FetchStored(seq.get(), 0, n, &now).ok()) << when;
+    ASSERT_EQ(now.size(), before.size()) << when;
+    for (size_t i = 0; i < now.size(); ++i) EXPECT_EQ(now[i].data, before[i].data) << when << i;
+  };
+  std::vector<int64_t> lengths;
+  // Layer 0, first try: the launch fails (INTERNAL), nothing is kept.
+  EXPECT_EQ(attend(0, &lengths).code(), absl::StatusCode::kInternal);
+  unchanged("after the failed first layer");
+  // Retried, layer 0 takes the token (the layer is not left "already holding" it).
+  ASSERT_TRUE(attend(0, &lengths).ok());
+  EXPECT_EQ(lengths, std::vector<int64_t>{n + 1});
+  EXPECT_EQ(cache.Snapshot().pools[0].pages_used, used + 1);
+  // The last layer fails: the token stays pending at layer 0 and is not committed.
+  EXPECT_EQ(attend(1, &lengths).code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(cache.Length(seq.get()), n);
+  EXPECT_EQ(cache.Snapshot().pools[0].pages_used, used + 1);  // layer 0's row keeps its page
+  ASSERT_TRUE(attend(1, &lengths).ok());
+  EXPECT_EQ(lengths, std::vector<int64_t>{n + 1});
+  EXPECT_EQ(cache.Length(seq.get()), n + 1);
+  EXPECT_EQ(faults->fired(), 2);
+  {
+    std::lock_guard<std::mutex> lock(seq->mu);
+    ASSERT_EQ(seq->tokens.size(), static_cast<size_t>(n + 1));
+    EXPECT_EQ(seq->tokens.back(), 4242);
+  }
+  // The stored token is the one sent, once, at every layer.
+  std::vector<uint16_t> k_out(static_cast<size_t>(s.num_layers * (n + 1) * row)),
+      v_out(k_out.size());
+  std::vector<std::string> formats;
+  ASSERT_TRUE(cache.Fetch(seq.get(), 0, n + 1, k_out.data(), v_out.data(), &formats).ok());
+  for (int32_t l = 0; l < s.num_layers; ++l) {
+    for (int64_t i = 0; i < row; ++i) {
+      const size_t at = static_cast<size_t>((l * (n + 1) + n) * row + i);
+      ASSERT_EQ(k_out[at], k_new[static_cast<size_t>(l * row + i)]) << l << " " << i;
+      ASSERT_EQ(v_out[at], v_new[static_cast<size_t>(l * row + i)]) << l << " " << i;
+    }
+  }
+  cache.Close(seq.get());
+}
+
+// The same with a demotion: the fused token that completes at the last layer commits and
+// demotes a page that left the recent window before attending; when that launch fails, the
+// page is BF16 again (its history copy freed), the token is not committed, and both pools
+// are as before.
+TEST(ModelCacheTest, FailedFusedAttentionTakesBackTheDemotionItCaused) {
+  const ModelSpec s = TinyInt2Spec();  // page 4, sink 4, recent 8
+  auto injector = FaultInjector::Parse("attend:2");
+  ASSERT_TRUE(injector.ok()) << injector.status();
+  auto backend = WithFaultInjection(MakeCpuBackend(1), std::move(*injector));
+  CacheCounters counters;
+  auto created = ModelCache::Create(s, backend.get(), 0.95, 0.85, &counters);
+  ASSERT_TRUE(created.ok()) << created.status();
+  ModelCache& cache = **created;
+  const int64_t n = 19;  // token 19 completes page 2's exit from the recent window
+  const auto k = RandomKv(s, n, 1), v = RandomKv(s, n, 2);
+  auto seq = cache.Open(1, "t", {});
+  ASSERT_TRUE(cache.Append(seq.get(), Tokens(n), Rows(s, k, n), Rows(s, v, n)).ok());
+  const int64_t row = int64_t{s.num_kv_heads} * s.head_dim;
+  const auto k_new = RandomKv(s, 1, 3), v_new = RandomKv(s, 1, 4);
+  std::vector<float> q(static_cast<size_t>(s.num_q_heads * s.head_dim), 0.5f);
+  std::vector<float> o(q.size()), lse(static_cast<size_t>(s.num_q_heads));
+  const std::vector<int32_t> token = {4242};
+  Sequence* batch[] = {seq.get()};
+  auto attend = [&](int32_t layer) {
+    ModelCache::NewTokens nt;
+    nt.tokens = token;
+    RowSource kr = Rows(s, k_new, 1), vr = Rows(s, v_new, 1);
+    kr.data = k_new.data() + layer * row;
+    vr.data = v_new.data() + layer * row;
+    nt.k = kr;
+    nt.v = vr;
+    std::vector<int64_t> lengths;
+    return cache.Attend(layer, batch, q.data(), 0.25f, nt, o.data(), lse.data(), &lengths);
+  };
+  ASSERT_TRUE(attend(0).ok());
+  auto pools = [&] {
+    std::vector<int32_t> used;
+    for (const auto& p : cache.Snapshot().pools) used.push_back(p.pages_used);
+    return used;
+  };
+  const std::vector<int32_t> used = pools();
+  std::vector<ModelCache::StoredPageCopy> before;
+  ASSERT_TRUE(cache.FetchStored(seq.get(), 0, n, &before).ok());
+  ASSERT_EQ(before.size(), 5u);
+  EXPECT_EQ(before[2].format, "bf16");
+  // The tokens as the sequence holds them (the partial last page's slots past the length
+  // hold whatever was written there last; only its tokens count).
+  auto tokens_kv = [&] {
+    std::vector<uint16_t> ko(static_cast<size_t>(s.num_layers * n * row)), vo(ko.size());
+    std::vector<std::string> formats;
+    EXPECT_TRUE(cache.Fetch(seq.get(), 0, n, ko.data(), vo.data(), &formats).ok());
+    return std::make_pair(ko, vo);
+  };
+  const auto kv_before = tokens_kv();
+  const uint64_t demoted = counters.demoted_pages.load();
+  EXPECT_EQ(attend(1).code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(cache.Length(seq.get()), n);
+  EXPECT_EQ(pools(), used);
+  EXPECT_EQ(counters.demoted_pages.load(), demoted);
+  std::vector<ModelCache::StoredPageCopy> after;
+  ASSERT_TRUE(cache.FetchStored(seq.get(), 0, n, &after).ok());
+  ASSERT_EQ(after.size(), before.size());
+  for (size_t i = 0; i < after.size(); ++i) {
+    EXPECT_EQ(after[i].format, before[i].format) << i;
+    if (i + 1 < after.size()) {  // full pages
+      EXPECT_EQ(after[i].data, before[i].data) << i;
+    }
+  }
+  EXPECT_TRUE(tokens_kv() == kv_before);
+  // Retried, the token commits and page 2 is demoted for good.
+  ASSERT_TRUE(attend(1).ok());
+  EXPECT_EQ(cache.Length(seq.get()), n + 1);
+  EXPECT_EQ(counters.demoted_pages.load(), demoted + 1);
+  EXPECT_EQ(pools(), (std::vector<int32_t>{used[0] - 1, used[1] + 1}));
+  std::vector<ModelCache::StoredPageCopy> done;
+  ASSERT_TRUE(cache.FetchStored(seq.get(), 0, n + 1, &done).ok());
+  EXPECT_EQ(done[2].format, "int2-oscar");
+  {
+    std::lock_guard<std::mutex> lock(seq->mu);
+    EXPECT_EQ(seq->tokens.back(), 4242);
+    EXPECT_EQ(seq->tokens.size(), static_cast<size_t>(n + 1));
+  }
+  cache.Close(seq.get());
+}
+
+// Memory shares (issue #21, fair sharing): a tenant may hold floor(share * pages) of each
+// pool. Past its share it evicts only its own unpinned pages, and fails RESOURCE_EXHAUSTED
+// (naming tenant, share and usage, evicting nothing) when those are too few; another
+// tenant's pages survive byte-identical and still match. Below its share a tenant evicts
+// by plain LRU, so the greedy tenant's pages cannot keep the pool from the others.
+struct ShareFixture {
+  // 16 pages of 4 tokens; `greedy` may hold half of them. high_watermark 1: no watermark
+  // eviction, only what allocation needs.
+  explicit ShareFixture(double high = 1.0, double low = 0.9) : backend(MakeCpuBackend(1)) {
+    spec = TinySpec(16 * 1024);
+    auto c = ModelCache::Create(spec, backend.get(), high, low, &counters);
+    EXPECT_TRUE(c.ok()) << c.status();
+    cache = std::move(*c);
+    cache->set_memory_shares([](const std::string& t) { return t == "greedy" ? 0.5 : 1.0; });
+  }
+  // Puts n tokens starting at token id `first` for `tenant`; K/V kept for comparison.
+  absl::Status Put(const std::string& tenant, int32_t first, int64_t n) {
+    k[first] = RandomKv(spec, n, static_cast<uint32_t>(first));
+    v[first] = RandomKv(spec, n, static_cast<uint32_t>(first) + 7777);
+    return cache->Put(tenant, Tokens(n, first), 0, Rows(spec, k[first], n), Rows(spec, v[first], n))
+        .status();
+  }
+  int64_t Match(const std::string& tenant, int32_t first, int64_t n) {
+    return cache->Match(tenant, Tokens(n, first));
+  }
+  std::map<std::string, int64_t> Held() {
+    std::map<std::string, int64_t> held;
+    for (const auto& t : cache->Snapshot().tenants) held[t.tenant] = t.pages[0];
+    return held;
+  }
+  // The prompt opens on its whole cached prefix and fetches back exactly the K/V put.
+  void ExpectIntact(const std::string& tenant, int32_t first, int64_t n) {
+    auto seq = cache->Open(static_cast<uint64_t>(first), tenant, Tokens(n, first));
+    ASSERT_EQ(cache->Length(seq.get()), n) << tenant << " " << first;
+    std::vector<uint16_t> ko(k[first].size()), vo(v[first].size());
+    std::vector<std::string> formats;
+    ASSERT_TRUE(cache->Fetch(seq.get(), 0, n, ko.data(), vo.data(), &formats).ok());
+    EXPECT_EQ(ko, k[first]) << tenant << " " << first;
+    EXPECT_EQ(vo, v[first]) << tenant << " " << first;
+    cache->Close(seq.get());
+  }
+  ModelSpec spec;
+  std::unique_ptr<Backend> backend;
+  CacheCounters counters;
+  std::unique_ptr<ModelCache> cache;
+  std::map<int32_t, std::vector<uint16_t>> k, v;
+};
+
+TEST(ModelCacheShareTest, AGreedyTenantPastItsShareEvictsOnlyItsOwnPages) {
+  ShareFixture f;
+  // polite: 8 pages (prompts at token ids 1000, 2000, 3000, 4000); greedy: 8 (its share).
+  ASSERT_TRUE(f.Put("polite", 1000, 8).ok());
+  ASSERT_TRUE(f.Put("polite", 2000, 8).ok());
+  ASSERT_TRUE(f.Put("polite", 3000, 12).ok());
+  ASSERT_TRUE(f.Put("polite", 4000, 4).ok());
+  for (int32_t g = 1; g <= 4; ++g) ASSERT_TRUE(f.Put("greedy", 100 * g, 8).ok()) << g;
+  EXPECT_EQ(f.Held(), (std::map<std::string, int64_t>{{"greedy", 8}, {"polite", 8}}));
+  const ModelSnapshot snap = f.cache->Snapshot();
+  ASSERT_EQ(snap.tenants.size(), 2u);
+  EXPECT_EQ(snap.tenants[0].tenant, "greedy");
+  EXPECT_EQ(snap.tenants[0].limit, std::vector<int64_t>{8});
+  EXPECT_EQ(snap.tenants[1].limit, std::vector<int64_t>{INT64_MAX});
+  EXPECT_EQ(snap.pools[0].pages_used, 16);
+
+  // The pool is full; greedy's next prompt evicts greedy's least recently used one, though
+  // polite's pages are older.
+  ASSERT_TRUE(f.Put("greedy", 500, 8).ok());
+  EXPECT_EQ(f.counters.evicted_pages.load(), 2u);
+  EXPECT_EQ(f.Match("greedy", 100, 8), 0);
+  for (int32_t g = 2; g <= 5; ++g) EXPECT_EQ(f.Match("greedy", 100 * g, 8), 8) << g;
+  EXPECT_EQ(f.Held(), (std::map<std::string, int64_t>{{"greedy", 8}, {"polite", 8}}));
+
+  // More than its whole share in one call: refused before anything is evicted.
+  absl::Status s = f.Put("greedy", 600, 40);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("more than its whole share"), std::string::npos) << s;
+  EXPECT_EQ(f.counters.evicted_pages.load(), 2u);
+
+  // With greedy's pages pinned by its sequences, greedy cannot get a page: not by evicting
+  // polite's, and not from the pool.
+  std::vector<std::shared_ptr<Sequence>> pins;
+  for (int32_t g = 2; g <= 5; ++g) pins.push_back(f.cache->Open(g, "greedy", Tokens(8, 100 * g)));
+  s = f.Put("greedy", 700, 8);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("tenant 'greedy' (cache_salt) holds 8 of the 16 pages of the bf16 "
+                             "pool, and its max_memory_share 0.5 lets it hold 8"),
+            std::string::npos)
+      << s;
+  EXPECT_NE(s.message().find("nothing was evicted"), std::string::npos) << s;
+  const auto k1 = RandomKv(f.spec, 1, 9), v1 = RandomKv(f.spec, 1, 10);
+  auto appended =
+      f.cache->Append(pins[0].get(), Tokens(1, 9000), Rows(f.spec, k1, 1), Rows(f.spec, v1, 1));
+  EXPECT_EQ(appended.status().code(), absl::StatusCode::kResourceExhausted) << appended.status();
+  EXPECT_EQ(f.cache->Length(pins[0].get()), 8);
+  EXPECT_EQ(f.counters.evicted_pages.load(), 2u);
+  EXPECT_EQ(f.Held(), (std::map<std::string, int64_t>{{"greedy", 8}, {"polite", 8}}));
+  // polite's prompts all survive, byte for byte.
+  f.ExpectIntact("polite", 1000, 8);
+  f.ExpectIntact("polite", 2000, 8);
+  f.ExpectIntact("polite", 3000, 12);
+  f.ExpectIntact("polite", 4000, 4);
+  for (auto& seq : pins) f.cache->Close(seq.get());
+
+  // Below its share a tenant evicts by LRU over everyone: polite's new prompt takes the
+  // least recently used pages, greedy's.
+  for (int32_t p : {1000, 2000, 3000, 4000}) f.Match("polite", p, 12);  // refresh polite's
+  ASSERT_TRUE(f.Put("polite", 5000, 8).ok());
+  EXPECT_EQ(f.Match("greedy", 200, 8), 0);
+  EXPECT_EQ(f.Held(), (std::map<std::string, int64_t>{{"greedy", 6}, {"polite", 10}}));
+  // Closing and evicting return every page to its owner's count.
+  f.cache.reset();
+}
+
+TEST(ModelCacheShareTest, AWatermarkEvictionCausedByATenantAtItsShareTakesOnlyItsPages) {
+  ShareFixture f(0.95, 0.85);  // over 15.2 pages used: evict down to 13.6
+  ASSERT_TRUE(f.Put("polite", 1000, 8).ok());
+  ASSERT_TRUE(f.Put("polite", 2000, 8).ok());
+  ASSERT_TRUE(f.Put("polite", 3000, 12).ok());
+  ASSERT_TRUE(f.Put("polite", 4000, 4).ok());
+  for (int32_t g = 1; g <= 3; ++g) ASSERT_TRUE(f.Put("greedy", 100 * g, 8).ok()) << g;
+  EXPECT_EQ(f.counters.evicted_pages.load(), 0u);
+  // This Put fills the pool and puts greedy at its share: greedy's oldest two prompts go.
+  ASSERT_TRUE(f.Put("greedy", 400, 8).ok());
+  EXPECT_EQ(f.counters.evicted_pages.load(), 4u);
+  EXPECT_EQ(f.Match("greedy", 100, 8), 0);
+  EXPECT_EQ(f.Match("greedy", 200, 8), 0);
+  EXPECT_EQ(f.Match("greedy", 400, 8), 8);
+  EXPECT_EQ(f.Held(), (std::map<std::string, int64_t>{{"greedy", 4}, {"polite", 8}}));
+  f.ExpectIntact("polite", 1000, 8);
+  f.ExpectIntact("polite", 3000, 12);
+}
+
+// A fused decode batch of two tenants: the one past its share evicts only its own pages,
+// and a batch that cannot be served changes nothing.
+TEST(ModelCacheShareTest, AMixedTenantDecodeBatchHonoursEachShare) {
+  ShareFixture f;
+  // greedy holds 8 (its share) in 2 sequences of 4 pages each... and one cached prompt.
+  ASSERT_TRUE(f.Put("greedy", 100, 8).ok());  // 2 cached pages, unpinned
+  std::vector<std::shared_ptr<Sequence>> seqs;
+  const int64_t n = 12;
+  const auto k = RandomKv(f.spec, n, 1), v = RandomKv(f.spec, n, 2);
+  seqs.push_back(f.cache->Open(1, "greedy", {}));
+  ASSERT_TRUE(
+      f.cache->Append(seqs[0].get(), Tokens(n), Rows(f.spec, k, n), Rows(f.spec, v, n)).ok());
+  seqs.push_back(f.cache->Open(2, "polite", {}));
+  ASSERT_TRUE(
+      f.cache->Append(seqs[1].get(), Tokens(n), Rows(f.spec, k, n), Rows(f.spec, v, n)).ok());
+  ASSERT_TRUE(f.Put("greedy", 200, 12).ok());  // greedy: 2 + 3 + 3 = 8
+  ASSERT_TRUE(f.Put("polite", 1000, 8).ok());  // polite: 3 + 2
+  EXPECT_EQ(f.Held(), (std::map<std::string, int64_t>{{"greedy", 8}, {"polite", 5}}));
+  const int64_t row = int64_t{f.spec.num_kv_heads} * f.spec.head_dim;
+  std::vector<uint16_t> k_new(static_cast<size_t>(2 * row)), v_new(k_new.size());
+  for (size_t i = 0; i < k_new.size(); ++i) k_new[i] = v_new[i] = kernels::FloatToBf16(0.25f);
+  std::vector<float> q(static_cast<size_t>(2 * f.spec.num_q_heads * f.spec.head_dim), 0.5f);
+  std::vector<float> o(q.size()), lse(static_cast<size_t>(2 * f.spec.num_q_heads));
+  const std::vector<int32_t> tokens = {5, 6};
+  ModelCache::NewTokens nt;
+  nt.tokens = tokens;
+  nt.k = Rows(f.spec, k_new, 2);
+  nt.v = Rows(f.spec, v_new, 2);
+  nt.k.layer_stride = nt.v.layer_stride = 0;
+  Sequence* batch[] = {seqs[0].get(), seqs[1].get()};
+  std::vector<int64_t> lengths;
+  // Both need a page; greedy is at its share and evicts its least recently used prompt.
+  ASSERT_TRUE(f.cache->Attend(0, batch, q.data(), 0.25f, nt, o.data(), lse.data(), &lengths).ok());
+  EXPECT_EQ(lengths, (std::vector<int64_t>{n + 1, n + 1}));
+  EXPECT_EQ(f.Match("greedy", 100, 8), 0);
+  EXPECT_EQ(f.Match("greedy", 200, 12), 12);
+  EXPECT_EQ(f.Held(), (std::map<std::string, int64_t>{{"greedy", 7}, {"polite", 6}}));
+  for (auto& seq : seqs) f.cache->Close(seq.get());
+  EXPECT_EQ(f.Held(), (std::map<std::string, int64_t>{{"greedy", 3}, {"polite", 2}}));
 }
 
 TEST(ModelCacheTest, FsqNeedsAMatchingCodec) {

@@ -123,6 +123,31 @@ TEST(RadixTreeTest, PinInsideAnEdgeSplitsAndProtectsOnlyThePrefix) {
   tree.Unpin(pin.node);
 }
 
+TEST(RadixTreeTest, EvictionLimitedToOneNamespaceLeavesTheOthers) {
+  RadixTree tree(4);
+  tree.Insert("a", Seq(0, 8), Pages(0, 2));     // oldest
+  tree.Insert("b", Seq(0, 12), Pages(10, 3));   // b's pages, more recent than a's
+  tree.Insert("b", Seq(100, 4), Pages(20, 1));  // newest
+  const std::string b = "b";
+  EXPECT_EQ(tree.EvictablePages(0), 6);
+  EXPECT_EQ(tree.EvictablePages(0, &b), 4);
+  EXPECT_EQ(tree.EvictablePages(1, &b), 0);  // another pool
+  std::vector<int32_t> freed;
+  const int64_t n = tree.Evict([&] { return freed.size() < 3; },
+                               [&](const PageRef& r) { freed.push_back(r.page); }, &b);
+  EXPECT_EQ(n, 3);  // b's least recently used leaf, though a's pages are older
+  EXPECT_EQ(freed, (std::vector<int32_t>{10, 11, 12}));
+  EXPECT_EQ(tree.Match("a", Seq(0, 8)).tokens, 8);
+  EXPECT_EQ(tree.Match("b", Seq(100, 4)).tokens, 4);
+  // Asking for more than the namespace holds stops at its last page.
+  freed.clear();
+  tree.Evict([] { return true; }, [&](const PageRef& r) { freed.push_back(r.page); }, &b);
+  EXPECT_EQ(freed, (std::vector<int32_t>{20}));
+  EXPECT_EQ(tree.EvictablePages(0, &b), 0);
+  EXPECT_EQ(tree.Match("a", Seq(0, 8)).tokens, 8);
+  EXPECT_EQ(tree.cached_pages(), 2);
+}
+
 TEST(RadixTreeTest, EvictingAChildExposesItsParentAsALeaf) {
   RadixTree tree(1);
   tree.Insert("", Seq(0, 3), Pages(0, 3));

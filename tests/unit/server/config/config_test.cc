@@ -88,6 +88,70 @@ TEST(ConfigTest, EveryBadFieldIsNamed) {
   }
 }
 
+TEST(ConfigTest, TenantQuotas) {
+  auto c = ParseConfig(R"(
+quotas:
+  default: {max_sequences: 8, max_memory_share: 0.5, max_models: 2, max_model_bytes: 64MiB}
+  tenants:
+    - {tenant: team-a, max_memory_share: 0.25}
+    - {tenant: "", max_pinned_pages: 100, max_lease_ms: 5000, max_memory_share: 1}
+)");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->quotas.defaults.max_sequences, 8);
+  EXPECT_DOUBLE_EQ(c->quotas.defaults.max_memory_share, 0.5);
+  EXPECT_EQ(c->quotas.defaults.max_models, 2);
+  EXPECT_EQ(c->quotas.defaults.max_model_bytes, 64ull << 20);
+  const TenantQuota& a = c->quotas.For("team-a");
+  EXPECT_DOUBLE_EQ(a.max_memory_share, 0.25);
+  EXPECT_EQ(a.max_sequences, 8);  // keys not given: the defaults
+  EXPECT_EQ(a.max_models, 2);
+  EXPECT_EQ(a.max_model_bytes, 64ull << 20);
+  const TenantQuota& none = c->quotas.For("");
+  EXPECT_DOUBLE_EQ(none.max_memory_share, 1.0);
+  EXPECT_EQ(none.max_pinned_pages, 100);
+  EXPECT_EQ(none.max_lease_ms, 5000);
+  EXPECT_DOUBLE_EQ(c->quotas.For("unlisted").max_memory_share, 0.5);
+  // Without a quotas section nothing is limited.
+  auto d = ParseConfig("listen: 127.0.0.1:1");
+  ASSERT_TRUE(d.ok());
+  EXPECT_DOUBLE_EQ(d->quotas.For("x").max_memory_share, 1.0);
+  EXPECT_EQ(d->quotas.For("x").max_models, 0);
+  EXPECT_EQ(d->quotas.For("x").max_model_bytes, 0u);
+
+  struct Case {
+    const char* yaml;
+    const char* needle;
+  };
+  const Case bad[] = {
+      {"quotas: {default: {max_memory_share: 0}}",
+       "quotas.default.max_memory_share is 0, expected a fraction of each model's page pools in "
+       "(0, 1]"},
+      {"quotas: {default: {max_memory_share: 1.5}}", "max_memory_share is 1.5"},
+      {"quotas: {default: {max_memory_share: -0.1}}", "max_memory_share is -0.1"},
+      {"quotas: {default: {max_memory_share: .nan}}", "max_memory_share is nan"},
+      {"quotas: {default: {max_memory_share: half}}",
+       "quotas.default.max_memory_share has value 'half' of the wrong type"},
+      {"quotas: {tenants: [{tenant: a, max_models: -1}]}",
+       "quotas.tenants[0]: quotas must be >= 0"},
+      {"quotas: {tenants: [{tenant: a, max_models: lots}]}",
+       "quotas.tenants[0].max_models has value 'lots' of the wrong type"},
+      {"quotas: {default: {max_model_bytes: 12XB}}", "quotas.default.max_model_bytes: unit 'XB'"},
+      {"quotas: {default: {max_model_bytes: -5}}", "quotas.default.max_model_bytes: size '-5'"},
+      {"quotas: {default: {max_memory: 0.5}}",
+       "unknown key 'quotas.default.max_memory'; expected one of"},
+      {"quotas: {tenants: [{max_models: 1}]}", "quotas.tenants[0].tenant is missing"},
+      {"quotas: {tenants: [{tenant: a}, {tenant: a}]}", "tenant 'a' appears twice"},
+      {"quotas: {tenants: {tenant: a}}", "quotas.tenants must be a list"},
+  };
+  for (const auto& b : bad) {
+    auto r = ParseConfig(b.yaml);
+    ASSERT_FALSE(r.ok()) << b.yaml;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << b.yaml;
+    EXPECT_NE(r.status().message().find(b.needle), std::string::npos)
+        << b.yaml << " -> " << r.status().message();
+  }
+}
+
 TEST(ConfigTest, FsqModelProfile) {
   auto c = ParseConfig(R"(
 models:

@@ -514,6 +514,116 @@ TEST(TenantQuotaTest, AGreedyTenantCannotStarveAnother) {
   ASSERT_TRUE(engine.Append(MakeAppend(spec, greedy[1], 1, 0, 24), &ar).ok());
 }
 
+// Registrations per tenant: RegisterModel counts against its request's tenant (max_models,
+// max_model_bytes of pools as allocated); a refusal allocates and registers nothing, and
+// another tenant can still register. Models of the config count against no tenant.
+TEST(TenantQuotaTest, RegistrationsCountAgainstTheirTenant) {
+  ServerConfig config = TestConfig(64 << 20);
+  config.quotas.defaults.max_models = 2;
+  TenantQuota big;
+  big.max_model_bytes = 3 << 20;
+  config.quotas.tenants["big"] = big;
+  CacheEngine engine(config, MakeCpuBackend(1));
+  ASSERT_TRUE(engine.RegisterModelSpec(TinySpec()).ok());  // the config's: no tenant
+  auto reg = [&](const std::string& tenant, const std::string& name, uint64_t bytes) {
+    ModelSpec spec = TinySpec(bytes);
+    spec.name = name;
+    v1::RegisterModelRequest req;
+    *req.mutable_profile() = Profile(spec);
+    req.set_tenant(tenant);
+    v1::RegisterModelResponse resp;
+    return engine.RegisterModel(req, &resp);
+  };
+  auto listed = [&](const std::string& name) {
+    for (const auto& m : engine.SnapshotModels()) {
+      if (m.name == name) return true;
+    }
+    return false;
+  };
+  ASSERT_TRUE(reg("a", "a1", 1 << 20).ok());
+  ASSERT_TRUE(reg("a", "a2", 1 << 20).ok());
+  absl::Status s = reg("a", "a3", 1 << 20);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("tenant 'a' has registered 2 models; its quota max_models is 2"),
+            std::string::npos)
+      << s;
+  EXPECT_FALSE(listed("a3"));
+  EXPECT_TRUE(reg("a", "a1", 1 << 20).ok());  // the same profile again: idempotent, no charge
+  EXPECT_TRUE(reg("b", "a3", 1 << 20).ok());  // another tenant is not starved
+  // Bytes: what was asked, then what the pools really take once rounded (2 MiB a pool).
+  s = reg("big", "big1", 4 << 20);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("asks for memory_bytes 4194304 but only 3145728 bytes are left "
+                             "under tenant 'big''s quota max_model_bytes 3145728 (0 bytes "
+                             "registered already)"),
+            std::string::npos)
+      << s;
+  ASSERT_TRUE(reg("big", "big1", 1 << 20).ok());
+  s = reg("big", "big2", 1 << 20);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("its pools take 2097152 bytes once rounded"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("but only 1048576 bytes are left under tenant 'big''s quota "
+                             "max_model_bytes 3145728 (2097152 bytes registered already)"),
+            std::string::npos)
+      << s;
+  EXPECT_FALSE(listed("big2"));
+  v1::RegisterModelRequest long_tenant;
+  *long_tenant.mutable_profile() = Profile(TinySpec());
+  long_tenant.set_tenant(std::string(300, 't'));
+  v1::RegisterModelResponse resp;
+  EXPECT_EQ(engine.RegisterModel(long_tenant, &resp).code(), absl::StatusCode::kInvalidArgument);
+
+  v1::StatsResponse stats;
+  ASSERT_TRUE(engine.Stats(v1::StatsRequest(), &stats).ok());
+  std::map<std::string, v1::TenantUsage> by_name;
+  for (const auto& t : stats.tenants()) by_name[t.tenant()] = t;
+  EXPECT_EQ(by_name.count(""), 0u);  // the config's model is nobody's
+  EXPECT_EQ(by_name["a"].registered_models(), 2u);
+  EXPECT_EQ(by_name["a"].registered_model_bytes(), 4u << 20);
+  EXPECT_EQ(by_name["a"].max_models(), 2u);
+  EXPECT_EQ(by_name["b"].registered_models(), 1u);
+  EXPECT_EQ(by_name["big"].registered_models(), 1u);
+  EXPECT_EQ(by_name["big"].registered_model_bytes(), 2u << 20);
+  EXPECT_EQ(by_name["big"].max_models(), 0u);
+  EXPECT_EQ(by_name["big"].max_model_bytes(), 3u << 20);
+}
+
+// Memory shares through the engine: Stats reports each tenant's pages and share; a greedy
+// tenant's Puts past its share evict its own prompts while the other tenant's prefix still
+// opens whole.
+TEST(TenantQuotaTest, MemoryShareKeepsAnotherTenantsPrefix) {
+  ServerConfig config = TestConfig();
+  TenantQuota greedy;
+  greedy.max_memory_share = 0.25;  // 4 of 16 pages
+  config.quotas.tenants["greedy"] = greedy;
+  CacheEngine engine(config, MakeCpuBackend(1));
+  const ModelSpec spec = TinySpec(16 * 1024);
+  ASSERT_TRUE(engine.RegisterModelSpec(spec).ok());
+  v1::PutResponse put;
+  ASSERT_TRUE(engine.Put(MakePut(spec, 1, 24, "polite"), &put).ok());  // 6 pages
+  for (uint64_t seed = 10; seed < 20; ++seed) {
+    ASSERT_TRUE(engine.Put(MakePut(spec, seed, 8, "greedy"), &put).ok()) << seed;
+    EXPECT_EQ(put.inserted_tokens(), 8);
+  }
+  EXPECT_EQ(engine.counters().evicted_pages.load(), 16u);  // 8 of greedy's 2-page prompts
+  v1::StatsResponse stats;
+  ASSERT_TRUE(engine.Stats(v1::StatsRequest(), &stats).ok());
+  std::map<std::string, v1::TenantUsage> by_name;
+  for (const auto& t : stats.tenants()) by_name[t.tenant()] = t;
+  EXPECT_EQ(by_name["greedy"].held_pages(), 4u);
+  EXPECT_DOUBLE_EQ(by_name["greedy"].max_memory_share(), 0.25);
+  EXPECT_EQ(by_name["polite"].held_pages(), 6u);
+  EXPECT_DOUBLE_EQ(by_name["polite"].max_memory_share(), 1.0);
+  v1::OpenSequenceRequest open;
+  open.set_model(spec.name);
+  open.set_cache_salt("polite");
+  const auto t = synthetic::Tokens(1, 0, 24);
+  open.mutable_tokens()->Add(t.begin(), t.end());
+  v1::OpenSequenceResponse opened;
+  ASSERT_TRUE(engine.OpenSequence(open, &opened).ok());
+  EXPECT_EQ(opened.matched_tokens(), 24);
+}
+
 // Every bad request gets its exact code, and nothing stored changes.
 TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
   const auto p = Profile(spec_);

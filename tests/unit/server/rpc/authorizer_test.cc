@@ -147,7 +147,15 @@ TEST_F(AuthorizerTest, ModelRegistrationAndTheDataPlaneNeedTheirPermissions) {
   absl::Status s = authz_->Check(plain, reg);
   EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied);
   EXPECT_NE(s.message().find("register_models: true"), std::string::npos) << s;
+  // The registration counts against its tenant, which the token must grant.
+  s = authz_->Check(admin, reg);
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_NE(s.message().find("may not use tenant (cache_salt) ''"), std::string::npos) << s;
+  reg.set_tenant("t");
   EXPECT_TRUE(authz_->Check(admin, reg).ok());
+  reg.set_tenant("u");
+  EXPECT_EQ(authz_->Check(admin, reg).code(), absl::StatusCode::kPermissionDenied);
+  reg.set_tenant("t");
 
   EXPECT_EQ(authz_->Check(plain, v1::RegisterBufferRequest()).code(),
             absl::StatusCode::kPermissionDenied);
