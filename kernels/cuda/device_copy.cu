@@ -1,5 +1,6 @@
 #include <cstdint>
 
+#include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_device_copy.h"
 
 namespace kvcd::kernels::cuda {
@@ -24,6 +25,7 @@ __global__ void ToFloatKernel(const void* src, bool bf16, int64_t n, float* dst)
 cudaError_t LaunchToFloat(const void* src, bool bf16, int64_t n, float* dst, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   const int64_t blocks = (n + kThreads - 1) / kThreads;
+  CountLaunch();
   ToFloatKernel<<<static_cast<unsigned>(blocks < 1024 ? blocks : 1024), kThreads, 0, stream>>>(
       src, bf16, n, dst);
   return cudaGetLastError();

@@ -3,6 +3,7 @@
 // as there are columns to make; each output summed in input order as RotateRows does, and
 // rounded as FloatToBf16.
 #include "dispatch.cuh"
+#include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_store_rows.h"
 #include "paged_rows.cuh"
 
@@ -52,6 +53,7 @@ cudaError_t LaunchStoreBf16Rows(const RowBlock& k, const RowBlock& v, const Page
                                 const RowCodec& codec, cudaStream_t stream) {
   if (!ValidStore(k, v, dst)) return cudaErrorInvalidValue;
   if (dst.num_tokens == 0) return cudaSuccess;
+  CountLaunch();
   return DispatchHeadDim(dst.head_dim, [&](auto hd) {
     constexpr int kD = decltype(hd)::value;
     StoreBf16RowsKernel<kD>

@@ -4,6 +4,7 @@
 
 #include "dispatch.cuh"
 #include "int2_row_quantizer.cuh"
+#include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_store_rows.h"
 #include "kvcd/kernels/int2_attention.h"
 #include "paged_rows.cuh"
@@ -52,6 +53,7 @@ cudaError_t LaunchStoreInt2Rows(const RowBlock& k, const RowBlock& v, const Page
     return cudaErrorInvalidValue;
   }
   if (dst.num_tokens == 0) return cudaSuccess;
+  CountLaunch();
   return DispatchHeadDim(dst.head_dim, [&](auto hd) {
     StoreInt2RowsKernel<decltype(hd)::value>
         <<<StoreGrid(dst), 32 * kStoreWarpsPerBlock, 0, stream>>>(k, v, dst, codec);

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/phase_times.h"
 #include "common/status_macros.h"
 #include "kvcd/kernels/cuda_decode_attention.h"
 #include "kvcd/kernels/cuda_device_copy.h"
@@ -187,6 +188,11 @@ class CudaBackend final : public Backend, public DeviceRuntime {
   }
 
   absl::Status Attend(const AttentionBatch& b) override {
+    static const int kLists = PhaseTimes::Phase("daemon.cuda.lock+page lists");
+    static const int kScratch = PhaseTimes::Phase("daemon.cuda.scratch+q to float");
+    static const int kUpload = PhaseTimes::Phase("daemon.cuda.page table upload");
+    static const int kLaunch = PhaseTimes::Phase("daemon.cuda.attention launches");
+    PhaseLap lap;
     std::lock_guard<std::mutex> lock(mu_);
     const int batch = static_cast<int>(b.jobs.size());
     const int d = b.head_dim, hq = b.num_q_heads;
@@ -245,6 +251,7 @@ class CudaBackend final : public Backend, public DeviceRuntime {
       host_i32.insert(host_i32.end(), l.lens.begin(), l.lens.end());
     }
     parts = std::max(1, parts);
+    lap.Mark(kLists);
     const CudaCodec* codec = static_cast<const CudaPageFormat*>(b.model_format)->device_codec();
     const float* d_rk = codec != nullptr ? codec->RK(b.layer) : nullptr;
     const float* d_rvt = codec != nullptr ? codec->RVT(b.layer) : nullptr;
@@ -278,10 +285,12 @@ class CudaBackend final : public Backend, public DeviceRuntime {
         std::copy(b.jobs[j].q, b.jobs[j].q + hq * d, q.begin() + j * hq * d);
       RETURN_IF_CUDA(kc::CopyToDevice(d_q, q.data(), q_bytes));
     }
+    lap.Mark(kScratch);
     // Page tables and lengths go up from pinned staging without waiting for the device:
     // a call whose queries and results live on the device (CUDA IPC) never blocks here.
     KVCD_RETURN_IF_ERROR(
         Noted(uploads_.Upload(d_i32, host_i32.data(), sizeof(int32_t) * host_i32.size())));
+    lap.Mark(kUpload);
     // Results go into the worker's buffer (CUDA IPC; the caller records its event) or into
     // device scratch copied back below.
     const kc::MergeTarget merge{parts, d_rvt, b.device_o != nullptr ? b.device_o : d_o,
@@ -319,6 +328,7 @@ class CudaBackend final : public Backend, public DeviceRuntime {
       RETURN_IF_CUDA_ERR(kc::LaunchMergeParts(d_part_o, d_part_lse, parts, rows, d, merge.r_v_t,
                                               merge.o, merge.lse, nullptr));
     }
+    lap.Mark(kLaunch);
     if (b.device_o != nullptr) return absl::OkStatus();
     std::vector<float> o(static_cast<size_t>(rows) * d), lse(rows);
     RETURN_IF_CUDA(kc::CopyToHost(o.data(), d_o, q_bytes));

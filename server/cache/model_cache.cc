@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/phase_times.h"
 #include "common/quote.h"
 #include "common/status_macros.h"
 #include "kvcd/kernels/bf16.h"
@@ -578,6 +579,11 @@ std::vector<AttentionSegment> ModelCache::Segments(const Sequence& seq, int64_t 
 absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs, const float* q,
                                 float softmax_scale, const NewTokens& new_tokens, float* o,
                                 float* lse, std::vector<int64_t>* lengths, const DeviceIo* device) {
+  static const int kLock = PhaseTimes::Phase("daemon.cache.lock+check");
+  static const int kStore = PhaseTimes::Phase("daemon.cache.append row (alloc+store+demote)");
+  static const int kSegments = PhaseTimes::Phase("daemon.cache.page segments");
+  static const int kBackend = PhaseTimes::Phase("daemon.cache.backend attend");
+  PhaseLap lap;
   const int32_t ps = spec_.page_size;
   const bool append = !new_tokens.tokens.empty();
   // Lock in id order so concurrent batches sharing sequences cannot deadlock.
@@ -598,6 +604,7 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
           "; send the other layers' k_new/v_new before the next token"));
     }
   }
+  lap.Mark(kLock);
   if (append) {
     // All-or-nothing: allocate every page the batch needs, then write every row.
     int32_t pages_needed = 0;
@@ -646,6 +653,7 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
     }
   }
 
+  lap.Mark(kStore);
   AttentionBatch batch;
   batch.layer = layer;
   batch.num_q_heads = spec_.num_q_heads;
@@ -675,7 +683,10 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
     batch.device_lse = device->lse;
   }
   counters_->attention_calls.fetch_add(1, std::memory_order_relaxed);
-  return backend_->Attend(batch);
+  lap.Mark(kSegments);
+  absl::Status attended = backend_->Attend(batch);
+  lap.Mark(kBackend);
+  return attended;
 }
 
 absl::Status ModelCache::CheckReadable(const Sequence& seq, int64_t first, int64_t n) const {
