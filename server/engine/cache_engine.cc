@@ -399,6 +399,7 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
   static const int kAttend = PhaseTimes::Phase("daemon.engine.attend (cache+backend)");
   static const int kWritten = PhaseTimes::Phase("daemon.engine.mark written");
   PhaseLap lap;
+  TensorResolver::CallScope one_wait_per_buffer;  // q, k_new, v_new: one ready event
   resp->Clear();
   resp->set_request_id(req.request_id());
   const int64_t batch = req.sequence_ids_size();
