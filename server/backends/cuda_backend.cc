@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -288,8 +289,16 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     lap.Mark(kScratch);
     // Page tables and lengths go up from pinned staging without waiting for the device:
     // a call whose queries and results live on the device (CUDA IPC) never blocks here.
-    KVCD_RETURN_IF_ERROR(
-        Noted(uploads_.Upload(d_i32, host_i32.data(), sizeof(int32_t) * host_i32.size())));
+    // The per-layer decode loop sends the same tables for every layer of a token (they
+    // change when a token completes or a page is demoted), so a table equal to the one the
+    // previous call left at the same place of the same scratch is not sent again: only
+    // Attend writes that part of the scratch, under mu_, in stream order.
+    if (!TableStillOnDevice(d_i32, host_i32)) {
+      last_table_.reset();
+      KVCD_RETURN_IF_ERROR(
+          Noted(uploads_.Upload(d_i32, host_i32.data(), sizeof(int32_t) * host_i32.size())));
+      last_table_ = UploadedTable{d_i32, scratch_.generation(), host_i32};
+    }
     lap.Mark(kUpload);
     // Results go into the worker's buffer (CUDA IPC; the caller records its event) or into
     // device scratch copied back below.
@@ -375,10 +384,24 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     return absl::InternalError("CUDA: " + err);
   }
 
+  // True if the device copy at d_i32 already holds `table` (see Attend). REQUIRES: mu_.
+  bool TableStillOnDevice(const int32_t* d_i32, const std::vector<int32_t>& table) const {
+    return last_table_.has_value() && last_table_->at == d_i32 &&
+           last_table_->generation == scratch_.generation() && last_table_->table == table;
+  }
+
   const int device_;
   const int sms_;
   std::mutex mu_;
   DeviceScratch scratch_;
+  // The page tables and lengths the last Attend queued into scratch_ (cleared before an
+  // upload, so a failed one leaves nothing to trust).
+  struct UploadedTable {
+    const int32_t* at = nullptr;
+    uint64_t generation = 0;
+    std::vector<int32_t> table;
+  };
+  std::optional<UploadedTable> last_table_;
   DeviceScratch ids_scratch_;
   DeviceScratch staging_;
   DeviceScratch check_scratch_;  // CountNonFinite's counter
