@@ -13,7 +13,9 @@
 #   stream, then kvcd_data_plane_tests (IPC results bit-identical to inline ones).
 # CPU (no GPU; the same loop with inline tensors, --io host, on the cpu backend):
 #   bench/run-decode-step.sh --cpu        (binaries from ./build)
-# The raw log goes to $OUT/decode-step.log (or bench/results/raw/ when OUT is unset).
+# The raw log goes to $OUT/decode-step-MODE.log (or bench/results/raw/ when OUT is unset).
+# KVCD_RUNS="model:tokens ..." and KVCD_STEPS choose the runs; KVCD_DATA_PLANE_TESTS=0 skips
+# the tests (to split the run over two device calls of at most 10 minutes if needed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=device
@@ -82,12 +84,14 @@ for mt in $RUNS; do
   daemon_side >/dev/null
 done
 stop_kvcd; echo "daemon exit: $?"
-if [[ $mode == device ]]; then
+if [[ $mode == device && ${KVCD_DATA_PLANE_TESTS:-1} == 1 ]]; then
   echo; echo "=================== kvcd_data_plane_tests (IPC results vs inline, every path)"
   # Without KVCD_PHASE_TIMES: the tests read the daemon's stderr for their own lines.
-  KVCD_PHASE_TIMES=0 KVCD_BINARY=$BIN/kvcd timeout 600 "$BIN/kvcd_data_plane_tests" \
+  KVCD_PHASE_TIMES=0 KVCD_BINARY=$BIN/kvcd timeout 300 "$BIN/kvcd_data_plane_tests" \
     >"$out_dir/data-plane-tests.log" 2>&1 || rc=1
   grep -E '^\[  (PASSED|FAILED)|^\[  FAILED' "$out_dir/data-plane-tests.log"
+fi
+if [[ $mode == device ]]; then
   echo; echo "=================== in-process cuDNN loop (36 x one per-layer SDPA call, batch 1)"
   python3 bench/sdpa_baseline.py | tee "$out_dir/sdpa.txt"
   awk '$1 == "cudnn" && $3 == 1 && $5 + 0 > 0 {
