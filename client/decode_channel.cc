@@ -11,6 +11,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "common/phase_times.h"
 
 namespace kvcd {
 namespace {
@@ -89,6 +90,10 @@ absl::StatusOr<v1::AttentionDecodeResponse> DecodeChannel::Call(
         "the daemon closed the decode channel (idle past its lease, "
         "or draining); open a new one");
   }
+  static const int kWrite = PhaseTimes::Phase("worker.channel.serialize+write request");
+  static const int kWait = PhaseTimes::Phase("worker.channel.doorbell->answer (spin)");
+  static const int kParse = PhaseTimes::Phase("worker.channel.parse answer");
+  PhaseLap lap;
   const size_t n = req.ByteSizeLong();
   if (n > h.capacity) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -97,6 +102,7 @@ absl::StatusOr<v1::AttentionDecodeResponse> DecodeChannel::Call(
   req.SerializeWithCachedSizesToArray(h.RequestArea());
   h.request_bytes.store(static_cast<uint32_t>(n), std::memory_order_relaxed);
   const uint64_t seq = ++seq_;
+  lap.Mark(kWrite);
   h.request_seq.store(seq, std::memory_order_release);
   const auto deadline = std::chrono::steady_clock::now() + client_->options().deadline;
   for (uint64_t spins = 0; h.response_seq.load(std::memory_order_acquire) != seq; ++spins) {
@@ -113,12 +119,14 @@ absl::StatusOr<v1::AttentionDecodeResponse> DecodeChannel::Call(
       }
     }
   }
+  lap.Mark(kWait);
   const uint32_t m = h.response_bytes.load(std::memory_order_relaxed);
   v1::AttentionDecodeStreamResponse r;
   if (m > h.capacity || !r.ParseFromArray(h.ResponseArea(), static_cast<int>(m))) {
     broken_ = true;
     return absl::InternalError("the decode channel's answer does not parse");
   }
+  lap.Mark(kParse);
   if (r.error_code() != 0) {
     return absl::Status(static_cast<absl::StatusCode>(r.error_code()), r.error_message());
   }

@@ -15,9 +15,14 @@
 // IPC result of one call is checked against the same call with inline tensors. With
 // --wait host the host waits for the ready and done events instead of the streams.
 //
+// With --io host the loop needs no GPU: queries, K/V rows and results travel inline over the
+// same transports (any backend; a prompt not yet cached is appended first from synthetic
+// rows). With KVCD_PHASE_TIMES=1 the worker prints its side of every call step by step
+// (common/phase_times.h); the daemon prints its side when the channel closes.
+//
 // Usage: kvcd_decode_worker --target HOST:PORT --model NAME [--tokens 32768] [--seed 1]
 //          [--salt prefill] [--steps 16] [--sync] [--device 0] [--transport channel|stream]
-//          [--wait device|host]
+//          [--wait device|host] [--io ipc|host]
 //        security (README "Security"): [--token-file F] [--tls-ca F] [--tls-cert F --tls-key F]
 //          [--tls-server-name N], or KVCD_TOKEN / KVCD_TLS_* in the environment
 #include <cuda_runtime.h>
@@ -29,9 +34,11 @@
 
 #include "client/client.h"
 #include "client/decode_channel.h"
+#include "client/synthetic.h"
 #include "client/workers/ipc_buffer.h"
 #include "client/workers/synthetic_device.h"
 #include "client/workers/worker_common.h"
+#include "common/phase_times.h"
 #include "common/tensor_ref.h"
 
 namespace kw = kvcd::workers;
@@ -45,6 +52,125 @@ using Clock = std::chrono::steady_clock;
       return 1;                                                           \
     }                                                                     \
   } while (0)
+
+namespace {
+
+// The --io host loop: the same per-layer calls with inline tensors (no GPU in the worker).
+// Each layer's query depends on the previous layer's output, as on the device.
+int RunHostLoop(kvcd::Client* client, const kw::Flags& flags, const std::string& model,
+                const std::string& salt, int64_t n_tokens, uint64_t seed, int steps,
+                const std::string& transport) {
+  auto info = client->GetModel(model);
+  CHECK_OK(info.status());
+  const kvcd::v1::ModelProfile& p = info->profile();
+  const int64_t prompt = n_tokens / p.page_size() * p.page_size();
+  std::vector<int32_t> tokens = kw::PromptTokens(prompt, seed);
+  auto open = client->OpenSequence(model, salt, tokens, 600000);
+  CHECK_OK(open.status());
+  const uint64_t seq = open->sequence_id();
+  // What the prefix cache does not hold yet goes in from synthetic rows, in chunks.
+  const int64_t chunk = std::max<int64_t>(1, flags.GetInt("append-chunk", 512));
+  for (int64_t at = open->matched_tokens(); at < prompt; at += chunk) {
+    const int64_t n = std::min(chunk, prompt - at);
+    kvcd::v1::AppendRequest app;
+    app.set_sequence_id(seq);
+    for (int64_t i = 0; i < n; ++i) app.add_tokens(tokens[static_cast<size_t>(at + i)]);
+    const std::vector<int64_t> shape = {p.num_layers(), n, p.num_kv_heads(), p.head_dim()};
+    std::vector<float> k = kvcd::synthetic::Kv(seed, p, at, n, 0);
+    std::vector<float> v = kvcd::synthetic::Kv(seed, p, at, n, 1);
+    kvcd::SetBf16FromFloat(app.mutable_k(), shape, k.data());
+    kvcd::SetBf16FromFloat(app.mutable_v(), shape, v.data());
+    if (p.history_format() == kvcd::v1::HISTORY_FORMAT_FSQ) {
+      std::vector<float> x = kvcd::synthetic::Residuals(seed, p, at, n);
+      kvcd::SetBf16FromFloat(app.mutable_x(), {p.num_layers(), n, p.fsq_residual_width()},
+                             x.data());
+    }
+    CHECK_OK(client->Append(app).status());
+  }
+  std::unique_ptr<kvcd::DecodeStream> stream_rpc;
+  std::unique_ptr<kvcd::DecodeChannel> channel;
+  if (transport == "stream") {
+    auto st = client->OpenDecodeStream();
+    CHECK_OK(st.status());
+    stream_rpc = std::move(*st);
+  } else {
+    auto ch = kvcd::DecodeChannel::Open(client, 1u << 20, 600000);
+    CHECK_OK(ch.status());
+    channel = std::move(*ch);
+  }
+  static const int kBuild = kvcd::PhaseTimes::Phase("worker.build q,k_new,v_new (host)");
+  static const int kCall = kvcd::PhaseTimes::Phase("worker.call (round trip)");
+  static const int kLayer = kvcd::PhaseTimes::Phase("worker.layer total");
+  const int64_t q_n = int64_t{p.num_q_heads()} * p.head_dim();
+  std::vector<float> o(static_cast<size_t>(q_n), 0.0f), q(static_cast<size_t>(q_n));
+  std::vector<double> rtt_us, kernel_us;
+  kvcd::v1::AttentionDecodeRequest req;
+  req.add_sequence_ids(seq);
+  req.add_new_tokens(0);
+  const auto t_loop = Clock::now();
+  for (int s = 0; s < steps; ++s) {
+    req.set_new_tokens(0, static_cast<int32_t>((seed + s) % 151000));
+    for (int l = 0; l < p.num_layers(); ++l) {
+      kvcd::PhaseLap lap, layer_lap;
+      const std::vector<float> qr = kvcd::synthetic::Row(seed, p, l, prompt + s, 2);
+      for (int64_t i = 0; i < q_n; ++i) {
+        const auto k = static_cast<size_t>(i);
+        q[k] = 0.5f * std::tanh(o[k]) + qr[k];
+      }
+      const std::vector<float> kr = kvcd::synthetic::Row(seed, p, l, prompt + s, 0);
+      const std::vector<float> vr = kvcd::synthetic::Row(seed, p, l, prompt + s, 1);
+      kvcd::SetBf16FromFloat(req.mutable_q(), {1, p.num_q_heads(), p.head_dim()}, q.data());
+      kvcd::SetBf16FromFloat(req.mutable_k_new(), {1, p.num_kv_heads(), p.head_dim()}, kr.data());
+      kvcd::SetBf16FromFloat(req.mutable_v_new(), {1, p.num_kv_heads(), p.head_dim()}, vr.data());
+      if (p.history_format() == kvcd::v1::HISTORY_FORMAT_FSQ) {
+        const std::vector<float> xr = kvcd::synthetic::ResidualRow(seed, p, l, prompt + s);
+        kvcd::SetBf16FromFloat(req.mutable_x_new(), {1, p.fsq_residual_width()}, xr.data());
+      }
+      req.set_layer(l);
+      req.set_request_id(static_cast<uint64_t>(s) * p.num_layers() + l);
+      lap.Mark(kBuild);
+      const auto t0 = Clock::now();
+      auto r = channel ? channel->Call(req) : stream_rpc->Call(req);
+      rtt_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+      lap.Mark(kCall);
+      CHECK_OK(r.status());
+      kernel_us.push_back(r->kernel_seconds() * 1e6);
+      for (int64_t i = 0; i < q_n; ++i) o[static_cast<size_t>(i)] = kvcd::ElementAsFloat(r->o(), i);
+      layer_lap.Mark(kLayer);
+    }
+  }
+  const double loop_s = std::chrono::duration<double>(Clock::now() - t_loop).count();
+  CHECK_OK(channel ? channel->Close() : stream_rpc->Close());
+  auto closed = client->CloseSequence(seq);
+  CHECK_OK(closed.status());
+  std::vector<double> overhead(rtt_us.size());
+  for (size_t i = 0; i < rtt_us.size(); ++i) overhead[i] = rtt_us[i] - kernel_us[i];
+  std::printf(
+      "decode worker: %s, context %lld tokens, %d steps x %d layers, inline tensors (host), "
+      "calls over the %s\n",
+      model.c_str(), static_cast<long long>(prompt), steps, p.num_layers(),
+      transport == "channel" ? "shared-memory decode channel" : "gRPC stream");
+  std::printf("tokens/s: %.1f (%.3f ms per token, %d layer calls per token)\n", steps / loop_s,
+              loop_s / steps * 1e3, p.num_layers());
+  std::printf(
+      "per call: round trip p50 %.1f us p90 %.1f us; daemon-side p50 %.1f us; "
+      "RPC overhead p50 %.1f us p90 %.1f us\n",
+      kw::Median(rtt_us), kw::Percentile(rtt_us, 0.9), kw::Median(kernel_us), kw::Median(overhead),
+      kw::Percentile(overhead, 0.9));
+  std::printf("final length %lld\n", static_cast<long long>(*closed));
+  if (kvcd::PhaseTimes::Enabled()) {
+    std::printf("%s", kvcd::PhaseTimes::Report("decode worker (worker side)").c_str());
+  }
+  const int64_t want = prompt + steps;
+  if (*closed != want) {
+    std::fprintf(stderr, "decode worker: final length %lld, expected %lld\n",
+                 static_cast<long long>(*closed), static_cast<long long>(want));
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   kw::Flags flags(argc, argv);
@@ -74,6 +200,16 @@ int main(int argc, char** argv) {
   if (transport != "channel" && transport != "stream") {
     std::fprintf(stderr, "--transport must be channel or stream\n");
     return 2;
+  }
+  const std::string io = flags.Get("io", "ipc");
+  if (io != "ipc" && io != "host") {
+    std::fprintf(stderr, "--io must be ipc or host\n");
+    return 2;
+  }
+  if (io == "host") {
+    auto client = kvcd::Client::Connect(opts);
+    CHECK_OK(client.status());
+    return RunHostLoop(client->get(), flags, model, salt, n_tokens, seed, steps, transport);
   }
   CHECK_OK(
       kw::CudaCheck(cudaSetDevice(static_cast<int>(flags.GetInt("device", 0))), "cudaSetDevice"));
@@ -137,10 +273,17 @@ int main(int argc, char** argv) {
   std::vector<double> rtt_us, kernel_us, done_us;
   cudaEvent_t done_ev;
   cudaEventCreateWithFlags(&done_ev, cudaEventDisableTiming);
+  static const int kProduce = kvcd::PhaseTimes::Phase("worker.produce q,k,v (3 launches)");
+  static const int kReady = kvcd::PhaseTimes::Phase("worker.mark ready (event record)");
+  static const int kCall = kvcd::PhaseTimes::Phase("worker.call (round trip)");
+  static const int kDone = kvcd::PhaseTimes::Phase("worker.wait done (stream wait)");
+  static const int kSync = kvcd::PhaseTimes::Phase("worker.result on host (sync)");
+  static const int kLayer = kvcd::PhaseTimes::Phase("worker.layer total");
   const auto t_loop = Clock::now();
   for (int s = 0; s < steps; ++s) {
     req.set_new_tokens(0, static_cast<int32_t>((seed + s) % 151000));
     for (int l = 0; l < g.num_layers; ++l) {
+      kvcd::PhaseLap lap, layer_lap;
       const uint64_t key = seed * 1000003ull + s * 1009ull + l;
       // This layer's query from the previous layer's output; the token's K/V row.
       CHECK_OK(
@@ -151,22 +294,28 @@ int main(int argc, char** argv) {
           kw::FillBf16(reinterpret_cast<uint16_t*>(d + k_off), kv_n, key ^ 1, stream), "fill k"));
       CHECK_OK(kw::CudaCheck(
           kw::FillBf16(reinterpret_cast<uint16_t*>(d + v_off), kv_n, key ^ 2, stream), "fill v"));
+      lap.Mark(kProduce);
       CHECK_OK(b.MarkReady(stream));
       if (host_wait) CHECK_OK(b.WaitReadyOnHost());
+      lap.Mark(kReady);
       req.set_layer(l);
       req.set_request_id(static_cast<uint64_t>(s) * g.num_layers + l);
       const auto t0 = Clock::now();
       auto r = call(req);
       const double rtt = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
       CHECK_OK(r.status());
+      lap.Mark(kCall);
       rtt_us.push_back(rtt);
       kernel_us.push_back(r->kernel_seconds() * 1e6);
       CHECK_OK(host_wait ? b.WaitDoneOnHost() : b.WaitDone(stream));
+      lap.Mark(kDone);
       if (sync) {
         cudaEventRecord(done_ev, stream);
         CHECK_OK(kw::CudaCheck(cudaEventSynchronize(done_ev), "sync"));
         done_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+        lap.Mark(kSync);
       }
+      layer_lap.Mark(kLayer);
     }
   }
   CHECK_OK(kw::CudaCheck(cudaStreamSynchronize(stream), "final sync"));
@@ -224,6 +373,9 @@ int main(int argc, char** argv) {
   if (sync) {
     std::printf("per call with the result on the host: p50 %.1f us p90 %.1f us\n",
                 kw::Median(done_us), kw::Percentile(done_us, 0.9));
+  }
+  if (kvcd::PhaseTimes::Enabled()) {
+    std::printf("%s", kvcd::PhaseTimes::Report("decode worker (worker side)").c_str());
   }
   std::printf("final length %lld; IPC vs inline output max |diff| %.3g (max |o| %.3g): %s\n",
               static_cast<long long>(*closed), max_diff, max_ref,

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_decode_attention.h"
 
 namespace kvcd::kernels::cuda {
@@ -1174,6 +1175,7 @@ Int2State CarveState(void* state, int batch, int num_kv_heads) {
 template <class... Args>
 cudaError_t LaunchDependent(bool dependent, void (*kernel)(Args...), dim3 grid, dim3 block,
                             size_t smem, cudaStream_t stream, Args... args) {
+  CountLaunch();
   if (dependent) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
@@ -1196,6 +1198,7 @@ cudaError_t LaunchDependent(bool dependent, void (*kernel)(Args...), dim3 grid, 
 template <int D, int NT>
 cudaError_t LaunchV2(dim3 grid, const PartArgs& a, cudaStream_t stream, bool dependent) {
   const dim3 prep_grid(a.geo.num_kv_heads, a.geo.batch);
+  CountLaunch();
   QueryFragments<D, NT><<<prep_grid, 4 * D, 0, stream>>>(a);
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   return LaunchDependent(dependent, Int2DecodeKernelV2<D, NT>, grid, dim3(kWarps * 32), 0, stream,
@@ -1259,6 +1262,7 @@ cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& g
       e = wide ? LaunchV2<128, 2>(grid, a, stream, dep) : LaunchV2<128, 1>(grid, a, stream, dep);
     }
   } else {
+    CountLaunch();
     switch (geo.head_dim) {  // the first kernel: every head_dim, per-tile FP32 accumulation
       case 64:
         Int2DecodeKernel<64><<<grid, kWarps * 32, 0, stream>>>(a);
@@ -1289,6 +1293,7 @@ cudaError_t LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& g
   const PartArgs a{list,   geo,      q,        r_k, scale, TokensPerSplit(max_tokens, splits),
                    part_o, part_lse, part_base};
   const dim3 grid(splits, geo.num_kv_heads, geo.batch);
+  CountLaunch();
   switch (geo.head_dim) {
     case 64:
       Bf16DecodeKernel<64><<<grid, kWarps * 32, 0, stream>>>(a);

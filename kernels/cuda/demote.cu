@@ -4,6 +4,7 @@
 
 #include "dispatch.cuh"
 #include "int2_row_quantizer.cuh"
+#include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_demote.h"
 
 namespace kvcd::kernels::cuda {
@@ -69,6 +70,7 @@ cudaError_t LaunchDemoteInt2(const uint16_t* rows, int64_t n, int head_dim, cons
   constexpr int kWarpsPerBlock = 8;
   const dim3 grid(static_cast<unsigned>((n + kWarpsPerBlock - 1) / kWarpsPerBlock));
   const auto* in = reinterpret_cast<const __nv_bfloat16*>(rows);
+  CountLaunch();
   return DispatchHeadDim(head_dim, [&](auto hd) {
     DemoteKernel<decltype(hd)::value><<<grid, 32 * kWarpsPerBlock, 0, stream>>>(
         in, n, rotation, rho, addr, out.scale, out.lo, out.param_stride, first_row);

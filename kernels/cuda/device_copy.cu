@@ -1,5 +1,6 @@
 #include <cstdint>
 
+#include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_device_copy.h"
 
 namespace kvcd::kernels::cuda {
@@ -55,12 +56,14 @@ cudaError_t LaunchQueriesToFloat(const void* src, bool bf16, int64_t batch, int6
   if (batch <= 0 || row_elems <= 0)
     return batch < 0 || row_elems < 0 ? cudaErrorInvalidValue : cudaSuccess;
   const int64_t n = batch * row_elems;
+  CountLaunch();
   QueriesToFloatKernel<<<Blocks(n), kThreads, 0, stream>>>(src, bf16, n, row_elems, dst, faults);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchToFloat(const void* src, bool bf16, int64_t n, float* dst, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
+  CountLaunch();
   ToFloatKernel<<<Blocks(n), kThreads, 0, stream>>>(src, bf16, n, dst);
   return cudaGetLastError();
 }

@@ -3,6 +3,7 @@
 // page p = item / num_layers, layer l = item % num_layers.
 #include <cstdint>
 
+#include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_page_copy.h"
 
 namespace kvcd::kernels::cuda {
@@ -99,6 +100,7 @@ cudaError_t LaunchPagedCopy(PageCopy kind, const PagedCopyArgs& a, unsigned long
   }
   const int64_t want = (units + kThreads - 1) / kThreads;
   const unsigned blocks = static_cast<unsigned>(want < 16LL * sms ? want : 16LL * sms);
+  CountLaunch();
   if (vec) {
     PagedCopyKernel<true><<<blocks, kThreads, 0, stream>>>(static_cast<int>(kind), a, bad);
   } else {

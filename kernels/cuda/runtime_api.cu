@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_runtime_api.h"
 
 namespace kvcd::kernels::cuda {
@@ -15,9 +16,11 @@ std::string SetDevice(int ordinal) { return Text(cudaSetDevice(ordinal)); }
 std::string Malloc(void** ptr, size_t bytes) { return Text(cudaMalloc(ptr, bytes)); }
 std::string Free(void* ptr) { return Text(cudaFree(ptr)); }
 std::string CopyToDevice(void* dst, const void* src, size_t bytes) {
+  Counts().h2d.fetch_add(1, std::memory_order_relaxed);
   return Text(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
 }
 std::string CopyToHost(void* dst, const void* src, size_t bytes) {
+  Counts().d2h.fetch_add(1, std::memory_order_relaxed);
   return Text(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
 }
 std::string HostAlloc(void** ptr, size_t bytes) { return Text(cudaMallocHost(ptr, bytes)); }
@@ -35,6 +38,7 @@ std::string HostAllocMapped(void** host, void** device_view, size_t bytes) {
 }
 std::string HostFree(void* ptr) { return Text(cudaFreeHost(ptr)); }
 std::string CopyToDeviceAsync(void* dst, const void* src, size_t bytes) {
+  Counts().h2d.fetch_add(1, std::memory_order_relaxed);
   return Text(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, nullptr));
 }
 std::string CreateEvent(void** event) {
@@ -44,10 +48,12 @@ std::string CreateEvent(void** event) {
   return Text(err);
 }
 std::string EventSynchronize(void* event) {
+  Counts().host_syncs.fetch_add(1, std::memory_order_relaxed);
   return Text(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
 }
 
 std::string CopyDeviceToDevice(void* dst, const void* src, size_t bytes) {
+  Counts().d2d.fetch_add(1, std::memory_order_relaxed);
   return Text(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, nullptr));
 }
 
@@ -86,13 +92,18 @@ std::string DestroyEvent(void* event) {
   return Text(cudaEventDestroy(static_cast<cudaEvent_t>(event)));
 }
 std::string StreamWaitEvent(void* event) {
+  Counts().stream_waits.fetch_add(1, std::memory_order_relaxed);
   return Text(cudaStreamWaitEvent(nullptr, static_cast<cudaEvent_t>(event), 0));
 }
 std::string RecordEvent(void* event) {
+  Counts().event_records.fetch_add(1, std::memory_order_relaxed);
   return Text(cudaEventRecord(static_cast<cudaEvent_t>(event), nullptr));
 }
 
-std::string Synchronize() { return Text(cudaDeviceSynchronize()); }
+std::string Synchronize() {
+  Counts().host_syncs.fetch_add(1, std::memory_order_relaxed);
+  return Text(cudaDeviceSynchronize());
+}
 
 std::string ErrorText(int code) { return Text(static_cast<cudaError_t>(code)); }
 

@@ -3,6 +3,7 @@
 // as there are columns to make; each output summed in input order as RotateRows does, and
 // rounded as FloatToBf16. kCheck compiles the fused non-finite check in (StoreCheck).
 #include "dispatch.cuh"
+#include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_store_rows.h"
 #include "paged_rows.cuh"
 
@@ -61,6 +62,7 @@ cudaError_t LaunchStoreBf16Rows(const RowBlock& k, const RowBlock& v, const Page
   if (!ValidStore(k, v, dst, check)) return cudaErrorInvalidValue;
   if (dst.num_tokens == 0) return cudaSuccess;
   const StoreCheck c = check != nullptr ? *check : StoreCheck{};
+  CountLaunch();
   return DispatchHeadDim(dst.head_dim, [&](auto hd) {
     constexpr int kD = decltype(hd)::value;
     const dim3 grid = StoreGrid(dst, kD / 32);

@@ -5,6 +5,7 @@
 
 #include "dispatch.cuh"
 #include "int2_row_quantizer.cuh"
+#include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_store_rows.h"
 #include "kvcd/kernels/int2_attention.h"
 #include "paged_rows.cuh"
@@ -64,6 +65,7 @@ cudaError_t LaunchStoreInt2Rows(const RowBlock& k, const RowBlock& v, const Page
   }
   if (dst.num_tokens == 0) return cudaSuccess;
   const StoreCheck c = check != nullptr ? *check : StoreCheck{};
+  CountLaunch();
   return DispatchHeadDim(dst.head_dim, [&](auto hd) {
     constexpr int kD = decltype(hd)::value;
     if (check != nullptr) {

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/phase_times.h"
 #include "common/quote.h"
 #include "common/status_macros.h"
 #include "kvcd/kernels/bf16.h"
@@ -742,6 +743,11 @@ bool ModelCache::PipelinedFaults(absl::Span<Sequence* const> seqs, int32_t layer
 absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs, const float* q,
                                 float softmax_scale, const NewTokens& new_tokens, float* o,
                                 float* lse, std::vector<int64_t>* lengths, const DeviceIo* device) {
+  static const int kLock = PhaseTimes::Phase("daemon.cache.lock+check");
+  static const int kStore = PhaseTimes::Phase("daemon.cache.append row (alloc+store+demote)");
+  static const int kSegments = PhaseTimes::Phase("daemon.cache.page segments");
+  static const int kBackend = PhaseTimes::Phase("daemon.cache.backend attend");
+  PhaseLap lap;
   const int32_t ps = spec_.page_size;
   const bool append = !new_tokens.tokens.empty();
   // Lock in id order so concurrent batches sharing sequences cannot deadlock.
@@ -771,6 +777,7 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
     std::vector<Demotion> demotions;
   };
   std::vector<Undo> undo(append ? seqs.size() : 0);
+  lap.Mark(kLock);
   if (append) {
     // All-or-nothing: allocate every page the batch needs, then write every row.
     // A sequence at a page boundary needs a page, owned by its tenant.
@@ -835,6 +842,8 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
       }
     }
   }
+
+  lap.Mark(kStore);
   AttentionBatch batch;
   batch.layer = layer;
   batch.num_q_heads = spec_.num_q_heads;
@@ -865,7 +874,9 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
     batch.device_lse = device->lse;
   }
   counters_->attention_calls.fetch_add(1, std::memory_order_relaxed);
+  lap.Mark(kSegments);
   const absl::Status attended = backend_->Attend(batch);
+  lap.Mark(kBackend);
   if (!append) return attended;
   std::vector<PageRef> to_free;
   if (attended.ok()) {  // final: the demoted pages' window copies go

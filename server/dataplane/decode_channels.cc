@@ -14,8 +14,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/decode_channel_layout.h"
+#include "common/phase_times.h"
 #include "common/quote.h"
 #include "common/random_id.h"
+#include "kvcd/kernels/call_counts.h"
 #include "server/dataplane/guarded_memory.h"
 
 namespace kvcd {
@@ -32,6 +34,35 @@ bool ValidName(const std::string& n) {
   }
   return true;
 }
+
+// The daemon's side of one channel request, step by step (PhaseTimes; off unless
+// KVCD_PHASE_TIMES=1), and the CUDA work it enqueued.
+struct ServePhases {
+  int read = PhaseTimes::Phase("daemon.channel.read+parse");
+  int check = PhaseTimes::Phase("daemon.channel.check (auth)");
+  int decode = PhaseTimes::Phase("daemon.channel.decode (engine)");
+  int write = PhaseTimes::Phase("daemon.channel.serialize+write");
+  int total = PhaseTimes::Phase("daemon.channel.total (seen->answered)");
+  int launches = PhaseTimes::Phase("#daemon.kernel launches");
+  int h2d = PhaseTimes::Phase("#daemon.H2D copies");
+  int d2h = PhaseTimes::Phase("#daemon.D2H copies");
+  int records = PhaseTimes::Phase("#daemon.event records");
+  int waits = PhaseTimes::Phase("#daemon.stream waits");
+  int syncs = PhaseTimes::Phase("#daemon.host syncs");
+};
+
+struct CountSnapshot {
+  uint64_t launches, h2d, d2h, records, waits, syncs;
+  static CountSnapshot Take() {
+    const kernels::CallCounts& c = kernels::Counts();
+    return {c.launches.load(std::memory_order_relaxed),
+            c.h2d.load(std::memory_order_relaxed),
+            c.d2h.load(std::memory_order_relaxed),
+            c.event_records.load(std::memory_order_relaxed),
+            c.stream_waits.load(std::memory_order_relaxed),
+            c.host_syncs.load(std::memory_order_relaxed)};
+  }
+};
 
 inline void CpuRelax() {
 #if defined(__x86_64__)
@@ -185,6 +216,9 @@ absl::StatusOr<uint64_t> DecodeChannels::Open(const std::string& name, int64_t l
   do {
     c->id = RandomId64();
   } while (channels_.count(c->id));
+  // The phase report a channel prints when it ends covers its lifetime (benches run one
+  // channel at a time).
+  if (PhaseTimes::Enabled()) PhaseTimes::Reset();
   Channel* raw = c.get();
   c->thread = std::thread([this, raw] { Serve(raw); });
   const uint64_t id = c->id;
@@ -199,6 +233,7 @@ void DecodeChannels::Serve(Channel* c) {
   v1::AttentionDecodeRequest req;
   v1::AttentionDecodeStreamResponse resp;
   std::string in, out;
+  static const ServePhases phases;
   bool faulted = false;
   while (!c->stop.load(std::memory_order_relaxed)) {
     uint64_t seq = 0;
@@ -224,6 +259,8 @@ void DecodeChannels::Serve(Channel* c) {
     }
     seen = seq;
     last_request = Clock::now();
+    PhaseLap lap, whole;
+    const CountSnapshot counts_before = lap.on() ? CountSnapshot::Take() : CountSnapshot{};
     resp.Clear();
     uint32_t n = 0;  // read once; validated against the capacity fixed at Open
     if (!c->Load(h.request_bytes, &n, std::memory_order_relaxed)) {
@@ -246,8 +283,11 @@ void DecodeChannels::Serve(Channel* c) {
         s = absl::InvalidArgumentError(absl::StrCat("decode channel request of ", n,
                                                     " bytes is not an AttentionDecodeRequest"));
       } else {
+        lap.Mark(phases.read);
         if (c->check) s = c->check(req);
+        lap.Mark(phases.check);
         if (s.ok()) s = decode_(req, resp.mutable_response());
+        lap.Mark(phases.decode);
         resp.set_request_id(req.request_id());
       }
     }
@@ -274,6 +314,18 @@ void DecodeChannels::Serve(Channel* c) {
       faulted = true;
       break;
     }
+    if (lap.on()) {
+      lap.Mark(phases.write);
+      whole.Mark(phases.total);
+      const CountSnapshot after = CountSnapshot::Take();
+      PhaseTimes::Add(phases.launches,
+                      static_cast<int64_t>(after.launches - counts_before.launches));
+      PhaseTimes::Add(phases.h2d, static_cast<int64_t>(after.h2d - counts_before.h2d));
+      PhaseTimes::Add(phases.d2h, static_cast<int64_t>(after.d2h - counts_before.d2h));
+      PhaseTimes::Add(phases.records, static_cast<int64_t>(after.records - counts_before.records));
+      PhaseTimes::Add(phases.waits, static_cast<int64_t>(after.waits - counts_before.waits));
+      PhaseTimes::Add(phases.syncs, static_cast<int64_t>(after.syncs - counts_before.syncs));
+    }
     served_.fetch_add(1, std::memory_order_relaxed);
   }
   if (faulted) {
@@ -284,6 +336,12 @@ void DecodeChannels::Serve(Channel* c) {
   }
   // Tell the worker (a guarded store: when the header page is gone too, nothing to tell).
   (void)c->Store(h.closed, 1u, std::memory_order_release);
+  if (PhaseTimes::Enabled()) {  // the channel's timeline (one worker at a time in benches)
+    const std::string report =
+        PhaseTimes::Report(absl::StrCat("decode channel ", c->id, " (daemon side)"));
+    std::fprintf(stderr, "%s", report.c_str());
+    PhaseTimes::Reset();
+  }
   c->done.store(true);
 }
 

@@ -12,6 +12,39 @@
 #include "server/backends/device_runtime.h"
 
 namespace kvcd {
+namespace {
+
+// The ready events this thread waited for inside its outermost CallScope.
+struct CallWaits {
+  int depth = 0;
+  int n = 0;
+  const void* events[8] = {};
+};
+thread_local CallWaits call_waits;
+
+}  // namespace
+
+TensorResolver::CallScope::CallScope() { ++call_waits.depth; }
+
+TensorResolver::CallScope::~CallScope() {
+  if (--call_waits.depth == 0) call_waits.n = 0;
+}
+
+absl::Status TensorResolver::WaitReadyOnce(const BufferRegistry::Region& r) {
+  const void* e = r.buffer->ready_event;
+  if (e == nullptr) return absl::OkStatus();
+  CallWaits& w = call_waits;
+  if (w.depth > 0) {
+    for (int i = 0; i < w.n; ++i) {
+      if (w.events[i] == e) return absl::OkStatus();
+    }
+  }
+  KVCD_RETURN_IF_ERROR(buffers_->WaitReady(r));
+  if (w.depth > 0 && w.n < static_cast<int>(sizeof(w.events) / sizeof(w.events[0]))) {
+    w.events[w.n++] = e;
+  }
+  return absl::OkStatus();
+}
 
 absl::Status TensorResolver::CheckPayload(const v1::TensorRef& t, absl::string_view field,
                                           int kinds) const {
@@ -48,7 +81,7 @@ absl::StatusOr<TensorResolver::Bytes> TensorResolver::Input(const v1::TensorRef&
     return b;
   }
   KVCD_ASSIGN_OR_RETURN(b.region, buffers_->Resolve(t.cuda_ipc(), field));
-  KVCD_RETURN_IF_ERROR(buffers_->WaitReady(b.region));
+  KVCD_RETURN_IF_ERROR(WaitReadyOnce(b.region));
   b.data = reinterpret_cast<const char*>(b.region.ptr);
   b.on_device = true;
   return b;
@@ -95,7 +128,7 @@ absl::StatusOr<BufferRegistry::Region> TensorResolver::Output(const v1::TensorRe
                                                               absl::string_view field,
                                                               bool wait_ready) {
   KVCD_ASSIGN_OR_RETURN(BufferRegistry::Region r, buffers_->Resolve(t.cuda_ipc(), field));
-  if (wait_ready) KVCD_RETURN_IF_ERROR(buffers_->WaitReady(r));
+  if (wait_ready) KVCD_RETURN_IF_ERROR(WaitReadyOnce(r));
   return r;
 }
 

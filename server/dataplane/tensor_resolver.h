@@ -52,7 +52,23 @@ class TensorResolver {
   // Records the region's buffer's done event after the writes queued so far.
   absl::Status MarkWritten(const BufferRegistry::Region& r) { return buffers_->MarkWritten(r); }
 
+  // While one is alive on a thread, the resolutions on that thread wait for each buffer's
+  // ready event once: the inputs of one request (q, k_new, v_new) usually share the worker's
+  // buffer, whose event the worker records once per request, so a second stream wait on it
+  // within the same call orders nothing more and only costs a CUDA API call. Nests; the
+  // outermost scope's end forgets the waits. Not for work that spans requests.
+  class CallScope {
+   public:
+    CallScope();
+    ~CallScope();
+    CallScope(const CallScope&) = delete;
+    CallScope& operator=(const CallScope&) = delete;
+  };
+
  private:
+  // Waits for r's ready event unless this thread's CallScope already did.
+  absl::Status WaitReadyOnce(const BufferRegistry::Region& r);
+
   Backend* const backend_;
   BufferRegistry* const buffers_;
 };

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/checked_math.h"
+#include "common/phase_times.h"
 #include "common/quote.h"
 #include "common/status_macros.h"
 #include "common/steady_clock.h"
@@ -449,6 +450,14 @@ absl::Status CacheEngine::Append(const v1::AppendRequest& req, v1::AppendRespons
 
 absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
                                           v1::AttentionDecodeResponse* resp) {
+  // Host time of each step (PhaseTimes, off unless KVCD_PHASE_TIMES=1).
+  static const int kValidate = PhaseTimes::Phase("daemon.engine.validate (+k/v resolve)");
+  static const int kIo = PhaseTimes::Phase("daemon.engine.resolve q/o/lse");
+  static const int kReserve = PhaseTimes::Phase("daemon.engine.quota reserve");
+  static const int kAttend = PhaseTimes::Phase("daemon.engine.attend (cache+backend)");
+  static const int kWritten = PhaseTimes::Phase("daemon.engine.mark written");
+  PhaseLap lap;
+  TensorResolver::CallScope one_wait_per_buffer;  // q, k_new, v_new: one ready event
   resp->Clear();
   resp->set_request_id(req.request_id());
   const int64_t batch = req.sequence_ids_size();
@@ -533,6 +542,7 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
   const float scale = req.softmax_scale() == 0 ? 1.0f / std::sqrt(static_cast<float>(s.head_dim))
                                                : req.softmax_scale();
   // Queries and results: host (inline) or the worker's device buffers (cuda_ipc).
+  lap.Mark(kValidate);
   ModelCache::DeviceIo device;
   BufferRegistry::Region q_region, o_region, lse_region;
   std::vector<float> q;
@@ -594,6 +604,7 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
     lse->add_shape(s.num_q_heads);
     lse->mutable_inline_data()->resize(static_cast<size_t>(batch * s.num_q_heads) * sizeof(float));
   }
+  lap.Mark(kIo);
   std::vector<Sequence*> raw;
   for (auto& sq : seqs) raw.push_back(sq.get());
   // Whatever happens below, each sequence's pages are recorded as they end up (this also
@@ -614,18 +625,22 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
     }
   }
   std::vector<int64_t> lengths;
+  lap.Mark(kReserve);
   const auto t0 = std::chrono::steady_clock::now();
   if (device_out) {
     KVCD_RETURN_IF_ERROR(m->Attend(req.layer(), raw, nullptr, scale, new_tokens, nullptr, nullptr,
                                    &lengths, &device));
+    lap.Mark(kAttend);
     KVCD_RETURN_IF_ERROR(tensors_.MarkWritten(o_region));
     if (lse_region.buffer != o_region.buffer)
       KVCD_RETURN_IF_ERROR(tensors_.MarkWritten(lse_region));
+    lap.Mark(kWritten);
   } else {
     KVCD_RETURN_IF_ERROR(m->Attend(
         req.layer(), raw, q.data(), scale, new_tokens,
         reinterpret_cast<float*>(resp->mutable_o()->mutable_inline_data()->data()),
         reinterpret_cast<float*>(resp->mutable_lse()->mutable_inline_data()->data()), &lengths));
+    lap.Mark(kAttend);
     // Host results: the call waited for its kernels, so a NaN/±Inf they met is known now.
     for (size_t b = 0; b < seqs.size(); ++b) {
       if (absl::Status f = DeviceFaultStatus(*seqs[b], /*this_call=*/true); !f.ok()) {

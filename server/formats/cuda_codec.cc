@@ -42,6 +42,7 @@ absl::StatusOr<uint8_t*> DeviceScratch::Reserve(size_t bytes) {
         absl::StrCat("cannot allocate ", want, " bytes of device scratch: ", err));
   }
   size_ = want;
+  ++generation_;
   return static_cast<uint8_t*>(ptr_);
 }
 

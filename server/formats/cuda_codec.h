@@ -26,10 +26,13 @@ class DeviceScratch {
   DeviceScratch& operator=(const DeviceScratch&) = delete;
   ~DeviceScratch();
   absl::StatusOr<uint8_t*> Reserve(size_t bytes);
+  // Counts the allocations: contents cached in the scratch are lost when it changes.
+  uint64_t generation() const { return generation_; }
 
  private:
   void* ptr_ = nullptr;
   size_t size_ = 0;
+  uint64_t generation_ = 0;
 };
 
 // Uploads small host arrays (page tables, slot lists) to device memory without blocking the

@@ -222,9 +222,12 @@ absl::StatusOr<int> Metrics::Serve(const std::string& address) {
 }
 
 void Metrics::ObserveRpc(const std::string& method, absl::StatusCode code, double seconds) {
-  rpc_seconds_
-      ->Add({{"method", method}, {"code", absl::StatusCodeToString(code)}}, LatencyBuckets())
-      .Observe(seconds);
+  RpcHistogram(method, code)->Observe(seconds);
+}
+
+prometheus::Histogram* Metrics::RpcHistogram(const std::string& method, absl::StatusCode code) {
+  return &rpc_seconds_->Add({{"method", method}, {"code", absl::StatusCodeToString(code)}},
+                            LatencyBuckets());
 }
 
 void Metrics::ObserveKernel(double seconds) { kernel_seconds_->Observe(seconds); }

@@ -156,6 +156,8 @@ class KvCacheService final : public KvCacheCallbackBase {
   std::condition_variable idle_cv_;
   std::mutex streams_mu_;
   std::set<DecodeStreamReactor*> streams_ ABSL_GUARDED_BY(streams_mu_);
+  // The DecodeChannel/OK latency histogram, looked up on the first successful request.
+  std::atomic<prometheus::Histogram*> channel_ok_seconds_{nullptr};
   DecodeChannels channels_;
   friend class DecodeStreamReactor;
 };

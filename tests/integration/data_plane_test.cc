@@ -248,6 +248,52 @@ TEST_P(DataPlaneTest, AttentionThroughIpcMatchesInline) {
   EXPECT_EQ(StoredBytes(s1), StoredBytes(s2));
 }
 
+// The daemon keeps the page tables of the previous call on the device and does not send
+// them again when the next call's are equal (every layer of one token). Sequence 1 runs its
+// layers back to back (tables reused), sequences 2 and 3 alternate call by call (tables
+// sent every call); across page boundaries and demotions their results are bit-identical.
+TEST_P(DataPlaneTest, ReusedPageTablesGiveTheSameResultsAsFreshOnes) {
+  const auto put = MakePut(6, kPrompt, "");
+  ASSERT_TRUE(client_->Put(put).ok());
+  const uint64_t s1 = Open(put, ""), s2 = Open(put, ""), s3 = Open(put, "");
+  const int hq = profile_.num_q_heads(), hkv = profile_.num_kv_heads(), d = profile_.head_dim();
+  auto request = [&](uint64_t seq, int layer, int step) {
+    const int64_t pos = kPrompt + step;
+    const auto q = synthetic::Row(6, profile_, layer, pos, 2);
+    const auto k = synthetic::Row(6, profile_, layer, pos, 0);
+    const auto v = synthetic::Row(6, profile_, layer, pos, 1);
+    v1::AttentionDecodeRequest r;
+    r.set_layer(layer);
+    r.add_sequence_ids(seq);
+    SetF32Tensor(r.mutable_q(), {1, hq, d}, q.data());
+    SetBf16FromFloat(r.mutable_k_new(), {1, hkv, d}, k.data());
+    SetBf16FromFloat(r.mutable_v_new(), {1, hkv, d}, v.data());
+    r.add_new_tokens(synthetic::Token(6, pos));
+    return r;
+  };
+  const int steps = 140;  // two page boundaries, and recent-window pages demoted
+  std::vector<std::string> back_to_back;
+  for (int step = 0; step < steps; ++step) {
+    for (int layer = 0; layer < profile_.num_layers(); ++layer) {
+      auto r = client_->AttentionDecode(request(s1, layer, step));
+      ASSERT_TRUE(r.ok()) << r.status();
+      back_to_back.push_back(r->o().inline_data() + r->lse().inline_data());
+    }
+  }
+  size_t i = 0;
+  for (int step = 0; step < steps; ++step) {
+    for (int layer = 0; layer < profile_.num_layers(); ++layer, ++i) {
+      for (uint64_t seq : {s2, s3}) {
+        auto r = client_->AttentionDecode(request(seq, layer, step));
+        ASSERT_TRUE(r.ok()) << r.status();
+        ASSERT_EQ(r->o().inline_data() + r->lse().inline_data(), back_to_back[i])
+            << "step " << step << " layer " << layer << " sequence " << seq;
+      }
+    }
+  }
+  EXPECT_EQ(StoredBytes(s1), StoredBytes(s2));
+}
+
 TEST_P(DataPlaneTest, BadIpcRequestsStoreNothing) {
   const auto put = MakePut(7, kPrompt, "a");
   ASSERT_TRUE(client_->Put(put).ok());
