@@ -95,7 +95,7 @@ TEST_F(SmolLm2Test, Bf16HistoryReproducesTheFp32GreedyText) {
   llama::ServedProfile p;
   p.name = "smollm2-bf16";
   ASSERT_TRUE(llama::RegisterProfile(*client_, model_->config(), p).ok());
-  auto served = llama::RunServed(*client_, *model_, p.name, prompt, 8);
+  auto served = llama::RunServed(*client_, *model_, p, prompt, 8);
   ASSERT_TRUE(served.ok()) << served.status();
   EXPECT_EQ(Text(served->tokens), expected);
   double max_kl = 0;
@@ -114,7 +114,7 @@ TEST_F(SmolLm2Test, ChatTemplateAnswersThroughTheDaemon) {
   llama::ServedProfile p;
   p.name = "smollm2-chat";
   ASSERT_TRUE(llama::RegisterProfile(*client_, model_->config(), p).ok());
-  auto served = llama::RunServed(*client_, *model_, p.name, *prompt, 16, tok_->eos());
+  auto served = llama::RunServed(*client_, *model_, p, *prompt, 16, tok_->eos());
   ASSERT_TRUE(served.ok()) << served.status();
   EXPECT_EQ(Text(served->tokens), "The capital of France is Paris.<|im_end|>");
 }
@@ -134,7 +134,7 @@ TEST_F(SmolLm2Test, Int2HistoryTeacherForcedKlIsBounded) {
     p.name = std::string("smollm2-") + c.history;
     p.history = c.history;
     ASSERT_TRUE(llama::RegisterProfile(*client_, model_->config(), p).ok());
-    auto run = llama::RunServed(*client_, *model_, p.name, prompt, 0, -1, &ref->tokens);
+    auto run = llama::RunServed(*client_, *model_, p, prompt, 0, -1, &ref->tokens);
     ASSERT_TRUE(run.ok()) << run.status();
     ASSERT_EQ(run->logits.size(), ref->logits.size());
     double mean = 0, max = 0;
