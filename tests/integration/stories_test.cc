@@ -18,7 +18,7 @@ using testing_util::DaemonProcess;
 
 const std::string kData = std::string(KVCD_SHARED_DATA) + "/stories260K/";
 
-// FSQ history, teacher-forced mean KL(FP32 || served) over 507 steps of held-out text,
+// FSQ history, teacher-forced mean KL(FP32 || served) over 505 steps of held-out text,
 // codecs initialized on another text (bench/results/2026-12-04-fsq-real-models.md):
 // measured 0.0187 (G = 64), 0.105 (G = 32), 0.141 (G = 16); bounds: measured + 15%.
 constexpr double kFsqG64MeanKl = 0.0215;
