@@ -8,6 +8,9 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "client/examples/llama_worker.h"
+#include "common/activation_dump.h"
+#include "common/fsq_codec.h"
 #include "common/safetensors.h"
 
 namespace kvcd::llama {
@@ -323,6 +326,49 @@ TEST(LlamaModelTest, AttentionInputResidualFeedsTheKvProjections) {
       EXPECT_NEAR(attn.keys(l)[r], k, 1e-4 * (1 + std::fabs(k))) << "layer " << l << " row " << r;
       EXPECT_NEAR(attn.values(l)[r], v, 1e-4 * (1 + std::fabs(v))) << "layer " << l << " row " << r;
     }
+  }
+}
+
+// Recorded runs become an activation dump with the residuals (what kvcd-llama --dump and
+// kvcd_stories --dump write, kvcd-calibrate fsq reads), and an FSQ codec initialized on
+// them carries the model's geometry and, with qk_norm, its k_norm weights.
+TEST(LlamaWorkerTest, RecordedRunsGiveADumpWithResidualsAndAnFsqCodec) {
+  for (bool qk_norm : {false, true}) {
+    Spec s;
+    s.qk_norm = qk_norm;
+    auto m = Build(s, RandomTensors(s, 31));
+    ASSERT_TRUE(m.ok());
+    LocalAttention a(m->config()), b(m->config());
+    ASSERT_TRUE(RunReference(*m, {3, 17, 5, 39, 0, 22}, 30, -1, &a).ok());
+    ASSERT_TRUE(RunReference(*m, {8, 1}, 33, -1, &b).ok());
+    const ActivationDump dump = MakeActivationDump(m->config(), {&a, &b}, "test");
+    const std::string path = ::testing::TempDir() + "/llama-worker.dump";
+    ASSERT_TRUE(WriteActivationDump(dump, path).ok());
+    auto back = LoadActivationDump(path);
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(back->tokens, 35 + 34);
+    EXPECT_EQ(back->residual_width, s.dim);
+    ASSERT_EQ(back->x.size(), static_cast<size_t>(s.layers));
+    std::vector<float> x1 = a.residuals(1);
+    x1.insert(x1.end(), b.residuals(1).begin(), b.residuals(1).end());
+    EXPECT_EQ(back->x[1], x1);
+    EXPECT_EQ(back->layers[0].k.size(), static_cast<size_t>(69 * s.kv_heads * s.head_dim));
+
+    auto blob = InitializeFsqCodec(*m, {&a, &b}, 12);
+    ASSERT_TRUE(blob.ok()) << blob.status();
+    auto file = SafetensorsFile::Parse(*blob);
+    ASSERT_TRUE(file.ok());
+    FsqCodecShape shape{s.layers, s.dim, 12, s.kv_heads, s.head_dim, qk_norm, 1e-5f};
+    auto codec = FsqCodec::FromSafetensors(*file, shape);
+    ASSERT_TRUE(codec.ok()) << codec.status();
+    if (qk_norm) {
+      EXPECT_EQ(codec->layer(1).key_norm, m->k_norm(1));
+    }
+    shape.latent_width = 13;
+    EXPECT_EQ(FsqCodec::FromSafetensors(*file, shape).status().code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(InitializeFsqCodec(*m, {&a, &b}, 0).status().code(),
+              absl::StatusCode::kInvalidArgument);
   }
 }
 
