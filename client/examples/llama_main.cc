@@ -232,8 +232,9 @@ int main(int argc, char** argv) {
     ptoks.assign(ids.begin(), ids.end() - eval_steps);
   }
   std::printf("prompt: %zu tokens: %s\n", ptoks.size(), text(ptoks).c_str());
-  auto ref =
-      ll::RunReference(*model, ptoks, max_new, stop, nullptr, teacher.empty() ? nullptr : &teacher);
+  ll::LocalAttention recorded(c);  // the prefill, reused by the served runs
+  auto ref = ll::RunReference(*model, ptoks, max_new, stop, &recorded,
+                              teacher.empty() ? nullptr : &teacher);
   if (!ref.ok()) return Fail("reference", ref.status());
   std::printf("\n[reference, FP32 attention, %zu tokens, %.1f tokens/s]\n%s\n", ref->tokens.size(),
               ref->tokens.size() / ref->seconds, text(ref->tokens).c_str());
@@ -274,13 +275,14 @@ int main(int argc, char** argv) {
     Row row;
     row.history = h;
     if (teacher.empty()) {
-      auto run = ll::RunServed(**client, *model, *p, ptoks, max_new, stop);
+      auto run = ll::RunServed(**client, *model, *p, ptoks, max_new, stop, nullptr, &recorded);
       if (!run.ok()) return Fail("served run", run.status());
       row.tps = run->tokens.size() / run->seconds;
       std::printf("\n[%s history served by kvcd, %zu tokens, %.1f tokens/s]\n%s\n", h.c_str(),
                   run->tokens.size(), row.tps, text(run->tokens).c_str());
     }
-    auto forced = ll::RunServed(**client, *model, *p, ptoks, max_new, stop, &ref->tokens);
+    auto forced =
+        ll::RunServed(**client, *model, *p, ptoks, max_new, stop, &ref->tokens, &recorded);
     if (!forced.ok()) return Fail("teacher-forced run", forced.status());
     if (!teacher.empty()) row.tps = forced->tokens.size() / forced->seconds;
     row.agree = ll::Compare(*ref, *forced);

@@ -156,7 +156,8 @@ absl::StatusOr<v1::ModelInfo> RegisterProfile(Client& client, const Config& c,
 
 absl::StatusOr<Generation> RunServed(Client& client, const Model& model, const ServedProfile& sp,
                                      const std::vector<int>& prompt, int max_new, int stop,
-                                     const std::vector<int>* teacher) {
+                                     const std::vector<int>* teacher,
+                                     const LocalAttention* prefilled) {
   const int steps = teacher != nullptr ? static_cast<int>(teacher->size()) : max_new;
   if (auto s = CheckPrompt(model, prompt, steps); !s.ok()) return s;
   const Config& c = model.config();
@@ -164,13 +165,20 @@ absl::StatusOr<Generation> RunServed(Client& client, const Model& model, const S
   const bool fsq = sp.history == "fsq";
   const int kv = c.kv_dim(), hd = c.head_dim, dim = c.dim;
   const int prefill = static_cast<int>(prompt.size()) - 1;
-  // Prefill worker: K/V (and residuals) of prompt[0 .. prefill) computed locally, Put.
-  LocalAttention pre(c);
-  for (int pos = 0; pos < prefill; ++pos) {
+  // Prefill worker: K/V (and residuals) of prompt[0 .. prefill) computed locally (or taken
+  // from `prefilled`), Put.
+  LocalAttention own(c);
+  if (prefilled != nullptr && prefilled->tokens() < prefill) {
+    return absl::FailedPreconditionError(absl::StrCat("prefilled recorder holds ",
+                                                      prefilled->tokens(),
+                                                      " positions, the prompt needs ", prefill));
+  }
+  for (int pos = 0; prefilled == nullptr && pos < prefill; ++pos) {
     std::vector<float> logits;
-    absl::Status s = model.Forward(prompt[pos], pos, std::ref(pre), &logits);
+    absl::Status s = model.Forward(prompt[pos], pos, std::ref(own), &logits);
     if (!s.ok()) return s;
   }
+  const LocalAttention& pre = prefilled != nullptr ? *prefilled : own;
   const std::vector<int32_t> prefix(prompt.begin(), prompt.begin() + prefill);
   enum class What { kKeys, kValues, kResiduals };
   // [layers, n, ...] rows [begin, begin + n) of what the prefill recorded.

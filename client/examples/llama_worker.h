@@ -56,10 +56,14 @@ absl::StatusOr<v1::ModelInfo> RegisterProfile(Client& client, const Config& c,
 // all but the prompt's last token is prefilled locally and Put, the sequence opened (its
 // uncached tail appended), then every step runs the fused append + attention per layer on
 // one stream. An FSQ history also carries the residuals: Put/Append `x` [layers, n, dim],
-// the fused call `x_new` [1, dim]. `teacher` as in RunReference.
+// the fused call `x_new` [1, dim]. `teacher` as in RunReference. `prefilled` (optional):
+// a recorder that already ran the same prompt (e.g. RunReference's), whose first
+// prompt.size() - 1 positions are sent instead of prefilling again (FAILED_PRECONDITION if
+// it holds fewer).
 absl::StatusOr<Generation> RunServed(Client& client, const Model& model, const ServedProfile& p,
                                      const std::vector<int>& prompt, int max_new, int stop = -1,
-                                     const std::vector<int>* teacher = nullptr);
+                                     const std::vector<int>* teacher = nullptr,
+                                     const LocalAttention* prefilled = nullptr);
 
 // Recorded runs as an activation dump (common/activation_dump.h): their q, k, v and
 // residuals x concatenated per layer.
