@@ -9,6 +9,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/examples/bpe_tokenizer.h"
 #include "client/examples/llama_worker.h"
@@ -20,23 +21,36 @@ constexpr char kUsage[] = R"(kvcd-llama — a llama-family model with its attent
 
 Usage: kvcd-llama --model DIR [--prompt TEXT] [--chat] [--max-new 32]
                   [--target HOST:PORT] [--histories bf16,int2-identity,int2-hadamard,
-                                                    int2-oscar=CODEC.safetensors]
-                  [--page 16] [--sink 16] [--recent 32]
+                      int2-oscar,int2-oscar=CODEC,fsq=CODEC,fsq:G=N]
+                  [--calib-text FILE [--calib-max-tokens 1024]]
+                  [--eval-text FILE [--eval-steps 64]]
+                  [--page 16] [--sink 16] [--recent 32] [--memory-mib 64]
        kvcd-llama --model DIR --dump OUT.safetensors --dump-text FILE [--dump-max-tokens 512]
+                  [--weights WEIGHTS.safetensors]
        kvcd-llama --model DIR --encode FILE
 
 DIR holds model.safetensors and tokenizer.txt (scripts/fetch-smollm2.sh prints it).
 Without --target: greedy generation with local FP32 attention (the reference), stopping at
 the end-of-turn token. --chat wraps the prompt in the model's chat template (one user
 turn). With --target, for each history format the model is registered on the daemon
-(<model>-<format>, the given page size and BF16 windows), generates greedily, and then
-runs teacher-forced on the reference's tokens: the table gives the first step whose
-greedy token differs and KL(FP32 || served) of the next-token distributions.
+(the given page size and BF16 windows), generates greedily, and then runs teacher-forced
+on the reference's tokens: the table gives the first step whose greedy token differs,
+KL(FP32 || served) of the next-token distributions, and the bytes the daemon stores per
+token (history alone, and over the whole sequence with the BF16 windows) against dense
+BF16 K/V. With --eval-text the comparison is teacher-forced on that text instead (no
+greedy run): its tokens but the last --eval-steps are the prompt (prefilled and Put),
+the last --eval-steps are fed one by one.
+Histories int2-oscar (rotations, default clips) and fsq:G=N (an FSQ codec initialized by
+tools/fsq_calibration: PCA encoder, ridge decoder folded into W_K, W_V) are calibrated in
+process on the model's FP32 runs over --calib-text (each line one run, at most
+--calib-max-tokens tokens); int2-oscar=CODEC and fsq=CODEC serve codec files
+(kvcd-calibrate, or an FSQ codec fine-tuned by tools/fsq_finetune).
 --dump runs the reference over each line of FILE (tokens concatenated, each line at most
---dump-max-tokens) and writes the post-RoPE q, k, v of every layer as an activation dump
-for kvcd-calibrate / kvcd-eval. --encode prints the token ids of each line of FILE (the
-two characters \n stand for a newline; tools/check_tokenizer_hf.py compares them with the
-Hugging Face tokenizers library).
+--dump-max-tokens) and writes the post-RoPE q, k, v and the attention blocks' normalized
+residuals x of every layer as an activation dump for kvcd-calibrate / kvcd-eval;
+--weights writes the K/V projections for kvcd-calibrate fsq. --encode prints the token
+ids of each line of FILE (the two characters \n stand for a newline;
+tools/check_tokenizer_hf.py compares them with the Hugging Face tokenizers library).
 )";
 
 int Fail(const char* what, const absl::Status& s) {
@@ -60,10 +74,12 @@ std::string Printable(const std::string& s) {
 
 int main(int argc, char** argv) {
   namespace ll = kvcd::llama;
-  std::string dir, prompt = "The capital of France is", target, dump_path, dump_text, encode;
+  std::string dir, prompt = "The capital of France is", target, dump_path, dump_text, encode,
+                   weights_path, calib_text, eval_text;
   std::vector<std::string> histories = {"bf16", "int2-identity", "int2-hadamard"};
   bool chat = false;
-  int max_new = 32, page = 16, sink = 16, recent = 32, dump_max = 512;
+  int max_new = 32, page = 16, sink = 16, recent = 32, dump_max = 512, calib_max = 1024,
+      eval_steps = 64, memory_mib = 64;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--help" || a == "-h") {
@@ -92,11 +108,20 @@ int main(int argc, char** argv) {
       encode = v;
     } else if (a == "--dump-text") {
       dump_text = v;
+    } else if (a == "--weights") {
+      weights_path = v;
+    } else if (a == "--calib-text") {
+      calib_text = v;
+    } else if (a == "--eval-text") {
+      eval_text = v;
     } else if (a == "--histories") {
       histories = absl::StrSplit(v, ',', absl::SkipEmpty());
     } else if ((a == "--max-new" && positive(&max_new)) || (a == "--page" && positive(&page)) ||
                (a == "--sink" && positive(&sink)) || (a == "--recent" && positive(&recent)) ||
-               (a == "--dump-max-tokens" && positive(&dump_max))) {
+               (a == "--dump-max-tokens" && positive(&dump_max)) ||
+               (a == "--calib-max-tokens" && positive(&calib_max)) ||
+               (a == "--eval-steps" && positive(&eval_steps)) ||
+               (a == "--memory-mib" && positive(&memory_mib))) {
     } else {
       std::fprintf(stderr, "kvcd-llama: bad flag %s %s\n%s", a.c_str(), v.c_str(), kUsage);
       return 2;
@@ -131,45 +156,48 @@ int main(int argc, char** argv) {
               c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.vocab_size,
               c.pairing == ll::RopePairing::kHalf ? "half" : "interleaved");
 
-  if (!dump_path.empty()) {
-    std::ifstream in(dump_text);
-    if (!in)
-      return Fail("dump", absl::NotFoundError("cannot open --dump-text '" + dump_text + "'"));
-    kvcd::ActivationDump dump;
-    dump.num_layers = c.n_layers;
-    dump.num_q_heads = c.n_heads;
-    dump.num_kv_heads = c.n_kv_heads;
-    dump.head_dim = c.head_dim;
-    dump.source = dir + ": FP32 reference over " + dump_text;
-    dump.layers.resize(static_cast<size_t>(c.n_layers));
+  if (!weights_path.empty()) {
+    kvcd::SafetensorsWriter w = ll::KvProjectionFile(*model);
+    w.SetMetadata("source", dir);
+    auto s = w.WriteFile(weights_path);
+    if (!s.ok()) return Fail("weights", s);
+    std::printf("wrote %s: K/V projections of %d layers\n", weights_path.c_str(), c.n_layers);
+  }
+  // The FP32 reference over each line of a text file (at most max_tokens tokens a line),
+  // recorded: calibration and dumps.
+  auto record_lines = [&](const std::string& path, int max_tokens,
+                          std::vector<ll::LocalAttention>* runs) -> absl::Status {
+    std::ifstream in(path);
+    if (!in) return absl::NotFoundError("cannot open '" + path + "'");
     std::string line;
-    int prompts = 0;
     while (std::getline(in, line)) {
       std::vector<int> ids = tok->Encode(line);
       if (ids.empty()) continue;
-      if (static_cast<int>(ids.size()) > dump_max) ids.resize(static_cast<size_t>(dump_max));
-      ll::LocalAttention rec(c);
+      if (static_cast<int>(ids.size()) > max_tokens) ids.resize(static_cast<size_t>(max_tokens));
+      runs->emplace_back(c);
       // Teacher-forced over the line: the prompt is the whole line, one step feeds its last token.
-      auto r = ll::RunReference(*model, ids, 1, -1, &rec);
-      if (!r.ok()) return Fail("dump", r.status());
-      for (int l = 0; l < c.n_layers; ++l) {
-        auto& a = dump.layers[l];
-        a.q.insert(a.q.end(), rec.queries(l).begin(), rec.queries(l).end());
-        a.k.insert(a.k.end(), rec.keys(l).begin(), rec.keys(l).end());
-        a.v.insert(a.v.end(), rec.values(l).begin(), rec.values(l).end());
-      }
-      dump.tokens += rec.tokens();
-      ++prompts;
-      std::fprintf(stderr, "dump: line %d, %d tokens\n", prompts, rec.tokens());
+      auto r = ll::RunReference(*model, ids, 1, -1, &runs->back());
+      if (!r.ok()) return r.status();
+      std::fprintf(stderr, "%s: line %zu, %d tokens\n", path.c_str(), runs->size(),
+                   runs->back().tokens());
     }
-    if (dump.tokens == 0)
-      return Fail("dump", absl::InvalidArgumentError("no tokens in --dump-text"));
+    if (runs->empty()) return absl::InvalidArgumentError("no tokens in '" + path + "'");
+    return absl::OkStatus();
+  };
+  if (!dump_path.empty()) {
+    std::vector<ll::LocalAttention> runs;
+    if (auto s = record_lines(dump_text, dump_max, &runs); !s.ok()) return Fail("dump", s);
+    std::vector<const ll::LocalAttention*> ptrs;
+    for (const auto& r : runs) ptrs.push_back(&r);
+    const kvcd::ActivationDump dump =
+        ll::MakeActivationDump(c, ptrs, dir + ": FP32 reference over " + dump_text);
     auto s = kvcd::WriteActivationDump(dump, dump_path);
     if (!s.ok()) return Fail("dump", s);
-    std::printf("wrote %s: %lld tokens from %d lines\n", dump_path.c_str(),
-                static_cast<long long>(dump.tokens), prompts);
+    std::printf("wrote %s: %lld tokens from %zu lines\n", dump_path.c_str(),
+                static_cast<long long>(dump.tokens), runs.size());
     return 0;
   }
+  if (!weights_path.empty()) return 0;
 
   std::vector<int> ptoks;
   if (chat) {
@@ -185,65 +213,95 @@ int main(int argc, char** argv) {
     auto s = tok->Decode(ids);
     return s.ok() ? Printable(*s) : std::string("<bad ids>");
   };
+  std::vector<int> teacher;  // --eval-text: the tokens fed after the prompt
+  if (!eval_text.empty()) {
+    std::ifstream in(eval_text);
+    if (!in)
+      return Fail("eval", absl::NotFoundError("cannot open --eval-text '" + eval_text + "'"));
+    std::string all(std::istreambuf_iterator<char>(in), {});
+    while (!all.empty() && all.back() == '\n') all.pop_back();
+    std::vector<int> ids = tok->Encode(all);
+    if (static_cast<int>(ids.size()) > c.max_seq_len)
+      ids.resize(static_cast<size_t>(c.max_seq_len));
+    if (static_cast<int>(ids.size()) <= eval_steps + 1) {
+      return Fail("eval", absl::InvalidArgumentError(absl::StrCat(
+                              "--eval-text has ", ids.size(),
+                              " tokens, need more than --eval-steps ", eval_steps, " + 1")));
+    }
+    teacher.assign(ids.end() - eval_steps, ids.end());
+    ptoks.assign(ids.begin(), ids.end() - eval_steps);
+  }
   std::printf("prompt: %zu tokens: %s\n", ptoks.size(), text(ptoks).c_str());
-  auto ref = ll::RunReference(*model, ptoks, max_new, stop);
+  ll::LocalAttention recorded(c);  // the prefill, reused by the served runs
+  auto ref = ll::RunReference(*model, ptoks, max_new, stop, &recorded,
+                              teacher.empty() ? nullptr : &teacher);
   if (!ref.ok()) return Fail("reference", ref.status());
   std::printf("\n[reference, FP32 attention, %zu tokens, %.1f tokens/s]\n%s\n", ref->tokens.size(),
               ref->tokens.size() / ref->seconds, text(ref->tokens).c_str());
   if (target.empty()) return 0;
 
+  std::vector<ll::LocalAttention> calib_runs;
+  std::vector<const ll::LocalAttention*> calibration;
+  if (!calib_text.empty()) {
+    if (auto s = record_lines(calib_text, calib_max, &calib_runs); !s.ok()) {
+      return Fail("calibration", s);
+    }
+    for (const auto& r : calib_runs) calibration.push_back(&r);
+  }
   kvcd::ClientOptions co;
   co.target = target;
   auto client = kvcd::Client::Connect(co);
   if (!client.ok()) return Fail("connect", client.status());
   struct Row {
     std::string history;
-    double tps = 0, mean_kl = 0, max_kl = 0;
-    int first_diff = -1;
+    double tps = 0, history_bytes = 0, ratio_history = 0, ratio_run = 0;
+    ll::Agreement agree;
   };
   std::vector<Row> rows;
+  const int64_t tokens =
+      static_cast<int64_t>(ptoks.size()) + static_cast<int64_t>(ref->tokens.size());
   for (const auto& h : histories) {
-    ll::ServedProfile p;
-    p.name = "llama-" + h;
-    p.history = h;
-    if (absl::StartsWith(h, "int2-oscar=")) {  // a codec file from kvcd-calibrate
-      const std::string path = h.substr(std::string("int2-oscar=").size());
-      std::ifstream in(path, std::ios::binary);
-      if (!in) return Fail("codec", absl::NotFoundError("cannot open codec file '" + path + "'"));
-      p.codec_blob.assign(std::istreambuf_iterator<char>(in), {});
-      p.history = "int2-oscar";
-      p.name = absl::StrCat("llama-oscar-", rows.size());
-    }
-    p.page_size = page;
-    p.sink_tokens = sink;
-    p.recent_tokens = recent;
-    absl::Status reg = ll::RegisterProfile(**client, c, p);
-    if (!reg.ok()) return Fail("RegisterModel", reg);
-    auto run = ll::RunServed(**client, *model, p.name, ptoks, max_new, stop);
-    if (!run.ok()) return Fail("served run", run.status());
-    auto forced = ll::RunServed(**client, *model, p.name, ptoks, max_new, stop, &ref->tokens);
-    if (!forced.ok()) return Fail("teacher-forced run", forced.status());
+    std::string note;
+    auto p = ll::ResolveHistory(h, *model, calibration, &note);
+    if (!p.ok()) return Fail("history", p.status());
+    if (!note.empty()) std::printf("\n%s: %s\n", h.c_str(), note.c_str());
+    p->name = absl::StrCat("llama-", rows.size());
+    p->page_size = page;
+    p->sink_tokens = sink;
+    p->recent_tokens = recent;
+    p->memory_bytes = int64_t{memory_mib} << 20;
+    auto info = ll::RegisterProfile(**client, c, *p);
+    if (!info.ok()) return Fail("RegisterModel", info.status());
     Row row;
     row.history = h;
-    row.tps = run->tokens.size() / run->seconds;
-    for (size_t i = 0; i < forced->logits.size(); ++i) {
-      const double kl = ll::KlDivergence(ref->logits[i], forced->logits[i]);
-      row.mean_kl += kl / forced->logits.size();
-      row.max_kl = std::max(row.max_kl, kl);
-      if (row.first_diff < 0 && ll::Argmax(ref->logits[i]) != ll::Argmax(forced->logits[i])) {
-        row.first_diff = static_cast<int>(i);
-      }
+    if (teacher.empty()) {
+      auto run = ll::RunServed(**client, *model, *p, ptoks, max_new, stop, nullptr, &recorded);
+      if (!run.ok()) return Fail("served run", run.status());
+      row.tps = run->tokens.size() / run->seconds;
+      std::printf("\n[%s history served by kvcd, %zu tokens, %.1f tokens/s]\n%s\n", h.c_str(),
+                  run->tokens.size(), row.tps, text(run->tokens).c_str());
     }
-    std::printf("\n[%s history served by kvcd, %zu tokens, %.1f tokens/s]\n%s\n", h.c_str(),
-                run->tokens.size(), row.tps, text(run->tokens).c_str());
+    auto forced =
+        ll::RunServed(**client, *model, *p, ptoks, max_new, stop, &ref->tokens, &recorded);
+    if (!forced.ok()) return Fail("teacher-forced run", forced.status());
+    if (!teacher.empty()) row.tps = forced->tokens.size() / forced->seconds;
+    row.agree = ll::Compare(*ref, *forced);
+    row.history_bytes = info->bytes_per_token_history();
+    row.ratio_history = ll::DenseBytesPerToken(c) / row.history_bytes;
+    row.ratio_run = ll::CompressionAt(c, *info, tokens);
+    std::printf("%s: mean KL %.4g, max KL %.4g, first differs %d\n", h.c_str(), row.agree.mean_kl,
+                row.agree.max_kl, row.agree.first_diff);
     rows.push_back(row);
   }
-  std::printf("\n%-16s %12s %14s %12s %12s\n", "history", "tokens/s", "first differs", "mean KL",
-              "max KL");
+  std::printf(
+      "\ndense BF16 K/V: %.0f B/token; ratio (run) counts the BF16 windows over %lld tokens\n",
+      ll::DenseBytesPerToken(c), static_cast<long long>(tokens));
+  std::printf("%-22s %10s %14s %10s %10s %11s %10s %11s\n", "history", "tokens/s", "first differs",
+              "mean KL", "max KL", "hist B/tok", "ratio hist", "ratio (run)");
   for (const auto& r : rows) {
-    std::printf("%-16s %12.1f %14s %12.3g %12.3g\n", r.history.c_str(), r.tps,
-                r.first_diff < 0 ? "never" : std::to_string(r.first_diff).c_str(), r.mean_kl,
-                r.max_kl);
+    std::printf("%-22s %10.1f %14s %10.3g %10.3g %11.1f %10.2f %11.2f\n", r.history.c_str(), r.tps,
+                r.agree.first_diff < 0 ? "never" : std::to_string(r.agree.first_diff).c_str(),
+                r.agree.mean_kl, r.agree.max_kl, r.history_bytes, r.ratio_history, r.ratio_run);
   }
   return 0;
 }

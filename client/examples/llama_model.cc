@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <fstream>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -163,6 +166,73 @@ absl::StatusOr<Model> Model::FromSafetensors(const SafetensorsFile& f) {
   return m;
 }
 
+absl::StatusOr<Model> Model::LoadLlama2c(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open checkpoint '", path, "'"));
+  int32_t h[7];
+  in.read(reinterpret_cast<char*>(h), sizeof(h));
+  if (!in) return absl::InvalidArgumentError(absl::StrCat(path, ": shorter than its header"));
+  Model m;
+  Config& c = m.c_;
+  c.dim = h[0];
+  c.hidden_dim = h[1];
+  c.n_layers = h[2];
+  c.n_heads = h[3];
+  c.n_kv_heads = h[4];
+  c.vocab_size = h[5] == INT32_MIN ? 0 : std::abs(h[5]);
+  c.max_seq_len = h[6];
+  c.rope_theta = 10000;
+  c.rms_eps = 1e-5;
+  c.pairing = RopePairing::kInterleaved;  // llama2.c rotates lanes (2i, 2i + 1)
+  c.tied_embeddings = h[5] > 0;
+  c.qk_norm = false;
+  if (c.dim <= 0 || c.n_layers <= 0 || c.n_heads <= 0 || c.n_kv_heads <= 0 ||
+      c.dim % c.n_heads != 0 || c.n_heads % c.n_kv_heads != 0 || c.vocab_size <= 0 ||
+      c.vocab_size > (1 << 24) || c.hidden_dim <= 0 || c.hidden_dim > (1 << 20) ||
+      c.max_seq_len <= 0 || c.max_seq_len > (1 << 24) || c.dim > 65536 || c.n_layers > 1024 ||
+      (c.dim / c.n_heads) % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": implausible llama2.c header (dim ", h[0], ", hidden ", h[1], ", layers ", h[2],
+        ", heads ", h[3], "/", h[4], ", vocab ", h[5], ", seq_len ", h[6], ")"));
+  }
+  c.head_dim = c.dim / c.n_heads;
+  const int64_t L = c.n_layers, d = c.dim, kv = c.kv_dim(), hid = c.hidden_dim;
+  auto read = [&](int64_t n, std::vector<float>* v) {
+    v->resize(static_cast<size_t>(n));
+    in.read(reinterpret_cast<char*>(v->data()), static_cast<std::streamsize>(n * 4));
+    return static_cast<bool>(in);
+  };
+  // The file stacks each kind over the layers; split it into per-layer tensors.
+  std::vector<float> rms_att, wq, wk, wv, wo, rms_ffn, w1, w2, w3, freqs;
+  if (!read(c.vocab_size * d, &m.embed_) || !read(L * d, &rms_att) || !read(L * d * d, &wq) ||
+      !read(L * kv * d, &wk) || !read(L * kv * d, &wv) || !read(L * d * d, &wo) ||
+      !read(L * d, &rms_ffn) || !read(L * hid * d, &w1) || !read(L * d * hid, &w2) ||
+      !read(L * hid * d, &w3) || !read(d, &m.final_norm_) ||
+      // Precomputed RoPE tables (freq_cis_real, freq_cis_imag [seq_len][head_dim / 2]):
+      // unused, ApplyRope computes the same angles.
+      !read(int64_t{c.max_seq_len} * c.head_dim, &freqs) ||
+      (!c.tied_embeddings && !read(c.vocab_size * d, &m.lm_head_))) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": truncated weights"));
+  }
+  auto slice = [](const std::vector<float>& all, int64_t l, int64_t n) {
+    return std::vector<float>(all.begin() + l * n, all.begin() + (l + 1) * n);
+  };
+  m.layers_.resize(static_cast<size_t>(L));
+  for (int64_t l = 0; l < L; ++l) {
+    Layer& y = m.layers_[l];
+    y.attn_norm = slice(rms_att, l, d);
+    y.wq = slice(wq, l, d * d);
+    y.wk = slice(wk, l, kv * d);
+    y.wv = slice(wv, l, kv * d);
+    y.wo = slice(wo, l, d * d);
+    y.ffn_norm = slice(rms_ffn, l, d);
+    y.w_gate = slice(w1, l, hid * d);  // llama2.c w1: gate, w3: up, w2: down
+    y.w_up = slice(w3, l, hid * d);
+    y.w_down = slice(w2, l, d * hid);
+  }
+  return m;
+}
+
 absl::Status Model::Forward(int token, int pos, const AttentionFn& attend,
                             std::vector<float>* logits) const {
   const Config& c = c_;
@@ -194,7 +264,7 @@ absl::Status Model::Forward(int token, int pos, const AttentionFn& attend,
     }
     ApplyRope(q.data(), c.n_heads, hd, pos, c.rope_theta, c.pairing);
     ApplyRope(k.data(), c.n_kv_heads, hd, pos, c.rope_theta, c.pairing);
-    absl::Status s = attend(l, pos, q.data(), k.data(), v.data(), o.data());
+    absl::Status s = attend(l, pos, xb.data(), q.data(), k.data(), v.data(), o.data());
     if (!s.ok()) return s;
     MatVec(L.wo.data(), o.data(), d, qd, tmp.data());
     for (int i = 0; i < d; ++i) x[i] += tmp[i];
@@ -214,10 +284,10 @@ absl::Status Model::Forward(int token, int pos, const AttentionFn& attend,
 }
 
 LocalAttention::LocalAttention(const Config& c)
-    : c_(c), k_(static_cast<size_t>(c.n_layers)), v_(k_.size()), q_(k_.size()) {}
+    : c_(c), k_(static_cast<size_t>(c.n_layers)), v_(k_.size()), q_(k_.size()), x_(k_.size()) {}
 
-absl::Status LocalAttention::operator()(int layer, int pos, const float* q, const float* k,
-                                        const float* v, float* o) {
+absl::Status LocalAttention::operator()(int layer, int pos, const float* x, const float* q,
+                                        const float* k, const float* v, float* o) {
   const int hd = c_.head_dim, kv = c_.kv_dim(), g = c_.n_heads / c_.n_kv_heads;
   if (layer < 0 || layer >= c_.n_layers ||
       static_cast<int64_t>(k_[layer].size()) != static_cast<int64_t>(pos) * kv) {
@@ -227,6 +297,7 @@ absl::Status LocalAttention::operator()(int layer, int pos, const float* q, cons
   k_[layer].insert(k_[layer].end(), k, k + kv);
   v_[layer].insert(v_[layer].end(), v, v + kv);
   q_[layer].insert(q_[layer].end(), q, q + c_.q_dim());
+  x_[layer].insert(x_[layer].end(), x, x + c_.dim);
   const int n = pos + 1;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const float* keys = k_[layer].data();

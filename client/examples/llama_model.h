@@ -4,7 +4,9 @@
 // tensor names and the geometry in its metadata (tools/gguf_to_safetensors.py writes it):
 //   kvcd.model = "llama", kvcd.{dim, hidden_dim, n_layers, n_heads, n_kv_heads, head_dim,
 //   vocab_size, max_seq_len, rope_theta, rms_eps, rope_pairing (half | interleaved),
-//   tied_embeddings (0 | 1), qk_norm (0 | 1)}.
+//   tied_embeddings (0 | 1), qk_norm (0 | 1)};
+// or from a llama2.c checkpoint (e.g. stories260K: Meta's interleaved RoPE pairing,
+// theta 10000, RMSNorm eps 1e-5, head_dim = dim / n_heads).
 //
 // Thread safety: a loaded Model is immutable; Forward may run concurrently.
 #pragma once
@@ -43,13 +45,26 @@ class Model {
   // that is missing or malformed, or the tensor of the wrong shape or dtype.
   static absl::StatusOr<Model> Load(const std::string& path);
   static absl::StatusOr<Model> FromSafetensors(const SafetensorsFile& file);
+  // A legacy llama2.c checkpoint: a header of 7 int32 (dim, hidden_dim, n_layers, n_heads,
+  // n_kv_heads, vocab_size (negative: unshared classifier), seq_len), then FP32 weights
+  // stacked per kind over the layers. NOT_FOUND for a missing file, INVALID_ARGUMENT for
+  // an implausible header or truncated weights.
+  static absl::StatusOr<Model> LoadLlama2c(const std::string& path);
   const Config& config() const { return c_; }
 
-  // Attention of one layer for the current token: q [n_heads*head_dim] and the token's
-  // own k, v [kv_dim] (post-RoPE); writes o [n_heads*head_dim]. It must include the
-  // token itself (causal decode).
-  using AttentionFn = std::function<absl::Status(int layer, int pos, const float* q, const float* k,
-                                                 const float* v, float* o)>;
+  // The K and V projections of a layer, [kv_dim][dim] row-major, and its k_norm
+  // weights [head_dim] (empty without qk_norm). No biases in this model family.
+  const std::vector<float>& wk(int layer) const { return layers_[layer].wk; }
+  const std::vector<float>& wv(int layer) const { return layers_[layer].wv; }
+  const std::vector<float>& k_norm(int layer) const { return layers_[layer].k_norm; }
+
+  // Attention of one layer for the current token: x [dim], the attention block's
+  // normalized residual (after the input RMSNorm, the input of the Q/K/V projections and
+  // of an FSQ codec, docs/fsq.md), q [n_heads*head_dim] and the token's own k, v [kv_dim]
+  // (post-RoPE); writes o [n_heads*head_dim]. It must include the token itself (causal
+  // decode).
+  using AttentionFn = std::function<absl::Status(int layer, int pos, const float* x, const float* q,
+                                                 const float* k, const float* v, float* o)>;
   // One forward step of `token` at position `pos`; logits [vocab_size]. INVALID_ARGUMENT
   // for a token or position out of range; the callback's error otherwise.
   absl::Status Forward(int token, int pos, const AttentionFn& attend,
@@ -65,21 +80,23 @@ class Model {
 };
 
 // FP32 causal attention over a local KV cache (the reference path and the prefill
-// worker). It also records what it saw: post-RoPE q [pos][q_dim], k, v [pos][kv_dim].
+// worker). It also records what it saw: post-RoPE q [pos][q_dim], k, v [pos][kv_dim] and
+// the normalized residuals x [pos][dim].
 class LocalAttention {
  public:
   explicit LocalAttention(const Config& c);
   // FAILED_PRECONDITION unless positions of a layer arrive in order 0, 1, 2, ...
-  absl::Status operator()(int layer, int pos, const float* q, const float* k, const float* v,
-                          float* o);
+  absl::Status operator()(int layer, int pos, const float* x, const float* q, const float* k,
+                          const float* v, float* o);
   const std::vector<float>& keys(int layer) const { return k_[layer]; }
   const std::vector<float>& values(int layer) const { return v_[layer]; }
   const std::vector<float>& queries(int layer) const { return q_[layer]; }
+  const std::vector<float>& residuals(int layer) const { return x_[layer]; }
   int tokens() const { return static_cast<int>(k_[0].size() / c_.kv_dim()); }
 
  private:
   Config c_;
-  std::vector<std::vector<float>> k_, v_, q_;
+  std::vector<std::vector<float>> k_, v_, q_, x_;
 };
 
 }  // namespace kvcd::llama

@@ -1,12 +1,15 @@
-// kvcd_stories: a real language model (llama2.c checkpoint, e.g. stories260K) decoding
-// with its attention served by kvcd, next to the same model with local FP32 attention.
+// kvcd_stories: a llama2.c checkpoint (e.g. stories260K) decoding with its attention served
+// by kvcd, next to the same model with local FP32 attention: the llama worker
+// (llama_worker.h) configured for a llama2.c model, its tokenizer and small windows.
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "client/examples/stories_worker.h"
+#include "client/examples/llama2c_tokenizer.h"
+#include "client/examples/llama_worker.h"
 #include "common/activation_dump.h"
 #include "common/safetensors.h"
 
@@ -16,24 +19,32 @@ constexpr char kUsage[] = R"(kvcd_stories — real-model decoding with attention
 
 Usage: kvcd_stories --checkpoint stories260K.bin --tokenizer tok512.bin
                     [--target HOST:PORT] [--steps 100] [--prompt TEXT]
-                    [--formats bf16,int2-identity,int2-hadamard,int2-oscar]
+                    [--formats bf16,int2-identity,int2-hadamard,int2-oscar,
+                               int2-oscar=CODEC,fsq=CODEC,fsq:G=N]
+                    [--calib-prompts 'A;B' [--calib-steps 512]]
+                    [--page 4] [--sink 4] [--recent 8]
                     [--dump ACTIVATIONS.safetensors [--dump-prompts 'A;B']
                      [--weights WEIGHTS.safetensors] [--logits LOGITS.safetensors]]
 
-For each history format the model is registered on the daemon (stories260k-<format>,
-page 4, sink 4, recent 8) and runs twice: greedy (the text) and teacher-forced on the
-FP32 reference's tokens (first step whose greedy token differs, KL of the next-token
-distributions). int2-oscar rotations are calibrated here on the model's own activations
-(three reference runs). --dump writes the reference runs' post-RoPE activations and the
-attention blocks' normalized residuals (layers.<l>.x) as an activation dump (for
-kvcd-calibrate / kvcd-eval) and exits without a daemon. Its runs are the greedy run from
---prompt plus two fixed prompts (256 positions each), or, with --dump-prompts, one greedy
-run of --steps positions per ';'-separated prompt (one prompt = one sequence whose row t
-is position t, as kvcd-eval's FSQ codecs need). --weights writes the model's K/V
-projections as safetensors (layers.<l>.wk, layers.<l>.wv [kv_dim, dim], F32; no biases in
-llama2.c) for `kvcd-calibrate fsq`; --logits writes the FP32 reference run from --prompt
-(inputs [steps] I32: the token fed at each position; logits [steps, vocab] F32) to check
-another implementation of the model against this one.
+For each history format the model is registered on the daemon (page 4, sink 4, recent 8 by
+default) and runs twice: greedy (the text) and teacher-forced on the FP32 reference's
+tokens: the first position whose greedy token differs, KL(FP32 || served) of the
+next-token distributions over the served steps, and the bytes the daemon stores per token
+(history alone, and over the whole run with the BF16 windows) against dense BF16 K/V.
+int2-oscar rotations and fsq:G=N codecs (tools/fsq_calibration: PCA encoder, ridge
+decoder) are calibrated here on the model's own runs: greedy runs of --calib-steps
+positions from each --calib-prompts prompt, or by default the reference run plus two
+fixed prompts (64 positions each). fsq=CODEC serves an FSQ codec file (kvcd-calibrate
+fsq, or fine-tuned by tools/fsq_finetune). --dump writes the reference runs' post-RoPE
+activations and the attention blocks' normalized residuals (layers.<l>.x) as an
+activation dump (for kvcd-calibrate / kvcd-eval) and exits without a daemon. Its runs
+are the greedy run from --prompt plus two fixed prompts (256 positions each), or, with
+--dump-prompts, one greedy run of --steps positions per ';'-separated prompt (one prompt
+= one sequence whose row t is position t, as kvcd-eval's FSQ codecs need). --weights
+writes the model's K/V projections as safetensors (layers.<l>.wk, layers.<l>.wv [kv_dim,
+dim], F32; no biases in llama2.c) for `kvcd-calibrate fsq`; --logits writes the FP32
+reference run from --prompt (inputs [steps] I32: the token fed at each position; logits
+[steps, vocab] F32) to check another implementation of the model against this one.
 )";
 
 int Fail(const char* what, const absl::Status& s) {
@@ -44,11 +55,12 @@ int Fail(const char* what, const absl::Status& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  namespace ll = kvcd::llama;
   std::string checkpoint, tokenizer, target = "127.0.0.1:50051", prompt, dump_path, weights_path,
                                      logits_path;
-  std::vector<std::string> dump_prompts;
+  std::vector<std::string> dump_prompts, calib_prompts;
   std::vector<std::string> formats = {"bf16", "int2-identity", "int2-hadamard", "int2-oscar"};
-  int steps = 100;
+  int steps = 100, calib_steps = 512, page = 4, sink = 4, recent = 8;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--help" || a == "-h") {
@@ -60,6 +72,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     const std::string v = argv[++i];
+    auto positive = [&](int* out) { return absl::SimpleAtoi(v, out) && *out > 0; };
     if (a == "--checkpoint") {
       checkpoint = v;
     } else if (a == "--tokenizer") {
@@ -72,13 +85,17 @@ int main(int argc, char** argv) {
       dump_path = v;
     } else if (a == "--dump-prompts") {
       dump_prompts = absl::StrSplit(v, ';', absl::SkipEmpty());
+    } else if (a == "--calib-prompts") {
+      calib_prompts = absl::StrSplit(v, ';', absl::SkipEmpty());
     } else if (a == "--weights") {
       weights_path = v;
     } else if (a == "--logits") {
       logits_path = v;
     } else if (a == "--formats") {
       formats = absl::StrSplit(v, ',', absl::SkipEmpty());
-    } else if (a == "--steps" && absl::SimpleAtoi(v, &steps) && steps > 0) {
+    } else if ((a == "--steps" && positive(&steps)) || (a == "--page" && positive(&page)) ||
+               (a == "--sink" && positive(&sink)) || (a == "--recent" && positive(&recent)) ||
+               (a == "--calib-steps" && positive(&calib_steps))) {
     } else {
       std::fprintf(stderr, "kvcd_stories: bad flag %s %s\n%s", a.c_str(), v.c_str(), kUsage);
       return 2;
@@ -88,31 +105,50 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvcd_stories: --checkpoint and --tokenizer are required\n%s", kUsage);
     return 2;
   }
-  namespace l2 = kvcd::llama2;
-  auto model = l2::Model::Load(checkpoint);
+  auto model = ll::Model::LoadLlama2c(checkpoint);
   if (!model.ok()) return Fail("checkpoint", model.status());
-  auto tok = l2::Tokenizer::Load(tokenizer, model->config().vocab_size);
+  const ll::Config& c = model->config();
+  auto tok = ll::Llama2cTokenizer::Load(tokenizer, c.vocab_size);
   if (!tok.ok()) return Fail("tokenizer", tok.status());
-  const auto& c = model->config();
-  if (steps > c.seq_len) steps = c.seq_len;
+  steps = std::min(steps, c.max_seq_len);
+  calib_steps = std::min(calib_steps, c.max_seq_len);
   const std::vector<int> ptoks = tok->Encode(prompt);
+  if (static_cast<int>(ptoks.size()) > steps) {
+    return Fail("prompt",
+                absl::InvalidArgumentError(absl::StrCat("prompt of ", ptoks.size(),
+                                                        " tokens is longer than --steps ", steps)));
+  }
   std::printf("model: dim %d, %d layers, %d q / %d kv heads, head_dim %d, vocab %d\n", c.dim,
-              c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim(), c.vocab_size);
+              c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.vocab_size);
+  // A run over `positions` positions (0 .. positions-1): the prompt, then greedy tokens.
+  auto greedy = [&](const std::vector<int>& p, int positions, ll::LocalAttention* rec) {
+    return ll::RunReference(*model, p, positions - static_cast<int>(p.size()) + 1, -1, rec);
+  };
 
-  l2::LocalAttention calib(c), calib2(c), calib3(c);
-  auto ref = l2::RunReference(*model, *tok, ptoks, steps, &calib);
+  ll::LocalAttention calib(c);
+  auto ref = greedy(ptoks, steps, &calib);
   if (!ref.ok()) return Fail("reference", ref.status());
-  std::printf("\n[reference, FP32 attention, %.1f tokens/s]\n%s\n", steps / ref->seconds,
-              ref->text.c_str());
+  std::printf("\n[reference, FP32 attention, %.1f tokens/s]\n%s\n",
+              ref->tokens.size() / ref->seconds,
+              tok->Decode(ptoks[0],
+                          [&] {
+                            std::vector<int> all(ptoks.begin() + 1, ptoks.end());
+                            all.insert(all.end(), ref->tokens.begin(), ref->tokens.end());
+                            return all;
+                          }())
+                  .c_str());
 
   if (!logits_path.empty()) {
+    // Teacher-forced from BOS on the same tokens, so that every position has its logits.
+    std::vector<int> fed(ptoks.begin() + 1, ptoks.end());
+    fed.insert(fed.end(), ref->tokens.begin(), ref->tokens.end());
+    auto full = ll::RunReference(*model, {ptoks[0]}, 0, -1, nullptr, &fed);
+    if (!full.ok()) return Fail("logits", full.status());
     kvcd::SafetensorsWriter w;
-    std::vector<int32_t> inputs;
+    std::vector<int32_t> inputs = {ptoks[0]};
+    inputs.insert(inputs.end(), fed.begin(), fed.end() - 1);
     std::vector<float> logits;
-    for (int pos = 0; pos < steps; ++pos) {
-      inputs.push_back(pos == 0 ? ptoks[0] : ref->tokens[pos - 1]);
-      logits.insert(logits.end(), ref->logits[pos].begin(), ref->logits[pos].end());
-    }
+    for (const auto& l : full->logits) logits.insert(logits.end(), l.begin(), l.end());
     w.Add("inputs", "I32", {steps}, inputs.data(), static_cast<int64_t>(inputs.size()) * 4);
     w.AddF32("logits", {steps, c.vocab_size}, logits);
     w.SetMetadata("source", checkpoint + ": FP32 reference, prompt '" + prompt + "'");
@@ -121,108 +157,112 @@ int main(int argc, char** argv) {
     std::printf("wrote %s: %d positions\n", logits_path.c_str(), steps);
   }
   if (!weights_path.empty()) {
-    kvcd::SafetensorsWriter w;
-    const int64_t n = int64_t{c.kv_dim()} * c.dim;
-    for (int l = 0; l < c.n_layers; ++l) {
-      w.AddF32("layers." + std::to_string(l) + ".wk", {c.kv_dim(), c.dim},
-               std::vector<float>(model->wk(l), model->wk(l) + n));
-      w.AddF32("layers." + std::to_string(l) + ".wv", {c.kv_dim(), c.dim},
-               std::vector<float>(model->wv(l), model->wv(l) + n));
-    }
+    kvcd::SafetensorsWriter w = ll::KvProjectionFile(*model);
     w.SetMetadata("source", checkpoint);
     auto s = w.WriteFile(weights_path);
     if (!s.ok()) return Fail("weights", s);
     std::printf("wrote %s: K/V projections of %d layers\n", weights_path.c_str(), c.n_layers);
   }
   if (!dump_path.empty()) {
-    std::vector<l2::LocalAttention> runs;
+    std::vector<ll::LocalAttention> runs;
     std::string source = checkpoint + ": greedy from BOS + 2 prompts";
     if (dump_prompts.empty()) {
-      runs = {calib, l2::LocalAttention(c), l2::LocalAttention(c)};
-      (void)l2::RunReference(*model, *tok, tok->Encode("Tom had a big dog"), 256, &runs[1]);
-      (void)l2::RunReference(*model, *tok, tok->Encode("The sun was hot"), 256, &runs[2]);
+      runs = {calib, ll::LocalAttention(c), ll::LocalAttention(c)};
+      for (int r = 1; r < 3; ++r) {
+        auto g = greedy(tok->Encode(r == 1 ? "Tom had a big dog" : "The sun was hot"),
+                        std::min(256, c.max_seq_len), &runs[r]);
+        if (!g.ok()) return Fail("dump run", g.status());
+      }
     } else {
       source = checkpoint + ": greedy, " + std::to_string(steps) + " positions from";
+      runs.reserve(dump_prompts.size());
       for (const auto& p : dump_prompts) {
         runs.emplace_back(c);
-        auto r = l2::RunReference(*model, *tok, tok->Encode(p), steps, &runs.back());
+        auto r = greedy(tok->Encode(p), steps, &runs.back());
         if (!r.ok()) return Fail("dump run", r.status());
         source += " '" + p + "'";
       }
     }
-    kvcd::ActivationDump dump;
-    dump.num_layers = c.n_layers;
-    dump.num_q_heads = c.n_heads;
-    dump.num_kv_heads = c.n_kv_heads;
-    dump.head_dim = c.head_dim();
-    dump.residual_width = c.dim;
-    dump.source = source;
-    for (int l = 0; l < c.n_layers; ++l) {
-      kvcd::LayerActivations a;
-      std::vector<float> x;
-      for (const l2::LocalAttention& run : runs) {
-        a.q.insert(a.q.end(), run.queries(l).begin(), run.queries(l).end());
-        a.k.insert(a.k.end(), run.keys(l).begin(), run.keys(l).end());
-        a.v.insert(a.v.end(), run.values(l).begin(), run.values(l).end());
-        x.insert(x.end(), run.residuals(l).begin(), run.residuals(l).end());
-      }
-      dump.tokens = static_cast<int64_t>(a.k.size()) / c.kv_dim();
-      dump.layers.push_back(std::move(a));
-      dump.x.push_back(std::move(x));
-    }
-    auto s = kvcd::WriteActivationDump(dump, dump_path);
+    std::vector<const ll::LocalAttention*> ptrs;
+    for (const auto& r : runs) ptrs.push_back(&r);
+    auto s = kvcd::WriteActivationDump(ll::MakeActivationDump(c, ptrs, source), dump_path);
     if (!s.ok()) return Fail("dump", s);
-    std::printf("wrote %s: %lld tokens\n", dump_path.c_str(), static_cast<long long>(dump.tokens));
+    int64_t n = 0;
+    for (const auto& r : runs) n += r.tokens();
+    std::printf("wrote %s: %lld tokens\n", dump_path.c_str(), static_cast<long long>(n));
   }
   if (!dump_path.empty() || !weights_path.empty() || !logits_path.empty()) return 0;
+
   kvcd::ClientOptions co;
   co.target = target;
   auto client = kvcd::Client::Connect(co);
   if (!client.ok()) return Fail("connect", client.status());
-  std::string codec;
-  for (const auto& f : formats) {
-    if (f != "int2-oscar") continue;
-    (void)l2::RunReference(*model, *tok, tok->Encode("Tom had a big dog"), 64, &calib2);
-    (void)l2::RunReference(*model, *tok, tok->Encode("The sun was hot"), 64, &calib3);
-    codec = l2::CalibrateCodec(c, {&calib, &calib2, &calib3});
+  // Calibration runs for in-process codecs (int2-oscar, fsq:G=N).
+  std::vector<ll::LocalAttention> calib_runs;
+  std::vector<const ll::LocalAttention*> calibration;
+  if (calib_prompts.empty()) {
+    calib_runs = {ll::LocalAttention(c), ll::LocalAttention(c)};
+    calibration = {&calib, &calib_runs[0], &calib_runs[1]};
+    for (int r = 0; r < 2; ++r) {
+      auto g =
+          greedy(tok->Encode(r == 0 ? "Tom had a big dog" : "The sun was hot"), 64, &calib_runs[r]);
+      if (!g.ok()) return Fail("calibration run", g.status());
+    }
+  } else {
+    calib_runs.reserve(calib_prompts.size());
+    for (const auto& p : calib_prompts) {
+      calib_runs.emplace_back(c);
+      auto g = greedy(tok->Encode(p), calib_steps, &calib_runs.back());
+      if (!g.ok()) return Fail("calibration run", g.status());
+      calibration.push_back(&calib_runs.back());
+    }
   }
   struct Row {
     std::string format;
-    double tps = 0, mean_kl = 0, max_kl = 0;
-    int first_diff = -1;
+    double tps = 0, history_bytes = 0, ratio_history = 0, ratio_run = 0;
+    ll::Agreement agree;
   };
   std::vector<Row> rows;
+  const int prefill = static_cast<int>(ptoks.size()) - 1;
   for (const auto& f : formats) {
-    const std::string name = "stories260k-" + f;
-    absl::Status reg = l2::RegisterProfile(**client, c, name, f, codec);
-    if (!reg.ok()) return Fail("RegisterModel", reg);
-    auto run = l2::RunServed(**client, *model, *tok, name, ptoks, steps);
+    std::string note;
+    auto p = ll::ResolveHistory(f, *model, calibration, &note);
+    if (!p.ok()) return Fail("history", p.status());
+    if (!note.empty()) std::printf("\n%s: %s\n", f.c_str(), note.c_str());
+    p->name = absl::StrCat("stories260k-", rows.size());
+    p->page_size = page;
+    p->sink_tokens = sink;
+    p->recent_tokens = recent;
+    p->memory_bytes = 4 << 20;
+    auto info = ll::RegisterProfile(**client, c, *p);
+    if (!info.ok()) return Fail("RegisterModel", info.status());
+    auto run = ll::RunServed(**client, *model, *p, ptoks, steps - prefill);
     if (!run.ok()) return Fail("served run", run.status());
-    auto forced = l2::RunServed(**client, *model, *tok, name, ptoks, steps, &ref->tokens);
+    auto forced = ll::RunServed(**client, *model, *p, ptoks, 0, -1, &ref->tokens);
     if (!forced.ok()) return Fail("teacher-forced run", forced.status());
     Row row;
     row.format = f;
-    row.tps = (steps - static_cast<int>(ptoks.size()) + 1) / run->seconds;
-    const size_t first = ptoks.size() - 1;
-    for (size_t i = 0; i < forced->logits.size(); ++i) {
-      const auto& rl = ref->logits[first + i];
-      const double kl = l2::KlDivergence(rl, forced->logits[i]);
-      row.mean_kl += kl / forced->logits.size();
-      row.max_kl = std::max(row.max_kl, kl);
-      if (row.first_diff < 0 && l2::Argmax(rl) != l2::Argmax(forced->logits[i])) {
-        row.first_diff = static_cast<int>(first + i);
-      }
-    }
+    row.tps = run->tokens.size() / run->seconds;
+    row.agree = ll::Compare(*ref, *forced);
+    row.history_bytes = info->bytes_per_token_history();
+    row.ratio_history = ll::DenseBytesPerToken(c) / row.history_bytes;
+    row.ratio_run = ll::CompressionAt(c, *info, steps);
+    std::vector<int> text(ptoks.begin() + 1, ptoks.end());
+    text.insert(text.end(), run->tokens.begin(), run->tokens.end());
     std::printf("\n[%s history served by kvcd, %.1f tokens/s]\n%s\n", f.c_str(), row.tps,
-                run->text.c_str());
+                tok->Decode(ptoks[0], text).c_str());
     rows.push_back(row);
   }
-  std::printf("\n%-16s %12s %14s %12s %12s\n", "history", "tokens/s", "first differs", "mean KL",
-              "max KL");
+  std::printf(
+      "\ndense BF16 K/V: %.0f B/token; ratio (run) counts the BF16 windows over %d tokens\n",
+      ll::DenseBytesPerToken(c), steps);
+  std::printf("%-22s %10s %14s %10s %10s %11s %10s %11s\n", "history", "tokens/s", "first differs",
+              "mean KL", "max KL", "hist B/tok", "ratio hist", "ratio (run)");
   for (const auto& r : rows) {
-    std::printf("%-16s %12.1f %14s %12.3g %12.3g\n", r.format.c_str(), r.tps,
-                r.first_diff < 0 ? "never" : std::to_string(r.first_diff).c_str(), r.mean_kl,
-                r.max_kl);
+    std::printf(
+        "%-22s %10.1f %14s %10.3g %10.3g %11.1f %10.2f %11.2f\n", r.format.c_str(), r.tps,
+        r.agree.first_diff < 0 ? "never" : std::to_string(prefill + r.agree.first_diff).c_str(),
+        r.agree.mean_kl, r.agree.max_kl, r.history_bytes, r.ratio_history, r.ratio_run);
   }
   return 0;
 }

@@ -37,6 +37,9 @@ constexpr char kGreedy[] = " Paris.\n\nThe answer is:";
 constexpr double kBf16MaxKl = 1e-3;
 constexpr double kIdentityMeanKl = 0.55;
 constexpr double kHadamardMeanKl = 0.265;
+// FSQ G = 48 (below), initialized on 160 tokens, same 8 steps: measured mean KL 0.451
+// (bench/results/2026-12-04-fsq-real-models.md); bound: measured + 15%.
+constexpr double kFsqG48MeanKl = 0.52;
 
 class SmolLm2Test : public ::testing::Test {
  protected:
@@ -95,7 +98,7 @@ TEST_F(SmolLm2Test, Bf16HistoryReproducesTheFp32GreedyText) {
   llama::ServedProfile p;
   p.name = "smollm2-bf16";
   ASSERT_TRUE(llama::RegisterProfile(*client_, model_->config(), p).ok());
-  auto served = llama::RunServed(*client_, *model_, p.name, prompt, 8);
+  auto served = llama::RunServed(*client_, *model_, p, prompt, 8);
   ASSERT_TRUE(served.ok()) << served.status();
   EXPECT_EQ(Text(served->tokens), expected);
   double max_kl = 0;
@@ -114,7 +117,7 @@ TEST_F(SmolLm2Test, ChatTemplateAnswersThroughTheDaemon) {
   llama::ServedProfile p;
   p.name = "smollm2-chat";
   ASSERT_TRUE(llama::RegisterProfile(*client_, model_->config(), p).ok());
-  auto served = llama::RunServed(*client_, *model_, p.name, *prompt, 16, tok_->eos());
+  auto served = llama::RunServed(*client_, *model_, p, *prompt, 16, tok_->eos());
   ASSERT_TRUE(served.ok()) << served.status();
   EXPECT_EQ(Text(served->tokens), "The capital of France is Paris.<|im_end|>");
 }
@@ -134,7 +137,7 @@ TEST_F(SmolLm2Test, Int2HistoryTeacherForcedKlIsBounded) {
     p.name = std::string("smollm2-") + c.history;
     p.history = c.history;
     ASSERT_TRUE(llama::RegisterProfile(*client_, model_->config(), p).ok());
-    auto run = llama::RunServed(*client_, *model_, p.name, prompt, 0, -1, &ref->tokens);
+    auto run = llama::RunServed(*client_, *model_, p, prompt, 0, -1, &ref->tokens);
     ASSERT_TRUE(run.ok()) << run.status();
     ASSERT_EQ(run->logits.size(), ref->logits.size());
     double mean = 0, max = 0;
@@ -150,6 +153,44 @@ TEST_F(SmolLm2Test, Int2HistoryTeacherForcedKlIsBounded) {
     means.push_back(mean);
   }
   EXPECT_LT(means[1], means[0]);  // the Hadamard rotation beats naive INT2 at head_dim 64
+}
+
+// FSQ history at 32x of the dense K/V bytes in the history (G = 48: 24 code bytes per token
+// per layer against 3 KV heads x 64 x K,V x BF16 = 768), codec initialized in process on
+// the first 160 tokens of bench/text/smollm2-calibration.txt, served by the daemon, teacher-
+// forced after kLongPrompt as the INT2 test. Measured: kFsqG48MeanKl's comment.
+TEST_F(SmolLm2Test, FsqHistoryTeacherForcedKlIsBounded) {
+  std::ifstream in(std::string(KVCD_SOURCE_DIR) + "/bench/text/smollm2-calibration.txt");
+  std::string text;
+  ASSERT_TRUE(std::getline(in, text));
+  std::vector<int> calib_ids = tok_->Encode(text);
+  ASSERT_GT(calib_ids.size(), 160u);
+  calib_ids.resize(160);
+  llama::LocalAttention calib(model_->config());
+  ASSERT_TRUE(llama::RunReference(*model_, calib_ids, 1, -1, &calib).ok());
+  auto blob = llama::InitializeFsqCodec(*model_, {&calib}, 48);
+  ASSERT_TRUE(blob.ok()) << blob.status();
+
+  const std::vector<int> prompt = tok_->Encode(kLongPrompt);
+  llama::LocalAttention recorded(model_->config());
+  auto ref = llama::RunReference(*model_, prompt, 8, -1, &recorded);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  llama::ServedProfile p;
+  p.name = "smollm2-fsq48";
+  p.history = "fsq";
+  p.codec_blob = *blob;
+  auto info = llama::RegisterProfile(*client_, model_->config(), p);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_DOUBLE_EQ(llama::DenseBytesPerToken(model_->config()) / info->bytes_per_token_history(),
+                   32.0);
+  auto run = llama::RunServed(*client_, *model_, p, prompt, 0, -1, &ref->tokens, &recorded);
+  ASSERT_TRUE(run.ok()) << run.status();
+  ASSERT_EQ(run->logits.size(), ref->logits.size());
+  const llama::Agreement a = llama::Compare(*ref, *run);
+  std::printf("fsq G=48: teacher-forced KL mean %.4f max %.4f over %d steps\n", a.mean_kl, a.max_kl,
+              a.steps);
+  EXPECT_LT(a.mean_kl, kFsqG48MeanKl);
+  EXPECT_GT(a.mean_kl, 1e-3) << "FSQ history must differ from FP32";
 }
 
 }  // namespace

@@ -3,9 +3,14 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
+#include <fstream>
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "client/examples/llama_worker.h"
+#include "common/activation_dump.h"
+#include "common/fsq_codec.h"
 #include "common/safetensors.h"
 
 namespace kvcd::llama {
@@ -229,6 +234,141 @@ TEST(LlamaModelTest, QkNormMakesAttentionInvariantToQkScale) {
     } else {
       EXPECT_GT(MaxDiff(Decode(*a), Decode(*b)), 1e-2);
     }
+  }
+}
+
+// The same weights as a llama2.c checkpoint: header, then each kind stacked over the
+// layers (w1 = gate, w3 = up, w2 = down), the final norm, the RoPE tables and, untied, the
+// classifier. `cut` drops that many bytes from the end.
+std::string WriteLlama2c(const Spec& s, Tensors t, int max_seq_len, const std::string& name,
+                         size_t cut = 0) {
+  std::string bytes;
+  auto put = [&](const std::vector<float>& v) {
+    bytes.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+  };
+  const int32_t header[7] = {
+      s.dim, s.hidden, s.layers, s.heads, s.kv_heads, s.tied ? s.vocab : -s.vocab, max_seq_len};
+  bytes.append(reinterpret_cast<const char*>(header), sizeof(header));
+  put(t["model.embed_tokens.weight"]);
+  for (const char* kind : {"input_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+                           "self_attn.v_proj", "self_attn.o_proj", "post_attention_layernorm",
+                           "mlp.gate_proj", "mlp.down_proj", "mlp.up_proj"}) {
+    for (int l = 0; l < s.layers; ++l)
+      put(t[absl::StrCat("model.layers.", l, ".", kind, ".weight")]);
+  }
+  put(t["model.norm.weight"]);
+  put(std::vector<float>(static_cast<size_t>(max_seq_len) * s.head_dim, 0.5f));  // freq_cis
+  if (!s.tied) put(t["lm_head.weight"]);
+  bytes.resize(bytes.size() - cut);
+  const std::string path = ::testing::TempDir() + "/" + name;
+  std::ofstream(path, std::ios::binary)
+      .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  return path;
+}
+
+TEST(LlamaModelTest, Llama2cCheckpointEqualsTheSameWeightsFromSafetensors) {
+  for (bool tied : {true, false}) {
+    Spec s;
+    s.pairing = "interleaved";  // llama2.c's RoPE
+    s.tied = tied;
+    const Tensors t = RandomTensors(s, 21);
+    auto st = Build(s, t, {{"kvcd.rope_theta", "10000"}});
+    ASSERT_TRUE(st.ok()) << st.status();
+    auto l2 = Model::LoadLlama2c(WriteLlama2c(s, t, 64, "m.bin"));
+    ASSERT_TRUE(l2.ok()) << l2.status();
+    const Config& c = l2->config();
+    EXPECT_EQ(c.head_dim, s.dim / s.heads);
+    EXPECT_EQ(c.pairing, RopePairing::kInterleaved);
+    EXPECT_EQ(c.tied_embeddings, tied);
+    EXPECT_EQ(c.max_seq_len, 64);
+    EXPECT_EQ(l2->wk(1), st->wk(1));
+    EXPECT_EQ(MaxDiff(Decode(*l2), Decode(*st)), 0.0) << "tied " << tied;
+  }
+}
+
+TEST(LlamaModelTest, Llama2cRejectsTruncatedAndImplausibleFiles) {
+  Spec s;
+  s.pairing = "interleaved";
+  const Tensors t = RandomTensors(s, 5);
+  EXPECT_EQ(Model::LoadLlama2c(WriteLlama2c(s, t, 64, "cut.bin", 4)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  Spec bad = s;
+  bad.heads = 5;  // dim 32 not a multiple of 5 heads
+  EXPECT_EQ(Model::LoadLlama2c(WriteLlama2c(bad, t, 64, "bad.bin")).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Model::LoadLlama2c("/nonexistent/stories.bin").status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+// The residual handed to the attention callback is the input of the K/V projections: at
+// position 0 (no rotation) the token's k is W_k x and v is W_v x.
+TEST(LlamaModelTest, AttentionInputResidualFeedsTheKvProjections) {
+  Spec s;
+  const Tensors t = RandomTensors(s, 8);
+  auto m = Build(s, t);
+  ASSERT_TRUE(m.ok());
+  LocalAttention attn(m->config());
+  std::vector<float> logits;
+  ASSERT_TRUE(m->Forward(7, 0, std::ref(attn), &logits).ok());
+  const int kv = m->config().kv_dim(), d = s.dim;
+  for (int l = 0; l < s.layers; ++l) {
+    ASSERT_EQ(attn.residuals(l).size(), static_cast<size_t>(d));
+    const float* x = attn.residuals(l).data();
+    double norm = 0;
+    for (int i = 0; i < d; ++i) norm += double{x[i]} * x[i];
+    EXPECT_GT(norm, 0.1);
+    for (int r = 0; r < kv; ++r) {
+      double k = 0, v = 0;
+      for (int i = 0; i < d; ++i) {
+        k += double{m->wk(l)[r * d + i]} * x[i];
+        v += double{m->wv(l)[r * d + i]} * x[i];
+      }
+      EXPECT_NEAR(attn.keys(l)[r], k, 1e-4 * (1 + std::fabs(k))) << "layer " << l << " row " << r;
+      EXPECT_NEAR(attn.values(l)[r], v, 1e-4 * (1 + std::fabs(v))) << "layer " << l << " row " << r;
+    }
+  }
+}
+
+// Recorded runs become an activation dump with the residuals (what kvcd-llama --dump and
+// kvcd_stories --dump write, kvcd-calibrate fsq reads), and an FSQ codec initialized on
+// them carries the model's geometry and, with qk_norm, its k_norm weights.
+TEST(LlamaWorkerTest, RecordedRunsGiveADumpWithResidualsAndAnFsqCodec) {
+  for (bool qk_norm : {false, true}) {
+    Spec s;
+    s.qk_norm = qk_norm;
+    auto m = Build(s, RandomTensors(s, 31));
+    ASSERT_TRUE(m.ok());
+    LocalAttention a(m->config()), b(m->config());
+    ASSERT_TRUE(RunReference(*m, {3, 17, 5, 39, 0, 22}, 30, -1, &a).ok());
+    ASSERT_TRUE(RunReference(*m, {8, 1}, 33, -1, &b).ok());
+    const ActivationDump dump = MakeActivationDump(m->config(), {&a, &b}, "test");
+    const std::string path = ::testing::TempDir() + "/llama-worker.dump";
+    ASSERT_TRUE(WriteActivationDump(dump, path).ok());
+    auto back = LoadActivationDump(path);
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(back->tokens, 35 + 34);
+    EXPECT_EQ(back->residual_width, s.dim);
+    ASSERT_EQ(back->x.size(), static_cast<size_t>(s.layers));
+    std::vector<float> x1 = a.residuals(1);
+    x1.insert(x1.end(), b.residuals(1).begin(), b.residuals(1).end());
+    EXPECT_EQ(back->x[1], x1);
+    EXPECT_EQ(back->layers[0].k.size(), static_cast<size_t>(69 * s.kv_heads * s.head_dim));
+
+    auto blob = InitializeFsqCodec(*m, {&a, &b}, 12);
+    ASSERT_TRUE(blob.ok()) << blob.status();
+    auto file = SafetensorsFile::Parse(*blob);
+    ASSERT_TRUE(file.ok());
+    FsqCodecShape shape{s.layers, s.dim, 12, s.kv_heads, s.head_dim, qk_norm, 1e-5f};
+    auto codec = FsqCodec::FromSafetensors(*file, shape);
+    ASSERT_TRUE(codec.ok()) << codec.status();
+    if (qk_norm) {
+      EXPECT_EQ(codec->layer(1).key_norm, m->k_norm(1));
+    }
+    shape.latent_width = 13;
+    EXPECT_EQ(FsqCodec::FromSafetensors(*file, shape).status().code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(InitializeFsqCodec(*m, {&a, &b}, 0).status().code(),
+              absl::StatusCode::kInvalidArgument);
   }
 }
 
