@@ -5,7 +5,8 @@
 # G = 64, 32, 16 (4x, 8x, 16x of the dense K/V bytes), beside INT2-OSCAR calibrated on the
 # same text. Needs: scripts/build.sh kvcd_stories kvcd-calibrate kvcd-eval, and
 # ../shared/data/stories260K. Output in ${OUT:-build/fsq-quality}. STEPS = fine-tuning
-# steps (default 150, Adam lr 2e-3).
+# steps (default 150, Adam lr 2e-3). This is the one-text recipe that overfits; the recipe
+# that generalizes is bench/run-fsq-finetune.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 b=${KVCD_BUILD_DIR:-build}
@@ -28,15 +29,15 @@ for g in 64 32 16; do
   "$b/tools/kvcd-calibrate" fsq --dump "$out/calib.dump" --weights "$out/weights.st" \
     --latent $g --out "$out/fsq-g$g-init.st" | tee "$out/fsq-g$g-init.log"
   "$py" tools/fsq_finetune/finetune.py train "${m[@]}" --codec "$out/fsq-g$g-init.st" \
-    --out "$out/fsq-g$g-tuned.st" --prompt "$A" --positions 512 --steps "$steps" --lr 2e-3 \
+    --out "$out/fsq-g$g-tuned.st" --train "prompt:$A" --positions 512 --steps "$steps" --lr 2e-3 \
     | tee "$out/fsq-g$g-tune.log"
   codecs+=(--codec "fsq-g$g-init=$out/fsq-g$g-init.st" --codec "fsq-g$g-tuned=$out/fsq-g$g-tuned.st")
   for s in init tuned; do
     "$py" tools/fsq_finetune/finetune.py eval "${m[@]}" --codec "$out/fsq-g$g-$s.st" \
-      --prompt "$B" --positions 512 --json "$out/tf-g$g-$s.json"
+      --eval "prompt:$B" --positions 512 --json "$out/tf-g$g-$s.json"
     # 100 tokens greedy from BOS: the setting of the README's daemon INT2 figures.
     "$py" tools/fsq_finetune/finetune.py eval "${m[@]}" --codec "$out/fsq-g$g-$s.st" \
-      --prompt "" --positions 100 --json "$out/bos-g$g-$s.json"
+      --eval "prompt:" --positions 100 --json "$out/bos-g$g-$s.json"
   done
 done
 "$b/tools/kvcd-eval" --dump "$out/eval.dump" "${codecs[@]}" --sink 4 --recent 8 \

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Tests of the Python FSQ tools (tools/fsq_finetune: the JAX stories260K forward pass
-# against the C++ worker, fine-tuning a codec; tools/plot_quality.py) on the real
-# stories260K model (../shared/data; they skip without it). Needs the C++ tools built
-# (scripts/build.sh kvcd_stories kvcd-calibrate kvcd-eval). Creates (or reuses) the virtual
+# Tests of the Python FSQ tools (tools/fsq_finetune: the JAX models against the C++ workers,
+# fine-tuning a codec: training loss and held-out KL go down; tools/plot_quality.py) on the
+# real stories260K model (../shared/data; they skip without it) and SmolLM2 when fetched.
+# Needs the C++ tools built (scripts/build.sh kvcd_stories kvcd-calibrate kvcd-eval
+# kvcd-llama). Creates (or reuses) the virtual
 # environment .cache/fsq-venv with the pinned PyPI packages below (JAX CPU: ~100 MB, no
 # CUDA). Arguments are passed to pytest.
 set -euo pipefail

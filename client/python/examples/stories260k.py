@@ -20,7 +20,6 @@ step whose greedy token differs, and whether the served text equals the referenc
 from __future__ import annotations
 
 import argparse
-import struct
 import sys
 import time
 from dataclasses import dataclass
@@ -31,24 +30,10 @@ import numpy as np
 
 import kvcd
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llama2c  # noqa: E402  (the shared llama2.c checkpoint and tokenizer reader)
 
-@dataclass
-class Config:
-    dim: int
-    hidden_dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    vocab_size: int
-    seq_len: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def kv_dim(self) -> int:
-        return self.n_kv_heads * self.head_dim
+Config = llama2c.Config
 
 
 # attend(layer, pos, q [n_heads, hd], k [n_kv_heads, hd], v [n_kv_heads, hd]) -> o [n_heads, hd]
@@ -56,38 +41,15 @@ AttentionFn = Callable[[int, int, np.ndarray, np.ndarray, np.ndarray], np.ndarra
 
 
 class Model:
-    """A llama2.c legacy checkpoint (header of 7 int32, then FP32 weights), run in float32."""
+    """A llama2.c legacy checkpoint (examples/llama2c.py reads it), run in float32."""
 
     def __init__(self, path: str) -> None:
-        raw = Path(path).read_bytes()
-        h = struct.unpack("<7i", raw[:28])
-        if h[5] < 0:
-            raise ValueError("unshared classifier weights are not supported")
-        self.c = c = Config(*h)
-        w = np.frombuffer(raw, dtype="<f4", offset=28)
-        L, d, kv, hid = c.n_layers, c.dim, c.kv_dim, c.hidden_dim
-        off = 0
-
-        def take(*shape):
-            nonlocal off
-            n = int(np.prod(shape))
-            if off + n > w.size:
-                raise ValueError(f"{path}: truncated weights")
-            a = w[off:off + n].reshape(shape)
-            off += n
-            return a
-
-        self.emb = take(c.vocab_size, d)
-        self.rms_att = take(L, d)
-        self.wq = take(L, d, d)
-        self.wk = take(L, kv, d)
-        self.wv = take(L, kv, d)
-        self.wo = take(L, d, d)
-        self.rms_ffn = take(L, d)
-        self.w1 = take(L, hid, d)
-        self.w2 = take(L, d, hid)
-        self.w3 = take(L, hid, d)
-        self.rms_final = take(d)
+        self.c, w = llama2c.read_checkpoint(path)
+        c, d = self.c, self.c.dim
+        self.emb, self.rms_att, self.rms_ffn, self.rms_final = (
+            w["emb"], w["rms_att"], w["rms_ffn"], w["rms_final"])
+        self.wq, self.wk, self.wv, self.wo = w["wq"], w["wk"], w["wv"], w["wo"]
+        self.w1, self.w2, self.w3 = w["w1"], w["w2"], w["w3"]
         hd = c.head_dim
         # RoPE on adjacent pairs (2i, 2i+1) of each head, angle pos * 10000^(-(2i mod hd)/hd)
         self._freq = np.power(np.float32(10000.0),
@@ -156,51 +118,7 @@ class LocalAttention:
                 np.stack([np.stack(self.v[l][begin:end]) for l in range(self.c.n_layers)]))
 
 
-class Tokenizer:
-    """tok512.bin: int32 max_token_length, then per token float32 score, int32 length, bytes."""
-
-    def __init__(self, path: str, vocab_size: int) -> None:
-        raw = Path(path).read_bytes()
-        off = 4
-        self.vocab: List[bytes] = []
-        self.scores: List[float] = []
-        for _ in range(vocab_size):
-            score, n = struct.unpack_from("<fi", raw, off)
-            off += 8
-            self.vocab.append(raw[off:off + n])
-            self.scores.append(score)
-            off += n
-        self.index = {t: i for i, t in reversed(list(enumerate(self.vocab)))}
-
-    def encode(self, text: str) -> List[int]:
-        """BOS, a dummy-prefix space, then BPE merges by score (llama2.c)."""
-        if not text:
-            return [1]
-        ids = []
-        for ch in " " + text:
-            b = ch.encode()
-            if b in self.index:
-                ids.append(self.index[b])
-            else:
-                ids.extend(x + 3 for x in b)  # byte fallback
-        while True:
-            best, best_id, best_at = -1e10, -1, -1
-            for i in range(len(ids) - 1):
-                j = self.index.get(self.vocab[ids[i]] + self.vocab[ids[i + 1]])
-                if j is not None and self.scores[j] > best:
-                    best, best_id, best_at = self.scores[j], j, i
-            if best_at < 0:
-                break
-            ids[best_at:best_at + 2] = [best_id]
-        return [1] + ids
-
-    def piece(self, prev: int, token: int) -> bytes:
-        p = self.vocab[token]
-        if prev == 1 and p.startswith(b" "):
-            p = p[1:]
-        if len(p) == 6 and p.startswith(b"<0x") and p.endswith(b">"):
-            return bytes([int(p[3:5], 16)])
-        return p
+Tokenizer = llama2c.Tokenizer
 
 
 @dataclass
