@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 
-
 namespace kvcd {
 namespace {
 
@@ -27,7 +26,8 @@ double GaussianUniformMse(int bits, double step) {
   double mse = 0;
   for (int k = 0; k < levels; ++k) {
     const double c = (k - (levels - 1) / 2.0) * step;
-    const double a = k == 0 ? -INFINITY : c - step / 2, b = k == levels - 1 ? INFINITY : c + step / 2;
+    const double a = k == 0 ? -INFINITY : c - step / 2,
+                 b = k == levels - 1 ? INFINITY : c + step / 2;
     mse += CellMse(a, b, c);
   }
   return mse;
@@ -51,7 +51,8 @@ double GaussianUniformStep(int bits) {
 const std::vector<double>& GaussianUniformMseTable() {
   static const std::vector<double> table = [] {
     std::vector<double> t;
-    for (int b = 0; b <= kMaxDirectionBits; ++b) t.push_back(GaussianUniformMse(b, GaussianUniformStep(b)));
+    for (int b = 0; b <= kMaxDirectionBits; ++b)
+      t.push_back(GaussianUniformMse(b, GaussianUniformStep(b)));
     return t;
   }();
   return table;

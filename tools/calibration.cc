@@ -114,8 +114,10 @@ absl::StatusOr<std::vector<LayerCalibration>> Calibrate(const ActivationDump& du
       std::copy(rv.begin(), rv.end(), codec.r_v.begin() + g * dd);
       c.orthogonality_k = std::max(c.orthogonality_k, OrthogonalityError(rk, d));
       c.orthogonality_v = std::max(c.orthogonality_v, OrthogonalityError(rv, d));
-      c.spread_k = std::max(c.spread_k, EigenSpread(ek));
-      c.spread_v = std::max(c.spread_v, EigenSpread(ev));
+      if (!opt.hadamard) {  // --hadamard fits no covariance: nothing to be singular
+        c.spread_k = std::max(c.spread_k, EigenSpread(ek));
+        c.spread_v = std::max(c.spread_v, EigenSpread(ev));
+      }
     }
     // Scoring: K/V as kvcd stores them at each held-out query (BF16 windows).
     std::vector<float> kb(a.k.size()), vb(a.v.size()), kh(a.k.size()), vh(a.v.size());

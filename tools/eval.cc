@@ -6,10 +6,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/codec_profile.h"
+#include "common/key_transform_profile.h"
 #include "common/rotation.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/fp16.h"
 #include "kvcd/kernels/int2_codec.h"
+#include "tools/transform_calibration.h"
 
 namespace kvcd {
 namespace {
@@ -331,9 +333,14 @@ absl::StatusOr<EvalCodec> LoadInt2Codec(const SafetensorsFile& file, const Activ
     }
     return c;
   }
+  if (version->second == "3") {
+    auto profile = KeyTransformProfile::FromSafetensors(file, layers, hkv, d);
+    if (!profile.ok()) return profile.status();
+    return KeyTransformEvalCodec(*profile, name);
+  }
   if (version->second != "2") {
     return absl::InvalidArgumentError(
-        absl::StrCat("codec file version ", version->second, ": expected 1 or 2"));
+        absl::StrCat("codec file version ", version->second, ": expected 1, 2 or 3"));
   }
   if (file.Has(absl::StrCat("layers.", layers, ".r_k"))) {
     return absl::InvalidArgumentError(

@@ -17,21 +17,27 @@
 
 namespace {
 
-constexpr char kUsage[] = R"(kvcd-int2-study — uneven bits across eigen-directions at the INT2 budget
+constexpr char kUsage[] =
+    R"(kvcd-int2-study — uneven bits across eigen-directions at the INT2 budget
 
 Usage: kvcd-int2-study --calib CALIB.dump.safetensors --heldout HELDOUT.dump.safetensors
                        [--codec NAME=CODEC.safetensors ...] [--positions 48]
                        [--sink 64] [--recent 256] [--step-scales 1.0[,...]]
-                       [--variants all|best] [--json OUT.json]
+                       [--variants all|best] [--kv-shifts 0[,32,...]] [--json OUT.json]
+                       [--out-codec OUT.safetensors]
 
 Fits per layer and KV head transform codes on the calibration dump (rows past the sink):
 keys in the basis whitened by the query group's second moment (the logit error is plain
 squared error there), values in their covariance's eigenbasis; 144 code bits per row
 allocated across directions by reverse water-filling plus one FP16 gain per row: 160 bits
-per 64-value row, the budget of INT2 with an FP16 scale and min. Prints the spectral
+per 64-value row, the budget of INT2 with an FP16 scale and min (--kv-shifts S moves S code
+bits per row from V to K: the same 2.5 bits per element on average over K and V). Prints the spectral
 prediction (model distortion against Hadamard, and the Gaussian rate-distortion floor),
 then kvcd-eval's figures on the held-out dump for each variant, Hadamard INT2 and every
---codec file, and the split of the best variant's error between K and V.
+--codec file, and the split of the best variant's error between K and V. --out-codec
+writes codec file version 3 (common/key_transform_profile.h): keys by the first variant's
+transform code, values by Hadamard INT2 at the default clip (the combination that halves
+Hadamard INT2's error; kvcd-eval reads the file).
 )";
 
 int Usage(const char* why) {
@@ -48,9 +54,10 @@ struct Variant {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string calib_path, heldout_path, json_path, variants = "all";
+  std::string calib_path, heldout_path, json_path, out_codec, variants = "all";
   std::vector<std::pair<std::string, std::string>> codec_files;
   std::vector<double> step_scales = {1.0};
+  std::vector<int> kv_shifts = {0};
   kvcd::EvalOptions eo;
   eo.positions = 48;
   for (int i = 1; i < argc; ++i) {
@@ -65,6 +72,8 @@ int main(int argc, char** argv) {
       heldout_path = v;
     } else if (a == "--json") {
       json_path = v;
+    } else if (a == "--out-codec") {
+      out_codec = v;
     } else if (a == "--variants") {
       variants = v;
       ok = v == "all" || v == "best";
@@ -78,6 +87,13 @@ int main(int argc, char** argv) {
       ok = absl::SimpleAtoi(v, &eo.sink) && eo.sink >= 0;
     } else if (a == "--recent") {
       ok = absl::SimpleAtoi(v, &eo.recent) && eo.recent >= 0;
+    } else if (a == "--kv-shifts") {
+      kv_shifts.clear();
+      for (auto s : absl::StrSplit(v, ',')) {
+        int x = 0;
+        ok = ok && absl::SimpleAtoi(s, &x) && x > -144 && x < 144;
+        kv_shifts.push_back(x);
+      }
     } else if (a == "--step-scales") {
       step_scales.clear();
       for (auto s : absl::StrSplit(v, ',')) {
@@ -90,7 +106,8 @@ int main(int argc, char** argv) {
     }
     if (!ok) return Usage(("bad value for " + a + ": " + v).c_str());
   }
-  if (calib_path.empty() || heldout_path.empty()) return Usage("--calib and --heldout are required");
+  if (calib_path.empty() || heldout_path.empty())
+    return Usage("--calib and --heldout are required");
   auto calib = kvcd::LoadActivationDump(calib_path);
   if (!calib.ok()) return std::fprintf(stderr, "%s\n", calib.status().ToString().c_str()), 1;
   auto held = kvcd::LoadActivationDump(heldout_path);
@@ -125,6 +142,13 @@ int main(int argc, char** argv) {
     ng.opt.k.row_gain = ng.opt.v.row_gain = false;
     ng.opt.k.code_bits = ng.opt.v.code_bits = 160;
     vs.push_back(ng);
+  }
+  for (int shift : kv_shifts) {
+    if (shift == 0) continue;
+    Variant w{"tc-whiten-kv" + std::to_string(144 + shift) + "/" + std::to_string(144 - shift), {}};
+    w.opt.k.code_bits = 144 + shift;
+    w.opt.v.code_bits = 144 - shift;
+    vs.push_back(w);
   }
 
   std::vector<kvcd::EvalCodec> codecs;
@@ -161,9 +185,10 @@ int main(int argc, char** argv) {
       std::printf("%-24s %-2s %10.3f %10.3f %10.3f %10.3f\n", v.name.c_str(), which ? "V" : "K",
                   std::exp(la / count), std::exp(lu / count), std::exp(lf / count),
                   std::sqrt(std::exp(la / count)));
-      out["prediction"][v.name][which ? "v" : "k"] = {{"alloc_over_hadamard", std::exp(la / count)},
-                                                      {"uniform_over_hadamard", std::exp(lu / count)},
-                                                      {"rd_floor_over_hadamard", std::exp(lf / count)}};
+      out["prediction"][v.name][which ? "v" : "k"] = {
+          {"alloc_over_hadamard", std::exp(la / count)},
+          {"uniform_over_hadamard", std::exp(lu / count)},
+          {"rd_floor_over_hadamard", std::exp(lf / count)}};
     }
     if (v.name == "tc-whiten") {
       std::printf("bits per direction, tc-whiten, layer 0 head 0 K:");
@@ -176,6 +201,25 @@ int main(int argc, char** argv) {
     codecs.push_back(kvcd::TransformEvalCodec(shared, v.name, hkv));
   }
   std::fflush(stdout);
+  if (!out_codec.empty()) {
+    std::vector<kvcd::Int2Layer> values(held->num_layers);
+    for (auto& v : values) {
+      v.r_v = standard[2].int2[0].r_v;
+      v.r_k = v.r_v;
+      v.rho_k = {1.0f};
+      v.rho_v = standard[2].int2[0].rho_v;
+    }
+    const auto heads = kvcd::KeyTransformHeads(*cals[0], values);
+    auto st = kvcd::KeyTransformProfile::ToSafetensors(heads, held->num_layers, hkv, d, calib_path)
+                  .WriteFile(out_codec);
+    if (!st.ok()) return std::fprintf(stderr, "%s\n", std::string(st.message()).c_str()), 1;
+    auto file = kvcd::SafetensorsFile::Load(out_codec);
+    if (!file.ok()) return std::fprintf(stderr, "%s\n", file.status().ToString().c_str()), 1;
+    auto c = kvcd::LoadInt2Codec(*file, *held, "file:" + out_codec);
+    if (!c.ok()) return std::fprintf(stderr, "%s\n", c.status().ToString().c_str()), 1;
+    codecs.push_back(std::move(*c));
+    std::printf("wrote codec file version 3: %s\n", out_codec.c_str());
+  }
   // The K / V split for Hadamard and for the first variant.
   for (int keep = 1; keep <= 2; ++keep) {
     kvcd::EvalCodec h;
@@ -191,6 +235,28 @@ int main(int argc, char** argv) {
         return;
       }
       kvcd::Int2RoundTrip(rows, n, hkv, d, layers[l], which, -1, o);
+    };
+    codecs.push_back(std::move(h));
+  }
+  // Hybrids: keys through the first variant's transform code, values through INT2 with
+  // Hadamard's default clip or each --codec file's rotation and value clip (K: the
+  // transform's 160 bits per row, V: INT2's 2 + 32/64 bits per element).
+  const size_t int2_codecs = 1 + codec_files.size();
+  for (size_t i = 0; i < int2_codecs; ++i) {
+    kvcd::EvalCodec h =
+        kvcd::TransformEvalCodec(cals[0], vs[0].name + "-K+" + codecs[i].name + "-V", hkv);
+    const auto layers = codecs[i].int2;
+    const auto keys = h.round_trip;
+    h.row_bits_v = 2.0 * d + 32;
+    h.rows_fixed_bytes /= 2;  // the transform's K half
+    for (const auto& il : layers) h.rows_fixed_bytes += il.groups * d * d * 4.0;
+    h.round_trip = [layers, hkv, d, keys](int l, int which, const std::vector<float>& rows,
+                                          int64_t n, std::vector<float>* o) {
+      if (which == 0) {
+        keys(l, which, rows, n, o);
+      } else {
+        kvcd::Int2RoundTrip(rows, n, hkv, d, layers[l], which, -1, o);
+      }
     };
     codecs.push_back(std::move(h));
   }
@@ -211,8 +277,10 @@ int main(int argc, char** argv) {
                             : 2.0 + 32.0 / d;
     std::printf("%-28s %10.4f %10.4f %10.3f %12.3f %12.0f\n", r.name.c_str(), r.overall.out_err,
                 r.overall.kl_mean, r.overall.kl_p99, hist, r.fixed_bytes);
-    nlohmann::json j = {{"out_err", r.overall.out_err}, {"kl_mean", r.overall.kl_mean},
-                        {"kl_p99", r.overall.kl_p99}, {"history_bits_per_element", hist},
+    nlohmann::json j = {{"out_err", r.overall.out_err},
+                        {"kl_mean", r.overall.kl_mean},
+                        {"kl_p99", r.overall.kl_p99},
+                        {"history_bits_per_element", hist},
                         {"bits_per_element_with_windows", r.bits_per_element},
                         {"fixed_bytes", r.fixed_bytes}};
     for (const auto& l : r.layers) j["layers_out_err"].push_back(l.out_err);

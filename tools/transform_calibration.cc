@@ -14,7 +14,6 @@ HeadPrediction Predict(const TransformCodec& c, const std::vector<double>& w,
   const int d = c.d;
   const auto& mse = GaussianUniformMseTable();
   HeadPrediction p;
-  double total = std::accumulate(w.begin(), w.end(), 0.0);  // tr(W C) in the fitted basis
   double tr_w = d;
   if (!metric.empty()) {
     tr_w = 0;
@@ -36,7 +35,6 @@ HeadPrediction Predict(const TransformCodec& c, const std::vector<double>& w,
     p.uniform += w[i] * mse[b];
   }
   p.rd_floor = ReverseWaterFilling(w, budget_bits);
-  (void)total;
   return p;
 }
 
@@ -47,9 +45,9 @@ absl::StatusOr<TransformCalibration> CalibrateTransforms(const ActivationDump& d
   const int d = dump.head_dim, hq = dump.num_q_heads, hkv = dump.num_kv_heads, g = hq / hkv;
   const int64_t n = dump.tokens, first = std::min<int64_t>(opt.first_row, n);
   if (n - first < 2 * d) {
-    return absl::InvalidArgumentError(absl::StrCat("the calibration dump has ", n - first,
-                                                   " rows past row ", first, ", fewer than 2 * head_dim = ",
-                                                   2 * d, ": the covariances would be singular"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("the calibration dump has ", n - first, " rows past row ", first,
+                     ", fewer than 2 * head_dim = ", 2 * d, ": the covariances would be singular"));
   }
   TransformCalibration cal;
   for (int l = 0; l < dump.num_layers; ++l) {
@@ -85,9 +83,9 @@ absl::StatusOr<TransformCalibration> CalibrateTransforms(const ActivationDump& d
           for (int i = 0; i < d; ++i) c->bits[i] = code / d + (i < code % d ? 1 : 0);
         }
       }
-      const int budget = ck.RowBits() + (opt.k.row_gain ? 0 : 16);
-      cal.pred_k.back().push_back(Predict(ck, wk, sq, budget));
-      cal.pred_v.back().push_back(Predict(cv, wv, {}, budget));
+      // The floor at the row's whole budget (codes and gain: 160 bits at 2.5 bits/element).
+      cal.pred_k.back().push_back(Predict(ck, wk, sq, ko.code_bits + (ko.row_gain ? 16 : 0)));
+      cal.pred_v.back().push_back(Predict(cv, wv, {}, vo.code_bits + (vo.row_gain ? 16 : 0)));
       cal.k.back().push_back(std::move(ck));
       cal.v.back().push_back(std::move(cv));
     }
@@ -105,7 +103,8 @@ EvalCodec TransformEvalCodec(std::shared_ptr<const TransformCalibration> cal,
   c.row_bits_k = keep == 2 ? 16.0 * d : k0.RowBits();
   c.row_bits_v = keep == 1 ? 16.0 * d : cal->v[0][0].RowBits();
   // Per head: encode, decode (f32), mean, sigma (f32), bits (one byte each), K and V.
-  c.rows_fixed_bytes = static_cast<double>(cal->k.size()) * hkv * 2 * (2.0 * d * d * 4 + 2 * d * 4 + d);
+  c.rows_fixed_bytes =
+      static_cast<double>(cal->k.size()) * hkv * 2 * (2.0 * d * d * 4 + 2 * d * 4 + d);
   c.round_trip = [cal, hkv, keep](int layer, int which, const std::vector<float>& rows, int64_t n,
                                   std::vector<float>* out) {
     if ((which == 0 && keep == 2) || (which == 1 && keep == 1)) {
@@ -116,7 +115,75 @@ EvalCodec TransformEvalCodec(std::shared_ptr<const TransformCalibration> cal,
     const int d = codecs[0].d;
     for (int64_t t = 0; t < n; ++t)
       for (int h = 0; h < hkv; ++h)
-        TransformRoundTrip(codecs[h], rows.data() + (t * hkv + h) * d, out->data() + (t * hkv + h) * d);
+        TransformRoundTrip(codecs[h], rows.data() + (t * hkv + h) * d,
+                           out->data() + (t * hkv + h) * d);
+  };
+  return c;
+}
+
+std::vector<KeyTransformProfile::Head> KeyTransformHeads(const TransformCalibration& cal,
+                                                         const std::vector<Int2Layer>& values) {
+  std::vector<KeyTransformProfile::Head> heads;
+  for (size_t l = 0; l < cal.k.size(); ++l) {
+    for (size_t h = 0; h < cal.k[l].size(); ++h) {
+      const TransformCodec& c = cal.k[l][h];
+      const Int2Layer& v = values[l];
+      const size_t dd = static_cast<size_t>(c.d) * c.d, g = v.Group(static_cast<int>(h));
+      KeyTransformProfile::Head x;
+      x.k_encode.assign(c.encode.begin(), c.encode.end());
+      x.k_decode.assign(c.decode.begin(), c.decode.end());
+      x.k_mean.assign(c.mean.begin(), c.mean.end());
+      x.k_sigma.assign(c.sigma.begin(), c.sigma.end());
+      x.k_bits = c.bits;
+      x.r_v.assign(v.r_v.begin() + g * dd, v.r_v.begin() + (g + 1) * dd);
+      x.rho_v = v.rho_v[g];
+      heads.push_back(std::move(x));
+    }
+  }
+  return heads;
+}
+
+EvalCodec KeyTransformEvalCodec(const KeyTransformProfile& p, const std::string& name) {
+  const int d = p.head_dim(), hkv = p.num_kv_heads();
+  auto keys = std::make_shared<std::vector<TransformCodec>>();  // [layer][kv head]
+  auto values = std::make_shared<std::vector<Int2Layer>>();
+  for (int l = 0; l < p.num_layers(); ++l) {
+    Int2Layer v;
+    v.groups = hkv;
+    for (int h = 0; h < hkv; ++h) {
+      const KeyTransformProfile::Head& x = p.head(l, h);
+      TransformCodec c;
+      c.d = d;
+      c.encode.assign(x.k_encode.begin(), x.k_encode.end());
+      c.decode.assign(x.k_decode.begin(), x.k_decode.end());
+      c.mean.assign(x.k_mean.begin(), x.k_mean.end());
+      c.sigma.assign(x.k_sigma.begin(), x.k_sigma.end());
+      c.bits = x.k_bits;
+      keys->push_back(std::move(c));
+      v.r_k.insert(v.r_k.end(), x.r_v.begin(), x.r_v.end());  // unused (keys are transform-coded)
+      v.r_v.insert(v.r_v.end(), x.r_v.begin(), x.r_v.end());
+      v.rho_k.push_back(1.0f);
+      v.rho_v.push_back(x.rho_v);
+    }
+    values->push_back(std::move(v));
+  }
+  EvalCodec c;
+  c.name = name;
+  c.kind = EvalCodec::Kind::kRows;
+  c.row_bits_k = p.key_code_bits() + 16;
+  c.row_bits_v = 2.0 * d + 32;
+  c.rows_fixed_bytes =
+      static_cast<double>(p.num_layers()) * hkv * (3.0 * d * d * 4 + 3 * d * 4 + 4);
+  c.round_trip = [keys, values, hkv, d](int l, int which, const std::vector<float>& rows, int64_t n,
+                                        std::vector<float>* out) {
+    if (which == 1) {
+      Int2RoundTrip(rows, n, hkv, d, (*values)[l], 1, -1, out);
+      return;
+    }
+    for (int64_t t = 0; t < n; ++t)
+      for (int h = 0; h < hkv; ++h)
+        TransformRoundTrip((*keys)[static_cast<size_t>(l) * hkv + h],
+                           rows.data() + (t * hkv + h) * d, out->data() + (t * hkv + h) * d);
   };
   return c;
 }

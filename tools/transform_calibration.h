@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/activation_dump.h"
+#include "common/key_transform_profile.h"
 #include "tools/eval.h"
 #include "tools/transform_codec.h"
 
@@ -17,7 +18,7 @@ namespace kvcd {
 
 struct TransformCalibrationOptions {
   TransformFitOptions k, v;
-  int64_t first_row = 64;  // rows before it (the BF16 sink) are not fitted: never coded
+  int64_t first_row = 64;     // rows before it (the BF16 sink) are not fitted: never coded
   bool uniform_bits = false;  // control: bits spread evenly, same basis and budget
 };
 
@@ -39,7 +40,15 @@ absl::StatusOr<TransformCalibration> CalibrateTransforms(const ActivationDump& d
                                                          const TransformCalibrationOptions& opt);
 
 // The codec as a kvcd-eval row code. keep: 0 both coded, 1 only K coded (V exact), 2 only V.
-EvalCodec TransformEvalCodec(std::shared_ptr<const TransformCalibration> cal, const std::string& name,
-                             int hkv, int keep = 0);
+EvalCodec TransformEvalCodec(std::shared_ptr<const TransformCalibration> cal,
+                             const std::string& name, int hkv, int keep = 0);
+
+// Codec file version 3: keys from `cal`, values INT2 through `values` (one Int2Layer per
+// layer, per layer or per KV head).
+std::vector<KeyTransformProfile::Head> KeyTransformHeads(const TransformCalibration& cal,
+                                                         const std::vector<Int2Layer>& values);
+
+// The round trip of a version-3 file: keys through the transform code, values through INT2.
+EvalCodec KeyTransformEvalCodec(const KeyTransformProfile& profile, const std::string& name);
 
 }  // namespace kvcd

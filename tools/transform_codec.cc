@@ -43,7 +43,8 @@ void TransformRoundTrip(const TransformCodec& c, const float* x, float* out) {
       g = std::max(g, std::fabs(z[i]) / (half_range * c.overload));
     }
     // FP16 of g (1 + 2^-10): at least g after round-to-nearest (10 mantissa bits).
-    const float h = kernels::HalfToFloat(kernels::FloatToHalf(static_cast<float>(g * (1 + 1.0 / 1024))));
+    const float h =
+        kernels::HalfToFloat(kernels::FloatToHalf(static_cast<float>(g * (1 + 1.0 / 1024))));
     gain = h > 0 && std::isfinite(h) ? h : 1.0;
   }
   for (int i = 0; i < d; ++i) {
@@ -92,8 +93,8 @@ TransformCodec FitTransform(const std::vector<double>& rows, int64_t n, int d,
     Eigen::SelfAdjointEigenSolver<Mat> ws(w);
     const Eigen::VectorXd ev = ws.eigenvalues().cwiseMax(0.0);
     const Mat a = ws.eigenvectors() * ev.cwiseSqrt().asDiagonal() * ws.eigenvectors().transpose();
-    const Mat a_inv =
-        ws.eigenvectors() * ev.cwiseSqrt().cwiseInverse().asDiagonal() * ws.eigenvectors().transpose();
+    const Mat a_inv = ws.eigenvectors() * ev.cwiseSqrt().cwiseInverse().asDiagonal() *
+                      ws.eigenvectors().transpose();
     Eigen::SelfAdjointEigenSolver<Mat> ms(a * cov * a);
     const Mat v = ms.eigenvectors().rowwise().reverse();  // descending
     enc = v.transpose() * a;

@@ -30,7 +30,8 @@ std::vector<double> RandomOrthogonal(int d, std::mt19937_64& rng) {
 
 // n rows x = mean + sum_i sqrt(var_i) z_i basis_row_i.
 std::vector<double> GaussianRows(int64_t n, int d, const std::vector<double>& var,
-                                 const std::vector<double>& basis, double mean, std::mt19937_64& rng) {
+                                 const std::vector<double>& basis, double mean,
+                                 std::mt19937_64& rng) {
   std::normal_distribution<double> g;
   std::vector<double> rows(static_cast<size_t>(n) * d, mean);
   for (int64_t t = 0; t < n; ++t)
@@ -50,7 +51,8 @@ TEST(TransformCodec, RowOnTheQuantizerLevelsRoundTripsExactly) {
   c.sigma = {2, 1, 1, 1};
   c.bits = {3, 2, 1, 0};
   c.row_gain = false;
-  const double s3 = GaussianUniformStep(3), s2 = GaussianUniformStep(2), s1 = GaussianUniformStep(1);
+  const double s3 = GaussianUniformStep(3), s2 = GaussianUniformStep(2),
+               s1 = GaussianUniformStep(1);
   const float x[4] = {static_cast<float>(1 + 2 * 2.5 * s3), static_cast<float>(2 - 1.5 * s2),
                       static_cast<float>(3 + 0.5 * s1), 17.0f};
   float out[4];
