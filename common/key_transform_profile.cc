@@ -11,10 +11,10 @@ absl::StatusOr<KeyTransformProfile> KeyTransformProfile::FromSafetensors(
     const SafetensorsFile& file, int num_layers, int hkv, int d) {
   auto version = file.metadata().find("kvcd.codec_version");
   if (version == file.metadata().end() || version->second != "3") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "codec file version ",
-        version == file.metadata().end() ? std::string("1") : version->second,
-        ": expected 3 (transform-coded keys, kvcd.codec_version = \"3\")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("codec file version ",
+                     version == file.metadata().end() ? std::string("1") : version->second,
+                     ": expected 3 (transform-coded keys, kvcd.codec_version = \"3\")"));
   }
   if (file.Has(absl::StrCat("layers.", num_layers, ".k_encode"))) {
     return absl::InvalidArgumentError(
@@ -27,14 +27,15 @@ absl::StatusOr<KeyTransformProfile> KeyTransformProfile::FromSafetensors(
   p.head_dim_ = d;
   const size_t dd = static_cast<size_t>(d) * d;
   for (int l = 0; l < num_layers; ++l) {
-    auto read = [&](const char* what, std::vector<int64_t> shape) -> absl::StatusOr<std::vector<float>> {
+    auto read = [&](const char* what,
+                    std::vector<int64_t> shape) -> absl::StatusOr<std::vector<float>> {
       const std::string name = absl::StrCat("layers.", l, ".", what);
       auto v = file.ReadFloats(name, shape);
       if (!v.ok()) {
         std::string s;
         for (int64_t x : shape) absl::StrAppend(&s, s.empty() ? "" : ", ", x);
-        return absl::InvalidArgumentError(absl::StrCat("codec file version 3: ", v.status().message(),
-                                                       " (", name, " must be F32 [", s, "])"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "codec file version 3: ", v.status().message(), " (", name, " must be F32 [", s, "])"));
       }
       return v;
     };
@@ -66,7 +67,8 @@ absl::StatusOr<KeyTransformProfile> KeyTransformProfile::FromSafetensors(
         const float b = (*bits)[h * d + i];
         if (!(b >= 0 && b <= 8 && b == std::floor(b))) {
           return absl::InvalidArgumentError(absl::StrCat("codec file: ", at, "k_bits[", h, "][", i,
-                                                         "] = ", b, ", expected an integer in 0..8"));
+                                                         "] = ", b,
+                                                         ", expected an integer in 0..8"));
         }
         if (i > 0 && b > hd.k_bits.back()) {
           return absl::InvalidArgumentError(absl::StrCat("codec file: ", at, "k_bits[", h,
@@ -100,13 +102,13 @@ absl::StatusOr<KeyTransformProfile> KeyTransformProfile::FromSafetensors(
       p.key_code_bits_ = sum;
       const double err = OrthogonalityError(hd.r_v, d);
       if (!(err <= 1e-3)) {
-        return absl::InvalidArgumentError(absl::StrCat("codec file: ", at, "r_v[", h,
-                                                       "] is not orthogonal (max |R R^T - I| = ",
-                                                       err, ", expected <= 1e-3)"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("codec file: ", at, "r_v[", h,
+                         "] is not orthogonal (max |R R^T - I| = ", err, ", expected <= 1e-3)"));
       }
       if (!(hd.rho_v > 0.0f && hd.rho_v <= 1.0f)) {
-        return absl::InvalidArgumentError(absl::StrCat("codec file: ", at, "rho_v[", h, "] = ",
-                                                       hd.rho_v, ", expected (0, 1]"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("codec file: ", at, "rho_v[", h, "] = ", hd.rho_v, ", expected (0, 1]"));
       }
       p.heads_.push_back(std::move(hd));
     }

@@ -24,7 +24,7 @@ Usage: kvcd-int2-study --calib CALIB.dump.safetensors --heldout HELDOUT.dump.saf
                        [--codec NAME=CODEC.safetensors ...] [--positions 48]
                        [--sink 64] [--recent 256] [--step-scales 1.0[,...]]
                        [--variants all|best] [--kv-shifts 0[,32,...]] [--json OUT.json]
-                       [--out-codec OUT.safetensors]
+                       [--out-codec OUT.safetensors] [--search-v-clip FLOOR]
 
 Fits per layer and KV head transform codes on the calibration dump (rows past the sink):
 keys in the basis whitened by the query group's second moment (the logit error is plain
@@ -37,7 +37,9 @@ then kvcd-eval's figures on the held-out dump for each variant, Hadamard INT2 an
 --codec file, and the split of the best variant's error between K and V. --out-codec
 writes codec file version 3 (common/key_transform_profile.h): keys by the first variant's
 transform code, values by Hadamard INT2 at the default clip (the combination that halves
-Hadamard INT2's error; kvcd-eval reads the file).
+Hadamard INT2's error; kvcd-eval reads the file). --search-v-clip FLOOR: the values' clip
+per KV head searched over FLOOR..1.00 on the calibration dump's last 20% of queries (24 of
+them) with the keys transform-coded, for the file and as one more hybrid.
 )";
 
 int Usage(const char* why) {
@@ -58,6 +60,7 @@ int main(int argc, char** argv) {
   std::vector<std::pair<std::string, std::string>> codec_files;
   std::vector<double> step_scales = {1.0};
   std::vector<int> kv_shifts = {0};
+  float v_clip_floor = 0;  // 0: no value clip search
   kvcd::EvalOptions eo;
   eo.positions = 48;
   for (int i = 1; i < argc; ++i) {
@@ -87,6 +90,8 @@ int main(int argc, char** argv) {
       ok = absl::SimpleAtoi(v, &eo.sink) && eo.sink >= 0;
     } else if (a == "--recent") {
       ok = absl::SimpleAtoi(v, &eo.recent) && eo.recent >= 0;
+    } else if (a == "--search-v-clip") {
+      ok = absl::SimpleAtof(v, &v_clip_floor) && v_clip_floor > 0 && v_clip_floor <= 1;
     } else if (a == "--kv-shifts") {
       kv_shifts.clear();
       for (auto s : absl::StrSplit(v, ',')) {
@@ -201,14 +206,22 @@ int main(int argc, char** argv) {
     codecs.push_back(kvcd::TransformEvalCodec(shared, v.name, hkv));
   }
   std::fflush(stdout);
+  std::vector<kvcd::Int2Layer> values(held->num_layers);
+  for (auto& v : values) {
+    v.r_v = standard[2].int2[0].r_v;
+    v.r_k = v.r_v;
+    v.rho_k = {1.0f};
+    v.rho_v = standard[2].int2[0].rho_v;
+  }
+  if (v_clip_floor > 0) {
+    values = kvcd::SearchValueClips(*calib, *cals[0], 0.2, 24, v_clip_floor,
+                                    kvcd::StoredWindows{eo.sink, eo.recent});
+    std::printf("value clips searched (floor %.2f):", v_clip_floor);
+    for (const auto& v : values)
+      for (float r : v.rho_v) std::printf(" %.2f", r);
+    std::printf("\n");
+  }
   if (!out_codec.empty()) {
-    std::vector<kvcd::Int2Layer> values(held->num_layers);
-    for (auto& v : values) {
-      v.r_v = standard[2].int2[0].r_v;
-      v.r_k = v.r_v;
-      v.rho_k = {1.0f};
-      v.rho_v = standard[2].int2[0].rho_v;
-    }
     const auto heads = kvcd::KeyTransformHeads(*cals[0], values);
     auto st = kvcd::KeyTransformProfile::ToSafetensors(heads, held->num_layers, hkv, d, calib_path)
                   .WriteFile(out_codec);

@@ -4,7 +4,11 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "common/rotation.h"
+#include "kvcd/kernels/bf16.h"
+#include "kvcd/kernels/int2_codec.h"
 #include "tools/bit_allocation.h"
+#include "tools/calibration.h"
 
 namespace kvcd {
 namespace {
@@ -119,6 +123,52 @@ EvalCodec TransformEvalCodec(std::shared_ptr<const TransformCalibration> cal,
                            out->data() + (t * hkv + h) * d);
   };
   return c;
+}
+
+std::vector<Int2Layer> SearchValueClips(const ActivationDump& dump, const TransformCalibration& cal,
+                                        double holdout, int max_queries, float clip_floor,
+                                        const StoredWindows& windows) {
+  const int d = dump.head_dim, hq = dump.num_q_heads, hkv = dump.num_kv_heads;
+  const int64_t n = dump.tokens;
+  const int64_t train = std::max<int64_t>(1, static_cast<int64_t>(n * (1.0 - holdout)));
+  const std::vector<int64_t> queries = HeldOutQueries(train, n, max_queries);
+  const std::vector<float> h = HadamardMatrix(d), grid = ClipGrid(clip_floor);
+  std::vector<Int2Layer> out;
+  for (int l = 0; l < dump.num_layers; ++l) {
+    const LayerActivations& a = dump.layers[l];
+    Int2Layer v;
+    v.groups = hkv;
+    for (int g = 0; g < hkv; ++g) {
+      v.r_k.insert(v.r_k.end(), h.begin(), h.end());
+      v.r_v.insert(v.r_v.end(), h.begin(), h.end());
+    }
+    v.rho_k.assign(hkv, 1.0f);
+    v.rho_v.assign(hkv, kernels::kDefaultRhoV);
+    std::vector<float> kb(a.k.size()), vb(a.v.size()), kh(a.k.size()), vh(a.v.size());
+    for (size_t i = 0; i < a.k.size(); ++i) {
+      kb[i] = kernels::Bf16ToFloat(kernels::FloatToBf16(a.k[i]));
+      vb[i] = kernels::Bf16ToFloat(kernels::FloatToBf16(a.v[i]));
+    }
+    for (int64_t t = 0; t < n; ++t)
+      for (int g = 0; g < hkv; ++g)
+        TransformRoundTrip(cal.k[l][g], a.k.data() + (t * hkv + g) * d,
+                           kh.data() + (t * hkv + g) * d);
+    const std::vector<double> exact = ExactOutputs(a, hq, hkv, d, queries);
+    for (int g = 0; g < hkv; ++g) {
+      double best = 1e300;
+      float best_rho = v.rho_v[g];
+      for (float r : grid) {
+        v.rho_v[g] = r;
+        Int2RoundTrip(a.v, n, hkv, d, v, 1, g, &vh);
+        const double e =
+            StoredAttentionError(a, hq, hkv, d, kb, vb, kh, vh, windows, queries, g, &exact);
+        if (e < best) best = e, best_rho = r;
+      }
+      v.rho_v[g] = best_rho;
+    }
+    out.push_back(std::move(v));
+  }
+  return out;
 }
 
 std::vector<KeyTransformProfile::Head> KeyTransformHeads(const TransformCalibration& cal,

@@ -43,6 +43,14 @@ absl::StatusOr<TransformCalibration> CalibrateTransforms(const ActivationDump& d
 EvalCodec TransformEvalCodec(std::shared_ptr<const TransformCalibration> cal,
                              const std::string& name, int hkv, int keep = 0);
 
+// Values for the version-3 code: Hadamard INT2 with one clip quantile per KV head, searched
+// over ClipGrid(clip_floor) on the attention-output error of the dump's last `holdout`
+// fraction of queries (max_queries of them), keys through `cal`'s transform code, history
+// rows only (windows BF16).
+std::vector<Int2Layer> SearchValueClips(const ActivationDump& dump, const TransformCalibration& cal,
+                                        double holdout, int max_queries, float clip_floor,
+                                        const StoredWindows& windows);
+
 // Codec file version 3: keys from `cal`, values INT2 through `values` (one Int2Layer per
 // layer, per layer or per KV head).
 std::vector<KeyTransformProfile::Head> KeyTransformHeads(const TransformCalibration& cal,
