@@ -38,8 +38,10 @@ absl::StatusOr<CodecProfile> CodecProfile::FromSafetensors(const SafetensorsFile
       v != file.metadata().end() && v->second != "1") {
     return absl::InvalidArgumentError(absl::StrCat(
         "codec file version ", v->second,
-        " (one rotation per KV head) is not supported here: expected version 1 (one rotation "
-        "per layer)"));
+        v->second == "2"   ? " (one rotation per KV head)"
+        : v->second == "3" ? " (transform-coded keys, common/key_transform_profile.h)"
+                           : "",
+        " is not supported here: expected version 1 (one rotation per layer)"));
   }
   if (file.Has(absl::StrCat("layers.", num_layers, ".r_k"))) {
     return absl::InvalidArgumentError(
