@@ -75,10 +75,10 @@ TEST(TransformCalibrationTest, Version3FileScoresAsTheInMemoryHybrid) {
     v.rho_v = {kernels::kDefaultRhoV};
   }
   const std::string path = ::testing::TempDir() + "/transform_calibration_v3.st";
-  ASSERT_TRUE(KeyTransformProfile::ToSafetensors(KeyTransformHeads(*shared, values), 2, hkv, d,
-                                                 "test")
-                  .WriteFile(path)
-                  .ok());
+  ASSERT_TRUE(
+      KeyTransformProfile::ToSafetensors(KeyTransformHeads(*shared, values), 2, hkv, d, "test")
+          .WriteFile(path)
+          .ok());
   auto file = SafetensorsFile::Load(path);
   ASSERT_TRUE(file.ok());
   auto from_file = LoadInt2Codec(*file, dump, "v3");
