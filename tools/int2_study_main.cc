@@ -25,6 +25,7 @@ Usage: kvcd-int2-study --calib CALIB.dump.safetensors --heldout HELDOUT.dump.saf
                        [--sink 64] [--recent 256] [--step-scales 1.0[,...]]
                        [--variants all|best] [--kv-shifts 0[,32,...]] [--json OUT.json]
                        [--out-codec OUT.safetensors] [--search-v-clip FLOOR]
+                       [--overload 1.0]
 
 Fits per layer and KV head transform codes on the calibration dump (rows past the sink):
 keys in the basis whitened by the query group's second moment (the logit error is plain
@@ -39,7 +40,10 @@ writes codec file version 3 (common/key_transform_profile.h): keys by the first 
 transform code, values by Hadamard INT2 at the default clip (the combination that halves
 Hadamard INT2's error; kvcd-eval reads the file). --search-v-clip FLOOR: the values' clip
 per KV head searched over FLOOR..1.00 on the calibration dump's last 20% of queries (24 of
-them) with the keys transform-coded, for the file and as one more hybrid.
+them) with the keys transform-coded, for the file and as one more hybrid. --overload X:
+the gain may let a coordinate reach X times its quantizer's half range (clipped beyond);
+1 never clips (the gain is then set by the row's most extreme coordinate, and
+--step-scales cancels out).
 )";
 
 int Usage(const char* why) {
@@ -61,6 +65,7 @@ int main(int argc, char** argv) {
   std::vector<double> step_scales = {1.0};
   std::vector<int> kv_shifts = {0};
   float v_clip_floor = 0;  // 0: no value clip search
+  double overload = 1.0;
   kvcd::EvalOptions eo;
   eo.positions = 48;
   for (int i = 1; i < argc; ++i) {
@@ -90,6 +95,8 @@ int main(int argc, char** argv) {
       ok = absl::SimpleAtoi(v, &eo.sink) && eo.sink >= 0;
     } else if (a == "--recent") {
       ok = absl::SimpleAtoi(v, &eo.recent) && eo.recent >= 0;
+    } else if (a == "--overload") {
+      ok = absl::SimpleAtod(v, &overload) && overload >= 1;
     } else if (a == "--search-v-clip") {
       ok = absl::SimpleAtof(v, &v_clip_floor) && v_clip_floor > 0 && v_clip_floor <= 1;
     } else if (a == "--kv-shifts") {
@@ -128,6 +135,7 @@ int main(int argc, char** argv) {
     const std::string suffix = s == 1.0 ? "" : "-s" + std::to_string(s).substr(0, 4);
     Variant w{"tc-whiten" + suffix, {}};
     w.opt.k.step_scale = w.opt.v.step_scale = s;
+    w.opt.k.overload = w.opt.v.overload = overload;
     vs.push_back(w);
     if (variants == "best") continue;
     Variant u = w;
@@ -152,6 +160,7 @@ int main(int argc, char** argv) {
     if (shift == 0) continue;
     Variant w{"tc-whiten-kv" + std::to_string(144 + shift) + "/" + std::to_string(144 - shift), {}};
     w.opt.k.code_bits = 144 + shift;
+    w.opt.k.overload = w.opt.v.overload = overload;
     w.opt.v.code_bits = 144 - shift;
     vs.push_back(w);
   }
