@@ -36,10 +36,12 @@ absl::StatusOr<CodecProfile> CodecProfile::FromSafetensors(const SafetensorsFile
   const std::vector<int64_t> mat = {head_dim, head_dim};
   if (auto v = file.metadata().find("kvcd.codec_version");
       v != file.metadata().end() && v->second != "1") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "codec file version ", v->second,
-        " (one rotation per KV head) is not supported here: expected version 1 (one rotation "
-        "per layer)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("codec file version ", v->second,
+                     v->second == "2"   ? " (one rotation per KV head)"
+                     : v->second == "3" ? " (transform-coded keys, common/key_transform_profile.h)"
+                                        : "",
+                     " is not supported here: expected version 1 (one rotation per layer)"));
   }
   if (file.Has(absl::StrCat("layers.", num_layers, ".r_k"))) {
     return absl::InvalidArgumentError(

@@ -8,7 +8,8 @@
 //   layers.<l>.rho_v F32 [] or [1] (optional)   value clip quantile (default 0.92)
 // Every rotation must be orthogonal (max |R R^T - I| <= 1e-3). Files with more layers than
 // the model, or with metadata kvcd.codec_version other than "1" (version 2: one rotation
-// per KV head, written by kvcd-calibrate --per-head, read by the tools only), are rejected.
+// per KV head, written by kvcd-calibrate --per-head; version 3: transform-coded keys,
+// common/key_transform_profile.h; both read by the tools only), are rejected.
 #pragma once
 
 #include <string>

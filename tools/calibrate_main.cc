@@ -18,6 +18,7 @@ constexpr char kUsage[] = R"(kvcd-calibrate — OSCAR INT2 rotations from post-R
 Usage:
   kvcd-calibrate --dump ACTIVATIONS.safetensors --out CODEC.safetensors
                  [--search-clip] [--per-head] [--hadamard] [--holdout 0.2]
+                 [--clip-floor 0.60] [--joint-clip]
                  [--sink 64] [--recent 256] [--max-queries 64]
   kvcd-calibrate fsq --dump ACTIVATIONS.safetensors --weights WEIGHTS.safetensors
                  --latent G --out CODEC.safetensors [--holdout 0.2] [--lambda 1]
@@ -41,7 +42,8 @@ BF16 rounding only). A spread of inf means a singular covariance (fewer training
 than head_dim; warned).
 
 --search-clip grid-searches rho_k, then rho_v, over 0.60, 0.62, ..., 1.00 per layer (per
-KV head with --per-head) on that error. --per-head fits one rotation and clip pair per KV
+KV head with --per-head) on that error; --clip-floor lowers the grid's floor (e.g. 0.30),
+--joint-clip alternates keys and values until neither quantile changes. --per-head fits one rotation and clip pair per KV
 head (covariances of that head's query group) and writes codec file version 2
 (layers.<l>.r_k/r_v [Hkv, d, d], rho_k/rho_v [Hkv]); kvcd-eval reads it, the daemon reads
 version 1 only. --hadamard keeps R = H (the data-free rotation) and only fits the clips.
@@ -165,6 +167,10 @@ int main(int argc, char** argv) {
       opt.hadamard = true;
       continue;
     }
+    if (a == "--joint-clip") {
+      opt.joint_clip = true;
+      continue;
+    }
     if (i + 1 >= argc) return Usage(("flag " + a + " needs a value").c_str());
     const std::string v = argv[++i];
     bool ok = true;
@@ -178,6 +184,8 @@ int main(int argc, char** argv) {
       ok = absl::SimpleAtoi(v, &opt.windows.sink) && opt.windows.sink >= 0;
     } else if (a == "--recent") {
       ok = absl::SimpleAtoi(v, &opt.windows.recent) && opt.windows.recent >= 0;
+    } else if (a == "--clip-floor") {
+      ok = absl::SimpleAtof(v, &opt.clip_floor) && opt.clip_floor > 0 && opt.clip_floor <= 1;
     } else if (a == "--max-queries") {
       ok = absl::SimpleAtoi(v, &opt.max_queries) && opt.max_queries > 0;
     } else if (a == "--tokens") {

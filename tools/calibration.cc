@@ -29,9 +29,10 @@ LayerActivations HeadSlice(const LayerActivations& a, int64_t n, int hq, int hkv
 
 }  // namespace
 
-std::vector<float> ClipGrid() {
+std::vector<float> ClipGrid(float floor) {
   std::vector<float> grid;
-  for (int i = 60; i <= 100; i += 2) grid.push_back(static_cast<float>(i) / 100.0f);
+  const int first = std::clamp(static_cast<int>(std::lround(floor * 100.0f)), 2, 100);
+  for (int i = first; i <= 100; i += 2) grid.push_back(static_cast<float>(i) / 100.0f);
   return grid;
 }
 
@@ -113,8 +114,10 @@ absl::StatusOr<std::vector<LayerCalibration>> Calibrate(const ActivationDump& du
       std::copy(rv.begin(), rv.end(), codec.r_v.begin() + g * dd);
       c.orthogonality_k = std::max(c.orthogonality_k, OrthogonalityError(rk, d));
       c.orthogonality_v = std::max(c.orthogonality_v, OrthogonalityError(rv, d));
-      c.spread_k = std::max(c.spread_k, EigenSpread(ek));
-      c.spread_v = std::max(c.spread_v, EigenSpread(ev));
+      if (!opt.hadamard) {  // --hadamard fits no covariance: nothing to be singular
+        c.spread_k = std::max(c.spread_k, EigenSpread(ek));
+        c.spread_v = std::max(c.spread_v, EigenSpread(ev));
+      }
     }
     // Scoring: K/V as kvcd stores them at each held-out query (BF16 windows).
     std::vector<float> kb(a.k.size()), vb(a.v.size()), kh(a.k.size()), vh(a.v.size());
@@ -130,18 +133,23 @@ absl::StatusOr<std::vector<LayerCalibration>> Calibrate(const ActivationDump& du
                                   &exact);
     };
     if (opt.search_clip) {
-      // Per group, keys first, then values with the chosen key quantile. A group's
-      // error depends only on its own KV heads' rows, so groups are searched apart.
+      // Per group, keys first, then values with the chosen key quantile (joint: and again
+      // until neither changes). A group's error depends only on its own KV heads' rows, so
+      // groups are searched apart.
+      const std::vector<float> grid = ClipGrid(opt.clip_floor);
       for (int g = 0; g < groups; ++g) {
         const int head = groups == 1 ? -1 : g;
-        for (int which = 0; which < 2; ++which) {
+        const int passes = opt.joint_clip ? 6 : 2;
+        int unchanged = 0;
+        for (int pass = 0; pass < passes && unchanged < 2; ++pass) {
+          const int which = pass % 2;
           float& rho = (which == 0 ? codec.rho_k : codec.rho_v)[g];
           std::vector<float>& hat = which == 0 ? kh : vh;
           const std::vector<float>& src = which == 0 ? a.k : a.v;
           double best = score(head);
           const float start = rho;
           float best_rho = rho;
-          for (float r : ClipGrid()) {
+          for (float r : grid) {
             if (r == start) continue;
             rho = r;
             Int2RoundTrip(src, n, hkv, d, codec, which, head, &hat);
@@ -149,6 +157,7 @@ absl::StatusOr<std::vector<LayerCalibration>> Calibrate(const ActivationDump& du
             if (e < best) best = e, best_rho = r;
           }
           rho = best_rho;
+          unchanged = best_rho == start && pass > 0 ? unchanged + 1 : 0;
           Int2RoundTrip(src, n, hkv, d, codec, which, head, &hat);
         }
       }

@@ -24,15 +24,21 @@ struct LayerCalibration {
   double heldout_error = 0;  // attention-output rel. error on held-out queries (with the rhos)
 };
 
-// The clip quantiles --search-clip tries (for K and V separately).
-std::vector<float> ClipGrid();
+// The clip quantiles --search-clip tries (for K and V separately): floor, floor + 0.02, ...,
+// 1.00 (floor in (0, 1], default 0.60).
+std::vector<float> ClipGrid(float floor = 0.60f);
 
 struct CalibrationOptions {
   double holdout = 0.2;      // last fraction of tokens: held-out queries, not in covariances
   bool search_clip = false;  // grid-search rho_k, rho_v per group on the held-out queries
   bool per_head = false;     // one rotation and clip pair per KV head (codec file version 2)
   bool hadamard = false;     // R = H (data-free) instead of U·H·P; clips still searched
-  StoredWindows windows;     // BF16 sink / recent windows of the scoring (as kvcd stores)
+  float clip_floor = 0.60f;  // the clip grid's lowest quantile
+  // Joint (rho_k, rho_v) search: coordinate descent, keys and values alternately, until a
+  // pass changes neither (each then the best on the grid given the other; at most 6 passes).
+  // Off: keys once, then values once.
+  bool joint_clip = false;
+  StoredWindows windows;  // BF16 sink / recent windows of the scoring (as kvcd stores)
   // Held-out queries scored: all of the held-out fraction, or max_queries of them evenly
   // spaced over it when it is longer.
   int max_queries = 64;

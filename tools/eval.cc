@@ -6,10 +6,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/codec_profile.h"
+#include "common/key_transform_profile.h"
 #include "common/rotation.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/fp16.h"
 #include "kvcd/kernels/int2_codec.h"
+#include "tools/transform_calibration.h"
 
 namespace kvcd {
 namespace {
@@ -148,8 +150,13 @@ absl::StatusOr<std::vector<CodecResult>> Evaluate(const ActivationDump& dump,
         }
       }
     }
-    const bool windowed =
-        codec.kind == EvalCodec::Kind::kInt2 || codec.kind == EvalCodec::Kind::kFsq;
+    if (codec.kind == EvalCodec::Kind::kRows && !codec.round_trip) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("codec '", codec.name, "' is a row code without a round trip"));
+    }
+    const bool windowed = codec.kind == EvalCodec::Kind::kInt2 ||
+                          codec.kind == EvalCodec::Kind::kFsq ||
+                          codec.kind == EvalCodec::Kind::kRows;
     if (windowed && n <= opt.sink + opt.recent) {
       return absl::InvalidArgumentError(
           absl::StrCat("the dump has ", n, " tokens, not more than the BF16 windows (sink ",
@@ -190,6 +197,9 @@ absl::StatusOr<std::vector<CodecResult>> Evaluate(const ActivationDump& dump,
           kernels::FsqExpandToken(view, codec.rope, codes.data() + t * cb, t,
                                   kq.data() + t * hkv * d, vq.data() + t * hkv * d);
         }
+      } else if (codec.kind == EvalCodec::Kind::kRows) {
+        codec.round_trip(l, 0, a.k, n, &kq);
+        codec.round_trip(l, 1, a.v, n, &vq);
       } else if (codec.kind == EvalCodec::Kind::kKivi2) {
         kq = a.k;
         vq = a.v;
@@ -274,6 +284,10 @@ absl::StatusOr<std::vector<CodecResult>> Evaluate(const ActivationDump& dump,
       const int64_t w = std::min<int64_t>(n, opt.sink + opt.recent);
       bytes_th = ((n - w) * 2.0 * (d / 4 + 4) + w * dense) / n;
       for (const Int2Layer& il : codec.int2) res.fixed_bytes += 2.0 * il.groups * d * d * 4;
+    } else if (codec.kind == EvalCodec::Kind::kRows) {
+      const int64_t w = std::min<int64_t>(n, opt.sink + opt.recent);
+      bytes_th = ((n - w) * (codec.row_bits_k + codec.row_bits_v) / 8.0 + w * dense) / n;
+      res.fixed_bytes = codec.rows_fixed_bytes;
     } else if (codec.kind == EvalCodec::Kind::kFsq) {
       // One code of ceil(G/2) bytes per token per layer, shared by the KV heads.
       const int64_t w = std::min<int64_t>(n, opt.sink + opt.recent);
@@ -319,9 +333,14 @@ absl::StatusOr<EvalCodec> LoadInt2Codec(const SafetensorsFile& file, const Activ
     }
     return c;
   }
+  if (version->second == "3") {
+    auto profile = KeyTransformProfile::FromSafetensors(file, layers, hkv, d);
+    if (!profile.ok()) return profile.status();
+    return KeyTransformEvalCodec(*profile, name);
+  }
   if (version->second != "2") {
     return absl::InvalidArgumentError(
-        absl::StrCat("codec file version ", version->second, ": expected 1 or 2"));
+        absl::StrCat("codec file version ", version->second, ": expected 1, 2 or 3"));
   }
   if (file.Has(absl::StrCat("layers.", layers, ".r_k"))) {
     return absl::InvalidArgumentError(

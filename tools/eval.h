@@ -3,6 +3,7 @@
 // measure what each codec costs in attention quality.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -16,7 +17,7 @@
 namespace kvcd {
 
 struct EvalCodec {
-  enum class Kind { kBf16, kInt2, kKivi2, kFsq };
+  enum class Kind { kBf16, kInt2, kKivi2, kFsq, kRows };
   std::string name;
   Kind kind = Kind::kBf16;
   // INT2: per layer the rotations and clip quantiles (per layer or per KV head).
@@ -25,6 +26,13 @@ struct EvalCodec {
   // t is RoPE position t (the dump must be one sequence).
   FsqCodec fsq;
   kernels::RopeSpec rope;
+  // kRows: any per-row history code, given as its round trip of layer l's K (which = 0) or
+  // V (which = 1) rows [n][hkv][d] into `out` (same shape), and its honest stored bits per
+  // K row and per V row and per-model bytes (the study codecs of tools/int2_study_main).
+  std::function<void(int layer, int which, const std::vector<float>& rows, int64_t n,
+                     std::vector<float>* out)>
+      round_trip;
+  double row_bits_k = 0, row_bits_v = 0, rows_fixed_bytes = 0;
 };
 
 struct EvalOptions {

@@ -113,6 +113,43 @@ TEST(CalibrationTest, ClipSearchScoresStoredHistoryOverAGridBelow088) {
   EXPECT_LE(c.heldout_error, error_with(0.96f, 0.92f) + 1e-12);
 }
 
+TEST(CalibrationTest, JointClipSearchBelowTheOldFloorIsCoordinatewiseOptimal) {
+  const std::vector<float> grid = ClipGrid(0.30f);
+  EXPECT_FLOAT_EQ(grid.front(), 0.30f);
+  EXPECT_EQ(grid.size(), 36u);  // 0.30, 0.32, ..., 1.00
+  EXPECT_EQ(grid.back(), 1.0f);
+  const int d = 32;
+  ActivationDump dump = Synthetic(1, 320, d, 9);
+  CalibrationOptions opt;
+  opt.search_clip = true;
+  opt.joint_clip = true;
+  opt.clip_floor = 0.30f;
+  opt.hadamard = true;
+  opt.holdout = 0.25;
+  opt.windows = {16, 32};
+  opt.max_queries = 80;
+  auto cal = Calibrate(dump, opt);
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  const LayerCalibration& c = (*cal)[0];
+  const LayerActivations& a = dump.layers[0];
+  const auto kb = Bf16(a.k), vb = Bf16(a.v);
+  std::vector<float> kh(a.k.size()), vh(a.v.size());
+  auto error_with = [&](float rho_k, float rho_v) {
+    Int2Layer l = c.codec;
+    l.rho_k = {rho_k};
+    l.rho_v = {rho_v};
+    Int2RoundTrip(a.k, 320, 2, d, l, 0, -1, &kh);
+    Int2RoundTrip(a.v, 320, 2, d, l, 1, -1, &vh);
+    return StoredAttentionError(a, 4, 2, d, kb, vb, kh, vh, opt.windows,
+                                HeldOutQueries(240, 320, 1000), -1);
+  };
+  // Each quantile is the best on the grid given the other (a coordinate-wise optimum).
+  for (float r : grid) {
+    EXPECT_LE(c.heldout_error, error_with(c.codec.rho_k[0], r) + 1e-12) << r;
+    EXPECT_LE(c.heldout_error, error_with(r, c.codec.rho_v[0]) + 1e-12) << r;
+  }
+}
+
 TEST(CalibrationTest, ShortDumpsWarnAndSingularCovariancesReportInfinity) {
   EXPECT_TRUE(std::isinf(EigenSpread({0.0, 1.0, 2.0})));
   EXPECT_TRUE(std::isinf(EigenSpread({-1e-17, 1.0})));
