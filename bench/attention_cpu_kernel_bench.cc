@@ -47,8 +47,8 @@ int main(int argc, char** argv) {
   const Int2PageLayout layout{kHkv, kPage, kD};
   for (int64_t p = 0; p < pages; ++p) {
     for (int h = 0; h < kHkv; ++h) {
-      for (const Int2RowRef& r : {layout.K(int2.data() + p * int2_bytes, h),
-                                  layout.V(int2.data() + p * int2_bytes, h)}) {
+      for (const Int2RowRef& r :
+           {layout.K(int2.data() + p * int2_bytes, h), layout.V(int2.data() + p * int2_bytes, h)}) {
         for (int s = 0; s < kPage; ++s) {
           r.scale[s] = FloatToHalf(0.5f + 0.001f * ((s * 7 + h) % 97));
           r.lo[s] = FloatToHalf(-0.75f - 0.001f * ((s * 5 + h) % 89));
