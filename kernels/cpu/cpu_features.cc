@@ -1,5 +1,9 @@
 #include "kvcd/kernels/cpu_features.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 #include <cstdlib>
 #include <cstring>
 
@@ -46,7 +50,10 @@ bool CpuHasF16c() {
 #if defined(__x86_64__) || defined(__i386__)
   static const bool f16c = [] {
     __builtin_cpu_init();
-    return ActiveCpuIsa() >= CpuIsa::kAvx2 && __builtin_cpu_supports("f16c");
+    // CPUID leaf 1, ECX bit 29 (clang 14 has no "f16c" for __builtin_cpu_supports).
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    const bool has = __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & (1u << 29)) != 0;
+    return ActiveCpuIsa() >= CpuIsa::kAvx2 && has;
   }();
   return f16c;
 #else
