@@ -19,6 +19,12 @@ keep=${OUT:-/tmp}
 bins=${KVCD_FUZZ_BIN_DIR:-.devfuzz}
 export LD_LIBRARY_PATH="$PWD/.devlibs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:allocator_may_return_null=1
+# KVCD_FUZZ_VERBOSITY=1 adds the sanitizers' verbosity=1: LeakSanitizer then logs every thread
+# it could not stop for a leak check ("Could not attach to thread"); a thread it did not stop
+# is not scanned, so what only that thread's stack holds is reported as leaked.
+if [[ -n ${KVCD_FUZZ_VERBOSITY:-} ]]; then
+  ASAN_OPTIONS+=":verbosity=$KVCD_FUZZ_VERBOSITY"
+fi
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 cores=$(nproc)
 # Jobs per target, by cost per execution (the RPC and decode-channel targets run a real
@@ -67,7 +73,20 @@ for t in config_fuzz safetensors_fuzz codec_profile_fuzz activation_dump_fuzz rp
       cp "$f" "$keep/fuzz-$t-$(basename "$f")"
     done
     report=$(grep -l 'ERROR:\|==ERROR\|runtime error' "$out/$t"/logs/fuzz-*.log | head -1)
-    [[ -n $report ]] && grep -A 60 -m 1 'ERROR\|runtime error' "$report" >"$keep/fuzz-$t-report.txt"
+    # (with the 8 lines before it: what LeakSanitizer logged while stopping threads)
+    [[ -n $report ]] && grep -B 8 -A 60 -m 1 'ERROR\|runtime error' "$report" >"$keep/fuzz-$t-report.txt"
+  fi
+  # Leak reports beside the threads LeakSanitizer failed to stop in the same process.
+  leaks=$(grep -l 'detected memory leaks' "$out/$t"/logs/fuzz-*.log 2>/dev/null | wc -l)
+  if ((leaks > 0)); then
+    unstopped=$(grep -l 'detected memory leaks' "$out/$t"/logs/fuzz-*.log |
+      xargs grep -l 'Could not attach to thread\|Waiting on thread .* failed' | wc -l)
+    any=$(grep -l 'Could not attach to thread\|Waiting on thread .* failed' "$out/$t"/logs/fuzz-*.log |
+      wc -l)
+    echo "$t: $leaks logs with leak reports, $unstopped of them also log a thread LeakSanitizer" \
+      "could not stop ($any logs of $(ls "$out/$t"/logs/fuzz-*.log | wc -l) log one)"
+    grep -h 'Could not attach to thread\|Waiting on thread .* failed' "$out/$t"/logs/fuzz-*.log |
+      sed 's/[0-9]\{2,\}/N/g' | sort | uniq -c >"$keep/fuzz-$t-unstopped.txt" || true
   fi
   ((crashes == 0 && execs >= runs)) || status=1
 done

@@ -108,3 +108,37 @@ def test_unavailable_while_draining():
         assert d.proc.wait(30) == 0
     finally:
         d.stop()
+
+
+QUOTA_CONFIG = """
+listen: 127.0.0.1:0
+metrics_listen: ""
+memory_budget: 64MiB
+models: [{builtin: tiny}]
+quotas:
+  tenants: [{tenant: team-a, max_models: 1}]
+"""
+
+
+def _profile(name):
+    return dict(name=name, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                page_size=4, sink_tokens=4, recent_tokens=8, history_format="bf16",
+                memory_bytes=1 << 20)
+
+
+def test_register_model_counts_against_the_named_tenant():
+    d = Daemon(QUOTA_CONFIG)
+    try:
+        c = kvcd.Client(d.grpc, timeout=10)
+        c.register_model(tenant="team-a", **_profile("a1"))
+        with pytest.raises(kvcd.ResourceExhausted) as e:
+            c.register_model(tenant="team-a", **_profile("a2"))
+        assert "max_models" in str(e.value) and "team-a" in str(e.value)
+        assert "a2" not in [m.profile.name for m in c.list_models()]  # nothing registered
+        c.register_model(tenant="team-b", **_profile("b1"))  # another tenant's quota
+        usage = {t.tenant: t for t in c.stats().tenants}
+        assert usage["team-a"].registered_models == 1
+        assert usage["team-b"].registered_models == 1
+        c.close()
+    finally:
+        d.stop()

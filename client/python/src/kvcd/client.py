@@ -117,18 +117,22 @@ class Client:
     # -- models -----------------------------------------------------------------------
 
     def register_model(self, profile: Optional[pb.ModelProfile] = None, *,
-                       codec_blob: bytes = b"", **fields: Any) -> pb.ModelInfo:
+                       codec_blob: bytes = b"", tenant: str = "",
+                       **fields: Any) -> pb.ModelInfo:
         """Registers a model profile (idempotent for an identical profile).
 
         Give a ``ModelProfile`` message and/or its fields as keywords, e.g.
         ``register_model(name="m", num_layers=2, num_q_heads=4, num_kv_heads=2,
         head_dim=16, page_size=4, sink_tokens=4, recent_tokens=8, history_format="bf16",
         memory_bytes=1 << 20)``. ``codec_blob``: a codec file (safetensors rotations).
+        ``tenant``: the tenant the registration counts against (its ``max_models`` /
+        ``max_model_bytes`` quotas; with auth on, the token must grant it). "" = default.
 
-        Raises: InvalidArgument (bad field), AlreadyExists (name taken by another profile).
+        Raises: InvalidArgument (bad field), AlreadyExists (name taken by another profile),
+        ResourceExhausted (the tenant's registration quota or the memory budget).
         """
         req = pb.RegisterModelRequest(profile=C.make_profile(profile, fields),
-                                      codec_blob=codec_blob)
+                                      codec_blob=codec_blob, tenant=tenant)
         info = self._call("RegisterModel", req).model
         with self._lock:
             self._profiles[info.profile.name] = info.profile
