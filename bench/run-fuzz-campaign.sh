@@ -80,12 +80,12 @@ for t in config_fuzz safetensors_fuzz codec_profile_fuzz activation_dump_fuzz rp
   leaks=$(grep -l 'detected memory leaks' "$out/$t"/logs/fuzz-*.log 2>/dev/null | wc -l)
   if ((leaks > 0)); then
     unstopped=$(grep -l 'detected memory leaks' "$out/$t"/logs/fuzz-*.log |
-      xargs grep -l 'Could not attach to thread\|Waiting on thread .* failed' | wc -l)
-    any=$(grep -l 'Could not attach to thread\|Waiting on thread .* failed' "$out/$t"/logs/fuzz-*.log |
+      xargs grep -l 'Could not attach to thread\|Waiting on thread .* failed\|was not suspended' | wc -l)
+    any=$(grep -l 'Could not attach to thread\|Waiting on thread .* failed\|was not suspended' "$out/$t"/logs/fuzz-*.log |
       wc -l)
     echo "$t: $leaks logs with leak reports, $unstopped of them also log a thread LeakSanitizer" \
       "could not stop ($any logs of $(ls "$out/$t"/logs/fuzz-*.log | wc -l) log one)"
-    grep -h 'Could not attach to thread\|Waiting on thread .* failed' "$out/$t"/logs/fuzz-*.log |
+    grep -h 'Could not attach to thread\|Waiting on thread .* failed\|was not suspended' "$out/$t"/logs/fuzz-*.log |
       sed 's/[0-9]\{2,\}/N/g' | sort | uniq -c >"$keep/fuzz-$t-unstopped.txt" || true
   fi
   ((crashes == 0 && execs >= runs)) || status=1
