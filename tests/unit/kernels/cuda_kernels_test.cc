@@ -603,12 +603,13 @@ TEST_F(CudaKernelsTest, FusedStoreCheckMatchesAScalarReference) {
 
 // The query conversion with the fused check against a scalar reference: non-finite values
 // become 0, exactly the sequences holding one get their fault words set (input q), a
-// target with tag 0 is left alone.
+// target with tag 0 is left alone. The layer comes in the tags or (in_call) from the launch.
 TEST_F(CudaKernelsTest, QueryConversionCheckMatchesAScalarReference) {
   std::normal_distribution<float> normal(0.0f, 3.0f);
   const float kBad[3] = {NAN, INFINITY, -INFINITY};
   for (int bf16 = 0; bf16 < 2; ++bf16) {
     for (int64_t batch : {1, 5, 67}) {
+      const bool in_call = batch != 5;
       const int64_t row = 8 * 128;
       std::vector<float> f(batch * row);
       for (auto& x : f) x = normal(rng_);
@@ -625,11 +626,13 @@ TEST_F(CudaKernelsTest, QueryConversionCheckMatchesAScalarReference) {
       for (int64_t b = 0; b < batch; ++b) {
         faults[b].host_word = d_words + b;
         faults[b].device_word = d_words + batch + b;
-        faults[b].tag = b % 7 == 3 ? 0 : FaultTag(1000 + b, 5);  // some sequences untracked
+        // some sequences untracked
+        faults[b].tag = b % 7 == 3 ? 0 : FaultTag(1000 + b, in_call ? 0 : 5);
       }
       float* d_out = Up(std::vector<float>(f.size(), NAN));
       const void* src = bf16 ? static_cast<const void*>(Up(h)) : Up(f);
-      ASSERT_EQ(cuda::LaunchQueriesToFloat(src, bf16, batch, row, d_out, Up(faults), nullptr),
+      ASSERT_EQ(cuda::LaunchQueriesToFloat(src, bf16, batch, row, d_out, Up(faults), nullptr,
+                                           in_call ? 5 : 0),
                 cudaSuccess);
       const auto out = Down(d_out, f.size());
       const auto got = Down(d_words, words.size());
