@@ -269,8 +269,8 @@ int main(int argc, char** argv) {
   }
   const int warmup = std::max(1, rounds / 10);
   // Shared before fork, and no CUDA call before it: each process makes its own context.
-  void* mem = mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
-                   -1, 0);
+  void* mem =
+      mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   if (mem == MAP_FAILED) {
     std::perror("mmap");
     return 1;
