@@ -293,13 +293,19 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     lap.Mark(kUpload);
     const auto* d_faults =
         any_fault ? reinterpret_cast<const kernels::DeviceFault*>(d_i32 + faults_off) : nullptr;
-    if (b.device_q != nullptr) {
-      // The worker's queries are read here and only here: the non-finite check is fused
-      // into this conversion (a bad value becomes 0 and marks its sequence's fault words).
+    // The worker's device queries are read with the non-finite check fused in (a bad value
+    // becomes 0 and marks its sequence's fault words): by the attention launches themselves
+    // (every launched list's grid reads every query), or, when no list has tokens, by the
+    // conversion alone, so that a bad query is reported all the same.
+    bool any_splits = false;
+    for (auto it = lists_.begin(); it != lists_end; ++it) any_splits = any_splits || it->splits > 0;
+    const kc::RawQueries raw{b.device_q, b.device_q_bf16, d_faults, b.layer};
+    const kc::RawQueries* raw_q = b.device_q != nullptr && any_splits ? &raw : nullptr;
+    if (b.device_q != nullptr && raw_q == nullptr) {
       RETURN_IF_CUDA_ERR(kc::LaunchQueriesToFloat(b.device_q, b.device_q_bf16, batch,
                                                   static_cast<int64_t>(hq) * d, d_q, d_faults,
                                                   nullptr, b.layer));
-    } else {
+    } else if (b.device_q == nullptr) {
       std::vector<float> q(static_cast<size_t>(rows) * d);
       for (int j = 0; j < batch; ++j)
         std::copy(b.jobs[j].q, b.jobs[j].q + hq * d, q.begin() + j * hq * d);
@@ -323,6 +329,7 @@ class CudaBackend final : public Backend, public DeviceRuntime {
                              d_i32 + l.table_off, l.max_pages, d_i32 + l.len_off};
       a.geo = geo;
       a.q = d_q;
+      a.raw = raw_q;
       a.r_k = d_rk;
       a.scale = b.softmax_scale;
       a.splits = l.splits;
