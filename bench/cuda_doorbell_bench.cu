@@ -102,23 +102,20 @@ bool SpinUntil(const std::atomic<T>& a, T v, Shared* sh) {
   return true;
 }
 
-bool LoadMemops(Shared* sh) {
+// The driver's entry point `name` (no libcuda link: the runtime hands it out).
+bool EntryPoint(const char* name, WaitFn* out, Shared* sh) {
   cudaDriverEntryPointQueryResult q{};
   void* fn = nullptr;
-  if (!Ok(cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 12000, cudaEnableDefault,
-                                           &q),
-          "entry point cuStreamWaitValue32", sh) ||
+  if (!Ok(cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &q), name, sh) ||
       fn == nullptr)
     return false;
-  wait_value = reinterpret_cast<WaitFn>(fn);
-  fn = nullptr;
-  if (!Ok(cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &fn, 12000, cudaEnableDefault,
-                                           &q),
-          "entry point cuStreamWriteValue32", sh) ||
-      fn == nullptr)
-    return false;
-  write_value = reinterpret_cast<WaitFn>(fn);
+  *out = reinterpret_cast<WaitFn>(fn);
   return true;
+}
+
+bool LoadMemops(Shared* sh) {
+  return EntryPoint("cuStreamWaitValue32", &wait_value, sh) &&
+         EntryPoint("cuStreamWriteValue32", &write_value, sh);
 }
 
 // The flag words of mode m: worker -> daemon at 2m, daemon -> worker at 2m + 1 (64 B apart).
