@@ -8,9 +8,12 @@
 # Device (default; under MPS, binaries from scripts/pack-device.sh):
 #   here:   ./scripts/build.sh && ./scripts/pack-device.sh
 #   device: bench/run-decode-step.sh      (device tool, carry [".devbin", ".devlibs"])
-#   runs INT2 32k and 100k and BF16 32k at batch 1 (the worker drives one sequence):
+#   runs INT2 and BF16 history at 32k and 100k at batch 1 (the worker drives one sequence):
 #   pipelined (--wait device), the result on the host each call (--sync), then the gRPC
-#   stream, then kvcd_data_plane_tests (IPC results bit-identical to inline ones).
+#   stream, then kvcd_data_plane_tests (IPC results bit-identical to inline ones), the
+#   decode-step kernels alone (cuda_finite_check_bench), the cross-process dependency costs
+#   (cuda_doorbell_bench) and the in-process cuDNN loop; ends with a summary table
+#   ($OUT/decode-step-summary.md). About 90 s on the H200.
 # CPU (no GPU; the same loop with inline tensors, --io host, on the cpu backend):
 #   bench/run-decode-step.sh --cpu        (binaries from ./build)
 # The raw log goes to $OUT/decode-step-MODE.log (or bench/results/raw/ when OUT is unset).
@@ -27,10 +30,10 @@ exec > >(tee "$log") 2>&1
 source scripts/daemon-lib.sh
 export KVCD_PHASE_TIMES=1
 if [[ $mode == device ]]; then
-  export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH=$PWD/.devlibs
+  export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH=${KVCD_LIBS:-$PWD/.devlibs}
   BIN=${KVCD_BIN:-.devbin}
-  CONFIG=${KVCD_CONFIG:-deploy/config/kvcd-dataplane.yaml}
-  RUNS=${KVCD_RUNS:-"qwen3-8b-int2:32768 qwen3-8b-int2:99968 qwen3-8b:32768"}
+  CONFIG=${KVCD_CONFIG:-deploy/config/kvcd-decode-step.yaml}
+  RUNS=${KVCD_RUNS:-"qwen3-8b-int2:32768 qwen3-8b-int2:99968 qwen3-8b:32768 qwen3-8b:99968"}
   STEPS=${KVCD_STEPS:-32}
   IO=ipc
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -66,7 +69,7 @@ for mt in $RUNS; do
   echo; echo "=================== $m, $t tokens, batch 1"
   if [[ $IO == ipc ]]; then
     timeout 300 "$(bin kvcd_prefill_worker)" --target "$KVCD_GRPC" --model "$m" --tokens "$t" \
-      --salt "p$t" --repeat 1 | grep -E '^push' || rc=1
+      --salt "p$t" --repeat 1 | grep -E '^push|rror|cannot' || rc=1
   fi
   echo "--- channel, pipelined"
   timeout 300 "$(bin kvcd_decode_worker)" --target "$KVCD_GRPC" --model "$m" --tokens "$t" \
@@ -92,12 +95,22 @@ if [[ $mode == device && ${KVCD_DATA_PLANE_TESTS:-1} == 1 ]]; then
   grep -E '^\[  (PASSED|FAILED)|^\[  FAILED' "$out_dir/data-plane-tests.log"
 fi
 if [[ $mode == device ]]; then
+  echo; echo "=================== decode-step kernels alone (cuda_finite_check_bench)"
+  timeout 120 "$BIN/cuda_finite_check_bench" >"$out_dir/kernels.txt" 2>&1 || rc=1
+  grep -E 'batch 1:' "$out_dir/kernels.txt"
+  echo; echo "=================== cross-process dependencies under MPS (cuda_doorbell_bench)"
+  timeout 60 "$BIN/cuda_doorbell_bench" --rounds 2000 | tee "$out_dir/doorbell.txt" || rc=1
+  timeout 60 "$BIN/cuda_doorbell_bench" --rounds 2000 --worker-kernels 1 --daemon-kernels 1 |
+    tee -a "$out_dir/doorbell.txt" || rc=1
   echo; echo "=================== in-process cuDNN loop (36 x one per-layer SDPA call, batch 1)"
   python3 bench/sdpa_baseline.py | tee "$out_dir/sdpa.txt"
   awk '$1 == "cudnn" && $3 == 1 && $5 + 0 > 0 {
          printf "cudnn loop %s tokens: %.1f us per layer (b2b) -> %.1f tokens/s over 36 layers\n",
                 $2, $5, 1e6 / (36 * $5) }' "$out_dir/sdpa.txt"
   echo quit | nvidia-cuda-mps-control
+  echo; echo "=================== summary (batch 1, 36 layers)"
+  bench/decode-step-summary.sh "$log" "$out_dir/sdpa.txt" "$out_dir/kernels.txt" |
+    tee "$out_dir/decode-step-summary.md"
 fi
 echo "raw log: $log"
 exit $rc

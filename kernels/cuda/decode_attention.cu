@@ -16,6 +16,7 @@
 
 #include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_decode_attention.h"
+#include "query_input.cuh"
 
 namespace kvcd::kernels::cuda {
 namespace {
@@ -78,7 +79,22 @@ struct PartArgs {
   // in tiles.
   Int2State state;
   int prefetch;
+  // RawQueries: when q_raw is set, queries are read from it (BF16 or F32, checked) instead
+  // of q.
+  const void* q_raw = nullptr;
+  bool q_bf16 = false;
+  const DeviceFault* q_faults = nullptr;
+  unsigned long long q_fault_bits = 0;
 };
+
+// Element i of the queries [batch][num_q_heads][head_dim]: a.q[i], or the raw query read
+// with the fused non-finite check (query_input.cuh), the same value LaunchQueriesToFloat
+// gives.
+__device__ __forceinline__ float QueryValue(const PartArgs& a, int64_t i) {
+  if (a.q_raw == nullptr) return a.q[i];
+  return ReadQuery(a.q_raw, a.q_bf16, i, a.q_faults,
+                   static_cast<int64_t>(a.geo.num_q_heads) * a.geo.head_dim, a.q_fault_bits);
+}
 
 // acc[h] += sum_i x[h][i] * m[i][j] for the 8 rows of x: column j of m (D x D, from L2)
 // is loaded 32 elements at a time, so a column costs D/32 memory round trips, not D/4.
@@ -104,7 +120,9 @@ __device__ void LoadQueries(const PartArgs& a, int b, int kvh, int G, float (*s_
   for (int i = threadIdx.x; i < 8 * D; i += blockDim.x) {
     const int h = i / D;
     raw[h][i % D] =
-        h < G ? a.q[(static_cast<int64_t>(b) * a.geo.num_q_heads + kvh * G + h) * D + i % D] : 0.0f;
+        h < G
+            ? QueryValue(a, (static_cast<int64_t>(b) * a.geo.num_q_heads + kvh * G + h) * D + i % D)
+            : 0.0f;
   }
   __syncthreads();
   // Thread j computes column j of every row: 8 independent sums, R read once, coalesced.
@@ -620,8 +638,9 @@ __global__ void __launch_bounds__(4 * D) QueryFragments(PartArgs a) {
   const int G = a.geo.num_q_heads / a.geo.num_kv_heads;
   __shared__ float s_raw[R][D], s_part[4][R][D], s_q[R][D];
   __shared__ float s_step[8], s_inv[8], s_qsum[8];
-  const float* q = a.q + (static_cast<int64_t>(b) * a.geo.num_q_heads + kvh * G) * D;
-  for (int i = tid; i < R * D; i += blockDim.x) s_raw[i / D][i % D] = i / D < G ? q[i] : 0.0f;
+  const int64_t q0 = (static_cast<int64_t>(b) * a.geo.num_q_heads + kvh * G) * D;
+  for (int i = tid; i < R * D; i += blockDim.x)
+    s_raw[i / D][i % D] = i / D < G ? QueryValue(a, q0 + i) : 0.0f;
   __syncthreads();
   const int part = tid / D, j = tid % D;
   float acc[R];
@@ -1061,9 +1080,10 @@ __global__ void __launch_bounds__(kMergeLanes * D) MergeSplits(
 #pragma unroll
     for (int u = 0; u < kPer; ++u) r[u] = __ldg(r_v_t + (group * kPer + u) * D + j);
   }
-  // A faulted sequence (device_fault.h). Read before the wait: the words are written by the
-  // row stores and the query conversion, plain launches queued before the decode kernels,
-  // so they are complete once this grid runs at all.
+  WaitPrimaryGrid();  // launched as a programmatic dependent of the decode kernel, or plainly
+  // A faulted sequence (device_fault.h). Read after the wait: the words are written by the
+  // row stores, the query conversion or the kernels reading raw queries (QueryFragments, whose
+  // completion every CTA of the decode grid waits for before this grid's wait returns).
   bool poison = false;
   if (faults != nullptr) {
     const DeviceFault f = faults[row / rows_per_entry];
@@ -1071,7 +1091,6 @@ __global__ void __launch_bounds__(kMergeLanes * D) MergeSplits(
         f.tag != 0 &&
         FaultMatches(*reinterpret_cast<const volatile unsigned long long*>(f.device_word), f.tag);
   }
-  WaitPrimaryGrid();  // launched as a programmatic dependent of the decode kernel, or plainly
   constexpr int warps = kMergeLanes * D / 32;
   float mx = -INFINITY;
   for (int s = tid; s < splits; s += blockDim.x) {
@@ -1229,6 +1248,15 @@ cudaError_t LaunchMerge(const float* part_o, const float* part_lse, int parts, i
   }
 }
 
+// The launch reads `raw` (if set) instead of its F32 queries.
+void SetRawQueries(const RawQueries* raw, PartArgs* a) {
+  if (raw == nullptr || raw->q == nullptr) return;
+  a->q_raw = raw->q;
+  a->q_bf16 = raw->bf16;
+  a->q_faults = raw->faults;
+  a->q_fault_bits = FaultTag(0, raw->fault_layer);
+}
+
 int TokensPerSplit(int max_tokens, int splits) {
   const int per = (max_tokens + splits - 1) / splits;
   return (per + kTile - 1) / kTile * kTile;
@@ -1248,6 +1276,7 @@ cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& g
   }
   PartArgs a{list,   geo,      q,        r_k, scale, TokensPerSplit(max_tokens, splits),
              part_o, part_lse, part_base};
+  SetRawQueries(opt.raw, &a);
   const dim3 grid(splits, geo.num_kv_heads, geo.batch);
   cudaError_t e = cudaSuccess;
   if (v2) {
@@ -1288,10 +1317,11 @@ cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& g
 cudaError_t LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
                                   const float* r_k, float scale, int splits, int max_tokens,
                                   float* part_o, float* part_lse, int part_base,
-                                  cudaStream_t stream) {
+                                  cudaStream_t stream, const RawQueries* raw) {
   if (!SupportedGeometry(geo) || splits <= 0) return cudaErrorInvalidValue;
-  const PartArgs a{list,   geo,      q,        r_k, scale, TokensPerSplit(max_tokens, splits),
-                   part_o, part_lse, part_base};
+  PartArgs a{list,   geo,      q,        r_k, scale, TokensPerSplit(max_tokens, splits),
+             part_o, part_lse, part_base};
+  SetRawQueries(raw, &a);
   const dim3 grid(splits, geo.num_kv_heads, geo.batch);
   CountLaunch();
   switch (geo.head_dim) {

@@ -2,6 +2,7 @@
 
 #include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_device_copy.h"
+#include "query_input.cuh"
 
 namespace kvcd::kernels::cuda {
 namespace {
@@ -23,24 +24,11 @@ __global__ void ToFloatKernel(const void* src, bool bf16, int64_t n, float* dst)
 // ToFloatKernel with the fused non-finite check: a NaN or ±Inf becomes 0 in dst and marks
 // its sequence's fault words (one exponent test per value; the report runs only on a bad one).
 __global__ void QueriesToFloatKernel(const void* src, bool bf16, int64_t n, int64_t row_elems,
-                                     float* dst, const DeviceFault* faults) {
+                                     float* dst, const DeviceFault* faults,
+                                     unsigned long long layer_bits) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float x =
-        bf16 ? __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(src)[i]) << 16)
-             : static_cast<const float*>(src)[i];
-    const bool bad = (__float_as_uint(x) & 0x7f800000u) == 0x7f800000u;
-    dst[i] = bad ? 0.0f : x;
-    if (bad && faults != nullptr) {
-      const DeviceFault f = faults[i / row_elems];
-      if (f.tag != 0) {
-        const unsigned long long word =
-            f.tag | (static_cast<unsigned long long>(kFaultQuery) << kFaultInputShift);
-        *reinterpret_cast<volatile unsigned long long*>(f.device_word) = word;
-        *reinterpret_cast<volatile unsigned long long*>(f.host_word) = word;
-        __threadfence_system();
-      }
-    }
+    dst[i] = ReadQuery(src, bf16, i, faults, row_elems, layer_bits);
   }
 }
 
@@ -52,12 +40,14 @@ unsigned Blocks(int64_t n) {
 }  // namespace
 
 cudaError_t LaunchQueriesToFloat(const void* src, bool bf16, int64_t batch, int64_t row_elems,
-                                 float* dst, const DeviceFault* faults, cudaStream_t stream) {
+                                 float* dst, const DeviceFault* faults, cudaStream_t stream,
+                                 int64_t fault_layer) {
   if (batch <= 0 || row_elems <= 0)
     return batch < 0 || row_elems < 0 ? cudaErrorInvalidValue : cudaSuccess;
   const int64_t n = batch * row_elems;
   CountLaunch();
-  QueriesToFloatKernel<<<Blocks(n), kThreads, 0, stream>>>(src, bf16, n, row_elems, dst, faults);
+  QueriesToFloatKernel<<<Blocks(n), kThreads, 0, stream>>>(src, bf16, n, row_elems, dst, faults,
+                                                           FaultTag(0, fault_layer));
   return cudaGetLastError();
 }
 

@@ -7,7 +7,6 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
-#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -182,59 +181,58 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     const int rows = batch * hq;
     // One page list per format present, per sequence (token order does not matter, and only a
     // sequence's last page can be partial, so each list is a valid page list). A format that
-    // merges in its launch goes last and merges every part.
-    struct List {
-      const CudaPageFormat* format = nullptr;
-      const PagePool* pool = nullptr;
-      std::vector<std::vector<int32_t>> pages;
-      std::vector<int32_t> lens;
-      int max_pages = 1, max_len = 0, splits = 0;
-      size_t table_off = 0, len_off = 0;
-    };
-    std::vector<List> lists;
+    // merges in its launch goes last and merges every part. The lists and the table keep
+    // their memory from call to call: the per-layer decode loop allocates nothing here.
+    size_t num_lists = 0;
     for (int j = 0; j < batch; ++j) {
       for (const AttentionSegment& seg : b.jobs[j].segments) {
         const auto* f = static_cast<const CudaPageFormat*>(seg.format);
-        auto it =
-            std::find_if(lists.begin(), lists.end(), [&](const List& l) { return l.format == f; });
-        if (it == lists.end()) {
-          List l;
+        const auto end = lists_.begin() + static_cast<std::ptrdiff_t>(num_lists);
+        auto it = std::find_if(lists_.begin(), end, [&](const List& l) { return l.format == f; });
+        if (it == end) {
+          if (num_lists == lists_.size()) lists_.emplace_back();
+          List& l = lists_[num_lists++];
           l.format = f;
           l.pool = seg.pool;
-          l.pages.resize(batch);
+          if (l.pages.size() < static_cast<size_t>(batch)) l.pages.resize(batch);
+          for (int i = 0; i < batch; ++i) l.pages[i].clear();
           l.lens.assign(batch, 0);
-          lists.push_back(std::move(l));
-          it = lists.end() - 1;
+          l.max_pages = 1;
+          l.max_len = 0;
+          it = lists_.begin() + static_cast<std::ptrdiff_t>(num_lists - 1);
         }
         it->pages[j].insert(it->pages[j].end(), seg.page_ids.begin(), seg.page_ids.end());
         it->lens[j] += static_cast<int32_t>(seg.token_end - seg.token_begin);
       }
     }
-    std::stable_partition(lists.begin(), lists.end(),
+    const auto lists_end = lists_.begin() + static_cast<std::ptrdiff_t>(num_lists);
+    std::stable_partition(lists_.begin(), lists_end,
                           [](const List& l) { return !l.format->FusesMerge(); });
     const kc::DecodeGeometry geo{batch, hq, b.num_kv_heads, d, b.page_size};
     int parts = 0;
     size_t state_bytes = 0;
-    std::vector<int32_t> host_i32;
-    for (List& l : lists) {
+    std::vector<int32_t>& host_i32 = table_;
+    host_i32.clear();
+    for (auto l = lists_.begin(); l != lists_end; ++l) {
       for (int j = 0; j < batch; ++j) {
-        l.max_pages = std::max(l.max_pages, static_cast<int>(l.pages[j].size()));
-        l.max_len = std::max(l.max_len, l.lens[j]);
+        l->max_pages = std::max(l->max_pages, static_cast<int>(l->pages[j].size()));
+        l->max_len = std::max(l->max_len, l->lens[j]);
       }
-      l.splits = l.max_len > 0 ? l.format->AttendSplits(geo, l.max_len, sms_) : 0;
-      parts += l.splits;
-      state_bytes = std::max(state_bytes, l.format->AttendStateBytes(batch));
-      l.table_off = host_i32.size();
+      l->splits = l->max_len > 0 ? l->format->AttendSplits(geo, l->max_len, sms_) : 0;
+      parts += l->splits;
+      state_bytes = std::max(state_bytes, l->format->AttendStateBytes(batch));
+      l->table_off = host_i32.size();
       for (int j = 0; j < batch; ++j) {
-        std::vector<int32_t> row = l.pages[j];
-        row.resize(l.max_pages, 0);
-        host_i32.insert(host_i32.end(), row.begin(), row.end());
+        host_i32.insert(host_i32.end(), l->pages[j].begin(), l->pages[j].end());
+        host_i32.resize(host_i32.size() + (l->max_pages - l->pages[j].size()), 0);
       }
-      l.len_off = host_i32.size();
-      host_i32.insert(host_i32.end(), l.lens.begin(), l.lens.end());
+      l->len_off = host_i32.size();
+      host_i32.insert(host_i32.end(), l->lens.begin(), l->lens.end());
     }
     // The sequences' fault targets (device_fault.h) travel with the page tables, 8-byte
-    // aligned: the query conversion sets them, the merge poisons the rows of a set one.
+    // aligned: the query conversion sets them, the merge poisons the rows of a set one. They
+    // go with layer 0 in their tags (the launch names the layer: LaunchQueriesToFloat), so a
+    // token's tables are the same bytes at every layer and are sent once per token.
     bool any_fault = false;
     for (const AttentionJob& job : b.jobs) any_fault = any_fault || job.fault.tag != 0;
     size_t faults_off = 0;
@@ -243,8 +241,10 @@ class CudaBackend final : public Backend, public DeviceRuntime {
       faults_off = host_i32.size();
       host_i32.resize(faults_off + batch * sizeof(kernels::DeviceFault) / sizeof(int32_t));
       for (int j = 0; j < batch; ++j) {
-        std::memcpy(host_i32.data() + faults_off + j * sizeof(kernels::DeviceFault) / 4,
-                    &b.jobs[j].fault, sizeof(kernels::DeviceFault));
+        kernels::DeviceFault f = b.jobs[j].fault;
+        if (f.tag != 0) f.tag = kernels::FaultTag(f.tag >> kernels::kFaultOwnerShift, 0);
+        std::memcpy(host_i32.data() + faults_off + j * sizeof(kernels::DeviceFault) / 4, &f,
+                    sizeof(kernels::DeviceFault));
       }
     }
     parts = std::max(1, parts);
@@ -282,21 +282,30 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     // previous call left at the same place of the same scratch is not sent again: only
     // Attend writes that part of the scratch, under mu_, in stream order.
     if (!TableStillOnDevice(d_i32, host_i32)) {
-      last_table_.reset();
+      last_table_.at = nullptr;
       KVCD_RETURN_IF_ERROR(
           Noted(uploads_.Upload(d_i32, host_i32.data(), sizeof(int32_t) * host_i32.size())));
-      last_table_ = UploadedTable{d_i32, scratch_.generation(), host_i32};
+      // The sent table becomes the last one; the next call builds into the other buffer.
+      last_table_.at = d_i32;
+      last_table_.generation = scratch_.generation();
+      last_table_.table.swap(table_);
     }
     lap.Mark(kUpload);
     const auto* d_faults =
         any_fault ? reinterpret_cast<const kernels::DeviceFault*>(d_i32 + faults_off) : nullptr;
-    if (b.device_q != nullptr) {
-      // The worker's queries are read here and only here: the non-finite check is fused
-      // into this conversion (a bad value becomes 0 and marks its sequence's fault words).
+    // The worker's device queries are read with the non-finite check fused in (a bad value
+    // becomes 0 and marks its sequence's fault words): by the attention launches themselves
+    // (every launched list's grid reads every query), or, when no list has tokens, by the
+    // conversion alone, so that a bad query is reported all the same.
+    bool any_splits = false;
+    for (auto it = lists_.begin(); it != lists_end; ++it) any_splits = any_splits || it->splits > 0;
+    const kc::RawQueries raw{b.device_q, b.device_q_bf16, d_faults, b.layer};
+    const kc::RawQueries* raw_q = b.device_q != nullptr && any_splits ? &raw : nullptr;
+    if (b.device_q != nullptr && raw_q == nullptr) {
       RETURN_IF_CUDA_ERR(kc::LaunchQueriesToFloat(b.device_q, b.device_q_bf16, batch,
                                                   static_cast<int64_t>(hq) * d, d_q, d_faults,
-                                                  nullptr));
-    } else {
+                                                  nullptr, b.layer));
+    } else if (b.device_q == nullptr) {
       std::vector<float> q(static_cast<size_t>(rows) * d);
       for (int j = 0; j < batch; ++j)
         std::copy(b.jobs[j].q, b.jobs[j].q + hq * d, q.begin() + j * hq * d);
@@ -312,13 +321,15 @@ class CudaBackend final : public Backend, public DeviceRuntime {
                                 hq};
     int part_base = 0;
     bool merged = false;
-    for (const List& l : lists) {
+    for (auto it = lists_.begin(); it != lists_end; ++it) {
+      const List& l = *it;
       if (l.splits == 0) continue;
       CudaPageFormat::AttendLaunch a;
       a.list = kc::PagedList{l.pool->LayerBase(b.layer), l.pool->layer_page_bytes(),
                              d_i32 + l.table_off, l.max_pages, d_i32 + l.len_off};
       a.geo = geo;
       a.q = d_q;
+      a.raw = raw_q;
       a.r_k = d_rk;
       a.scale = b.softmax_scale;
       a.splits = l.splits;
@@ -392,22 +403,33 @@ class CudaBackend final : public Backend, public DeviceRuntime {
 
   // True if the device copy at d_i32 already holds `table` (see Attend). REQUIRES: mu_.
   bool TableStillOnDevice(const int32_t* d_i32, const std::vector<int32_t>& table) const {
-    return last_table_.has_value() && last_table_->at == d_i32 &&
-           last_table_->generation == scratch_.generation() && last_table_->table == table;
+    return last_table_.at == d_i32 && last_table_.generation == scratch_.generation() &&
+           last_table_.table == table;
   }
 
   const int device_;
   const int sms_;
   std::mutex mu_;
   DeviceScratch scratch_;
-  // The page tables and lengths the last Attend queued into scratch_ (cleared before an
-  // upload, so a failed one leaves nothing to trust).
+  // One page list of Attend: a format's pages per sequence (kept across calls).
+  struct List {
+    const CudaPageFormat* format = nullptr;
+    const PagePool* pool = nullptr;
+    std::vector<std::vector<int32_t>> pages;
+    std::vector<int32_t> lens;
+    int max_pages = 1, max_len = 0, splits = 0;
+    size_t table_off = 0, len_off = 0;
+  };
+  std::vector<List> lists_;
+  std::vector<int32_t> table_;  // the table Attend builds (page tables, lengths, faults)
+  // The page tables, lengths and fault targets the last Attend queued into scratch_ (`at`
+  // cleared before an upload, so a failed one leaves nothing to trust).
   struct UploadedTable {
     const int32_t* at = nullptr;
     uint64_t generation = 0;
     std::vector<int32_t> table;
   };
-  std::optional<UploadedTable> last_table_;
+  UploadedTable last_table_;
   DeviceScratch ids_scratch_;
   DeviceScratch staging_;
   CudaFaultBoard faults_;

@@ -27,7 +27,9 @@ class CudaPageFormat : public PageFormat {
   struct AttendLaunch {
     kernels::cuda::PagedList list;
     kernels::cuda::DecodeGeometry geo;
-    const float* q = nullptr;    // raw queries [batch][num_q_heads][head_dim]
+    const float* q = nullptr;  // raw queries [batch][num_q_heads][head_dim]
+    // Set: the worker's queries as they arrive, read (and checked) by the launch in place of q.
+    const kernels::cuda::RawQueries* raw = nullptr;
     const float* r_k = nullptr;  // device, null = none
     float scale = 0;
     int splits = 0;

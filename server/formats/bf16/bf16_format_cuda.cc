@@ -67,7 +67,7 @@ class Bf16CudaFormat final : public CudaPageFormat {
   absl::Status LaunchAttend(const AttendLaunch& a) const override {
     return CudaStatus(
         kc::LaunchBf16DecodeParts(a.list, a.geo, a.q, a.r_k, a.scale, a.splits, a.max_tokens,
-                                  a.part_o, a.part_lse, a.part_base, nullptr),
+                                  a.part_o, a.part_lse, a.part_base, nullptr, a.raw),
         "BF16 decode attention");
   }
 

@@ -100,6 +100,7 @@ class Int2OscarCudaFormat final : public CudaPageFormat {
     kc::Int2PartsOptions opt;
     opt.state = a.state;
     opt.merge = a.merge;
+    opt.raw = a.raw;
     return CudaStatus(
         kc::LaunchInt2DecodeParts(a.list, a.geo, a.q, a.r_k, a.scale, a.splits, a.max_tokens,
                                   a.part_o, a.part_lse, a.part_base, nullptr, opt),

@@ -150,30 +150,63 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
   const float* d_rvt = Up(rvt);
   void* state = nullptr;
   ASSERT_EQ(cudaMalloc(&state, cuda::Int2StateBytes(batch, hkv)), cudaSuccess);
+  // The worker's queries as BF16 with one NaN, converted (LaunchQueriesToFloat) or read raw
+  // by the launches; each way gets its own fault words.
+  std::vector<uint16_t> qb(q.size());
+  for (size_t i = 0; i < q.size(); ++i) qb[i] = FloatToBf16(q[i]);
+  qb[hq * d + 3] = 0x7fc0;  // NaN in sequence 1
+  const uint16_t* d_qb = Up(qb);
+  float* d_qc = Up(std::vector<float>(q.size(), NAN));
   // The daemon's order: BF16 windows first, then the INT2 launch, which also launches the
   // merge of every part (as its programmatic dependent); with and without L2 prefetch, and
-  // with the merge launched on its own.
+  // with the merge launched on its own; queries as F32 or read raw (F32 or BF16).
+  enum Queries { kF32, kRawF32, kConvertedBf16, kRawBf16 };
   struct Way {
     bool merge_in_launch;
     int prefetch;
+    Queries queries = kF32;
   };
+  const std::vector<Way> ways = {Way{true, -1},           Way{true, 0},
+                                 Way{false, 5},           Way{true, -1, kRawF32},
+                                 Way{false, 5, kRawF32},  Way{true, -1, kConvertedBf16},
+                                 Way{true, -1, kRawBf16}, Way{false, 5, kRawBf16}};
   std::vector<std::vector<float>> got_o_ways, got_lse_ways;
-  for (const Way way : {Way{true, -1}, Way{true, 0}, Way{false, 5}}) {
+  std::vector<std::vector<unsigned long long>> words_ways;
+  for (const Way way : ways) {
+    unsigned long long* d_words = Up(std::vector<unsigned long long>(2 * batch, 0));
+    std::vector<DeviceFault> faults(batch);
+    for (int b = 0; b < batch; ++b)
+      faults[b] = DeviceFault{d_words + b, d_words + batch + b, FaultTag(7 + b, 0)};
+    const DeviceFault* d_faults = Up(faults);
+    const float* way_q = d_q;
+    cuda::RawQueries raw;
+    const cuda::RawQueries* raw_q = nullptr;
+    if (way.queries == kRawF32 || way.queries == kRawBf16) {
+      raw = cuda::RawQueries{way.queries == kRawF32 ? static_cast<const void*>(d_q) : d_qb,
+                             way.queries == kRawBf16, d_faults, 9};
+      raw_q = &raw;
+      way_q = nullptr;
+    } else if (way.queries == kConvertedBf16) {
+      ASSERT_EQ(cuda::LaunchQueriesToFloat(d_qb, true, batch, hq * d, d_qc, d_faults, nullptr, 9),
+                cudaSuccess);
+      way_q = d_qc;
+    }
     ASSERT_EQ(cudaMemcpy(part_lse, std::vector<float>((s_int2 + s_bf16) * rows, NAN).data(),
                          sizeof(float) * (s_int2 + s_bf16) * rows, cudaMemcpyHostToDevice),
               cudaSuccess);
     ASSERT_EQ(cudaMemcpy(o, std::vector<float>(rows * d, NAN).data(), sizeof(float) * rows * d,
                          cudaMemcpyHostToDevice),
               cudaSuccess);
-    ASSERT_EQ(cuda::LaunchBf16DecodeParts(bf16_list, geo, d_q, d_rk, scale, s_bf16, max_bf16,
-                                          part_o, part_lse, 0, nullptr),
+    ASSERT_EQ(cuda::LaunchBf16DecodeParts(bf16_list, geo, way_q, d_rk, scale, s_bf16, max_bf16,
+                                          part_o, part_lse, 0, nullptr, raw_q),
               cudaSuccess);
     const cuda::MergeTarget merge{s_int2 + s_bf16, d_rvt, o, lse};
     cuda::Int2PartsOptions opt;
     opt.state = state;
     opt.merge = way.merge_in_launch ? &merge : nullptr;
     opt.prefetch_tiles = way.prefetch;
-    ASSERT_EQ(cuda::LaunchInt2DecodeParts(int2_list, geo, d_q, d_rk, scale, s_int2, max_int2,
+    opt.raw = raw_q;
+    ASSERT_EQ(cuda::LaunchInt2DecodeParts(int2_list, geo, way_q, d_rk, scale, s_int2, max_int2,
                                           part_o, part_lse, s_bf16, nullptr, opt),
               cudaSuccess);
     if (!way.merge_in_launch) {
@@ -184,11 +217,26 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     got_o_ways.push_back(Down(o, rows * d));
     got_lse_ways.push_back(Down(lse, rows));
+    words_ways.push_back(Down(d_words, 2 * batch));
   }
-  // Prefetching and how the merge is launched change nothing: bit-identical results.
-  for (size_t w = 1; w < got_o_ways.size(); ++w) {
-    EXPECT_EQ(got_o_ways[w], got_o_ways[0]) << "way " << w;
-    EXPECT_EQ(got_lse_ways[w], got_lse_ways[0]) << "way " << w;
+  // Prefetching, how the merge is launched and whether the launches read the queries raw
+  // change nothing: bit-identical results (F32 ways against way 0, BF16 ways against the
+  // converted BF16 way), and raw BF16 reads set the same fault words as the conversion.
+  const size_t bf16_base = 5;
+  for (size_t w = 1; w < ways.size(); ++w) {
+    const size_t base = w < bf16_base ? 0 : bf16_base;
+    if (w == base) continue;
+    EXPECT_EQ(got_o_ways[w], got_o_ways[base]) << "way " << w;
+    EXPECT_EQ(got_lse_ways[w], got_lse_ways[base]) << "way " << w;
+    EXPECT_EQ(words_ways[w], words_ways[base]) << "way " << w;
+  }
+  EXPECT_NE(got_o_ways[bf16_base], got_o_ways[0]);  // the BF16 queries are other queries
+  for (int b = 0; b < batch; ++b) {
+    const unsigned long long want =
+        b == 1 ? (FaultTag(7 + b, 9) | (kFaultQuery << kFaultInputShift)) : 0;
+    EXPECT_EQ(words_ways[bf16_base][b], want) << "b " << b;
+    EXPECT_EQ(words_ways[bf16_base][batch + b], want) << "b " << b;
+    EXPECT_EQ(words_ways[0][b], 0u) << "b " << b;
   }
   const auto& got_o = got_o_ways[0];
   const auto& got_lse = got_lse_ways[0];
@@ -603,12 +651,13 @@ TEST_F(CudaKernelsTest, FusedStoreCheckMatchesAScalarReference) {
 
 // The query conversion with the fused check against a scalar reference: non-finite values
 // become 0, exactly the sequences holding one get their fault words set (input q), a
-// target with tag 0 is left alone.
+// target with tag 0 is left alone. The layer comes in the tags or (in_call) from the launch.
 TEST_F(CudaKernelsTest, QueryConversionCheckMatchesAScalarReference) {
   std::normal_distribution<float> normal(0.0f, 3.0f);
   const float kBad[3] = {NAN, INFINITY, -INFINITY};
   for (int bf16 = 0; bf16 < 2; ++bf16) {
     for (int64_t batch : {1, 5, 67}) {
+      const bool in_call = batch != 5;
       const int64_t row = 8 * 128;
       std::vector<float> f(batch * row);
       for (auto& x : f) x = normal(rng_);
@@ -625,11 +674,13 @@ TEST_F(CudaKernelsTest, QueryConversionCheckMatchesAScalarReference) {
       for (int64_t b = 0; b < batch; ++b) {
         faults[b].host_word = d_words + b;
         faults[b].device_word = d_words + batch + b;
-        faults[b].tag = b % 7 == 3 ? 0 : FaultTag(1000 + b, 5);  // some sequences untracked
+        // some sequences untracked
+        faults[b].tag = b % 7 == 3 ? 0 : FaultTag(1000 + b, in_call ? 0 : 5);
       }
       float* d_out = Up(std::vector<float>(f.size(), NAN));
       const void* src = bf16 ? static_cast<const void*>(Up(h)) : Up(f);
-      ASSERT_EQ(cuda::LaunchQueriesToFloat(src, bf16, batch, row, d_out, Up(faults), nullptr),
+      ASSERT_EQ(cuda::LaunchQueriesToFloat(src, bf16, batch, row, d_out, Up(faults), nullptr,
+                                           in_call ? 5 : 0),
                 cudaSuccess);
       const auto out = Down(d_out, f.size());
       const auto got = Down(d_words, words.size());

@@ -99,6 +99,18 @@ struct MergeTarget {
   int rows_per_entry = 1;
 };
 
+// The worker's queries as they arrive, for launches that read them in place of converted F32
+// queries (one launch fewer per call): q [batch][num_q_heads][head_dim] BF16 (bf16) or F32 on
+// the device; each value is read as LaunchQueriesToFloat converts it (a NaN or ±Inf becomes 0
+// and sets its sequence's fault words, faults [batch] or null, layer fault_layer), so the
+// results are bit for bit those of the conversion followed by the same launch on its output.
+struct RawQueries {
+  const void* q = nullptr;
+  bool bf16 = false;
+  const DeviceFault* faults = nullptr;
+  int64_t fault_layer = 0;
+};
+
 struct Int2PartsOptions {
   Int2Kernel kernel = Int2Kernel::kAuto;
   // v2 kernel: how many 32-token tiles per warp ahead of its register loads it asks L2 for
@@ -112,6 +124,8 @@ struct Int2PartsOptions {
   // merge as its dependent (each starts while the previous grid runs); false: plain
   // launches, one grid after the other.
   bool dependent_launch = true;
+  // Set: the queries are read from here (checked) and the q argument is not used.
+  const RawQueries* raw = nullptr;
 };
 
 // INT2 pages -> parts [part_base, part_base + splits). q: [batch][num_q_heads][head_dim]
@@ -124,12 +138,13 @@ cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& g
                                   float* part_o, float* part_lse, int part_base,
                                   cudaStream_t stream, const Int2PartsOptions& opt = {});
 
-// BF16 pages (layout of bf16_attention.h) -> parts [part_base, part_base + splits).
+// BF16 pages (layout of bf16_attention.h) -> parts [part_base, part_base + splits); with raw
+// set, the queries are read from it (checked) and q is not used.
 // REQUIRES: head_dim in {64, 128, 256}, num_q_heads / num_kv_heads <= 8.
 cudaError_t LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
                                   const float* r_k, float scale, int splits, int max_tokens,
                                   float* part_o, float* part_lse, int part_base,
-                                  cudaStream_t stream);
+                                  cudaStream_t stream, const RawQueries* raw = nullptr);
 
 // o[row] = merge of the parts of row, times R_v^T (null = identity); lse natural log;
 // faults / rows_per_entry as in MergeTarget.

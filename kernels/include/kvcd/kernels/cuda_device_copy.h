@@ -18,8 +18,13 @@ cudaError_t LaunchToFloat(const void* src, bool bf16, int64_t n, float* dst, cud
 // format): dst[i] = float(src[i]) where that is finite, else 0, and sequence b's fault words
 // (device_fault.h, input kFaultQuery) are set when faults (null: no report) has a target
 // with a nonzero tag for it. The zeros keep NaN/Inf out of the attention kernels; the merge
-// NaN-poisons the outputs of a faulted sequence (MergeTarget::faults).
+// NaN-poisons the outputs of a faulted sequence (MergeTarget::faults). The word set is the
+// target's tag with the layer bits of FaultTag(0, fault_layer) put in: a caller may keep
+// targets of tag FaultTag(owner, 0), the same for every layer of a token (the daemon keeps
+// them beside its page tables, which are then sent once per token, not once per layer), and
+// name the call's layer here.
 cudaError_t LaunchQueriesToFloat(const void* src, bool bf16, int64_t batch, int64_t row_elems,
-                                 float* dst, const DeviceFault* faults, cudaStream_t stream);
+                                 float* dst, const DeviceFault* faults, cudaStream_t stream,
+                                 int64_t fault_layer = 0);
 
 }  // namespace kvcd::kernels::cuda
