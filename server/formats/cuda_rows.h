@@ -1,5 +1,5 @@
 // Helpers of the CUDA formats: the device arguments of a paged row store (cuda_store_rows.h)
-// built from a RowSource — device rows are used where they are, host rows go up once — and
+// or FSQ code store (cuda_fsq.h) built from a RowSource — device rows are used where they are, host rows go up once — and
 // the device check of pages about to be stored. CUDA builds only.
 #pragma once
 
@@ -50,6 +50,32 @@ absl::Status PrepareRowStore(const RowSource& k, const RowSource& v, absl::Span<
 // REQUIRES: scratch->mu held since PrepareRowStore.
 absl::Status FinishRowStore(const RowSource& k, const RowSource& v, const RowStoreArgs& a,
                             RowStoreScratch* scratch);
+
+// The device arguments of an FSQ code store (cuda_fsq.h LaunchFsqEncodeRows) from residual
+// rows x (RowSource rows of residual_width values, head 0).
+struct ResidualStoreArgs {
+  kernels::cuda::RowBlock x;
+  kernels::cuda::PagedRows dst;  // num_kv_heads, head_dim unused
+  kernels::cuda::StoreCheck check_args;
+  bool checked = false;
+  bool sync = false;
+  const kernels::cuda::StoreCheck* check() const { return checked ? &check_args : nullptr; }
+  int32_t first_layer = 0;
+  int64_t first_token = 0;
+};
+
+// As PrepareRowStore, for the residuals of `rows` (device x checked by the encode as it
+// reads it: synchronously, or marking x.device_faults). REQUIRES: scratch->mu held until the
+// launch is queued.
+absl::Status PrepareResidualStore(const RowSource& x, absl::Span<const RowSlot> rows,
+                                  int32_t layer, const PagePool& pool, const PageGeometry& g,
+                                  int32_t residual_width, RowStoreScratch* scratch,
+                                  ResidualStoreArgs* out);
+
+// As FinishRowStore: INVALID_ARGUMENT naming x.name[layer, token] when a synchronously
+// checked encode met a NaN or +-Inf. REQUIRES: scratch->mu held since PrepareResidualStore.
+absl::Status FinishResidualStore(const RowSource& x, const ResidualStoreArgs& a,
+                                 RowStoreScratch* scratch);
 
 // Checks num_pages pages of page_bytes bytes (layer_bytes per layer) at device `src`: in each
 // layer page, `check_bytes` bytes from `check_offset` must pass `check`
