@@ -191,7 +191,7 @@ absl::Status FinishResidualStore(const RowSource& x, const ResidualStoreArgs& a,
   const int64_t layer = a.first_layer + static_cast<int64_t>(got[1] / tokens);
   return absl::InvalidArgumentError(
       absl::StrCat(x.name, "[", layer, ", ", token, ", :] (layer, token) holds NaN or +-Inf (",
-                   got[0], " non-finite row(s) in ", x.name,
+                   got[0], " non-finite value(s) in ", x.name,
                    "); expected finite residuals; nothing was stored"));
 }
 
