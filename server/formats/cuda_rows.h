@@ -21,19 +21,23 @@ struct RowStoreScratch {
   PinnedUploader uploads;  // slot lists go up without blocking the host
 };
 
-struct RowStoreArgs {
-  kernels::cuda::RowBlock k, v;
+// What every paged store launch gets besides its rows: the destination slots and the fused
+// non-finite check (RowSource::check_finite on device rows): check() is what the launch
+// gets (null: the kernel without the check), `sync` whether the Finish call waits for the
+// store and reads its count.
+struct PagedStoreArgs {
   kernels::cuda::PagedRows dst;
-  kernels::cuda::RowCodec codec;
-  // The fused non-finite check (RowSource::check_finite on device rows): check() is what
-  // the launch gets (null: the kernel without the check), `sync` whether FinishRowStore
-  // waits for the store and reads its count.
   kernels::cuda::StoreCheck check_args;
   bool checked = false;
   bool sync = false;
   const kernels::cuda::StoreCheck* check() const { return checked ? &check_args : nullptr; }
   int32_t first_layer = 0;
   int64_t first_token = 0;
+};
+
+struct RowStoreArgs : PagedStoreArgs {
+  kernels::cuda::RowBlock k, v;
+  kernels::cuda::RowCodec codec;
 };
 
 // Arguments storing `rows` (consecutive source tokens) of k and v into `pool` at every layer
@@ -53,15 +57,8 @@ absl::Status FinishRowStore(const RowSource& k, const RowSource& v, const RowSto
 
 // The device arguments of an FSQ code store (cuda_fsq.h LaunchFsqEncodeRows) from residual
 // rows x (RowSource rows of residual_width values, head 0).
-struct ResidualStoreArgs {
+struct ResidualStoreArgs : PagedStoreArgs {  // dst.num_kv_heads, dst.head_dim unused
   kernels::cuda::RowBlock x;
-  kernels::cuda::PagedRows dst;  // num_kv_heads, head_dim unused
-  kernels::cuda::StoreCheck check_args;
-  bool checked = false;
-  bool sync = false;
-  const kernels::cuda::StoreCheck* check() const { return checked ? &check_args : nullptr; }
-  int32_t first_layer = 0;
-  int64_t first_token = 0;
 };
 
 // As PrepareRowStore, for the residuals of `rows` (device x checked by the encode as it
