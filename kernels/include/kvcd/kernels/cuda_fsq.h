@@ -58,6 +58,10 @@ cudaError_t LaunchFsqEncodeRows(const RowBlock& x, const PagedRows& dst, int64_t
 
 // --- Decode attention --------------------------------------------------------------------
 
+// The largest latent width the decode attention kernel takes (its per-head accumulators of
+// sum_t a_t z_t live in registers).
+inline constexpr int kFsqCudaMaxLatent = 256;
+
 // Bytes of one layer's prepared decoder (FsqPrepareDecoder's output).
 size_t FsqDecoderBytes(int num_kv_heads, int head_dim, int latent_width);
 
@@ -95,8 +99,10 @@ struct FsqDecodeArgs {
 // o = 0, lse = -inf. With `merge` (not null), LaunchMergeParts follows on the stream
 // (merge->r_v_t must be null for FSQ).
 // REQUIRES: geo.head_dim in {64, 128, 256}, num_q_heads a multiple of num_kv_heads with
-// group <= 8, 1 <= G <= kFsqMaxLatent, rope.rotary_dims even and <= head_dim, page_size a
-// multiple of 16. cudaErrorInvalidValue otherwise.
+// group <= 8, 1 <= G <= kFsqCudaMaxLatent, rope.rotary_dims even and <= head_dim (a multiple
+// of 16 for the half pairing), rope.scaling > 0, page_size a multiple of 16, list.pages
+// 16-byte aligned and list.page_stride a multiple of 16, codec.key_norm (if set) 8-byte
+// aligned. cudaErrorInvalidValue otherwise.
 cudaError_t LaunchFsqDecodeParts(const PagedList& list, const DecodeGeometry& geo,
                                  const FsqDecodeArgs& args, int max_tokens, float* part_o,
                                  float* part_lse, int part_base, cudaStream_t stream,
