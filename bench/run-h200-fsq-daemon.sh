@@ -8,11 +8,17 @@
 #      the largest error it saw);
 #   2. the CUDA FSQ kernel tests against their CPU oracles (kvcd_cuda_tests *Fsq*);
 #   3. the existing data-plane tests (INT2 / BF16 through the same backend code),
-#      the NCCL and the lease-expiry tests left out.
+#      the NCCL and the lease-expiry tests left out;
+#   4. end to end with kvctl against the real daemon: a model of Qwen3-8B's layer geometry
+#      (4 layers, C = 4096, G = 256: 32x, key norm, RoPE) from a codec file, and the same
+#      geometry with INT2 history beside it: put 4096 synthetic tokens, then 32 decode
+#      steps of the per-layer fused loop over the gRPC stream (kvctl decode), per backend
+#      (cuda, and cpu for the FSQ model as the reference of what it serves).
 #   here:   ./scripts/build.sh kvcd kvcd_data_plane_tests kvcd_cuda_tests && ./scripts/pack-device.sh
 #           (pack-device.sh packs every binary it lists: build them all, or the full build)
 #   device: bench/run-h200-fsq-daemon.sh   (device tool, carry [".devbin", ".devlibs"])
-# Writes $OUT/fsq-data-plane.log, fsq-kernels.log, data-plane.log and summary.txt.
+# Writes $OUT/fsq-data-plane.log, fsq-kernels.log, data-plane.log, kvctl-*.log and
+# summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/kvcd-h200-fsq}
@@ -36,3 +42,40 @@ KVCD_BINARY=$BIN/kvcd timeout 60 "$BIN/kvcd_data_plane_tests" \
 result "data plane (int2, bf16)" "$out/data-plane.log" $?
 grep -hE '^\[  FAILED|Failure|rror' "$out/fsq-data-plane.log" "$out/fsq-kernels.log" \
   "$out/data-plane.log" | head -30
+
+python3 bench/fsq_synthetic_codec.py "$out/codec.safetensors" --layers 4 --residual 4096 \
+  --latent 256 --kv-heads 8 --head-dim 128 --key-norm
+source scripts/daemon-lib.sh
+for backend in cuda cpu; do
+  cat > "$out/kvcd-$backend.yaml" <<YAML
+listen: 127.0.0.1:0
+metrics_listen: 127.0.0.1:0
+backend: $backend
+memory_budget: 4GiB
+models:
+  - {name: q3l4-fsq32, num_layers: 4, num_q_heads: 32, num_kv_heads: 8, head_dim: 128,
+     page_size: 64, sink_tokens: 64, recent_tokens: 256, history_format: fsq,
+     fsq_residual_width: 4096, fsq_latent_width: 256, key_norm: rms,
+     rope: {theta: 1000000, rotary_dims: 128}, codec_file: $out/codec.safetensors,
+     memory: 1536MiB, bf16_fraction: 0.25}
+  - {name: q3l4-int2, num_layers: 4, num_q_heads: 32, num_kv_heads: 8, head_dim: 128,
+     page_size: 64, sink_tokens: 64, recent_tokens: 256, history_format: int2-oscar,
+     memory: 1536MiB, bf16_fraction: 0.25}
+YAML
+  if ! start_kvcd "$BIN/kvcd" "$out/kvcd-$backend.yaml"; then
+    summary "kvctl $backend: daemon did not start: $(tail -3 "$KVCD_LOG_DIR/err")"
+    continue
+  fi
+  models="q3l4-fsq32 q3l4-int2"
+  [[ $backend == cpu ]] && models=q3l4-fsq32
+  for m in $models; do
+    log="$out/kvctl-$backend-$m.log"
+    { timeout 60 "$BIN/kvctl" --target "$KVCD_GRPC" put --model "$m" --synthetic 4096 --seed 7 &&
+      timeout 60 "$BIN/kvctl" --target "$KVCD_GRPC" decode --model "$m" --synthetic 4096 \
+        --seed 7 --steps 32; } > "$log" 2>&1
+    summary "kvctl $backend $m rc $?: $(tail -2 "$log" | tr '\n' ' ')"
+  done
+  "$BIN/kvctl" --target "$KVCD_GRPC" models > "$out/kvctl-$backend-models.log" 2>&1
+  stop_kvcd
+  cp "$KVCD_LOG_DIR/err" "$out/kvcd-$backend.err"
+done

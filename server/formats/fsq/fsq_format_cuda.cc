@@ -35,7 +35,20 @@ absl::Status CheckFsqCudaGeometry(const PageGeometry& g, const FsqModelCodec& co
     return absl::InvalidArgumentError(absl::StrCat(
         "rope rotary_dims is ", rotary, ", expected an even number in 0..", g.head_dim));
   }
+  if (codec.rope.pairing == kernels::RopePairing::kHalf && rotary % 16 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rope rotary_dims is ", rotary,
+        ", expected a multiple of 16 with the half pairing for history_format fsq on the cuda "
+        "backend (the FSQ attention kernel's register tiles); the cpu backend serves it"));
+  }
   const FsqCodecShape& s = codec.codec.shape();
+  if (s.latent_width > kc::kFsqCudaMaxLatent) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "fsq_latent_width is ", s.latent_width, ", expected at most ", kc::kFsqCudaMaxLatent,
+        " for history_format fsq on the cuda backend (the FSQ attention kernel keeps the "
+        "weighted codes in registers); the cpu backend serves up to ",
+        kernels::kFsqMaxLatent));
+  }
   if (s.num_layers != g.num_layers || s.num_kv_heads != g.num_kv_heads ||
       s.head_dim != g.head_dim) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -16,7 +16,9 @@ namespace kvcd {
 
 // Whether the CUDA kernels serve an FSQ model of this geometry and codec: OK, or
 // INVALID_ARGUMENT naming what they need (head_dim 64, 128 or 256; page_size a multiple of
-// 16; RoPE rotary_dims even and <= head_dim). Host only: no device needed.
+// 16; RoPE rotary_dims even, <= head_dim, a multiple of 16 with the half pairing; G at most
+// kernels::cuda::kFsqCudaMaxLatent; the codec's shape the geometry's). Host only: no device
+// needed.
 absl::Status CheckFsqCudaGeometry(const PageGeometry& geometry, const FsqModelCodec& codec);
 
 // REQUIRES: CheckFsqCudaGeometry(geometry, *codec) is OK; device_codec uploaded from codec.

@@ -10,16 +10,18 @@
 namespace kvcd {
 namespace {
 
-FsqModelCodec Codec(const PageGeometry& g, int rotary_dims) {
+FsqModelCodec Codec(const PageGeometry& g, int rotary_dims, int latent = 9,
+                    kernels::RopePairing pairing = kernels::RopePairing::kInterleaved) {
   FsqCodecShape s;
   s.num_layers = g.num_layers;
   s.residual_width = 32;
-  s.latent_width = 9;
+  s.latent_width = latent;
   s.num_kv_heads = g.num_kv_heads;
   s.head_dim = g.head_dim;
   FsqModelCodec m;
   m.codec = FsqCodec::Synthetic(s, 3);
   m.rope.rotary_dims = rotary_dims;
+  m.rope.pairing = pairing;
   return m;
 }
 
@@ -48,6 +50,13 @@ TEST(FsqCudaFormatTest, RefusesWhatTheKernelsCannotRun) {
   const PageGeometry ok{2, 2, 128, 64};
   ExpectRefused(CheckFsqCudaGeometry(ok, Codec(ok, 33)), "rotary_dims is 33, expected an even");
   ExpectRefused(CheckFsqCudaGeometry(ok, Codec(ok, 130)), "rotary_dims is 130");
+  EXPECT_TRUE(CheckFsqCudaGeometry(ok, Codec(ok, 40)).ok());  // interleaved: any even count
+  ExpectRefused(CheckFsqCudaGeometry(ok, Codec(ok, 40, 9, kernels::RopePairing::kHalf)),
+                "expected a multiple of 16 with the half pairing");
+  EXPECT_TRUE(CheckFsqCudaGeometry(ok, Codec(ok, 64, 9, kernels::RopePairing::kHalf)).ok());
+  EXPECT_TRUE(CheckFsqCudaGeometry(ok, Codec(ok, 64, 256)).ok());
+  ExpectRefused(CheckFsqCudaGeometry(ok, Codec(ok, 64, 257)),
+                "fsq_latent_width is 257, expected at most 256");
 }
 
 TEST(FsqCudaFormatTest, RefusesACodecOfAnotherShape) {
