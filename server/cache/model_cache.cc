@@ -811,7 +811,8 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
       k.device_faults = v.device_faults = x.device_faults = faults.data();
     const PageStore& window = stores_[kWindow];
     absl::Status written = window.format->WriteRows(k, v, slots, layer, *window.pool);
-    if (written.ok()) written = WriteCodes(kWindow, new_tokens.x != nullptr ? &x : nullptr, slots, layer);
+    if (written.ok())
+      written = WriteCodes(kWindow, new_tokens.x != nullptr ? &x : nullptr, slots, layer);
     if (!written.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
       FreeLocked(fresh);

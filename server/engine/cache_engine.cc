@@ -96,8 +96,8 @@ absl::Status DeviceFaultStatus(const Sequence& seq, bool this_call = false) {
   const kernels::FaultInput input = kernels::FaultInputOf(w);
   const bool fsq_keys = input == kernels::kFaultKNew && seq.model->spec().is_fsq();
   return absl::InvalidArgumentError(absl::StrCat(
-      "sequence ", seq.id, ": ", kernels::FaultInputName(input), fsq_keys ? " or x_new" : "", " of ",
-      this_call ? "this (or an earlier)" : "an earlier", " AttentionDecode call (layer ",
+      "sequence ", seq.id, ": ", kernels::FaultInputName(input), fsq_keys ? " or x_new" : "",
+      " of ", this_call ? "this (or an earlier)" : "an earlier", " AttentionDecode call (layer ",
       kernels::FaultLayerOf(w),
       ") held NaN or +-Inf in device memory; that call's outputs for it are NaN and the "
       "sequence cannot be used any more: close it and open a new one"));

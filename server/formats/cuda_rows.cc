@@ -157,8 +157,8 @@ absl::Status PrepareRowStore(const RowSource& k, const RowSource& v, absl::Span<
   return absl::OkStatus();
 }
 
-absl::Status PrepareResidualStore(const RowSource& x, absl::Span<const RowSlot> rows,
-                                  int32_t layer, const PagePool& pool, const PageGeometry& g,
+absl::Status PrepareResidualStore(const RowSource& x, absl::Span<const RowSlot> rows, int32_t layer,
+                                  const PagePool& pool, const PageGeometry& g,
                                   int32_t residual_width, RowStoreScratch* scratch,
                                   ResidualStoreArgs* out) {
   const int64_t n = static_cast<int64_t>(rows.size());
@@ -189,10 +189,9 @@ absl::Status FinishResidualStore(const RowSource& x, const ResidualStoreArgs& a,
   const uint64_t tokens = static_cast<uint64_t>(std::max<int64_t>(1, a.dst.num_tokens));
   const int64_t token = a.first_token + static_cast<int64_t>(got[1] % tokens);
   const int64_t layer = a.first_layer + static_cast<int64_t>(got[1] / tokens);
-  return absl::InvalidArgumentError(
-      absl::StrCat(x.name, "[", layer, ", ", token, ", :] (layer, token) holds NaN or +-Inf (",
-                   got[0], " non-finite value(s) in ", x.name,
-                   "); expected finite residuals; nothing was stored"));
+  return absl::InvalidArgumentError(absl::StrCat(
+      x.name, "[", layer, ", ", token, ", :] (layer, token) holds NaN or +-Inf (", got[0],
+      " non-finite value(s) in ", x.name, "); expected finite residuals; nothing was stored"));
 }
 
 absl::Status FinishRowStore(const RowSource& k, const RowSource& v, const RowStoreArgs& a,

@@ -1,6 +1,6 @@
 // Helpers of the CUDA formats: the device arguments of a paged row store (cuda_store_rows.h)
-// or FSQ code store (cuda_fsq.h) built from a RowSource — device rows are used where they are, host rows go up once — and
-// the device check of pages about to be stored. CUDA builds only.
+// or FSQ code store (cuda_fsq.h) built from a RowSource — device rows are used where they are, host
+// rows go up once — and the device check of pages about to be stored. CUDA builds only.
 #pragma once
 
 #include <mutex>
@@ -64,8 +64,8 @@ struct ResidualStoreArgs : PagedStoreArgs {  // dst.num_kv_heads, dst.head_dim u
 // As PrepareRowStore, for the residuals of `rows` (device x checked by the encode as it
 // reads it: synchronously, or marking x.device_faults). REQUIRES: scratch->mu held until the
 // launch is queued.
-absl::Status PrepareResidualStore(const RowSource& x, absl::Span<const RowSlot> rows,
-                                  int32_t layer, const PagePool& pool, const PageGeometry& g,
+absl::Status PrepareResidualStore(const RowSource& x, absl::Span<const RowSlot> rows, int32_t layer,
+                                  const PagePool& pool, const PageGeometry& g,
                                   int32_t residual_width, RowStoreScratch* scratch,
                                   ResidualStoreArgs* out);
 

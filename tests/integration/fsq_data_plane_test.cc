@@ -271,8 +271,8 @@ TEST_P(FsqDataPlaneTest, CudaBackendMatchesCpuBackend) {
         worst_o = std::max(worst_o, err / row_max);
         worst_lse = std::max(worst_lse, std::fabs(double{ElementAsFloat(r_cu->lse(), h)} -
                                                   ElementAsFloat(r_cpu->lse(), h)));
-        ASSERT_LE(err / row_max, kMaxOutputError) << "step " << step << " layer " << layer
-                                                  << " head " << h;
+        ASSERT_LE(err / row_max, kMaxOutputError)
+            << "step " << step << " layer " << layer << " head " << h;
         ASSERT_LE(std::fabs(ElementAsFloat(r_cu->lse(), h) - ElementAsFloat(r_cpu->lse(), h)),
                   kMaxOutputError)
             << "step " << step << " layer " << layer << " head " << h;
@@ -307,9 +307,10 @@ TEST_P(FsqDataPlaneTest, CudaBackendMatchesCpuBackend) {
       for (int i = 0; i < hq; ++i) ASSERT_FLOAT_EQ(lse[i], ElementAsFloat(r_cu->lse(), i));
     }
   }
-  std::printf("fsq %s: CUDA vs CPU backend over %d steps x %d layers: max o error %.3g (of the "
-              "row's max |o|, >= 1), max lse error %.3g\n",
-              GetParam().name, steps, p_.num_layers(), worst_o, worst_lse);
+  std::printf(
+      "fsq %s: CUDA vs CPU backend over %d steps x %d layers: max o error %.3g (of the "
+      "row's max |o|, >= 1), max lse error %.3g\n",
+      GetParam().name, steps, p_.num_layers(), worst_o, worst_lse);
   auto info = cuda_->GetModel(p_.name());
   ASSERT_TRUE(info.ok());
   EXPECT_GE(info->demoted_pages(), 2u);
@@ -457,8 +458,8 @@ TEST_P(FsqDataPlaneTest, NonFiniteDeviceResidualsAreRefused) {
     for (int i = hq * d; i < 2 * hq * d; ++i)
       ASSERT_EQ(std::isnan(o[i]), layer == bad_layer) << "layer " << layer << " i " << i;
   }
-  const std::string want = "x_new of an earlier AttentionDecode call (layer " +
-                           std::to_string(bad_layer) + ")";
+  const std::string want =
+      "x_new of an earlier AttentionDecode call (layer " + std::to_string(bad_layer) + ")";
   v1::AttentionDecodeRequest next;
   next.set_layer((bad_layer + 1) % layers);
   next.add_sequence_ids(hit);

@@ -50,8 +50,8 @@ absl::Status FsqLayout::CheckWindowPages(const uint8_t* src, int64_t num_pages,
   for (int64_t p = 0; p < num_pages; ++p) {
     for (int32_t l = 0; l < g_.num_layers; ++l) {
       if (!kv.CheckPages(src + (p * g_.num_layers + l) * layer_bytes, 1, 0).ok()) {
-        return absl::InvalidArgumentError(absl::StrCat("page ", first_index + p, " layer ", l,
-                                                       " holds a non-finite BF16 value"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("page ", first_index + p, " layer ", l, " holds a non-finite BF16 value"));
       }
     }
   }

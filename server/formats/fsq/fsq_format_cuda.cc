@@ -32,8 +32,8 @@ absl::Status CheckFsqCudaGeometry(const PageGeometry& g, const FsqModelCodec& co
   }
   const int32_t rotary = codec.rope.rotary_dims;
   if (rotary < 0 || rotary % 2 != 0 || rotary > g.head_dim) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "rope rotary_dims is ", rotary, ", expected an even number in 0..", g.head_dim));
+    return absl::InvalidArgumentError(absl::StrCat("rope rotary_dims is ", rotary,
+                                                   ", expected an even number in 0..", g.head_dim));
   }
   if (codec.rope.pairing == kernels::RopePairing::kHalf && rotary % 16 != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -51,10 +51,10 @@ absl::Status CheckFsqCudaGeometry(const PageGeometry& g, const FsqModelCodec& co
   }
   if (s.num_layers != g.num_layers || s.num_kv_heads != g.num_kv_heads ||
       s.head_dim != g.head_dim) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the FSQ codec is for ", s.num_layers, " layers x ", s.num_kv_heads, " KV heads x ",
-        s.head_dim, ", expected the profile's ", g.num_layers, " x ", g.num_kv_heads, " x ",
-        g.head_dim));
+    return absl::InvalidArgumentError(
+        absl::StrCat("the FSQ codec is for ", s.num_layers, " layers x ", s.num_kv_heads,
+                     " KV heads x ", s.head_dim, ", expected the profile's ", g.num_layers, " x ",
+                     g.num_kv_heads, " x ", g.head_dim));
   }
   return absl::OkStatus();
 }
@@ -86,10 +86,10 @@ class DeviceCodes {
     KVCD_RETURN_IF_ERROR(
         PrepareResidualStore(x, rows, layer, pool, g_, s.residual_width, &scratch_, &a));
     const kernels::FsqLayerCodec* codecs = dev_->device_layers() + a.first_layer;
-    KVCD_RETURN_IF_ERROR(CudaStatus(kc::LaunchFsqEncodeRows(a.x, a.dst, codes_offset_, codecs,
-                                                            s.residual_width, s.latent_width,
-                                                            nullptr, a.check()),
-                                    "FSQ encode"));
+    KVCD_RETURN_IF_ERROR(
+        CudaStatus(kc::LaunchFsqEncodeRows(a.x, a.dst, codes_offset_, codecs, s.residual_width,
+                                           s.latent_width, nullptr, a.check()),
+                   "FSQ encode"));
     return FinishResidualStore(x, a, &scratch_);
   }
 
@@ -101,11 +101,11 @@ class DeviceCodes {
     if (m_->codec.shape().latent_width % 2 == 0 || num_pages <= 0) return absl::OkStatus();
     const int64_t width = layout_.codes_bytes();
     std::vector<uint8_t> codes(static_cast<size_t>(num_pages * g_.num_layers * width));
-    KVCD_RETURN_IF_ERROR(CudaStatus(
-        kc::Copy2D(codes.data(), static_cast<size_t>(width), src + codes_offset_,
-                   static_cast<size_t>(layer_bytes), static_cast<size_t>(width),
-                   static_cast<size_t>(num_pages * g_.num_layers)),
-        "reading pushed FSQ codes"));
+    KVCD_RETURN_IF_ERROR(
+        CudaStatus(kc::Copy2D(codes.data(), static_cast<size_t>(width), src + codes_offset_,
+                              static_cast<size_t>(layer_bytes), static_cast<size_t>(width),
+                              static_cast<size_t>(num_pages * g_.num_layers)),
+                   "reading pushed FSQ codes"));
     return layout_.CheckCodes(codes.data(), num_pages, first_index, width, 0);
   }
 
@@ -155,12 +155,12 @@ class FsqCudaFormat final : public CudaPageFormat {
         static_cast<size_t>(int64_t{window_pool.num_pages()} * window_pool.layer_page_bytes());
     const auto dst_pitch = static_cast<size_t>(int64_t{pool.num_pages()} * pool.layer_page_bytes());
     for (size_t i = 0; i < src_pages.size(); ++i) {
-      KVCD_RETURN_IF_ERROR(CudaStatus(
-          kc::Copy2D(pool.PagePtr(0, dst_pages[i]), dst_pitch,
-                     window_pool.PagePtr(0, src_pages[i]) + layout.window_kv_bytes(), src_pitch,
-                     static_cast<size_t>(layout.codes_bytes()),
-                     static_cast<size_t>(geometry().num_layers)),
-          "FSQ demotion"));
+      KVCD_RETURN_IF_ERROR(
+          CudaStatus(kc::Copy2D(pool.PagePtr(0, dst_pages[i]), dst_pitch,
+                                window_pool.PagePtr(0, src_pages[i]) + layout.window_kv_bytes(),
+                                src_pitch, static_cast<size_t>(layout.codes_bytes()),
+                                static_cast<size_t>(geometry().num_layers)),
+                     "FSQ demotion"));
     }
     return absl::OkStatus();
   }
@@ -253,10 +253,10 @@ class FsqWindowCudaFormat final : public CudaPageFormat {
                                 int64_t first_index) const override {
     {
       std::lock_guard<std::mutex> lock(codes_.scratch().mu);
-      KVCD_RETURN_IF_ERROR(CheckDevicePageRegions(
-          src, num_pages, geometry().num_layers, layer_page_bytes(), 0,
-          codes_.layout().window_kv_bytes(), kc::kCheckBf16Finite, 0, first_index,
-          "non-finite BF16 value(s)", &codes_.scratch()));
+      KVCD_RETURN_IF_ERROR(
+          CheckDevicePageRegions(src, num_pages, geometry().num_layers, layer_page_bytes(), 0,
+                                 codes_.layout().window_kv_bytes(), kc::kCheckBf16Finite, 0,
+                                 first_index, "non-finite BF16 value(s)", &codes_.scratch()));
     }
     return codes_.Check(src, num_pages, first_index, layer_page_bytes());
   }
@@ -288,8 +288,7 @@ std::unique_ptr<CudaPageFormat> MakeFsqCudaFormat(
 std::unique_ptr<CudaPageFormat> MakeFsqWindowCudaFormat(
     const PageGeometry& geometry, std::shared_ptr<const FsqModelCodec> codec,
     std::shared_ptr<const FsqDeviceCodec> device_codec) {
-  return std::make_unique<FsqWindowCudaFormat>(geometry, std::move(codec),
-                                               std::move(device_codec));
+  return std::make_unique<FsqWindowCudaFormat>(geometry, std::move(codec), std::move(device_codec));
 }
 
 }  // namespace kvcd

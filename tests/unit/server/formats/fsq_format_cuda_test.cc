@@ -1,11 +1,11 @@
 // The host-side checks of the CUDA FSQ formats (no GPU needed): which FSQ models the CUDA
 // kernels serve, and the clear refusal of the others before any device memory is touched.
+#include "server/formats/fsq/fsq_format_cuda.h"
+
 #include <gtest/gtest.h>
 
 #include <memory>
 #include <string>
-
-#include "server/formats/fsq/fsq_format_cuda.h"
 
 namespace kvcd {
 namespace {
