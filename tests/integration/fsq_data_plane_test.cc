@@ -362,9 +362,7 @@ TEST_P(FsqDataPlaneTest, NonFiniteDeviceResidualsAreRefused) {
   const std::string prefix = Stored(cuda_.get(), Open(cuda_.get(), put, "a"));
   const int hq = p_.num_q_heads(), hkv = p_.num_kv_heads(), d = p_.head_dim();
   const int c = p_.fsq_residual_width(), layers = p_.num_layers();
-  const std::string& kb = put.k().inline_data();
-  const std::string& vb = put.v().inline_data();
-  auto buf = IpcBuffer::Create(cuda_.get(), 2 * kb.size() + (1 << 21), "nonfinite");
+  auto buf = IpcBuffer::Create(cuda_.get(), put.x().inline_data().size() + (1 << 21), "nonfinite");
   ASSERT_TRUE(buf.ok()) << buf.status();
   IpcBuffer& b = **buf;
   std::mt19937_64 rng(std::random_device{}());
