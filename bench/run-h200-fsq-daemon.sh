@@ -29,7 +29,7 @@ summary() { echo "$*" | tee -a "$out/summary.txt"; }
 : > "$out/summary.txt"
 summary "$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1)"
 result() {  # name log rc
-  summary "$1 rc $3: $(grep -E '^\[  (PASSED|FAILED|SKIPPED)' "$2" | tr '\n' ' ')"
+  summary "$1 rc $3: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\] [0-9]+ tests?' "$2" | tr '\n' ' ')"
 }
 KVCD_BINARY=$BIN/kvcd timeout 100 "$BIN/kvcd_data_plane_tests" --gtest_filter='*FsqDataPlane*' \
   > "$out/fsq-data-plane.log" 2>&1
@@ -43,7 +43,8 @@ result "data plane (int2, bf16)" "$out/data-plane.log" $?
 grep -hE '^\[  FAILED|Failure|rror' "$out/fsq-data-plane.log" "$out/fsq-kernels.log" \
   "$out/data-plane.log" | head -30
 
-python3 bench/fsq_synthetic_codec.py "$out/codec.safetensors" --layers 4 --residual 4096 \
+codec=$(mktemp -d)/codec.safetensors  # 25 MB: not in $OUT
+python3 bench/fsq_synthetic_codec.py "$codec" --layers 4 --residual 4096 \
   --latent 256 --kv-heads 8 --head-dim 128 --key-norm
 source scripts/daemon-lib.sh
 for backend in cuda cpu; do
@@ -56,7 +57,7 @@ models:
   - {name: q3l4-fsq32, num_layers: 4, num_q_heads: 32, num_kv_heads: 8, head_dim: 128,
      page_size: 64, sink_tokens: 64, recent_tokens: 256, history_format: fsq,
      fsq_residual_width: 4096, fsq_latent_width: 256, key_norm: rms,
-     rope: {theta: 1000000, rotary_dims: 128}, codec_file: $out/codec.safetensors,
+     rope: {theta: 1000000, rotary_dims: 128}, codec_file: $codec,
      memory: 1536MiB, bf16_fraction: 0.25}
   - {name: q3l4-int2, num_layers: 4, num_q_heads: 32, num_kv_heads: 8, head_dim: 128,
      page_size: 64, sink_tokens: 64, recent_tokens: 256, history_format: int2-oscar,
