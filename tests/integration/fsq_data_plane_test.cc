@@ -180,6 +180,43 @@ class FsqDataPlaneTest : public ::testing::TestWithParam<FsqCase> {
     return all;
   }
 
+  // The fused call `req` (its layer, sequences and new tokens) with every tensor in the
+  // worker's buffer b (>= 1 MiB): q (F32) and k_new, v_new, x_new (BF16) of `batch` entries
+  // go there, the outputs (poisoned with NaN first) are written there and read back into
+  // *o and *lse once the call's done event fired.
+  void DeviceDecode(IpcBuffer& b, v1::AttentionDecodeRequest req, int64_t batch,
+                    const std::vector<float>& q, const std::vector<uint16_t>& k,
+                    const std::vector<uint16_t>& v, const std::vector<uint16_t>& x,
+                    std::vector<float>* o, std::vector<float>* lse) {
+    const uint64_t q_off = 0, k_off = 65536, v_off = 131072, x_off = 196608, o_off = 262144,
+                   l_off = 524288;
+    const int64_t hq = p_.num_q_heads(), hkv = p_.num_kv_heads(), d = p_.head_dim();
+    ToDevice(b.data() + q_off, q.data(), q.size() * 4);
+    ToDevice(b.data() + k_off, k.data(), k.size() * 2);
+    ToDevice(b.data() + v_off, v.data(), v.size() * 2);
+    ToDevice(b.data() + x_off, x.data(), x.size() * 2);
+    o->assign(static_cast<size_t>(batch * hq * d), 0.0f);
+    lse->assign(static_cast<size_t>(batch * hq), 0.0f);
+    ASSERT_EQ(cudaMemset(b.data() + o_off, 0xff, o->size() * 4), cudaSuccess);
+    ASSERT_EQ(cudaMemset(b.data() + l_off, 0xff, lse->size() * 4), cudaSuccess);
+    b.Region(req.mutable_q(), v1::DTYPE_F32, {batch, hq, d}, q_off);
+    b.Region(req.mutable_k_new(), v1::DTYPE_BF16, {batch, hkv, d}, k_off);
+    b.Region(req.mutable_v_new(), v1::DTYPE_BF16, {batch, hkv, d}, v_off);
+    b.Region(req.mutable_x_new(), v1::DTYPE_BF16, {batch, p_.fsq_residual_width()}, x_off);
+    b.Region(req.mutable_o_out(), v1::DTYPE_F32, {batch, hq, d}, o_off);
+    b.Region(req.mutable_lse_out(), v1::DTYPE_F32, {batch, hq}, l_off);
+    ASSERT_TRUE(b.MarkReady(nullptr).ok());
+    auto r = cuda_->AttentionDecode(req);
+    ASSERT_TRUE(r.ok()) << r.status();  // a pipelined call answers before its kernels ran
+    EXPECT_TRUE(r->o().has_cuda_ipc());
+    ASSERT_TRUE(b.WaitDone(nullptr).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(o->data(), b.data() + o_off, o->size() * 4, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(lse->data(), b.data() + l_off, lse->size() * 4, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+  }
+
   DaemonProcess gpu_, cpu_;
   std::unique_ptr<Client> cuda_, host_;
   v1::ModelProfile p_;
@@ -229,8 +266,6 @@ TEST_P(FsqDataPlaneTest, CudaBackendMatchesCpuBackend) {
   // The decode loop: inline on cpu_seq and cu_seq, everything on the device for ipc_seq.
   const int hq = p_.num_q_heads(), hkv = p_.num_kv_heads(), d = p_.head_dim();
   const int c = p_.fsq_residual_width();
-  const uint64_t q_off = 0, k_off = 65536, v_off = 131072, x_off = 196608, o_off = 262144,
-                 l_off = 393216;
   double worst_o = 0, worst_lse = 0;
   // Pages 10 and 11 leave the 32-token window at lengths 208 and 224: demoted.
   const int steps = 66;
@@ -279,29 +314,12 @@ TEST_P(FsqDataPlaneTest, CudaBackendMatchesCpuBackend) {
       }
 
       // The same call with every tensor in the worker's buffer, results on the device.
-      ToDevice(b.data() + q_off, q.data(), q.size() * 4);
-      ToDevice(b.data() + k_off, k.data(), k.size() * 2);
-      ToDevice(b.data() + v_off, v.data(), v.size() * 2);
-      ToDevice(b.data() + x_off, x.data(), x.size() * 2);
-      ASSERT_EQ(cudaMemset(b.data() + o_off, 0xff, q.size() * 4), cudaSuccess);  // NaN poison
-      v1::AttentionDecodeRequest ipc = in;
-      ipc.set_sequence_ids(0, ipc_seq);
-      b.Region(ipc.mutable_q(), v1::DTYPE_F32, {1, hq, d}, q_off);
-      b.Region(ipc.mutable_k_new(), v1::DTYPE_BF16, {1, hkv, d}, k_off);
-      b.Region(ipc.mutable_v_new(), v1::DTYPE_BF16, {1, hkv, d}, v_off);
-      b.Region(ipc.mutable_x_new(), v1::DTYPE_BF16, {1, c}, x_off);
-      b.Region(ipc.mutable_o_out(), v1::DTYPE_F32, {1, hq, d}, o_off);
-      b.Region(ipc.mutable_lse_out(), v1::DTYPE_F32, {1, hq}, l_off);
-      ASSERT_TRUE(b.MarkReady(nullptr).ok());
-      auto r_ipc = cuda_->AttentionDecode(ipc);
-      ASSERT_TRUE(r_ipc.ok()) << r_ipc.status();
-      ASSERT_TRUE(b.WaitDone(nullptr).ok());
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      std::vector<float> o(q.size()), lse(hq);
-      ASSERT_EQ(cudaMemcpy(o.data(), b.data() + o_off, o.size() * 4, cudaMemcpyDeviceToHost),
-                cudaSuccess);
-      ASSERT_EQ(cudaMemcpy(lse.data(), b.data() + l_off, lse.size() * 4, cudaMemcpyDeviceToHost),
-                cudaSuccess);
+      v1::AttentionDecodeRequest ipc;
+      ipc.set_layer(layer);
+      ipc.add_sequence_ids(ipc_seq);
+      ipc.add_new_tokens(synthetic::Token(9, pos));
+      std::vector<float> o, lse;
+      ASSERT_NO_FATAL_FAILURE(DeviceDecode(b, ipc, 1, q, k, v, x, &o, &lse));
       for (int i = 0; i < hq * d; ++i)
         ASSERT_FLOAT_EQ(o[i], ElementAsFloat(r_cu->o(), i)) << "layer " << layer << " i " << i;
       for (int i = 0; i < hq; ++i) ASSERT_FLOAT_EQ(lse[i], ElementAsFloat(r_cu->lse(), i));
@@ -414,8 +432,6 @@ TEST_P(FsqDataPlaneTest, NonFiniteDeviceResidualsAreRefused) {
 
   // The pipelined fused call: device q, k_new, v_new, x_new and outputs; x_new of batch
   // entry 1 bad at one layer.
-  const uint64_t q_off = 0, k_off = 65536, v_off = 131072, x_off = 196608, o_off = 262144,
-                 l_off = 524288;
   const uint64_t good = Open(cuda_.get(), put, "a"), hit = Open(cuda_.get(), put, "a");
   const int bad_layer = static_cast<int>(rng() % layers);
   for (int layer = 0; layer <= bad_layer; ++layer) {
@@ -426,35 +442,19 @@ TEST_P(FsqDataPlaneTest, NonFiniteDeviceResidualsAreRefused) {
     for (auto& e : v) e = kernels::FloatToBf16(std::normal_distribution<float>()(rng));
     for (auto& e : x) e = kernels::FloatToBf16(std::normal_distribution<float>()(rng));
     if (layer == bad_layer) x[c + rng() % c] = kBad[rng() % 3];
-    ToDevice(b.data() + q_off, q.data(), q.size() * 4);
-    ToDevice(b.data() + k_off, k.data(), k.size() * 2);
-    ToDevice(b.data() + v_off, v.data(), v.size() * 2);
-    ToDevice(b.data() + x_off, x.data(), x.size() * 2);
     v1::AttentionDecodeRequest req;
     req.set_layer(layer);
     req.add_sequence_ids(good);
     req.add_sequence_ids(hit);
     req.add_new_tokens(1);
     req.add_new_tokens(2);
-    b.Region(req.mutable_q(), v1::DTYPE_F32, {2, hq, d}, q_off);
-    b.Region(req.mutable_k_new(), v1::DTYPE_BF16, {2, hkv, d}, k_off);
-    b.Region(req.mutable_v_new(), v1::DTYPE_BF16, {2, hkv, d}, v_off);
-    b.Region(req.mutable_x_new(), v1::DTYPE_BF16, {2, c}, x_off);
-    b.Region(req.mutable_o_out(), v1::DTYPE_F32, {2, hq, d}, o_off);
-    b.Region(req.mutable_lse_out(), v1::DTYPE_F32, {2, hq}, l_off);
-    ASSERT_TRUE(b.MarkReady(nullptr).ok());
-    auto r = cuda_->AttentionDecode(req);
-    ASSERT_TRUE(r.ok()) << r.status();  // answered before its kernels ran
-    ASSERT_TRUE(b.WaitDone(nullptr).ok());
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    std::vector<float> o(q.size()), lse(2 * hq);
-    ASSERT_EQ(cudaMemcpy(o.data(), b.data() + o_off, o.size() * 4, cudaMemcpyDeviceToHost),
-              cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(lse.data(), b.data() + l_off, lse.size() * 4, cudaMemcpyDeviceToHost),
-              cudaSuccess);
+    std::vector<float> o, lse;
+    ASSERT_NO_FATAL_FAILURE(DeviceDecode(b, req, 2, q, k, v, x, &o, &lse));
     for (int i = 0; i < hq * d; ++i) ASSERT_TRUE(std::isfinite(o[i])) << i;
     for (int i = hq * d; i < 2 * hq * d; ++i)
       ASSERT_EQ(std::isnan(o[i]), layer == bad_layer) << "layer " << layer << " i " << i;
+    for (int i = 0; i < hq; ++i) ASSERT_TRUE(std::isfinite(lse[i])) << i;
+    for (int i = hq; i < 2 * hq; ++i) ASSERT_EQ(std::isnan(lse[i]), layer == bad_layer) << i;
   }
   const std::string want =
       "x_new of an earlier AttentionDecode call (layer " + std::to_string(bad_layer) + ")";
