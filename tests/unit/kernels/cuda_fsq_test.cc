@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <random>
 #include <vector>
@@ -238,8 +239,13 @@ TEST_F(CudaFsqTest, DecodeAttentionMatchesTheOracle) {
       {256, 256, 16, 2, 32, false, RopePairing::kHalf, 0, {64, 333}, {0, 0}},
       {128, 256, 4, 1, 16, false, RopePairing::kHalf, 128, {2000}, {0}},
   };
+  // KVCD_FSQ_TEST_SMALL=1 (the compute-sanitizer runs): the first two cases, short contexts.
+  const bool small = std::getenv("KVCD_FSQ_TEST_SMALL") != nullptr;
   double worst = 0;
-  for (const AttnCase& cs : cases) {
+  for (AttnCase cs : small ? std::vector<AttnCase>(cases.begin(), cases.begin() + 2) : cases) {
+    if (small) {
+      for (int& n : cs.lengths) n = std::min(n, 70);
+    }
     const int d = cs.d, G = cs.G, hq = cs.hq, hkv = cs.hkv, ps = cs.ps, group = hq / hkv;
     const int batch = static_cast<int>(cs.lengths.size());
     const int max_len = *std::max_element(cs.lengths.begin(), cs.lengths.end());
