@@ -41,7 +41,7 @@
 namespace kvcd::kernels::cuda {
 namespace {
 
-constexpr int kWarps = 4;
+constexpr int kWarps = 8;  // one CTA per SM: its warps share the W_k fragments in shared memory
 constexpr int kTile = 16;  // tokens per warp tile
 constexpr int kMaxGroup = 8;
 constexpr int kStageSlack = 64;  // bytes read past a tile's codes (latent padding), never used
@@ -149,6 +149,7 @@ __device__ __forceinline__ void RopeHalfAny(int off, float (&acc)[NT][4], const 
 }
 
 struct Smem {
+  uint2* wk;       // [slices][D / 8][32] the head's W_k fragments; after the loop:
   uint32_t* q_hi;  // [8][D] TF32 digits of the scaled queries
   uint32_t* q_lo;
   float2* tab;     // [16][D / 2] (cos, sin) of r f_i / scaling
@@ -160,16 +161,26 @@ struct Smem {
   float* comb_l;   // [kWarps][8]
 };
 
+// The W_k fragments of one head, and the warps' states they give way to after the tiles.
 template <int D, int MT>
-__host__ __device__ constexpr size_t SmemBytes(int stage_bytes) {
-  return size_t{8} * D * 4 * 2 + size_t{16} * (D / 2) * 8 + size_t{D / 2} * 8 +
-         size_t{kWarps} * (D / 2) * 8 + size_t{kWarps} * 2 * stage_bytes +
-         size_t{kWarps} * MT * 16 * 8 * 4 + size_t{kWarps} * 8 * 4 * 2;
+__host__ __device__ constexpr size_t UnionBytes(int slices) {
+  const size_t wk = size_t{16} * slices * 2 * D, comb = size_t{kWarps} * MT * 16 * 8 * 4;
+  return wk > comb ? wk : comb;
 }
 
-template <int D, int MT>
-__device__ Smem CarveSmem(uint8_t* p, int stage_bytes) {
+template <int D, int MT, int MTOK>
+__host__ __device__ constexpr size_t SmemBytes(int stage_bytes, int slices) {
+  return UnionBytes<D, MT>(slices) + size_t{8} * D * 4 * 2 + size_t{16} * MTOK * (D / 2) * 8 +
+         size_t{D / 2} * 8 + size_t{kWarps} * (D / 2) * 8 + size_t{kWarps} * 2 * stage_bytes +
+         size_t{kWarps} * 8 * 4 * 2;
+}
+
+template <int D, int MT, int MTOK>
+__device__ Smem CarveSmem(uint8_t* p, int slices) {
   Smem s;
+  s.wk = reinterpret_cast<uint2*>(p);
+  s.comb_o = reinterpret_cast<float*>(p);  // [kWarps][MT * 16][8], once the tiles are done
+  p += UnionBytes<D, MT>(slices);
   s.freq = reinterpret_cast<double*>(p);
   p += (D / 2) * 8;
   s.q_hi = reinterpret_cast<uint32_t*>(p);
@@ -177,11 +188,9 @@ __device__ Smem CarveSmem(uint8_t* p, int stage_bytes) {
   s.q_lo = reinterpret_cast<uint32_t*>(p);
   p += 8 * D * 4;
   s.tab = reinterpret_cast<float2*>(p);
-  p += 16 * (D / 2) * 8;
+  p += 16 * MTOK * (D / 2) * 8;
   s.base = reinterpret_cast<float2*>(p);
   p += kWarps * (D / 2) * 8;
-  s.comb_o = reinterpret_cast<float*>(p);
-  p += kWarps * MT * 16 * 8 * 4;
   s.comb_m = reinterpret_cast<float*>(p);
   p += kWarps * 8 * 4;
   s.comb_l = reinterpret_cast<float*>(p);
@@ -190,11 +199,14 @@ __device__ Smem CarveSmem(uint8_t* p, int stage_bytes) {
   return s;
 }
 
-template <int D, int MT>
-__global__ void __launch_bounds__(kWarps * 32, D == 256 ? 1 : 2) FsqDecodeKernel(const PartArgs a) {
+// MTOK: 16-token m-tiles per warp tile (2: every W_k fragment read from shared memory feeds
+// two MMAs; needs page_size % 32 == 0 and the registers of small D x G).
+template <int D, int MT, int MTOK>
+__global__ void __launch_bounds__(kWarps * 32, 1) FsqDecodeKernel(const PartArgs a) {
   constexpr int NT = D / 8;
+  constexpr int kTok = kTile * MTOK;  // tokens per warp tile
   extern __shared__ __align__(16) uint8_t smem_raw[];
-  const Smem sm = CarveSmem<D, MT>(smem_raw, a.stage_bytes);
+  const Smem sm = CarveSmem<D, MT, MTOK>(smem_raw, a.slices);
   const int split = blockIdx.x, head = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -218,7 +230,7 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 1 : 2) FsqDecodeKernel
     sm.freq[i] = pow(a.theta, -2.0 * i / a.rotary);
   }
   __syncthreads();
-  for (int i = tid; i < kTile * half_rot; i += blockDim.x) {
+  for (int i = tid; i < kTok * half_rot; i += blockDim.x) {
     const int r = i / half_rot, p = i % half_rot;
     float s, c;
     sincosf(static_cast<float>(r * a.inv_scaling * sm.freq[p]), &s, &c);
@@ -234,7 +246,17 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 1 : 2) FsqDecodeKernel
   const int ps = a.geo.page_size, cb = a.code_bytes;
   uint8_t* stage = sm.stage + warp * 2 * a.stage_bytes;
   float2* base = sm.base + warp * (D / 2);
-  const uint2* wk = a.wk + static_cast<size_t>(head) * a.slices * NT * 32 + lane;
+  // The head's W_k fragments into shared memory (read by every warp, every tile).
+  {
+    const uint4* src =
+        reinterpret_cast<const uint4*>(a.wk + static_cast<size_t>(head) * a.slices * NT * 32);
+    uint4* dst = reinterpret_cast<uint4*>(sm.wk);
+    for (int i = tid; i < a.slices * NT * 16; i += blockDim.x) CpAsync16(dst + i, src + i);
+    CpAsyncCommit();
+    asm volatile("cp.async.wait_all;\n");
+    __syncthreads();
+  }
+  const uint2* wk = sm.wk + lane;
   const float4* col = a.col + head * (D / 2);
 
   auto issue = [&](int tile, int buf) {
@@ -243,7 +265,7 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 1 : 2) FsqDecodeKernel
       const uint8_t* src =
           a.list.pages + page * a.list.page_stride + static_cast<int64_t>(tile % ps) * cb;
       uint8_t* dst = stage + buf * a.stage_bytes;
-      for (int c = lane; c < cb; c += 32) CpAsync16(dst + 16 * c, src + 16 * c);
+      for (int c = lane; c < MTOK * cb; c += 32) CpAsync16(dst + 16 * c, src + 16 * c);
     }
     CpAsyncCommit();
   };
@@ -254,10 +276,10 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 1 : 2) FsqDecodeKernel
   float m = -INFINITY, l = 0.0f;
 
   int buf = 0;
-  int tile = begin + warp * kTile;
+  int tile = begin + warp * kTok;
   issue(tile, 0);
-  for (; tile < end; tile += kWarps * kTile, buf ^= 1) {
-    issue(tile + kWarps * kTile, buf ^ 1);
+  for (; tile < end; tile += kWarps * kTok, buf ^= 1) {
+    issue(tile + kWarps * kTok, buf ^ 1);
     // Base rotation of the tile's first position, pair by pair (float64 range reduction).
     const double p0 = static_cast<double>(pos0 + tile) * a.inv_scaling;
     for (int i = lane; i < half_rot; i += 32) {
@@ -274,129 +296,142 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 1 : 2) FsqDecodeKernel
     const uint8_t* cs = stage + buf * a.stage_bytes;
 
     // 1. K = Z W_k^T.
-    float acc[NT][4];
+    float accs[MTOK][NT][4];
 #pragma unroll
-    for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    for (int u = 0; u < MTOK; ++u) {
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+        accs[u][n][0] = accs[u][n][1] = accs[u][n][2] = accs[u][n][3] = 0.0f;
+    }
     const uint8_t* r0 = cs + g * cb + t;
-    const uint8_t* r1 = r0 + 8 * cb;
 #pragma unroll 2
     for (int s = 0; s < a.slices; ++s) {
-      uint32_t af[4];
-      af[0] = ByteToHalf2(r0[8 * s]);
-      af[1] = ByteToHalf2(r1[8 * s]);
-      af[2] = ByteToHalf2(r0[8 * s + 4]);
-      af[3] = ByteToHalf2(r1[8 * s + 4]);
+      uint32_t af[MTOK][4];
+#pragma unroll
+      for (int u = 0; u < MTOK; ++u) {
+        const uint8_t* ru = r0 + 16 * u * cb;
+        af[u][0] = ByteToHalf2(ru[8 * s]);
+        af[u][1] = ByteToHalf2(ru[8 * cb + 8 * s]);
+        af[u][2] = ByteToHalf2(ru[8 * s + 4]);
+        af[u][3] = ByteToHalf2(ru[8 * cb + 8 * s + 4]);
+      }
       const uint2* bp = wk + static_cast<size_t>(s) * NT * 32;
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
-        const uint2 bf = __ldg(bp + n * 32);
-        MmaF16(acc[n], af, bf.x, bf.y);
-      }
-    }
-    // 2. Row scale and bias, key norm, RoPE.
+        const uint2 bf = bp[n * 32];
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      const float4 cv = __ldg(col + n * 4 + t);
-      acc[n][0] = fmaf(acc[n][0], cv.x, cv.y);
-      acc[n][1] = fmaf(acc[n][1], cv.z, cv.w);
-      acc[n][2] = fmaf(acc[n][2], cv.x, cv.y);
-      acc[n][3] = fmaf(acc[n][3], cv.z, cv.w);
-    }
-    if (a.key_norm != nullptr) {
-      float ss0 = 0.0f, ss1 = 0.0f;
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        ss0 += acc[n][0] * acc[n][0] + acc[n][1] * acc[n][1];
-        ss1 += acc[n][2] * acc[n][2] + acc[n][3] * acc[n][3];
-      }
-      ss0 += __shfl_xor_sync(0xffffffffu, ss0, 1);
-      ss0 += __shfl_xor_sync(0xffffffffu, ss0, 2);
-      ss1 += __shfl_xor_sync(0xffffffffu, ss1, 1);
-      ss1 += __shfl_xor_sync(0xffffffffu, ss1, 2);
-      const float inv0 = 1.0f / sqrtf(ss0 / D + a.key_norm_eps);
-      const float inv1 = 1.0f / sqrtf(ss1 / D + a.key_norm_eps);
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        const float2 w = __ldg(reinterpret_cast<const float2*>(a.key_norm) + n * 4 + t);
-        acc[n][0] *= inv0 * w.x;
-        acc[n][1] *= inv0 * w.y;
-        acc[n][2] *= inv1 * w.x;
-        acc[n][3] *= inv1 * w.y;
+        for (int u = 0; u < MTOK; ++u) MmaF16(accs[u][n], af[u], bf.x, bf.y);
       }
     }
     __syncwarp();  // base[] written
-    if (a.rotary > 0) {
-      const float2* tab_g = sm.tab + g * (D / 2);
-      const float2* tab_g8 = sm.tab + (g + 8) * (D / 2);
-      if (a.interleaved) {
+#pragma unroll
+    for (int u = 0; u < MTOK; ++u) {
+      float(&acc)[NT][4] = accs[u];
+      // 2. Row scale and bias, key norm, RoPE.
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const float4 cv = __ldg(col + n * 4 + t);
+        acc[n][0] = fmaf(acc[n][0], cv.x, cv.y);
+        acc[n][1] = fmaf(acc[n][1], cv.z, cv.w);
+        acc[n][2] = fmaf(acc[n][2], cv.x, cv.y);
+        acc[n][3] = fmaf(acc[n][3], cv.z, cv.w);
+      }
+      if (a.key_norm != nullptr) {
+        float ss0 = 0.0f, ss1 = 0.0f;
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-          const int i = 4 * n + t;  // dims 2i, 2i + 1
-          if (i < half_rot) {
-            Rotate(acc[n][0], acc[n][1], base[i], tab_g[i]);
-            Rotate(acc[n][2], acc[n][3], base[i], tab_g8[i]);
-          }
+          ss0 += acc[n][0] * acc[n][0] + acc[n][1] * acc[n][1];
+          ss1 += acc[n][2] * acc[n][2] + acc[n][3] * acc[n][3];
         }
-      } else {
-        RopeHalfAny<NT>(a.rotary / 16, acc, base, tab_g, tab_g8, t,
-                        std::make_integer_sequence<int, NT / 2>{});
+        ss0 += __shfl_xor_sync(0xffffffffu, ss0, 1);
+        ss0 += __shfl_xor_sync(0xffffffffu, ss0, 2);
+        ss1 += __shfl_xor_sync(0xffffffffu, ss1, 1);
+        ss1 += __shfl_xor_sync(0xffffffffu, ss1, 2);
+        const float inv0 = 1.0f / sqrtf(ss0 / D + a.key_norm_eps);
+        const float inv1 = 1.0f / sqrtf(ss1 / D + a.key_norm_eps);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          const float2 w = __ldg(reinterpret_cast<const float2*>(a.key_norm) + n * 4 + t);
+          acc[n][0] *= inv0 * w.x;
+          acc[n][1] *= inv0 * w.y;
+          acc[n][2] *= inv1 * w.x;
+          acc[n][3] *= inv1 * w.y;
+        }
       }
-    }
-
-    // 3. S^T = Q K^T (two token n-tiles of 8).
-    float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if (a.rotary > 0) {
+        const float2* tab_g = sm.tab + (16 * u + g) * (D / 2);
+        const float2* tab_g8 = sm.tab + (16 * u + g + 8) * (D / 2);
+        if (a.interleaved) {
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      const uint2 qh = *reinterpret_cast<const uint2*>(sm.q_hi + g * D + 8 * n + 2 * t);
-      const uint2 ql = *reinterpret_cast<const uint2*>(sm.q_lo + g * D + 8 * n + 2 * t);
-      MmaTf32(s0, qh.x, ql.x, qh.y, ql.y, Tf32(acc[n][0]), Tf32(acc[n][1]));
-      MmaTf32(s1, qh.x, ql.x, qh.y, ql.y, Tf32(acc[n][2]), Tf32(acc[n][3]));
-    }
-    // 4. Online softmax of head g over tokens 2t, 2t + 1, 2t + 8, 2t + 9.
-    const int n_valid = end - tile;
-    float sc[4] = {s0[0] + s0[2], s0[1] + s0[3], s1[0] + s1[2], s1[1] + s1[3]};
-    const int tok[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
-    float tmax = -INFINITY;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      if (tok[k] >= n_valid) sc[k] = -INFINITY;
-      tmax = fmaxf(tmax, sc[k]);
-    }
-    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
-    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
-    const float m_new = fmaxf(m, tmax);
-    const float alpha = exp2f(m - m_new);
-    float p[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) p[k] = exp2f(sc[k] - m_new);
-    l = l * alpha + (p[0] + p[1]) + (p[2] + p[3]);
-    m = m_new;
-    const float alpha0 = __shfl_sync(0xffffffffu, alpha, 8 * t);
-    const float alpha1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
-    const uint32_t pb0 = PackHalf2(p[0], p[1]), pb1 = PackHalf2(p[2], p[3]);
-
-    // 5. O^T += Z^T P^T.
-    const int sh = 4 * (g & 1);
-    const uint8_t* z0 = cs + (2 * t) * cb + (g >> 1);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      o[mt][0] *= alpha0;
-      o[mt][1] *= alpha1;
-      o[mt][2] *= alpha0;
-      o[mt][3] *= alpha1;
-      if (mt < a.slices) {
-        const uint8_t* zb = z0 + 8 * mt;
-        uint32_t af[4];
-        af[0] = NibblesToHalf2((zb[0] >> sh) & 0xFu, (zb[cb] >> sh) & 0xFu);
-        af[1] = NibblesToHalf2((zb[4] >> sh) & 0xFu, (zb[cb + 4] >> sh) & 0xFu);
-        af[2] = NibblesToHalf2((zb[8 * cb] >> sh) & 0xFu, (zb[9 * cb] >> sh) & 0xFu);
-        af[3] = NibblesToHalf2((zb[8 * cb + 4] >> sh) & 0xFu, (zb[9 * cb + 4] >> sh) & 0xFu);
-        MmaF16(o[mt], af, pb0, pb1);
+          for (int n = 0; n < NT; ++n) {
+            const int i = 4 * n + t;  // dims 2i, 2i + 1
+            if (i < half_rot) {
+              Rotate(acc[n][0], acc[n][1], base[i], tab_g[i]);
+              Rotate(acc[n][2], acc[n][3], base[i], tab_g8[i]);
+            }
+          }
+        } else {
+          RopeHalfAny<NT>(a.rotary / 16, acc, base, tab_g, tab_g8, t,
+                          std::make_integer_sequence<int, NT / 2>{});
+        }
       }
-    }
+
+      // 3. S^T = Q K^T (two token n-tiles of 8).
+      float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const uint2 qh = *reinterpret_cast<const uint2*>(sm.q_hi + g * D + 8 * n + 2 * t);
+        const uint2 ql = *reinterpret_cast<const uint2*>(sm.q_lo + g * D + 8 * n + 2 * t);
+        MmaTf32(s0, qh.x, ql.x, qh.y, ql.y, Tf32(acc[n][0]), Tf32(acc[n][1]));
+        MmaTf32(s1, qh.x, ql.x, qh.y, ql.y, Tf32(acc[n][2]), Tf32(acc[n][3]));
+      }
+      // 4. Online softmax of head g over tokens 2t, 2t + 1, 2t + 8, 2t + 9.
+      const int n_valid = end - tile - 16 * u;
+      float sc[4] = {s0[0] + s0[2], s0[1] + s0[3], s1[0] + s1[2], s1[1] + s1[3]};
+      const int tok[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
+      float tmax = -INFINITY;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (tok[k] >= n_valid) sc[k] = -INFINITY;
+        tmax = fmaxf(tmax, sc[k]);
+      }
+      tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+      tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
+      const float m_new = fmaxf(m, tmax);
+      const float alpha = exp2f(m - m_new);
+      float p[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) p[k] = exp2f(sc[k] - m_new);
+      l = l * alpha + (p[0] + p[1]) + (p[2] + p[3]);
+      m = m_new;
+      const float alpha0 = __shfl_sync(0xffffffffu, alpha, 8 * t);
+      const float alpha1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
+      const uint32_t pb0 = PackHalf2(p[0], p[1]), pb1 = PackHalf2(p[2], p[3]);
+
+      // 5. O^T += Z^T P^T.
+      const int sh = 4 * (g & 1);
+      const uint8_t* z0 = cs + (16 * u + 2 * t) * cb + (g >> 1);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        o[mt][0] *= alpha0;
+        o[mt][1] *= alpha1;
+        o[mt][2] *= alpha0;
+        o[mt][3] *= alpha1;
+        if (mt < a.slices) {
+          const uint8_t* zb = z0 + 8 * mt;
+          uint32_t af[4];
+          af[0] = NibblesToHalf2((zb[0] >> sh) & 0xFu, (zb[cb] >> sh) & 0xFu);
+          af[1] = NibblesToHalf2((zb[4] >> sh) & 0xFu, (zb[cb + 4] >> sh) & 0xFu);
+          af[2] = NibblesToHalf2((zb[8 * cb] >> sh) & 0xFu, (zb[9 * cb] >> sh) & 0xFu);
+          af[3] = NibblesToHalf2((zb[8 * cb + 4] >> sh) & 0xFu, (zb[9 * cb + 4] >> sh) & 0xFu);
+          MmaF16(o[mt], af, pb0, pb1);
+        }
+      }
+    }              // u
     __syncwarp();  // the stage buffer and base[] are read before they are refilled
   }
   asm volatile("cp.async.wait_all;\n");
+  __syncthreads();  // every warp is done with the W_k fragments: their space takes the states
 
   // Combine the CTA's warps.
   l += __shfl_xor_sync(0xffffffffu, l, 1);
@@ -535,15 +570,16 @@ __global__ void FsqFragKernel(const float* w_k, const float2* col, int hkv, int 
       make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
 }
 
-template <int D, int MT>
+template <int D, int MT, int MTOK>
 cudaError_t LaunchParts(const PartArgs& a, int splits, cudaStream_t stream) {
-  const size_t smem = SmemBytes<D, MT>(a.stage_bytes);
-  cudaError_t e = cudaFuncSetAttribute(
-      FsqDecodeKernel<D, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  const size_t smem = SmemBytes<D, MT, MTOK>(a.stage_bytes, a.slices);
+  cudaError_t e =
+      cudaFuncSetAttribute(FsqDecodeKernel<D, MT, MTOK>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(a.geo.num_kv_heads),
                   static_cast<unsigned>(a.geo.batch));
-  FsqDecodeKernel<D, MT><<<grid, kWarps * 32, smem, stream>>>(a);
+  FsqDecodeKernel<D, MT, MTOK><<<grid, kWarps * 32, smem, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -580,9 +616,9 @@ size_t FsqDecodeWorkspaceBytes(int batch, int num_q_heads, int latent_width, int
 }
 
 int FsqDecodeSplits(int batch, int num_kv_heads, int max_tokens, int num_sms) {
-  // Two CTAs per SM, each warp of a split at least 4 tiles.
+  // One CTA per SM (a wave), each warp of a split at least 4 tiles.
   const int64_t ctas = int64_t{batch} * num_kv_heads;
-  const int64_t want = (int64_t{2} * num_sms + ctas - 1) / ctas;
+  const int64_t want = (int64_t{num_sms} + ctas - 1) / ctas;
   const int64_t most = (int64_t{max_tokens} + kWarps * kTile * 4 - 1) / (kWarps * kTile * 4);
   const int64_t s = want < most ? want : most;
   return static_cast<int>(s < 1 ? 1 : s);
@@ -616,9 +652,16 @@ cudaError_t LaunchFsqDecodeParts(const PagedList& list, const DecodeGeometry& ge
   a.slices = (G + 15) / 16;
   a.code_bytes = static_cast<int32_t>(FsqCodeBytes(G));
   const int64_t per = (int64_t{max_tokens} + args.splits - 1) / args.splits;
-  a.tokens_per_split = static_cast<int32_t>((per + kTile - 1) / kTile * kTile);
-  if (a.tokens_per_split == 0) a.tokens_per_split = kTile;
-  a.stage_bytes = (kTile * a.code_bytes + kStageSlack + 15) / 16 * 16;
+  // Two m-tiles per warp tile where the registers allow (small D x G) and a 32-token tile
+  // stays in one page.
+  const int mtok = geo.page_size % (2 * kTile) == 0 &&
+                           ((a.slices <= 8 && geo.head_dim <= 128) || geo.head_dim == 64)
+                       ? 2
+                       : 1;
+  const int tok = kTile * mtok;
+  a.tokens_per_split = static_cast<int32_t>((per + tok - 1) / tok * tok);
+  if (a.tokens_per_split == 0) a.tokens_per_split = tok;
+  a.stage_bytes = (tok * a.code_bytes + kStageSlack + 15) / 16 * 16;
   a.wk = static_cast<const uint2*>(args.prepared);
   a.col = reinterpret_cast<const float4*>(static_cast<const uint8_t*>(args.prepared) +
                                           FragBytes(geo.num_kv_heads, geo.head_dim, G));
@@ -637,8 +680,20 @@ cudaError_t LaunchFsqDecodeParts(const PagedList& list, const DecodeGeometry& ge
   a.ws_lse = a.ws_z + static_cast<size_t>(args.splits) * rows * gp;
   const cudaError_t e = DispatchHeadDim(geo.head_dim, [&](auto hd) -> cudaError_t {
     constexpr int D = decltype(hd)::value;
-    cudaError_t err = a.slices <= 8 ? LaunchParts<D, 8>(a, args.splits, stream)
-                                    : LaunchParts<D, 16>(a, args.splits, stream);
+    cudaError_t err;
+    if constexpr (D == 256) {
+      err = a.slices <= 8 ? LaunchParts<D, 8, 1>(a, args.splits, stream)
+                          : LaunchParts<D, 16, 1>(a, args.splits, stream);
+    } else if constexpr (D == 128) {
+      err = a.slices > 8 ? LaunchParts<D, 16, 1>(a, args.splits, stream)
+            : mtok == 2  ? LaunchParts<D, 8, 2>(a, args.splits, stream)
+                         : LaunchParts<D, 8, 1>(a, args.splits, stream);
+    } else {
+      err = mtok == 2 ? (a.slices <= 8 ? LaunchParts<D, 8, 2>(a, args.splits, stream)
+                                       : LaunchParts<D, 16, 2>(a, args.splits, stream))
+                      : (a.slices <= 8 ? LaunchParts<D, 8, 1>(a, args.splits, stream)
+                                       : LaunchParts<D, 16, 1>(a, args.splits, stream));
+    }
     if (err != cudaSuccess) return err;
     const size_t smem = static_cast<size_t>(geo.num_q_heads / geo.num_kv_heads) * G * sizeof(float);
     FsqMergeKernel<D><<<dim3(geo.num_kv_heads, geo.batch), kWarps * 32, smem, stream>>>(

@@ -233,7 +233,8 @@ TEST_F(CudaFsqTest, DecodeAttentionMatchesTheOracle) {
   const std::vector<AttnCase> cases = {
       {128, 256, 32, 8, 16, true, RopePairing::kHalf, 128, {1000, 37, 0}, {5, 0, 19}},
       {128, 84, 8, 2, 32, false, RopePairing::kInterleaved, 38, {300, 1, 513}, {0, 3, 0}},
-      {64, 37, 8, 1, 16, true, RopePairing::kInterleaved, 64, {77, 200}, {0, 0}},
+      {64, 37, 8, 1, 32, true, RopePairing::kInterleaved, 64, {77, 200}, {0, 0}},
+      {64, 200, 8, 2, 64, true, RopePairing::kHalf, 64, {45, 1100}, {2, 0}},
       {64, 128, 4, 4, 48, false, RopePairing::kHalf, 32, {17, 96}, {1, 0}},
       {256, 85, 6, 2, 16, true, RopePairing::kHalf, 128, {129, 0}, {0, 7}},
       {256, 256, 16, 2, 32, false, RopePairing::kHalf, 0, {64, 333}, {0, 0}},
