@@ -216,10 +216,12 @@ void ErrorAtGeometry(const Codec& c, int n, int64_t pos0, int num_sms) {
       err += std::pow(got[h * group * kD + i] - o[i], 2);
       norm += std::pow(o[i], 2);
     }
-    for (int j = 0; j < group; ++j) dl = std::max(dl, std::fabs(double{got_l[h * group + j]} - l[j]));
+    for (int j = 0; j < group; ++j)
+      dl = std::max(dl, std::fabs(double{got_l[h * group + j]} - l[j]));
   }
-  std::printf("  G %3d, %d tokens at positions %lld..: relative L2 error of o %.2e, max |dlse| %.1e\n",
-              G, n, static_cast<long long>(pos0), std::sqrt(err / norm), dl);
+  std::printf(
+      "  G %3d, %d tokens at positions %lld..: relative L2 error of o %.2e, max |dlse| %.1e\n", G,
+      n, static_cast<long long>(pos0), std::sqrt(err / norm), dl);
 }
 
 }  // namespace
@@ -243,7 +245,7 @@ int main(int argc, char** argv) {
     CHECK(cudaMemset(buf, 1, bytes));
     const double us = UsPerCall(stream, 10, 2, 1, [&](int) {
       ReadAll<<<prop.multiProcessorCount * 8, 512, 0, stream>>>(static_cast<const uint4*>(buf),
-                                                                 bytes / 16, out);
+                                                                bytes / 16, out);
     });
     read_tbs = bytes / us / 1e6;
     CHECK(cudaFree(buf));
@@ -253,14 +255,16 @@ int main(int argc, char** argv) {
     });
     mma_tflops = 2.0 * 16 * 8 * 16 * 8 * double{iters} * blocks * (threads / 32) / mus / 1e6;
     CHECK(cudaFree(out));
-    std::printf("read ceiling %.2f TB/s (8 GiB read-only reduction); mma.sync m16n8k16 FP16 "
-                "ceiling %.0f TFLOP/s (register-only loop; datasheet dense 990)\n",
-                read_tbs, mma_tflops);
+    std::printf(
+        "read ceiling %.2f TB/s (8 GiB read-only reduction); mma.sync m16n8k16 FP16 "
+        "ceiling %.0f TFLOP/s (register-only loop; datasheet dense 990)\n",
+        read_tbs, mma_tflops);
   }
 
   // Error against the float64 oracle at the benchmark geometry.
-  std::printf("\nerror against the float64 oracle (W_k FP16 per-row scaled, TF32 scores, FP16 "
-              "softmax weights):\n");
+  std::printf(
+      "\nerror against the float64 oracle (W_k FP16 per-row scaled, TF32 scores, FP16 "
+      "softmax weights):\n");
   std::vector<Codec*> codecs;
   for (int G : {256, 84}) codecs.push_back(new Codec(G, 1000u + G));
   for (Codec* c : codecs) ErrorAtGeometry(*c, 4096, 100000, prop.multiProcessorCount);
@@ -313,8 +317,8 @@ int main(int argc, char** argv) {
       "to 4 layers of pages, per call.\nGFLOP: key rebuild 2 n Hkv d G per sequence; MB: codes "
       "read (+ prepared W_k, L2-resident).\n",
       kPs);
-  std::printf("%4s %8s %6s %7s %10s %10s %8s %8s %9s %8s %8s\n", "G", "context", "batch",
-              "splits", "single us", "b2b us", "MB", "GFLOP", "TB/s", "TFLOP/s", "bound");
+  std::printf("%4s %8s %6s %7s %10s %10s %8s %8s %9s %8s %8s\n", "G", "context", "batch", "splits",
+              "single us", "b2b us", "MB", "GFLOP", "TB/s", "TFLOP/s", "bound");
   const std::vector<int> n_list = quick ? std::vector<int>{32768} : std::vector<int>{32768, 100000};
   const std::vector<int> b_list = quick ? std::vector<int>{1, 64} : std::vector<int>{1, 8, 64};
   for (Codec* c : codecs) {

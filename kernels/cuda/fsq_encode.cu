@@ -52,9 +52,10 @@ __device__ __forceinline__ int Quantize(double u, const Thresholds& thr) {
 }
 
 __global__ void __launch_bounds__(kEncThreads) FsqEncodeKernel(const EncodeArgs a) {
-  __shared__ float xs[kEncChunk][kEncTokens];   // [c][token]
-  __shared__ float es[kEncChunk][kEncLatents];  // [c][latent]: E transposed
-  __shared__ int bad[kEncTokens];               // non-finite values per token row
+  // Widened to float64 once, as loaded (exact), so the inner loop is loads and FMAs only.
+  __shared__ double xs[kEncChunk][kEncTokens];   // [c][token]
+  __shared__ double es[kEncChunk][kEncLatents];  // [c][latent]: E transposed
+  __shared__ int bad[kEncTokens];                // non-finite values per token row
   const int layer = blockIdx.z;
   const int64_t t0 = int64_t{blockIdx.x} * kEncTokens;
   const int g0 = blockIdx.y * kEncLatents;
@@ -88,7 +89,7 @@ __global__ void __launch_bounds__(kEncThreads) FsqEncodeKernel(const EncodeArgs 
     __syncthreads();
     for (int c = 0; c < cn; ++c) {
       const double x0 = xs[c][tg], x1 = xs[c][tg + 8];
-      const float2 ev = *reinterpret_cast<const float2*>(&es[c][2 * pair]);
+      const double2 ev = *reinterpret_cast<const double2*>(&es[c][2 * pair]);
       const double e0 = ev.x, e1 = ev.y;
       acc[0][0] = __fma_rn(e0, x0, acc[0][0]);
       acc[0][1] = __fma_rn(e1, x0, acc[0][1]);

@@ -4,6 +4,8 @@
 // attention against the float64 oracle on fresh random codes (every head_dim, odd G and
 // lengths, both RoPE pairings, key norm on and off, poisoned outputs, merged with a BF16
 // window part).
+#include "kvcd/kernels/cuda_fsq.h"
+
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -19,7 +21,6 @@
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/bf16_attention.h"
 #include "kvcd/kernels/cuda_device.h"
-#include "kvcd/kernels/cuda_fsq.h"
 #include "kvcd/kernels/fsq.h"
 
 namespace kvcd::kernels {
@@ -314,9 +315,8 @@ TEST_F(CudaFsqTest, DecodeAttentionMatchesTheOracle) {
       float* lse = Up(std::vector<float>(rows, NAN));
       const float* d_q = Up(q);
       const cuda::DecodeGeometry wgeo{batch, hq, hkv, d, wps};
-      const cuda::PagedList wlist{reinterpret_cast<const uint8_t*>(Up(wpool)), welems * 2,
-                                  Up(wids), 1,
-                                  Up(std::vector<int32_t>(cs.window.begin(), cs.window.end()))};
+      const cuda::PagedList wlist{reinterpret_cast<const uint8_t*>(Up(wpool)), welems * 2, Up(wids),
+                                  1, Up(std::vector<int32_t>(cs.window.begin(), cs.window.end()))};
       ASSERT_EQ(cuda::LaunchBf16DecodeParts(wlist, wgeo, d_q, nullptr, scale, 1, wps, part_o,
                                             part_lse, 0, nullptr),
                 cudaSuccess);
