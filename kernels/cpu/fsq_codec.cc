@@ -3,6 +3,8 @@
 // half to even. Built with -ffp-contract=off so no ISA or compiler fuses its arithmetic.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <vector>
 
 #include "fsq_encode.h"
@@ -88,6 +90,42 @@ void FsqEncodeRows(const FsqLayerCodec& codec, const float* x, int64_t tokens, u
     internal::FsqEncodeRowsAvx2(codec, x, tokens, codes);
   } else {
     internal::FsqEncodeRowsScalar(codec, x, tokens, 0, G, codes);
+  }
+}
+
+namespace {
+
+// Doubles in order as int64 keys (negative values mirrored) and back.
+int64_t OrderedKey(double v) {
+  int64_t b;
+  std::memcpy(&b, &v, sizeof b);
+  return b < 0 ? std::numeric_limits<int64_t>::min() - b : b;
+}
+double FromOrderedKey(int64_t k) {
+  const int64_t b = k < 0 ? std::numeric_limits<int64_t>::min() - k : k;
+  double v;
+  std::memcpy(&v, &b, sizeof v);
+  return v;
+}
+
+}  // namespace
+
+void FsqLatentThresholds(double thresholds[kFsqThresholds]) {
+  // Q(u) saturates far inside [-64, 64] (|h tanh| <= h): search the ordered doubles there
+  // for the smallest u with Q(u) >= -7 + k.
+  for (int k = 0; k < kFsqThresholds; ++k) {
+    int64_t lo = OrderedKey(-64.0), hi = OrderedKey(64.0);  // Q(lo) < level <= Q(hi)
+    const int level = -7 + k;
+    while (static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo) > 1) {
+      const int64_t mid =
+          lo + static_cast<int64_t>((static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo)) / 2);
+      if (internal::FsqQuantizeLatent(FromOrderedKey(mid), 0.0f) >= level) {
+        hi = mid;
+      } else {
+        lo = mid;
+      }
+    }
+    thresholds[k] = FromOrderedKey(hi);
   }
 }
 

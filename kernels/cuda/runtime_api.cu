@@ -57,6 +57,13 @@ std::string CopyDeviceToDevice(void* dst, const void* src, size_t bytes) {
   return Text(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, nullptr));
 }
 
+std::string Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
+                   size_t rows) {
+  Counts().d2d.fetch_add(1, std::memory_order_relaxed);
+  return Text(
+      cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows, cudaMemcpyDefault, nullptr));
+}
+
 std::string IpcOpenMemory(const std::string& handle, void** ptr) {
   if (handle.size() != sizeof(cudaIpcMemHandle_t)) return "IPC memory handle has the wrong size";
   cudaIpcMemHandle_t h;

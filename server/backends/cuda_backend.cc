@@ -23,6 +23,8 @@
 #include "server/formats/bf16/bf16_format_cuda.h"
 #include "server/formats/cuda_codec.h"
 #include "server/formats/cuda_page_format.h"
+#include "server/formats/fsq/fsq_device_codec.h"
+#include "server/formats/fsq/fsq_format_cuda.h"
 #include "server/formats/int2_oscar/int2_oscar_format_cuda.h"
 
 namespace kvcd {
@@ -66,12 +68,13 @@ class CudaBackend final : public Backend, public DeviceRuntime {
   absl::StatusOr<std::vector<std::unique_ptr<PageFormat>>> CreateFormats(
       absl::Span<const FormatId> ids, const PageGeometry& geometry,
       std::shared_ptr<const CodecProfile> rotation,
-      std::shared_ptr<const FsqModelCodec> /*fsq*/) override {
-    // One device copy of the rotations for all of the model's formats.
+      std::shared_ptr<const FsqModelCodec> fsq) override {
+    // One device copy of the rotations (of the FSQ codec) for all of the model's formats.
     std::shared_ptr<const CudaCodec> device_codec;
     if (rotation != nullptr) {
       KVCD_ASSIGN_OR_RETURN(device_codec, CudaCodec::Upload(*rotation));
     }
+    std::shared_ptr<const FsqDeviceCodec> fsq_device;
     std::vector<std::unique_ptr<PageFormat>> out;
     for (FormatId id : ids) {
       switch (id) {
@@ -86,9 +89,14 @@ class CudaBackend final : public Backend, public DeviceRuntime {
           break;
         case FormatId::kFsq:
         case FormatId::kFsqWindow:
-          return absl::UnimplementedError(
-              "history_format fsq is served by the cpu backend only (the CUDA FSQ kernels are "
-              "not there yet); run the daemon with backend: cpu for this model");
+          if (fsq == nullptr) return absl::InvalidArgumentError("fsq pages need an FSQ codec");
+          if (fsq_device == nullptr) {
+            KVCD_RETURN_IF_ERROR(CheckFsqCudaGeometry(geometry, *fsq));
+            KVCD_ASSIGN_OR_RETURN(fsq_device, FsqDeviceCodec::Upload(*fsq));
+          }
+          out.push_back(id == FormatId::kFsq ? MakeFsqCudaFormat(geometry, fsq, fsq_device)
+                                             : MakeFsqWindowCudaFormat(geometry, fsq, fsq_device));
+          break;
         default:
           return absl::UnimplementedError(
               absl::StrCat("the cuda backend has no ", FormatName(id), " format"));
@@ -199,7 +207,25 @@ class CudaBackend final : public Backend, public DeviceRuntime {
           l.lens.assign(batch, 0);
           l.max_pages = 1;
           l.max_len = 0;
+          if (f->NeedsPositions()) {
+            l.first_pos.assign(batch, -1);
+            l.end_pos.assign(batch, -1);
+          } else {
+            l.first_pos.clear();
+            l.end_pos.clear();
+          }
           it = lists_.begin() + static_cast<std::ptrdiff_t>(num_lists - 1);
+        }
+        if (!it->first_pos.empty()) {
+          // Keys rebuilt with RoPE: token t of the list is at first_pos + t.
+          if (it->first_pos[j] < 0) {
+            it->first_pos[j] = it->end_pos[j] = seg.first_position;
+          } else if (seg.first_position != it->end_pos[j] || seg.token_begin != 0) {
+            return absl::InternalError(absl::StrCat(
+                "the ", f->name(), " pages of batch entry ", j,
+                " are not consecutive in its sequence; their attention needs them so"));
+          }
+          it->end_pos[j] += seg.token_end;
         }
         it->pages[j].insert(it->pages[j].end(), seg.page_ids.begin(), seg.page_ids.end());
         it->lens[j] += static_cast<int32_t>(seg.token_end - seg.token_begin);
@@ -220,7 +246,9 @@ class CudaBackend final : public Backend, public DeviceRuntime {
       }
       l->splits = l->max_len > 0 ? l->format->AttendSplits(geo, l->max_len, sms_) : 0;
       parts += l->splits;
-      state_bytes = std::max(state_bytes, l->format->AttendStateBytes(batch));
+      if (l->splits > 0) {
+        state_bytes = std::max(state_bytes, l->format->AttendStateBytes(geo, l->max_len, sms_));
+      }
       l->table_off = host_i32.size();
       for (int j = 0; j < batch; ++j) {
         host_i32.insert(host_i32.end(), l->pages[j].begin(), l->pages[j].end());
@@ -228,6 +256,15 @@ class CudaBackend final : public Backend, public DeviceRuntime {
       }
       l->len_off = host_i32.size();
       host_i32.insert(host_i32.end(), l->lens.begin(), l->lens.end());
+      if (!l->first_pos.empty()) {  // int64 positions, 8-byte aligned
+        if (host_i32.size() % 2 != 0) host_i32.push_back(0);
+        l->pos_off = host_i32.size();
+        host_i32.resize(l->pos_off + 2 * static_cast<size_t>(batch));
+        for (int j = 0; j < batch; ++j) {
+          const int64_t p = std::max<int64_t>(0, l->first_pos[j]);
+          std::memcpy(host_i32.data() + l->pos_off + 2 * j, &p, sizeof(p));
+        }
+      }
     }
     // The sequences' fault targets (device_fault.h) travel with the page tables, 8-byte
     // aligned: the query conversion sets them, the merge poisons the rows of a set one. They
@@ -295,12 +332,18 @@ class CudaBackend final : public Backend, public DeviceRuntime {
         any_fault ? reinterpret_cast<const kernels::DeviceFault*>(d_i32 + faults_off) : nullptr;
     // The worker's device queries are read with the non-finite check fused in (a bad value
     // becomes 0 and marks its sequence's fault words): by the attention launches themselves
-    // (every launched list's grid reads every query), or, when no list has tokens, by the
-    // conversion alone, so that a bad query is reported all the same.
-    bool any_splits = false;
-    for (auto it = lists_.begin(); it != lists_end; ++it) any_splits = any_splits || it->splits > 0;
+    // (every launched list's grid reads every query), or by the conversion into d_q when no
+    // list has tokens (a bad query is reported all the same) or a launched format reads only
+    // converted queries (FSQ).
+    bool any_splits = false, all_read_raw = true;
+    for (auto it = lists_.begin(); it != lists_end; ++it) {
+      if (it->splits == 0) continue;
+      any_splits = true;
+      all_read_raw = all_read_raw && it->format->ReadsRawQueries();
+    }
     const kc::RawQueries raw{b.device_q, b.device_q_bf16, d_faults, b.layer};
-    const kc::RawQueries* raw_q = b.device_q != nullptr && any_splits ? &raw : nullptr;
+    const kc::RawQueries* raw_q =
+        b.device_q != nullptr && any_splits && all_read_raw ? &raw : nullptr;
     if (b.device_q != nullptr && raw_q == nullptr) {
       RETURN_IF_CUDA_ERR(kc::LaunchQueriesToFloat(b.device_q, b.device_q_bf16, batch,
                                                   static_cast<int64_t>(hq) * d, d_q, d_faults,
@@ -338,6 +381,9 @@ class CudaBackend final : public Backend, public DeviceRuntime {
       a.part_lse = d_part_lse;
       a.part_base = part_base;
       a.state = d_state;
+      a.layer = b.layer;
+      a.num_sms = sms_;
+      if (!l.first_pos.empty()) a.positions = reinterpret_cast<const int64_t*>(d_i32 + l.pos_off);
       // Lists are ordered so that a merging format is last: it merges every part.
       if (l.format->FusesMerge() && part_base + l.splits == parts) {
         a.merge = &merge;
@@ -417,8 +463,11 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     const PagePool* pool = nullptr;
     std::vector<std::vector<int32_t>> pages;
     std::vector<int32_t> lens;
+    // NeedsPositions formats: per sequence, the position of the list's token 0 and where
+    // the list's pages end in the sequence (they must be consecutive).
+    std::vector<int64_t> first_pos, end_pos;
     int max_pages = 1, max_len = 0, splits = 0;
-    size_t table_off = 0, len_off = 0;
+    size_t table_off = 0, len_off = 0, pos_off = 0;
   };
   std::vector<List> lists_;
   std::vector<int32_t> table_;  // the table Attend builds (page tables, lengths, faults)

@@ -728,9 +728,10 @@ std::vector<AttentionSegment> ModelCache::Segments(const Sequence& seq, int64_t 
 }
 
 bool ModelCache::PipelinedFaults(absl::Span<Sequence* const> seqs, int32_t layer,
-                                 const RowSource& k, const RowSource& v,
+                                 const RowSource& k, const RowSource& v, const RowSource* x,
                                  std::vector<kernels::DeviceFault>* faults) {
-  const bool device_rows = (k.on_device && k.check_finite) || (v.on_device && v.check_finite);
+  const bool device_rows = (k.on_device && k.check_finite) || (v.on_device && v.check_finite) ||
+                           (x != nullptr && x->on_device && x->check_finite);
   if (!device_rows) return false;
   for (const Sequence* s : seqs) {
     if (!s->device_fault.held()) return false;  // checked synchronously then
@@ -804,12 +805,14 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
     // Device rows of a pipelined call: a NaN/±Inf marks its sequence (Sequence::device_fault)
     // instead of failing the call, which does not wait for its kernels.
     RowSource k = new_tokens.k, v = new_tokens.v;
+    RowSource x = new_tokens.x != nullptr ? *new_tokens.x : RowSource{};
     std::vector<kernels::DeviceFault> faults;
-    if (PipelinedFaults(seqs, layer, k, v, &faults))
-      k.device_faults = v.device_faults = faults.data();
+    if (PipelinedFaults(seqs, layer, k, v, new_tokens.x, &faults))
+      k.device_faults = v.device_faults = x.device_faults = faults.data();
     const PageStore& window = stores_[kWindow];
     absl::Status written = window.format->WriteRows(k, v, slots, layer, *window.pool);
-    if (written.ok()) written = WriteCodes(kWindow, new_tokens.x, slots, layer);
+    if (written.ok())
+      written = WriteCodes(kWindow, new_tokens.x != nullptr ? &x : nullptr, slots, layer);
     if (!written.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
       FreeLocked(fresh);

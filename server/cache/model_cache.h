@@ -221,9 +221,11 @@ class ModelCache {
 
  private:
   // The per-token fault targets of a pipelined fused append (see Attend); false when the
-  // rows need no device check or a sequence holds no fault words.
+  // rows (k, v and, for FSQ models, the residuals x, null otherwise) need no device check
+  // or a sequence holds no fault words.
   static bool PipelinedFaults(absl::Span<Sequence* const> seqs, int32_t layer, const RowSource& k,
-                              const RowSource& v, std::vector<kernels::DeviceFault>* faults);
+                              const RowSource& v, const RowSource* x,
+                              std::vector<kernels::DeviceFault>* faults);
 
   // One format's pages: the format (created by the backend) and its pool.
   struct PageStore {

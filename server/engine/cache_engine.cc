@@ -92,9 +92,12 @@ absl::Status CheckHistoryFormat(int format) {
 absl::Status DeviceFaultStatus(const Sequence& seq, bool this_call = false) {
   const uint64_t w = seq.device_fault.Read();
   if (w == 0) return absl::OkStatus();
+  // The FSQ encoder reports a bad residual row as the keys' input (cuda_fsq.h).
+  const kernels::FaultInput input = kernels::FaultInputOf(w);
+  const bool fsq_keys = input == kernels::kFaultKNew && seq.model->spec().is_fsq();
   return absl::InvalidArgumentError(absl::StrCat(
-      "sequence ", seq.id, ": ", kernels::FaultInputName(kernels::FaultInputOf(w)), " of ",
-      this_call ? "this (or an earlier)" : "an earlier", " AttentionDecode call (layer ",
+      "sequence ", seq.id, ": ", kernels::FaultInputName(input), fsq_keys ? " or x_new" : "",
+      " of ", this_call ? "this (or an earlier)" : "an earlier", " AttentionDecode call (layer ",
       kernels::FaultLayerOf(w),
       ") held NaN or +-Inf in device memory; that call's outputs for it are NaN and the "
       "sequence cannot be used any more: close it and open a new one"));
@@ -209,8 +212,22 @@ absl::StatusOr<RowSource> CacheEngine::Residuals(const v1::TensorRef& t, bool pr
   }
   KVCD_RETURN_IF_ERROR(CheckTensorRef(t, field, shape, {v1::DTYPE_BF16, v1::DTYPE_F32}));
   KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(t, field, kInputKinds));
-  KVCD_ASSIGN_OR_RETURN(const char* bytes, tensors_.HostInput(t, field, staging));
   const bool bf16 = t.dtype() == v1::DTYPE_BF16;
+  RowSource r;
+  r.is_bf16 = bf16;
+  r.token_stride = c;
+  r.layer_stride = n * c;
+  r.name = field;
+  if (t.payload_case() == v1::TensorRef::kCudaIpc) {
+    // Device residuals stay on the device: the format's encoder checks them as it reads
+    // them (RowSource::check_finite), as the row stores do for k and v.
+    KVCD_ASSIGN_OR_RETURN(TensorResolver::Bytes b, tensors_.Input(t, field));
+    r.data = b.data;
+    r.on_device = true;
+    r.check_finite = true;
+    return r;
+  }
+  KVCD_ASSIGN_OR_RETURN(const char* bytes, tensors_.HostInput(t, field, staging));
   const int64_t total = (layers > 0 ? layers : 1) * n * c;
   for (int64_t i = 0; i < total; ++i) {
     float f;
@@ -228,11 +245,7 @@ absl::StatusOr<RowSource> CacheEngine::Residuals(const v1::TensorRef& t, bool pr
                        "] is ", f, ", expected finite residuals"));
     }
   }
-  RowSource r;
   r.data = bytes;
-  r.is_bf16 = bf16;
-  r.token_stride = c;
-  r.layer_stride = n * c;
   return r;
 }
 

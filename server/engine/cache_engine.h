@@ -98,8 +98,9 @@ class CacheEngine {
   absl::StatusOr<RowSource> Rows(const v1::TensorRef& t, absl::string_view field, int64_t n,
                                  const ModelSpec& s);
   // The residuals `field` of n tokens (`layers` = num_layers: [layers, n, C]; 0: one layer,
-  // [n, C]) of an FSQ model, checked (present exactly for FSQ models, dtype, shape, every
-  // value finite) and in host memory (*staging when copied from a device buffer). A
+  // [n, C]) of an FSQ model, checked (present exactly for FSQ models, dtype, shape) where
+  // its bytes are: inline ones in host memory, scanned for NaN/Inf here; cuda_ipc ones in
+  // device memory, checked by the format's encoder as it reads them (check_finite). A
   // RowSource with data == nullptr for other models. INVALID_ARGUMENT naming the field.
   absl::StatusOr<RowSource> Residuals(const v1::TensorRef& t, bool present, absl::string_view field,
                                       int64_t layers, int64_t n, const ModelSpec& s,

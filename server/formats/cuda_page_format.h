@@ -37,14 +37,28 @@ class CudaPageFormat : public PageFormat {
     float* part_o = nullptr;
     float* part_lse = nullptr;
     int part_base = 0;
-    void* state = nullptr;  // AttendStateBytes(batch) bytes of device scratch
+    void* state = nullptr;  // AttendStateBytes(geo, max_tokens, num_sms) bytes of device scratch
     const kernels::cuda::MergeTarget* merge = nullptr;
+    // Formats with NeedsPositions(): [batch] (device) the absolute position of token 0 of
+    // each sequence's list (its pages of this format are consecutive in the sequence).
+    const int64_t* positions = nullptr;
+    int32_t layer = 0;  // the model layer the list's pool pages belong to
+    int num_sms = 1;
   };
-  // How many splits fill the GPU for a batch whose longest page list holds max_tokens.
+  // How many parts the launch writes per row (splits that fill the GPU for a batch whose
+  // longest page list holds max_tokens, or 1 for a format that merges its own splits).
   virtual int AttendSplits(const kernels::cuda::DecodeGeometry& geo, int max_tokens,
                            int num_sms) const = 0;
-  virtual size_t AttendStateBytes(int batch) const { return 0; }
+  virtual size_t AttendStateBytes(const kernels::cuda::DecodeGeometry& geo, int max_tokens,
+                                  int num_sms) const {
+    return 0;
+  }
   virtual bool FusesMerge() const { return false; }
+  // True when attention needs each token's absolute position (keys rebuilt with RoPE).
+  virtual bool NeedsPositions() const { return false; }
+  // True when LaunchAttend reads AttendLaunch::raw (the worker's queries in place) when it is
+  // set; the backend converts the queries into `q` first unless every launched list does.
+  virtual bool ReadsRawQueries() const { return false; }
   virtual absl::Status LaunchAttend(const AttendLaunch& a) const = 0;
 
  private:

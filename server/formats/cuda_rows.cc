@@ -40,6 +40,79 @@ absl::StatusOr<kc::RowBlock> DeviceRows(const RowSource& src, int64_t first, int
   return b;
 }
 
+// The destination slots of `rows` (consecutive source tokens) in dst, inline in the launch
+// or uploaded.
+absl::Status SetSlots(absl::Span<const RowSlot> rows, int32_t page_size, RowStoreScratch* scratch,
+                      kc::PagedRows* dst) {
+  const int64_t n = static_cast<int64_t>(rows.size());
+  const int64_t first = rows[0].src_token;
+  std::vector<int64_t> slots(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const RowSlot& r = rows[static_cast<size_t>(i)];
+    if (r.src_token != first + i) {
+      return absl::InternalError("device row stores take consecutive source tokens");
+    }
+    slots[static_cast<size_t>(i)] = int64_t{r.page} * page_size + r.slot;
+  }
+  if (n <= kc::PagedRows::kInlineSlots) {  // in the launch's parameters
+    std::copy(slots.begin(), slots.end(), dst->inline_slots);
+    dst->slots = nullptr;
+  } else {
+    KVCD_ASSIGN_OR_RETURN(uint8_t * d_slots,
+                          scratch->slots.Reserve(slots.size() * sizeof(int64_t)));
+    KVCD_RETURN_IF_ERROR(
+        scratch->uploads.Upload(d_slots, slots.data(), slots.size() * sizeof(int64_t)));
+    dst->slots = reinterpret_cast<const int64_t*>(d_slots);
+  }
+  dst->num_tokens = n;
+  return absl::OkStatus();
+}
+
+// The fused non-finite check of a store of n tokens from `first`: pipelined (faults, one per
+// source token) or synchronous (count and first bad row, *sync = true).
+absl::Status SetCheck(const kernels::DeviceFault* faults, int64_t first, int64_t n,
+                      RowStoreScratch* scratch, kc::StoreCheck* c, bool* sync) {
+  *c = kc::StoreCheck{};
+  *sync = false;
+  if (faults != nullptr) {  // pipelined: a bad row marks its sequence, nobody waits
+    if (n <= kc::PagedRows::kInlineSlots) {
+      std::copy(faults + first, faults + first + n, c->inline_faults);
+      c->use_inline_faults = true;
+    } else {
+      const size_t bytes = static_cast<size_t>(n) * sizeof(kernels::DeviceFault);
+      KVCD_ASSIGN_OR_RETURN(uint8_t * d, scratch->faults.Reserve(bytes));
+      KVCD_RETURN_IF_ERROR(scratch->uploads.Upload(d, faults + first, bytes));
+      c->faults = reinterpret_cast<const kernels::DeviceFault*>(d);
+    }
+    return absl::OkStatus();
+  }
+  // Synchronous: count and first bad row, read back after the store.
+  KVCD_ASSIGN_OR_RETURN(uint8_t * d, scratch->check.Reserve(2 * sizeof(unsigned long long)));
+  const unsigned long long init[2] = {0, ~0ull};
+  KVCD_RETURN_IF_ERROR(scratch->uploads.Upload(d, init, sizeof(init)));
+  c->count = reinterpret_cast<unsigned long long*>(d);
+  c->first_row = c->count + 1;
+  *sync = true;
+  return absl::OkStatus();
+}
+
+// The paged destination of layer l0 on (layers of the store) of `pool`.
+void SetPool(const PagePool& pool, int32_t l0, int32_t layers, int32_t page_size,
+             kc::PagedRows* dst) {
+  dst->num_layers = layers;
+  dst->page_size = page_size;
+  dst->base = pool.LayerBase(l0);
+  dst->layer_stride = int64_t{pool.num_pages()} * pool.layer_page_bytes();
+  dst->page_bytes = pool.layer_page_bytes();
+}
+
+// The (count, first bad row) a synchronous check left on the device; count 0 = clean.
+absl::Status ReadCheck(const kc::StoreCheck& c, unsigned long long got[2]) {
+  // The copy waits for the store.
+  return CudaStatus(kc::CopyToHost(got, c.count, 2 * sizeof(unsigned long long)),
+                    "reading the non-finite count of a row store");
+}
+
 }  // namespace
 
 absl::Status PrepareRowStore(const RowSource& k, const RowSource& v, absl::Span<const RowSlot> rows,
@@ -49,38 +122,16 @@ absl::Status PrepareRowStore(const RowSource& k, const RowSource& v, absl::Span<
   const int64_t n = static_cast<int64_t>(rows.size());
   if (n == 0) return absl::OkStatus();
   const int64_t first = rows[0].src_token;
-  std::vector<int64_t> slots(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    const RowSlot& r = rows[static_cast<size_t>(i)];
-    if (r.src_token != first + i) {
-      return absl::InternalError("device row stores take consecutive source tokens");
-    }
-    slots[static_cast<size_t>(i)] = int64_t{r.page} * g.page_size + r.slot;
-  }
+  KVCD_RETURN_IF_ERROR(SetSlots(rows, g.page_size, scratch, &out->dst));
   const int32_t layers = layer < 0 ? g.num_layers : 1;
   KVCD_ASSIGN_OR_RETURN(out->k,
                         DeviceRows(k, first, n, layers, g.num_kv_heads, g.head_dim, &scratch->k));
   KVCD_ASSIGN_OR_RETURN(out->v,
                         DeviceRows(v, first, n, layers, g.num_kv_heads, g.head_dim, &scratch->v));
-  if (n <= kc::PagedRows::kInlineSlots) {  // in the launch's parameters
-    std::copy(slots.begin(), slots.end(), out->dst.inline_slots);
-    out->dst.slots = nullptr;
-  } else {
-    KVCD_ASSIGN_OR_RETURN(uint8_t * d_slots,
-                          scratch->slots.Reserve(slots.size() * sizeof(int64_t)));
-    KVCD_RETURN_IF_ERROR(
-        scratch->uploads.Upload(d_slots, slots.data(), slots.size() * sizeof(int64_t)));
-    out->dst.slots = reinterpret_cast<const int64_t*>(d_slots);
-  }
   const int32_t l0 = layer < 0 ? 0 : layer;
-  out->dst.num_layers = layers;
-  out->dst.num_tokens = n;
+  SetPool(pool, l0, layers, g.page_size, &out->dst);
   out->dst.num_kv_heads = g.num_kv_heads;
   out->dst.head_dim = g.head_dim;
-  out->dst.page_size = g.page_size;
-  out->dst.base = pool.LayerBase(l0);
-  out->dst.layer_stride = int64_t{pool.num_pages()} * pool.layer_page_bytes();
-  out->dst.page_bytes = pool.layer_page_bytes();
   out->codec = kc::RowCodec{};
   if (codec != nullptr) {
     const int64_t m = codec->matrix_elems();
@@ -100,38 +151,54 @@ absl::Status PrepareRowStore(const RowSource& k, const RowSource& v, absl::Span<
   // were scanned before they went up.
   const bool device_rows = (k.on_device && k.check_finite) || (v.on_device && v.check_finite);
   if (!device_rows) return absl::OkStatus();
-  kc::StoreCheck& c = out->check_args;
-  c = kc::StoreCheck{};
-  const kernels::DeviceFault* faults =
-      k.device_faults != nullptr ? k.device_faults : v.device_faults;
-  if (faults != nullptr) {  // pipelined: a bad row marks its sequence, nobody waits
-    if (n <= kc::PagedRows::kInlineSlots) {
-      std::copy(faults + first, faults + first + n, c.inline_faults);
-      c.use_inline_faults = true;
-    } else {
-      const size_t bytes = static_cast<size_t>(n) * sizeof(kernels::DeviceFault);
-      KVCD_ASSIGN_OR_RETURN(uint8_t * d, scratch->faults.Reserve(bytes));
-      KVCD_RETURN_IF_ERROR(scratch->uploads.Upload(d, faults + first, bytes));
-      c.faults = reinterpret_cast<const kernels::DeviceFault*>(d);
-    }
-  } else {  // synchronous: count and first bad row, read back by FinishRowStore
-    KVCD_ASSIGN_OR_RETURN(uint8_t * d, scratch->check.Reserve(2 * sizeof(unsigned long long)));
-    const unsigned long long init[2] = {0, ~0ull};
-    KVCD_RETURN_IF_ERROR(scratch->uploads.Upload(d, init, sizeof(init)));
-    c.count = reinterpret_cast<unsigned long long*>(d);
-    c.first_row = c.count + 1;
-    out->sync = true;
-  }
+  KVCD_RETURN_IF_ERROR(SetCheck(k.device_faults != nullptr ? k.device_faults : v.device_faults,
+                                first, n, scratch, &out->check_args, &out->sync));
   out->checked = true;
   return absl::OkStatus();
+}
+
+absl::Status PrepareResidualStore(const RowSource& x, absl::Span<const RowSlot> rows, int32_t layer,
+                                  const PagePool& pool, const PageGeometry& g,
+                                  int32_t residual_width, RowStoreScratch* scratch,
+                                  ResidualStoreArgs* out) {
+  const int64_t n = static_cast<int64_t>(rows.size());
+  if (n == 0) return absl::OkStatus();
+  const int64_t first = rows[0].src_token;
+  KVCD_RETURN_IF_ERROR(SetSlots(rows, g.page_size, scratch, &out->dst));
+  const int32_t layers = layer < 0 ? g.num_layers : 1;
+  KVCD_ASSIGN_OR_RETURN(out->x, DeviceRows(x, first, n, layers, 1, residual_width, &scratch->k));
+  const int32_t l0 = layer < 0 ? 0 : layer;
+  SetPool(pool, l0, layers, g.page_size, &out->dst);
+  out->first_layer = l0;
+  out->first_token = first;
+  out->checked = false;
+  out->sync = false;
+  if (!(x.on_device && x.check_finite)) return absl::OkStatus();
+  KVCD_RETURN_IF_ERROR(SetCheck(x.device_faults, first, n, scratch, &out->check_args, &out->sync));
+  out->checked = true;
+  return absl::OkStatus();
+}
+
+absl::Status FinishResidualStore(const RowSource& x, const ResidualStoreArgs& a,
+                                 RowStoreScratch* /*scratch*/) {
+  if (!a.sync) return absl::OkStatus();
+  unsigned long long got[2] = {0, 0};
+  KVCD_RETURN_IF_ERROR(ReadCheck(a.check_args, got));
+  if (got[0] == 0) return absl::OkStatus();
+  // Row index layer * tokens + token of the launch (cuda_fsq.h LaunchFsqEncodeRows).
+  const uint64_t tokens = static_cast<uint64_t>(std::max<int64_t>(1, a.dst.num_tokens));
+  const int64_t token = a.first_token + static_cast<int64_t>(got[1] % tokens);
+  const int64_t layer = a.first_layer + static_cast<int64_t>(got[1] / tokens);
+  return absl::InvalidArgumentError(absl::StrCat(
+      x.name, "[", layer, ", ", token, ", :] (layer, token) holds NaN or +-Inf (", got[0],
+      " non-finite value(s) in ", x.name, "); expected finite residuals; nothing was stored"));
 }
 
 absl::Status FinishRowStore(const RowSource& k, const RowSource& v, const RowStoreArgs& a,
                             RowStoreScratch* /*scratch*/) {
   if (!a.sync) return absl::OkStatus();
-  unsigned long long got[2] = {0, 0};  // the copy waits for the store
-  KVCD_RETURN_IF_ERROR(CudaStatus(kc::CopyToHost(got, a.check_args.count, sizeof(got)),
-                                  "reading the non-finite count of a row store"));
+  unsigned long long got[2] = {0, 0};
+  KVCD_RETURN_IF_ERROR(ReadCheck(a.check_args, got));
   if (got[0] == 0) return absl::OkStatus();
   // Row index ((layer * tokens + token) * 2 + which) * heads + head of the launch.
   uint64_t r = got[1];

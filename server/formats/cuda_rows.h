@@ -1,6 +1,6 @@
 // Helpers of the CUDA formats: the device arguments of a paged row store (cuda_store_rows.h)
-// built from a RowSource — device rows are used where they are, host rows go up once — and
-// the device check of pages about to be stored. CUDA builds only.
+// or FSQ code store (cuda_fsq.h) built from a RowSource — device rows are used where they are, host
+// rows go up once — and the device check of pages about to be stored. CUDA builds only.
 #pragma once
 
 #include <mutex>
@@ -21,19 +21,23 @@ struct RowStoreScratch {
   PinnedUploader uploads;  // slot lists go up without blocking the host
 };
 
-struct RowStoreArgs {
-  kernels::cuda::RowBlock k, v;
+// What every paged store launch gets besides its rows: the destination slots and the fused
+// non-finite check (RowSource::check_finite on device rows): check() is what the launch
+// gets (null: the kernel without the check), `sync` whether the Finish call waits for the
+// store and reads its count.
+struct PagedStoreArgs {
   kernels::cuda::PagedRows dst;
-  kernels::cuda::RowCodec codec;
-  // The fused non-finite check (RowSource::check_finite on device rows): check() is what
-  // the launch gets (null: the kernel without the check), `sync` whether FinishRowStore
-  // waits for the store and reads its count.
   kernels::cuda::StoreCheck check_args;
   bool checked = false;
   bool sync = false;
   const kernels::cuda::StoreCheck* check() const { return checked ? &check_args : nullptr; }
   int32_t first_layer = 0;
   int64_t first_token = 0;
+};
+
+struct RowStoreArgs : PagedStoreArgs {
+  kernels::cuda::RowBlock k, v;
+  kernels::cuda::RowCodec codec;
 };
 
 // Arguments storing `rows` (consecutive source tokens) of k and v into `pool` at every layer
@@ -50,6 +54,25 @@ absl::Status PrepareRowStore(const RowSource& k, const RowSource& v, absl::Span<
 // REQUIRES: scratch->mu held since PrepareRowStore.
 absl::Status FinishRowStore(const RowSource& k, const RowSource& v, const RowStoreArgs& a,
                             RowStoreScratch* scratch);
+
+// The device arguments of an FSQ code store (cuda_fsq.h LaunchFsqEncodeRows) from residual
+// rows x (RowSource rows of residual_width values, head 0).
+struct ResidualStoreArgs : PagedStoreArgs {  // dst.num_kv_heads, dst.head_dim unused
+  kernels::cuda::RowBlock x;
+};
+
+// As PrepareRowStore, for the residuals of `rows` (device x checked by the encode as it
+// reads it: synchronously, or marking x.device_faults). REQUIRES: scratch->mu held until the
+// launch is queued.
+absl::Status PrepareResidualStore(const RowSource& x, absl::Span<const RowSlot> rows, int32_t layer,
+                                  const PagePool& pool, const PageGeometry& g,
+                                  int32_t residual_width, RowStoreScratch* scratch,
+                                  ResidualStoreArgs* out);
+
+// As FinishRowStore: INVALID_ARGUMENT naming x.name[layer, token] when a synchronously
+// checked encode met a NaN or +-Inf. REQUIRES: scratch->mu held since PrepareResidualStore.
+absl::Status FinishResidualStore(const RowSource& x, const ResidualStoreArgs& a,
+                                 RowStoreScratch* scratch);
 
 // Checks num_pages pages of page_bytes bytes (layer_bytes per layer) at device `src`: in each
 // layer page, `check_bytes` bytes from `check_offset` must pass `check`

@@ -64,6 +64,7 @@ class Bf16CudaFormat final : public CudaPageFormat {
     return kc::Int2DecodeSplits(geo.batch, geo.num_kv_heads, max_tokens, num_sms);
   }
 
+  bool ReadsRawQueries() const override { return true; }
   absl::Status LaunchAttend(const AttendLaunch& a) const override {
     return CudaStatus(
         kc::LaunchBf16DecodeParts(a.list, a.geo, a.q, a.r_k, a.scale, a.splits, a.max_tokens,

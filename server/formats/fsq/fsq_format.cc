@@ -15,6 +15,15 @@ FsqLayout::FsqLayout(const PageGeometry& g, int latent_width)
       code_bytes_(kernels::FsqCodeBytes(latent_width)),
       window_kv_bytes_(Bf16Format(g).layer_page_bytes()) {}
 
+double FsqLayout::history_bits_per_element() const {
+  return 8.0 * static_cast<double>(code_bytes_) / (2.0 * g_.num_kv_heads * g_.head_dim);
+}
+
+double FsqLayout::window_bits_per_element() const {
+  return 8.0 * static_cast<double>(window_page_bytes()) /
+         (2.0 * g_.num_kv_heads * g_.head_dim * g_.page_size);
+}
+
 absl::Status FsqLayout::CheckCodes(const uint8_t* src, int64_t num_pages, int64_t first_index,
                                    int64_t layer_bytes, int64_t codes_offset) const {
   if (latent_width_ % 2 == 0) return absl::OkStatus();  // every nibble is a valid z + 8
@@ -32,6 +41,37 @@ absl::Status FsqLayout::CheckCodes(const uint8_t* src, int64_t num_pages, int64_
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status FsqLayout::CheckWindowPages(const uint8_t* src, int64_t num_pages,
+                                         int64_t first_index) const {
+  const int64_t layer_bytes = window_page_bytes();
+  const Bf16Format kv(PageGeometry{1, g_.num_kv_heads, g_.head_dim, g_.page_size});
+  for (int64_t p = 0; p < num_pages; ++p) {
+    for (int32_t l = 0; l < g_.num_layers; ++l) {
+      if (!kv.CheckPages(src + (p * g_.num_layers + l) * layer_bytes, 1, 0).ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("page ", first_index + p, " layer ", l, " holds a non-finite BF16 value"));
+      }
+    }
+  }
+  return CheckCodes(src, num_pages, first_index, layer_bytes, window_kv_bytes_);
+}
+
+void FsqLayout::ExpandCodes(const FsqModelCodec& m, const uint8_t* codes, int32_t layer,
+                            int32_t head, int which, int64_t page_first_token, int32_t slot,
+                            int32_t count, float* out) const {
+  const kernels::FsqLayerCodec codec = m.codec.Layer(layer);
+  const int64_t kv = int64_t{g_.num_kv_heads} * g_.head_dim;
+  std::vector<float> k(static_cast<size_t>(kv)), v(static_cast<size_t>(kv));
+  for (int32_t t = 0; t < count; ++t) {
+    const int32_t s = slot + t;
+    kernels::FsqExpandToken(codec, m.rope, codes + int64_t{s} * code_bytes_, page_first_token + s,
+                            k.data(), v.data());
+    std::memcpy(out + int64_t{t} * g_.head_dim,
+                (which == 0 ? k : v).data() + int64_t{head} * g_.head_dim,
+                sizeof(float) * static_cast<size_t>(g_.head_dim));
+  }
 }
 
 namespace {
@@ -72,23 +112,6 @@ absl::Status EncodeInto(const FsqModelCodec& m, const PageGeometry& g, const Fsq
   return absl::OkStatus();
 }
 
-// Rebuilds rows [slot, slot + count) of one head from code rows at `codes`.
-void ExpandCodes(const FsqModelCodec& m, const PageGeometry& g, const FsqLayout& layout,
-                 const uint8_t* codes, int32_t layer, int32_t head, int which,
-                 int64_t page_first_token, int32_t slot, int32_t count, float* out) {
-  const kernels::FsqLayerCodec codec = m.codec.Layer(layer);
-  const int64_t kv = int64_t{g.num_kv_heads} * g.head_dim;
-  std::vector<float> k(static_cast<size_t>(kv)), v(static_cast<size_t>(kv));
-  for (int32_t t = 0; t < count; ++t) {
-    const int32_t s = slot + t;
-    kernels::FsqExpandToken(codec, m.rope, codes + int64_t{s} * layout.code_bytes(),
-                            page_first_token + s, k.data(), v.data());
-    std::memcpy(out + int64_t{t} * g.head_dim,
-                (which == 0 ? k : v).data() + int64_t{head} * g.head_dim,
-                sizeof(float) * static_cast<size_t>(g.head_dim));
-  }
-}
-
 // FSQ history pages in host memory: codes only.
 class FsqCpuFormat final : public CpuPageFormat {
  public:
@@ -98,11 +121,7 @@ class FsqCpuFormat final : public CpuPageFormat {
         layout_(g, m_->codec.shape().latent_width) {}
 
   int64_t layer_page_bytes() const override { return layout_.codes_bytes(); }
-  // 4 bits x G per token, against 2 * Hkv * d K/V elements of the token.
-  double bits_per_element() const override {
-    const PageGeometry& g = geometry();
-    return 8.0 * static_cast<double>(layout_.code_bytes()) / (2.0 * g.num_kv_heads * g.head_dim);
-  }
+  double bits_per_element() const override { return layout_.history_bits_per_element(); }
   bool stores_kv() const override { return false; }
   bool needs_residuals() const override { return true; }
 
@@ -141,8 +160,7 @@ class FsqCpuFormat final : public CpuPageFormat {
   void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which,
                   int64_t page_first_token, int32_t slot, int32_t count,
                   float* out) const override {
-    ExpandCodes(*m_, geometry(), layout_, layer_page, layer, head, which, page_first_token, slot,
-                count, out);
+    layout_.ExpandCodes(*m_, layer_page, layer, head, which, page_first_token, slot, count, out);
   }
 
   void Attend(const PagePool& pool, int32_t layer, absl::Span<const int32_t> page_ids,
@@ -172,17 +190,10 @@ class FsqWindowCpuFormat final : public CpuPageFormat {
       : CpuPageFormat(FormatId::kFsqWindow, g, nullptr),
         m_(std::move(m)),
         layout_(g, m_->codec.shape().latent_width),
-        kv_(MakeBf16CpuFormat(g, nullptr)),
-        kv_checks_(PageGeometry{1, g.num_kv_heads, g.head_dim, g.page_size}) {}
+        kv_(MakeBf16CpuFormat(g, nullptr)) {}
 
-  int64_t layer_page_bytes() const override {
-    return layout_.window_kv_bytes() + layout_.codes_bytes();
-  }
-  double bits_per_element() const override {
-    const PageGeometry& g = geometry();
-    return 8.0 * static_cast<double>(layer_page_bytes()) /
-           (2.0 * g.num_kv_heads * g.head_dim * g.page_size);
-  }
+  int64_t layer_page_bytes() const override { return layout_.window_page_bytes(); }
+  double bits_per_element() const override { return layout_.window_bits_per_element(); }
   bool needs_residuals() const override { return true; }
 
   // The bf16 format addresses pages through the pool (PagePtr, layer_page_bytes), so it
@@ -202,18 +213,7 @@ class FsqWindowCpuFormat final : public CpuPageFormat {
 
   absl::Status CheckPages(const uint8_t* src, int64_t num_pages,
                           int64_t first_index) const override {
-    const int64_t layer_bytes = layer_page_bytes();
-    for (int64_t p = 0; p < num_pages; ++p) {
-      for (int32_t l = 0; l < geometry().num_layers; ++l) {
-        const absl::Status s =
-            kv_checks_.CheckPages(src + (p * geometry().num_layers + l) * layer_bytes, 1, 0);
-        if (!s.ok()) {
-          return absl::InvalidArgumentError(absl::StrCat("page ", first_index + p, " layer ", l,
-                                                         " holds a non-finite BF16 value"));
-        }
-      }
-    }
-    return layout_.CheckCodes(src, num_pages, first_index, layer_bytes, layout_.window_kv_bytes());
+    return layout_.CheckWindowPages(src, num_pages, first_index);
   }
 
   void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which,
@@ -234,7 +234,6 @@ class FsqWindowCpuFormat final : public CpuPageFormat {
   const std::shared_ptr<const FsqModelCodec> m_;
   const FsqLayout layout_;
   const std::unique_ptr<CpuPageFormat> kv_;
-  const Bf16Format kv_checks_;  // one layer page's BF16 part
 };
 
 }  // namespace

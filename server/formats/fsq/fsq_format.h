@@ -30,18 +30,32 @@ struct FsqModelCodec {
   kernels::RopeSpec rope;
 };
 
-// The layouts and host-side checks, shared by the backends' implementations.
+// The layouts, host-side checks and reads, shared by the backends' implementations.
 class FsqLayout {
  public:
   FsqLayout(const PageGeometry& g, int latent_width);
   int64_t code_bytes() const { return code_bytes_; }                  // per token per layer
   int64_t codes_bytes() const { return code_bytes_ * g_.page_size; }  // per page per layer
   int64_t window_kv_bytes() const { return window_kv_bytes_; }        // BF16 part of a window page
+  int64_t window_page_bytes() const { return window_kv_bytes_ + codes_bytes(); }  // per layer
+  // Stored bits per K/V element of a history page (4 bits x G per token, against the
+  // 2 * Hkv * d K/V elements of the token) and of a window page (its K/V and codes).
+  double history_bits_per_element() const;
+  double window_bits_per_element() const;
   // Checks the code rows of num_pages pages stored back to back ([page][layer][layer_bytes],
   // codes at `codes_offset` of each layer page): with an odd G, the unused last high
   // nibble must be 0. INVALID_ARGUMENT naming the page, layer and token.
   absl::Status CheckCodes(const uint8_t* src, int64_t num_pages, int64_t first_index,
                           int64_t layer_bytes, int64_t codes_offset) const;
+  // Checks num_pages bf16+fsq window pages stored back to back: finite BF16 K/V, then
+  // CheckCodes. INVALID_ARGUMENT naming the page and layer.
+  absl::Status CheckWindowPages(const uint8_t* src, int64_t num_pages, int64_t first_index) const;
+  // Rebuilds rows [slot, slot + count) of (head, which: 0 = K, 1 = V) of layer `layer` from
+  // the code rows at `codes` (one layer page's), the page's slot 0 at absolute position
+  // page_first_token (FsqExpandToken).
+  void ExpandCodes(const FsqModelCodec& m, const uint8_t* codes, int32_t layer, int32_t head,
+                   int which, int64_t page_first_token, int32_t slot, int32_t count,
+                   float* out) const;
 
  private:
   PageGeometry g_;

@@ -91,10 +91,12 @@ class Int2OscarCudaFormat final : public CudaPageFormat {
     return kc::Int2DecodeSplits(geo.batch, geo.num_kv_heads, max_tokens, num_sms,
                                 kc::Int2CtasPerSm(geo.num_q_heads, geo.num_kv_heads, geo.head_dim));
   }
-  size_t AttendStateBytes(int batch) const override {
-    return kc::Int2StateBytes(batch, geometry().num_kv_heads);
+  size_t AttendStateBytes(const kc::DecodeGeometry& geo, int /*max_tokens*/,
+                          int /*num_sms*/) const override {
+    return kc::Int2StateBytes(geo.batch, geometry().num_kv_heads);
   }
   bool FusesMerge() const override { return true; }
+  bool ReadsRawQueries() const override { return true; }
 
   absl::Status LaunchAttend(const AttendLaunch& a) const override {
     kc::Int2PartsOptions opt;

@@ -29,6 +29,11 @@ std::string EventSynchronize(void* event);
 
 // Device -> device on the daemon's stream (the legacy default stream), asynchronous.
 std::string CopyDeviceToDevice(void* dst, const void* src, size_t bytes);
+// `rows` rows of `width` bytes, src_pitch / dst_pitch bytes apart, between any memories
+// (host or device, cudaMemcpyDefault) on the daemon's stream: asynchronous between device
+// buffers; into pageable host memory it returns once the bytes are there.
+std::string Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
+                   size_t rows);
 
 // CUDA IPC (same node). Handles are the raw bytes of cudaIpcMemHandle_t /
 // cudaIpcEventHandle_t (64 bytes each).

@@ -53,6 +53,13 @@ struct RopeSpec {
 void FsqEncodeRows(const FsqLayerCodec& codec, const float* x, int64_t tokens, uint8_t* codes,
                    CpuIsa isa = ActiveCpuIsa());
 
+// The rounding of a latent as 15 thresholds, found from the encoder's own arithmetic: the
+// code of u = sum_c E[g][c] x[c] + e[g] (float64) is -8 + #{k : u >= thresholds[k]}
+// (NaN: 0), the same as FsqEncodeRows gives, ties and saturation included (the rounding is
+// nondecreasing in u). For encoders that do not run this file's code (the GPU's).
+inline constexpr int kFsqThresholds = 15;
+void FsqLatentThresholds(double thresholds[kFsqThresholds]);
+
 // Unpacks one token's code to z in {-8..7} (G values).
 void FsqUnpackCode(const uint8_t* code, int latent_width, int8_t* z);
 

@@ -1,0 +1,709 @@
+// FSQ decode attention on the GPU (cuda_fsq.h): keys rebuilt from 4-bit codes on tensor
+// cores, in registers, never written to memory.
+//
+// Grid (splits, kv_heads, batch), 4 warps per CTA; a split is a run of 16-token tiles, the
+// warps of its CTA take every 4th tile. A 16-token tile lies in one page (page_size is a
+// multiple of 16), so its codes are one contiguous run of 16 * FsqCodeBytes(G) bytes, copied
+// into the warp's shared-memory stage with cp.async one tile ahead. Per tile (all matrix
+// products mma.sync, FP32 accumulation):
+//   1. K = Z W_k^T  [16 tokens x d]: m16n8k16 FP16. A = codes unpacked straight into FP16
+//      fragments (a byte holds latents 2i and 2i+1, exactly an A register's two halves;
+//      1024 + nibble is an FP16 bit pattern, minus 1032 gives z in -8..7 exactly). B = W_k
+//      prepared once per layer in fragment order as FP16 rows scaled by their max |w|
+//      (LaunchFsqPrepareDecoder): FP16's 11-bit significand on values in [-1, 1] gives each
+//      weight a relative error <= 2^-12, so the rebuilt key's error is ~2^-12 of its size
+//      (the tests measure it against the float64 oracle; FSQ's own reconstruction error is
+//      percents, docs/fsq.md). The accumulator of a thread holds dims (8n + 2t, 8n + 2t + 1)
+//      of tokens g and g + 8 for every n, so both RoPE pairings and the key norm's sum over
+//      d (a quad shuffle) stay in registers.
+//   2. Row scale and b_k, key norm, RoPE in FP32 registers. The angle of position p is
+//      (p0 + r) f_i: (p0 f_i mod 2 pi) in float64 once per tile and pair, combined with a
+//      per-CTA table of (r f_i) (r < 16), so large positions lose nothing to FP32.
+//   3. S^T = Q K^T [heads x 16 tokens]: m16n8k8 TF32, K read straight from the accumulator
+//      as the B operand; A rows 0..7 are the group's queries (hi TF32 digit), rows 8..15
+//      their lo digit, so the score is c0 + c2 (q carries ~21 bits; K is rounded to TF32).
+//   4. Online softmax per head (base 2, scale folded into q): each thread holds 4 tokens of
+//      one head, the max is a quad shuffle.
+//   5. O^T += Z^T P^T [latents x heads]: m16n8k16 FP16, the weights P in FP16 taken from
+//      S^T's accumulator as B without shuffles, Z^T unpacked from the stage.
+// The CTA combines its warps' states in shared memory and writes (sum_t a_t z_t / l, lse)
+// per row and split; the merge kernel combines splits, applies W_v and b_v (FP32) once per
+// row and writes one value-space part.
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <utility>
+
+#include "dispatch.cuh"
+#include "kvcd/kernels/cuda_fsq.h"
+
+namespace kvcd::kernels::cuda {
+namespace {
+
+constexpr int kWarps = 8;  // one CTA per SM: its warps share the W_k fragments in shared memory
+constexpr int kTile = 16;  // tokens per warp tile
+constexpr int kMaxGroup = 8;
+constexpr int kStageSlack = 64;  // bytes read past a tile's codes (latent padding), never used
+
+struct PartArgs {
+  PagedList list;
+  DecodeGeometry geo;
+  int32_t latent, slices, code_bytes;  // G, ceil(G / 16), FsqCodeBytes(G)
+  int32_t tokens_per_split, stage_bytes;
+  const uint2* wk;        // [Hkv][slices][d / 8][32] FP16 B fragments
+  const float4* col;      // [Hkv * d / 2] (scale, bias, scale, bias) of dims 2i, 2i + 1
+  const float* key_norm;  // [d] or null
+  float key_norm_eps;
+  int32_t rotary;  // rotary dims (0: none)
+  bool interleaved;
+  double theta, inv_scaling;
+  const int64_t* positions;
+  const float* q;
+  float q_scale;  // softmax_scale * log2(e)
+  float* ws_z;    // [splits][rows][slices * 16]
+  float* ws_lse;  // [splits][rows], base 2
+};
+
+__device__ __forceinline__ void MmaF16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                       uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void MmaTf32(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                        uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t Tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+
+// Two nibbles (low half <- lo, high half <- hi, each 0..15) -> FP16x2 of nibble - 8, exact.
+__device__ __forceinline__ uint32_t NibblesToHalf2(uint32_t lo, uint32_t hi) {
+  const uint32_t v = lo | (hi << 16) | 0x64006400u;  // 1024 + nibble
+  const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&v), __float2half2_rn(1032.0f));
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+__device__ __forceinline__ uint32_t ByteToHalf2(uint32_t b) {
+  return NibblesToHalf2(b & 0xFu, (b >> 4) & 0xFu);
+}
+
+__device__ __forceinline__ uint32_t PackHalf2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n"); }
+__device__ __forceinline__ void CpAsyncWaitOne() { asm volatile("cp.async.wait_group 1;\n"); }
+
+// Rotates (x, y) of one pair by the angle whose (cos, sin) is base * step.
+__device__ __forceinline__ void Rotate(float& x, float& y, float2 base, float2 step) {
+  const float c = base.x * step.x - base.y * step.y;
+  const float s = base.y * step.x + base.x * step.y;
+  const float nx = x * c - y * s;
+  y = x * s + y * c;
+  x = nx;
+}
+
+// Half pairing with rotary / 16 == kOff: dim 8n + 2t + e (n < kOff) pairs with n + kOff.
+template <int kOff, int NT>
+__device__ __forceinline__ void RopeHalf(float (&acc)[NT][4], const float2* base,
+                                         const float2* tab_g, const float2* tab_g8, int t) {
+#pragma unroll
+  for (int n = 0; n < kOff; ++n) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int i = 8 * n + 2 * t + e;
+      Rotate(acc[n][e], acc[n + kOff][e], base[i], tab_g[i]);
+      Rotate(acc[n][2 + e], acc[n + kOff][2 + e], base[i], tab_g8[i]);
+    }
+  }
+}
+
+template <int NT, int... kOffs>
+__device__ __forceinline__ void RopeHalfDispatch(int off, float (&acc)[NT][4], const float2* base,
+                                                 const float2* tab_g, const float2* tab_g8, int t) {
+  ((off == kOffs ? RopeHalf<kOffs, NT>(acc, base, tab_g, tab_g8, t) : void()), ...);
+}
+
+template <int NT, int... kOffs>
+__device__ __forceinline__ void RopeHalfAny(int off, float (&acc)[NT][4], const float2* base,
+                                            const float2* tab_g, const float2* tab_g8, int t,
+                                            std::integer_sequence<int, kOffs...>) {
+  RopeHalfDispatch<NT, (kOffs + 1)...>(off, acc, base, tab_g, tab_g8, t);
+}
+
+struct Smem {
+  uint2* wk;       // [slices][D / 8][32] the head's W_k fragments; after the loop:
+  uint32_t* q_hi;  // [8][D] TF32 digits of the scaled queries
+  uint32_t* q_lo;
+  float2* tab;     // [16][D / 2] (cos, sin) of r f_i / scaling
+  double* freq;    // [D / 2]
+  float2* base;    // [kWarps][D / 2]
+  uint8_t* stage;  // [kWarps][2][stage_bytes]
+  float* comb_o;   // [kWarps][MT * 16][8]
+  float* comb_m;   // [kWarps][8]
+  float* comb_l;   // [kWarps][8]
+};
+
+// The W_k fragments of one head, and the warps' states they give way to after the tiles.
+template <int D, int MT>
+__host__ __device__ constexpr size_t UnionBytes(int slices) {
+  const size_t wk = size_t{16} * slices * 2 * D, comb = size_t{kWarps} * MT * 16 * 8 * 4;
+  return wk > comb ? wk : comb;
+}
+
+template <int D, int MT, int MTOK>
+__host__ __device__ constexpr size_t SmemBytes(int stage_bytes, int slices) {
+  return UnionBytes<D, MT>(slices) + size_t{8} * D * 4 * 2 + size_t{16} * MTOK * (D / 2) * 8 +
+         size_t{D / 2} * 8 + size_t{kWarps} * (D / 2) * 8 + size_t{kWarps} * 2 * stage_bytes +
+         size_t{kWarps} * 8 * 4 * 2;
+}
+
+template <int D, int MT, int MTOK>
+__device__ Smem CarveSmem(uint8_t* p, int slices) {
+  Smem s;
+  s.wk = reinterpret_cast<uint2*>(p);
+  s.comb_o = reinterpret_cast<float*>(p);  // [kWarps][MT * 16][8], once the tiles are done
+  p += UnionBytes<D, MT>(slices);
+  s.freq = reinterpret_cast<double*>(p);
+  p += (D / 2) * 8;
+  s.q_hi = reinterpret_cast<uint32_t*>(p);
+  p += 8 * D * 4;
+  s.q_lo = reinterpret_cast<uint32_t*>(p);
+  p += 8 * D * 4;
+  s.tab = reinterpret_cast<float2*>(p);
+  p += 16 * MTOK * (D / 2) * 8;
+  s.base = reinterpret_cast<float2*>(p);
+  p += kWarps * (D / 2) * 8;
+  s.comb_m = reinterpret_cast<float*>(p);
+  p += kWarps * 8 * 4;
+  s.comb_l = reinterpret_cast<float*>(p);
+  p += kWarps * 8 * 4;
+  s.stage = p;  // 16-byte aligned: every piece above is a multiple of 16 bytes
+  return s;
+}
+
+// MTOK: 16-token m-tiles per warp tile (2: every W_k fragment read from shared memory feeds
+// two MMAs; needs page_size % 32 == 0 and the registers of small D x G).
+template <int D, int MT, int MTOK>
+__global__ void __launch_bounds__(kWarps * 32, 1) FsqDecodeKernel(const PartArgs a) {
+  constexpr int NT = D / 8;
+  constexpr int kTok = kTile * MTOK;  // tokens per warp tile
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  const Smem sm = CarveSmem<D, MT, MTOK>(smem_raw, a.slices);
+  const int split = blockIdx.x, head = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int group = a.geo.num_q_heads / a.geo.num_kv_heads;
+  const int rows = a.geo.batch * a.geo.num_q_heads;
+  const int half_rot = a.rotary / 2;
+
+  // Queries (scaled, two TF32 digits), RoPE frequencies and the in-tile angle table.
+  for (int i = tid; i < kMaxGroup * D; i += blockDim.x) {
+    const int j = i / D, dim = i % D;
+    float v = 0.0f;
+    if (j < group) {
+      v = a.q[(static_cast<int64_t>(b) * a.geo.num_q_heads + head * group + j) * D + dim] *
+          a.q_scale;
+    }
+    const uint32_t hi = Tf32(v);
+    sm.q_hi[i] = hi;
+    sm.q_lo[i] = Tf32(v - __uint_as_float(hi));
+  }
+  for (int i = tid; i < half_rot; i += blockDim.x) {
+    sm.freq[i] = pow(a.theta, -2.0 * i / a.rotary);
+  }
+  __syncthreads();
+  for (int i = tid; i < kTok * half_rot; i += blockDim.x) {
+    const int r = i / half_rot, p = i % half_rot;
+    float s, c;
+    sincosf(static_cast<float>(r * a.inv_scaling * sm.freq[p]), &s, &c);
+    sm.tab[r * (D / 2) + p] = make_float2(c, s);
+  }
+  __syncthreads();
+
+  const int len = a.list.lengths[b];
+  const int begin = split * a.tokens_per_split;
+  const int end = min(len, begin + a.tokens_per_split);
+  const int64_t pos0 = a.positions[b];
+  const int32_t* table = a.list.page_table + static_cast<int64_t>(b) * a.list.max_pages;
+  const int ps = a.geo.page_size, cb = a.code_bytes;
+  uint8_t* stage = sm.stage + warp * 2 * a.stage_bytes;
+  float2* base = sm.base + warp * (D / 2);
+  // The head's W_k fragments into shared memory (read by every warp, every tile).
+  {
+    const uint4* src =
+        reinterpret_cast<const uint4*>(a.wk + static_cast<size_t>(head) * a.slices * NT * 32);
+    uint4* dst = reinterpret_cast<uint4*>(sm.wk);
+    for (int i = tid; i < a.slices * NT * 16; i += blockDim.x) CpAsync16(dst + i, src + i);
+    CpAsyncCommit();
+    asm volatile("cp.async.wait_all;\n");
+    __syncthreads();
+  }
+  const uint2* wk = sm.wk + lane;
+  const float4* col = a.col + head * (D / 2);
+
+  auto issue = [&](int tile, int buf) {
+    if (tile < end) {
+      const int page = table[tile / ps];
+      const uint8_t* src =
+          a.list.pages + page * a.list.page_stride + static_cast<int64_t>(tile % ps) * cb;
+      uint8_t* dst = stage + buf * a.stage_bytes;
+      for (int c = lane; c < MTOK * cb; c += 32) CpAsync16(dst + 16 * c, src + 16 * c);
+    }
+    CpAsyncCommit();
+  };
+
+  float o[MT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
+  float m = -INFINITY, l = 0.0f;
+
+  int buf = 0;
+  int tile = begin + warp * kTok;
+  issue(tile, 0);
+  for (; tile < end; tile += kWarps * kTok, buf ^= 1) {
+    issue(tile + kWarps * kTok, buf ^ 1);
+    // Base rotation of the tile's first position, pair by pair (float64 range reduction).
+    const double p0 = static_cast<double>(pos0 + tile) * a.inv_scaling;
+    for (int i = lane; i < half_rot; i += 32) {
+      const double ang = p0 * sm.freq[i];
+      const double k = rint(ang * 0.15915494309189535);
+      const double r = fma(-k, 6.283185307179586, ang);
+      const double r2 = fma(-k, 2.4492935982947064e-16, r);
+      float s, c;
+      sincosf(static_cast<float>(r2), &s, &c);
+      base[i] = make_float2(c, s);
+    }
+    CpAsyncWaitOne();
+    __syncwarp();
+    const uint8_t* cs = stage + buf * a.stage_bytes;
+
+    // 1. K = Z W_k^T.
+    float accs[MTOK][NT][4];
+#pragma unroll
+    for (int u = 0; u < MTOK; ++u) {
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+        accs[u][n][0] = accs[u][n][1] = accs[u][n][2] = accs[u][n][3] = 0.0f;
+    }
+    const uint8_t* r0 = cs + g * cb + t;
+#pragma unroll 2
+    for (int s = 0; s < a.slices; ++s) {
+      uint32_t af[MTOK][4];
+#pragma unroll
+      for (int u = 0; u < MTOK; ++u) {
+        const uint8_t* ru = r0 + 16 * u * cb;
+        af[u][0] = ByteToHalf2(ru[8 * s]);
+        af[u][1] = ByteToHalf2(ru[8 * cb + 8 * s]);
+        af[u][2] = ByteToHalf2(ru[8 * s + 4]);
+        af[u][3] = ByteToHalf2(ru[8 * cb + 8 * s + 4]);
+      }
+      const uint2* bp = wk + static_cast<size_t>(s) * NT * 32;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const uint2 bf = bp[n * 32];
+#pragma unroll
+        for (int u = 0; u < MTOK; ++u) MmaF16(accs[u][n], af[u], bf.x, bf.y);
+      }
+    }
+    __syncwarp();  // base[] written
+#pragma unroll
+    for (int u = 0; u < MTOK; ++u) {
+      float(&acc)[NT][4] = accs[u];
+      // 2. Row scale and bias, key norm, RoPE.
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const float4 cv = __ldg(col + n * 4 + t);
+        acc[n][0] = fmaf(acc[n][0], cv.x, cv.y);
+        acc[n][1] = fmaf(acc[n][1], cv.z, cv.w);
+        acc[n][2] = fmaf(acc[n][2], cv.x, cv.y);
+        acc[n][3] = fmaf(acc[n][3], cv.z, cv.w);
+      }
+      if (a.key_norm != nullptr) {
+        float ss0 = 0.0f, ss1 = 0.0f;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          ss0 += acc[n][0] * acc[n][0] + acc[n][1] * acc[n][1];
+          ss1 += acc[n][2] * acc[n][2] + acc[n][3] * acc[n][3];
+        }
+        ss0 += __shfl_xor_sync(0xffffffffu, ss0, 1);
+        ss0 += __shfl_xor_sync(0xffffffffu, ss0, 2);
+        ss1 += __shfl_xor_sync(0xffffffffu, ss1, 1);
+        ss1 += __shfl_xor_sync(0xffffffffu, ss1, 2);
+        const float inv0 = 1.0f / sqrtf(ss0 / D + a.key_norm_eps);
+        const float inv1 = 1.0f / sqrtf(ss1 / D + a.key_norm_eps);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          const float2 w = __ldg(reinterpret_cast<const float2*>(a.key_norm) + n * 4 + t);
+          acc[n][0] *= inv0 * w.x;
+          acc[n][1] *= inv0 * w.y;
+          acc[n][2] *= inv1 * w.x;
+          acc[n][3] *= inv1 * w.y;
+        }
+      }
+      if (a.rotary > 0) {
+        const float2* tab_g = sm.tab + (16 * u + g) * (D / 2);
+        const float2* tab_g8 = sm.tab + (16 * u + g + 8) * (D / 2);
+        if (a.interleaved) {
+#pragma unroll
+          for (int n = 0; n < NT; ++n) {
+            const int i = 4 * n + t;  // dims 2i, 2i + 1
+            if (i < half_rot) {
+              Rotate(acc[n][0], acc[n][1], base[i], tab_g[i]);
+              Rotate(acc[n][2], acc[n][3], base[i], tab_g8[i]);
+            }
+          }
+        } else {
+          RopeHalfAny<NT>(a.rotary / 16, acc, base, tab_g, tab_g8, t,
+                          std::make_integer_sequence<int, NT / 2>{});
+        }
+      }
+
+      // 3. S^T = Q K^T (two token n-tiles of 8).
+      float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const uint2 qh = *reinterpret_cast<const uint2*>(sm.q_hi + g * D + 8 * n + 2 * t);
+        const uint2 ql = *reinterpret_cast<const uint2*>(sm.q_lo + g * D + 8 * n + 2 * t);
+        MmaTf32(s0, qh.x, ql.x, qh.y, ql.y, Tf32(acc[n][0]), Tf32(acc[n][1]));
+        MmaTf32(s1, qh.x, ql.x, qh.y, ql.y, Tf32(acc[n][2]), Tf32(acc[n][3]));
+      }
+      // 4. Online softmax of head g over tokens 2t, 2t + 1, 2t + 8, 2t + 9.
+      const int n_valid = end - tile - 16 * u;
+      float sc[4] = {s0[0] + s0[2], s0[1] + s0[3], s1[0] + s1[2], s1[1] + s1[3]};
+      const int tok[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
+      float tmax = -INFINITY;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (tok[k] >= n_valid) sc[k] = -INFINITY;
+        tmax = fmaxf(tmax, sc[k]);
+      }
+      tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+      tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
+      const float m_new = fmaxf(m, tmax);
+      const float alpha = exp2f(m - m_new);
+      float p[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) p[k] = exp2f(sc[k] - m_new);
+      l = l * alpha + (p[0] + p[1]) + (p[2] + p[3]);
+      m = m_new;
+      const float alpha0 = __shfl_sync(0xffffffffu, alpha, 8 * t);
+      const float alpha1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
+      const uint32_t pb0 = PackHalf2(p[0], p[1]), pb1 = PackHalf2(p[2], p[3]);
+
+      // 5. O^T += Z^T P^T.
+      const int sh = 4 * (g & 1);
+      const uint8_t* z0 = cs + (16 * u + 2 * t) * cb + (g >> 1);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        o[mt][0] *= alpha0;
+        o[mt][1] *= alpha1;
+        o[mt][2] *= alpha0;
+        o[mt][3] *= alpha1;
+        if (mt < a.slices) {
+          const uint8_t* zb = z0 + 8 * mt;
+          uint32_t af[4];
+          af[0] = NibblesToHalf2((zb[0] >> sh) & 0xFu, (zb[cb] >> sh) & 0xFu);
+          af[1] = NibblesToHalf2((zb[4] >> sh) & 0xFu, (zb[cb + 4] >> sh) & 0xFu);
+          af[2] = NibblesToHalf2((zb[8 * cb] >> sh) & 0xFu, (zb[9 * cb] >> sh) & 0xFu);
+          af[3] = NibblesToHalf2((zb[8 * cb + 4] >> sh) & 0xFu, (zb[9 * cb + 4] >> sh) & 0xFu);
+          MmaF16(o[mt], af, pb0, pb1);
+        }
+      }
+    }              // u
+    __syncwarp();  // the stage buffer and base[] are read before they are refilled
+  }
+  asm volatile("cp.async.wait_all;\n");
+  __syncthreads();  // every warp is done with the W_k fragments: their space takes the states
+
+  // Combine the CTA's warps.
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  if (t == 0) {
+    sm.comb_m[warp * 8 + g] = m;
+    sm.comb_l[warp * 8 + g] = l;
+  }
+  float* co = sm.comb_o + warp * MT * 16 * 8;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    co[(mt * 16 + g) * 8 + 2 * t] = o[mt][0];
+    co[(mt * 16 + g) * 8 + 2 * t + 1] = o[mt][1];
+    co[(mt * 16 + g + 8) * 8 + 2 * t] = o[mt][2];
+    co[(mt * 16 + g + 8) * 8 + 2 * t + 1] = o[mt][3];
+  }
+  __syncthreads();
+  const int gp = a.slices * 16;
+  for (int i = tid; i < group * gp; i += blockDim.x) {
+    const int j = i / gp, lat = i % gp;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, sm.comb_m[w * 8 + j]);
+    float num = 0.0f, den = 0.0f;
+    if (M > -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float f = exp2f(sm.comb_m[w * 8 + j] - M);
+        den += f * sm.comb_l[w * 8 + j];
+        num += f * sm.comb_o[(w * MT * 16 + lat) * 8 + j];
+      }
+    }
+    const int64_t row = static_cast<int64_t>(b) * a.geo.num_q_heads + head * group + j;
+    const int64_t at = static_cast<int64_t>(split) * rows + row;
+    a.ws_z[at * gp + lat] = M > -INFINITY ? num / den : 0.0f;
+    if (lat == 0) a.ws_lse[at] = M > -INFINITY ? M + log2f(den) : -INFINITY;
+  }
+}
+
+// Combines the splits of the group's rows and applies W_v, b_v: one block of kWarps warps
+// per (kv head, batch entry).
+template <int D>
+__global__ void __launch_bounds__(kWarps * 32)
+    FsqMergeKernel(const float* ws_z, const float* ws_lse, int splits, DecodeGeometry geo,
+                   int latent, int gp, const float* w_v, const float* b_v, float* part_o,
+                   float* part_lse, int part_base) {
+  extern __shared__ float zbar[];  // [group][gp]
+  __shared__ float s_lse[kMaxGroup];
+  const int head = blockIdx.x, b = blockIdx.y;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int group = geo.num_q_heads / geo.num_kv_heads;
+  const int rows = geo.batch * geo.num_q_heads;
+  const int64_t row0 = static_cast<int64_t>(b) * geo.num_q_heads + head * group;
+  for (int i = tid; i < group * latent; i += blockDim.x) {
+    const int j = i / latent, lat = i % latent;
+    float M = -INFINITY;
+    for (int s = 0; s < splits; ++s)
+      M = fmaxf(M, ws_lse[static_cast<int64_t>(s) * rows + row0 + j]);
+    float num = 0.0f, den = 0.0f;
+    if (M > -INFINITY) {
+      for (int s = 0; s < splits; ++s) {
+        const int64_t at = static_cast<int64_t>(s) * rows + row0 + j;
+        const float f = exp2f(ws_lse[at] - M);
+        den += f;
+        num += f * ws_z[at * gp + lat];
+      }
+    }
+    zbar[j * latent + lat] = M > -INFINITY ? num / den : 0.0f;
+    if (lat == 0) s_lse[j] = M > -INFINITY ? (M + log2f(den)) * 0.6931471805599453f : -INFINITY;
+  }
+  __syncthreads();
+  for (int i = warp; i < D; i += kWarps) {
+    const float* wr = w_v + (static_cast<int64_t>(head) * D + i) * latent;
+    float acc[kMaxGroup] = {};
+    for (int k = lane; k < latent; k += 32) {
+      const float w = __ldg(wr + k);
+#pragma unroll
+      for (int j = 0; j < kMaxGroup; ++j) {
+        if (j < group) acc[j] = fmaf(w, zbar[j * latent + k], acc[j]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kMaxGroup; ++j) {
+      if (j >= group) break;
+      float v = acc[j];
+      for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+      if (lane == 0) {
+        const bool empty = s_lse[j] == -INFINITY;
+        const int64_t at = static_cast<int64_t>(part_base) * rows + row0 + j;
+        part_o[at * D + i] = empty ? 0.0f : v + b_v[static_cast<int64_t>(head) * D + i];
+        if (i == 0) part_lse[at] = s_lse[j];
+      }
+    }
+  }
+}
+
+// Prepared decoder: the FP16 B fragments, then (scale, bias) per dim.
+size_t FragBytes(int hkv, int d, int latent) {
+  return static_cast<size_t>(hkv) * ((latent + 15) / 16) * (d / 8) * 32 * sizeof(uint2);
+}
+
+// col[row] = (max |W_k[row]| or 1 if 0, b_k[row]); one warp per row.
+__global__ void FsqRowScaleKernel(const float* w_k, const float* b_k, int nrows, int latent,
+                                  float2* col) {
+  const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+  if (row >= nrows) return;
+  float mx = 0.0f;
+  for (int k = lane; k < latent; k += 32)
+    mx = fmaxf(mx, fabsf(w_k[static_cast<int64_t>(row) * latent + k]));
+  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  if (lane == 0) col[row] = make_float2(mx > 0.0f ? mx : 1.0f, b_k[row]);
+}
+
+// Fragment (head, slice s, n-tile n, lane): halves W[8n + g][16 s + 2t + {0, 1, 8, 9}] / scale.
+__global__ void FsqFragKernel(const float* w_k, const float2* col, int hkv, int d, int latent,
+                              uint2* frags) {
+  const int slices = (latent + 15) / 16, nt = d / 8;
+  const int64_t total = static_cast<int64_t>(hkv) * slices * nt * 32;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const int lane = static_cast<int>(i % 32);
+  const int n = static_cast<int>((i / 32) % nt);
+  const int s = static_cast<int>((i / 32 / nt) % slices);
+  const int h = static_cast<int>(i / 32 / nt / slices);
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t row = static_cast<int64_t>(h) * d + 8 * n + g;
+  const float inv = 1.0f / col[row].x;
+  float w[4];
+  const int ks[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
+  for (int k = 0; k < 4; ++k) {
+    const int lat = 16 * s + ks[k];
+    w[k] = lat < latent ? w_k[row * latent + lat] * inv : 0.0f;
+  }
+  const __half2 lo = __floats2half2_rn(w[0], w[1]), hi = __floats2half2_rn(w[2], w[3]);
+  frags[i] =
+      make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+}
+
+template <int D, int MT, int MTOK>
+cudaError_t LaunchParts(const PartArgs& a, int splits, cudaStream_t stream) {
+  const size_t smem = SmemBytes<D, MT, MTOK>(a.stage_bytes, a.slices);
+  cudaError_t e =
+      cudaFuncSetAttribute(FsqDecodeKernel<D, MT, MTOK>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (e != cudaSuccess) return e;
+  const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(a.geo.num_kv_heads),
+                  static_cast<unsigned>(a.geo.batch));
+  FsqDecodeKernel<D, MT, MTOK><<<grid, kWarps * 32, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+size_t FsqDecoderBytes(int num_kv_heads, int head_dim, int latent_width) {
+  return FragBytes(num_kv_heads, head_dim, latent_width) +
+         static_cast<size_t>(num_kv_heads) * head_dim * sizeof(float2);
+}
+
+cudaError_t LaunchFsqPrepareDecoder(const FsqLayerCodec& codec, void* prepared,
+                                    cudaStream_t stream) {
+  const int hkv = codec.num_kv_heads, d = codec.head_dim, G = codec.latent_width;
+  if (prepared == nullptr || codec.decoder_k == nullptr || codec.bias_k == nullptr || hkv < 1 ||
+      d < 8 || d % 8 != 0 || G < 1 || G > kFsqMaxLatent ||
+      reinterpret_cast<uintptr_t>(prepared) % 16 != 0) {
+    return cudaErrorInvalidValue;
+  }
+  auto* frags = static_cast<uint2*>(prepared);
+  auto* col = reinterpret_cast<float2*>(static_cast<uint8_t*>(prepared) + FragBytes(hkv, d, G));
+  const int nrows = hkv * d;
+  FsqRowScaleKernel<<<(nrows + 7) / 8, 256, 0, stream>>>(codec.decoder_k, codec.bias_k, nrows, G,
+                                                         col);
+  const int64_t total = static_cast<int64_t>(hkv) * ((G + 15) / 16) * (d / 8) * 32;
+  FsqFragKernel<<<static_cast<unsigned>((total + 255) / 256), 256, 0, stream>>>(
+      codec.decoder_k, col, hkv, d, G, frags);
+  return cudaGetLastError();
+}
+
+size_t FsqDecodeWorkspaceBytes(int batch, int num_q_heads, int latent_width, int splits) {
+  const size_t rows = static_cast<size_t>(batch) * num_q_heads;
+  const size_t gp = static_cast<size_t>((latent_width + 15) / 16) * 16;
+  return static_cast<size_t>(splits) * rows * (gp + 1) * sizeof(float);
+}
+
+int FsqDecodeSplits(int batch, int num_kv_heads, int max_tokens, int num_sms) {
+  // One CTA per SM (a wave), each warp of a split at least 4 tiles.
+  const int64_t ctas = int64_t{batch} * num_kv_heads;
+  const int64_t want = (int64_t{num_sms} + ctas - 1) / ctas;
+  const int64_t most = (int64_t{max_tokens} + kWarps * kTile * 4 - 1) / (kWarps * kTile * 4);
+  const int64_t s = want < most ? want : most;
+  return static_cast<int>(s < 1 ? 1 : s);
+}
+
+cudaError_t LaunchFsqDecodeParts(const PagedList& list, const DecodeGeometry& geo,
+                                 const FsqDecodeArgs& args, int max_tokens, float* part_o,
+                                 float* part_lse, int part_base, cudaStream_t stream,
+                                 const MergeTarget* merge) {
+  const FsqLayerCodec& c = args.codec;
+  const int G = c.latent_width;
+  const RopeSpec& rope = args.rope;
+  if (geo.batch < 1 || geo.num_kv_heads < 1 || geo.num_q_heads % geo.num_kv_heads != 0 ||
+      geo.num_q_heads / geo.num_kv_heads > kMaxGroup || geo.page_size < kTile ||
+      geo.page_size % kTile != 0 || G < 1 || G > kFsqCudaMaxLatent || c.head_dim != geo.head_dim ||
+      c.num_kv_heads != geo.num_kv_heads || c.decoder_v == nullptr || c.bias_v == nullptr ||
+      args.prepared == nullptr || args.positions == nullptr || args.q == nullptr ||
+      args.workspace == nullptr || args.splits < 1 || max_tokens < 0 || part_o == nullptr ||
+      part_lse == nullptr || part_base < 0 || list.pages == nullptr || list.page_table == nullptr ||
+      list.lengths == nullptr || reinterpret_cast<uintptr_t>(list.pages) % 16 != 0 ||
+      list.page_stride % 16 != 0 || rope.rotary_dims < 0 || rope.rotary_dims % 2 != 0 ||
+      rope.rotary_dims > geo.head_dim || (rope.rotary_dims > 0 && !(rope.scaling > 0.0)) ||
+      (rope.rotary_dims > 0 && rope.pairing == RopePairing::kHalf && rope.rotary_dims % 16 != 0) ||
+      (merge != nullptr && merge->r_v_t != nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  PartArgs a{};
+  a.list = list;
+  a.geo = geo;
+  a.latent = G;
+  a.slices = (G + 15) / 16;
+  a.code_bytes = static_cast<int32_t>(FsqCodeBytes(G));
+  const int64_t per = (int64_t{max_tokens} + args.splits - 1) / args.splits;
+  // Two m-tiles per warp tile where the registers allow (small D x G) and a 32-token tile
+  // stays in one page.
+  const int mtok = geo.page_size % (2 * kTile) == 0 &&
+                           ((a.slices <= 8 && geo.head_dim <= 128) || geo.head_dim == 64)
+                       ? 2
+                       : 1;
+  const int tok = kTile * mtok;
+  a.tokens_per_split = static_cast<int32_t>((per + tok - 1) / tok * tok);
+  if (a.tokens_per_split == 0) a.tokens_per_split = tok;
+  a.stage_bytes = (tok * a.code_bytes + kStageSlack + 15) / 16 * 16;
+  a.wk = static_cast<const uint2*>(args.prepared);
+  a.col = reinterpret_cast<const float4*>(static_cast<const uint8_t*>(args.prepared) +
+                                          FragBytes(geo.num_kv_heads, geo.head_dim, G));
+  a.key_norm = c.key_norm;
+  a.key_norm_eps = c.key_norm_eps;
+  a.rotary = rope.rotary_dims;
+  a.interleaved = rope.pairing == RopePairing::kInterleaved;
+  a.theta = rope.theta;
+  a.inv_scaling = rope.rotary_dims > 0 ? 1.0 / rope.scaling : 1.0;
+  a.positions = args.positions;
+  a.q = args.q;
+  a.q_scale = args.softmax_scale * 1.4426950408889634f;
+  const int rows = geo.batch * geo.num_q_heads;
+  const int gp = a.slices * 16;
+  a.ws_z = static_cast<float*>(args.workspace);
+  a.ws_lse = a.ws_z + static_cast<size_t>(args.splits) * rows * gp;
+  const cudaError_t e = DispatchHeadDim(geo.head_dim, [&](auto hd) -> cudaError_t {
+    constexpr int D = decltype(hd)::value;
+    cudaError_t err;
+    if constexpr (D == 256) {
+      err = a.slices <= 8 ? LaunchParts<D, 8, 1>(a, args.splits, stream)
+                          : LaunchParts<D, 16, 1>(a, args.splits, stream);
+    } else if constexpr (D == 128) {
+      err = a.slices > 8 ? LaunchParts<D, 16, 1>(a, args.splits, stream)
+            : mtok == 2  ? LaunchParts<D, 8, 2>(a, args.splits, stream)
+                         : LaunchParts<D, 8, 1>(a, args.splits, stream);
+    } else {
+      err = mtok == 2 ? (a.slices <= 8 ? LaunchParts<D, 8, 2>(a, args.splits, stream)
+                                       : LaunchParts<D, 16, 2>(a, args.splits, stream))
+                      : (a.slices <= 8 ? LaunchParts<D, 8, 1>(a, args.splits, stream)
+                                       : LaunchParts<D, 16, 1>(a, args.splits, stream));
+    }
+    if (err != cudaSuccess) return err;
+    const size_t smem = static_cast<size_t>(geo.num_q_heads / geo.num_kv_heads) * G * sizeof(float);
+    FsqMergeKernel<D><<<dim3(geo.num_kv_heads, geo.batch), kWarps * 32, smem, stream>>>(
+        a.ws_z, a.ws_lse, args.splits, geo, G, gp, c.decoder_v, c.bias_v, part_o, part_lse,
+        part_base);
+    return cudaGetLastError();
+  });
+  if (e != cudaSuccess || merge == nullptr) return e;
+  return LaunchMergeParts(part_o, part_lse, merge->parts, rows, geo.head_dim, nullptr, merge->o,
+                          merge->lse, stream, merge->faults, merge->rows_per_entry);
+}
+
+}  // namespace kvcd::kernels::cuda

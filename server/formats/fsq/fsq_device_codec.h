@@ -1,0 +1,46 @@
+// FsqDeviceCodec: an FSQ model's codec in device memory, shared by the model's two CUDA FSQ
+// formats: every layer's tensors (F32, the layouts of kvcd/kernels/fsq.h), the per-layer
+// kernel views with device pointers (one array of them in device memory for the encoder,
+// which takes all layers of a Put in one launch), and each layer's key decoder prepared for
+// the attention kernel (cuda_fsq.h LaunchFsqPrepareDecoder). CUDA builds only.
+//
+// Thread safety: immutable after Upload; may be shared.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kvcd/kernels/fsq.h"
+#include "server/formats/fsq/fsq_format.h"
+
+namespace kvcd {
+
+class FsqDeviceCodec {
+ public:
+  // Uploads every layer of m and prepares the key decoders (waits for the device).
+  // RESOURCE_EXHAUSTED when device memory runs out, INTERNAL on another CUDA error.
+  static absl::StatusOr<std::shared_ptr<const FsqDeviceCodec>> Upload(const FsqModelCodec& m);
+  ~FsqDeviceCodec();
+  FsqDeviceCodec(const FsqDeviceCodec&) = delete;
+  FsqDeviceCodec& operator=(const FsqDeviceCodec&) = delete;
+
+  int num_layers() const { return static_cast<int>(layers_.size()); }
+  // Layer l with device pointers (host struct).
+  const kernels::FsqLayerCodec& Layer(int l) const { return layers_[static_cast<size_t>(l)]; }
+  // [num_layers] the same structs in device memory.
+  const kernels::FsqLayerCodec* device_layers() const { return device_layers_; }
+  // Layer l's prepared key decoder (device).
+  const void* Prepared(int l) const { return prepared_[static_cast<size_t>(l)]; }
+  const kernels::RopeSpec& rope() const { return rope_; }
+
+ private:
+  FsqDeviceCodec() = default;
+  void* memory_ = nullptr;
+  std::vector<kernels::FsqLayerCodec> layers_;
+  std::vector<const void*> prepared_;
+  const kernels::FsqLayerCodec* device_layers_ = nullptr;
+  kernels::RopeSpec rope_;
+};
+
+}  // namespace kvcd
