@@ -1,10 +1,13 @@
-// The OSCAR INT2 quantizer of one row on one warp (device code shared by every kernel
-// that writes INT2 rows): lane l holds elements l + 32k. Every step uses the CPU codec's
-// FP32 operations in the same order without contraction (rotation: x[i] * R[i][j] summed
-// over i in order; quantizer: ((x / scale) + zero) + 0.5), so codes and FP16 parameters
-// are bit-identical to DemoteRowsToInt2 (int2_codec.h). The clip threshold
-// sort(|x|)[floor(rho*d)] comes from repeated warp maxima (few elements above it) or a
-// radix select over the bit patterns of |x|.
+// The OSCAR INT2 quantizer of one row on a group of L lanes (device code shared by every
+// kernel that writes INT2 rows). A row's D values are spread over L aligned lanes of a warp
+// (GroupOf<L>), D / L per lane; the lane order of the values does not matter to the
+// quantizer, only to the rotation (RowLayout) and the packing. Every step uses the CPU
+// codec's FP32 operations in the same order without contraction (dense rotation: x[i] *
+// R[i][j] summed over i in order; Hadamard: the butterflies of HadamardRotateRow; quantizer:
+// ((x / scale) + zero) + 0.5), so codes and FP16 parameters are bit-identical to
+// DemoteRowsToInt2 (int2_codec.h). The clip threshold sort(|x|)[floor(rho*d)] comes from
+// repeated group maxima (few elements above it) or a radix select over the bit patterns of
+// |x|. Every lane of the warp must call these functions together (full-mask shuffles).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -14,17 +17,58 @@
 
 namespace kvcd::kernels::cuda {
 
-__device__ __forceinline__ float WarpMax(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-__device__ __forceinline__ float WarpMin(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fminf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
+// The lanes of a warp that hold one row: L in {2, 4, ..., 32}, aligned.
+template <int L>
+struct GroupOf {
+  static_assert(L >= 2 && L <= 32 && (L & (L - 1)) == 0, "L: a power of two in [2, 32]");
+  int g;          // index in the group
+  unsigned base;  // first lane of the group
+  __device__ explicit GroupOf(int lane)
+      : g(lane & (L - 1)), base(static_cast<unsigned>(lane & ~(L - 1))) {}
+  // The group's lanes whose p holds, as bits 0..L-1.
+  __device__ __forceinline__ uint32_t Ballot(bool p) const {
+    const uint32_t b = __ballot_sync(0xffffffffu, p);
+    if constexpr (L == 32) {
+      return b;
+    } else {
+      return (b >> base) & ((1u << L) - 1u);
+    }
+  }
+  __device__ __forceinline__ uint32_t MaxU(uint32_t v) const {
+    if constexpr (L == 32) {
+      return __reduce_max_sync(0xffffffffu, v);
+    } else {
+#pragma unroll
+      for (int o = L / 2; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+      return v;
+    }
+  }
+  __device__ __forceinline__ float Max(float v) const {
+#pragma unroll
+    for (int o = L / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+  }
+  __device__ __forceinline__ float Min(float v) const {
+#pragma unroll
+    for (int o = L / 2; o > 0; o >>= 1) v = fminf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+  }
+};
 
-// x <- x · R (R: [D][D] FP32, row-major) for the warp's row, each output the sum over i in
-// order of separately rounded products x[i] * R[i][j], as RotateRows (int2_codec.h) does.
+// Where a row's values live: slot s = j + J*i of group lane g holds element
+// j + J*(g + L*i) (j < J). J = 1, L = 32 is the warp-per-row layout (lane l holds l + 32k).
+template <int D, int L, int J>
+struct RowLayout {
+  static constexpr int E = D / L;  // values per lane
+  static_assert(E % J == 0 && E >= J, "a lane holds whole runs of J values");
+  static __device__ __forceinline__ int Element(int g, int s) {
+    return s % J + J * (g + L * (s / J));
+  }
+};
+
+// x <- x · R (R: [D][D] FP32, row-major) for the warp's row in the warp-per-row layout, each
+// output the sum over i in order of separately rounded products x[i] * R[i][j], as RotateRows
+// (int2_codec.h) does.
 template <int D>
 __device__ __forceinline__ void RotateRowWarp(float (&x)[D / 32], const float* rot, int lane) {
   constexpr int E = D / 32;
@@ -45,24 +89,55 @@ __device__ __forceinline__ void RotateRowWarp(float (&x)[D / 32], const float* r
   for (int k = 0; k < E; ++k) x[k] = y[k];
 }
 
-// Rotates (rot: [D][D] FP32 or null), clips and quantizes the warp's row x; q receives the
-// lane's codes (0..3), *scale and *lo the FP32 parameters (identical on every lane).
-template <int D>
-__device__ __forceinline__ void QuantizeRowInt2(float (&x)[D / 32], const float* rot, float rho,
-                                                int lane, int (&q)[D / 32], float* scale_out,
-                                                float* lo_out) {
-  constexpr int E = D / 32;
-  if (rot != nullptr) RotateRowWarp<D>(x, rot, lane);
+// x <- x · (c·H) for the group's row in RowLayout<D, L, J>: HadamardRotateRow's butterflies
+// (bit b = 0, 1, ... of the element index; pair (i, i + 2^b) -> (sum, difference)), then
+// each value times c. Bits below J pair values of one lane, the next log2(L) bits pair
+// lanes (shuffles), the rest pair values of one lane again.
+template <int D, int L, int J>
+__device__ __forceinline__ void HadamardRowGroup(float (&x)[D / L], const GroupOf<L>& grp,
+                                                 float c) {
+  constexpr int E = D / L;
+#pragma unroll
+  for (int h = 1; h < D; h *= 2) {
+    if (h < J || h >= J * L) {  // within the lane: slots s and s + m
+      const int m = h < J ? h : h / L;
+#pragma unroll
+      for (int s = 0; s < E; ++s) {
+        if ((s & m) != 0) continue;
+        const float a = x[s], b = x[s + m];
+        x[s] = __fadd_rn(a, b);
+        x[s + m] = __fsub_rn(a, b);
+      }
+    } else {  // across lanes g and g ^ (h / J): the lower one keeps the sum
+      const int lm = h / J;
+      const bool upper = (grp.g & lm) != 0;
+#pragma unroll
+      for (int s = 0; s < E; ++s) {
+        const float p = __shfl_xor_sync(0xffffffffu, x[s], lm);
+        x[s] = upper ? __fsub_rn(p, x[s]) : __fadd_rn(x[s], p);
+      }
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < E; ++s) x[s] = __fmul_rn(x[s], c);
+}
+
+// Clips and quantizes the group's (rotated) row x; q receives the lane's codes (0..3),
+// *scale and *lo the FP32 parameters (identical on every lane of the group).
+template <int D, int L>
+__device__ __forceinline__ void QuantizeRowInt2(float (&x)[D / L], float rho, const GroupOf<L>& grp,
+                                                int (&q)[D / L], float* scale_out, float* lo_out) {
+  constexpr int E = D / L;
   // Clip threshold: the element of rank kk = floor(rho * d) of the sorted |x|, compared as
   // bit patterns (non-negative floats order as their bits). Clipping keeps the top d - kk
-  // - 1 elements out, so for a small count the threshold is found by taking the warp's
-  // largest element out that many times (one warp max and one ballot per round); otherwise
+  // - 1 elements out, so for a small count the threshold is found by taking the group's
+  // largest element out that many times (one group max and one ballot per round); otherwise
   // by a radix select: the largest v with #{|x| < v} <= kk (31 rounds of E ballots).
   const int kk = min(static_cast<int>(floorf(rho * static_cast<float>(D))), D - 1);
   const int above = D - 1 - kk;  // elements ranked above the threshold
   uint32_t bits[E];
 #pragma unroll
-  for (int k = 0; k < E; ++k) bits[k] = __float_as_uint(fabsf(x[k]));
+  for (int k = 0; k < E; ++k) bits[k] = __float_as_uint(x[k]) & 0x7fffffffu;
   uint32_t v = 0;
   if (above <= 16) {
 #pragma unroll 1
@@ -70,9 +145,9 @@ __device__ __forceinline__ void QuantizeRowInt2(float (&x)[D / 32], const float*
       uint32_t mine = bits[0];
 #pragma unroll
       for (int k = 1; k < E; ++k) mine = max(mine, bits[k]);
-      const uint32_t top = __reduce_max_sync(0xffffffffu, mine);
-      const uint32_t holders = __ballot_sync(0xffffffffu, mine == top);
-      if (lane == __ffs(holders) - 1) {  // one instance leaves: the first lane's first slot
+      const uint32_t top = grp.MaxU(mine);
+      const uint32_t holders = grp.Ballot(mine == top);
+      if (grp.g == __ffs(holders) - 1) {  // one instance leaves: the first lane's first slot
         bool done = false;
 #pragma unroll
         for (int k = 0; k < E; ++k) {
@@ -85,14 +160,14 @@ __device__ __forceinline__ void QuantizeRowInt2(float (&x)[D / 32], const float*
     uint32_t mine = bits[0];
 #pragma unroll
     for (int k = 1; k < E; ++k) mine = max(mine, bits[k]);
-    v = __reduce_max_sync(0xffffffffu, mine);
+    v = grp.MaxU(mine);
   } else {
 #pragma unroll 1
     for (int b = 30; b >= 0; --b) {
       const uint32_t cand = v | (1u << b);
       int below = 0;
 #pragma unroll
-      for (int k = 0; k < E; ++k) below += __popc(__ballot_sync(0xffffffffu, bits[k] < cand));
+      for (int k = 0; k < E; ++k) below += __popc(grp.Ballot(bits[k] < cand));
       if (below <= kk) v = cand;
     }
   }
@@ -104,8 +179,8 @@ __device__ __forceinline__ void QuantizeRowInt2(float (&x)[D / 32], const float*
     lo = fminf(lo, x[k]);
     hi = fmaxf(hi, x[k]);
   }
-  lo = WarpMin(lo);
-  hi = WarpMax(hi);
+  lo = grp.Min(lo);
+  hi = grp.Max(hi);
   const float scale = __fdiv_rn(fmaxf(__fsub_rn(hi, lo), 1e-8f), 3.0f);
   const float zero = __fdiv_rn(-lo, scale);
 #pragma unroll
@@ -117,8 +192,9 @@ __device__ __forceinline__ void QuantizeRowInt2(float (&x)[D / 32], const float*
   *lo_out = lo;
 }
 
-// Packs the warp's codes: calls put(j, byte) for each byte j < D/4 of the row (byte j holds
-// elements j, j+Q, j+2Q, j+3Q in bits [1:0], [3:2], [5:4], [7:6]); each j is put by one lane.
+// Packs the warp's codes (warp-per-row layout): calls put(j, byte) for each byte j < D/4 of
+// the row (byte j holds elements j, j+Q, j+2Q, j+3Q in bits [1:0], [3:2], [5:4], [7:6]);
+// each j is put by one lane.
 template <int D, class Put>
 __device__ __forceinline__ void PackRowInt2(const int (&q)[D / 32], int lane, Put put) {
   constexpr int Q = D / 4;
