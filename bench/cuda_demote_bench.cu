@@ -127,9 +127,8 @@ int main(int argc, char** argv) {
     uint4* p = Alloc<uint4>(bytes / 16);
     CHECK(cudaMemset(p, 1, bytes));
     unsigned* sink = Alloc<unsigned>(1);
-    const double t = MedianSeconds(reps, [&] {
-      ReadReduce<<<prop.multiProcessorCount * 8, 512>>>(p, bytes / 16, sink);
-    });
+    const double t = MedianSeconds(
+        reps, [&] { ReadReduce<<<prop.multiProcessorCount * 8, 512>>>(p, bytes / 16, sink); });
     std::printf("read ceiling: %.3f TB/s (4 GiB read-only reduction)\n", bytes / t / 1e12);
     CHECK(cudaFree(p));
     CHECK(cudaFree(sink));
@@ -157,7 +156,8 @@ int main(int argc, char** argv) {
                          : kind == kk::Rotation::kDense  ? d_dense
                                                          : nullptr;
       for (float rho : {0.96f, 0.92f}) {
-        for (kc::DemoteKernel kernel : {kc::DemoteKernel::kWarpPerRow, kc::DemoteKernel::kGrouped}) {
+        for (kc::DemoteKernel kernel :
+             {kc::DemoteKernel::kWarpPerRow, kc::DemoteKernel::kGrouped}) {
           if (kind == kk::Rotation::kDense && kernel == kc::DemoteKernel::kGrouped) continue;
           const double t = MedianSeconds(reps, [&] {
             CHECK(kc::LaunchDemoteInt2(rows, n, kD, rot, kind, rho, out, 0, nullptr, kernel));
@@ -202,7 +202,8 @@ int main(int argc, char** argv) {
     dst.page_bytes = page_bytes;
     dst.slots = d_slots;
     std::vector<float> rot_all(static_cast<size_t>(2) * kLayers * kD * kD);
-    for (size_t m = 0; m < 2 * kLayers; ++m) std::copy(h.begin(), h.end(), rot_all.begin() + m * h.size());
+    for (size_t m = 0; m < 2 * kLayers; ++m)
+      std::copy(h.begin(), h.end(), rot_all.begin() + m * h.size());
     const float* d_rot = Upload(rot_all);
     const uint8_t* d_flags = Upload(std::vector<uint8_t>(2 * kLayers, 1));
     const float* d_rho = Upload(std::vector<float>(2 * kLayers, 0.94f));

@@ -177,19 +177,6 @@ __global__ void FillPages(uint8_t* pages, int64_t n_pages, int64_t page_bytes, i
   }
 }
 
-// Pseudo-random BF16 values in (-4, 4), a different pattern per seed.
-__global__ void FillBf16(uint16_t* out, int64_t n, uint32_t seed) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    uint32_t x = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-    x ^= x >> 15;
-    x *= 0x2c1b3c6du;
-    x ^= x >> 12;
-    const float f = (static_cast<float>(x & 0xffffff) / 16777216.0f - 0.5f) * 8.0f;
-    out[i] = static_cast<uint16_t>(__float_as_uint(f) >> 16);
-  }
-}
-
 __global__ void ReadReduce(const uint4* p, int64_t n, unsigned* out) {
   unsigned acc = 0;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;

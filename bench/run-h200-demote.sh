@@ -12,10 +12,10 @@ mkdir -p "$out"
 export LD_LIBRARY_PATH=$PWD/.devlibs
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 filter='*Demote*:*PagedRowStores*:*FusedStoreCheck*'
-.devbin/kvcd_cuda_tests --gtest_filter="$filter" > "$out/cuda-tests.log" 2>&1
+timeout 60 .devbin/kvcd_cuda_tests --gtest_filter="$filter" > "$out/cuda-tests.log" 2>&1
 echo "kvcd_cuda_tests ($filter) rc $?: $(grep -E '^\[  (PASSED|FAILED)' "$out/cuda-tests.log" | tr '\n' ' ')"
 grep -E '^\[  FAILED|Failure' "$out/cuda-tests.log" | head -20
 timeout 100 compute-sanitizer --tool memcheck .devbin/kvcd_cuda_tests \
   --gtest_filter='*Demote*:*PagedRowStores*' > "$out/memcheck.log" 2>&1
 echo "memcheck rc $?: $(tail -1 "$out/memcheck.log")"
-.devbin/cuda_demote_bench --reps 5 2>&1 | tee "$out/demote-bench.md"
+timeout 60 .devbin/cuda_demote_bench --reps 5 2>&1 | tee "$out/demote-bench.md"

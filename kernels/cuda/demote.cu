@@ -65,8 +65,8 @@ __global__ void DemoteWarpKernel(const __nv_bfloat16* rows, int64_t n, const flo
 }
 
 // A row on L = D/32 lanes: lane g holds the 16-byte runs g + L*i (i < 4) of its row, i.e.
-// element j + 8g + (D/4)i in slot j + 8i (RowLayout<D, L, 8>), so it owns code bytes 8g ..
-// 8g + 7 whole. vec: the codes of a row are D/4 contiguous bytes at 8-byte aligned row bases.
+// element j + 8g + (D/4)i in slot j + 8i (HadamardRowGroup's layout, J = 8), so it owns code bytes
+// 8g .. 8g + 7 whole. vec: the codes of a row are D/4 contiguous bytes at 8-byte aligned row bases.
 template <int D>
 __global__ void __launch_bounds__(256)
     DemoteGroupedKernel(const __nv_bfloat16* rows, int64_t n, const float* hadamard, float rho,

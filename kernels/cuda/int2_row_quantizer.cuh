@@ -1,13 +1,15 @@
 // The OSCAR INT2 quantizer of one row on a group of L lanes (device code shared by every
 // kernel that writes INT2 rows). A row's D values are spread over L aligned lanes of a warp
 // (GroupOf<L>), D / L per lane; the lane order of the values does not matter to the
-// quantizer, only to the rotation (RowLayout) and the packing. Every step uses the CPU
+// quantizer, only to the Hadamard rotation (its layout J) and the packing. Every step uses the CPU
 // codec's FP32 operations in the same order without contraction (dense rotation: x[i] *
 // R[i][j] summed over i in order; Hadamard: the butterflies of HadamardRotateRow; quantizer:
-// ((x / scale) + zero) + 0.5), so codes and FP16 parameters are bit-identical to
+// ((x / scale) + zero) + 0.5, or a cheaper form where it provably has the same floor), so
+// codes and FP16 parameters are bit-identical to
 // DemoteRowsToInt2 (int2_codec.h). The clip threshold sort(|x|)[floor(rho*d)] comes from
-// repeated group maxima (few elements above it) or a radix select over the bit patterns of
-// |x|. Every lane of the warp must call these functions together (full-mask shuffles).
+// the distinct values in descending order (few elements above it; ties: repeated group
+// maxima) or a radix select over the bit patterns of |x|. Every lane of the warp must call these
+// functions together (full-mask shuffles).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -43,6 +45,24 @@ struct GroupOf {
       return v;
     }
   }
+  __device__ __forceinline__ uint32_t MinU(uint32_t v) const {
+    if constexpr (L == 32) {
+      return __reduce_min_sync(0xffffffffu, v);
+    } else {
+#pragma unroll
+      for (int o = L / 2; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+      return v;
+    }
+  }
+  __device__ __forceinline__ int Sum(int v) const {
+    if constexpr (L == 32) {
+      return __reduce_add_sync(0xffffffffu, v);
+    } else {
+#pragma unroll
+      for (int o = L / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      return v;
+    }
+  }
   __device__ __forceinline__ float Max(float v) const {
 #pragma unroll
     for (int o = L / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -52,17 +72,6 @@ struct GroupOf {
 #pragma unroll
     for (int o = L / 2; o > 0; o >>= 1) v = fminf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
-  }
-};
-
-// Where a row's values live: slot s = j + J*i of group lane g holds element
-// j + J*(g + L*i) (j < J). J = 1, L = 32 is the warp-per-row layout (lane l holds l + 32k).
-template <int D, int L, int J>
-struct RowLayout {
-  static constexpr int E = D / L;  // values per lane
-  static_assert(E % J == 0 && E >= J, "a lane holds whole runs of J values");
-  static __device__ __forceinline__ int Element(int g, int s) {
-    return s % J + J * (g + L * (s / J));
   }
 };
 
@@ -89,7 +98,9 @@ __device__ __forceinline__ void RotateRowWarp(float (&x)[D / 32], const float* r
   for (int k = 0; k < E; ++k) x[k] = y[k];
 }
 
-// x <- x · (c·H) for the group's row in RowLayout<D, L, J>: HadamardRotateRow's butterflies
+// x <- x · (c·H) for the group's row laid out as: slot s = j + J*i (j < J) of group lane g
+// holds element j + J*(g + L*i) (J = 1, L = 32: lane l holds l + 32k, the warp-per-row
+// layout). HadamardRotateRow's butterflies
 // (bit b = 0, 1, ... of the element index; pair (i, i + 2^b) -> (sum, difference)), then
 // each value times c. Bits below J pair values of one lane, the next log2(L) bits pair
 // lanes (shuffles), the rest pair values of one lane again.
@@ -130,9 +141,14 @@ __device__ __forceinline__ void QuantizeRowInt2(float (&x)[D / L], float rho, co
   constexpr int E = D / L;
   // Clip threshold: the element of rank kk = floor(rho * d) of the sorted |x|, compared as
   // bit patterns (non-negative floats order as their bits). Clipping keeps the top d - kk
-  // - 1 elements out, so for a small count the threshold is found by taking the group's
-  // largest element out that many times (one group max and one ballot per round); otherwise
-  // by a radix select: the largest v with #{|x| < v} <= kk (31 rounds of E ballots).
+  // - 1 elements out. For a small count the distinct values are taken in descending order,
+  // each round the largest below the last one: for a ceiling c, max{b < c} = (c - 1) -
+  // min over b of the unsigned (c - 1) - b (values at or above c wrap round to large
+  // numbers), two operations per value. The last of them is an element; when exactly
+  // above + 1 elements are at or above it (no ties among the top values) it is the
+  // threshold. Otherwise the group's largest element is taken out `above` times (one group
+  // max and one ballot per round, the first lane's first instance leaves). Many elements
+  // above: a radix select, the largest v with #{|x| < v} <= kk (31 rounds of E ballots).
   const int kk = min(static_cast<int>(floorf(rho * static_cast<float>(D))), D - 1);
   const int above = D - 1 - kk;  // elements ranked above the threshold
   uint32_t bits[E];
@@ -140,27 +156,43 @@ __device__ __forceinline__ void QuantizeRowInt2(float (&x)[D / L], float rho, co
   for (int k = 0; k < E; ++k) bits[k] = __float_as_uint(x[k]) & 0x7fffffffu;
   uint32_t v = 0;
   if (above <= 16) {
+    uint32_t ceil1 = 0x7fffffffu;  // ceiling - 1: every bit pattern is below 2^31
 #pragma unroll 1
-    for (int r = 0; r < above; ++r) {
+    for (int r = 0; r <= above; ++r) {
+      uint32_t u = ceil1 - bits[0];
+#pragma unroll
+      for (int k = 1; k < E; ++k) u = min(u, ceil1 - bits[k]);
+      v = ceil1 - grp.MinU(u);
+      ceil1 = v - 1u;
+    }
+    int at_or_above = 0;
+#pragma unroll
+    for (int k = 0; k < E; ++k) at_or_above += bits[k] >= v ? 1 : 0;
+    // Ties in any row of the warp: every row of the warp takes the removal rounds (their
+    // group shuffles need the whole warp), which give the same threshold without ties.
+    if (__any_sync(0xffffffffu, grp.Sum(at_or_above) != above + 1)) {
+#pragma unroll 1
+      for (int r = 0; r < above; ++r) {
+        uint32_t mine = bits[0];
+#pragma unroll
+        for (int k = 1; k < E; ++k) mine = max(mine, bits[k]);
+        const uint32_t top = grp.MaxU(mine);
+        const uint32_t holders = grp.Ballot(mine == top);
+        if (grp.g == __ffs(holders) - 1) {
+          bool done = false;
+#pragma unroll
+          for (int k = 0; k < E; ++k) {
+            const bool hit = !done && bits[k] == top;
+            bits[k] = hit ? 0u : bits[k];
+            done = done || hit;
+          }
+        }
+      }
       uint32_t mine = bits[0];
 #pragma unroll
       for (int k = 1; k < E; ++k) mine = max(mine, bits[k]);
-      const uint32_t top = grp.MaxU(mine);
-      const uint32_t holders = grp.Ballot(mine == top);
-      if (grp.g == __ffs(holders) - 1) {  // one instance leaves: the first lane's first slot
-        bool done = false;
-#pragma unroll
-        for (int k = 0; k < E; ++k) {
-          const bool hit = !done && bits[k] == top;
-          bits[k] = hit ? 0u : bits[k];
-          done = done || hit;
-        }
-      }
+      v = grp.MaxU(mine);
     }
-    uint32_t mine = bits[0];
-#pragma unroll
-    for (int k = 1; k < E; ++k) mine = max(mine, bits[k]);
-    v = grp.MaxU(mine);
   } else {
 #pragma unroll 1
     for (int b = 30; b >= 0; --b) {
@@ -183,9 +215,21 @@ __device__ __forceinline__ void QuantizeRowInt2(float (&x)[D / L], float rho, co
   hi = grp.Max(hi);
   const float scale = __fdiv_rn(fmaxf(__fsub_rn(hi, lo), 1e-8f), 3.0f);
   const float zero = __fdiv_rn(-lo, scale);
+  // The code is floor(F), F = ((x / scale) + zero) + 0.5 in FP32. p = x * (1/scale) + (zero
+  // + 0.5) with one FMA differs from F by at most 2^-21 (|x|/scale + |zero| + 1) (a few
+  // roundings of relative 2^-24 each), so where p is farther than `slack` (four times that)
+  // from every integer floor(p) = floor(F); elsewhere (and for any non-finite value) F is
+  // computed as the CPU does.
+  const float inv = __frcp_rn(scale);
+  const float half_up = __fadd_rn(zero, 0.5f);
+  const float slack = (fmaxf(fabsf(lo), fabsf(hi)) * inv + fabsf(zero) + 4.0f) * 0x1p-19f;
 #pragma unroll
   for (int k = 0; k < E; ++k) {
-    const float qf = floorf(__fadd_rn(__fadd_rn(__fdiv_rn(x[k], scale), zero), 0.5f));
+    const float p = fmaf(x[k], inv, half_up);
+    float qf = floorf(p);
+    if (!(fabsf(__fsub_rn(__fsub_rn(p, qf), 0.5f)) < 0.5f - slack)) {
+      qf = floorf(__fadd_rn(__fadd_rn(__fdiv_rn(x[k], scale), zero), 0.5f));
+    }
     q[k] = static_cast<int>(fminf(fmaxf(qf, 0.0f), 3.0f));
   }
   *scale_out = scale;
