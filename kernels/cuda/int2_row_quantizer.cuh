@@ -7,8 +7,8 @@
 // ((x / scale) + zero) + 0.5, or a cheaper form where it provably has the same floor), so
 // codes and FP16 parameters are bit-identical to
 // DemoteRowsToInt2 (int2_codec.h). The clip threshold sort(|x|)[floor(rho*d)] comes from
-// the distinct values in descending order (few elements above it; ties: repeated group
-// maxima) or a radix select over the bit patterns of |x|. Every lane of the warp must call these
+// the distinct values in descending order (few elements above it; ties: a binary search
+// over them) or a radix select over the bit patterns of |x|. Every lane of the warp must call these
 // functions together (full-mask shuffles).
 #pragma once
 
@@ -144,11 +144,9 @@ __device__ __forceinline__ void QuantizeRowInt2(float (&x)[D / L], float rho, co
   // - 1 elements out. For a small count the distinct values are taken in descending order,
   // each round the largest below the last one: for a ceiling c, max{b < c} = (c - 1) -
   // min over b of the unsigned (c - 1) - b (values at or above c wrap round to large
-  // numbers), two operations per value. The last of them is an element; when exactly
-  // above + 1 elements are at or above it (no ties among the top values) it is the
-  // threshold. Otherwise the group's largest element is taken out `above` times (one group
-  // max and one ballot per round, the first lane's first instance leaves). Many elements
-  // above: a radix select, the largest v with #{|x| < v} <= kk (31 rounds of E ballots).
+  // numbers), two operations per value. Without ties among the top values the last of them
+  // is the threshold: exactly above + 1 elements are at or above it. Many elements above:
+  // a radix select, the largest v with #{|x| < v} <= kk (31 rounds of E ballots).
   const int kk = min(static_cast<int>(floorf(rho * static_cast<float>(D))), D - 1);
   const int above = D - 1 - kk;  // elements ranked above the threshold
   uint32_t bits[E];
@@ -156,42 +154,44 @@ __device__ __forceinline__ void QuantizeRowInt2(float (&x)[D / L], float rho, co
   for (int k = 0; k < E; ++k) bits[k] = __float_as_uint(x[k]) & 0x7fffffffu;
   uint32_t v = 0;
   if (above <= 16) {
+    uint32_t top[17];              // the distinct values, descending (the last repeated)
     uint32_t ceil1 = 0x7fffffffu;  // ceiling - 1: every bit pattern is below 2^31
 #pragma unroll 1
     for (int r = 0; r <= above; ++r) {
       uint32_t u = ceil1 - bits[0];
 #pragma unroll
       for (int k = 1; k < E; ++k) u = min(u, ceil1 - bits[k]);
-      v = ceil1 - grp.MinU(u);
-      ceil1 = v - 1u;
+      const uint32_t m = grp.MinU(u);
+      if (m <= ceil1 && ceil1 < 0x80000000u) {  // else no value is left below the ceiling
+        v = ceil1 - m;
+        ceil1 = v - 1u;
+      }
+      top[r] = v;
     }
     int at_or_above = 0;
 #pragma unroll
     for (int k = 0; k < E; ++k) at_or_above += bits[k] >= v ? 1 : 0;
-    // Ties in any row of the warp: every row of the warp takes the removal rounds (their
-    // group shuffles need the whole warp), which give the same threshold without ties.
+    // Ties among the top values (in any row of the warp: the group shuffles below need the
+    // whole warp): the threshold is the first top[r] with at least above + 1 values at or
+    // above it. That count grows with r and holds at r = above (above + 1 distinct values
+    // at or above top[above], or all of them once the distinct values ran out), so a binary
+    // search over r finds it (5 steps cover 17); rows without ties end at r = above.
     if (__any_sync(0xffffffffu, grp.Sum(at_or_above) != above + 1)) {
+      int lo = 0, hi = above;
 #pragma unroll 1
-      for (int r = 0; r < above; ++r) {
-        uint32_t mine = bits[0];
+      for (int it = 0; it < 5; ++it) {
+        const int mid = (lo + hi) >> 1;
+        const uint32_t c = top[mid];
+        int n = 0;
 #pragma unroll
-        for (int k = 1; k < E; ++k) mine = max(mine, bits[k]);
-        const uint32_t top = grp.MaxU(mine);
-        const uint32_t holders = grp.Ballot(mine == top);
-        if (grp.g == __ffs(holders) - 1) {
-          bool done = false;
-#pragma unroll
-          for (int k = 0; k < E; ++k) {
-            const bool hit = !done && bits[k] == top;
-            bits[k] = hit ? 0u : bits[k];
-            done = done || hit;
-          }
+        for (int k = 0; k < E; ++k) n += bits[k] >= c ? 1 : 0;
+        if (grp.Sum(n) >= above + 1) {
+          hi = mid;
+        } else {
+          lo = mid + 1;
         }
       }
-      uint32_t mine = bits[0];
-#pragma unroll
-      for (int k = 1; k < E; ++k) mine = max(mine, bits[k]);
-      v = grp.MaxU(mine);
+      v = top[lo];
     }
   } else {
 #pragma unroll 1
