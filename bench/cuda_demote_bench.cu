@@ -15,6 +15,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cuda_bench.cuh"
 #include "kvcd/kernels/cuda_demote.h"
 #include "kvcd/kernels/cuda_store_rows.h"
 #include "kvcd/kernels/int2_attention.h"
@@ -22,15 +23,6 @@
 
 namespace kk = kvcd::kernels;
 namespace kc = kvcd::kernels::cuda;
-
-#define CHECK(x)                                                                              \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
 
 namespace {
 
@@ -46,16 +38,6 @@ __global__ void FillBf16(uint16_t* out, int64_t n, uint32_t seed) {  // values i
     const float f = (static_cast<float>(x & 0xffffff) / 16777216.0f - 0.5f) * 8.0f;
     out[i] = static_cast<uint16_t>(__float_as_uint(f) >> 16);
   }
-}
-
-__global__ void ReadReduce(const uint4* p, int64_t n, unsigned* out) {
-  unsigned acc = 0;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const uint4 v = __ldg(p + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x12345678u) atomicAdd(out, acc);
 }
 
 template <class T>
@@ -183,24 +165,9 @@ int main(int argc, char** argv) {
     std::vector<int64_t> slots(tokens);
     for (int64_t t = 0; t < tokens; ++t) slots[t] = t;
     const int64_t* d_slots = Upload(slots);
-    kc::RowBlock k, v;
-    k.data = src;
-    v.data = src + elems;
-    k.layer_stride = v.layer_stride = tokens * kHkv * kD;
-    k.token_stride = v.token_stride = kHkv * kD;
-    k.head_stride = v.head_stride = kD;
     const int64_t page_bytes = kk::Int2PageBytes(kHkv, kPs, kD);
     uint8_t* pool = Alloc<uint8_t>(static_cast<size_t>(kLayers * pages * page_bytes));
-    kc::PagedRows dst;
-    dst.num_layers = kLayers;
-    dst.num_tokens = tokens;
-    dst.num_kv_heads = kHkv;
-    dst.head_dim = kD;
-    dst.page_size = kPs;
-    dst.base = pool;
-    dst.layer_stride = pages * page_bytes;
-    dst.page_bytes = page_bytes;
-    dst.slots = d_slots;
+    const PutRows put(src, kLayers, tokens, kHkv, kD, kPs, d_slots, pool, pages, page_bytes);
     std::vector<float> rot_all(static_cast<size_t>(2) * kLayers * kD * kD);
     for (size_t m = 0; m < 2 * kLayers; ++m)
       std::copy(h.begin(), h.end(), rot_all.begin() + m * h.size());
@@ -223,8 +190,9 @@ int main(int argc, char** argv) {
         codec.hadamard_k = d_flags;
         codec.hadamard_v = d_flags + kLayers;
       }
-      const double t = MedianSeconds(
-          reps, [&] { CHECK(kc::LaunchStoreInt2Rows(k, v, dst, codec, nullptr, nullptr)); });
+      const double t = MedianSeconds(reps, [&] {
+        CHECK(kc::LaunchStoreInt2Rows(put.k, put.v, put.dst, codec, nullptr, nullptr));
+      });
       std::printf("| %s | %.3f | %.3f |\n",
                   kind == kk::Rotation::kDense ? "hadamard applied densely" : KindName(kind),
                   t * 1e3, 4.0 * elems / t / 1e12);

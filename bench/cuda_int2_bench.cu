@@ -16,21 +16,13 @@
 #include <vector>
 
 #include "common/rotation.h"
+#include "cuda_bench.cuh"
 #include "kvcd/kernels/cuda_decode_attention.h"
 #include "kvcd/kernels/fp16.h"
 #include "kvcd/kernels/int2_attention.h"
 #include "kvcd/kernels/int2_codec.h"
 
 namespace kk = kvcd::kernels;
-
-#define CHECK(x)                                                                              \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
 
 namespace {
 
@@ -175,16 +167,6 @@ __global__ void FillPages(uint8_t* pages, int64_t n_pages, int64_t page_bytes, i
       pages[i] = (off % 2 == 0) ? static_cast<uint8_t>(h & 0xff) : static_cast<uint8_t>(h >> 8);
     }
   }
-}
-
-__global__ void ReadReduce(const uint4* p, int64_t n, unsigned* out) {
-  unsigned acc = 0;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const uint4 v = __ldg(p + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x12345678u) atomicAdd(out, acc);
 }
 
 float Median(std::vector<float> v) {

@@ -36,42 +36,32 @@ struct GroupOf {
       return (b >> base) & ((1u << L) - 1u);
     }
   }
-  __device__ __forceinline__ uint32_t MaxU(uint32_t v) const {
-    if constexpr (L == 32) {
-      return __reduce_max_sync(0xffffffffu, v);
-    } else {
+  // op over the group's values (butterfly: every lane gets the result).
+  template <class T, class Op>
+  __device__ __forceinline__ T Fold(T v, Op op) const {
 #pragma unroll
-      for (int o = L / 2; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
-      return v;
-    }
+    for (int o = L / 2; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
   }
   __device__ __forceinline__ uint32_t MinU(uint32_t v) const {
     if constexpr (L == 32) {
       return __reduce_min_sync(0xffffffffu, v);
     } else {
-#pragma unroll
-      for (int o = L / 2; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
-      return v;
+      return Fold(v, [](uint32_t a, uint32_t b) { return min(a, b); });
     }
   }
   __device__ __forceinline__ int Sum(int v) const {
     if constexpr (L == 32) {
       return __reduce_add_sync(0xffffffffu, v);
     } else {
-#pragma unroll
-      for (int o = L / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      return v;
+      return Fold(v, [](int a, int b) { return a + b; });
     }
   }
   __device__ __forceinline__ float Max(float v) const {
-#pragma unroll
-    for (int o = L / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
+    return Fold(v, [](float a, float b) { return fmaxf(a, b); });
   }
   __device__ __forceinline__ float Min(float v) const {
-#pragma unroll
-    for (int o = L / 2; o > 0; o >>= 1) v = fminf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
+    return Fold(v, [](float a, float b) { return fminf(a, b); });
   }
 };
 
