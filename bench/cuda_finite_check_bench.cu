@@ -25,6 +25,7 @@
 #include <functional>
 #include <vector>
 
+#include "cuda_bench.cuh"
 #include "kvcd/kernels/bf16_attention.h"
 #include "kvcd/kernels/cuda_decode_attention.h"
 #include "kvcd/kernels/cuda_device_copy.h"
@@ -34,15 +35,6 @@
 
 namespace kk = kvcd::kernels;
 namespace kc = kvcd::kernels::cuda;
-
-#define CHECK(x)                                                                              \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
 
 namespace {
 
@@ -163,12 +155,6 @@ int main(int argc, char** argv) {
     for (int64_t t = 0; t < tokens; ++t) slots[t] = t;
     int64_t* d_slots = Alloc<int64_t>(tokens);
     CHECK(cudaMemcpy(d_slots, slots.data(), tokens * 8, cudaMemcpyHostToDevice));
-    kc::RowBlock k, v;
-    k.data = src;
-    v.data = src + elems;
-    k.layer_stride = v.layer_stride = tokens * kHkv * kD;
-    k.token_stride = v.token_stride = kHkv * kD;
-    k.head_stride = v.head_stride = kD;
     std::printf("## Put of %lld tokens (%.2f GB of BF16 K+V), all layers, one launch\n\n",
                 static_cast<long long>(tokens), 4.0 * elems / 1e9);
     std::printf(
@@ -178,16 +164,10 @@ int main(int argc, char** argv) {
       const int64_t page_bytes =
           fmt == 0 ? kk::Bf16PageElems(kHkv, kPs, kD) * 2 : kk::Int2PageBytes(kHkv, kPs, kD);
       uint8_t* pool = Alloc<uint8_t>(static_cast<size_t>(kLayers * pages * page_bytes));
-      kc::PagedRows dst;
-      dst.num_layers = kLayers;
-      dst.num_tokens = tokens;
-      dst.num_kv_heads = kHkv;
-      dst.head_dim = kD;
-      dst.page_size = kPs;
-      dst.base = pool;
-      dst.layer_stride = pages * page_bytes;
-      dst.page_bytes = page_bytes;
-      dst.slots = d_slots;
+      const PutRows put(src, kLayers, tokens, kHkv, kD, kPs, d_slots, pool, pages, page_bytes);
+      const kc::RowBlock& k = put.k;
+      const kc::RowBlock& v = put.v;
+      const kc::PagedRows& dst = put.dst;
       kc::StoreCheck sync;
       sync.count = d_report;
       sync.first_row = d_report + 1;

@@ -16,22 +16,13 @@
 #include <vector>
 
 #include "common/rotation.h"
+#include "cuda_bench.cuh"
 #include "kvcd/kernels/cuda_decode_attention.h"
-#include "kvcd/kernels/cuda_demote.h"
 #include "kvcd/kernels/fp16.h"
 #include "kvcd/kernels/int2_attention.h"
 #include "kvcd/kernels/int2_codec.h"
 
 namespace kk = kvcd::kernels;
-
-#define CHECK(x)                                                                              \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
 
 namespace {
 
@@ -178,29 +169,6 @@ __global__ void FillPages(uint8_t* pages, int64_t n_pages, int64_t page_bytes, i
   }
 }
 
-// Pseudo-random BF16 values in (-4, 4), a different pattern per seed.
-__global__ void FillBf16(uint16_t* out, int64_t n, uint32_t seed) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    uint32_t x = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-    x ^= x >> 15;
-    x *= 0x2c1b3c6du;
-    x ^= x >> 12;
-    const float f = (static_cast<float>(x & 0xffffff) / 16777216.0f - 0.5f) * 8.0f;
-    out[i] = static_cast<uint16_t>(__float_as_uint(f) >> 16);
-  }
-}
-
-__global__ void ReadReduce(const uint4* p, int64_t n, unsigned* out) {
-  unsigned acc = 0;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const uint4 v = __ldg(p + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x12345678u) atomicAdd(out, acc);
-}
-
 float Median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -296,45 +264,7 @@ int main(int argc, char** argv) {
     if (!checks_ok) std::printf("CORRECTNESS FAILED (timings follow; exit status 1)\n");
   }
   if (!bench) return checks_ok ? 0 : 1;
-  // Demote throughput: rotate + clip + quantize + pack of BF16 rows, GB/s of BF16 consumed.
-  if (one_n == 0) {
-    const int d = 128;
-    const int64_t n = int64_t{8} << 20;  // 8M rows = 2 GiB of BF16
-    uint16_t* rows = nullptr;
-    uint8_t* codes = nullptr;
-    uint16_t* params = nullptr;
-    CHECK(cudaMalloc(&rows, n * d * 2));
-    CHECK(cudaMalloc(&codes, n * d / 4));
-    CHECK(cudaMalloc(&params, n * 4));
-    FillBf16<<<4096, 256>>>(rows, n * d, 11u);  // pseudo-random values in (-4, 4)
-    CHECK(cudaGetLastError());
-    const std::vector<float> h = kvcd::HadamardMatrix(d);
-    float* rot = Upload(h);
-    const kk::Int2RowRef out = kk::Int2RowRef::RowMajor(codes, d / 4, params, params + 1, 2);
-    cudaEvent_t a, b;
-    CHECK(cudaEventCreate(&a));
-    CHECK(cudaEventCreate(&b));
-    for (const float* r : {static_cast<const float*>(nullptr), static_cast<const float*>(rot)}) {
-      std::vector<float> ms;
-      for (int it = 0; it < 7; ++it) {
-        CHECK(cudaEventRecord(a));
-        CHECK(kk::cuda::LaunchDemoteInt2(rows, n, d, r, 0.96f, out, 0, nullptr));
-        CHECK(cudaEventRecord(b));
-        CHECK(cudaEventSynchronize(b));
-        float t = 0;
-        CHECK(cudaEventElapsedTime(&t, a, b));
-        if (it >= 2) ms.push_back(t);
-      }
-      const double t = Median(ms) * 1e-3;
-      std::printf("demote %s: %lld rows of d=128 in %.2f ms: %.2f TB/s of BF16 consumed\n",
-                  r ? "with Hadamard rotation (FP32 d x d)" : "without rotation",
-                  static_cast<long long>(n), t * 1e3, n * d * 2 / t / 1e12);
-    }
-    CHECK(cudaFree(rows));
-    CHECK(cudaFree(codes));
-    CHECK(cudaFree(params));
-    CHECK(cudaFree(rot));
-  }
+  // Demote throughput: bench/cuda_demote_bench.cu.
   // Read ceiling: a large read-only reduction.
   if (one_n == 0) {
     const int64_t bytes = int64_t{8} << 30;

@@ -36,6 +36,32 @@ void RotateRows(const float* x, int64_t n, int d, const float* r, float* out, Cp
   }
 }
 
+Rotation ClassifyRotation(const float* r, int d) {
+  if (r == nullptr) return Rotation::kNone;
+  const float c = r[0];
+  if (!(c > 0.0f)) return Rotation::kDense;
+  for (int i = 0; i < d; ++i) {
+    for (int j = 0; j < d; ++j) {
+      const float want = (__builtin_popcount(static_cast<unsigned>(i & j)) & 1) != 0 ? -c : c;
+      if (r[static_cast<int64_t>(i) * d + j] != want) return Rotation::kDense;
+    }
+  }
+  return Rotation::kHadamard;
+}
+
+void HadamardRotateRow(const float* x, int d, float c, float* out) {
+  std::copy(x, x + d, out);
+  for (int h = 1; h < d; h *= 2) {
+    for (int i = 0; i < d; ++i) {
+      if ((i & h) != 0) continue;
+      const float a = out[i], b = out[i + h];
+      out[i] = a + b;
+      out[i + h] = a - b;
+    }
+  }
+  for (int i = 0; i < d; ++i) out[i] *= c;
+}
+
 void UnrotateRows(const float* y, int64_t n, int d, const float* r, float* out) {
   for (int64_t t = 0; t < n; ++t) {
     const float* yr = y + t * d;
@@ -53,9 +79,12 @@ void DemoteRowsToInt2(const float* rows, int64_t n, int d, const float* rotation
                       const Int2RowRef& out, int64_t first_row) {
   float rot[256];
   const int quarter = d / 4;
+  const Rotation kind = ClassifyRotation(rotation, d);
   for (int64_t t = 0; t < n; ++t) {
     const float* x = rows + t * d;
-    if (rotation != nullptr) {
+    if (kind == Rotation::kHadamard) {
+      HadamardRotateRow(x, d, rotation[0], rot);
+    } else if (kind == Rotation::kDense) {
       RotateRows(x, 1, d, rotation, rot);
     } else {
       std::copy(x, x + d, rot);

@@ -1,5 +1,5 @@
-// Paged INT2 row stores (cuda_store_rows.h): one warp per row, the shared quantizer
-// (int2_row_quantizer.cuh), codes and FP16 parameters placed as Int2PageLayout says.
+// Paged INT2 row stores (cuda_store_rows.h): one warp per row, the shared rotations and
+// quantizer (int2_row_quantizer.cuh), codes and FP16 parameters placed as Int2PageLayout says.
 // kCheck compiles the fused non-finite check in (StoreCheck).
 #include <cuda_fp16.h>
 
@@ -34,9 +34,17 @@ __global__ void StoreInt2RowsKernel(RowBlock k, RowBlock v, PagedRows p, RowCode
     }
   }
   const float rho = (s.which == 0 ? codec.rho_k : codec.rho_v)[s.layer];
+  if (rot != nullptr) {
+    const uint8_t* had = s.which == 0 ? codec.hadamard_k : codec.hadamard_v;
+    if (had != nullptr && had[s.layer] != 0) {
+      HadamardRowGroup<D, 32, 1>(x, GroupOf<32>(lane), __ldg(rot));
+    } else {
+      RotateRowWarp<D>(x, rot, lane);
+    }
+  }
   int q[D / 32];
   float scale, lo;
-  QuantizeRowInt2<D>(x, rot, rho, lane, q, &scale, &lo);
+  QuantizeRowInt2<D, 32>(x, rho, GroupOf<32>(lane), q, &scale, &lo);
   const Int2PageLayout layout{p.num_kv_heads, p.page_size, D};
   uint8_t* page = StorePage(p, s);
   const int64_t ps = p.page_size;

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kvcd/kernels/cuda_runtime_api.h"
+#include "kvcd/kernels/int2_codec.h"
 
 namespace kvcd {
 
@@ -87,14 +88,30 @@ absl::StatusOr<std::shared_ptr<const CudaCodec>> CudaCodec::Upload(const CodecPr
     host[3 * m * layers + l] = codec.RhoK(l);
     host[3 * m * layers + layers + l] = codec.RhoV(l);
   }
+  // Which rotations the INT2 stores apply by butterflies (RowCodec::hadamard_k / _v).
+  std::vector<uint8_t> hadamard(2 * static_cast<size_t>(layers));
+  for (int l = 0; l < layers; ++l) {
+    hadamard[l] = kernels::ClassifyRotation(codec.RK(l), d) == kernels::Rotation::kHadamard;
+    hadamard[layers + l] =
+        kernels::ClassifyRotation(codec.RV(l), d) == kernels::Rotation::kHadamard;
+  }
   std::shared_ptr<CudaCodec> c(new CudaCodec());
   c->head_dim_ = d;
-  const size_t bytes = host.size() * sizeof(float);
+  const size_t float_bytes = host.size() * sizeof(float);
+  const size_t bytes = float_bytes + hadamard.size();
   if (auto s = CudaStatus(kc::Malloc(&c->memory_, bytes), "codec upload"); !s.ok()) return s;
-  if (auto s = CudaStatus(kc::CopyToDevice(c->memory_, host.data(), bytes), "codec upload");
+  if (auto s = CudaStatus(kc::CopyToDevice(c->memory_, host.data(), float_bytes), "codec upload");
       !s.ok()) {
     return s;
   }
+  auto* flags = static_cast<uint8_t*>(c->memory_) + float_bytes;
+  if (auto s =
+          CudaStatus(kc::CopyToDevice(flags, hadamard.data(), hadamard.size()), "codec upload");
+      !s.ok()) {
+    return s;
+  }
+  c->hadamard_k_ = flags;
+  c->hadamard_v_ = flags + layers;
   auto* f = static_cast<float*>(c->memory_);
   c->r_k_ = f;
   c->r_v_ = f + m * layers;

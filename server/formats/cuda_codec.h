@@ -76,6 +76,9 @@ class CudaCodec {
   // [layers] clip ratios.
   const float* rho_k() const { return rho_k_; }
   const float* rho_v() const { return rho_v_; }
+  // [layers] nonzero where the layer's rotation is c·H (kernels::ClassifyRotation).
+  const uint8_t* hadamard_k() const { return hadamard_k_; }
+  const uint8_t* hadamard_v() const { return hadamard_v_; }
 
  private:
   CudaCodec() = default;
@@ -86,6 +89,8 @@ class CudaCodec {
   float* r_v_t_ = nullptr;
   float* rho_k_ = nullptr;
   float* rho_v_ = nullptr;
+  uint8_t* hadamard_k_ = nullptr;
+  uint8_t* hadamard_v_ = nullptr;
 };
 
 }  // namespace kvcd

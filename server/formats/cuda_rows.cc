@@ -139,6 +139,8 @@ absl::Status PrepareRowStore(const RowSource& k, const RowSource& v, absl::Span<
       out->codec.r_k = codec->r_k() + l0 * m;
       out->codec.r_v = codec->r_v() + l0 * m;
       out->codec.r_layer_stride = m;
+      out->codec.hadamard_k = codec->hadamard_k() + l0;
+      out->codec.hadamard_v = codec->hadamard_v() + l0;
     }
     out->codec.rho_k = codec->rho_k() + l0;
     out->codec.rho_v = codec->rho_v() + l0;

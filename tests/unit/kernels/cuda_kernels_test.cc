@@ -55,38 +55,64 @@ class CudaKernelsTest : public ::testing::Test {
 TEST_F(CudaKernelsTest, DemoteIsBitIdenticalToTheCpu) {
   std::normal_distribution<float> normal(0.0f, 1.5f);
   for (int d : {64, 128, 256}) {
-    const int n = 37;
-    std::vector<uint16_t> rows(n * d);
-    std::vector<float> rows_f(n * d);
-    for (int i = 0; i < n * d; ++i) {
-      // Odd rows take few distinct values (ties at the clip threshold); an outlier channel.
-      const float x = (i / d) % 2 == 1 ? std::round(normal(rng_)) : normal(rng_);
-      rows[i] = FloatToBf16(x + (i % d == 5 ? 12.0f : 0.0f));
-      rows_f[i] = Bf16ToFloat(rows[i]);
-    }
-    std::vector<float> r(d * d);
-    for (auto& x : r) x = normal(rng_) / std::sqrt(static_cast<float>(d));
-    // rho 0.5 takes the radix select; the others the repeated warp maxima (d - 1 - floor(rho
-    // d) <= 16 elements above the threshold), except at d = 256 and rho 0.92.
-    for (const float* rot :
-         {static_cast<const float*>(r.data()), static_cast<const float*>(nullptr)}) {
-      for (float rho : {0.96f, 0.92f, 1.0f, 0.5f}) {
-        std::vector<uint8_t> cpu_codes(n * d / 4, 0xAA);
-        std::vector<uint16_t> cpu_params(2 * n, 0xFFFF);
-        DemoteRowsToInt2(rows_f.data(), n, d, rot, rho,
-                         Int2RowRef::RowMajor(cpu_codes.data(), d / 4, cpu_params.data(),
-                                              cpu_params.data() + 1, 2));
-        uint8_t* codes = Up(std::vector<uint8_t>(n * d / 4, 0xAA));
-        uint16_t* params = Up(std::vector<uint16_t>(2 * n, 0xFFFF));
-        ASSERT_EQ(cuda::LaunchDemoteInt2(Up(rows), n, d, rot != nullptr ? Up(r) : nullptr, rho,
-                                         Int2RowRef::RowMajor(codes, d / 4, params, params + 1, 2),
-                                         0, nullptr),
+    for (int n : {37, 301}) {
+      std::vector<uint16_t> rows(n * d);
+      std::vector<float> rows_f(n * d);
+      for (int i = 0; i < n * d; ++i) {
+        // Odd rows take few distinct values (ties at the clip threshold); an outlier channel.
+        const float x = (i / d) % 2 == 1 ? std::round(normal(rng_)) : normal(rng_);
+        rows[i] = FloatToBf16(x + (i % d == 5 ? 12.0f : 0.0f));
+        rows_f[i] = Bf16ToFloat(rows[i]);
+      }
+      std::vector<float> dense(d * d), hadamard(d * d);
+      for (auto& x : dense) x = normal(rng_) / std::sqrt(static_cast<float>(d));
+      const float c = 1.0f / std::sqrt(static_cast<float>(d));
+      for (int i = 0; i < d; ++i) {
+        for (int j = 0; j < d; ++j) hadamard[i * d + j] = __builtin_popcount(i & j) % 2 ? -c : c;
+      }
+      ASSERT_EQ(ClassifyRotation(hadamard.data(), d), Rotation::kHadamard);
+      ASSERT_EQ(ClassifyRotation(dense.data(), d), Rotation::kDense);
+      const float* d_dense = Up(dense);
+      const float* d_hadamard = Up(hadamard);
+      const uint16_t* d_rows = Up(rows);
+      // rho 0.5 takes the radix select; the others the repeated group maxima (d - 1 -
+      // floor(rho d) <= 16 elements above the threshold), except at d = 256 and rho 0.92.
+      for (Rotation kind : {Rotation::kNone, Rotation::kDense, Rotation::kHadamard}) {
+        const float* rot = kind == Rotation::kDense      ? dense.data()
+                           : kind == Rotation::kHadamard ? hadamard.data()
+                                                         : nullptr;
+        const float* d_rot = kind == Rotation::kDense      ? d_dense
+                             : kind == Rotation::kHadamard ? d_hadamard
+                                                           : nullptr;
+        for (float rho : {0.96f, 0.92f, 1.0f, 0.5f}) {
+          // Row-major codes (vector stores) and codes two bytes apart (byte stores).
+          for (int stride : {1, 2}) {
+            const int row_bytes = stride * d / 4;
+            std::vector<uint8_t> cpu_codes(n * row_bytes, 0xAA);
+            std::vector<uint16_t> cpu_params(2 * n, 0xFFFF);
+            Int2RowRef ref = Int2RowRef::RowMajor(cpu_codes.data(), row_bytes, cpu_params.data(),
+                                                  cpu_params.data() + 1, 2);
+            ref.byte_stride = stride;
+            DemoteRowsToInt2(rows_f.data(), n, d, rot, rho, ref);
+            for (auto kernel : {cuda::DemoteKernel::kGrouped, cuda::DemoteKernel::kWarpPerRow}) {
+              uint8_t* codes = Up(std::vector<uint8_t>(n * row_bytes, 0xAA));
+              uint16_t* params = Up(std::vector<uint16_t>(2 * n, 0xFFFF));
+              Int2RowRef dev = Int2RowRef::RowMajor(codes, row_bytes, params, params + 1, 2);
+              dev.byte_stride = stride;
+              ASSERT_EQ(
+                  cuda::LaunchDemoteInt2(d_rows, n, d, d_rot, kind, rho, dev, 0, nullptr, kernel),
                   cudaSuccess);
-        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-        const std::string where = "d=" + std::to_string(d) + " rho=" + std::to_string(rho) +
-                                  (rot != nullptr ? " rotated" : " unrotated");
-        EXPECT_EQ(Down(codes, cpu_codes.size()), cpu_codes) << where;
-        EXPECT_EQ(Down(params, cpu_params.size()), cpu_params) << where;
+              ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+              const std::string where =
+                  "d=" + std::to_string(d) + " n=" + std::to_string(n) +
+                  " rho=" + std::to_string(rho) + " rotation " +
+                  std::to_string(static_cast<int>(kind)) + " stride " + std::to_string(stride) +
+                  (kernel == cuda::DemoteKernel::kGrouped ? " grouped" : " warp");
+              EXPECT_EQ(Down(codes, cpu_codes.size()), cpu_codes) << where;
+              EXPECT_EQ(Down(params, cpu_params.size()), cpu_params) << where;
+            }
+          }
+        }
       }
     }
   }
@@ -298,7 +324,9 @@ TEST_F(CudaKernelsTest, PagedRowStoresAreBitIdenticalToTheHostPath) {
   const int layers = 2, hkv = 3, ps = 16, tokens = 37, pool_pages = 7;
   for (int d : {64, 128, 256}) {
     for (int src_bf16 = 0; src_bf16 < 2; ++src_bf16) {
-      for (int rotate = 0; rotate < 2; ++rotate) {
+      // rotate 2: K layer 0 and V layer 1 take the Hadamard (INT2: butterflies), the others
+      // dense matrices.
+      for (int rotate = 0; rotate < 3; ++rotate) {
         const int64_t row_elems = int64_t{layers} * tokens * hkv * d;
         // K rows then V rows; odd rows take few distinct values (ties at the clip threshold).
         std::vector<float> x(2 * row_elems);
@@ -311,6 +339,22 @@ TEST_F(CudaKernelsTest, PagedRowStoresAreBitIdenticalToTheHostPath) {
         }
         std::vector<float> rot(static_cast<size_t>(layers) * 2 * d * d);
         for (auto& r : rot) r = normal(rng_) / std::sqrt(static_cast<float>(d));
+        std::vector<uint8_t> hadamard(2 * layers, 0);  // [K, V][layer]
+        if (rotate == 2) {
+          const float c = 1.0f / std::sqrt(static_cast<float>(d));
+          for (int m : {0, 3}) {
+            for (int i = 0; i < d; ++i) {
+              for (int j = 0; j < d; ++j) {
+                rot[(int64_t{m} * d + i) * d + j] = __builtin_popcount(i & j) % 2 ? -c : c;
+              }
+            }
+          }
+          for (int m = 0; m < 2 * layers; ++m) {
+            hadamard[m] =
+                ClassifyRotation(rot.data() + int64_t{m} * d * d, d) == Rotation::kHadamard;
+          }
+          ASSERT_EQ(hadamard, (std::vector<uint8_t>{1, 0, 0, 1}));
+        }
         std::vector<float> rho = {0.96f, 0.9f, 0.92f, 1.0f};  // k: layers 0, 1; v: layers 0, 1
         // Token t goes to slot (5 t) mod (pages * page_size): scattered, distinct.
         std::vector<int64_t> slots(tokens);
@@ -329,6 +373,8 @@ TEST_F(CudaKernelsTest, PagedRowStoresAreBitIdenticalToTheHostPath) {
           codec.r_k = d_rot;
           codec.r_v = d_rot + int64_t{layers} * d * d;
           codec.r_layer_stride = int64_t{d} * d;
+          codec.hadamard_k = Up(hadamard);
+          codec.hadamard_v = codec.hadamard_k + layers;
         }
         codec.rho_k = Up(rho);
         codec.rho_v = codec.rho_k + 2;

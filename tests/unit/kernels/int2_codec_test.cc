@@ -130,3 +130,70 @@ TEST(Int2CodecTest, RotationIsBitIdenticalAcrossIsas) {
 
 }  // namespace
 }  // namespace kvcd::kernels
+
+namespace kvcd::kernels {
+namespace {
+
+// The daemon's Hadamard (common/rotation.h) is recognised at every head size; anything else
+// (a changed entry, the identity, a negative scale) is applied densely.
+TEST(Int2CodecTest, ClassifyRotationFindsExactlyTheScaledHadamard) {
+  EXPECT_EQ(ClassifyRotation(nullptr, 64), Rotation::kNone);
+  for (int d = 8; d <= 256; d *= 2) {
+    std::vector<float> h = HadamardMatrix(d);
+    ASSERT_EQ(ClassifyRotation(h.data(), d), Rotation::kHadamard) << d;
+    h[static_cast<size_t>(d) * (d - 1) + 3] = -h[static_cast<size_t>(d) * (d - 1) + 3];
+    EXPECT_EQ(ClassifyRotation(h.data(), d), Rotation::kDense) << d;
+    const std::vector<float> id = IdentityMatrix(d);
+    EXPECT_EQ(ClassifyRotation(id.data(), d), Rotation::kDense) << d;
+    std::vector<float> neg = HadamardMatrix(d);
+    for (auto& v : neg) v = -v;
+    EXPECT_EQ(ClassifyRotation(neg.data(), d), Rotation::kDense) << d;
+  }
+}
+
+// The butterflies compute x · (c·H): exactly on small integers (every sum exact, so each
+// output is c times the exact integer product), within rounding of the dense product on
+// random rows; and DemoteRowsToInt2 with the Hadamard quantizes exactly their output.
+TEST(Int2CodecTest, HadamardButterfliesAreTheHadamardProduct) {
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_int_distribution<int> small(-20, 20);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  for (int d = 8; d <= 256; d *= 2) {
+    const std::vector<float> h = HadamardMatrix(d);
+    const float c = h[0];
+    std::vector<float> x(d), y(d), dense(d);
+    for (auto& v : x) v = static_cast<float>(small(rng));
+    HadamardRotateRow(x.data(), d, c, y.data());
+    for (int j = 0; j < d; ++j) {
+      int64_t exact = 0;
+      for (int i = 0; i < d; ++i) {
+        exact += (__builtin_popcount(i & j) % 2 ? -1 : 1) * static_cast<int64_t>(x[i]);
+      }
+      ASSERT_EQ(y[j], static_cast<float>(exact) * c) << "d=" << d << " j=" << j;
+    }
+    for (int rep = 0; rep < 20; ++rep) {
+      double norm = 0.0;
+      for (auto& v : x) {
+        v = normal(rng);
+        norm += std::fabs(v);
+      }
+      HadamardRotateRow(x.data(), d, c, y.data());
+      RotateRows(x.data(), 1, d, h.data(), dense.data(), CpuIsa::kScalar);
+      for (int j = 0; j < d; ++j) {
+        ASSERT_NEAR(y[j], dense[j], 4.0 * d * 6e-8 * norm * c) << "d=" << d << " j=" << j;
+      }
+      std::vector<uint8_t> a(d / 4), b(d / 4);
+      uint16_t pa[2], pb[2];
+      DemoteRowsToInt2(x.data(), 1, d, h.data(), 0.92f,
+                       Int2RowRef::RowMajor(a.data(), d / 4, pa, pa + 1, 2));
+      DemoteRowsToInt2(y.data(), 1, d, nullptr, 0.92f,
+                       Int2RowRef::RowMajor(b.data(), d / 4, pb, pb + 1, 2));
+      ASSERT_EQ(a, b) << d;
+      ASSERT_EQ(pa[0], pb[0]) << d;
+      ASSERT_EQ(pa[1], pb[1]) << d;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvcd::kernels

@@ -44,13 +44,19 @@ struct PagedRows {
 };
 
 // Per-layer rotations and clip ratios: layer l uses r + l * r_layer_stride ([head_dim]^2
-// FP32, device) and rho[l] (device); null rotations store rows as given.
+// FP32, device) and rho[l] (device); null rotations store rows as given. INT2 stores apply
+// layer l's rotation as DemoteRowsToInt2 does: by butterflies where hadamard_k[l] /
+// hadamard_v[l] (device, indexed like rho) is nonzero — it must be exactly where
+// ClassifyRotation (int2_codec.h) of the host copy says kHadamard — else densely (null
+// arrays: dense everywhere).
 struct RowCodec {
   const float* r_k = nullptr;
   const float* r_v = nullptr;
   int64_t r_layer_stride = 0;  // elements
   const float* rho_k = nullptr;
   const float* rho_v = nullptr;
+  const uint8_t* hadamard_k = nullptr;
+  const uint8_t* hadamard_v = nullptr;
 };
 
 // The non-finite check fused into a store (a client's K/V must never reach a pool with a

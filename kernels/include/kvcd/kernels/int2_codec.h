@@ -2,7 +2,9 @@
 // inverse. Framework-free.
 //
 // A row is one token of one KV head: d values (d a power of two, >= 8).
-//   rotate:   x_rot = x · R            (R: [d][d] float, row-major; null = identity)
+//   rotate:   x_rot = x · R            (R: [d][d] float, row-major; null = identity); when
+//             R is c·H (ClassifyRotation: kHadamard) by the fast Walsh-Hadamard transform
+//             (HadamardRotateRow), else as RotateRows
 //   clip:     tau = sort(|x_rot|)[min(floor(rho*d), d-1)], x_c = clamp(x_rot, -tau, tau)
 //   quantize: lo = min x_c, hi = max x_c, scale = max(hi-lo, 1e-8)/3, zero = -lo/scale,
 //             q = clamp(floor(x_c/scale + zero + 0.5), 0, 3)
@@ -62,6 +64,18 @@ struct Int2RowRef {
     return r;
   }
 };
+
+// How a rotation is applied. kHadamard: R[i][j] = c·(-1)^popcount(i & j) for one c > 0
+// (the normalized Sylvester Hadamard matrix, c = R[0][0]), applied in d log d operations.
+enum class Rotation : uint8_t { kNone, kDense, kHadamard };
+// kNone for null, kHadamard when r (host, [d][d]) is exactly c·H, else kDense.
+Rotation ClassifyRotation(const float* r, int d);
+
+// out = x · (c·H) for one row of d values (d a power of two): the unnormalized transform in
+// a fixed order — for b = 0 .. log2(d)-1, every pair (i, i + 2^b) with bit b of i clear
+// becomes (v[i] + v[i+2^b], v[i] - v[i+2^b]), each sum separately rounded — then each
+// value times c. The CUDA kernels apply the same operations, so codes are bit-identical.
+void HadamardRotateRow(const float* x, int d, float c, float* out);
 
 // Rotates, clips, quantizes and packs n rows (rows: [n][d] float; rotation: [d][d] or
 // null). REQUIRES: d in {8, 16, ..., 256}, 0 < rho <= 1.

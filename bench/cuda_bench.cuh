@@ -1,0 +1,62 @@
+// What the CUDA benchmarks share: CHECK (a failed CUDA call prints where and exits 1), the
+// read-ceiling kernel (a read-only reduction, ReadReduce) and the arguments of a Put-size
+// paged row store (PutRows).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+
+#include "kvcd/kernels/cuda_store_rows.h"
+
+#define CHECK(x)                                                                              \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                           \
+    }                                                                                         \
+  } while (0)
+
+namespace {
+
+// Reads n 16-byte words once; *out changes only on an impossible checksum.
+__global__ void ReadReduce(const uint4* p, int64_t n, unsigned* out) {
+  unsigned acc = 0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint4 v = __ldg(p + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x12345678u) atomicAdd(out, acc);
+}
+
+// A request of `tokens` tokens, [layers][tokens][heads][d] BF16 K at `src` and V right after
+// it, stored at slots[t] (device) of a pool of `page_bytes` pages per layer and page,
+// `pages` pages per layer, at `pool`.
+struct PutRows {
+  kvcd::kernels::cuda::RowBlock k, v;
+  kvcd::kernels::cuda::PagedRows dst;
+  PutRows(const uint16_t* src, int layers, int64_t tokens, int heads, int d, int page_size,
+          const int64_t* slots, uint8_t* pool, int64_t pages, int64_t page_bytes) {
+    const int64_t elems = int64_t{layers} * tokens * heads * d;
+    k.data = src;
+    v.data = src + elems;
+    k.layer_stride = v.layer_stride = tokens * heads * d;
+    k.token_stride = v.token_stride = int64_t{heads} * d;
+    k.head_stride = v.head_stride = d;
+    dst.num_layers = layers;
+    dst.num_tokens = tokens;
+    dst.num_kv_heads = heads;
+    dst.head_dim = d;
+    dst.page_size = page_size;
+    dst.base = pool;
+    dst.layer_stride = pages * page_bytes;
+    dst.page_bytes = page_bytes;
+    dst.slots = slots;
+  }
+};
+
+}  // namespace
