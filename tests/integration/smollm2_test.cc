@@ -40,6 +40,9 @@ constexpr double kHadamardMeanKl = 0.265;
 // FSQ G = 48 (below), initialized on 160 tokens, same 8 steps: measured mean KL 0.451
 // (bench/results/2026-12-04-fsq-real-models.md); bound: measured + 15%.
 constexpr double kFsqG48MeanKl = 0.52;
+// Transform-coded keys + Hadamard INT2 values (below), same 8 steps: measured mean KL
+// MEASURED (bench/results/2026-12-05-int2-transform-daemon.md); bound: measured + 15%.
+constexpr double kTransformMeanKl = 1.0;
 
 class SmolLm2Test : public ::testing::Test {
  protected:
@@ -191,6 +194,50 @@ TEST_F(SmolLm2Test, FsqHistoryTeacherForcedKlIsBounded) {
               a.steps);
   EXPECT_LT(a.mean_kl, kFsqG48MeanKl);
   EXPECT_GT(a.mean_kl, 1e-3) << "FSQ history must differ from FP32";
+}
+
+// Transform-coded keys (codec file version 3: the daemon's int2-transform history) with
+// Hadamard INT2 values, the codec calibrated in process on the first 160 tokens of
+// bench/text/smollm2-calibration.txt (key rows past the 16-token sink), at INT2's bytes,
+// teacher-forced after kLongPrompt as the INT2 test; Hadamard INT2 is run beside it.
+// Measured: kTransformMeanKl's comment.
+TEST_F(SmolLm2Test, TransformCodedKeysBeatHadamardInt2OnTeacherForcedKl) {
+  std::ifstream in(std::string(KVCD_SOURCE_DIR) + "/bench/text/smollm2-calibration.txt");
+  std::string text;
+  ASSERT_TRUE(std::getline(in, text));
+  std::vector<int> calib_ids = tok_->Encode(text);
+  ASSERT_GT(calib_ids.size(), 160u);
+  calib_ids.resize(160);
+  llama::LocalAttention calib(model_->config());
+  ASSERT_TRUE(llama::RunReference(*model_, calib_ids, 1, -1, &calib).ok());
+  auto blob = llama::CalibrateTransformCodec(model_->config(), {&calib}, 16);
+  ASSERT_TRUE(blob.ok()) << blob.status();
+
+  const std::vector<int> prompt = tok_->Encode(kLongPrompt);
+  llama::LocalAttention recorded(model_->config());
+  auto ref = llama::RunReference(*model_, prompt, 8, -1, &recorded);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  double mean[2] = {0, 0}, history_bytes[2] = {0, 0};
+  for (int i = 0; i < 2; ++i) {
+    llama::ServedProfile p;
+    p.name = i == 0 ? "smollm2-hadamard" : "smollm2-transform";
+    p.history = i == 0 ? "int2-hadamard" : "int2-oscar";
+    if (i == 1) p.codec_blob = *blob;
+    auto info = llama::RegisterProfile(*client_, model_->config(), p);
+    ASSERT_TRUE(info.ok()) << info.status();
+    history_bytes[i] = info->bytes_per_token_history();
+    auto run = llama::RunServed(*client_, *model_, p, prompt, 0, -1, &ref->tokens, &recorded);
+    ASSERT_TRUE(run.ok()) << run.status();
+    ASSERT_EQ(run->logits.size(), ref->logits.size());
+    const llama::Agreement a = llama::Compare(*ref, *run);
+    std::printf("%s: teacher-forced KL mean %.4f max %.4f over %d steps, %.1f history B/token\n",
+                p.name.c_str(), a.mean_kl, a.max_kl, a.steps, history_bytes[i]);
+    mean[i] = a.mean_kl;
+  }
+  EXPECT_DOUBLE_EQ(history_bytes[1], history_bytes[0]);  // INT2's bytes exactly
+  EXPECT_LT(mean[1], kTransformMeanKl);
+  EXPECT_LT(mean[1], mean[0]) << "transform-coded keys must beat Hadamard INT2";
+  EXPECT_GT(mean[1], 1e-3) << "INT2-sized history must differ from FP32";
 }
 
 }  // namespace
