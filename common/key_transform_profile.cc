@@ -118,27 +118,18 @@ absl::StatusOr<KeyTransformProfile> KeyTransformProfile::FromSafetensors(
   return p;
 }
 
-namespace {
-
-// A random orthogonal d x d matrix (Gram-Schmidt of Gaussian rows), row-major.
-std::vector<float> RandomOrthogonal(int d, std::mt19937& rng) {
-  std::normal_distribution<double> g;
-  std::vector<double> q(static_cast<size_t>(d) * d);
-  for (double& x : q) x = g(rng);
-  for (int i = 0; i < d; ++i) {
-    for (int j = 0; j < i; ++j) {
-      double dot = 0;
-      for (int c = 0; c < d; ++c) dot += q[i * d + c] * q[j * d + c];
-      for (int c = 0; c < d; ++c) q[i * d + c] -= dot * q[j * d + c];
-    }
-    double nrm = 0;
-    for (int c = 0; c < d; ++c) nrm += q[i * d + c] * q[i * d + c];
-    for (int c = 0; c < d; ++c) q[i * d + c] /= std::sqrt(nrm);
-  }
-  return std::vector<float>(q.begin(), q.end());
+kernels::TransformKeyCode KeyTransformProfile::KeyCode(int layer, int kv_head) const {
+  const Head& x = head(layer, kv_head);
+  kernels::TransformKeyCode c;
+  c.d = head_dim_;
+  c.encode = x.k_encode.data();
+  c.decode = x.k_decode.data();
+  c.mean = x.k_mean.data();
+  c.sigma = x.k_sigma.data();
+  c.bits = x.k_bits.data();
+  c.code_bytes = key_code_bits_ / 8;
+  return c;
 }
-
-}  // namespace
 
 std::vector<KeyTransformProfile::Head> KeyTransformProfile::SyntheticHeads(int layers, int hkv,
                                                                            int d, uint32_t seed) {
@@ -147,7 +138,7 @@ std::vector<KeyTransformProfile::Head> KeyTransformProfile::SyntheticHeads(int l
   std::vector<Head> heads;
   for (int i = 0; i < layers * hkv; ++i) {
     Head x;
-    x.k_encode = RandomOrthogonal(d, rng);
+    x.k_encode = RandomOrthogonal(d, static_cast<uint32_t>(rng()));
     x.k_decode.resize(x.k_encode.size());
     for (int r = 0; r < d; ++r)
       for (int c = 0; c < d; ++c) x.k_decode[c * d + r] = x.k_encode[r * d + c];
@@ -161,7 +152,7 @@ std::vector<KeyTransformProfile::Head> KeyTransformProfile::SyntheticHeads(int l
     for (int j = 0; left > 0; j = (j + 1) % d) {  // the rest on the widest with room
       if (x.k_bits[j] < 8 && (j == 0 || x.k_bits[j] < x.k_bits[j - 1])) ++x.k_bits[j], --left;
     }
-    x.r_v = RandomOrthogonal(d, rng);
+    x.r_v = RandomOrthogonal(d, static_cast<uint32_t>(rng()));
     x.rho_v = 0.92f;
     heads.push_back(std::move(x));
   }

@@ -25,6 +25,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/safetensors.h"
+#include "kvcd/kernels/transform_codec.h"
 
 namespace kvcd {
 
@@ -52,6 +53,8 @@ class KeyTransformProfile {
   int head_dim() const { return head_dim_; }
   // Code bits per key row (B); a stored key row is B / 8 + 2 bytes.
   int key_code_bits() const { return key_code_bits_; }
+  // One head's key code as the kernels take it (pointers into this profile).
+  kernels::TransformKeyCode KeyCode(int layer, int kv_head) const;
 
   // Random heads for tests and benchmarks ([layer][kv head]): orthogonal key bases (decode =
   // encode^T), deviations decaying from 3, non-increasing widths 8..0 summing to INT2's

@@ -1,8 +1,9 @@
 #include "kvcd/kernels/transform_attention.h"
 
-#include <cmath>
-#include <limits>
+#include <cstddef>
 #include <vector>
+
+#include "kvcd/kernels/reference_attention.h"
 
 namespace kvcd::kernels {
 namespace internal {
@@ -46,32 +47,10 @@ void AttendTransformPagesReference(const TransformPageTable& kv, int kv_head,
                         k.data() + t * d);
     ExpandInt2Rows(layout.V(pb, kv_head), 1, d, r_v, v.data() + t * d, slot);
   }
-  std::vector<double> logit(static_cast<size_t>(n));
-  for (int g = 0; g < group; ++g) {
-    const float* qg = q + g * d;
-    float* og = o + g * d;
-    if (n == 0) {
-      for (int i = 0; i < d; ++i) og[i] = 0.0f;
-      lse[g] = -std::numeric_limits<float>::infinity();
-      continue;
-    }
-    double mx = -std::numeric_limits<double>::infinity();
-    for (int64_t t = 0; t < n; ++t) {
-      double dot = 0;
-      for (int i = 0; i < d; ++i) dot += static_cast<double>(qg[i]) * k[t * d + i];
-      logit[t] = dot * softmax_scale;
-      mx = std::max(mx, logit[t]);
-    }
-    double sum = 0;
-    std::vector<double> acc(static_cast<size_t>(d), 0.0);
-    for (int64_t t = 0; t < n; ++t) {
-      const double p = std::exp(logit[t] - mx);
-      sum += p;
-      for (int i = 0; i < d; ++i) acc[i] += p * v[t * d + i];
-    }
-    for (int i = 0; i < d; ++i) og[i] = static_cast<float>(acc[i] / sum);
-    lse[g] = static_cast<float>(mx + std::log(sum));
-  }
+  std::vector<double> od(static_cast<size_t>(group) * d), ld(static_cast<size_t>(group));
+  ReferenceAttention(q, k.data(), v.data(), n, group, 1, d, softmax_scale, od.data(), ld.data());
+  for (int i = 0; i < group * d; ++i) o[i] = static_cast<float>(od[i]);
+  for (int g = 0; g < group; ++g) lse[g] = static_cast<float>(ld[g]);
 }
 
 }  // namespace kvcd::kernels

@@ -59,14 +59,14 @@ void AttendTransformPagesImpl(const TransformPageTable& kv, int kv_head,
                               int64_t token_end, float* out, float* lse) {
   constexpr int kMaxG = 16, kMaxD = kTransformMaxD, kBlock = 64;
   const TransformPageLayout& layout = kv.layout;
-  const int d = layout.head_dim, ps = layout.page_size, cb = layout.code_bytes, q4 = d / 4;
+  const int d = layout.head_dim, ps = layout.page_size, cb = layout.code_bytes;
   const TransformDirections dirs(key);
   alignas(64) float a[kMaxG * kMaxD];
   alignas(64) float o[kMaxG * kMaxD];
   alignas(64) float row[kMaxD];
   alignas(64) float s[kMaxG][kBlock];
   float cmean[kMaxG], m[kMaxG], l[kMaxG], lacc[kMaxG];
-  float gain[kBlock], vscale[kBlock], vlo[kBlock];
+  float gain[kBlock];
   for (int i = 0; i < group; ++i) {
     // a = (D^T q) sigma step (0 for 0-bit directions), c_mean = q . mean.
     float qs[kMaxD];
@@ -108,20 +108,8 @@ void AttendTransformPagesImpl(const TransformPageTable& kv, int kv_head,
       RaiseInt2Max<Ops>(mx, d, m[i], l[i], lacc[i], o + i * d);
       l[i] += Ops::ExpSub(s[i], n, mx);
     }
-    // Values (rotated space): o += sum (p_t scale_t) c_t, lacc += sum p_t lo_t.
-    for (int j = 0; j < n; ++j) {
-      vscale[j] = HalfToFloat(vr.scale[off + j]);
-      vlo[j] = HalfToFloat(vr.lo[off + j]);
-    }
-    uint8_t packed[kMaxD / 4];
-    for (int j = 0; j < n; ++j) {
-      for (int b = 0; b < q4; ++b) packed[b] = vr.codes[vr.Offset(off + j, b)];
-      Ops::UnpackInt2(packed, d, row);
-      for (int i = 0; i < group; ++i) {
-        Ops::Axpy(s[i][j] * vscale[j], row, o + i * d, d);
-        lacc[i] += s[i][j] * vlo[j];
-      }
-    }
+    // Values, in the rotated space.
+    AccumulateInt2Values<Ops>(vr, off, n, group, d, s, o, lacc);
     t0 += n;
   }
   FinishInt2States(group, d, m, l, lacc, o, lse);

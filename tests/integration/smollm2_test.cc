@@ -78,6 +78,18 @@ class SmolLm2Test : public ::testing::Test {
     client_ = std::move(*c);
   }
 
+  // The FP32 reference over the first 160 tokens of bench/text/smollm2-calibration.txt,
+  // recorded (what the in-process codecs are fitted on).
+  void RecordCalibration(llama::LocalAttention* calib) {
+    std::ifstream in(std::string(KVCD_SOURCE_DIR) + "/bench/text/smollm2-calibration.txt");
+    std::string text;
+    ASSERT_TRUE(std::getline(in, text));
+    std::vector<int> ids = tok_->Encode(text);
+    ASSERT_GT(ids.size(), 160u);
+    ids.resize(160);
+    ASSERT_TRUE(llama::RunReference(*model_, ids, 1, -1, calib).ok());
+  }
+
   std::string Text(const std::vector<int>& ids) {
     auto s = tok_->Decode(ids);
     EXPECT_TRUE(s.ok());
@@ -165,14 +177,8 @@ TEST_F(SmolLm2Test, Int2HistoryTeacherForcedKlIsBounded) {
 // the first 160 tokens of bench/text/smollm2-calibration.txt, served by the daemon, teacher-
 // forced after kLongPrompt as the INT2 test. Measured: kFsqG48MeanKl's comment.
 TEST_F(SmolLm2Test, FsqHistoryTeacherForcedKlIsBounded) {
-  std::ifstream in(std::string(KVCD_SOURCE_DIR) + "/bench/text/smollm2-calibration.txt");
-  std::string text;
-  ASSERT_TRUE(std::getline(in, text));
-  std::vector<int> calib_ids = tok_->Encode(text);
-  ASSERT_GT(calib_ids.size(), 160u);
-  calib_ids.resize(160);
   llama::LocalAttention calib(model_->config());
-  ASSERT_TRUE(llama::RunReference(*model_, calib_ids, 1, -1, &calib).ok());
+  ASSERT_NO_FATAL_FAILURE(RecordCalibration(&calib));
   auto blob = llama::InitializeFsqCodec(*model_, {&calib}, 48);
   ASSERT_TRUE(blob.ok()) << blob.status();
 
@@ -204,14 +210,8 @@ TEST_F(SmolLm2Test, FsqHistoryTeacherForcedKlIsBounded) {
 // teacher-forced after kLongPrompt as the INT2 test; Hadamard INT2 is run beside it.
 // Measured: kTransformMeanKl's comment.
 TEST_F(SmolLm2Test, TransformCodedKeysBeatHadamardInt2OnTeacherForcedKl) {
-  std::ifstream in(std::string(KVCD_SOURCE_DIR) + "/bench/text/smollm2-calibration.txt");
-  std::string text;
-  ASSERT_TRUE(std::getline(in, text));
-  std::vector<int> calib_ids = tok_->Encode(text);
-  ASSERT_GT(calib_ids.size(), 160u);
-  calib_ids.resize(160);
   llama::LocalAttention calib(model_->config());
-  ASSERT_TRUE(llama::RunReference(*model_, calib_ids, 1, -1, &calib).ok());
+  ASSERT_NO_FATAL_FAILURE(RecordCalibration(&calib));
   auto blob = llama::CalibrateTransformCodec(model_->config(), {&calib}, 16);
   ASSERT_TRUE(blob.ok()) << blob.status();
 

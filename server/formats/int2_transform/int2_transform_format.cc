@@ -17,22 +17,7 @@ class Int2TransformCpuFormat final : public CpuPageFormat {
   Int2TransformCpuFormat(const PageGeometry& g, std::shared_ptr<const KeyTransformProfile> p)
       : CpuPageFormat(FormatId::kInt2Transform, g, nullptr),
         profile_(std::move(p)),
-        layout_{g.num_kv_heads, g.page_size, g.head_dim, profile_->key_code_bits() / 8} {
-    for (int32_t l = 0; l < g.num_layers; ++l) {
-      for (int32_t h = 0; h < g.num_kv_heads; ++h) {
-        const KeyTransformProfile::Head& x = profile_->head(l, h);
-        kernels::TransformKeyCode c;
-        c.d = g.head_dim;
-        c.encode = x.k_encode.data();
-        c.decode = x.k_decode.data();
-        c.mean = x.k_mean.data();
-        c.sigma = x.k_sigma.data();
-        c.bits = x.k_bits.data();
-        c.code_bytes = layout_.code_bytes;
-        keys_.push_back(c);
-      }
-    }
-  }
+        layout_{g.num_kv_heads, g.page_size, g.head_dim, profile_->key_code_bits() / 8} {}
 
   int64_t layer_page_bytes() const override { return layout_.Bytes(); }
   // Key codes and FP16 gain, INT2 value codes and FP16 scale and minimum, per row.
@@ -156,8 +141,8 @@ class Int2TransformCpuFormat final : public CpuPageFormat {
   }
 
  private:
-  const kernels::TransformKeyCode& Key(int32_t layer, int32_t head) const {
-    return keys_[static_cast<size_t>(layer) * geometry().num_kv_heads + head];
+  kernels::TransformKeyCode Key(int32_t layer, int32_t head) const {
+    return profile_->KeyCode(layer, head);
   }
 
   // A page's rows [page_size][d] of (head, K or V) of one layer, as given.
@@ -175,7 +160,6 @@ class Int2TransformCpuFormat final : public CpuPageFormat {
 
   const std::shared_ptr<const KeyTransformProfile> profile_;
   const kernels::TransformPageLayout layout_;
-  std::vector<kernels::TransformKeyCode> keys_;  // [layer][kv head]
 };
 
 }  // namespace

@@ -21,18 +21,19 @@ namespace {
 // One KV head of a synthetic version-3 profile as the kernels take it, and keys drawn
 // from the code's own distribution.
 struct KeyCode {
-  KeyTransformProfile::Head head;
+  KeyTransformProfile profile;
+  const KeyTransformProfile::Head& head;
   TransformKeyCode code;
-  KeyCode(int d, uint32_t seed) : head(KeyTransformProfile::SyntheticHeads(1, 1, d, seed)[0]) {
-    code.d = d;
-    code.encode = head.k_encode.data();
-    code.decode = head.k_decode.data();
-    code.mean = head.k_mean.data();
-    code.sigma = head.k_sigma.data();
-    code.bits = head.k_bits.data();
-    int sum = 0;
-    for (int b : head.k_bits) sum += b;
-    code.code_bytes = sum / 8;
+  KeyCode(int d, uint32_t seed)
+      : profile(Load(d, seed)), head(profile.head(0, 0)), code(profile.KeyCode(0, 0)) {}
+  static KeyTransformProfile Load(int d, uint32_t seed) {
+    auto file = SafetensorsFile::Parse(
+        KeyTransformProfile::ToSafetensors(KeyTransformProfile::SyntheticHeads(1, 1, d, seed), 1, 1,
+                                           d, "test")
+            .Serialize());
+    auto p = KeyTransformProfile::FromSafetensors(*file, 1, 1, d);
+    EXPECT_TRUE(p.ok()) << p.status();
+    return std::move(*p);
   }
   KeyCode(const KeyCode&) = delete;
   void Sample(std::mt19937& rng, float* k) const {

@@ -61,19 +61,6 @@ RowSource Rows(const std::vector<uint16_t>& x, int64_t tokens) {
   return r;
 }
 
-kernels::TransformKeyCode Key(const KeyTransformProfile& p, int l, int h) {
-  const auto& x = p.head(l, h);
-  kernels::TransformKeyCode c;
-  c.d = kGeo.head_dim;
-  c.encode = x.k_encode.data();
-  c.decode = x.k_decode.data();
-  c.mean = x.k_mean.data();
-  c.sigma = x.k_sigma.data();
-  c.bits = x.k_bits.data();
-  c.code_bytes = p.key_code_bits() / 8;
-  return c;
-}
-
 TEST(Int2TransformFormatTest, WritePagesIsTheCodecInThePageLayout) {
   auto profile = Profile();
   auto f = MakeInt2TransformCpuFormat(kGeo, profile);
@@ -106,11 +93,11 @@ TEST(Int2TransformFormatTest, WritePagesIsTheCodecInThePageLayout) {
             }
           }
           if (which == 0) {
-            kernels::EncodeTransformKeys(Key(*profile, l, h), rows.data(), ps,
+            kernels::EncodeTransformKeys(profile->KeyCode(l, h), rows.data(), ps,
                                          page + layout.KCodes(h), layout.code_bytes,
                                          reinterpret_cast<uint16_t*>(page + layout.KGains(h)));
             kernels::DecodeTransformKeys(
-                Key(*profile, l, h), page + layout.KCodes(h), layout.code_bytes,
+                profile->KeyCode(l, h), page + layout.KCodes(h), layout.code_bytes,
                 reinterpret_cast<uint16_t*>(page + layout.KGains(h)), 1, ps, dec.data());
           } else {
             const auto& x = profile->head(l, h);
