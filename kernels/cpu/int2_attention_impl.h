@@ -64,6 +64,20 @@ inline void AccumulateInt2Values(const Int2RowRef& vr, int off, int n, int group
   }
 }
 
+// One block of n logits s[i][j] of `group` query heads over INT2 value rows at slots off..
+// of `vr`: the online-softmax update (s becomes the probabilities) and the values.
+template <class Ops>
+inline void AttendInt2Block(const Int2RowRef& vr, int off, int n, int group, int d, float (*s)[64],
+                            float* m, float* l, float* lacc, float* o) {
+  for (int i = 0; i < group; ++i) {
+    float mx = m[i];
+    for (int j = 0; j < n; ++j) mx = std::max(mx, s[i][j]);
+    RaiseInt2Max<Ops>(mx, d, m[i], l[i], lacc[i], o + i * d);
+    l[i] += Ops::ExpSub(s[i], n, mx);
+  }
+  AccumulateInt2Values<Ops>(vr, off, n, group, d, s, o, lacc);
+}
+
 template <class Ops>
 void AttendInt2PagesImpl(const Int2PageTable& kv, int kv_head, const float* q, int group,
                          float softmax_scale, int64_t token_begin, int64_t token_end, float* o,
@@ -104,13 +118,7 @@ void AttendInt2PagesImpl(const Int2PageTable& kv, int kv_head, const float* q, i
       const float lo = HalfToFloat(kr.lo[off + j]);
       for (int i = 0; i < group; ++i) s[i][j] = sc * Ops::Dot(row, qs + i * d, d) + lo * qsum[i];
     }
-    for (int i = 0; i < group; ++i) {
-      float mx = m[i];
-      for (int j = 0; j < n; ++j) mx = std::max(mx, s[i][j]);
-      RaiseInt2Max<Ops>(mx, d, m[i], l[i], lacc[i], o + i * d);
-      l[i] += Ops::ExpSub(s[i], n, mx);
-    }
-    AccumulateInt2Values<Ops>(vr, off, n, group, d, s, o, lacc);
+    AttendInt2Block<Ops>(vr, off, n, group, d, s, m, l, lacc, o);
     t0 += n;
   }
   FinishInt2States(group, d, m, l, lacc, o, lse);

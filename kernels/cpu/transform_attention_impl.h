@@ -102,14 +102,8 @@ void AttendTransformPagesImpl(const TransformPageTable& kv, int kv_head,
         s[i][j] = cmean[i] + gain[j] * Ops::Dot(row, a + i * d, d);
       }
     }
-    for (int i = 0; i < group; ++i) {
-      float mx = m[i];
-      for (int j = 0; j < n; ++j) mx = std::max(mx, s[i][j]);
-      RaiseInt2Max<Ops>(mx, d, m[i], l[i], lacc[i], o + i * d);
-      l[i] += Ops::ExpSub(s[i], n, mx);
-    }
-    // Values, in the rotated space.
-    AccumulateInt2Values<Ops>(vr, off, n, group, d, s, o, lacc);
+    // Softmax and values (in the rotated space) as the INT2 kernel.
+    AttendInt2Block<Ops>(vr, off, n, group, d, s, m, l, lacc, o);
     t0 += n;
   }
   FinishInt2States(group, d, m, l, lacc, o, lse);
