@@ -1,9 +1,11 @@
-// CPU decode attention: OSCAR INT2 history against BF16 history, same process, same
-// geometry, through the CPU backend (split-K items on the compute threads, exact merge,
-// q rotation and output un-rotation for INT2). Prints a table and optionally appends it
-// to a results file. BF16 and INT2 repetitions alternate so both see the same machine load;
-// times are medians; the last columns give core-nanoseconds per token and KV head and the
-// 1-minute load average when the row finished.
+// CPU decode attention: OSCAR INT2 history and transform-coded key history (int2-transform,
+// a synthetic version-3 codec) against BF16 history, same process, same geometry, through
+// the CPU backend (split-K items on the compute threads, exact merge, q rotation and output
+// un-rotation for INT2; per-head query projection and value un-rotation inside the
+// int2-transform kernel). Prints a table and optionally appends it to a results file. The
+// formats' repetitions alternate so all see the same machine load; times are medians; the
+// last columns give core-nanoseconds per token and KV head and the 1-minute load average
+// when the row finished.
 //
 //   attention_cpu_bench [--contexts 4096,32768,100000] [--batches 1,8] [--threads N]
 //                       [--iters N] [--results FILE.md]
@@ -22,17 +24,21 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "common/codec_profile.h"
+#include "common/key_transform_profile.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/bf16_attention.h"
 #include "kvcd/kernels/cpu_features.h"
 #include "kvcd/kernels/fp16.h"
 #include "kvcd/kernels/int2_attention.h"
+#include "kvcd/kernels/transform_attention.h"
 #include "server/backends/backend.h"
 #include "server/formats/page_pool.h"
 
 namespace {
 
 constexpr int kHq = 32, kHkv = 8, kD = 128, kPage = 64;  // Qwen3-8B geometry, one layer
+constexpr int kFormats = 3;                              // bf16, int2-oscar, int2-transform
+constexpr int kTransformCodeBytes = (2 * kD + 16) / 8;   // SyntheticHeads' widths
 
 struct Pool {
   std::unique_ptr<kvcd::PagePool> pool;
@@ -44,8 +50,11 @@ struct Pool {
 Pool MakePool(kvcd::Backend& be, const char* format, int64_t pages, std::mt19937& rng) {
   Pool p;
   const bool int2 = std::strcmp(format, "bf16") != 0;
-  const int64_t layer_bytes = int2 ? kvcd::kernels::Int2PageBytes(kHkv, kPage, kD)
-                                   : kvcd::kernels::Bf16PageElems(kHkv, kPage, kD) * 2;
+  const bool transform = std::strcmp(format, "int2-transform") == 0;
+  const kvcd::kernels::TransformPageLayout tl{kHkv, kPage, kD, kTransformCodeBytes};
+  const int64_t layer_bytes = transform ? tl.Bytes()
+                              : int2    ? kvcd::kernels::Int2PageBytes(kHkv, kPage, kD)
+                                        : kvcd::kernels::Bf16PageElems(kHkv, kPage, kD) * 2;
   p.bytes = static_cast<uint64_t>(layer_bytes * pages);
   p.mem = *be.AllocatePoolMemory(p.bytes);
   p.pool =
@@ -57,6 +66,20 @@ Pool MakePool(kvcd::Backend& be, const char* format, int64_t pages, std::mt19937
     uint16_t* w = reinterpret_cast<uint16_t*>(p.mem);
     const uint64_t n = p.bytes / 2;
     for (uint64_t i = 0; i < n; ++i) w[i] = vals[(i * 7919 + (i >> 9)) & 255];
+  } else if (transform) {
+    for (int64_t pg = 0; pg < pages; ++pg) {
+      uint8_t* base = p.mem + pg * layer_bytes;
+      for (int64_t i = 0; i < layer_bytes; ++i) base[i] = static_cast<uint8_t>(rng());
+      for (int h = 0; h < kHkv; ++h) {
+        auto* gains = reinterpret_cast<uint16_t*>(base + tl.KGains(h));
+        const auto v = tl.V(base, h);
+        for (int slot = 0; slot < kPage; ++slot) {
+          gains[slot] = kvcd::kernels::FloatToHalf(0.5f + 0.001f * ((slot * 3 + h) % 101));
+          v.scale[slot] = kvcd::kernels::FloatToHalf(0.5f + 0.001f * ((slot * 7 + h) % 97));
+          v.lo[slot] = kvcd::kernels::FloatToHalf(-0.75f - 0.001f * ((slot * 5 + h) % 89));
+        }
+      }
+    }
   } else {
     const kvcd::kernels::Int2PageLayout layout{kHkv, kPage, kD};
     for (int64_t pg = 0; pg < pages; ++pg) {
@@ -112,29 +135,48 @@ int main(int argc, char** argv) {
       threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   std::string table =
       "| context | batch | reps | BF16 ms | BF16 MB read | BF16 GB/s | INT2 ms | INT2 MB read | "
-      "INT2 GB/s | INT2 speed-up | BF16 core-ns/token-head | INT2 core-ns/token-head | load |\n"
-      "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+      "INT2 GB/s | INT2 speed-up | BF16 core-ns/token-head | INT2 core-ns/token-head | "
+      "transform ms | transform GB/s | transform speed-up | transform core-ns/token-head | "
+      "load |\n"
+      "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   std::printf("CPU decode attention, Qwen3-8B layer (32 q / 8 kv heads, d 128, page 64), isa %s\n",
               kvcd::kernels::CpuIsaName(kvcd::kernels::ActiveCpuIsa()));
   for (int64_t n : contexts) {
     for (int batch : batches) {
       const int64_t pages_per_seq = (n + kPage - 1) / kPage;
-      // Both formats set up as the daemon sets up a model (model_cache.cc): a BF16-history
+      // The formats set up as the daemon sets up a model (model_cache.cc): a BF16-history
       // model has only the BF16 format and no codec profile; an INT2-history model has the
       // BF16 window format plus int2-oscar, both sharing its codec profile (Hadamard, as a
-      // model without a codec file gets), and Attend rotates q and un-rotates the output.
-      Setup setup[2];
-      for (int fmt = 0; fmt < 2; ++fmt) {
+      // model without a codec file gets), and Attend rotates q and un-rotates the output; an
+      // int2-transform model has a BF16 window without rotation plus int2-transform (a
+      // synthetic version-3 codec: 272 key code bits + FP16 gain per row at d 128, INT2's bytes).
+      Setup setup[kFormats];
+      const char* names[kFormats] = {"bf16", "int2-oscar", "int2-transform"};
+      for (int fmt = 0; fmt < kFormats; ++fmt) {
         Setup& su = setup[fmt];
-        su.pool = MakePool(*backend, fmt == 0 ? "bf16" : "int2-oscar", pages_per_seq * batch, rng);
+        su.pool = MakePool(*backend, names[fmt], pages_per_seq * batch, rng);
         std::shared_ptr<const kvcd::CodecProfile> profile;
+        std::shared_ptr<const kvcd::KeyTransformProfile> transform;
         std::vector<kvcd::FormatId> ids = {kvcd::FormatId::kBf16};
         if (fmt == 1) {
           profile = std::make_shared<const kvcd::CodecProfile>(kvcd::CodecProfile::Hadamard(1, kD));
           ids.push_back(kvcd::FormatId::kInt2Oscar);
+        } else if (fmt == 2) {
+          auto file = kvcd::SafetensorsFile::Parse(
+              kvcd::KeyTransformProfile::ToSafetensors(
+                  kvcd::KeyTransformProfile::SyntheticHeads(1, kHkv, kD, 1), 1, kHkv, kD, "bench")
+                  .Serialize());
+          auto tp = kvcd::KeyTransformProfile::FromSafetensors(*file, 1, kHkv, kD);
+          if (!tp.ok() || tp->key_code_bits() != 8 * kTransformCodeBytes) {
+            std::fprintf(stderr, "synthetic version-3 codec: %s\n",
+                         std::string(tp.status().message()).c_str());
+            return 1;
+          }
+          transform = std::make_shared<const kvcd::KeyTransformProfile>(std::move(*tp));
+          ids.push_back(kvcd::FormatId::kInt2Transform);
         }
-        auto formats =
-            backend->CreateFormats(ids, kvcd::PageGeometry{1, kHkv, kD, kPage}, profile, nullptr);
+        auto formats = backend->CreateFormats(ids, kvcd::PageGeometry{1, kHkv, kD, kPage}, profile,
+                                              nullptr, transform);
         if (!formats.ok()) {
           std::fprintf(stderr, "%s\n", std::string(formats.status().message()).c_str());
           return 1;
@@ -166,18 +208,20 @@ int main(int argc, char** argv) {
           job.lse = su.lse.data() + s * kHq;
           b.jobs.push_back(std::move(job));
         }
-        const double bytes_per_token = fmt == 0 ? 2.0 * kHkv * kD * 2 : 2.0 * kHkv * (kD / 4 + 4);
+        const double bytes_per_token = fmt == 0   ? 2.0 * kHkv * kD * 2
+                                       : fmt == 1 ? 2.0 * kHkv * (kD / 4 + 4)
+                                                  : kHkv * (kTransformCodeBytes + 2.0 + kD / 4 + 4);
         su.mb = bytes_per_token * n * batch / 1e6;
         if (absl::Status st = backend->Attend(b); !st.ok()) {  // warm-up
           std::fprintf(stderr, "%s\n", std::string(st.message()).c_str());
           return 1;
         }
       }
-      // Interleaved repetitions (BF16, INT2, BF16, ...): both see the same machine load.
+      // Interleaved repetitions (BF16, INT2, transform, BF16, ...): all see the same load.
       const int reps = iters > 0 ? iters : std::max(5, static_cast<int>(2e9 / (setup[0].mb * 1e6)));
-      std::vector<double> times[2];
+      std::vector<double> times[kFormats];
       for (int r = 0; r < reps; ++r) {
-        for (int fmt = 0; fmt < 2; ++fmt) {
+        for (int fmt = 0; fmt < kFormats; ++fmt) {
           const auto t0 = std::chrono::steady_clock::now();
           (void)backend->Attend(setup[fmt].batch);
           times[fmt].push_back(
@@ -185,8 +229,8 @@ int main(int argc, char** argv) {
                   .count());
         }
       }
-      double ms[2], mb[2];
-      for (int fmt = 0; fmt < 2; ++fmt) {
+      double ms[kFormats], mb[kFormats];
+      for (int fmt = 0; fmt < kFormats; ++fmt) {
         std::sort(times[fmt].begin(), times[fmt].end());
         ms[fmt] = times[fmt][times[fmt].size() / 2];  // median
         mb[fmt] = setup[fmt].mb;
@@ -196,13 +240,14 @@ int main(int argc, char** argv) {
       const double token_heads = static_cast<double>(n) * batch * kHkv;
       double load[3] = {0, 0, 0};
       if (getloadavg(load, 3) < 1) load[0] = -1;
-      char line[512];
+      char line[640];
       std::snprintf(line, sizeof(line),
                     "| %lld | %d | %d | %.3f | %.1f | %.1f | %.3f | %.1f | %.1f | %.2fx | %.1f | "
-                    "%.1f | %.2f |\n",
+                    "%.1f | %.3f | %.1f | %.2fx | %.1f | %.2f |\n",
                     static_cast<long long>(n), batch, reps, ms[0], mb[0], mb[0] / ms[0], ms[1],
                     mb[1], mb[1] / ms[1], ms[0] / ms[1], ms[0] * 1e6 * cores / token_heads,
-                    ms[1] * 1e6 * cores / token_heads, load[0]);
+                    ms[1] * 1e6 * cores / token_heads, ms[2], mb[2] / ms[2], ms[0] / ms[2],
+                    ms[2] * 1e6 * cores / token_heads, load[0]);
       std::fputs(line, stdout);
       std::fflush(stdout);
       table += line;

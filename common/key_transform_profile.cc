@@ -1,6 +1,8 @@
 #include "common/key_transform_profile.h"
 
+#include <algorithm>
 #include <cmath>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "common/rotation.h"
@@ -114,6 +116,47 @@ absl::StatusOr<KeyTransformProfile> KeyTransformProfile::FromSafetensors(
     }
   }
   return p;
+}
+
+kernels::TransformKeyCode KeyTransformProfile::KeyCode(int layer, int kv_head) const {
+  const Head& x = head(layer, kv_head);
+  kernels::TransformKeyCode c;
+  c.d = head_dim_;
+  c.encode = x.k_encode.data();
+  c.decode = x.k_decode.data();
+  c.mean = x.k_mean.data();
+  c.sigma = x.k_sigma.data();
+  c.bits = x.k_bits.data();
+  c.code_bytes = key_code_bits_ / 8;
+  return c;
+}
+
+std::vector<KeyTransformProfile::Head> KeyTransformProfile::SyntheticHeads(int layers, int hkv,
+                                                                           int d, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> g;
+  std::vector<Head> heads;
+  for (int i = 0; i < layers * hkv; ++i) {
+    Head x;
+    x.k_encode = RandomOrthogonal(d, static_cast<uint32_t>(rng()));
+    x.k_decode.resize(x.k_encode.size());
+    for (int r = 0; r < d; ++r)
+      for (int c = 0; c < d; ++c) x.k_decode[c * d + r] = x.k_encode[r * d + c];
+    int left = 2 * d + 16;  // INT2's 2d + 32 bits per row, less the 16-bit gain
+    for (int j = 0; j < d; ++j) {
+      x.k_mean.push_back(g(rng));
+      x.k_sigma.push_back(3.0f * std::pow(0.93f, static_cast<float>(j)) + 0.01f);
+      x.k_bits.push_back(std::max(0, std::min(left, 7 - 14 * j / d)));
+      left -= x.k_bits.back();
+    }
+    for (int j = 0; left > 0; j = (j + 1) % d) {  // the rest on the widest with room
+      if (x.k_bits[j] < 8 && (j == 0 || x.k_bits[j] < x.k_bits[j - 1])) ++x.k_bits[j], --left;
+    }
+    x.r_v = RandomOrthogonal(d, static_cast<uint32_t>(rng()));
+    x.rho_v = 0.92f;
+    heads.push_back(std::move(x));
+  }
+  return heads;
 }
 
 SafetensorsWriter KeyTransformProfile::ToSafetensors(const std::vector<Head>& heads, int layers,

@@ -19,11 +19,13 @@
 // q . k = q . mean + g * sum_i (k_decode^T q)_i sigma_i step_i (c_i - (2^b_i - 1) / 2).
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/safetensors.h"
+#include "kvcd/kernels/transform_codec.h"
 
 namespace kvcd {
 
@@ -51,6 +53,14 @@ class KeyTransformProfile {
   int head_dim() const { return head_dim_; }
   // Code bits per key row (B); a stored key row is B / 8 + 2 bytes.
   int key_code_bits() const { return key_code_bits_; }
+  // One head's key code as the kernels take it (pointers into this profile).
+  kernels::TransformKeyCode KeyCode(int layer, int kv_head) const;
+
+  // Random heads for tests and benchmarks ([layer][kv head]): orthogonal key bases (decode =
+  // encode^T), deviations decaying from 3, non-increasing widths 8..0 summing to INT2's
+  // budget less the gain (2 d + 16 code bits: 144 at head_dim 64), orthogonal r_v, rho_v 0.92.
+  static std::vector<Head> SyntheticHeads(int num_layers, int num_kv_heads, int head_dim,
+                                          uint32_t seed);
 
   // Writes the profile in the version-3 layout (heads_ in [layer][kv head] order).
   static SafetensorsWriter ToSafetensors(const std::vector<Head>& heads, int num_layers,

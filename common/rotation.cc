@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <random>
 
 namespace kvcd {
 
@@ -77,6 +78,24 @@ std::vector<float> OscarRotation(const std::vector<double>& cov, int d,
     for (int k = 0; k < d; ++k)
       r[i * d + k] = static_cast<float>(uh(i, perm[k]));  // (UH) I[:, perm]
   return r;
+}
+
+std::vector<float> RandomOrthogonal(int d, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<double> g;
+  std::vector<double> q(static_cast<size_t>(d) * d);
+  for (double& x : q) x = g(rng);
+  for (int i = 0; i < d; ++i) {
+    for (int j = 0; j < i; ++j) {
+      double dot = 0;
+      for (int c = 0; c < d; ++c) dot += q[i * d + c] * q[j * d + c];
+      for (int c = 0; c < d; ++c) q[i * d + c] -= dot * q[j * d + c];
+    }
+    double nrm = 0;
+    for (int c = 0; c < d; ++c) nrm += q[i * d + c] * q[i * d + c];
+    for (int c = 0; c < d; ++c) q[i * d + c] /= std::sqrt(nrm);
+  }
+  return std::vector<float>(q.begin(), q.end());
 }
 
 double OrthogonalityError(const std::vector<float>& r, int d) {

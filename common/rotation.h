@@ -27,6 +27,10 @@ std::vector<int> EigenBitReversalPermutation(const std::vector<double>& eigenval
 std::vector<float> OscarRotation(const std::vector<double>& cov, int d,
                                  std::vector<double>* eigenvalues_out = nullptr);
 
+// A random orthogonal matrix (Gram-Schmidt of Gaussian rows drawn from `seed`), for tests
+// and synthetic codecs.
+std::vector<float> RandomOrthogonal(int d, uint32_t seed);
+
 // max |R R^T - I| (orthogonality error).
 double OrthogonalityError(const std::vector<float>& r, int d);
 

@@ -21,7 +21,7 @@ constexpr char kUsage[] = R"(kvcd-llama — a llama-family model with its attent
 
 Usage: kvcd-llama --model DIR [--prompt TEXT] [--chat] [--max-new 32]
                   [--target HOST:PORT] [--histories bf16,int2-identity,int2-hadamard,
-                      int2-oscar,int2-oscar=CODEC,fsq=CODEC,fsq:G=N]
+                      int2-oscar,int2-transform,int2-oscar=CODEC,fsq=CODEC,fsq:G=N]
                   [--calib-text FILE [--calib-max-tokens 1024]]
                   [--eval-text FILE [--eval-steps 64]]
                   [--page 16] [--sink 16] [--recent 32] [--memory-mib 64]
@@ -40,7 +40,9 @@ token (history alone, and over the whole sequence with the BF16 windows) against
 BF16 K/V. With --eval-text the comparison is teacher-forced on that text instead (no
 greedy run): its tokens but the last --eval-steps are the prompt (prefilled and Put),
 the last --eval-steps are fed one by one.
-Histories int2-oscar (rotations, default clips) and fsq:G=N (an FSQ codec initialized by
+Histories int2-oscar (rotations, default clips), int2-transform (codec file version 3:
+transform-coded keys fitted on the rows past --sink, Hadamard INT2 values) and fsq:G=N
+(an FSQ codec initialized by
 tools/fsq_calibration: PCA encoder, ridge decoder folded into W_K, W_V) are calibrated in
 process on the model's FP32 runs over --calib-text (each line one run, at most
 --calib-max-tokens tokens); int2-oscar=CODEC and fsq=CODEC serve codec files
@@ -262,7 +264,7 @@ int main(int argc, char** argv) {
       static_cast<int64_t>(ptoks.size()) + static_cast<int64_t>(ref->tokens.size());
   for (const auto& h : histories) {
     std::string note;
-    auto p = ll::ResolveHistory(h, *model, calibration, &note);
+    auto p = ll::ResolveHistory(h, *model, calibration, &note, sink);
     if (!p.ok()) return Fail("history", p.status());
     if (!note.empty()) std::printf("\n%s: %s\n", h.c_str(), note.c_str());
     p->name = absl::StrCat("llama-", rows.size());

@@ -10,10 +10,14 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/key_transform_profile.h"
 #include "common/rotation.h"
 #include "common/status_macros.h"
 #include "common/synthetic_activations.h"
 #include "common/tensor_ref.h"
+#include "kvcd/kernels/int2_codec.h"
+#include "tools/int2_layer.h"
+#include "tools/transform_calibration.h"
 
 namespace kvcd::llama {
 namespace {
@@ -303,6 +307,27 @@ SafetensorsWriter KvProjectionFile(const Model& model) {
   return w;
 }
 
+absl::StatusOr<std::string> CalibrateTransformCodec(const Config& c,
+                                                    const std::vector<const LocalAttention*>& runs,
+                                                    int64_t first_row) {
+  const ActivationDump dump = MakeActivationDump(c, runs, "");
+  TransformCalibrationOptions opt;
+  opt.first_row = first_row;
+  auto cal = CalibrateTransforms(dump, opt);
+  if (!cal.ok()) return cal.status();
+  const int hd = c.head_dim;
+  Int2Layer values;  // Hadamard INT2 values, default clips, shared by the KV heads
+  values.r_k = values.r_v = HadamardMatrix(hd);
+  values.rho_k = {kernels::kDefaultRhoK};
+  values.rho_v = {kernels::kDefaultRhoV};
+  const std::vector<KeyTransformProfile::Head> heads =
+      KeyTransformHeads(*cal, std::vector<Int2Layer>(static_cast<size_t>(c.n_layers), values));
+  return KeyTransformProfile::ToSafetensors(heads, c.n_layers, c.n_kv_heads, hd,
+                                            absl::StrCat("llama worker activations, ", dump.tokens,
+                                                         " tokens, rows from ", first_row))
+      .Serialize();
+}
+
 absl::StatusOr<std::string> InitializeFsqCodec(const Model& model,
                                                const std::vector<const LocalAttention*>& runs,
                                                int latent_width,
@@ -329,7 +354,7 @@ absl::StatusOr<std::string> InitializeFsqCodec(const Model& model,
 
 absl::StatusOr<ServedProfile> ResolveHistory(const std::string& spec, const Model& model,
                                              const std::vector<const LocalAttention*>& calibration,
-                                             std::string* note) {
+                                             std::string* note, int sink_tokens) {
   ServedProfile p;
   std::string said;
   auto read_file = [](const std::string& path, std::string* out) -> absl::Status {
@@ -352,6 +377,14 @@ absl::StatusOr<ServedProfile> ResolveHistory(const std::string& spec, const Mode
     p.history = spec;
     p.codec_blob = CalibrateOscarCodec(model.config(), calibration);
     said = "OSCAR rotations calibrated on the calibration runs (default clips)";
+  } else if (spec == "int2-transform") {
+    KVCD_RETURN_IF_ERROR(need_calibration());
+    p.history = "int2-oscar";  // the version-3 file makes the daemon's history int2-transform
+    auto blob = CalibrateTransformCodec(model.config(), calibration, sink_tokens);
+    if (!blob.ok()) return blob.status();
+    p.codec_blob = std::move(*blob);
+    said = absl::StrCat("transform-coded keys calibrated on the calibration runs (rows from ",
+                        sink_tokens, "), Hadamard INT2 values: codec file version 3");
   } else if (absl::StartsWith(spec, "int2-oscar=") || absl::StartsWith(spec, "fsq=")) {
     const size_t eq = spec.find('=');
     p.history = spec.substr(0, eq);
@@ -381,7 +414,7 @@ absl::StatusOr<ServedProfile> ResolveHistory(const std::string& spec, const Mode
     return absl::InvalidArgumentError(
         absl::StrCat("history '", spec,
                      "': expected bf16, int2-identity, int2-hadamard, int2-oscar, "
-                     "int2-oscar=FILE, fsq=FILE or fsq:G=N"));
+                     "int2-transform, int2-oscar=FILE, fsq=FILE or fsq:G=N"));
   }
   if (note != nullptr) *note = said;
   return p;

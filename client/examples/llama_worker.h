@@ -74,6 +74,14 @@ ActivationDump MakeActivationDump(const Config& c, const std::vector<const Local
 // runs.
 std::string CalibrateOscarCodec(const Config& c, const std::vector<const LocalAttention*>& runs);
 
+// A version-3 codec file (history int2-transform on the daemon) calibrated on the runs'
+// activations: transform-coded keys (tools/transform_calibration, query-whitened basis,
+// 144 code bits at head_dim 64) fitted on the rows from first_row on (the history; rows in
+// the BF16 sink are never coded), Hadamard INT2 values at the default clip.
+absl::StatusOr<std::string> CalibrateTransformCodec(const Config& c,
+                                                    const std::vector<const LocalAttention*>& runs,
+                                                    int64_t first_row);
+
 // The model's K/V projections as `kvcd-calibrate fsq --weights` reads them
 // (layers.<l>.wk / .wv [kv_dim, dim], layers.<l>.k_norm [head_dim] with qk_norm).
 SafetensorsWriter KvProjectionFile(const Model& model);
@@ -93,13 +101,15 @@ absl::StatusOr<std::string> InitializeFsqCodec(const Model& model,
 //   int2-oscar=FILE | fsq=FILE             a codec file (e.g. kvcd-calibrate's, or a
 //                                          fine-tuned FSQ codec from tools/fsq_finetune)
 //   fsq:G=N                                an FSQ codec initialized on `calibration`
+//   int2-transform                         a version-3 codec (CalibrateTransformCodec) fitted
+//                                          on `calibration`'s rows from `sink_tokens` on
 // The profile's windows and memory are left at their defaults. `note` (optional)
 // receives a line on where the codec came from (with the FSQ held-out errors).
 // INVALID_ARGUMENT for an unknown spec or calibration-less in-process codecs; NOT_FOUND
 // for a missing file.
 absl::StatusOr<ServedProfile> ResolveHistory(const std::string& spec, const Model& model,
                                              const std::vector<const LocalAttention*>& calibration,
-                                             std::string* note = nullptr);
+                                             std::string* note = nullptr, int sink_tokens = 16);
 
 // How a served run's next-token distributions agree with the reference's (same inputs):
 // mean and max KL(reference || served) and the first step whose argmax differs (-1: none).

@@ -41,6 +41,43 @@ inline void FinishInt2States(int group, int d, const float* m, const float* l, c
   }
 }
 
+// Values of the n rows at slots off.. of `vr` (n <= 64) weighted by the probabilities
+// p[i][j] of `group` query heads: o[i] += Σ_j (p_ij scale_j) c_j, lacc[i] += Σ_j p_ij lo_j
+// (the minimum folded out; FinishInt2States adds it back).
+template <class Ops>
+inline void AccumulateInt2Values(const Int2RowRef& vr, int off, int n, int group, int d,
+                                 const float (*p)[64], float* o, float* lacc) {
+  float vscale[64], vlo[64];
+  uint8_t packed[64];
+  alignas(64) float row[256];
+  for (int j = 0; j < n; ++j) {
+    vscale[j] = HalfToFloat(vr.scale[off + j]);
+    vlo[j] = HalfToFloat(vr.lo[off + j]);
+  }
+  for (int j = 0; j < n; ++j) {
+    for (int b = 0; b < d / 4; ++b) packed[b] = vr.codes[vr.Offset(off + j, b)];
+    Ops::UnpackInt2(packed, d, row);
+    for (int i = 0; i < group; ++i) {
+      Ops::Axpy(p[i][j] * vscale[j], row, o + i * d, d);
+      lacc[i] += p[i][j] * vlo[j];
+    }
+  }
+}
+
+// One block of n logits s[i][j] of `group` query heads over INT2 value rows at slots off..
+// of `vr`: the online-softmax update (s becomes the probabilities) and the values.
+template <class Ops>
+inline void AttendInt2Block(const Int2RowRef& vr, int off, int n, int group, int d, float (*s)[64],
+                            float* m, float* l, float* lacc, float* o) {
+  for (int i = 0; i < group; ++i) {
+    float mx = m[i];
+    for (int j = 0; j < n; ++j) mx = std::max(mx, s[i][j]);
+    RaiseInt2Max<Ops>(mx, d, m[i], l[i], lacc[i], o + i * d);
+    l[i] += Ops::ExpSub(s[i], n, mx);
+  }
+  AccumulateInt2Values<Ops>(vr, off, n, group, d, s, o, lacc);
+}
+
 template <class Ops>
 void AttendInt2PagesImpl(const Int2PageTable& kv, int kv_head, const float* q, int group,
                          float softmax_scale, int64_t token_begin, int64_t token_end, float* o,
@@ -54,7 +91,6 @@ void AttendInt2PagesImpl(const Int2PageTable& kv, int kv_head, const float* q, i
   alignas(64) float row[kMaxD];
   alignas(64) float s[kMaxG][kBlock];
   float qsum[kMaxG], m[kMaxG], l[kMaxG], lacc[kMaxG];
-  float vscale[kBlock], vlo[kBlock];
   for (int i = 0; i < group; ++i) {
     qsum[i] = 0.0f;
     for (int c = 0; c < d; ++c) {
@@ -82,25 +118,7 @@ void AttendInt2PagesImpl(const Int2PageTable& kv, int kv_head, const float* q, i
       const float lo = HalfToFloat(kr.lo[off + j]);
       for (int i = 0; i < group; ++i) s[i][j] = sc * Ops::Dot(row, qs + i * d, d) + lo * qsum[i];
     }
-    for (int i = 0; i < group; ++i) {
-      float mx = m[i];
-      for (int j = 0; j < n; ++j) mx = std::max(mx, s[i][j]);
-      RaiseInt2Max<Ops>(mx, d, m[i], l[i], lacc[i], o + i * d);
-      l[i] += Ops::ExpSub(s[i], n, mx);
-    }
-    // Values: o += Σ (p_t scale_t) c_t, lacc += Σ p_t lo_t.
-    for (int j = 0; j < n; ++j) {
-      vscale[j] = HalfToFloat(vr.scale[off + j]);
-      vlo[j] = HalfToFloat(vr.lo[off + j]);
-    }
-    for (int j = 0; j < n; ++j) {
-      for (int b = 0; b < q4; ++b) packed[b] = vr.codes[vr.Offset(off + j, b)];
-      Ops::UnpackInt2(packed, d, row);
-      for (int i = 0; i < group; ++i) {
-        Ops::Axpy(s[i][j] * vscale[j], row, o + i * d, d);
-        lacc[i] += s[i][j] * vlo[j];
-      }
-    }
+    AttendInt2Block<Ops>(vr, off, n, group, d, s, m, l, lacc, o);
     t0 += n;
   }
   FinishInt2States(group, d, m, l, lacc, o, lse);

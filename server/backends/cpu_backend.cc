@@ -14,6 +14,7 @@
 #include "server/formats/cpu_page_format.h"
 #include "server/formats/fsq/fsq_format.h"
 #include "server/formats/int2_oscar/int2_oscar_format.h"
+#include "server/formats/int2_transform/int2_transform_format.h"
 
 namespace kvcd {
 namespace {
@@ -42,8 +43,8 @@ class CpuBackend final : public Backend {
 
   absl::StatusOr<std::vector<std::unique_ptr<PageFormat>>> CreateFormats(
       absl::Span<const FormatId> ids, const PageGeometry& geometry,
-      std::shared_ptr<const CodecProfile> rotation,
-      std::shared_ptr<const FsqModelCodec> fsq) override {
+      std::shared_ptr<const CodecProfile> rotation, std::shared_ptr<const FsqModelCodec> fsq,
+      std::shared_ptr<const KeyTransformProfile> transform) override {
     std::vector<std::unique_ptr<PageFormat>> out;
     for (FormatId id : ids) {
       switch (id) {
@@ -55,6 +56,12 @@ class CpuBackend final : public Backend {
             return absl::InvalidArgumentError("int2-oscar pages need a codec profile");
           }
           out.push_back(MakeInt2OscarCpuFormat(geometry, rotation));
+          break;
+        case FormatId::kInt2Transform:
+          if (transform == nullptr) {
+            return absl::InvalidArgumentError("int2-transform pages need a version-3 codec");
+          }
+          out.push_back(MakeInt2TransformCpuFormat(geometry, transform));
           break;
         case FormatId::kFsq:
         case FormatId::kFsqWindow:

@@ -67,8 +67,8 @@ class CudaBackend final : public Backend, public DeviceRuntime {
 
   absl::StatusOr<std::vector<std::unique_ptr<PageFormat>>> CreateFormats(
       absl::Span<const FormatId> ids, const PageGeometry& geometry,
-      std::shared_ptr<const CodecProfile> rotation,
-      std::shared_ptr<const FsqModelCodec> fsq) override {
+      std::shared_ptr<const CodecProfile> rotation, std::shared_ptr<const FsqModelCodec> fsq,
+      std::shared_ptr<const KeyTransformProfile> /*transform*/) override {
     // One device copy of the rotations (of the FSQ codec) for all of the model's formats.
     std::shared_ptr<const CudaCodec> device_codec;
     if (rotation != nullptr) {

@@ -16,9 +16,12 @@ namespace kvcd {
 namespace {
 
 // The rotation of a model whose history format stores rotated rows (int2-oscar): from the
-// registered codec file bytes, the configured codec file, or a named codec.
-absl::StatusOr<std::shared_ptr<const CodecProfile>> LoadCodec(const ModelSpec& spec,
-                                                              const std::string& codec_blob) {
+// registered codec file bytes, the configured codec file, or a named codec. A codec file of
+// version 3 (transform-coded keys) gives no shared rotation but `transform`, and the model's
+// history becomes int2-transform.
+absl::StatusOr<std::shared_ptr<const CodecProfile>> LoadCodec(
+    const ModelSpec& spec, const std::string& codec_blob,
+    std::shared_ptr<const KeyTransformProfile>* transform) {
   if (spec.history_format != FormatId::kInt2Oscar) {
     if (!codec_blob.empty() && !spec.is_fsq()) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -32,6 +35,17 @@ absl::StatusOr<std::shared_ptr<const CodecProfile>> LoadCodec(const ModelSpec& s
     if (!file.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat("model ", Quote(spec.name), ": codec file: ", file.status().message()));
+    }
+    if (auto v = file->metadata().find("kvcd.codec_version");
+        v != file->metadata().end() && v->second == "3") {
+      auto p = KeyTransformProfile::FromSafetensors(*file, spec.num_layers, spec.num_kv_heads,
+                                                    spec.head_dim);
+      if (!p.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("model ", Quote(spec.name), ": ", p.status().message()));
+      }
+      *transform = std::make_shared<const KeyTransformProfile>(std::move(*p));
+      return std::shared_ptr<const CodecProfile>();
     }
     const std::string what = codec_blob.empty() ? "oscar (" + spec.codec_file + ")"
                                                 : std::string("oscar (registered codec)");
@@ -121,14 +135,17 @@ absl::StatusOr<std::unique_ptr<ModelCache>> ModelCache::Create(
     const std::string& limit_what) {
   std::unique_ptr<ModelCache> cache(
       new ModelCache(spec, backend, high_watermark, low_watermark, counters));
-  KVCD_ASSIGN_OR_RETURN(cache->codec_, LoadCodec(spec, codec_blob));
+  KVCD_ASSIGN_OR_RETURN(cache->codec_, LoadCodec(spec, codec_blob, &cache->transform_));
   KVCD_ASSIGN_OR_RETURN(cache->fsq_, LoadFsqCodec(spec, codec_blob));
   // The window is BF16 (with each token's code beside it for FSQ models); a history format
   // of its own gets the rest of the memory.
   std::vector<FormatId> ids = {spec.is_fsq() ? FormatId::kFsqWindow : FormatId::kBf16};
-  if (spec.history_format != FormatId::kBf16) ids.push_back(spec.history_format);
+  if (spec.history_format != FormatId::kBf16) {
+    ids.push_back(cache->transform_ != nullptr ? FormatId::kInt2Transform : spec.history_format);
+  }
   const PageGeometry geometry{spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.page_size};
-  auto formats = backend->CreateFormats(ids, geometry, cache->codec_, cache->fsq_);
+  auto formats =
+      backend->CreateFormats(ids, geometry, cache->codec_, cache->fsq_, cache->transform_);
   if (!formats.ok()) {
     return absl::Status(formats.status().code(),
                         absl::StrCat("model ", Quote(spec.name), ": ", formats.status().message()));
@@ -1081,6 +1098,10 @@ ModelSnapshot ModelCache::Snapshot() const {
   std::sort(s.tenants.begin(), s.tenants.end(),
             [](const auto& a, const auto& b) { return a.tenant < b.tenant; });
   s.codec = codec_ ? codec_->description() : std::string(history.name());
+  if (transform_ != nullptr) {
+    s.codec = absl::StrCat("int2-transform (codec file version 3, ", transform_->key_code_bits(),
+                           " key code bits per row)");
+  }
   if (fsq_ != nullptr) {
     s.codec = absl::StrCat("fsq G=", fsq_->codec.shape().latent_width,
                            fsq_->codec.source().empty() ? "" : " (" + fsq_->codec.source() + ")");

@@ -90,10 +90,12 @@ class ModelCache {
   // UNIMPLEMENTED for a history format the backend cannot store. For int2-oscar, the
   // rotations come from codec_blob (a codec file's bytes), else spec.codec_file, else
   // spec.codec ("identity" / "hadamard"), else Hadamard (logged, and reported by
-  // Snapshot().codec). For fsq, the FSQ codec comes from codec_blob, else spec.codec_file
-  // (required; INVALID_ARGUMENT naming the wrong tensor when it disagrees with the spec).
-  // RESOURCE_EXHAUSTED, before anything is allocated, if the pools would really take
-  // (Backend::PoolAllocationBytes, rounding included) more than allocation_limit bytes;
+  // Snapshot().codec); a codec file of version 3 makes the history int2-transform (keys
+  // transform-coded, values INT2 per KV head; INVALID_ARGUMENT naming the tensor when it does
+  // not match the spec's layers, KV heads or head_dim). For fsq, the FSQ codec comes from
+  // codec_blob, else spec.codec_file (required; INVALID_ARGUMENT naming the wrong tensor when it
+  // disagrees with the spec). RESOURCE_EXHAUSTED, before anything is allocated, if the pools would
+  // really take (Backend::PoolAllocationBytes, rounding included) more than allocation_limit bytes;
   // the message says the limit is `limit_what` (default: the unassigned memory_budget).
   static absl::StatusOr<std::unique_ptr<ModelCache>> Create(
       const ModelSpec& spec, Backend* backend, double high_watermark, double low_watermark,
@@ -325,6 +327,8 @@ class ModelCache {
   CacheCounters* const counters_;
   std::shared_ptr<const CodecProfile> codec_;  // null: rows stored as given
   std::shared_ptr<const FsqModelCodec> fsq_;   // FSQ models only
+  // int2-oscar models registered with a version-3 codec file only (history int2-transform).
+  std::shared_ptr<const KeyTransformProfile> transform_;
   std::vector<PageStore> stores_;
   uint64_t allocated_bytes_ = 0;  // set once by Create
   std::atomic<uint64_t> demoted_pages_{0};

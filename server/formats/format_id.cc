@@ -14,6 +14,8 @@ const char* FormatName(FormatId id) {
       return "fsq";
     case FormatId::kFsqWindow:
       return "bf16+fsq";
+    case FormatId::kInt2Transform:
+      return "int2-transform";
   }
   return "unknown";
 }

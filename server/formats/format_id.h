@@ -1,5 +1,6 @@
 // FormatId: the one spelling of a page format inside the daemon. Its names ("bf16",
-// "int2-oscar", "fsq", "bf16+fsq") are what configs, the API's page descriptions and metrics use.
+// "int2-oscar", "int2-transform", "fsq", "bf16+fsq") are what configs, the API's page descriptions
+// and metrics use.
 #pragma once
 
 #include <string>
@@ -10,7 +11,15 @@ namespace kvcd {
 
 // kFsqWindow: the BF16 window pages of an FSQ model, with each token's FSQ code beside
 // its K/V (codes are computed when the residuals arrive, so demotion only copies them).
-enum class FormatId : int32_t { kBf16 = 0, kInt2Oscar = 1, kFsq = 2, kFsqWindow = 3 };
+// kInt2Transform: the history of an int2-oscar model registered with a version-3 codec file
+// (transform-coded keys); selected by the file, not named in configs.
+enum class FormatId : int32_t {
+  kBf16 = 0,
+  kInt2Oscar = 1,
+  kFsq = 2,
+  kFsqWindow = 3,
+  kInt2Transform = 4
+};
 
 const char* FormatName(FormatId id);
 

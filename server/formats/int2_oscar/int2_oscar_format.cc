@@ -1,11 +1,8 @@
 #include "server/formats/int2_oscar/int2_oscar_format.h"
 
 #include <cstring>
-#include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/status_macros.h"
-#include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/int2_attention.h"
 #include "kvcd/kernels/int2_codec.h"
 
@@ -63,58 +60,21 @@ class Int2OscarCpuFormat final : public CpuPageFormat {
 
   absl::Status WritePages(const RowSource& k, const RowSource& v, int64_t first_token,
                           absl::Span<const int32_t> pages, const PagePool& pool) const override {
-    if (k.on_device || v.on_device) {
-      return absl::FailedPreconditionError("the CPU backend cannot read device rows");
-    }
-    const PageGeometry& g = geometry();
-    const int32_t ps = g.page_size, d = g.head_dim;
-    const kernels::Int2PageLayout layout{g.num_kv_heads, ps, d};
     const CodecProfile& codec = *rotation();
-    std::vector<float> rows(static_cast<size_t>(ps) * d);
-    for (size_t i = 0; i < pages.size(); ++i) {
-      const int64_t src = first_token + static_cast<int64_t>(i) * ps;
-      for (int32_t l = 0; l < g.num_layers; ++l) {
-        uint8_t* page = pool.PagePtr(l, pages[i]);
-        for (int32_t h = 0; h < g.num_kv_heads; ++h) {
-          for (int which = 0; which < 2; ++which) {
-            const RowSource& in = which == 0 ? k : v;
-            for (int32_t t = 0; t < ps; ++t) {
-              KVCD_RETURN_IF_ERROR(in.RowAsFloat(l, src + t, h, d, rows.data() + t * d));
-            }
-            kernels::DemoteRowsToInt2(rows.data(), ps, d, which == 0 ? codec.RK(l) : codec.RV(l),
-                                      which == 0 ? codec.RhoK(l) : codec.RhoV(l),
-                                      which == 0 ? layout.K(page, h) : layout.V(page, h));
-          }
-        }
-      }
-    }
-    return absl::OkStatus();
+    return EncodeRequestPages(k, v, first_token, pages, pool,
+                              [&](int32_t l, uint8_t* page, int32_t h, int which, float* rows) {
+                                Encode(rows, which == 0 ? codec.RK(l) : codec.RV(l), l, h, which,
+                                       page);
+                              });
   }
 
   absl::Status Demote(const PagePool& window_pool, absl::Span<const int32_t> src_pages,
                       const PagePool& pool, absl::Span<const int32_t> dst_pages) const override {
-    const PageGeometry& g = geometry();
-    const int32_t ps = g.page_size, d = g.head_dim;
-    const kernels::Int2PageLayout layout{g.num_kv_heads, ps, d};
-    const CodecProfile& codec = *rotation();
-    std::vector<float> rows(static_cast<size_t>(ps) * d);
-    for (size_t i = 0; i < src_pages.size(); ++i) {
-      for (int32_t l = 0; l < g.num_layers; ++l) {
-        const auto* window =
-            reinterpret_cast<const uint16_t*>(window_pool.PagePtr(l, src_pages[i]));
-        uint8_t* page = pool.PagePtr(l, dst_pages[i]);
-        for (int32_t h = 0; h < g.num_kv_heads; ++h) {
-          for (int which = 0; which < 2; ++which) {
-            // Window rows [which][head][slot][d] are already rotated.
-            kernels::Bf16ToFloatN(window + (int64_t{which} * g.num_kv_heads + h) * ps * d,
-                                  rows.data(), int64_t{ps} * d);
-            kernels::DemoteRowsToInt2(rows.data(), ps, d, nullptr,
-                                      which == 0 ? codec.RhoK(l) : codec.RhoV(l),
-                                      which == 0 ? layout.K(page, h) : layout.V(page, h));
-          }
-        }
-      }
-    }
+    // Window rows are already rotated.
+    EncodeWindowPages(window_pool, src_pages, pool, dst_pages,
+                      [&](int32_t l, uint8_t* page, int32_t h, int which, float* rows) {
+                        Encode(rows, nullptr, l, h, which, page);
+                      });
     return absl::OkStatus();
   }
 
@@ -147,6 +107,17 @@ class Int2OscarCpuFormat final : public CpuPageFormat {
   }
 
  private:
+  // A page's rows of (head, K or V) of one layer, rotated by `r` (null: already rotated).
+  void Encode(const float* rows, const float* r, int32_t l, int32_t h, int which,
+              uint8_t* page) const {
+    const PageGeometry& g = geometry();
+    const kernels::Int2PageLayout layout{g.num_kv_heads, g.page_size, g.head_dim};
+    const CodecProfile& codec = *rotation();
+    kernels::DemoteRowsToInt2(rows, g.page_size, g.head_dim, r,
+                              which == 0 ? codec.RhoK(l) : codec.RhoV(l),
+                              which == 0 ? layout.K(page, h) : layout.V(page, h));
+  }
+
   const Int2OscarFormat layout_;
 };
 

@@ -3,8 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 
+#include "kvcd/kernels/transform_codec.h"
 #include "tools/bit_allocation.h"
 
 namespace kvcd {
@@ -162,6 +164,74 @@ TEST(TransformCodec, RowGainScalesWithTheRow) {
   double e = 0;
   for (int j = 0; j < d; ++j) e += (out[j] - x[j]) * (out[j] - x[j]);
   EXPECT_LT(std::sqrt(e) / 50.0, 0.15);
+}
+
+TEST(TransformCodec, DaemonStepTableIsTheToolsSteps) {
+  for (int b = 0; b <= kMaxDirectionBits; ++b) {
+    EXPECT_EQ(kernels::TransformStep(b), b == 0 ? 0.0 : GaussianUniformStep(b)) << b;
+  }
+}
+
+// The daemon's key encoder (kernels/transform_codec.h, what int2-transform pages store on
+// Put and demotion) against TransformRoundTrip on a codec as a version-3 file holds it
+// (FP32 tensors): decoding the daemon's codes and gain gives the tools' row to the last
+// bit, for in-distribution rows, rows 1000x larger, spikes, zeros and the mean itself.
+TEST(TransformCodec, DaemonEncoderIsBitIdenticalToTheTools) {
+  std::mt19937_64 rng(21);
+  const int d = 64;
+  const int64_t n = 3000;
+  std::vector<double> var(d);
+  for (int i = 0; i < d; ++i) var[i] = 30.0 * std::pow(0.85, i);
+  const auto basis = RandomOrthogonal(d, rng);
+  const auto rows = GaussianRows(n, d, var, basis, 0.3, rng);
+  std::vector<double> metric(static_cast<size_t>(d) * d, 0.0);
+  for (int i = 0; i < d; ++i) metric[i * d + i] = 1.0 + 5.0 * (i % 7);
+  const TransformCodec fitted = FitTransform(rows, n, d, metric, TransformFitOptions{});
+  ASSERT_EQ(fitted.RowBits(), 144 + 16);
+  // FP32 copies, as stored in the codec file, and the tools' codec read back from them.
+  std::vector<float> enc(fitted.encode.begin(), fitted.encode.end());
+  std::vector<float> dec(fitted.decode.begin(), fitted.decode.end());
+  std::vector<float> mean(fitted.mean.begin(), fitted.mean.end());
+  std::vector<float> sigma(fitted.sigma.begin(), fitted.sigma.end());
+  TransformCodec tools = fitted;
+  tools.encode.assign(enc.begin(), enc.end());
+  tools.decode.assign(dec.begin(), dec.end());
+  tools.mean.assign(mean.begin(), mean.end());
+  tools.sigma.assign(sigma.begin(), sigma.end());
+  kernels::TransformKeyCode daemon;
+  daemon.d = d;
+  daemon.encode = enc.data();
+  daemon.decode = dec.data();
+  daemon.mean = mean.data();
+  daemon.sigma = sigma.data();
+  daemon.bits = tools.bits.data();
+  daemon.code_bytes = 144 / 8;
+  std::normal_distribution<double> g;
+  std::vector<float> x(d), want(d), got(d);
+  std::vector<uint8_t> codes(daemon.code_bytes);
+  uint16_t gain = 0;
+  int checked = 0;
+  for (int t = 0; t < 2000; ++t) {
+    const int kind = t % 5;
+    for (int j = 0; j < d; ++j) {
+      const double base = rows[(t % n) * d + j];
+      x[j] = static_cast<float>(kind == 0   ? base
+                                : kind == 1 ? 1000 * base
+                                : kind == 2 ? (j == t % d ? 40.0 * g(rng) : 0.0)
+                                : kind == 3 ? 0.0
+                                            : mean[j]);
+    }
+    TransformRoundTrip(tools, x.data(), want.data());
+    kernels::EncodeTransformKeys(daemon, x.data(), 1, codes.data(), daemon.code_bytes, &gain);
+    kernels::DecodeTransformKeys(daemon, codes.data(), daemon.code_bytes, &gain, 1, 1, got.data());
+    for (int j = 0; j < d; ++j) {
+      ASSERT_EQ(std::memcmp(&want[j], &got[j], 4), 0)
+          << "row " << t << " kind " << kind << " element " << j << ": " << want[j] << " vs "
+          << got[j];
+    }
+    ++checked;
+  }
+  EXPECT_EQ(checked, 2000);
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "common/fsq_codec.h"
+#include "common/key_transform_profile.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/fsq.h"
 #include "kvcd/kernels/reference_attention.h"
@@ -229,9 +230,28 @@ TEST(ModelCacheTest, AppendDemotesWindowPagesThatLeftTheRecentWindow) {
   EXPECT_EQ(f.cache->Snapshot().pools[1].pages_used, 0);  // private pages go back on close
 }
 
+// A version-3 codec file (transform-coded keys) of the given shape, synthetic heads.
+std::string TransformBlob(int layers, int hkv, int d) {
+  return KeyTransformProfile::ToSafetensors(KeyTransformProfile::SyntheticHeads(layers, hkv, d, 3),
+                                            layers, hkv, d, "test")
+      .Serialize();
+}
+
+ModelSpec TinyTransformSpec() {
+  ModelSpec s = TinyInt2Spec();
+  s.name = "tiny-int2-transform";
+  s.codec = "";
+  return s;
+}
+
 TEST(ModelCacheTest, AttentionWithFusedAppendMatchesTheOracleOverTheStoredKv) {
-  for (const ModelSpec& s : {TinySpec(), TinyInt2Spec()}) {
-    Fixture f(s);
+  const ModelSpec tf = TinyTransformSpec();
+  const std::pair<ModelSpec, std::string> cases[] = {
+      {TinySpec(), ""},
+      {TinyInt2Spec(), ""},
+      {tf, TransformBlob(tf.num_layers, tf.num_kv_heads, tf.head_dim)}};
+  for (const auto& [s, blob] : cases) {
+    Fixture f(s, blob);
     const int64_t n = 5 * s.page_size + 1;
     auto seq = f.cache->Open(1, "", {});
     const auto k = RandomKv(s, n, 11), v = RandomKv(s, n, 12);
@@ -916,6 +936,36 @@ TEST(ModelCacheTest, FsqNeedsAMatchingCodec) {
       std::string(wrong.status().message()).find("metadata 'latent_width' is '8', expected 9"),
       std::string::npos)
       << wrong.status();
+}
+
+TEST(ModelCacheTest, VersionThreeCodecSelectsInt2TransformAndBadFilesRegisterNothing) {
+  const ModelSpec s = TinyTransformSpec();
+  auto backend = MakeCpuBackend(1);
+  CacheCounters counters;
+  auto ok = ModelCache::Create(s, backend.get(), 0.95, 0.85, &counters,
+                               TransformBlob(s.num_layers, s.num_kv_heads, s.head_dim));
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  const ModelSnapshot snap = (*ok)->Snapshot();
+  ASSERT_EQ(snap.pools.size(), 2u);
+  EXPECT_EQ(snap.pools[1].format, "int2-transform");
+  EXPECT_NE(snap.codec.find("int2-transform"), std::string::npos) << snap.codec;
+  const struct {
+    std::string blob;
+    const char* says;
+  } bad[] = {
+      {TransformBlob(s.num_layers + 1, s.num_kv_heads, s.head_dim), "more layers than the model"},
+      {TransformBlob(s.num_layers, s.num_kv_heads, 2 * s.head_dim),
+       "k_encode must be F32 [2, 16, 16]"},
+      {TransformBlob(s.num_layers, 1, s.head_dim), "k_encode must be F32 [2, 16, 16]"},
+      {TransformBlob(s.num_layers, s.num_kv_heads, s.head_dim).substr(0, 100), "codec file"},
+  };
+  for (const auto& b : bad) {
+    auto r = ModelCache::Create(s, backend.get(), 0.95, 0.85, &counters, b.blob);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << b.says;
+    EXPECT_NE(std::string(r.status().message()).find(b.says), std::string::npos) << r.status();
+    EXPECT_NE(std::string(r.status().message()).find("tiny-int2-transform"), std::string::npos)
+        << r.status();
+  }
 }
 
 }  // namespace

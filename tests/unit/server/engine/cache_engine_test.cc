@@ -10,6 +10,7 @@
 #include <limits>
 #include <map>
 
+#include "common/key_transform_profile.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/int2_attention.h"
 #include "kvcd/kernels/reference_attention.h"
@@ -1077,6 +1078,22 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
          return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
        },
        "history_format is 99"},
+      // Issue #22: a version-3 codec file (transform-coded keys) for another head_dim.
+      {"register: version-3 codec of another head_dim", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::RegisterModelRequest r;
+         *r.mutable_profile() = p;
+         r.mutable_profile()->set_name("transform");
+         r.mutable_profile()->set_history_format(v1::HISTORY_FORMAT_INT2_OSCAR);
+         const int d = 2 * p.head_dim();
+         r.set_codec_blob(
+             KeyTransformProfile::ToSafetensors(
+                 KeyTransformProfile::SyntheticHeads(p.num_layers(), p.num_kv_heads(), d, 1),
+                 p.num_layers(), p.num_kv_heads(), d, "test")
+                 .Serialize());
+         return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
+       },
+       "layers.0.k_encode must be F32"},
       // Issue #21.9: a 10 KB model name is quoted in 64 bytes, not echoed.
       {"put: 10 KB model name", absl::StatusCode::kNotFound,
        [&] {
