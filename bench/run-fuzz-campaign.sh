@@ -36,10 +36,15 @@ if (($#)); then  # only the named targets, sharing the cores the same way
   for t in "$@"; do picked[$t]=${share[$t]:?unknown target $t}; done
   unset share && declare -A share=() && for t in "${!picked[@]}"; do share[$t]=${picked[$t]}; done
 fi
-# KVCD_FUZZ_DETECT_LEAKS=0 turns off libFuzzer's per-input leak check (-detect_leaks=0).
-# Use it only where LeakSanitizer cannot stop other threads (ptrace denied in a container:
-# it then reports the locals of a live serving thread as leaks); ASan's own checks stay on.
-leak_flag=(-detect_leaks="${KVCD_FUZZ_DETECT_LEAKS:-1}")
+# libFuzzer's per-input leak check (-detect_leaks=1) for every target but decode_channel_fuzz,
+# which is checked at exit (scripts/test-fuzz.sh says why: LeakSanitizer misses a live thread
+# whose kernel thread id was recycled, bench/results/2026-12-05-fuzz-leak-finding.md).
+# KVCD_FUZZ_DETECT_LEAKS=0/1 sets it for every target. ASan's own checks stay on.
+leak_flag_for() {
+  local d=${KVCD_FUZZ_DETECT_LEAKS:-}
+  [[ -z $d ]] && { [[ $1 == decode_channel_fuzz ]] && d=0 || d=1; }
+  echo "-detect_leaks=$d"
+}
 total=0
 for t in "${!share[@]}"; do total=$((total + share[$t])); done
 rm -rf "$out" && mkdir -p "$out"
@@ -50,7 +55,7 @@ for t in "${!share[@]}"; do
   mkdir -p "$out/$t/corpus" "$out/$t/logs"
   (
     cd "$out/$t/logs" &&
-      "$OLDPWD/$bins/$t" -jobs="$jobs" -workers="$jobs" -runs="$per_job" -max_total_time="$max_seconds" -timeout=10 "${leak_flag[@]}" \
+      "$OLDPWD/$bins/$t" -jobs="$jobs" -workers="$jobs" -runs="$per_job" -max_total_time="$max_seconds" -timeout=10 "$(leak_flag_for "$t")" \
         -rss_limit_mb=4096 -print_final_stats=1 -artifact_prefix="$out/$t/crash-" \
         "$out/$t/corpus" "$OLDPWD/tests/fuzz/corpus/$t" >"$out/$t/driver.log" 2>&1
   ) &
