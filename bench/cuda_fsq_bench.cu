@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -228,6 +229,10 @@ void ErrorAtGeometry(const Codec& c, int n, int64_t pos0, int num_sms) {
 
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && !std::strcmp(argv[1], "--quick");
+  // --one G N BATCH: that decode configuration only (profilers).
+  const bool one = argc > 4 && !std::strcmp(argv[1], "--one");
+  const int one_g = one ? std::atoi(argv[2]) : 0, one_n = one ? std::atoi(argv[3]) : 0,
+            one_b = one ? std::atoi(argv[4]) : 0;
   cudaDeviceProp prop{};
   CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
@@ -235,8 +240,8 @@ int main(int argc, char** argv) {
   CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 
   // Ceilings.
-  double read_tbs = 0, mma_tflops = 0;
-  {
+  double read_tbs = 1, mma_tflops = 1;
+  if (!one) {
     const int64_t bytes = int64_t{8} << 30;
     void* buf = nullptr;
     unsigned* out = nullptr;
@@ -266,12 +271,16 @@ int main(int argc, char** argv) {
       "\nerror against the float64 oracle (W_k FP16 per-row scaled, TF32 scores, FP16 "
       "softmax weights):\n");
   std::vector<Codec*> codecs;
-  for (int G : {256, 84}) codecs.push_back(new Codec(G, 1000u + G));
-  for (Codec* c : codecs) ErrorAtGeometry(*c, 4096, 100000, prop.multiProcessorCount);
+  for (int G : {256, 84}) {
+    if (!one || G == one_g) codecs.push_back(new Codec(G, 1000u + G));
+  }
+  for (Codec* c : codecs) {
+    if (!one) ErrorAtGeometry(*c, 4096, 100000, prop.multiProcessorCount);
+  }
 
   // Encode: one decode step (64 tokens x 36 layers) and a 8192-token Put of one layer.
   std::printf("\ndevice encoder (float64 FMA chains, bit-identical to the CPU):\n");
-  for (Codec* c : codecs) {
+  for (Codec* c : one ? std::vector<Codec*>{} : codecs) {
     const int G = c->host.latent_width;
     for (const auto& [tokens, layers] : {std::pair<int, int>{64, 36}, {8192, 1}}) {
       std::vector<kk::FsqLayerCodec> lc(layers, c->dev);
@@ -319,8 +328,12 @@ int main(int argc, char** argv) {
       kPs);
   std::printf("%4s %8s %6s %7s %10s %10s %8s %8s %9s %8s %8s\n", "G", "context", "batch", "splits",
               "single us", "b2b us", "MB", "GFLOP", "TB/s", "TFLOP/s", "bound");
-  const std::vector<int> n_list = quick ? std::vector<int>{32768} : std::vector<int>{32768, 100000};
-  const std::vector<int> b_list = quick ? std::vector<int>{1, 64} : std::vector<int>{1, 8, 64};
+  const std::vector<int> n_list = one     ? std::vector<int>{one_n}
+                                  : quick ? std::vector<int>{32768}
+                                          : std::vector<int>{32768, 100000};
+  const std::vector<int> b_list = one     ? std::vector<int>{one_b}
+                                  : quick ? std::vector<int>{1, 64}
+                                          : std::vector<int>{1, 8, 64};
   for (Codec* c : codecs) {
     const int G = c->host.latent_width;
     const int64_t cb = kk::FsqCodeBytes(G), page_bytes = kPs * cb;

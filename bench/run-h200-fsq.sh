@@ -5,7 +5,8 @@
 # figures (cuda_fsq_bench) against torch SDPA BF16 (cuDNN and flash, bench/sdpa_baseline.py)
 # and the INT2 kernel (cuda_int2_bench --one, default variant) at the same geometry and
 # contexts in the same run. About 2 minutes.
-#   here:   ./scripts/build.sh kvcd_cuda_tests cuda_fsq_bench cuda_int2_bench && ./scripts/pack-device.sh
+#   here:   ./scripts/build.sh && ./scripts/pack-device.sh   (pack-device.sh packs every
+#           device binary, so build them all)
 #   device: bench/run-h200-fsq.sh   (device tool, carry [".devbin", ".devlibs"])
 # KVCD_DEVBIN names another folder of the three binaries (default .devbin).
 set -uo pipefail

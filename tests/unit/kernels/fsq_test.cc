@@ -157,6 +157,52 @@ TEST(FsqEncodeTest, ExactTiesRoundToEven) {
   }
 }
 
+// The thresholds a device encoder rounds with (FsqLatentThresholds): at each threshold
+// and at the double just below it, and on random latents, -8 + #{k : u >= t_k} is the code
+// FsqEncodeRows gives (rows (a, b, c) summing exactly to u against x = (1, 1, 1)).
+TEST(FsqEncodeTest, LatentThresholdsReproduceTheEncoder) {
+  double thr[kFsqThresholds];
+  FsqLatentThresholds(thr);
+  std::vector<double> us;
+  for (int k = 0; k < kFsqThresholds; ++k) {
+    if (k > 0) {
+      EXPECT_LT(thr[k - 1], thr[k]);
+    }
+    us.push_back(thr[k]);
+    us.push_back(std::nextafter(thr[k], -10.0));
+  }
+  std::mt19937 rng(11);
+  std::normal_distribution<double> normal(0.0, 1.5);
+  for (int i = 0; i < 200; ++i) us.push_back(normal(rng));
+  std::vector<float> rows;
+  std::vector<double> exact;
+  for (double u : us) {
+    const float a = static_cast<float>(u);
+    const float b = static_cast<float>(u - a);
+    const float c = static_cast<float>(u - a - b);
+    if ((static_cast<double>(a) + b) + c != u) continue;
+    rows.insert(rows.end(), {a, b, c});
+    exact.push_back(u);
+  }
+  const int G = static_cast<int>(exact.size());
+  ASSERT_GE(G, 2 * kFsqThresholds);
+  std::vector<float> bias(G, 0.0f), x = {1.0f, 1.0f, 1.0f};
+  FsqLayerCodec codec;
+  codec.residual_width = 3;
+  codec.latent_width = G;
+  codec.encoder = rows.data();
+  codec.encoder_bias = bias.data();
+  std::vector<uint8_t> codes(FsqCodeBytes(G));
+  FsqEncodeRows(codec, x.data(), 1, codes.data());
+  std::vector<int8_t> z(G);
+  FsqUnpackCode(codes.data(), G, z.data());
+  for (int g = 0; g < G; ++g) {
+    int want = -8;
+    for (double t : thr) want += exact[g] >= t ? 1 : 0;
+    EXPECT_EQ(z[g], want) << "u = " << exact[g];
+  }
+}
+
 TEST(FsqEncodeTest, NonFiniteResidualGivesZero) {
   std::mt19937 rng(7);
   RandomEncoder enc(4, 3, 1.0f, rng);
