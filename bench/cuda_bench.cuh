@@ -1,13 +1,15 @@
 // What the CUDA benchmarks share: CHECK (a failed CUDA call prints where and exits 1), the
-// read-ceiling kernel (a read-only reduction, ReadReduce) and the arguments of a Put-size
-// paged row store (PutRows).
+// read-ceiling kernel (a read-only reduction, ReadReduce), event timing (MedianUsPerCall)
+// and the arguments of a Put-size paged row store (PutRows).
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <vector>
 
 #include "kvcd/kernels/cuda_store_rows.h"
 
@@ -31,6 +33,33 @@ __global__ void ReadReduce(const uint4* p, int64_t n, unsigned* out) {
     acc ^= v.x ^ v.y ^ v.z ^ v.w;
   }
   if (acc == 0x12345678u) atomicAdd(out, acc);
+}
+
+float Median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Median microseconds per call of `launch(c)`: `repeats` rounds of `calls` calls back to back
+// on `stream` between two events, the first `skip` rounds left out (warm-up).
+template <class F>
+double MedianUsPerCall(cudaStream_t stream, int repeats, int skip, int calls, F launch) {
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int r = 0; r < repeats; ++r) {
+    CHECK(cudaEventRecord(a, stream));
+    for (int c = 0; c < calls; ++c) launch(c);
+    CHECK(cudaEventRecord(b, stream));
+    CHECK(cudaEventSynchronize(b));
+    float t = 0;
+    CHECK(cudaEventElapsedTime(&t, a, b));
+    if (r >= skip) ms.push_back(t / calls);
+  }
+  CHECK(cudaEventDestroy(a));
+  CHECK(cudaEventDestroy(b));
+  return Median(ms) * 1e3;
 }
 
 // A request of `tokens` tokens, [layers][tokens][heads][d] BF16 K at `src` and V right after

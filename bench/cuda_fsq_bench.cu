@@ -17,19 +17,11 @@
 #include <random>
 #include <vector>
 
+#include "cuda_bench.cuh"
 #include "kvcd/kernels/cuda_fsq.h"
 #include "kvcd/kernels/fsq.h"
 
 namespace kk = kvcd::kernels;
-
-#define CHECK(x)                                                                              \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
 
 namespace {
 
@@ -81,32 +73,6 @@ __global__ void MmaLoop(int iters, float* out) {
   float s = 0;
   for (int k = 0; k < 8; ++k) s += c[k][0] + c[k][1] + c[k][2] + c[k][3];
   if (s == 1.2345f) out[0] = s;
-}
-
-float Median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-// Median microseconds per call of `calls` launches between two events.
-template <class F>
-double UsPerCall(cudaStream_t s, int repeats, int skip, int calls, F launch) {
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int r = 0; r < repeats; ++r) {
-    CHECK(cudaEventRecord(a, s));
-    for (int c = 0; c < calls; ++c) launch(c);
-    CHECK(cudaEventRecord(b, s));
-    CHECK(cudaEventSynchronize(b));
-    float t = 0;
-    CHECK(cudaEventElapsedTime(&t, a, b));
-    if (r >= skip) ms.push_back(t / calls);
-  }
-  CHECK(cudaEventDestroy(a));
-  CHECK(cudaEventDestroy(b));
-  return Median(ms) * 1e3;
 }
 
 // One layer's codec at Qwen3-8B geometry, host and device copies.
@@ -248,14 +214,14 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&buf, bytes));
     CHECK(cudaMalloc(&out, 4));
     CHECK(cudaMemset(buf, 1, bytes));
-    const double us = UsPerCall(stream, 10, 2, 1, [&](int) {
+    const double us = MedianUsPerCall(stream, 10, 2, 1, [&](int) {
       ReadAll<<<prop.multiProcessorCount * 8, 512, 0, stream>>>(static_cast<const uint4*>(buf),
                                                                 bytes / 16, out);
     });
     read_tbs = bytes / us / 1e6;
     CHECK(cudaFree(buf));
     const int iters = 4096, blocks = prop.multiProcessorCount * 4, threads = 256;
-    const double mus = UsPerCall(stream, 5, 1, 1, [&](int) {
+    const double mus = MedianUsPerCall(stream, 5, 1, 1, [&](int) {
       MmaLoop<<<blocks, threads, 0, stream>>>(iters, reinterpret_cast<float*>(out));
     });
     mma_tflops = 2.0 * 16 * 8 * 16 * 8 * double{iters} * blocks * (threads / 32) / mus / 1e6;
@@ -307,7 +273,7 @@ int main(int argc, char** argv) {
       dst.page_bytes = kPs * cb;
       dst.slots = Upload(slots);
       const kk::FsqLayerCodec* d_lc = Upload(lc);
-      const double us = UsPerCall(stream, 7, 2, 1, [&](int) {
+      const double us = MedianUsPerCall(stream, 7, 2, 1, [&](int) {
         CHECK(kk::cuda::LaunchFsqEncodeRows(rb, dst, 0, d_lc, kC, G, stream));
       });
       const double flop = 2.0 * tokens * layers * G * kC;
@@ -374,10 +340,10 @@ int main(int argc, char** argv) {
         kk::cuda::PagedList list{pools[0], page_bytes, Upload(table), pages_per,
                                  Upload(std::vector<int32_t>(batch, n))};
         const kk::cuda::DecodeGeometry geo{batch, kHq, kHkv, kD, kPs};
-        const double us = UsPerCall(stream, 25, 3, 1, [&](int) {
+        const double us = MedianUsPerCall(stream, 25, 3, 1, [&](int) {
           CHECK(kk::cuda::LaunchFsqDecodeParts(list, geo, a, n, po, pl, 0, stream));
         });
-        const double us_b2b = UsPerCall(stream, 7, 2, 40, [&](int call) {
+        const double us_b2b = MedianUsPerCall(stream, 7, 2, 40, [&](int call) {
           kk::cuda::PagedList lc = list;
           lc.pages = pools[call % layers];
           CHECK(kk::cuda::LaunchFsqDecodeParts(lc, geo, a, n, po, pl, 0, stream));

@@ -169,33 +169,6 @@ __global__ void FillPages(uint8_t* pages, int64_t n_pages, int64_t page_bytes, i
   }
 }
 
-float Median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-// Median microseconds per call of `launch(c)`: `repeats` rounds of `calls` calls back to back
-// on `stream` between two events, the first `skip` rounds left out (warm-up).
-template <class F>
-double MedianUsPerCall(cudaStream_t stream, int repeats, int skip, int calls, F launch) {
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int r = 0; r < repeats; ++r) {
-    CHECK(cudaEventRecord(a, stream));
-    for (int c = 0; c < calls; ++c) launch(c);
-    CHECK(cudaEventRecord(b, stream));
-    CHECK(cudaEventSynchronize(b));
-    float t = 0;
-    CHECK(cudaEventElapsedTime(&t, a, b));
-    if (r >= skip) ms.push_back(t / calls);
-  }
-  CHECK(cudaEventDestroy(a));
-  CHECK(cudaEventDestroy(b));
-  return Median(ms) * 1e3;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {

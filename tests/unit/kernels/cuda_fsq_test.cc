@@ -17,6 +17,7 @@
 #include <random>
 #include <vector>
 
+#include "cuda_test_fixture.h"
 #include "kvcd/kernels/attention_state.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/bf16_attention.h"
@@ -26,31 +27,7 @@
 namespace kvcd::kernels {
 namespace {
 
-class CudaFsqTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-  }
-  template <class T>
-  T* Up(const std::vector<T>& v) {
-    void* p = nullptr;
-    EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(1, v.size() * sizeof(T))), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
-    owned_.push_back(p);
-    return static_cast<T*>(p);
-  }
-  template <class T>
-  std::vector<T> Down(const T* p, size_t n) {
-    std::vector<T> v(n);
-    EXPECT_EQ(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-    return v;
-  }
-  void TearDown() override {
-    for (void* p : owned_) cudaFree(p);
-  }
-  std::vector<void*> owned_;
-  std::mt19937 rng_{std::random_device{}()};
-};
+class CudaFsqTest : public CudaTestFixture {};
 
 // Three floats whose in-order float64 sum is exactly u (u's 53 bits in 3 x 24).
 void SplitDouble(double u, float f[3]) {
