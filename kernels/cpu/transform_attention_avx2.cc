@@ -1,16 +1,18 @@
 // Transform-coded key attention, AVX2 instantiation.
 //
-// Integer path (F16C, head_dim % 32 == 0 and <= 128, page_size % 8 == 0, group 1/2/4/8):
+// Integer path (F16C, head_dim 32/64/96/128, page_size % 8 == 0, group 1/2/3/4/8):
 //  - keys: a row's bit stream is decoded 16 directions per vector into int16 lanes without
 //    per-direction bit extraction: each 128-bit lane loads the 16 bytes from the byte of its
 //    first direction's code, vpshufb puts each direction's two bytes (a code of <= 8 bits at
-//    bit shift s <= 7 spans <= 2 bytes) into its lane, vpmullw by 2^(8 - s) and a shift
-//    right by 8 align it, and a mask keeps its b bits. The projected query a is rounded to
-//    int16 per head (step = max|a| / 32767) and vpmaddwd sums the products into int32; the
-//    8 rows of a tile are reduced by a vphaddd tree, and the centring is exact in integers:
-//      logit = c_mean + g (step / 2) (2 Σ a_q c - Σ a_q (2^b - 1))   (mod 2^32 is exact:
-//    |result| <= 32767 * Σ(2^b - 1) <= 32767 * 255 * 128 < 2^31 at head_dim <= 128).
-//    Rounding a leaves <= step / 2 per direction, times |c - half| <= 127.5.
+//    bit shift s <= 7 spans <= 2 bytes) into its lane, vpmullw by 2^(8 - s) moves it to
+//    bits 8.., a mask keeps its b bits and vpmulhuw by 2^(16 - b) leaves c' = c 2^(8 - b),
+//    every code widened to 8 bits. The projected query times 2^(b - 8), a', is rounded to
+//    int16 per head (step = max|a'| / 32767: every direction to the same relative
+//    precision) and vpmaddwd sums the products into int32; the 8 rows of a tile are
+//    reduced by a vphaddd tree, and the centring is exact in integers:
+//      logit = c_mean + g (step / 2) (2 Σ a'_q c' - Σ a'_q (2^b - 1) 2^(8 - b))
+//    (mod 2^32 is exact: |result| <= 32767 * 255 * head_dim < 2^31 at head_dim <= 128).
+//    Rounding a' leaves <= step / 2 per direction, times |c' - half'| <= 128.
 //    The 16-byte loads may read up to 16 bytes past a row: the page's later key rows, its
 //    key gains (>= 16 bytes at page_size >= 8) and values lie behind, inside the page.
 //  - values: the int2-oscar integer path (int2_values_avx2.h) on the same value layout.
@@ -52,8 +54,9 @@ constexpr int kMaxIntD = 128, kMaxChunks = kMaxIntD / 16;
 struct TransformLanes {
   int32_t base[2 * kMaxChunks];
   alignas(32) uint8_t shuf[kMaxChunks][32];
-  alignas(32) uint16_t mul[kMaxChunks][16];
-  alignas(32) uint16_t mask[kMaxChunks][16];
+  alignas(32) uint16_t mul[kMaxChunks][16];    // 2^(8 - s): the code to bits 8..8+b-1
+  alignas(32) uint16_t mask[kMaxChunks][16];   // (2^b - 1) << 8
+  alignas(32) uint16_t widen[kMaxChunks][16];  // 2^(16 - b): high half = c 2^(8 - b)
   explicit TransformLanes(const TransformKeyCode& key) {
     int pos[kMaxIntD + 1];
     pos[0] = 0;
@@ -65,14 +68,16 @@ struct TransformLanes {
       shuf[c][16 * h + 2 * e] = static_cast<uint8_t>(rel);
       shuf[c][16 * h + 2 * e + 1] = static_cast<uint8_t>(rel + 1);
       mul[c][8 * h + e] = static_cast<uint16_t>(1u << (8 - (pos[i] & 7)));
-      mask[c][8 * h + e] = static_cast<uint16_t>((1u << key.bits[i]) - 1);
+      mask[c][8 * h + e] = static_cast<uint16_t>(((1u << key.bits[i]) - 1) << 8);
+      widen[c][8 * h + e] = static_cast<uint16_t>(key.bits[i] > 0 ? 1u << (16 - key.bits[i]) : 0);
     }
   }
 };
 
 #define KVCD_XFORM_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 
-// The int16 codes of one row, directions in order, kC chunks of 16.
+// The codes of one row widened to 8 bits, c 2^(8 - b) (int16 lanes, directions in order,
+// kC chunks of 16).
 template <int kC>
 KVCD_XFORM_AVX2_TARGET inline void DecodeRowInt16(const uint8_t* row, const TransformLanes& t,
                                                   __m256i* codes) {
@@ -83,8 +88,9 @@ KVCD_XFORM_AVX2_TARGET inline void DecodeRowInt16(const uint8_t* row, const Tran
     const __m256i x = _mm256_mullo_epi16(
         _mm256_shuffle_epi8(raw, _mm256_load_si256(reinterpret_cast<const __m256i*>(t.shuf[c]))),
         _mm256_load_si256(reinterpret_cast<const __m256i*>(t.mul[c])));
-    codes[c] = _mm256_and_si256(_mm256_srli_epi16(x, 8),
-                                _mm256_load_si256(reinterpret_cast<const __m256i*>(t.mask[c])));
+    codes[c] = _mm256_mulhi_epu16(
+        _mm256_and_si256(x, _mm256_load_si256(reinterpret_cast<const __m256i*>(t.mask[c]))),
+        _mm256_load_si256(reinterpret_cast<const __m256i*>(t.widen[c])));
   }
 }
 
@@ -116,15 +122,20 @@ KVCD_XFORM_AVX2_TARGET void AttendTransformMadd(const TransformPageTable& kv, in
   for (int i = 0; i < G; ++i) {
     alignas(32) float a[kD];
     cmean[i] = ProjectTransformQuery<Avx2Ops>(key, q + i * d, softmax_scale, a);
+    // a' = a 2^(b - 8) multiplies the widened codes: every direction is rounded with the
+    // same relative precision (the wide directions' a is ~2^b times smaller).
     float amax = 0.0f;
-    for (int c = 0; c < d; ++c) amax = std::max(amax, std::fabs(a[c]));
+    for (int c = 0; c < d; ++c) {
+      a[c] = std::ldexp(a[c], key.bits[c] - 8);
+      amax = std::max(amax, std::fabs(a[c]));
+    }
     const float step = amax > 0.0f ? amax / 32767.0f : 1.0f;
     half_step[i] = 0.5f * step;
     int64_t k = 0;
     for (int c = 0; c < d; ++c) {
       const int v = std::max(-32767, std::min(32767, _mm_cvtss_si32(_mm_set_ss(a[c] / step))));
       qw[i][c] = static_cast<int16_t>(v);
-      k += int64_t{v} * ((1 << key.bits[c]) - 1);
+      k += int64_t{v} * (((1 << key.bits[c]) - 1) << (8 - key.bits[c]));
     }
     koff[i] = static_cast<int32_t>(k);
     m[i] = kEmptyLse;
@@ -217,6 +228,10 @@ void AttendTransformPagesAvx2(const TransformPageTable& kv, int kv_head,
         break;
       case 2:
         done = AttendTransformMaddD<2>(kv, kv_head, key, r_v, q, softmax_scale, token_begin,
+                                       token_end, o, lse);
+        break;
+      case 3:  // SmolLM2-135M (9 query / 3 KV heads)
+        done = AttendTransformMaddD<3>(kv, kv_head, key, r_v, q, softmax_scale, token_begin,
                                        token_end, o, lse);
         break;
       case 4:
