@@ -34,7 +34,6 @@
 namespace kvcd::kernels::internal {
 namespace {
 
-
 constexpr int kMaxD = 256, kBlock = kInt2MaddBlock;
 
 // Round to nearest (current MXCSR mode, i.e. ties to even) without a libm call.
@@ -51,7 +50,6 @@ inline int32_t Pack4(const int* v) {
     r |= static_cast<uint32_t>(static_cast<uint8_t>(static_cast<int8_t>(v[k]))) << (8 * k);
   return static_cast<int32_t>(r);
 }
-
 
 // Logits of kH query heads (digits qd[h][4 * grp + k][hi/lo]) for 8 tokens whose K code
 // bytes of group grp start at kc + grp * group_stride; returns the integer sums.
@@ -95,7 +93,6 @@ KVCD_INT2_AVX2_TARGET inline void LogitSums(const uint8_t* kc, int64_t group_str
     for (int h = 0; h < kH; ++h) out[h] = _mm256_add_epi32(out[h], CombineDigits(ahi[h], alo[h]));
   }
 }
-
 
 // kGroup is a compile-time constant so the per-head accumulators live in registers; heads
 // are processed kH = min(kGroup, 4) at a time (8 int16 accumulators + codes fit in 16 ymm).
@@ -144,12 +141,10 @@ KVCD_INT2_AVX2_TARGET void AttendInt2Madd(const Int2PageTable& kv, int kv_head, 
     std::fill(o + i * d, o + (i + 1) * d, 0.0f);
   }
   for (int64_t t0 = token_begin; t0 < token_end;) {
-    const int64_t page = t0 / ps;
-    const int off = static_cast<int>(t0 % ps);
-    // Work on 8-aligned slots [a0, a1) of the page (<= 64), masking the slots outside.
-    const int n = static_cast<int>(std::min<int64_t>({ps - off, token_end - t0, kBlock - off % 8}));
-    const int a0 = off & ~7, a1 = (off + n + 7) & ~7, span = a1 - a0, nv = span / 8;
-    const int lead = off - a0, tail = a1 - (off + n);
+    // Work on 8-aligned slots [a0, a0 + span) of the page (<= 64), masking the slots outside.
+    const Int2MaddSpan blk(t0, token_end, ps);
+    const int64_t page = blk.page;
+    const int off = blk.off, n = blk.n, a0 = blk.a0, nv = blk.nv;
     uint8_t* pb = const_cast<uint8_t*>(kv.base) + kv.page_ids[page] * kv.page_stride;
     const Int2RowRef kr = layout.K(pb, kv_head);
     const Int2RowRef vr = layout.V(pb, kv_head);
@@ -194,12 +189,11 @@ KVCD_INT2_AVX2_TARGET void AttendInt2Madd(const Int2PageTable& kv, int kv_head, 
         }
       }
     }
-    Int2MaddValues<G>(vr, a0, span, lead, tail, d, sb, m, l, lacc, o);
+    Int2MaddValues<G>(vr, a0, blk.span, blk.lead, blk.tail, d, sb, m, l, lacc, o);
     t0 += n;
   }
   FinishInt2States(G, d, m, l, lacc, o, lse);
 }
-
 
 }  // namespace
 

@@ -22,7 +22,6 @@ namespace kvcd::kernels::internal {
 
 inline constexpr int kInt2MaddBlock = 64;
 
-
 KVCD_INT2_AVX2_TARGET inline float HorizontalMax256(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -126,6 +125,25 @@ KVCD_INT2_AVX2_TARGET inline void ValuePlanes(const uint8_t* vc, int64_t quad_st
   ValuePlane<kH, 3, kQuads>(vc, quad_stride, quads, wd, unit, dst);
 }
 
+// One block of the decode loop at token t0: tokens [t0, t0 + n) of page t0 / page_size,
+// worked on the 8-aligned slots [a0, a0 + span) of that page (span <= 64, nv vectors of 8),
+// the first `lead` and last `tail` of them outside [t0, end) and masked.
+struct Int2MaddSpan {
+  int64_t page;
+  int off, n, a0, span, nv, lead, tail;
+  Int2MaddSpan(int64_t t0, int64_t end, int page_size) {
+    page = t0 / page_size;
+    off = static_cast<int>(t0 % page_size);
+    n = static_cast<int>(std::min<int64_t>({page_size - off, end - t0, kInt2MaddBlock - off % 8}));
+    a0 = off & ~7;
+    const int a1 = (off + n + 7) & ~7;
+    span = a1 - a0;
+    nv = span / 8;
+    lead = off - a0;
+    tail = a1 - (off + n);
+  }
+};
+
 // One block of logits sb[i][0..span) of kGroup query heads over the 8-aligned slots
 // [a0, a0 + span) of the value rows vr (span <= 64; the first `lead` and last `tail` slots
 // lie outside [begin, end) and are masked): the online-softmax update of (m, l, lacc, o)
@@ -146,8 +164,9 @@ KVCD_INT2_AVX2_TARGET void Int2MaddValues(const Int2RowRef& vr, int a0, int span
   // Value scales and minimums of the block; 0 in the masked slots (whose bytes may be
   // anything), so they add nothing.
   for (int v = 0; v < nv; ++v) {
-    _mm256_store_ps(vsc + 8 * v, _mm256_cvtph_ps(_mm_loadu_si128(
-                                     reinterpret_cast<const __m128i*>(vr.scale + a0 + 8 * v))));
+    _mm256_store_ps(
+        vsc + 8 * v,
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vr.scale + a0 + 8 * v))));
     _mm256_store_ps(
         vlo + 8 * v,
         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vr.lo + a0 + 8 * v))));

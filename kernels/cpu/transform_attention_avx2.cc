@@ -83,8 +83,9 @@ KVCD_XFORM_AVX2_TARGET inline void DecodeRowInt16(const uint8_t* row, const Tran
                                                   __m256i* codes) {
 #pragma GCC unroll 8
   for (int c = 0; c < kC; ++c) {
-    const __m256i raw = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(row + t.base[2 * c + 1]),
-                                            reinterpret_cast<const __m128i*>(row + t.base[2 * c]));
+    const __m256i raw =
+        _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(row + t.base[2 * c + 1]),
+                            reinterpret_cast<const __m128i*>(row + t.base[2 * c]));
     const __m256i x = _mm256_mullo_epi16(
         _mm256_shuffle_epi8(raw, _mm256_load_si256(reinterpret_cast<const __m256i*>(t.shuf[c]))),
         _mm256_load_si256(reinterpret_cast<const __m256i*>(t.mul[c])));
@@ -144,16 +145,11 @@ KVCD_XFORM_AVX2_TARGET void AttendTransformMadd(const TransformPageTable& kv, in
     std::fill(o + i * d, o + (i + 1) * d, 0.0f);
   }
   for (int64_t t0 = token_begin; t0 < token_end;) {
-    const int64_t page = t0 / ps;
-    const int off = static_cast<int>(t0 % ps);
-    // 8-aligned slots [a0, a1) of the page (<= 64), the slots outside masked.
-    const int n = static_cast<int>(std::min<int64_t>({ps - off, token_end - t0, kBlock - off % 8}));
-    const int a0 = off & ~7, a1 = (off + n + 7) & ~7, span = a1 - a0, nv = span / 8;
-    const int lead = off - a0, tail = a1 - (off + n);
-    uint8_t* pb = const_cast<uint8_t*>(kv.base) + kv.page_ids[page] * kv.page_stride;
-    const uint8_t* kc = pb + layout.KCodes(kv_head) + int64_t{a0} * cb;
-    const auto* kg = reinterpret_cast<const uint16_t*>(pb + layout.KGains(kv_head)) + a0;
-    for (int v = 0; v < nv; ++v) {
+    const Int2MaddSpan blk(t0, token_end, ps);
+    uint8_t* pb = const_cast<uint8_t*>(kv.base) + kv.page_ids[blk.page] * kv.page_stride;
+    const uint8_t* kc = pb + layout.KCodes(kv_head) + int64_t{blk.a0} * cb;
+    const auto* kg = reinterpret_cast<const uint16_t*>(pb + layout.KGains(kv_head)) + blk.a0;
+    for (int v = 0; v < blk.nv; ++v) {
       alignas(32) __m256i acc[G][8];
       for (int r = 0; r < 8; ++r) {
         __m256i codes[kC];
@@ -178,37 +174,34 @@ KVCD_XFORM_AVX2_TARGET void AttendTransformMadd(const TransformPageTable& kv, in
                                         _mm256_set1_ps(half_step[i]), _mm256_set1_ps(cmean[i])));
       }
     }
-    Int2MaddValues<G>(layout.V(pb, kv_head), a0, span, lead, tail, d, sb, m, l, lacc, o);
-    t0 += n;
+    Int2MaddValues<G>(layout.V(pb, kv_head), blk.a0, blk.span, blk.lead, blk.tail, d, sb, m, l,
+                      lacc, o);
+    t0 += blk.n;
   }
   FinishInt2States(G, d, m, l, lacc, o, lse);
   UnrotateTransformOutput<Avx2Ops>(r_v, o, G, d, out);
 }
 
-template <int kGroup>
+// The integer kernel for the first (group, head_dim) pair that matches; false if none.
+template <int kGroup, int... kDs>
 bool AttendTransformMaddD(const TransformPageTable& kv, int kv_head, const TransformKeyCode& key,
                           const float* r_v, const float* q, float softmax_scale,
                           int64_t token_begin, int64_t token_end, float* o, float* lse) {
-  switch (kv.layout.head_dim) {
-    case 32:
-      AttendTransformMadd<kGroup, 32>(kv, kv_head, key, r_v, q, softmax_scale, token_begin,
-                                      token_end, o, lse);
-      return true;
-    case 64:
-      AttendTransformMadd<kGroup, 64>(kv, kv_head, key, r_v, q, softmax_scale, token_begin,
-                                      token_end, o, lse);
-      return true;
-    case 96:
-      AttendTransformMadd<kGroup, 96>(kv, kv_head, key, r_v, q, softmax_scale, token_begin,
-                                      token_end, o, lse);
-      return true;
-    case 128:
-      AttendTransformMadd<kGroup, 128>(kv, kv_head, key, r_v, q, softmax_scale, token_begin,
-                                       token_end, o, lse);
-      return true;
-    default:
-      return false;
-  }
+  return ((kv.layout.head_dim == kDs &&
+           (AttendTransformMadd<kGroup, kDs>(kv, kv_head, key, r_v, q, softmax_scale, token_begin,
+                                             token_end, o, lse),
+            true)) ||
+          ...);
+}
+
+template <int... kGroups>
+bool AttendTransformMaddG(const TransformPageTable& kv, int kv_head, const TransformKeyCode& key,
+                          const float* r_v, const float* q, int group, float softmax_scale,
+                          int64_t token_begin, int64_t token_end, float* o, float* lse) {
+  return ((group == kGroups &&
+           AttendTransformMaddD<kGroups, 32, 64, 96, 128>(kv, kv_head, key, r_v, q, softmax_scale,
+                                                          token_begin, token_end, o, lse)) ||
+          ...);
 }
 
 #undef KVCD_XFORM_AVX2_TARGET
@@ -219,33 +212,11 @@ void AttendTransformPagesAvx2(const TransformPageTable& kv, int kv_head,
                               const TransformKeyCode& key, const float* r_v, const float* q,
                               int group, float softmax_scale, int64_t token_begin,
                               int64_t token_end, float* o, float* lse) {
-  if (CpuHasF16c() && kv.layout.page_size % 8 == 0) {
-    bool done = false;
-    switch (group) {  // one instantiation per GQA group size in common use
-      case 1:
-        done = AttendTransformMaddD<1>(kv, kv_head, key, r_v, q, softmax_scale, token_begin,
-                                       token_end, o, lse);
-        break;
-      case 2:
-        done = AttendTransformMaddD<2>(kv, kv_head, key, r_v, q, softmax_scale, token_begin,
-                                       token_end, o, lse);
-        break;
-      case 3:  // SmolLM2-135M (9 query / 3 KV heads)
-        done = AttendTransformMaddD<3>(kv, kv_head, key, r_v, q, softmax_scale, token_begin,
-                                       token_end, o, lse);
-        break;
-      case 4:
-        done = AttendTransformMaddD<4>(kv, kv_head, key, r_v, q, softmax_scale, token_begin,
-                                       token_end, o, lse);
-        break;
-      case 8:
-        done = AttendTransformMaddD<8>(kv, kv_head, key, r_v, q, softmax_scale, token_begin,
-                                       token_end, o, lse);
-        break;
-      default:
-        break;
-    }
-    if (done) return;
+  // Group sizes in common use (3: SmolLM2-135M, 9 query / 3 KV heads).
+  if (CpuHasF16c() && kv.layout.page_size % 8 == 0 &&
+      AttendTransformMaddG<1, 2, 3, 4, 8>(kv, kv_head, key, r_v, q, group, softmax_scale,
+                                          token_begin, token_end, o, lse)) {
+    return;
   }
   AttendTransformPagesImpl<Avx2TransformOps>(kv, kv_head, key, r_v, q, group, softmax_scale,
                                              token_begin, token_end, o, lse);
