@@ -12,7 +12,8 @@
 //  - values: a 32-byte V load is bytes j..j+7 of 4 consecutive tokens (layout [page/4][Q]
 //    [4]); plane k gives elements kQ + j.. of those 4 tokens, multiplied by the 4 tokens'
 //    weight digits (w = p * scale_v split the same way per block of <= 64 tokens, i.e. <= 16
-//    quads: |sum| <= 16*762), and each block's sums are added to the FP32 output once.
+//    quads: |sum| <= 16*762), and each block's sums are added to the FP32 output once
+//    (int2_values_avx2.h, shared with the transform-coded key kernel).
 // Digit rounding leaves <= step/508 per query element and <= max(w)/64516 per weight, the
 // same as the AVX-512 VNNI path; the exactly known residuals Σ(q - digits) and Σ(w -
 // digits) are added back at the mean code 1.5 (into each logit and into the value-minimum
