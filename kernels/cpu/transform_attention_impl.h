@@ -47,6 +47,30 @@ inline void UnpackTransformScalar(const uint8_t* padded, const TransformDirectio
   }
 }
 
+// The query projected into the key basis: a = (D^T q') sigma step (0 for 0-bit
+// directions) with q' = q * softmax_scale; returns c_mean = q' . mean.
+template <class Ops>
+float ProjectTransformQuery(const TransformKeyCode& key, const float* q, float softmax_scale,
+                            float* a) {
+  const int d = key.d;
+  float qs[kTransformMaxD];
+  for (int c = 0; c < d; ++c) qs[c] = q[c] * softmax_scale;
+  for (int c = 0; c < d; ++c) a[c] = 0.0f;
+  for (int j = 0; j < d; ++j) Ops::Axpy(qs[j], key.decode + j * d, a, d);
+  for (int c = 0; c < d; ++c) {
+    a[c] *= key.bits[c] > 0 ? key.sigma[c] * static_cast<float>(TransformStep(key.bits[c])) : 0.0f;
+  }
+  return Ops::Dot(qs, key.mean, d);
+}
+
+// One inverse value rotation per query head: out_c = (o R_v^T)_c = R_v[c] . o.
+template <class Ops>
+void UnrotateTransformOutput(const float* r_v, const float* o, int group, int d, float* out) {
+  for (int i = 0; i < group; ++i) {
+    for (int c = 0; c < d; ++c) out[i * d + c] = Ops::Dot(r_v + c * d, o + i * d, d);
+  }
+}
+
 // Row codes copied with 8 zero bytes behind them, so every 32-bit load stays inside.
 struct PaddedRow {
   alignas(32) uint8_t bytes[kTransformMaxD + 8];
@@ -68,16 +92,7 @@ void AttendTransformPagesImpl(const TransformPageTable& kv, int kv_head,
   float cmean[kMaxG], m[kMaxG], l[kMaxG], lacc[kMaxG];
   float gain[kBlock];
   for (int i = 0; i < group; ++i) {
-    // a = (D^T q) sigma step (0 for 0-bit directions), c_mean = q . mean.
-    float qs[kMaxD];
-    for (int c = 0; c < d; ++c) qs[c] = q[i * d + c] * softmax_scale;
-    cmean[i] = Ops::Dot(qs, key.mean, d);
-    for (int c = 0; c < d; ++c) a[i * d + c] = 0.0f;
-    for (int j = 0; j < d; ++j) Ops::Axpy(qs[j], key.decode + j * d, a + i * d, d);
-    for (int c = 0; c < d; ++c) {
-      a[i * d + c] *=
-          key.bits[c] > 0 ? key.sigma[c] * static_cast<float>(TransformStep(key.bits[c])) : 0.0f;
-    }
+    cmean[i] = ProjectTransformQuery<Ops>(key, q + i * d, softmax_scale, a + i * d);
     m[i] = kEmptyLse;
     l[i] = 0.0f;
     lacc[i] = 0.0f;
@@ -107,10 +122,7 @@ void AttendTransformPagesImpl(const TransformPageTable& kv, int kv_head,
     t0 += n;
   }
   FinishInt2States(group, d, m, l, lacc, o, lse);
-  // One inverse rotation per query head: out_c = (o R_v^T)_c = R_v[c] . o.
-  for (int i = 0; i < group; ++i) {
-    for (int c = 0; c < d; ++c) out[i * d + c] = Ops::Dot(r_v + c * d, o + i * d, d);
-  }
+  UnrotateTransformOutput<Ops>(r_v, o, group, d, out);
 }
 
 }  // namespace kvcd::kernels::internal

@@ -108,6 +108,15 @@ void CheckCase(int64_t n, int hkv, int group, int d, int ps, uint32_t seed) {
   for (auto& x : q) x = g(rng) * 0.5f;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const bool avx2 = DetectCpuIsa() >= CpuIsa::kAvx2 && d % 8 == 0;
+  // The AVX2 integer path (transform_attention_avx2.cc: F16C, head_dim 32-128 in steps of
+  // 32, page_size % 8 == 0, group 1/2/3/4/8) rounds the projected query to int16 and the
+  // value weights to two int8 digits (int2-oscar's value path). Measured against the FP32
+  // scalar path on these cases: output relative error <= 8.6e-5, |lse difference| <= 5.8e-5
+  // (2026-12-05, bench/results/2026-12-05-int2-transform-daemon.md); bound 3e-4 for both.
+  // The FP32 gather path keeps 2e-5 / 1e-5 (the same math in another summation order).
+  const bool integer = avx2 && CpuHasF16c() && d % 32 == 0 && d <= 128 && ps % 8 == 0 &&
+                       (group == 1 || group == 2 || group == 3 || group == 4 || group == 8);
+  const double out_tol = integer ? 3e-4 : 2e-5, lse_tol = integer ? 3e-4 : 1e-5;
   for (int h = 0; h < hkv; ++h) {
     for (int64_t begin : {int64_t{0}, n / 3, n}) {
       std::vector<float> ro(group * d), rl(group), so(group * d, NAN), sl(group, NAN);
@@ -136,9 +145,8 @@ void CheckCase(int64_t n, int hkv, int group, int d, int ps, uint32_t seed) {
           EXPECT_EQ(vl[i], -std::numeric_limits<float>::infinity()) << what;
           continue;
         }
-        // The same codes and FP32 math in another summation order.
-        EXPECT_LT(RelErr(vo.data() + i * d, so.data() + i * d, d), 2e-5) << what << " avx2";
-        EXPECT_NEAR(vl[i], sl[i], 1e-5 * std::max(1.0f, std::fabs(sl[i]))) << what << " avx2";
+        EXPECT_LT(RelErr(vo.data() + i * d, so.data() + i * d, d), out_tol) << what << " avx2";
+        EXPECT_NEAR(vl[i], sl[i], lse_tol * std::max(1.0f, std::fabs(sl[i]))) << what << " avx2";
       }
     }
   }
@@ -148,7 +156,7 @@ TEST(TransformAttentionTest, KernelsMatchTheOracle) {
   uint32_t seed = 1;
   for (int d : {16, 64, 128}) {
     for (int ps : {16, 7}) {
-      for (int group : {1, 3, 4}) {
+      for (int group : {1, 3, 4, 8}) {
         for (int64_t n : {int64_t{1}, int64_t{50}, int64_t{200}}) {
           CheckCase(n, 2, group, d, ps, seed++);
         }
