@@ -45,17 +45,6 @@ __global__ void FillBytes(uint8_t* p, int64_t n, uint32_t seed) {
   }
 }
 
-// The read ceiling: a read-only reduction over a buffer much larger than L2.
-__global__ void ReadAll(const uint4* p, int64_t n, unsigned* out) {
-  unsigned acc = 0;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const uint4 v = __ldg(p + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x12345678u) atomicAdd(out, acc);
-}
-
 // The mma.sync ceiling: independent m16n8k16 FP16 MMAs on registers (8 accumulators per warp).
 __global__ void MmaLoop(int iters, float* out) {
   uint32_t a[4] = {threadIdx.x, threadIdx.x * 3u, 7u, 9u}, b0 = threadIdx.x ^ 5u, b1 = 3u;
@@ -215,7 +204,7 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&out, 4));
     CHECK(cudaMemset(buf, 1, bytes));
     const double us = MedianUsPerCall(stream, 10, 2, 1, [&](int) {
-      ReadAll<<<prop.multiProcessorCount * 8, 512, 0, stream>>>(static_cast<const uint4*>(buf),
+      ReadReduce<<<prop.multiProcessorCount * 8, 512, 0, stream>>>(static_cast<const uint4*>(buf),
                                                                 bytes / 16, out);
     });
     read_tbs = bytes / us / 1e6;
