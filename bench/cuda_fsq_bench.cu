@@ -205,7 +205,7 @@ int main(int argc, char** argv) {
     CHECK(cudaMemset(buf, 1, bytes));
     const double us = MedianUsPerCall(stream, 10, 2, 1, [&](int) {
       ReadReduce<<<prop.multiProcessorCount * 8, 512, 0, stream>>>(static_cast<const uint4*>(buf),
-                                                                bytes / 16, out);
+                                                                   bytes / 16, out);
     });
     read_tbs = bytes / us / 1e6;
     CHECK(cudaFree(buf));
