@@ -9,6 +9,9 @@
 // depends on its state. Every operation either fully succeeds or changes nothing that
 // was stored (pages allocated for a failed call are returned to the pool).
 //
+// The sequence write paths (Append, Attend's fused append and its undo, DemotePages) are
+// defined in sequence_writes.cc; everything else in model_cache.cc.
+//
 // Thread safety: all methods are thread-safe. Lock order: Sequence::mu before mu_.
 // Attention runs holding only the sequences' locks: their pages are pinned or private,
 // so eviction cannot free them.

@@ -93,6 +93,7 @@ class CacheEngine {
  private:
   absl::StatusOr<ModelCache*> FindModel(const std::string& name) const;
   void FillModelInfo(const ModelCache& m, v1::ModelInfo* info) const;
+  // Rows and Residuals are defined in tensor_checks.cc.
   // K or V rows of a checked tensor ([layers, n, kv_heads, head_dim], or [B, kv_heads,
   // head_dim] for one layer) where its bytes are (host, or device for cuda_ipc).
   absl::StatusOr<RowSource> Rows(const v1::TensorRef& t, absl::string_view field, int64_t n,
