@@ -19,8 +19,7 @@ namespace kvcd {
 constexpr int kInputKinds = TensorResolver::kInline | TensorResolver::kIpc;
 
 // Checks K and V of n tokens for all layers: [L, n, Hkv, d], same dtype.
-absl::Status CheckKv(const ModelSpec& s, const v1::TensorRef& k, const v1::TensorRef& v,
-                     int64_t n);
+absl::Status CheckKv(const ModelSpec& s, const v1::TensorRef& k, const v1::TensorRef& v, int64_t n);
 
 // INVALID_ARGUMENT once a pipelined call's kernel met a NaN/±Inf in the sequence's device
 // inputs (Sequence::device_fault): every later call on it answers this.
