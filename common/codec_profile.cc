@@ -87,6 +87,8 @@ absl::StatusOr<CodecProfile> CodecProfile::FromSafetensors(const SafetensorsFile
 void CodecProfile::ComputeTransposes() {
   const int d = head_dim_;
   for (Layer& l : layers_) {
+    l.kind_k = kernels::ClassifyRotation(l.r_k.data(), d);
+    l.kind_v = kernels::ClassifyRotation(l.r_v.data(), d);
     l.r_k_t.resize(l.r_k.size());
     l.r_v_t.resize(l.r_v.size());
     for (int i = 0; i < d; ++i) {

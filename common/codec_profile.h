@@ -17,6 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/safetensors.h"
+#include "kvcd/kernels/int2_codec.h"
 
 namespace kvcd {
 
@@ -35,6 +36,9 @@ class CodecProfile {
   // Transposes (= inverses): un-rotating a row y is y · R^T = RotateRows(y, R^T).
   const float* RKT(int layer) const { return layers_[layer].r_k_t.data(); }
   const float* RVT(int layer) const { return layers_[layer].r_v_t.data(); }
+  // kernels::ClassifyRotation of RK / RV, computed once (kHadamard: applied as butterflies).
+  kernels::Rotation KindK(int layer) const { return layers_[layer].kind_k; }
+  kernels::Rotation KindV(int layer) const { return layers_[layer].kind_v; }
   float RhoK(int layer) const { return layers_[layer].rho_k; }
   float RhoV(int layer) const { return layers_[layer].rho_v; }
   int num_layers() const { return static_cast<int>(layers_.size()); }
@@ -50,7 +54,9 @@ class CodecProfile {
     std::vector<float> r_k, r_v;
     float rho_k, rho_v;
     std::vector<float> r_k_t, r_v_t;
+    kernels::Rotation kind_k = kernels::Rotation::kDense, kind_v = kernels::Rotation::kDense;
   };
+  // The transposes and the rotations' kinds, derived once from r_k / r_v.
   void ComputeTransposes();
   // The same rotation r for K and V on every layer.
   static CodecProfile Uniform(int num_layers, int head_dim, const std::vector<float>& r,

@@ -18,9 +18,10 @@ void Int2RoundTrip(const std::vector<float>& rows, int64_t n, int hkv, int d, co
     const int g = c.Group(h);
     const float* r = (which == 0 ? c.r_k : c.r_v).data() + g * dd;
     const float rho = (which == 0 ? c.rho_k : c.rho_v)[static_cast<size_t>(g)];
+    const kernels::Rotation kind = kernels::ClassifyRotation(r, d);  // once, not per row
     for (int64_t t = 0; t < n; ++t) {
       const int64_t row = t * hkv + h;
-      kernels::DemoteRowsToInt2(rows.data() + row * d, 1, d, r, rho, ref);
+      kernels::DemoteRowsToInt2(rows.data() + row * d, 1, d, r, kind, rho, ref);
       kernels::ExpandInt2Rows(ref, 1, d, r, out->data() + row * d);
     }
   }

@@ -77,9 +77,13 @@ void UnrotateRows(const float* y, int64_t n, int d, const float* r, float* out) 
 
 void DemoteRowsToInt2(const float* rows, int64_t n, int d, const float* rotation, float rho,
                       const Int2RowRef& out, int64_t first_row) {
+  DemoteRowsToInt2(rows, n, d, rotation, ClassifyRotation(rotation, d), rho, out, first_row);
+}
+
+void DemoteRowsToInt2(const float* rows, int64_t n, int d, const float* rotation, Rotation kind,
+                      float rho, const Int2RowRef& out, int64_t first_row) {
   float rot[256];
   const int quarter = d / 4;
-  const Rotation kind = ClassifyRotation(rotation, d);
   for (int64_t t = 0; t < n; ++t) {
     const float* x = rows + t * d;
     if (kind == Rotation::kHadamard) {

@@ -91,9 +91,8 @@ absl::StatusOr<std::shared_ptr<const CudaCodec>> CudaCodec::Upload(const CodecPr
   // Which rotations the INT2 stores apply by butterflies (RowCodec::hadamard_k / _v).
   std::vector<uint8_t> hadamard(2 * static_cast<size_t>(layers));
   for (int l = 0; l < layers; ++l) {
-    hadamard[l] = kernels::ClassifyRotation(codec.RK(l), d) == kernels::Rotation::kHadamard;
-    hadamard[layers + l] =
-        kernels::ClassifyRotation(codec.RV(l), d) == kernels::Rotation::kHadamard;
+    hadamard[l] = codec.KindK(l) == kernels::Rotation::kHadamard;
+    hadamard[layers + l] = codec.KindV(l) == kernels::Rotation::kHadamard;
   }
   std::shared_ptr<CudaCodec> c(new CudaCodec());
   c->head_dim_ = d;

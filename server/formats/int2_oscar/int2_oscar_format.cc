@@ -113,7 +113,10 @@ class Int2OscarCpuFormat final : public CpuPageFormat {
     const PageGeometry& g = geometry();
     const kernels::Int2PageLayout layout{g.num_kv_heads, g.page_size, g.head_dim};
     const CodecProfile& codec = *rotation();
-    kernels::DemoteRowsToInt2(rows, g.page_size, g.head_dim, r,
+    const kernels::Rotation kind = r == nullptr ? kernels::Rotation::kNone
+                                   : which == 0 ? codec.KindK(l)
+                                                : codec.KindV(l);
+    kernels::DemoteRowsToInt2(rows, g.page_size, g.head_dim, r, kind,
                               which == 0 ? codec.RhoK(l) : codec.RhoV(l),
                               which == 0 ? layout.K(page, h) : layout.V(page, h));
   }

@@ -82,6 +82,10 @@ void HadamardRotateRow(const float* x, int d, float c, float* out);
 // Rows are written to row indices first_row .. first_row + n - 1 of `out`.
 void DemoteRowsToInt2(const float* rows, int64_t n, int d, const float* rotation, float rho,
                       const Int2RowRef& out, int64_t first_row = 0);
+// The same with the rotation's kind given (ClassifyRotation(rotation, d), which scans the d×d
+// matrix: callers that encode many calls with one rotation classify it once).
+void DemoteRowsToInt2(const float* rows, int64_t n, int d, const float* rotation, Rotation kind,
+                      float rho, const Int2RowRef& out, int64_t first_row = 0);
 
 // Unpacks and dequantizes n rows, then un-rotates them (x = x_hat · R^T; null = identity).
 void ExpandInt2Rows(const Int2RowRef& in, int64_t n, int d, const float* rotation, float* out,
