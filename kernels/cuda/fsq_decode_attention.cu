@@ -109,6 +109,15 @@ __device__ __forceinline__ uint2 BytePair(const uint8_t* p, int j, bool aligned)
   return make_uint2(p[j], p[j + 4]);
 }
 
+// Byte k of row r of a stage tile of rows of cb bytes. With swz (cb a multiple of 128) the
+// 16-byte chunks of row r are stored XOR (r & 7): the 8 rows a fragment load touches at one
+// column fall in 8 different bank groups.
+__device__ __forceinline__ const uint8_t* StageAt(const uint8_t* tile, int r, int k, int cb,
+                                                  bool swz) {
+  const int chunk = swz ? (k >> 4) ^ (r & 7) : k >> 4;
+  return tile + r * cb + (chunk << 4) + (k & 15);
+}
+
 __device__ __forceinline__ uint32_t PackHalf2(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);
@@ -267,6 +276,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) FsqDecodeKernel(const PartArgs
   const int64_t pos0 = a.positions[b];
   const int32_t* table = a.list.page_table + static_cast<int64_t>(b) * a.list.max_pages;
   const int ps = a.geo.page_size, cb = a.code_bytes;
+  const bool swz = (cb & 127) == 0;  // StageAt
   uint8_t* stage = sm.stage + warp * 2 * a.stage_bytes;
   float2* base = sm.base + warp * (D / 2);
   // The head's W_k fragments into shared memory (read by every warp, every tile).
@@ -288,7 +298,14 @@ __global__ void __launch_bounds__(kWarps * 32, 1) FsqDecodeKernel(const PartArgs
       const uint8_t* src =
           a.list.pages + page * a.list.page_stride + static_cast<int64_t>(tile % ps) * cb;
       uint8_t* dst = stage + buf * a.stage_bytes;
-      for (int c = lane; c < MTOK * cb; c += 32) CpAsync16(dst + 16 * c, src + 16 * c);
+      for (int c = lane; c < MTOK * cb; c += 32) {
+        uint8_t* to = dst + 16 * c;
+        if (swz) {  // chunk c is chunk c % (cb / 16) of row c / (cb / 16)
+          const int r = c / (cb >> 4);
+          to = const_cast<uint8_t*>(StageAt(dst, r, (c - r * (cb >> 4)) << 4, cb, true));
+        }
+        CpAsync16(to, src + 16 * c);
+      }
     }
     CpAsyncCommit();
   };
@@ -327,14 +344,13 @@ __global__ void __launch_bounds__(kWarps * 32, 1) FsqDecodeKernel(const PartArgs
         accs[u][n][0] = accs[u][n][1] = accs[u][n][2] = accs[u][n][3] = 0.0f;
     }
     const bool aligned = (cb & 7) == 0;
-    const uint8_t* r0 = cs + g * cb;
 #pragma unroll 2
     for (int s = 0; s < a.slices; ++s) {
       uint32_t af[MTOK][4];
 #pragma unroll
       for (int u = 0; u < MTOK; ++u) {
-        const uint8_t* ru = r0 + 16 * u * cb + 8 * s;
-        const uint2 lo = BytePair(ru, t, aligned), hi = BytePair(ru + 8 * cb, t, aligned);
+        const uint2 lo = BytePair(StageAt(cs, 16 * u + g, 8 * s, cb, swz), t, aligned);
+        const uint2 hi = BytePair(StageAt(cs, 16 * u + g + 8, 8 * s, cb, swz), t, aligned);
         af[u][0] = ByteToHalf2(lo.x);
         af[u][1] = ByteToHalf2(hi.x);
         af[u][2] = ByteToHalf2(lo.y);
@@ -438,7 +454,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) FsqDecodeKernel(const PartArgs
 
       // 5. O^T += Z^T P^T.
       const int sh = 4 * (g & 1);
-      const uint8_t* z0 = cs + (16 * u + 2 * t) * cb;
+      const int zr = 16 * u + 2 * t;  // rows (tokens) zr, zr + 1, zr + 8, zr + 9
       const int zj = g >> 1;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
@@ -447,10 +463,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1) FsqDecodeKernel(const PartArgs
         o[mt][2] *= alpha0;
         o[mt][3] *= alpha1;
         if (mt < a.slices) {
-          const uint8_t* zb = z0 + 8 * mt;  // tokens 2t, 2t + 1, 2t + 8, 2t + 9
-          const uint2 w0 = BytePair(zb, zj, aligned), w1 = BytePair(zb + cb, zj, aligned);
-          const uint2 w8 = BytePair(zb + 8 * cb, zj, aligned);
-          const uint2 w9 = BytePair(zb + 9 * cb, zj, aligned);
+          const uint2 w0 = BytePair(StageAt(cs, zr, 8 * mt, cb, swz), zj, aligned);
+          const uint2 w1 = BytePair(StageAt(cs, zr + 1, 8 * mt, cb, swz), zj, aligned);
+          const uint2 w8 = BytePair(StageAt(cs, zr + 8, 8 * mt, cb, swz), zj, aligned);
+          const uint2 w9 = BytePair(StageAt(cs, zr + 9, 8 * mt, cb, swz), zj, aligned);
           uint32_t af[4];
           af[0] = NibblesToHalf2((w0.x >> sh) & 0xFu, (w1.x >> sh) & 0xFu);
           af[1] = NibblesToHalf2((w0.y >> sh) & 0xFu, (w1.y >> sh) & 0xFu);
