@@ -335,6 +335,10 @@ class CudaBackend final : public Backend, public DeviceRuntime {
       last_table_.table.swap(table_);
     }
     lap.Mark(kUpload);
+    if (timeline_ != nullptr) {
+      static const int kGpuBefore = PhaseTimes::Phase("gpu.daemon inputs ready -> attention");
+      timeline_->Step(kGpuBefore);
+    }
     const auto* d_faults =
         any_fault ? reinterpret_cast<const kernels::DeviceFault*>(d_i32 + faults_off) : nullptr;
     // The worker's device queries are read with the non-finite check fused in (a bad value
@@ -398,6 +402,10 @@ class CudaBackend final : public Backend, public DeviceRuntime {
       }
       if (absl::Status s = l.format->LaunchAttend(a); !s.ok()) return Noted(s);
       part_base += l.splits;
+      if (timeline_ != nullptr) {
+        timeline_->Step(PhaseTimes::Phase(absl::StrCat("gpu.daemon attention ", l.format->name(),
+                                                       a.merge != nullptr ? " (+merge)" : "")));
+      }
     }
     if (!merged) {
       if (part_base == 0) {  // nothing to attend: every row is the empty state

@@ -15,7 +15,8 @@ constexpr size_t kMaxPending = 4096;  // beyond: the marks are dropped (nothing 
 
 GpuTimeline::GpuTimeline()
     : busy_phase_(PhaseTimes::Phase("gpu.daemon busy (inputs ready -> done)")),
-      idle_phase_(PhaseTimes::Phase("gpu.daemon idle (done -> next inputs ready)")) {}
+      idle_phase_(PhaseTimes::Phase("gpu.daemon idle (done -> next inputs ready)")),
+      tail_phase_(PhaseTimes::Phase("gpu.daemon tail (-> done)")) {}
 
 GpuTimeline::~GpuTimeline() {
   for (const Marked& m : marks_) (void)kc::DestroyEvent(m.event);
@@ -38,13 +39,17 @@ void GpuTimeline::RecycleLocked(void* event) {
   if (event != nullptr) free_.push_back(event);
 }
 
-void GpuTimeline::Mark(bool start) {
+void GpuTimeline::DropFrontLocked() {
+  RecycleLocked(marks_.front().event);
+  marks_.pop_front();
+}
+
+void GpuTimeline::Mark(Kind kind, int phase) {
   std::lock_guard<std::mutex> lock(mu_);
   if (failed_) return;
   ResolveLocked();
   if (marks_.size() >= kMaxPending) {
-    for (const Marked& m : marks_) RecycleLocked(m.event);
-    marks_.clear();
+    while (!marks_.empty()) DropFrontLocked();
   }
   void* e = TakeEventLocked();
   if (e == nullptr || !kc::RecordTimingEvent(e).empty()) {
@@ -52,45 +57,46 @@ void GpuTimeline::Mark(bool start) {
     RecycleLocked(e);
     return;
   }
-  marks_.push_back({e, start});
+  marks_.push_back({e, kind, phase});
 }
 
-// Marks come as S.. E.. S.. E..: a call's last start mark and its first end mark bound its
-// busy span; that end and the next call's last start bound the idle span between calls.
+// A call is Start, Step.., End. Marks outside that shape (steps or ends of calls that did
+// not start with a wait, several starts) are dropped: a call's last Start begins it.
 void GpuTimeline::ResolveLocked() {
   while (!marks_.empty()) {
-    const Marked front = marks_.front();
-    if (!front.start) {  // an end with no start before it (another kind of call): forget it
-      marks_.pop_front();
-      RecycleLocked(front.event);
+    if (marks_.front().kind != kStart) {
+      DropFrontLocked();
       continue;
     }
-    if (marks_.size() < 2) return;
-    const Marked next = marks_[1];
-    if (next.start) {  // several waits in one call: the last one starts the span
-      marks_.pop_front();
-      RecycleLocked(front.event);
+    size_t end = 1;
+    while (end < marks_.size() && marks_[end].kind == kStep) ++end;
+    if (end == marks_.size()) return;  // the call's End is not recorded yet
+    if (marks_[end].kind == kStart) {  // a start with no end before the next start
+      DropFrontLocked();
       continue;
     }
     bool done = false;
-    float busy_ms = 0, idle_ms = 0;
-    if (!kc::ElapsedIfDone(front.event, next.event, &done, &busy_ms).empty()) {
+    float ms = 0;
+    if (!kc::ElapsedIfDone(marks_.front().event, marks_[end].event, &done, &ms).empty()) {
       failed_ = true;
       return;
     }
     if (!done) return;
-    PhaseTimes::Add(busy_phase_, static_cast<int64_t>(busy_ms * 1e6f));
+    PhaseTimes::Add(busy_phase_, static_cast<int64_t>(ms * 1e6f));
+    for (size_t i = 1; i <= end; ++i) {
+      if (kc::ElapsedIfDone(marks_[i - 1].event, marks_[i].event, &done, &ms).empty() && done) {
+        PhaseTimes::Add(marks_[i].phase, static_cast<int64_t>(ms * 1e6f));
+      }
+    }
     if (last_end_ != nullptr) {
-      bool idle_done = false;
-      if (kc::ElapsedIfDone(last_end_, front.event, &idle_done, &idle_ms).empty() && idle_done) {
-        PhaseTimes::Add(idle_phase_, static_cast<int64_t>(idle_ms * 1e6f));
+      if (kc::ElapsedIfDone(last_end_, marks_.front().event, &done, &ms).empty() && done) {
+        PhaseTimes::Add(idle_phase_, static_cast<int64_t>(ms * 1e6f));
       }
       RecycleLocked(last_end_);
     }
-    last_end_ = next.event;
-    RecycleLocked(front.event);
-    marks_.pop_front();
-    marks_.pop_front();
+    last_end_ = marks_[end].event;
+    for (size_t i = 0; i < end; ++i) DropFrontLocked();
+    marks_.pop_front();  // the End, kept as last_end_
   }
 }
 
