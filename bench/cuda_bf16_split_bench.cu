@@ -79,8 +79,8 @@ struct Pages {
     pages_per = (n + kPs - 1) / kPs;
     page_bytes = kvcd::kernels::Bf16PageElems(kHkv, kPs, kD) * 2;
     layer_bytes = int64_t{pages_per} * batch * page_bytes;
-    const int count = static_cast<int>(
-        std::clamp<int64_t>(int64_t{1000000000} / layer_bytes, 1, max_layers));
+    const int count =
+        static_cast<int>(std::clamp<int64_t>(int64_t{1000000000} / layer_bytes, 1, max_layers));
     for (int l = 0; l < count; ++l) {
       void* p = nullptr;
       CHECK(cudaMalloc(&p, layer_bytes));
@@ -124,8 +124,8 @@ struct Call {
   void Parts(const kc::PagedList& list, int batch, int max_tokens, const kc::RawQueries& q,
              const float* r_k, cudaStream_t stream) const {
     const kc::DecodeGeometry geo{batch, kHq, kHkv, kD, kPs};
-    CHECK(kc::LaunchBf16Parts(kernel, list, geo, nullptr, r_k, 1.0f / std::sqrt(float{kD}),
-                              splits, max_tokens, part_o, part_lse, 0, stream, &q));
+    CHECK(kc::LaunchBf16Parts(kernel, list, geo, nullptr, r_k, 1.0f / std::sqrt(float{kD}), splits,
+                              max_tokens, part_o, part_lse, 0, stream, &q));
   }
   void Merge(cudaStream_t stream) const {
     CHECK(kc::LaunchMergeParts(part_o, part_lse, splits, rows, kD, nullptr, o, lse, stream));
@@ -151,8 +151,8 @@ bool Check(int sms, cudaStream_t stream) {
     CHECK(cudaStreamSynchronize(stream));
     o.emplace_back(static_cast<size_t>(c.rows) * kD);
     lse.emplace_back(c.rows);
-    CHECK(cudaMemcpy(o.back().data(), c.o, sizeof(float) * o.back().size(),
-                     cudaMemcpyDeviceToHost));
+    CHECK(
+        cudaMemcpy(o.back().data(), c.o, sizeof(float) * o.back().size(), cudaMemcpyDeviceToHost));
     CHECK(cudaMemcpy(lse.back().data(), c.lse, sizeof(float) * c.rows, cudaMemcpyDeviceToHost));
   }
   CHECK(cudaFree(d_q));
@@ -210,12 +210,12 @@ int main(int argc, char** argv) {
       "BF16\n"
       "parts: the attention kernel alone; call: parts + merge. single: one call between two\n"
       "events; b2b: 40 calls back to back over up to 4 layers of pages, per call (median).\n");
-  std::printf("%-6s %8s %6s %7s %12s %12s %12s %10s %10s\n", "kernel", "context", "batch",
-              "splits", "parts b2b us", "call 1 us", "call b2b us", "MB read", "TB/s parts");
+  std::printf("%-6s %8s %6s %7s %12s %12s %12s %10s %10s\n", "kernel", "context", "batch", "splits",
+              "parts b2b us", "call 1 us", "call b2b us", "MB read", "TB/s parts");
   for (int n : contexts) {
     for (int batch : batches) {
       const Pages pages(batch, n, 4, std::vector<int>(batch, n));
-      std::vector<uint16_t> q(static_cast<size_t>(batch) * kHq * kD, 0x3f80);  // 1.0
+      std::vector<uint16_t> q(static_cast<size_t>(batch) * kHq * kD, 0x3f80);   // 1.0
       for (size_t i = 0; i < q.size(); ++i) q[i] = i % 3 == 0 ? 0xbf00 : q[i];  // -0.5
       uint16_t* d_q = Upload(q);
       const kc::RawQueries raw{d_q, true, nullptr, 0};
@@ -247,9 +247,8 @@ int main(int argc, char** argv) {
           c.Parts(pages.List(i), batch, n, raw, r.r_k, stream);
           c.Merge(stream);
         });
-        std::printf("%-6s %8d %6d %7d %12.1f %12.1f %12.1f %10.1f %10.2f%s\n",
-                    KernelName(r.kernel), n, batch, c.splits, parts_b2b, call1, call_b2b, mb,
-                    mb / parts_b2b, r.note);
+        std::printf("%-6s %8d %6d %7d %12.1f %12.1f %12.1f %10.1f %10.2f%s\n", KernelName(r.kernel),
+                    n, batch, c.splits, parts_b2b, call1, call_b2b, mb, mb / parts_b2b, r.note);
       }
       CHECK(cudaFree(d_q));
       CHECK(cudaFree(d_rk));

@@ -53,11 +53,13 @@ constexpr float kLn2 = 0.6931471805599453f;
 template <int D>
 constexpr int kStages = D == 256 ? 2 : 3;
 template <int D>
-constexpr int kStageBytes = 2 * kTile * D * 2;
+constexpr int kStageBytes = 2 * kTile* D * 2;
 template <int D>
-constexpr int kRingBytes = kWarps * kStages<D> * kStageBytes<D>;
+constexpr int kRingBytes = kWarps* kStages<D>* kStageBytes<D>;
 template <int D>
-constexpr int kCtasPerSm = D == 64 ? 4 : D == 128 ? 2 : 1;
+constexpr int kCtasPerSm = D == 64    ? 4
+                           : D == 128 ? 2
+                                      : 1;
 
 struct SplitArgs {
   PagedList list;
@@ -140,8 +142,8 @@ __device__ __forceinline__ float QueryAt(const SplitArgs& a, int64_t i) {
 // group. raw is scratch. Every CTA reads its group's queries (so the raw path checks every
 // query even where a sequence has no tokens in the list). Ends with a barrier.
 template <int D>
-__device__ void LoadGroupQueries(const SplitArgs& a, int b, int kvh, int G,
-                                 float (*raw)[D], float (*s_q)[D]) {
+__device__ void LoadGroupQueries(const SplitArgs& a, int b, int kvh, int G, float (*raw)[D],
+                                 float (*s_q)[D]) {
   for (int i = threadIdx.x; i < kMaxGroup * D; i += blockDim.x) {
     const int h = i / D, e = i % D;
     raw[h][e] =
@@ -320,9 +322,9 @@ __global__ void __launch_bounds__(kWarps * 32, kCtasPerSm<D>) Bf16SplitKernel(co
   // The warps' states, in the rings (every copy landed, every warp past its loop).
   CpAsyncWait<0>();
   __syncthreads();
-  float* s_o = reinterpret_cast<float*>(smem);       // [kWarps][8][D]
-  float* s_m = s_o + kWarps * kMaxGroup * D;         // [kWarps][8]
-  float* s_l = s_m + kWarps * kMaxGroup;             // [kWarps][8]
+  float* s_o = reinterpret_cast<float*>(smem);  // [kWarps][8][D]
+  float* s_m = s_o + kWarps * kMaxGroup * D;    // [kWarps][8]
+  float* s_l = s_m + kWarps * kMaxGroup;        // [kWarps][8]
   float* o_row = s_o + (warp * kMaxGroup + g) * D;
 #pragma unroll
   for (int i = 0; i < kNt; ++i) {
@@ -445,9 +447,8 @@ cudaError_t LaunchBf16SplitDecodeParts(const PagedList& list, const DecodeGeomet
     a.q_faults = raw->faults;
     a.q_fault_bits = FaultTag(0, raw->fault_layer);
   }
-  return DispatchHeadDim(geo.head_dim, [&](auto d) {
-    return LaunchSplit<decltype(d)::value>(a, splits, stream);
-  });
+  return DispatchHeadDim(
+      geo.head_dim, [&](auto d) { return LaunchSplit<decltype(d)::value>(a, splits, stream); });
 }
 
 cudaError_t LaunchBf16Parts(Bf16Kernel kernel, const PagedList& list, const DecodeGeometry& geo,
@@ -458,8 +459,8 @@ cudaError_t LaunchBf16Parts(Bf16Kernel kernel, const PagedList& list, const Deco
     return LaunchBf16DecodeParts(list, geo, q, r_k, scale, splits, max_tokens, part_o, part_lse,
                                  part_base, stream, raw);
   }
-  return LaunchBf16SplitDecodeParts(list, geo, q, r_k, scale, splits, max_tokens, part_o,
-                                    part_lse, part_base, stream, raw);
+  return LaunchBf16SplitDecodeParts(list, geo, q, r_k, scale, splits, max_tokens, part_o, part_lse,
+                                    part_base, stream, raw);
 }
 
 }  // namespace kvcd::kernels::cuda

@@ -56,8 +56,8 @@ struct PagedSequences {
         const int64_t page = ids[b * max_pages + t / ps] * stride;
         for (int which = 0; which < 2; ++which) {
           for (int h = 0; h < hkv; ++h) {
-            uint16_t* row = pool.data() + page + (int64_t{which} * hkv + h) * ps * d +
-                            int64_t{t % ps} * d;
+            uint16_t* row =
+                pool.data() + page + (int64_t{which} * hkv + h) * ps * d + int64_t{t % ps} * d;
             for (int e = 0; e < d; ++e) row[e] = FloatToBf16(normal(rng));
           }
         }
@@ -105,14 +105,10 @@ std::string Name(const Case& c) {
 
 TEST_F(CudaBf16SplitTest, PartsMatchTheScalarCpuKernel) {
   const std::vector<Case> cases = {
-      {128, 2, 4, 64, {1037, 1, 0, 64, 65}, true, 0},
-      {128, 1, 8, 16, {333, 4103}, false, 0},
-      {64, 3, 1, 5, {17, 250, 2}, false, 0},
-      {64, 2, 7, 32, {515}, true, 8},
-      {256, 2, 3, 24, {200, 31}, false, 0},
-      {256, 1, 5, 64, {700, 3}, true, 0},
-      {128, 4, 2, 48, {96, 1500}, false, 4},
-      {64, 1, 6, 128, {129, 0}, false, 0},
+      {128, 2, 4, 64, {1037, 1, 0, 64, 65}, true, 0}, {128, 1, 8, 16, {333, 4103}, false, 0},
+      {64, 3, 1, 5, {17, 250, 2}, false, 0},          {64, 2, 7, 32, {515}, true, 8},
+      {256, 2, 3, 24, {200, 31}, false, 0},           {256, 1, 5, 64, {700, 3}, true, 0},
+      {128, 4, 2, 48, {96, 1500}, false, 4},          {64, 1, 6, 128, {129, 0}, false, 0},
   };
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (const Case& c : cases) {
@@ -171,9 +167,8 @@ TEST_F(CudaBf16SplitTest, PartsMatchTheScalarCpuKernel) {
                 cudaSuccess);
       float* o = Up(std::vector<float>(static_cast<size_t>(rows) * d, NAN));
       float* lse = Up(std::vector<float>(rows, NAN));
-      ASSERT_EQ(
-          cuda::LaunchMergeParts(part_o, part_lse, parts, rows, d, nullptr, o, lse, nullptr),
-          cudaSuccess);
+      ASSERT_EQ(cuda::LaunchMergeParts(part_o, part_lse, parts, rows, d, nullptr, o, lse, nullptr),
+                cudaSuccess);
       const auto merged_o = Down(o, static_cast<size_t>(rows) * d);
       const auto merged_lse = Down(lse, rows);
       std::vector<double> host_o;
@@ -221,8 +216,8 @@ TEST_F(CudaBf16SplitTest, RawQueriesAreBitIdenticalToConvertedOnes) {
   for (auto& x : rk) x = normal(rng_) / std::sqrt(static_cast<float>(d));
   std::vector<uint16_t> qb(q.size());
   for (size_t i = 0; i < q.size(); ++i) qb[i] = FloatToBf16(q[i]);
-  qb[int64_t{1} * hq * d + 5] = kBf16Nan;              // sequence 1 (no tokens)
-  qb[int64_t{2} * hq * d + 3 * d + 17] = 0x7f80;       // +Inf in sequence 2
+  qb[int64_t{1} * hq * d + 5] = kBf16Nan;         // sequence 1 (no tokens)
+  qb[int64_t{2} * hq * d + 3 * d + 17] = 0x7f80;  // +Inf in sequence 2
   const float* d_q = Up(q);
   const uint16_t* d_qb = Up(qb);
   const float* d_rk = Up(rk);
@@ -246,8 +241,8 @@ TEST_F(CudaBf16SplitTest, RawQueriesAreBitIdenticalToConvertedOnes) {
     cuda::RawQueries raw;
     const cuda::RawQueries* raw_q = nullptr;
     if (way == kRawF32 || way == kRawBf16) {
-      raw = cuda::RawQueries{way == kRawF32 ? static_cast<const void*>(d_q) : d_qb,
-                             way == kRawBf16, d_faults, layer};
+      raw = cuda::RawQueries{way == kRawF32 ? static_cast<const void*>(d_q) : d_qb, way == kRawBf16,
+                             d_faults, layer};
       raw_q = &raw;
       way_q = nullptr;
     } else if (way == kConvertedBf16) {
@@ -257,8 +252,8 @@ TEST_F(CudaBf16SplitTest, RawQueriesAreBitIdenticalToConvertedOnes) {
                 cudaSuccess);
       way_q = d_qc;
     }
-    ASSERT_EQ(cuda::LaunchBf16SplitDecodeParts(list, geo, way_q, d_rk, scale, splits, 300,
-                                               part_o, part_lse, 0, nullptr, raw_q),
+    ASSERT_EQ(cuda::LaunchBf16SplitDecodeParts(list, geo, way_q, d_rk, scale, splits, 300, part_o,
+                                               part_lse, 0, nullptr, raw_q),
               cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const auto o = Down(part_o, static_cast<size_t>(splits) * rows * d);
@@ -305,8 +300,8 @@ TEST(Bf16SplitArgsTest, SplitsFillOneWaveAndBadArgumentsAreRefused) {
   const int32_t zero = 0;
   const cuda::PagedList list{reinterpret_cast<const uint8_t*>(part), 1024, &zero, 1, &zero};
   auto launch = [&](cuda::DecodeGeometry g, int splits) {
-    return cuda::LaunchBf16SplitDecodeParts(list, g, part, nullptr, 1.0f, splits, 16, part, part,
-                                            0, nullptr);
+    return cuda::LaunchBf16SplitDecodeParts(list, g, part, nullptr, 1.0f, splits, 16, part, part, 0,
+                                            nullptr);
   };
   EXPECT_EQ(launch({1, 32, 8, 96, 64}, 1), cudaErrorInvalidValue);   // head_dim
   EXPECT_EQ(launch({1, 32, 2, 128, 64}, 1), cudaErrorInvalidValue);  // group 16
