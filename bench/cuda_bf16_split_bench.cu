@@ -190,21 +190,8 @@ int main(int argc, char** argv) {
   cudaStream_t stream = nullptr;
   CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const bool ok = Check(sms, stream);
-  {  // read ceiling: a large read-only reduction
-    const int64_t bytes = int64_t{4} << 30;
-    void* buf = nullptr;
-    unsigned* out = nullptr;
-    CHECK(cudaMalloc(&buf, bytes));
-    CHECK(cudaMalloc(&out, 4));
-    CHECK(cudaMemset(buf, 1, bytes));
-    const double us = MedianUsPerCall(stream, 12, 2, 1, [&](int) {
-      ReadReduce<<<sms * 8, 512, 0, stream>>>(static_cast<const uint4*>(buf), bytes / 16, out);
-    });
-    std::printf("read ceiling: %.2f TB/s (4 GiB read-only reduction, median of 10)\n",
-                bytes / us / 1e6);
-    CHECK(cudaFree(buf));
-    CHECK(cudaFree(out));
-  }
+  std::printf("read ceiling: %.2f TB/s (4 GiB read-only reduction, median of 10)\n",
+              ReadCeilingTbps(stream, sms, int64_t{4} << 30));
   std::printf(
       "\nBF16 decode attention, Qwen3-8B layer (32 q / 8 kv heads, d 128, page 64), queries raw "
       "BF16\n"
