@@ -362,15 +362,19 @@ __global__ void __launch_bounds__(kWarps * 32, kCtasPerSm<D>) Bf16SplitKernel(co
 
 template <int D>
 cudaError_t LaunchSplit(const SplitArgs& a, int splits, cudaStream_t stream) {
-  // The ring needs more than the default 48 KB of dynamic shared memory: raise the limit once
-  // per device (a bit per device ordinal).
+  // The ring needs more than the default 48 KB of dynamic shared memory, and kCtasPerSm CTAs
+  // per SM the largest shared-memory carveout: set both once per device (a bit per ordinal).
   static std::atomic<uint64_t> raised{0};
   int dev = 0;
   if (const cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
   const uint64_t bit = dev < 64 ? uint64_t{1} << dev : 0;
   if (bit == 0 || (raised.load(std::memory_order_relaxed) & bit) == 0) {
-    const cudaError_t e = cudaFuncSetAttribute(
+    cudaError_t e = cudaFuncSetAttribute(
         Bf16SplitKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kRingBytes<D>);
+    if (e == cudaSuccess) {
+      e = cudaFuncSetAttribute(Bf16SplitKernel<D>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               cudaSharedmemCarveoutMaxShared);
+    }
     if (e != cudaSuccess) return e;
     raised.fetch_or(bit, std::memory_order_relaxed);
   }
