@@ -157,12 +157,17 @@ __device__ void LoadGroupQueries(const SplitArgs& a, int b, int kvh, int G, floa
 #pragma unroll
     for (int h = 0; h < kMaxGroup; ++h) acc[h] = a.r_k == nullptr ? raw[h][j] : 0.0f;
     if (a.r_k != nullptr) {
-      // Thread j computes column j of every row: R_k read once per CTA, coalesced.
-#pragma unroll 8
-      for (int i = 0; i < D; ++i) {
-        const float r = __ldg(a.r_k + i * D + j);
+      // Thread j computes column j of every row: R_k read once per CTA, coalesced, 32 loads
+      // in flight per thread (D / 32 round trips to L2).
+      for (int i0 = 0; i0 < D; i0 += 32) {
+        float r[32];
 #pragma unroll
-        for (int h = 0; h < kMaxGroup; ++h) acc[h] = fmaf(raw[h][i], r, acc[h]);
+        for (int u = 0; u < 32; ++u) r[u] = __ldg(a.r_k + (i0 + u) * D + j);
+#pragma unroll
+        for (int u = 0; u < 32; ++u) {
+#pragma unroll
+          for (int h = 0; h < kMaxGroup; ++h) acc[h] = fmaf(raw[h][i0 + u], r[u], acc[h]);
+        }
       }
     }
 #pragma unroll
