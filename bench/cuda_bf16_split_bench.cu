@@ -13,8 +13,8 @@
 //    gaps included) and b2b (40 calls back to back cycling over up to 4 layers of pages, what
 //    a decode step over layers sees), median; TB/s counts the K/V bytes read, tokens x kv heads
 //    x d x 2 (K, V) x 2 bytes per sequence. Queries are read raw as BF16 (the daemon's IPC
-//    path). One extra row: the split kernel with a dense R_k (the rotation a BF16 window of an
-//    INT2 model applies).
+//    path). Extra rows at batch 1: the split kernel with a dense R_k (the rotation a BF16
+//    window of an INT2 model applies), with half and with twice its split count.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -109,8 +109,9 @@ struct Call {
   kc::Bf16Kernel kernel;
   int splits, rows;
   float *part_o = nullptr, *part_lse = nullptr, *o = nullptr, *lse = nullptr;
-  Call(kc::Bf16Kernel k, int batch, int max_tokens, int sms) : kernel(k) {
-    splits = kc::Bf16DecodeSplits(k, batch, kHkv, kD, max_tokens, sms);
+  // splits_x2: the kernel's split count times splits_x2 / 2 (2: as the daemon launches).
+  Call(kc::Bf16Kernel k, int batch, int max_tokens, int sms, int splits_x2 = 2) : kernel(k) {
+    splits = std::max(1, kc::Bf16DecodeSplits(k, batch, kHkv, kD, max_tokens, sms) * splits_x2 / 2);
     rows = batch * kHq;
     CHECK(cudaMalloc(&part_o, sizeof(float) * splits * rows * kD));
     CHECK(cudaMalloc(&part_lse, sizeof(float) * splits * rows));
@@ -216,12 +217,17 @@ int main(int argc, char** argv) {
         kc::Bf16Kernel kernel;
         const float* r_k;
         const char* note;
+        int splits_x2 = 2;
       };
       std::vector<Row> rows_to_run = {{kc::Bf16Kernel::kSplit, nullptr, ""},
                                       {kc::Bf16Kernel::kWarp, nullptr, ""}};
-      if (batch == 1) rows_to_run.push_back({kc::Bf16Kernel::kSplit, d_rk, "  (with a dense R_k)"});
+      if (batch == 1) {  // what the split count and a rotation do to the split kernel
+        rows_to_run.push_back({kc::Bf16Kernel::kSplit, d_rk, "  (with a dense R_k)"});
+        rows_to_run.push_back({kc::Bf16Kernel::kSplit, nullptr, "  (half the splits)", 1});
+        rows_to_run.push_back({kc::Bf16Kernel::kSplit, nullptr, "  (twice the splits)", 4});
+      }
       for (const Row& r : rows_to_run) {
-        const Call c(r.kernel, batch, n, sms);
+        const Call c(r.kernel, batch, n, sms, r.splits_x2);
         const int calls = 40;
         const double parts_b2b = MedianUsPerCall(stream, 7, 2, calls, [&](int i) {
           c.Parts(pages.List(i), batch, n, raw, r.r_k, stream);
