@@ -6,8 +6,8 @@
 //
 // Grid (splits, kv_heads, batch), 4 warps per CTA; a split is a run of 16-token tiles and the
 // warps take every 4th one. Each K/V row is read once per CTA with 16-byte cp.async into a
-// swizzled shared-memory ring (kvcd::kernels::cuda::Bf16SplitStages tiles per warp) and serves
-// every query head of the GQA group: S = Q K^T and O += P V are mma.sync m16n8k16 BF16 with
+// swizzled shared-memory ring per warp (3 tiles deep, 2 at head_dim 256) and serves every
+// query head of the GQA group: S = Q K^T and O += P V are mma.sync m16n8k16 BF16 with
 // FP32 accumulation, rows 0..7 of A the group's queries (or weights) rounded to BF16, rows
 // 8..15 their remainders, so the products carry ~16 significant bits of q and p (K and V are
 // BF16 already). Online softmax in FP32, base 2. bf16_split_attention.cu says more.
@@ -39,6 +39,8 @@ int Bf16DecodeSplits(Bf16Kernel kernel, int batch, int num_kv_heads, int head_di
 // words set as LaunchQueriesToFloat does) and q is not used, bit for bit the same parts as
 // the conversion followed by the launch. Tokens past lengths[b] are never read. When the
 // pages or page_stride are not 16-byte aligned the first kernel runs instead (same parts).
+// Thread-safe; the first launch on a device also raises the kernel's shared-memory limits
+// (cudaFuncSetAttribute), which never waits for the device.
 // REQUIRES: head_dim in {64, 128, 256}, num_q_heads / num_kv_heads <= 8, page_size > 0,
 // splits > 0; cudaErrorInvalidValue otherwise.
 cudaError_t LaunchBf16SplitDecodeParts(const PagedList& list, const DecodeGeometry& geo,
