@@ -55,8 +55,8 @@ WriteValueFn write_value = nullptr;
 bool LoadWriteValue() {
   cudaDriverEntryPointQueryResult q{};
   void* fn = nullptr;
-  if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &fn, 12000, cudaEnableDefault,
-                                       &q) != cudaSuccess ||
+  if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &fn, 12000, cudaEnableDefault, &q) !=
+          cudaSuccess ||
       fn == nullptr) {
     (void)cudaGetLastError();
     return false;
@@ -155,12 +155,13 @@ int main(int argc, char** argv) {
   both("cudaLaunchKernelEx, programmatic stream serialization", launch_pdl);
   both("cudaEventRecord (timing off)", [&] { CHECK(cudaEventRecord(plain, b.s)); });
   both("cudaEventRecord (interprocess event)", [&] { CHECK(cudaEventRecord(ipc, b.s)); });
-  both("cudaStreamWaitEvent (interprocess event)", [&] { CHECK(cudaStreamWaitEvent(b.s, ipc, 0)); });
+  both("cudaStreamWaitEvent (interprocess event)",
+       [&] { CHECK(cudaStreamWaitEvent(b.s, ipc, 0)); });
   if (LoadWriteValue()) {
     uint32_t v = 0;
     both("cuStreamWriteValue32 (device word)", [&] {
-      const CUresult r = write_value(reinterpret_cast<CUstream>(b.s),
-                                     reinterpret_cast<CUdeviceptr>(word), ++v, 0);
+      const CUresult r =
+          write_value(reinterpret_cast<CUstream>(b.s), reinterpret_cast<CUdeviceptr>(word), ++v, 0);
       if (r != CUDA_SUCCESS) {
         std::fprintf(stderr, "cuStreamWriteValue32 failed: %d\n", static_cast<int>(r));
         std::exit(1);
