@@ -1,6 +1,6 @@
 // What the CUDA benchmarks share: CHECK (a failed CUDA call prints where and exits 1), the
-// read-ceiling kernel (a read-only reduction, ReadReduce), event timing (MedianUsPerCall)
-// and the arguments of a Put-size paged row store (PutRows).
+// read-ceiling kernel (a read-only reduction, ReadReduce; ReadCeilingTbps), event timing
+// (MedianUsPerCall) and the arguments of a Put-size paged row store (PutRows).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -60,6 +60,22 @@ double MedianUsPerCall(cudaStream_t stream, int repeats, int skip, int calls, F 
   CHECK(cudaEventDestroy(a));
   CHECK(cudaEventDestroy(b));
   return Median(ms) * 1e3;
+}
+
+// The read ceiling in TB/s: ReadReduce over `bytes` of device memory on `stream`, median of
+// 10 runs after 2 warm-up runs.
+inline double ReadCeilingTbps(cudaStream_t stream, int sms, int64_t bytes) {
+  void* buf = nullptr;
+  unsigned* out = nullptr;
+  CHECK(cudaMalloc(&buf, bytes));
+  CHECK(cudaMalloc(&out, 4));
+  CHECK(cudaMemset(buf, 1, bytes));
+  const double us = MedianUsPerCall(stream, 12, 2, 1, [&](int) {
+    ReadReduce<<<sms * 8, 512, 0, stream>>>(static_cast<const uint4*>(buf), bytes / 16, out);
+  });
+  CHECK(cudaFree(buf));
+  CHECK(cudaFree(out));
+  return static_cast<double>(bytes) / us / 1e6;
 }
 
 // A request of `tokens` tokens, [layers][tokens][heads][d] BF16 K at `src` and V right after
