@@ -417,11 +417,14 @@ int Bf16DecodeSplits(Bf16Kernel kernel, int batch, int num_kv_heads, int head_di
   if (kernel == Bf16Kernel::kWarp) {
     return Int2DecodeSplits(batch, num_kv_heads, max_tokens, num_sms);
   }
-  // As many splits as fit in one wave of resident CTAs (a second, partial wave would double
-  // the time of the last CTAs), each warp at least kMinTilesPerWarp tiles.
+  // One CTA per SM (a second, partial wave would double the time of the last CTAs), each
+  // warp at least kMinTilesPerWarp tiles. One CTA's rings keep ~96 KB of K/V in flight,
+  // enough for the SM's share of the read rate; the H200 measured 33 splits (two CTAs per
+  // SM at d 128) 7% / 4% slower than 16 at batch 1, 32k / 100k
+  // (bench/results/2026-12-06-h200-bf16-split.md).
   const int64_t ctas = int64_t{batch} * num_kv_heads;
-  if (ctas <= 0) return 1;
-  int64_t splits = int64_t{Bf16SplitCtasPerSm(head_dim)} * num_sms / ctas;
+  if (ctas <= 0 || Bf16SplitCtasPerSm(head_dim) <= 0) return 1;
+  int64_t splits = int64_t{num_sms} / ctas;
   const int per_split = kWarps * kTile * kMinTilesPerWarp;
   const int64_t by_tokens = (int64_t{max_tokens} + per_split - 1) / per_split;
   splits = splits < by_tokens ? splits : by_tokens;

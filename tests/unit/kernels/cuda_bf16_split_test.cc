@@ -279,15 +279,16 @@ TEST_F(CudaBf16SplitTest, RawQueriesAreBitIdenticalToConvertedOnes) {
 }
 
 // No device needed: the split counts and the argument checks come before any CUDA call.
-TEST(Bf16SplitArgsTest, SplitsFillOneWaveAndBadArgumentsAreRefused) {
+TEST(Bf16SplitArgsTest, SplitsFillOneCtaPerSmAndBadArgumentsAreRefused) {
   using cuda::Bf16DecodeSplits;
   using cuda::Bf16Kernel;
-  // Qwen3-8B geometry on 132 SMs: 2 CTAs per SM at head_dim 128.
-  EXPECT_EQ(Bf16DecodeSplits(Bf16Kernel::kSplit, 1, 8, 128, 32768, 132), 33);
-  EXPECT_EQ(Bf16DecodeSplits(Bf16Kernel::kSplit, 8, 8, 128, 32768, 132), 4);
+  // Qwen3-8B geometry on 132 SMs: one CTA per SM at every head_dim.
+  EXPECT_EQ(Bf16DecodeSplits(Bf16Kernel::kSplit, 1, 8, 128, 32768, 132), 16);
+  EXPECT_EQ(Bf16DecodeSplits(Bf16Kernel::kSplit, 8, 8, 128, 32768, 132), 2);
   EXPECT_EQ(Bf16DecodeSplits(Bf16Kernel::kSplit, 64, 8, 128, 32768, 132), 1);
-  EXPECT_EQ(Bf16DecodeSplits(Bf16Kernel::kSplit, 1, 8, 64, 32768, 132), 66);
+  EXPECT_EQ(Bf16DecodeSplits(Bf16Kernel::kSplit, 1, 8, 64, 32768, 132), 16);
   EXPECT_EQ(Bf16DecodeSplits(Bf16Kernel::kSplit, 1, 8, 256, 32768, 132), 16);
+  EXPECT_EQ(Bf16DecodeSplits(Bf16Kernel::kSplit, 1, 8, 96, 32768, 132), 1);  // no such kernel
   // Short lists: at least 2 tiles of 16 tokens per warp per split.
   EXPECT_EQ(Bf16DecodeSplits(Bf16Kernel::kSplit, 1, 8, 128, 100, 132), 1);
   EXPECT_EQ(Bf16DecodeSplits(Bf16Kernel::kSplit, 1, 8, 128, 300, 132), 3);

@@ -28,7 +28,7 @@ enum class Bf16Kernel { kSplit, kWarp };
 // 128, 1 at 256; 0 for other head_dims.
 int Bf16SplitCtasPerSm(int head_dim);
 
-// The split count for a batch: one wave of Bf16SplitCtasPerSm CTAs per SM, at least two
+// The split count for a batch: one CTA per SM (Bf16SplitCtasPerSm may fit more), at least two
 // 16-token tiles per warp. kWarp: Int2DecodeSplits (what the first kernel always used).
 int Bf16DecodeSplits(Bf16Kernel kernel, int batch, int num_kv_heads, int head_dim, int max_tokens,
                      int num_sms);
