@@ -107,6 +107,31 @@ std::string RecordEvent(void* event) {
   return Text(cudaEventRecord(static_cast<cudaEvent_t>(event), nullptr));
 }
 
+std::string CreateSideStream(void** stream) {
+  cudaStream_t s = nullptr;
+  const cudaError_t err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  if (err == cudaSuccess) *stream = s;
+  return Text(err);
+}
+std::string ForkTo(void* stream, void* event) {
+  Counts().event_records.fetch_add(1, std::memory_order_relaxed);
+  Counts().stream_waits.fetch_add(1, std::memory_order_relaxed);
+  cudaError_t err = cudaEventRecord(static_cast<cudaEvent_t>(event), nullptr);
+  if (err == cudaSuccess) {
+    err =
+        cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0);
+  }
+  return Text(err);
+}
+std::string JoinFrom(void* stream, void* event) {
+  Counts().event_records.fetch_add(1, std::memory_order_relaxed);
+  Counts().stream_waits.fetch_add(1, std::memory_order_relaxed);
+  cudaError_t err =
+      cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream));
+  if (err == cudaSuccess) err = cudaStreamWaitEvent(nullptr, static_cast<cudaEvent_t>(event), 0);
+  return Text(err);
+}
+
 std::string CreateTimingEvent(void** event) {
   cudaEvent_t e = nullptr;
   const cudaError_t err = cudaEventCreate(&e);

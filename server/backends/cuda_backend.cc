@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -373,12 +374,32 @@ class CudaBackend final : public Backend, public DeviceRuntime {
                                 b.device_o != nullptr ? b.device_lse : d_lse,
                                 d_faults,
                                 hq};
+    // With several lists (the BF16 windows beside INT2 history), the lists before the last
+    // run on a second stream beside it (the windows' few CTAs fit beside the history's grid)
+    // and the merge runs once both are done, instead of one list after the other.
+    const CudaPageFormat* last_format = nullptr;
+    int launched = 0;
+    bool all_side = true;
+    for (auto it = lists_.begin(); it != lists_end; ++it) {
+      if (it->splits == 0) continue;
+      if (last_format != nullptr) all_side = all_side && last_format->RunsOnSideStream();
+      last_format = it->format;
+      ++launched;
+    }
+    const bool forked = side_lists_ && launched >= 2 && all_side;
+    if (forked) {
+      KVCD_RETURN_IF_ERROR(Noted(SideStreamLocked()));
+      RETURN_IF_CUDA(kc::ForkTo(side_stream_, fork_event_));
+    }
     int part_base = 0;
     bool merged = false;
+    int launched_so_far = 0;
     for (auto it = lists_.begin(); it != lists_end; ++it) {
       const List& l = *it;
       if (l.splits == 0) continue;
+      const bool on_side = forked && ++launched_so_far < launched;
       CudaPageFormat::AttendLaunch a;
+      a.stream = on_side ? side_stream_ : nullptr;
       a.list = kc::PagedList{l.pool->LayerBase(b.layer), l.pool->layer_page_bytes(),
                              d_i32 + l.table_off, l.max_pages, d_i32 + l.len_off};
       a.geo = geo;
@@ -395,18 +416,20 @@ class CudaBackend final : public Backend, public DeviceRuntime {
       a.layer = b.layer;
       a.num_sms = sms_;
       if (!l.first_pos.empty()) a.positions = reinterpret_cast<const int64_t*>(d_i32 + l.pos_off);
-      // Lists are ordered so that a merging format is last: it merges every part.
-      if (l.format->FusesMerge() && part_base + l.splits == parts) {
+      // Lists are ordered so that a merging format is last: it merges every part (unless
+      // lists run on two streams: then the merge waits for both, below).
+      if (!forked && l.format->FusesMerge() && part_base + l.splits == parts) {
         a.merge = &merge;
         merged = true;
       }
       if (absl::Status s = l.format->LaunchAttend(a); !s.ok()) return Noted(s);
       part_base += l.splits;
-      if (timeline_ != nullptr) {
+      if (timeline_ != nullptr && !forked) {
         timeline_->Step(PhaseTimes::Phase(absl::StrCat("gpu.daemon attention ", l.format->name(),
                                                        a.merge != nullptr ? " (+merge)" : "")));
       }
     }
+    if (forked) RETURN_IF_CUDA(kc::JoinFrom(side_stream_, join_event_));
     if (!merged) {
       if (part_base == 0) {  // nothing to attend: every row is the empty state
         std::vector<float> neg(static_cast<size_t>(rows), -INFINITY);
@@ -416,6 +439,11 @@ class CudaBackend final : public Backend, public DeviceRuntime {
                                               merge.o, merge.lse, nullptr, d_faults, hq));
     }
     lap.Mark(kLaunch);
+    if (timeline_ != nullptr && forked) {
+      static const int kGpuForked =
+          PhaseTimes::Phase("gpu.daemon attention, lists on two streams (+merge)");
+      timeline_->Step(kGpuForked);
+    }
     if (b.device_o != nullptr) return absl::OkStatus();
     std::vector<float> o(static_cast<size_t>(rows) * d), lse(rows);
     RETURN_IF_CUDA(kc::CopyToHost(o.data(), d_o, q_bytes));
@@ -428,6 +456,23 @@ class CudaBackend final : public Backend, public DeviceRuntime {
   }
 
  private:
+  static bool SideListsFromEnv() {
+    const char* v = std::getenv("KVCD_SIDE_STREAM");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }
+  // The second stream and its fork/join events. REQUIRES: mu_.
+  absl::Status SideStreamLocked() {
+    if (side_stream_ != nullptr) return absl::OkStatus();
+    void *s = nullptr, *fork = nullptr, *join = nullptr;
+    RETURN_IF_CUDA(kc::CreateEvent(&fork));
+    RETURN_IF_CUDA(kc::CreateEvent(&join));
+    RETURN_IF_CUDA(kc::CreateSideStream(&s));
+    side_stream_ = s;
+    fork_event_ = fork;
+    join_event_ = join;
+    return absl::OkStatus();
+  }
+
   // Queues one paged copy between `pool` and the device run (page ids go up through the
   // pinned uploader, so the host does not wait).
   absl::Status PagedCopyLocked(kc::PageCopy kind, const PagePool& pool,
@@ -470,6 +515,11 @@ class CudaBackend final : public Backend, public DeviceRuntime {
 
   const int device_;
   const int sms_;
+  // Lists beside the last one run on a second stream (KVCD_SIDE_STREAM=0 turns it off).
+  const bool side_lists_ = SideListsFromEnv();
+  void* side_stream_ = nullptr;  // created on first use, under mu_
+  void* fork_event_ = nullptr;
+  void* join_event_ = nullptr;
   // The GPU side of PhaseTimes (KVCD_PHASE_TIMES=1 only): busy / idle spans of the stream.
   const std::unique_ptr<GpuTimeline> timeline_;
   std::mutex mu_;

@@ -44,6 +44,9 @@ class CudaPageFormat : public PageFormat {
     const int64_t* positions = nullptr;
     int32_t layer = 0;  // the model layer the list's pool pages belong to
     int num_sms = 1;
+    // The CUDA stream to launch on (cudaStream_t; null: the daemon's stream). Only formats
+    // whose RunsOnSideStream() is true are given another one.
+    void* stream = nullptr;
   };
   // How many parts the launch writes per row (splits that fill the GPU for a batch whose
   // longest page list holds max_tokens, or 1 for a format that merges its own splits).
@@ -59,6 +62,9 @@ class CudaPageFormat : public PageFormat {
   // True when LaunchAttend reads AttendLaunch::raw (the worker's queries in place) when it is
   // set; the backend converts the queries into `q` first unless every launched list does.
   virtual bool ReadsRawQueries() const { return false; }
+  // True when LaunchAttend launches on AttendLaunch::stream, so that the backend may run the
+  // list on a second stream beside another format's (the BF16 windows beside INT2 history).
+  virtual bool RunsOnSideStream() const { return false; }
   virtual absl::Status LaunchAttend(const AttendLaunch& a) const = 0;
 
  private:

@@ -82,11 +82,12 @@ class Bf16CudaFormat final : public CudaPageFormat {
   }
 
   bool ReadsRawQueries() const override { return true; }
+  bool RunsOnSideStream() const override { return true; }
   absl::Status LaunchAttend(const AttendLaunch& a) const override {
-    return CudaStatus(
-        kc::LaunchBf16Parts(kernel_, a.list, a.geo, a.q, a.r_k, a.scale, a.splits, a.max_tokens,
-                            a.part_o, a.part_lse, a.part_base, nullptr, a.raw),
-        "BF16 decode attention");
+    return CudaStatus(kc::LaunchBf16Parts(kernel_, a.list, a.geo, a.q, a.r_k, a.scale, a.splits,
+                                          a.max_tokens, a.part_o, a.part_lse, a.part_base,
+                                          static_cast<cudaStream_t>(a.stream), a.raw),
+                      "BF16 decode attention");
   }
 
  private:

@@ -49,6 +49,14 @@ std::string DestroyEvent(void* event);
 std::string StreamWaitEvent(void* event);
 std::string RecordEvent(void* event);
 
+// A second stream for the daemon (non-blocking: no implicit ordering with the daemon's
+// legacy stream) and the two directions of a fork/join through plain events: ForkTo records
+// `event` on the daemon's stream and makes `stream` wait for it; JoinFrom records `event` on
+// `stream` and makes the daemon's stream wait for it.
+std::string CreateSideStream(void** stream);
+std::string ForkTo(void* stream, void* event);
+std::string JoinFrom(void* stream, void* event);
+
 // Timing events (for the GPU timeline of PhaseTimes, issue #19): recorded on the daemon's
 // stream, not counted as event records. ElapsedIfDone sets *done = false while `to` has not
 // completed, else *done = true and *ms = GPU time from `from` to `to`.
