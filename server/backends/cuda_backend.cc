@@ -243,45 +243,19 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     std::stable_partition(lists_.begin(), lists_end,
                           [](const List& l) { return !l.format->FusesMerge(); });
     const kc::DecodeGeometry geo{batch, hq, b.num_kv_heads, d, b.page_size};
-    // With several lists (the BF16 windows beside INT2 history) and side_ on, the lists
-    // before the last run on a second stream beside it and the merge runs once both are done.
-    // side_ == kSideReserve: the last list's grid leaves one SM per side CTA, so that both
-    // fit in one wave (a one-wave grid that loses SMs to the side CTAs gets a second wave).
-    const CudaPageFormat* last_format = nullptr;
-    int launched = 0, side_ctas = 0;
-    bool all_side = true;
-    for (auto l = lists_.begin(); l != lists_end; ++l) {
-      for (int j = 0; j < batch; ++j) {
-        l->max_pages = std::max(l->max_pages, static_cast<int>(l->pages[j].size()));
-        l->max_len = std::max(l->max_len, l->lens[j]);
-      }
-      l->sms = sms_;
-      l->splits = l->max_len > 0 ? l->format->AttendSplits(geo, l->max_len, l->sms) : 0;
-      if (l->splits == 0) continue;
-      if (last_format != nullptr) all_side = all_side && last_format->RunsOnSideStream();
-      side_ctas += l->splits * b.num_kv_heads * batch;
-      last_format = l->format;
-      ++launched;
-    }
-    const bool forked = side_ != Side::kOff && launched >= 2 && all_side;
-    if (forked && side_ == Side::kReserve) {
-      for (auto l = lists_end; l != lists_.begin();) {
-        --l;
-        if (l->splits == 0) continue;
-        side_ctas -= l->splits * b.num_kv_heads * batch;
-        l->sms = std::max(1, sms_ - side_ctas);
-        l->splits = l->format->AttendSplits(geo, l->max_len, l->sms);
-        break;
-      }
-    }
     int parts = 0;
     size_t state_bytes = 0;
     std::vector<int32_t>& host_i32 = table_;
     host_i32.clear();
     for (auto l = lists_.begin(); l != lists_end; ++l) {
+      for (int j = 0; j < batch; ++j) {
+        l->max_pages = std::max(l->max_pages, static_cast<int>(l->pages[j].size()));
+        l->max_len = std::max(l->max_len, l->lens[j]);
+      }
+      l->splits = l->max_len > 0 ? l->format->AttendSplits(geo, l->max_len, sms_) : 0;
       parts += l->splits;
       if (l->splits > 0) {
-        state_bytes = std::max(state_bytes, l->format->AttendStateBytes(geo, l->max_len, l->sms));
+        state_bytes = std::max(state_bytes, l->format->AttendStateBytes(geo, l->max_len, sms_));
       }
       l->table_off = host_i32.size();
       for (int j = 0; j < batch; ++j) {
@@ -400,6 +374,19 @@ class CudaBackend final : public Backend, public DeviceRuntime {
                                 b.device_o != nullptr ? b.device_lse : d_lse,
                                 d_faults,
                                 hq};
+    // With several lists (the BF16 windows beside INT2 history), the lists before the last
+    // run on a second stream beside it (the windows' few CTAs fit beside the history's grid)
+    // and the merge runs once both are done, instead of one list after the other.
+    const CudaPageFormat* last_format = nullptr;
+    int launched = 0;
+    bool all_side = true;
+    for (auto it = lists_.begin(); it != lists_end; ++it) {
+      if (it->splits == 0) continue;
+      if (last_format != nullptr) all_side = all_side && last_format->RunsOnSideStream();
+      last_format = it->format;
+      ++launched;
+    }
+    const bool forked = side_lists_ && launched >= 2 && all_side;
     if (forked) {
       KVCD_RETURN_IF_ERROR(Noted(SideStreamLocked()));
       RETURN_IF_CUDA(kc::ForkTo(side_stream_, fork_event_));
@@ -427,7 +414,7 @@ class CudaBackend final : public Backend, public DeviceRuntime {
       a.part_base = part_base;
       a.state = d_state;
       a.layer = b.layer;
-      a.num_sms = l.sms;
+      a.num_sms = sms_;
       if (!l.first_pos.empty()) a.positions = reinterpret_cast<const int64_t*>(d_i32 + l.pos_off);
       // Lists are ordered so that a merging format is last: it merges every part (unless
       // lists run on two streams: then the merge waits for both, below).
@@ -469,21 +456,9 @@ class CudaBackend final : public Backend, public DeviceRuntime {
   }
 
  private:
-  // KVCD_SIDE_STREAM: unset or "reserve" (default), "share" (the last list's grid as if
-  // alone), "0" (one list after the other, the merge fused into the last).
-  enum class Side { kOff, kShare, kReserve };
-  static Side SideFromEnv() {
+  static bool SideListsFromEnv() {
     const char* v = std::getenv("KVCD_SIDE_STREAM");
-    if (v == nullptr || std::strcmp(v, "reserve") == 0 || std::strcmp(v, "1") == 0) {
-      return Side::kReserve;
-    }
-    if (std::strcmp(v, "share") == 0) return Side::kShare;
-    if (std::strcmp(v, "0") != 0) {
-      std::fprintf(stderr, "kvcd: KVCD_SIDE_STREAM=%s is not reserve, share or 0; using reserve\n",
-                   v);
-      return Side::kReserve;
-    }
-    return Side::kOff;
+    return v == nullptr || std::strcmp(v, "0") != 0;
   }
   // The second stream and its fork/join events. REQUIRES: mu_.
   absl::Status SideStreamLocked() {
@@ -540,8 +515,8 @@ class CudaBackend final : public Backend, public DeviceRuntime {
 
   const int device_;
   const int sms_;
-  // Lists beside the last one run on a second stream (KVCD_SIDE_STREAM, SideFromEnv).
-  const Side side_ = SideFromEnv();
+  // Lists beside the last one run on a second stream (KVCD_SIDE_STREAM=0 turns it off).
+  const bool side_lists_ = SideListsFromEnv();
   void* side_stream_ = nullptr;  // created on first use, under mu_
   void* fork_event_ = nullptr;
   void* join_event_ = nullptr;
@@ -559,7 +534,6 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     // the list's pages end in the sequence (they must be consecutive).
     std::vector<int64_t> first_pos, end_pos;
     int max_pages = 1, max_len = 0, splits = 0;
-    int sms = 0;  // the SMs its grid is sized for (fewer than the device's beside a side list)
     size_t table_off = 0, len_off = 0, pos_off = 0;
   };
   std::vector<List> lists_;
