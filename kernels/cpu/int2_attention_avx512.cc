@@ -222,39 +222,43 @@ inline void ValueColumn(const uint8_t* src, int64_t stride, int nr, const int32_
 class PageRowPrefetch {
  public:
   PageRowPrefetch(const Int2PageTable& kv, const Int2PageLayout& layout, int kv_head)
-      : kv_(kv), layout_(layout), head_(kv_head) {}
+      : kv_(kv),
+        layout_(layout),
+        head_(kv_head),
+        code_lines_((int64_t{kv.page_size} * (kv.head_dim / 4) + 63) / 64),
+        param_lines_((int64_t{kv.page_size} * 4 + 63) / 64) {}
   void Target(int32_t page_id) {
     const uint8_t* b = kv_.base + page_id * kv_.page_stride;
-    region_[0] = b + layout_.KHead(head_);
-    region_[1] = b + layout_.VHead(head_);
-    region_[2] = b + 2 * layout_.KScale(head_);
-    region_[3] = b + 2 * layout_.VScale(head_);
-    const int64_t code_lines = (int64_t{kv_.page_size} * (kv_.head_dim / 4) + 63) / 64;
-    const int64_t param_lines = (int64_t{kv_.page_size} * 4 + 63) / 64;
-    lines_[0] = lines_[1] = code_lines;
-    lines_[2] = lines_[3] = param_lines;
-    total_ = 2 * (code_lines + param_lines);
+    kc_ = b + layout_.KHead(head_);
+    vc_ = b + layout_.VHead(head_);
+    kp_ = b + 2 * layout_.KScale(head_);
+    vp_ = b + 2 * layout_.VScale(head_);
+    on_ = true;
     next_ = 0;
   }
-  void Clear() { total_ = next_ = 0; }
-  // Slice `part` of `parts` (call with part = 0 .. parts-1 in order).
+  void Clear() { on_ = false; }
+  // Fetches the lines up to slice `part` of `parts` (those of earlier slices not fetched
+  // yet included): K codes, V codes, then both parameter runs.
   void Slice(int part, int parts) {
-    const int64_t end = total_ * (part + 1) / parts;
-    for (; next_ < end; ++next_) {
-      int64_t line = next_;
-      int r = 0;
-      while (line >= lines_[r]) line -= lines_[r++];
-      _mm_prefetch(reinterpret_cast<const char*>(region_[r] + 64 * line), _MM_HINT_T0);
+    if (!on_) return;
+    const int64_t end = 2 * (code_lines_ + param_lines_) * (part + 1) / parts;
+    const uint8_t* region[4] = {kc_, vc_, kp_, vp_};
+    const int64_t lines[4] = {code_lines_, code_lines_, param_lines_, param_lines_};
+    for (int64_t r = 0, first = 0; r < 4; first += lines[r], ++r) {
+      for (; next_ < std::min(end, first + lines[r]); ++next_) {
+        _mm_prefetch(reinterpret_cast<const char*>(region[r] + 64 * (next_ - first)), _MM_HINT_T0);
+      }
     }
   }
 
  private:
   const Int2PageTable& kv_;
   const Int2PageLayout& layout_;
-  int head_;
-  const uint8_t* region_[4] = {};
-  int64_t lines_[4] = {};
-  int64_t total_ = 0, next_ = 0;
+  const int head_;
+  const int64_t code_lines_, param_lines_;
+  const uint8_t *kc_ = nullptr, *vc_ = nullptr, *kp_ = nullptr, *vp_ = nullptr;
+  bool on_ = false;
+  int64_t next_ = 0;
 };
 
 // kGroup is a compile-time constant so the per-head accumulators live in registers.
