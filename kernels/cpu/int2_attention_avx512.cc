@@ -24,13 +24,12 @@
 #include <cmath>
 
 #include "int2_attention_impl.h"
+#include "int2_page_prefetch.h"
 #include "simd_avx512.h"
 
 namespace kvcd::kernels::internal {
 namespace {
 
-// Pages ahead whose rows are prefetched (a 64-token block computes for ~1 µs).
-constexpr int kPrefetchPages = 1;
 // kQuads: the quads a block of <= 64 tokens can touch (17 where it starts mid-quad).
 constexpr int kMaxD = 256, kBlock = 64, kQuads = kBlock / 4 + 4;
 
@@ -216,51 +215,6 @@ inline void ValueColumn(const uint8_t* src, int64_t stride, int nr, const int32_
   flush(3);
 }
 
-// The cache lines of the rows of `kv_head` in one page (K and V codes, both parameter
-// runs), fetched a slice at a time while the blocks before it compute: all at once they
-// would fill the core's miss buffers and stall the block's own loads.
-class PageRowPrefetch {
- public:
-  PageRowPrefetch(const Int2PageTable& kv, const Int2PageLayout& layout, int kv_head)
-      : kv_(kv),
-        layout_(layout),
-        head_(kv_head),
-        code_lines_((int64_t{kv.page_size} * (kv.head_dim / 4) + 63) / 64),
-        param_lines_((int64_t{kv.page_size} * 4 + 63) / 64) {}
-  void Target(int32_t page_id) {
-    const uint8_t* b = kv_.base + page_id * kv_.page_stride;
-    kc_ = b + layout_.KHead(head_);
-    vc_ = b + layout_.VHead(head_);
-    kp_ = b + 2 * layout_.KScale(head_);
-    vp_ = b + 2 * layout_.VScale(head_);
-    on_ = true;
-    next_ = 0;
-  }
-  void Clear() { on_ = false; }
-  // Fetches the lines up to slice `part` of `parts` (those of earlier slices not fetched
-  // yet included): K codes, V codes, then both parameter runs.
-  void Slice(int part, int parts) {
-    if (!on_) return;
-    const int64_t end = 2 * (code_lines_ + param_lines_) * (part + 1) / parts;
-    const uint8_t* region[4] = {kc_, vc_, kp_, vp_};
-    const int64_t lines[4] = {code_lines_, code_lines_, param_lines_, param_lines_};
-    for (int64_t r = 0, first = 0; r < 4; first += lines[r], ++r) {
-      for (; next_ < std::min(end, first + lines[r]); ++next_) {
-        _mm_prefetch(reinterpret_cast<const char*>(region[r] + 64 * (next_ - first)), _MM_HINT_T0);
-      }
-    }
-  }
-
- private:
-  const Int2PageTable& kv_;
-  const Int2PageLayout& layout_;
-  const int head_;
-  const int64_t code_lines_, param_lines_;
-  const uint8_t *kc_ = nullptr, *vc_ = nullptr, *kp_ = nullptr, *vp_ = nullptr;
-  bool on_ = false;
-  int64_t next_ = 0;
-};
-
 // kGroup is a compile-time constant so the per-head accumulators live in registers.
 template <int kGroup>
 void AttendInt2Vnni(const Int2PageTable& kv, int kv_head, const float* q, float softmax_scale,
@@ -307,7 +261,7 @@ void AttendInt2Vnni(const Int2PageTable& kv, int kv_head, const float* q, float 
     lacc[i] = 0.0f;
     std::fill(o + i * d, o + (i + 1) * d, 0.0f);
   }
-  PageRowPrefetch prefetch(kv, layout, kv_head);
+  Int2PagePrefetch prefetch(kv, kv_head);
   for (int64_t t0 = token_begin; t0 < token_end;) {
     const int64_t page = t0 / ps;
     const int off = static_cast<int>(t0 % ps);
@@ -315,8 +269,8 @@ void AttendInt2Vnni(const Int2PageTable& kv, int kv_head, const float* q, float 
     uint8_t* pb = const_cast<uint8_t*>(kv.base) + kv.page_ids[page] * kv.page_stride;
     const Int2RowRef kr = layout.K(pb, kv_head);
     const Int2RowRef vr = layout.V(pb, kv_head);
-    if (off + n == ps && (page + kPrefetchPages) * ps < token_end) {
-      prefetch.Target(kv.page_ids[page + kPrefetchPages]);
+    if (off + n == ps && (page + 1) * ps < token_end) {
+      prefetch.Target(page + 1);  // fetched in 8 slices through this block
     } else {
       prefetch.Clear();
     }
