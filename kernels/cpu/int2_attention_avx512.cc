@@ -9,9 +9,10 @@
 //      logit_t = scale_t (step/254) Σ c_t (254 hi + lo) + lo_t Σ q.
 //  - values: a V lane holds byte j of 4 consecutive tokens (layout [page/4][Q][4]); plane
 //    k gives element j + kQ of those 4 tokens, multiplied by the 4 tokens' weight digits
-//    (w = p * scale_v split the same way per block of 64 tokens), accumulated per element.
-// Digit rounding leaves <= step/508 per query element and <= max(w)/64516 per weight; the
-// exactly known residuals Σ(q - digits) and Σ(w - digits) are added back at the mean code
+//    (w = p * scale_v split the same way per block of 64 tokens, the step from the bound
+//    |w| <= exp(block max logit - m) * max|scale_v|), accumulated per element.
+// Digit rounding leaves <= step/508 per query element and <= that bound/64516 per weight;
+// the exactly known residuals Σ(q - digits) and Σ(w - digits) are added back at the mean code
 // 1.5 (into each logit and into the value-minimum term), as in the AVX2 path.
 //
 // The digits are dwords broadcast from memory by vpdpbusd itself ({1to16}), so the digit
@@ -78,8 +79,7 @@ inline __m512 ExpScalef(__m512 x) {
 
 // 254 * hi + lo per lane (the two digit sums of one dot product), without a multiply.
 inline __m512i CombineDigits(__m512i hi, __m512i lo) {
-  return _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(hi, 8), _mm512_slli_epi32(hi, 1)),
-                          lo);
+  return _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(hi, 8), _mm512_slli_epi32(hi, 1)), lo);
 }
 
 // acc[2h + j] += x · digit (vpdpbusd, the digit dword broadcast to all 16 lanes from
@@ -170,8 +170,8 @@ inline void ValueDots(const uint8_t* src, int64_t stride, int nr, const int32_t 
 #pragma GCC unroll 16
       for (int r = 0; r < n; ++r) {
         const __m512i x = Plane<k>(_mm512_loadu_si512(src + r * stride), three);
-        Dpbusd4x2(x, hi0[r], lo0[r], hi1[r], lo1[r], hi2[r], lo2[r], hi3[r], lo3[r], h0, l0, h1,
-                  l1, h2, l2, h3, l3);
+        Dpbusd4x2(x, hi0[r], lo0[r], hi1[r], lo1[r], hi2[r], lo2[r], hi3[r], lo3[r], h0, l0, h1, l1,
+                  h2, l2, h3, l3);
       }
       sum[i0] = CombineDigits(h0, l0);
       sum[i0 + 1] = CombineDigits(h1, l1);
@@ -195,8 +195,7 @@ inline void ValueDots(const uint8_t* src, int64_t stride, int nr, const int32_t 
 // o[i][k*Q + c0 ..+16] += unit[i] * value dots of plane k, for the 4 planes.
 template <int G, int kN>
 inline void ValueColumn(const uint8_t* src, int64_t stride, int nr, const int32_t (*hi)[kQuads],
-                        const int32_t (*lo)[kQuads], const float* unit, float* o, int d,
-                        int q4) {
+                        const int32_t (*lo)[kQuads], const float* unit, float* o, int d, int q4) {
   __m512i sum[G];
   const auto flush = [&](int k) {
     for (int i = 0; i < G; ++i) {
@@ -391,8 +390,7 @@ void AttendInt2Vnni(const Int2PageTable& kv, int kv_head, const float* q, float 
     for (int c0 = 0; c0 < q4; c0 += 16) {
       prefetch.Slice(4 + 4 * c0 / q4, 8);
       if (quads == kBlock / 4) {
-        ValueColumn<G, kBlock / 4>(vc + c0 * 4, quad_stride, quads, whi, wlo, wunit, o + c0, d,
-                                   q4);
+        ValueColumn<G, kBlock / 4>(vc + c0 * 4, quad_stride, quads, whi, wlo, wunit, o + c0, d, q4);
       } else {
         ValueColumn<G, 0>(vc + c0 * 4, quad_stride, quads, whi, wlo, wunit, o + c0, d, q4);
       }
