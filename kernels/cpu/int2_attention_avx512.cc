@@ -49,32 +49,14 @@ inline int32_t Pack4(const int* v) {
   return static_cast<int32_t>(r);
 }
 
-// Plane k (the 2-bit codes at bits 2k) of every byte.
-template <int k>
-inline __m512i Plane(__m512i raw, __m512i three) {
-  if constexpr (k == 0) {
-    return _mm512_and_si512(raw, three);
-  } else {
-    return _mm512_and_si512(_mm512_srli_epi16(raw, 2 * k), three);
-  }
+template <bool kMasked>
+inline __m512i Load(const uint8_t* p, __mmask64 mask) {
+  return kMasked ? _mm512_maskz_loadu_epi8(mask, p) : _mm512_loadu_si512(p);
 }
 
-// exp(x) for x <= 0 as Exp512 (simd_avx512.h, the same polynomial) with the power of two
-// applied by vscalefps: 11 vector operations instead of 14.
-inline __m512 ExpScalef(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+// Plane k (the 2-bit codes at bits 2k) of every byte; k is a constant after unrolling.
+inline __m512i Plane(__m512i raw, int k, __m512i three) {
+  return _mm512_and_si512(k == 0 ? raw : _mm512_srli_epi16(raw, 2 * k), three);
 }
 
 // 254 * hi + lo per lane (the two digit sums of one dot product), without a multiply.
@@ -100,65 +82,14 @@ inline void Dpbusd4x2(__m512i x, const int32_t& d0, const int32_t& d1, const int
         [d5] "m"(d5), [d6] "m"(d6), [d7] "m"(d7));
 }
 
-// Integer dot products of G heads (digits hi[i][e], lo[i][e], e = k * n4 + r) with the
-// planes of n4 code vectors at src + r * stride (r < n4, loaded under `bmask`):
-// sum[i] = Σ_r Σ_k (254 hi + lo) · plane_k(codes_r), per 32-bit lane.
-template <int G, int kN4>
-inline void PlaneDots(const uint8_t* src, int64_t stride, int n4, __mmask64 bmask,
-                      const int32_t (*hi)[kMaxD / 4], const int32_t (*lo)[kMaxD / 4],
-                      __m512i* sum) {
-  const __m512i three = _mm512_set1_epi8(3);
-  const int n = kN4 > 0 ? kN4 : n4;
-  if constexpr (G % 4 == 0) {
-    for (int i0 = 0; i0 < G; i0 += 4) {
-      __m512i h0 = _mm512_setzero_si512(), l0 = h0, h1 = h0, l1 = h0, h2 = h0, l2 = h0, h3 = h0,
-              l3 = h0;
-      const int32_t *hi0 = hi[i0], *lo0 = lo[i0], *hi1 = hi[i0 + 1], *lo1 = lo[i0 + 1];
-      const int32_t *hi2 = hi[i0 + 2], *lo2 = lo[i0 + 2], *hi3 = hi[i0 + 3], *lo3 = lo[i0 + 3];
-#pragma GCC unroll 16
-      for (int r = 0; r < n; ++r) {
-        const __m512i raw = _mm512_maskz_loadu_epi8(bmask, src + r * stride);
-        int e = r;
-        Dpbusd4x2(Plane<0>(raw, three), hi0[e], lo0[e], hi1[e], lo1[e], hi2[e], lo2[e], hi3[e],
-                  lo3[e], h0, l0, h1, l1, h2, l2, h3, l3);
-        e += n;
-        Dpbusd4x2(Plane<1>(raw, three), hi0[e], lo0[e], hi1[e], lo1[e], hi2[e], lo2[e], hi3[e],
-                  lo3[e], h0, l0, h1, l1, h2, l2, h3, l3);
-        e += n;
-        Dpbusd4x2(Plane<2>(raw, three), hi0[e], lo0[e], hi1[e], lo1[e], hi2[e], lo2[e], hi3[e],
-                  lo3[e], h0, l0, h1, l1, h2, l2, h3, l3);
-        e += n;
-        Dpbusd4x2(Plane<3>(raw, three), hi0[e], lo0[e], hi1[e], lo1[e], hi2[e], lo2[e], hi3[e],
-                  lo3[e], h0, l0, h1, l1, h2, l2, h3, l3);
-      }
-      sum[i0] = CombineDigits(h0, l0);
-      sum[i0 + 1] = CombineDigits(h1, l1);
-      sum[i0 + 2] = CombineDigits(h2, l2);
-      sum[i0 + 3] = CombineDigits(h3, l3);
-    }
-  } else {
-    __m512i ah[G], al[G];
-    for (int i = 0; i < G; ++i) ah[i] = al[i] = _mm512_setzero_si512();
-    for (int r = 0; r < n; ++r) {
-      const __m512i raw = _mm512_maskz_loadu_epi8(bmask, src + r * stride);
-      const __m512i x[4] = {Plane<0>(raw, three), Plane<1>(raw, three), Plane<2>(raw, three),
-                            Plane<3>(raw, three)};
-      for (int k = 0; k < 4; ++k) {
-        for (int i = 0; i < G; ++i) {
-          ah[i] = _mm512_dpbusd_epi32(ah[i], x[k], _mm512_set1_epi32(hi[i][k * n + r]));
-          al[i] = _mm512_dpbusd_epi32(al[i], x[k], _mm512_set1_epi32(lo[i][k * n + r]));
-        }
-      }
-    }
-    for (int i = 0; i < G; ++i) sum[i] = CombineDigits(ah[i], al[i]);
-  }
-}
-
-// The same for the values, whose 4 planes are 4 output ranges: for plane k only,
-// sum[i] = Σ_r (254 hi[i][r] + lo[i][r]) · plane_k(codes_r), the codes at src + r * stride.
-template <int G, int k, int kN>
-inline void ValueDots(const uint8_t* src, int64_t stride, int nr, const int32_t (*hi)[kQuads],
-                      const int32_t (*lo)[kQuads], __m512i* sum) {
+// Integer dot products of G heads with n code vectors at src + r * stride (r < n, loaded
+// under `bmask` when kMasked), planes kFirst .. kFirst + kPlanes - 1 of each: plane kFirst + j of
+// vector r meets digit dword e = j * n + r of head i's rows hi[i], lo[i], and sum[i] = Σ_r Σ_j (254
+// hi[i][e] + lo[i][e]) · plane(codes_r), per 32-bit lane. Logits: all 4 planes of the K byte groups
+// (the 4 quarters of the head); values: one plane (one quarter of the output) of the V quads.
+template <int G, int kFirst, int kPlanes, int kN, int kRow, bool kMasked>
+inline void PlaneDots(const uint8_t* src, int64_t stride, int nr, __mmask64 bmask,
+                      const int32_t (*hi)[kRow], const int32_t (*lo)[kRow], __m512i* sum) {
   const __m512i three = _mm512_set1_epi8(3);
   const int n = kN > 0 ? kN : nr;
   if constexpr (G % 4 == 0) {
@@ -169,9 +100,13 @@ inline void ValueDots(const uint8_t* src, int64_t stride, int nr, const int32_t 
       const int32_t *hi2 = hi[i0 + 2], *lo2 = lo[i0 + 2], *hi3 = hi[i0 + 3], *lo3 = lo[i0 + 3];
 #pragma GCC unroll 16
       for (int r = 0; r < n; ++r) {
-        const __m512i x = Plane<k>(_mm512_loadu_si512(src + r * stride), three);
-        Dpbusd4x2(x, hi0[r], lo0[r], hi1[r], lo1[r], hi2[r], lo2[r], hi3[r], lo3[r], h0, l0, h1, l1,
-                  h2, l2, h3, l3);
+        const __m512i raw = Load<kMasked>(src + r * stride, bmask);
+#pragma GCC unroll 4
+        for (int j = 0; j < kPlanes; ++j) {
+          const int e = j * n + r;
+          Dpbusd4x2(Plane(raw, kFirst + j, three), hi0[e], lo0[e], hi1[e], lo1[e], hi2[e], lo2[e],
+                    hi3[e], lo3[e], h0, l0, h1, l1, h2, l2, h3, l3);
+        }
       }
       sum[i0] = CombineDigits(h0, l0);
       sum[i0 + 1] = CombineDigits(h1, l1);
@@ -182,10 +117,13 @@ inline void ValueDots(const uint8_t* src, int64_t stride, int nr, const int32_t 
     __m512i ah[G], al[G];
     for (int i = 0; i < G; ++i) ah[i] = al[i] = _mm512_setzero_si512();
     for (int r = 0; r < n; ++r) {
-      const __m512i x = Plane<k>(_mm512_loadu_si512(src + r * stride), three);
-      for (int i = 0; i < G; ++i) {
-        ah[i] = _mm512_dpbusd_epi32(ah[i], x, _mm512_set1_epi32(hi[i][r]));
-        al[i] = _mm512_dpbusd_epi32(al[i], x, _mm512_set1_epi32(lo[i][r]));
+      const __m512i raw = Load<kMasked>(src + r * stride, bmask);
+      for (int j = 0; j < kPlanes; ++j) {
+        const __m512i x = Plane(raw, kFirst + j, three);
+        for (int i = 0; i < G; ++i) {
+          ah[i] = _mm512_dpbusd_epi32(ah[i], x, _mm512_set1_epi32(hi[i][j * n + r]));
+          al[i] = _mm512_dpbusd_epi32(al[i], x, _mm512_set1_epi32(lo[i][j * n + r]));
+        }
       }
     }
     for (int i = 0; i < G; ++i) sum[i] = CombineDigits(ah[i], al[i]);
@@ -204,13 +142,13 @@ inline void ValueColumn(const uint8_t* src, int64_t stride, int nr, const int32_
                                             _mm512_loadu_ps(dst)));
     }
   };
-  ValueDots<G, 0, kN>(src, stride, nr, hi, lo, sum);
+  PlaneDots<G, 0, 1, kN, kQuads, false>(src, stride, nr, 0, hi, lo, sum);
   flush(0);
-  ValueDots<G, 1, kN>(src, stride, nr, hi, lo, sum);
+  PlaneDots<G, 1, 1, kN, kQuads, false>(src, stride, nr, 0, hi, lo, sum);
   flush(1);
-  ValueDots<G, 2, kN>(src, stride, nr, hi, lo, sum);
+  PlaneDots<G, 2, 1, kN, kQuads, false>(src, stride, nr, 0, hi, lo, sum);
   flush(2);
-  ValueDots<G, 3, kN>(src, stride, nr, hi, lo, sum);
+  PlaneDots<G, 3, 1, kN, kQuads, false>(src, stride, nr, 0, hi, lo, sum);
   flush(3);
 }
 
@@ -281,10 +219,19 @@ void AttendInt2Vnni(const Int2PageTable& kv, int kv_head, const float* q, float 
       const uint8_t* kc = kr.codes + int64_t{off + g0} * 4;
       prefetch.Slice(g0 / 16, 8);
       __m512i sum[G];
-      if (groups4 == 8) {  // head_dim 128
-        PlaneDots<G, 8>(kc, int64_t{ps} * 4, groups4, bmask, qhi, qlo, sum);
-      } else {
-        PlaneDots<G, 0>(kc, int64_t{ps} * 4, groups4, bmask, qhi, qlo, sum);
+      const int64_t kstride = int64_t{ps} * 4;
+      switch (groups4) {  // the loop over byte groups unrolled for head_dim 64, 128, 256
+        case 4:
+          PlaneDots<G, 0, 4, 4, kMaxD / 4, true>(kc, kstride, groups4, bmask, qhi, qlo, sum);
+          break;
+        case 8:
+          PlaneDots<G, 0, 4, 8, kMaxD / 4, true>(kc, kstride, groups4, bmask, qhi, qlo, sum);
+          break;
+        case 16:
+          PlaneDots<G, 0, 4, 16, kMaxD / 4, true>(kc, kstride, groups4, bmask, qhi, qlo, sum);
+          break;
+        default:
+          PlaneDots<G, 0, 4, 0, kMaxD / 4, true>(kc, kstride, groups4, bmask, qhi, qlo, sum);
       }
       const __m512 sc = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, kr.scale + off + g0));
       const __m512 lo = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, kr.lo + off + g0));
@@ -334,8 +281,8 @@ void AttendInt2Vnni(const Int2PageTable& kv, int kv_head, const float* q, float 
       const __m512 mnew = _mm512_max_ps(mold, bm);
       const __mmask16 empty = _mm512_cmp_ps_mask(mold, _mm512_set1_ps(kEmptyLse), _CMP_EQ_OQ);
       _mm512_storeu_ps(alpha, _mm512_maskz_mov_ps(static_cast<__mmask16>(~empty),
-                                                  ExpScalef(_mm512_sub_ps(mold, mnew))));
-      _mm512_storeu_ps(pmax, ExpScalef(_mm512_sub_ps(bm, mnew)));
+                                                  Exp512(_mm512_sub_ps(mold, mnew))));
+      _mm512_storeu_ps(pmax, Exp512(_mm512_sub_ps(bm, mnew)));
       _mm512_mask_storeu_ps(m, gm, mnew);
     }
     for (int i = 0; i < G; ++i) {
@@ -362,7 +309,7 @@ void AttendInt2Vnni(const Int2PageTable& kv, int kv_head, const float* q, float 
     for (int j = 0, u = 0; j < quads * 4; j += 16, ++u) {
       for (int i = 0; i < G; ++i) {
         const __m512 x = _mm512_maskz_loadu_ps(valid[u], sp[i] + (j - lead));
-        const __m512 p = _mm512_maskz_mov_ps(valid[u], ExpScalef(_mm512_sub_ps(x, vm[i])));
+        const __m512 p = _mm512_maskz_mov_ps(valid[u], Exp512(_mm512_sub_ps(x, vm[i])));
         psum[i] = _mm512_add_ps(psum[i], p);
         lsum[i] = _mm512_fmadd_ps(p, vlo[u], lsum[i]);
         const __m512 w = _mm512_mul_ps(p, vsc[u]);
