@@ -29,6 +29,7 @@
 #include <limits>
 
 #include "int2_attention_impl.h"
+#include "int2_page_prefetch.h"
 #include "int2_values_avx2.h"
 #include "simd_avx2.h"
 
@@ -141,6 +142,7 @@ KVCD_INT2_AVX2_TARGET void AttendInt2Madd(const Int2PageTable& kv, int kv_head, 
     lacc[i] = 0.0f;
     std::fill(o + i * d, o + (i + 1) * d, 0.0f);
   }
+  Int2PagePrefetch prefetch(kv, kv_head);
   for (int64_t t0 = token_begin; t0 < token_end;) {
     // Work on 8-aligned slots [a0, a0 + span) of the page (<= 64), masking the slots outside.
     const Int2MaddSpan blk(t0, token_end, ps);
@@ -150,28 +152,15 @@ KVCD_INT2_AVX2_TARGET void AttendInt2Madd(const Int2PageTable& kv, int kv_head, 
     const Int2RowRef kr = layout.K(pb, kv_head);
     const Int2RowRef vr = layout.V(pb, kv_head);
     if (off + n == ps && t0 + n < token_end) {
-      // The next page's rows of this head (K codes, V codes, both parameter runs) are
-      // scattered over the page-layer; fetch them while this block computes.
-      const uint8_t* nb = kv.base + kv.page_ids[page + 1] * kv.page_stride;
-      const int64_t code_bytes = int64_t{ps} * q4;
-      const uint8_t* regions[3] = {nb + layout.KHead(kv_head), nb + layout.VHead(kv_head),
-                                   nb + 2 * layout.KScale(kv_head)};
-      const int64_t sizes[3] = {code_bytes, code_bytes, int64_t{ps} * 4};
-      for (int r = 0; r < 3; ++r) {
-#pragma GCC unroll 8
-        for (int64_t b = 0; b < sizes[r]; b += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(regions[r] + b), _MM_HINT_T0);
-        }
-      }
-      const uint8_t* vparams = nb + 2 * layout.VScale(kv_head);
-      for (int64_t b = 0; b < int64_t{ps} * 4; b += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(vparams + b), _MM_HINT_T0);
-      }
+      prefetch.Target(page + 1);  // fetched in slices through this block's logits
+    } else {
+      prefetch.Clear();
     }
     // --- logits, 8 tokens per vector ---
     const uint8_t* kc = kr.codes + int64_t{a0} * 4;
     const int64_t kgroup_stride = int64_t{ps} * 4;
     for (int v = 0; v < nv; ++v) {
+      prefetch.Slice(v, nv);
       const __m256 sc =
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kr.scale + a0 + 8 * v)));
       const __m256 lo =

@@ -11,7 +11,8 @@
 namespace kvcd::kernels::internal {
 
 // exp(x) for x <= 0 (inputs are logits minus their max), relative error ~2e-7:
-// x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial, 2^n by exponent bits.
+// x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial, times 2^n by vscalefps (exact
+// like multiplying by the exponent bits of 2^n: n >= -126 after the clamp).
 inline __m512 Exp512(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -25,9 +26,7 @@ inline __m512 Exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  const __m512i e =
-      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+  return _mm512_scalef_ps(p, n);
 }
 
 struct Avx512Ops {
