@@ -197,18 +197,9 @@ int main(int argc, char** argv) {
   // Ceilings.
   double read_tbs = 1, mma_tflops = 1;
   if (!one) {
-    const int64_t bytes = int64_t{8} << 30;
-    void* buf = nullptr;
+    read_tbs = ReadCeilingTbps(stream, prop.multiProcessorCount, int64_t{8} << 30);
     unsigned* out = nullptr;
-    CHECK(cudaMalloc(&buf, bytes));
     CHECK(cudaMalloc(&out, 4));
-    CHECK(cudaMemset(buf, 1, bytes));
-    const double us = MedianUsPerCall(stream, 10, 2, 1, [&](int) {
-      ReadReduce<<<prop.multiProcessorCount * 8, 512, 0, stream>>>(static_cast<const uint4*>(buf),
-                                                                   bytes / 16, out);
-    });
-    read_tbs = bytes / us / 1e6;
-    CHECK(cudaFree(buf));
     const int iters = 4096, blocks = prop.multiProcessorCount * 4, threads = 256;
     const double mus = MedianUsPerCall(stream, 5, 1, 1, [&](int) {
       MmaLoop<<<blocks, threads, 0, stream>>>(iters, reinterpret_cast<float*>(out));
