@@ -240,30 +240,8 @@ int main(int argc, char** argv) {
   // Demote throughput: bench/cuda_demote_bench.cu.
   // Read ceiling: a large read-only reduction.
   if (one_n == 0) {
-    const int64_t bytes = int64_t{8} << 30;
-    void* buf = nullptr;
-    unsigned* out = nullptr;
-    CHECK(cudaMalloc(&buf, bytes));
-    CHECK(cudaMalloc(&out, 4));
-    CHECK(cudaMemset(buf, 1, bytes));
-    cudaEvent_t a, b;
-    CHECK(cudaEventCreate(&a));
-    CHECK(cudaEventCreate(&b));
-    std::vector<float> ms;
-    for (int r = 0; r < 12; ++r) {
-      CHECK(cudaEventRecord(a));
-      ReadReduce<<<prop.multiProcessorCount * 8, 512>>>(static_cast<const uint4*>(buf), bytes / 16,
-                                                        out);
-      CHECK(cudaEventRecord(b));
-      CHECK(cudaEventSynchronize(b));
-      float t = 0;
-      CHECK(cudaEventElapsedTime(&t, a, b));
-      if (r >= 2) ms.push_back(t);
-    }
     std::printf("read ceiling: %.2f TB/s (8 GiB read-only reduction, median of 10)\n",
-                bytes / (Median(ms) * 1e-3) / 1e12);
-    CHECK(cudaFree(buf));
-    CHECK(cudaFree(out));
+                ReadCeilingTbps(nullptr, prop.multiProcessorCount, int64_t{8} << 30));
   }
   const int hq = 32, hkv = 8, d = 128, ps = 64;
   std::printf("\nINT2 decode attention, Qwen3-8B layer (32 q / 8 kv heads, d 128, page 64)\n");
