@@ -1,6 +1,6 @@
 // What the CUDA benchmarks share: CHECK (a failed CUDA call prints where and exits 1), the
-// read-ceiling kernel (a read-only reduction, ReadReduce), event timing (MedianUsPerCall)
-// and the arguments of a Put-size paged row store (PutRows).
+// read-ceiling kernel (a read-only reduction, ReadReduce), event timing (MedianUsPerCall),
+// INT2 page filling (FillInt2Pages) and the arguments of a Put-size paged row store (PutRows).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -60,6 +60,29 @@ double MedianUsPerCall(cudaStream_t stream, int repeats, int skip, int calls, F 
   CHECK(cudaEventDestroy(a));
   CHECK(cudaEventDestroy(b));
   return Median(ms) * 1e3;
+}
+
+// INT2 pages (int2_attention.h) of random codes with valid FP16 parameters: scales
+// 0.5..0.6, minimums -0.75.. (code_bytes: K codes of a page, V codes as many).
+__global__ void FillInt2Pages(uint8_t* pages, int64_t n_pages, int64_t page_bytes,
+                              int64_t code_bytes, int hkv, int ps, uint32_t seed) {
+  const int64_t total = n_pages * page_bytes;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t off = i % page_bytes;
+    uint32_t x = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    x ^= x >> 13;
+    x *= 0x5bd1e995u;
+    if (off < 2 * code_bytes) {
+      pages[i] = static_cast<uint8_t>(x >> 7);
+    } else {  // FP16 params: scales 0.5..0.6 (0x3800..), minimums -0.75.. (0xBA00..)
+      const int64_t k = (off - 2 * code_bytes) / 2;  // param index in the page
+      const bool lo = (k / ps) % 2 == 1;
+      const uint16_t h = lo ? static_cast<uint16_t>(0xBA00 + (x & 0x3f))
+                            : static_cast<uint16_t>(0x3800 + (x & 0x3f));
+      pages[i] = (off % 2 == 0) ? static_cast<uint8_t>(h & 0xff) : static_cast<uint8_t>(h >> 8);
+    }
+  }
 }
 
 // A request of `tokens` tokens, [layers][tokens][heads][d] BF16 K at `src` and V right after

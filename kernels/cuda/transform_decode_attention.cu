@@ -60,7 +60,8 @@ struct Smem {
     u = (co + g + 3) / 4 * 4;  // 16-byte aligned
     const int rows = kWarps * kTile * row_words;
     const int red = kWarps * g * d + 3 * kWarps * g;
-    const int union_words = rows > red ? (rows > g * d ? rows : g * d) : (red > g * d ? red : g * d);
+    const int union_words =
+        rows > red ? (rows > g * d ? rows : g * d) : (red > g * d ? red : g * d);
     total = u + union_words;
   }
 };
@@ -172,7 +173,8 @@ __global__ void __launch_bounds__(kWarps * 32) TransformDecodeKernel(const Decod
     const int slot = slot0 + lane;
     // The lane's code row, re-aligned to words (reads stay inside the page: the gains and
     // values follow the codes).
-    const auto* kw = reinterpret_cast<const uint32_t*>(page + a.lay.k_codes + h * a.lay.k_codes_head);
+    const auto* kw =
+        reinterpret_cast<const uint32_t*>(page + a.lay.k_codes + h * a.lay.k_codes_head);
     const int byte0 = slot * cb;
     const int w0 = byte0 >> 2, sh = (byte0 & 3) * 8;
     uint32_t prev = kw[w0];
@@ -183,7 +185,8 @@ __global__ void __launch_bounds__(kWarps * 32) TransformDecodeKernel(const Decod
     }
     row[words] = 0u;
     const auto* gp = reinterpret_cast<const __half*>(page + a.lay.k_gains + h * a.lay.k_gains_head);
-    const auto* vp = reinterpret_cast<const __half*>(page + a.lay.v_params + h * a.lay.v_params_head);
+    const auto* vp =
+        reinterpret_cast<const __half*>(page + a.lay.v_params + h * a.lay.v_params_head);
     const float gain = valid ? __half2float(gp[slot]) : 0.0f;
     const float vscale = valid ? __half2float(vp[slot]) : 0.0f;
     const float vlo = valid ? __half2float(vp[ps + slot]) : 0.0f;
@@ -233,8 +236,9 @@ __global__ void __launch_bounds__(kWarps * 32) TransformDecodeKernel(const Decod
     }
     __syncwarp();
     // Values: word (group q4, byte j) of the tile holds element j + mm Q of its 4 tokens.
-    const auto* vw = reinterpret_cast<const uint32_t*>(page + a.lay.v_codes + h * a.lay.v_codes_head) +
-                     (slot0 / 4) * kQ;
+    const auto* vw =
+        reinterpret_cast<const uint32_t*>(page + a.lay.v_codes + h * a.lay.v_codes_head) +
+        (slot0 / 4) * kQ;
 #pragma unroll 2
     for (int q4 = ts; q4 < kTile / 4; q4 += kTS) {
       uint32_t word[kQJ];
@@ -269,7 +273,7 @@ __global__ void __launch_bounds__(kWarps * 32) TransformDecodeKernel(const Decod
       for (int e = 0; e < kE; ++e) o[g][e] += __shfl_xor_sync(0xffffffffu, o[g][e], 16);
     }
   }
-  __syncthreads();  // the code rows' space becomes the warps' states
+  __syncthreads();                              // the code rows' space becomes the warps' states
   float* red_o = reinterpret_cast<float*>(un);  // [warps][G][D]
   float* red_s = red_o + kWarps * G * D;        // [warps][G][3]: m, l, la
   if (ts == 0) {
@@ -332,9 +336,9 @@ template <int D, int G>
 cudaError_t Launch(const DecodeArgs& a, dim3 grid, cudaStream_t stream) {
   const size_t smem = sizeof(uint32_t) * static_cast<size_t>(Smem(D, G, a.row_words).total);
   if (smem > 48 * 1024) {
-    const cudaError_t e = cudaFuncSetAttribute(
-        TransformDecodeKernel<D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-        static_cast<int>(smem));
+    const cudaError_t e =
+        cudaFuncSetAttribute(TransformDecodeKernel<D, G>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (e != cudaSuccess) return e;
   }
   CountLaunch();
@@ -355,9 +359,9 @@ int TransformDecodeSplits(int batch, int num_kv_heads, int max_tokens, int num_s
 
 cudaError_t LaunchTransformDecodeParts(const PagedList& list, const DecodeGeometry& geo,
                                        const TransformPageOffsets& layout,
-                                       const TransformHeadCodec* heads, const float* q,
-                                       float scale, int splits, int max_tokens, float* part_o,
-                                       float* part_lse, int part_base, cudaStream_t stream) {
+                                       const TransformHeadCodec* heads, const float* q, float scale,
+                                       int splits, int max_tokens, float* part_o, float* part_lse,
+                                       int part_base, cudaStream_t stream) {
   if (geo.batch < 1 || geo.num_kv_heads < 1 || geo.num_q_heads % geo.num_kv_heads != 0 ||
       geo.num_q_heads / geo.num_kv_heads > kTransformCudaMaxGroup || geo.page_size % kTile != 0 ||
       geo.page_size < kTile || splits < 1 || max_tokens < 0 || part_base < 0 || heads == nullptr ||
@@ -369,8 +373,17 @@ cudaError_t LaunchTransformDecodeParts(const PagedList& list, const DecodeGeomet
     return cudaErrorInvalidValue;
   }
   const int per = (max_tokens + splits - 1) / splits;
-  DecodeArgs a{list,   geo,      layout,   heads, q, scale, (per + kTile - 1) / kTile * kTile,
-               part_o, part_lse, part_base, RowWords(layout.code_bytes)};
+  DecodeArgs a{list,
+               geo,
+               layout,
+               heads,
+               q,
+               scale,
+               (per + kTile - 1) / kTile * kTile,
+               part_o,
+               part_lse,
+               part_base,
+               RowWords(layout.code_bytes)};
   if (a.tokens_per_split == 0) a.tokens_per_split = kTile;
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(geo.num_kv_heads),
                   static_cast<unsigned>(geo.batch));

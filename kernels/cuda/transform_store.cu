@@ -213,7 +213,8 @@ __global__ void StoreTransformValuesKernel(RowBlock v, PagedRows p, TransformPag
   QuantizeRowInt2<D, 32>(x, hc.rho_v, GroupOf<32>(lane), q, &scale, &lo);
   uint8_t* page = StorePage(p, s);
   // V codes [heads][P4][Q][4] (int2_attention.h), then FP16 scales and minimums per head.
-  uint8_t* codes = page + lay.v_codes + s.head * lay.v_codes_head + (s.slot / 4) * 4 * kQ + s.slot % 4;
+  uint8_t* codes =
+      page + lay.v_codes + s.head * lay.v_codes_head + (s.slot / 4) * 4 * kQ + s.slot % 4;
   PackRowInt2<D>(q, lane, [&](int j, uint8_t byte) { codes[4 * j] = byte; });
   if (lane == 0) {
     auto* params =

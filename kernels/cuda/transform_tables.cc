@@ -38,8 +38,8 @@ const TransformHeadCodec* BuildTransformCodecImage(const TransformHeadSource* he
     at += Aligned(n * 4);
     return off;
   };
-  auto* views = reinterpret_cast<TransformHeadCodec*>(
-      image + static_cast<size_t>(num_heads) * HeadBytes(heads[0].key.d));
+  auto* views = reinterpret_cast<TransformHeadCodec*>(image + static_cast<size_t>(num_heads) *
+                                                                  HeadBytes(heads[0].key.d));
   for (int n = 0; n < num_heads; ++n) {
     const TransformKeyCode& key = heads[n].key;
     const float* r_v = heads[n].r_v;
@@ -88,8 +88,8 @@ const TransformHeadCodec* BuildTransformCodecImage(const TransformHeadSource* he
     v.hadamard_v = ClassifyRotation(r_v, d) == Rotation::kHadamard ? r_v[0] : 0.0f;
     v.code_bytes = key.code_bytes;
   }
-  return reinterpret_cast<const TransformHeadCodec*>(base + (reinterpret_cast<uint8_t*>(views) -
-                                                             image));
+  return reinterpret_cast<const TransformHeadCodec*>(base +
+                                                     (reinterpret_cast<uint8_t*>(views) - image));
 }
 
 TransformPageOffsets::TransformPageOffsets(const TransformPageLayout& l)

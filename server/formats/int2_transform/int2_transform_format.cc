@@ -39,8 +39,7 @@ absl::Status Int2TransformLayout::CheckPages(const uint8_t* src, int64_t num_pag
           for (int k = 0; k < 2; ++k) {
             uint16_t x;
             std::memcpy(&x, page + layout_.VParams(h) + 2 * (k * g_.page_size + t), 2);
-            if ((x & 0x7c00u) == 0x7c00u ||
-                (k == 0 && (x & 0x8000u) != 0 && (x & 0x7fffu) != 0)) {
+            if ((x & 0x7c00u) == 0x7c00u || (k == 0 && (x & 0x8000u) != 0 && (x & 0x7fffu) != 0)) {
               return bad(p, l, "a non-finite FP16 value parameter or a negative value scale");
             }
           }
@@ -74,9 +73,9 @@ void Int2TransformLayout::ExpandRows(const uint8_t* layer_page, int32_t layer, i
   auto* page = const_cast<uint8_t*>(layer_page);  // read only: Int2RowRef is not const-typed
   if (which == 0) {
     kernels::DecodeTransformKeys(
-        profile_->KeyCode(layer, head), page + layout_.KCodes(head) + int64_t{slot} * layout_.code_bytes,
-        layout_.code_bytes, reinterpret_cast<const uint16_t*>(page + layout_.KGains(head)) + slot, 1,
-        count, out);
+        profile_->KeyCode(layer, head),
+        page + layout_.KCodes(head) + int64_t{slot} * layout_.code_bytes, layout_.code_bytes,
+        reinterpret_cast<const uint16_t*>(page + layout_.KGains(head)) + slot, 1, count, out);
   } else {
     kernels::ExpandInt2Rows(layout_.V(page, head), count, g_.head_dim,
                             profile_->head(layer, head).r_v.data(), out, slot);

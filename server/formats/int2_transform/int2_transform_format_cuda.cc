@@ -38,9 +38,11 @@ absl::Status CheckTransformCudaGeometry(const PageGeometry& g, const KeyTransfor
   }
   const int code_bits = p.key_code_bits();
   if (code_bits < 8 || code_bits % 8 != 0 || code_bits > 8 * g.head_dim) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the codec file's key rows take ", code_bits, " code bits, expected a multiple "
-                     "of 8 in 8..", 8 * g.head_dim, " (8 bits per direction at most)"));
+    return absl::InvalidArgumentError(absl::StrCat("the codec file's key rows take ", code_bits,
+                                                   " code bits, expected a multiple "
+                                                   "of 8 in 8..",
+                                                   8 * g.head_dim,
+                                                   " (8 bits per direction at most)"));
   }
   return absl::OkStatus();
 }
@@ -67,10 +69,10 @@ class Int2TransformCudaFormat final : public CudaPageFormat {
     KVCD_RETURN_IF_ERROR(PrepareRowStore(k, v, rows, -1, pool, geometry(), nullptr,
                                          /*rotate=*/false, &scratch_, &a));
     if (rows.empty()) return absl::OkStatus();
-    KVCD_RETURN_IF_ERROR(CudaStatus(kc::LaunchStoreTransformRows(a.k, a.v, a.dst, offsets_,
-                                                                 dev_->heads(a.first_layer),
-                                                                 nullptr, a.check()),
-                                    "int2-transform quantize-on-put"));
+    KVCD_RETURN_IF_ERROR(
+        CudaStatus(kc::LaunchStoreTransformRows(a.k, a.v, a.dst, offsets_,
+                                                dev_->heads(a.first_layer), nullptr, a.check()),
+                   "int2-transform quantize-on-put"));
     return FinishRowStore(k, v, a, &scratch_);
   }
 
@@ -95,9 +97,9 @@ class Int2TransformCudaFormat final : public CudaPageFormat {
       KVCD_RETURN_IF_ERROR(
           PrepareRowStore(k, v, rows, -1, pool, g, nullptr, /*rotate=*/false, &scratch_, &a));
       a.k.head_stride = a.v.head_stride = int64_t{ps} * d;
-      KVCD_RETURN_IF_ERROR(
-          CudaStatus(kc::LaunchStoreTransformRows(a.k, a.v, a.dst, offsets_, dev_->heads(0), nullptr),
-                     "int2-transform demotion"));
+      KVCD_RETURN_IF_ERROR(CudaStatus(
+          kc::LaunchStoreTransformRows(a.k, a.v, a.dst, offsets_, dev_->heads(0), nullptr),
+          "int2-transform demotion"));
     }
     return absl::OkStatus();
   }
@@ -149,8 +151,8 @@ class Int2TransformCudaFormat final : public CudaPageFormat {
           " for int2-transform history on the cuda backend; the cpu backend serves up to 16"));
     }
     return CudaStatus(kc::LaunchTransformDecodeParts(a.list, a.geo, offsets_, dev_->heads(a.layer),
-                                                     a.q, a.scale, a.splits, a.max_tokens,
-                                                     a.part_o, a.part_lse, a.part_base, nullptr),
+                                                     a.q, a.scale, a.splits, a.max_tokens, a.part_o,
+                                                     a.part_lse, a.part_base, nullptr),
                       "int2-transform decode attention");
   }
 

@@ -81,9 +81,8 @@ TEST(CudaTransformHostTest, CodecImageTablesFollowTheCpuDefinitions) {
     const auto src = Sources(p);
     std::vector<uint8_t> image(kc::TransformCodecBytes(static_cast<int>(src.size()), d));
     // Device base = the image itself: the views point into it.
-    const kc::TransformHeadCodec* views =
-        kc::BuildTransformCodecImage(src.data(), static_cast<int>(src.size()), image.data(),
-                                     image.data());
+    const kc::TransformHeadCodec* views = kc::BuildTransformCodecImage(
+        src.data(), static_cast<int>(src.size()), image.data(), image.data());
     ASSERT_GE(reinterpret_cast<const uint8_t*>(views), image.data());
     ASSERT_LE(reinterpret_cast<const uint8_t*>(views + src.size()), image.data() + image.size());
     std::mt19937 rng(d);
@@ -214,10 +213,12 @@ TEST(CudaTransformHostTest, LaunchersRefuseWhatTheKernelsDoNotServe) {
             cudaErrorInvalidValue);
   bad = dst;
   bad.num_kv_heads = 2;  // the layout says 3
-  EXPECT_EQ(kc::LaunchStoreTransformRows(rows, rows, bad, o, heads, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(kc::LaunchStoreTransformRows(rows, rows, bad, o, heads, nullptr),
+            cudaErrorInvalidValue);
   bad = dst;
   bad.num_tokens = kc::PagedRows::kInlineSlots + 1;  // no slot array
-  EXPECT_EQ(kc::LaunchStoreTransformRows(rows, rows, bad, o, heads, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(kc::LaunchStoreTransformRows(rows, rows, bad, o, heads, nullptr),
+            cudaErrorInvalidValue);
 }
 
 TEST(CudaTransformHostTest, SplitsFillOneWaveAndKeepFourTilesEach) {
@@ -365,18 +366,21 @@ void RunStoreCase(CudaTransformTest* t, const StoreCase& c, uint32_t seed) {
     check.first_row = words + 1;
   }
   const kc::TransformHeadCodec* heads = t->UpCodec(p);
-  ASSERT_EQ(kc::LaunchStoreTransformRows(kr, vr, dst, off, heads, nullptr,
-                                         c.check ? &check : nullptr),
-            cudaSuccess);
+  ASSERT_EQ(
+      kc::LaunchStoreTransformRows(kr, vr, dst, off, heads, nullptr, c.check ? &check : nullptr),
+      cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<uint8_t> got = t->Down(d_pool, pool.size());
   for (size_t i = 0; i < got.size(); ++i) {
     if (got[i] == want[i]) continue;
-    const int64_t lp = static_cast<int64_t>(i) / page_bytes, in = static_cast<int64_t>(i) % page_bytes;
-    const char* region = in < off.k_gains ? "key codes" : in < off.v_codes ? "key gains"
-                         : in < off.v_params ? "value codes" : "value parameters";
-    FAIL() << "byte " << in << " (" << region << ") of layer page " << lp << ": got "
-           << int{got[i]} << ", the CPU codec's " << int{want[i]};
+    const int64_t lp = static_cast<int64_t>(i) / page_bytes,
+                  in = static_cast<int64_t>(i) % page_bytes;
+    const char* region = in < off.k_gains    ? "key codes"
+                         : in < off.v_codes  ? "key gains"
+                         : in < off.v_params ? "value codes"
+                                             : "value parameters";
+    FAIL() << "byte " << in << " (" << region << ") of layer page " << lp << ": got " << int{got[i]}
+           << ", the CPU codec's " << int{want[i]};
   }
   if (c.check) {
     const auto w = t->Down(words, 2);
@@ -454,16 +458,15 @@ void RunDecodeCase(CudaTransformTest* t, const DecodeCase& c, uint32_t seed) {
   const int splits =
       c.splits > 0 ? c.splits : kc::TransformDecodeSplits(batch, c.hkv, max_len, 132);
   const int rows = batch * c.hq;
-  const kc::PagedList list{t->Up(pool), layout.Bytes(), t->Up(table), max_pages,
-                           t->Up(c.lengths)};
+  const kc::PagedList list{t->Up(pool), layout.Bytes(), t->Up(table), max_pages, t->Up(c.lengths)};
   float* part_o = t->Up(std::vector<float>(static_cast<size_t>(splits) * rows * c.d, NAN));
   float* part_lse = t->Up(std::vector<float>(static_cast<size_t>(splits) * rows, NAN));
   float* o = t->Up(std::vector<float>(static_cast<size_t>(rows) * c.d, NAN));
   float* lse = t->Up(std::vector<float>(static_cast<size_t>(rows), NAN));
   const kc::DecodeGeometry geo{batch, c.hq, c.hkv, c.d, c.ps};
   ASSERT_EQ(kc::LaunchTransformDecodeParts(list, geo, kc::TransformPageOffsets(layout),
-                                           t->UpCodec(p), t->Up(q), scale, splits, max_len,
-                                           part_o, part_lse, 0, nullptr),
+                                           t->UpCodec(p), t->Up(q), scale, splits, max_len, part_o,
+                                           part_lse, 0, nullptr),
             cudaSuccess);
   ASSERT_EQ(kc::LaunchMergeParts(part_o, part_lse, splits, rows, c.d, nullptr, o, lse, nullptr),
             cudaSuccess);
@@ -511,14 +514,14 @@ void RunDecodeCase(CudaTransformTest* t, const DecodeCase& c, uint32_t seed) {
 TEST_F(CudaTransformTest, DecodeMatchesTheOracle) {
   uint32_t seed = rng_();
   const std::vector<DecodeCase> cases = {
-      {64, 9, 3, 32, {1, 77, 300}, 0},     // SmolLM2-135M: group 3
-      {64, 9, 3, 64, {613, 0, 33}, 7},     // an empty sequence, several splits
-      {128, 8, 2, 32, {95, 1000}, 0},      // group 4
-      {128, 32, 8, 64, {129}, 1},          // one split
-      {256, 4, 2, 32, {67, 250}, 3},       // group 2
-      {64, 8, 1, 32, {511, 2}, 0},         // group 8
-      {128, 5, 5, 32, {31, 32, 33}, 0},    // group 1
-      {256, 16, 2, 32, {160}, 2},          // group 8 at head_dim 256
+      {64, 9, 3, 32, {1, 77, 300}, 0},   // SmolLM2-135M: group 3
+      {64, 9, 3, 64, {613, 0, 33}, 7},   // an empty sequence, several splits
+      {128, 8, 2, 32, {95, 1000}, 0},    // group 4
+      {128, 32, 8, 64, {129}, 1},        // one split
+      {256, 4, 2, 32, {67, 250}, 3},     // group 2
+      {64, 8, 1, 32, {511, 2}, 0},       // group 8
+      {128, 5, 5, 32, {31, 32, 33}, 0},  // group 1
+      {256, 16, 2, 32, {160}, 2},        // group 8 at head_dim 256
   };
   for (const DecodeCase& c : cases) {
     RunDecodeCase(this, c, seed++);

@@ -122,8 +122,8 @@ inline constexpr int kTransformCudaMaxGroup = 8;
 // cudaErrorInvalidValue otherwise.
 cudaError_t LaunchTransformDecodeParts(const PagedList& list, const DecodeGeometry& geo,
                                        const TransformPageOffsets& layout,
-                                       const TransformHeadCodec* heads, const float* q,
-                                       float scale, int splits, int max_tokens, float* part_o,
-                                       float* part_lse, int part_base, cudaStream_t stream);
+                                       const TransformHeadCodec* heads, const float* q, float scale,
+                                       int splits, int max_tokens, float* part_o, float* part_lse,
+                                       int part_base, cudaStream_t stream);
 
 }  // namespace kvcd::kernels::cuda
