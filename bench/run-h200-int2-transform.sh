@@ -2,7 +2,8 @@
 # The device run of int2-transform history on the CUDA backend (#22; < 3 minutes):
 #   1. the CUDA int2-transform kernel tests against the CPU definitions (kvcd_cuda_tests
 #      *Transform*): the row store byte for byte against EncodeTransformKeys +
-#      DemoteRowsToInt2, decode attention against AttendTransformPagesReference;
+#      DemoteRowsToInt2, decode attention against AttendTransformPagesReference; then their
+#      small cases under compute-sanitizer memcheck and racecheck;
 #   2. the daemon test: the real daemon (backend cuda) and a second one (backend cpu) with the
 #      same int2-transform model (SmolLM2-135M's 9 q / 3 kv heads, d 64; codec file version
 #      3): Put inline and over CUDA IPC, the fused per-layer decode loop past two demotions
@@ -14,8 +15,8 @@
 #   here:   ./scripts/build.sh && ./scripts/pack-device.sh   (pack-device.sh packs every binary
 #           it lists: build them all)
 #   device: bench/run-h200-int2-transform.sh   (device tool, carry [".devbin", ".devlibs"])
-# Writes $OUT/transform-kernels.log, transform-data-plane.log, transform-bench.log,
-# transform-bench.md and summary.txt.
+# Writes $OUT/transform-kernels.log, transform-memcheck.log, transform-racecheck.log,
+# transform-data-plane.log, transform-bench.log, transform-bench.md and summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/kvcd-h200-int2-transform}
@@ -28,15 +29,22 @@ summary "$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,
 result() {  # name log rc
   summary "$1 rc $3: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\] [0-9]+ tests?' "$2" | tr '\n' ' ')"
 }
-timeout 40 "$BIN/kvcd_cuda_tests" --gtest_filter='*Transform*' > "$out/transform-kernels.log" 2>&1
+timeout 30 "$BIN/kvcd_cuda_tests" --gtest_filter='*Transform*' > "$out/transform-kernels.log" 2>&1
 result "int2-transform kernels" "$out/transform-kernels.log" $?
-KVCD_BINARY=$BIN/kvcd timeout 80 "$BIN/kvcd_data_plane_tests" \
+for tool in memcheck racecheck; do  # small cases (KVCD_TRANSFORM_TEST_SMALL)
+  KVCD_TRANSFORM_TEST_SMALL=1 timeout 35 compute-sanitizer --tool $tool --error-exitcode 9 \
+    "$BIN/kvcd_cuda_tests" --gtest_filter='CudaTransformTest.*' > "$out/transform-$tool.log" 2>&1
+  result "int2-transform kernels under compute-sanitizer $tool" "$out/transform-$tool.log" $?
+  grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/transform-$tool.log" | tail -1 |
+    tee -a "$out/summary.txt"
+done
+KVCD_BINARY=$BIN/kvcd timeout 50 "$BIN/kvcd_data_plane_tests" \
   --gtest_filter='TransformDataPlaneTest.*' > "$out/transform-data-plane.log" 2>&1
 result "int2-transform data plane (cuda daemon vs cpu daemon)" "$out/transform-data-plane.log" $?
 grep -E '^int2-transform: CUDA vs CPU' "$out/transform-data-plane.log" | tee -a "$out/summary.txt"
 grep -hE '^\[  FAILED|Failure|rror' "$out/transform-kernels.log" \
   "$out/transform-data-plane.log" | head -30
-timeout 55 "$BIN/cuda_transform_bench" --out "$out/transform-bench.md" \
+timeout 25 "$BIN/cuda_transform_bench" --out "$out/transform-bench.md" \
   > "$out/transform-bench.log" 2>&1
 summary "cuda_transform_bench rc $?"
 cat "$out/transform-bench.log" | tee -a "$out/summary.txt"
