@@ -41,8 +41,8 @@ T* Upload(const std::vector<T>& v) {
 
 // int2-transform pages of random codes; key gains 0.5.., value scales 0.5.., minimums -0.75...
 __global__ void FillTransformPages(uint8_t* pages, int64_t n_pages, int64_t page_bytes,
-                                   int64_t gains_at, int64_t gains_bytes, int64_t params_at,
-                                   int ps, uint32_t seed) {
+                                   int64_t gains_at, int64_t gains_bytes, int64_t params_at, int ps,
+                                   uint32_t seed) {
   const int64_t total = n_pages * page_bytes;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -58,10 +58,12 @@ __global__ void FillTransformPages(uint8_t* pages, int64_t n_pages, int64_t page
       param = true;
     } else if (off >= params_at) {
       const bool lo = ((off - params_at) / 2 / ps) % 2 == 1;
-      h = lo ? static_cast<uint16_t>(0xBA00 + (x & 0x3f)) : static_cast<uint16_t>(0x3800 + (x & 0x3f));
+      h = lo ? static_cast<uint16_t>(0xBA00 + (x & 0x3f))
+             : static_cast<uint16_t>(0x3800 + (x & 0x3f));
       param = true;
     }
-    if (param) byte = (off % 2 == 0) ? static_cast<uint8_t>(h & 0xff) : static_cast<uint8_t>(h >> 8);
+    if (param)
+      byte = (off % 2 == 0) ? static_cast<uint8_t>(h & 0xff) : static_cast<uint8_t>(h >> 8);
     pages[i] = byte;
   }
 }
@@ -154,8 +156,10 @@ int main(int argc, char** argv) {
       "decode attention, batch 1, page 64: one layer's history per call, calls back to back over\n"
       ">= 256 MB of layers; int2-transform = decode kernel + LaunchMergeParts (the daemon merges\n"
       "its parts with the windows'), INT2 = LaunchInt2Decode (v2 kernel + fused merge)\n\n");
-  emit("| layer | context | B/token-head xform | splits | xform us | xform GB/s | B/token-head INT2 | "
-       "INT2 us | INT2 GB/s |\n|---|---|---|---|---|---|---|---|---|\n");
+  emit(
+      "| layer | context | B/token-head xform | splits | xform us | xform GB/s | B/token-head INT2 "
+      "| "
+      "INT2 us | INT2 GB/s |\n|---|---|---|---|---|---|---|---|---|\n");
   for (const Geometry& g : {Geometry{"SmolLM2-135M", 9, 3, 64}, Geometry{"Qwen3-8B", 32, 8, 128}}) {
     const int d = g.d, hq = g.hq, hkv = g.hkv;
     // The codec: one layer's heads of a synthetic version-3 profile.
@@ -224,8 +228,7 @@ int main(int argc, char** argv) {
       p.page_size = ps;
       p.q = d_q;
       p.softmax_scale = scale;
-      p.num_splits =
-          kc::Int2DecodeSplits(batch, hkv, n, sms, kc::Int2CtasPerSm(hq, hkv, d));
+      p.num_splits = kc::Int2DecodeSplits(batch, hkv, n, sms, kc::Int2CtasPerSm(hq, hkv, d));
       p.o = o;
       p.lse = lse;
       void* ws = nullptr;
@@ -274,8 +277,8 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&x_pool, layers * pages * layout.Bytes()));
     PutRows x(d_rows, layers, tokens, hkv, d, ps, d_slots, x_pool, pages, layout.Bytes());
     const double x_us = MedianUsPerCall(stream, 5, 1, 1, [&](int) {
-      CHECK(kc::LaunchStoreTransformRows(x.k, x.v, x.dst, kc::TransformPageOffsets(layout), codec.heads,
-                                         stream));
+      CHECK(kc::LaunchStoreTransformRows(x.k, x.v, x.dst, kc::TransformPageOffsets(layout),
+                                         codec.heads, stream));
     });
     uint8_t* i_pool = nullptr;
     const int64_t i_page = kk::Int2PageBytes(hkv, ps, d);
@@ -285,9 +288,8 @@ int main(int argc, char** argv) {
     kc::RowCodec rc;
     rc.rho_k = Upload(rho);
     rc.rho_v = rc.rho_k;
-    const double i_us = MedianUsPerCall(stream, 5, 1, 1, [&](int) {
-      CHECK(kc::LaunchStoreInt2Rows(r.k, r.v, r.dst, rc, stream));
-    });
+    const double i_us = MedianUsPerCall(
+        stream, 5, 1, 1, [&](int) { CHECK(kc::LaunchStoreInt2Rows(r.k, r.v, r.dst, rc, stream)); });
     std::snprintf(line, sizeof(line),
                   "\nPut-size row store, %d tokens x %d layers x %d KV heads (d %d, BF16 rows): "
                   "int2-transform %.0f us (%.1f M key rows/s), INT2 (no rotation) %.0f us\n",

@@ -281,8 +281,8 @@ TEST_F(TransformDataPlaneTest, CudaBackendMatchesCpuBackend) {
         worst_lse = std::max(worst_lse, lse_err);
         ASSERT_LE(err / row_max, kMaxOutputError)
             << "step " << step << " layer " << layer << " head " << h;
-        ASSERT_LE(lse_err, kMaxOutputError) << "step " << step << " layer " << layer << " head "
-                                            << h;
+        ASSERT_LE(lse_err, kMaxOutputError)
+            << "step " << step << " layer " << layer << " head " << h;
       }
 
       // The same call with every tensor in the worker's buffer, results on the device.
