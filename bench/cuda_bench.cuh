@@ -1,6 +1,7 @@
 // What the CUDA benchmarks share: CHECK (a failed CUDA call prints where and exits 1), the
 // read-ceiling kernel (a read-only reduction, ReadReduce), event timing (MedianUsPerCall),
-// INT2 page filling (FillInt2Pages) and the arguments of a Put-size paged row store (PutRows).
+// uploads (Upload), page filling (FillPages), the read ceiling (ReadCeilingTbs) and the arguments
+// of a Put-size paged row store (PutRows).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -35,6 +36,15 @@ __global__ void ReadReduce(const uint4* p, int64_t n, unsigned* out) {
   if (acc == 0x12345678u) atomicAdd(out, acc);
 }
 
+// A device copy of v (never a zero-byte allocation).
+template <class T>
+T* Upload(const std::vector<T>& v) {
+  T* p = nullptr;
+  CHECK(cudaMalloc(&p, std::max<size_t>(1, v.size() * sizeof(T))));
+  CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return p;
+}
+
 float Median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -62,10 +72,14 @@ double MedianUsPerCall(cudaStream_t stream, int repeats, int skip, int calls, F 
   return Median(ms) * 1e3;
 }
 
-// INT2 pages (int2_attention.h) of random codes with valid FP16 parameters: scales
-// 0.5..0.6, minimums -0.75.. (code_bytes: K codes of a page, V codes as many).
-__global__ void FillInt2Pages(uint8_t* pages, int64_t n_pages, int64_t page_bytes,
-                              int64_t code_bytes, int hkv, int ps, uint32_t seed) {
+// Pages of random codes with valid FP16 parameters from byte params_at of each page to its
+// end, in blocks of ps values alternating scales 0.5..0.6 (0x3800..) and minimums -0.75..
+// (0xBA00..), as INT2 pages (int2_attention.h: params_at = the K and V codes' bytes) and
+// int2-transform pages (transform_attention.h: params_at = VParams(0)) hold them; and FP16
+// gains 0.5..0.6 in [gains_at, gains_at + gains_bytes) (int2-transform key gains).
+__global__ void FillPages(uint8_t* pages, int64_t n_pages, int64_t page_bytes, int ps,
+                          int64_t params_at, uint32_t seed, int64_t gains_at = 0,
+                          int64_t gains_bytes = 0) {
   const int64_t total = n_pages * page_bytes;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -73,16 +87,31 @@ __global__ void FillInt2Pages(uint8_t* pages, int64_t n_pages, int64_t page_byte
     uint32_t x = static_cast<uint32_t>(i) * 2654435761u ^ seed;
     x ^= x >> 13;
     x *= 0x5bd1e995u;
-    if (off < 2 * code_bytes) {
+    const bool gain = off >= gains_at && off < gains_at + gains_bytes;
+    if (off < params_at && !gain) {
       pages[i] = static_cast<uint8_t>(x >> 7);
-    } else {  // FP16 params: scales 0.5..0.6 (0x3800..), minimums -0.75.. (0xBA00..)
-      const int64_t k = (off - 2 * code_bytes) / 2;  // param index in the page
-      const bool lo = (k / ps) % 2 == 1;
+    } else {
+      const bool lo = !gain && ((off - params_at) / 2 / ps) % 2 == 1;
       const uint16_t h = lo ? static_cast<uint16_t>(0xBA00 + (x & 0x3f))
                             : static_cast<uint16_t>(0x3800 + (x & 0x3f));
       pages[i] = (off % 2 == 0) ? static_cast<uint8_t>(h & 0xff) : static_cast<uint8_t>(h >> 8);
     }
   }
+}
+
+// The read ceiling: TB/s of a read-only reduction over `bytes` (median of 10 runs).
+inline double ReadCeilingTbs(int num_sms, int64_t bytes, cudaStream_t stream) {
+  void* buf = nullptr;
+  unsigned* out = nullptr;
+  CHECK(cudaMalloc(&buf, bytes));
+  CHECK(cudaMalloc(&out, 4));
+  CHECK(cudaMemset(buf, 1, bytes));
+  const double us = MedianUsPerCall(stream, 12, 2, 1, [&](int) {
+    ReadReduce<<<num_sms * 8, 512, 0, stream>>>(static_cast<const uint4*>(buf), bytes / 16, out);
+  });
+  CHECK(cudaFree(buf));
+  CHECK(cudaFree(out));
+  return bytes / (us * 1e-6) / 1e12;
 }
 
 // A request of `tokens` tokens, [layers][tokens][heads][d] BF16 K at `src` and V right after

@@ -26,14 +26,6 @@ namespace kk = kvcd::kernels;
 
 namespace {
 
-template <class T>
-T* Upload(const std::vector<T>& v) {
-  T* p = nullptr;
-  CHECK(cudaMalloc(&p, v.size() * sizeof(T)));
-  CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return p;
-}
-
 struct CaseResult {
   double err;      // max relative error of o and lse
   double max_lse;  // largest |lse| of the oracle: the logit range of the case
@@ -286,8 +278,8 @@ int main(int argc, char** argv) {
         std::vector<uint8_t*> pages(layers);
         for (int l = 0; l < layers; ++l) {
           CHECK(cudaMalloc(&pages[l], layer_bytes));
-          FillInt2Pages<<<4096, 256>>>(pages[l], n_pages, page_bytes, int64_t{hkv} * ps * (d / 4),
-                                       hkv, ps, 7u + l);
+          FillPages<<<4096, 256>>>(pages[l], n_pages, page_bytes, ps,
+                                   2 * int64_t{hkv} * ps * (d / 4), 7u + l);
           CHECK(cudaGetLastError());
         }
         std::vector<int32_t> table(n_pages);

@@ -31,43 +31,6 @@ namespace kc = kvcd::kernels::cuda;
 
 namespace {
 
-template <class T>
-T* Upload(const std::vector<T>& v) {
-  T* p = nullptr;
-  CHECK(cudaMalloc(&p, std::max<size_t>(1, v.size() * sizeof(T))));
-  CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return p;
-}
-
-// int2-transform pages of random codes; key gains 0.5.., value scales 0.5.., minimums -0.75...
-__global__ void FillTransformPages(uint8_t* pages, int64_t n_pages, int64_t page_bytes,
-                                   int64_t gains_at, int64_t gains_bytes, int64_t params_at, int ps,
-                                   uint32_t seed) {
-  const int64_t total = n_pages * page_bytes;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t off = i % page_bytes;
-    uint32_t x = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-    x ^= x >> 13;
-    x *= 0x5bd1e995u;
-    uint8_t byte = static_cast<uint8_t>(x >> 7);
-    uint16_t h = 0;
-    bool param = false;
-    if (off >= gains_at && off < gains_at + gains_bytes) {
-      h = static_cast<uint16_t>(0x3800 + (x & 0x3f));
-      param = true;
-    } else if (off >= params_at) {
-      const bool lo = ((off - params_at) / 2 / ps) % 2 == 1;
-      h = lo ? static_cast<uint16_t>(0xBA00 + (x & 0x3f))
-             : static_cast<uint16_t>(0x3800 + (x & 0x3f));
-      param = true;
-    }
-    if (param)
-      byte = (off % 2 == 0) ? static_cast<uint8_t>(h & 0xff) : static_cast<uint8_t>(h >> 8);
-    pages[i] = byte;
-  }
-}
-
 struct Geometry {
   const char* name;
   int hq, hkv, d;
@@ -106,21 +69,6 @@ struct DeviceCodec {
   DeviceCodec& operator=(const DeviceCodec&) = delete;
 };
 
-double ReadCeilingTbs(int sms) {
-  const int64_t bytes = int64_t{2} << 30;
-  void* buf = nullptr;
-  unsigned* out = nullptr;
-  CHECK(cudaMalloc(&buf, bytes));
-  CHECK(cudaMalloc(&out, 4));
-  CHECK(cudaMemset(buf, 1, bytes));
-  const double us = MedianUsPerCall(nullptr, 12, 2, 1, [&](int) {
-    ReadReduce<<<sms * 8, 512>>>(static_cast<const uint4*>(buf), bytes / 16, out);
-  });
-  CHECK(cudaFree(buf));
-  CHECK(cudaFree(out));
-  return bytes / (us * 1e-6) / 1e12;
-}
-
 // How many layers of `layer_bytes` the back-to-back calls cycle over (>= 256 MB in all).
 int LayersFor(int64_t layer_bytes) {
   return static_cast<int>(
@@ -145,7 +93,7 @@ int main(int argc, char** argv) {
   char line[512];
   std::snprintf(line, sizeof(line), "device: %s, %d SMs\n", prop.name, sms);
   emit(line);
-  const double ceiling = ReadCeilingTbs(sms);
+  const double ceiling = ReadCeilingTbs(sms, int64_t{2} << 30, nullptr);
   std::snprintf(line, sizeof(line), "read ceiling: %.2f TB/s (2 GiB read-only reduction)\n\n",
                 ceiling);
   emit(line);
@@ -189,9 +137,8 @@ int main(int argc, char** argv) {
       const int x_layers = LayersFor(x_layer);
       uint8_t* x_pages = nullptr;
       CHECK(cudaMalloc(&x_pages, x_layer * x_layers));
-      FillTransformPages<<<4096, 256>>>(x_pages, int64_t{pages_per} * x_layers, layout.Bytes(),
-                                        offsets.k_gains, int64_t{hkv} * ps * 2, offsets.v_params,
-                                        ps, 11u);
+      FillPages<<<4096, 256>>>(x_pages, int64_t{pages_per} * x_layers, layout.Bytes(), ps,
+                               offsets.v_params, 11u, offsets.k_gains, int64_t{hkv} * ps * 2);
       CHECK(cudaGetLastError());
       const int splits = kc::TransformDecodeSplits(batch, hkv, n, sms);
       float *part_o = nullptr, *part_lse = nullptr;
@@ -213,8 +160,8 @@ int main(int argc, char** argv) {
       const int i_layers = LayersFor(i_layer);
       uint8_t* i_pages = nullptr;
       CHECK(cudaMalloc(&i_pages, i_layer * i_layers));
-      FillInt2Pages<<<4096, 256>>>(i_pages, int64_t{pages_per} * i_layers, i_page,
-                                   int64_t{hkv} * ps * (d / 4), hkv, ps, 7u);
+      FillPages<<<4096, 256>>>(i_pages, int64_t{pages_per} * i_layers, i_page, ps,
+                               2 * int64_t{hkv} * ps * (d / 4), 7u);
       CHECK(cudaGetLastError());
       kc::Int2DecodeParams p;
       p.page_stride = i_page;

@@ -30,7 +30,9 @@
 #include "client/synthetic.h"
 #include "client/workers/ipc_buffer.h"
 #include "common/key_transform_profile.h"
+#include "common/rotation.h"
 #include "common/tensor_ref.h"
+#include "cuda_cpu_daemons.h"
 #include "daemon_process.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/transform_attention.h"
@@ -38,30 +40,17 @@
 namespace kvcd {
 namespace {
 
+using testing_util::BackendConfig;
+using testing_util::ConnectTo;
+using testing_util::CudaDeviceCount;
 using testing_util::DaemonProcess;
+using testing_util::ExpectCloseToCpu;
+using testing_util::OpenOn;
+using testing_util::StoredPages;
+using testing_util::ToDevice;
 using workers::IpcBuffer;
 
 constexpr double kMaxOutputError = 3e-3;
-
-constexpr char kConfig[] = R"(
-listen: 127.0.0.1:0
-metrics_listen: 127.0.0.1:0
-backend: BACKEND
-memory_budget: 512MiB
-lease: {default_ms: 60000, max_ms: 120000}
-drain_timeout_ms: 300
-)";
-
-int DeviceCount() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
-}
-
-std::string Config(const std::string& backend) {
-  std::string c = kConfig;
-  c.replace(c.find("BACKEND"), 7, backend);
-  return c;
-}
 
 // SmolLM2-135M's attention shape (9 query / 3 KV heads, head_dim 64) on 2 layers.
 v1::ModelProfile Profile(const std::string& name, int page_size, int head_dim) {
@@ -85,37 +74,18 @@ v1::ModelProfile Profile(const std::string& name, int page_size, int head_dim) {
 std::string CodecBlob(const v1::ModelProfile& p, uint32_t seed) {
   const int layers = p.num_layers(), heads = p.num_kv_heads(), d = p.head_dim();
   auto hs = KeyTransformProfile::SyntheticHeads(layers, heads, d, seed);
-  const float c = 1.0f / std::sqrt(static_cast<float>(d));
-  for (int l = 0; l < layers; ++l) {
-    auto& r = hs[static_cast<size_t>(l) * heads + 1].r_v;
-    for (int i = 0; i < d; ++i)
-      for (int j = 0; j < d; ++j)
-        r[static_cast<size_t>(i) * d + j] = (__builtin_popcount(i & j) & 1) != 0 ? -c : c;
-  }
+  for (int l = 0; l < layers; ++l) hs[static_cast<size_t>(l) * heads + 1].r_v = HadamardMatrix(d);
   return KeyTransformProfile::ToSafetensors(hs, layers, heads, d, "test").Serialize();
-}
-
-std::unique_ptr<Client> Connect(const DaemonProcess& d) {
-  ClientOptions o;
-  o.target = d.grpc();
-  auto c = Client::Connect(o);
-  EXPECT_TRUE(c.ok()) << c.status();
-  return c.ok() ? std::move(*c) : nullptr;
-}
-
-template <typename T>
-void ToDevice(uint8_t* dst, const T* src, size_t bytes) {
-  ASSERT_EQ(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), cudaSuccess);
 }
 
 class TransformDataPlaneTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-    ASSERT_TRUE(gpu_.Start(Config("cuda")));
-    ASSERT_TRUE(cpu_.Start(Config("cpu")));
-    cuda_ = Connect(gpu_);
-    host_ = Connect(cpu_);
+    if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+    ASSERT_TRUE(gpu_.Start(BackendConfig("cuda")));
+    ASSERT_TRUE(cpu_.Start(BackendConfig("cpu")));
+    cuda_ = ConnectTo(gpu_);
+    host_ = ConnectTo(cpu_);
     ASSERT_TRUE(cuda_ != nullptr && host_ != nullptr);
     p_ = Profile("smollm2-shape-transform", 32, 64);
     blob_ = CodecBlob(p_, 23);
@@ -141,27 +111,14 @@ class TransformDataPlaneTest : public ::testing::Test {
   }
 
   uint64_t Open(Client* c, const std::vector<int32_t>& tokens, const std::string& salt) const {
-    auto o = c->OpenSequence(p_.name(), salt, tokens, 60000);
-    EXPECT_TRUE(o.ok()) << o.status();
-    return o.ok() ? o->sequence_id() : 0;
+    return OpenOn(c, p_.name(), tokens, salt);
   }
   uint64_t Open(Client* c, const v1::PutRequest& put, const std::string& salt) const {
     return Open(c, std::vector<int32_t>(put.tokens().begin(), put.tokens().end()), salt);
   }
 
   // A sequence's full pages as stored (formats and bytes), inline.
-  std::string Stored(Client* c, uint64_t seq) const {
-    v1::FetchPagesRequest f;
-    f.set_sequence_id(seq);
-    auto r = c->FetchPages(f);
-    EXPECT_TRUE(r.ok()) << r.status();
-    std::string all;
-    if (!r.ok()) return all;
-    for (const auto& pg : r->pages()) {
-      if (pg.num_tokens() == p_.page_size()) all += pg.format() + ":" + pg.data();
-    }
-    return all;
-  }
+  std::string Stored(Client* c, uint64_t seq) const { return StoredPages(c, seq, p_.page_size()); }
 
   // The fused call `req` with q (F32), k_new, v_new (BF16) of `batch` entries in the worker's
   // buffer b (>= 1 MiB) and the outputs (poisoned with NaN first) written there.
@@ -266,24 +223,10 @@ TEST_F(TransformDataPlaneTest, CudaBackendMatchesCpuBackend) {
       auto r_cu = cuda_->AttentionDecode(in);
       ASSERT_TRUE(r_cu.ok()) << r_cu.status();
       ASSERT_EQ(r_cu->lengths(0), r_cpu->lengths(0));
-      for (int h = 0; h < hq; ++h) {
-        double row_max = 1.0, err = 0;
-        for (int i = h * d; i < (h + 1) * d; ++i)
-          row_max = std::max(row_max, std::fabs(double{ElementAsFloat(r_cpu->o(), i)}));
-        for (int i = h * d; i < (h + 1) * d; ++i) {
-          const float got = ElementAsFloat(r_cu->o(), i);
-          ASSERT_TRUE(std::isfinite(got)) << "step " << step << " layer " << layer << " i " << i;
-          err = std::max(err, std::fabs(got - double{ElementAsFloat(r_cpu->o(), i)}));
-        }
-        const double lse_err =
-            std::fabs(ElementAsFloat(r_cu->lse(), h) - ElementAsFloat(r_cpu->lse(), h));
-        worst_o = std::max(worst_o, err / row_max);
-        worst_lse = std::max(worst_lse, lse_err);
-        ASSERT_LE(err / row_max, kMaxOutputError)
-            << "step " << step << " layer " << layer << " head " << h;
-        ASSERT_LE(lse_err, kMaxOutputError)
-            << "step " << step << " layer " << layer << " head " << h;
-      }
+      ASSERT_NO_FATAL_FAILURE(
+          ExpectCloseToCpu(*r_cu, *r_cpu, hq, d, kMaxOutputError,
+                           "step " + std::to_string(step) + " layer " + std::to_string(layer),
+                           &worst_o, &worst_lse));
 
       // The same call with every tensor in the worker's buffer, results on the device.
       v1::AttentionDecodeRequest ipc;

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "common/key_transform_profile.h"
+#include "common/rotation.h"
 #include "cuda_test_fixture.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/int2_codec.h"
@@ -33,13 +34,7 @@ namespace kc = cuda;
 KeyTransformProfile Profile(int layers, int heads, int d, uint32_t seed, bool hadamard) {
   auto hs = KeyTransformProfile::SyntheticHeads(layers, heads, d, seed);
   if (hadamard && heads > 1) {
-    const float c = 1.0f / std::sqrt(static_cast<float>(d));
-    for (int l = 0; l < layers; ++l) {
-      auto& r = hs[static_cast<size_t>(l) * heads + 1].r_v;
-      for (int i = 0; i < d; ++i)
-        for (int j = 0; j < d; ++j)
-          r[static_cast<size_t>(i) * d + j] = (__builtin_popcount(i & j) & 1) != 0 ? -c : c;
-    }
+    for (int l = 0; l < layers; ++l) hs[static_cast<size_t>(l) * heads + 1].r_v = HadamardMatrix(d);
   }
   auto file = SafetensorsFile::Parse(
       KeyTransformProfile::ToSafetensors(hs, layers, heads, d, "test").Serialize());
