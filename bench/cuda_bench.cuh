@@ -1,7 +1,7 @@
 // What the CUDA benchmarks share: CHECK (a failed CUDA call prints where and exits 1), the
-// read-ceiling kernel (a read-only reduction, ReadReduce), event timing (MedianUsPerCall),
-// uploads (Upload), page filling (FillPages), the read ceiling (ReadCeilingTbs) and the arguments
-// of a Put-size paged row store (PutRows).
+// read-ceiling kernel (a read-only reduction, ReadReduce; ReadCeilingTbps), event timing
+// (MedianUsPerCall), uploads (Upload), page filling (FillPages) and the arguments of a
+// Put-size paged row store (PutRows).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -99,19 +99,20 @@ __global__ void FillPages(uint8_t* pages, int64_t n_pages, int64_t page_bytes, i
   }
 }
 
-// The read ceiling: TB/s of a read-only reduction over `bytes` (median of 10 runs).
-inline double ReadCeilingTbs(int num_sms, int64_t bytes, cudaStream_t stream) {
+// The read ceiling in TB/s: ReadReduce over `bytes` of device memory on `stream`, median of
+// 10 runs after 2 warm-up runs.
+inline double ReadCeilingTbps(cudaStream_t stream, int sms, int64_t bytes) {
   void* buf = nullptr;
   unsigned* out = nullptr;
   CHECK(cudaMalloc(&buf, bytes));
   CHECK(cudaMalloc(&out, 4));
   CHECK(cudaMemset(buf, 1, bytes));
   const double us = MedianUsPerCall(stream, 12, 2, 1, [&](int) {
-    ReadReduce<<<num_sms * 8, 512, 0, stream>>>(static_cast<const uint4*>(buf), bytes / 16, out);
+    ReadReduce<<<sms * 8, 512, 0, stream>>>(static_cast<const uint4*>(buf), bytes / 16, out);
   });
   CHECK(cudaFree(buf));
   CHECK(cudaFree(out));
-  return bytes / (us * 1e-6) / 1e12;
+  return static_cast<double>(bytes) / us / 1e6;
 }
 
 // A request of `tokens` tokens, [layers][tokens][heads][d] BF16 K at `src` and V right after

@@ -37,6 +37,7 @@
 #include <cstring>
 #include <new>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -51,7 +52,7 @@ struct Shared {
   cudaIpcEventHandle_t ev_worker, ev_daemon;
   cudaIpcMemHandle_t flags;
   std::atomic<int> worker_ready, daemon_ready, failed;
-  std::atomic<int> mode_start[kModes], mode_done[kModes];
+  std::atomic<int> mode_start[kModes], mode_done[kModes], mode_printed[kModes];
   alignas(64) std::atomic<uint32_t> req[kModes];
   alignas(64) std::atomic<uint32_t> resp[kModes];
 };
@@ -77,6 +78,12 @@ double Now() {
   return std::chrono::duration<double, std::micro>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
+}
+
+double P50(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+  return v[v.size() / 2];
 }
 
 bool Ok(cudaError_t e, const char* what, Shared* sh) {
@@ -144,21 +151,35 @@ int Daemon(Shared* sh, int rounds, int kernels) {
   if (!Ok(cudaIpcOpenEventHandle(&ev_worker, sh->ev_worker), "open worker event", sh)) return 1;
   for (int m = 0; m < kModes; ++m) {
     if (!SpinUntil(sh->mode_start[m], 1, sh)) return 1;
+    // The daemon's host time per round in three steps: the wait it queues, its launches,
+    // the signal it records (medians printed after the worker's line of the mode).
+    std::vector<double> t_wait, t_launch, t_signal;
     for (uint32_t i = 1; i <= static_cast<uint32_t>(rounds); ++i) {
       if (!Queued(m) && !SpinUntil(sh->req[m], i, sh)) return 1;
+      const double h0 = Now();
       const bool ok =
           UsesEvents(m)
               ? Ok(cudaStreamWaitEvent(s, ev_worker, 0), "wait event", sh)
               : Ok(wait_value(s, Flag(flags, m, 0), i, CU_STREAM_WAIT_VALUE_GEQ), "wait value", sh);
       if (!ok) return 1;
+      const double h1 = Now();
       for (int k = 0; k < kernels; ++k) Tick<<<1, 32, 0, s>>>(sink, i, tick_ns);
+      const double h2 = Now();
       if (!(UsesEvents(m) ? Ok(cudaEventRecord(ev, s), "record", sh)
                           : Ok(write_value(s, Flag(flags, m, 1), i, CU_STREAM_WRITE_VALUE_DEFAULT),
                                "write value", sh)))
         return 1;
+      const double h3 = Now();
       sh->resp[m].store(i, std::memory_order_release);
+      t_wait.push_back(h1 - h0);
+      t_launch.push_back(h2 - h1);
+      t_signal.push_back(h3 - h2);
     }
     if (!Ok(cudaStreamSynchronize(s), "daemon sync", sh)) return 1;
+    if (!SpinUntil(sh->mode_printed[m], 1, sh)) return 1;
+    std::printf("  daemon host p50 per round: wait %.2f us, %d launches %.2f us, signal %.2f us\n",
+                P50(t_wait), kernels, P50(t_launch), P50(t_signal));
+    std::fflush(stdout);
     sh->mode_done[m].store(1);
   }
   return 0;
@@ -208,13 +229,14 @@ int Worker(Shared* sh, int rounds, int warmup, int kernels, int daemon_kernels) 
     const double th = Now();
     if (!Ok(cudaStreamSynchronize(s), "worker sync", sh)) return 1;
     const double t1 = Now();
-    if (!SpinUntil(sh->mode_done[m], 1, sh)) return 1;
     const int n = total - warmup;
     std::printf(
         "doorbell %-14s gpu_us_per_round %7.2f  host_us_per_round %7.2f  (%d rounds, %d + %d "
         "kernels of %.1f us)\n",
         kModeNames[m], (t1 - t0) / n, (th - t0) / n, n, kernels, daemon_kernels, tick_ns / 1e3);
     std::fflush(stdout);
+    sh->mode_printed[m].store(1);
+    if (!SpinUntil(sh->mode_done[m], 1, sh)) return 1;
   }
   // The floor: both sides' kernels of a round in one stream of one process.
   double t0 = 0;

@@ -93,7 +93,7 @@ int main(int argc, char** argv) {
   char line[512];
   std::snprintf(line, sizeof(line), "device: %s, %d SMs\n", prop.name, sms);
   emit(line);
-  const double ceiling = ReadCeilingTbs(sms, int64_t{2} << 30, nullptr);
+  const double ceiling = ReadCeilingTbps(nullptr, sms, int64_t{2} << 30);
   std::snprintf(line, sizeof(line), "read ceiling: %.2f TB/s (2 GiB read-only reduction)\n\n",
                 ceiling);
   emit(line);

@@ -18,7 +18,9 @@
 #   bench/run-decode-step.sh --cpu        (binaries from ./build)
 # The raw log goes to $OUT/decode-step-MODE.log (or bench/results/raw/ when OUT is unset).
 # KVCD_RUNS="model:tokens ..." and KVCD_STEPS choose the runs; KVCD_DATA_PLANE_TESTS=0 skips
-# the tests (to split the run over two device calls of at most 10 minutes if needed).
+# the tests (to split the run over two device calls of at most 10 minutes if needed);
+# KVCD_DECODE_EXTRAS=0 skips the kernels-alone, doorbell and cuDNN benches (the summary then
+# reads an sdpa.txt already in $OUT, as bench/run-h200-bf16-split.sh leaves it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=device
@@ -94,7 +96,7 @@ if [[ $mode == device && ${KVCD_DATA_PLANE_TESTS:-1} == 1 ]]; then
     >"$out_dir/data-plane-tests.log" 2>&1 || rc=1
   grep -E '^\[  (PASSED|FAILED)|^\[  FAILED' "$out_dir/data-plane-tests.log"
 fi
-if [[ $mode == device ]]; then
+if [[ $mode == device && ${KVCD_DECODE_EXTRAS:-1} == 1 ]]; then
   echo; echo "=================== decode-step kernels alone (cuda_finite_check_bench)"
   timeout 120 "$BIN/cuda_finite_check_bench" >"$out_dir/kernels.txt" 2>&1 || rc=1
   grep -E 'batch 1:' "$out_dir/kernels.txt"
@@ -107,6 +109,8 @@ if [[ $mode == device ]]; then
   awk '$1 == "cudnn" && $3 == 1 && $5 + 0 > 0 {
          printf "cudnn loop %s tokens: %.1f us per layer (b2b) -> %.1f tokens/s over 36 layers\n",
                 $2, $5, 1e6 / (36 * $5) }' "$out_dir/sdpa.txt"
+fi
+if [[ $mode == device ]]; then
   echo quit | nvidia-cuda-mps-control
   echo; echo "=================== summary (batch 1, 36 layers)"
   bench/decode-step-summary.sh "$log" "$out_dir/sdpa.txt" "$out_dir/kernels.txt" |

@@ -5,6 +5,8 @@ Qwen3-8B layer: 32 query heads, 8 KV heads (GQA), head_dim 128, one query token.
 Prints one line per (backend, context, batch): median microseconds of one call and per call
 back to back (see bench()), and the achieved bandwidth counting the K/V bytes read.
 """
+import argparse
+
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -49,12 +51,20 @@ def bench(backend, n, batch):
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", nargs="+", default=["cudnn", "flash"],
+                        choices=["cudnn", "flash"])
+    parser.add_argument("--contexts", nargs="+", type=int, default=[32768, 100000])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
+    args = parser.parse_args()
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'backend':>8} {'context':>8} {'batch':>6} {'single us':>10} {'b2b us':>10} "
           f"{'MB read':>10} {'TB/s b2b':>9}")
-    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-        for n in (32768, 100000):
-            for batch in (1, 8, 64):
+    for name in args.backends:
+        backend = backends[name]
+        for n in args.contexts:
+            for batch in args.batches:
                 try:
                     us, us_b2b, mb = bench(backend, n, batch)
                     print(f"{name:>8} {n:>8} {batch:>6} {us:>10.1f} {us_b2b:>10.1f} {mb:>10.1f} "

@@ -2,16 +2,21 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <map>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "client/synthetic.h"
 #include "common/safetensors.h"
 #include "common/tensor_ref.h"
+#include "google/protobuf/io/tokenizer.h"
+#include "google/protobuf/text_format.h"
 
 namespace {
 
@@ -35,6 +40,12 @@ Commands:
   health               grpc.health.v1 status of the daemon
   stats                memory, pools, prefix-cache hit ratio, sequences
   models               registered model profiles and their pools
+  register --profile FILE [--codec FILE] [--tenant T]
+                       register a model at run time: FILE holds a kvcd.v1.ModelProfile
+                       in protobuf text format (name: "m" num_layers: 2 ...); --codec
+                       the model's codec file (safetensors: an INT2 rotation profile,
+                       an FSQ codec or a transform code); --tenant the tenant whose
+                       quotas it counts against. Prints the model and its pools.
   put      --model M [--salt S] (--synthetic N [--seed X] | --safetensors FILE)
                        cache a prompt's K/V. A safetensors file holds 'tokens' (I32 [n]),
                        'k' and 'v' (BF16 or F32 [layers, n, kv_heads, head_dim]), and
@@ -50,6 +61,7 @@ Commands:
                        per-step latency and tokens/s.
 
 Examples:
+  kvctl register --profile small.textproto --codec small-codec.safetensors
   kvctl put --model qwen3-8b --synthetic 4096 --seed 7
   kvctl match --model qwen3-8b --synthetic 4096 --seed 7
   kvctl decode --model qwen3-8b --synthetic 4100 --seed 7 --steps 16
@@ -106,6 +118,56 @@ void PrintModel(const kvcd::v1::ModelInfo& m) {
   std::printf("  cached tokens %llu, active sequences %llu\n",
               static_cast<unsigned long long>(m.cached_tokens()),
               static_cast<unsigned long long>(m.active_sequences()));
+}
+
+absl::StatusOr<std::string> ReadWholeFile(const std::string& path, const char* what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", what, " '", path, "'"));
+  std::ostringstream bytes;
+  bytes << in.rdbuf();
+  if (in.bad()) return absl::DataLossError(absl::StrCat("cannot read ", what, " '", path, "'"));
+  return bytes.str();
+}
+
+// Keeps the first parse error of a text-format file with its line and column (1-based).
+class FirstError : public google::protobuf::io::ErrorCollector {
+ public:
+  void AddError(int line, google::protobuf::io::ColumnNumber column,
+                const std::string& message) override {
+    if (error_.empty())
+      error_ = absl::StrCat("line ", line + 1, " column ", column + 1, ": ", message);
+  }
+  const std::string& error() const { return error_; }
+
+ private:
+  std::string error_;
+};
+
+int Register(kvcd::Client& c, const Args& a) {
+  const std::string path = Flag(a, "profile");
+  if (path.empty()) return Usage("register needs --profile FILE");
+  auto text = ReadWholeFile(path, "profile file");
+  if (!text.ok()) return Fail(text.status());
+  kvcd::v1::ModelProfile profile;
+  google::protobuf::TextFormat::Parser parser;
+  FirstError errors;
+  parser.RecordErrorsTo(&errors);
+  if (!parser.ParseFromString(*text, &profile)) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("profile file '", path,
+                     "' is not a kvcd.v1.ModelProfile in protobuf text format: ", errors.error())));
+  }
+  std::string codec;
+  if (const std::string f = Flag(a, "codec"); !f.empty()) {
+    auto blob = ReadWholeFile(f, "codec file");
+    if (!blob.ok()) return Fail(blob.status());
+    codec = std::move(*blob);
+  }
+  auto info = c.RegisterModel(profile, codec, Flag(a, "tenant"));
+  if (!info.ok()) return Fail(info.status());
+  std::printf("registered ");
+  PrintModel(*info);
+  return 0;
 }
 
 std::vector<int32_t> PromptTokens(const Args& a) {
@@ -327,6 +389,7 @@ int main(int argc, char** argv) {
     for (const auto& m : *models) PrintModel(m);
     return 0;
   }
+  if (a.command == "register") return Register(c, a);
   if (a.command == "put") return Put(c, a);
   if (a.command == "match") {
     auto r = c.Match(Flag(a, "model"), Flag(a, "salt"), PromptTokens(a));

@@ -279,6 +279,21 @@ int main(int argc, char** argv) {
   static const int kDone = kvcd::PhaseTimes::Phase("worker.wait done (stream wait)");
   static const int kSync = kvcd::PhaseTimes::Phase("worker.result on host (sync)");
   static const int kLayer = kvcd::PhaseTimes::Phase("worker.layer total");
+  // The GPU side (with KVCD_PHASE_TIMES=1): timing events on the worker's stream when its
+  // q/k/v are produced and when its stream has passed the wait for the daemon's result.
+  // q_ready[i] -> o_ready[i] is the daemon's turn as the worker sees it (both cross-process
+  // hops and the daemon's GPU work); o_ready[i - 1] -> q_ready[i] the worker's own kernels.
+  const bool gpu_timeline = kvcd::PhaseTimes::Enabled();
+  std::vector<cudaEvent_t> q_ready, o_ready;
+  if (gpu_timeline) {
+    q_ready.resize(static_cast<size_t>(steps) * g.num_layers);
+    o_ready.resize(q_ready.size());
+    for (size_t i = 0; i < q_ready.size(); ++i) {
+      CHECK_OK(kw::CudaCheck(cudaEventCreate(&q_ready[i]), "timing event"));
+      CHECK_OK(kw::CudaCheck(cudaEventCreate(&o_ready[i]), "timing event"));
+    }
+  }
+  size_t call_index = 0;
   const auto t_loop = Clock::now();
   for (int s = 0; s < steps; ++s) {
     req.set_new_tokens(0, static_cast<int32_t>((seed + s) % 151000));
@@ -295,6 +310,7 @@ int main(int argc, char** argv) {
       CHECK_OK(kw::CudaCheck(
           kw::FillBf16(reinterpret_cast<uint16_t*>(d + v_off), kv_n, key ^ 2, stream), "fill v"));
       lap.Mark(kProduce);
+      if (gpu_timeline) cudaEventRecord(q_ready[call_index], stream);
       CHECK_OK(b.MarkReady(stream));
       if (host_wait) CHECK_OK(b.WaitReadyOnHost());
       lap.Mark(kReady);
@@ -308,6 +324,8 @@ int main(int argc, char** argv) {
       rtt_us.push_back(rtt);
       kernel_us.push_back(r->kernel_seconds() * 1e6);
       CHECK_OK(host_wait ? b.WaitDoneOnHost() : b.WaitDone(stream));
+      if (gpu_timeline) cudaEventRecord(o_ready[call_index], stream);
+      ++call_index;
       lap.Mark(kDone);
       if (sync) {
         cudaEventRecord(done_ev, stream);
@@ -376,6 +394,32 @@ int main(int argc, char** argv) {
   }
   if (kvcd::PhaseTimes::Enabled()) {
     std::printf("%s", kvcd::PhaseTimes::Report("decode worker (worker side)").c_str());
+  }
+  if (gpu_timeline && call_index > 1) {
+    std::vector<double> worker_gpu, daemon_turn;
+    for (size_t i = 1; i < call_index; ++i) {
+      float a = 0, b2 = 0;
+      if (cudaEventElapsedTime(&a, o_ready[i - 1], q_ready[i]) == cudaSuccess &&
+          cudaEventElapsedTime(&b2, q_ready[i], o_ready[i]) == cudaSuccess) {
+        worker_gpu.push_back(a * 1e3);
+        daemon_turn.push_back(b2 * 1e3);
+      }
+    }
+    auto mean = [](const std::vector<double>& v) {
+      double t = 0;
+      for (double x : v) t += x;
+      return v.empty() ? 0.0 : t / static_cast<double>(v.size());
+    };
+    std::printf(
+        "gpu timeline (worker stream, %zu calls): worker kernels (o ready -> next q ready) p50 "
+        "%.1f us mean %.1f us; daemon turn (q ready -> o ready: hops + daemon GPU) p50 %.1f us "
+        "mean %.1f us p90 %.1f us\n",
+        worker_gpu.size(), kw::Median(worker_gpu), mean(worker_gpu), kw::Median(daemon_turn),
+        mean(daemon_turn), kw::Percentile(daemon_turn, 0.9));
+    for (size_t i = 0; i < q_ready.size(); ++i) {
+      cudaEventDestroy(q_ready[i]);
+      cudaEventDestroy(o_ready[i]);
+    }
   }
   std::printf("final length %lld; IPC vs inline output max |diff| %.3g (max |o| %.3g): %s\n",
               static_cast<long long>(*closed), max_diff, max_ref,

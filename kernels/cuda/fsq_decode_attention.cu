@@ -99,6 +99,25 @@ __device__ __forceinline__ uint32_t ByteToHalf2(uint32_t b) {
   return NibblesToHalf2(b & 0xFu, (b >> 4) & 0xFu);
 }
 
+// Bytes j and j + 4 of the 8 at p: one 8-byte shared-memory load when p is 8-byte aligned
+// (G a multiple of 16), else two byte loads.
+__device__ __forceinline__ uint2 BytePair(const uint8_t* p, int j, bool aligned) {
+  if (aligned) {
+    const uint2 w = *reinterpret_cast<const uint2*>(p);
+    return make_uint2((w.x >> (8 * j)) & 0xFFu, (w.y >> (8 * j)) & 0xFFu);
+  }
+  return make_uint2(p[j], p[j + 4]);
+}
+
+// Byte k of row r of a stage tile of rows of cb bytes. With swz (cb a multiple of 128) the
+// 16-byte chunks of row r are stored XOR (r & 7): the 8 rows a fragment load touches at one
+// column fall in 8 different bank groups.
+__device__ __forceinline__ const uint8_t* StageAt(const uint8_t* tile, int r, int k, int cb,
+                                                  bool swz) {
+  const int chunk = swz ? (k >> 4) ^ (r & 7) : k >> 4;
+  return tile + r * cb + (chunk << 4) + (k & 15);
+}
+
 __device__ __forceinline__ uint32_t PackHalf2(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);
@@ -123,36 +142,37 @@ __device__ __forceinline__ void Rotate(float& x, float& y, float2 base, float2 s
 // Half pairing with rotary / 16 == kOff: dim 8n + 2t + e (n < kOff) pairs with n + kOff.
 template <int kOff, int NT>
 __device__ __forceinline__ void RopeHalf(float (&acc)[NT][4], const float2* base,
-                                         const float2* tab_g, const float2* tab_g8, int t) {
+                                         const float2* tab_g, const float2* tab_g8, int t, int ts) {
 #pragma unroll
   for (int n = 0; n < kOff; ++n) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int i = 8 * n + 2 * t + e;
-      Rotate(acc[n][e], acc[n + kOff][e], base[i], tab_g[i]);
-      Rotate(acc[n][2 + e], acc[n + kOff][2 + e], base[i], tab_g8[i]);
+      Rotate(acc[n][e], acc[n + kOff][e], base[i], tab_g[i * ts]);
+      Rotate(acc[n][2 + e], acc[n + kOff][2 + e], base[i], tab_g8[i * ts]);
     }
   }
 }
 
 template <int NT, int... kOffs>
 __device__ __forceinline__ void RopeHalfDispatch(int off, float (&acc)[NT][4], const float2* base,
-                                                 const float2* tab_g, const float2* tab_g8, int t) {
-  ((off == kOffs ? RopeHalf<kOffs, NT>(acc, base, tab_g, tab_g8, t) : void()), ...);
+                                                 const float2* tab_g, const float2* tab_g8, int t,
+                                                 int ts) {
+  ((off == kOffs ? RopeHalf<kOffs, NT>(acc, base, tab_g, tab_g8, t, ts) : void()), ...);
 }
 
 template <int NT, int... kOffs>
 __device__ __forceinline__ void RopeHalfAny(int off, float (&acc)[NT][4], const float2* base,
                                             const float2* tab_g, const float2* tab_g8, int t,
-                                            std::integer_sequence<int, kOffs...>) {
-  RopeHalfDispatch<NT, (kOffs + 1)...>(off, acc, base, tab_g, tab_g8, t);
+                                            int ts, std::integer_sequence<int, kOffs...>) {
+  RopeHalfDispatch<NT, (kOffs + 1)...>(off, acc, base, tab_g, tab_g8, t, ts);
 }
 
 struct Smem {
   uint2* wk;       // [slices][D / 8][32] the head's W_k fragments; after the loop:
   uint32_t* q_hi;  // [8][D] TF32 digits of the scaled queries
   uint32_t* q_lo;
-  float2* tab;     // [16][D / 2] (cos, sin) of r f_i / scaling
+  float2* tab;     // [D / 2][TabStride] (cos, sin) of r f_i / scaling, r < 16 MTOK
   double* freq;    // [D / 2]
   float2* base;    // [kWarps][D / 2]
   uint8_t* stage;  // [kWarps][2][stage_bytes]
@@ -160,6 +180,17 @@ struct Smem {
   float* comb_m;   // [kWarps][8]
   float* comb_l;   // [kWarps][8]
 };
+
+// Padded shared-memory strides (bank conflicts): query rows of D + 8 words; the angle table
+// is [pair][row] with TabStride rows per pair.
+template <int D>
+__host__ __device__ constexpr int QStride() {
+  return D + 8;
+}
+template <int MTOK>
+__host__ __device__ constexpr int TabStride() {
+  return 16 * MTOK + 4;
+}
 
 // The W_k fragments of one head, and the warps' states they give way to after the tiles.
 template <int D, int MT>
@@ -170,8 +201,9 @@ __host__ __device__ constexpr size_t UnionBytes(int slices) {
 
 template <int D, int MT, int MTOK>
 __host__ __device__ constexpr size_t SmemBytes(int stage_bytes, int slices) {
-  return UnionBytes<D, MT>(slices) + size_t{8} * D * 4 * 2 + size_t{16} * MTOK * (D / 2) * 8 +
-         size_t{D / 2} * 8 + size_t{kWarps} * (D / 2) * 8 + size_t{kWarps} * 2 * stage_bytes +
+  return UnionBytes<D, MT>(slices) + size_t{8} * QStride<D>() * 4 * 2 +
+         size_t{TabStride<MTOK>()} * (D / 2) * 8 + size_t{D / 2} * 8 +
+         size_t{kWarps} * (D / 2) * 8 + size_t{kWarps} * 2 * stage_bytes +
          size_t{kWarps} * 8 * 4 * 2;
 }
 
@@ -184,11 +216,11 @@ __device__ Smem CarveSmem(uint8_t* p, int slices) {
   s.freq = reinterpret_cast<double*>(p);
   p += (D / 2) * 8;
   s.q_hi = reinterpret_cast<uint32_t*>(p);
-  p += 8 * D * 4;
+  p += 8 * QStride<D>() * 4;
   s.q_lo = reinterpret_cast<uint32_t*>(p);
-  p += 8 * D * 4;
+  p += 8 * QStride<D>() * 4;
   s.tab = reinterpret_cast<float2*>(p);
-  p += 16 * MTOK * (D / 2) * 8;
+  p += TabStride<MTOK>() * (D / 2) * 8;
   s.base = reinterpret_cast<float2*>(p);
   p += kWarps * (D / 2) * 8;
   s.comb_m = reinterpret_cast<float*>(p);
@@ -223,8 +255,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) FsqDecodeKernel(const PartArgs
           a.q_scale;
     }
     const uint32_t hi = Tf32(v);
-    sm.q_hi[i] = hi;
-    sm.q_lo[i] = Tf32(v - __uint_as_float(hi));
+    sm.q_hi[j * QStride<D>() + dim] = hi;
+    sm.q_lo[j * QStride<D>() + dim] = Tf32(v - __uint_as_float(hi));
   }
   for (int i = tid; i < half_rot; i += blockDim.x) {
     sm.freq[i] = pow(a.theta, -2.0 * i / a.rotary);
@@ -234,7 +266,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) FsqDecodeKernel(const PartArgs
     const int r = i / half_rot, p = i % half_rot;
     float s, c;
     sincosf(static_cast<float>(r * a.inv_scaling * sm.freq[p]), &s, &c);
-    sm.tab[r * (D / 2) + p] = make_float2(c, s);
+    sm.tab[p * TabStride<MTOK>() + r] = make_float2(c, s);
   }
   __syncthreads();
 
@@ -244,6 +276,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) FsqDecodeKernel(const PartArgs
   const int64_t pos0 = a.positions[b];
   const int32_t* table = a.list.page_table + static_cast<int64_t>(b) * a.list.max_pages;
   const int ps = a.geo.page_size, cb = a.code_bytes;
+  const bool swz = (cb & 127) == 0;  // StageAt
   uint8_t* stage = sm.stage + warp * 2 * a.stage_bytes;
   float2* base = sm.base + warp * (D / 2);
   // The head's W_k fragments into shared memory (read by every warp, every tile).
@@ -265,7 +298,14 @@ __global__ void __launch_bounds__(kWarps * 32, 1) FsqDecodeKernel(const PartArgs
       const uint8_t* src =
           a.list.pages + page * a.list.page_stride + static_cast<int64_t>(tile % ps) * cb;
       uint8_t* dst = stage + buf * a.stage_bytes;
-      for (int c = lane; c < MTOK * cb; c += 32) CpAsync16(dst + 16 * c, src + 16 * c);
+      for (int c = lane; c < MTOK * cb; c += 32) {
+        uint8_t* to = dst + 16 * c;
+        if (swz) {  // chunk c is chunk c % (cb / 16) of row c / (cb / 16)
+          const int r = c / (cb >> 4);
+          to = const_cast<uint8_t*>(StageAt(dst, r, (c - r * (cb >> 4)) << 4, cb, true));
+        }
+        CpAsync16(to, src + 16 * c);
+      }
     }
     CpAsyncCommit();
   };
@@ -303,17 +343,18 @@ __global__ void __launch_bounds__(kWarps * 32, 1) FsqDecodeKernel(const PartArgs
       for (int n = 0; n < NT; ++n)
         accs[u][n][0] = accs[u][n][1] = accs[u][n][2] = accs[u][n][3] = 0.0f;
     }
-    const uint8_t* r0 = cs + g * cb + t;
+    const bool aligned = (cb & 7) == 0;
 #pragma unroll 2
     for (int s = 0; s < a.slices; ++s) {
       uint32_t af[MTOK][4];
 #pragma unroll
       for (int u = 0; u < MTOK; ++u) {
-        const uint8_t* ru = r0 + 16 * u * cb;
-        af[u][0] = ByteToHalf2(ru[8 * s]);
-        af[u][1] = ByteToHalf2(ru[8 * cb + 8 * s]);
-        af[u][2] = ByteToHalf2(ru[8 * s + 4]);
-        af[u][3] = ByteToHalf2(ru[8 * cb + 8 * s + 4]);
+        const uint2 lo = BytePair(StageAt(cs, 16 * u + g, 8 * s, cb, swz), t, aligned);
+        const uint2 hi = BytePair(StageAt(cs, 16 * u + g + 8, 8 * s, cb, swz), t, aligned);
+        af[u][0] = ByteToHalf2(lo.x);
+        af[u][1] = ByteToHalf2(hi.x);
+        af[u][2] = ByteToHalf2(lo.y);
+        af[u][3] = ByteToHalf2(hi.y);
       }
       const uint2* bp = wk + static_cast<size_t>(s) * NT * 32;
 #pragma unroll
@@ -359,19 +400,20 @@ __global__ void __launch_bounds__(kWarps * 32, 1) FsqDecodeKernel(const PartArgs
         }
       }
       if (a.rotary > 0) {
-        const float2* tab_g = sm.tab + (16 * u + g) * (D / 2);
-        const float2* tab_g8 = sm.tab + (16 * u + g + 8) * (D / 2);
+        constexpr int ts = TabStride<MTOK>();
+        const float2* tab_g = sm.tab + 16 * u + g;
+        const float2* tab_g8 = tab_g + 8;
         if (a.interleaved) {
 #pragma unroll
           for (int n = 0; n < NT; ++n) {
             const int i = 4 * n + t;  // dims 2i, 2i + 1
             if (i < half_rot) {
-              Rotate(acc[n][0], acc[n][1], base[i], tab_g[i]);
-              Rotate(acc[n][2], acc[n][3], base[i], tab_g8[i]);
+              Rotate(acc[n][0], acc[n][1], base[i], tab_g[i * ts]);
+              Rotate(acc[n][2], acc[n][3], base[i], tab_g8[i * ts]);
             }
           }
         } else {
-          RopeHalfAny<NT>(a.rotary / 16, acc, base, tab_g, tab_g8, t,
+          RopeHalfAny<NT>(a.rotary / 16, acc, base, tab_g, tab_g8, t, ts,
                           std::make_integer_sequence<int, NT / 2>{});
         }
       }
@@ -380,8 +422,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1) FsqDecodeKernel(const PartArgs
       float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
-        const uint2 qh = *reinterpret_cast<const uint2*>(sm.q_hi + g * D + 8 * n + 2 * t);
-        const uint2 ql = *reinterpret_cast<const uint2*>(sm.q_lo + g * D + 8 * n + 2 * t);
+        const uint2 qh =
+            *reinterpret_cast<const uint2*>(sm.q_hi + g * QStride<D>() + 8 * n + 2 * t);
+        const uint2 ql =
+            *reinterpret_cast<const uint2*>(sm.q_lo + g * QStride<D>() + 8 * n + 2 * t);
         MmaTf32(s0, qh.x, ql.x, qh.y, ql.y, Tf32(acc[n][0]), Tf32(acc[n][1]));
         MmaTf32(s1, qh.x, ql.x, qh.y, ql.y, Tf32(acc[n][2]), Tf32(acc[n][3]));
       }
@@ -410,7 +454,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) FsqDecodeKernel(const PartArgs
 
       // 5. O^T += Z^T P^T.
       const int sh = 4 * (g & 1);
-      const uint8_t* z0 = cs + (16 * u + 2 * t) * cb + (g >> 1);
+      const int zr = 16 * u + 2 * t;  // rows (tokens) zr, zr + 1, zr + 8, zr + 9
+      const int zj = g >> 1;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         o[mt][0] *= alpha0;
@@ -418,12 +463,15 @@ __global__ void __launch_bounds__(kWarps * 32, 1) FsqDecodeKernel(const PartArgs
         o[mt][2] *= alpha0;
         o[mt][3] *= alpha1;
         if (mt < a.slices) {
-          const uint8_t* zb = z0 + 8 * mt;
+          const uint2 w0 = BytePair(StageAt(cs, zr, 8 * mt, cb, swz), zj, aligned);
+          const uint2 w1 = BytePair(StageAt(cs, zr + 1, 8 * mt, cb, swz), zj, aligned);
+          const uint2 w8 = BytePair(StageAt(cs, zr + 8, 8 * mt, cb, swz), zj, aligned);
+          const uint2 w9 = BytePair(StageAt(cs, zr + 9, 8 * mt, cb, swz), zj, aligned);
           uint32_t af[4];
-          af[0] = NibblesToHalf2((zb[0] >> sh) & 0xFu, (zb[cb] >> sh) & 0xFu);
-          af[1] = NibblesToHalf2((zb[4] >> sh) & 0xFu, (zb[cb + 4] >> sh) & 0xFu);
-          af[2] = NibblesToHalf2((zb[8 * cb] >> sh) & 0xFu, (zb[9 * cb] >> sh) & 0xFu);
-          af[3] = NibblesToHalf2((zb[8 * cb + 4] >> sh) & 0xFu, (zb[9 * cb + 4] >> sh) & 0xFu);
+          af[0] = NibblesToHalf2((w0.x >> sh) & 0xFu, (w1.x >> sh) & 0xFu);
+          af[1] = NibblesToHalf2((w0.y >> sh) & 0xFu, (w1.y >> sh) & 0xFu);
+          af[2] = NibblesToHalf2((w8.x >> sh) & 0xFu, (w9.x >> sh) & 0xFu);
+          af[3] = NibblesToHalf2((w8.y >> sh) & 0xFu, (w9.y >> sh) & 0xFu);
           MmaF16(o[mt], af, pb0, pb1);
         }
       }
@@ -618,7 +666,7 @@ size_t FsqDecodeWorkspaceBytes(int batch, int num_q_heads, int latent_width, int
 int FsqDecodeSplits(int batch, int num_kv_heads, int max_tokens, int num_sms) {
   // One CTA per SM (a wave), each warp of a split at least 4 tiles.
   const int64_t ctas = int64_t{batch} * num_kv_heads;
-  const int64_t want = (int64_t{num_sms} + ctas - 1) / ctas;
+  const int64_t want = int64_t{num_sms} / ctas;  // no second, partial wave
   const int64_t most = (int64_t{max_tokens} + kWarps * kTile * 4 - 1) / (kWarps * kTile * 4);
   const int64_t s = want < most ? want : most;
   return static_cast<int>(s < 1 ? 1 : s);

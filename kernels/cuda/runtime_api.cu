@@ -107,6 +107,27 @@ std::string RecordEvent(void* event) {
   return Text(cudaEventRecord(static_cast<cudaEvent_t>(event), nullptr));
 }
 
+std::string CreateTimingEvent(void** event) {
+  cudaEvent_t e = nullptr;
+  const cudaError_t err = cudaEventCreate(&e);
+  if (err == cudaSuccess) *event = e;
+  return Text(err);
+}
+std::string RecordTimingEvent(void* event) {
+  return Text(cudaEventRecord(static_cast<cudaEvent_t>(event), nullptr));
+}
+std::string ElapsedIfDone(void* from, void* to, bool* done, float* ms) {
+  const cudaError_t q = cudaEventQuery(static_cast<cudaEvent_t>(to));
+  *done = q == cudaSuccess;
+  if (q == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return std::string();
+  }
+  if (q != cudaSuccess) return Text(q);
+  return Text(
+      cudaEventElapsedTime(ms, static_cast<cudaEvent_t>(from), static_cast<cudaEvent_t>(to)));
+}
+
 std::string Synchronize() {
   Counts().host_syncs.fetch_add(1, std::memory_order_relaxed);
   return Text(cudaDeviceSynchronize());

@@ -40,12 +40,19 @@ __global__ void StoreBf16RowsKernel(RowBlock k, RowBlock v, PagedRows p, RowCode
   if (rot != nullptr) {
     rot += s.layer * codec.r_layer_stride + j;
     y = 0.0f;
+    // The 32 weights of a slice are loaded before its sums start, so that their loads are
+    // in flight together (one L2 latency per slice, not one per 8 weights: the decode
+    // loop's per-token row store is latency-bound); the sums keep their order.
 #pragma unroll
     for (int e = 0; e < D / 32; ++e) {
-#pragma unroll 8
+      float w[32];
+#pragma unroll
+      for (int src = 0; src < 32; ++src)
+        w[src] = __ldg(rot + static_cast<int64_t>(32 * e + src) * D);
+#pragma unroll
       for (int src = 0; src < 32; ++src) {
         const float xi = __shfl_sync(0xffffffffu, x[e], src);
-        y = __fadd_rn(y, __fmul_rn(xi, __ldg(rot + static_cast<int64_t>(32 * e + src) * D)));
+        y = __fadd_rn(y, __fmul_rn(xi, w[src]));
       }
     }
   }

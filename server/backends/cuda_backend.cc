@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -19,6 +20,7 @@
 #include "kvcd/kernels/device_fault.h"
 #include "server/backends/backend.h"
 #include "server/backends/cuda_fault_board.h"
+#include "server/backends/cuda_gpu_timeline.h"
 #include "server/backends/device_runtime.h"
 #include "server/formats/bf16/bf16_format_cuda.h"
 #include "server/formats/cuda_codec.h"
@@ -46,7 +48,10 @@ namespace kc = kernels::cuda;
 
 class CudaBackend final : public Backend, public DeviceRuntime {
  public:
-  explicit CudaBackend(int device) : device_(device), sms_(std::max(1, kc::SmCount())) {}
+  explicit CudaBackend(int device)
+      : device_(device),
+        sms_(std::max(1, kc::SmCount())),
+        timeline_(PhaseTimes::Enabled() ? std::make_unique<GpuTimeline>() : nullptr) {}
   const char* name() const override { return "cuda"; }
   DeviceRuntime* device() override { return this; }
 
@@ -168,9 +173,11 @@ class CudaBackend final : public Backend, public DeviceRuntime {
   void DestroyEvent(void* e) override { Note(kc::DestroyEvent(e)); }
   absl::Status WaitEvent(void* e) override {
     RETURN_IF_CUDA(kc::StreamWaitEvent(e));
+    if (timeline_ != nullptr) timeline_->Start();
     return absl::OkStatus();
   }
   absl::Status RecordEvent(void* e) override {
+    if (timeline_ != nullptr) timeline_->End();
     RETURN_IF_CUDA(kc::RecordEvent(e));
     return absl::OkStatus();
   }
@@ -340,6 +347,10 @@ class CudaBackend final : public Backend, public DeviceRuntime {
       last_table_.table.swap(table_);
     }
     lap.Mark(kUpload);
+    if (timeline_ != nullptr) {
+      static const int kGpuBefore = PhaseTimes::Phase("gpu.daemon inputs ready -> attention");
+      timeline_->Step(kGpuBefore);
+    }
     const auto* d_faults =
         any_fault ? reinterpret_cast<const kernels::DeviceFault*>(d_i32 + faults_off) : nullptr;
     // The worker's device queries are read with the non-finite check fused in (a bad value
@@ -403,6 +414,10 @@ class CudaBackend final : public Backend, public DeviceRuntime {
       }
       if (absl::Status s = l.format->LaunchAttend(a); !s.ok()) return Noted(s);
       part_base += l.splits;
+      if (timeline_ != nullptr) {
+        timeline_->Step(PhaseTimes::Phase(absl::StrCat("gpu.daemon attention ", l.format->name(),
+                                                       a.merge != nullptr ? " (+merge)" : "")));
+      }
     }
     if (!merged) {
       if (part_base == 0) {  // nothing to attend: every row is the empty state
@@ -467,6 +482,8 @@ class CudaBackend final : public Backend, public DeviceRuntime {
 
   const int device_;
   const int sms_;
+  // The GPU side of PhaseTimes (KVCD_PHASE_TIMES=1 only): busy / idle spans of the stream.
+  const std::unique_ptr<GpuTimeline> timeline_;
   std::mutex mu_;
   DeviceScratch scratch_;
   // One page list of Attend: a format's pages per sequence (kept across calls).

@@ -653,10 +653,13 @@ TEST_F(DaemonTest, FsqModelServesCodesEndToEnd) {
   ASSERT_TRUE(len.ok()) << len.status();
   EXPECT_EQ(*len, 38);
 
-  // The per-layer decode loop over a stream: 7 tokens, so page 8 leaves the recent window
-  // and is demoted (its codes were computed at Append). Every call against the reference.
+  // The per-layer decode loop, 7 tokens, so page 8 leaves the recent window and is demoted
+  // (its codes were computed at Append): even positions over a stream, odd ones over the
+  // shared-memory decode channel (x_new travels both ways). Every call against the reference.
   auto stream = client_->OpenDecodeStream();
   ASSERT_TRUE(stream.ok());
+  auto channel = DecodeChannel::Open(client_.get(), 1 << 16, 60000);
+  ASSERT_TRUE(channel.ok()) << channel.status();
   std::vector<float> kr(static_cast<size_t>(total * hkv * d)), vr(kr.size());
   for (int64_t pos = 38; pos < total; ++pos) {
     for (int l = 0; l < L; ++l) {
@@ -679,9 +682,14 @@ TEST_F(DaemonTest, FsqModelServesCodesEndToEnd) {
         EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
         EXPECT_NE(e.status().message().find("expected [1, 24]"), std::string::npos) << e.status();
       }
+      if (pos == 39 && l == 0) {  // the same refusal over the channel
+        auto e = (*channel)->Call(r);
+        EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+        EXPECT_NE(e.status().message().find("x_new is missing"), std::string::npos) << e.status();
+      }
       SetBf16FromFloat(r.mutable_x_new(), {1, C}, synthetic::ResidualRow(seed, p, l, pos).data());
-      auto a = (*stream)->Call(r);
-      ASSERT_TRUE(a.ok()) << a.status();
+      auto a = pos % 2 == 0 ? (*stream)->Call(r) : (*channel)->Call(r);
+      ASSERT_TRUE(a.ok()) << "pos " << pos << " layer " << l << ": " << a.status();
       ASSERT_EQ(a->lengths(0), pos + 1);
       // Demotion happens when the token is committed, i.e. in the last layer's call.
       const int64_t committed = l + 1 == L ? pos + 1 : pos;
@@ -701,6 +709,7 @@ TEST_F(DaemonTest, FsqModelServesCodesEndToEnd) {
     }
   }
   EXPECT_TRUE((*stream)->Close().ok());
+  EXPECT_TRUE((*channel)->Close().ok());
   auto after = client_->GetModel("tiny-fsq");
   ASSERT_TRUE(after.ok());
   EXPECT_EQ(after->demoted_pages(), 1u);

@@ -1,8 +1,14 @@
 // BF16 pages in device memory: rows stored by the paged BF16 row store, attention by the
-// BF16 decode kernel of kernels/cuda.
+// split tensor-core BF16 kernel of kernels/cuda (cuda_bf16_split_attention.h), or the first
+// BF16 kernel (one warp per token) with KVCD_BF16_KERNEL=warp, kept for comparison.
 #include "server/formats/bf16/bf16_format_cuda.h"
 
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
 #include "common/status_macros.h"
+#include "kvcd/kernels/cuda_bf16_split_attention.h"
 #include "kvcd/kernels/cuda_decode_attention.h"
 #include "server/formats/bf16/bf16_format.h"
 #include "server/formats/cuda_rows.h"
@@ -12,12 +18,22 @@ namespace {
 
 namespace kc = kernels::cuda;
 
+// KVCD_BF16_KERNEL: "split" (default) or "warp"; another value is reported and ignored.
+kc::Bf16Kernel Bf16KernelFromEnv() {
+  const char* v = std::getenv("KVCD_BF16_KERNEL");
+  if (v == nullptr || std::strcmp(v, "split") == 0) return kc::Bf16Kernel::kSplit;
+  if (std::strcmp(v, "warp") == 0) return kc::Bf16Kernel::kWarp;
+  std::fprintf(stderr, "kvcd: KVCD_BF16_KERNEL=%s is not split or warp; using split\n", v);
+  return kc::Bf16Kernel::kSplit;
+}
+
 class Bf16CudaFormat final : public CudaPageFormat {
  public:
   Bf16CudaFormat(const PageGeometry& g, std::shared_ptr<const CodecProfile> rotation,
                  std::shared_ptr<const CudaCodec> device_codec)
       : CudaPageFormat(FormatId::kBf16, g, std::move(rotation), std::move(device_codec)),
-        layout_(g) {}
+        layout_(g),
+        kernel_(Bf16KernelFromEnv()) {}
 
   int64_t layer_page_bytes() const override { return layout_.layer_page_bytes(); }
   double bits_per_element() const override { return 16.0; }
@@ -61,19 +77,21 @@ class Bf16CudaFormat final : public CudaPageFormat {
   }
 
   int AttendSplits(const kc::DecodeGeometry& geo, int max_tokens, int num_sms) const override {
-    return kc::Int2DecodeSplits(geo.batch, geo.num_kv_heads, max_tokens, num_sms);
+    return kc::Bf16DecodeSplits(kernel_, geo.batch, geo.num_kv_heads, geo.head_dim, max_tokens,
+                                num_sms);
   }
 
   bool ReadsRawQueries() const override { return true; }
   absl::Status LaunchAttend(const AttendLaunch& a) const override {
     return CudaStatus(
-        kc::LaunchBf16DecodeParts(a.list, a.geo, a.q, a.r_k, a.scale, a.splits, a.max_tokens,
-                                  a.part_o, a.part_lse, a.part_base, nullptr, a.raw),
+        kc::LaunchBf16Parts(kernel_, a.list, a.geo, a.q, a.r_k, a.scale, a.splits, a.max_tokens,
+                            a.part_o, a.part_lse, a.part_base, nullptr, a.raw),
         "BF16 decode attention");
   }
 
  private:
   const Bf16Format layout_;
+  const kc::Bf16Kernel kernel_;
   mutable RowStoreScratch scratch_;
 };
 

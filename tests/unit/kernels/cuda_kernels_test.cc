@@ -14,6 +14,7 @@
 #include "kvcd/kernels/attention_state.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/bf16_attention.h"
+#include "kvcd/kernels/cuda_bf16_split_attention.h"
 #include "kvcd/kernels/cuda_decode_attention.h"
 #include "kvcd/kernels/cuda_demote.h"
 #include "kvcd/kernels/cuda_device.h"
@@ -162,17 +163,29 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
   float* d_qc = Up(std::vector<float>(q.size(), NAN));
   // The daemon's order: BF16 windows first, then the INT2 launch, which also launches the
   // merge of every part (as its programmatic dependent); with and without L2 prefetch, and
-  // with the merge launched on its own; queries as F32 or read raw (F32 or BF16).
+  // with the merge launched on its own; queries as F32 or read raw (F32 or BF16); the BF16
+  // pages by the split kernel (the daemon's) or the first one (same split count here).
   enum Queries { kF32, kRawF32, kConvertedBf16, kRawBf16 };
+  const auto kWarp = cuda::Bf16Kernel::kWarp;
   struct Way {
     bool merge_in_launch;
     int prefetch;
     Queries queries = kF32;
+    cuda::Bf16Kernel bf16 = cuda::Bf16Kernel::kSplit;
   };
-  const std::vector<Way> ways = {Way{true, -1},           Way{true, 0},
-                                 Way{false, 5},           Way{true, -1, kRawF32},
-                                 Way{false, 5, kRawF32},  Way{true, -1, kConvertedBf16},
-                                 Way{true, -1, kRawBf16}, Way{false, 5, kRawBf16}};
+  const std::vector<Way> ways = {Way{true, -1},
+                                 Way{true, 0},
+                                 Way{false, 5},
+                                 Way{true, -1, kRawF32},
+                                 Way{false, 5, kRawF32},
+                                 Way{true, -1, kConvertedBf16},
+                                 Way{true, -1, kRawBf16},
+                                 Way{false, 5, kRawBf16},
+                                 Way{true, -1, kF32, kWarp},
+                                 Way{false, 5, kRawF32, kWarp},
+                                 Way{true, -1, kConvertedBf16, kWarp},
+                                 Way{true, -1, kRawBf16, kWarp}};
+  ASSERT_EQ(s_bf16, cuda::Bf16DecodeSplits(cuda::Bf16Kernel::kSplit, batch, hkv, d, max_bf16, 132));
   std::vector<std::vector<float>> got_o_ways, got_lse_ways;
   std::vector<std::vector<unsigned long long>> words_ways;
   for (const Way way : ways) {
@@ -200,8 +213,8 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
     ASSERT_EQ(cudaMemcpy(o, std::vector<float>(rows * d, NAN).data(), sizeof(float) * rows * d,
                          cudaMemcpyHostToDevice),
               cudaSuccess);
-    ASSERT_EQ(cuda::LaunchBf16DecodeParts(bf16_list, geo, way_q, d_rk, scale, s_bf16, max_bf16,
-                                          part_o, part_lse, 0, nullptr, raw_q),
+    ASSERT_EQ(cuda::LaunchBf16Parts(way.bf16, bf16_list, geo, way_q, d_rk, scale, s_bf16, max_bf16,
+                                    part_o, part_lse, 0, nullptr, raw_q),
               cudaSuccess);
     const cuda::MergeTarget merge{s_int2 + s_bf16, d_rvt, o, lse};
     cuda::Int2PartsOptions opt;
@@ -225,9 +238,12 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
   // Prefetching, how the merge is launched and whether the launches read the queries raw
   // change nothing: bit-identical results (F32 ways against way 0, BF16 ways against the
   // converted BF16 way), and raw BF16 reads set the same fault words as the conversion.
-  const size_t bf16_base = 5;
+  // Bases: the first way of the same BF16 kernel and the same query values.
+  const size_t bf16_base = 5, warp_base = 8, warp_bf16_base = 10;
   for (size_t w = 1; w < ways.size(); ++w) {
-    const size_t base = w < bf16_base ? 0 : bf16_base;
+    const bool bf16_q = ways[w].queries == kConvertedBf16 || ways[w].queries == kRawBf16;
+    const size_t base =
+        ways[w].bf16 == kWarp ? (bf16_q ? warp_bf16_base : warp_base) : (bf16_q ? bf16_base : 0);
     if (w == base) continue;
     EXPECT_EQ(got_o_ways[w], got_o_ways[base]) << "way " << w;
     EXPECT_EQ(got_lse_ways[w], got_lse_ways[base]) << "way " << w;
@@ -240,6 +256,14 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
     EXPECT_EQ(words_ways[bf16_base][b], want) << "b " << b;
     EXPECT_EQ(words_ways[bf16_base][batch + b], want) << "b " << b;
     EXPECT_EQ(words_ways[0][b], 0u) << "b " << b;
+  }
+  EXPECT_EQ(words_ways[warp_bf16_base], words_ways[bf16_base]);
+  // The first BF16 kernel (FP32 on CUDA cores) and the split one (two BF16 digits of q and p
+  // on tensor cores) agree to ~1e-5.
+  for (size_t i = 0; i < got_o_ways[0].size(); ++i) {
+    EXPECT_NEAR(got_o_ways[warp_base][i], got_o_ways[0][i],
+                1e-4 * (1 + std::fabs(got_o_ways[0][i])))
+        << "element " << i;
   }
   const auto& got_o = got_o_ways[0];
   const auto& got_lse = got_lse_ways[0];

@@ -49,6 +49,13 @@ std::string DestroyEvent(void* event);
 std::string StreamWaitEvent(void* event);
 std::string RecordEvent(void* event);
 
+// Timing events (for the GPU timeline of PhaseTimes, issue #19): recorded on the daemon's
+// stream, not counted as event records. ElapsedIfDone sets *done = false while `to` has not
+// completed, else *done = true and *ms = GPU time from `from` to `to`.
+std::string CreateTimingEvent(void** event);
+std::string RecordTimingEvent(void* event);
+std::string ElapsedIfDone(void* from, void* to, bool* done, float* ms);
+
 // Waits for all work of the device; returns the first error, sticky or not.
 std::string Synchronize();
 // The text of a cudaError_t value returned by a launcher ("" for success).
