@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "client/client.h"
+#include "client/workers/ipc_buffer.h"
 #include "common/tensor_ref.h"
 #include "daemon_process.h"
 
@@ -65,6 +66,44 @@ inline std::string StoredPages(Client* c, uint64_t seq, int32_t page_size) {
     if (pg.num_tokens() == page_size) all += pg.format() + ":" + pg.data();
   }
   return all;
+}
+
+// The fused call `req` (its layer, sequences and new tokens) of `batch` entries through
+// `cuda` with every tensor in the worker's buffer b (>= 1 MiB): q (F32, [batch][hq][d]),
+// k_new and v_new (BF16, [batch][hkv][d]) and, when x is not empty, x_new (BF16,
+// [batch][x_width]); the outputs (poisoned with NaN first) are written there and read back
+// into *o and *lse once the call's done event fired.
+inline void DecodeThroughBuffer(Client* cuda, workers::IpcBuffer& b, v1::AttentionDecodeRequest req,
+                                int64_t batch, int64_t hq, int64_t hkv, int64_t d,
+                                const std::vector<float>& q, const std::vector<uint16_t>& k,
+                                const std::vector<uint16_t>& v, const std::vector<uint16_t>& x,
+                                int64_t x_width, std::vector<float>* o, std::vector<float>* lse) {
+  const uint64_t q_off = 0, k_off = 65536, v_off = 131072, x_off = 196608, o_off = 262144,
+                 l_off = 524288;
+  ToDevice(b.data() + q_off, q.data(), q.size() * 4);
+  ToDevice(b.data() + k_off, k.data(), k.size() * 2);
+  ToDevice(b.data() + v_off, v.data(), v.size() * 2);
+  if (!x.empty()) ToDevice(b.data() + x_off, x.data(), x.size() * 2);
+  o->assign(static_cast<size_t>(batch * hq * d), 0.0f);
+  lse->assign(static_cast<size_t>(batch * hq), 0.0f);
+  ASSERT_EQ(cudaMemset(b.data() + o_off, 0xff, o->size() * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemset(b.data() + l_off, 0xff, lse->size() * 4), cudaSuccess);
+  b.Region(req.mutable_q(), v1::DTYPE_F32, {batch, hq, d}, q_off);
+  b.Region(req.mutable_k_new(), v1::DTYPE_BF16, {batch, hkv, d}, k_off);
+  b.Region(req.mutable_v_new(), v1::DTYPE_BF16, {batch, hkv, d}, v_off);
+  if (!x.empty()) b.Region(req.mutable_x_new(), v1::DTYPE_BF16, {batch, x_width}, x_off);
+  b.Region(req.mutable_o_out(), v1::DTYPE_F32, {batch, hq, d}, o_off);
+  b.Region(req.mutable_lse_out(), v1::DTYPE_F32, {batch, hq}, l_off);
+  ASSERT_TRUE(b.MarkReady(nullptr).ok());
+  auto r = cuda->AttentionDecode(req);
+  ASSERT_TRUE(r.ok()) << r.status();  // a pipelined call answers before its kernels ran
+  EXPECT_TRUE(r->o().has_cuda_ipc());
+  ASSERT_TRUE(b.WaitDone(nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(o->data(), b.data() + o_off, o->size() * 4, cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(lse->data(), b.data() + l_off, lse->size() * 4, cudaMemcpyDeviceToHost),
+            cudaSuccess);
 }
 
 // The CUDA backend's answer against the CPU backend's, query head by query head (hq heads of

@@ -40,6 +40,7 @@ using testing_util::BackendConfig;
 using testing_util::ConnectTo;
 using testing_util::CudaDeviceCount;
 using testing_util::DaemonProcess;
+using testing_util::DecodeThroughBuffer;
 using testing_util::ExpectCloseToCpu;
 using testing_util::OpenOn;
 using testing_util::StoredPages;
@@ -148,37 +149,12 @@ class FsqDataPlaneTest : public ::testing::TestWithParam<FsqCase> {
   // worker's buffer b (>= 1 MiB): q (F32) and k_new, v_new, x_new (BF16) of `batch` entries
   // go there, the outputs (poisoned with NaN first) are written there and read back into
   // *o and *lse once the call's done event fired.
-  void DeviceDecode(IpcBuffer& b, v1::AttentionDecodeRequest req, int64_t batch,
+  void DeviceDecode(IpcBuffer& b, const v1::AttentionDecodeRequest& req, int64_t batch,
                     const std::vector<float>& q, const std::vector<uint16_t>& k,
                     const std::vector<uint16_t>& v, const std::vector<uint16_t>& x,
                     std::vector<float>* o, std::vector<float>* lse) {
-    const uint64_t q_off = 0, k_off = 65536, v_off = 131072, x_off = 196608, o_off = 262144,
-                   l_off = 524288;
-    const int64_t hq = p_.num_q_heads(), hkv = p_.num_kv_heads(), d = p_.head_dim();
-    ToDevice(b.data() + q_off, q.data(), q.size() * 4);
-    ToDevice(b.data() + k_off, k.data(), k.size() * 2);
-    ToDevice(b.data() + v_off, v.data(), v.size() * 2);
-    ToDevice(b.data() + x_off, x.data(), x.size() * 2);
-    o->assign(static_cast<size_t>(batch * hq * d), 0.0f);
-    lse->assign(static_cast<size_t>(batch * hq), 0.0f);
-    ASSERT_EQ(cudaMemset(b.data() + o_off, 0xff, o->size() * 4), cudaSuccess);
-    ASSERT_EQ(cudaMemset(b.data() + l_off, 0xff, lse->size() * 4), cudaSuccess);
-    b.Region(req.mutable_q(), v1::DTYPE_F32, {batch, hq, d}, q_off);
-    b.Region(req.mutable_k_new(), v1::DTYPE_BF16, {batch, hkv, d}, k_off);
-    b.Region(req.mutable_v_new(), v1::DTYPE_BF16, {batch, hkv, d}, v_off);
-    b.Region(req.mutable_x_new(), v1::DTYPE_BF16, {batch, p_.fsq_residual_width()}, x_off);
-    b.Region(req.mutable_o_out(), v1::DTYPE_F32, {batch, hq, d}, o_off);
-    b.Region(req.mutable_lse_out(), v1::DTYPE_F32, {batch, hq}, l_off);
-    ASSERT_TRUE(b.MarkReady(nullptr).ok());
-    auto r = cuda_->AttentionDecode(req);
-    ASSERT_TRUE(r.ok()) << r.status();  // a pipelined call answers before its kernels ran
-    EXPECT_TRUE(r->o().has_cuda_ipc());
-    ASSERT_TRUE(b.WaitDone(nullptr).ok());
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(o->data(), b.data() + o_off, o->size() * 4, cudaMemcpyDeviceToHost),
-              cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(lse->data(), b.data() + l_off, lse->size() * 4, cudaMemcpyDeviceToHost),
-              cudaSuccess);
+    DecodeThroughBuffer(cuda_.get(), b, req, batch, p_.num_q_heads(), p_.num_kv_heads(),
+                        p_.head_dim(), q, k, v, x, p_.fsq_residual_width(), o, lse);
   }
 
   DaemonProcess gpu_, cpu_;
