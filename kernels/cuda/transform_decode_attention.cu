@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(kWarps * 32) TransformDecodeKernel(const Decod
     float acc[G];
 #pragma unroll
     for (int g = 0; g < G; ++g) acc[g] = 0.0f;
-#pragma unroll 4
+#pragma unroll 16  // 16 independent L2 loads in flight per thread
     for (int j = 0; j < D; ++j) {
       const float dji = __ldg(hc.k_decode + j * D + i);
 #pragma unroll
@@ -324,7 +324,7 @@ __global__ void __launch_bounds__(kWarps * 32) TransformDecodeKernel(const Decod
     const int g = x / D, c = x % D;
     if (g >= group) continue;
     float out = 0.0f;
-#pragma unroll 8
+#pragma unroll 16
     for (int e = 0; e < D; ++e) out = fmaf(xs[g * D + e], __ldg(hc.r_v_t + e * D + c), out);
     a.part_o[(row0 + g) * D + c] = out;
   }
