@@ -82,8 +82,11 @@ __device__ __forceinline__ float CodeToFloat(uint32_t c) {
   return __uint_as_float(c | 0x4b000000u) - 8388608.0f;
 }
 
-template <int D, int G>
+// G: the query heads the CTA's arrays hold (2, 4 or 8: float4 loads of a_s); K <= G: the
+// heads its hot loops compute (the GQA group, e.g. 3 for SmolLM2-135M in arrays of 4).
+template <int D, int G, int K>
 __global__ void __launch_bounds__(kWarps * 32) TransformDecodeKernel(const DecodeArgs a) {
+  static_assert(K >= 1 && K <= G, "K heads in arrays of G");
   constexpr int kQ = D / 4;
   constexpr int kJL = kQ < 32 ? kQ : 32;  // lanes across the value bytes of a word row
   constexpr int kTS = 32 / kJL;           // token groups walked side by side
@@ -210,19 +213,20 @@ __global__ void __launch_bounds__(kWarps * 32) TransformDecodeKernel(const Decod
 #pragma unroll
         for (int g = 0; g < G; g += 4) {
           const float4 av = *reinterpret_cast<const float4*>(ai + g);
-          acc[g] = fmaf(av.x, c, acc[g]);
-          acc[g + 1] = fmaf(av.y, c, acc[g + 1]);
-          acc[g + 2] = fmaf(av.z, c, acc[g + 2]);
-          acc[g + 3] = fmaf(av.w, c, acc[g + 3]);
+          if (g < K) acc[g] = fmaf(av.x, c, acc[g]);
+          if (g + 1 < K) acc[g + 1] = fmaf(av.y, c, acc[g + 1]);
+          if (g + 2 < K) acc[g + 2] = fmaf(av.z, c, acc[g + 2]);
+          if (g + 3 < K) acc[g + 3] = fmaf(av.w, c, acc[g + 3]);
         }
       } else {
 #pragma unroll
-        for (int g = 0; g < G; ++g) acc[g] = fmaf(ai[g], c, acc[g]);
+        for (int g = 0; g < K; ++g) acc[g] = fmaf(ai[g], c, acc[g]);
       }
     }
-    // Online softmax (natural log); the tile has a valid token (lane 0).
+    // Online softmax (natural log); the tile has a valid token (lane 0). Heads K.. keep
+    // their empty state (m = -inf, l = 0, o = 0).
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
+    for (int g = 0; g < K; ++g) {
       const float logit = valid ? cm[g] + gain * (co[g] + acc[g]) : -INFINITY;
       const float mn = fmaxf(m[g], WarpMax(logit));
       const float alpha = __expf(m[g] - mn);  // 0 while m is -inf
@@ -248,14 +252,14 @@ __global__ void __launch_bounds__(kWarps * 32) TransformDecodeKernel(const Decod
       for (int tk = 0; tk < 4; ++tk) {
         float wv[G];
 #pragma unroll
-        for (int g = 0; g < G; ++g) wv[g] = ws[g * kTile + 4 * q4 + tk];
+        for (int g = 0; g < K; ++g) wv[g] = ws[g * kTile + 4 * q4 + tk];
 #pragma unroll
         for (int k = 0; k < kQJ; ++k) {
 #pragma unroll
           for (int mm = 0; mm < 4; ++mm) {
             const float c = CodeToFloat((word[k] >> (8 * tk + 2 * mm)) & 3u);
 #pragma unroll
-            for (int g = 0; g < G; ++g) o[g][4 * k + mm] = fmaf(wv[g], c, o[g][4 * k + mm]);
+            for (int g = 0; g < K; ++g) o[g][4 * k + mm] = fmaf(wv[g], c, o[g][4 * k + mm]);
           }
         }
       }
@@ -332,17 +336,17 @@ __global__ void __launch_bounds__(kWarps * 32) TransformDecodeKernel(const Decod
 
 int RowWords(int code_bytes) { return ((code_bytes + 3) / 4 + 1) | 1; }
 
-template <int D, int G>
+template <int D, int G, int K>
 cudaError_t Launch(const DecodeArgs& a, dim3 grid, cudaStream_t stream) {
   const size_t smem = sizeof(uint32_t) * static_cast<size_t>(Smem(D, G, a.row_words).total);
   if (smem > 48 * 1024) {
     const cudaError_t e =
-        cudaFuncSetAttribute(TransformDecodeKernel<D, G>,
+        cudaFuncSetAttribute(TransformDecodeKernel<D, G, K>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (e != cudaSuccess) return e;
   }
   CountLaunch();
-  TransformDecodeKernel<D, G><<<grid, kWarps * 32, smem, stream>>>(a);
+  TransformDecodeKernel<D, G, K><<<grid, kWarps * 32, smem, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -390,9 +394,10 @@ cudaError_t LaunchTransformDecodeParts(const PagedList& list, const DecodeGeomet
   const int group = geo.num_q_heads / geo.num_kv_heads;
   return DispatchHeadDim(geo.head_dim, [&](auto hd) -> cudaError_t {
     constexpr int kD = decltype(hd)::value;
-    if (group <= 2) return Launch<kD, 2>(a, grid, stream);
-    if (group <= 4) return Launch<kD, 4>(a, grid, stream);
-    return Launch<kD, 8>(a, grid, stream);
+    if (group <= 2) return Launch<kD, 2, 2>(a, grid, stream);
+    if (group == 3) return Launch<kD, 4, 3>(a, grid, stream);  // SmolLM2-135M
+    if (group == 4) return Launch<kD, 4, 4>(a, grid, stream);
+    return Launch<kD, 8, 8>(a, grid, stream);
   });
 }
 

@@ -526,6 +526,7 @@ TEST_F(CudaTransformTest, DecodeMatchesTheOracle) {
       {64, 8, 1, 32, {511, 2}, 0},       // group 8
       {128, 5, 5, 32, {31, 32, 33}, 0},  // group 1
       {256, 16, 2, 32, {160}, 2},        // group 8 at head_dim 256
+      {128, 12, 2, 32, {200, 45}, 0},    // group 6 (in arrays of 8)
   };
   for (const DecodeCase& c : cases) {
     if (Small() && (c.d == 256 || c.hkv > 3)) continue;
