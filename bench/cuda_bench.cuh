@@ -1,6 +1,7 @@
 // What the CUDA benchmarks share: CHECK (a failed CUDA call prints where and exits 1), the
 // read-ceiling kernel (a read-only reduction, ReadReduce; ReadCeilingTbps), event timing
-// (MedianUsPerCall) and the arguments of a Put-size paged row store (PutRows).
+// (MedianUsPerCall), uploads (Upload), page filling (FillPages) and the arguments of a
+// Put-size paged row store (PutRows).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -35,6 +36,15 @@ __global__ void ReadReduce(const uint4* p, int64_t n, unsigned* out) {
   if (acc == 0x12345678u) atomicAdd(out, acc);
 }
 
+// A device copy of v (never a zero-byte allocation).
+template <class T>
+T* Upload(const std::vector<T>& v) {
+  T* p = nullptr;
+  CHECK(cudaMalloc(&p, std::max<size_t>(1, v.size() * sizeof(T))));
+  CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return p;
+}
+
 float Median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -60,6 +70,33 @@ double MedianUsPerCall(cudaStream_t stream, int repeats, int skip, int calls, F 
   CHECK(cudaEventDestroy(a));
   CHECK(cudaEventDestroy(b));
   return Median(ms) * 1e3;
+}
+
+// Pages of random codes with valid FP16 parameters from byte params_at of each page to its
+// end, in blocks of ps values alternating scales 0.5..0.6 (0x3800..) and minimums -0.75..
+// (0xBA00..), as INT2 pages (int2_attention.h: params_at = the K and V codes' bytes) and
+// int2-transform pages (transform_attention.h: params_at = VParams(0)) hold them; and FP16
+// gains 0.5..0.6 in [gains_at, gains_at + gains_bytes) (int2-transform key gains).
+__global__ void FillPages(uint8_t* pages, int64_t n_pages, int64_t page_bytes, int ps,
+                          int64_t params_at, uint32_t seed, int64_t gains_at = 0,
+                          int64_t gains_bytes = 0) {
+  const int64_t total = n_pages * page_bytes;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t off = i % page_bytes;
+    uint32_t x = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    x ^= x >> 13;
+    x *= 0x5bd1e995u;
+    const bool gain = off >= gains_at && off < gains_at + gains_bytes;
+    if (off < params_at && !gain) {
+      pages[i] = static_cast<uint8_t>(x >> 7);
+    } else {
+      const bool lo = !gain && ((off - params_at) / 2 / ps) % 2 == 1;
+      const uint16_t h = lo ? static_cast<uint16_t>(0xBA00 + (x & 0x3f))
+                            : static_cast<uint16_t>(0x3800 + (x & 0x3f));
+      pages[i] = (off % 2 == 0) ? static_cast<uint8_t>(h & 0xff) : static_cast<uint8_t>(h >> 8);
+    }
+  }
 }
 
 // The read ceiling in TB/s: ReadReduce over `bytes` of device memory on `stream`, median of

@@ -47,14 +47,6 @@ __global__ void FillPool(uint16_t* p, int64_t n, float phase) {
   }
 }
 
-template <class T>
-T* Upload(const std::vector<T>& v) {
-  void* p = nullptr;
-  CHECK(cudaMalloc(&p, std::max<size_t>(1, v.size() * sizeof(T))));
-  CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return static_cast<T*>(p);
-}
-
 std::vector<int> ParseList(const char* s) {
   std::vector<int> v;
   for (const char* p = s; *p != '\0';) {

@@ -47,13 +47,6 @@ T* Alloc(size_t n) {
   return static_cast<T*>(p);
 }
 
-template <class T>
-T* Upload(const std::vector<T>& v) {
-  T* p = Alloc<T>(v.size());
-  CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return p;
-}
-
 // Median seconds of one call of fn, two warm-up calls first.
 template <class F>
 double MedianSeconds(int reps, F fn) {

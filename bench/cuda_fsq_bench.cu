@@ -27,14 +27,6 @@ namespace {
 
 constexpr int kHq = 32, kHkv = 8, kD = 128, kC = 4096, kPs = 64;
 
-template <class T>
-T* Upload(const std::vector<T>& v) {
-  T* p = nullptr;
-  CHECK(cudaMalloc(&p, std::max<size_t>(1, v.size() * sizeof(T))));
-  CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return p;
-}
-
 __global__ void FillBytes(uint8_t* p, int64_t n, uint32_t seed) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {

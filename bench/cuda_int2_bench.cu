@@ -26,14 +26,6 @@ namespace kk = kvcd::kernels;
 
 namespace {
 
-template <class T>
-T* Upload(const std::vector<T>& v) {
-  T* p = nullptr;
-  CHECK(cudaMalloc(&p, v.size() * sizeof(T)));
-  CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return p;
-}
-
 struct CaseResult {
   double err;      // max relative error of o and lse
   double max_lse;  // largest |lse| of the oracle: the logit range of the case
@@ -146,27 +138,6 @@ CaseResult CheckCase(int hq, int hkv, int d, int ps, const std::vector<int>& len
   const void* to_free[] = {p.pages, p.page_table, p.lengths, p.q, p.r_k, p.r_v_t, p.o, p.lse, ws};
   for (const void* ptr : to_free) CHECK(cudaFree(const_cast<void*>(ptr)));
   return {worst, max_lse};
-}
-
-__global__ void FillPages(uint8_t* pages, int64_t n_pages, int64_t page_bytes, int64_t code_bytes,
-                          int hkv, int ps, uint32_t seed) {
-  const int64_t total = n_pages * page_bytes;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t off = i % page_bytes;
-    uint32_t x = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-    x ^= x >> 13;
-    x *= 0x5bd1e995u;
-    if (off < 2 * code_bytes) {
-      pages[i] = static_cast<uint8_t>(x >> 7);
-    } else {  // FP16 params: scales 0.5..0.6 (0x3800..), minimums -0.75.. (0xBA00..)
-      const int64_t k = (off - 2 * code_bytes) / 2;  // param index in the page
-      const bool lo = (k / ps) % 2 == 1;
-      const uint16_t h = lo ? static_cast<uint16_t>(0xBA00 + (x & 0x3f))
-                            : static_cast<uint16_t>(0x3800 + (x & 0x3f));
-      pages[i] = (off % 2 == 0) ? static_cast<uint8_t>(h & 0xff) : static_cast<uint8_t>(h >> 8);
-    }
-  }
 }
 
 }  // namespace
@@ -285,8 +256,8 @@ int main(int argc, char** argv) {
         std::vector<uint8_t*> pages(layers);
         for (int l = 0; l < layers; ++l) {
           CHECK(cudaMalloc(&pages[l], layer_bytes));
-          FillPages<<<4096, 256>>>(pages[l], n_pages, page_bytes, int64_t{hkv} * ps * (d / 4), hkv,
-                                   ps, 7u + l);
+          FillPages<<<4096, 256>>>(pages[l], n_pages, page_bytes, ps,
+                                   2 * int64_t{hkv} * ps * (d / 4), 7u + l);
           CHECK(cudaGetLastError());
         }
         std::vector<int32_t> table(n_pages);

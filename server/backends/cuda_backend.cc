@@ -29,6 +29,7 @@
 #include "server/formats/fsq/fsq_device_codec.h"
 #include "server/formats/fsq/fsq_format_cuda.h"
 #include "server/formats/int2_oscar/int2_oscar_format_cuda.h"
+#include "server/formats/int2_transform/int2_transform_format_cuda.h"
 
 namespace kvcd {
 namespace {
@@ -74,13 +75,14 @@ class CudaBackend final : public Backend, public DeviceRuntime {
   absl::StatusOr<std::vector<std::unique_ptr<PageFormat>>> CreateFormats(
       absl::Span<const FormatId> ids, const PageGeometry& geometry,
       std::shared_ptr<const CodecProfile> rotation, std::shared_ptr<const FsqModelCodec> fsq,
-      std::shared_ptr<const KeyTransformProfile> /*transform*/) override {
+      std::shared_ptr<const KeyTransformProfile> transform) override {
     // One device copy of the rotations (of the FSQ codec) for all of the model's formats.
     std::shared_ptr<const CudaCodec> device_codec;
     if (rotation != nullptr) {
       KVCD_ASSIGN_OR_RETURN(device_codec, CudaCodec::Upload(*rotation));
     }
     std::shared_ptr<const FsqDeviceCodec> fsq_device;
+    std::shared_ptr<const TransformDeviceCodec> transform_device;
     std::vector<std::unique_ptr<PageFormat>> out;
     for (FormatId id : ids) {
       switch (id) {
@@ -102,6 +104,16 @@ class CudaBackend final : public Backend, public DeviceRuntime {
           }
           out.push_back(id == FormatId::kFsq ? MakeFsqCudaFormat(geometry, fsq, fsq_device)
                                              : MakeFsqWindowCudaFormat(geometry, fsq, fsq_device));
+          break;
+        case FormatId::kInt2Transform:
+          if (transform == nullptr) {
+            return absl::InvalidArgumentError("int2-transform pages need a version-3 codec");
+          }
+          if (transform_device == nullptr) {
+            KVCD_RETURN_IF_ERROR(CheckTransformCudaGeometry(geometry, *transform));
+            KVCD_ASSIGN_OR_RETURN(transform_device, TransformDeviceCodec::Upload(*transform));
+          }
+          out.push_back(MakeInt2TransformCudaFormat(geometry, transform, transform_device));
           break;
         default:
           return absl::UnimplementedError(

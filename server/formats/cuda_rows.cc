@@ -159,6 +159,27 @@ absl::Status PrepareRowStore(const RowSource& k, const RowSource& v, absl::Span<
   return absl::OkStatus();
 }
 
+absl::Status PrepareWindowPageStore(const PagePool& window_pool, int32_t src_page, int32_t dst_page,
+                                    const PagePool& pool, const PageGeometry& g,
+                                    const CudaCodec* codec, RowStoreScratch* scratch,
+                                    RowStoreArgs* out) {
+  const int32_t ps = g.page_size, d = g.head_dim;
+  std::vector<RowSlot> rows;
+  for (int32_t t = 0; t < ps; ++t) rows.push_back({t, dst_page, t});
+  RowSource k;
+  k.on_device = true;
+  k.is_bf16 = true;
+  k.data = window_pool.PagePtr(0, src_page);
+  k.token_stride = d;
+  k.layer_stride = int64_t{window_pool.num_pages()} * window_pool.layer_page_bytes() / 2;
+  RowSource v = k;
+  v.data = window_pool.PagePtr(0, src_page) + int64_t{g.num_kv_heads} * ps * d * 2;
+  KVCD_RETURN_IF_ERROR(
+      PrepareRowStore(k, v, rows, -1, pool, g, codec, /*rotate=*/false, scratch, out));
+  out->k.head_stride = out->v.head_stride = int64_t{ps} * d;
+  return absl::OkStatus();
+}
+
 absl::Status PrepareResidualStore(const RowSource& x, absl::Span<const RowSlot> rows, int32_t layer,
                                   const PagePool& pool, const PageGeometry& g,
                                   int32_t residual_width, RowStoreScratch* scratch,

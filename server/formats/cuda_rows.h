@@ -48,6 +48,15 @@ absl::Status PrepareRowStore(const RowSource& k, const RowSource& v, absl::Span<
                              const CudaCodec* codec, bool rotate, RowStoreScratch* scratch,
                              RowStoreArgs* out);
 
+// Arguments re-storing window page `src_page` of `window_pool` (BF16 rows as the window
+// holds them, [K|V][head][slot][head_dim] per layer page) into page `dst_page` of `pool` at
+// every layer (a demotion): no rotation, the codec's clip ratios (codec may be null).
+// REQUIRES: scratch->mu held until the launch is queued.
+absl::Status PrepareWindowPageStore(const PagePool& window_pool, int32_t src_page, int32_t dst_page,
+                                    const PagePool& pool, const PageGeometry& g,
+                                    const CudaCodec* codec, RowStoreScratch* scratch,
+                                    RowStoreArgs* out);
+
 // After the launch of a store prepared by PrepareRowStore: with a synchronous check, waits
 // for the store and answers INVALID_ARGUMENT naming the first bad row (k.name / v.name,
 // layer, token, head in the source tensor) if the store met a NaN or ±Inf; else OK at once.

@@ -29,13 +29,22 @@
 #include "client/workers/ipc_buffer.h"
 #include "common/fsq_codec.h"
 #include "common/tensor_ref.h"
+#include "cuda_cpu_daemons.h"
 #include "daemon_process.h"
 #include "kvcd/kernels/bf16.h"
 
 namespace kvcd {
 namespace {
 
+using testing_util::BackendConfig;
+using testing_util::ConnectTo;
+using testing_util::CudaDeviceCount;
 using testing_util::DaemonProcess;
+using testing_util::DecodeThroughBuffer;
+using testing_util::ExpectCloseToCpu;
+using testing_util::OpenOn;
+using testing_util::StoredPages;
+using testing_util::ToDevice;
 using workers::IpcBuffer;
 
 // The bound on |o_cuda - o_cpu| / max(1, max |o_cpu| of the row) and on |lse_cuda - lse_cpu|.
@@ -47,26 +56,6 @@ using workers::IpcBuffer;
 // average down by the square root of the tokens, so the run measures ~1e-3 (printed). The
 // bound is the aligned worst case, rounded up.
 constexpr double kMaxOutputError = 2e-2;
-
-constexpr char kConfig[] = R"(
-listen: 127.0.0.1:0
-metrics_listen: 127.0.0.1:0
-backend: BACKEND
-memory_budget: 512MiB
-lease: {default_ms: 60000, max_ms: 120000}
-drain_timeout_ms: 300
-)";
-
-int DeviceCount() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
-}
-
-std::string Config(const std::string& backend) {
-  std::string c = kConfig;
-  c.replace(c.find("BACKEND"), 7, backend);
-  return c;
-}
 
 struct FsqCase {
   const char* name;
@@ -112,27 +101,14 @@ std::string CodecBlob(const v1::ModelProfile& p, uint64_t seed) {
   return FsqCodec::Synthetic(s, seed).ToSafetensors().Serialize();
 }
 
-std::unique_ptr<Client> Connect(const DaemonProcess& d) {
-  ClientOptions o;
-  o.target = d.grpc();
-  auto c = Client::Connect(o);
-  EXPECT_TRUE(c.ok()) << c.status();
-  return c.ok() ? std::move(*c) : nullptr;
-}
-
-template <typename T>
-void ToDevice(uint8_t* dst, const T* src, size_t bytes) {
-  ASSERT_EQ(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), cudaSuccess);
-}
-
 class FsqDataPlaneTest : public ::testing::TestWithParam<FsqCase> {
  protected:
   void SetUp() override {
-    if (DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-    ASSERT_TRUE(gpu_.Start(Config("cuda")));
-    ASSERT_TRUE(cpu_.Start(Config("cpu")));
-    cuda_ = Connect(gpu_);
-    host_ = Connect(cpu_);
+    if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+    ASSERT_TRUE(gpu_.Start(BackendConfig("cuda")));
+    ASSERT_TRUE(cpu_.Start(BackendConfig("cpu")));
+    cuda_ = ConnectTo(gpu_);
+    host_ = ConnectTo(cpu_);
     ASSERT_TRUE(cuda_ != nullptr && host_ != nullptr);
     p_ = Profile(GetParam());
     const std::string blob = CodecBlob(p_, 17);
@@ -160,65 +136,25 @@ class FsqDataPlaneTest : public ::testing::TestWithParam<FsqCase> {
   }
 
   uint64_t Open(Client* c, const std::vector<int32_t>& tokens, const std::string& salt) const {
-    auto o = c->OpenSequence(p_.name(), salt, tokens, 60000);
-    EXPECT_TRUE(o.ok()) << o.status();
-    return o.ok() ? o->sequence_id() : 0;
+    return OpenOn(c, p_.name(), tokens, salt);
   }
   uint64_t Open(Client* c, const v1::PutRequest& put, const std::string& salt) const {
     return Open(c, std::vector<int32_t>(put.tokens().begin(), put.tokens().end()), salt);
   }
 
-  // A sequence's full pages as stored (formats and bytes), inline. (The slots of a partial
-  // last page past the sequence's length hold whatever the page held before: a page freed
-  // by a demotion is reused, on each daemon in its own order.)
-  std::string Stored(Client* c, uint64_t seq) const {
-    v1::FetchPagesRequest f;
-    f.set_sequence_id(seq);
-    auto r = c->FetchPages(f);
-    EXPECT_TRUE(r.ok()) << r.status();
-    std::string all;
-    if (!r.ok()) return all;
-    for (const auto& pg : r->pages()) {
-      if (pg.num_tokens() == p_.page_size()) all += pg.format() + ":" + pg.data();
-    }
-    return all;
-  }
+  // A sequence's full pages as stored (formats and bytes), inline.
+  std::string Stored(Client* c, uint64_t seq) const { return StoredPages(c, seq, p_.page_size()); }
 
   // The fused call `req` (its layer, sequences and new tokens) with every tensor in the
   // worker's buffer b (>= 1 MiB): q (F32) and k_new, v_new, x_new (BF16) of `batch` entries
   // go there, the outputs (poisoned with NaN first) are written there and read back into
   // *o and *lse once the call's done event fired.
-  void DeviceDecode(IpcBuffer& b, v1::AttentionDecodeRequest req, int64_t batch,
+  void DeviceDecode(IpcBuffer& b, const v1::AttentionDecodeRequest& req, int64_t batch,
                     const std::vector<float>& q, const std::vector<uint16_t>& k,
                     const std::vector<uint16_t>& v, const std::vector<uint16_t>& x,
                     std::vector<float>* o, std::vector<float>* lse) {
-    const uint64_t q_off = 0, k_off = 65536, v_off = 131072, x_off = 196608, o_off = 262144,
-                   l_off = 524288;
-    const int64_t hq = p_.num_q_heads(), hkv = p_.num_kv_heads(), d = p_.head_dim();
-    ToDevice(b.data() + q_off, q.data(), q.size() * 4);
-    ToDevice(b.data() + k_off, k.data(), k.size() * 2);
-    ToDevice(b.data() + v_off, v.data(), v.size() * 2);
-    ToDevice(b.data() + x_off, x.data(), x.size() * 2);
-    o->assign(static_cast<size_t>(batch * hq * d), 0.0f);
-    lse->assign(static_cast<size_t>(batch * hq), 0.0f);
-    ASSERT_EQ(cudaMemset(b.data() + o_off, 0xff, o->size() * 4), cudaSuccess);
-    ASSERT_EQ(cudaMemset(b.data() + l_off, 0xff, lse->size() * 4), cudaSuccess);
-    b.Region(req.mutable_q(), v1::DTYPE_F32, {batch, hq, d}, q_off);
-    b.Region(req.mutable_k_new(), v1::DTYPE_BF16, {batch, hkv, d}, k_off);
-    b.Region(req.mutable_v_new(), v1::DTYPE_BF16, {batch, hkv, d}, v_off);
-    b.Region(req.mutable_x_new(), v1::DTYPE_BF16, {batch, p_.fsq_residual_width()}, x_off);
-    b.Region(req.mutable_o_out(), v1::DTYPE_F32, {batch, hq, d}, o_off);
-    b.Region(req.mutable_lse_out(), v1::DTYPE_F32, {batch, hq}, l_off);
-    ASSERT_TRUE(b.MarkReady(nullptr).ok());
-    auto r = cuda_->AttentionDecode(req);
-    ASSERT_TRUE(r.ok()) << r.status();  // a pipelined call answers before its kernels ran
-    EXPECT_TRUE(r->o().has_cuda_ipc());
-    ASSERT_TRUE(b.WaitDone(nullptr).ok());
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(o->data(), b.data() + o_off, o->size() * 4, cudaMemcpyDeviceToHost),
-              cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(lse->data(), b.data() + l_off, lse->size() * 4, cudaMemcpyDeviceToHost),
-              cudaSuccess);
+    DecodeThroughBuffer(cuda_.get(), b, req, batch, p_.num_q_heads(), p_.num_kv_heads(),
+                        p_.head_dim(), q, k, v, x, p_.fsq_residual_width(), o, lse);
   }
 
   DaemonProcess gpu_, cpu_;
@@ -298,24 +234,10 @@ TEST_P(FsqDataPlaneTest, CudaBackendMatchesCpuBackend) {
       auto r_cu = cuda_->AttentionDecode(in);
       ASSERT_TRUE(r_cu.ok()) << r_cu.status();
       ASSERT_EQ(r_cu->lengths(0), r_cpu->lengths(0));
-      for (int h = 0; h < hq; ++h) {
-        double row_max = 1.0, err = 0;
-        for (int i = h * d; i < (h + 1) * d; ++i)
-          row_max = std::max(row_max, std::fabs(double{ElementAsFloat(r_cpu->o(), i)}));
-        for (int i = h * d; i < (h + 1) * d; ++i) {
-          const float got = ElementAsFloat(r_cu->o(), i);
-          ASSERT_TRUE(std::isfinite(got)) << "step " << step << " layer " << layer << " i " << i;
-          err = std::max(err, std::fabs(got - double{ElementAsFloat(r_cpu->o(), i)}));
-        }
-        worst_o = std::max(worst_o, err / row_max);
-        worst_lse = std::max(worst_lse, std::fabs(double{ElementAsFloat(r_cu->lse(), h)} -
-                                                  ElementAsFloat(r_cpu->lse(), h)));
-        ASSERT_LE(err / row_max, kMaxOutputError)
-            << "step " << step << " layer " << layer << " head " << h;
-        ASSERT_LE(std::fabs(ElementAsFloat(r_cu->lse(), h) - ElementAsFloat(r_cpu->lse(), h)),
-                  kMaxOutputError)
-            << "step " << step << " layer " << layer << " head " << h;
-      }
+      ASSERT_NO_FATAL_FAILURE(
+          ExpectCloseToCpu(*r_cu, *r_cpu, hq, d, kMaxOutputError,
+                           "step " + std::to_string(step) + " layer " + std::to_string(layer),
+                           &worst_o, &worst_lse));
 
       // The same call with every tensor in the worker's buffer, results on the device.
       v1::AttentionDecodeRequest ipc;

@@ -40,25 +40,12 @@ class Int2OscarCudaFormat final : public CudaPageFormat {
 
   absl::Status Demote(const PagePool& window_pool, absl::Span<const int32_t> src_pages,
                       const PagePool& pool, absl::Span<const int32_t> dst_pages) const override {
-    const PageGeometry& g = geometry();
-    const int32_t ps = g.page_size, d = g.head_dim;
     std::lock_guard<std::mutex> lock(scratch_.mu);
     for (size_t i = 0; i < src_pages.size(); ++i) {
       // The window page's rows ([K|V][head][slot][d], already rotated) are the source.
-      std::vector<RowSlot> rows;
-      for (int32_t t = 0; t < ps; ++t) rows.push_back({t, dst_pages[i], t});
-      RowSource k;
-      k.on_device = true;
-      k.is_bf16 = true;
-      k.data = window_pool.PagePtr(0, src_pages[i]);
-      k.token_stride = d;
-      k.layer_stride = int64_t{window_pool.num_pages()} * window_pool.layer_page_bytes() / 2;
-      RowSource v = k;
-      v.data = window_pool.PagePtr(0, src_pages[i]) + int64_t{g.num_kv_heads} * ps * d * 2;
       RowStoreArgs a;
-      KVCD_RETURN_IF_ERROR(PrepareRowStore(k, v, rows, -1, pool, g, device_codec(),
-                                           /*rotate=*/false, &scratch_, &a));
-      a.k.head_stride = a.v.head_stride = int64_t{ps} * d;
+      KVCD_RETURN_IF_ERROR(PrepareWindowPageStore(window_pool, src_pages[i], dst_pages[i], pool,
+                                                  geometry(), device_codec(), &scratch_, &a));
       KVCD_RETURN_IF_ERROR(
           CudaStatus(kc::LaunchStoreInt2Rows(a.k, a.v, a.dst, a.codec, nullptr), "INT2 demotion"));
     }

@@ -7,27 +7,109 @@
 #include "kvcd/kernels/transform_attention.h"
 
 namespace kvcd {
+
+Int2TransformLayout::Int2TransformLayout(const PageGeometry& g,
+                                         std::shared_ptr<const KeyTransformProfile> p)
+    : g_(g),
+      profile_(std::move(p)),
+      layout_{g.num_kv_heads, g.page_size, g.head_dim, profile_->key_code_bits() / 8} {}
+
+double Int2TransformLayout::bits_per_element() const {
+  const double d = g_.head_dim;
+  return (profile_->key_code_bits() + 16 + 2 * d + 32) / (2 * d);
+}
+
+absl::Status Int2TransformLayout::CheckPages(const uint8_t* src, int64_t num_pages,
+                                             int64_t first_index) const {
+  const int64_t layer_bytes = layer_page_bytes();
+  auto bad = [&](int64_t p, int32_t l, const char* what) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("page ", first_index + p, " layer ", l, " holds ", what));
+  };
+  for (int64_t p = 0; p < num_pages; ++p) {
+    for (int32_t l = 0; l < g_.num_layers; ++l) {
+      const uint8_t* page = src + (p * g_.num_layers + l) * layer_bytes;
+      for (int32_t h = 0; h < g_.num_kv_heads; ++h) {
+        for (int32_t t = 0; t < g_.page_size; ++t) {
+          uint16_t gain;
+          std::memcpy(&gain, page + layout_.KGains(h) + 2 * t, 2);
+          if (!ValidKeyGain(gain)) {
+            return bad(p, l, "a key gain that is not a positive finite FP16 value");
+          }
+          for (int k = 0; k < 2; ++k) {
+            uint16_t x;
+            std::memcpy(&x, page + layout_.VParams(h) + 2 * (k * g_.page_size + t), 2);
+            if ((x & 0x7c00u) == 0x7c00u || (k == 0 && (x & 0x8000u) != 0 && (x & 0x7fffu) != 0)) {
+              return bad(p, l, "a non-finite FP16 value parameter or a negative value scale");
+            }
+          }
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Int2TransformLayout::CheckKeyGains(const uint16_t* gains, int64_t num_pages,
+                                                int64_t first_index) const {
+  const int64_t block = int64_t{g_.num_kv_heads} * g_.page_size;
+  for (int64_t p = 0; p < num_pages; ++p) {
+    for (int32_t l = 0; l < g_.num_layers; ++l) {
+      const uint16_t* b = gains + (p * g_.num_layers + l) * block;
+      for (int64_t i = 0; i < block; ++i) {
+        if (!ValidKeyGain(b[i])) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("page ", first_index + p, " layer ", l,
+                           " holds a key gain that is not a positive finite FP16 value"));
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Int2TransformLayout::ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head,
+                                     int which, int32_t slot, int32_t count, float* out) const {
+  auto* page = const_cast<uint8_t*>(layer_page);  // read only: Int2RowRef is not const-typed
+  if (which == 0) {
+    kernels::DecodeTransformKeys(
+        profile_->KeyCode(layer, head),
+        page + layout_.KCodes(head) + int64_t{slot} * layout_.code_bytes, layout_.code_bytes,
+        reinterpret_cast<const uint16_t*>(page + layout_.KGains(head)) + slot, 1, count, out);
+  } else {
+    kernels::ExpandInt2Rows(layout_.V(page, head), count, g_.head_dim,
+                            profile_->head(layer, head).r_v.data(), out, slot);
+  }
+}
+
+void Int2TransformLayout::Encode(const float* rows, int32_t layer, int32_t head, int which,
+                                 uint8_t* page) const {
+  const int32_t ps = g_.page_size, d = g_.head_dim;
+  if (which == 0) {
+    kernels::EncodeTransformKeys(profile_->KeyCode(layer, head), rows, ps,
+                                 page + layout_.KCodes(head), layout_.code_bytes,
+                                 reinterpret_cast<uint16_t*>(page + layout_.KGains(head)));
+  } else {
+    const KeyTransformProfile::Head& x = profile_->head(layer, head);
+    kernels::DemoteRowsToInt2(rows, ps, d, x.r_v.data(), x.rho_v, layout_.V(page, head));
+  }
+}
+
 namespace {
 
 class Int2TransformCpuFormat final : public CpuPageFormat {
  public:
   Int2TransformCpuFormat(const PageGeometry& g, std::shared_ptr<const KeyTransformProfile> p)
-      : CpuPageFormat(FormatId::kInt2Transform, g, nullptr),
-        profile_(std::move(p)),
-        layout_{g.num_kv_heads, g.page_size, g.head_dim, profile_->key_code_bits() / 8} {}
+      : CpuPageFormat(FormatId::kInt2Transform, g, nullptr), x_(g, std::move(p)) {}
 
-  int64_t layer_page_bytes() const override { return layout_.Bytes(); }
-  // Key codes and FP16 gain, INT2 value codes and FP16 scale and minimum, per row.
-  double bits_per_element() const override {
-    const double d = geometry().head_dim;
-    return (profile_->key_code_bits() + 16 + 2 * d + 32) / (2 * d);
-  }
+  int64_t layer_page_bytes() const override { return x_.layer_page_bytes(); }
+  double bits_per_element() const override { return x_.bits_per_element(); }
 
   absl::Status WritePages(const RowSource& k, const RowSource& v, int64_t first_token,
                           absl::Span<const int32_t> pages, const PagePool& pool) const override {
     return EncodeRequestPages(k, v, first_token, pages, pool,
                               [&](int32_t l, uint8_t* page, int32_t h, int which, float* rows) {
-                                Encode(rows, l, h, which, page);
+                                x_.Encode(rows, l, h, which, page);
                               });
   }
 
@@ -36,59 +118,20 @@ class Int2TransformCpuFormat final : public CpuPageFormat {
                       const PagePool& pool, absl::Span<const int32_t> dst_pages) const override {
     EncodeWindowPages(window_pool, src_pages, pool, dst_pages,
                       [&](int32_t l, uint8_t* page, int32_t h, int which, float* rows) {
-                        Encode(rows, l, h, which, page);
+                        x_.Encode(rows, l, h, which, page);
                       });
     return absl::OkStatus();
   }
 
-  // Codes may be any bytes; the FP16 key gains (> 0), value scales (>= 0) and minimums
-  // must be finite.
   absl::Status CheckPages(const uint8_t* src, int64_t num_pages,
                           int64_t first_index) const override {
-    const PageGeometry& g = geometry();
-    const int64_t layer_bytes = layer_page_bytes();
-    auto bad = [&](int64_t p, int32_t l, const char* what) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("page ", first_index + p, " layer ", l, " holds ", what));
-    };
-    for (int64_t p = 0; p < num_pages; ++p) {
-      for (int32_t l = 0; l < g.num_layers; ++l) {
-        const uint8_t* page = src + (p * g.num_layers + l) * layer_bytes;
-        for (int32_t h = 0; h < g.num_kv_heads; ++h) {
-          for (int32_t t = 0; t < g.page_size; ++t) {
-            uint16_t gain;
-            std::memcpy(&gain, page + layout_.KGains(h) + 2 * t, 2);
-            if ((gain & 0x7c00u) == 0x7c00u || (gain & 0x8000u) != 0 || gain == 0) {
-              return bad(p, l, "a key gain that is not a positive finite FP16 value");
-            }
-            for (int k = 0; k < 2; ++k) {
-              uint16_t x;
-              std::memcpy(&x, page + layout_.VParams(h) + 2 * (k * g.page_size + t), 2);
-              if ((x & 0x7c00u) == 0x7c00u ||
-                  (k == 0 && (x & 0x8000u) != 0 && (x & 0x7fffu) != 0)) {
-                return bad(p, l, "a non-finite FP16 value parameter or a negative value scale");
-              }
-            }
-          }
-        }
-      }
-    }
-    return absl::OkStatus();
+    return x_.CheckPages(src, num_pages, first_index);
   }
 
   void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which,
                   int64_t /*page_first_token*/, int32_t slot, int32_t count,
                   float* out) const override {
-    auto* page = const_cast<uint8_t*>(layer_page);  // read only: Int2RowRef is not const-typed
-    if (which == 0) {
-      kernels::DecodeTransformKeys(
-          Key(layer, head), page + layout_.KCodes(head) + int64_t{slot} * layout_.code_bytes,
-          layout_.code_bytes, reinterpret_cast<const uint16_t*>(page + layout_.KGains(head)) + slot,
-          1, count, out);
-    } else {
-      kernels::ExpandInt2Rows(layout_.V(page, head), count, geometry().head_dim,
-                              profile_->head(layer, head).r_v.data(), out, slot);
-    }
+    x_.ExpandRows(layer_page, layer, head, which, slot, count, out);
   }
 
   void Attend(const PagePool& pool, int32_t layer, absl::Span<const int32_t> page_ids,
@@ -100,32 +143,14 @@ class Int2TransformCpuFormat final : public CpuPageFormat {
     kv.page_stride = pool.layer_page_bytes();
     kv.page_ids = page_ids.data();
     kv.num_pages = static_cast<int32_t>(page_ids.size());
-    kv.layout = layout_;
-    kernels::AttendTransformPages(kv, kv_head, Key(layer, kv_head),
-                                  profile_->head(layer, kv_head).r_v.data(), q, group,
+    kv.layout = x_.layout();
+    kernels::AttendTransformPages(kv, kv_head, x_.profile().KeyCode(layer, kv_head),
+                                  x_.profile().head(layer, kv_head).r_v.data(), q, group,
                                   softmax_scale, begin, end, o, lse);
   }
 
  private:
-  kernels::TransformKeyCode Key(int32_t layer, int32_t head) const {
-    return profile_->KeyCode(layer, head);
-  }
-
-  // A page's rows [page_size][d] of (head, K or V) of one layer, as given.
-  void Encode(const float* rows, int32_t layer, int32_t head, int which, uint8_t* page) const {
-    const int32_t ps = geometry().page_size, d = geometry().head_dim;
-    if (which == 0) {
-      kernels::EncodeTransformKeys(Key(layer, head), rows, ps, page + layout_.KCodes(head),
-                                   layout_.code_bytes,
-                                   reinterpret_cast<uint16_t*>(page + layout_.KGains(head)));
-    } else {
-      const KeyTransformProfile::Head& x = profile_->head(layer, head);
-      kernels::DemoteRowsToInt2(rows, ps, d, x.r_v.data(), x.rho_v, layout_.V(page, head));
-    }
-  }
-
-  const std::shared_ptr<const KeyTransformProfile> profile_;
-  const kernels::TransformPageLayout layout_;
+  const Int2TransformLayout x_;
 };
 
 }  // namespace

@@ -11,9 +11,45 @@
 #include <memory>
 
 #include "common/key_transform_profile.h"
+#include "kvcd/kernels/transform_attention.h"
 #include "server/formats/cpu_page_format.h"
 
 namespace kvcd {
+
+// The layout, host-side checks and reads, shared by the backends' implementations.
+class Int2TransformLayout {
+ public:
+  // The profile must match the geometry (KeyTransformProfile::FromSafetensors checked it).
+  Int2TransformLayout(const PageGeometry& g, std::shared_ptr<const KeyTransformProfile> p);
+
+  const KeyTransformProfile& profile() const { return *profile_; }
+  const kernels::TransformPageLayout& layout() const { return layout_; }
+  int64_t layer_page_bytes() const { return layout_.Bytes(); }
+  // Key codes and FP16 gain, INT2 value codes and FP16 scale and minimum, per row.
+  double bits_per_element() const;
+
+  // Codes may be any bytes; the FP16 key gains (> 0), value scales (>= 0) and minimums
+  // must be finite. INVALID_ARGUMENT naming page (first_index + p) and layer otherwise.
+  absl::Status CheckPages(const uint8_t* src, int64_t num_pages, int64_t first_index) const;
+  // The key gains alone: `gains` holds num_pages * num_layers blocks of num_kv_heads *
+  // page_size FP16 values (a layer page's gain region each), pages in order.
+  absl::Status CheckKeyGains(const uint16_t* gains, int64_t num_pages, int64_t first_index) const;
+  // A key gain a page may hold: a positive finite FP16 value.
+  static bool ValidKeyGain(uint16_t h) {
+    return (h & 0x7c00u) != 0x7c00u && (h & 0x8000u) == 0 && h != 0;
+  }
+
+  // Rows back to floats in the original space (keys decoded, values un-rotated).
+  void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which, int32_t slot,
+                  int32_t count, float* out) const;
+  // A page's rows [page_size][d] of (head, K or V) of one layer, as given, encoded (CPU).
+  void Encode(const float* rows, int32_t layer, int32_t head, int which, uint8_t* page) const;
+
+ private:
+  PageGeometry g_;
+  std::shared_ptr<const KeyTransformProfile> profile_;
+  kernels::TransformPageLayout layout_;
+};
 
 // The profile must match the geometry (KeyTransformProfile::FromSafetensors checked it).
 std::unique_ptr<CpuPageFormat> MakeInt2TransformCpuFormat(

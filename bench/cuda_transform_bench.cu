@@ -1,0 +1,253 @@
+// int2-transform decode attention on the GPU (cuda_transform.h) beside the INT2 kernel
+// (cuda_decode_attention.h) at the same context: SmolLM2-135M's layer (9 q / 3 kv heads,
+// d 64) and Qwen3-8B's (32 q / 8 kv heads, d 128), batch 1, 32k and 100k tokens, page 64.
+// Pages hold random codes with valid FP16 parameters (the kernels' time does not depend on
+// the values; cuda_transform_test checks the results). Calls go back to back over enough
+// layers of pages (>= 256 MB) that L2 does not hold them, as a decode step over the layers
+// sees them. Also the Put-size row stores (int2-transform: float64 key encode; INT2).
+// Self-contained (kernels only).
+//
+//   cuda_transform_bench [--out FILE.md]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/key_transform_profile.h"
+#include "cuda_bench.cuh"
+#include "kvcd/kernels/bf16.h"
+#include "kvcd/kernels/cuda_decode_attention.h"
+#include "kvcd/kernels/cuda_store_rows.h"
+#include "kvcd/kernels/cuda_transform.h"
+#include "kvcd/kernels/int2_attention.h"
+
+namespace kk = kvcd::kernels;
+namespace kc = kvcd::kernels::cuda;
+
+namespace {
+
+struct Geometry {
+  const char* name;
+  int hq, hkv, d;
+};
+
+// Head codecs ([layer][kv head] of a synthetic version-3 profile) in device memory.
+struct DeviceCodec {
+  const kc::TransformHeadCodec* heads = nullptr;
+  int code_bytes = 0;
+  void* memory = nullptr;
+  DeviceCodec(const std::vector<kvcd::KeyTransformProfile::Head>& hs, int d) {
+    std::vector<kc::TransformHeadSource> src;
+    for (const auto& h : hs) {
+      kc::TransformHeadSource s;
+      s.key.d = d;
+      s.key.encode = h.k_encode.data();
+      s.key.decode = h.k_decode.data();
+      s.key.mean = h.k_mean.data();
+      s.key.sigma = h.k_sigma.data();
+      s.key.bits = h.k_bits.data();
+      int bits = 0;
+      for (int b : h.k_bits) bits += b;
+      s.key.code_bytes = code_bytes = bits / 8;
+      s.r_v = h.r_v.data();
+      s.rho_v = h.rho_v;
+      src.push_back(s);
+    }
+    const int n = static_cast<int>(src.size());
+    std::vector<uint8_t> image(kc::TransformCodecBytes(n, d));
+    CHECK(cudaMalloc(&memory, image.size()));
+    heads = kc::BuildTransformCodecImage(src.data(), n, memory, image.data());
+    CHECK(cudaMemcpy(memory, image.data(), image.size(), cudaMemcpyHostToDevice));
+  }
+  ~DeviceCodec() { cudaFree(memory); }
+  DeviceCodec(const DeviceCodec&) = delete;
+  DeviceCodec& operator=(const DeviceCodec&) = delete;
+};
+
+// How many layers of `layer_bytes` the back-to-back calls cycle over (>= 256 MB in all).
+int LayersFor(int64_t layer_bytes) {
+  return static_cast<int>(
+      std::clamp<int64_t>(((int64_t{256} << 20) + layer_bytes - 1) / layer_bytes, 2, 64));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string out_path;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--out") == 0 && i + 1 < argc) out_path = argv[++i];
+  }
+  cudaDeviceProp prop{};
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  const int sms = prop.multiProcessorCount;
+  std::string md;
+  auto emit = [&md](const std::string& s) {
+    std::fputs(s.c_str(), stdout);
+    md += s;
+  };
+  char line[512];
+  std::snprintf(line, sizeof(line), "device: %s, %d SMs\n", prop.name, sms);
+  emit(line);
+  const double ceiling = ReadCeilingTbps(nullptr, sms, int64_t{2} << 30);
+  std::snprintf(line, sizeof(line), "read ceiling: %.2f TB/s (2 GiB read-only reduction)\n\n",
+                ceiling);
+  emit(line);
+  cudaStream_t stream = nullptr;
+  CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const int ps = 64, batch = 1, calls = 40;
+  emit(
+      "decode attention, batch 1, page 64: one layer's history per call, calls back to back over\n"
+      ">= 256 MB of layers; int2-transform = decode kernel + LaunchMergeParts (the daemon merges\n"
+      "its parts with the windows'), INT2 = LaunchInt2Decode (v2 kernel + fused merge)\n\n");
+  emit(
+      "| layer | context | B/token-head xform | splits | xform us | xform GB/s | B/token-head INT2 "
+      "| "
+      "INT2 us | INT2 GB/s |\n|---|---|---|---|---|---|---|---|---|\n");
+  for (const Geometry& g : {Geometry{"SmolLM2-135M", 9, 3, 64}, Geometry{"Qwen3-8B", 32, 8, 128}}) {
+    const int d = g.d, hq = g.hq, hkv = g.hkv;
+    // The codec: one layer's heads of a synthetic version-3 profile.
+    const DeviceCodec codec(kvcd::KeyTransformProfile::SyntheticHeads(1, hkv, d, 7), d);
+    const kk::TransformPageLayout layout{hkv, ps, d, codec.code_bytes};
+    const kc::TransformPageOffsets offsets(layout);
+    for (int n : {32768, 100000}) {
+      const int pages_per = (n + ps - 1) / ps;
+      std::vector<int32_t> table(pages_per);
+      for (int i = 0; i < pages_per; ++i) table[i] = i;
+      int32_t* d_table = Upload(table);
+      int32_t* d_len = Upload(std::vector<int32_t>(batch, n));
+      std::mt19937 rng(5);
+      std::normal_distribution<float> normal(0.0f, 1.0f);
+      std::vector<float> q(static_cast<size_t>(batch) * hq * d);
+      for (auto& x : q) x = normal(rng);
+      float* d_q = Upload(q);
+      const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+      const kc::DecodeGeometry geo{batch, hq, hkv, d, ps};
+      const int rows = batch * hq;
+      float *o = nullptr, *lse = nullptr;
+      CHECK(cudaMalloc(&o, sizeof(float) * rows * d));
+      CHECK(cudaMalloc(&lse, sizeof(float) * rows));
+
+      // int2-transform.
+      const int64_t x_layer = int64_t{pages_per} * layout.Bytes();
+      const int x_layers = LayersFor(x_layer);
+      uint8_t* x_pages = nullptr;
+      CHECK(cudaMalloc(&x_pages, x_layer * x_layers));
+      FillPages<<<4096, 256>>>(x_pages, int64_t{pages_per} * x_layers, layout.Bytes(), ps,
+                               offsets.v_params, 11u, offsets.k_gains, int64_t{hkv} * ps * 2);
+      CHECK(cudaGetLastError());
+      const int splits = kc::TransformDecodeSplits(batch, hkv, n, sms);
+      float *part_o = nullptr, *part_lse = nullptr;
+      CHECK(cudaMalloc(&part_o, sizeof(float) * splits * rows * d));
+      CHECK(cudaMalloc(&part_lse, sizeof(float) * splits * rows));
+      const double x_us = MedianUsPerCall(stream, 7, 2, calls, [&](int c) {
+        const kc::PagedList list{x_pages + (c % x_layers) * x_layer, layout.Bytes(), d_table,
+                                 pages_per, d_len};
+        CHECK(kc::LaunchTransformDecodeParts(list, geo, offsets, codec.heads, d_q, scale, splits, n,
+                                             part_o, part_lse, 0, stream));
+        CHECK(kc::LaunchMergeParts(part_o, part_lse, splits, rows, d, nullptr, o, lse, stream));
+      });
+      const double x_token_head = static_cast<double>(layout.Bytes()) / (ps * hkv);
+      const double x_bytes = static_cast<double>(n) * hkv * x_token_head;
+
+      // INT2 at the same context.
+      const int64_t i_page = kk::Int2PageBytes(hkv, ps, d);
+      const int64_t i_layer = int64_t{pages_per} * i_page;
+      const int i_layers = LayersFor(i_layer);
+      uint8_t* i_pages = nullptr;
+      CHECK(cudaMalloc(&i_pages, i_layer * i_layers));
+      FillPages<<<4096, 256>>>(i_pages, int64_t{pages_per} * i_layers, i_page, ps,
+                               2 * int64_t{hkv} * ps * (d / 4), 7u);
+      CHECK(cudaGetLastError());
+      kc::Int2DecodeParams p;
+      p.page_stride = i_page;
+      p.page_table = d_table;
+      p.max_pages = pages_per;
+      p.lengths = d_len;
+      p.batch = batch;
+      p.num_q_heads = hq;
+      p.num_kv_heads = hkv;
+      p.head_dim = d;
+      p.page_size = ps;
+      p.q = d_q;
+      p.softmax_scale = scale;
+      p.num_splits = kc::Int2DecodeSplits(batch, hkv, n, sms, kc::Int2CtasPerSm(hq, hkv, d));
+      p.o = o;
+      p.lse = lse;
+      void* ws = nullptr;
+      CHECK(cudaMalloc(&ws, kc::Int2DecodeWorkspaceBytes(batch, hq, d, p.num_splits)));
+      p.workspace = ws;
+      const double i_us = MedianUsPerCall(stream, 7, 2, calls, [&](int c) {
+        kc::Int2DecodeParams pc = p;
+        pc.pages = i_pages + (c % i_layers) * i_layer;
+        CHECK(kc::LaunchInt2Decode(pc, n, stream));
+      });
+      const double i_token_head = static_cast<double>(i_page) / (ps * hkv);
+      const double i_bytes = static_cast<double>(n) * hkv * i_token_head;
+      std::snprintf(line, sizeof(line),
+                    "| %s | %d | %.1f | %d | %.1f | %.0f | %.1f | %.1f | %.0f |\n", g.name, n,
+                    x_token_head, splits, x_us, x_bytes / (x_us * 1e3), i_token_head, i_us,
+                    i_bytes / (i_us * 1e3));
+      emit(line);
+      CHECK(cudaFree(x_pages));
+      CHECK(cudaFree(i_pages));
+      CHECK(cudaFree(part_o));
+      CHECK(cudaFree(part_lse));
+      CHECK(cudaFree(ws));
+      CHECK(cudaFree(o));
+      CHECK(cudaFree(lse));
+      CHECK(cudaFree(d_q));
+      CHECK(cudaFree(d_table));
+      CHECK(cudaFree(d_len));
+    }
+  }
+
+  // Put-size stores: 4096 tokens x 30 layers of SmolLM2-135M (3 KV heads, d 64), BF16 rows.
+  {
+    const int layers = 30, hkv = 3, d = 64, tokens = 4096;
+    const DeviceCodec codec(kvcd::KeyTransformProfile::SyntheticHeads(layers, hkv, d, 9), d);
+    const kk::TransformPageLayout layout{hkv, ps, d, codec.code_bytes};
+    const int64_t pages = tokens / ps;
+    std::vector<uint16_t> rows(static_cast<size_t>(2) * layers * tokens * hkv * d);
+    std::mt19937 rng(3);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (auto& x : rows) x = kk::FloatToBf16(normal(rng));
+    const uint16_t* d_rows = Upload(rows);
+    std::vector<int64_t> slots(tokens);
+    for (int t = 0; t < tokens; ++t) slots[t] = t;
+    const int64_t* d_slots = Upload(slots);
+    uint8_t* x_pool = nullptr;
+    CHECK(cudaMalloc(&x_pool, layers * pages * layout.Bytes()));
+    PutRows x(d_rows, layers, tokens, hkv, d, ps, d_slots, x_pool, pages, layout.Bytes());
+    const double x_us = MedianUsPerCall(stream, 5, 1, 1, [&](int) {
+      CHECK(kc::LaunchStoreTransformRows(x.k, x.v, x.dst, kc::TransformPageOffsets(layout),
+                                         codec.heads, stream));
+    });
+    uint8_t* i_pool = nullptr;
+    const int64_t i_page = kk::Int2PageBytes(hkv, ps, d);
+    CHECK(cudaMalloc(&i_pool, layers * pages * i_page));
+    PutRows r(d_rows, layers, tokens, hkv, d, ps, d_slots, i_pool, pages, i_page);
+    const std::vector<float> rho(layers, 0.92f);
+    kc::RowCodec rc;
+    rc.rho_k = Upload(rho);
+    rc.rho_v = rc.rho_k;
+    const double i_us = MedianUsPerCall(
+        stream, 5, 1, 1, [&](int) { CHECK(kc::LaunchStoreInt2Rows(r.k, r.v, r.dst, rc, stream)); });
+    std::snprintf(line, sizeof(line),
+                  "\nPut-size row store, %d tokens x %d layers x %d KV heads (d %d, BF16 rows): "
+                  "int2-transform %.0f us (%.1f M key rows/s), INT2 (no rotation) %.0f us\n",
+                  tokens, layers, hkv, d, x_us, layers * tokens * hkv / x_us, i_us);
+    emit(line);
+  }
+  if (!out_path.empty()) {
+    if (FILE* f = std::fopen(out_path.c_str(), "w")) {
+      std::fputs(md.c_str(), f);
+      std::fclose(f);
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,162 @@
+// int2-transform pages in device memory (int2_transform_format_cuda.h). The layout, the host
+// checks and the host-side expansion are Int2TransformLayout's, shared with the CPU
+// implementation.
+#include "server/formats/int2_transform/int2_transform_format_cuda.h"
+
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "kvcd/kernels/cuda_runtime_api.h"
+#include "kvcd/kernels/cuda_transform.h"
+#include "server/formats/cuda_rows.h"
+
+namespace kvcd {
+
+namespace kc = kernels::cuda;
+
+absl::Status CheckTransformCudaGeometry(const PageGeometry& g, const KeyTransformProfile& p) {
+  if (g.head_dim != 64 && g.head_dim != 128 && g.head_dim != 256) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "head_dim is ", g.head_dim,
+        ", expected 64, 128 or 256 for int2-transform history (codec file version 3) on the cuda "
+        "backend (the CUDA kernels' sizes); the cpu backend serves other sizes"));
+  }
+  if (g.page_size % 32 != 0 || g.page_size < 32) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "page_size is ", g.page_size,
+        ", expected a multiple of 32 for int2-transform history (codec file version 3) on the "
+        "cuda backend (the attention kernel's 32-token tiles); the cpu backend serves other "
+        "sizes"));
+  }
+  if (p.num_layers() != g.num_layers || p.num_kv_heads() != g.num_kv_heads ||
+      p.head_dim() != g.head_dim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the codec file (version 3) is for ", p.num_layers(), " layers x ",
+                     p.num_kv_heads(), " KV heads x ", p.head_dim(), ", expected the profile's ",
+                     g.num_layers, " x ", g.num_kv_heads, " x ", g.head_dim));
+  }
+  const int code_bits = p.key_code_bits();
+  if (code_bits < 8 || code_bits % 8 != 0 || code_bits > 8 * g.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat("the codec file's key rows take ", code_bits,
+                                                   " code bits, expected a multiple "
+                                                   "of 8 in 8..",
+                                                   8 * g.head_dim,
+                                                   " (8 bits per direction at most)"));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+class Int2TransformCudaFormat final : public CudaPageFormat {
+ public:
+  Int2TransformCudaFormat(const PageGeometry& g, std::shared_ptr<const KeyTransformProfile> p,
+                          std::shared_ptr<const TransformDeviceCodec> dev)
+      : CudaPageFormat(FormatId::kInt2Transform, g, nullptr, nullptr),
+        x_(g, std::move(p)),
+        dev_(std::move(dev)),
+        offsets_(x_.layout()) {}
+
+  int64_t layer_page_bytes() const override { return x_.layer_page_bytes(); }
+  double bits_per_element() const override { return x_.bits_per_element(); }
+
+  absl::Status WritePages(const RowSource& k, const RowSource& v, int64_t first_token,
+                          absl::Span<const int32_t> pages, const PagePool& pool) const override {
+    const std::vector<RowSlot> rows = PageRowSlots(first_token, pages, geometry().page_size);
+    std::lock_guard<std::mutex> lock(scratch_.mu);
+    RowStoreArgs a;
+    KVCD_RETURN_IF_ERROR(PrepareRowStore(k, v, rows, -1, pool, geometry(), nullptr,
+                                         /*rotate=*/false, &scratch_, &a));
+    if (rows.empty()) return absl::OkStatus();
+    KVCD_RETURN_IF_ERROR(
+        CudaStatus(kc::LaunchStoreTransformRows(a.k, a.v, a.dst, offsets_,
+                                                dev_->heads(a.first_layer), nullptr, a.check()),
+                   "int2-transform quantize-on-put"));
+    return FinishRowStore(k, v, a, &scratch_);
+  }
+
+  // The window page's rows ([K|V][head][slot][d] BF16, as given) are the source.
+  absl::Status Demote(const PagePool& window_pool, absl::Span<const int32_t> src_pages,
+                      const PagePool& pool, absl::Span<const int32_t> dst_pages) const override {
+    std::lock_guard<std::mutex> lock(scratch_.mu);
+    for (size_t i = 0; i < src_pages.size(); ++i) {
+      RowStoreArgs a;
+      KVCD_RETURN_IF_ERROR(PrepareWindowPageStore(window_pool, src_pages[i], dst_pages[i], pool,
+                                                  geometry(), nullptr, &scratch_, &a));
+      KVCD_RETURN_IF_ERROR(CudaStatus(
+          kc::LaunchStoreTransformRows(a.k, a.v, a.dst, offsets_, dev_->heads(0), nullptr),
+          "int2-transform demotion"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status CheckPages(const uint8_t* src, int64_t num_pages,
+                          int64_t first_index) const override {
+    return x_.CheckPages(src, num_pages, first_index);
+  }
+
+  // Value parameters checked on the device; the key gains (2 bytes per token-head and layer)
+  // come to the host for the shared check.
+  absl::Status CheckDevicePages(const uint8_t* src, int64_t num_pages,
+                                int64_t first_index) const override {
+    if (num_pages <= 0) return absl::OkStatus();
+    const PageGeometry& g = geometry();
+    const int64_t layer_bytes = layer_page_bytes();
+    std::lock_guard<std::mutex> lock(scratch_.mu);
+    KVCD_RETURN_IF_ERROR(CheckDevicePageRegions(
+        src, num_pages, g.num_layers, layer_bytes, offsets_.v_params,
+        int64_t{g.num_kv_heads} * offsets_.v_params_head, kc::kCheckFp16ScaleMin,
+        static_cast<uint32_t>(g.page_size), first_index,
+        "non-finite FP16 value parameter(s) or negative value scale(s)", &scratch_));
+    const int64_t width = int64_t{g.num_kv_heads} * g.page_size * 2;
+    std::vector<uint16_t> gains(static_cast<size_t>(num_pages * g.num_layers * width / 2));
+    KVCD_RETURN_IF_ERROR(
+        CudaStatus(kc::Copy2D(gains.data(), static_cast<size_t>(width), src + offsets_.k_gains,
+                              static_cast<size_t>(layer_bytes), static_cast<size_t>(width),
+                              static_cast<size_t>(num_pages * g.num_layers)),
+                   "reading pushed key gains"));
+    return x_.CheckKeyGains(gains.data(), num_pages, first_index);
+  }
+
+  void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which,
+                  int64_t /*page_first_token*/, int32_t slot, int32_t count,
+                  float* out) const override {
+    x_.ExpandRows(layer_page, layer, head, which, slot, count, out);
+  }
+
+  int AttendSplits(const kc::DecodeGeometry& geo, int max_tokens, int num_sms) const override {
+    return kc::TransformDecodeSplits(geo.batch, geo.num_kv_heads, max_tokens, num_sms);
+  }
+
+  absl::Status LaunchAttend(const AttendLaunch& a) const override {
+    if (a.geo.num_q_heads % a.geo.num_kv_heads != 0 ||
+        a.geo.num_q_heads / a.geo.num_kv_heads > kc::kTransformCudaMaxGroup) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the GQA group is ", a.geo.num_q_heads, " / ", a.geo.num_kv_heads,
+          " query heads per KV head, expected at most ", kc::kTransformCudaMaxGroup,
+          " for int2-transform history on the cuda backend; the cpu backend serves up to 16"));
+    }
+    return CudaStatus(kc::LaunchTransformDecodeParts(a.list, a.geo, offsets_, dev_->heads(a.layer),
+                                                     a.q, a.scale, a.splits, a.max_tokens, a.part_o,
+                                                     a.part_lse, a.part_base, nullptr),
+                      "int2-transform decode attention");
+  }
+
+ private:
+  const Int2TransformLayout x_;
+  const std::shared_ptr<const TransformDeviceCodec> dev_;
+  const kc::TransformPageOffsets offsets_;
+  mutable RowStoreScratch scratch_;
+};
+
+}  // namespace
+
+std::unique_ptr<CudaPageFormat> MakeInt2TransformCudaFormat(
+    const PageGeometry& geometry, std::shared_ptr<const KeyTransformProfile> profile,
+    std::shared_ptr<const TransformDeviceCodec> device_codec) {
+  return std::make_unique<Int2TransformCudaFormat>(geometry, std::move(profile),
+                                                   std::move(device_codec));
+}
+
+}  // namespace kvcd
