@@ -20,16 +20,25 @@
 // rows). With KVCD_PHASE_TIMES=1 the worker prints its side of every call step by step
 // (common/phase_times.h); the daemon prints its side when the channel closes.
 //
+// For the worker-death test (bench/run-h200-worker-death.sh): --lease-ms N gives the
+// sequence, the decode channel and the IPC buffer N ms leases (default 600000), and
+// --die-after-calls N makes the worker kill itself (SIGKILL, from a second thread) as it
+// starts its N-th layer call of the IPC loop, its request in flight and its GPU work queued.
+// The loop prints "decode loop started" (flushed) when it begins.
+//
 // Usage: kvcd_decode_worker --target HOST:PORT --model NAME [--tokens 32768] [--seed 1]
 //          [--salt prefill] [--steps 16] [--sync] [--device 0] [--transport channel|stream]
-//          [--wait device|host] [--io ipc|host]
+//          [--wait device|host] [--io ipc|host] [--lease-ms N] [--die-after-calls N]
 //        security (README "Security"): [--token-file F] [--tls-ca F] [--tls-cert F --tls-key F]
 //          [--tls-server-name N], or KVCD_TOKEN / KVCD_TLS_* in the environment
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
+#include <thread>
 #include <vector>
 
 #include "client/client.h"
@@ -220,7 +229,9 @@ int main(int argc, char** argv) {
   const kw::Geometry& g = *geo;
   const int64_t prompt = n_tokens / g.page_size * g.page_size;
   std::vector<int32_t> tokens = kw::PromptTokens(prompt, seed);
-  auto open = (*client)->OpenSequence(model, salt, tokens, 600000);
+  const int64_t lease_ms = flags.GetInt("lease-ms", 600000);
+  const int64_t die_after = flags.GetInt("die-after-calls", 0);
+  auto open = (*client)->OpenSequence(model, salt, tokens, lease_ms);
   CHECK_OK(open.status());
   if (open->matched_tokens() != prompt) {
     std::fprintf(stderr,
@@ -237,7 +248,8 @@ int main(int argc, char** argv) {
   const int64_t q_off = 0, k_off = align(2 * q_n), v_off = k_off + align(2 * kv_n),
                 o_off = v_off + align(2 * kv_n), l_off = o_off + align(4 * q_n),
                 total = l_off + align(4 * g.num_q_heads);
-  auto buf = kw::IpcBuffer::Create(client->get(), static_cast<uint64_t>(total), "decode");
+  auto buf =
+      kw::IpcBuffer::Create(client->get(), static_cast<uint64_t>(total), "decode", lease_ms);
   CHECK_OK(buf.status());
   kw::IpcBuffer& b = **buf;
   uint8_t* d = b.data();
@@ -263,7 +275,7 @@ int main(int argc, char** argv) {
     CHECK_OK(st.status());
     stream_rpc = std::move(*st);
   } else {
-    auto ch = kvcd::DecodeChannel::Open(client->get(), 1u << 16, 600000);
+    auto ch = kvcd::DecodeChannel::Open(client->get(), 1u << 16, lease_ms);
     CHECK_OK(ch.status());
     channel = std::move(*ch);
   }
@@ -294,6 +306,17 @@ int main(int argc, char** argv) {
     }
   }
   size_t call_index = 0;
+  // --die-after-calls: a thread that kills the process once the N-th call has started.
+  std::atomic<int64_t> calls_started{0};
+  if (die_after > 0) {
+    std::thread([&calls_started, die_after] {
+      while (calls_started.load(std::memory_order_acquire) < die_after) {
+      }
+      std::raise(SIGKILL);
+    }).detach();
+  }
+  std::printf("decode loop started\n");
+  std::fflush(stdout);
   const auto t_loop = Clock::now();
   for (int s = 0; s < steps; ++s) {
     req.set_new_tokens(0, static_cast<int32_t>((seed + s) % 151000));
@@ -317,6 +340,7 @@ int main(int argc, char** argv) {
       req.set_layer(l);
       req.set_request_id(static_cast<uint64_t>(s) * g.num_layers + l);
       const auto t0 = Clock::now();
+      calls_started.fetch_add(1, std::memory_order_release);
       auto r = call(req);
       const double rtt = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
       CHECK_OK(r.status());
