@@ -28,7 +28,10 @@
 //
 // Usage: kvcd_decode_worker --target HOST:PORT --model NAME [--tokens 32768] [--seed 1]
 //          [--salt prefill] [--steps 16] [--sync] [--device 0] [--transport channel|stream]
-//          [--wait device|host] [--io ipc|host] [--lease-ms N] [--die-after-calls N]
+//          [--wait device|host] [--io ipc|host] [--batch 1] [--lease-ms N] [--die-after-calls N]
+//
+// --batch B (IPC loop): B sequences opened on the same cached prompt decode together, one
+// call per layer for all of them (tokens/s counts every sequence's tokens).
 //        security (README "Security"): [--token-file F] [--tls-ca F] [--tls-cert F --tls-key F]
 //          [--tls-server-name N], or KVCD_TOKEN / KVCD_TLS_* in the environment
 #include <cuda_runtime.h>
@@ -231,25 +234,34 @@ int main(int argc, char** argv) {
   std::vector<int32_t> tokens = kw::PromptTokens(prompt, seed);
   const int64_t lease_ms = flags.GetInt("lease-ms", 600000);
   const int64_t die_after = flags.GetInt("die-after-calls", 0);
-  auto open = (*client)->OpenSequence(model, salt, tokens, lease_ms);
-  CHECK_OK(open.status());
-  if (open->matched_tokens() != prompt) {
-    std::fprintf(stderr,
-                 "only %lld of %lld prompt tokens are cached; run the prefill worker first\n",
-                 static_cast<long long>(open->matched_tokens()), static_cast<long long>(prompt));
-    return 1;
+  const int batch = static_cast<int>(flags.GetInt("batch", 1));
+  if (batch < 1 || batch > 256) {
+    std::fprintf(stderr, "--batch must be 1..256\n");
+    return 2;
   }
-  const uint64_t seq = open->sequence_id();
+  // The batch's sequences share the cached prompt (each appends its own tokens).
+  std::vector<uint64_t> seqs;
+  for (int i = 0; i < batch; ++i) {
+    auto open = (*client)->OpenSequence(model, salt, tokens, lease_ms);
+    CHECK_OK(open.status());
+    if (open->matched_tokens() != prompt) {
+      std::fprintf(stderr,
+                   "only %lld of %lld prompt tokens are cached; run the prefill worker first\n",
+                   static_cast<long long>(open->matched_tokens()), static_cast<long long>(prompt));
+      return 1;
+    }
+    seqs.push_back(open->sequence_id());
+  }
 
-  // One buffer: q (BF16), k_new and v_new (BF16), o (F32), lse (F32), 256-byte aligned.
-  const int64_t q_n = int64_t{g.num_q_heads} * g.head_dim,
-                kv_n = int64_t{g.num_kv_heads} * g.head_dim;
+  // One buffer: q (BF16), k_new and v_new (BF16), o (F32), lse (F32) of the whole batch,
+  // 256-byte aligned.
+  const int64_t q_n = int64_t{batch} * g.num_q_heads * g.head_dim,
+                kv_n = int64_t{batch} * g.num_kv_heads * g.head_dim;
   auto align = [](int64_t b) { return (b + 255) / 256 * 256; };
   const int64_t q_off = 0, k_off = align(2 * q_n), v_off = k_off + align(2 * kv_n),
                 o_off = v_off + align(2 * kv_n), l_off = o_off + align(4 * q_n),
-                total = l_off + align(4 * g.num_q_heads);
-  auto buf =
-      kw::IpcBuffer::Create(client->get(), static_cast<uint64_t>(total), "decode", lease_ms);
+                total = l_off + align(4 * int64_t{batch} * g.num_q_heads);
+  auto buf = kw::IpcBuffer::Create(client->get(), static_cast<uint64_t>(total), "decode", lease_ms);
   CHECK_OK(buf.status());
   kw::IpcBuffer& b = **buf;
   uint8_t* d = b.data();
@@ -260,13 +272,15 @@ int main(int argc, char** argv) {
   CHECK_OK(kw::CudaCheck(cudaMemsetAsync(d + o_off, 0, 4 * q_n, stream), "memset"));
 
   kvcd::v1::AttentionDecodeRequest req;
-  req.add_sequence_ids(seq);
-  b.Region(req.mutable_q(), kvcd::v1::DTYPE_BF16, {1, g.num_q_heads, g.head_dim}, q_off);
-  b.Region(req.mutable_k_new(), kvcd::v1::DTYPE_BF16, {1, g.num_kv_heads, g.head_dim}, k_off);
-  b.Region(req.mutable_v_new(), kvcd::v1::DTYPE_BF16, {1, g.num_kv_heads, g.head_dim}, v_off);
-  b.Region(req.mutable_o_out(), kvcd::v1::DTYPE_F32, {1, g.num_q_heads, g.head_dim}, o_off);
-  b.Region(req.mutable_lse_out(), kvcd::v1::DTYPE_F32, {1, g.num_q_heads}, l_off);
-  req.add_new_tokens(0);
+  for (uint64_t id : seqs) {
+    req.add_sequence_ids(id);
+    req.add_new_tokens(0);
+  }
+  b.Region(req.mutable_q(), kvcd::v1::DTYPE_BF16, {batch, g.num_q_heads, g.head_dim}, q_off);
+  b.Region(req.mutable_k_new(), kvcd::v1::DTYPE_BF16, {batch, g.num_kv_heads, g.head_dim}, k_off);
+  b.Region(req.mutable_v_new(), kvcd::v1::DTYPE_BF16, {batch, g.num_kv_heads, g.head_dim}, v_off);
+  b.Region(req.mutable_o_out(), kvcd::v1::DTYPE_F32, {batch, g.num_q_heads, g.head_dim}, o_off);
+  b.Region(req.mutable_lse_out(), kvcd::v1::DTYPE_F32, {batch, g.num_q_heads}, l_off);
 
   std::unique_ptr<kvcd::DecodeStream> stream_rpc;
   std::unique_ptr<kvcd::DecodeChannel> channel;
@@ -275,7 +289,10 @@ int main(int argc, char** argv) {
     CHECK_OK(st.status());
     stream_rpc = std::move(*st);
   } else {
-    auto ch = kvcd::DecodeChannel::Open(client->get(), 1u << 16, lease_ms);
+    // Room for the final check's inline q (BF16) in the request and o, lse in the answer.
+    const int64_t inline_bytes = 2 * q_n + 4 * q_n + 4 * int64_t{batch} * g.num_q_heads;
+    const auto capacity = static_cast<uint32_t>(std::max<int64_t>(1 << 16, 2 * inline_bytes));
+    auto ch = kvcd::DecodeChannel::Open(client->get(), capacity, lease_ms);
     CHECK_OK(ch.status());
     channel = std::move(*ch);
   }
@@ -319,7 +336,9 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
   const auto t_loop = Clock::now();
   for (int s = 0; s < steps; ++s) {
-    req.set_new_tokens(0, static_cast<int32_t>((seed + s) % 151000));
+    for (int i = 0; i < batch; ++i) {
+      req.set_new_tokens(i, static_cast<int32_t>((seed + s + 7919 * i) % 151000));
+    }
     for (int l = 0; l < g.num_layers; ++l) {
       kvcd::PhaseLap lap, layer_lap;
       const uint64_t key = seed * 1000003ull + s * 1009ull + l;
@@ -370,10 +389,10 @@ int main(int argc, char** argv) {
       kw::CudaCheck(cudaMemcpy(q_host.data(), d + q_off, 2 * q_n, cudaMemcpyDeviceToHost), "D2H"));
   kvcd::v1::AttentionDecodeRequest check;
   check.set_layer(g.num_layers - 1);
-  check.add_sequence_ids(seq);
-  b.Region(check.mutable_q(), kvcd::v1::DTYPE_BF16, {1, g.num_q_heads, g.head_dim}, q_off);
-  b.Region(check.mutable_o_out(), kvcd::v1::DTYPE_F32, {1, g.num_q_heads, g.head_dim}, o_off);
-  b.Region(check.mutable_lse_out(), kvcd::v1::DTYPE_F32, {1, g.num_q_heads}, l_off);
+  for (uint64_t id : seqs) check.add_sequence_ids(id);
+  b.Region(check.mutable_q(), kvcd::v1::DTYPE_BF16, {batch, g.num_q_heads, g.head_dim}, q_off);
+  b.Region(check.mutable_o_out(), kvcd::v1::DTYPE_F32, {batch, g.num_q_heads, g.head_dim}, o_off);
+  b.Region(check.mutable_lse_out(), kvcd::v1::DTYPE_F32, {batch, g.num_q_heads}, l_off);
   CHECK_OK(b.MarkReady(stream));
   auto via_ipc = call(check);
   CHECK_OK(via_ipc.status());
@@ -381,7 +400,7 @@ int main(int argc, char** argv) {
   CHECK_OK(kw::CudaCheck(cudaStreamSynchronize(stream), "sync"));
   CHECK_OK(
       kw::CudaCheck(cudaMemcpy(o_ipc.data(), d + o_off, 4 * q_n, cudaMemcpyDeviceToHost), "D2H"));
-  kvcd::SetBf16Tensor(check.mutable_q(), {1, g.num_q_heads, g.head_dim}, q_host.data());
+  kvcd::SetBf16Tensor(check.mutable_q(), {batch, g.num_q_heads, g.head_dim}, q_host.data());
   check.clear_o_out();
   check.clear_lse_out();
   auto via_inline = call(check);
@@ -393,20 +412,21 @@ int main(int argc, char** argv) {
     max_ref = std::max(max_ref, std::fabs(ref));
   }
   CHECK_OK(channel ? channel->Close() : stream_rpc->Close());
-  auto closed = (*client)->CloseSequence(seq);
+  auto closed = (*client)->CloseSequence(seqs.front());
   CHECK_OK(closed.status());
+  for (size_t i = 1; i < seqs.size(); ++i) CHECK_OK((*client)->CloseSequence(seqs[i]).status());
 
   std::vector<double> overhead(rtt_us.size());
   for (size_t i = 0; i < rtt_us.size(); ++i) overhead[i] = rtt_us[i] - kernel_us[i];
   std::printf(
-      "decode worker: %s, context %lld tokens, %d steps x %d layers, tensors over CUDA "
-      "IPC, calls over the %s%s%s\n",
-      model.c_str(), static_cast<long long>(prompt), steps, g.num_layers,
+      "decode worker: %s, context %lld tokens, batch %d, %d steps x %d layers, tensors over "
+      "CUDA IPC, calls over the %s%s%s\n",
+      model.c_str(), static_cast<long long>(prompt), batch, steps, g.num_layers,
       transport == "channel" ? "shared-memory decode channel" : "gRPC stream",
       sync ? " (host waits for every result)" : "",
       host_wait ? ", events waited on by the host" : "");
-  std::printf("tokens/s: %.1f (%.3f ms per token, %d layer calls per token)\n", steps / loop_s,
-              loop_s / steps * 1e3, g.num_layers);
+  std::printf("tokens/s: %.1f (%.3f ms per step of %d token(s), %d layer calls per step)\n",
+              batch * steps / loop_s, loop_s / steps * 1e3, batch, g.num_layers);
   std::printf(
       "per call: round trip p50 %.1f us p90 %.1f us; daemon-side p50 %.1f us; "
       "RPC overhead p50 %.1f us p90 %.1f us\n",

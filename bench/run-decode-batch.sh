@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The per-layer decode loop through kvcd at batch 1, 8 and 64 (issue #19: "batch 8 and 64
+# reported too"), beside the in-process cuDNN loop at the same batch: one decode worker
+# drives B sequences opened on the same cached prompt, one AttentionDecode call per layer
+# for all of them (decode channel, CUDA IPC tensors, pipelined, MPS). INT2 and BF16
+# history at 32k and 100k tokens; tokens/s counts every sequence's tokens.
+#   here:   ./scripts/build.sh && ./scripts/pack-device.sh
+#   device: bench/run-decode-batch.sh   (device tool, carry [".devbin", ".devlibs"])
+# KVCD_BATCHES ("1 8 64"), KVCD_STEPS (16). Writes $OUT/decode-batch.txt (the table last).
+# About 90 s.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/kvcd-decode-batch}
+mkdir -p "$out"
+exec > >(tee "$out/decode-batch.txt") 2>&1
+source scripts/daemon-lib.sh
+export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH=$PWD/.devlibs KVCD_PHASE_TIMES=0
+BIN=${KVCD_BIN:-.devbin}
+BATCHES=${KVCD_BATCHES:-1 8 64}
+STEPS=${KVCD_STEPS:-16}
+nvidia-cuda-mps-control -d && echo "MPS on"
+start_kvcd "$BIN/kvcd" deploy/config/kvcd-decode-step.yaml || exit 1
+rc=0
+rows=()
+for mt in qwen3-8b-int2:32768 qwen3-8b-int2:99968 qwen3-8b:32768 qwen3-8b:99968; do
+  m=${mt%%:*}; t=${mt##*:}
+  timeout 300 "$BIN/kvcd_prefill_worker" --target "$KVCD_GRPC" --model "$m" --tokens "$t" \
+    --salt "b$t" --repeat 1 | grep -E '^push|rror|cannot' || rc=1
+  for bsz in $BATCHES; do
+    log="$out/decode-$m-$t-b$bsz.log"
+    timeout 300 "$BIN/kvcd_decode_worker" --target "$KVCD_GRPC" --model "$m" --tokens "$t" \
+      --salt "b$t" --steps "$STEPS" --batch "$bsz" --io ipc >"$log" 2>&1 || rc=1
+    tps=$(sed -n 's/^tokens\/s: \([0-9.]*\).*/\1/p' "$log")
+    match=$(grep -c ': match' "$log")
+    echo "$m $t batch $bsz: ${tps:-?} tokens/s, IPC vs inline $([[ $match == 1 ]] && echo match || echo MISMATCH)"
+    [[ $match == 1 ]] || rc=1
+    rows+=("$m $t $bsz ${tps:-0}")
+  done
+done
+stop_kvcd; echo "daemon exit: $?"
+timeout 200 python3 bench/sdpa_baseline.py --backends cudnn --contexts 32768 100000 \
+  --batches $BATCHES > "$out/sdpa.txt" 2>&1 || rc=1
+cat "$out/sdpa.txt"
+echo
+echo "| history | context | batch | kvcd tok/s | cuDNN loop tok/s (us per layer) | kvcd / cuDNN |"
+echo "|---|---:|---:|---:|---:|---:|"
+for r in "${rows[@]}"; do
+  read -r m t bsz tps <<<"$r"
+  ctx=$t; [[ $t == 99968 ]] && ctx=100000
+  us=$(awk -v c="$ctx" -v b="$bsz" '$1 == "cudnn" && $2 == c && $3 == b { print $5 }' "$out/sdpa.txt")
+  awk -v m="$m" -v t="$t" -v b="$bsz" -v k="$tps" -v us="${us:-0}" 'BEGIN {
+    h = (m ~ /int2/) ? "INT2" : "BF16"; c = us > 0 ? b * 1e6 / (36 * us) : 0;
+    printf "| %s | %d | %d | %.1f | %.1f (%.1f) | %.2fx |\n", h, t, b, k, c, us, c > 0 ? k / c : 0 }'
+done
+exit $rc
