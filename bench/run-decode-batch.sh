@@ -6,6 +6,10 @@
 # history at 32k and 100k tokens; tokens/s counts every sequence's tokens.
 #   here:   ./scripts/build.sh && ./scripts/pack-device.sh
 #   device: bench/run-decode-batch.sh   (device tool, carry [".devbin", ".devlibs"])
+# The batch's sequences share the cached prompt's pages (prefix sharing: their history reads
+# partly hit L2, where cuDNN reads B separate caches); KVCD_DISTINCT=1 gives each sequence
+# its own copy of the prompt instead (B prefills; memory allows INT2 up to B = 8 at 100k).
+# KVCD_RUNS ("qwen3-8b-int2:32768 qwen3-8b-int2:99968 qwen3-8b:32768 qwen3-8b:99968"),
 # KVCD_BATCHES ("1 8 64"), KVCD_STEPS (16). Writes $OUT/decode-batch.txt (the table last).
 # About 90 s.
 set -uo pipefail
@@ -22,14 +26,22 @@ nvidia-cuda-mps-control -d && echo "MPS on"
 start_kvcd "$BIN/kvcd" deploy/config/kvcd-decode-step.yaml || exit 1
 rc=0
 rows=()
-for mt in qwen3-8b-int2:32768 qwen3-8b-int2:99968 qwen3-8b:32768 qwen3-8b:99968; do
+distinct=()
+[[ ${KVCD_DISTINCT:-0} == 1 ]] && distinct=(--distinct-prompts)
+max=1
+for bsz in $BATCHES; do ((bsz > max)) && max=$bsz; done
+for mt in ${KVCD_RUNS:-qwen3-8b-int2:32768 qwen3-8b-int2:99968 qwen3-8b:32768 qwen3-8b:99968}; do
   m=${mt%%:*}; t=${mt##*:}
-  timeout 300 "$BIN/kvcd_prefill_worker" --target "$KVCD_GRPC" --model "$m" --tokens "$t" \
-    --salt "b$t" --repeat 1 | grep -E '^push|rror|cannot' || rc=1
+  salts=("b$t")
+  [[ ${#distinct[@]} -gt 0 ]] && salts=($(for i in $(seq 0 $((max - 1))); do echo "b$t-$i"; done))
+  for s in "${salts[@]}"; do
+    timeout 300 "$BIN/kvcd_prefill_worker" --target "$KVCD_GRPC" --model "$m" --tokens "$t" \
+      --salt "$s" --repeat 1 | grep -E 'rror|cannot' && rc=1
+  done
   for bsz in $BATCHES; do
     log="$out/decode-$m-$t-b$bsz.log"
     timeout 300 "$BIN/kvcd_decode_worker" --target "$KVCD_GRPC" --model "$m" --tokens "$t" \
-      --salt "b$t" --steps "$STEPS" --batch "$bsz" --io ipc >"$log" 2>&1 || rc=1
+      --salt "b$t" --steps "$STEPS" --batch "$bsz" --io ipc "${distinct[@]}" >"$log" 2>&1 || rc=1
     tps=$(sed -n 's/^tokens\/s: \([0-9.]*\).*/\1/p' "$log")
     match=$(grep -c ': match' "$log")
     echo "$m $t batch $bsz: ${tps:-?} tokens/s, IPC vs inline $([[ $match == 1 ]] && echo match || echo MISMATCH)"
@@ -50,6 +62,6 @@ for r in "${rows[@]}"; do
   us=$(awk -v c="$ctx" -v b="$bsz" '$1 == "cudnn" && $2 == c && $3 == b { print $5 }' "$out/sdpa.txt")
   awk -v m="$m" -v t="$t" -v b="$bsz" -v k="$tps" -v us="${us:-0}" 'BEGIN {
     h = (m ~ /int2/) ? "INT2" : "BF16"; c = us > 0 ? b * 1e6 / (36 * us) : 0;
-    printf "| %s | %d | %d | %.1f | %.1f (%.1f) | %.2fx |\n", h, t, b, k, c, us, c > 0 ? k / c : 0 }'
+    printf "| %s | %d | %d | %.1f | %.1f (%.1f) | %.2fx |\n", h, t, b, k, c, us, (c > 0 ? k / c : 0) }'
 done
 exit $rc

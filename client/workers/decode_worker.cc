@@ -31,7 +31,8 @@
 //          [--wait device|host] [--io ipc|host] [--batch 1] [--lease-ms N] [--die-after-calls N]
 //
 // --batch B (IPC loop): B sequences opened on the same cached prompt decode together, one
-// call per layer for all of them (tokens/s counts every sequence's tokens).
+// call per layer for all of them (tokens/s counts every sequence's tokens); with
+// --distinct-prompts each on its own copy of the prompt (salts <salt>-0 .. <salt>-(B-1)).
 //        security (README "Security"): [--token-file F] [--tls-ca F] [--tls-cert F --tls-key F]
 //          [--tls-server-name N], or KVCD_TOKEN / KVCD_TLS_* in the environment
 #include <cuda_runtime.h>
@@ -239,10 +240,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "--batch must be 1..256\n");
     return 2;
   }
-  // The batch's sequences share the cached prompt (each appends its own tokens).
+  // The batch's sequences share the cached prompt (each appends its own tokens), or with
+  // --distinct-prompts sequence i opens the prompt cached under salt "<salt>-<i>" (its own
+  // pages: the prefill worker pushed each).
+  const bool distinct = flags.Has("distinct-prompts");
   std::vector<uint64_t> seqs;
   for (int i = 0; i < batch; ++i) {
-    auto open = (*client)->OpenSequence(model, salt, tokens, lease_ms);
+    const std::string seq_salt = distinct ? salt + "-" + std::to_string(i) : salt;
+    auto open = (*client)->OpenSequence(model, seq_salt, tokens, lease_ms);
     CHECK_OK(open.status());
     if (open->matched_tokens() != prompt) {
       std::fprintf(stderr,
