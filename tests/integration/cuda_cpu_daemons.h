@@ -1,7 +1,8 @@
 // What the daemon tests of a format on the CUDA backend against the same model on the CPU
 // backend share (fsq_data_plane_test.cc, transform_data_plane_test.cc): the two daemons'
-// configuration, connecting a client, uploads into a worker's device buffer, and a
-// sequence's stored pages for byte comparisons. Header-only, test code.
+// configuration, connecting a client, uploads into a worker's device buffer, a sequence's
+// stored pages for byte comparisons, and the fixture (CudaCpuDaemonsTest). Header-only,
+// test code.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "client/client.h"
+#include "client/synthetic.h"
 #include "client/workers/ipc_buffer.h"
 #include "common/tensor_ref.h"
 #include "daemon_process.h"
@@ -130,5 +132,65 @@ inline void ExpectCloseToCpu(const v1::AttentionDecodeResponse& cu,
     ASSERT_LE(lse_err, bound) << where << " head " << h;
   }
 }
+
+// The fixture of both tests: a cuda daemon and a cpu daemon (skipped without a device), the
+// model p_ registered on both with its codec blob and checked to get the window and history
+// pool formats expected; Puts of synthetic K/V (and residuals for FSQ models), sequences
+// opened on them, their stored pages. Base is ::testing::Test or ::testing::TestWithParam<T>.
+template <class Base>
+class CudaCpuDaemonsTest : public Base {
+ protected:
+  // Starts both daemons and connects; call first in the derived SetUp (a skip returns early).
+  void StartDaemons() {
+    if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+    ASSERT_TRUE(gpu_.Start(BackendConfig("cuda")));
+    ASSERT_TRUE(cpu_.Start(BackendConfig("cpu")));
+    cuda_ = ConnectTo(gpu_);
+    host_ = ConnectTo(cpu_);
+    ASSERT_TRUE(cuda_ != nullptr && host_ != nullptr);
+  }
+
+  // Registers p_ with `blob` on both daemons.
+  void RegisterOnBoth(const std::string& blob, const char* window_format,
+                      const char* history_format) {
+    for (Client* c : {cuda_.get(), host_.get()}) {
+      auto info = c->RegisterModel(p_, blob);
+      ASSERT_TRUE(info.ok()) << info.status();
+      ASSERT_EQ(info->pools_size(), 2);
+      EXPECT_EQ(info->pools(0).format(), window_format);
+      EXPECT_EQ(info->pools(1).format(), history_format);
+    }
+  }
+
+  v1::PutRequest MakePut(uint64_t seed, int64_t n, const std::string& salt) const {
+    v1::PutRequest r;
+    r.set_model(p_.name());
+    r.set_cache_salt(salt);
+    const auto t = synthetic::Tokens(seed, 0, n);
+    r.mutable_tokens()->Add(t.begin(), t.end());
+    const std::vector<int64_t> kv = {p_.num_layers(), n, p_.num_kv_heads(), p_.head_dim()};
+    SetBf16FromFloat(r.mutable_k(), kv, synthetic::Kv(seed, p_, 0, n, 0).data());
+    SetBf16FromFloat(r.mutable_v(), kv, synthetic::Kv(seed, p_, 0, n, 1).data());
+    if (p_.fsq_residual_width() > 0) {
+      SetBf16FromFloat(r.mutable_x(), {p_.num_layers(), n, p_.fsq_residual_width()},
+                       synthetic::Residuals(seed, p_, 0, n).data());
+    }
+    return r;
+  }
+
+  uint64_t Open(Client* c, const std::vector<int32_t>& tokens, const std::string& salt) const {
+    return OpenOn(c, p_.name(), tokens, salt);
+  }
+  uint64_t Open(Client* c, const v1::PutRequest& put, const std::string& salt) const {
+    return Open(c, std::vector<int32_t>(put.tokens().begin(), put.tokens().end()), salt);
+  }
+
+  // A sequence's full pages as stored (formats and bytes), inline.
+  std::string Stored(Client* c, uint64_t seq) const { return StoredPages(c, seq, p_.page_size()); }
+
+  DaemonProcess gpu_, cpu_;
+  std::unique_ptr<Client> cuda_, host_;
+  v1::ModelProfile p_;
+};
 
 }  // namespace kvcd::testing_util

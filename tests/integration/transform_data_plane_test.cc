@@ -40,14 +40,8 @@
 namespace kvcd {
 namespace {
 
-using testing_util::BackendConfig;
-using testing_util::ConnectTo;
-using testing_util::CudaDeviceCount;
-using testing_util::DaemonProcess;
 using testing_util::DecodeThroughBuffer;
 using testing_util::ExpectCloseToCpu;
-using testing_util::OpenOn;
-using testing_util::StoredPages;
 using testing_util::ToDevice;
 using workers::IpcBuffer;
 
@@ -79,47 +73,15 @@ std::string CodecBlob(const v1::ModelProfile& p, uint32_t seed) {
   return KeyTransformProfile::ToSafetensors(hs, layers, heads, d, "test").Serialize();
 }
 
-class TransformDataPlaneTest : public ::testing::Test {
+class TransformDataPlaneTest : public testing_util::CudaCpuDaemonsTest<::testing::Test> {
  protected:
   void SetUp() override {
-    if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-    ASSERT_TRUE(gpu_.Start(BackendConfig("cuda")));
-    ASSERT_TRUE(cpu_.Start(BackendConfig("cpu")));
-    cuda_ = ConnectTo(gpu_);
-    host_ = ConnectTo(cpu_);
-    ASSERT_TRUE(cuda_ != nullptr && host_ != nullptr);
+    StartDaemons();
+    if (IsSkipped() || HasFatalFailure()) return;
     p_ = Profile("smollm2-shape-transform", 32, 64);
     blob_ = CodecBlob(p_, 23);
-    for (Client* c : {cuda_.get(), host_.get()}) {
-      auto info = c->RegisterModel(p_, blob_);
-      ASSERT_TRUE(info.ok()) << info.status();
-      ASSERT_EQ(info->pools_size(), 2);
-      EXPECT_EQ(info->pools(0).format(), "bf16");
-      EXPECT_EQ(info->pools(1).format(), "int2-transform");
-    }
+    RegisterOnBoth(blob_, "bf16", "int2-transform");
   }
-
-  v1::PutRequest MakePut(uint64_t seed, int64_t n, const std::string& salt) const {
-    v1::PutRequest r;
-    r.set_model(p_.name());
-    r.set_cache_salt(salt);
-    const auto t = synthetic::Tokens(seed, 0, n);
-    r.mutable_tokens()->Add(t.begin(), t.end());
-    const std::vector<int64_t> kv = {p_.num_layers(), n, p_.num_kv_heads(), p_.head_dim()};
-    SetBf16FromFloat(r.mutable_k(), kv, synthetic::Kv(seed, p_, 0, n, 0).data());
-    SetBf16FromFloat(r.mutable_v(), kv, synthetic::Kv(seed, p_, 0, n, 1).data());
-    return r;
-  }
-
-  uint64_t Open(Client* c, const std::vector<int32_t>& tokens, const std::string& salt) const {
-    return OpenOn(c, p_.name(), tokens, salt);
-  }
-  uint64_t Open(Client* c, const v1::PutRequest& put, const std::string& salt) const {
-    return Open(c, std::vector<int32_t>(put.tokens().begin(), put.tokens().end()), salt);
-  }
-
-  // A sequence's full pages as stored (formats and bytes), inline.
-  std::string Stored(Client* c, uint64_t seq) const { return StoredPages(c, seq, p_.page_size()); }
 
   // The fused call `req` with q (F32), k_new, v_new (BF16) of `batch` entries in the worker's
   // buffer b (>= 1 MiB) and the outputs (poisoned with NaN first) written there.
@@ -131,9 +93,6 @@ class TransformDataPlaneTest : public ::testing::Test {
                         p_.head_dim(), q, k, v, {}, 0, o, lse);
   }
 
-  DaemonProcess gpu_, cpu_;
-  std::unique_ptr<Client> cuda_, host_;
-  v1::ModelProfile p_;
   std::string blob_;
 };
 
