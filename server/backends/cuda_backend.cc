@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -387,8 +388,10 @@ class CudaBackend final : public Backend, public DeviceRuntime {
                                 d_faults,
                                 hq};
     // With several lists (the BF16 windows beside INT2 history), the lists before the last
-    // run on a second stream beside it (the windows' few CTAs fit beside the history's grid)
-    // and the merge runs once both are done, instead of one list after the other.
+    // run on a second stream beside it and the merge runs once both are done, instead of one
+    // list after the other (the windows' CTAs start beside the history's grid where SMs are
+    // free: measured +11% per token at 32k, ~0 at 100k;
+    // bench/results/2026-12-06-h200-decode-step-timeline.md).
     const CudaPageFormat* last_format = nullptr;
     int launched = 0;
     bool all_side = true;
@@ -403,6 +406,15 @@ class CudaBackend final : public Backend, public DeviceRuntime {
       KVCD_RETURN_IF_ERROR(Noted(SideStreamLocked()));
       RETURN_IF_CUDA(kc::ForkTo(side_stream_, fork_event_));
     }
+    // Every return after the fork joins the side stream back first, so that the daemon's
+    // stream (and the next call's use of this scratch) stays ordered after its kernels.
+    bool joined = !forked;
+    struct JoinOnExit {
+      std::function<void()> fn;
+      ~JoinOnExit() { fn(); }
+    } join_on_exit{[&] {
+      if (!joined) Note(kc::JoinFrom(side_stream_, join_event_));
+    }};
     int part_base = 0;
     bool merged = false;
     int launched_so_far = 0;
@@ -441,7 +453,10 @@ class CudaBackend final : public Backend, public DeviceRuntime {
                                                        a.merge != nullptr ? " (+merge)" : "")));
       }
     }
-    if (forked) RETURN_IF_CUDA(kc::JoinFrom(side_stream_, join_event_));
+    if (forked) {
+      joined = true;
+      RETURN_IF_CUDA(kc::JoinFrom(side_stream_, join_event_));
+    }
     if (!merged) {
       if (part_base == 0) {  // nothing to attend: every row is the empty state
         std::vector<float> neg(static_cast<size_t>(rows), -INFINITY);
