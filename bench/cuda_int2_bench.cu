@@ -144,8 +144,8 @@ CaseResult CheckCase(int hq, int hkv, int d, int ps, const std::vector<int>& len
 
 int main(int argc, char** argv) {
   bool check = true, bench = true;
-  // --one N BATCH CTAS_PER_SM [PREFETCH]: a single config of the v2 kernel
-  int one_n = 0, one_batch = 0, one_cps = 0, one_prefetch = -1;
+  // --one N BATCH CTAS_PER_SM: a single config of the v2 kernel
+  int one_n = 0, one_batch = 0, one_cps = 0;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--check-only")) bench = false;
     if (!std::strcmp(argv[i], "--bench-only")) check = false;
@@ -155,7 +155,6 @@ int main(int argc, char** argv) {
       one_cps = std::atoi(argv[i + 3]);
       check = false;
       i += 3;
-      if (i + 1 < argc && argv[i + 1][0] != '-') one_prefetch = std::atoi(argv[++i]);
     }
   }
   cudaDeviceProp prop{};
@@ -185,6 +184,8 @@ int main(int argc, char** argv) {
         {32, 4, 64, 64, {2000, 63}, 0.005f},
         {16, 4, 256, 32, {517, 31}, 0.0f},
         {4, 4, 64, 32, {100000}, 0.0f},
+        {32, 8, 128, 128, {5000, 300}, 0.001f},  // a warp's pages entered mid-page
+        {8, 2, 128, 96, {3001, 64}, 0.0f},
     };
     for (const auto kernel : {kk::cuda::Int2Kernel::kAuto, kk::cuda::Int2Kernel::kFirst}) {
       std::printf(" kernel %s\n", kernel == kk::cuda::Int2Kernel::kAuto
@@ -224,19 +225,17 @@ int main(int argc, char** argv) {
   struct Variant {
     const char* label;
     kk::cuda::Int2Kernel kernel;
-    int cps, prefetch;
+    int cps;
     bool dependent = true;
   };
   const auto kAuto = kk::cuda::Int2Kernel::kAuto;
   const std::vector<Variant> variants =
-      one_n ? std::vector<Variant>{{"v2", kAuto, one_cps, one_prefetch}}
+      one_n ? std::vector<Variant>{{"v2", kAuto, one_cps}}
             : std::vector<Variant>{
-                  {"v2, default (no L2 prefetch), 4 CTAs per SM", kAuto, 4, -1},
-                  {"v2, L2 prefetch 2 tiles ahead", kAuto, 4, 2},
-                  {"v2, L2 prefetch 4 tiles ahead", kAuto, 4, 4},
-                  {"v2, splits for 3 CTAs per SM", kAuto, 3, -1},
-                  {"v2, plain launches (no programmatic dependents)", kAuto, 4, -1, false},
-                  {"first kernel", kk::cuda::Int2Kernel::kFirst, 4, 0}};
+                  {"v2, default, 4 CTAs per SM", kAuto, 4},
+                  {"v2, splits for 3 CTAs per SM", kAuto, 3},
+                  {"v2, plain launches (no programmatic dependents)", kAuto, 4, false},
+                  {"first kernel", kk::cuda::Int2Kernel::kFirst, 4}};
   // Timed on a stream of its own (as a serving process would launch; the programmatic
   // dependent launches of the v2 path are taken there).
   cudaStream_t stream = nullptr;
@@ -284,7 +283,6 @@ int main(int argc, char** argv) {
         p.softmax_scale = 1.0f / std::sqrt(static_cast<float>(d));
         p.num_splits = kk::cuda::Int2DecodeSplits(batch, hkv, n, prop.multiProcessorCount, var.cps);
         p.kernel = var.kernel;
-        p.prefetch_tiles = var.prefetch;
         p.dependent_launch = var.dependent;
         float *o = nullptr, *lse = nullptr;
         void* ws = nullptr;
@@ -307,15 +305,30 @@ int main(int argc, char** argv) {
         const double mb = static_cast<double>(layer_bytes) / 1e6;
         std::printf("%8d %6d %7d %10.1f %10.1f %10.1f %9.2f", n, batch, p.num_splits, us, us_b2b,
                     mb, mb / us_b2b);
-        if (batch == 1 && &var == &variants[0]) {  // the merge kernel alone, on the last parts
+        if (batch == 1 && &var == &variants[0]) {
+          // The call's parts: query preparation + decode grid without the merge, and the
+          // merge kernel alone on the last parts.
           const int rows = batch * hq;
-          const float* part_o = static_cast<const float*>(ws);
-          const float* part_lse = part_o + static_cast<size_t>(p.num_splits) * rows * d;
+          float* part_o = static_cast<float*>(ws);
+          float* part_lse = part_o + static_cast<size_t>(p.num_splits) * rows * d;
+          kk::cuda::Int2PartsOptions opt;
+          opt.state = part_lse + static_cast<size_t>(p.num_splits) * rows;
+          const kk::cuda::PagedList list{p.pages, p.page_stride, p.page_table, p.max_pages,
+                                         p.lengths};
+          const kk::cuda::DecodeGeometry geo{batch, hq, hkv, d, ps};
+          const double parts_us = MedianUsPerCall(stream, 7, 2, calls, [&](int c) {
+            kk::cuda::PagedList lc = list;
+            lc.pages = pages[c % layers];
+            CHECK(kk::cuda::LaunchInt2DecodeParts(lc, geo, p.q, p.r_k, p.softmax_scale,
+                                                  p.num_splits, n, part_o, part_lse, 0, stream,
+                                                  opt));
+          });
           const double merge_us = MedianUsPerCall(stream, 7, 2, calls, [&](int) {
             CHECK(kk::cuda::LaunchMergeParts(part_o, part_lse, p.num_splits, rows, d, p.r_v_t, o,
                                              lse, stream));
           });
-          std::printf("   (merge kernel alone, b2b: %.1f us)", merge_us);
+          std::printf("   (b2b: query prep + decode grid %.1f us, merge alone %.1f us)", parts_us,
+                      merge_us);
         }
         std::printf("\n");
         for (uint8_t* pg : pages) CHECK(cudaFree(pg));

@@ -5,7 +5,7 @@
 #   here:   bench/run-h200.sh build      -> .devbin, .devlibs (scripts/pack-device.sh)
 #   device: bench/run-h200.sh run        (kernel tests + sanitizers, INT2 checks and timings,
 #                                         torch SDPA cuDNN/flash baseline)
-#           bench/run-h200.sh profile [batch] [prefetch]   (ncu on one v2 launch)
+#           bench/run-h200.sh profile [batch]   (ncu on one v2 launch)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -30,13 +30,12 @@ case "${1:-}" in
     sed -n '/^INT2 decode/,$p' "$out/int2-bench.log"
     [ "${KVCD_SKIP_SDPA:-0}" = 1 ] || python3 bench/sdpa_baseline.py 2>&1 | tee "$out/sdpa.log"
     ;;
-  profile)  # Nsight Compute on one v2 launch: 100k tokens, batch $2 (default 8), prefetch $3
+  profile)  # Nsight Compute on one v2 launch: 100k tokens, batch $2 (default 8)
     export LD_LIBRARY_PATH=$PWD/.devlibs
     ncu --clock-control none -k "regex:${KVCD_NCU_KERNELS:-Int2DecodeKernelV2}" \
       -c "${KVCD_NCU_COUNT:-1}" --section SpeedOfLight \
       --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
-      --section LaunchStats --section Occupancy .devbin/cuda_int2_bench --one 100000 "${2:-8}" 3 \
-      "${3:--1}"
+      --section LaunchStats --section Occupancy .devbin/cuda_int2_bench --one 100000 "${2:-8}" 4
     ;;
-  *) echo "usage: $0 build|run|profile [batch] [prefetch]" >&2; exit 2 ;;
+  *) echo "usage: $0 build|run|profile [batch]" >&2; exit 2 ;;
 esac

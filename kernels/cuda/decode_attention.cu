@@ -10,6 +10,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <atomic>
 #include <cfloat>
 #include <cstdint>
 #include <type_traits>
@@ -23,8 +24,6 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kTile = 32;  // tokens per warp step
-// v2: L2 prefetch distance in tiles (0: measured best at 4 CTAs per SM)
-constexpr int kDefaultPrefetchTiles = 0;
 constexpr uint32_t kPlane = 0x03030303u;
 
 // The v2 kernel's n-tiles of query heads per KV head (4 heads each), and the CTAs of it an
@@ -75,10 +74,8 @@ struct PartArgs {
   float* part_o;
   float* part_lse;
   int part_base;
-  // Kernel v2 only: query fragments prepared by QueryFragments, the L2 prefetch distance
-  // in tiles.
+  // Kernel v2 only: query fragments prepared by QueryFragments.
   Int2State state;
-  int prefetch;
   // RawQueries: when q_raw is set, queries are read from it (BF16 or F32, checked) instead
   // of q.
   const void* q_raw = nullptr;
@@ -190,9 +187,9 @@ struct Int2HeadOffsets {
   uint32_t k, v, kp, vp;
 };
 
-__device__ __forceinline__ Int2HeadOffsets HeadOffsets(const DecodeGeometry& geo, int kvh,
-                                                       int q_bytes) {
-  const uint32_t ps = geo.page_size, hkv = geo.num_kv_heads;
+__device__ __forceinline__ Int2HeadOffsets HeadOffsets(const DecodeGeometry& geo, uint32_t ps,
+                                                       int kvh, int q_bytes) {
+  const uint32_t hkv = geo.num_kv_heads;
   const uint32_t code_bytes = hkv * ps * q_bytes, head = kvh * ps * q_bytes;
   const uint32_t kp = 2 * code_bytes + kvh * 4 * ps;
   return {head, code_bytes + head, kp, kp + hkv * 4 * ps};
@@ -201,7 +198,7 @@ __device__ __forceinline__ Int2HeadOffsets HeadOffsets(const DecodeGeometry& geo
 __device__ __forceinline__ Int2HeadPtrs HeadPtrs(const PagedList& p, const DecodeGeometry& geo,
                                                  int kvh, int page_id, int q_bytes) {
   const uint8_t* base = p.pages + static_cast<int64_t>(page_id) * p.page_stride;
-  const Int2HeadOffsets off = HeadOffsets(geo, kvh, q_bytes);
+  const Int2HeadOffsets off = HeadOffsets(geo, geo.page_size, kvh, q_bytes);
   Int2HeadPtrs h;
   h.kwords = reinterpret_cast<const uint32_t*>(base + off.k);
   h.vwords = reinterpret_cast<const uint32_t*>(base + off.v);
@@ -212,10 +209,10 @@ __device__ __forceinline__ Int2HeadPtrs HeadPtrs(const PagedList& p, const Decod
 
 // Merges the CTA's warps (state per warp and head: max m, sum l, o accumulated without the
 // 1/l, and lacc added to every element) and writes part (part_base + split).
-template <int D>
+template <int D, int H>
 __device__ void WritePart(const PartArgs& a, int split, int b, int kvh, int G,
                           const float (&s_m)[kWarps][8], const float (&s_l)[kWarps][8],
-                          const float (&s_lacc)[kWarps][8], const float (&s_o)[kWarps][8][D]) {
+                          const float (&s_lacc)[kWarps][8], const float (&s_o)[kWarps][H][D]) {
   for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
     const int h = i / D, e = i % D;
     float M = -FLT_MAX;
@@ -442,19 +439,22 @@ __global__ void __launch_bounds__(kWarps * 32) Int2DecodeKernel(PartArgs a) {
 // values: A = V^T codes (rows = elements, k = tokens: a V word is one code byte of 4
 //   consecutive tokens, so one mask yields 4 tokens' codes of one plane, scaled by 4^p; the
 //   4^-p goes on the output row), B = the weights p_t * s_t as two uint8 digits per head
-//   (w / wstep = hi + lo / 255, hi = floor, lo rounded),
+//   (w / wstep = hi + lo / 256: one FMA rounds 256 w / wstep into the low 16 bits of a float),
 //   moved from the logit layout to the B layout with two shuffles per register. The int32
 //   accumulators are converted to FP32 only when the running max of a head rises by more
 //   than kLazyLog2 (log2 units), when the tile's largest value scale exceeds the one the
 //   digits were scaled for, or every kFlushTiles tiles (int32 headroom).
-// loads: each lane loads its own 16-byte pieces of a tile (K word groups, V byte columns) and
-//   the FP16 scale/min of its tokens, one tile ahead in registers (two register tiles used
-//   in turn): every byte of a page is read once, coalesced. (A 4-deep cp.async ring in
-//   shared memory was measured slower: bench/results/2026-12-03-h200-int2-decode-v2.md;
-//   L2 prefetch further ahead is an option, off by default: ...-v2-pass2.md.)
+// loads: each warp walks a contiguous quarter of its split page by page; each lane loads its
+//   own 16-byte pieces of a tile (K word groups, V byte columns) and the FP16 scale/min of
+//   its tokens, one tile ahead in registers (two register tiles used in turn): every byte
+//   of a page is read once, coalesced, and the page table once per page. (A 4-deep cp.async
+//   ring in shared memory was measured slower: bench/results/2026-12-03-h200-int2-decode-
+//   v2.md; L2 prefetch ahead gained nothing: ...-v2-pass2.md.)
 // query: prepared once per (b, KV head) by QueryFragments as B fragments; the kernel starts
 //   as its programmatic dependent and waits for it only before reading them.
-constexpr float kLazyLog2 = 0.25f;          // weights stay <= 2^kLazyLog2 * S between rescales
+// Weights stay <= 2^kLazyLog2 * S between rescales. (2 instead of 0.25 cut the batch-1 grid
+// by 12% but made errors 3-5x larger, the 16-bit digits resolving 2^1.75 coarser: kept.)
+constexpr float kLazyLog2 = 0.25f;
 constexpr int kFlushTiles = 512;            // 512 * 32 tokens * 255 * 192 < 2^31
 constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: low byte = round(x) for |x| < 2^22
 
@@ -482,10 +482,11 @@ __device__ __forceinline__ float Exp2Approx(float x) {
   return y;
 }
 
-// Packs the low bytes of four words (byte c of the result = low byte of x_c).
-__device__ __forceinline__ uint32_t PackLowBytes(uint32_t x0, uint32_t x1, uint32_t x2,
-                                                 uint32_t x3) {
-  return __byte_perm(__byte_perm(x0, x1, 0x0040), __byte_perm(x2, x3, 0x0040), 0x5410);
+// Packs byte B of four words (byte c of the result = byte B of x_c).
+template <int B>
+__device__ __forceinline__ uint32_t PackBytes(uint32_t x0, uint32_t x1, uint32_t x2, uint32_t x3) {
+  constexpr uint32_t sel = (4 + B) << 4 | B;  // byte B of the first word, then of the second
+  return __byte_perm(__byte_perm(x0, x1, sel), __byte_perm(x2, x3, sel), 0x5410);
 }
 
 // What one lane holds of one 32-token tile.
@@ -521,24 +522,21 @@ __device__ __forceinline__ void LoadWords(const uint32_t* p, uint32_t (&w)[N]) {
 // slot 0 of its KV head's page-layer: k = the 16-byte K word group t of tokens 4g..4g+3
 // (group 4j + t is k_step * j further), v = the V byte columns g*U.. of quad t (quad t + 4
 // is 16 Q bytes further), p = the FP16 K scales of tokens 4g..4g+3 (minimums p_min, V
-// parameters p_v further); and of the L2 line it asks for ahead (K rows, V lines,
-// parameter rows, one per lane). A tile at slot s adds s times 4 (K), Q (V) or 2
-// (parameters). Computed once per CTA: a tile costs one 64-bit page address and a few adds.
+// parameters p_v further). A tile at slot s adds s times 4 (K), Q (V) or 2 (parameters).
 template <int D>
 struct LaneOffsets {
   uint32_t k, v, p;  // K word group t of tokens 4g.., V quad t at byte column g*U, K scale 4g
   uint32_t k_step;   // K word group 4j + t to 4(j + 1) + t: 16 * ps bytes
   uint32_t p_min;    // scales to minimums: 2 * ps bytes
   uint32_t p_v;      // K parameters to V parameters: num_kv_heads * 4 * ps bytes
-  uint32_t pf, pf_per_slot;  // pf_per_slot 0: this lane asks for nothing
 };
 
 template <int D>
-__device__ __forceinline__ LaneOffsets<D> MakeLaneOffsets(const DecodeGeometry& geo, int kvh,
-                                                          int lane) {
-  constexpr int Q = D / 4, U = Q / 8, kGroups = Q / 4, kVLines = Q / 4;
-  const uint32_t ps = geo.page_size, g = lane >> 2, t = lane & 3;
-  const Int2HeadOffsets h = HeadOffsets(geo, kvh, Q);
+__device__ __forceinline__ LaneOffsets<D> MakeLaneOffsets(const DecodeGeometry& geo,
+                                                          uint32_t ps, int kvh, int lane) {
+  constexpr int Q = D / 4, U = Q / 8;
+  const uint32_t g = lane >> 2, t = lane & 3;
+  const Int2HeadOffsets h = HeadOffsets(geo, ps, kvh, Q);
   LaneOffsets<D> o;
   o.k = h.k + (t * ps + 4 * g) * 4;
   o.v = h.v + (t * Q + g * U) * 4;
@@ -546,66 +544,152 @@ __device__ __forceinline__ LaneOffsets<D> MakeLaneOffsets(const DecodeGeometry& 
   o.k_step = 16 * ps;
   o.p_min = 2 * ps;
   o.p_v = h.vp - h.kp;
-  const uint32_t l = lane;
-  o.pf = 0;
-  o.pf_per_slot = 0;
-  if (l < kGroups) {  // K word group l: 32 words
-    o.pf = h.k + l * ps * 4;
-    o.pf_per_slot = 4;
-  } else if (l < kGroups + kVLines) {  // V: 8 quads of Q words, 128-byte lines
-    o.pf = h.v + (l - kGroups) * 128;
-    o.pf_per_slot = Q;
-  } else if (l < kGroups + kVLines + 4) {  // scales / minimums of K and V: 64 bytes each
-    const uint32_t i = l - kGroups - kVLines;
-    o.pf = (i < 2 ? h.kp : h.vp) + (i % 2) * 2 * ps;
-    o.pf_per_slot = 2;
-  }
   return o;
 }
 
+// One lane's addresses of the tile it loads next: its K word group, V columns, K and V
+// parameters at that tile's slot. Set once per page; the next tile of the same page is a
+// fixed number of bytes further (Advance), so a tile costs no page-table read, no 64-bit
+// multiply and no offset arithmetic beyond four pointer adds.
 template <int D>
-__device__ __forceinline__ void LoadTileAt(const uint8_t* page, uint32_t slot,
-                                           const LaneOffsets<D>& o, TileWords<D>& tw) {
+struct TilePtrs {
+  const uint8_t *k, *v, *kp;  // V parameters: kp + p_v
+  __device__ __forceinline__ void Set(const uint8_t* page, uint32_t slot, const LaneOffsets<D>& o) {
+    k = page + (o.k + 4u * slot);
+    v = page + (o.v + (D / 4) * slot);
+    kp = page + (o.p + 2u * slot);
+  }
+  __device__ __forceinline__ void Advance() {  // the next 32-token tile of the same page
+    k += 4 * kTile;
+    v += (D / 4) * kTile;
+    kp += 2 * kTile;
+  }
+  // From the last tile of a page (slot ps - kTile) to the first of a page `bytes` further
+  // (two 32-bit adds per pointer, no lane offsets recomputed).
+  __device__ __forceinline__ void Jump(int64_t bytes, int ps) {
+    k += bytes - 4 * (ps - kTile);
+    v += bytes - (D / 4) * (ps - kTile);
+    kp += bytes - 2 * (ps - kTile);
+  }
+};
+
+template <int D>
+__device__ __forceinline__ void LoadTile(const TilePtrs<D>& at, const LaneOffsets<D>& o,
+                                         TileWords<D>& tw) {
   constexpr uint32_t Q = D / 4;
-  const uint8_t* kp = page + (o.k + 4u * slot);
 #pragma unroll
   for (int j = 0; j < TileWords<D>::KW; ++j) {
-    const uint4 w = __ldg(reinterpret_cast<const uint4*>(kp + j * o.k_step));
+    const uint4 w = __ldg(reinterpret_cast<const uint4*>(at.k + j * o.k_step));
     tw.k[j][0] = w.x;
     tw.k[j][1] = w.y;
     tw.k[j][2] = w.z;
     tw.k[j][3] = w.w;
   }
-  const uint8_t* vp = page + (o.v + Q * slot);
-  LoadWords(reinterpret_cast<const uint32_t*>(vp), tw.v[0]);
-  LoadWords(reinterpret_cast<const uint32_t*>(vp + 16 * Q), tw.v[1]);  // quad t + 4
-  const uint8_t* pp = page + (o.p + 2u * slot);
-  tw.ks = __ldg(reinterpret_cast<const uint2*>(pp));
-  tw.kl = __ldg(reinterpret_cast<const uint2*>(pp + o.p_min));
-  tw.vs = __ldg(reinterpret_cast<const uint2*>(pp + o.p_v));
-  tw.vl = __ldg(reinterpret_cast<const uint2*>(pp + o.p_v + o.p_min));
+  LoadWords(reinterpret_cast<const uint32_t*>(at.v), tw.v[0]);
+  LoadWords(reinterpret_cast<const uint32_t*>(at.v + 16 * Q), tw.v[1]);  // quad t + 4
+  tw.ks = __ldg(reinterpret_cast<const uint2*>(at.kp));
+  tw.kl = __ldg(reinterpret_cast<const uint2*>(at.kp + o.p_min));
+  const uint8_t* vp = at.kp + o.p_v;
+  tw.vs = __ldg(reinterpret_cast<const uint2*>(vp));
+  tw.vl = __ldg(reinterpret_cast<const uint2*>(vp + o.p_min));
+}
+
+// The staged path (pages of 64 tokens): per warp, kStages shared-memory copies of one KV
+// head's part of a page, laid out as in the page (K codes [Q/4 groups][ps] words, V codes
+// [ps/4 quads][Q] words, K scales and minimums, V scales and minimums), so a lane finds its
+// pieces at the same offsets as in global memory, relative to the stage.
+constexpr int kStages = 2;
+template <int D>
+__host__ __device__ constexpr int StageBytes(int ps) {
+  return ps * (2 * (D / 4) + 8);
 }
 
 template <int D>
-__device__ __forceinline__ void PrefetchTileAt(const uint8_t* page, uint32_t slot,
-                                               const LaneOffsets<D>& o) {
-  if (o.pf_per_slot != 0) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(page + (o.pf + o.pf_per_slot * slot)));
-  }
+__device__ __forceinline__ LaneOffsets<D> StageLaneOffsets(uint32_t ps, int lane) {
+  constexpr uint32_t Q = D / 4, U = Q / 8;
+  const uint32_t g = lane >> 2, t = lane & 3;
+  LaneOffsets<D> o;
+  o.k = (t * ps + 4 * g) * 4;
+  o.v = ps * Q + (t * Q + g * U) * 4;
+  o.p = 2 * ps * Q + 8 * g;
+  o.k_step = 16 * ps;
+  o.p_min = 2 * ps;
+  o.p_v = 4 * ps;
+  return o;
 }
 
-// Where a warp's next tile is: the index into the sequence's page table and the slot in
-// that page. A warp steps kWarps * kTile tokens at a time; no division in the loop.
-struct TileCursor {
-  int idx, slot;
-  __device__ __forceinline__ void Advance(int ps) {
-    slot += kWarps * kTile;
-    while (slot >= ps) {
-      slot -= ps;
-      ++idx;
+template <int D>
+__device__ __forceinline__ void LoadStagedTile(const uint8_t* stage, uint32_t slot,
+                                               const LaneOffsets<D>& o, TileWords<D>& tw) {
+  constexpr uint32_t Q = D / 4;
+  const uint8_t* k = stage + (o.k + 4 * slot);
+#pragma unroll
+  for (int j = 0; j < TileWords<D>::KW; ++j) {
+    const uint4 w = *reinterpret_cast<const uint4*>(k + j * o.k_step);
+    tw.k[j][0] = w.x;
+    tw.k[j][1] = w.y;
+    tw.k[j][2] = w.z;
+    tw.k[j][3] = w.w;
+  }
+  const uint8_t* v = stage + (o.v + Q * slot);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const uint8_t* vq = v + half * 16 * Q;  // quads t, t + 4
+    if constexpr (TileWords<D>::U == 2) {
+      const uint2 w = *reinterpret_cast<const uint2*>(vq);
+      tw.v[half][0] = w.x;
+      tw.v[half][1] = w.y;
+    } else {
+#pragma unroll
+      for (int i = 0; i < TileWords<D>::U; i += 4) {
+        const uint4 w = *reinterpret_cast<const uint4*>(vq + 4 * i);
+        tw.v[half][i] = w.x;
+        tw.v[half][i + 1] = w.y;
+        tw.v[half][i + 2] = w.z;
+        tw.v[half][i + 3] = w.w;
+      }
     }
   }
-};
+  const uint8_t* kp = stage + (o.p + 2 * slot);
+  tw.ks = *reinterpret_cast<const uint2*>(kp);
+  tw.kl = *reinterpret_cast<const uint2*>(kp + o.p_min);
+  tw.vs = *reinterpret_cast<const uint2*>(kp + o.p_v);
+  tw.vl = *reinterpret_cast<const uint2*>(kp + o.p_v + o.p_min);
+}
+
+// mbarrier and bulk-copy primitives (sm_90; shared-memory addresses as 32-bit).
+__device__ __forceinline__ void InitBarrier(uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void FenceBarrierInit() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void FenceProxyAsync() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+// This thread's arrival on `bar`, which then also waits for `bytes` of bulk copies.
+__device__ __forceinline__ void ExpectBytes(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+// (No memory clobber: what reads the copy is ordered by the mbarrier wait, which has one.)
+__device__ __forceinline__ void BulkCopy(uint32_t dst, const void* src, uint32_t bytes,
+                                         uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cta.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar));
+}
+__device__ __forceinline__ void WaitBarrier(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (done == 0);
+}
 
 __device__ __forceinline__ void HalvesToFloat(uint2 h, float (&f)[4]) {
   const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&h.x));
@@ -639,10 +723,15 @@ __global__ void __launch_bounds__(4 * D) QueryFragments(PartArgs a) {
   __shared__ float s_raw[R][D], s_part[4][R][D], s_q[R][D];
   __shared__ float s_step[8], s_inv[8], s_qsum[8];
   const int64_t q0 = (static_cast<int64_t>(b) * a.geo.num_q_heads + kvh * G) * D;
+  const int part = tid / D, j = tid % D;
+  float r[kPer];  // this thread's quarter of column j of R_k, loaded with the queries
+  if (a.r_k != nullptr) {
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) r[u] = __ldg(a.r_k + (part * kPer + u) * D + j);
+  }
   for (int i = tid; i < R * D; i += blockDim.x)
     s_raw[i / D][i % D] = i / D < G ? QueryValue(a, q0 + i) : 0.0f;
   __syncthreads();
-  const int part = tid / D, j = tid % D;
   float acc[R];
 #pragma unroll
   for (int h = 0; h < R; ++h) acc[h] = 0.0f;
@@ -650,9 +739,6 @@ __global__ void __launch_bounds__(4 * D) QueryFragments(PartArgs a) {
 #pragma unroll
     for (int h = 0; h < R; ++h) acc[h] = part == 0 ? s_raw[h][j] : 0.0f;
   } else {
-    float r[kPer];
-#pragma unroll
-    for (int u = 0; u < kPer; ++u) r[u] = __ldg(a.r_k + (part * kPer + u) * D + j);
 #pragma unroll
     for (int u = 0; u < kPer; ++u)
 #pragma unroll
@@ -684,7 +770,7 @@ __global__ void __launch_bounds__(4 * D) QueryFragments(PartArgs a) {
       const int lo = Digit((x - hi * step) * (254.0f * inv));
       d[c] = static_cast<uint32_t>((g & 1) != 0 ? lo : hi);
     }
-    out[i] = PackLowBytes(d[0], d[1], d[2], d[3]);
+    out[i] = PackBytes<0>(d[0], d[1], d[2], d[3]);
   }
   if (tid < R) {
     a.state.scal[frag * kScalFloats + tid] = s_step[tid] / 254.0f * kLog2e;
@@ -692,49 +778,91 @@ __global__ void __launch_bounds__(4 * D) QueryFragments(PartArgs a) {
   }
 }
 
-template <int D, int NT>
+// PS: the page size when it is 64 (the default; page strides and offsets become immediates),
+// 0 for any other multiple of kTile (read from the geometry).
+template <int D, int NT, int PS>
 __global__ void __launch_bounds__(kWarps * 32, V2CtasPerSm(NT)) Int2DecodeKernelV2(PartArgs a) {
   constexpr int KB = D / 32;  // logit k-blocks (2 per K word group of a lane)
   constexpr int VT = D / 16;  // V^T m-tiles
   const PagedList& p = a.list;
   const DecodeGeometry& geo = a.geo;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  // The warp index through a shuffle from lane 0, so the compiler knows it is the same in
+  // every lane (the bulk-copy operands derived from it then need no per-lane loop).
+  const int lane = threadIdx.x & 31, warp = __shfl_sync(0xffffffffu, threadIdx.x >> 5, 0);
   const int g = lane >> 2, t = lane & 3;
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int G = geo.num_q_heads / geo.num_kv_heads;
-  const int ps = geo.page_size;
+  const int ps = PS > 0 ? PS : geo.page_size;
   const int len = p.lengths[b];
   const int t_begin = split * a.tokens_per_split;
   const int t_end = min(len, t_begin + a.tokens_per_split);
   const int32_t* table = p.page_table + static_cast<int64_t>(b) * p.max_pages;
-  constexpr int kStep = kWarps * 32;
 
   __shared__ float s_m[kWarps][8], s_l[kWarps][8], s_lacc[kWarps][8];
-  __shared__ float s_o[kWarps][8][D];  // the warps' FP32 value sums (o without 1/l)
+  __shared__ float s_o[kWarps][4 * NT][D];  // the warps' FP32 value sums (o without 1/l)
 
-  // The first tile's loads and the L2 prefetches of the next `pf` tiles go out before the
-  // wait for QueryFragments (programmatic dependent launch), so they overlap it. Page ids
-  // are read a tile before they are needed; cursors walk the table without division.
-  const int pf = a.prefetch;
-  const LaneOffsets<D> lo = MakeLaneOffsets<D>(geo, kvh, lane);
+  // Each warp takes a contiguous quarter of the split (TokensPerSplit makes it a whole
+  // number of tile pairs), so it walks its pages in order: the page table is read once per
+  // page, a page ahead, and the next tile of the same page is a pointer step. The first
+  // tile's loads go out before the wait for QueryFragments (programmatic dependent launch),
+  // so they overlap it.
+  const int per_warp = a.tokens_per_split / kWarps;
+  const int w_begin = t_begin + warp * per_warp;
+  const int w_end = min(t_end, w_begin + per_warp);
+  const LaneOffsets<D> lo = MakeLaneOffsets<D>(geo, ps, kvh, lane);
   auto page_at = [&](int page_id) {
     return p.pages + static_cast<int64_t>(page_id) * p.page_stride;
   };
-  int tile = t_begin + warp * 32;
-  TileWords<D> ta, tb;
-  TileCursor next{0, 0}, ahead{0, 0};  // tiles tile + kStep and tile + (pf + 1) * kStep
-  int next_page = 0, pf_page = 0;
-  if (tile < t_end) {
-    TileCursor c{tile / ps, tile % ps};
-    LoadTileAt<D>(page_at(__ldg(table + c.idx)), c.slot, lo, ta);
-    c.Advance(ps);
-    next = c;
-    if (tile + kStep < t_end) next_page = __ldg(table + next.idx);
-    for (int k = 1; k <= pf; ++k, c.Advance(ps)) {
-      if (tile + k * kStep < t_end) PrefetchTileAt<D>(page_at(__ldg(table + c.idx)), c.slot, lo);
+  int tile = w_begin;
+  // Pages of 64 tokens (kStaged): each warp streams its pages into a ring of kStages
+  // shared-memory stages with bulk copies (one elected lane, four copies per page: K codes,
+  // V codes, K and V parameters of this KV head) completing on an mbarrier per stage, so
+  // up to kStages pages per warp are in flight while it computes. Other page sizes: each
+  // lane loads its pieces of the next tile into registers (two register tiles in turn).
+  constexpr bool kStaged = PS == 64;
+  constexpr int kStageBytes = StageBytes<D>(PS > 0 ? PS : 64);
+  extern __shared__ __align__(128) uint8_t s_stages[];  // [kWarps][kStages][kStageBytes]
+  __shared__ uint64_t s_bar[kWarps][kStages];
+  const Int2HeadOffsets head = HeadOffsets(geo, ps, kvh, D / 4);
+  const int idx0 = w_begin / ps;
+  const int n_pages = w_end > w_begin ? (w_end - w_begin + ps - 1) / ps : 0;
+  int next_id = 0;  // staged: the page id of the next page to copy (every lane reads it)
+  auto stage_bar = [&](int st) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(&s_bar[warp][st]));
+  };
+  auto stage_at = [&](int st) { return s_stages + (warp * kStages + st) * kStageBytes; };
+  // Page page_id into stage st: the whole warp computes the (warp-uniform) addresses, lane
+  // 0 issues the copies.
+  auto copy_page = [&](int st, int page_id) {
+    const uint8_t* pg = page_at(page_id);
+    const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(stage_at(st)));
+    const uint32_t bar = stage_bar(st), codes = ps * (D / 4), params = 4 * ps;
+    if (lane == 0) {
+      ExpectBytes(bar, kStageBytes);
+      BulkCopy(dst, pg + head.k, codes, bar);
+      BulkCopy(dst + codes, pg + head.v, codes, bar);
+      BulkCopy(dst + 2 * codes, pg + head.kp, params, bar);
+      BulkCopy(dst + 2 * codes + params, pg + head.vp, params, bar);
     }
-    ahead = c;
-    if (pf > 0 && tile + (pf + 1) * kStep < t_end) pf_page = __ldg(table + ahead.idx);
+  };
+  TileWords<D> ta, tb;
+  TilePtrs<D> at;  // register path: of the tile loaded last
+  int idx = 0, slot = 0, page = 0, next_page = 0;  // that tile's page-table index, slot, page
+  if constexpr (kStaged) {
+    if (lane == 0) {
+      for (int st = 0; st < kStages; ++st) InitBarrier(stage_bar(st));
+      FenceBarrierInit();
+    }
+    __syncwarp();
+    for (int i = 0; i < kStages && i < n_pages; ++i) copy_page(i, __ldg(table + idx0 + i));
+    if (kStages < n_pages) next_id = __ldg(table + idx0 + kStages);
+  } else if (tile < w_end) {
+    idx = tile / ps;
+    slot = tile % ps;
+    page = __ldg(table + idx);
+    at.Set(page_at(page), slot, lo);
+    LoadTile<D>(at, lo, ta);
+    if (tile - slot + ps < w_end) next_page = __ldg(table + idx + 1);
   }
   WaitPrimaryGrid();
   // Query digits (B of the logit MMAs), prepared by QueryFragments in lane order: k-block
@@ -782,14 +910,15 @@ __global__ void __launch_bounds__(kWarps * 32, V2CtasPerSm(NT)) Int2DecodeKernel
     l[nt] = 0.0f;
     lacc[nt] = 0.0f;
   }
-  // Digits of w * inv_w with inv_w = 255.99 / (s_run * 2^lazy): below 256 for every weight.
-  float s_run = 0.0f, inv_w = 0.0f;
+  // Digits of w * inv_w with inv_w = 255.99 / (s_run * 2^lazy): below 256 for every weight
+  // (kept as inv_w256 = 256 inv_w, the factor the digit FMA takes).
+  float s_run = 0.0f, inv_w256 = 0.0f;
   int since_flush = 0;
 
   // Converts the int32 sums (scaled by the current inv_w) into the FP32 sums and rescales
   // those by alpha (per head of the lane).
   auto flush = [&](const float(&alpha)[NT]) {
-    const float to_w = inv_w > 0.0f ? 1.0f / inv_w : 0.0f;
+    const float to_w = inv_w256 > 0.0f ? 256.0f / inv_w256 : 0.0f;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       float* o = s_o[warp][4 * nt + t];
@@ -800,7 +929,7 @@ __global__ void __launch_bounds__(kWarps * 32, V2CtasPerSm(NT)) Int2DecodeKernel
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const float x = (static_cast<float>(acc[vt][nt][2 * r]) +
-                           static_cast<float>(acc[vt][nt][2 * r + 1]) * (1.0f / 255.0f)) *
+                           static_cast<float>(acc[vt][nt][2 * r + 1]) * (1.0f / 256.0f)) *
                           sc;
           const int e = ValueElement<D>(vt, r, g);
           o[e] = (o[e] + x) * alpha[nt];
@@ -810,23 +939,28 @@ __global__ void __launch_bounds__(kWarps * 32, V2CtasPerSm(NT)) Int2DecodeKernel
     }
   };
 
-  // One tile: the next tile's loads (and the L2 request pf tiles further) first, then this
-  // tile's math. Called with the two register tiles in turn, so no copy between them.
-  // `masked`: whether the tile may run past t_end (only a warp's last tile can); full tiles
-  // skip every per-token validity select.
-  auto step = [&](auto masked, const TileWords<D>& cur, TileWords<D>& nxt) {
-    constexpr bool kMasked = decltype(masked)::value;
-    const int ntile = tile + kStep;
-    if (ntile < t_end) {
-      LoadTileAt<D>(page_at(next_page), next.slot, lo, nxt);
-      next.Advance(ps);
-      if (ntile + kStep < t_end) next_page = __ldg(table + next.idx);
-      if (pf > 0 && ntile + pf * kStep < t_end) {
-        PrefetchTileAt<D>(page_at(pf_page), ahead.slot, lo);
-        ahead.Advance(ps);
-        if (ntile + (pf + 1) * kStep < t_end) pf_page = __ldg(table + ahead.idx);
+  // Register path: the next tile's loads into nxt (issued before this tile's math).
+  auto load_next = [&](TileWords<D>& nxt) {
+    const int ntile = tile + kTile;
+    if (ntile < w_end) {
+      if (slot + kTile < ps) {  // the same page
+        slot += kTile;
+        at.Advance();
+      } else {  // the next page, whose id was read a page ago
+        slot = 0;
+        ++idx;
+        at.Jump(static_cast<int64_t>(next_page - page) * p.page_stride, ps);
+        page = next_page;
+        if (ntile + ps < w_end) next_page = __ldg(table + idx + 1);
       }
+      LoadTile<D>(at, lo, nxt);
     }
+  };
+  // One tile's math (the tile at `tile`, in cur); advances `tile`. `masked`: whether the
+  // tile may run past w_end (only a warp's last tile can); full tiles skip every per-token
+  // validity select.
+  auto compute = [&](auto masked, const TileWords<D>& cur) {
+    constexpr bool kMasked = decltype(masked)::value;
     float ksc[4], klo[4], vsc[4], vlo[4];
     HalvesToFloat(cur.ks, ksc);
     HalvesToFloat(cur.kl, klo);
@@ -834,7 +968,7 @@ __global__ void __launch_bounds__(kWarps * 32, V2CtasPerSm(NT)) Int2DecodeKernel
     HalvesToFloat(cur.vl, vlo);
     bool valid[4];
 #pragma unroll
-    for (int c = 0; c < 4; ++c) valid[c] = !kMasked || tile + 4 * g + c < t_end;
+    for (int c = 0; c < 4; ++c) valid[c] = !kMasked || tile + 4 * g + c < w_end;
     // --- logits of head t (and 4 + t) for tokens 4g .. 4g + 3 ---
     float lg[NT][4];
 #pragma unroll
@@ -862,26 +996,28 @@ __global__ void __launch_bounds__(kWarps * 32, V2CtasPerSm(NT)) Int2DecodeKernel
         }
       }
     }
-    // --- tile max per head, largest value scale, lazy rescale ---
-    float s_tile = 0.0f;
+    // --- lazy rescale: only when a logit rises more than kLazyLog2 above its head's
+    // reference, a value scale exceeds the one the digits were scaled for, or every
+    // kFlushTiles tiles; each lane tests its own tokens and the tile maxima are reduced
+    // across the warp only then ---
+    float s_tile = 0.0f, mx[NT];
 #pragma unroll
     for (int c = 0; c < 4; ++c) s_tile = fmaxf(s_tile, valid[c] ? fabsf(vsc[c]) : 0.0f);
-    float mx[NT];
-    bool need = s_tile > s_run || ++since_flush >= kFlushTiles;
+    ++since_flush;
+    bool need = s_tile > s_run || since_flush >= kFlushTiles;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       mx[nt] = fmaxf(fmaxf(lg[nt][0], lg[nt][1]), fmaxf(lg[nt][2], lg[nt][3]));
+      need = need || mx[nt] > m_ref[nt] + kLazyLog2;
     }
-#pragma unroll
-    for (int off = 4; off < 32; off <<= 1) {
-      s_tile = fmaxf(s_tile, __shfl_xor_sync(0xffffffffu, s_tile, off));
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        mx[nt] = fmaxf(mx[nt], __shfl_xor_sync(0xffffffffu, mx[nt], off));
-    }
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) need = need || mx[nt] > m_ref[nt] + kLazyLog2;
     if (__any_sync(0xffffffffu, need)) {
+#pragma unroll
+      for (int off = 4; off < 32; off <<= 1) {
+        s_tile = fmaxf(s_tile, __shfl_xor_sync(0xffffffffu, s_tile, off));
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          mx[nt] = fmaxf(mx[nt], __shfl_xor_sync(0xffffffffu, mx[nt], off));
+      }
       float alpha[NT];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
@@ -893,14 +1029,17 @@ __global__ void __launch_bounds__(kWarps * 32, V2CtasPerSm(NT)) Int2DecodeKernel
       }
       flush(alpha);
       s_run = fmaxf(s_run, fmaxf(s_tile, FLT_MIN));
-      inv_w = 255.99f / (s_run * exp2f(kLazyLog2));
+      inv_w256 = 256.0f * (255.99f / (s_run * exp2f(kLazyLog2)));
       since_flush = 0;
     }
     // --- weights p * s_v as two uint8 digits, moved to the B layout of the value MMAs ---
+    // u = round(w * inv_w * 256) < 65536 lands in the low 16 bits of one FMA with the
+    // rounding constant: its high byte is the digit hi, its low byte lo (w * inv_w = hi +
+    // lo / 256 to 2^-9).
     uint32_t bw[NT][2];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      uint32_t hi[4], lo[4];
+      uint32_t u[4];
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         // Stale slots past the sequence may hold NaN parameters: select, never multiply.
@@ -908,15 +1047,10 @@ __global__ void __launch_bounds__(kWarps * 32, V2CtasPerSm(NT)) Int2DecodeKernel
         l[nt] += pr;
         lacc[nt] += valid[c] ? pr * vlo[c] : 0.0f;
         const float w = valid[c] ? pr * vsc[c] : 0.0f;
-        const float r = __fmul_rn(w, inv_w);         // [0, 256)
-        const float t1 = __fadd_rd(r, kRoundMagic);  // low byte: floor(r)
-        const float hf = __fsub_rn(t1, kRoundMagic);
-        const float t2 = __fmaf_rn(__fsub_rn(r, hf), 255.0f, kRoundMagic);  // round(frac*255)
-        hi[c] = __float_as_uint(t1);
-        lo[c] = __float_as_uint(t2);
+        u[c] = __float_as_uint(__fmaf_rn(w, inv_w256, kRoundMagic));
       }
-      const uint32_t hi4 = PackLowBytes(hi[0], hi[1], hi[2], hi[3]);
-      const uint32_t lo4 = PackLowBytes(lo[0], lo[1], lo[2], lo[3]);
+      const uint32_t hi4 = PackBytes<1>(u[0], u[1], u[2], u[3]);
+      const uint32_t lo4 = PackBytes<0>(u[0], u[1], u[2], u[3]);
       // b0: tokens 4t'.. of column g' = (head g'/2, digit g'%2) from lane 4t' + g'/2; b1:
       // tokens 16 + 4t'.. from lane 16 + 4t' + g'/2.
       const int src0 = 4 * t + (g >> 1), src1 = 16 + 4 * t + (g >> 1);
@@ -938,22 +1072,52 @@ __global__ void __launch_bounds__(kWarps * 32, V2CtasPerSm(NT)) Int2DecodeKernel
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) MmaU8U8(acc[vt][nt], a4, bw[nt][0], bw[nt][1]);
     }
-    tile = ntile;
+    tile += kTile;
   };
   using Full = std::integral_constant<bool, false>;
   using Masked = std::integral_constant<bool, true>;
-  bool in_b = false;  // the current tile is in tb
-  while (tile + kTile <= t_end) {
-    step(Full{}, ta, tb);
-    if (tile + kTile > t_end) {
-      in_b = true;
-      break;
+  if constexpr (kStaged) {
+    const LaneOffsets<D> so = StageLaneOffsets<D>(ps, lane);
+    for (int i = 0; i < n_pages; ++i) {
+      const int st = i % kStages;
+      WaitBarrier(stage_bar(st), (i / kStages) & 1);
+      const uint8_t* stage = stage_at(st);
+#pragma unroll
+      for (int half = 0; half < PS / kTile; ++half) {
+        if (tile < w_end) {
+          TileWords<D> cur;
+          LoadStagedTile<D>(stage, half * kTile, so, cur);
+          if (tile + kTile <= w_end) {
+            compute(Full{}, cur);
+          } else {
+            compute(Masked{}, cur);
+          }
+        }
+      }
+      // Every lane's reads of this stage are consumed: refill it with the page kStages on.
+      __syncwarp();
+      if (i + kStages < n_pages) {
+        if (lane == 0) FenceProxyAsync();
+        copy_page(st, next_id);
+        if (i + kStages + 1 < n_pages) next_id = __ldg(table + idx0 + i + kStages + 1);
+      }
     }
-    step(Full{}, tb, ta);
-  }
-  if (tile < t_end) {  // a last, partial tile
-    if (in_b) ta = tb;
-    step(Masked{}, ta, tb);
+  } else {
+    bool in_b = false;  // the current tile is in tb
+    while (tile + kTile <= w_end) {
+      load_next(tb);
+      compute(Full{}, ta);
+      if (tile + kTile > w_end) {
+        in_b = true;
+        break;
+      }
+      load_next(ta);
+      compute(Full{}, tb);
+    }
+    if (tile < w_end) {  // a last, partial tile
+      if (in_b) ta = tb;
+      compute(Masked{}, ta);
+    }
   }
   LaunchDependents();  // the merge kernel may start once every CTA is past its loop
   {
@@ -1216,12 +1380,29 @@ cudaError_t LaunchDependent(bool dependent, void (*kernel)(Args...), dim3 grid, 
 // QueryFragments, then the decode kernel (as its programmatic dependent if `dependent`).
 template <int D, int NT>
 cudaError_t LaunchV2(dim3 grid, const PartArgs& a, cudaStream_t stream, bool dependent) {
+  // Pages of 64 tokens: the staged kernel and its shared-memory stages (with its static
+  // shared memory above the 48 KB a launch gets by default at 8 heads per KV head: the
+  // limit is raised once per device).
+  const bool staged = a.geo.page_size == 64;
+  auto kernel = staged ? Int2DecodeKernelV2<D, NT, 64> : Int2DecodeKernelV2<D, NT, 0>;
+  const int smem = staged ? kWarps * kStages * StageBytes<D>(64) : 0;
+  if (staged) {
+    static std::atomic<uint64_t> raised{0};  // a bit per device
+    int dev = 0;
+    if (const cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+    const uint64_t bit = uint64_t{1} << (dev & 63);
+    if ((raised.load(std::memory_order_acquire) & bit) == 0) {
+      const cudaError_t e =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (e != cudaSuccess) return e;
+      raised.fetch_or(bit, std::memory_order_acq_rel);
+    }
+  }
   const dim3 prep_grid(a.geo.num_kv_heads, a.geo.batch);
   CountLaunch();
   QueryFragments<D, NT><<<prep_grid, 4 * D, 0, stream>>>(a);
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  return LaunchDependent(dependent, Int2DecodeKernelV2<D, NT>, grid, dim3(kWarps * 32), 0, stream,
-                         a);
+  return LaunchDependent(dependent, kernel, grid, dim3(kWarps * 32), smem, stream, a);
 }
 
 size_t MergeSmemBytes(int parts) { return parts * sizeof(float); }
@@ -1257,9 +1438,12 @@ void SetRawQueries(const RawQueries* raw, PartArgs* a) {
   a->q_fault_bits = FaultTag(0, raw->fault_layer);
 }
 
-int TokensPerSplit(int max_tokens, int splits) {
+// Tokens per split, a multiple of `granule`: kTile for the kernels whose warps take tiles in
+// turn, kWarps * 2 * kTile for v2 (a whole number of tile pairs per warp, so with pages of
+// 64 tokens each warp starts on a page).
+int TokensPerSplit(int max_tokens, int splits, int granule) {
   const int per = (max_tokens + splits - 1) / splits;
-  return (per + kTile - 1) / kTile * kTile;
+  return (per + granule - 1) / granule * granule;
 }
 
 }  // namespace
@@ -1274,7 +1458,7 @@ cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& g
       (opt.merge != nullptr && opt.merge->parts < part_base + splits)) {
     return cudaErrorInvalidValue;
   }
-  PartArgs a{list,   geo,      q,        r_k, scale, TokensPerSplit(max_tokens, splits),
+  PartArgs a{list,   geo,      q,        r_k, scale, TokensPerSplit(max_tokens, splits, v2 ? kWarps * 2 * kTile : kTile),
              part_o, part_lse, part_base};
   SetRawQueries(opt.raw, &a);
   const dim3 grid(splits, geo.num_kv_heads, geo.batch);
@@ -1282,7 +1466,6 @@ cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& g
   if (v2) {
     // The int32-accumulating kernel (head_dim 64/128; GQA groups up to 4 or 8).
     a.state = CarveState(opt.state, geo.batch, geo.num_kv_heads);
-    a.prefetch = opt.prefetch_tiles >= 0 ? opt.prefetch_tiles : kDefaultPrefetchTiles;
     const bool wide = V2HeadTiles(geo.num_q_heads, geo.num_kv_heads) == 2;
     const bool dep = opt.dependent_launch;
     if (geo.head_dim == 64) {
@@ -1319,7 +1502,7 @@ cudaError_t LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& g
                                   float* part_o, float* part_lse, int part_base,
                                   cudaStream_t stream, const RawQueries* raw) {
   if (!SupportedGeometry(geo) || splits <= 0) return cudaErrorInvalidValue;
-  PartArgs a{list,   geo,      q,        r_k, scale, TokensPerSplit(max_tokens, splits),
+  PartArgs a{list,   geo,      q,        r_k, scale, TokensPerSplit(max_tokens, splits, kTile),
              part_o, part_lse, part_base};
   SetRawQueries(raw, &a);
   const dim3 grid(splits, geo.num_kv_heads, geo.batch);
@@ -1357,7 +1540,6 @@ cudaError_t LaunchInt2Decode(const Int2DecodeParams& p, int max_tokens, cudaStre
   const MergeTarget merge{p.num_splits, p.r_v_t, p.o, p.lse};
   Int2PartsOptions opt;
   opt.kernel = p.kernel;
-  opt.prefetch_tiles = p.prefetch_tiles;
   opt.dependent_launch = p.dependent_launch;
   opt.state = part_lse + static_cast<size_t>(p.num_splits) * rows;
   opt.merge = &merge;

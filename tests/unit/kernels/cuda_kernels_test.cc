@@ -162,29 +162,29 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
   const uint16_t* d_qb = Up(qb);
   float* d_qc = Up(std::vector<float>(q.size(), NAN));
   // The daemon's order: BF16 windows first, then the INT2 launch, which also launches the
-  // merge of every part (as its programmatic dependent); with and without L2 prefetch, and
-  // with the merge launched on its own; queries as F32 or read raw (F32 or BF16); the BF16
+  // merge of every part (as its programmatic dependent); with dependent or plain launches,
+  // and with the merge launched on its own; queries as F32 or read raw (F32 or BF16); the BF16
   // pages by the split kernel (the daemon's) or the first one (same split count here).
   enum Queries { kF32, kRawF32, kConvertedBf16, kRawBf16 };
   const auto kWarp = cuda::Bf16Kernel::kWarp;
   struct Way {
     bool merge_in_launch;
-    int prefetch;
+    bool dependent;
     Queries queries = kF32;
     cuda::Bf16Kernel bf16 = cuda::Bf16Kernel::kSplit;
   };
-  const std::vector<Way> ways = {Way{true, -1},
-                                 Way{true, 0},
-                                 Way{false, 5},
-                                 Way{true, -1, kRawF32},
-                                 Way{false, 5, kRawF32},
-                                 Way{true, -1, kConvertedBf16},
-                                 Way{true, -1, kRawBf16},
-                                 Way{false, 5, kRawBf16},
-                                 Way{true, -1, kF32, kWarp},
-                                 Way{false, 5, kRawF32, kWarp},
-                                 Way{true, -1, kConvertedBf16, kWarp},
-                                 Way{true, -1, kRawBf16, kWarp}};
+  const std::vector<Way> ways = {Way{true, true},
+                                 Way{true, false},
+                                 Way{false, true},
+                                 Way{true, true, kRawF32},
+                                 Way{false, false, kRawF32},
+                                 Way{true, true, kConvertedBf16},
+                                 Way{true, true, kRawBf16},
+                                 Way{false, false, kRawBf16},
+                                 Way{true, true, kF32, kWarp},
+                                 Way{false, true, kRawF32, kWarp},
+                                 Way{true, true, kConvertedBf16, kWarp},
+                                 Way{true, true, kRawBf16, kWarp}};
   ASSERT_EQ(s_bf16, cuda::Bf16DecodeSplits(cuda::Bf16Kernel::kSplit, batch, hkv, d, max_bf16, 132));
   std::vector<std::vector<float>> got_o_ways, got_lse_ways;
   std::vector<std::vector<unsigned long long>> words_ways;
@@ -220,7 +220,7 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
     cuda::Int2PartsOptions opt;
     opt.state = state;
     opt.merge = way.merge_in_launch ? &merge : nullptr;
-    opt.prefetch_tiles = way.prefetch;
+    opt.dependent_launch = way.dependent;
     opt.raw = raw_q;
     ASSERT_EQ(cuda::LaunchInt2DecodeParts(int2_list, geo, way_q, d_rk, scale, s_int2, max_int2,
                                           part_o, part_lse, s_bf16, nullptr, opt),
@@ -235,7 +235,7 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
     got_lse_ways.push_back(Down(lse, rows));
     words_ways.push_back(Down(d_words, 2 * batch));
   }
-  // Prefetching, how the merge is launched and whether the launches read the queries raw
+  // Dependent or plain launches, how the merge is launched and whether the launches read the queries raw
   // change nothing: bit-identical results (F32 ways against way 0, BF16 ways against the
   // converted BF16 way), and raw BF16 reads set the same fault words as the conversion.
   // Bases: the first way of the same BF16 kernel and the same query values.

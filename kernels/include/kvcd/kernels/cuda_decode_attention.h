@@ -46,7 +46,6 @@ struct Int2DecodeParams {
   float* lse = nullptr;       // [batch][num_q_heads] natural log (device)
   void* workspace = nullptr;  // Int2DecodeWorkspaceBytes(...) bytes (device)
   Int2Kernel kernel = Int2Kernel::kAuto;
-  int32_t prefetch_tiles = -1;   // see Int2PartsOptions
   bool dependent_launch = true;  // see Int2PartsOptions
 };
 
@@ -113,9 +112,6 @@ struct RawQueries {
 
 struct Int2PartsOptions {
   Int2Kernel kernel = Int2Kernel::kAuto;
-  // v2 kernel: how many 32-token tiles per warp ahead of its register loads it asks L2 for
-  // (prefetch.global.L2, one line per lane); -1 = the built-in default, 0 = none.
-  int prefetch_tiles = -1;
   void* state = nullptr;  // v2 kernel: Int2StateBytes(batch, num_kv_heads) bytes (device)
   // Null: leave the parts for LaunchMergeParts. Otherwise the merge kernel follows (after
   // the v2 kernel as its programmatic dependent, so its launch overlaps the decode tail).
