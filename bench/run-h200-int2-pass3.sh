@@ -34,6 +34,15 @@ if [ -x .devbin/cuda_int2_bench_prev ]; then  # its default v2 configuration, on
     done
   done
 fi
+# The fixed cost of a call: batch 1 at short contexts (a tile or a page per warp).
+for n in 2048 8192; do
+  step "int2-fixed-$n" 30 .devbin/cuda_int2_bench --one $n 1 4
+  grep -E "^ +$n " "$out/int2-fixed-$n.log"
+  if [ -x .devbin/cuda_int2_bench_prev ]; then
+    step "int2-fixed-prev-$n" 30 .devbin/cuda_int2_bench_prev --one $n 1 4
+    grep -E "^ +$n " "$out/int2-fixed-prev-$n.log"
+  fi
+done
 [ "${KVCD_SKIP_SDPA:-0}" = 1 ] || step sdpa 120 python3 bench/sdpa_baseline.py
 cat "$out/sdpa.log" 2>/dev/null | tail -12
 sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats
