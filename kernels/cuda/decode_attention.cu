@@ -532,8 +532,8 @@ struct LaneOffsets {
 };
 
 template <int D>
-__device__ __forceinline__ LaneOffsets<D> MakeLaneOffsets(const DecodeGeometry& geo,
-                                                          uint32_t ps, int kvh, int lane) {
+__device__ __forceinline__ LaneOffsets<D> MakeLaneOffsets(const DecodeGeometry& geo, uint32_t ps,
+                                                          int kvh, int lane) {
   constexpr int Q = D / 4, U = Q / 8;
   const uint32_t g = lane >> 2, t = lane & 3;
   const Int2HeadOffsets h = HeadOffsets(geo, ps, kvh, Q);
@@ -675,9 +675,9 @@ __device__ __forceinline__ void ExpectBytes(uint32_t bar, uint32_t bytes) {
 // (No memory clobber: what reads the copy is ordered by the mbarrier wait, which has one.)
 __device__ __forceinline__ void BulkCopy(uint32_t dst, const void* src, uint32_t bytes,
                                          uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cta.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar));
+  asm volatile("cp.async.bulk.shared::cta.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :
+               : "r"(dst), "l"(src), "r"(bytes), "r"(bar));
 }
 __device__ __forceinline__ void WaitBarrier(uint32_t bar, uint32_t parity) {
   uint32_t done = 0;
@@ -846,8 +846,9 @@ __global__ void __launch_bounds__(kWarps * 32, V2CtasPerSm(NT)) Int2DecodeKernel
     }
   };
   TileWords<D> ta, tb;
-  TilePtrs<D> at;  // register path: of the tile loaded last
-  int idx = 0, slot = 0, page = 0, next_page = 0;  // that tile's page-table index, slot, page
+  // Register path: the pointers of the tile loaded last, its page-table index, slot, page.
+  TilePtrs<D> at;
+  int idx = 0, slot = 0, page = 0, next_page = 0;
   if constexpr (kStaged) {
     if (lane == 0) {
       for (int st = 0; st < kStages; ++st) InitBarrier(stage_bar(st));
@@ -1458,8 +1459,8 @@ cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& g
       (opt.merge != nullptr && opt.merge->parts < part_base + splits)) {
     return cudaErrorInvalidValue;
   }
-  PartArgs a{list,   geo,      q,        r_k, scale, TokensPerSplit(max_tokens, splits, v2 ? kWarps * 2 * kTile : kTile),
-             part_o, part_lse, part_base};
+  const int per_split = TokensPerSplit(max_tokens, splits, v2 ? kWarps * 2 * kTile : kTile);
+  PartArgs a{list, geo, q, r_k, scale, per_split, part_o, part_lse, part_base};
   SetRawQueries(opt.raw, &a);
   const dim3 grid(splits, geo.num_kv_heads, geo.batch);
   cudaError_t e = cudaSuccess;

@@ -235,10 +235,10 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
     got_lse_ways.push_back(Down(lse, rows));
     words_ways.push_back(Down(d_words, 2 * batch));
   }
-  // Dependent or plain launches, how the merge is launched and whether the launches read the queries raw
-  // change nothing: bit-identical results (F32 ways against way 0, BF16 ways against the
-  // converted BF16 way), and raw BF16 reads set the same fault words as the conversion.
-  // Bases: the first way of the same BF16 kernel and the same query values.
+  // Dependent or plain launches, how the merge is launched and whether the launches read the
+  // queries raw change nothing: bit-identical results (F32 ways against way 0, BF16 ways against
+  // the converted BF16 way), and raw BF16 reads set the same fault words as the conversion. Bases:
+  // the first way of the same BF16 kernel and the same query values.
   const size_t bf16_base = 5, warp_base = 8, warp_bf16_base = 10;
   for (size_t w = 1; w < ways.size(); ++w) {
     const bool bf16_q = ways[w].queries == kConvertedBf16 || ways[w].queries == kRawBf16;
