@@ -11,8 +11,10 @@
 // weights enter as two 8-bit digits, the codes as one masked plane of 32-bit K words (4
 // consecutive elements of a token) or V words (one element of 4 consecutive tokens). The
 // v2 kernel (head_dim 64/128) takes the codes as A and accumulates the value products in
-// int32 across tiles; the first kernel (every head_dim) takes the query and the weights as
-// A and accumulates in FP32 per tile (decode_attention.cu says more).
+// int32 across tiles; with pages of 64 tokens its warps stream their pages into shared
+// memory by bulk copies (mbarrier-completed stages). The first kernel (every head_dim) takes
+// the query and the weights as A and accumulates in FP32 per tile (decode_attention.cu says
+// more).
 // Split-K: grid (splits, kv_heads, batch); partial (o_rot, lse) in FP32; a merge kernel
 // combines the splits (and optional extra states, e.g. BF16 windows) and applies R_v^T.
 #pragma once
