@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "bulk_copy.cuh"
 #include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_decode_attention.h"
 #include "query_input.cuh"
@@ -655,40 +656,6 @@ __device__ __forceinline__ void LoadStagedTile(const uint8_t* stage, uint32_t sl
   tw.kl = *reinterpret_cast<const uint2*>(kp + o.p_min);
   tw.vs = *reinterpret_cast<const uint2*>(kp + o.p_v);
   tw.vl = *reinterpret_cast<const uint2*>(kp + o.p_v + o.p_min);
-}
-
-// mbarrier and bulk-copy primitives (sm_90; shared-memory addresses as 32-bit).
-__device__ __forceinline__ void InitBarrier(uint32_t bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void FenceBarrierInit() {
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-__device__ __forceinline__ void FenceProxyAsync() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-// This thread's arrival on `bar`, which then also waits for `bytes` of bulk copies.
-__device__ __forceinline__ void ExpectBytes(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-// (No memory clobber: what reads the copy is ordered by the mbarrier wait, which has one.)
-__device__ __forceinline__ void BulkCopy(uint32_t dst, const void* src, uint32_t bytes,
-                                         uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cta.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               :
-               : "r"(dst), "l"(src), "r"(bytes), "r"(bar));
-}
-__device__ __forceinline__ void WaitBarrier(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (done == 0);
 }
 
 __device__ __forceinline__ void HalvesToFloat(uint2 h, float (&f)[4]) {
