@@ -1,5 +1,7 @@
 #include "client/synthetic.h"
 
+#include "common/tensor_ref.h"
+
 namespace kvcd::synthetic {
 namespace {
 
@@ -68,6 +70,22 @@ std::vector<float> ResidualRow(uint64_t seed, const v1::ModelProfile& p, int32_t
   std::vector<float> out(static_cast<size_t>(p.fsq_residual_width()));
   for (int32_t j = 0; j < p.fsq_residual_width(); ++j) out[j] = Value(seed, layer, pos, 0, j, 3);
   return out;
+}
+
+v1::PutRequest Put(uint64_t seed, const v1::ModelProfile& p, int64_t n, const std::string& salt) {
+  v1::PutRequest r;
+  r.set_model(p.name());
+  r.set_cache_salt(salt);
+  const std::vector<int32_t> t = Tokens(seed, 0, n);
+  r.mutable_tokens()->Add(t.begin(), t.end());
+  const std::vector<int64_t> kv = {p.num_layers(), n, p.num_kv_heads(), p.head_dim()};
+  SetBf16FromFloat(r.mutable_k(), kv, Kv(seed, p, 0, n, 0).data());
+  SetBf16FromFloat(r.mutable_v(), kv, Kv(seed, p, 0, n, 1).data());
+  if (p.fsq_residual_width() > 0) {
+    SetBf16FromFloat(r.mutable_x(), {p.num_layers(), n, p.fsq_residual_width()},
+                     Residuals(seed, p, 0, n).data());
+  }
+  return r;
 }
 
 }  // namespace kvcd::synthetic

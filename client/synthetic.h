@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "kvcd/v1/kvcache.pb.h"
@@ -30,5 +31,10 @@ std::vector<float> Row(uint64_t seed, const v1::ModelProfile& p, int32_t layer, 
 std::vector<float> Residuals(uint64_t seed, const v1::ModelProfile& p, int64_t begin, int64_t n);
 std::vector<float> ResidualRow(uint64_t seed, const v1::ModelProfile& p, int32_t layer,
                                int64_t pos);
+
+// A Put of tokens [0, n) of stream `seed` for model p under `salt`: K and V as BF16, and the
+// FSQ residuals when the model takes them.
+v1::PutRequest Put(uint64_t seed, const v1::ModelProfile& p, int64_t n,
+                   const std::string& salt = "");
 
 }  // namespace kvcd::synthetic

@@ -501,16 +501,26 @@ struct TileWords {
   uint2 ks, kl, vs, vl;              // FP16 scale/min of K and V, tokens 4g .. 4g + 3
 };
 
-template <int N>
-__device__ __forceinline__ void LoadWords(const uint32_t* p, uint32_t (&w)[N]) {
+// A load from global memory through the read-only path (kGlobal) or from shared memory.
+template <class T, bool kGlobal>
+__device__ __forceinline__ T Load(const uint8_t* p) {
+  if constexpr (kGlobal) {
+    return __ldg(reinterpret_cast<const T*>(p));
+  } else {
+    return *reinterpret_cast<const T*>(p);
+  }
+}
+
+template <int N, bool kGlobal>
+__device__ __forceinline__ void LoadWords(const uint8_t* p, uint32_t (&w)[N]) {
   if constexpr (N == 2) {
-    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    const uint2 v = Load<uint2, kGlobal>(p);
     w[0] = v.x;
     w[1] = v.y;
   } else {
 #pragma unroll
     for (int i = 0; i < N; i += 4) {
-      const uint4 v = __ldg(reinterpret_cast<const uint4*>(p + i));
+      const uint4 v = Load<uint4, kGlobal>(p + 4 * i);
       w[i] = v.x;
       w[i + 1] = v.y;
       w[i + 2] = v.z;
@@ -532,12 +542,12 @@ struct LaneOffsets {
   uint32_t p_v;      // K parameters to V parameters: num_kv_heads * 4 * ps bytes
 };
 
+// The lane's offsets for a KV head's rows at `h` (in a page-layer, or in a stage).
 template <int D>
-__device__ __forceinline__ LaneOffsets<D> MakeLaneOffsets(const DecodeGeometry& geo, uint32_t ps,
-                                                          int kvh, int lane) {
+__device__ __forceinline__ LaneOffsets<D> LaneOffsetsOf(const Int2HeadOffsets& h, uint32_t ps,
+                                                        int lane) {
   constexpr int Q = D / 4, U = Q / 8;
   const uint32_t g = lane >> 2, t = lane & 3;
-  const Int2HeadOffsets h = HeadOffsets(geo, ps, kvh, Q);
   LaneOffsets<D> o;
   o.k = h.k + (t * ps + 4 * g) * 4;
   o.v = h.v + (t * Q + g * U) * 4;
@@ -574,88 +584,43 @@ struct TilePtrs {
   }
 };
 
-template <int D>
+// One lane's pieces of the tile at `at`, from a page (kGlobal) or a shared-memory stage.
+template <int D, bool kGlobal>
 __device__ __forceinline__ void LoadTile(const TilePtrs<D>& at, const LaneOffsets<D>& o,
                                          TileWords<D>& tw) {
   constexpr uint32_t Q = D / 4;
 #pragma unroll
   for (int j = 0; j < TileWords<D>::KW; ++j) {
-    const uint4 w = __ldg(reinterpret_cast<const uint4*>(at.k + j * o.k_step));
+    const uint4 w = Load<uint4, kGlobal>(at.k + j * o.k_step);
     tw.k[j][0] = w.x;
     tw.k[j][1] = w.y;
     tw.k[j][2] = w.z;
     tw.k[j][3] = w.w;
   }
-  LoadWords(reinterpret_cast<const uint32_t*>(at.v), tw.v[0]);
-  LoadWords(reinterpret_cast<const uint32_t*>(at.v + 16 * Q), tw.v[1]);  // quad t + 4
-  tw.ks = __ldg(reinterpret_cast<const uint2*>(at.kp));
-  tw.kl = __ldg(reinterpret_cast<const uint2*>(at.kp + o.p_min));
+  LoadWords<TileWords<D>::U, kGlobal>(at.v, tw.v[0]);
+  LoadWords<TileWords<D>::U, kGlobal>(at.v + 16 * Q, tw.v[1]);  // quad t + 4
+  tw.ks = Load<uint2, kGlobal>(at.kp);
+  tw.kl = Load<uint2, kGlobal>(at.kp + o.p_min);
   const uint8_t* vp = at.kp + o.p_v;
-  tw.vs = __ldg(reinterpret_cast<const uint2*>(vp));
-  tw.vl = __ldg(reinterpret_cast<const uint2*>(vp + o.p_min));
+  tw.vs = Load<uint2, kGlobal>(vp);
+  tw.vl = Load<uint2, kGlobal>(vp + o.p_min);
 }
 
 // The staged path (pages of 64 tokens): per warp, kStages shared-memory copies of one KV
 // head's part of a page, laid out as in the page (K codes [Q/4 groups][ps] words, V codes
-// [ps/4 quads][Q] words, K scales and minimums, V scales and minimums), so a lane finds its
-// pieces at the same offsets as in global memory, relative to the stage.
+// [ps/4 quads][Q] words, K scales and minimums, V scales and minimums), so LaneOffsetsOf and
+// LoadTile serve a stage (StageLayout) as they serve a page-layer (HeadOffsets).
 constexpr int kStages = 2;
 template <int D>
 __host__ __device__ constexpr int StageBytes(int ps) {
   return ps * (2 * (D / 4) + 8);
 }
 
+// Where a stage holds its K codes, V codes, K parameters and V parameters.
 template <int D>
-__device__ __forceinline__ LaneOffsets<D> StageLaneOffsets(uint32_t ps, int lane) {
-  constexpr uint32_t Q = D / 4, U = Q / 8;
-  const uint32_t g = lane >> 2, t = lane & 3;
-  LaneOffsets<D> o;
-  o.k = (t * ps + 4 * g) * 4;
-  o.v = ps * Q + (t * Q + g * U) * 4;
-  o.p = 2 * ps * Q + 8 * g;
-  o.k_step = 16 * ps;
-  o.p_min = 2 * ps;
-  o.p_v = 4 * ps;
-  return o;
-}
-
-template <int D>
-__device__ __forceinline__ void LoadStagedTile(const uint8_t* stage, uint32_t slot,
-                                               const LaneOffsets<D>& o, TileWords<D>& tw) {
-  constexpr uint32_t Q = D / 4;
-  const uint8_t* k = stage + (o.k + 4 * slot);
-#pragma unroll
-  for (int j = 0; j < TileWords<D>::KW; ++j) {
-    const uint4 w = *reinterpret_cast<const uint4*>(k + j * o.k_step);
-    tw.k[j][0] = w.x;
-    tw.k[j][1] = w.y;
-    tw.k[j][2] = w.z;
-    tw.k[j][3] = w.w;
-  }
-  const uint8_t* v = stage + (o.v + Q * slot);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const uint8_t* vq = v + half * 16 * Q;  // quads t, t + 4
-    if constexpr (TileWords<D>::U == 2) {
-      const uint2 w = *reinterpret_cast<const uint2*>(vq);
-      tw.v[half][0] = w.x;
-      tw.v[half][1] = w.y;
-    } else {
-#pragma unroll
-      for (int i = 0; i < TileWords<D>::U; i += 4) {
-        const uint4 w = *reinterpret_cast<const uint4*>(vq + 4 * i);
-        tw.v[half][i] = w.x;
-        tw.v[half][i + 1] = w.y;
-        tw.v[half][i + 2] = w.z;
-        tw.v[half][i + 3] = w.w;
-      }
-    }
-  }
-  const uint8_t* kp = stage + (o.p + 2 * slot);
-  tw.ks = *reinterpret_cast<const uint2*>(kp);
-  tw.kl = *reinterpret_cast<const uint2*>(kp + o.p_min);
-  tw.vs = *reinterpret_cast<const uint2*>(kp + o.p_v);
-  tw.vl = *reinterpret_cast<const uint2*>(kp + o.p_v + o.p_min);
+__device__ __forceinline__ Int2HeadOffsets StageLayout(uint32_t ps) {
+  const uint32_t codes = ps * (D / 4);
+  return {0, codes, 2 * codes, 2 * codes + 4 * ps};
 }
 
 __device__ __forceinline__ void HalvesToFloat(uint2 h, float (&f)[4]) {
@@ -776,7 +741,8 @@ __global__ void __launch_bounds__(kWarps * 32, V2CtasPerSm(NT)) Int2DecodeKernel
   const int per_warp = a.tokens_per_split / kWarps;
   const int w_begin = t_begin + warp * per_warp;
   const int w_end = min(t_end, w_begin + per_warp);
-  const LaneOffsets<D> lo = MakeLaneOffsets<D>(geo, ps, kvh, lane);
+  const Int2HeadOffsets head = HeadOffsets(geo, ps, kvh, D / 4);
+  const LaneOffsets<D> lo = LaneOffsetsOf<D>(head, ps, lane);
   auto page_at = [&](int page_id) {
     return p.pages + static_cast<int64_t>(page_id) * p.page_stride;
   };
@@ -790,7 +756,7 @@ __global__ void __launch_bounds__(kWarps * 32, V2CtasPerSm(NT)) Int2DecodeKernel
   constexpr int kStageBytes = StageBytes<D>(PS > 0 ? PS : 64);
   extern __shared__ __align__(128) uint8_t s_stages[];  // [kWarps][kStages][kStageBytes]
   __shared__ uint64_t s_bar[kWarps][kStages];
-  const Int2HeadOffsets head = HeadOffsets(geo, ps, kvh, D / 4);
+  const Int2HeadOffsets stage_layout = StageLayout<D>(ps);
   const int idx0 = w_begin / ps;
   const int n_pages = w_end > w_begin ? (w_end - w_begin + ps - 1) / ps : 0;
   int next_id = 0;  // staged: the page id of the next page to copy (every lane reads it)
@@ -804,12 +770,13 @@ __global__ void __launch_bounds__(kWarps * 32, V2CtasPerSm(NT)) Int2DecodeKernel
     const uint8_t* pg = page_at(page_id);
     const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(stage_at(st)));
     const uint32_t bar = stage_bar(st), codes = ps * (D / 4), params = 4 * ps;
+    const Int2HeadOffsets& sl = stage_layout;
     if (lane == 0) {
       ExpectBytes(bar, kStageBytes);
-      BulkCopy(dst, pg + head.k, codes, bar);
-      BulkCopy(dst + codes, pg + head.v, codes, bar);
-      BulkCopy(dst + 2 * codes, pg + head.kp, params, bar);
-      BulkCopy(dst + 2 * codes + params, pg + head.vp, params, bar);
+      BulkCopy(dst + sl.k, pg + head.k, codes, bar);
+      BulkCopy(dst + sl.v, pg + head.v, codes, bar);
+      BulkCopy(dst + sl.kp, pg + head.kp, params, bar);
+      BulkCopy(dst + sl.vp, pg + head.vp, params, bar);
     }
   };
   TileWords<D> ta, tb;
@@ -829,7 +796,7 @@ __global__ void __launch_bounds__(kWarps * 32, V2CtasPerSm(NT)) Int2DecodeKernel
     slot = tile % ps;
     page = __ldg(table + idx);
     at.Set(page_at(page), slot, lo);
-    LoadTile<D>(at, lo, ta);
+    LoadTile<D, true>(at, lo, ta);
     if (tile - slot + ps < w_end) next_page = __ldg(table + idx + 1);
   }
   WaitPrimaryGrid();
@@ -921,7 +888,7 @@ __global__ void __launch_bounds__(kWarps * 32, V2CtasPerSm(NT)) Int2DecodeKernel
         page = next_page;
         if (ntile + ps < w_end) next_page = __ldg(table + idx + 1);
       }
-      LoadTile<D>(at, lo, nxt);
+      LoadTile<D, true>(at, lo, nxt);
     }
   };
   // One tile's math (the tile at `tile`, in cur); advances `tile`. `masked`: whether the
@@ -1045,7 +1012,7 @@ __global__ void __launch_bounds__(kWarps * 32, V2CtasPerSm(NT)) Int2DecodeKernel
   using Full = std::integral_constant<bool, false>;
   using Masked = std::integral_constant<bool, true>;
   if constexpr (kStaged) {
-    const LaneOffsets<D> so = StageLaneOffsets<D>(ps, lane);
+    const LaneOffsets<D> so = LaneOffsetsOf<D>(stage_layout, ps, lane);
     for (int i = 0; i < n_pages; ++i) {
       const int st = i % kStages;
       WaitBarrier(stage_bar(st), (i / kStages) & 1);
@@ -1053,8 +1020,10 @@ __global__ void __launch_bounds__(kWarps * 32, V2CtasPerSm(NT)) Int2DecodeKernel
 #pragma unroll
       for (int half = 0; half < PS / kTile; ++half) {
         if (tile < w_end) {
+          TilePtrs<D> in_stage;
+          in_stage.Set(stage, half * kTile, so);
           TileWords<D> cur;
-          LoadStagedTile<D>(stage, half * kTile, so, cur);
+          LoadTile<D, false>(in_stage, so, cur);
           if (tile + kTile <= w_end) {
             compute(Full{}, cur);
           } else {

@@ -7,11 +7,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/phase_times.h"
 #include "common/status_macros.h"
@@ -409,12 +409,9 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     // Every return after the fork joins the side stream back first, so that the daemon's
     // stream (and the next call's use of this scratch) stays ordered after its kernels.
     bool joined = !forked;
-    struct JoinOnExit {
-      std::function<void()> fn;
-      ~JoinOnExit() { fn(); }
-    } join_on_exit{[&] {
+    absl::Cleanup join_on_exit = [&] {
       if (!joined) Note(kc::JoinFrom(side_stream_, join_event_));
-    }};
+    };
     int part_base = 0;
     bool merged = false;
     int launched_so_far = 0;

@@ -123,15 +123,7 @@ v1::ModelProfile Tiny(const std::string& name = "tiny") {
 }
 
 v1::PutRequest Put(const std::string& model, uint64_t seed, int64_t n) {
-  const v1::ModelProfile p = Tiny(model);
-  v1::PutRequest req;
-  req.set_model(model);
-  const auto t = synthetic::Tokens(seed, 0, n);
-  req.mutable_tokens()->Add(t.begin(), t.end());
-  const std::vector<int64_t> shape = {p.num_layers(), n, p.num_kv_heads(), p.head_dim()};
-  SetBf16FromFloat(req.mutable_k(), shape, synthetic::Kv(seed, p, 0, n, 0).data());
-  SetBf16FromFloat(req.mutable_v(), shape, synthetic::Kv(seed, p, 0, n, 1).data());
-  return req;
+  return synthetic::Put(seed, Tiny(model), n);
 }
 
 v1::AppendRequest Append(const std::string& model, uint64_t seed, int64_t begin, int64_t n) {

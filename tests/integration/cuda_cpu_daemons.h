@@ -163,19 +163,7 @@ class CudaCpuDaemonsTest : public Base {
   }
 
   v1::PutRequest MakePut(uint64_t seed, int64_t n, const std::string& salt) const {
-    v1::PutRequest r;
-    r.set_model(p_.name());
-    r.set_cache_salt(salt);
-    const auto t = synthetic::Tokens(seed, 0, n);
-    r.mutable_tokens()->Add(t.begin(), t.end());
-    const std::vector<int64_t> kv = {p_.num_layers(), n, p_.num_kv_heads(), p_.head_dim()};
-    SetBf16FromFloat(r.mutable_k(), kv, synthetic::Kv(seed, p_, 0, n, 0).data());
-    SetBf16FromFloat(r.mutable_v(), kv, synthetic::Kv(seed, p_, 0, n, 1).data());
-    if (p_.fsq_residual_width() > 0) {
-      SetBf16FromFloat(r.mutable_x(), {p_.num_layers(), n, p_.fsq_residual_width()},
-                       synthetic::Residuals(seed, p_, 0, n).data());
-    }
-    return r;
+    return synthetic::Put(seed, p_, n, salt);
   }
 
   uint64_t Open(Client* c, const std::vector<int32_t>& tokens, const std::string& salt) const {

@@ -35,16 +35,7 @@ inline v1::ModelProfile Profile(const ModelSpec& s) {
 
 inline v1::PutRequest MakePut(const ModelSpec& s, uint64_t seed, int64_t n,
                               const std::string& salt = "") {
-  v1::PutRequest req;
-  req.set_model(s.name);
-  req.set_cache_salt(salt);
-  const auto tokens = synthetic::Tokens(seed, 0, n);
-  req.mutable_tokens()->Add(tokens.begin(), tokens.end());
-  const auto p = Profile(s);
-  const std::vector<int64_t> shape = {s.num_layers, n, s.num_kv_heads, s.head_dim};
-  SetBf16FromFloat(req.mutable_k(), shape, synthetic::Kv(seed, p, 0, n, 0).data());
-  SetBf16FromFloat(req.mutable_v(), shape, synthetic::Kv(seed, p, 0, n, 1).data());
-  return req;
+  return synthetic::Put(seed, Profile(s), n, salt);
 }
 
 inline v1::AppendRequest MakeAppend(const ModelSpec& s, uint64_t seq, uint64_t seed, int64_t begin,
