@@ -30,9 +30,26 @@ if [[ ! -x "$venv/bin/python" ]]; then
   "$py" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip
 fi
-# The package as a user installs it: pip install ./client/python (PEP 517 build in an
-# isolated environment; a changed proto or version is picked up on every run).
-"$venv/bin/python" -m pip install -q ./client/python pytest
-rm -rf client/python/build client/python/src/kvcd.egg-info  # in-tree build leftovers
+# The package as a user gets it: the wheel built from the sdist (scripts/build-python-dist.sh;
+# a changed proto or version is picked up on every run), with the newest grpcio/protobuf.
+dist=$PWD/.cache/python-dist
+./scripts/build-python-dist.sh "$dist" >/dev/null
+wheel=$(ls "$dist"/kvcd-*-py3-none-any.whl)
+"$venv/bin/python" -m pip install -q --force-reinstall --no-cache-dir "$wheel" pytest==8.3.4
+# The same wheel in an environment pinned to the declared floors (setup.py RUNTIME_FLOORS):
+# the client must join an environment that pins an older protobuf / grpcio.
+floor=${KVCD_PY_FLOOR_VENV:-.cache/python-floor-venv}
+[[ $floor == /* ]] || floor=$PWD/$floor
+if [[ ! -x "$floor/bin/python" ]]; then
+  "$venv/bin/python" -m venv "$floor"
+  "$floor/bin/python" -m pip install -q protobuf==4.25.1 grpcio==1.62.0 numpy==1.23.5 \
+    pytest==8.3.4
+fi
+"$floor/bin/python" -m pip install -q --force-reinstall --no-deps "$wheel"
+"$floor/bin/python" -m pip check
 cd client/python
+echo "test-python: floor environment ($("$floor/bin/python" -c 'import google.protobuf as p, grpc; print("protobuf", p.__version__, "grpcio", grpc.__version__)'))"
+"$floor/bin/python" -W error::DeprecationWarning -m pytest -p no:cacheprovider -q \
+  tests/test_api_parity.py tests/test_aio.py tests/test_errors.py tests/test_pages.py
+echo "test-python: newest environment"
 exec "$venv/bin/python" -m pytest -p no:cacheprovider -q -rs "$@" tests

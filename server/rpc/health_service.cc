@@ -45,8 +45,29 @@ class HealthService::Watcher final : public grpc::ServerWriteReactor<HealthCheck
       dirty_ = false;
       writing_ = true;
       resp_.set_status(latest_);
+      if (finish_after_write_) {  // the last status, then the end of the stream
+        done_ = true;
+        owner_->watchers_.erase(this);
+        StartWriteAndFinish(&resp_, grpc::WriteOptions(), final_status_);
+        return;
+      }
       StartWrite(&resp_);
+      return;
     }
+    if (finish_after_write_) FinishLocked(final_status_);
+  }
+
+  // Ends the stream once the latest status is written: a change that is still waiting
+  // behind a write in flight (NOT_SERVING right after the first SERVING, under load) reaches
+  // the client before the stream's status. REQUIRES: owner_->mu_ held.
+  void FinishAfterWritesLocked(const grpc::Status& s) {
+    if (done_) return;
+    if (!writing_) {
+      FinishLocked(s);
+      return;
+    }
+    finish_after_write_ = true;
+    final_status_ = s;
   }
 
   void OnCancel() override {
@@ -68,7 +89,8 @@ class HealthService::Watcher final : public grpc::ServerWriteReactor<HealthCheck
   const bool known_;
   HealthCheckResponse resp_;
   HealthCheckResponse::ServingStatus latest_ = HealthCheckResponse::UNKNOWN;
-  bool writing_ = false, dirty_ = false, done_ = false;
+  bool writing_ = false, dirty_ = false, done_ = false, finish_after_write_ = false;
+  grpc::Status final_status_;
 };
 
 HealthService::~HealthService() {
@@ -86,7 +108,8 @@ void HealthService::SetServing(bool serving) {
 void HealthService::EndWatches() {
   std::lock_guard<std::mutex> lock(mu_);
   for (Watcher* w : std::set<Watcher*>(watchers_)) {
-    w->FinishLocked(grpc::Status(grpc::StatusCode::UNAVAILABLE, "kvcd is shutting down"));
+    w->FinishAfterWritesLocked(
+        grpc::Status(grpc::StatusCode::UNAVAILABLE, "kvcd is shutting down"));
   }
 }
 

@@ -19,7 +19,7 @@ class HealthService final : public grpc::health::v1::Health::CallbackService {
 
   void SetServing(bool serving);
   bool serving() const;
-  // Ends every Watch stream with UNAVAILABLE (after the status it last sent). A watch
+  // Ends every Watch stream with UNAVAILABLE once its latest status is written. A watch
   // never ends by itself, so the daemon calls this before stopping its server, which
   // would otherwise wait for open watches until the drain deadline.
   void EndWatches();

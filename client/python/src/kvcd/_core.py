@@ -4,6 +4,8 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import socket
+import ssl
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +15,7 @@ import grpc
 import numpy as np
 
 from . import tensors as T
+from .errors import error_from_status
 from .pages import PageGeometry, decode_page
 from .v1 import kvcache_pb2 as pb
 
@@ -117,6 +120,66 @@ def channel_setup(target: str, tls: Union[None, bool, TLS, grpc.ChannelCredentia
             warnings.warn(f"sending a bearer token to {target} without TLS", stacklevel=3)
         metadata = (("authorization", f"Bearer {token}"),)
     return creds, list(opts.items()), metadata
+
+
+def _host_port(target: str) -> Optional[Tuple[str, int]]:
+    if target.startswith("unix:"):
+        return None
+    t = target.split("///")[-1]
+    host, sep, port = t.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    return host.strip("[]") or "localhost", int(port)
+
+
+def _speaks_tls(host: str, port: int, timeout: float) -> Optional[bool]:
+    """True if the port completes a TLS handshake, False if it answers but not with TLS,
+    None if nothing accepts a connection there (or the probe itself failed)."""
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError:
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    try:
+        with ctx.wrap_socket(sock, server_hostname=host):
+            return True
+    except (ssl.SSLError, ConnectionError):
+        return False
+    except OSError:
+        return None
+    finally:
+        sock.close()
+
+
+def closed_error(target: str) -> Exception:
+    """The error of a call on a closed client (a kvcd error, not gRPC's ValueError)."""
+    return error_from_status(grpc.StatusCode.CANCELLED,
+                             f"the client of {target} is closed; make a new kvcd.Client")
+
+
+def unreachable_message(target: str, secure: bool, waited: float) -> str:
+    """Why a channel did not become ready, with what to do: a plaintext client on a TLS
+    port, a TLS client on a plaintext port, or nothing listening."""
+    base = f"kvcd at {target} not reachable within {waited:g} s"
+    hp = _host_port(target)
+    if hp is None:
+        return base
+    tls = _speaks_tls(hp[0], hp[1], timeout=min(2.0, max(waited, 0.5)))
+    if tls is None:
+        return f"{base}: nothing accepts connections on {hp[0]}:{hp[1]} (is the daemon running?)"
+    if tls and not secure:
+        return (f"{base}: the port speaks TLS and this client connects in plaintext; pass "
+                f"tls=kvcd.TLS(root_certificates=...) (or tls=True for the system roots)")
+    if not tls and secure:
+        return (f"{base}: the port does not speak TLS and this client uses TLS; connect "
+                f"without tls= (a plaintext daemon) or enable tls in the daemon's config")
+    if tls and secure:
+        return (f"{base}: the TLS handshake does not complete with this client's "
+                f"credentials (check root_certificates, server_name and, for mTLS, the "
+                f"client certificate)")
+    return base
 
 
 # ----------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Sequence as Seq, Tu
 import grpc
 import grpc.aio
 
-from . import _core as C
+from . import _api, _core as C
+from ._api import implements
 from ._core import DecodeResult, FetchedPages, MatchResult, PutResult, TLS, TokenSeq
 from ._health import health_pb2
 from .errors import KvcdError, NotFound, _from_rpc_error, error_from_status
@@ -52,6 +53,7 @@ def _seq_list(sequences: Union[SequenceLike, Seq[SequenceLike]]) -> List[Sequenc
     return list(sequences)
 
 
+@implements(_api.ClientAPI)
 class Client:
     """asyncio client; same constructor arguments as :class:`kvcd.Client`, except that
     connecting happens on the first call or on ``await client.wait_ready()``."""
@@ -72,8 +74,12 @@ class Client:
         self._stub = pb_grpc.KvCacheStub(self._channel)
         self._profiles: Dict[str, pb.ModelProfile] = {}
         self._request_ids = itertools.count(1)
+        self._secure = creds is not None
+        self._closed = False
 
     async def _call(self, method: str, request, timeout: Optional[float] = None):
+        if self._closed:
+            raise C.closed_error(self.target)
         try:
             return await getattr(self._stub, method)(
                 request, timeout=self.timeout if timeout is None else timeout,
@@ -82,15 +88,15 @@ class Client:
             raise _from_rpc_error(e) from None
 
     async def wait_ready(self, timeout: float = 10.0) -> None:
-        """Waits for the channel to connect; raises Unavailable after ``timeout`` s."""
         try:
             await asyncio.wait_for(self._channel.channel_ready(), timeout)
         except asyncio.TimeoutError:
-            raise error_from_status(grpc.StatusCode.UNAVAILABLE,
-                                    f"kvcd at {self.target} not reachable within {timeout} s")\
-                from None
+            message = await asyncio.get_running_loop().run_in_executor(
+                None, C.unreachable_message, self.target, self._secure, timeout)
+            raise error_from_status(grpc.StatusCode.UNAVAILABLE, message) from None
 
     async def close(self) -> None:
+        self._closed = True
         await self._channel.close(None)
 
     async def __aenter__(self) -> "Client":
@@ -102,9 +108,10 @@ class Client:
     # -- models -----------------------------------------------------------------------
 
     async def register_model(self, profile: Optional[pb.ModelProfile] = None, *,
-                             codec_blob: bytes = b"", **fields: Any) -> pb.ModelInfo:
+                             codec_blob: bytes = b"", tenant: str = "",
+                             **fields: Any) -> pb.ModelInfo:
         req = pb.RegisterModelRequest(profile=C.make_profile(profile, fields),
-                                      codec_blob=codec_blob)
+                                      codec_blob=codec_blob, tenant=tenant)
         info = (await self._call("RegisterModel", req)).model
         self._profiles[info.profile.name] = info.profile
         return info
@@ -130,7 +137,6 @@ class Client:
     async def put(self, model: str, tokens: TokenSeq, k: Any, v: Any, *, cache_salt: str = "",
                   kv_first_token: int = 0, wire_dtype: Optional[str] = None,
                   x: Any = None) -> PutResult:
-        """See :meth:`kvcd.Client.put` (chunks are sent one after the other)."""
         p = await self.profile(model)
         toks = C.tokens_list(tokens)
         reqs = C.put_requests(p, model, toks, k, v, cache_salt, kv_first_token, wire_dtype,
@@ -153,7 +159,6 @@ class Client:
                             v: Any = None, cache_salt: str = "", lease_ms: int = 0,
                             auto_renew: bool = True,
                             wire_dtype: Optional[str] = None, x: Any = None) -> "Sequence":
-        """See :meth:`kvcd.Client.open_sequence`; ``async with await c.open_sequence(...)``."""
         toks = C.tokens_list(tokens)
         p = await self.profile(model)
         if k is not None or v is not None:
@@ -221,6 +226,8 @@ class Client:
         return _track(seqs, C.decode_result(await self._call("AttentionDecode", req), q))
 
     def decode_session(self) -> "DecodeSession":
+        if self._closed:
+            raise C.closed_error(self.target)
         return DecodeSession(self)
 
     # -- pages ------------------------------------------------------------------------
@@ -254,6 +261,8 @@ class Client:
         return await self._call("Stats", pb.StatsRequest())
 
     async def health(self, service: str = "") -> str:
+        if self._closed:
+            raise C.closed_error(self.target)
         check = self._channel.unary_unary(
             "/grpc.health.v1.Health/Check",
             request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
@@ -266,6 +275,8 @@ class Client:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
 
     async def watch_health(self, service: str = "") -> AsyncIterator[str]:
+        if self._closed:
+            raise C.closed_error(self.target)
         watch = self._channel.unary_stream(
             "/grpc.health.v1.Health/Watch",
             request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
@@ -312,6 +323,7 @@ class Client:
                          pb.CloseDecodeChannelRequest(channel_id=int(channel_id)))
 
 
+@implements(_api.SequenceAPI)
 class Sequence:
     """asyncio twin of :class:`kvcd.Sequence` (``async with``; renewal is a task)."""
 
@@ -352,8 +364,6 @@ class Sequence:
         return self.lease_ms
 
     def start_renewing(self, interval: Optional[float] = None) -> None:
-        """Renews the lease every ``interval`` s (default: a third of the lease) in a task
-        that holds only a weak reference to the sequence."""
         if self._task is not None:
             return
         period = interval if interval is not None else max(self.lease_ms, 30) / 3000.0
@@ -416,6 +426,7 @@ async def _renew_loop(ref: "weakref.ref[Sequence]", period: float) -> None:
         del seq
 
 
+@implements(_api.DecodeSessionAPI)
 class DecodeSession:
     """asyncio twin of :class:`kvcd.DecodeSession` (one per task)."""
 

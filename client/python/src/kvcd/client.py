@@ -9,7 +9,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence as Seq, Tuple, 
 
 import grpc
 
-from . import _core as C
+from . import _api, _core as C
+from ._api import implements
 from ._core import (DecodeResult, FetchedPages, MatchResult, PutResult, TLS, TokenSeq)
 from .errors import KvcdError, NotFound, _from_rpc_error, error_from_status
 from .pages import PageGeometry
@@ -42,6 +43,7 @@ def _seq_list(sequences: Union[SequenceLike, Seq[SequenceLike]]) -> List[Sequenc
     return list(sequences)
 
 
+@implements(_api.ClientAPI)
 class Client:
     """A blocking client of one kvcd daemon.
 
@@ -85,18 +87,28 @@ class Client:
         self._profiles: Dict[str, pb.ModelProfile] = {}
         self._lock = threading.Lock()
         self._request_ids = itertools.count(1)
+        self._secure = creds is not None
+        self._closed = False
         if wait_ready is not None:
             try:
-                grpc.channel_ready_future(self._channel).result(timeout=wait_ready)
-            except grpc.FutureTimeoutError:
-                self._channel.close()
-                raise error_from_status(grpc.StatusCode.UNAVAILABLE,
-                                        f"kvcd at {target} not reachable within {wait_ready} s")\
-                    from None
+                self.wait_ready(wait_ready)
+            except KvcdError:
+                self.close()
+                raise
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise error_from_status(
+                grpc.StatusCode.UNAVAILABLE,
+                C.unreachable_message(self.target, self._secure, timeout)) from None
 
     # -- plumbing ---------------------------------------------------------------------
 
     def _call(self, method: str, request, timeout: Optional[float] = None):
+        if self._closed:
+            raise C.closed_error(self.target)
         try:
             return getattr(self._stub, method)(
                 request, timeout=self.timeout if timeout is None else timeout,
@@ -105,7 +117,7 @@ class Client:
             raise _from_rpc_error(e) from None
 
     def close(self) -> None:
-        """Closes the channel (open sequences keep their leases until they run out)."""
+        self._closed = True
         self._channel.close()
 
     def __enter__(self) -> "Client":
@@ -119,18 +131,6 @@ class Client:
     def register_model(self, profile: Optional[pb.ModelProfile] = None, *,
                        codec_blob: bytes = b"", tenant: str = "",
                        **fields: Any) -> pb.ModelInfo:
-        """Registers a model profile (idempotent for an identical profile).
-
-        Give a ``ModelProfile`` message and/or its fields as keywords, e.g.
-        ``register_model(name="m", num_layers=2, num_q_heads=4, num_kv_heads=2,
-        head_dim=16, page_size=4, sink_tokens=4, recent_tokens=8, history_format="bf16",
-        memory_bytes=1 << 20)``. ``codec_blob``: a codec file (safetensors rotations).
-        ``tenant``: the tenant the registration counts against (its ``max_models`` /
-        ``max_model_bytes`` quotas; with auth on, the token must grant it). "" = default.
-
-        Raises: InvalidArgument (bad field), AlreadyExists (name taken by another profile),
-        ResourceExhausted (the tenant's registration quota or the memory budget).
-        """
         req = pb.RegisterModelRequest(profile=C.make_profile(profile, fields),
                                       codec_blob=codec_blob, tenant=tenant)
         info = self._call("RegisterModel", req).model
@@ -139,7 +139,6 @@ class Client:
         return info
 
     def list_models(self) -> List[pb.ModelInfo]:
-        """All registered models with their pools, codec and cache figures."""
         models = list(self._call("ListModels", pb.ListModelsRequest()).models)
         with self._lock:
             for m in models:
@@ -147,14 +146,12 @@ class Client:
         return models
 
     def get_model(self, name: str) -> pb.ModelInfo:
-        """The registered model ``name``; raises NotFound if absent."""
         for m in self.list_models():
             if m.profile.name == name:
                 return m
         raise NotFound(f"model '{name}' is not registered", code=grpc.StatusCode.NOT_FOUND)
 
     def profile(self, name: str) -> pb.ModelProfile:
-        """The (cached) profile of model ``name``, used to check shapes before sending."""
         with self._lock:
             p = self._profiles.get(name)
         return p if p is not None else self.get_model(name).profile
@@ -164,21 +161,6 @@ class Client:
     def put(self, model: str, tokens: TokenSeq, k: Any, v: Any, *, cache_salt: str = "",
             kv_first_token: int = 0, wire_dtype: Optional[str] = None,
             x: Any = None) -> PutResult:
-        """Caches the K/V of a prompt (prefill -> kvcd).
-
-        ``k``/``v``: ``[num_layers, len(tokens) - kv_first_token, num_kv_heads, head_dim]``
-        (numpy or torch, F32 or BF16; ``wire_dtype="bf16"`` halves the bytes sent). Shapes
-        are checked against the model before anything is sent. A payload over
-        ``max_message_bytes`` is split into page-aligned chunks sent in order with
-        ``kv_first_token`` (each chunk's prefix is cached by the one before).
-
-        FSQ models (``history_format`` FSQ) also need ``x``: the attention blocks'
-        normalized residuals of the same tokens, ``[num_layers, n, fsq_residual_width]``;
-        the daemon stores their 4-bit codes as the history. Other models must not get ``x``.
-
-        Only full pages are stored: a trailing partial page is ignored by the daemon and
-        reported in ``PutResult.ignored_tokens``. Idempotent on cached prefixes.
-        """
         p = self.profile(model)
         toks = C.tokens_list(tokens)
         reqs = C.put_requests(p, model, toks, k, v, cache_salt, kv_first_token, wire_dtype,
@@ -188,7 +170,6 @@ class Client:
         return result
 
     def match(self, model: str, tokens: TokenSeq, *, cache_salt: str = "") -> MatchResult:
-        """The longest cached page-aligned prefix of ``tokens`` (nothing is pinned)."""
         r = self._call("Match", pb.MatchRequest(model=model, cache_salt=cache_salt,
                                                 tokens=C.tokens_list(tokens)))
         return MatchResult(int(r.matched_tokens), int(r.matched_pages))
@@ -198,17 +179,6 @@ class Client:
     def open_sequence(self, model: str, tokens: TokenSeq, *, k: Any = None, v: Any = None,
                       cache_salt: str = "", lease_ms: int = 0, auto_renew: bool = True,
                       wire_dtype: Optional[str] = None, x: Any = None) -> "Sequence":
-        """Opens a decode sequence on the longest cached prefix of ``tokens``.
-
-        The daemon keeps only the matched (page-aligned, cached) tokens: the sequence holds
-        ``matched_tokens`` tokens and ``tokens[matched_tokens:]`` must be appended. Give
-        ``k``/``v`` of the whole prompt (``[num_layers, len(tokens), num_kv_heads,
-        head_dim]``) and this method appends the missing rows itself; otherwise they are
-        listed in ``Sequence.pending_tokens``.
-
-        Use it as a context manager: the sequence is closed on exit, also on an exception.
-        With ``auto_renew`` a background thread renews the lease every third of it.
-        """
         toks = C.tokens_list(tokens)
         p = self.profile(model)
         if k is not None or v is not None:
@@ -233,9 +203,6 @@ class Client:
 
     def append(self, sequence: SequenceLike, tokens: TokenSeq, k: Any, v: Any, *,
                wire_dtype: Optional[str] = None, x: Any = None) -> int:
-        """Appends new tokens' K/V (``[num_layers, n, num_kv_heads, head_dim]``) for all
-        layers, with their residuals ``x`` (``[num_layers, n, fsq_residual_width]``) for FSQ
-        models; split under the message limit if needed. Returns the new length."""
         toks = C.tokens_list(tokens)
         p = self.profile(sequence.model) if isinstance(sequence, Sequence) else None
         length = 0
@@ -247,12 +214,10 @@ class Client:
         return length
 
     def renew_lease(self, sequence: SequenceLike, lease_ms: int = 0) -> int:
-        """Renews a sequence's lease (0 = the lease granted at open); returns it in ms."""
         return int(self._call("RenewLease", pb.RenewLeaseRequest(
             sequence_id=_seq_id(sequence), lease_ms=int(lease_ms))).lease_ms)
 
     def close_sequence(self, sequence: SequenceLike) -> int:
-        """Closes a sequence (unpins its prefix, frees private pages); returns its length."""
         return int(self._call("CloseSequence",
                               pb.CloseSequenceRequest(sequence_id=_seq_id(sequence))).length)
 
@@ -270,16 +235,6 @@ class Client:
                          o_out: Optional[pb.TensorRef] = None,
                          lse_out: Optional[pb.TensorRef] = None,
                          wire_dtype: Optional[str] = None, x_new: Any = None) -> DecodeResult:
-        """Attention of one layer for a batch of B sequences over everything they hold.
-
-        ``q``: ``[B, num_q_heads, head_dim]`` raw post-RoPE queries. With ``k_new``/``v_new``
-        (``[B, num_kv_heads, head_dim]``) and ``new_tokens`` (B ids) each sequence first
-        receives one token at this layer (fused append; the token is committed once every
-        layer has it); FSQ models also need ``x_new`` (``[B, fsq_residual_width]``, the
-        token's residual at this layer). ``softmax_scale`` 0 means ``1/sqrt(head_dim)``. Returns ``(o, lse)``
-        (see :class:`kvcd.DecodeResult`). ``o_out``/``lse_out``: cuda_ipc regions the daemon
-        writes instead (CUDA backend).
-        """
         seqs = _seq_list(sequences)
         req = C.decode_request(self._decode_profile(seqs), layer, [_seq_id(s) for s in seqs],
                                q, k_new, v_new, new_tokens, softmax_scale, o_out, lse_out,
@@ -287,7 +242,8 @@ class Client:
         return _track(seqs, C.decode_result(self._call("AttentionDecode", req), q))
 
     def decode_session(self) -> "DecodeSession":
-        """A bidirectional ``AttentionDecodeStream`` for the per-layer decode loop."""
+        if self._closed:
+            raise C.closed_error(self.target)
         return DecodeSession(self)
 
     # -- pages ------------------------------------------------------------------------
@@ -296,11 +252,6 @@ class Client:
                     expand_to_bf16: bool = False, as_torch: bool = False,
                     destination: Optional[pb.TensorRef] = None,
                     model: Optional[str] = None) -> FetchedPages:
-        """A sequence's pages: as stored (``pages``; INT2 stays INT2, decode them with
-        :meth:`FetchedPages.decode` or :mod:`kvcd.pages`) or, with ``expand_to_bf16``, its
-        K/V as BF16 in the model's original space (``k``/``v``). ``first_token`` must be
-        page-aligned; ``num_tokens`` 0 means to the end. ``destination``: a cuda_ipc region
-        or nccl slot receiving the stored pages (CUDA backend)."""
         req = pb.FetchPagesRequest(sequence_id=_seq_id(sequence), first_token=int(first_token),
                                    num_tokens=int(num_tokens), expand_to_bf16=expand_to_bf16)
         if destination is not None:
@@ -313,11 +264,6 @@ class Client:
                    pages: Union[FetchedPages, Seq[pb.StoredPage], None] = None, *,
                    first_page: Optional[int] = None, cache_salt: str = "",
                    device_pages: Optional[pb.TensorRef] = None, num_pages: int = 0) -> int:
-        """Stores pages already in the model's storage format (e.g. another daemon's or
-        tenant's ``fetch_pages``) for ``tokens``, without re-encoding. ``first_page``
-        defaults to the first page's position; the prefix before it must be cached. A
-        trailing partial page is left out (only full pages are stored, as with ``put``).
-        Returns the tokens newly inserted."""
         p = self.profile(model)
         req = C.push_request(p, model, C.tokens_list(tokens), pages or [], first_page,
                              cache_salt, device_pages, num_pages)
@@ -326,11 +272,11 @@ class Client:
     # -- stats, health ------------------------------------------------------------------
 
     def stats(self) -> pb.StatsResponse:
-        """Memory, pools, hit/miss tokens, evictions, sequences, backend and version."""
         return self._call("Stats", pb.StatsRequest())
 
     def health(self, service: str = "") -> str:
-        """grpc.health.v1 Check: "SERVING", "NOT_SERVING", ... ("" = the whole server)."""
+        if self._closed:
+            raise C.closed_error(self.target)
         check = self._channel.unary_unary(
             _HEALTH_CHECK, request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
             response_deserializer=health_pb2.HealthCheckResponse.FromString)
@@ -342,7 +288,8 @@ class Client:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
 
     def watch_health(self, service: str = "") -> Iterator[str]:
-        """grpc.health.v1 Watch: yields the serving status on every change."""
+        if self._closed:
+            raise C.closed_error(self.target)
         watch = self._channel.unary_stream(
             _HEALTH_WATCH, request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
             response_deserializer=health_pb2.HealthCheckResponse.FromString)
@@ -359,7 +306,6 @@ class Client:
 
     def register_buffer(self, ipc_handle: bytes, size: int, ready_event_handle: bytes, *,
                         lease_ms: int = 0, name: str = "") -> pb.RegisterBufferResponse:
-        """Low level: maps a device allocation into the daemon (see kvcd.cuda)."""
         return self._call("RegisterBuffer", pb.RegisterBufferRequest(
             ipc_handle=ipc_handle, size=int(size), ready_event_handle=ready_event_handle,
             lease_ms=int(lease_ms), name=name))
@@ -372,7 +318,6 @@ class Client:
             buffer_id=int(buffer_id), lease_ms=int(lease_ms))).lease_ms)
 
     def nccl_connect(self, name: str = "", timeout_ms: int = 0) -> pb.NcclConnectResponse:
-        """Low level: the daemon's side of a 2-rank NCCL communicator (CUDA backend)."""
         return self._call("NcclConnect", pb.NcclConnectRequest(name=name,
                                                                timeout_ms=int(timeout_ms)))
 
@@ -382,8 +327,6 @@ class Client:
 
     def open_decode_channel(self, shm_name: str, lease_ms: int = 0
                             ) -> pb.OpenDecodeChannelResponse:
-        """Low level: the RPC behind the C++ shared-memory DecodeChannel (the shared-memory
-        protocol itself is not implemented in Python)."""
         return self._call("OpenDecodeChannel", pb.OpenDecodeChannelRequest(
             shm_name=shm_name, lease_ms=int(lease_ms)))
 
@@ -391,6 +334,7 @@ class Client:
         self._call("CloseDecodeChannel", pb.CloseDecodeChannelRequest(channel_id=int(channel_id)))
 
 
+@implements(_api.SequenceAPI)
 class Sequence:
     """An open decode sequence (from :meth:`Client.open_sequence`).
 
@@ -421,7 +365,6 @@ class Sequence:
 
     def append(self, tokens: TokenSeq, k: Any, v: Any, *,
                wire_dtype: Optional[str] = None, x: Any = None) -> int:
-        """Appends tokens' K/V; tokens listed in ``pending_tokens`` are removed from it."""
         toks = C.tokens_list(tokens)
         length = self.client.append(self, toks, k, v, wire_dtype=wire_dtype, x=x)
         if self.pending_tokens and toks[:len(self.pending_tokens)] == self.pending_tokens[:len(toks)]:
@@ -429,7 +372,6 @@ class Sequence:
         return length
 
     def attention_decode(self, layer: int, q: Any, **kwargs: Any) -> DecodeResult:
-        """:meth:`Client.attention_decode` for this sequence alone (B = 1)."""
         return self.client.attention_decode(layer, [self], q, **kwargs)
 
     def fetch_pages(self, **kwargs: Any) -> FetchedPages:
@@ -442,10 +384,6 @@ class Sequence:
     # -- background renewal -----------------------------------------------------------
 
     def start_renewing(self, interval: Optional[float] = None) -> None:
-        """Renews the lease every ``interval`` s (default: a third of the lease).
-
-        The thread holds only a weak reference: a Sequence dropped without ``close`` stops
-        being renewed, and the daemon closes it when its lease runs out."""
         if self._thread is not None:
             return
         period = interval if interval is not None else max(self.lease_ms, 30) / 3000.0
@@ -455,7 +393,6 @@ class Sequence:
         self._thread.start()
 
     def wait_renewals(self, n: int, timeout: float) -> bool:
-        """Blocks until the background thread has renewed ``n`` times (True) or timeout."""
         with self._renewed:
             return self._renewed.wait_for(lambda: self.renewals >= n, timeout)
 
@@ -466,8 +403,6 @@ class Sequence:
         self._thread = None
 
     def close(self, *, missing_ok: bool = False) -> int:
-        """Stops renewal and closes the sequence; returns its final length (-1 if it was
-        already gone and ``missing_ok``)."""
         self.stop_renewing()
         if self.closed:
             return self.length
@@ -505,6 +440,7 @@ def _renew_loop(ref: "weakref.ref[Sequence]", stop: threading.Event, period: flo
         del seq
 
 
+@implements(_api.DecodeSessionAPI)
 class DecodeSession:
     """One ``AttentionDecodeStream``: the per-layer decode loop of a worker.
 
@@ -537,7 +473,6 @@ class DecodeSession:
                softmax_scale: float = 0.0, o_out: Optional[pb.TensorRef] = None,
                lse_out: Optional[pb.TensorRef] = None,
                wire_dtype: Optional[str] = None, x_new: Any = None) -> DecodeResult:
-        """Same arguments and result as :meth:`Client.attention_decode`."""
         if self._closed:
             raise ValueError("the decode session is closed")
         seqs = _seq_list(sequences)
@@ -557,7 +492,6 @@ class DecodeSession:
         return _track(seqs, C.decode_result(r.response, q))
 
     def close(self) -> None:
-        """Half-closes the stream and waits for the daemon to finish it."""
         if self._closed:
             return
         self._closed = True
@@ -570,7 +504,6 @@ class DecodeSession:
                 raise _from_rpc_error(e) from None
 
     def cancel(self) -> None:
-        """Abandons the stream at once."""
         self._closed = True
         self._responses.cancel()
 
