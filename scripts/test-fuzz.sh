@@ -21,6 +21,7 @@ jobs=${KVCD_FUZZ_JOBS:-$(nproc)}
 targets=("$@")
 ((${#targets[@]})) || targets=("${FUZZ_TARGETS[@]}")
 budget=${KVCD_FUZZ_BUDGET:-60}
+((jobs <= ${#targets[@]})) || jobs=${#targets[@]}
 seconds=${KVCD_FUZZ_SECONDS:-$(((budget * jobs + ${#targets[@]} - 1) / ${#targets[@]}))}
 san_build "${targets[@]}"
 

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -248,6 +249,7 @@ const FormatCase kFsqG64{
     FsqRefusals<FsqG64>};
 
 std::string CaseName(const ::testing::TestParamInfo<FormatCase>& info) { return info.param.name; }
+void PrintTo(const FormatCase& c, std::ostream* os) { *os << c.name; }
 
 class CudaCpuDecodeTest
     : public testing_util::CudaCpuDaemonsTest<::testing::TestWithParam<FormatCase>> {
