@@ -11,19 +11,33 @@
 #   4. a real kvcd scraped by a real Prometheus: promtool check metrics, every dashboard
 #      query returns data, recording rules evaluate, SIGTERM drains (pytest)
 #   5. the container image: registry-free build, run on 127.0.0.1, kvctl, docker stop drains
-#      (KVCD_DEPLOY_SKIP_IMAGE=1 skips it)
+#      (build-image.sh installs docker.io and debootstrap and starts dockerd when no engine
+#      answers); an image already built from this commit (clean tree: kvcd:<git describe>-cpu)
+#      is reused, not rebuilt. KVCD_DEPLOY_SKIP_IMAGE=1 skips it.
 #   6. with KVCD_DEPLOY_CUDA_IMAGE=1: the CUDA image builds (compile and link for sm_90)
+# `--prepare` only installs what the checks need (packages, the venv) and needs no build
+# (scripts/test.sh runs it while the C++ builds run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 build=${KVCD_BUILD_DIR:-build}
+prepare_only=0
+[[ ${1:-} == --prepare ]] && prepare_only=1
 export KVCD_BIN=$PWD/$build/server/kvcd KVCTL_BIN=$PWD/$build/client/kvctl
-for b in "$KVCD_BIN" "$KVCTL_BIN"; do
-  [[ -x $b ]] || { echo "test-deploy: $b is missing: run scripts/build.sh kvcd kvctl" >&2; exit 1; }
-done
+if ((!prepare_only)); then
+  for b in "$KVCD_BIN" "$KVCTL_BIN"; do
+    [[ -x $b ]] || { echo "test-deploy: $b is missing: run scripts/build.sh kvcd kvctl" >&2; exit 1; }
+  done
+fi
 command -v kubectl >/dev/null || { echo "test-deploy: kubectl (kustomize) is missing" >&2; exit 1; }
 
+# The image step: run (a Docker engine answers, or KVCD_DEPLOY_IMAGE=1), or skipped and why.
+image=run image_why=""
+if [[ -n ${KVCD_DEPLOY_SKIP_IMAGE:-} ]]; then
+  image=skip image_why="KVCD_DEPLOY_SKIP_IMAGE is set"
+fi
+
 pkgs=(prometheus curl python3-venv)
-[[ -n ${KVCD_DEPLOY_SKIP_IMAGE:-} ]] || pkgs+=(docker.io debootstrap)
+[[ $image == skip ]] || pkgs+=(docker.io debootstrap)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -42,6 +56,7 @@ if [[ ! -f $venv/.reqs ]] || [[ $(cat "$venv/.reqs") != "$reqs" ]]; then
 fi
 py=$venv/bin/python
 export PATH=$venv/bin:$PATH
+((!prepare_only)) || { echo "test-deploy: prepared (packages, $venv)"; exit 0; }
 
 passed=0 failed=0 names=()
 step() {  # step NAME COMMAND...
@@ -60,8 +75,19 @@ step "generated files up to date" bash -c \
   "'$py' deploy/grafana/generate_dashboard.py --check && '$py' deploy/tools/sync_generated.py --check"
 step "kustomize + helm renders" "$py" -m pytest -q -p no:cacheprovider deploy/tests/test_kubernetes.py
 step "live kvcd + prometheus" "$py" -m pytest -q -p no:cacheprovider deploy/tests/test_live_metrics.py
-if [[ -z ${KVCD_DEPLOY_SKIP_IMAGE:-} ]]; then
-  step "container image" deploy/tests/test_container.sh
+if [[ $image == run ]]; then
+  # An image of this very commit (clean tree) is reused; build-image.sh tags it so.
+  version=$(git describe --always --dirty 2>/dev/null || echo dev)
+  tag="kvcd:${version}-cpu"
+  if [[ $version != *-dirty && $version != dev ]] && docker image inspect "$tag" >/dev/null 2>&1; then
+    echo "test-deploy: reusing the image $tag (built from this commit)"
+    step "container image (cached $tag)" deploy/tests/test_container.sh "$tag"
+  else
+    step "container image" deploy/tests/test_container.sh
+  fi
+else
+  echo "test-deploy: SKIP container image: $image_why"
+  names+=("SKIP container image: $image_why")
 fi
 if [[ -n ${KVCD_DEPLOY_CUDA_IMAGE:-} ]]; then
   step "CUDA image builds" deploy/container/build-image.sh --cuda

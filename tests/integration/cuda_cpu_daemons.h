@@ -1,5 +1,5 @@
 // What the daemon tests of a format on the CUDA backend against the same model on the CPU
-// backend share (fsq_data_plane_test.cc, transform_data_plane_test.cc): the two daemons'
+// backend share (cuda_cpu_decode_test.cc): the two daemons'
 // configuration, connecting a client, uploads into a worker's device buffer, a sequence's
 // stored pages for byte comparisons, and the fixture (CudaCpuDaemonsTest). Header-only,
 // test code.
@@ -133,7 +133,7 @@ inline void ExpectCloseToCpu(const v1::AttentionDecodeResponse& cu,
   }
 }
 
-// The fixture of both tests: a cuda daemon and a cpu daemon (skipped without a device), the
+// The fixture: a cuda daemon and a cpu daemon (skipped without a device), the
 // model p_ registered on both with its codec blob and checked to get the window and history
 // pool formats expected; Puts of synthetic K/V (and residuals for FSQ models), sequences
 // opened on them, their stored pages. Base is ::testing::Test or ::testing::TestWithParam<T>.
@@ -150,15 +150,15 @@ class CudaCpuDaemonsTest : public Base {
     ASSERT_TRUE(cuda_ != nullptr && host_ != nullptr);
   }
 
-  // Registers p_ with `blob` on both daemons.
-  void RegisterOnBoth(const std::string& blob, const char* window_format,
-                      const char* history_format) {
+  // Registers p_ with `blob` on both daemons and checks its pools' formats: the window's,
+  // then the history's (none for a model that keeps its history in the window format).
+  void RegisterOnBoth(const std::string& blob, const std::vector<std::string>& pool_formats) {
     for (Client* c : {cuda_.get(), host_.get()}) {
       auto info = c->RegisterModel(p_, blob);
       ASSERT_TRUE(info.ok()) << info.status();
-      ASSERT_EQ(info->pools_size(), 2);
-      EXPECT_EQ(info->pools(0).format(), window_format);
-      EXPECT_EQ(info->pools(1).format(), history_format);
+      ASSERT_EQ(info->pools_size(), static_cast<int>(pool_formats.size()));
+      for (int i = 0; i < info->pools_size(); ++i)
+        EXPECT_EQ(info->pools(i).format(), pool_formats[static_cast<size_t>(i)]) << "pool " << i;
     }
   }
 

@@ -9,12 +9,15 @@
 
 #include <chrono>
 #include <cmath>
+#include <fstream>
 #include <functional>
+#include <set>
 #include <thread>
 
 #include "client/client.h"
 #include "client/decode_channel.h"
 #include "client/synthetic.h"
+#include "common/decode_channel_layout.h"
 #include "common/fsq_codec.h"
 #include "common/rotation.h"
 #include "common/safetensors.h"
@@ -28,6 +31,7 @@ namespace kvcd {
 namespace {
 
 using testing_util::DaemonProcess;
+using testing_util::WaitFor;
 
 constexpr char kConfig[] = R"(
 listen: 127.0.0.1:0
@@ -45,6 +49,15 @@ models:
 )";
 
 float RoundBf16(float x) { return kernels::Bf16ToFloat(kernels::FloatToBf16(x)); }
+
+// The lines of /proc/self/maps that map a decode channel's shared memory (/dev/shm/kvcd-*).
+std::set<std::string> ChannelMappings() {
+  std::set<std::string> out;
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);)
+    if (line.find("/dev/shm/kvcd-") != std::string::npos) out.insert(line);
+  return out;
+}
 
 class DaemonTest : public ::testing::Test {
  protected:
@@ -228,10 +241,21 @@ TEST_F(DaemonTest, DecodeChannelMatchesTheStream) {
   shm_unlink(junk.c_str());
   EXPECT_EQ(client_->CloseDecodeChannel(424242).code(), absl::StatusCode::kNotFound);
 
-  // An idle channel is closed by the daemon after its lease.
+  // An idle channel is closed by the daemon after its lease: wait for the daemon to set the
+  // channel's `closed` word (seen through this process's mapping of it, found as the one
+  // decode-channel mapping that appeared with the Open), then a call is refused.
+  const std::set<std::string> before = ChannelMappings();
   auto idle = DecodeChannel::Open(client_.get(), 1 << 16, 30);
   ASSERT_TRUE(idle.ok()) << idle.status();
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const DecodeChannelHeader* header = nullptr;
+  for (const std::string& m : ChannelMappings())
+    if (!before.count(m))
+      header = reinterpret_cast<const DecodeChannelHeader*>(
+          std::stoull(m.substr(0, m.find('-')), nullptr, 16));
+  ASSERT_NE(header, nullptr) << "no new decode-channel mapping in /proc/self/maps";
+  ASSERT_EQ(header->magic, DecodeChannelHeader::kMagic);
+  EXPECT_TRUE(WaitFor([&] { return header->closed.load(std::memory_order_acquire) != 0; },
+                      std::chrono::seconds(10)));
   v1::AttentionDecodeRequest ok_req;
   ok_req.set_layer(0);
   ok_req.add_sequence_ids(s1->sequence_id());
@@ -267,13 +291,8 @@ TEST_F(DaemonTest, ExpiredLeaseReleasesPins) {
   auto open = client_->OpenSequence("cramped", "", synthetic::Tokens(9, 0, 8), 30);
   ASSERT_TRUE(open.ok());
   // The client never renews: the daemon's reaper closes the sequence and unpins.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  int64_t active = 1;
-  while (active != 0 && std::chrono::steady_clock::now() < deadline) {
-    active = static_cast<int64_t>(client_->Stats()->active_sequences());
-    if (active != 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  EXPECT_EQ(active, 0);
+  EXPECT_TRUE(
+      WaitFor([&] { return client_->Stats()->active_sequences() == 0; }, std::chrono::seconds(10)));
   auto stats = client_->Stats();
   EXPECT_EQ(stats->expired_leases(), 1u);
   EXPECT_EQ(client_->RenewLease(open->sequence_id()).status().code(), absl::StatusCode::kNotFound);

@@ -537,7 +537,13 @@ TEST_P(DataPlaneTest, UnregisterAndLeaseExpiryDropTheMapping) {
   auto buf = IpcBuffer::Create(client_.get(), 1 << 16, "short", /*lease_ms=*/100);
   ASSERT_TRUE(buf.ok()) << buf.status();
   const uint64_t id = (*buf)->id();
-  std::this_thread::sleep_for(std::chrono::milliseconds(600));  // reaper period <= 250 ms
+  // The reaper drops it once the lease ran out: wait for the daemon's counter to say so.
+  EXPECT_TRUE(testing_util::WaitFor(
+      [&] {
+        return testing_util::MetricValue(testing_util::ScrapeMetrics(daemon_),
+                                         "kvcd_expired_buffers_total") >= 1;
+      },
+      std::chrono::seconds(10)));
   EXPECT_EQ(client_->RenewBuffer(id).status().code(), absl::StatusCode::kNotFound);
   auto stats_text = [&] {
     auto s = client_->Stats();

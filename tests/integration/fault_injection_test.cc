@@ -35,12 +35,7 @@ models:
 class FaultInjectionTest : public ::testing::Test {
  protected:
   bool Start(const std::string& spec) {
-    char path[] = "/tmp/kvcd-fault-XXXXXX";
-    const int fd = mkstemp(path);
-    if (fd < 0) return false;
-    close(fd);
-    stderr_path_ = path;
-    daemon_.set_stderr_path(stderr_path_);
+    if (!daemon_.CaptureStderr()) return false;
     daemon_.set_extra_args({"--fault-inject", spec});
     if (!daemon_.Start(kConfig)) return false;
     ClientOptions o;
@@ -54,15 +49,7 @@ class FaultInjectionTest : public ::testing::Test {
     profile_ = m->profile();
     return true;
   }
-  void TearDown() override {
-    if (!stderr_path_.empty()) std::remove(stderr_path_.c_str());
-  }
-  std::string Stderr() const {
-    std::ifstream in(stderr_path_);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    return ss.str();
-  }
+  std::string Stderr() const { return daemon_.Stderr(); }
 
   // A 16-token sequence (Put, then OpenSequence on it) and a decode request on it.
   uint64_t OpenSequence() {
@@ -88,7 +75,6 @@ class FaultInjectionTest : public ::testing::Test {
   }
 
   DaemonProcess daemon_;
-  std::string stderr_path_;
   std::unique_ptr<Client> client_;
   v1::ModelProfile profile_;
 };

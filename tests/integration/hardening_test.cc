@@ -31,6 +31,8 @@ namespace kvcd {
 namespace {
 
 using testing_util::DaemonProcess;
+using testing_util::ScrapeMetrics;
+using testing_util::WaitFor;
 
 constexpr char kConfig[] = R"(
 listen: 127.0.0.1:0
@@ -42,32 +44,13 @@ models:
     memory: 1MiB
 )";
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
-
-// Waits (bounded) until `done` holds, checking every few milliseconds.
-bool WaitFor(const std::function<bool()>& done, std::chrono::milliseconds limit) {
-  const auto end = std::chrono::steady_clock::now() + limit;
-  while (!done()) {
-    if (std::chrono::steady_clock::now() > end) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  return true;
-}
-
 class HardeningTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    stderr_path_ = "/tmp/kvcd-hardening-" + std::to_string(getpid()) + ".log";
-    daemon_.set_stderr_path(stderr_path_);
+    ASSERT_TRUE(daemon_.CaptureStderr());
     ASSERT_TRUE(daemon_.Start(kConfig));
     Connect();
   }
-  void TearDown() override { std::remove(stderr_path_.c_str()); }
 
   void Connect() {
     ClientOptions o;
@@ -103,7 +86,6 @@ class HardeningTest : public ::testing::Test {
     return r;
   }
 
-  std::string stderr_path_;
   DaemonProcess daemon_;
   std::unique_ptr<Client> client_;
   v1::ModelProfile profile_;
@@ -190,16 +172,14 @@ TEST_F(HardeningTest, BadRequestsOverTheWireChangeNothing) {
 // with a clear message and a non-zero exit instead of splitting the connections.
 TEST_F(HardeningTest, SecondDaemonOnTheSamePortFailsAtStartUp) {
   DaemonProcess second;
-  const std::string log = stderr_path_ + ".second";
-  second.set_stderr_path(log);
+  ASSERT_TRUE(second.CaptureStderr());
   std::string config = kConfig;
   config.replace(config.find("127.0.0.1:0"), 11, daemon_.grpc());
   EXPECT_FALSE(second.Start(config));
   EXPECT_NE(second.WaitExit(), 0);
-  const std::string err = ReadFile(log);
+  const std::string err = second.Stderr();
   EXPECT_NE(err.find("cannot listen on '" + daemon_.grpc() + "'"), std::string::npos) << err;
   EXPECT_NE(err.find("already in use"), std::string::npos) << err;
-  std::remove(log.c_str());
   auto stats = client_->Stats();  // the first daemon still serves
   EXPECT_TRUE(stats.ok()) << stats.status();
 }
@@ -320,10 +300,9 @@ TEST_F(HardeningTest, ACorruptOrTruncatedDecodeChannelCannotCrashTheDaemon) {
 
   // Truncate the object under the daemon's mapping: its next look faults (SIGBUS).
   ASSERT_EQ(ftruncate(fd, 0), 0);
-  EXPECT_TRUE(
-      WaitFor([&] { return ReadFile(stderr_path_).find("SIGBUS caught") != std::string::npos; },
-              std::chrono::seconds(10)))
-      << ReadFile(stderr_path_);
+  EXPECT_TRUE(WaitFor([&] { return daemon_.Stderr().find("SIGBUS caught") != std::string::npos; },
+                      std::chrono::seconds(10)))
+      << daemon_.Stderr();
   EXPECT_EQ(client_->CloseDecodeChannel(opened.channel_id()).code(), absl::StatusCode::kNotFound);
   munmap(p, bytes);
   close(fd);
@@ -393,7 +372,7 @@ TEST_F(HardeningTest, DrainEndsIdleStreamsAndWatchesWithUnavailable) {
   EXPECT_EQ(after.status().code(), absl::StatusCode::kUnavailable) << after.status();
   stopper.join();
   EXPECT_EQ(rc, 0);
-  const std::string log = ReadFile(stderr_path_);
+  const std::string log = daemon_.Stderr();
   const auto at = log.find("drain: api ");
   ASSERT_NE(at, std::string::npos) << log;
   EXPECT_LT(std::stoi(log.substr(at + 11)), 1000) << log.substr(at, 80);
@@ -477,31 +456,6 @@ models:
   ASSERT_TRUE(client.CloseSequence(greedy[0]).ok());
   EXPECT_TRUE(client.OpenSequence("tiny", "greedy", {1, 2, 3}, 0).ok());
   EXPECT_EQ(daemon.Stop(), 0);
-}
-
-// Scrapes the daemon's /metrics (plain HTTP/1.0 on loopback).
-std::string ScrapeMetrics(const DaemonProcess& daemon) {
-  const std::string metrics = daemon.metrics();
-  const int port = std::stoi(metrics.substr(metrics.rfind(':') + 1));
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    close(fd);
-    return "";
-  }
-  const std::string get = "GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n";
-  if (write(fd, get.data(), get.size()) != static_cast<ssize_t>(get.size())) {
-    close(fd);
-    return "";
-  }
-  std::string body;
-  char buf[4096];
-  for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) body.append(buf, static_cast<size_t>(n));
-  close(fd);
-  return body;
 }
 
 // Fair sharing of memory and registrations against the real daemon: the greedy tenant

@@ -21,6 +21,8 @@ namespace kvcd {
 namespace {
 
 using testing_util::DaemonProcess;
+using testing_util::ReadFile;
+using testing_util::WaitFor;
 using Clock = std::chrono::steady_clock;
 
 std::string g_dir;  // certificates and token files of this test run
@@ -32,23 +34,6 @@ void WriteFile(const std::string& path, const std::string& text) {
   const std::string tmp = path + ".tmp";
   std::ofstream(tmp) << text;
   ASSERT_EQ(std::rename(tmp.c_str(), path.c_str()), 0);
-}
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-// Polls `done` until it holds or `timeout` passes; true if it held.
-bool WaitFor(const std::function<bool()>& done, std::chrono::milliseconds timeout) {
-  const auto end = Clock::now() + timeout;
-  while (Clock::now() < end) {
-    if (done()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return done();
 }
 
 std::string TokenHash(const std::string& token) {

@@ -1,0 +1,99 @@
+# Sourced by scripts/test.sh and scripts/test-fast.sh: phases timed one by one (wall time and
+# the CPU time of everything the phase ran, user + sys, from bash's `time`), a summary table,
+# and the configuration of the one instrumented build (scripts/test-asan.sh, test-fuzz.sh).
+
+# phase NAME COMMAND...: runs COMMAND, records PASS/FAIL with its times; returns its status.
+# A phase started with `phase_bg` runs in the background with its output in a log file, printed
+# (and its times recorded) by `phase_wait`.
+_phase_names=() _phase_results=() _phase_failed=0
+_phase_dir=$(mktemp -d "${TMPDIR:-/tmp}/kvcd-test-phases.XXXXXX")
+
+_phase_run() {  # NAME TIMES_FILE COMMAND...: the command's status; "wall user sys" in TIMES_FILE
+  local name=$1 times=$2 rc=0
+  shift 2
+  local TIMEFORMAT='%R %U %S'
+  { time "$@" 2>&3 || rc=$?; } 3>&2 2>"$times"
+  # `time` reports nothing when the command could not start; keep the table's columns.
+  [[ -s $times ]] || echo "0 0 0" >"$times"
+  return "$rc"
+}
+
+_phase_record() {  # NAME RC TIMES_FILE
+  local name=$1 rc=$2 wall user sys
+  read -r wall user sys <"$3"
+  local cpu
+  cpu=$(awk -v u="$user" -v s="$sys" 'BEGIN { printf "%.1f", u + s }')
+  wall=$(awk -v w="$wall" 'BEGIN { printf "%.1f", w }')
+  _phase_names+=("$name")
+  if ((rc == 0)); then
+    _phase_results+=("$(printf '%-5s %-22s %7s s wall %8s s cpu' PASS "$name" "$wall" "$cpu")")
+  else
+    _phase_results+=("$(printf '%-5s %-22s %7s s wall %8s s cpu (exit %d)' FAIL "$name" "$wall" "$cpu" "$rc")")
+    _phase_failed=$((_phase_failed + 1))
+  fi
+}
+
+phase() {
+  local name=$1 rc=0
+  shift
+  echo "=== $name: $*"
+  _phase_run "$name" "$_phase_dir/$name.times" "$@" || rc=$?
+  _phase_record "$name" "$rc" "$_phase_dir/$name.times"
+  ((rc == 0)) || echo "=== $name: FAILED (exit $rc)" >&2
+  return "$rc"
+}
+
+phase_bg() {  # NAME COMMAND...: started now; phase_wait NAME collects it
+  local name=$1
+  shift
+  echo "=== $name (background, log $_phase_dir/$name.log): $*"
+  (
+    rc=0
+    _phase_run "$name" "$_phase_dir/$name.times" "$@" >"$_phase_dir/$name.log" 2>&1 || rc=$?
+    echo "$rc" >"$_phase_dir/$name.rc"
+  ) &
+  eval "_phase_pid_${name//[^A-Za-z0-9_]/_}=$!"
+}
+
+phase_wait() {  # NAME: waits for a background phase, prints its log, records it
+  local name=$1 var="_phase_pid_${1//[^A-Za-z0-9_]/_}" rc
+  wait "${!var}" || true
+  rc=$(cat "$_phase_dir/$name.rc" 2>/dev/null || echo 1)
+  echo "=== $name (background) output:"
+  cat "$_phase_dir/$name.log"
+  _phase_record "$name" "$rc" "$_phase_dir/$name.times"
+  ((rc == 0)) || echo "=== $name: FAILED (exit $rc)" >&2
+  return "$rc"
+}
+
+phase_summary() {  # prints the table; returns 1 if any phase failed
+  local total=$SECONDS
+  echo "--- phases (wall: elapsed; cpu: user + sys of everything the phase ran; background"
+  echo "    phases overlap the ones after them)"
+  printf '  %s\n' "${_phase_results[@]}"
+  echo "  total wall $total s on $(nproc) cores, ${_phase_failed} failed"
+  rm -rf "$_phase_dir"
+  ((_phase_failed == 0))
+}
+
+# The one instrumented build: clang, ASan + UBSan, every library compiled with libFuzzer's
+# coverage (-fsanitize=fuzzer-no-link), CPU only, in ${KVCD_SAN_BUILD_DIR:-build-san}. The
+# unit tests (scripts/test-asan.sh) and the fuzz targets (scripts/test-fuzz.sh) link the same
+# objects, so they are compiled once. san_build TARGET... configures it and builds them.
+san_build_dir() { echo "${KVCD_SAN_BUILD_DIR:-build-san}"; }
+san_build() {
+  local build
+  build=$(san_build_dir)
+  export CCACHE_DIR=${CCACHE_DIR:-$PWD/.cache/ccache}
+  CC=clang CXX=clang++ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Debug \
+    -DKVCD_SANITIZER=asan -DKVCD_CUDA=OFF -DKVCD_BUILD_TESTS=ON -DKVCD_BUILD_BENCH=OFF \
+    -DKVCD_BUILD_FUZZ=ON "-DCMAKE_CXX_FLAGS=-O1 -fsanitize=fuzzer-no-link -Wno-unknown-warning-option" \
+    "-DCMAKE_C_FLAGS=-O1 -fsanitize=fuzzer-no-link" >/dev/null
+  local args=()
+  for t in "$@"; do args+=(--target "$t"); done
+  cmake --build "$build" -j "$(nproc)" "${args[@]}"
+}
+# What both scripts build: the sanitized unit tests and every fuzz target.
+SAN_TEST_TARGETS=(kvcd_unit_tests kvcd_tools_tests)
+FUZZ_TARGETS=(config_fuzz safetensors_fuzz codec_profile_fuzz activation_dump_fuzz
+  decode_channel_fuzz rpc_fuzz)
