@@ -31,7 +31,7 @@ summary "$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,
 result() {  # name log rc
   summary "$1 rc $3: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\] [0-9]+ tests?' "$2" | tr '\n' ' ')"
 }
-KVCD_BINARY=$BIN/kvcd timeout 100 "$BIN/kvcd_data_plane_tests" --gtest_filter='*FsqDataPlane*' \
+KVCD_BINARY=$BIN/kvcd timeout 100 "$BIN/kvcd_data_plane_tests" --gtest_filter='Formats/*.*/fsq_*' \
   > "$out/fsq-data-plane.log" 2>&1
 result "FSQ data plane (cuda daemon vs cpu daemon)" "$out/fsq-data-plane.log" $?
 grep -E '^fsq .*CUDA vs CPU' "$out/fsq-data-plane.log" | tee -a "$out/summary.txt"

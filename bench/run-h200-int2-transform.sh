@@ -41,7 +41,7 @@ for tool in memcheck racecheck; do  # small cases (KVCD_TRANSFORM_TEST_SMALL)
     tee -a "$out/summary.txt"
 done
 KVCD_BINARY=$BIN/kvcd timeout 45 "$BIN/kvcd_data_plane_tests" \
-  --gtest_filter='TransformDataPlaneTest.*' > "$out/transform-data-plane.log" 2>&1
+  --gtest_filter='Formats/*.*/int2_transform' > "$out/transform-data-plane.log" 2>&1
 result "int2-transform data plane (cuda daemon vs cpu daemon)" "$out/transform-data-plane.log" $?
 grep -E '^int2-transform: CUDA vs CPU' "$out/transform-data-plane.log" | tee -a "$out/summary.txt"
 # The INT2 / BF16 data-plane tests (the INT2 demotion's arguments moved into cuda_rows).
