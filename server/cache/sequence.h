@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -57,5 +58,10 @@ struct Sequence {
     return layer_len.empty() ? 0 : *std::min_element(layer_len.begin(), layer_len.end());
   }
 };
+
+// The open sequences a request names, in its order, as the check that ran before routing
+// found them (server/rpc/authorizer.h), handed on so that the engine does not look them up
+// a second time; empty: the engine looks them up itself.
+using FoundSequences = std::vector<std::shared_ptr<Sequence>>;
 
 }  // namespace kvcd

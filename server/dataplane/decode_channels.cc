@@ -83,7 +83,7 @@ struct DecodeChannels::Channel {
   size_t bytes = 0;       // mapped bytes: TotalBytes(capacity), fixed at Open
   uint32_t capacity = 0;  // the capacity validated at Open; the header's copy is never reused
   int64_t lease_ms = 0;
-  CheckFn check;  // runs before every request of this channel (may be empty)
+  std::unique_ptr<DecodeAdmission> admission;  // asked before every request (may be null)
   // request_seq when the channel was opened (the worker is still waiting for the
   // OpenDecodeChannel answer then): the serving thread may start after the first request.
   uint64_t opened_seq = 0;
@@ -138,13 +138,13 @@ struct DecodeChannels::Channel {
   }
 };
 
-DecodeChannels::DecodeChannels(DecodeFn decode, Options options)
-    : decode_(std::move(decode)), options_(options) {}
+DecodeChannels::DecodeChannels(DecodeEngine* engine, Options options)
+    : engine_(engine), options_(options) {}
 
 DecodeChannels::~DecodeChannels() { CloseAll(); }
 
 absl::StatusOr<uint64_t> DecodeChannels::Open(const std::string& name, int64_t lease_ms,
-                                              CheckFn check) {
+                                              std::unique_ptr<DecodeAdmission> admission) {
   if (!ValidName(name)) {
     return absl::InvalidArgumentError(
         absl::StrCat("shm_name is ", Quote(name),
@@ -199,7 +199,7 @@ absl::StatusOr<uint64_t> DecodeChannels::Open(const std::string& name, int64_t l
   c->bytes = bytes;
   c->capacity = fixed.capacity;
   c->lease_ms = lease_ms;
-  c->check = std::move(check);
+  c->admission = std::move(admission);
   if (!c->Load(c->header->request_seq, &c->opened_seq, std::memory_order_acquire)) {
     return absl::InvalidArgumentError(
         absl::StrCat("shared memory ", name, " shrank while the channel was opened"));
@@ -284,9 +284,19 @@ void DecodeChannels::Serve(Channel* c) {
                                                     " bytes is not an AttentionDecodeRequest"));
       } else {
         lap.Mark(phases.read);
-        if (c->check) s = c->check(req);
+        absl::StatusOr<std::vector<std::shared_ptr<Sequence>>> found =
+            c->admission ? c->admission->Admit(req) : std::vector<std::shared_ptr<Sequence>>{};
         lap.Mark(phases.check);
-        if (s.ok()) s = decode_(req, resp.mutable_response());
+        if (!found.ok()) {
+          s = found.status();
+        } else {
+          const auto t0 = Clock::now();
+          s = engine_->AttentionDecode(req, resp.mutable_response(), *found);
+          if (c->admission) {
+            c->admission->Answered(s, std::chrono::duration<double>(Clock::now() - t0).count(),
+                                   resp.response());
+          }
+        }
         lap.Mark(phases.decode);
         resp.set_request_id(req.request_id());
       }

@@ -1,16 +1,15 @@
 // DecodeChannels: the daemon side of the same-node decode fast path (OpenDecodeChannel).
 // Each channel maps the worker's shared memory and runs one thread that polls it for
-// requests (spinning for spin_us after each request, then checking every poll_us), runs
-// them through `decode` (the same function the gRPC stream uses) and writes the answers
-// back. A channel ends on Close, when the worker sets the closed flag, after lease_ms
-// without a request, or when the daemon drains (CloseAll).
+// requests (spinning for spin_us after each request, then checking every poll_us), asks
+// the channel's admission for each, hands it down to the engine (decode_engine.h) and
+// writes the answers back. A channel ends on Close, when the worker sets the closed flag, after
+// lease_ms without a request, or when the daemon drains (CloseAll).
 //
 // Thread safety: all methods are thread-safe.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -20,28 +19,26 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "kvcd/v1/kvcache.pb.h"
+#include "server/dataplane/decode_engine.h"
 
 namespace kvcd {
 
 class DecodeChannels {
  public:
-  using DecodeFn =
-      std::function<absl::Status(const v1::AttentionDecodeRequest&, v1::AttentionDecodeResponse*)>;
-  // Checked before each request of one channel (e.g. that the channel's credential may
-  // use every sequence of the request); a failure answers the request with that status.
-  using CheckFn = std::function<absl::Status(const v1::AttentionDecodeRequest&)>;
   struct Options {
     int64_t spin_us = 2000;
     int64_t poll_us = 20;
     int max_channels = 64;
   };
-  DecodeChannels(DecodeFn decode, Options options);
+  // engine must outlive the channels.
+  DecodeChannels(DecodeEngine* engine, Options options);
   ~DecodeChannels();
 
   // INVALID_ARGUMENT for a bad name or layout, NOT_FOUND if the object does not exist,
-  // RESOURCE_EXHAUSTED past max_channels.
+  // RESOURCE_EXHAUSTED past max_channels. Without an admission every request runs, on
+  // the sequences the engine finds.
   absl::StatusOr<uint64_t> Open(const std::string& shm_name, int64_t lease_ms,
-                                CheckFn check = nullptr);
+                                std::unique_ptr<DecodeAdmission> admission = nullptr);
   absl::Status Close(uint64_t id);
   void CloseAll();
   int64_t size() const;
@@ -51,7 +48,7 @@ class DecodeChannels {
   struct Channel;
   void Serve(Channel* c);
 
-  const DecodeFn decode_;
+  DecodeEngine* const engine_;
   const Options options_;
   std::atomic<uint64_t> served_{0};
   mutable std::mutex mu_;

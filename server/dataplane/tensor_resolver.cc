@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "common/tensor_ref.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/finite_check.h"
 #include "server/backends/device_runtime.h"
@@ -73,17 +74,77 @@ absl::Status TensorResolver::CheckPayload(const v1::TensorRef& t, absl::string_v
   return absl::OkStatus();
 }
 
-absl::StatusOr<TensorResolver::Bytes> TensorResolver::Input(const v1::TensorRef& t,
-                                                            absl::string_view field) {
+absl::Status TensorResolver::CheckShape(const v1::TensorRef& t, const TensorSpec& spec) const {
+  switch (spec.dtypes) {
+    case TensorSpec::DTypes::kBf16OrF32:
+      KVCD_RETURN_IF_ERROR(
+          CheckTensorRef(t, spec.field, spec.shape, {v1::DTYPE_BF16, v1::DTYPE_F32}));
+      break;
+    case TensorSpec::DTypes::kF32:
+      KVCD_RETURN_IF_ERROR(CheckTensorRef(t, spec.field, spec.shape, {v1::DTYPE_F32}));
+      break;
+    case TensorSpec::DTypes::kU8:
+      KVCD_RETURN_IF_ERROR(CheckTensorRef(t, spec.field, spec.shape, {v1::DTYPE_U8}));
+      break;
+  }
+  if (spec.same_dtype_as != nullptr && spec.same_dtype_as->dtype() != t.dtype()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(spec.field, ".dtype is ", DTypeName(t.dtype()), ", expected the dtype of ",
+                     spec.same_dtype_field, " (", DTypeName(spec.same_dtype_as->dtype()), ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TensorResolver::Bytes> TensorResolver::Resolve(const v1::TensorRef& t,
+                                                              const TensorSpec& spec) {
   Bytes b;
-  if (t.payload_case() != v1::TensorRef::kCudaIpc) {
-    b.data = t.inline_data().data();
+  KVCD_RETURN_IF_ERROR(ResolveAll({Item{&t, &spec, &b}}));
+  return b;
+}
+
+absl::Status TensorResolver::ResolveAll(absl::Span<const Item> items) {
+  for (const Item& i : items) {
+    if (i.spec->shape_after_payload) continue;
+    KVCD_RETURN_IF_ERROR(CheckShape(*i.ref, *i.spec));
+  }
+  for (const Item& i : items) {
+    KVCD_RETURN_IF_ERROR(CheckPayload(*i.ref, i.spec->field, i.spec->kinds));
+    if (!i.spec->shape_after_payload) continue;
+    TensorSpec known = *i.spec;
+    KVCD_ASSIGN_OR_RETURN(known.shape, i.spec->shape_after_payload());
+    KVCD_RETURN_IF_ERROR(CheckShape(*i.ref, known));
+  }
+  for (const Item& i : items) {
+    KVCD_ASSIGN_OR_RETURN(*i.out, Locate(*i.ref, *i.spec));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TensorResolver::Bytes> TensorResolver::Locate(const v1::TensorRef& t,
+                                                             const TensorSpec& spec) {
+  Bytes b;
+  if (t.payload_case() == v1::TensorRef::kNccl) {
+    b.is_nccl = true;
+    b.nccl_communicator = t.nccl().communicator_id();
     return b;
   }
-  KVCD_ASSIGN_OR_RETURN(b.region, buffers_->Resolve(t.cuda_ipc(), field));
-  KVCD_RETURN_IF_ERROR(WaitReadyOnce(b.region));
-  b.data = reinterpret_cast<const char*>(b.region.ptr);
-  b.on_device = true;
+  if (t.payload_case() != v1::TensorRef::kCudaIpc) {
+    b.data = t.inline_data().data();
+  } else {
+    KVCD_ASSIGN_OR_RETURN(b.region, buffers_->Resolve(t.cuda_ipc(), spec.field));
+    if (spec.access != TensorSpec::Access::kWrite) KVCD_RETURN_IF_ERROR(WaitReadyOnce(b.region));
+    b.data = reinterpret_cast<const char*>(b.region.ptr);
+    b.on_device = true;
+    if (spec.host_staging != nullptr) {
+      KVCD_ASSIGN_OR_RETURN(DeviceRuntime * device, RequireDevice(*backend_));
+      spec.host_staging->resize(b.region.size);
+      KVCD_RETURN_IF_ERROR(
+          device->CopyDeviceToHost(spec.host_staging->data(), b.region.ptr, b.region.size));
+      b.data = spec.host_staging->data();
+      b.on_device = false;
+    }
+  }
+  if (spec.scan_host && !b.on_device) KVCD_RETURN_IF_ERROR(CheckFinite(b, t, spec.field));
   return b;
 }
 
@@ -111,25 +172,6 @@ absl::Status TensorResolver::CheckFinite(const Bytes& b, const v1::TensorRef& t,
                                                  bf16 ? "BF16" : "F32", " values) is ",
                                                  std::isnan(x) ? "NaN" : (x > 0 ? "+Inf" : "-Inf"),
                                                  "; expected finite values (nothing was stored)"));
-}
-
-absl::StatusOr<const char*> TensorResolver::HostInput(const v1::TensorRef& t,
-                                                      absl::string_view field,
-                                                      std::string* staging) {
-  KVCD_ASSIGN_OR_RETURN(Bytes b, Input(t, field));
-  if (!b.on_device) return b.data;
-  KVCD_ASSIGN_OR_RETURN(DeviceRuntime * device, RequireDevice(*backend_));
-  staging->resize(b.region.size);
-  KVCD_RETURN_IF_ERROR(device->CopyDeviceToHost(staging->data(), b.region.ptr, b.region.size));
-  return static_cast<const char*>(staging->data());
-}
-
-absl::StatusOr<BufferRegistry::Region> TensorResolver::Output(const v1::TensorRef& t,
-                                                              absl::string_view field,
-                                                              bool wait_ready) {
-  KVCD_ASSIGN_OR_RETURN(BufferRegistry::Region r, buffers_->Resolve(t.cuda_ipc(), field));
-  if (wait_ready) KVCD_RETURN_IF_ERROR(WaitReadyOnce(r));
-  return r;
 }
 
 }  // namespace kvcd

@@ -15,42 +15,11 @@
 #include "common/tensor_ref.h"
 #include "kvcd/kernels/bf16.h"
 #include "server/backends/device_runtime.h"
+#include "server/engine/request_checks.h"
 #include "server/engine/tensor_checks.h"
 
 namespace kvcd {
 namespace {
-
-constexpr int64_t kMaxTokensPerCall = int64_t{1} << 24;
-constexpr int kMaxSaltBytes = 256;
-constexpr int kMaxBatch = 1024;
-
-absl::Status CheckSalt(const std::string& salt) {
-  if (salt.size() > kMaxSaltBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cache_salt has ", salt.size(), " bytes, expected at most ", kMaxSaltBytes));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckTokens(const google::protobuf::RepeatedField<int32_t>& tokens, const char* field,
-                         bool allow_empty) {
-  const int64_t n = tokens.size();
-  if (n == 0 && !allow_empty) {
-    return absl::InvalidArgumentError(absl::StrCat(field, " is empty, expected at least 1 token"));
-  }
-  if (n > kMaxTokensPerCall) {
-    return absl::InvalidArgumentError(absl::StrCat(field, " has ", n, " tokens, expected at most ",
-                                                   kMaxTokensPerCall, " per call"));
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    if (tokens[static_cast<int>(i)] < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "] is ",
-                                                     tokens[static_cast<int>(i)],
-                                                     ", expected a non-negative token id"));
-    }
-  }
-  return absl::OkStatus();
-}
 
 // The history formats this daemon stores. Anything else (an undefined enum value, or a
 // defined format whose backend is not built yet) is refused rather than served as BF16.
@@ -130,8 +99,9 @@ CacheEngine::CacheEngine(const ServerConfig& config, std::unique_ptr<Backend> ba
       buffers_(backend_.get()),
       nccl_(backend_.get()),
       tensors_(backend_.get(), &buffers_),
+      tenants_(config.quotas),
       sequences_(LeasePolicy{config.default_lease_ms, config.max_lease_ms}, config.max_sequences,
-                 config.quotas) {}
+                 &tenants_) {}
 
 CacheEngine::~CacheEngine() = default;
 
@@ -158,44 +128,17 @@ absl::Status CacheEngine::RegisterModelSpec(const ModelSpec& spec, const std::st
   uint64_t limit = config_.memory_budget_bytes - budget_used_;
   std::string limit_what;
   if (tenant != nullptr) {
-    const TenantQuota& q = config_.quotas.For(*tenant);
-    const auto found = registered_.find(*tenant);
-    const Registered r = found == registered_.end() ? Registered{} : found->second;
-    if (q.max_models > 0 && r.models >= q.max_models) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("tenant ", Quote(*tenant), " has registered ", r.models,
-                       " models; its quota max_models is ", q.max_models, "; model ",
-                       Quote(spec.name), " was not registered"));
-    }
-    if (q.max_model_bytes > 0) {
-      const uint64_t left = q.max_model_bytes - std::min(q.max_model_bytes, r.bytes);
-      limit_what = absl::StrCat("tenant ", Quote(*tenant), "'s quota max_model_bytes ",
-                                q.max_model_bytes, " (", r.bytes, " bytes registered already)");
-      if (spec.memory_bytes > left) {
-        return absl::ResourceExhaustedError(
-            absl::StrCat("model ", Quote(spec.name), " asks for memory_bytes ", spec.memory_bytes,
-                         " but only ", left, " bytes are left under ", limit_what));
-      }
-      if (left < limit) {
-        limit = left;
-      } else {
-        limit_what.clear();
-      }
-    }
+    KVCD_RETURN_IF_ERROR(
+        tenants_.CheckRegistration(*tenant, spec.name, spec.memory_bytes, &limit, &limit_what));
   }
   // The budget counts what the pools really take (rounded by the backend); a model that
   // does not fit once rounded is refused before anything is allocated.
   KVCD_ASSIGN_OR_RETURN(auto cache, ModelCache::Create(spec, backend_.get(), config_.high_watermark,
                                                        config_.low_watermark, &counters_,
                                                        codec_blob, limit, limit_what));
-  cache->set_memory_shares(
-      [this](const std::string& t) { return config_.quotas.For(t).max_memory_share; });
+  cache->set_memory_shares([this](const std::string& t) { return tenants_.PoolShare(t); });
   budget_used_ += cache->allocated_bytes();
-  if (tenant != nullptr) {
-    Registered& r = registered_[*tenant];
-    ++r.models;
-    r.bytes += cache->allocated_bytes();
-  }
+  if (tenant != nullptr) tenants_.AddRegistration(*tenant, cache->allocated_bytes());
   models_.emplace(spec.name, std::move(cache));
   return absl::OkStatus();
 }
@@ -262,15 +205,13 @@ absl::Status CacheEngine::Put(const v1::PutRequest& req, v1::PutResponse* resp) 
         absl::StrCat("kv_first_token is ", first, ", expected a multiple of page_size (",
                      m->spec().page_size, ") in 0..", n, " (the number of tokens)"));
   }
-  KVCD_RETURN_IF_ERROR(CheckKv(m->spec(), req.k(), req.v(), n - first));
-  KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(req.k(), "k", kInputKinds));
-  KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(req.v(), "v", kInputKinds));
-  KVCD_ASSIGN_OR_RETURN(RowSource k, Rows(req.k(), "k", n - first, m->spec()));
-  KVCD_ASSIGN_OR_RETURN(RowSource v, Rows(req.v(), "v", n - first, m->spec()));
-  std::string x_staging;
-  KVCD_ASSIGN_OR_RETURN(RowSource x, Residuals(req.x(), req.has_x(), "x", m->spec().num_layers,
-                                               n - first, m->spec(), &x_staging));
-  KVCD_ASSIGN_OR_RETURN(PutResult r, m->Put(req.cache_salt(), req.tokens(), first, k, v,
+  const ModelSpec& s = m->spec();
+  KVCD_ASSIGN_OR_RETURN(KvRows kv,
+                        Rows(req.k(), req.v(), {"k", "v", true},
+                             {s.num_layers, n - first, s.num_kv_heads, s.head_dim}, n - first, s));
+  KVCD_ASSIGN_OR_RETURN(RowSource x,
+                        Residuals(req.x(), req.has_x(), "x", s.num_layers, n - first, s));
+  KVCD_ASSIGN_OR_RETURN(PutResult r, m->Put(req.cache_salt(), req.tokens(), first, kv.k, kv.v,
                                             x.data != nullptr ? &x : nullptr));
   resp->set_cached_tokens(r.cached_tokens);
   resp->set_inserted_tokens(r.inserted_tokens);
@@ -302,8 +243,8 @@ absl::Status CacheEngine::OpenSequence(const v1::OpenSequenceRequest& req,
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> CacheEngine::SequenceSalt(uint64_t id) const {
-  return sequences_.Salt(id);
+absl::StatusOr<std::shared_ptr<Sequence>> CacheEngine::LookupSequence(uint64_t id) const {
+  return sequences_.Peek(id);
 }
 
 absl::Status CacheEngine::CloseSequence(const v1::CloseSequenceRequest& req,
@@ -313,249 +254,38 @@ absl::Status CacheEngine::CloseSequence(const v1::CloseSequenceRequest& req,
   return absl::OkStatus();
 }
 
-absl::Status CacheEngine::RenewLease(const v1::RenewLeaseRequest& req,
-                                     v1::RenewLeaseResponse* resp) {
-  KVCD_ASSIGN_OR_RETURN(auto seq, sequences_.Find(req.sequence_id()));
+absl::Status CacheEngine::RenewLease(const v1::RenewLeaseRequest& req, v1::RenewLeaseResponse* resp,
+                                     const FoundSequences& found) {
+  KVCD_ASSIGN_OR_RETURN(auto seq, sequences_.Use(req.sequence_id(), found, 0));
   KVCD_RETURN_IF_ERROR(DeviceFaultStatus(*seq));
-  KVCD_ASSIGN_OR_RETURN(int64_t lease, sequences_.Renew(req.sequence_id(), req.lease_ms()));
+  KVCD_ASSIGN_OR_RETURN(int64_t lease, sequences_.Renew(*seq, req.lease_ms()));
   resp->set_lease_ms(lease);
   return absl::OkStatus();
 }
 
-absl::Status CacheEngine::Append(const v1::AppendRequest& req, v1::AppendResponse* resp) {
-  KVCD_ASSIGN_OR_RETURN(auto seq, sequences_.Find(req.sequence_id()));
+absl::Status CacheEngine::Append(const v1::AppendRequest& req, v1::AppendResponse* resp,
+                                 const FoundSequences& found) {
+  KVCD_ASSIGN_OR_RETURN(auto seq, sequences_.Use(req.sequence_id(), found, 0));
   KVCD_RETURN_IF_ERROR(DeviceFaultStatus(*seq));
   const ModelSpec& s = seq->model->spec();
   KVCD_RETURN_IF_ERROR(CheckTokens(req.tokens(), "tokens", false));
   const int64_t n = req.tokens_size();
-  KVCD_RETURN_IF_ERROR(CheckKv(s, req.k(), req.v(), n));
-  KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(req.k(), "k", kInputKinds));
-  KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(req.v(), "v", kInputKinds));
-  KVCD_ASSIGN_OR_RETURN(RowSource k, Rows(req.k(), "k", n, s));
-  KVCD_ASSIGN_OR_RETURN(RowSource v, Rows(req.v(), "v", n, s));
-  std::string x_staging;
-  KVCD_ASSIGN_OR_RETURN(RowSource x,
-                        Residuals(req.x(), req.has_x(), "x", s.num_layers, n, s, &x_staging));
+  KVCD_ASSIGN_OR_RETURN(KvRows kv, Rows(req.k(), req.v(), {"k", "v", true},
+                                        {s.num_layers, n, s.num_kv_heads, s.head_dim}, n, s));
+  KVCD_ASSIGN_OR_RETURN(RowSource x, Residuals(req.x(), req.has_x(), "x", s.num_layers, n, s));
   // The tenant's max_pinned_pages quota covers the pages this append adds.
-  const int64_t before = seq->model->Length(seq.get());
-  KVCD_RETURN_IF_ERROR(sequences_.ReservePages(*seq, (before + n + s.page_size - 1) / s.page_size));
+  KVCD_RETURN_IF_ERROR(sequences_.ReserveTokens(*seq, n));
   absl::StatusOr<int64_t> len =
-      seq->model->Append(seq.get(), req.tokens(), k, v, x.data != nullptr ? &x : nullptr);
-  sequences_.Settle(*seq, (seq->model->Length(seq.get()) + s.page_size - 1) / s.page_size);
+      seq->model->Append(seq.get(), req.tokens(), kv.k, kv.v, x.data != nullptr ? &x : nullptr);
+  sequences_.Settle(*seq);
   if (!len.ok()) return len.status();
   resp->set_length(*len);
   return absl::OkStatus();
 }
 
-absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
-                                          v1::AttentionDecodeResponse* resp) {
-  // Host time of each step (PhaseTimes, off unless KVCD_PHASE_TIMES=1).
-  static const int kValidate = PhaseTimes::Phase("daemon.engine.validate (+k/v resolve)");
-  static const int kIo = PhaseTimes::Phase("daemon.engine.resolve q/o/lse");
-  static const int kReserve = PhaseTimes::Phase("daemon.engine.quota reserve");
-  static const int kAttend = PhaseTimes::Phase("daemon.engine.attend (cache+backend)");
-  static const int kWritten = PhaseTimes::Phase("daemon.engine.mark written");
-  PhaseLap lap;
-  TensorResolver::CallScope one_wait_per_buffer;  // q, k_new, v_new: one ready event
-  resp->Clear();
-  resp->set_request_id(req.request_id());
-  const int64_t batch = req.sequence_ids_size();
-  if (batch < 1 || batch > kMaxBatch) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sequence_ids has ", batch, " entries, expected 1..", kMaxBatch));
-  }
-  std::vector<std::shared_ptr<Sequence>> seqs;
-  std::unordered_set<uint64_t> seen;
-  for (int64_t b = 0; b < batch; ++b) {
-    const uint64_t id = req.sequence_ids(static_cast<int>(b));
-    if (!seen.insert(id).second) {
-      return absl::InvalidArgumentError(absl::StrCat("sequence_ids[", b, "] = ", id,
-                                                     " appears twice; a batch needs distinct ids"));
-    }
-    KVCD_ASSIGN_OR_RETURN(auto seq, sequences_.Find(id));
-    if (absl::Status f = DeviceFaultStatus(*seq); !f.ok()) {
-      return absl::Status(f.code(), absl::StrCat("sequence_ids[", b, "]: ", f.message()));
-    }
-    if (!seqs.empty() && seq->model != seqs.front()->model) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("sequence_ids[", b, "] belongs to model '", seq->model->spec().name,
-                       "', expected every sequence of the batch on model '",
-                       seqs.front()->model->spec().name, "'"));
-    }
-    seqs.push_back(std::move(seq));
-  }
-  ModelCache* m = seqs.front()->model;
-  const ModelSpec& s = m->spec();
-  if (req.layer() < 0 || req.layer() >= s.num_layers) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer is ", req.layer(), ", expected 0..", s.num_layers - 1));
-  }
-  KVCD_RETURN_IF_ERROR(CheckTensorRef(req.q(), "q", {batch, s.num_q_heads, s.head_dim},
-                                      {v1::DTYPE_BF16, v1::DTYPE_F32}));
-  KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(req.q(), "q", kInputKinds));
-  const bool device_out = req.has_o_out() || req.has_lse_out();
-  if (device_out) {
-    KVCD_RETURN_IF_ERROR(
-        CheckTensorRef(req.o_out(), "o_out", {batch, s.num_q_heads, s.head_dim}, {v1::DTYPE_F32}));
-    KVCD_RETURN_IF_ERROR(
-        CheckTensorRef(req.lse_out(), "lse_out", {batch, s.num_q_heads}, {v1::DTYPE_F32}));
-    KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(req.o_out(), "o_out", TensorResolver::kIpc));
-    KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(req.lse_out(), "lse_out", TensorResolver::kIpc));
-  }
-  if (!std::isfinite(req.softmax_scale()) || req.softmax_scale() < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("softmax_scale is ", req.softmax_scale(),
-                     ", expected a finite value >= 0 (0 = 1/sqrt(d))"));
-  }
-  const bool fused = req.has_k_new() || req.has_v_new();
-  ModelCache::NewTokens new_tokens;
-  std::string x_staging;
-  RowSource x_new;
-  if (fused) {
-    const std::vector<int64_t> shape = {batch, s.num_kv_heads, s.head_dim};
-    KVCD_RETURN_IF_ERROR(
-        CheckTensorRef(req.k_new(), "k_new", shape, {v1::DTYPE_BF16, v1::DTYPE_F32}));
-    KVCD_RETURN_IF_ERROR(
-        CheckTensorRef(req.v_new(), "v_new", shape, {v1::DTYPE_BF16, v1::DTYPE_F32}));
-    KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(req.k_new(), "k_new", kInputKinds));
-    KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(req.v_new(), "v_new", kInputKinds));
-    if (req.new_tokens_size() != batch) {
-      return absl::InvalidArgumentError(absl::StrCat("new_tokens has ", req.new_tokens_size(),
-                                                     " entries, expected one per sequence (", batch,
-                                                     ")"));
-    }
-    KVCD_RETURN_IF_ERROR(CheckTokens(req.new_tokens(), "new_tokens", false));
-    // Device rows (CUDA IPC) are stored on the device straight from the worker's buffer.
-    KVCD_ASSIGN_OR_RETURN(new_tokens.k, Rows(req.k_new(), "k_new", batch, s));
-    KVCD_ASSIGN_OR_RETURN(new_tokens.v, Rows(req.v_new(), "v_new", batch, s));
-    KVCD_ASSIGN_OR_RETURN(
-        x_new, Residuals(req.x_new(), req.has_x_new(), "x_new", 0, batch, s, &x_staging));
-    if (x_new.data != nullptr) new_tokens.x = &x_new;
-    new_tokens.tokens = req.new_tokens();
-  } else if (req.new_tokens_size() != 0) {
-    return absl::InvalidArgumentError("new_tokens is set without k_new/v_new");
-  } else if (req.has_x_new()) {
-    return absl::InvalidArgumentError("x_new is set without k_new/v_new");
-  }
-  const int64_t q_elems = batch * s.num_q_heads * s.head_dim;
-  const float scale = req.softmax_scale() == 0 ? 1.0f / std::sqrt(static_cast<float>(s.head_dim))
-                                               : req.softmax_scale();
-  // Queries and results: host (inline) or the worker's device buffers (cuda_ipc).
-  lap.Mark(kValidate);
-  ModelCache::DeviceIo device;
-  BufferRegistry::Region q_region, o_region, lse_region;
-  std::vector<float> q;
-  const bool device_q = req.q().payload_case() == v1::TensorRef::kCudaIpc;
-  // Device queries with device outputs stay on the device: the query conversion checks them
-  // and marks a sequence with a NaN/±Inf (its outputs are NaN, its next call fails), so the
-  // call does not wait. That needs every sequence's fault words; else they come to the host
-  // and are scanned.
-  bool q_on_device = device_q && device_out;
-  for (const auto& sq : seqs) q_on_device = q_on_device && sq->device_fault.held();
-  if (device_q) {
-    KVCD_ASSIGN_OR_RETURN(TensorResolver::Bytes qb, tensors_.Input(req.q(), "q"));
-    q_region = qb.region;
-  }
-  if (!q_on_device) {
-    std::string q_staging;
-    KVCD_ASSIGN_OR_RETURN(const char* q_bytes, tensors_.HostInput(req.q(), "q", &q_staging));
-    TensorResolver::Bytes host_q;
-    host_q.data = q_bytes;
-    KVCD_RETURN_IF_ERROR(tensors_.CheckFinite(host_q, req.q(), "q"));
-    q.resize(static_cast<size_t>(q_elems));
-    if (req.q().dtype() == v1::DTYPE_F32) {
-      std::memcpy(q.data(), q_bytes, q.size() * sizeof(float));
-    } else {
-      for (int64_t i = 0; i < q_elems; ++i) {
-        uint16_t h;
-        std::memcpy(&h, q_bytes + 2 * i, 2);
-        q[static_cast<size_t>(i)] = kernels::Bf16ToFloat(h);
-      }
-    }
-  }
-  if (device_out) {
-    KVCD_ASSIGN_OR_RETURN(o_region, tensors_.Output(req.o_out(), "o_out", false));
-    KVCD_ASSIGN_OR_RETURN(lse_region, tensors_.Output(req.lse_out(), "lse_out", false));
-    if (q_on_device) {
-      device.q = q_region.ptr;
-      device.q_bf16 = req.q().dtype() == v1::DTYPE_BF16;
-    } else {  // host queries, device results: the queries go up first
-      auto* staged = reinterpret_cast<float*>(o_region.ptr);
-      KVCD_ASSIGN_OR_RETURN(DeviceRuntime * dev, RequireDevice(*backend_));
-      KVCD_RETURN_IF_ERROR(dev->CopyHostToDevice(staged, q.data(), q.size() * sizeof(float)));
-      device.q = staged;  // o_out has the queries' shape; the merge overwrites it last
-      device.q_bf16 = false;
-    }
-    device.o = reinterpret_cast<float*>(o_region.ptr);
-    device.lse = reinterpret_cast<float*>(lse_region.ptr);
-    *resp->mutable_o() = req.o_out();
-    *resp->mutable_lse() = req.lse_out();
-  } else {
-    v1::TensorRef* o = resp->mutable_o();
-    o->set_dtype(v1::DTYPE_F32);
-    o->add_shape(batch);
-    o->add_shape(s.num_q_heads);
-    o->add_shape(s.head_dim);
-    o->mutable_inline_data()->resize(static_cast<size_t>(q_elems) * sizeof(float));
-    v1::TensorRef* lse = resp->mutable_lse();
-    lse->set_dtype(v1::DTYPE_F32);
-    lse->add_shape(batch);
-    lse->add_shape(s.num_q_heads);
-    lse->mutable_inline_data()->resize(static_cast<size_t>(batch * s.num_q_heads) * sizeof(float));
-  }
-  lap.Mark(kIo);
-  std::vector<Sequence*> raw;
-  for (auto& sq : seqs) raw.push_back(sq.get());
-  // Whatever happens below, each sequence's pages are recorded as they end up (this also
-  // undoes the reservations of a batch refused half-way).
-  struct SettleOnExit {
-    std::function<void()> fn;
-    ~SettleOnExit() { fn(); }
-  } settle{[&] {
-    if (!fused) return;
-    for (auto& sq : seqs) {
-      sequences_.Settle(*sq, (m->Length(sq.get()) + s.page_size - 1) / s.page_size);
-    }
-  }};
-  if (fused) {  // one token more per sequence: at most one page more, under the tenant's quota
-    for (auto& sq : seqs) {
-      const int64_t next = m->Length(sq.get()) + 1;
-      KVCD_RETURN_IF_ERROR(sequences_.ReservePages(*sq, (next + s.page_size - 1) / s.page_size));
-    }
-  }
-  std::vector<int64_t> lengths;
-  lap.Mark(kReserve);
-  const auto t0 = std::chrono::steady_clock::now();
-  if (device_out) {
-    KVCD_RETURN_IF_ERROR(m->Attend(req.layer(), raw, nullptr, scale, new_tokens, nullptr, nullptr,
-                                   &lengths, &device));
-    lap.Mark(kAttend);
-    KVCD_RETURN_IF_ERROR(tensors_.MarkWritten(o_region));
-    if (lse_region.buffer != o_region.buffer)
-      KVCD_RETURN_IF_ERROR(tensors_.MarkWritten(lse_region));
-    lap.Mark(kWritten);
-  } else {
-    KVCD_RETURN_IF_ERROR(m->Attend(
-        req.layer(), raw, q.data(), scale, new_tokens,
-        reinterpret_cast<float*>(resp->mutable_o()->mutable_inline_data()->data()),
-        reinterpret_cast<float*>(resp->mutable_lse()->mutable_inline_data()->data()), &lengths));
-    lap.Mark(kAttend);
-    // Host results: the call waited for its kernels, so a NaN/±Inf they met is known now.
-    for (size_t b = 0; b < seqs.size(); ++b) {
-      if (absl::Status f = DeviceFaultStatus(*seqs[b], /*this_call=*/true); !f.ok()) {
-        return absl::Status(f.code(), absl::StrCat("sequence_ids[", b, "]: ", f.message()));
-      }
-    }
-  }
-  resp->set_kernel_seconds(
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  for (int64_t l : lengths) resp->add_lengths(l);
-  return absl::OkStatus();
-}
-
-absl::Status CacheEngine::FetchPages(const v1::FetchPagesRequest& req,
-                                     v1::FetchPagesResponse* resp) {
-  KVCD_ASSIGN_OR_RETURN(auto seq, sequences_.Find(req.sequence_id()));
+absl::Status CacheEngine::FetchPages(const v1::FetchPagesRequest& req, v1::FetchPagesResponse* resp,
+                                     const FoundSequences& found) {
+  KVCD_ASSIGN_OR_RETURN(auto seq, sequences_.Use(req.sequence_id(), found, 0));
   KVCD_RETURN_IF_ERROR(DeviceFaultStatus(*seq));
   const ModelSpec& s = seq->model->spec();
   if (req.first_token() < 0 || req.first_token() % s.page_size != 0) {
@@ -591,31 +321,35 @@ absl::Status CacheEngine::FetchPages(const v1::FetchPagesRequest& req,
           "destination is set with expand_to_bf16; device destinations receive pages as stored "
           "(expand_to_bf16 = false)");
     }
-    KVCD_RETURN_IF_ERROR(tensors_.CheckPayload(req.destination(), "destination",
-                                               TensorResolver::kIpc | TensorResolver::kNccl));
     // The bytes of the pages as this sequence holds them (a recent-window page is BF16 until
-    // it is demoted, wherever it sits).
-    KVCD_ASSIGN_OR_RETURN(const int64_t total,
-                          seq->model->StoredBytes(seq.get(), req.first_token(), n));
-    if (total == 0) {
-      return absl::InvalidArgumentError("the range holds no page; nothing to send to destination");
-    }
-    KVCD_RETURN_IF_ERROR(CheckTensorRef(req.destination(), "destination", {total}, {v1::DTYPE_U8}));
+    // it is demoted, wherever it sits): the destination's size once its kind is accepted.
+    int64_t total = 0;
+    TensorSpec spec;
+    spec.field = "destination";
+    spec.dtypes = TensorSpec::DTypes::kU8;
+    spec.kinds = TensorResolver::kIpc | TensorResolver::kNccl;
+    // The worker may still read the region's older bytes: wait for its ready event.
+    spec.access = TensorSpec::Access::kOverwrite;
+    spec.shape_after_payload = [&]() -> absl::StatusOr<std::vector<int64_t>> {
+      KVCD_ASSIGN_OR_RETURN(total, seq->model->StoredBytes(seq.get(), req.first_token(), n));
+      if (total == 0) {
+        return absl::InvalidArgumentError(
+            "the range holds no page; nothing to send to destination");
+      }
+      return std::vector<int64_t>{total};
+    };
+    KVCD_ASSIGN_OR_RETURN(TensorResolver::Bytes dst, tensors_.Resolve(req.destination(), spec));
     std::vector<ModelCache::StoredPageCopy> copies;
-    if (req.destination().payload_case() == v1::TensorRef::kCudaIpc) {
-      // The worker may still read the region's older bytes: wait for its ready event.
-      KVCD_ASSIGN_OR_RETURN(BufferRegistry::Region r,
-                            tensors_.Output(req.destination(), "destination", true));
-      KVCD_RETURN_IF_ERROR(
-          seq->model->FetchStoredToDevice(seq.get(), req.first_token(), n, r.ptr, total, &copies));
-      KVCD_RETURN_IF_ERROR(tensors_.MarkWritten(r));
+    if (!dst.is_nccl) {
+      KVCD_RETURN_IF_ERROR(seq->model->FetchStoredToDevice(seq.get(), req.first_token(), n,
+                                                           dst.region.ptr, total, &copies));
+      KVCD_RETURN_IF_ERROR(tensors_.MarkWritten(dst.region));
     } else {
-      KVCD_RETURN_IF_ERROR(nccl_.Send(req.destination().nccl().communicator_id(),
-                                      static_cast<uint64_t>(total), [&](uint8_t* staging) {
-                                        return seq->model->FetchStoredToDevice(
-                                            seq.get(), req.first_token(), n, staging, total,
-                                            &copies);
-                                      }));
+      KVCD_RETURN_IF_ERROR(
+          nccl_.Send(dst.nccl_communicator, static_cast<uint64_t>(total), [&](uint8_t* staging) {
+            return seq->model->FetchStoredToDevice(seq.get(), req.first_token(), n, staging, total,
+                                                   &copies);
+          }));
     }
     for (auto& c : copies) {
       resp->add_page_formats(c.format);
@@ -698,26 +432,32 @@ absl::Status CacheEngine::PushDevicePages(ModelCache& m, const v1::PushPagesRequ
     return absl::InvalidArgumentError(
         "both pages and inline_pages are set; send the pages one way");
   }
-  KVCD_RETURN_IF_ERROR(
-      tensors_.CheckPayload(req.pages(), "pages", TensorResolver::kIpc | TensorResolver::kNccl));
   const int64_t ps = m.spec().page_size;
   const int64_t n_pages = req.num_pages();
   const int64_t first = req.first_page();
-  if (n_pages < 1 || n_pages > kMaxTokensPerCall) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("num_pages is ", n_pages, ", expected 1..", kMaxTokensPerCall,
-                     " with pages (the count of pages in the device bytes)"));
-  }
-  const auto end_pages = CheckedAdd(first, n_pages);
-  const auto end_tokens = end_pages ? CheckedMul(*end_pages, ps) : std::nullopt;
-  if (first < 0 || !end_tokens || *end_tokens > req.tokens_size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("first_page ", first, " + ", n_pages, " pages of ", ps, " tokens need ",
-                     end_tokens ? *end_tokens : -1, " tokens, but tokens has ", req.tokens_size()));
-  }
+  // The pages' bytes as this model stores them: the tensor's size once its kind is accepted.
   int64_t total = 0;
-  for (int64_t i = 0; i < n_pages; ++i) total += m.StoredPageBytes(first + i);
-  KVCD_RETURN_IF_ERROR(CheckTensorRef(req.pages(), "pages", {total}, {v1::DTYPE_U8}));
+  TensorSpec spec;
+  spec.field = "pages";
+  spec.dtypes = TensorSpec::DTypes::kU8;
+  spec.kinds = TensorResolver::kIpc | TensorResolver::kNccl;
+  spec.shape_after_payload = [&]() -> absl::StatusOr<std::vector<int64_t>> {
+    if (n_pages < 1 || n_pages > kMaxTokensPerCall) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("num_pages is ", n_pages, ", expected 1..", kMaxTokensPerCall,
+                       " with pages (the count of pages in the device bytes)"));
+    }
+    const auto end_pages = CheckedAdd(first, n_pages);
+    const auto end_tokens = end_pages ? CheckedMul(*end_pages, ps) : std::nullopt;
+    if (first < 0 || !end_tokens || *end_tokens > req.tokens_size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "first_page ", first, " + ", n_pages, " pages of ", ps, " tokens need ",
+          end_tokens ? *end_tokens : -1, " tokens, but tokens has ", req.tokens_size()));
+    }
+    for (int64_t i = 0; i < n_pages; ++i) total += m.StoredPageBytes(first + i);
+    return std::vector<int64_t>{total};
+  };
+  KVCD_ASSIGN_OR_RETURN(TensorResolver::Bytes src, tensors_.Resolve(req.pages(), spec));
   PutResult r;
   auto store = [&](const uint8_t* src) -> absl::Status {
     auto stored = m.PushDevicePages(req.cache_salt(), req.tokens(), first, n_pages, src);
@@ -725,12 +465,10 @@ absl::Status CacheEngine::PushDevicePages(ModelCache& m, const v1::PushPagesRequ
     r = *stored;
     return absl::OkStatus();
   };
-  if (req.pages().payload_case() == v1::TensorRef::kCudaIpc) {
-    KVCD_ASSIGN_OR_RETURN(TensorResolver::Bytes b, tensors_.Input(req.pages(), "pages"));
-    KVCD_RETURN_IF_ERROR(store(b.region.ptr));
+  if (!src.is_nccl) {
+    KVCD_RETURN_IF_ERROR(store(src.region.ptr));
   } else {
-    KVCD_RETURN_IF_ERROR(
-        nccl_.Receive(req.pages().nccl().communicator_id(), static_cast<uint64_t>(total), store));
+    KVCD_RETURN_IF_ERROR(nccl_.Receive(src.nccl_communicator, static_cast<uint64_t>(total), store));
   }
   resp->set_inserted_tokens(r.inserted_tokens);
   return absl::OkStatus();
@@ -832,25 +570,17 @@ int64_t CacheEngine::ActiveSequences() const { return sequences_.size(); }
 
 std::vector<TenantUsage> CacheEngine::TenantUsages() const {
   std::map<std::string, TenantUsage> all;
-  for (TenantUsage& u : sequences_.Usage()) all[u.tenant] = std::move(u);
-  auto entry = [&](const std::string& tenant) -> TenantUsage& {
-    auto [it, added] = all.try_emplace(tenant);
-    if (added) {
-      it->second.tenant = tenant;
-      it->second.quota = config_.quotas.For(tenant);
-    }
-    return it->second;
-  };
+  for (TenantUsage& u : tenants_.Usage()) all[u.tenant] = std::move(u);
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [name, m] : models_) {
     for (const TenantPagesSnapshot& t : m->Snapshot().tenants) {
-      for (int64_t pages : t.pages) entry(t.tenant).held_pages += pages;
+      auto [it, added] = all.try_emplace(t.tenant);
+      if (added) {
+        it->second.tenant = t.tenant;
+        it->second.quota = tenants_.Quota(t.tenant);
+      }
+      for (int64_t pages : t.pages) it->second.held_pages += pages;
     }
-  }
-  for (const auto& [tenant, r] : registered_) {
-    TenantUsage& u = entry(tenant);
-    u.registered_models = r.models;
-    u.registered_model_bytes = r.bytes;
   }
   std::vector<TenantUsage> out;
   for (auto& [name, u] : all) out.push_back(std::move(u));

@@ -1,9 +1,10 @@
 // CacheEngine: the daemon's request-level core, independent of gRPC. It validates
 // every request (shapes, dtypes, lengths, ids; int64 overflow-safe, before anything
 // is allocated) and routes it: to the model's ModelCache, to the SequenceTable (which owns
-// sequences and leases), and to the data plane (TensorResolver for where a tensor's bytes
-// are, BufferRegistry, NcclLinks). Errors are absl::Status with the codes of DESIGN.md §4;
-// the service maps them to gRPC once (rpc/status_mapping.h).
+// sequences and leases; TenantLedger holds what tenants hold), and to the data plane
+// (TensorResolver for where a tensor's bytes are, BufferRegistry, NcclLinks). Errors are
+// absl::Status with the codes of DESIGN.md §4; the service maps them to gRPC once
+// (rpc/status_mapping.h).
 //
 // Thread safety: all methods are thread-safe.
 #pragma once
@@ -22,13 +23,15 @@
 #include "server/cache/model_cache.h"
 #include "server/config/config.h"
 #include "server/dataplane/buffer_registry.h"
+#include "server/dataplane/decode_engine.h"
 #include "server/dataplane/nccl_links.h"
 #include "server/dataplane/tensor_resolver.h"
 #include "server/engine/sequence_table.h"
+#include "server/engine/tenant_ledger.h"
 
 namespace kvcd {
 
-class CacheEngine {
+class CacheEngine : public DecodeEngine {
  public:
   CacheEngine(const ServerConfig& config, std::unique_ptr<Backend> backend);
   ~CacheEngine();
@@ -48,11 +51,20 @@ class CacheEngine {
   absl::Status Match(const v1::MatchRequest& req, v1::MatchResponse* resp);
   absl::Status OpenSequence(const v1::OpenSequenceRequest& req, v1::OpenSequenceResponse* resp);
   absl::Status CloseSequence(const v1::CloseSequenceRequest& req, v1::CloseSequenceResponse* resp);
-  absl::Status RenewLease(const v1::RenewLeaseRequest& req, v1::RenewLeaseResponse* resp);
-  absl::Status Append(const v1::AppendRequest& req, v1::AppendResponse* resp);
+  // The sequence-scoped calls take the sequences the authorizer found for them (in the
+  // request's order; FoundSequences), so that they are not looked up twice; without, the
+  // engine finds them itself.
+  absl::Status RenewLease(const v1::RenewLeaseRequest& req, v1::RenewLeaseResponse* resp,
+                          const FoundSequences& found = {});
+  absl::Status Append(const v1::AppendRequest& req, v1::AppendResponse* resp,
+                      const FoundSequences& found = {});
+  // Defined in attention_decode.cc, step by step. Also what decode channels hand their
+  // requests to (DecodeEngine).
   absl::Status AttentionDecode(const v1::AttentionDecodeRequest& req,
-                               v1::AttentionDecodeResponse* resp);
-  absl::Status FetchPages(const v1::FetchPagesRequest& req, v1::FetchPagesResponse* resp);
+                               v1::AttentionDecodeResponse* resp,
+                               const FoundSequences& found = {}) override;
+  absl::Status FetchPages(const v1::FetchPagesRequest& req, v1::FetchPagesResponse* resp,
+                          const FoundSequences& found = {});
   absl::Status PushPages(const v1::PushPagesRequest& req, v1::PushPagesResponse* resp);
   absl::Status Stats(const v1::StatsRequest& req, v1::StatsResponse* resp);
   absl::Status RegisterBuffer(const v1::RegisterBufferRequest& req,
@@ -63,10 +75,10 @@ class CacheEngine {
   absl::Status NcclConnect(const v1::NcclConnectRequest& req, v1::NcclConnectResponse* resp);
   absl::Status NcclDisconnect(const v1::NcclDisconnectRequest& req,
                               v1::NcclDisconnectResponse* resp);
-  // The tenant (cache_salt) an open sequence was opened under; NOT_FOUND with the same
-  // message as every other call on an unknown sequence. Used by the RPC layer to
-  // authorize sequence-scoped calls before routing them (server/rpc/authorizer.h).
-  absl::StatusOr<std::string> SequenceSalt(uint64_t id) const;
+  // An open sequence (its tenant is its salt) without touching its lease; NOT_FOUND with
+  // the same message as every other call on an unknown sequence. The RPC layer authorizes
+  // sequence-scoped calls with it and hands what it found on (server/rpc/authorizer.h).
+  absl::StatusOr<std::shared_ptr<Sequence>> LookupSequence(uint64_t id) const;
   int64_t RegisteredBuffers() const { return buffers_.size(); }
   int64_t NcclCommunicators() const { return nccl_.size(); }
 
@@ -93,21 +105,54 @@ class CacheEngine {
  private:
   absl::StatusOr<ModelCache*> FindModel(const std::string& name) const;
   void FillModelInfo(const ModelCache& m, v1::ModelInfo* info) const;
-  // Rows and Residuals are defined in tensor_checks.cc.
-  // K or V rows of a checked tensor ([layers, n, kv_heads, head_dim], or [B, kv_heads,
-  // head_dim] for one layer) where its bytes are (host, or device for cuda_ipc).
-  absl::StatusOr<RowSource> Rows(const v1::TensorRef& t, absl::string_view field, int64_t n,
-                                 const ModelSpec& s);
+  // Rows and Residuals are defined in request_rows.cc.
+  // K and V rows of a request ([layers, n, kv_heads, head_dim], or [B, kv_heads, head_dim]
+  // for one layer) where their bytes are (host, or device for cuda_ipc), resolved together
+  // by the data plane (TensorResolver::ResolveAll).
+  struct KvRows {
+    RowSource k, v;
+  };
+  struct KvNames {
+    absl::string_view k, v;
+    bool same_dtype;  // V must have K's dtype (Put, Append)
+  };
+  absl::StatusOr<KvRows> Rows(const v1::TensorRef& k, const v1::TensorRef& v, KvNames names,
+                              std::vector<int64_t> shape, int64_t n, const ModelSpec& s);
   // The residuals `field` of n tokens (`layers` = num_layers: [layers, n, C]; 0: one layer,
   // [n, C]) of an FSQ model, checked (present exactly for FSQ models, dtype, shape) where
   // its bytes are: inline ones in host memory, scanned for NaN/Inf here; cuda_ipc ones in
   // device memory, checked by the format's encoder as it reads them (check_finite). A
   // RowSource with data == nullptr for other models. INVALID_ARGUMENT naming the field.
   absl::StatusOr<RowSource> Residuals(const v1::TensorRef& t, bool present, absl::string_view field,
-                                      int64_t layers, int64_t n, const ModelSpec& s,
-                                      std::string* staging);
+                                      int64_t layers, int64_t n, const ModelSpec& s);
   absl::Status PushDevicePages(ModelCache& m, const v1::PushPagesRequest& req,
                                v1::PushPagesResponse* resp);
+
+  // The steps of AttentionDecode (attention_decode.cc).
+  struct DecodeQueries {
+    bool on_device = false;  // else in `host` as floats
+    bool bf16 = false;       // the request's dtype
+    BufferRegistry::Region region;
+    std::vector<float> host;
+  };
+  struct DecodeOutputs {
+    bool on_device = false;  // o_out / lse_out given; else inline in the response
+    BufferRegistry::Region o, lse;
+  };
+  // The batch's sequences: 1..kMaxBatch distinct open ids of one model, none faulted.
+  absl::StatusOr<FoundSequences> DecodeBatch(const v1::AttentionDecodeRequest& req,
+                                             const FoundSequences& found);
+  absl::StatusOr<DecodeQueries> ResolveQueries(const v1::AttentionDecodeRequest& req,
+                                               const FoundSequences& seqs, const ModelSpec& s);
+  absl::StatusOr<DecodeOutputs> ResolveOutputs(const v1::AttentionDecodeRequest& req, int64_t batch,
+                                               const ModelSpec& s);
+  // k_new / v_new / x_new / new_tokens of a fused append (all absent otherwise).
+  absl::Status ResolveNewTokens(const v1::AttentionDecodeRequest& req, int64_t batch,
+                                const ModelSpec& s, ModelCache::NewTokens* out, RowSource* x_new);
+  // Points the kernels at the queries and results (device), or sizes the inline results.
+  absl::Status BindDecodeIo(const v1::AttentionDecodeRequest& req, const ModelSpec& s,
+                            int64_t batch, const DecodeQueries& q, const DecodeOutputs& out,
+                            ModelCache::DeviceIo* device, v1::AttentionDecodeResponse* resp);
 
   const ServerConfig config_;
   std::unique_ptr<Backend> backend_;
@@ -116,14 +161,11 @@ class CacheEngine {
   TensorResolver tensors_;
   CacheCounters counters_;
 
+  TenantLedger tenants_;  // what each tenant holds and may hold
+
   mutable std::mutex mu_;
   std::map<std::string, std::unique_ptr<ModelCache>> models_ ABSL_GUARDED_BY(mu_);
   uint64_t budget_used_ ABSL_GUARDED_BY(mu_) = 0;
-  struct Registered {
-    int64_t models = 0;
-    uint64_t bytes = 0;  // allocated
-  };
-  std::map<std::string, Registered> registered_ ABSL_GUARDED_BY(mu_);  // by tenant
   SequenceTable sequences_;  // destroyed (closing sequences) before models_
 };
 

@@ -1,7 +1,6 @@
 #include "server/engine/sequence_table.h"
 
 #include "absl/strings/str_cat.h"
-#include "common/quote.h"
 #include "common/random_id.h"
 
 namespace kvcd {
@@ -15,11 +14,16 @@ absl::StatusOr<int64_t> LeasePolicy::Grant(int64_t requested_ms) const {
   return requested_ms;
 }
 
+SequenceTable::SequenceTable(LeasePolicy leases, int64_t max_sequences, TenantLedger* ledger)
+    : leases_(leases),
+      max_sequences_(max_sequences),
+      own_ledger_(ledger == nullptr ? std::make_unique<TenantLedger>() : nullptr),
+      ledger_(ledger == nullptr ? own_ledger_.get() : ledger) {}
+
 SequenceTable::~SequenceTable() {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [id, seq] : sequences_) seq->model->Close(seq.get());
   sequences_.clear();
-  tenants_.clear();
   pages_.clear();
 }
 
@@ -34,28 +38,19 @@ int64_t PagesOf(ModelCache* model, Sequence* seq) {
   return (model->Length(seq) + ps - 1) / ps;
 }
 
-absl::Status QuotaError(const std::string& tenant, const char* quota, int64_t limit,
-                        const std::string& what) {
-  return absl::ResourceExhaustedError(absl::StrCat("tenant ", Quote(tenant), " (cache_salt) ", what,
-                                                   "; its quota ", quota, " is ", limit,
-                                                   "; close sequences first"));
-}
-
 }  // namespace
 
 absl::StatusOr<int64_t> SequenceTable::GrantLease(const std::string& tenant,
                                                   int64_t requested_ms) const {
   absl::StatusOr<int64_t> lease = leases_.Grant(requested_ms);
   if (!lease.ok()) return lease;
-  const int64_t cap = quotas_.For(tenant).max_lease_ms;
-  return cap > 0 && *lease > cap ? cap : *lease;
+  return ledger_->CapLease(tenant, *lease);
 }
 
 absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Open(ModelCache* model,
                                                               const std::string& salt,
                                                               absl::Span<const int32_t> tokens,
                                                               int64_t lease_ms) {
-  const TenantQuota& quota = quotas_.For(salt);
   uint64_t id;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -63,12 +58,8 @@ absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Open(ModelCache* model,
       return absl::ResourceExhaustedError(absl::StrCat("max_sequences (", max_sequences_,
                                                        ") sequences are open; close some first"));
     }
-    Held& held = tenants_[salt];
-    if (quota.max_sequences > 0 && held.sequences >= quota.max_sequences) {
-      return QuotaError(salt, "max_sequences", quota.max_sequences,
-                        absl::StrCat("has ", held.sequences, " open sequences"));
-    }
-    ++held.sequences;  // the slot is taken while the prefix is pinned
+    // The tenant's slot is taken while the prefix is pinned.
+    if (absl::Status s = ledger_->TakeSequence(salt); !s.ok()) return s;
     ++opening_;
     do {
       id = RandomId64();
@@ -80,73 +71,43 @@ absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Open(ModelCache* model,
   Touch(seq.get());
   std::unique_lock<std::mutex> lock(mu_);
   --opening_;
-  Held& held = tenants_[salt];
-  if (quota.max_pinned_pages > 0 && held.pages + pages > quota.max_pinned_pages) {
-    --held.sequences;
-    const int64_t now = held.pages;
+  if (absl::Status s = ledger_->PinPages(salt, pages, "the matched prefix"); !s.ok()) {
+    ledger_->ReleaseSequence(salt, 0);
     lock.unlock();
     model->Close(seq.get());
-    return QuotaError(
-        salt, "max_pinned_pages", quota.max_pinned_pages,
-        absl::StrCat("holds ", now, " pages and the matched prefix needs ", pages, " more"));
+    return s;
   }
-  held.pages += pages;
   pages_[id] = pages;
   sequences_.emplace(id, seq);
   return seq;
 }
 
-absl::Status SequenceTable::ReservePages(const Sequence& seq, int64_t total_pages) {
-  const TenantQuota& quota = quotas_.For(seq.salt);
+absl::Status SequenceTable::ReserveTokens(Sequence& seq, int64_t tokens) {
+  const int64_t ps = seq.model->spec().page_size;
+  const int64_t total_pages = (seq.model->Length(&seq) + tokens + ps - 1) / ps;
   std::lock_guard<std::mutex> lock(mu_);
   auto it = pages_.find(seq.id);
   if (it == pages_.end()) return absl::OkStatus();  // closed meanwhile: the call will say so
   const int64_t growth = total_pages - it->second;
   if (growth <= 0) return absl::OkStatus();
-  Held& held = tenants_[seq.salt];
-  if (quota.max_pinned_pages > 0 && held.pages + growth > quota.max_pinned_pages) {
-    return QuotaError(
-        seq.salt, "max_pinned_pages", quota.max_pinned_pages,
-        absl::StrCat("holds ", held.pages, " pages and this call needs ", growth, " more"));
-  }
-  held.pages += growth;
+  if (absl::Status s = ledger_->PinPages(seq.salt, growth, "this call"); !s.ok()) return s;
   it->second = total_pages;
   return absl::OkStatus();
 }
 
-void SequenceTable::Settle(const Sequence& seq, int64_t total_pages) {
+void SequenceTable::Settle(Sequence& seq) {
+  const int64_t total_pages = PagesOf(seq.model, &seq);
   std::lock_guard<std::mutex> lock(mu_);
   auto it = pages_.find(seq.id);
   if (it == pages_.end()) return;
-  tenants_[seq.salt].pages += total_pages - it->second;
+  ledger_->AdjustPinned(seq.salt, total_pages - it->second);
   it->second = total_pages;
 }
 
 void SequenceTable::ReleaseLocked(const Sequence& seq) {
-  auto t = tenants_.find(seq.salt);
   auto p = pages_.find(seq.id);
-  if (t != tenants_.end()) {
-    --t->second.sequences;
-    if (p != pages_.end()) t->second.pages -= p->second;
-    if (t->second.sequences == 0) tenants_.erase(t);
-  }
+  ledger_->ReleaseSequence(seq.salt, p != pages_.end() ? p->second : 0);
   if (p != pages_.end()) pages_.erase(p);
-}
-
-std::vector<TenantUsage> SequenceTable::Usage() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  std::map<std::string, TenantUsage> all;
-  for (const auto& [name, q] : quotas_.tenants) all[name] = TenantUsage{name, 0, 0, q};
-  for (const auto& [name, h] : tenants_) {
-    TenantUsage& u = all[name];
-    u.tenant = name;
-    u.open_sequences = h.sequences;
-    u.pinned_pages = h.pages;
-    u.quota = quotas_.For(name);
-  }
-  std::vector<TenantUsage> out;
-  for (auto& [name, u] : all) out.push_back(std::move(u));
-  return out;
 }
 
 absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Get(uint64_t id) const {
@@ -165,11 +126,17 @@ absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Find(uint64_t id) {
   return seq;
 }
 
-absl::StatusOr<std::string> SequenceTable::Salt(uint64_t id) const {
-  absl::StatusOr<std::shared_ptr<Sequence>> seq = Get(id);
-  if (!seq.ok()) return seq.status();
-  return (*seq)->salt;
+absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Use(uint64_t id,
+                                                             const FoundSequences& found,
+                                                             size_t i) {
+  if (i < found.size() && found[i] != nullptr && found[i]->id == id) {
+    Touch(found[i].get());
+    return found[i];
+  }
+  return Find(id);
 }
+
+absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Peek(uint64_t id) const { return Get(id); }
 
 absl::StatusOr<int64_t> SequenceTable::Close(uint64_t id) {
   std::shared_ptr<Sequence> seq;
@@ -191,13 +158,17 @@ absl::StatusOr<int64_t> SequenceTable::Close(uint64_t id) {
 absl::StatusOr<int64_t> SequenceTable::Renew(uint64_t id, int64_t lease_ms) {
   absl::StatusOr<std::shared_ptr<Sequence>> seq = Get(id);
   if (!seq.ok()) return seq.status();
+  return Renew(**seq, lease_ms);
+}
+
+absl::StatusOr<int64_t> SequenceTable::Renew(Sequence& seq, int64_t lease_ms) {
   if (lease_ms != 0) {
-    absl::StatusOr<int64_t> lease = GrantLease((*seq)->salt, lease_ms);
+    absl::StatusOr<int64_t> lease = GrantLease(seq.salt, lease_ms);
     if (!lease.ok()) return lease.status();
-    (*seq)->lease_ms.store(*lease);
+    seq.lease_ms.store(*lease);
   }
-  Touch(seq->get());
-  return (*seq)->lease_ms.load();
+  Touch(&seq);
+  return seq.lease_ms.load();
 }
 
 int SequenceTable::Expire(int64_t now_ns) {

@@ -1,11 +1,12 @@
 // The checks CacheEngine makes on a request's input tensors before it routes them: the
-// K/V shapes and dtypes, the payload kinds inputs may use, and the status of a sequence
-// whose device inputs a pipelined kernel found non-finite. Where rows are and whether
-// their values are finite (CacheEngine::Rows, CacheEngine::Residuals) is defined in
-// tensor_checks.cc beside these.
+// specs of K/V rows, residuals and queries (each resolved by the data plane in one call,
+// TensorResolver::Resolve), the payload kinds inputs may use, and the status of a sequence
+// whose device inputs a pipelined kernel found non-finite. The rows of resolved tensors
+// (CacheEngine::Rows, CacheEngine::Residuals) are defined in request_rows.cc.
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "kvcd/v1/kvcache.pb.h"
@@ -18,8 +19,8 @@ namespace kvcd {
 // Input tensors (K/V, queries) come inline or from a registered device buffer.
 constexpr int kInputKinds = TensorResolver::kInline | TensorResolver::kIpc;
 
-// Checks K and V of n tokens for all layers: [L, n, Hkv, d], same dtype.
-absl::Status CheckKv(const ModelSpec& s, const v1::TensorRef& k, const v1::TensorRef& v, int64_t n);
+// An input of `shape`, BF16 or F32, inline or cuda_ipc.
+TensorSpec InputSpec(absl::string_view field, std::vector<int64_t> shape);
 
 // INVALID_ARGUMENT once a pipelined call's kernel met a NaN/±Inf in the sequence's device
 // inputs (Sequence::device_fault): every later call on it answers this.

@@ -56,11 +56,15 @@ absl::Status Authorizer::CheckTenant(const Principal& p, const std::string& salt
                                                   "; its tenants are: ", TenantList(p)));
 }
 
-absl::Status Authorizer::CheckSequence(const Principal& p, uint64_t id) const {
+absl::Status Authorizer::CheckSequence(const Principal& p, uint64_t id,
+                                       FoundSequences* found) const {
   if (p.unrestricted) return absl::OkStatus();
-  absl::StatusOr<std::string> salt = salt_of_(id);
-  if (!salt.ok()) return salt.status();
-  if (p.MayUseTenant(*salt)) return absl::OkStatus();
+  absl::StatusOr<std::shared_ptr<Sequence>> seq = lookup_(id);
+  if (!seq.ok()) return seq.status();
+  if (p.MayUseTenant((*seq)->salt)) {
+    if (found != nullptr) found->push_back(*std::move(seq));
+    return absl::OkStatus();
+  }
   // Exactly the answer for a sequence that does not exist: no probing across tenants.
   return absl::NotFoundError(
       absl::StrCat("sequence ", id, " is not open (never opened, closed, or its lease expired)"));
@@ -144,27 +148,32 @@ absl::Status Authorizer::Check(const Principal& p, const v1::PushPagesRequest& r
   KVCD_RETURN_IF_ERROR(CheckTenant(p, r.cache_salt()));
   return CheckRefs(p, r);
 }
-absl::Status Authorizer::Check(const Principal& p, const v1::CloseSequenceRequest& r) const {
-  return CheckSequence(p, r.sequence_id());
+absl::Status Authorizer::Check(const Principal& p, const v1::CloseSequenceRequest& r,
+                               FoundSequences* found) const {
+  return CheckSequence(p, r.sequence_id(), found);
 }
-absl::Status Authorizer::Check(const Principal& p, const v1::RenewLeaseRequest& r) const {
-  return CheckSequence(p, r.sequence_id());
+absl::Status Authorizer::Check(const Principal& p, const v1::RenewLeaseRequest& r,
+                               FoundSequences* found) const {
+  return CheckSequence(p, r.sequence_id(), found);
 }
-absl::Status Authorizer::Check(const Principal& p, const v1::AppendRequest& r) const {
-  KVCD_RETURN_IF_ERROR(CheckSequence(p, r.sequence_id()));
+absl::Status Authorizer::Check(const Principal& p, const v1::AppendRequest& r,
+                               FoundSequences* found) const {
+  KVCD_RETURN_IF_ERROR(CheckSequence(p, r.sequence_id(), found));
   return CheckRefs(p, r);
 }
-absl::Status Authorizer::Check(const Principal& p, const v1::AttentionDecodeRequest& r) const {
+absl::Status Authorizer::Check(const Principal& p, const v1::AttentionDecodeRequest& r,
+                               FoundSequences* found) const {
   for (int b = 0; b < r.sequence_ids_size(); ++b) {
-    absl::Status s = CheckSequence(p, r.sequence_ids(b));
+    absl::Status s = CheckSequence(p, r.sequence_ids(b), found);
     if (!s.ok()) {
       return absl::Status(s.code(), absl::StrCat("sequence_ids[", b, "]: ", s.message()));
     }
   }
   return CheckRefs(p, r);
 }
-absl::Status Authorizer::Check(const Principal& p, const v1::FetchPagesRequest& r) const {
-  KVCD_RETURN_IF_ERROR(CheckSequence(p, r.sequence_id()));
+absl::Status Authorizer::Check(const Principal& p, const v1::FetchPagesRequest& r,
+                               FoundSequences* found) const {
+  KVCD_RETURN_IF_ERROR(CheckSequence(p, r.sequence_id(), found));
   return CheckRefs(p, r);
 }
 absl::Status Authorizer::Check(const Principal& p, const v1::RegisterBufferRequest&) const {

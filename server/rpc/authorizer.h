@@ -24,33 +24,44 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "kvcd/v1/kvcache.pb.h"
+#include "server/cache/sequence.h"
 #include "server/rpc/auth.h"
 
 namespace kvcd {
 
 class Authorizer {
  public:
-  // The tenant (cache_salt) of an open sequence, NOT_FOUND if it is not open
-  // (CacheEngine::SequenceSalt).
-  using SequenceSaltFn = std::function<absl::StatusOr<std::string>(uint64_t)>;
-  explicit Authorizer(SequenceSaltFn salt_of) : salt_of_(std::move(salt_of)) {}
+  // An open sequence (its tenant is its salt), NOT_FOUND if it is not open
+  // (CacheEngine::LookupSequence).
+  using SequenceLookup = std::function<absl::StatusOr<std::shared_ptr<Sequence>>(uint64_t)>;
+  explicit Authorizer(SequenceLookup lookup) : lookup_(std::move(lookup)) {}
 
+  // The sequence-scoped checks (Close, Renew, Append, AttentionDecode, FetchPages) add the
+  // sequences they looked up to *found, in the request's order, for the engine to use
+  // instead of looking them up again; nothing is added for the unrestricted principal,
+  // whose calls look up nothing here.
   absl::Status Check(const Principal& p, const v1::RegisterModelRequest& r) const;
   absl::Status Check(const Principal& p, const v1::ListModelsRequest& r) const;
   absl::Status Check(const Principal& p, const v1::PutRequest& r) const;
   absl::Status Check(const Principal& p, const v1::MatchRequest& r) const;
   absl::Status Check(const Principal& p, const v1::OpenSequenceRequest& r) const;
-  absl::Status Check(const Principal& p, const v1::CloseSequenceRequest& r) const;
-  absl::Status Check(const Principal& p, const v1::RenewLeaseRequest& r) const;
-  absl::Status Check(const Principal& p, const v1::AppendRequest& r) const;
-  absl::Status Check(const Principal& p, const v1::AttentionDecodeRequest& r) const;
-  absl::Status Check(const Principal& p, const v1::FetchPagesRequest& r) const;
+  absl::Status Check(const Principal& p, const v1::CloseSequenceRequest& r,
+                     FoundSequences* found = nullptr) const;
+  absl::Status Check(const Principal& p, const v1::RenewLeaseRequest& r,
+                     FoundSequences* found = nullptr) const;
+  absl::Status Check(const Principal& p, const v1::AppendRequest& r,
+                     FoundSequences* found = nullptr) const;
+  absl::Status Check(const Principal& p, const v1::AttentionDecodeRequest& r,
+                     FoundSequences* found = nullptr) const;
+  absl::Status Check(const Principal& p, const v1::FetchPagesRequest& r,
+                     FoundSequences* found = nullptr) const;
   absl::Status Check(const Principal& p, const v1::PushPagesRequest& r) const;
   absl::Status Check(const Principal& p, const v1::StatsRequest& r) const;
   absl::Status Check(const Principal& p, const v1::RegisterBufferRequest& r) const;
@@ -68,13 +79,13 @@ class Authorizer {
 
  private:
   absl::Status CheckTenant(const Principal& p, const std::string& salt) const;
-  absl::Status CheckSequence(const Principal& p, uint64_t id) const;
+  absl::Status CheckSequence(const Principal& p, uint64_t id, FoundSequences* found) const;
   absl::Status CheckDataPlane(const Principal& p, const char* what) const;
   absl::Status CheckOwner(const Principal& p, Object kind, uint64_t id) const;
   // Every cuda_ipc buffer and nccl communicator the request's TensorRefs name.
   absl::Status CheckRefs(const Principal& p, const google::protobuf::Message& m) const;
 
-  const SequenceSaltFn salt_of_;
+  const SequenceLookup lookup_;
   mutable std::mutex mu_;
   // -> principal name
   std::map<std::pair<Object, uint64_t>, std::string> owners_ ABSL_GUARDED_BY(mu_);

@@ -28,27 +28,48 @@ KvCacheService::KvCacheService(CacheEngine* engine, Metrics* metrics, ThreadPool
       metrics_(metrics),
       executor_(executor),
       tokens_(tokens),
-      authz_([engine](uint64_t id) { return engine->SequenceSalt(id); }),
-      channels_(
-          [this](const v1::AttentionDecodeRequest& req, v1::AttentionDecodeResponse* resp) {
-            static const int kMetrics = PhaseTimes::Phase("daemon.service.metrics");
-            const auto t0 = std::chrono::steady_clock::now();
-            absl::Status s = Decode(req, resp);
-            PhaseLap lap;
-            if (s.ok()) {  // the per-layer loop's case: no label lookup per request
-              prometheus::Histogram* h = channel_ok_seconds_.load(std::memory_order_acquire);
-              if (h == nullptr) {
-                h = metrics_->RpcHistogram("DecodeChannel", absl::StatusCode::kOk);
-                channel_ok_seconds_.store(h, std::memory_order_release);
-              }
-              h->Observe(SecondsSince(t0));
-            } else {
-              metrics_->ObserveRpc("DecodeChannel", s.code(), SecondsSince(t0));
-            }
-            lap.Mark(kMetrics);
-            return s;
-          },
-          DecodeChannels::Options{engine->config().decode_channel_spin_us, 20, 64}) {}
+      authz_([engine](uint64_t id) { return engine->LookupSequence(id); }),
+      channels_(engine, DecodeChannels::Options{engine->config().decode_channel_spin_us, 20, 64}) {}
+
+// What a decode channel asks before each request: the token that opened the channel,
+// resolved again for every request (a revoked token stops working), may use every sequence
+// of it; the sequences found go down to the engine with the request. Each answer is
+// observed like a call's.
+class ChannelAdmission final : public DecodeAdmission {
+ public:
+  ChannelAdmission(KvCacheService* service, std::optional<std::string> authorization)
+      : service_(service), authorization_(std::move(authorization)) {}
+
+  absl::StatusOr<FoundSequences> Admit(const v1::AttentionDecodeRequest& req) override {
+    absl::StatusOr<std::shared_ptr<const Principal>> now = service_->Authenticate(authorization_);
+    if (!now.ok()) return now.status();
+    FoundSequences found;
+    if (absl::Status s = service_->authz_.Check(**now, req, &found); !s.ok()) return s;
+    return found;
+  }
+
+  void Answered(const absl::Status& s, double seconds,
+                const v1::AttentionDecodeResponse& resp) override {
+    static const int kMetrics = PhaseTimes::Phase("daemon.service.metrics");
+    PhaseLap lap;
+    if (s.ok()) {  // the per-layer loop's case: no label lookup per request
+      service_->metrics_->ObserveKernel(resp.kernel_seconds());
+      prometheus::Histogram* h = service_->channel_ok_seconds_.load(std::memory_order_acquire);
+      if (h == nullptr) {
+        h = service_->metrics_->RpcHistogram("DecodeChannel", absl::StatusCode::kOk);
+        service_->channel_ok_seconds_.store(h, std::memory_order_release);
+      }
+      h->Observe(seconds);
+    } else {
+      service_->metrics_->ObserveRpc("DecodeChannel", s.code(), seconds);
+    }
+    lap.Mark(kMetrics);
+  }
+
+ private:
+  KvCacheService* const service_;
+  const std::optional<std::string> authorization_;
+};
 
 std::optional<std::string> KvCacheService::AuthorizationOf(grpc::CallbackServerContext* ctx) {
   const auto& md = ctx->client_metadata();
@@ -132,13 +153,25 @@ KVCD_UNARY(Put, PutRequest, PutResponse)
 KVCD_UNARY(Match, MatchRequest, MatchResponse)
 KVCD_UNARY(OpenSequence, OpenSequenceRequest, OpenSequenceResponse)
 KVCD_UNARY(CloseSequence, CloseSequenceRequest, CloseSequenceResponse)
-KVCD_UNARY(RenewLease, RenewLeaseRequest, RenewLeaseResponse)
-KVCD_UNARY(Append, AppendRequest, AppendResponse)
-KVCD_UNARY(FetchPages, FetchPagesRequest, FetchPagesResponse)
 KVCD_UNARY(PushPages, PushPagesRequest, PushPagesResponse)
 KVCD_UNARY(Stats, StatsRequest, StatsResponse)
 KVCD_UNARY(RenewBuffer, RenewBufferRequest, RenewBufferResponse)
 #undef KVCD_UNARY
+
+// Sequence-scoped calls: the sequences the authorizer found go on to the engine.
+#define KVCD_SEQUENCE_UNARY(Method, Req, Resp)                                           \
+  grpc::ServerUnaryReactor* KvCacheService::Method(grpc::CallbackServerContext* ctx,     \
+                                                   const v1::Req* req, v1::Resp* resp) { \
+    return Run(#Method, ctx, [this, req, resp](const Principal& p) -> absl::Status {     \
+      FoundSequences found;                                                              \
+      if (absl::Status s = authz_.Check(p, *req, &found); !s.ok()) return s;             \
+      return engine_->Method(*req, resp, found);                                         \
+    });                                                                                  \
+  }
+KVCD_SEQUENCE_UNARY(RenewLease, RenewLeaseRequest, RenewLeaseResponse)
+KVCD_SEQUENCE_UNARY(Append, AppendRequest, AppendResponse)
+KVCD_SEQUENCE_UNARY(FetchPages, FetchPagesRequest, FetchPagesResponse)
+#undef KVCD_SEQUENCE_UNARY
 
 // Data-plane objects are bound to the token that created them (authorizer.h).
 grpc::ServerUnaryReactor* KvCacheService::RegisterBuffer(grpc::CallbackServerContext* ctx,
@@ -195,12 +228,7 @@ grpc::ServerUnaryReactor* KvCacheService::OpenDecodeChannel(grpc::CallbackServer
     // Requests on the channel run with the token that opened it, resolved again for
     // every request (a revoked token stops working).
     absl::StatusOr<uint64_t> id = channels_.Open(
-        req->shm_name(), *lease,
-        [this, auth = AuthorizationOf(ctx)](const v1::AttentionDecodeRequest& r) -> absl::Status {
-          absl::StatusOr<std::shared_ptr<const Principal>> now = Authenticate(auth);
-          if (!now.ok()) return now.status();
-          return authz_.Check(**now, r);
-        });
+        req->shm_name(), *lease, std::make_unique<ChannelAdmission>(this, AuthorizationOf(ctx)));
     if (!id.ok()) return id.status();
     authz_.Bind(Authorizer::Object::kChannel, *id, p);
     resp->set_channel_id(*id);
@@ -221,8 +249,9 @@ grpc::ServerUnaryReactor* KvCacheService::CloseDecodeChannel(
 }
 
 absl::Status KvCacheService::Decode(const v1::AttentionDecodeRequest& req,
-                                    v1::AttentionDecodeResponse* resp) {
-  absl::Status s = engine_->AttentionDecode(req, resp);
+                                    v1::AttentionDecodeResponse* resp,
+                                    const FoundSequences& found) {
+  absl::Status s = engine_->AttentionDecode(req, resp, found);
   if (s.ok()) metrics_->ObserveKernel(resp->kernel_seconds());
   return s;
 }
@@ -231,8 +260,9 @@ grpc::ServerUnaryReactor* KvCacheService::AttentionDecode(grpc::CallbackServerCo
                                                           const v1::AttentionDecodeRequest* req,
                                                           v1::AttentionDecodeResponse* resp) {
   return Run("AttentionDecode", ctx, [this, req, resp](const Principal& p) -> absl::Status {
-    if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;
-    return Decode(*req, resp);
+    FoundSequences found;
+    if (absl::Status s = authz_.Check(p, *req, &found); !s.ok()) return s;
+    return Decode(*req, resp, found);
   });
 }
 
@@ -316,8 +346,9 @@ class DecodeStreamReactor final
     service_->executor_->Submit([this, t0] {
       resp_.Clear();
       absl::StatusOr<std::shared_ptr<const Principal>> p = service_->Authenticate(authorization_);
-      absl::Status s = p.ok() ? service_->authz_.Check(**p, req_) : p.status();
-      if (s.ok()) s = service_->Decode(req_, resp_.mutable_response());
+      FoundSequences found;
+      absl::Status s = p.ok() ? service_->authz_.Check(**p, req_, &found) : p.status();
+      if (s.ok()) s = service_->Decode(req_, resp_.mutable_response(), found);
       resp_.set_request_id(req_.request_id());
       if (!s.ok()) {
         resp_.clear_response();

@@ -26,6 +26,7 @@
 namespace kvcd {
 
 class DecodeStreamReactor;
+class ChannelAdmission;
 
 // The generated CallbackService, except that AttentionDecodeStream takes raw bytes: the
 // typed handler reports a message that does not parse exactly like the client's
@@ -127,8 +128,10 @@ class KvCacheService final : public KvCacheCallbackBase {
                                                const v1::CloseDecodeChannelRequest* req,
                                                v1::CloseDecodeChannelResponse* resp) override;
 
-  // Runs one decode request as the stream does (also used by the unary call).
-  absl::Status Decode(const v1::AttentionDecodeRequest& req, v1::AttentionDecodeResponse* resp);
+  // Runs one decode request as the stream does (also used by the unary call), on the
+  // sequences its authorization found.
+  absl::Status Decode(const v1::AttentionDecodeRequest& req, v1::AttentionDecodeResponse* resp,
+                      const FoundSequences& found);
 
  private:
   template <class Fn>
@@ -160,6 +163,7 @@ class KvCacheService final : public KvCacheCallbackBase {
   std::atomic<prometheus::Histogram*> channel_ok_seconds_{nullptr};
   DecodeChannels channels_;
   friend class DecodeStreamReactor;
+  friend class ChannelAdmission;
 };
 
 }  // namespace kvcd

@@ -148,11 +148,8 @@ bool Exchange(DecodeChannelHeader* h, uint64_t* seq) {
 // serving it with the real decode path.
 struct Channel {
   explicit Channel(World& w)
-      : channels(
-            [&w](const v1::AttentionDecodeRequest& req, v1::AttentionDecodeResponse* resp) {
-              return w.engine->AttentionDecode(req, resp);
-            },
-            DecodeChannels::Options{/*spin_us=*/50, /*poll_us=*/20, /*max_channels=*/4}) {
+      : channels(w.engine.get(),
+                 DecodeChannels::Options{/*spin_us=*/50, /*poll_us=*/20, /*max_channels=*/4}) {
     name = "/kvcd-fuzz-" + std::to_string(getpid());
     fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600);
     if (fd < 0) __builtin_trap();

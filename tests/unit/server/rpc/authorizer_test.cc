@@ -31,7 +31,7 @@ class AuthorizerTest : public ::testing::Test {
     engine_ = std::make_unique<CacheEngine>(TestConfig(), MakeCpuBackend(2));
     ASSERT_TRUE(engine_->RegisterModelSpec(TinySpec()).ok());
     authz_ =
-        std::make_unique<Authorizer>([this](uint64_t id) { return engine_->SequenceSalt(id); });
+        std::make_unique<Authorizer>([this](uint64_t id) { return engine_->LookupSequence(id); });
   }
   uint64_t Open(const std::string& salt) {
     v1::OpenSequenceRequest req;
@@ -110,7 +110,12 @@ TEST_F(AuthorizerTest, AnotherTenantsSequenceLooksExactlyLikeAMissingOne) {
   EXPECT_EQ(authz_->Check(a, fetch).code(), absl::StatusCode::kNotFound);
   v1::AttentionDecodeRequest decode;
   decode.add_sequence_ids(seq_a);
-  EXPECT_TRUE(authz_->Check(a, decode).ok());
+  FoundSequences found;
+  EXPECT_TRUE(authz_->Check(a, decode, &found).ok());
+  // What the check found is handed on to the engine: the sequence itself, once.
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0]->id, seq_a);
+  EXPECT_EQ(found[0]->salt, "team-a");
   decode.add_sequence_ids(seq_b);  // one foreign id in a batch refuses the batch
   const absl::Status d = authz_->Check(a, decode);
   EXPECT_EQ(d.code(), absl::StatusCode::kNotFound);
@@ -118,7 +123,7 @@ TEST_F(AuthorizerTest, AnotherTenantsSequenceLooksExactlyLikeAMissingOne) {
 
   // The refused calls changed nothing: b's sequence is still open.
   EXPECT_EQ(engine_->ActiveSequences(), 2);
-  EXPECT_EQ(*engine_->SequenceSalt(seq_b), "team-b");
+  EXPECT_EQ((*engine_->LookupSequence(seq_b))->salt, "team-b");
 }
 
 TEST_F(AuthorizerTest, SequenceIdsAreRandomNotSequential) {
