@@ -2,7 +2,7 @@
 // every request (shapes, dtypes, lengths, ids; int64 overflow-safe, before anything
 // is allocated) and routes it: to the model's ModelCache, to the SequenceTable (which owns
 // sequences and leases), and to the data plane (TensorResolver for where a tensor's bytes
-// are, BufferRegistry, NcclLinks). Errors are absl::Status with the codes of DESIGN.md §4;
+// are, BufferRegistry, NcclLinks). Errors are absl::Status with the codes of docs/api.md "Errors";
 // the service maps them to gRPC once (rpc/status_mapping.h).
 //
 // Thread safety: all methods are thread-safe.
