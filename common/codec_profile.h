@@ -1,7 +1,7 @@
 // CodecProfile: the per-layer rotations (R_k, R_v, FP32 d x d) and clip ratios of a
 // model whose history is stored as OSCAR INT2.
 //
-// Codec file (safetensors; README.md "Codec files"):
+// Codec file (safetensors; docs/formats.md "Codec files"):
 //   layers.<l>.r_k   F32 [head_dim, head_dim]   key rotation of layer l (rows x·R)
 //   layers.<l>.r_v   F32 [head_dim, head_dim]   value rotation of layer l
 //   layers.<l>.rho_k F32 [] or [1] (optional)   key clip quantile (default 0.96)

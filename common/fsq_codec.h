@@ -1,5 +1,5 @@
 // FsqCodec: the per-layer Transformer-FSQ codec of a model whose history is stored as
-// 4-bit latent codes (docs/fsq.md "Codec file", DESIGN.md §6).
+// 4-bit latent codes (docs/fsq.md "Codec file").
 //
 // Codec file (safetensors, version 1): metadata kvcd.codec = "fsq", version = "1",
 // num_layers, residual_width (C), latent_width (G), num_kv_heads, head_dim,

@@ -1,4 +1,4 @@
-// Orthogonal rotations for the OSCAR INT2 codec (DESIGN.md §5). Matrices are d x d,
+// Orthogonal rotations for the OSCAR INT2 codec (docs/formats.md "int2-oscar"). Matrices are d x d,
 // row-major; rows are row vectors, so a row x is rotated as x · R.
 #pragma once
 

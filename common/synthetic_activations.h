@@ -39,7 +39,7 @@ struct LayerActivations {
 // REQUIRES: head_dim even, num_q_heads % num_kv_heads == 0.
 std::vector<LayerActivations> GenerateActivations(const ActivationSpec& spec);
 
-// OSCAR calibration statistics (DESIGN.md §5), FP64, d x d row-major, for one layer:
+// OSCAR calibration statistics (docs/formats.md "int2-oscar"), FP64, d x d row-major, 1 layer:
 //   C_q = mean_h (Q_gh^T Q_gh / n_h)  (Q_gh: the g query heads of KV head h stacked)
 //   C_v = mean_h (sum_t w_t v_t^T v_t / n),  w_t = k_t (Q_gh^T Q_gh / n_h) k_t^T,
 //         normalized so that sum_t w_t = n.

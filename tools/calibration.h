@@ -1,4 +1,4 @@
-// OSCAR calibration (DESIGN.md §5): per layer (or per KV head), R_k from the GQA-grouped
+// OSCAR calibration (docs/formats.md "int2-oscar"): per layer (or KV head), R_k from the GQA
 // query covariance and R_v from the score-weighted value covariance, composed as R = U·H·P
 // in FP64; and optionally the clip quantiles that minimize the attention-output error of
 // held-out queries over K/V stored the way kvcd stores them.

@@ -1,4 +1,4 @@
-// Transformer-FSQ codec initialization without training (docs/fsq.md, DESIGN.md §6): per
+// Transformer-FSQ codec initialization without training (docs/calibration.md, FSQ): per
 // layer, PCA of the centered normalized residuals (FP64, deterministic eigenvector signs),
 // the encoder E_i = u_{i mod C}^T / (3 σ_{i mod C}) with e = −E μ, the FSQ codes of the
 // training tokens, the ridge decoder D = (ZᵀZ + λI)⁻¹ Zᵀ X_c and the model's projections

@@ -143,7 +143,7 @@ int main(int argc, char** argv) {
     u.opt.uniform_bits = true;
     vs.push_back(u);
     Variant e = w;
-    e.name = "tc-ueig" + suffix;  // DESIGN §5's U for K (orthogonal), KLT for V
+    e.name = "tc-ueig" + suffix;  // the OSCAR U for K (orthogonal), KLT for V
     e.opt.k.basis = e.opt.v.basis = kvcd::TransformBasis::kMetricEigen;
     vs.push_back(e);
     Variant k = w;

@@ -35,7 +35,7 @@ void TransformRoundTrip(const TransformCodec& c, const float* x, float* out);
 enum class TransformBasis {
   kWhitened,     // eigenvectors of A C A, A = metric^(1/2): the error metric is exact in y
   kDataKlt,      // orthogonal: eigenvectors of C (the rows' covariance)
-  kMetricEigen,  // orthogonal: eigenvectors of the metric (DESIGN §5's U for keys)
+  kMetricEigen,  // orthogonal: eigenvectors of the metric (the OSCAR U for keys)
 };
 
 struct TransformFitOptions {

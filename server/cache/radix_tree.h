@@ -1,4 +1,4 @@
-// RadixTree: page-granular prefix cache over token ids (DESIGN.md §3).
+// RadixTree: page-granular prefix cache over token ids (docs/architecture.md "The cache").
 //
 // Edges are page-aligned token chunks; each node owns the pages of its edge. Keys are
 // namespaced (model profile is implicit: one tree per model; the namespace is the

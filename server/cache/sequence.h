@@ -1,4 +1,4 @@
-// Sequence: the state of one decode stream (DESIGN.md §3, three-segment layout).
+// Sequence: one decode stream's state, three-segment layout (docs/architecture.md "The cache").
 //
 // Page i holds tokens [i*page_size, (i+1)*page_size) of every layer. Pages
 // [0, shared_pages) come from the radix tree (pinned while the sequence lives);

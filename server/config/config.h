@@ -1,5 +1,5 @@
 // Daemon configuration (YAML). Every field is validated; unknown keys are errors, so
-// a typo never silently falls back to a default. See README.md "Configuration".
+// a typo never silently falls back to a default. See docs/operating.md "Configuration".
 #pragma once
 
 #include <cstdint>

@@ -3,8 +3,8 @@
 // is allocated) and routes it: to the model's ModelCache, to the SequenceTable (which owns
 // sequences and leases; TenantLedger holds what tenants hold), and to the data plane
 // (TensorResolver for where a tensor's bytes are, BufferRegistry, NcclLinks). Errors are
-// absl::Status with the codes of DESIGN.md §4; the service maps them to gRPC once
-// (rpc/status_mapping.h).
+// absl::Status with the codes of docs/api.md "Errors"; the service maps them to gRPC
+// once (rpc/status_mapping.h).
 //
 // Thread safety: all methods are thread-safe.
 #pragma once

@@ -1,8 +1,8 @@
 // PagePool: fixed-size pages of one storage format, carved once from backend memory.
 //
 // Memory layout: [num_layers][num_pages][layer_page_bytes], so a kernel walks one
-// layer's pages from one base pointer and a page table (DESIGN.md §3). Page ids are
-// indices, never pointers. Allocation is all-or-nothing and never touches the heap.
+// layer's pages from one base pointer and a page table (docs/architecture.md "The cache").
+// Page ids are indices, never pointers. Allocation is all-or-nothing and never touches the heap.
 //
 // Thread safety: Allocate/Free/counters are thread-safe. Page contents are not
 // synchronized here; callers own the pages they allocated.

@@ -2,7 +2,7 @@
 // the engine at scrape time (no double bookkeeping); RPC and kernel latencies are
 // histograms observed by the service. Names follow Prometheus rules: kvcd_ prefix,
 // base units (seconds, bytes), _total for counters, bounded labels (method, code,
-// model, format). See README.md "Metrics".
+// model, format). See docs/operating.md "Metrics".
 //
 // Thread safety: ObserveRpc / ObserveKernel are thread-safe.
 #pragma once

@@ -11,7 +11,7 @@
 // random ids; other values are passed as they are.
 //
 // Checked after every call, beyond what ASan/UBSan catch:
-//   - the code is one DESIGN.md §4 allows for client input (never UNKNOWN, INTERNAL or
+//   - the code is one docs/api.md "Errors" allows for client input (never UNKNOWN, INTERNAL or
 //     DATA_LOSS on the CPU backend);
 //   - a failed call stores nothing: cached tokens, pages in use and open sequences are
 //     as before;

@@ -1,4 +1,4 @@
-// Transformer-FSQ history pages (docs/fsq.md, DESIGN.md §6): each token of each layer is
+// Transformer-FSQ history pages (docs/fsq.md, docs/formats.md "fsq"): each token of each layer is
 // one code of G coordinates x 4 bits, computed from the attention block's normalized
 // residual x_t, shared by all KV heads. Two formats serve an FSQ model:
 //

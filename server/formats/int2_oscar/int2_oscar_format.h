@@ -1,4 +1,4 @@
-// OSCAR INT2 history pages (DESIGN.md §5): rows rotated by the model's codec, clipped,
+// OSCAR INT2 history pages (docs/formats.md "int2-oscar"): rows rotated by the codec, clipped,
 // quantized to 2 bits with an FP16 scale and minimum per row; layout of one layer of one
 // page in kvcd/kernels/int2_attention.h, row codec in kvcd/kernels/int2_codec.h.
 // Written whole (Put: quantize-on-put) or re-encoded from full BF16 window pages (Demote).

@@ -87,8 +87,8 @@ TEST(CodecQualityTest, RotationsReduceAttentionErrorOfNaiveInt2) {
 
   // Measured on this generator (seed 11, 512 tokens, d = 128, windows 64 + 64):
   // naive 0.457, hadamard 0.356 (x0.78), oscar 0.379 (x0.83). With one quantization group
-  // per row (DESIGN.md §5) the bit-reversal permutation cannot rebalance groups, and on
-  // this data the calibrated rotation is not better than Hadamard; README "Quality".
+  // per row (docs/formats.md "int2-oscar") the bit-reversal permutation cannot rebalance groups,
+  // and on this data the calibrated rotation is not better than Hadamard; docs/performance.md.
   EXPECT_LT(had, 0.85 * naive);
   EXPECT_LT(oscar, 0.9 * naive);
 }

@@ -1,4 +1,4 @@
-// The OSCAR rotation R = U·H·P of DESIGN.md §5, pinned by hand-checked cases.
+// The OSCAR rotation R = U·H·P of docs/formats.md "int2-oscar", pinned by hand-checked cases.
 #include "common/rotation.h"
 
 #include <gtest/gtest.h>

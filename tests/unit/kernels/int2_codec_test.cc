@@ -1,4 +1,4 @@
-// The OSCAR INT2 quantizer and packing (DESIGN.md §5), pinned by hand-computed cases.
+// The OSCAR INT2 quantizer and packing (docs/formats.md "int2-oscar"), hand-computed cases.
 #include "kvcd/kernels/int2_codec.h"
 
 #include <gtest/gtest.h>

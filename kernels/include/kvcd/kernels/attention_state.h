@@ -1,4 +1,4 @@
-// Partial attention states and their exact merge (DESIGN.md §7).
+// Partial attention states and their exact merge (docs/formats.md "Attention on the codes").
 //
 // A state of one query head over a set of keys is (o[d], lse): o = softmax-weighted
 // mean of the values, lse = natural-log sum of exp(scaled logits). The empty state

@@ -1,4 +1,4 @@
-// Transformer-FSQ kernels on the CPU (docs/fsq.md, DESIGN.md §6-7): encode residuals to
+// Transformer-FSQ kernels on the CPU (docs/fsq.md, docs/formats.md "fsq"): encode residuals to
 // 4-bit latent codes, and decode attention computed on the codes (keys rebuilt per token
 // in registers, never written; values as W_v (Σ a_t z_t) + b_v).
 //

@@ -1,4 +1,4 @@
-// Decode attention over OSCAR INT2 pages, computed on the packed codes (DESIGN.md §7).
+// Decode attention over OSCAR INT2 pages, on the packed codes (docs/formats.md "Attention").
 //
 // Layout of one layer of one INT2 page (bytes); a row is one token of one KV head, packed
 // as in int2_codec.h (Q = head_dim/4 bytes, G = min(4, Q), P4 = ceil(page_size/4)):

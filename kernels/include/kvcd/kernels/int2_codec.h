@@ -1,4 +1,4 @@
-// OSCAR INT2 codec (DESIGN.md §5): rotate, clip, quantize and pack rows, and the
+// OSCAR INT2 codec (docs/formats.md "int2-oscar"): rotate, clip, quantize and pack rows, and the
 // inverse. Framework-free.
 //
 // A row is one token of one KV head: d values (d a power of two, >= 8).
