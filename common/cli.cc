@@ -65,9 +65,15 @@ void AppendFlags(const std::vector<const absl::CommandLineFlag*>& flags, std::st
   }
 }
 
+// Whether a flag defined in `file` (CommandLineFlag::Filename(), which Abseil normalizes by
+// stripping leading slashes) is one of the program's, whose files are given as __FILE__.
 bool InFiles(const Program& program, absl::string_view file) {
+  auto strip = [](absl::string_view f) {
+    const size_t start = f.find_first_not_of("/\\");
+    return start == absl::string_view::npos ? absl::string_view() : f.substr(start);
+  };
   for (const auto& f : program.files)
-    if (file == f) return true;
+    if (strip(file) == strip(f)) return true;
   return false;
 }
 
