@@ -21,8 +21,10 @@
 #include <thread>
 #include <vector>
 
+#include "absl/flags/flag.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "common/cli.h"
 #include "common/codec_profile.h"
 #include "common/key_transform_profile.h"
 #include "kvcd/kernels/bf16.h"
@@ -33,6 +35,12 @@
 #include "kvcd/kernels/transform_attention.h"
 #include "server/backends/backend.h"
 #include "server/formats/page_pool.h"
+
+ABSL_FLAG(std::string, contexts, "4096,32768,100000", "context lengths, comma-separated");
+ABSL_FLAG(std::string, batches, "1,8", "batch sizes, comma-separated");
+ABSL_FLAG(int32_t, threads, 0, "compute threads of the CPU backend (0: every core)");
+ABSL_FLAG(int32_t, iters, 0, "repetitions per row (0: chosen from the size)");
+ABSL_FLAG(std::string, results, "", "append the table to this Markdown file");
 
 namespace {
 
@@ -109,26 +117,24 @@ struct Setup {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<int64_t> contexts = {4096, 32768, 100000};
-  std::vector<int> batches = {1, 8};
-  int threads = 0, iters = 0;
-  std::string results;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i], v = argv[i + 1];
-    if (a == "--contexts") {
-      contexts.clear();
-      for (auto s : absl::StrSplit(v, ',')) contexts.push_back(std::stoll(std::string(s)));
-    } else if (a == "--batches") {
-      batches.clear();
-      for (auto s : absl::StrSplit(v, ',')) batches.push_back(std::stoi(std::string(s)));
-    } else if (a == "--threads") {
-      threads = std::stoi(v);
-    } else if (a == "--iters") {
-      iters = std::stoi(v);
-    } else if (a == "--results") {
-      results = v;
-    }
+  const kvcd::cli::Program program = {
+      .name = "attention_cpu_bench",
+      .summary = "CPU decode attention: INT2 and int2-transform history against BF16",
+      .files = {__FILE__},
+      .synopsis =
+          "[--contexts 4096,32768,100000] [--batches 1,8] [--threads N] [--iters N]\n"
+          "    [--results FILE.md]"};
+  kvcd::cli::Parse(program, argc, argv);
+  std::vector<int64_t> contexts;
+  for (auto s : absl::StrSplit(absl::GetFlag(FLAGS_contexts), ',')) {
+    contexts.push_back(std::stoll(std::string(s)));
   }
+  std::vector<int> batches;
+  for (auto s : absl::StrSplit(absl::GetFlag(FLAGS_batches), ',')) {
+    batches.push_back(std::stoi(std::string(s)));
+  }
+  const int threads = absl::GetFlag(FLAGS_threads), iters = absl::GetFlag(FLAGS_iters);
+  const std::string results = absl::GetFlag(FLAGS_results);
   auto backend = kvcd::MakeCpuBackend(threads);
   std::mt19937 rng(1);
   const int cores =

@@ -14,6 +14,7 @@
 #include <random>
 #include <vector>
 
+#include "common/cli.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/bf16_attention.h"
 #include "kvcd/kernels/cpu_features.h"
@@ -33,8 +34,20 @@ double ThreadNanos() {
 int main(int argc, char** argv) {
   using namespace kvcd::kernels;
   constexpr int kHkv = 8, kD = 128, kPage = 64, kGroup = 4;
-  const int64_t n = argc > 1 ? std::max<int64_t>(kPage, std::atoll(argv[1])) / kPage * kPage : 4096;
-  const int reps = argc > 2 ? std::max(1, std::atoi(argv[2])) : 100;
+  const kvcd::cli::Program program = {
+      .name = "attention_cpu_kernel_bench",
+      .summary = "the INT2 and BF16 CPU attention kernels, one thread, one KV head per call",
+      .files = {__FILE__},
+      .synopsis = "[TOKENS=4096] [REPS=100]",
+      .takes_args = true};
+  const kvcd::cli::Parsed cli = kvcd::cli::Parse(program, argc, argv);
+  if (cli.args.size() > 2) {
+    return kvcd::cli::UsageError(program, nullptr, "unexpected argument '" + cli.args[2] + "'");
+  }
+  const int64_t n = !cli.args.empty()
+                        ? std::max<int64_t>(kPage, std::atoll(cli.args[0].c_str())) / kPage * kPage
+                        : 4096;
+  const int reps = cli.args.size() > 1 ? std::max(1, std::atoi(cli.args[1].c_str())) : 100;
   const int64_t pages = n / kPage;
   std::mt19937 rng(1);
   std::normal_distribution<float> normal(0.0f, 1.0f);

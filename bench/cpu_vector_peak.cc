@@ -10,6 +10,7 @@
 #include <ctime>
 #include <vector>
 
+#include "common/cli.h"
 #include "kvcd/kernels/cpu_features.h"
 
 __attribute__((target("avx512f,avx512vnni"))) static void Run() {
@@ -105,7 +106,13 @@ __attribute__((target("avx2,fma"))) static double ReadBandwidth(size_t bytes, in
   return best;
 }
 
-int main() {
+int main(int argc, char** argv) {
+  const kvcd::cli::Program program = {
+      .name = "cpu_vector_peak",
+      .summary = "sustained vector throughput and read bandwidth of one core",
+      .files = {__FILE__},
+      .synopsis = "(no flags)"};
+  kvcd::cli::Parse(program, argc, argv);
   using kvcd::kernels::CpuIsa;
   if (kvcd::kernels::DetectCpuIsa() >= CpuIsa::kAvx2) {
     RunAvx2();

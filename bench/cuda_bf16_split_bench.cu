@@ -26,6 +26,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/flags/flag.h"
+#include "common/cli.h"
 #include "cuda_bench.cuh"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/bf16_attention.h"
@@ -170,12 +172,18 @@ bool Check(int sms, cudaStream_t stream) {
 
 }  // namespace
 
+ABSL_FLAG(std::string, contexts, "32768,100000", "context lengths, comma-separated");
+ABSL_FLAG(std::string, batches, "1,8", "batch sizes, comma-separated");
+
 int main(int argc, char** argv) {
-  std::vector<int> contexts = {32768, 100000}, batches = {1, 8};
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (!std::strcmp(argv[i], "--contexts")) contexts = ParseList(argv[++i]);
-    if (!std::strcmp(argv[i], "--batches")) batches = ParseList(argv[++i]);
-  }
+  const kvcd::cli::Program program = {
+      .name = "cuda_bf16_split_bench",
+      .summary = "the split tensor-core BF16 decode kernel against the first BF16 kernel",
+      .files = {__FILE__},
+      .synopsis = "[--contexts 32768,100000] [--batches 1,8]"};
+  kvcd::cli::Parse(program, argc, argv);
+  const std::vector<int> contexts = ParseList(absl::GetFlag(FLAGS_contexts).c_str()),
+                         batches = ParseList(absl::GetFlag(FLAGS_batches).c_str());
   cudaDeviceProp prop{};
   CHECK(cudaGetDeviceProperties(&prop, 0));
   const int sms = prop.multiProcessorCount;

@@ -15,6 +15,8 @@
 #include <cstring>
 #include <vector>
 
+#include "absl/flags/flag.h"
+#include "common/cli.h"
 #include "cuda_bench.cuh"
 #include "kvcd/kernels/cuda_demote.h"
 #include "kvcd/kernels/cuda_store_rows.h"
@@ -83,15 +85,20 @@ const char* KindName(kk::Rotation k) {
 
 }  // namespace
 
+ABSL_FLAG(int64_t, rows, int64_t{8} << 20, "rows of the read ceiling (8Mi rows: 2 GiB of BF16)");
+ABSL_FLAG(int64_t, tokens, 32768, "tokens demoted per call");
+ABSL_FLAG(int32_t, reps, 5, "repetitions (medians)");
+
 int main(int argc, char** argv) {
-  int64_t n = int64_t{8} << 20;  // rows: 2 GiB of BF16
-  int64_t tokens = 32768;
-  int reps = 5;
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (!std::strcmp(argv[i], "--rows")) n = std::atoll(argv[++i]);
-    if (!std::strcmp(argv[i], "--tokens")) tokens = std::atoll(argv[++i]);
-    if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[++i]);
-  }
+  const kvcd::cli::Program program = {
+      .name = "cuda_demote_bench",
+      .summary = "demote and paged INT2 store throughput on the device",
+      .files = {__FILE__},
+      .synopsis = "[--rows N] [--tokens N] [--reps N]"};
+  kvcd::cli::Parse(program, argc, argv);
+  const int64_t n = absl::GetFlag(FLAGS_rows);
+  const int64_t tokens = absl::GetFlag(FLAGS_tokens);
+  const int reps = absl::GetFlag(FLAGS_reps);
   cudaDeviceProp prop{};
   CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);

@@ -39,6 +39,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/flags/flag.h"
+#include "common/cli.h"
+
 namespace {
 
 constexpr int kModes = 5;
@@ -261,27 +264,22 @@ int Worker(Shared* sh, int rounds, int warmup, int kernels, int daemon_kernels) 
 
 }  // namespace
 
+ABSL_FLAG(int32_t, rounds, 2000, "ping-pong rounds (at least 2)");
+ABSL_FLAG(int32_t, worker_kernels, 3, "kernels the worker queues per round");
+ABSL_FLAG(int32_t, daemon_kernels, 6, "kernels the daemon queues per round");
+ABSL_FLAG(double, kernel_us, 0, "length of each kernel in microseconds (0: empty kernels)");
+
 int main(int argc, char** argv) {
-  int rounds = 2000, worker_kernels = 3, daemon_kernels = 6;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i];
-    const int v = std::atoi(argv[i + 1]);
-    if (a == "--rounds") {
-      rounds = v;
-    } else if (a == "--worker-kernels") {
-      worker_kernels = v;
-    } else if (a == "--daemon-kernels") {
-      daemon_kernels = v;
-    } else if (a == "--kernel-us") {
-      tick_ns = static_cast<uint64_t>(std::atof(argv[i + 1]) * 1000);
-    } else {
-      std::fprintf(stderr,
-                   "usage: %s [--rounds N] [--worker-kernels A] [--daemon-kernels B] "
-                   "[--kernel-us U]\n",
-                   argv[0]);
-      return 2;
-    }
-  }
+  const kvcd::cli::Program program = {
+      .name = "cuda_doorbell_bench",
+      .summary = "what a cross-process dependency costs on the GPU",
+      .files = {__FILE__},
+      .synopsis = "[--rounds N] [--worker-kernels A] [--daemon-kernels B] [--kernel-us U]"};
+  kvcd::cli::Parse(program, argc, argv);
+  const int rounds = absl::GetFlag(FLAGS_rounds),
+            worker_kernels = absl::GetFlag(FLAGS_worker_kernels),
+            daemon_kernels = absl::GetFlag(FLAGS_daemon_kernels);
+  tick_ns = static_cast<uint64_t>(absl::GetFlag(FLAGS_kernel_us) * 1000);
   if (rounds < 2 || worker_kernels < 0 || daemon_kernels < 0) {
     std::fprintf(stderr, "doorbell: --rounds must be >= 2 and kernel counts >= 0\n");
     return 2;

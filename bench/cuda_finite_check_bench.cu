@@ -25,6 +25,8 @@
 #include <functional>
 #include <vector>
 
+#include "absl/flags/flag.h"
+#include "common/cli.h"
 #include "cuda_bench.cuh"
 #include "kvcd/kernels/bf16_attention.h"
 #include "kvcd/kernels/cuda_decode_attention.h"
@@ -116,13 +118,18 @@ void Row(const char* what, const char* unit, Stat base, Stat with) {
 
 }  // namespace
 
+ABSL_FLAG(int64_t, tokens, 8192, "Put tokens (Qwen3-8B geometry)");
+ABSL_FLAG(int32_t, reps, 15, "repetitions (best and median)");
+
 int main(int argc, char** argv) {
-  int64_t tokens = 8192;
-  int reps = 15;
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (!std::strcmp(argv[i], "--tokens")) tokens = std::atoll(argv[++i]);
-    if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[++i]);
-  }
+  const kvcd::cli::Program program = {
+      .name = "cuda_finite_check_bench",
+      .summary = "cost of the non-finite check fused into the CUDA kernels",
+      .files = {__FILE__},
+      .synopsis = "[--tokens N] [--reps N]"};
+  kvcd::cli::Parse(program, argc, argv);
+  const int64_t tokens = absl::GetFlag(FLAGS_tokens);
+  const int reps = absl::GetFlag(FLAGS_reps);
   cudaDeviceProp prop{};
   CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs; Qwen3-8B geometry, %lld Put tokens, %d reps\n\n", prop.name,

@@ -17,6 +17,8 @@
 #include <random>
 #include <vector>
 
+#include "absl/flags/flag.h"
+#include "common/cli.h"
 #include "cuda_bench.cuh"
 #include "kvcd/kernels/cuda_fsq.h"
 #include "kvcd/kernels/fsq.h"
@@ -174,12 +176,27 @@ void ErrorAtGeometry(const Codec& c, int n, int64_t pos0, int num_sms) {
 
 }  // namespace
 
+ABSL_FLAG(bool, quick, false, "fewer configurations");
+ABSL_FLAG(bool, one, false, "that decode configuration only (profilers): G N BATCH follow");
+
 int main(int argc, char** argv) {
-  const bool quick = argc > 1 && !std::strcmp(argv[1], "--quick");
+  const kvcd::cli::Program program = {
+      .name = "cuda_fsq_bench",
+      .summary = "FSQ decode attention timings on the GPU against two ceilings",
+      .files = {__FILE__},
+      .synopsis = "[--quick | --one G N BATCH]",
+      .takes_args = true};
+  const kvcd::cli::Parsed cli = kvcd::cli::Parse(program, argc, argv);
+  const bool quick = absl::GetFlag(FLAGS_quick);
   // --one G N BATCH: that decode configuration only (profilers).
-  const bool one = argc > 4 && !std::strcmp(argv[1], "--one");
-  const int one_g = one ? std::atoi(argv[2]) : 0, one_n = one ? std::atoi(argv[3]) : 0,
-            one_b = one ? std::atoi(argv[4]) : 0;
+  const bool one = absl::GetFlag(FLAGS_one);
+  if (one ? cli.args.size() != 3 : !cli.args.empty()) {
+    return kvcd::cli::UsageError(program, nullptr,
+                                 one ? "--one takes G N BATCH" : "unexpected argument");
+  }
+  const int one_g = one ? std::atoi(cli.args[0].c_str()) : 0,
+            one_n = one ? std::atoi(cli.args[1].c_str()) : 0,
+            one_b = one ? std::atoi(cli.args[2].c_str()) : 0;
   cudaDeviceProp prop{};
   CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);

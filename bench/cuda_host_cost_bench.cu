@@ -24,6 +24,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/flags/flag.h"
+#include "common/cli.h"
 #include "cuda_bench.cuh"
 
 namespace {
@@ -101,11 +103,17 @@ void Row(const char* what, double idle, double busy) {
 
 }  // namespace
 
+ABSL_FLAG(int32_t, rounds, Bench{}.rounds, "rounds per measurement (at least 10)");
+
 int main(int argc, char** argv) {
+  const kvcd::cli::Program program = {
+      .name = "cuda_host_cost_bench",
+      .summary = "host cost of the CUDA calls a per-layer decode call makes",
+      .files = {__FILE__},
+      .synopsis = "[--rounds N]"};
+  kvcd::cli::Parse(program, argc, argv);
   Bench b;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (std::strcmp(argv[i], "--rounds") == 0) b.rounds = std::max(10, std::atoi(argv[i + 1]));
-  }
+  b.rounds = std::max(10, absl::GetFlag(FLAGS_rounds));
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
     std::printf("no CUDA device: nothing to measure\n");

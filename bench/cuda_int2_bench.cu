@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/flags/flag.h"
+#include "common/cli.h"
 #include "common/rotation.h"
 #include "cuda_bench.cuh"
 #include "kvcd/kernels/cuda_decode_attention.h"
@@ -142,20 +144,31 @@ CaseResult CheckCase(int hq, int hkv, int d, int ps, const std::vector<int>& len
 
 }  // namespace
 
+ABSL_FLAG(bool, check_only, false, "only the correctness checks");
+ABSL_FLAG(bool, bench_only, false, "only the timings");
+ABSL_FLAG(bool, one, false, "one config of the v2 kernel: N BATCH CTAS_PER_SM follow");
+
 int main(int argc, char** argv) {
-  bool check = true, bench = true;
+  const kvcd::cli::Program program = {
+      .name = "cuda_int2_bench",
+      .summary = "the INT2 decode attention kernels: correctness against the CPU, then timings",
+      .files = {__FILE__},
+      .synopsis = "[--check-only | --bench-only | --one N BATCH CTAS_PER_SM]",
+      .takes_args = true};
+  const kvcd::cli::Parsed cli = kvcd::cli::Parse(program, argc, argv);
+  bool check = !absl::GetFlag(FLAGS_bench_only), bench = !absl::GetFlag(FLAGS_check_only);
   // --one N BATCH CTAS_PER_SM: a single config of the v2 kernel
   int one_n = 0, one_batch = 0, one_cps = 0;
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--check-only")) bench = false;
-    if (!std::strcmp(argv[i], "--bench-only")) check = false;
-    if (!std::strcmp(argv[i], "--one") && i + 3 < argc) {
-      one_n = std::atoi(argv[i + 1]);
-      one_batch = std::atoi(argv[i + 2]);
-      one_cps = std::atoi(argv[i + 3]);
-      check = false;
-      i += 3;
+  if (absl::GetFlag(FLAGS_one)) {
+    if (cli.args.size() != 3) {
+      return kvcd::cli::UsageError(program, nullptr, "--one takes N BATCH CTAS_PER_SM");
     }
+    one_n = std::atoi(cli.args[0].c_str());
+    one_batch = std::atoi(cli.args[1].c_str());
+    one_cps = std::atoi(cli.args[2].c_str());
+    check = false;
+  } else if (!cli.args.empty()) {
+    return kvcd::cli::UsageError(program, nullptr, "unexpected argument '" + cli.args[0] + "'");
   }
   cudaDeviceProp prop{};
   CHECK(cudaGetDeviceProperties(&prop, 0));

@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/flags/flag.h"
+#include "common/cli.h"
 #include "common/key_transform_profile.h"
 #include "cuda_bench.cuh"
 #include "kvcd/kernels/bf16.h"
@@ -77,11 +79,16 @@ int LayersFor(int64_t layer_bytes) {
 
 }  // namespace
 
+ABSL_FLAG(std::string, out, "", "also write the table to this Markdown file");
+
 int main(int argc, char** argv) {
-  std::string out_path;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--out") == 0 && i + 1 < argc) out_path = argv[++i];
-  }
+  const kvcd::cli::Program program = {
+      .name = "cuda_transform_bench",
+      .summary = "int2-transform decode attention on the GPU beside the INT2 kernel",
+      .files = {__FILE__},
+      .synopsis = "[--out FILE.md]"};
+  kvcd::cli::Parse(program, argc, argv);
+  const std::string out_path = absl::GetFlag(FLAGS_out);
   cudaDeviceProp prop{};
   CHECK(cudaGetDeviceProperties(&prop, 0));
   const int sms = prop.multiProcessorCount;

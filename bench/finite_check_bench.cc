@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "client/synthetic.h"
+#include "common/cli.h"
 #include "common/tensor_ref.h"
 #include "kvcd/kernels/finite_check.h"
 #include "server/engine/cache_engine.h"
@@ -38,6 +39,16 @@ double BestSeconds(int reps, F&& f) {
 }
 
 int Main(int argc, char** argv) {
+  const cli::Program program = {
+      .name = "finite_check_bench",
+      .summary = "cost of refusing non-finite K/V and queries on the CPU hot path",
+      .files = {__FILE__},
+      .synopsis = "[OUT.md]   (the table, also written to OUT.md as markdown)",
+      .takes_args = true};
+  const cli::Parsed parsed = cli::Parse(program, argc, argv);
+  if (parsed.args.size() > 1) {
+    return cli::UsageError(program, nullptr, "unexpected argument '" + parsed.args[1] + "'");
+  }
   ServerConfig config;
   config.memory_budget_bytes = 2ull << 30;
   config.compute_threads = 2;
@@ -167,7 +178,7 @@ int Main(int argc, char** argv) {
   std::snprintf(line, sizeof(line), "\nscan throughput: %.2f GB/s (BF16 K/V)\n",
                 static_cast<double>(kv_elems) * 2 / (before_s - plain_s) / 1e9);
   emit(line);
-  if (argc > 1) std::ofstream(argv[1]) << out;
+  if (!parsed.args.empty()) std::ofstream(parsed.args[0]) << out;
   return 0;
 }
 

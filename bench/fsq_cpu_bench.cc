@@ -17,12 +17,20 @@
 #include <string>
 #include <vector>
 
+#include "absl/flags/flag.h"
+#include "common/cli.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/bf16_attention.h"
 #include "kvcd/kernels/cpu_features.h"
 #include "kvcd/kernels/fp16.h"
 #include "kvcd/kernels/fsq.h"
 #include "kvcd/kernels/int2_attention.h"
+
+ABSL_FLAG(std::string, contexts, "32768", "context lengths, comma-separated");
+ABSL_FLAG(std::string, batches, "1,8", "batch sizes, comma-separated");
+ABSL_FLAG(std::string, latents, "256,84", "FSQ latent widths G, comma-separated");
+ABSL_FLAG(int32_t, iters, 0, "repetitions per timing (0: 5)");
+ABSL_FLAG(std::string, results, "", "append the table to this Markdown file");
 
 namespace {
 
@@ -92,17 +100,19 @@ struct FsqCodec {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<int> contexts = {32768}, batches = {1, 8}, latents = {256, 84};
-  int iters = 0;
-  std::string results;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i], v = argv[i + 1];
-    if (a == "--contexts") contexts = ParseInts(v);
-    if (a == "--batches") batches = ParseInts(v);
-    if (a == "--latents") latents = ParseInts(v);
-    if (a == "--iters") iters = std::stoi(v);
-    if (a == "--results") results = v;
-  }
+  const kvcd::cli::Program program = {
+      .name = "fsq_cpu_bench",
+      .summary = "CPU decode attention on Transformer-FSQ codes against BF16 and OSCAR INT2",
+      .files = {__FILE__},
+      .synopsis =
+          "[--contexts 32768] [--batches 1,8] [--latents 256,84] [--iters N]\n"
+          "    [--results FILE.md]"};
+  kvcd::cli::Parse(program, argc, argv);
+  const std::vector<int> contexts = ParseInts(absl::GetFlag(FLAGS_contexts)),
+                         batches = ParseInts(absl::GetFlag(FLAGS_batches)),
+                         latents = ParseInts(absl::GetFlag(FLAGS_latents));
+  const int iters = absl::GetFlag(FLAGS_iters);
+  const std::string results = absl::GetFlag(FLAGS_results);
   const CpuIsa isa = ActiveCpuIsa();
   std::mt19937 rng(1);
   std::normal_distribution<float> normal(0.0f, 1.0f);

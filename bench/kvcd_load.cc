@@ -15,21 +15,26 @@
 #include <thread>
 #include <vector>
 
+#include "absl/flags/flag.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "client/decode_channel.h"
 #include "client/synthetic.h"
+#include "common/cli.h"
 #include "common/tensor_ref.h"
 
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "daemon address HOST:PORT");
+ABSL_FLAG(std::string, model, "qwen3-8b", "model of the workloads");
+ABSL_FLAG(std::string, results, "", "also write the table to this Markdown file");
+ABSL_FLAG(std::string, benchmarks, "put,match,attend",
+          "workloads, comma-separated: put, match, attend, stream, channel");
+ABSL_FLAG(std::string, clients, "1,8,64", "client thread counts, comma-separated");
+ABSL_FLAG(double, seconds, 3, "seconds per workload and client count");
+ABSL_FLAG(int64_t, put_tokens, 64, "tokens of each put prompt");
+ABSL_FLAG(int64_t, context_tokens, 4096, "tokens of the shared match / attend context");
+
 namespace {
-
-constexpr char kUsage[] = R"(kvcd_load — loopback load generator for kvcd
-
-Usage: kvcd_load --target HOST:PORT [--model NAME] [--benchmarks put,match,attend,stream,channel]
-                 [--clients 1,8,64] [--seconds S] [--put-tokens N] [--context-tokens N]
-                 [--results FILE.md]
-)";
 
 struct Options {
   std::string target = "127.0.0.1:50051", model = "qwen3-8b", results;
@@ -38,6 +43,17 @@ struct Options {
   double seconds = 3;
   int64_t put_tokens = 64, context_tokens = 4096;
 };
+
+const kvcd::cli::Program& Cli() {
+  static const kvcd::cli::Program program = {
+      .name = "kvcd_load",
+      .summary = "loopback load generator for kvcd",
+      .files = {__FILE__},
+      .synopsis =
+          R"(--target HOST:PORT [--model NAME] [--benchmarks put,match,attend,stream,channel]
+    [--clients 1,8,64] [--seconds S] [--put-tokens N] [--context-tokens N] [--results FILE.md])"};
+  return program;
+}
 
 struct Result {
   std::string name;
@@ -72,47 +88,28 @@ kvcd::v1::PutRequest MakePut(const kvcd::v1::ModelProfile& p, uint64_t seed, int
 }  // namespace
 
 int main(int argc, char** argv) {
+  kvcd::cli::Parse(Cli(), argc, argv);
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help" || a == "-h") {
-      std::fputs(kUsage, stdout);
-      return 0;
+  o.target = absl::GetFlag(FLAGS_target);
+  o.model = absl::GetFlag(FLAGS_model);
+  o.results = absl::GetFlag(FLAGS_results);
+  o.benchmarks = absl::StrSplit(absl::GetFlag(FLAGS_benchmarks), ',', absl::SkipEmpty());
+  o.clients.clear();
+  for (absl::string_view c : absl::StrSplit(absl::GetFlag(FLAGS_clients), ',', absl::SkipEmpty())) {
+    int n = 0;
+    if (!absl::SimpleAtoi(c, &n) || n <= 0) {
+      return kvcd::cli::UsageError(Cli(), nullptr,
+                                   "bad value for --clients: " + absl::GetFlag(FLAGS_clients));
     }
-    if (i + 1 >= argc) {
-      std::fprintf(stderr, "kvcd_load: %s needs a value\n%s", a.c_str(), kUsage);
-      return 2;
-    }
-    const std::string v = argv[++i];
-    bool ok = true;
-    if (a == "--target") {
-      o.target = v;
-    } else if (a == "--model") {
-      o.model = v;
-    } else if (a == "--results") {
-      o.results = v;
-    } else if (a == "--benchmarks") {
-      o.benchmarks = absl::StrSplit(v, ',', absl::SkipEmpty());
-    } else if (a == "--clients") {
-      o.clients.clear();
-      for (absl::string_view c : absl::StrSplit(v, ',', absl::SkipEmpty())) {
-        int n = 0;
-        ok &= absl::SimpleAtoi(c, &n) && n > 0;
-        o.clients.push_back(n);
-      }
-    } else if (a == "--seconds") {
-      ok = absl::SimpleAtod(v, &o.seconds) && o.seconds > 0;
-    } else if (a == "--put-tokens") {
-      ok = absl::SimpleAtoi(v, &o.put_tokens) && o.put_tokens > 0;
-    } else if (a == "--context-tokens") {
-      ok = absl::SimpleAtoi(v, &o.context_tokens) && o.context_tokens > 0;
-    } else {
-      ok = false;
-    }
-    if (!ok) {
-      std::fprintf(stderr, "kvcd_load: bad flag %s %s\n%s", a.c_str(), v.c_str(), kUsage);
-      return 2;
-    }
+    o.clients.push_back(n);
+  }
+  o.seconds = absl::GetFlag(FLAGS_seconds);
+  o.put_tokens = absl::GetFlag(FLAGS_put_tokens);
+  o.context_tokens = absl::GetFlag(FLAGS_context_tokens);
+  if (!(o.seconds > 0)) return kvcd::cli::UsageError(Cli(), nullptr, "--seconds must be > 0");
+  if (o.put_tokens <= 0) return kvcd::cli::UsageError(Cli(), nullptr, "--put-tokens must be > 0");
+  if (o.context_tokens <= 0) {
+    return kvcd::cli::UsageError(Cli(), nullptr, "--context-tokens must be > 0");
   }
   kvcd::ClientOptions co;
   co.target = o.target;

@@ -26,18 +26,32 @@
 #include <thread>
 #include <vector>
 
-#include "absl/strings/numbers.h"
+#include "absl/flags/flag.h"
 #include "client/client.h"
 #include "client/synthetic.h"
+#include "common/cli.h"
 #include "common/tensor_ref.h"
+
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "daemon address HOST:PORT");
+ABSL_FLAG(std::string, model, "tiny", "model of the sessions");
+ABSL_FLAG(std::string, results, "", "append the latency table to this Markdown file");
+ABSL_FLAG(int32_t, streams, 1000, "client threads, each with its own decode stream");
+ABSL_FLAG(int32_t, connections, 50, "gRPC channels the streams are spread over");
+ABSL_FLAG(double, seconds, 60, "length of the run");
+ABSL_FLAG(int32_t, daemon_pid, 0, "the daemon's pid, for its RSS (0: no RSS check)");
+ABSL_FLAG(int64_t, rss_growth_mib, 64, "RSS growth allowed after the warm-up, in MiB");
 
 namespace {
 
-constexpr char kUsage[] = R"(kvcd_soak — soak test of a running kvcd (loopback)
-
-Usage: kvcd_soak --target HOST:PORT [--model tiny] [--streams 1000] [--connections 50]
-                 [--seconds 60] [--daemon-pid PID] [--rss-growth-mib 64] [--results FILE.md]
-)";
+const kvcd::cli::Program& Cli() {
+  static const kvcd::cli::Program program = {
+      .name = "kvcd_soak",
+      .summary = "soak test of a running kvcd (loopback)",
+      .files = {__FILE__},
+      .synopsis = R"(--target HOST:PORT [--model tiny] [--streams 1000] [--connections 50]
+    [--seconds 60] [--daemon-pid PID] [--rss-growth-mib 64] [--results FILE.md])"};
+  return program;
+}
 
 constexpr int kPrefixTokens = 32, kOwnTokens = 16, kAppendTokens = 4;
 constexpr int kMethods = 9;
@@ -80,47 +94,33 @@ int64_t RssKiB(int pid) {
   return -1;
 }
 
-bool ParseFlags(int argc, char** argv, Options* o) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help" || a == "-h" || i + 1 >= argc) return false;
-    const std::string v = argv[++i];
-    bool ok = true;
-    if (a == "--target") {
-      o->target = v;
-    } else if (a == "--model") {
-      o->model = v;
-    } else if (a == "--results") {
-      o->results = v;
-    } else if (a == "--streams") {
-      ok = absl::SimpleAtoi(v, &o->streams) && o->streams > 0;
-    } else if (a == "--connections") {
-      ok = absl::SimpleAtoi(v, &o->connections) && o->connections > 0;
-    } else if (a == "--seconds") {
-      ok = absl::SimpleAtod(v, &o->seconds) && o->seconds > 0;
-    } else if (a == "--daemon-pid") {
-      ok = absl::SimpleAtoi(v, &o->daemon_pid);
-    } else if (a == "--rss-growth-mib") {
-      ok = absl::SimpleAtoi(v, &o->rss_growth_mib) && o->rss_growth_mib >= 0;
-    } else {
-      ok = false;
-    }
-    if (!ok) {
-      std::fprintf(stderr, "kvcd_soak: bad flag %s %s\n", a.c_str(), v.c_str());
-      return false;
-    }
+// The flags into `o`, or a usage error's exit status.
+int ReadFlags(Options* o) {
+  o->target = absl::GetFlag(FLAGS_target);
+  o->model = absl::GetFlag(FLAGS_model);
+  o->results = absl::GetFlag(FLAGS_results);
+  o->streams = absl::GetFlag(FLAGS_streams);
+  o->connections = absl::GetFlag(FLAGS_connections);
+  o->seconds = absl::GetFlag(FLAGS_seconds);
+  o->daemon_pid = absl::GetFlag(FLAGS_daemon_pid);
+  o->rss_growth_mib = absl::GetFlag(FLAGS_rss_growth_mib);
+  if (o->streams <= 0) return kvcd::cli::UsageError(Cli(), nullptr, "--streams must be > 0");
+  if (o->connections <= 0) {
+    return kvcd::cli::UsageError(Cli(), nullptr, "--connections must be > 0");
   }
-  return true;
+  if (!(o->seconds > 0)) return kvcd::cli::UsageError(Cli(), nullptr, "--seconds must be > 0");
+  if (o->rss_growth_mib < 0) {
+    return kvcd::cli::UsageError(Cli(), nullptr, "--rss-growth-mib must be >= 0");
+  }
+  return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  kvcd::cli::Parse(Cli(), argc, argv);
   Options o;
-  if (!ParseFlags(argc, argv, &o)) {
-    std::fputs(kUsage, stderr);
-    return 2;
-  }
+  if (int rc = ReadFlags(&o); rc != 0) return rc;
   kvcd::ClientOptions co;
   co.target = o.target;
   co.deadline = std::chrono::milliseconds(static_cast<int64_t>(o.seconds * 1000) + 120000);

@@ -3,102 +3,115 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
-#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "absl/flags/flag.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "client/synthetic.h"
+#include "common/cli.h"
 #include "common/safetensors.h"
 #include "common/tensor_ref.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
 
+ABSL_FLAG(std::string, target, "127.0.0.1:50051",
+          "daemon address HOST:PORT ($KVCD_TARGET if unset)");
+ABSL_FLAG(int64_t, deadline_ms, 30000, "per-call deadline in milliseconds");
+ABSL_FLAG(std::string, token_file, "",
+          "bearer token file for a daemon with auth.tokens_file (or $KVCD_TOKEN, "
+          "$KVCD_TOKEN_FILE); never a token itself on the command line");
+ABSL_FLAG(std::string, tls_ca, "",
+          "use TLS, trusting this PEM CA for the daemon's certificate (or $KVCD_TLS_CA)");
+ABSL_FLAG(std::string, tls_cert, "",
+          "mutual TLS: this client's PEM certificate (or $KVCD_TLS_CERT)");
+ABSL_FLAG(std::string, tls_key, "", "mutual TLS: its PEM private key (or $KVCD_TLS_KEY)");
+ABSL_FLAG(std::string, tls_server_name, "",
+          "name to verify in the daemon's certificate instead of the target's host (or "
+          "$KVCD_TLS_SERVER_NAME)");
+ABSL_FLAG(std::string, profile, "", "kvcd.v1.ModelProfile in protobuf text format");
+ABSL_FLAG(std::string, codec, "", "the model's codec file (safetensors)");
+ABSL_FLAG(std::string, tenant, "", "tenant whose quotas the model counts against");
+ABSL_FLAG(std::string, model, "", "model name");
+ABSL_FLAG(std::string, salt, "", "cache salt (prompts under different salts never share pages)");
+ABSL_FLAG(int64_t, synthetic, 0, "a deterministic synthetic prompt of this many tokens");
+ABSL_FLAG(int64_t, seed, 1, "seed of the synthetic prompt");
+ABSL_FLAG(std::string, safetensors, "", "prompt file: tokens, k, v (and x for FSQ models)");
+ABSL_FLAG(std::string, tokens, "", "the prompt's token ids, comma-separated");
+ABSL_FLAG(int64_t, steps, 8, "decode steps");
+
 namespace {
 
-constexpr char kUsage[] = R"(kvctl — command-line client of the kvcd KV-cache daemon
+const std::vector<std::string> kPrompt = {"model", "salt", "synthetic", "seed"};
 
-Usage: kvctl [--target HOST:PORT] [--deadline-ms N] COMMAND [options]
+std::vector<std::string> Concat(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
 
-Global options:
-  --target HOST:PORT   daemon address (default 127.0.0.1:50051, or $KVCD_TARGET)
-  --deadline-ms N      per-call deadline (default 30000)
-  --token-file FILE    bearer token for a daemon with auth.tokens_file (or $KVCD_TOKEN,
-                       $KVCD_TOKEN_FILE); never pass a token itself on the command line
-  --tls-ca FILE        use TLS, trusting this PEM CA for the daemon's certificate
-                       (or $KVCD_TLS_CA)
-  --tls-cert FILE      mutual TLS: this client's PEM certificate (or $KVCD_TLS_CERT)
-  --tls-key FILE       mutual TLS: its PEM private key (or $KVCD_TLS_KEY)
-  --tls-server-name N  name to verify in the daemon's certificate instead of the
-                       target's host (or $KVCD_TLS_SERVER_NAME)
-
-Commands:
-  health               grpc.health.v1 status of the daemon
-  stats                memory, pools, prefix-cache hit ratio, sequences
-  models               registered model profiles and their pools
-  register --profile FILE [--codec FILE] [--tenant T]
-                       register a model at run time: FILE holds a kvcd.v1.ModelProfile
-                       in protobuf text format (name: "m" num_layers: 2 ...); --codec
-                       the model's codec file (safetensors: an INT2 rotation profile,
-                       an FSQ codec or a transform code); --tenant the tenant whose
-                       quotas it counts against. Prints the model and its pools.
-  put      --model M [--salt S] (--synthetic N [--seed X] | --safetensors FILE)
-                       cache a prompt's K/V. A safetensors file holds 'tokens' (I32 [n]),
-                       'k' and 'v' (BF16 or F32 [layers, n, kv_heads, head_dim]), and
-                       for FSQ models 'x' (BF16 or F32 [layers, n, C], the residuals).
-                       --synthetic N makes a deterministic N-token prompt from --seed
-                       (with synthetic residuals for FSQ models).
-  match    --model M [--salt S] (--tokens 1,2,3 | --synthetic N [--seed X])
-                       longest cached prefix, in tokens
-  decode   --model M [--salt S] --synthetic N [--seed X] [--steps K]
-                       demo decode loop: open a sequence on the synthetic prompt,
-                       append the uncached tail, then K steps of per-layer fused
-                       append+attention over one AttentionDecodeStream; prints the
-                       per-step latency and tokens/s.
-
-Examples:
+const kvcd::cli::Program& Cli() {
+  static const kvcd::cli::Program program = {
+      .name = "kvctl",
+      .summary = "command-line client of the kvcd KV-cache daemon",
+      .files = {__FILE__},
+      .global_flags = {"target", "deadline_ms", "token_file", "tls_ca", "tls_cert", "tls_key",
+                       "tls_server_name"},
+      .commands =
+          {{.name = "health", .synopsis = "", .description = "grpc.health.v1 status of the daemon"},
+           {.name = "stats",
+            .synopsis = "",
+            .description = "memory, pools, prefix-cache hit ratio, sequences"},
+           {.name = "models",
+            .synopsis = "",
+            .description = "registered model profiles and their pools"},
+           {.name = "register",
+            .synopsis = "--profile FILE [--codec FILE] [--tenant T]",
+            .description = R"(register a model at run time
+FILE holds a kvcd.v1.ModelProfile in protobuf text format (name: "m" num_layers: 2
+...); --codec the model's codec file (safetensors: an INT2 rotation profile, an FSQ
+codec or a transform code); --tenant the tenant whose quotas it counts against.
+Prints the model and its pools.)",
+            .flags = {"profile", "codec", "tenant"}},
+           {.name = "put",
+            .synopsis = "--model M [--salt S] (--synthetic N [--seed X] | --safetensors FILE)",
+            .description = R"(cache a prompt's K/V
+A safetensors file holds 'tokens' (I32 [n]), 'k' and 'v' (BF16 or F32 [layers, n,
+kv_heads, head_dim]), and for FSQ models 'x' (BF16 or F32 [layers, n, C], the
+residuals). --synthetic N makes a deterministic N-token prompt from --seed (with
+synthetic residuals for FSQ models).)",
+            .flags = Concat(kPrompt, {"safetensors"})},
+           {.name = "match",
+            .synopsis = "--model M [--salt S] (--tokens 1,2,3 | --synthetic N [--seed X])",
+            .description = "longest cached prefix, in tokens",
+            .flags = Concat(kPrompt, {"tokens"})},
+           {.name = "decode",
+            .synopsis = "--model M [--salt S] --synthetic N [--seed X] [--steps K]",
+            .description = R"(demo decode loop
+Opens a sequence on the synthetic prompt, appends the uncached tail, then runs K
+steps of per-layer fused append+attention over one AttentionDecodeStream; prints
+the per-step latency and tokens/s.)",
+            .flags = Concat(kPrompt, {"steps"})}},
+      .notes = R"(Examples:
   kvctl register --profile small.textproto --codec small-codec.safetensors
   kvctl put --model qwen3-8b --synthetic 4096 --seed 7
   kvctl match --model qwen3-8b --synthetic 4096 --seed 7
   kvctl decode --model qwen3-8b --synthetic 4100 --seed 7 --steps 16
-)";
-
-struct Args {
-  std::string command;
-  std::map<std::string, std::string> flags;
-};
-
-int Usage(const char* why) {
-  if (why) std::fprintf(stderr, "kvctl: %s\n\n", why);
-  std::fputs(kUsage, why ? stderr : stdout);
-  return why ? 2 : 0;
+)"};
+  return program;
 }
+
+using Args = kvcd::cli::Parsed;
+
+int Usage(const Args& a, const char* why) { return kvcd::cli::UsageError(Cli(), a.command, why); }
 
 int Fail(const absl::Status& s) {
   std::fprintf(stderr, "kvctl: %s: %s\n", absl::StatusCodeToString(s.code()).c_str(),
                std::string(s.message()).c_str());
   return 1;
-}
-
-int64_t IntFlag(const Args& a, const std::string& name, int64_t def) {
-  auto it = a.flags.find(name);
-  if (it == a.flags.end()) return def;
-  int64_t v;
-  if (!absl::SimpleAtoi(it->second, &v)) {
-    std::fprintf(stderr, "kvctl: --%s needs an integer, got '%s'\n", name.c_str(),
-                 it->second.c_str());
-    std::exit(2);
-  }
-  return v;
-}
-
-std::string Flag(const Args& a, const std::string& name, const std::string& def = "") {
-  auto it = a.flags.find(name);
-  return it == a.flags.end() ? def : it->second;
 }
 
 void PrintModel(const kvcd::v1::ModelInfo& m) {
@@ -144,8 +157,8 @@ class FirstError : public google::protobuf::io::ErrorCollector {
 };
 
 int Register(kvcd::Client& c, const Args& a) {
-  const std::string path = Flag(a, "profile");
-  if (path.empty()) return Usage("register needs --profile FILE");
+  const std::string path = absl::GetFlag(FLAGS_profile);
+  if (path.empty()) return Usage(a, "register needs --profile FILE");
   auto text = ReadWholeFile(path, "profile file");
   if (!text.ok()) return Fail(text.status());
   kvcd::v1::ModelProfile profile;
@@ -158,12 +171,12 @@ int Register(kvcd::Client& c, const Args& a) {
                      "' is not a kvcd.v1.ModelProfile in protobuf text format: ", errors.error())));
   }
   std::string codec;
-  if (const std::string f = Flag(a, "codec"); !f.empty()) {
+  if (const std::string f = absl::GetFlag(FLAGS_codec); !f.empty()) {
     auto blob = ReadWholeFile(f, "codec file");
     if (!blob.ok()) return Fail(blob.status());
     codec = std::move(*blob);
   }
-  auto info = c.RegisterModel(profile, codec, Flag(a, "tenant"));
+  auto info = c.RegisterModel(profile, codec, absl::GetFlag(FLAGS_tenant));
   if (!info.ok()) return Fail(info.status());
   std::printf("registered ");
   PrintModel(*info);
@@ -171,9 +184,10 @@ int Register(kvcd::Client& c, const Args& a) {
 }
 
 std::vector<int32_t> PromptTokens(const Args& a) {
-  if (a.flags.count("tokens")) {
+  if (a.Given("tokens")) {
     std::vector<int32_t> t;
-    for (absl::string_view s : absl::StrSplit(Flag(a, "tokens"), ',', absl::SkipEmpty())) {
+    for (absl::string_view s :
+         absl::StrSplit(absl::GetFlag(FLAGS_tokens), ',', absl::SkipEmpty())) {
       int32_t v;
       if (!absl::SimpleAtoi(s, &v)) {
         std::fprintf(stderr, "kvctl: --tokens must be comma-separated integers\n");
@@ -183,18 +197,18 @@ std::vector<int32_t> PromptTokens(const Args& a) {
     }
     return t;
   }
-  return kvcd::synthetic::Tokens(IntFlag(a, "seed", 1), 0, IntFlag(a, "synthetic", 0));
+  return kvcd::synthetic::Tokens(absl::GetFlag(FLAGS_seed), 0, absl::GetFlag(FLAGS_synthetic));
 }
 
 int Put(kvcd::Client& c, const Args& a) {
-  auto model = c.GetModel(Flag(a, "model"));
+  auto model = c.GetModel(absl::GetFlag(FLAGS_model));
   if (!model.ok()) return Fail(model.status());
   kvcd::v1::PutRequest req;
-  req.set_model(Flag(a, "model"));
-  req.set_cache_salt(Flag(a, "salt"));
+  req.set_model(absl::GetFlag(FLAGS_model));
+  req.set_cache_salt(absl::GetFlag(FLAGS_salt));
   const auto& p = model->profile();
-  if (a.flags.count("safetensors")) {
-    auto file = kvcd::SafetensorsFile::Load(Flag(a, "safetensors"));
+  if (a.Given("safetensors")) {
+    auto file = kvcd::SafetensorsFile::Load(absl::GetFlag(FLAGS_safetensors));
     if (!file.ok()) return Fail(file.status());
     auto tokens = file->Get("tokens");
     if (!tokens.ok()) return Fail(tokens.status());
@@ -227,9 +241,9 @@ int Put(kvcd::Client& c, const Args& a) {
       for (int64_t d : t->shape) ref->add_shape(d);
       ref->set_inline_data(t->data, static_cast<size_t>(t->size_bytes));
     }
-  } else if (a.flags.count("synthetic")) {
-    const uint64_t seed = IntFlag(a, "seed", 1);
-    const int64_t n = IntFlag(a, "synthetic", 0);
+  } else if (a.Given("synthetic")) {
+    const uint64_t seed = absl::GetFlag(FLAGS_seed);
+    const int64_t n = absl::GetFlag(FLAGS_synthetic);
     const auto tokens = kvcd::synthetic::Tokens(seed, 0, n);
     req.mutable_tokens()->Add(tokens.begin(), tokens.end());
     const std::vector<int64_t> shape = {p.num_layers(), n, p.num_kv_heads(), p.head_dim()};
@@ -240,7 +254,7 @@ int Put(kvcd::Client& c, const Args& a) {
                              kvcd::synthetic::Residuals(seed, p, 0, n).data());
     }
   } else {
-    return Usage("put needs --synthetic N or --safetensors FILE");
+    return Usage(a, "put needs --synthetic N or --safetensors FILE");
   }
   auto r = c.Put(req);
   if (!r.ok()) return Fail(r.status());
@@ -252,15 +266,15 @@ int Put(kvcd::Client& c, const Args& a) {
 }
 
 int Decode(kvcd::Client& c, const Args& a) {
-  auto model = c.GetModel(Flag(a, "model"));
+  auto model = c.GetModel(absl::GetFlag(FLAGS_model));
   if (!model.ok()) return Fail(model.status());
   const auto& p = model->profile();
-  const uint64_t seed = IntFlag(a, "seed", 1);
-  const int64_t n = IntFlag(a, "synthetic", 0);
-  const int64_t steps = IntFlag(a, "steps", 8);
-  if (n < 1) return Usage("decode needs --synthetic N (N >= 1)");
+  const uint64_t seed = absl::GetFlag(FLAGS_seed);
+  const int64_t n = absl::GetFlag(FLAGS_synthetic);
+  const int64_t steps = absl::GetFlag(FLAGS_steps);
+  if (n < 1) return Usage(a, "decode needs --synthetic N (N >= 1)");
   const auto tokens = kvcd::synthetic::Tokens(seed, 0, n);
-  auto open = c.OpenSequence(p.name(), Flag(a, "salt"), tokens);
+  auto open = c.OpenSequence(p.name(), absl::GetFlag(FLAGS_salt), tokens);
   if (!open.ok()) return Fail(open.status());
   const int64_t matched = open->matched_tokens();
   std::printf("sequence %llu: %lld of %lld prompt tokens served from the prefix cache\n",
@@ -328,44 +342,34 @@ int Decode(kvcd::Client& c, const Args& a) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  const Args a = kvcd::cli::Parse(Cli(), argc, argv);
+  const std::string command = a.command->name;
   kvcd::ClientOptions opts;
-  if (const char* t = std::getenv("KVCD_TARGET")) opts.target = t;
-  Args a;
-  for (int i = 1; i < argc; ++i) {
-    std::string s = argv[i];
-    if (s == "--help" || s == "-h" || s == "help") return Usage(nullptr);
-    if (s.rfind("--", 0) == 0) {
-      if (i + 1 >= argc) return Usage(("flag " + s + " needs a value").c_str());
-      a.flags[s.substr(2)] = argv[++i];
-    } else if (a.command.empty()) {
-      a.command = s;
-    } else {
-      return Usage(("unexpected argument '" + s + "'").c_str());
-    }
+  opts.target = absl::GetFlag(FLAGS_target);
+  if (const char* t = std::getenv("KVCD_TARGET"); t != nullptr && !a.Given("target")) {
+    opts.target = t;
   }
-  if (a.command.empty()) return Usage("no command given");
-  opts.target = Flag(a, "target", opts.target);
-  opts.deadline = std::chrono::milliseconds(IntFlag(a, "deadline-ms", 30000));
+  opts.deadline = std::chrono::milliseconds(absl::GetFlag(FLAGS_deadline_ms));
   kvcd::ApplySecurityEnvironment(&opts);
-  if (const std::string f = Flag(a, "token-file", ""); !f.empty()) {
+  if (const std::string f = absl::GetFlag(FLAGS_token_file); !f.empty()) {
     auto t = kvcd::ReadTokenFile(f);
     if (!t.ok()) return Fail(t.status());
     opts.token = *t;
   }
-  opts.tls_root_ca_file = Flag(a, "tls-ca", opts.tls_root_ca_file);
-  opts.tls_client_cert_file = Flag(a, "tls-cert", opts.tls_client_cert_file);
-  opts.tls_client_key_file = Flag(a, "tls-key", opts.tls_client_key_file);
-  opts.tls_server_name = Flag(a, "tls-server-name", opts.tls_server_name);
+  if (a.Given("tls_ca")) opts.tls_root_ca_file = absl::GetFlag(FLAGS_tls_ca);
+  if (a.Given("tls_cert")) opts.tls_client_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  if (a.Given("tls_key")) opts.tls_client_key_file = absl::GetFlag(FLAGS_tls_key);
+  if (a.Given("tls_server_name")) opts.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
   auto client = kvcd::Client::Connect(opts);
   if (!client.ok()) return Fail(client.status());
   kvcd::Client& c = **client;
-  if (a.command == "health") {
+  if (command == "health") {
     auto h = c.Health();
     if (!h.ok()) return Fail(h.status());
     std::printf("%s\n", grpc::health::v1::HealthCheckResponse::ServingStatus_Name(*h).c_str());
     return *h == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
   }
-  if (a.command == "stats") {
+  if (command == "stats") {
     auto s = c.Stats();
     if (!s.ok()) return Fail(s.status());
     std::printf("kvcd %s, backend %s\n", s->version().c_str(), s->backend().c_str());
@@ -383,21 +387,21 @@ int main(int argc, char** argv) {
     for (const auto& m : s->models()) PrintModel(m);
     return 0;
   }
-  if (a.command == "models") {
+  if (command == "models") {
     auto models = c.ListModels();
     if (!models.ok()) return Fail(models.status());
     for (const auto& m : *models) PrintModel(m);
     return 0;
   }
-  if (a.command == "register") return Register(c, a);
-  if (a.command == "put") return Put(c, a);
-  if (a.command == "match") {
-    auto r = c.Match(Flag(a, "model"), Flag(a, "salt"), PromptTokens(a));
+  if (command == "register") return Register(c, a);
+  if (command == "put") return Put(c, a);
+  if (command == "match") {
+    auto r = c.Match(absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_salt), PromptTokens(a));
     if (!r.ok()) return Fail(r.status());
     std::printf("%lld tokens (%lld pages) cached\n", static_cast<long long>(r->matched_tokens()),
                 static_cast<long long>(r->matched_pages()));
     return 0;
   }
-  if (a.command == "decode") return Decode(c, a);
-  return Usage(("unknown command '" + a.command + "'").c_str());
+  if (command == "decode") return Decode(c, a);
+  return Usage(a, "unknown command");  // Parse accepts only the commands above
 }

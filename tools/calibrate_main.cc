@@ -4,28 +4,52 @@
 #include <cstdio>
 #include <string>
 
-#include "absl/strings/numbers.h"
+#include "absl/flags/flag.h"
 #include "common/activation_dump.h"
+#include "common/cli.h"
 #include "common/synthetic_activations.h"
 #include "tools/calibration.h"
 #include "tools/fsq_calibration.h"
 #include "tools/progress.h"
 
+ABSL_FLAG(std::string, dump, "", "activation dump (safetensors; README.md \"Calibration\")");
+ABSL_FLAG(std::string, out, "", "codec file to write (synth: the dump to write)");
+ABSL_FLAG(double, holdout, 0.2, "last fraction of the tokens: not fitted, scored");
+ABSL_FLAG(bool, search_clip, false, "grid-search rho_k, then rho_v, per layer");
+ABSL_FLAG(bool, per_head, false, "one rotation and clip pair per KV head (codec file version 2)");
+ABSL_FLAG(bool, hadamard, false, "keep R = H (the data-free rotation); fit only the clips");
+ABSL_FLAG(bool, joint_clip, false, "alternate keys and values until neither quantile changes");
+ABSL_FLAG(float, clip_floor, kvcd::CalibrationOptions{}.clip_floor,
+          "lowest quantile of the clip grid (0, 1]");
+ABSL_FLAG(int64_t, sink, kvcd::StoredWindows{}.sink, "BF16 sink tokens of the scoring");
+ABSL_FLAG(int64_t, recent, kvcd::StoredWindows{}.recent, "BF16 recent tokens of the scoring");
+ABSL_FLAG(int32_t, max_queries, kvcd::CalibrationOptions{}.max_queries,
+          "held-out queries scored, evenly spaced");
+ABSL_FLAG(std::string, weights, "", "fsq: the model's K/V projections (safetensors)");
+ABSL_FLAG(int32_t, latent, 0, "fsq: latent width G");
+ABSL_FLAG(double, lambda, kvcd::FsqCalibrationOptions{}.lambda, "fsq: ridge of the decoder fit");
+ABSL_FLAG(float, key_norm_eps, kvcd::FsqCalibrationOptions{}.key_norm_eps,
+          "fsq: epsilon of the key norm");
+ABSL_FLAG(int64_t, tokens, 512, "synth: tokens");
+ABSL_FLAG(int32_t, layers, 2, "synth: layers");
+ABSL_FLAG(int32_t, q_heads, 8, "synth: query heads");
+ABSL_FLAG(int32_t, kv_heads, 2, "synth: KV heads (divides --q-heads)");
+ABSL_FLAG(int32_t, head_dim, 128, "synth: head_dim (a power of two, at least 8)");
+ABSL_FLAG(uint64_t, seed, 1, "synth: seed of the generator");
+
 namespace {
 
-constexpr char kUsage[] = R"(kvcd-calibrate — OSCAR INT2 rotations from post-RoPE activations
-
-Usage:
-  kvcd-calibrate --dump ACTIVATIONS.safetensors --out CODEC.safetensors
-                 [--search-clip] [--per-head] [--hadamard] [--holdout 0.2]
-                 [--clip-floor 0.60] [--joint-clip]
-                 [--sink 64] [--recent 256] [--max-queries 64]
-  kvcd-calibrate fsq --dump ACTIVATIONS.safetensors --weights WEIGHTS.safetensors
-                 --latent G --out CODEC.safetensors [--holdout 0.2] [--lambda 1]
-                 [--key-norm-eps 1e-6]
-  kvcd-calibrate synth --out DUMP.safetensors [--tokens 512] [--layers 2]
-                 [--q-heads 8] [--kv-heads 2] [--head-dim 128] [--seed 1]
-
+const kvcd::cli::Program& Cli() {
+  static const kvcd::cli::Program program = {
+      .name = "kvcd-calibrate",
+      .summary = "OSCAR INT2 rotations from post-RoPE activations",
+      .files = {__FILE__},
+      .commands = {
+          {.name = "",
+           .synopsis = R"(--dump ACTIVATIONS.safetensors --out CODEC.safetensors
+    [--search-clip] [--per-head] [--hadamard] [--holdout 0.2] [--clip-floor 0.60]
+    [--joint-clip] [--sink 64] [--recent 256] [--max-queries 64])",
+           .description = R"(OSCAR rotations (and optionally clip quantiles) into a codec file
 The dump layout (tensors layers.<l>.q/k/v, metadata kvcd.dump = "1" and the geometry) is in
 README.md "Calibration"; tools/dump_activations.py writes one from a Hugging Face model,
 'synth' writes one from kvcd's synthetic activation generator.
@@ -47,7 +71,13 @@ KV head with --per-head) on that error; --clip-floor lowers the grid's floor (e.
 head (covariances of that head's query group) and writes codec file version 2
 (layers.<l>.r_k/r_v [Hkv, d, d], rho_k/rho_v [Hkv]); kvcd-eval reads it, the daemon reads
 version 1 only. --hadamard keeps R = H (the data-free rotation) and only fits the clips.
-
+)",
+           .flags = {"dump", "out", "holdout", "search_clip", "per_head", "hadamard", "joint_clip",
+                     "clip_floor", "sink", "recent", "max_queries"}},
+          {.name = "fsq",
+           .synopsis = R"(--dump ACTIVATIONS.safetensors --weights WEIGHTS.safetensors
+    --latent G --out CODEC.safetensors [--holdout 0.2] [--lambda 1] [--key-norm-eps 1e-6])",
+           .description = R"(a Transformer-FSQ codec without training
 'fsq' initializes a Transformer-FSQ codec (docs/fsq.md) without training: per layer, PCA
 of the dump's normalized residuals (layers.<l>.x), E_i = u_(i mod C) / (3 sigma_(i mod C)),
 e = -E mu, the 4-bit codes of the training tokens, the ridge decoder
@@ -58,48 +88,46 @@ them for a llama2.c checkpoint). Per layer it prints the relative error of K and
 (||K_hat - K||_F / ||K||_F, pre-RoPE, equal to post-RoPE) and of the centered residual on
 the held-out tokens, the training variance in the first G principal components and the
 fraction of saturated code coordinates.
-)";
+)",
+           .flags = {"dump", "weights", "latent", "out", "holdout", "lambda", "key_norm_eps"}},
+          {.name = "synth",
+           .synopsis = R"(--out DUMP.safetensors [--tokens 512] [--layers 2] [--q-heads 8]
+    [--kv-heads 2] [--head-dim 128] [--seed 1])",
+           .description = "an activation dump from kvcd's synthetic activation generator",
+           .flags = {"out", "tokens", "layers", "q_heads", "kv_heads", "head_dim", "seed"}}}};
+  return program;
+}
 
-int Usage(const char* why) {
-  if (why) std::fprintf(stderr, "kvcd-calibrate: %s\n\n", why);
-  std::fputs(kUsage, why ? stderr : stdout);
-  return why ? 2 : 0;
+// A flag's value outside its range: a usage error naming it.
+int BadValue(const kvcd::cli::Parsed& cli, const char* flag, const std::string& value) {
+  return kvcd::cli::UsageError(Cli(), cli.command,
+                               std::string("bad value for ") + flag + ": " + value);
 }
 
 }  // namespace
 
 namespace {
 
-int Fsq(int argc, char** argv) {
-  std::string dump_path, out_path, weights_path;
+int Fsq(const kvcd::cli::Parsed& cli) {
+  const std::string dump_path = absl::GetFlag(FLAGS_dump);
+  const std::string out_path = absl::GetFlag(FLAGS_out);
+  const std::string weights_path = absl::GetFlag(FLAGS_weights);
   kvcd::FsqCalibrationOptions opt;
-  for (int i = 2; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help" || a == "-h") return Usage(nullptr);
-    if (i + 1 >= argc) return Usage(("flag " + a + " needs a value").c_str());
-    const std::string v = argv[++i];
-    bool ok = true;
-    if (a == "--dump") {
-      dump_path = v;
-    } else if (a == "--out") {
-      out_path = v;
-    } else if (a == "--weights") {
-      weights_path = v;
-    } else if (a == "--latent") {
-      ok = absl::SimpleAtoi(v, &opt.latent_width) && opt.latent_width > 0;
-    } else if (a == "--holdout") {
-      ok = absl::SimpleAtod(v, &opt.holdout) && opt.holdout > 0 && opt.holdout < 1;
-    } else if (a == "--lambda") {
-      ok = absl::SimpleAtod(v, &opt.lambda) && opt.lambda >= 0;
-    } else if (a == "--key-norm-eps") {
-      ok = absl::SimpleAtof(v, &opt.key_norm_eps) && opt.key_norm_eps > 0;
-    } else {
-      return Usage(("unknown flag " + a).c_str());
-    }
-    if (!ok) return Usage(("bad value for " + a + ": " + v).c_str());
+  opt.latent_width = absl::GetFlag(FLAGS_latent);
+  opt.holdout = absl::GetFlag(FLAGS_holdout);
+  opt.lambda = absl::GetFlag(FLAGS_lambda);
+  opt.key_norm_eps = absl::GetFlag(FLAGS_key_norm_eps);
+  if (opt.latent_width < 0) return BadValue(cli, "--latent", std::to_string(opt.latent_width));
+  if (!(opt.holdout > 0 && opt.holdout < 1)) {
+    return BadValue(cli, "--holdout", std::to_string(opt.holdout));
+  }
+  if (!(opt.lambda >= 0)) return BadValue(cli, "--lambda", std::to_string(opt.lambda));
+  if (!(opt.key_norm_eps > 0)) {
+    return BadValue(cli, "--key-norm-eps", std::to_string(opt.key_norm_eps));
   }
   if (dump_path.empty() || weights_path.empty() || out_path.empty() || opt.latent_width == 0) {
-    return Usage("fsq needs --dump, --weights, --latent and --out");
+    return kvcd::cli::UsageError(Cli(), cli.command,
+                                 "fsq needs --dump, --weights, --latent and --out");
   }
   auto fail = [](const absl::Status& s) {
     std::fprintf(stderr, "kvcd-calibrate: %s\n", std::string(s.message()).c_str());
@@ -140,72 +168,41 @@ int Fsq(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc > 1 && std::string(argv[1]) == "fsq") return Fsq(argc, argv);
-  std::string dump_path, out_path;
-  bool synth = false, search = false, per_head = false;
+  const kvcd::cli::Parsed cli = kvcd::cli::Parse(Cli(), argc, argv);
+  if (cli.command->name == "fsq") return Fsq(cli);
+  const bool synth = cli.command->name == "synth";
+  const std::string dump_path = absl::GetFlag(FLAGS_dump);
+  const std::string out_path = absl::GetFlag(FLAGS_out);
+  const bool search = absl::GetFlag(FLAGS_search_clip);
+  const bool per_head = absl::GetFlag(FLAGS_per_head);
   kvcd::CalibrationOptions opt;
-  double holdout = 0.2;
-  int64_t tokens = 512;
-  int layers = 2, hq = 8, hkv = 2, d = 128;
-  uint64_t seed = 1;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help" || a == "-h") return Usage(nullptr);
-    if (a == "synth" && i == 1) {
-      synth = true;
-      continue;
-    }
-    if (a == "--search-clip") {
-      search = true;
-      continue;
-    }
-    if (a == "--per-head") {
-      per_head = true;
-      continue;
-    }
-    if (a == "--hadamard") {
-      opt.hadamard = true;
-      continue;
-    }
-    if (a == "--joint-clip") {
-      opt.joint_clip = true;
-      continue;
-    }
-    if (i + 1 >= argc) return Usage(("flag " + a + " needs a value").c_str());
-    const std::string v = argv[++i];
-    bool ok = true;
-    if (a == "--dump") {
-      dump_path = v;
-    } else if (a == "--out") {
-      out_path = v;
-    } else if (a == "--holdout") {
-      ok = absl::SimpleAtod(v, &holdout);
-    } else if (a == "--sink") {
-      ok = absl::SimpleAtoi(v, &opt.windows.sink) && opt.windows.sink >= 0;
-    } else if (a == "--recent") {
-      ok = absl::SimpleAtoi(v, &opt.windows.recent) && opt.windows.recent >= 0;
-    } else if (a == "--clip-floor") {
-      ok = absl::SimpleAtof(v, &opt.clip_floor) && opt.clip_floor > 0 && opt.clip_floor <= 1;
-    } else if (a == "--max-queries") {
-      ok = absl::SimpleAtoi(v, &opt.max_queries) && opt.max_queries > 0;
-    } else if (a == "--tokens") {
-      ok = absl::SimpleAtoi(v, &tokens) && tokens > 0;
-    } else if (a == "--layers") {
-      ok = absl::SimpleAtoi(v, &layers) && layers > 0;
-    } else if (a == "--q-heads") {
-      ok = absl::SimpleAtoi(v, &hq) && hq > 0;
-    } else if (a == "--kv-heads") {
-      ok = absl::SimpleAtoi(v, &hkv) && hkv > 0 && hq % hkv == 0;
-    } else if (a == "--head-dim") {
-      ok = absl::SimpleAtoi(v, &d) && d >= 8 && (d & (d - 1)) == 0;
-    } else if (a == "--seed") {
-      ok = absl::SimpleAtoi(v, &seed);
-    } else {
-      return Usage(("unknown flag " + a).c_str());
-    }
-    if (!ok) return Usage(("bad value for " + a + ": " + v).c_str());
+  opt.hadamard = absl::GetFlag(FLAGS_hadamard);
+  opt.joint_clip = absl::GetFlag(FLAGS_joint_clip);
+  opt.windows.sink = absl::GetFlag(FLAGS_sink);
+  opt.windows.recent = absl::GetFlag(FLAGS_recent);
+  opt.clip_floor = absl::GetFlag(FLAGS_clip_floor);
+  opt.max_queries = absl::GetFlag(FLAGS_max_queries);
+  const double holdout = absl::GetFlag(FLAGS_holdout);
+  const int64_t tokens = absl::GetFlag(FLAGS_tokens);
+  const int layers = absl::GetFlag(FLAGS_layers), hq = absl::GetFlag(FLAGS_q_heads),
+            hkv = absl::GetFlag(FLAGS_kv_heads), d = absl::GetFlag(FLAGS_head_dim);
+  const uint64_t seed = absl::GetFlag(FLAGS_seed);
+  if (opt.windows.sink < 0) return BadValue(cli, "--sink", std::to_string(opt.windows.sink));
+  if (opt.windows.recent < 0) {
+    return BadValue(cli, "--recent", std::to_string(opt.windows.recent));
   }
-  if (out_path.empty()) return Usage("--out is required");
+  if (!(opt.clip_floor > 0 && opt.clip_floor <= 1)) {
+    return BadValue(cli, "--clip-floor", std::to_string(opt.clip_floor));
+  }
+  if (opt.max_queries <= 0) {
+    return BadValue(cli, "--max-queries", std::to_string(opt.max_queries));
+  }
+  if (tokens <= 0) return BadValue(cli, "--tokens", std::to_string(tokens));
+  if (layers <= 0) return BadValue(cli, "--layers", std::to_string(layers));
+  if (hq <= 0) return BadValue(cli, "--q-heads", std::to_string(hq));
+  if (hkv <= 0 || hq % hkv != 0) return BadValue(cli, "--kv-heads", std::to_string(hkv));
+  if (d < 8 || (d & (d - 1)) != 0) return BadValue(cli, "--head-dim", std::to_string(d));
+  if (out_path.empty()) return kvcd::cli::UsageError(Cli(), cli.command, "--out is required");
   if (synth) {
     kvcd::ActivationSpec spec;
     spec.num_layers = layers;
@@ -230,7 +227,7 @@ int main(int argc, char** argv) {
                 out_path.c_str(), layers, static_cast<long long>(tokens), hq, hkv, d);
     return 0;
   }
-  if (dump_path.empty()) return Usage("--dump is required");
+  if (dump_path.empty()) return kvcd::cli::UsageError(Cli(), cli.command, "--dump is required");
   auto dump = kvcd::LoadActivationDump(dump_path);
   if (!dump.ok()) {
     std::fprintf(stderr, "kvcd-calibrate: %s\n", std::string(dump.status().message()).c_str());

@@ -5,22 +5,42 @@
 #include <string>
 #include <vector>
 
+#include "absl/flags/flag.h"
 #include "absl/strings/numbers.h"
+#include "common/cli.h"
 #include "common/safetensors.h"
 #include "nlohmann/json.hpp"
 #include "tools/eval.h"
 
+ABSL_FLAG(std::string, dump, "", "activation dump (safetensors)");
+ABSL_FLAG(std::string, codec, "",
+          "NAME=CODEC.safetensors: one more codec to score (repeat the flag for more)");
+ABSL_FLAG(int64_t, sink, kvcd::EvalOptions{}.sink, "BF16 sink window in tokens");
+ABSL_FLAG(int64_t, recent, kvcd::EvalOptions{}.recent, "BF16 recent window in tokens");
+ABSL_FLAG(int32_t, positions, kvcd::EvalOptions{}.positions,
+          "query positions evaluated, spread over the dump");
+ABSL_FLAG(std::string, json, "", "write every figure to this JSON file");
+ABSL_FLAG(std::string, plot, "", "plot error against position to this PNG (needs gnuplot)");
+ABSL_FLAG(double, rope_theta, kvcd::kernels::RopeSpec{}.theta, "FSQ codecs: RoPE theta");
+ABSL_FLAG(std::string, rope_pairing, "half", "FSQ codecs: RoPE pairing, half or interleaved");
+ABSL_FLAG(int32_t, rotary_dims, 0, "FSQ codecs: rotary dimensions (0: head_dim)");
+ABSL_FLAG(double, rope_scaling, kvcd::kernels::RopeSpec{}.scaling,
+          "FSQ codecs: RoPE position scaling");
+ABSL_FLAG(float, key_norm_eps, 1e-6f, "FSQ codecs: epsilon of the key norm");
+
 namespace {
 
-constexpr char kUsage[] = R"(kvcd-eval — attention quality of KV codecs on an activation dump
-
-Usage: kvcd-eval --dump ACTIVATIONS.safetensors [--codec NAME=CODEC.safetensors ...]
-                 [--sink 64] [--recent 256] [--positions 16]
-                 [--json OUT.json] [--plot OUT.png]
-                 [--rope-theta 10000] [--rope-pairing half|interleaved]
-                 [--rotary-dims HEAD_DIM] [--rope-scaling 1] [--key-norm-eps 1e-6]
-
-Codecs: bf16, int2-naive (identity rotation), int2-hadamard, kivi2 (per-channel K /
+const kvcd::cli::Program& Cli() {
+  static const kvcd::cli::Program program = {
+      .name = "kvcd-eval",
+      .summary = "attention quality of KV codecs on an activation dump",
+      .files = {__FILE__},
+      .synopsis = R"(--dump ACTIVATIONS.safetensors [--codec NAME=CODEC.safetensors ...]
+    [--sink 64] [--recent 256] [--positions 16] [--json OUT.json] [--plot OUT.png]
+    [--rope-theta 10000] [--rope-pairing half|interleaved] [--rotary-dims HEAD_DIM]
+    [--rope-scaling 1] [--key-norm-eps 1e-6])",
+      .notes =
+          R"(Codecs: bf16, int2-naive (identity rotation), int2-hadamard, kivi2 (per-channel K /
 per-token V, group 32, FP16 residual window 128), and every --codec file: an OSCAR INT2
 codec (kvcd-calibrate), or an FSQ codec (metadata kvcd.codec = "fsq", from
 kvcd-calibrate fsq or tools/fsq_finetune): its history K/V are rebuilt from the 4-bit
@@ -33,63 +53,50 @@ logit relative errors, and bits per element / bytes per token with the windows i
 (FSQ: ceil(G/2) code bytes per token per layer for all KV heads) and the compression
 ratio against dense BF16 K/V; the codec's own tensors are a fixed per-model cost, listed
 apart. --json writes all of it (tools/plot_quality.py draws quality against compression);
---plot (error against position) needs gnuplot (Debian: gnuplot-nox).
-)";
+--plot (error against position) needs gnuplot (Debian: gnuplot-nox).)"};
+  return program;
+}
 
-int Usage(const char* why) {
-  if (why) std::fprintf(stderr, "kvcd-eval: %s\n\n", why);
-  std::fputs(kUsage, why ? stderr : stdout);
-  return why ? 2 : 0;
+int BadValue(const char* flag, const std::string& value) {
+  return kvcd::cli::UsageError(Cli(), nullptr, std::string("bad value for ") + flag + ": " + value);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string dump_path, json_path, plot_path;
+  const kvcd::cli::Parsed cli = kvcd::cli::Parse(Cli(), argc, argv);
+  const std::string dump_path = absl::GetFlag(FLAGS_dump);
+  const std::string json_path = absl::GetFlag(FLAGS_json);
+  const std::string plot_path = absl::GetFlag(FLAGS_plot);
   std::vector<std::pair<std::string, std::string>> codec_files;
-  kvcd::EvalOptions opt;
-  kvcd::kernels::RopeSpec rope;
-  float key_norm_eps = 1e-6f;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help" || a == "-h") return Usage(nullptr);
-    if (i + 1 >= argc) return Usage(("flag " + a + " needs a value").c_str());
-    const std::string v = argv[++i];
-    bool ok = true;
-    if (a == "--dump") {
-      dump_path = v;
-    } else if (a == "--json") {
-      json_path = v;
-    } else if (a == "--plot") {
-      plot_path = v;
-    } else if (a == "--codec") {
-      const auto eq = v.find('=');
-      ok = eq != std::string::npos && eq > 0;
-      if (ok) codec_files.push_back({v.substr(0, eq), v.substr(eq + 1)});
-    } else if (a == "--sink") {
-      ok = absl::SimpleAtoi(v, &opt.sink) && opt.sink >= 0;
-    } else if (a == "--recent") {
-      ok = absl::SimpleAtoi(v, &opt.recent) && opt.recent >= 0;
-    } else if (a == "--rope-theta") {
-      ok = absl::SimpleAtod(v, &rope.theta) && rope.theta > 0;
-    } else if (a == "--rope-scaling") {
-      ok = absl::SimpleAtod(v, &rope.scaling) && rope.scaling > 0;
-    } else if (a == "--rotary-dims") {
-      ok = absl::SimpleAtoi(v, &rope.rotary_dims) && rope.rotary_dims > 0;
-    } else if (a == "--rope-pairing") {
-      ok = v == "half" || v == "interleaved";
-      rope.pairing = v == "half" ? kvcd::kernels::RopePairing::kHalf
-                                 : kvcd::kernels::RopePairing::kInterleaved;
-    } else if (a == "--key-norm-eps") {
-      ok = absl::SimpleAtof(v, &key_norm_eps) && key_norm_eps > 0;
-    } else if (a == "--positions") {
-      ok = absl::SimpleAtoi(v, &opt.positions) && opt.positions > 0;
-    } else {
-      return Usage(("unknown flag " + a).c_str());
-    }
-    if (!ok) return Usage(("bad value for " + a + ": " + v).c_str());
+  for (const std::string& v : cli.Values("codec")) {
+    const auto eq = v.find('=');
+    if (eq == std::string::npos || eq == 0) return BadValue("--codec", v);
+    codec_files.push_back({v.substr(0, eq), v.substr(eq + 1)});
   }
-  if (dump_path.empty()) return Usage("--dump is required");
+  kvcd::EvalOptions opt;
+  opt.sink = absl::GetFlag(FLAGS_sink);
+  opt.recent = absl::GetFlag(FLAGS_recent);
+  opt.positions = absl::GetFlag(FLAGS_positions);
+  kvcd::kernels::RopeSpec rope;
+  rope.theta = absl::GetFlag(FLAGS_rope_theta);
+  rope.scaling = absl::GetFlag(FLAGS_rope_scaling);
+  rope.rotary_dims = absl::GetFlag(FLAGS_rotary_dims);
+  const std::string pairing = absl::GetFlag(FLAGS_rope_pairing);
+  rope.pairing = pairing == "half" ? kvcd::kernels::RopePairing::kHalf
+                                   : kvcd::kernels::RopePairing::kInterleaved;
+  const float key_norm_eps = absl::GetFlag(FLAGS_key_norm_eps);
+  if (opt.sink < 0) return BadValue("--sink", std::to_string(opt.sink));
+  if (opt.recent < 0) return BadValue("--recent", std::to_string(opt.recent));
+  if (opt.positions <= 0) return BadValue("--positions", std::to_string(opt.positions));
+  if (!(rope.theta > 0)) return BadValue("--rope-theta", std::to_string(rope.theta));
+  if (!(rope.scaling > 0)) return BadValue("--rope-scaling", std::to_string(rope.scaling));
+  if (cli.Given("rotary_dims") && rope.rotary_dims <= 0) {
+    return BadValue("--rotary-dims", std::to_string(rope.rotary_dims));
+  }
+  if (pairing != "half" && pairing != "interleaved") return BadValue("--rope-pairing", pairing);
+  if (!(key_norm_eps > 0)) return BadValue("--key-norm-eps", std::to_string(key_norm_eps));
+  if (dump_path.empty()) return kvcd::cli::UsageError(Cli(), nullptr, "--dump is required");
   auto dump = kvcd::LoadActivationDump(dump_path);
   if (!dump.ok()) {
     std::fprintf(stderr, "kvcd-eval: %s\n", std::string(dump.status().message()).c_str());

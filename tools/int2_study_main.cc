@@ -8,26 +8,43 @@
 #include <string>
 #include <vector>
 
+#include "absl/flags/flag.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "common/cli.h"
 #include "common/safetensors.h"
 #include "nlohmann/json.hpp"
 #include "tools/eval.h"
 #include "tools/transform_calibration.h"
 
+ABSL_FLAG(std::string, calib, "", "calibration dump (the codes are fitted on it)");
+ABSL_FLAG(std::string, heldout, "", "held-out dump (the codes are scored on it)");
+ABSL_FLAG(std::string, codec, "",
+          "NAME=CODEC.safetensors: one more codec file to score (repeat the flag for more)");
+ABSL_FLAG(int32_t, positions, 48, "query positions evaluated, spread over the held-out dump");
+ABSL_FLAG(int64_t, sink, kvcd::EvalOptions{}.sink, "BF16 sink window in tokens");
+ABSL_FLAG(int64_t, recent, kvcd::EvalOptions{}.recent, "BF16 recent window in tokens");
+ABSL_FLAG(std::string, step_scales, "1.0", "quantizer step scales to try, comma-separated");
+ABSL_FLAG(std::string, variants, "all", "all or best");
+ABSL_FLAG(std::string, kv_shifts, "0", "code bits per row moved from V to K, comma-separated");
+ABSL_FLAG(std::string, json, "", "write every figure to this JSON file");
+ABSL_FLAG(std::string, out_codec, "", "write codec file version 3 here");
+ABSL_FLAG(float, search_v_clip, 0, "search the values' clip over FLOOR..1.00 (0: no search)");
+ABSL_FLAG(double, overload, 1.0, "how far past its half range the gain may let a coordinate reach");
+
 namespace {
 
-constexpr char kUsage[] =
-    R"(kvcd-int2-study — uneven bits across eigen-directions at the INT2 budget
-
-Usage: kvcd-int2-study --calib CALIB.dump.safetensors --heldout HELDOUT.dump.safetensors
-                       [--codec NAME=CODEC.safetensors ...] [--positions 48]
-                       [--sink 64] [--recent 256] [--step-scales 1.0[,...]]
-                       [--variants all|best] [--kv-shifts 0[,32,...]] [--json OUT.json]
-                       [--out-codec OUT.safetensors] [--search-v-clip FLOOR]
-                       [--overload 1.0]
-
-Fits per layer and KV head transform codes on the calibration dump (rows past the sink):
+const kvcd::cli::Program& Cli() {
+  static const kvcd::cli::Program program = {
+      .name = "kvcd-int2-study",
+      .summary = "uneven bits across eigen-directions at the INT2 budget",
+      .files = {__FILE__},
+      .synopsis = R"(--calib CALIB.dump.safetensors --heldout HELDOUT.dump.safetensors
+    [--codec NAME=CODEC.safetensors ...] [--positions 48] [--sink 64] [--recent 256]
+    [--step-scales 1.0[,...]] [--variants all|best] [--kv-shifts 0[,32,...]]
+    [--json OUT.json] [--out-codec OUT.safetensors] [--search-v-clip FLOOR] [--overload 1.0])",
+      .notes =
+          R"(Fits per layer and KV head transform codes on the calibration dump (rows past the sink):
 keys in the basis whitened by the query group's second moment (the logit error is plain
 squared error there), values in their covariance's eigenbasis; 144 code bits per row
 allocated across directions by reverse water-filling plus one FP16 gain per row: 160 bits
@@ -43,13 +60,12 @@ per KV head searched over FLOOR..1.00 on the calibration dump's last 20% of quer
 them) with the keys transform-coded, for the file and as one more hybrid. --overload X:
 the gain may let a coordinate reach X times its quantizer's half range (clipped beyond);
 1 never clips (the gain is then set by the row's most extreme coordinate, and
---step-scales cancels out).
-)";
+--step-scales cancels out).)"};
+  return program;
+}
 
-int Usage(const char* why) {
-  if (why) std::fprintf(stderr, "kvcd-int2-study: %s\n\n", why);
-  std::fputs(kUsage, why ? stderr : stdout);
-  return why ? 2 : 0;
+int BadValue(const char* flag, const std::string& value) {
+  return kvcd::cli::UsageError(Cli(), nullptr, std::string("bad value for ") + flag + ": " + value);
 }
 
 struct Variant {
@@ -60,66 +76,51 @@ struct Variant {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string calib_path, heldout_path, json_path, out_codec, variants = "all";
+  const kvcd::cli::Parsed cli = kvcd::cli::Parse(Cli(), argc, argv);
+  const std::string calib_path = absl::GetFlag(FLAGS_calib);
+  const std::string heldout_path = absl::GetFlag(FLAGS_heldout);
+  const std::string json_path = absl::GetFlag(FLAGS_json);
+  const std::string out_codec = absl::GetFlag(FLAGS_out_codec);
+  const std::string variants = absl::GetFlag(FLAGS_variants);
+  if (variants != "all" && variants != "best") return BadValue("--variants", variants);
   std::vector<std::pair<std::string, std::string>> codec_files;
-  std::vector<double> step_scales = {1.0};
-  std::vector<int> kv_shifts = {0};
-  float v_clip_floor = 0;  // 0: no value clip search
-  double overload = 1.0;
-  kvcd::EvalOptions eo;
-  eo.positions = 48;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help" || a == "-h") return Usage(nullptr);
-    if (i + 1 >= argc) return Usage(("flag " + a + " needs a value").c_str());
-    const std::string v = argv[++i];
-    bool ok = true;
-    if (a == "--calib") {
-      calib_path = v;
-    } else if (a == "--heldout") {
-      heldout_path = v;
-    } else if (a == "--json") {
-      json_path = v;
-    } else if (a == "--out-codec") {
-      out_codec = v;
-    } else if (a == "--variants") {
-      variants = v;
-      ok = v == "all" || v == "best";
-    } else if (a == "--codec") {
-      const auto eq = v.find('=');
-      ok = eq != std::string::npos && eq > 0;
-      if (ok) codec_files.push_back({v.substr(0, eq), v.substr(eq + 1)});
-    } else if (a == "--positions") {
-      ok = absl::SimpleAtoi(v, &eo.positions) && eo.positions > 0;
-    } else if (a == "--sink") {
-      ok = absl::SimpleAtoi(v, &eo.sink) && eo.sink >= 0;
-    } else if (a == "--recent") {
-      ok = absl::SimpleAtoi(v, &eo.recent) && eo.recent >= 0;
-    } else if (a == "--overload") {
-      ok = absl::SimpleAtod(v, &overload) && overload >= 1;
-    } else if (a == "--search-v-clip") {
-      ok = absl::SimpleAtof(v, &v_clip_floor) && v_clip_floor > 0 && v_clip_floor <= 1;
-    } else if (a == "--kv-shifts") {
-      kv_shifts.clear();
-      for (auto s : absl::StrSplit(v, ',')) {
-        int x = 0;
-        ok = ok && absl::SimpleAtoi(s, &x) && x > -144 && x < 144;
-        kv_shifts.push_back(x);
-      }
-    } else if (a == "--step-scales") {
-      step_scales.clear();
-      for (auto s : absl::StrSplit(v, ',')) {
-        double x = 0;
-        ok = ok && absl::SimpleAtod(s, &x) && x > 0;
-        step_scales.push_back(x);
-      }
-    } else {
-      return Usage(("unknown flag " + a).c_str());
-    }
-    if (!ok) return Usage(("bad value for " + a + ": " + v).c_str());
+  for (const std::string& v : cli.Values("codec")) {
+    const auto eq = v.find('=');
+    if (eq == std::string::npos || eq == 0) return BadValue("--codec", v);
+    codec_files.push_back({v.substr(0, eq), v.substr(eq + 1)});
   }
-  if (calib_path.empty() || heldout_path.empty())
-    return Usage("--calib and --heldout are required");
+  std::vector<double> step_scales;
+  for (auto s : absl::StrSplit(absl::GetFlag(FLAGS_step_scales), ',')) {
+    double x = 0;
+    if (!absl::SimpleAtod(s, &x) || !(x > 0)) {
+      return BadValue("--step-scales", absl::GetFlag(FLAGS_step_scales));
+    }
+    step_scales.push_back(x);
+  }
+  std::vector<int> kv_shifts;
+  for (auto s : absl::StrSplit(absl::GetFlag(FLAGS_kv_shifts), ',')) {
+    int x = 0;
+    if (!absl::SimpleAtoi(s, &x) || x <= -144 || x >= 144) {
+      return BadValue("--kv-shifts", absl::GetFlag(FLAGS_kv_shifts));
+    }
+    kv_shifts.push_back(x);
+  }
+  const float v_clip_floor = absl::GetFlag(FLAGS_search_v_clip);  // 0: no value clip search
+  if (cli.Given("search_v_clip") && !(v_clip_floor > 0 && v_clip_floor <= 1)) {
+    return BadValue("--search-v-clip", std::to_string(v_clip_floor));
+  }
+  const double overload = absl::GetFlag(FLAGS_overload);
+  if (!(overload >= 1)) return BadValue("--overload", std::to_string(overload));
+  kvcd::EvalOptions eo;
+  eo.positions = absl::GetFlag(FLAGS_positions);
+  eo.sink = absl::GetFlag(FLAGS_sink);
+  eo.recent = absl::GetFlag(FLAGS_recent);
+  if (eo.positions <= 0) return BadValue("--positions", std::to_string(eo.positions));
+  if (eo.sink < 0) return BadValue("--sink", std::to_string(eo.sink));
+  if (eo.recent < 0) return BadValue("--recent", std::to_string(eo.recent));
+  if (calib_path.empty() || heldout_path.empty()) {
+    return kvcd::cli::UsageError(Cli(), nullptr, "--calib and --heldout are required");
+  }
   auto calib = kvcd::LoadActivationDump(calib_path);
   if (!calib.ok()) return std::fprintf(stderr, "%s\n", calib.status().ToString().c_str()), 1;
   auto held = kvcd::LoadActivationDump(heldout_path);

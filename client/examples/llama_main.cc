@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/flags/flag.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -14,22 +15,48 @@
 #include "client/examples/bpe_tokenizer.h"
 #include "client/examples/llama_worker.h"
 #include "common/activation_dump.h"
+#include "common/cli.h"
+
+ABSL_FLAG(std::string, model, "", "directory of model.safetensors and tokenizer.txt");
+ABSL_FLAG(std::string, prompt, "The capital of France is", "prompt of the greedy generation");
+ABSL_FLAG(bool, chat, false, "wrap the prompt in the model's chat template (one user turn)");
+ABSL_FLAG(int32_t, max_new, 32, "tokens generated at most");
+ABSL_FLAG(std::string, target, "", "daemon address HOST:PORT (empty: local FP32 attention only)");
+ABSL_FLAG(std::string, histories, "bf16,int2-identity,int2-hadamard",
+          "history formats served by the daemon, comma-separated");
+ABSL_FLAG(std::string, calib_text, "",
+          "text whose FP32 runs calibrate int2-oscar, int2-transform, fsq:G=N");
+ABSL_FLAG(int32_t, calib_max_tokens, 1024, "tokens per calibration run at most");
+ABSL_FLAG(std::string, eval_text, "", "compare teacher-forced on this text instead");
+ABSL_FLAG(int32_t, eval_steps, 64, "--eval-text: its last tokens fed one by one");
+ABSL_FLAG(int32_t, page, 16, "page size of the registered model");
+ABSL_FLAG(int32_t, sink, 16, "BF16 sink tokens of the registered model");
+ABSL_FLAG(int32_t, recent, 32, "BF16 recent tokens of the registered model");
+ABSL_FLAG(int32_t, memory_mib, 64, "memory of the registered model in MiB");
+ABSL_FLAG(std::string, dump, "", "write an activation dump of the reference runs here");
+ABSL_FLAG(std::string, dump_text, "", "--dump: text whose lines are run");
+ABSL_FLAG(int32_t, dump_max_tokens, 512, "--dump: tokens per line at most");
+ABSL_FLAG(std::string, weights, "", "--dump: also write the K/V projections here");
+ABSL_FLAG(std::string, encode, "", "print the token ids of each line of this file");
 
 namespace {
 
-constexpr char kUsage[] = R"(kvcd-llama — a llama-family model with its attention served by kvcd
-
-Usage: kvcd-llama --model DIR [--prompt TEXT] [--chat] [--max-new 32]
-                  [--target HOST:PORT] [--histories bf16,int2-identity,int2-hadamard,
-                      int2-oscar,int2-transform,int2-oscar=CODEC,fsq=CODEC,fsq:G=N]
-                  [--calib-text FILE [--calib-max-tokens 1024]]
-                  [--eval-text FILE [--eval-steps 64]]
-                  [--page 16] [--sink 16] [--recent 32] [--memory-mib 64]
+const kvcd::cli::Program& Cli() {
+  static const kvcd::cli::Program program = {
+      .name = "kvcd-llama",
+      .summary = "a llama-family model with its attention served by kvcd",
+      .files = {__FILE__},
+      .synopsis = R"(--model DIR [--prompt TEXT] [--chat] [--max-new 32]
+           [--target HOST:PORT] [--histories bf16,int2-identity,int2-hadamard,
+               int2-oscar,int2-transform,int2-oscar=CODEC,fsq=CODEC,fsq:G=N]
+           [--calib-text FILE [--calib-max-tokens 1024]]
+           [--eval-text FILE [--eval-steps 64]]
+           [--page 16] [--sink 16] [--recent 32] [--memory-mib 64]
        kvcd-llama --model DIR --dump OUT.safetensors --dump-text FILE [--dump-max-tokens 512]
-                  [--weights WEIGHTS.safetensors]
-       kvcd-llama --model DIR --encode FILE
-
-DIR holds model.safetensors and tokenizer.txt (scripts/fetch-smollm2.sh prints it).
+           [--weights WEIGHTS.safetensors]
+       kvcd-llama --model DIR --encode FILE)",
+      .notes =
+          R"(DIR holds model.safetensors and tokenizer.txt (scripts/fetch-smollm2.sh prints it).
 Without --target: greedy generation with local FP32 attention (the reference), stopping at
 the end-of-turn token. --chat wraps the prompt in the model's chat template (one user
 turn). With --target, for each history format the model is registered on the daemon
@@ -52,8 +79,9 @@ process on the model's FP32 runs over --calib-text (each line one run, at most
 residuals x of every layer as an activation dump for kvcd-calibrate / kvcd-eval;
 --weights writes the K/V projections for kvcd-calibrate fsq. --encode prints the token
 ids of each line of FILE (the two characters \n stand for a newline;
-tools/check_tokenizer_hf.py compares them with the Hugging Face tokenizers library).
-)";
+tools/check_tokenizer_hf.py compares them with the Hugging Face tokenizers library).)"};
+  return program;
+}
 
 int Fail(const char* what, const absl::Status& s) {
   std::fprintf(stderr, "kvcd-llama: %s: %s\n", what, std::string(s.message()).c_str());
@@ -76,63 +104,38 @@ std::string Printable(const std::string& s) {
 
 int main(int argc, char** argv) {
   namespace ll = kvcd::llama;
-  std::string dir, prompt = "The capital of France is", target, dump_path, dump_text, encode,
-                   weights_path, calib_text, eval_text;
-  std::vector<std::string> histories = {"bf16", "int2-identity", "int2-hadamard"};
-  bool chat = false;
-  int max_new = 32, page = 16, sink = 16, recent = 32, dump_max = 512, calib_max = 1024,
-      eval_steps = 64, memory_mib = 64;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help" || a == "-h") {
-      std::fputs(kUsage, stdout);
-      return 0;
-    }
-    if (a == "--chat") {
-      chat = true;
-      continue;
-    }
-    if (i + 1 >= argc) {
-      std::fprintf(stderr, "kvcd-llama: %s needs a value\n%s", a.c_str(), kUsage);
-      return 2;
-    }
-    const std::string v = argv[++i];
-    auto positive = [&](int* out) { return absl::SimpleAtoi(v, out) && *out > 0; };
-    if (a == "--model") {
-      dir = v;
-    } else if (a == "--prompt") {
-      prompt = v;
-    } else if (a == "--target") {
-      target = v;
-    } else if (a == "--dump") {
-      dump_path = v;
-    } else if (a == "--encode") {
-      encode = v;
-    } else if (a == "--dump-text") {
-      dump_text = v;
-    } else if (a == "--weights") {
-      weights_path = v;
-    } else if (a == "--calib-text") {
-      calib_text = v;
-    } else if (a == "--eval-text") {
-      eval_text = v;
-    } else if (a == "--histories") {
-      histories = absl::StrSplit(v, ',', absl::SkipEmpty());
-    } else if ((a == "--max-new" && positive(&max_new)) || (a == "--page" && positive(&page)) ||
-               (a == "--sink" && positive(&sink)) || (a == "--recent" && positive(&recent)) ||
-               (a == "--dump-max-tokens" && positive(&dump_max)) ||
-               (a == "--calib-max-tokens" && positive(&calib_max)) ||
-               (a == "--eval-steps" && positive(&eval_steps)) ||
-               (a == "--memory-mib" && positive(&memory_mib))) {
-    } else {
-      std::fprintf(stderr, "kvcd-llama: bad flag %s %s\n%s", a.c_str(), v.c_str(), kUsage);
-      return 2;
+  kvcd::cli::Parse(Cli(), argc, argv);
+  const std::string dir = absl::GetFlag(FLAGS_model), prompt = absl::GetFlag(FLAGS_prompt),
+                    target = absl::GetFlag(FLAGS_target), dump_path = absl::GetFlag(FLAGS_dump),
+                    dump_text = absl::GetFlag(FLAGS_dump_text),
+                    encode = absl::GetFlag(FLAGS_encode),
+                    weights_path = absl::GetFlag(FLAGS_weights),
+                    calib_text = absl::GetFlag(FLAGS_calib_text),
+                    eval_text = absl::GetFlag(FLAGS_eval_text);
+  const std::vector<std::string> histories =
+      absl::StrSplit(absl::GetFlag(FLAGS_histories), ',', absl::SkipEmpty());
+  const bool chat = absl::GetFlag(FLAGS_chat);
+  const int max_new = absl::GetFlag(FLAGS_max_new), page = absl::GetFlag(FLAGS_page),
+            sink = absl::GetFlag(FLAGS_sink), recent = absl::GetFlag(FLAGS_recent),
+            dump_max = absl::GetFlag(FLAGS_dump_max_tokens),
+            calib_max = absl::GetFlag(FLAGS_calib_max_tokens),
+            eval_steps = absl::GetFlag(FLAGS_eval_steps),
+            memory_mib = absl::GetFlag(FLAGS_memory_mib);
+  const std::pair<const char*, int> counts[] = {{"--max-new", max_new},
+                                                {"--page", page},
+                                                {"--sink", sink},
+                                                {"--recent", recent},
+                                                {"--dump-max-tokens", dump_max},
+                                                {"--calib-max-tokens", calib_max},
+                                                {"--eval-steps", eval_steps},
+                                                {"--memory-mib", memory_mib}};
+  for (const auto& [flag, value] : counts) {
+    if (value < 1) {
+      return kvcd::cli::UsageError(
+          Cli(), nullptr, absl::StrCat("bad value for ", flag, ": ", value, " (at least 1)"));
     }
   }
-  if (dir.empty()) {
-    std::fprintf(stderr, "kvcd-llama: --model DIR is required\n%s", kUsage);
-    return 2;
-  }
+  if (dir.empty()) return kvcd::cli::UsageError(Cli(), nullptr, "--model DIR is required");
   auto tok = ll::BpeTokenizer::Load(dir + "/tokenizer.txt");
   if (!tok.ok()) return Fail("tokenizer", tok.status());
   if (!encode.empty()) {

@@ -11,28 +11,43 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/numbers.h"
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "client/synthetic.h"
+#include "common/cli.h"
 #include "common/tensor_ref.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/reference_attention.h"
 
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "daemon address HOST:PORT");
+ABSL_FLAG(std::string, models, "qwen3-8b,qwen3-8b-int2",
+          "models to run the workload on, comma-separated");
+ABSL_FLAG(int64_t, system_tokens, 512, "tokens of the shared system prompt");
+ABSL_FLAG(int64_t, suffix_tokens, 96, "tokens of each session's own suffix");
+ABSL_FLAG(int64_t, sessions, 8, "sessions (sequences decoding together)");
+ABSL_FLAG(int64_t, steps, 8, "decode steps");
+ABSL_FLAG(bool, no_put, false,
+          "skip the prefill worker: the decode worker appends each whole prompt itself");
+
 namespace {
 
-constexpr char kUsage[] = R"(kvcd_demo — synthetic prefill -> prefix-shared decode workload
-
-Usage: kvcd_demo [--target HOST:PORT] [--models A,B] [--system-tokens N]
-                 [--suffix-tokens N] [--sessions N] [--steps N] [--no-put]
-
---no-put skips the prefill worker: the decode worker appends each whole prompt itself, so
+const kvcd::cli::Program& Cli() {
+  static const kvcd::cli::Program program = {
+      .name = "kvcd_demo",
+      .summary = "synthetic prefill -> prefix-shared decode workload",
+      .files = {__FILE__},
+      .synopsis = R"([--target HOST:PORT] [--models A,B] [--system-tokens N]
+    [--suffix-tokens N] [--sessions N] [--steps N] [--no-put])",
+      .notes =
+          R"(--no-put skips the prefill worker: the decode worker appends each whole prompt itself, so
 pages leave the recent window through Append and are demoted (quantize-on-demote).
 
 Runs the workload once per model and prints one summary column per model.
-Defaults: --target 127.0.0.1:50051 --models qwen3-8b,qwen3-8b-int2 --system-tokens 512
-          --suffix-tokens 96 --sessions 8 --steps 8
-)";
+)"};
+  return program;
+}
 
 struct Options {
   std::string target = "127.0.0.1:50051";
@@ -74,34 +89,23 @@ int PrintSummaries(kvcd::Client& client, const Options& opt, const std::vector<S
 }  // namespace
 
 int main(int argc, char** argv) {
+  kvcd::cli::Parse(Cli(), argc, argv);
   Options opt;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help" || a == "-h") {
-      std::fputs(kUsage, stdout);
-      return 0;
-    }
-    if (a == "--no-put") {
-      opt.put = false;
-      continue;
-    }
-    if (i + 1 >= argc) {
-      std::fprintf(stderr, "kvcd_demo: %s needs a value\n%s", a.c_str(), kUsage);
-      return 2;
-    }
-    const std::string v = argv[++i];
-    int64_t* num = a == "--system-tokens"   ? &opt.system_tokens
-                   : a == "--suffix-tokens" ? &opt.suffix_tokens
-                   : a == "--sessions"      ? &opt.sessions
-                   : a == "--steps"         ? &opt.steps
-                                            : nullptr;
-    if (a == "--target") {
-      opt.target = v;
-    } else if (a == "--models") {
-      opt.models = absl::StrSplit(v, ',', absl::SkipEmpty());
-    } else if (num == nullptr || !absl::SimpleAtoi(v, num) || *num < 1) {
-      std::fprintf(stderr, "kvcd_demo: bad flag %s %s\n%s", a.c_str(), v.c_str(), kUsage);
-      return 2;
+  opt.target = absl::GetFlag(FLAGS_target);
+  opt.models = absl::StrSplit(absl::GetFlag(FLAGS_models), ',', absl::SkipEmpty());
+  opt.put = !absl::GetFlag(FLAGS_no_put);
+  const std::pair<const char*, int64_t*> counts[] = {{"--system-tokens", &opt.system_tokens},
+                                                     {"--suffix-tokens", &opt.suffix_tokens},
+                                                     {"--sessions", &opt.sessions},
+                                                     {"--steps", &opt.steps}};
+  opt.system_tokens = absl::GetFlag(FLAGS_system_tokens);
+  opt.suffix_tokens = absl::GetFlag(FLAGS_suffix_tokens);
+  opt.sessions = absl::GetFlag(FLAGS_sessions);
+  opt.steps = absl::GetFlag(FLAGS_steps);
+  for (const auto& [flag, value] : counts) {
+    if (*value < 1) {
+      return kvcd::cli::UsageError(
+          Cli(), nullptr, absl::StrCat("bad value for ", flag, ": ", *value, " (at least 1)"));
     }
   }
   kvcd::ClientOptions co;

@@ -5,28 +5,50 @@
 #include <string>
 #include <vector>
 
+#include "absl/flags/flag.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/examples/llama2c_tokenizer.h"
 #include "client/examples/llama_worker.h"
 #include "common/activation_dump.h"
+#include "common/cli.h"
 #include "common/safetensors.h"
+
+ABSL_FLAG(std::string, checkpoint, "", "llama2.c checkpoint (e.g. stories260K.bin)");
+ABSL_FLAG(std::string, tokenizer, "", "llama2.c tokenizer (e.g. tok512.bin)");
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "daemon address HOST:PORT");
+ABSL_FLAG(int32_t, steps, 100, "positions decoded (at most the model's max_seq_len)");
+ABSL_FLAG(std::string, prompt, "", "prompt of the runs");
+ABSL_FLAG(std::string, formats, "bf16,int2-identity,int2-hadamard,int2-oscar",
+          "history formats served by the daemon, comma-separated");
+ABSL_FLAG(std::string, calib_prompts, "", "';'-separated prompts of the calibration runs");
+ABSL_FLAG(int32_t, calib_steps, 512, "positions of each calibration run");
+ABSL_FLAG(int32_t, page, 4, "page size of the registered model");
+ABSL_FLAG(int32_t, sink, 4, "BF16 sink tokens of the registered model");
+ABSL_FLAG(int32_t, recent, 8, "BF16 recent tokens of the registered model");
+ABSL_FLAG(std::string, dump, "", "write the reference runs as an activation dump and exit");
+ABSL_FLAG(std::string, dump_prompts, "", "--dump: ';'-separated prompts, one run each");
+ABSL_FLAG(std::string, weights, "", "write the model's K/V projections here");
+ABSL_FLAG(std::string, logits, "", "write the FP32 reference run's inputs and logits here");
 
 namespace {
 
-constexpr char kUsage[] = R"(kvcd_stories — real-model decoding with attention served by kvcd
-
-Usage: kvcd_stories --checkpoint stories260K.bin --tokenizer tok512.bin
-                    [--target HOST:PORT] [--steps 100] [--prompt TEXT]
-                    [--formats bf16,int2-identity,int2-hadamard,int2-oscar,
-                               int2-oscar=CODEC,fsq=CODEC,fsq:G=N]
-                    [--calib-prompts 'A;B' [--calib-steps 512]]
-                    [--page 4] [--sink 4] [--recent 8]
-                    [--dump ACTIVATIONS.safetensors [--dump-prompts 'A;B']
-                     [--weights WEIGHTS.safetensors] [--logits LOGITS.safetensors]]
-
-For each history format the model is registered on the daemon (page 4, sink 4, recent 8 by
+const kvcd::cli::Program& Cli() {
+  static const kvcd::cli::Program program = {
+      .name = "kvcd_stories",
+      .summary = "real-model decoding with attention served by kvcd",
+      .files = {__FILE__},
+      .synopsis = R"(--checkpoint stories260K.bin --tokenizer tok512.bin
+    [--target HOST:PORT] [--steps 100] [--prompt TEXT]
+    [--formats bf16,int2-identity,int2-hadamard,int2-oscar,
+               int2-oscar=CODEC,fsq=CODEC,fsq:G=N]
+    [--calib-prompts 'A;B' [--calib-steps 512]]
+    [--page 4] [--sink 4] [--recent 8]
+    [--dump ACTIVATIONS.safetensors [--dump-prompts 'A;B']
+     [--weights WEIGHTS.safetensors] [--logits LOGITS.safetensors]])",
+      .notes =
+          R"(For each history format the model is registered on the daemon (page 4, sink 4, recent 8 by
 default) and runs twice: greedy (the text) and teacher-forced on the FP32 reference's
 tokens: the first position whose greedy token differs, KL(FP32 || served) of the
 next-token distributions over the served steps, and the bytes the daemon stores per token
@@ -44,8 +66,9 @@ are the greedy run from --prompt plus two fixed prompts (256 positions each), or
 writes the model's K/V projections as safetensors (layers.<l>.wk, layers.<l>.wv [kv_dim,
 dim], F32; no biases in llama2.c) for `kvcd-calibrate fsq`; --logits writes the FP32
 reference run from --prompt (inputs [steps] I32: the token fed at each position; logits
-[steps, vocab] F32) to check another implementation of the model against this one.
-)";
+[steps, vocab] F32) to check another implementation of the model against this one.)"};
+  return program;
+}
 
 int Fail(const char* what, const absl::Status& s) {
   std::fprintf(stderr, "kvcd_stories: %s: %s\n", what, std::string(s.message()).c_str());
@@ -56,54 +79,35 @@ int Fail(const char* what, const absl::Status& s) {
 
 int main(int argc, char** argv) {
   namespace ll = kvcd::llama;
-  std::string checkpoint, tokenizer, target = "127.0.0.1:50051", prompt, dump_path, weights_path,
-                                     logits_path;
-  std::vector<std::string> dump_prompts, calib_prompts;
-  std::vector<std::string> formats = {"bf16", "int2-identity", "int2-hadamard", "int2-oscar"};
-  int steps = 100, calib_steps = 512, page = 4, sink = 4, recent = 8;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help" || a == "-h") {
-      std::fputs(kUsage, stdout);
-      return 0;
-    }
-    if (i + 1 >= argc) {
-      std::fprintf(stderr, "kvcd_stories: %s needs a value\n%s", a.c_str(), kUsage);
-      return 2;
-    }
-    const std::string v = argv[++i];
-    auto positive = [&](int* out) { return absl::SimpleAtoi(v, out) && *out > 0; };
-    if (a == "--checkpoint") {
-      checkpoint = v;
-    } else if (a == "--tokenizer") {
-      tokenizer = v;
-    } else if (a == "--target") {
-      target = v;
-    } else if (a == "--prompt") {
-      prompt = v;
-    } else if (a == "--dump") {
-      dump_path = v;
-    } else if (a == "--dump-prompts") {
-      dump_prompts = absl::StrSplit(v, ';', absl::SkipEmpty());
-    } else if (a == "--calib-prompts") {
-      calib_prompts = absl::StrSplit(v, ';', absl::SkipEmpty());
-    } else if (a == "--weights") {
-      weights_path = v;
-    } else if (a == "--logits") {
-      logits_path = v;
-    } else if (a == "--formats") {
-      formats = absl::StrSplit(v, ',', absl::SkipEmpty());
-    } else if ((a == "--steps" && positive(&steps)) || (a == "--page" && positive(&page)) ||
-               (a == "--sink" && positive(&sink)) || (a == "--recent" && positive(&recent)) ||
-               (a == "--calib-steps" && positive(&calib_steps))) {
-    } else {
-      std::fprintf(stderr, "kvcd_stories: bad flag %s %s\n%s", a.c_str(), v.c_str(), kUsage);
-      return 2;
+  kvcd::cli::Parse(Cli(), argc, argv);
+  const std::string checkpoint = absl::GetFlag(FLAGS_checkpoint),
+                    tokenizer = absl::GetFlag(FLAGS_tokenizer),
+                    target = absl::GetFlag(FLAGS_target), prompt = absl::GetFlag(FLAGS_prompt),
+                    dump_path = absl::GetFlag(FLAGS_dump),
+                    weights_path = absl::GetFlag(FLAGS_weights),
+                    logits_path = absl::GetFlag(FLAGS_logits);
+  const std::vector<std::string> dump_prompts =
+      absl::StrSplit(absl::GetFlag(FLAGS_dump_prompts), ';', absl::SkipEmpty());
+  const std::vector<std::string> calib_prompts =
+      absl::StrSplit(absl::GetFlag(FLAGS_calib_prompts), ';', absl::SkipEmpty());
+  const std::vector<std::string> formats =
+      absl::StrSplit(absl::GetFlag(FLAGS_formats), ',', absl::SkipEmpty());
+  int steps = absl::GetFlag(FLAGS_steps), calib_steps = absl::GetFlag(FLAGS_calib_steps);
+  const int page = absl::GetFlag(FLAGS_page), sink = absl::GetFlag(FLAGS_sink),
+            recent = absl::GetFlag(FLAGS_recent);
+  const std::pair<const char*, int> counts[] = {{"--steps", steps},
+                                                {"--page", page},
+                                                {"--sink", sink},
+                                                {"--recent", recent},
+                                                {"--calib-steps", calib_steps}};
+  for (const auto& [flag, value] : counts) {
+    if (value < 1) {
+      return kvcd::cli::UsageError(
+          Cli(), nullptr, absl::StrCat("bad value for ", flag, ": ", value, " (at least 1)"));
     }
   }
   if (checkpoint.empty() || tokenizer.empty()) {
-    std::fprintf(stderr, "kvcd_stories: --checkpoint and --tokenizer are required\n%s", kUsage);
-    return 2;
+    return kvcd::cli::UsageError(Cli(), nullptr, "--checkpoint and --tokenizer are required");
   }
   auto model = ll::Model::LoadLlama2c(checkpoint);
   if (!model.ok()) return Fail("checkpoint", model.status());

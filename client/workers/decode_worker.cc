@@ -45,6 +45,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/flags/flag.h"
 #include "client/client.h"
 #include "client/decode_channel.h"
 #include "client/synthetic.h"
@@ -53,6 +54,21 @@
 #include "client/workers/worker_common.h"
 #include "common/phase_times.h"
 #include "common/tensor_ref.h"
+
+ABSL_FLAG(int32_t, steps, 16, "decode steps (tokens per sequence)");
+ABSL_FLAG(bool, sync, false, "wait for every call's result on the host (one layer's latency)");
+ABSL_FLAG(std::string, wait, "device",
+          "device: order through stream waits on the IPC events; host: the host waits");
+ABSL_FLAG(std::string, transport, "channel",
+          "channel (same-node decode channel) or stream (AttentionDecodeStream)");
+ABSL_FLAG(std::string, io, "ipc", "ipc (CUDA IPC regions) or host (inline tensors, no GPU)");
+ABSL_FLAG(int64_t, lease_ms, 600000, "lease of the sequences, the channel and the IPC buffer");
+ABSL_FLAG(int64_t, die_after_calls, 0,
+          "worker-death test: SIGKILL itself as it starts this layer call (0: never)");
+ABSL_FLAG(int32_t, batch, 1, "sequences decoding together, one call per layer (1..256)");
+ABSL_FLAG(bool, distinct_prompts, false,
+          "each sequence of the batch on its own copy of the prompt (salts <salt>-<i>)");
+ABSL_FLAG(int64_t, append_chunk, 512, "--io host: tokens per Append of the uncached prompt");
 
 namespace kw = kvcd::workers;
 using Clock = std::chrono::steady_clock;
@@ -70,9 +86,8 @@ namespace {
 
 // The --io host loop: the same per-layer calls with inline tensors (no GPU in the worker).
 // Each layer's query depends on the previous layer's output, as on the device.
-int RunHostLoop(kvcd::Client* client, const kw::Flags& flags, const std::string& model,
-                const std::string& salt, int64_t n_tokens, uint64_t seed, int steps,
-                const std::string& transport) {
+int RunHostLoop(kvcd::Client* client, const std::string& model, const std::string& salt,
+                int64_t n_tokens, uint64_t seed, int steps, const std::string& transport) {
   auto info = client->GetModel(model);
   CHECK_OK(info.status());
   const kvcd::v1::ModelProfile& p = info->profile();
@@ -82,7 +97,7 @@ int RunHostLoop(kvcd::Client* client, const kw::Flags& flags, const std::string&
   CHECK_OK(open.status());
   const uint64_t seq = open->sequence_id();
   // What the prefix cache does not hold yet goes in from synthetic rows, in chunks.
-  const int64_t chunk = std::max<int64_t>(1, flags.GetInt("append-chunk", 512));
+  const int64_t chunk = std::max<int64_t>(1, absl::GetFlag(FLAGS_append_chunk));
   for (int64_t at = open->matched_tokens(); at < prompt; at += chunk) {
     const int64_t n = std::min(chunk, prompt - at);
     kvcd::v1::AppendRequest app;
@@ -186,35 +201,40 @@ int RunHostLoop(kvcd::Client* client, const kw::Flags& flags, const std::string&
 }  // namespace
 
 int main(int argc, char** argv) {
-  kw::Flags flags(argc, argv);
+  const kvcd::cli::Program program = {
+      .name = "kvcd_decode_worker",
+      .summary = "the decode side of disaggregated serving (see the top of decode_worker.cc)",
+      .files = {__FILE__, kw::kFlagsFile},
+      .synopsis = "--target HOST:PORT --model NAME [--tokens N] [--seed X] [flags]"};
+  const kvcd::cli::Parsed flags = kvcd::cli::Parse(program, argc, argv);
   kvcd::ClientOptions opts;
-  opts.target = flags.Get("target", "127.0.0.1:50051");
+  opts.target = absl::GetFlag(FLAGS_target);
   if (absl::Status s = kw::ApplySecurityFlags(flags, &opts); !s.ok()) {
     std::fprintf(stderr, "%s worker: %s\n", "decode", s.ToString().c_str());
     return 2;
   }
-  const std::string model = flags.Get("model", "qwen3-8b-int2");
-  const std::string salt = flags.Get("salt", "prefill");
-  const int64_t n_tokens = flags.GetInt("tokens", 32768);
-  const uint64_t seed = static_cast<uint64_t>(flags.GetInt("seed", 1));
-  const int steps = static_cast<int>(flags.GetInt("steps", 16));
-  const bool sync = flags.Has("sync");
+  const std::string model = absl::GetFlag(FLAGS_model);
+  const std::string salt = absl::GetFlag(FLAGS_salt);
+  const int64_t n_tokens = absl::GetFlag(FLAGS_tokens);
+  const uint64_t seed = static_cast<uint64_t>(absl::GetFlag(FLAGS_seed));
+  const int steps = absl::GetFlag(FLAGS_steps);
+  const bool sync = absl::GetFlag(FLAGS_sync);
   // --wait device (default): cross-process order through stream waits on the IPC events;
   // --wait host: the host waits for each event, so no stream ever waits on the other
   // process (the per-call cost of GPU time-slicing between the two contexts shows as the
   // difference).
-  const std::string wait = flags.Get("wait", "device");
+  const std::string wait = absl::GetFlag(FLAGS_wait);
   if (wait != "device" && wait != "host") {
     std::fprintf(stderr, "--wait must be device or host\n");
     return 2;
   }
   const bool host_wait = wait == "host";
-  const std::string transport = flags.Get("transport", "channel");
+  const std::string transport = absl::GetFlag(FLAGS_transport);
   if (transport != "channel" && transport != "stream") {
     std::fprintf(stderr, "--transport must be channel or stream\n");
     return 2;
   }
-  const std::string io = flags.Get("io", "ipc");
+  const std::string io = absl::GetFlag(FLAGS_io);
   if (io != "ipc" && io != "host") {
     std::fprintf(stderr, "--io must be ipc or host\n");
     return 2;
@@ -222,10 +242,9 @@ int main(int argc, char** argv) {
   if (io == "host") {
     auto client = kvcd::Client::Connect(opts);
     CHECK_OK(client.status());
-    return RunHostLoop(client->get(), flags, model, salt, n_tokens, seed, steps, transport);
+    return RunHostLoop(client->get(), model, salt, n_tokens, seed, steps, transport);
   }
-  CHECK_OK(
-      kw::CudaCheck(cudaSetDevice(static_cast<int>(flags.GetInt("device", 0))), "cudaSetDevice"));
+  CHECK_OK(kw::CudaCheck(cudaSetDevice(absl::GetFlag(FLAGS_device)), "cudaSetDevice"));
   auto client = kvcd::Client::Connect(opts);
   CHECK_OK(client.status());
   auto geo = kw::FetchGeometry(client->get(), model);
@@ -233,9 +252,9 @@ int main(int argc, char** argv) {
   const kw::Geometry& g = *geo;
   const int64_t prompt = n_tokens / g.page_size * g.page_size;
   std::vector<int32_t> tokens = kw::PromptTokens(prompt, seed);
-  const int64_t lease_ms = flags.GetInt("lease-ms", 600000);
-  const int64_t die_after = flags.GetInt("die-after-calls", 0);
-  const int batch = static_cast<int>(flags.GetInt("batch", 1));
+  const int64_t lease_ms = absl::GetFlag(FLAGS_lease_ms);
+  const int64_t die_after = absl::GetFlag(FLAGS_die_after_calls);
+  const int batch = absl::GetFlag(FLAGS_batch);
   if (batch < 1 || batch > 256) {
     std::fprintf(stderr, "--batch must be 1..256\n");
     return 2;
@@ -243,7 +262,7 @@ int main(int argc, char** argv) {
   // The batch's sequences share the cached prompt (each appends its own tokens), or with
   // --distinct-prompts sequence i opens the prompt cached under salt "<salt>-<i>" (its own
   // pages: the prefill worker pushed each).
-  const bool distinct = flags.Has("distinct-prompts");
+  const bool distinct = absl::GetFlag(FLAGS_distinct_prompts);
   std::vector<uint64_t> seqs;
   for (int i = 0; i < batch; ++i) {
     const std::string seq_salt = distinct ? salt + "-" + std::to_string(i) : salt;

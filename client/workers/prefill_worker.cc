@@ -28,6 +28,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "client/workers/ipc_buffer.h"
@@ -35,6 +36,12 @@
 #include "client/workers/worker_common.h"
 #include "kvcd/kernels/cuda_nccl.h"
 #include "kvcd/kernels/int2_attention.h"
+
+ABSL_FLAG(std::string, transport, "ipc", "ipc (CUDA IPC, same node) or nccl (another GPU)");
+ABSL_FLAG(int32_t, repeat, 3, "timed repetitions of the push / fetch (or put)");
+ABSL_FLAG(int32_t, timeout_ms, 20000, "deadline of each transfer in milliseconds");
+ABSL_FLAG(std::string, mode, "push",
+          "push (pages in the storage format) or put (BF16 K/V from a registered buffer)");
 
 namespace kw = kvcd::workers;
 namespace kc = kvcd::kernels::cuda;
@@ -191,32 +198,36 @@ int PutMode(kvcd::Client* client, const std::string& model, const kw::Geometry& 
 }  // namespace
 
 int main(int argc, char** argv) {
-  kw::Flags flags(argc, argv);
+  const kvcd::cli::Program program = {
+      .name = "kvcd_prefill_worker",
+      .summary = "the prefill side of disaggregated serving (see the top of prefill_worker.cc)",
+      .files = {__FILE__, kw::kFlagsFile},
+      .synopsis = "--target HOST:PORT --model NAME [--tokens N] [--salt S] [flags]"};
+  const kvcd::cli::Parsed flags = kvcd::cli::Parse(program, argc, argv);
   kvcd::ClientOptions opts;
-  opts.target = flags.Get("target", "127.0.0.1:50051");
+  opts.target = absl::GetFlag(FLAGS_target);
   if (absl::Status s = kw::ApplySecurityFlags(flags, &opts); !s.ok()) {
     std::fprintf(stderr, "%s worker: %s\n", "prefill", s.ToString().c_str());
     return 2;
   }
-  const std::string model = flags.Get("model", "qwen3-8b-int2");
-  const std::string salt = flags.Get("salt", "prefill");
-  const std::string transport = flags.Get("transport", "ipc");
-  const int64_t n_tokens = flags.GetInt("tokens", 32768);
-  const uint64_t seed = static_cast<uint64_t>(flags.GetInt("seed", 1));
-  const int repeat = static_cast<int>(flags.GetInt("repeat", 3));
-  const int timeout_ms = static_cast<int>(flags.GetInt("timeout-ms", 20000));
+  const std::string model = absl::GetFlag(FLAGS_model);
+  const std::string salt = absl::GetFlag(FLAGS_salt);
+  const std::string transport = absl::GetFlag(FLAGS_transport);
+  const int64_t n_tokens = absl::GetFlag(FLAGS_tokens);
+  const uint64_t seed = static_cast<uint64_t>(absl::GetFlag(FLAGS_seed));
+  const int repeat = absl::GetFlag(FLAGS_repeat);
+  const int timeout_ms = absl::GetFlag(FLAGS_timeout_ms);
   if (transport != "ipc" && transport != "nccl") {
     std::fprintf(stderr, "--transport must be ipc or nccl\n");
     return 2;
   }
-  CHECK_OK(
-      kw::CudaCheck(cudaSetDevice(static_cast<int>(flags.GetInt("device", 0))), "cudaSetDevice"));
+  CHECK_OK(kw::CudaCheck(cudaSetDevice(absl::GetFlag(FLAGS_device)), "cudaSetDevice"));
   auto client = kvcd::Client::Connect(opts);
   CHECK_OK(client.status());
   auto geo = kw::FetchGeometry(client->get(), model);
   CHECK_OK(geo.status());
   const kw::Geometry& g = *geo;
-  if (flags.Get("mode", "push") == "put") {
+  if (absl::GetFlag(FLAGS_mode) == "put") {
     return PutMode(client->get(), model, g, n_tokens, salt, seed, repeat);
   }
   const int64_t pages = n_tokens / g.page_size;

@@ -1,43 +1,28 @@
 #include "client/workers/worker_common.h"
 
 #include <algorithm>
-#include <cstdlib>
 
+#include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "daemon address HOST:PORT");
+ABSL_FLAG(std::string, model, "qwen3-8b-int2", "model whose pages the workers share");
+ABSL_FLAG(std::string, salt, "prefill", "cache salt of the prompt");
+ABSL_FLAG(int64_t, tokens, 32768, "prompt length in tokens (whole pages are used)");
+ABSL_FLAG(int64_t, seed, 1, "seed of the synthetic prompt both workers agree on");
+ABSL_FLAG(int32_t, device, 0, "CUDA device");
+ABSL_FLAG(std::string, token_file, "",
+          "bearer token file (or $KVCD_TOKEN, $KVCD_TOKEN_FILE); never a token on the "
+          "command line");
+ABSL_FLAG(std::string, tls_ca, "", "use TLS, trusting this PEM CA (or $KVCD_TLS_CA)");
+ABSL_FLAG(std::string, tls_cert, "", "mutual TLS: client PEM certificate (or $KVCD_TLS_CERT)");
+ABSL_FLAG(std::string, tls_key, "", "mutual TLS: its PEM private key (or $KVCD_TLS_KEY)");
+ABSL_FLAG(std::string, tls_server_name, "",
+          "name to verify in the daemon's certificate (or $KVCD_TLS_SERVER_NAME)");
 
 namespace kvcd::workers {
 
-Flags::Flags(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a.rfind("--", 0) != 0) continue;
-    a = a.substr(2);
-    const size_t eq = a.find('=');
-    if (eq != std::string::npos) {
-      kv_.emplace_back(a.substr(0, eq), a.substr(eq + 1));
-    } else if (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) {
-      kv_.emplace_back(a, argv[++i]);
-    } else {
-      kv_.emplace_back(a, "1");
-    }
-  }
-}
-
-std::string Flags::Get(const std::string& name, const std::string& def) const {
-  for (const auto& [k, v] : kv_)
-    if (k == name) return v;
-  return def;
-}
-
-int64_t Flags::GetInt(const std::string& name, int64_t def) const {
-  return Has(name) ? std::atoll(Get(name, "").c_str()) : def;
-}
-
-bool Flags::Has(const std::string& name) const {
-  for (const auto& [k, v] : kv_)
-    if (k == name) return true;
-  return false;
-}
+const char kFlagsFile[] = __FILE__;
 
 absl::StatusOr<Geometry> FetchGeometry(Client* client, const std::string& model) {
   auto info = client->GetModel(model);
@@ -84,17 +69,19 @@ double Percentile(std::vector<double> v, double p) {
 
 double Median(std::vector<double> v) { return Percentile(std::move(v), 0.5); }
 
-absl::Status ApplySecurityFlags(const Flags& flags, ClientOptions* options) {
+absl::Status ApplySecurityFlags(const cli::Parsed& flags, ClientOptions* options) {
   ApplySecurityEnvironment(options);
-  if (const std::string f = flags.Get("token-file", ""); !f.empty()) {
+  if (const std::string f = absl::GetFlag(FLAGS_token_file); !f.empty()) {
     absl::StatusOr<std::string> t = ReadTokenFile(f);
     if (!t.ok()) return t.status();
     options->token = *t;
   }
-  options->tls_root_ca_file = flags.Get("tls-ca", options->tls_root_ca_file);
-  options->tls_client_cert_file = flags.Get("tls-cert", options->tls_client_cert_file);
-  options->tls_client_key_file = flags.Get("tls-key", options->tls_client_key_file);
-  options->tls_server_name = flags.Get("tls-server-name", options->tls_server_name);
+  if (flags.Given("tls_ca")) options->tls_root_ca_file = absl::GetFlag(FLAGS_tls_ca);
+  if (flags.Given("tls_cert")) options->tls_client_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  if (flags.Given("tls_key")) options->tls_client_key_file = absl::GetFlag(FLAGS_tls_key);
+  if (flags.Given("tls_server_name")) {
+    options->tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  }
   return absl::OkStatus();
 }
 

@@ -6,26 +6,28 @@
 #include <string>
 #include <vector>
 
+#include "absl/flags/declare.h"
 #include "absl/status/statusor.h"
 #include "client/client.h"
+#include "common/cli.h"
+
+ABSL_DECLARE_FLAG(std::string, target);
+ABSL_DECLARE_FLAG(std::string, model);
+ABSL_DECLARE_FLAG(std::string, salt);
+ABSL_DECLARE_FLAG(int64_t, tokens);
+ABSL_DECLARE_FLAG(int64_t, seed);
+ABSL_DECLARE_FLAG(int32_t, device);
 
 namespace kvcd::workers {
 
-// --name=value / --name value flags; Get returns `def` when absent.
-class Flags {
- public:
-  Flags(int argc, char** argv);
-  std::string Get(const std::string& name, const std::string& def) const;
-  int64_t GetInt(const std::string& name, int64_t def) const;
-  bool Has(const std::string& name) const;
-
- private:
-  std::vector<std::pair<std::string, std::string>> kv_;
-};
+// The flags both workers read: --target, --model, --salt, --tokens, --seed, --device, and
+// the security ones (--token-file, --tls-ca, --tls-cert, --tls-key, --tls-server-name).
+// Both workers list their own flags and these (kFlagsFile) in --help.
+extern const char kFlagsFile[];
 
 // Security options of a worker's client: the environment (ApplySecurityEnvironment),
-// then --token-file, --tls-ca, --tls-cert, --tls-key, --tls-server-name.
-absl::Status ApplySecurityFlags(const Flags& flags, ClientOptions* options);
+// then --token-file, --tls-ca, --tls-cert, --tls-key, --tls-server-name when given.
+absl::Status ApplySecurityFlags(const cli::Parsed& flags, ClientOptions* options);
 
 struct Geometry {
   int num_layers = 0, num_q_heads = 0, num_kv_heads = 0, head_dim = 0, page_size = 0;

@@ -4,10 +4,12 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 #include <thread>
+#include <vector>
 
+#include "absl/flags/flag.h"
+#include "common/cli.h"
 #include "kvcd/kernels/cpu_features.h"
 #include "server/config/config.h"
 #include "server/daemon/daemon.h"
@@ -15,34 +17,53 @@
 #include "server/rpc/auth.h"
 #include "server/rpc/tls.h"
 
+ABSL_FLAG(std::string, config, "", "YAML config file (keys: README.md, \"Configuration\")");
+ABSL_FLAG(std::string, listen, "", "gRPC address HOST:PORT; overrides the config's listen");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "Prometheus address HOST:PORT (empty: off); overrides the config's metrics_listen");
+ABSL_FLAG(std::string, health_listen, "",
+          "plaintext health address HOST:PORT; overrides the config's health_listen");
+ABSL_FLAG(bool, insecure, false,
+          "serve a non-loopback address without TLS and tokens (logged; never on an untrusted "
+          "network)");
+ABSL_FLAG(std::string, fault_inject, "",
+          "tests only: alloc:N, copy:N, attend:N or sticky:KIND:N, comma-separated, makes the "
+          "backend fail on purpose");
+
 namespace {
 
-constexpr char kUsage[] = R"(kvcd — GPU-resident KV-cache daemon (CPU backend in this build)
+const std::vector<std::string> kFlags = {"config",        "listen",   "metrics_listen",
+                                         "health_listen", "insecure", "fault_inject"};
 
-Usage:
-  kvcd serve [--config FILE] [--listen HOST:PORT] [--metrics-listen HOST:PORT]
-             [--health-listen HOST:PORT] [--insecure] [--fault-inject SPEC]
-  kvcd check-config --config FILE
-  kvcd --version | --help
-
-serve         Start the daemon. Without --config it serves the built-in profiles
-              'qwen3-8b' (1 GiB) and 'tiny' (1 MiB) on 127.0.0.1:50051, with
-              metrics on 127.0.0.1:9464. Flags override the config file.
-              When ready it prints one line to stdout:
-                kvcd ready grpc=HOST:PORT metrics=HOST:PORT health=HOST:PORT
-              SIGTERM/SIGINT drain it: health turns NOT_SERVING, new calls get
-              UNAVAILABLE, calls in flight finish, then it exits 0.
-              A non-loopback --listen/listen needs TLS (tls.cert_file, tls.key_file)
-              and bearer tokens (auth.tokens_file); --insecure serves it without
-              them (logged as a warning; never on an untrusted network).
-              --fault-inject (tests only) makes the backend fail on purpose:
-              SPEC is alloc:N, copy:N, attend:N or sticky:KIND:N, comma-separated
-              (server/backends/fault_injector.h).
-check-config  Validate a config file (and its TLS and tokens files) and print
-              what it would serve.
-
-Configuration keys are documented in README.md ("Configuration").
-)";
+const kvcd::cli::Program& Cli() {
+  static const kvcd::cli::Program program = {
+      .name = "kvcd",
+      .summary = "GPU-resident KV-cache daemon",
+      .files = {__FILE__},
+      .commands = {{.name = "serve",
+                    .synopsis =
+                        "[--config FILE] [--listen HOST:PORT] [--metrics-listen HOST:PORT]\n"
+                        "    [--health-listen HOST:PORT] [--insecure] [--fault-inject SPEC]",
+                    .description =
+                        R"(start the daemon
+Without --config it serves the built-in profiles 'qwen3-8b' (1 GiB) and 'tiny'
+(1 MiB) on 127.0.0.1:50051, with metrics on 127.0.0.1:9464. Flags override the
+config file. When ready it prints one line to stdout:
+  kvcd ready grpc=HOST:PORT metrics=HOST:PORT health=HOST:PORT
+SIGTERM/SIGINT drain it: health turns NOT_SERVING, new calls get UNAVAILABLE,
+calls in flight finish, then it exits 0.
+A non-loopback --listen/listen needs TLS (tls.cert_file, tls.key_file) and bearer
+tokens (auth.tokens_file); --insecure serves it without them.
+--fault-inject SPEC: server/backends/fault_injector.h.)",
+                    .flags = kFlags},
+                   {.name = "check-config",
+                    .synopsis = "--config FILE [flags]",
+                    .description = R"(validate a config file (and its TLS and tokens files)
+Prints what the daemon would serve with it and the flags given.)",
+                    .flags = kFlags}},
+      .notes = "Configuration keys are documented in README.md (\"Configuration\").\n"};
+  return program;
+}
 
 int Fail(const std::string& msg) {
   std::fprintf(stderr, "kvcd: %s\n", msg.c_str());
@@ -52,64 +73,26 @@ int Fail(const std::string& msg) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h") ||
-      !std::strcmp(argv[1], "help")) {
-    std::fputs(kUsage, argc < 2 ? stderr : stdout);
-    return argc < 2 ? 2 : 0;
-  }
-  if (!std::strcmp(argv[1], "--version")) {
-    std::printf("kvcd %s\n", KVCD_VERSION);
-    return 0;
-  }
-  const std::string cmd = argv[1];
-  if (cmd != "serve" && cmd != "check-config") {
-    return Fail("unknown command '" + cmd + "'; run 'kvcd --help'");
-  }
-  std::string config_path, listen, metrics_listen, health_listen, fault_inject;
-  bool have_metrics = false, have_health = false, insecure = false;
-  for (int i = 2; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto value = [&](std::string* out) {
-      if (i + 1 >= argc) return false;
-      *out = argv[++i];
-      return true;
-    };
-    bool ok = true;
-    if (a == "--config") {
-      ok = value(&config_path);
-    } else if (a == "--listen") {
-      ok = value(&listen);
-    } else if (a == "--metrics-listen") {
-      ok = value(&metrics_listen);
-      have_metrics = true;
-    } else if (a == "--insecure") {
-      insecure = true;
-    } else if (a == "--health-listen") {
-      ok = value(&health_listen);
-      have_health = true;
-    } else if (a == "--fault-inject") {
-      ok = value(&fault_inject);
-    } else {
-      return Fail("unknown flag '" + a + "'; run 'kvcd --help'");
-    }
-    if (!ok) return Fail("flag " + a + " needs a value");
-  }
+  const kvcd::cli::Parsed cli = kvcd::cli::Parse(Cli(), argc, argv);
+  const std::string cmd = cli.command->name;
+  const std::string config_path = absl::GetFlag(FLAGS_config);
+  const std::string listen = absl::GetFlag(FLAGS_listen);
   kvcd::ServerConfig config;
   if (!config_path.empty()) {
     auto loaded = kvcd::LoadConfigFile(config_path);
     if (!loaded.ok()) return Fail(std::string(loaded.status().message()));
     config = *loaded;
   } else if (cmd == "check-config") {
-    return Fail("check-config needs --config FILE");
+    return kvcd::cli::UsageError(Cli(), cli.command, "check-config needs --config FILE");
   } else {
     config.memory_budget_bytes = (1ull << 30) + (1ull << 20);
     config.models = {*kvcd::BuiltinModelSpec("qwen3-8b"), *kvcd::BuiltinModelSpec("tiny")};
   }
   if (!listen.empty()) config.listen = listen;
-  if (have_metrics) config.metrics_listen = metrics_listen;
-  if (have_health) config.health_listen = health_listen;
-  config.insecure = insecure;
-  config.fault_inject = fault_inject;
+  if (cli.Given("metrics_listen")) config.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  if (cli.Given("health_listen")) config.health_listen = absl::GetFlag(FLAGS_health_listen);
+  config.insecure = absl::GetFlag(FLAGS_insecure);
+  config.fault_inject = absl::GetFlag(FLAGS_fault_inject);
 
   if (cmd == "check-config") {
     if (absl::Status s = kvcd::CheckExposure(config); !s.ok())

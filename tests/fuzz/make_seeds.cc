@@ -11,6 +11,7 @@
 
 #include "client/synthetic.h"
 #include "common/activation_dump.h"
+#include "common/cli.h"
 #include "common/codec_profile.h"
 #include "common/safetensors.h"
 #include "common/tensor_ref.h"
@@ -270,11 +271,14 @@ void ChannelSeeds() {
 }  // namespace kvcd
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::fprintf(stderr, "usage: make_seeds CORPUS_DIR\n");
-    return 2;
-  }
-  kvcd::root = argv[1];
+  const kvcd::cli::Program program = {.name = "make_seeds",
+                                      .summary = "writes the seed corpus of the fuzz targets",
+                                      .files = {__FILE__},
+                                      .synopsis = "CORPUS_DIR",
+                                      .takes_args = true};
+  const kvcd::cli::Parsed cli = kvcd::cli::Parse(program, argc, argv);
+  if (cli.args.size() != 1) return kvcd::cli::UsageError(program, nullptr, "give one CORPUS_DIR");
+  kvcd::root = cli.args[0];
   mkdir(kvcd::root.c_str(), 0755);
   kvcd::FileSeeds();
   kvcd::RpcSeeds();
