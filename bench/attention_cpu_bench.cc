@@ -34,6 +34,7 @@
 #include "kvcd/kernels/int2_attention.h"
 #include "kvcd/kernels/transform_attention.h"
 #include "server/backends/backend.h"
+#include "server/formats/format_registry.h"
 #include "server/formats/page_pool.h"
 
 ABSL_FLAG(std::string, contexts, "4096,32768,100000", "context lengths, comma-separated");
@@ -161,28 +162,38 @@ int main(int argc, char** argv) {
       for (int fmt = 0; fmt < kFormats; ++fmt) {
         Setup& su = setup[fmt];
         su.pool = MakePool(*backend, names[fmt], pages_per_seq * batch, rng);
-        std::shared_ptr<const kvcd::CodecProfile> profile;
-        std::shared_ptr<const kvcd::KeyTransformProfile> transform;
-        std::vector<kvcd::FormatId> ids = {kvcd::FormatId::kBf16};
+        // The model's formats as the daemon builds them: its history format's factory.
+        kvcd::ModelSpec spec;
+        spec.name = names[fmt];
+        spec.num_layers = 1;
+        spec.num_kv_heads = kHkv;
+        spec.head_dim = kD;
+        spec.page_size = kPage;
+        std::string codec_blob;
         if (fmt == 1) {
-          profile = std::make_shared<const kvcd::CodecProfile>(kvcd::CodecProfile::Hadamard(1, kD));
-          ids.push_back(kvcd::FormatId::kInt2Oscar);
+          spec.history_format = kvcd::FormatId::kInt2Oscar;
+          spec.codec = "hadamard";
         } else if (fmt == 2) {
-          auto file = kvcd::SafetensorsFile::Parse(
+          spec.history_format = kvcd::FormatId::kInt2Oscar;  // a version-3 codec file
+          codec_blob =
               kvcd::KeyTransformProfile::ToSafetensors(
                   kvcd::KeyTransformProfile::SyntheticHeads(1, kHkv, kD, 1), 1, kHkv, kD, "bench")
-                  .Serialize());
+                  .Serialize();
+          auto file = kvcd::SafetensorsFile::Parse(codec_blob);
           auto tp = kvcd::KeyTransformProfile::FromSafetensors(*file, 1, kHkv, kD);
           if (!tp.ok() || tp->key_code_bits() != 8 * kTransformCodeBytes) {
             std::fprintf(stderr, "synthetic version-3 codec: %s\n",
                          std::string(tp.status().message()).c_str());
             return 1;
           }
-          transform = std::make_shared<const kvcd::KeyTransformProfile>(std::move(*tp));
-          ids.push_back(kvcd::FormatId::kInt2Transform);
         }
-        auto formats = backend->CreateFormats(ids, kvcd::PageGeometry{1, kHkv, kD, kPage}, profile,
-                                              nullptr, transform);
+        auto codec = kvcd::LoadModelCodec(spec, codec_blob);
+        if (!codec.ok()) {
+          std::fprintf(stderr, "%s\n", std::string(codec.status().message()).c_str());
+          return 1;
+        }
+        auto formats =
+            (*codec)->CreateFormats(kvcd::PageGeometry{1, kHkv, kD, kPage}, backend->kind());
         if (!formats.ok()) {
           std::fprintf(stderr, "%s\n", std::string(formats.status().message()).c_str());
           return 1;

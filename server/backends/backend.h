@@ -9,10 +9,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "common/codec_profile.h"
-#include "common/key_transform_profile.h"
 #include "kvcd/kernels/device_fault.h"
-#include "server/formats/fsq/fsq_format.h"
+#include "server/formats/format_registry.h"
 #include "server/formats/page_format.h"
 #include "server/formats/page_pool.h"
 
@@ -83,14 +81,9 @@ class Backend {
     return (bytes + kGranularity - 1) / kGranularity * kGranularity;
   }
 
-  // The page formats of one model (ids[i] -> result[i]), all sharing `rotation` (null: rows
-  // stored as given) and, for the fsq formats, the FSQ codec `fsq`, for int2-transform the
-  // version-3 codec `transform` (null otherwise).
-  // UNIMPLEMENTED for a format this backend cannot run.
-  virtual absl::StatusOr<std::vector<std::unique_ptr<PageFormat>>> CreateFormats(
-      absl::Span<const FormatId> ids, const PageGeometry& geometry,
-      std::shared_ptr<const CodecProfile> rotation, std::shared_ptr<const FsqModelCodec> fsq,
-      std::shared_ptr<const KeyTransformProfile> transform) = 0;
+  // Where the formats of the models this backend serves run (what a format factory builds
+  // for it: format_registry.h).
+  virtual BackendKind kind() const = 0;
 
   // Whole pages between a pool and a run of pages stored back to back ([page][layer]
   // [layer_page_bytes], the form pages travel in) in host or device memory: WritePages

@@ -10,11 +10,7 @@
 #include "kvcd/kernels/int2_codec.h"
 #include "server/backends/backend.h"
 #include "server/backends/thread_pool.h"
-#include "server/formats/bf16/bf16_format.h"
 #include "server/formats/cpu_page_format.h"
-#include "server/formats/fsq/fsq_format.h"
-#include "server/formats/int2_oscar/int2_oscar_format.h"
-#include "server/formats/int2_transform/int2_transform_format.h"
 
 namespace kvcd {
 namespace {
@@ -41,41 +37,7 @@ class CpuBackend final : public Backend {
   }
   void FreePoolMemory(uint8_t* p, uint64_t) override { std::free(p); }
 
-  absl::StatusOr<std::vector<std::unique_ptr<PageFormat>>> CreateFormats(
-      absl::Span<const FormatId> ids, const PageGeometry& geometry,
-      std::shared_ptr<const CodecProfile> rotation, std::shared_ptr<const FsqModelCodec> fsq,
-      std::shared_ptr<const KeyTransformProfile> transform) override {
-    std::vector<std::unique_ptr<PageFormat>> out;
-    for (FormatId id : ids) {
-      switch (id) {
-        case FormatId::kBf16:
-          out.push_back(MakeBf16CpuFormat(geometry, rotation));
-          break;
-        case FormatId::kInt2Oscar:
-          if (rotation == nullptr) {
-            return absl::InvalidArgumentError("int2-oscar pages need a codec profile");
-          }
-          out.push_back(MakeInt2OscarCpuFormat(geometry, rotation));
-          break;
-        case FormatId::kInt2Transform:
-          if (transform == nullptr) {
-            return absl::InvalidArgumentError("int2-transform pages need a version-3 codec");
-          }
-          out.push_back(MakeInt2TransformCpuFormat(geometry, transform));
-          break;
-        case FormatId::kFsq:
-        case FormatId::kFsqWindow:
-          if (fsq == nullptr) return absl::InvalidArgumentError("fsq pages need an FSQ codec");
-          out.push_back(id == FormatId::kFsq ? MakeFsqCpuFormat(geometry, fsq)
-                                             : MakeFsqWindowCpuFormat(geometry, fsq));
-          break;
-        default:
-          return absl::UnimplementedError(
-              absl::StrCat("the cpu backend has no ", FormatName(id), " format"));
-      }
-    }
-    return out;
-  }
+  BackendKind kind() const override { return BackendKind::kCpu; }
 
   absl::Status WritePages(const PagePool& pool, absl::Span<const int32_t> ids, const uint8_t* run,
                           bool run_on_device) override {
@@ -106,6 +68,7 @@ class CpuBackend final : public Backend {
     struct Item {
       int32_t job, kv_head;
       const AttentionSegment* seg;
+      const CpuPageFormat* kernels;
       int64_t begin, end;
     };
     std::vector<Item> items;
@@ -114,8 +77,13 @@ class CpuBackend final : public Backend {
       for (int32_t h = 0; h < b.num_kv_heads; ++h) {
         first_item.push_back(static_cast<int64_t>(items.size()));
         for (const AttentionSegment& seg : b.jobs[j].segments) {
+          const CpuPageFormat* kernels = seg.format->cpu();
+          if (kernels == nullptr) {
+            return absl::InternalError(absl::StrCat("the ", seg.format->name(),
+                                                    " format was not built for the cpu backend"));
+          }
           for (int64_t t = seg.token_begin; t < seg.token_end; t += kSplitTokens) {
-            items.push_back({j, h, &seg, t, std::min(seg.token_end, t + kSplitTokens)});
+            items.push_back({j, h, &seg, kernels, t, std::min(seg.token_end, t + kSplitTokens)});
           }
         }
       }
@@ -144,9 +112,8 @@ class CpuBackend final : public Backend {
       const float* q = query(it.job) + static_cast<int64_t>(it.kv_head) * g * d;
       float* o = part_o.data() + i * g * d;
       float* lse = part_lse.data() + i * g;
-      static_cast<const CpuPageFormat*>(it.seg->format)
-          ->Attend(*it.seg->pool, b.layer, it.seg->page_ids, it.seg->first_position, it.kv_head, q,
-                   g, b.softmax_scale, it.begin, it.end, o, lse);
+      it.kernels->Attend(*it.seg->pool, b.layer, it.seg->page_ids, it.seg->first_position,
+                         it.kv_head, q, g, b.softmax_scale, it.begin, it.end, o, lse);
     });
     for (int32_t j = 0; j < static_cast<int32_t>(b.jobs.size()); ++j) {
       for (int32_t h = 0; h < b.num_kv_heads; ++h) {

@@ -24,13 +24,8 @@
 #include "server/backends/cuda_fault_board.h"
 #include "server/backends/cuda_gpu_timeline.h"
 #include "server/backends/device_runtime.h"
-#include "server/formats/bf16/bf16_format_cuda.h"
 #include "server/formats/cuda_codec.h"
 #include "server/formats/cuda_page_format.h"
-#include "server/formats/fsq/fsq_device_codec.h"
-#include "server/formats/fsq/fsq_format_cuda.h"
-#include "server/formats/int2_oscar/int2_oscar_format_cuda.h"
-#include "server/formats/int2_transform/int2_transform_format_cuda.h"
 
 namespace kvcd {
 namespace {
@@ -73,56 +68,7 @@ class CudaBackend final : public Backend, public DeviceRuntime {
   }
   void FreePoolMemory(uint8_t* p, uint64_t) override { (void)kc::Free(p); }
 
-  absl::StatusOr<std::vector<std::unique_ptr<PageFormat>>> CreateFormats(
-      absl::Span<const FormatId> ids, const PageGeometry& geometry,
-      std::shared_ptr<const CodecProfile> rotation, std::shared_ptr<const FsqModelCodec> fsq,
-      std::shared_ptr<const KeyTransformProfile> transform) override {
-    // One device copy of the rotations (of the FSQ codec) for all of the model's formats.
-    std::shared_ptr<const CudaCodec> device_codec;
-    if (rotation != nullptr) {
-      KVCD_ASSIGN_OR_RETURN(device_codec, CudaCodec::Upload(*rotation));
-    }
-    std::shared_ptr<const FsqDeviceCodec> fsq_device;
-    std::shared_ptr<const TransformDeviceCodec> transform_device;
-    std::vector<std::unique_ptr<PageFormat>> out;
-    for (FormatId id : ids) {
-      switch (id) {
-        case FormatId::kBf16:
-          out.push_back(MakeBf16CudaFormat(geometry, rotation, device_codec));
-          break;
-        case FormatId::kInt2Oscar:
-          if (device_codec == nullptr) {
-            return absl::InvalidArgumentError("int2-oscar pages need a codec profile");
-          }
-          out.push_back(MakeInt2OscarCudaFormat(geometry, rotation, device_codec));
-          break;
-        case FormatId::kFsq:
-        case FormatId::kFsqWindow:
-          if (fsq == nullptr) return absl::InvalidArgumentError("fsq pages need an FSQ codec");
-          if (fsq_device == nullptr) {
-            KVCD_RETURN_IF_ERROR(CheckFsqCudaGeometry(geometry, *fsq));
-            KVCD_ASSIGN_OR_RETURN(fsq_device, FsqDeviceCodec::Upload(*fsq));
-          }
-          out.push_back(id == FormatId::kFsq ? MakeFsqCudaFormat(geometry, fsq, fsq_device)
-                                             : MakeFsqWindowCudaFormat(geometry, fsq, fsq_device));
-          break;
-        case FormatId::kInt2Transform:
-          if (transform == nullptr) {
-            return absl::InvalidArgumentError("int2-transform pages need a version-3 codec");
-          }
-          if (transform_device == nullptr) {
-            KVCD_RETURN_IF_ERROR(CheckTransformCudaGeometry(geometry, *transform));
-            KVCD_ASSIGN_OR_RETURN(transform_device, TransformDeviceCodec::Upload(*transform));
-          }
-          out.push_back(MakeInt2TransformCudaFormat(geometry, transform, transform_device));
-          break;
-        default:
-          return absl::UnimplementedError(
-              absl::StrCat("the cuda backend has no ", FormatName(id), " format"));
-      }
-    }
-    return out;
-  }
+  BackendKind kind() const override { return BackendKind::kCuda; }
 
   // One paged-copy launch per call; host runs go through device staging in one copy.
   absl::Status WritePages(const PagePool& pool, absl::Span<const int32_t> ids, const uint8_t* run,
@@ -215,13 +161,18 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     size_t num_lists = 0;
     for (int j = 0; j < batch; ++j) {
       for (const AttentionSegment& seg : b.jobs[j].segments) {
-        const auto* f = static_cast<const CudaPageFormat*>(seg.format);
+        const CudaPageFormat* f = seg.format->cuda();
+        if (f == nullptr) {
+          return absl::InternalError(absl::StrCat("the ", seg.format->name(),
+                                                  " format was not built for the cuda backend"));
+        }
         const auto end = lists_.begin() + static_cast<std::ptrdiff_t>(num_lists);
         auto it = std::find_if(lists_.begin(), end, [&](const List& l) { return l.format == f; });
         if (it == end) {
           if (num_lists == lists_.size()) lists_.emplace_back();
           List& l = lists_[num_lists++];
           l.format = f;
+          l.name = seg.format->name();
           l.pool = seg.pool;
           if (l.pages.size() < static_cast<size_t>(batch)) l.pages.resize(batch);
           for (int i = 0; i < batch; ++i) l.pages[i].clear();
@@ -243,7 +194,7 @@ class CudaBackend final : public Backend, public DeviceRuntime {
             it->first_pos[j] = it->end_pos[j] = seg.first_position;
           } else if (seg.first_position != it->end_pos[j] || seg.token_begin != 0) {
             return absl::InternalError(absl::StrCat(
-                "the ", f->name(), " pages of batch entry ", j,
+                "the ", seg.format->name(), " pages of batch entry ", j,
                 " are not consecutive in its sequence; their attention needs them so"));
           }
           it->end_pos[j] += seg.token_end;
@@ -307,7 +258,8 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     }
     parts = std::max(1, parts);
     lap.Mark(kLists);
-    const CudaCodec* codec = static_cast<const CudaPageFormat*>(b.model_format)->device_codec();
+    const CudaCodec* codec =
+        b.model_format->cuda() != nullptr ? b.model_format->cuda()->device_codec() : nullptr;
     const float* d_rk = codec != nullptr ? codec->RK(b.layer) : nullptr;
     const float* d_rvt = codec != nullptr ? codec->RVT(b.layer) : nullptr;
     // Scratch: q, page tables and lengths, parts, o, lse, the fusing format's state.
@@ -446,8 +398,8 @@ class CudaBackend final : public Backend, public DeviceRuntime {
       if (absl::Status s = l.format->LaunchAttend(a); !s.ok()) return Noted(s);
       part_base += l.splits;
       if (timeline_ != nullptr && !forked) {
-        timeline_->Step(PhaseTimes::Phase(absl::StrCat("gpu.daemon attention ", l.format->name(),
-                                                       a.merge != nullptr ? " (+merge)" : "")));
+        timeline_->Step(PhaseTimes::Phase(
+            absl::StrCat("gpu.daemon attention ", l.name, a.merge != nullptr ? " (+merge)" : "")));
       }
     }
     if (forked) {
@@ -551,6 +503,7 @@ class CudaBackend final : public Backend, public DeviceRuntime {
   // One page list of Attend: a format's pages per sequence (kept across calls).
   struct List {
     const CudaPageFormat* format = nullptr;
+    const char* name = "";  // the format's
     const PagePool* pool = nullptr;
     std::vector<std::vector<int32_t>> pages;
     std::vector<int32_t> lens;

@@ -32,13 +32,7 @@ class FaultInjectingBackend final : public Backend {
     return inner_->AllocatePoolMemory(bytes);
   }
   void FreePoolMemory(uint8_t* p, uint64_t bytes) override { inner_->FreePoolMemory(p, bytes); }
-  absl::StatusOr<std::vector<std::unique_ptr<PageFormat>>> CreateFormats(
-      absl::Span<const FormatId> ids, const PageGeometry& geometry,
-      std::shared_ptr<const CodecProfile> rotation, std::shared_ptr<const FsqModelCodec> fsq,
-      std::shared_ptr<const KeyTransformProfile> transform) override {
-    return inner_->CreateFormats(ids, geometry, std::move(rotation), std::move(fsq),
-                                 std::move(transform));
-  }
+  BackendKind kind() const override { return inner_->kind(); }
   absl::Status WritePages(const PagePool& pool, absl::Span<const int32_t> ids, const uint8_t* run,
                           bool run_on_device) override {
     if (absl::Status s = injector_->Check(FaultInjector::Kind::kCopy); !s.ok()) return s;

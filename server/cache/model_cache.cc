@@ -12,106 +12,6 @@
 #include "server/backends/device_runtime.h"
 
 namespace kvcd {
-namespace {
-
-// The rotation of a model whose history format stores rotated rows (int2-oscar): from the
-// registered codec file bytes, the configured codec file, or a named codec. A codec file of
-// version 3 (transform-coded keys) gives no shared rotation but `transform`, and the model's
-// history becomes int2-transform.
-absl::StatusOr<std::shared_ptr<const CodecProfile>> LoadCodec(
-    const ModelSpec& spec, const std::string& codec_blob,
-    std::shared_ptr<const KeyTransformProfile>* transform) {
-  if (spec.history_format != FormatId::kInt2Oscar) {
-    if (!codec_blob.empty() && !spec.is_fsq()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "model '", spec.name, "': codec_blob is only used with history_format int2-oscar"));
-    }
-    return std::shared_ptr<const CodecProfile>();
-  }
-  if (!codec_blob.empty() || !spec.codec_file.empty()) {
-    auto file = codec_blob.empty() ? SafetensorsFile::Load(spec.codec_file)
-                                   : SafetensorsFile::Parse(codec_blob);
-    if (!file.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("model ", Quote(spec.name), ": codec file: ", file.status().message()));
-    }
-    if (auto v = file->metadata().find("kvcd.codec_version");
-        v != file->metadata().end() && v->second == "3") {
-      auto p = KeyTransformProfile::FromSafetensors(*file, spec.num_layers, spec.num_kv_heads,
-                                                    spec.head_dim);
-      if (!p.ok()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("model ", Quote(spec.name), ": ", p.status().message()));
-      }
-      *transform = std::make_shared<const KeyTransformProfile>(std::move(*p));
-      return std::shared_ptr<const CodecProfile>();
-    }
-    const std::string what = codec_blob.empty() ? "oscar (" + spec.codec_file + ")"
-                                                : std::string("oscar (registered codec)");
-    auto codec = CodecProfile::FromSafetensors(*file, spec.num_layers, spec.head_dim, what);
-    if (!codec.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("model ", Quote(spec.name), ": ", codec.status().message()));
-    }
-    return std::make_shared<const CodecProfile>(std::move(*codec));
-  }
-  if (spec.codec == "identity") {
-    return std::make_shared<const CodecProfile>(
-        CodecProfile::Identity(spec.num_layers, spec.head_dim));
-  }
-  auto hadamard =
-      std::make_shared<CodecProfile>(CodecProfile::Hadamard(spec.num_layers, spec.head_dim));
-  if (spec.codec.empty()) {
-    std::fprintf(stderr,
-                 "kvcd: model '%s': no codec file, INT2 history uses the Hadamard rotation\n",
-                 spec.name.c_str());
-    hadamard->set_description("hadamard (no codec file)");
-  }
-  return std::shared_ptr<const CodecProfile>(std::move(hadamard));
-}
-
-// The FSQ codec of an FSQ model: from the registered codec file bytes, else the configured
-// codec file; it must match the profile (docs/fsq.md).
-absl::StatusOr<std::shared_ptr<const FsqModelCodec>> LoadFsqCodec(const ModelSpec& spec,
-                                                                  const std::string& codec_blob) {
-  if (!spec.is_fsq()) return std::shared_ptr<const FsqModelCodec>();
-  if (codec_blob.empty() && spec.codec_file.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("model '", spec.name,
-                     "': history_format fsq needs its codec: codec_blob (RegisterModel) or "
-                     "codec_file (config), a safetensors file as docs/fsq.md describes"));
-  }
-  auto file = codec_blob.empty() ? SafetensorsFile::Load(spec.codec_file)
-                                 : SafetensorsFile::Parse(codec_blob);
-  if (!file.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("model '", spec.name, "': codec file: ", file.status().message()));
-  }
-  FsqCodecShape shape;
-  shape.num_layers = spec.num_layers;
-  shape.residual_width = spec.fsq_residual_width;
-  shape.latent_width = spec.fsq_latent_width;
-  shape.num_kv_heads = spec.num_kv_heads;
-  shape.head_dim = spec.head_dim;
-  shape.key_norm = spec.key_norm;
-  shape.key_norm_eps = spec.key_norm_eps;
-  auto codec = FsqCodec::FromSafetensors(*file, shape);
-  if (!codec.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("model '", spec.name, "': codec_blob: ", codec.status().message()));
-  }
-  auto m = std::make_shared<FsqModelCodec>();
-  m->codec = std::move(*codec);
-  m->rope.theta = spec.rope_theta;
-  m->rope.rotary_dims = spec.rotary_dims();
-  m->rope.scaling = spec.rope_scaling;
-  m->rope.pairing =
-      spec.rope_interleaved ? kernels::RopePairing::kInterleaved : kernels::RopePairing::kHalf;
-  return std::shared_ptr<const FsqModelCodec>(std::move(m));
-}
-
-}  // namespace
-
 ModelCache::ModelCache(const ModelSpec& spec, Backend* backend, double high, double low,
                        CacheCounters* counters)
     : spec_(spec),
@@ -134,29 +34,25 @@ absl::StatusOr<std::unique_ptr<ModelCache>> ModelCache::Create(
     const std::string& limit_what) {
   std::unique_ptr<ModelCache> cache(
       new ModelCache(spec, backend, high_watermark, low_watermark, counters));
-  KVCD_ASSIGN_OR_RETURN(cache->codec_, LoadCodec(spec, codec_blob, &cache->transform_));
-  KVCD_ASSIGN_OR_RETURN(cache->fsq_, LoadFsqCodec(spec, codec_blob));
-  // The window is BF16 (with each token's code beside it for FSQ models); a history format
-  // of its own gets the rest of the memory.
-  std::vector<FormatId> ids = {spec.is_fsq() ? FormatId::kFsqWindow : FormatId::kBf16};
-  if (spec.history_format != FormatId::kBf16) {
-    ids.push_back(cache->transform_ != nullptr ? FormatId::kInt2Transform : spec.history_format);
-  }
+  // The model's codec and formats come from its history format's factory (the format
+  // registry): the window format first, then the history's when it has its own.
+  KVCD_ASSIGN_OR_RETURN(std::unique_ptr<const ModelCodec> codec, LoadModelCodec(spec, codec_blob));
+  cache->codec_description_ = codec->description();
   const PageGeometry geometry{spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.page_size};
-  auto formats =
-      backend->CreateFormats(ids, geometry, cache->codec_, cache->fsq_, cache->transform_);
+  auto formats = codec->CreateFormats(geometry, backend->kind());
   if (!formats.ok()) {
     return absl::Status(formats.status().code(),
                         absl::StrCat("model ", Quote(spec.name), ": ", formats.status().message()));
   }
-  const bool split = ids.size() > 1;
+  const size_t num_formats = formats->size();
+  const bool split = num_formats > 1;
   const auto window_budget = static_cast<uint64_t>(
       split ? static_cast<double>(spec.memory_bytes) * spec.bf16_fraction : spec.memory_bytes);
   // Sizes first, then the budget check on what the backend will really allocate, then the
   // allocations: a registration that does not fit allocates nothing.
   std::vector<uint64_t> pool_pages;
   uint64_t allocation = 0;
-  for (size_t i = 0; i < ids.size(); ++i) {
+  for (size_t i = 0; i < num_formats; ++i) {
     const PageFormat& format = *(*formats)[i];
     const uint64_t budget = i == 0 ? window_budget : spec.memory_bytes - window_budget;
     const int64_t page_bytes = format.page_bytes();
@@ -184,7 +80,7 @@ absl::StatusOr<std::unique_ptr<ModelCache>> ModelCache::Create(
                                         : " bytes are left under " + limit_what));
   }
   cache->allocated_bytes_ = allocation;
-  for (size_t i = 0; i < ids.size(); ++i) {
+  for (size_t i = 0; i < num_formats; ++i) {
     PageStore store;
     store.format = std::move((*formats)[i]);
     const uint64_t pages = pool_pages[i];
@@ -799,15 +695,7 @@ ModelSnapshot ModelCache::Snapshot() const {
   }
   std::sort(s.tenants.begin(), s.tenants.end(),
             [](const auto& a, const auto& b) { return a.tenant < b.tenant; });
-  s.codec = codec_ ? codec_->description() : std::string(history.name());
-  if (transform_ != nullptr) {
-    s.codec = absl::StrCat("int2-transform (codec file version 3, ", transform_->key_code_bits(),
-                           " key code bits per row)");
-  }
-  if (fsq_ != nullptr) {
-    s.codec = absl::StrCat("fsq G=", fsq_->codec.shape().latent_width,
-                           fsq_->codec.source().empty() ? "" : " (" + fsq_->codec.source() + ")");
-  }
+  s.codec = codec_description_;
   return s;
 }
 

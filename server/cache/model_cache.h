@@ -31,9 +31,9 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "server/backends/backend.h"
-#include "server/cache/model_spec.h"
 #include "server/cache/radix_tree.h"
 #include "server/cache/sequence.h"
+#include "server/formats/model_spec.h"
 #include "server/formats/page_format.h"
 #include "server/formats/page_pool.h"
 
@@ -88,18 +88,15 @@ struct PutResult {
 
 class ModelCache {
  public:
-  // Creates the model's formats on `backend` and allocates their pools (once).
-  // INVALID_ARGUMENT if memory_bytes holds no page or the codec does not load,
-  // UNIMPLEMENTED for a history format the backend cannot store. For int2-oscar, the
-  // rotations come from codec_blob (a codec file's bytes), else spec.codec_file, else
-  // spec.codec ("identity" / "hadamard"), else Hadamard (logged, and reported by
-  // Snapshot().codec); a codec file of version 3 makes the history int2-transform (keys
-  // transform-coded, values INT2 per KV head; INVALID_ARGUMENT naming the tensor when it does
-  // not match the spec's layers, KV heads or head_dim). For fsq, the FSQ codec comes from
-  // codec_blob, else spec.codec_file (required; INVALID_ARGUMENT naming the wrong tensor when it
-  // disagrees with the spec). RESOURCE_EXHAUSTED, before anything is allocated, if the pools would
-  // really take (Backend::PoolAllocationBytes, rounding included) more than allocation_limit bytes;
-  // the message says the limit is `limit_what` (default: the unassigned memory_budget).
+  // Creates the model's formats for `backend` and allocates their pools (once). The codec
+  // and formats come from the factory of spec.history_format (LoadModelCodec in
+  // server/formats/format_registry.h: codec_blob, else spec.codec_file, else what the spec
+  // names): INVALID_ARGUMENT naming the model and codec_blob or codec_file when the codec
+  // does not load or match the spec; INVALID_ARGUMENT if memory_bytes holds no page;
+  // UNIMPLEMENTED for a history format the backend cannot store. RESOURCE_EXHAUSTED, before
+  // anything is allocated, if the pools would really take (Backend::PoolAllocationBytes,
+  // rounding included) more than allocation_limit bytes; the message says the limit is
+  // `limit_what` (default: the unassigned memory_budget).
   static absl::StatusOr<std::unique_ptr<ModelCache>> Create(
       const ModelSpec& spec, Backend* backend, double high_watermark, double low_watermark,
       CacheCounters* counters, const std::string& codec_blob = "",
@@ -328,10 +325,7 @@ class ModelCache {
   const double high_watermark_;
   const double low_watermark_;
   CacheCounters* const counters_;
-  std::shared_ptr<const CodecProfile> codec_;  // null: rows stored as given
-  std::shared_ptr<const FsqModelCodec> fsq_;   // FSQ models only
-  // int2-oscar models registered with a version-3 codec file only (history int2-transform).
-  std::shared_ptr<const KeyTransformProfile> transform_;
+  std::string codec_description_;  // Snapshot().codec (the model's ModelCodec)
   std::vector<PageStore> stores_;
   uint64_t allocated_bytes_ = 0;  // set once by Create
   std::atomic<uint64_t> demoted_pages_{0};

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "server/formats/format_registry.h"
 
 namespace kvcd {
 namespace {
@@ -396,6 +397,13 @@ absl::StatusOr<ServerConfig> LoadConfigFile(const std::string& path) {
   if (!c.ok())
     return absl::Status(c.status().code(), absl::StrCat(path, ": ", c.status().message()));
   return c;
+}
+
+absl::Status CheckModelCodecs(const ServerConfig& c) {
+  for (const ModelSpec& m : c.models) {
+    KVCD_RETURN_IF_ERROR(LoadModelCodec(m, /*codec_blob=*/"").status());
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace kvcd

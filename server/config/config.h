@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "server/cache/model_spec.h"
+#include "server/formats/model_spec.h"
 
 namespace kvcd {
 
@@ -98,6 +98,11 @@ bool IsLoopbackAddress(const std::string& host_port);
 absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text);
 // Reads and parses a file (NOT_FOUND if it cannot be read).
 absl::StatusOr<ServerConfig> LoadConfigFile(const std::string& path);
+
+// Opens and checks every model's codec file (codec_file) as `kvcd serve` does when it
+// registers the model: through its history format's factory (LoadModelCodec). The first
+// error: INVALID_ARGUMENT naming the model and the codec_file.
+absl::Status CheckModelCodecs(const ServerConfig& c);
 
 // Parses "1073741824", "512MiB", "2GiB", "1.5GB" into bytes.
 absl::StatusOr<uint64_t> ParseByteSize(const std::string& s);

@@ -97,6 +97,9 @@ int main(int argc, char** argv) {
   if (cmd == "check-config") {
     if (absl::Status s = kvcd::CheckExposure(config); !s.ok())
       return Fail(std::string(s.message()));
+    if (absl::Status s = kvcd::CheckModelCodecs(config); !s.ok()) {
+      return Fail(std::string(s.message()));
+    }
     if (config.tls.enabled()) {
       if (absl::Status s = kvcd::CheckTlsFiles(config.tls); !s.ok()) {
         return Fail(std::string(s.message()));

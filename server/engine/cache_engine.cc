@@ -17,29 +17,9 @@
 #include "server/backends/device_runtime.h"
 #include "server/engine/request_checks.h"
 #include "server/engine/tensor_checks.h"
+#include "server/formats/format_registry.h"
 
 namespace kvcd {
-namespace {
-
-// The history formats this daemon stores. Anything else (an undefined enum value, or a
-// defined format whose backend is not built yet) is refused rather than served as BF16.
-absl::Status CheckHistoryFormat(int format) {
-  switch (format) {
-    case v1::HISTORY_FORMAT_UNSPECIFIED:
-    case v1::HISTORY_FORMAT_BF16:
-    case v1::HISTORY_FORMAT_INT2_OSCAR:
-    case v1::HISTORY_FORMAT_FSQ:
-      return absl::OkStatus();
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("profile.history_format is ", format,
-                       ", not a known HistoryFormat; expected HISTORY_FORMAT_BF16 (1), "
-                       "HISTORY_FORMAT_INT2_OSCAR (2) or HISTORY_FORMAT_FSQ (3)"));
-  }
-}
-
-}  // namespace
-
 ModelSpec SpecFromProfile(const v1::ModelProfile& p) {
   ModelSpec s;
   s.name = p.name();
@@ -50,9 +30,8 @@ ModelSpec SpecFromProfile(const v1::ModelProfile& p) {
   s.page_size = p.page_size();
   s.sink_tokens = p.sink_tokens();
   s.recent_tokens = p.recent_tokens();
-  s.history_format = p.history_format() == v1::HISTORY_FORMAT_INT2_OSCAR ? FormatId::kInt2Oscar
-                     : p.history_format() == v1::HISTORY_FORMAT_FSQ      ? FormatId::kFsq
-                                                                         : FormatId::kBf16;
+  // The format registry's (an unknown value was refused before: HistoryFormatOfProto).
+  s.history_format = HistoryFormatOfProto(p.history_format()).value_or(FormatId::kBf16);
   s.rope_theta = p.rope().theta() == 0 ? 10000.0 : p.rope().theta();
   s.rope_rotary_dims = p.rope().rotary_dims();
   s.rope_scaling = p.rope().scaling() == 0 ? 1.0 : p.rope().scaling();
@@ -76,9 +55,7 @@ void ProfileFromSpec(const ModelSpec& s, v1::ModelProfile* p) {
   p->set_page_size(s.page_size);
   p->set_sink_tokens(s.sink_tokens);
   p->set_recent_tokens(s.recent_tokens);
-  p->set_history_format(s.history_format == FormatId::kInt2Oscar ? v1::HISTORY_FORMAT_INT2_OSCAR
-                        : s.history_format == FormatId::kFsq     ? v1::HISTORY_FORMAT_FSQ
-                                                                 : v1::HISTORY_FORMAT_BF16);
+  p->set_history_format(static_cast<v1::HistoryFormat>(ProtoOfHistoryFormat(s.history_format)));
   p->mutable_rope()->set_theta(s.rope_theta);
   p->mutable_rope()->set_rotary_dims(s.rope_rotary_dims);
   p->mutable_rope()->set_scaling(s.rope_scaling);
@@ -176,7 +153,7 @@ void CacheEngine::FillModelInfo(const ModelCache& m, v1::ModelInfo* info) const 
 
 absl::Status CacheEngine::RegisterModel(const v1::RegisterModelRequest& req,
                                         v1::RegisterModelResponse* resp) {
-  KVCD_RETURN_IF_ERROR(CheckHistoryFormat(req.profile().history_format()));
+  KVCD_RETURN_IF_ERROR(HistoryFormatOfProto(req.profile().history_format()).status());
   const ModelSpec spec = SpecFromProfile(req.profile());
   if (req.tenant().size() > kMaxSaltBytes) {
     return absl::InvalidArgumentError(absl::StrCat("tenant has ", req.tenant().size(),

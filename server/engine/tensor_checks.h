@@ -10,9 +10,9 @@
 
 #include "absl/status/status.h"
 #include "kvcd/v1/kvcache.pb.h"
-#include "server/cache/model_spec.h"
 #include "server/cache/sequence.h"
 #include "server/dataplane/tensor_resolver.h"
+#include "server/formats/model_spec.h"
 
 namespace kvcd {
 

@@ -7,14 +7,12 @@
 
 namespace kvcd {
 
-absl::Status CpuPageFormat::EncodeRequestPages(const RowSource& k, const RowSource& v,
-                                               int64_t first_token, absl::Span<const int32_t> pages,
-                                               const PagePool& pool,
-                                               const EncodeRows& encode) const {
+absl::Status EncodeRequestPages(const PageGeometry& g, const RowSource& k, const RowSource& v,
+                                int64_t first_token, absl::Span<const int32_t> pages,
+                                const PagePool& pool, const EncodeRows& encode) {
   if (k.on_device || v.on_device) {
     return absl::FailedPreconditionError("the CPU backend cannot read device rows");
   }
-  const PageGeometry& g = geometry();
   const int32_t ps = g.page_size, d = g.head_dim;
   std::vector<float> rows(static_cast<size_t>(ps) * d);
   for (size_t i = 0; i < pages.size(); ++i) {
@@ -35,11 +33,9 @@ absl::Status CpuPageFormat::EncodeRequestPages(const RowSource& k, const RowSour
   return absl::OkStatus();
 }
 
-void CpuPageFormat::EncodeWindowPages(const PagePool& window_pool,
-                                      absl::Span<const int32_t> src_pages, const PagePool& pool,
-                                      absl::Span<const int32_t> dst_pages,
-                                      const EncodeRows& encode) const {
-  const PageGeometry& g = geometry();
+void EncodeWindowPages(const PageGeometry& g, const PagePool& window_pool,
+                       absl::Span<const int32_t> src_pages, const PagePool& pool,
+                       absl::Span<const int32_t> dst_pages, const EncodeRows& encode) {
   const int32_t ps = g.page_size, d = g.head_dim;
   std::vector<float> rows(static_cast<size_t>(ps) * d);
   for (size_t i = 0; i < src_pages.size(); ++i) {

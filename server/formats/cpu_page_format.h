@@ -1,6 +1,7 @@
 // CpuPageFormat: what a format adds to run on the CPU backend (pools in host memory): its
-// attention kernel. The CPU backend creates only CpuPageFormats, so its attention can call
-// them for the segments of their pages.
+// attention kernel. A format's CPU implementation is CpuFormat<its base class>: the base
+// (layout, checks, row expansion) plus this; the CPU backend reaches it as
+// PageFormat::cpu().
 #pragma once
 
 #include <functional>
@@ -9,24 +10,9 @@
 
 namespace kvcd {
 
-class CpuPageFormat : public PageFormat {
+class CpuPageFormat {
  public:
-  using PageFormat::PageFormat;
-
-  // Stores one page's page_size rows [page_size][head_dim] of (layer, KV head, K or V) into
-  // the layer page `page` (what a quantizing history format does per row block).
-  using EncodeRows =
-      std::function<void(int32_t layer, uint8_t* page, int32_t head, int which, float* rows)>;
-  // WritePages of a quantizing history format: every (page, layer, head, K/V) block of
-  // request rows as float (checked as RowSource says), then `encode`.
-  absl::Status EncodeRequestPages(const RowSource& k, const RowSource& v, int64_t first_token,
-                                  absl::Span<const int32_t> pages, const PagePool& pool,
-                                  const EncodeRows& encode) const;
-  // Demote of a quantizing history format: the BF16 window pages' rows (as the window
-  // stores them) as float, then `encode`.
-  void EncodeWindowPages(const PagePool& window_pool, absl::Span<const int32_t> src_pages,
-                         const PagePool& pool, absl::Span<const int32_t> dst_pages,
-                         const EncodeRows& encode) const;
+  virtual ~CpuPageFormat() = default;
 
   // Attention of the `group` rotated queries of KV head kv_head over tokens [begin, end)
   // of the pages (token t in page_ids[t / page_size], at absolute position
@@ -37,5 +23,28 @@ class CpuPageFormat : public PageFormat {
                       float softmax_scale, int64_t begin, int64_t end, float* o,
                       float* lse) const = 0;
 };
+
+// The CPU implementation of the format whose backend-independent base class is `Base`.
+template <class Base>
+class CpuFormat : public Base, public CpuPageFormat {
+ public:
+  using Base::Base;
+  const CpuPageFormat* cpu() const final { return this; }
+};
+
+// Stores one page's page_size rows [page_size][head_dim] of (layer, KV head, K or V) into
+// the layer page `page` (what a quantizing history format does per row block).
+using EncodeRows =
+    std::function<void(int32_t layer, uint8_t* page, int32_t head, int which, float* rows)>;
+// WritePages of a quantizing history format on the CPU: every (page, layer, head, K/V)
+// block of request rows as float (checked as RowSource says), then `encode`.
+absl::Status EncodeRequestPages(const PageGeometry& g, const RowSource& k, const RowSource& v,
+                                int64_t first_token, absl::Span<const int32_t> pages,
+                                const PagePool& pool, const EncodeRows& encode);
+// Demote of a quantizing history format on the CPU: the BF16 window pages' rows (as the
+// window stores them) as float, then `encode`.
+void EncodeWindowPages(const PageGeometry& g, const PagePool& window_pool,
+                       absl::Span<const int32_t> src_pages, const PagePool& pool,
+                       absl::Span<const int32_t> dst_pages, const EncodeRows& encode);
 
 }  // namespace kvcd

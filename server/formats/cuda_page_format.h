@@ -1,10 +1,11 @@
 // CudaPageFormat: what a format adds to run on the CUDA backend (pools in device memory):
-// its decode-attention launch over the model's device rotations. The CUDA backend creates
-// only CudaPageFormats, so its attention can launch them for the pages of their pools.
-// CUDA builds only.
+// its decode-attention launch over the model's device rotations. A format's CUDA
+// implementation is CudaFormat<its base class>: the base (layout, host checks, row
+// expansion) plus this; the CUDA backend reaches it as PageFormat::cuda(). CUDA builds only.
 #pragma once
 
 #include <memory>
+#include <utility>
 
 #include "kvcd/kernels/cuda_decode_attention.h"
 #include "server/formats/cuda_codec.h"
@@ -12,11 +13,11 @@
 
 namespace kvcd {
 
-class CudaPageFormat : public PageFormat {
+class CudaPageFormat {
  public:
-  CudaPageFormat(FormatId id, const PageGeometry& g, std::shared_ptr<const CodecProfile> rotation,
-                 std::shared_ptr<const CudaCodec> device_codec)
-      : PageFormat(id, g, std::move(rotation)), device_codec_(std::move(device_codec)) {}
+  explicit CudaPageFormat(std::shared_ptr<const CudaCodec> device_codec)
+      : device_codec_(std::move(device_codec)) {}
+  virtual ~CudaPageFormat() = default;
 
   // The model's rotations in device memory; null when rows are stored as given.
   const CudaCodec* device_codec() const { return device_codec_.get(); }
@@ -69,6 +70,17 @@ class CudaPageFormat : public PageFormat {
 
  private:
   const std::shared_ptr<const CudaCodec> device_codec_;
+};
+
+// The CUDA implementation of the format whose backend-independent base class is `Base`:
+// constructed from the model's device rotations (null: none) and Base's arguments.
+template <class Base>
+class CudaFormat : public Base, public CudaPageFormat {
+ public:
+  template <class... Args>
+  explicit CudaFormat(std::shared_ptr<const CudaCodec> device_codec, Args&&... args)
+      : Base(std::forward<Args>(args)...), CudaPageFormat(std::move(device_codec)) {}
+  const CudaPageFormat* cuda() const final { return this; }
 };
 
 }  // namespace kvcd

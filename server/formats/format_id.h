@@ -1,8 +1,9 @@
 // FormatId: the one spelling of a page format inside the daemon. Its names ("bf16",
-// "int2-oscar", "int2-transform", "fsq", "bf16+fsq") are what configs, the API's page descriptions
-// and metrics use.
+// "int2-oscar", "int2-transform", "fsq", "bf16+fsq"), API ids and config names are the
+// format registry's (format_registry.h), which defines the functions below.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "absl/status/status.h"
@@ -23,7 +24,8 @@ enum class FormatId : int32_t {
 
 const char* FormatName(FormatId id);
 
-// Parses a format name; INVALID_ARGUMENT naming `field` and the accepted names otherwise.
+// Parses a history format name a config may give; INVALID_ARGUMENT naming `field` and the
+// accepted names otherwise.
 absl::Status ParseFormatName(const std::string& name, const char* field, FormatId* out);
 
 }  // namespace kvcd

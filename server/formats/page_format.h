@@ -1,5 +1,7 @@
 // PageFormat: one way of storing K/V in pages — its layout and every operation the cache
-// core needs on it — implemented once per format and backend (formats/<format>/). The core
+// core needs on it. Each format (formats/<format>/) has one backend-independent base class
+// derived from PageFormat (layout, host checks, row expansion) and one subclass per backend
+// (CpuFormat<Base> / CudaFormat<Base>: its writes and attention kernels). The core
 // (cache/model_cache) never asks which format a page has: it holds one PageFormat per pool
 // and calls it.
 //
@@ -28,6 +30,9 @@
 #include "server/formats/page_pool.h"
 
 namespace kvcd {
+
+class CpuPageFormat;
+class CudaPageFormat;
 
 struct PageGeometry {
   int32_t num_layers = 0;
@@ -149,6 +154,11 @@ class PageFormat {
   virtual void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which,
                           int64_t page_first_token, int32_t slot, int32_t count,
                           float* out) const = 0;
+
+  // The backend part of a format built for that backend (its attention kernels); null on
+  // the others (cpu_page_format.h, cuda_page_format.h).
+  virtual const CpuPageFormat* cpu() const { return nullptr; }
+  virtual const CudaPageFormat* cuda() const { return nullptr; }
 
  protected:
   // Un-rotates rows in place (x = y · R^T) when the format has a rotation.

@@ -33,9 +33,9 @@
 
 #include "common/decode_channel_layout.h"
 #include "server/backends/backend.h"
-#include "server/cache/model_spec.h"
 #include "server/dataplane/decode_channels.h"
 #include "server/engine/cache_engine.h"
+#include "server/formats/model_spec.h"
 
 namespace kvcd {
 namespace {

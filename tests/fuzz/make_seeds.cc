@@ -16,8 +16,8 @@
 #include "common/safetensors.h"
 #include "common/tensor_ref.h"
 #include "server/backends/backend.h"
-#include "server/cache/model_spec.h"
 #include "server/engine/cache_engine.h"
+#include "server/formats/model_spec.h"
 
 namespace kvcd {
 namespace {

@@ -39,8 +39,8 @@
 #include "google/protobuf/message.h"
 #include "google/protobuf/reflection.h"
 #include "server/backends/backend.h"
-#include "server/cache/model_spec.h"
 #include "server/engine/cache_engine.h"
+#include "server/formats/model_spec.h"
 
 extern "C" size_t LLVMFuzzerMutate(uint8_t* data, size_t size, size_t max_size);
 

@@ -45,22 +45,26 @@ void Bf16Format::ReadRows(const uint8_t* layer_page, int32_t head, int which, in
       int64_t{count} * g_.head_dim);
 }
 
+absl::Status Bf16PageFormat::WritePages(const RowSource& k, const RowSource& v, int64_t first_token,
+                                        absl::Span<const int32_t> pages,
+                                        const PagePool& pool) const {
+  const std::vector<RowSlot> rows = PageRowSlots(first_token, pages, geometry().page_size);
+  return WriteRows(k, v, rows, -1, pool);
+}
+
+void Bf16PageFormat::ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which,
+                                int64_t /*page_first_token*/, int32_t slot, int32_t count,
+                                float* out) const {
+  layout_.ReadRows(layer_page, head, which, slot, count, out);
+  Unrotate(layer, which, count, out);
+}
+
 namespace {
 
 // BF16 pages in host memory; attention by kernels::AttendBf16Pages.
-class Bf16CpuFormat final : public CpuPageFormat {
+class Bf16CpuFormat final : public CpuFormat<Bf16PageFormat> {
  public:
-  Bf16CpuFormat(const PageGeometry& g, std::shared_ptr<const CodecProfile> rotation)
-      : CpuPageFormat(FormatId::kBf16, g, std::move(rotation)), layout_(g) {}
-
-  int64_t layer_page_bytes() const override { return layout_.layer_page_bytes(); }
-  double bits_per_element() const override { return 16.0; }
-
-  absl::Status WritePages(const RowSource& k, const RowSource& v, int64_t first_token,
-                          absl::Span<const int32_t> pages, const PagePool& pool) const override {
-    const std::vector<RowSlot> rows = PageRowSlots(first_token, pages, geometry().page_size);
-    return WriteRows(k, v, rows, -1, pool);
-  }
+  using CpuFormat::CpuFormat;
 
   absl::Status WriteRows(const RowSource& k, const RowSource& v, absl::Span<const RowSlot> rows,
                          int32_t layer, const PagePool& pool) const override {
@@ -83,7 +87,7 @@ class Bf16CpuFormat final : public CpuPageFormat {
         for (int which = 0; which < 2; ++which) {
           const RowSource& src = which == 0 ? k : v;
           for (int32_t h = 0; h < g.num_kv_heads; ++h) {
-            auto* dst = reinterpret_cast<uint16_t*>(page + layout_.RowOffset(which, h, r.slot));
+            auto* dst = reinterpret_cast<uint16_t*>(page + layout().RowOffset(which, h, r.slot));
             if (rot != nullptr) {
               KVCD_RETURN_IF_ERROR(src.RowAsFloat(src_layer, r.src_token, h, d, f));
               kernels::RotateRows(f, 1, d, which == 0 ? rot->RK(l) : rot->RV(l), rotated);
@@ -96,18 +100,6 @@ class Bf16CpuFormat final : public CpuPageFormat {
       }
     }
     return absl::OkStatus();
-  }
-
-  absl::Status CheckPages(const uint8_t* src, int64_t num_pages,
-                          int64_t first_index) const override {
-    return layout_.CheckPages(src, num_pages, first_index);
-  }
-
-  void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which,
-                  int64_t /*page_first_token*/, int32_t slot, int32_t count,
-                  float* out) const override {
-    layout_.ReadRows(layer_page, head, which, slot, count, out);
-    Unrotate(layer, which, count, out);
   }
 
   void Attend(const PagePool& pool, int32_t layer, absl::Span<const int32_t> page_ids,
@@ -125,15 +117,12 @@ class Bf16CpuFormat final : public CpuPageFormat {
     kv.head_dim = g.head_dim;
     kernels::AttendBf16Pages(kv, kv_head, q_rot, group, softmax_scale, begin, end, o, lse);
   }
-
- private:
-  const Bf16Format layout_;
 };
 
 }  // namespace
 
-std::unique_ptr<CpuPageFormat> MakeBf16CpuFormat(const PageGeometry& geometry,
-                                                 std::shared_ptr<const CodecProfile> rotation) {
+std::unique_ptr<PageFormat> MakeBf16CpuFormat(const PageGeometry& geometry,
+                                              std::shared_ptr<const CodecProfile> rotation) {
   return std::make_unique<Bf16CpuFormat>(geometry, std::move(rotation));
 }
 

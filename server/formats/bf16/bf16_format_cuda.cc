@@ -1,4 +1,5 @@
-// BF16 pages in device memory: rows stored by the paged BF16 row store, attention by the
+// BF16 pages in device memory (layout, checks and expansion: Bf16PageFormat): rows stored by
+// the paged BF16 row store, attention by the
 // split tensor-core BF16 kernel of kernels/cuda (cuda_bf16_split_attention.h), or the first
 // BF16 kernel (one warp per token) with KVCD_BF16_KERNEL=warp, kept for comparison.
 #include "server/formats/bf16/bf16_format_cuda.h"
@@ -27,22 +28,11 @@ kc::Bf16Kernel Bf16KernelFromEnv() {
   return kc::Bf16Kernel::kSplit;
 }
 
-class Bf16CudaFormat final : public CudaPageFormat {
+class Bf16CudaFormat final : public CudaFormat<Bf16PageFormat> {
  public:
   Bf16CudaFormat(const PageGeometry& g, std::shared_ptr<const CodecProfile> rotation,
                  std::shared_ptr<const CudaCodec> device_codec)
-      : CudaPageFormat(FormatId::kBf16, g, std::move(rotation), std::move(device_codec)),
-        layout_(g),
-        kernel_(Bf16KernelFromEnv()) {}
-
-  int64_t layer_page_bytes() const override { return layout_.layer_page_bytes(); }
-  double bits_per_element() const override { return 16.0; }
-
-  absl::Status WritePages(const RowSource& k, const RowSource& v, int64_t first_token,
-                          absl::Span<const int32_t> pages, const PagePool& pool) const override {
-    const std::vector<RowSlot> rows = PageRowSlots(first_token, pages, geometry().page_size);
-    return WriteRows(k, v, rows, -1, pool);
-  }
+      : CudaFormat(std::move(device_codec), g, std::move(rotation)), kernel_(Bf16KernelFromEnv()) {}
 
   absl::Status WriteRows(const RowSource& k, const RowSource& v, absl::Span<const RowSlot> rows,
                          int32_t layer, const PagePool& pool) const override {
@@ -56,24 +46,12 @@ class Bf16CudaFormat final : public CudaPageFormat {
     return FinishRowStore(k, v, a, &scratch_);
   }
 
-  absl::Status CheckPages(const uint8_t* src, int64_t num_pages,
-                          int64_t first_index) const override {
-    return layout_.CheckPages(src, num_pages, first_index);
-  }
-
   absl::Status CheckDevicePages(const uint8_t* src, int64_t num_pages,
                                 int64_t first_index) const override {
     std::lock_guard<std::mutex> lock(scratch_.mu);
     return CheckDevicePageRegions(src, num_pages, geometry().num_layers, layer_page_bytes(), 0,
                                   layer_page_bytes(), kc::kCheckBf16Finite, 0, first_index,
                                   "non-finite BF16 value(s)", &scratch_);
-  }
-
-  void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which,
-                  int64_t /*page_first_token*/, int32_t slot, int32_t count,
-                  float* out) const override {
-    layout_.ReadRows(layer_page, head, which, slot, count, out);
-    Unrotate(layer, which, count, out);
   }
 
   int AttendSplits(const kc::DecodeGeometry& geo, int max_tokens, int num_sms) const override {
@@ -91,16 +69,15 @@ class Bf16CudaFormat final : public CudaPageFormat {
   }
 
  private:
-  const Bf16Format layout_;
   const kc::Bf16Kernel kernel_;
   mutable RowStoreScratch scratch_;
 };
 
 }  // namespace
 
-std::unique_ptr<CudaPageFormat> MakeBf16CudaFormat(const PageGeometry& geometry,
-                                                   std::shared_ptr<const CodecProfile> rotation,
-                                                   std::shared_ptr<const CudaCodec> device_codec) {
+std::unique_ptr<PageFormat> MakeBf16CudaFormat(const PageGeometry& geometry,
+                                               std::shared_ptr<const CodecProfile> rotation,
+                                               std::shared_ptr<const CudaCodec> device_codec) {
   return std::make_unique<Bf16CudaFormat>(geometry, std::move(rotation), std::move(device_codec));
 }
 

@@ -7,8 +7,8 @@
 
 namespace kvcd {
 
-std::unique_ptr<CudaPageFormat> MakeBf16CudaFormat(const PageGeometry& geometry,
-                                                   std::shared_ptr<const CodecProfile> rotation,
-                                                   std::shared_ptr<const CudaCodec> device_codec);
+std::unique_ptr<PageFormat> MakeBf16CudaFormat(const PageGeometry& geometry,
+                                               std::shared_ptr<const CodecProfile> rotation,
+                                               std::shared_ptr<const CudaCodec> device_codec);
 
 }  // namespace kvcd

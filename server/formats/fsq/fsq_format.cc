@@ -74,6 +74,24 @@ void FsqLayout::ExpandCodes(const FsqModelCodec& m, const uint8_t* codes, int32_
   }
 }
 
+FsqPageFormat::FsqPageFormat(const PageGeometry& g, std::shared_ptr<const FsqModelCodec> m)
+    : PageFormat(FormatId::kFsq, g, nullptr),
+      m_(std::move(m)),
+      layout_(g, m_->codec.shape().latent_width) {}
+
+absl::Status FsqPageFormat::WritePages(const RowSource&, const RowSource&, int64_t,
+                                       absl::Span<const int32_t>, const PagePool&) const {
+  return absl::UnimplementedError(
+      "fsq history pages hold codes only: they are written from residuals (WriteCodes)");
+}
+
+FsqWindowPageFormat::FsqWindowPageFormat(const PageGeometry& g,
+                                         std::shared_ptr<const FsqModelCodec> m)
+    : PageFormat(FormatId::kFsqWindow, g, nullptr),
+      m_(std::move(m)),
+      layout_(g, m_->codec.shape().latent_width),
+      kv_(g) {}
+
 namespace {
 
 // Encodes rows of x into the code rows at `codes_offset` of each layer page.
@@ -113,54 +131,29 @@ absl::Status EncodeInto(const FsqModelCodec& m, const PageGeometry& g, const Fsq
 }
 
 // FSQ history pages in host memory: codes only.
-class FsqCpuFormat final : public CpuPageFormat {
+class FsqCpuFormat final : public CpuFormat<FsqPageFormat> {
  public:
-  FsqCpuFormat(const PageGeometry& g, std::shared_ptr<const FsqModelCodec> m)
-      : CpuPageFormat(FormatId::kFsq, g, nullptr),
-        m_(std::move(m)),
-        layout_(g, m_->codec.shape().latent_width) {}
-
-  int64_t layer_page_bytes() const override { return layout_.codes_bytes(); }
-  double bits_per_element() const override { return layout_.history_bits_per_element(); }
-  bool stores_kv() const override { return false; }
-  bool needs_residuals() const override { return true; }
-
-  absl::Status WritePages(const RowSource&, const RowSource&, int64_t, absl::Span<const int32_t>,
-                          const PagePool&) const override {
-    return absl::UnimplementedError(
-        "fsq history pages hold codes only: they are written from residuals (WriteCodes)");
-  }
+  using CpuFormat::CpuFormat;
 
   absl::Status WriteCodes(const RowSource& x, absl::Span<const RowSlot> rows, int32_t layer,
                           const PagePool& pool) const override {
-    return EncodeInto(*m_, geometry(), layout_, 0, x, rows, layer, pool);
+    return EncodeInto(*model(), geometry(), layout(), 0, x, rows, layer, pool);
   }
 
   // The codes were computed when the tokens arrived; demotion copies them.
   absl::Status Demote(const PagePool& window_pool, absl::Span<const int32_t> src_pages,
                       const PagePool& pool, absl::Span<const int32_t> dst_pages) const override {
-    if (window_pool.layer_page_bytes() != layout_.window_kv_bytes() + layout_.codes_bytes()) {
+    if (window_pool.layer_page_bytes() != layout().window_kv_bytes() + layout().codes_bytes()) {
       return absl::InternalError("fsq pages demote only from bf16+fsq window pages");
     }
     for (size_t i = 0; i < src_pages.size(); ++i) {
       for (int32_t l = 0; l < geometry().num_layers; ++l) {
         std::memcpy(pool.PagePtr(l, dst_pages[i]),
-                    window_pool.PagePtr(l, src_pages[i]) + layout_.window_kv_bytes(),
-                    static_cast<size_t>(layout_.codes_bytes()));
+                    window_pool.PagePtr(l, src_pages[i]) + layout().window_kv_bytes(),
+                    static_cast<size_t>(layout().codes_bytes()));
       }
     }
     return absl::OkStatus();
-  }
-
-  absl::Status CheckPages(const uint8_t* src, int64_t num_pages,
-                          int64_t first_index) const override {
-    return layout_.CheckCodes(src, num_pages, first_index, layer_page_bytes(), 0);
-  }
-
-  void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which,
-                  int64_t page_first_token, int32_t slot, int32_t count,
-                  float* out) const override {
-    layout_.ExpandCodes(*m_, layer_page, layer, head, which, page_first_token, slot, count, out);
   }
 
   void Attend(const PagePool& pool, int32_t layer, absl::Span<const int32_t> page_ids,
@@ -174,27 +167,15 @@ class FsqCpuFormat final : public CpuPageFormat {
     t.num_pages = static_cast<int32_t>(page_ids.size());
     t.page_size = geometry().page_size;
     t.first_position = first_position;
-    kernels::AttendFsqPages(t, m_->codec.Layer(layer), m_->rope, kv_head, q_rot, group,
+    kernels::AttendFsqPages(t, model()->codec.Layer(layer), model()->rope, kv_head, q_rot, group,
                             softmax_scale, begin, end, o, lse);
   }
-
- private:
-  const std::shared_ptr<const FsqModelCodec> m_;
-  const FsqLayout layout_;
 };
 
 // The BF16 windows of an FSQ model: the bf16 format's K/V, then each token's code.
-class FsqWindowCpuFormat final : public CpuPageFormat {
+class FsqWindowCpuFormat final : public CpuFormat<FsqWindowPageFormat> {
  public:
-  FsqWindowCpuFormat(const PageGeometry& g, std::shared_ptr<const FsqModelCodec> m)
-      : CpuPageFormat(FormatId::kFsqWindow, g, nullptr),
-        m_(std::move(m)),
-        layout_(g, m_->codec.shape().latent_width),
-        kv_(MakeBf16CpuFormat(g, nullptr)) {}
-
-  int64_t layer_page_bytes() const override { return layout_.window_page_bytes(); }
-  double bits_per_element() const override { return layout_.window_bits_per_element(); }
-  bool needs_residuals() const override { return true; }
+  using CpuFormat::CpuFormat;
 
   // The bf16 format addresses pages through the pool (PagePtr, layer_page_bytes), so it
   // writes and reads the K/V part of these larger pages unchanged.
@@ -208,43 +189,31 @@ class FsqWindowCpuFormat final : public CpuPageFormat {
   }
   absl::Status WriteCodes(const RowSource& x, absl::Span<const RowSlot> rows, int32_t layer,
                           const PagePool& pool) const override {
-    return EncodeInto(*m_, geometry(), layout_, layout_.window_kv_bytes(), x, rows, layer, pool);
-  }
-
-  absl::Status CheckPages(const uint8_t* src, int64_t num_pages,
-                          int64_t first_index) const override {
-    return layout_.CheckWindowPages(src, num_pages, first_index);
-  }
-
-  void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which,
-                  int64_t page_first_token, int32_t slot, int32_t count,
-                  float* out) const override {
-    kv_->ExpandRows(layer_page, layer, head, which, page_first_token, slot, count, out);
+    return EncodeInto(*model(), geometry(), layout(), layout().window_kv_bytes(), x, rows, layer,
+                      pool);
   }
 
   void Attend(const PagePool& pool, int32_t layer, absl::Span<const int32_t> page_ids,
               int64_t first_position, int32_t kv_head, const float* q_rot, int group,
               float softmax_scale, int64_t begin, int64_t end, float* o,
               float* lse) const override {
-    kv_->Attend(pool, layer, page_ids, first_position, kv_head, q_rot, group, softmax_scale, begin,
-                end, o, lse);
+    kv_->cpu()->Attend(pool, layer, page_ids, first_position, kv_head, q_rot, group, softmax_scale,
+                       begin, end, o, lse);
   }
 
  private:
-  const std::shared_ptr<const FsqModelCodec> m_;
-  const FsqLayout layout_;
-  const std::unique_ptr<CpuPageFormat> kv_;
+  const std::unique_ptr<PageFormat> kv_ = MakeBf16CpuFormat(geometry(), nullptr);
 };
 
 }  // namespace
 
-std::unique_ptr<CpuPageFormat> MakeFsqCpuFormat(const PageGeometry& geometry,
-                                                std::shared_ptr<const FsqModelCodec> codec) {
+std::unique_ptr<PageFormat> MakeFsqCpuFormat(const PageGeometry& geometry,
+                                             std::shared_ptr<const FsqModelCodec> codec) {
   return std::make_unique<FsqCpuFormat>(geometry, std::move(codec));
 }
 
-std::unique_ptr<CpuPageFormat> MakeFsqWindowCpuFormat(const PageGeometry& geometry,
-                                                      std::shared_ptr<const FsqModelCodec> codec) {
+std::unique_ptr<PageFormat> MakeFsqWindowCpuFormat(const PageGeometry& geometry,
+                                                   std::shared_ptr<const FsqModelCodec> codec) {
   return std::make_unique<FsqWindowCpuFormat>(geometry, std::move(codec));
 }
 

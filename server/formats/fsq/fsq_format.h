@@ -20,6 +20,7 @@
 
 #include "common/fsq_codec.h"
 #include "kvcd/kernels/fsq.h"
+#include "server/formats/bf16/bf16_format.h"
 #include "server/formats/cpu_page_format.h"
 
 namespace kvcd {
@@ -30,7 +31,7 @@ struct FsqModelCodec {
   kernels::RopeSpec rope;
 };
 
-// The layouts, host-side checks and reads, shared by the backends' implementations.
+// The layouts, host-side checks and reads.
 class FsqLayout {
  public:
   FsqLayout(const PageGeometry& g, int latent_width);
@@ -64,10 +65,70 @@ class FsqLayout {
   int64_t window_kv_bytes_;
 };
 
+// fsq history pages on any backend (codes only, written from residuals: WriteCodes): layout,
+// host check, expansion (keys and values rebuilt from the codes).
 // REQUIRES: codec matches geometry (layers, heads, head_dim); no rotation for FSQ models.
-std::unique_ptr<CpuPageFormat> MakeFsqCpuFormat(const PageGeometry& geometry,
-                                                std::shared_ptr<const FsqModelCodec> codec);
-std::unique_ptr<CpuPageFormat> MakeFsqWindowCpuFormat(const PageGeometry& geometry,
-                                                      std::shared_ptr<const FsqModelCodec> codec);
+class FsqPageFormat : public PageFormat {
+ public:
+  FsqPageFormat(const PageGeometry& g, std::shared_ptr<const FsqModelCodec> m);
+
+  int64_t layer_page_bytes() const override { return layout_.codes_bytes(); }
+  double bits_per_element() const override { return layout_.history_bits_per_element(); }
+  bool stores_kv() const override { return false; }
+  bool needs_residuals() const override { return true; }
+  absl::Status WritePages(const RowSource& k, const RowSource& v, int64_t first_token,
+                          absl::Span<const int32_t> pages, const PagePool& pool) const override;
+  absl::Status CheckPages(const uint8_t* src, int64_t num_pages,
+                          int64_t first_index) const override {
+    return layout_.CheckCodes(src, num_pages, first_index, layer_page_bytes(), 0);
+  }
+  void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which,
+                  int64_t page_first_token, int32_t slot, int32_t count,
+                  float* out) const override {
+    layout_.ExpandCodes(*m_, layer_page, layer, head, which, page_first_token, slot, count, out);
+  }
+
+ protected:
+  const std::shared_ptr<const FsqModelCodec>& model() const { return m_; }
+  const FsqLayout& layout() const { return layout_; }
+
+ private:
+  const std::shared_ptr<const FsqModelCodec> m_;
+  const FsqLayout layout_;
+};
+
+// bf16+fsq window pages on any backend (BF16 K/V as given, then the code rows): layout, host
+// check, expansion (the BF16 rows).
+class FsqWindowPageFormat : public PageFormat {
+ public:
+  FsqWindowPageFormat(const PageGeometry& g, std::shared_ptr<const FsqModelCodec> m);
+
+  int64_t layer_page_bytes() const override { return layout_.window_page_bytes(); }
+  double bits_per_element() const override { return layout_.window_bits_per_element(); }
+  bool needs_residuals() const override { return true; }
+  absl::Status CheckPages(const uint8_t* src, int64_t num_pages,
+                          int64_t first_index) const override {
+    return layout_.CheckWindowPages(src, num_pages, first_index);
+  }
+  void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which,
+                  int64_t page_first_token, int32_t slot, int32_t count,
+                  float* out) const override {
+    kv_.ReadRows(layer_page, head, which, slot, count, out);
+  }
+
+ protected:
+  const std::shared_ptr<const FsqModelCodec>& model() const { return m_; }
+  const FsqLayout& layout() const { return layout_; }
+
+ private:
+  const std::shared_ptr<const FsqModelCodec> m_;
+  const FsqLayout layout_;
+  const Bf16Format kv_;
+};
+
+std::unique_ptr<PageFormat> MakeFsqCpuFormat(const PageGeometry& geometry,
+                                             std::shared_ptr<const FsqModelCodec> codec);
+std::unique_ptr<PageFormat> MakeFsqWindowCpuFormat(const PageGeometry& geometry,
+                                                   std::shared_ptr<const FsqModelCodec> codec);
 
 }  // namespace kvcd

@@ -1,5 +1,6 @@
 // FSQ pages in device memory (fsq_format_cuda.h). The layouts, the host checks and the
-// host-side expansion are FsqLayout's, shared with the CPU implementation.
+// host-side expansion are FsqPageFormat's / FsqWindowPageFormat's, shared with the CPU
+// implementation.
 #include "server/formats/fsq/fsq_format_cuda.h"
 
 #include <algorithm>
@@ -121,22 +122,11 @@ class DeviceCodes {
 };
 
 // FSQ history pages in device memory: codes only.
-class FsqCudaFormat final : public CudaPageFormat {
+class FsqCudaFormat final : public CudaFormat<FsqPageFormat> {
  public:
   FsqCudaFormat(const PageGeometry& g, std::shared_ptr<const FsqModelCodec> m,
                 std::shared_ptr<const FsqDeviceCodec> dev)
-      : CudaPageFormat(FormatId::kFsq, g, nullptr, nullptr), codes_(g, std::move(m), dev, 0) {}
-
-  int64_t layer_page_bytes() const override { return codes_.layout().codes_bytes(); }
-  double bits_per_element() const override { return codes_.layout().history_bits_per_element(); }
-  bool stores_kv() const override { return false; }
-  bool needs_residuals() const override { return true; }
-
-  absl::Status WritePages(const RowSource&, const RowSource&, int64_t, absl::Span<const int32_t>,
-                          const PagePool&) const override {
-    return absl::UnimplementedError(
-        "fsq history pages hold codes only: they are written from residuals (WriteCodes)");
-  }
+      : CudaFormat(nullptr, g, m), codes_(g, std::move(m), std::move(dev), 0) {}
 
   absl::Status WriteCodes(const RowSource& x, absl::Span<const RowSlot> rows, int32_t layer,
                           const PagePool& pool) const override {
@@ -147,8 +137,7 @@ class FsqCudaFormat final : public CudaPageFormat {
   // a page in one strided copy on the daemon's stream.
   absl::Status Demote(const PagePool& window_pool, absl::Span<const int32_t> src_pages,
                       const PagePool& pool, absl::Span<const int32_t> dst_pages) const override {
-    const FsqLayout& layout = codes_.layout();
-    if (window_pool.layer_page_bytes() != layout.window_page_bytes()) {
+    if (window_pool.layer_page_bytes() != layout().window_page_bytes()) {
       return absl::InternalError("fsq pages demote only from bf16+fsq window pages");
     }
     const auto src_pitch =
@@ -157,29 +146,17 @@ class FsqCudaFormat final : public CudaPageFormat {
     for (size_t i = 0; i < src_pages.size(); ++i) {
       KVCD_RETURN_IF_ERROR(
           CudaStatus(kc::Copy2D(pool.PagePtr(0, dst_pages[i]), dst_pitch,
-                                window_pool.PagePtr(0, src_pages[i]) + layout.window_kv_bytes(),
-                                src_pitch, static_cast<size_t>(layout.codes_bytes()),
+                                window_pool.PagePtr(0, src_pages[i]) + layout().window_kv_bytes(),
+                                src_pitch, static_cast<size_t>(layout().codes_bytes()),
                                 static_cast<size_t>(geometry().num_layers)),
                      "FSQ demotion"));
     }
     return absl::OkStatus();
   }
 
-  absl::Status CheckPages(const uint8_t* src, int64_t num_pages,
-                          int64_t first_index) const override {
-    return codes_.layout().CheckCodes(src, num_pages, first_index, layer_page_bytes(), 0);
-  }
-
   absl::Status CheckDevicePages(const uint8_t* src, int64_t num_pages,
                                 int64_t first_index) const override {
     return codes_.Check(src, num_pages, first_index, layer_page_bytes());
-  }
-
-  void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which,
-                  int64_t page_first_token, int32_t slot, int32_t count,
-                  float* out) const override {
-    codes_.layout().ExpandCodes(codes_.model(), layer_page, layer, head, which, page_first_token,
-                                slot, count, out);
   }
 
   // One value-space part per row: the kernel merges its own splits (W_v applied once).
@@ -217,17 +194,13 @@ class FsqCudaFormat final : public CudaPageFormat {
 
 // The BF16 windows of an FSQ model in device memory: the bf16 format's K/V, then each
 // token's code.
-class FsqWindowCudaFormat final : public CudaPageFormat {
+class FsqWindowCudaFormat final : public CudaFormat<FsqWindowPageFormat> {
  public:
   FsqWindowCudaFormat(const PageGeometry& g, std::shared_ptr<const FsqModelCodec> m,
                       std::shared_ptr<const FsqDeviceCodec> dev)
-      : CudaPageFormat(FormatId::kFsqWindow, g, nullptr, nullptr),
-        codes_(g, m, dev, FsqLayout(g, m->codec.shape().latent_width).window_kv_bytes()),
+      : CudaFormat(nullptr, g, m),
+        codes_(g, std::move(m), std::move(dev), layout().window_kv_bytes()),
         kv_(MakeBf16CudaFormat(g, nullptr, nullptr)) {}
-
-  int64_t layer_page_bytes() const override { return codes_.layout().window_page_bytes(); }
-  double bits_per_element() const override { return codes_.layout().window_bits_per_element(); }
-  bool needs_residuals() const override { return true; }
 
   // The bf16 format addresses pages through the pool (PagePtr, layer_page_bytes), so it
   // writes and attends the K/V part of these larger pages unchanged.
@@ -244,48 +217,38 @@ class FsqWindowCudaFormat final : public CudaPageFormat {
     return codes_.Encode(x, rows, layer, pool);
   }
 
-  absl::Status CheckPages(const uint8_t* src, int64_t num_pages,
-                          int64_t first_index) const override {
-    return codes_.layout().CheckWindowPages(src, num_pages, first_index);
-  }
-
   absl::Status CheckDevicePages(const uint8_t* src, int64_t num_pages,
                                 int64_t first_index) const override {
     {
       std::lock_guard<std::mutex> lock(codes_.scratch().mu);
-      KVCD_RETURN_IF_ERROR(
-          CheckDevicePageRegions(src, num_pages, geometry().num_layers, layer_page_bytes(), 0,
-                                 codes_.layout().window_kv_bytes(), kc::kCheckBf16Finite, 0,
-                                 first_index, "non-finite BF16 value(s)", &codes_.scratch()));
+      KVCD_RETURN_IF_ERROR(CheckDevicePageRegions(
+          src, num_pages, geometry().num_layers, layer_page_bytes(), 0, layout().window_kv_bytes(),
+          kc::kCheckBf16Finite, 0, first_index, "non-finite BF16 value(s)", &codes_.scratch()));
     }
     return codes_.Check(src, num_pages, first_index, layer_page_bytes());
   }
 
-  void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which,
-                  int64_t page_first_token, int32_t slot, int32_t count,
-                  float* out) const override {
-    kv_->ExpandRows(layer_page, layer, head, which, page_first_token, slot, count, out);
-  }
-
   int AttendSplits(const kc::DecodeGeometry& geo, int max_tokens, int num_sms) const override {
-    return kv_->AttendSplits(geo, max_tokens, num_sms);
+    return kv_->cuda()->AttendSplits(geo, max_tokens, num_sms);
   }
-  absl::Status LaunchAttend(const AttendLaunch& a) const override { return kv_->LaunchAttend(a); }
+  absl::Status LaunchAttend(const AttendLaunch& a) const override {
+    return kv_->cuda()->LaunchAttend(a);
+  }
 
  private:
   const DeviceCodes codes_;
-  const std::unique_ptr<CudaPageFormat> kv_;
+  const std::unique_ptr<PageFormat> kv_;
 };
 
 }  // namespace
 
-std::unique_ptr<CudaPageFormat> MakeFsqCudaFormat(
-    const PageGeometry& geometry, std::shared_ptr<const FsqModelCodec> codec,
-    std::shared_ptr<const FsqDeviceCodec> device_codec) {
+std::unique_ptr<PageFormat> MakeFsqCudaFormat(const PageGeometry& geometry,
+                                              std::shared_ptr<const FsqModelCodec> codec,
+                                              std::shared_ptr<const FsqDeviceCodec> device_codec) {
   return std::make_unique<FsqCudaFormat>(geometry, std::move(codec), std::move(device_codec));
 }
 
-std::unique_ptr<CudaPageFormat> MakeFsqWindowCudaFormat(
+std::unique_ptr<PageFormat> MakeFsqWindowCudaFormat(
     const PageGeometry& geometry, std::shared_ptr<const FsqModelCodec> codec,
     std::shared_ptr<const FsqDeviceCodec> device_codec) {
   return std::make_unique<FsqWindowCudaFormat>(geometry, std::move(codec), std::move(device_codec));

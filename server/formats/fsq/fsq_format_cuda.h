@@ -22,10 +22,10 @@ namespace kvcd {
 absl::Status CheckFsqCudaGeometry(const PageGeometry& geometry, const FsqModelCodec& codec);
 
 // REQUIRES: CheckFsqCudaGeometry(geometry, *codec) is OK; device_codec uploaded from codec.
-std::unique_ptr<CudaPageFormat> MakeFsqCudaFormat(
-    const PageGeometry& geometry, std::shared_ptr<const FsqModelCodec> codec,
-    std::shared_ptr<const FsqDeviceCodec> device_codec);
-std::unique_ptr<CudaPageFormat> MakeFsqWindowCudaFormat(
+std::unique_ptr<PageFormat> MakeFsqCudaFormat(const PageGeometry& geometry,
+                                              std::shared_ptr<const FsqModelCodec> codec,
+                                              std::shared_ptr<const FsqDeviceCodec> device_codec);
+std::unique_ptr<PageFormat> MakeFsqWindowCudaFormat(
     const PageGeometry& geometry, std::shared_ptr<const FsqModelCodec> codec,
     std::shared_ptr<const FsqDeviceCodec> device_codec);
 

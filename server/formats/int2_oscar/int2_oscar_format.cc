@@ -50,18 +50,14 @@ void Int2OscarFormat::ReadRows(const uint8_t* layer_page, int32_t head, int whic
 namespace {
 
 // INT2 pages in host memory: the codec kernels of kvcd/kernels (AVX-512 / AVX2 / scalar).
-class Int2OscarCpuFormat final : public CpuPageFormat {
+class Int2OscarCpuFormat final : public CpuFormat<Int2OscarPageFormat> {
  public:
-  Int2OscarCpuFormat(const PageGeometry& g, std::shared_ptr<const CodecProfile> codec)
-      : CpuPageFormat(FormatId::kInt2Oscar, g, std::move(codec)), layout_(g) {}
-
-  int64_t layer_page_bytes() const override { return layout_.layer_page_bytes(); }
-  double bits_per_element() const override { return layout_.bits_per_element(); }
+  using CpuFormat::CpuFormat;
 
   absl::Status WritePages(const RowSource& k, const RowSource& v, int64_t first_token,
                           absl::Span<const int32_t> pages, const PagePool& pool) const override {
     const CodecProfile& codec = *rotation();
-    return EncodeRequestPages(k, v, first_token, pages, pool,
+    return EncodeRequestPages(geometry(), k, v, first_token, pages, pool,
                               [&](int32_t l, uint8_t* page, int32_t h, int which, float* rows) {
                                 Encode(rows, which == 0 ? codec.RK(l) : codec.RV(l), l, h, which,
                                        page);
@@ -71,23 +67,11 @@ class Int2OscarCpuFormat final : public CpuPageFormat {
   absl::Status Demote(const PagePool& window_pool, absl::Span<const int32_t> src_pages,
                       const PagePool& pool, absl::Span<const int32_t> dst_pages) const override {
     // Window rows are already rotated.
-    EncodeWindowPages(window_pool, src_pages, pool, dst_pages,
+    EncodeWindowPages(geometry(), window_pool, src_pages, pool, dst_pages,
                       [&](int32_t l, uint8_t* page, int32_t h, int which, float* rows) {
                         Encode(rows, nullptr, l, h, which, page);
                       });
     return absl::OkStatus();
-  }
-
-  absl::Status CheckPages(const uint8_t* src, int64_t num_pages,
-                          int64_t first_index) const override {
-    return layout_.CheckPages(src, num_pages, first_index);
-  }
-
-  void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which,
-                  int64_t /*page_first_token*/, int32_t slot, int32_t count,
-                  float* out) const override {
-    layout_.ReadRows(layer_page, head, which, slot, count, out);
-    Unrotate(layer, which, count, out);
   }
 
   void Attend(const PagePool& pool, int32_t layer, absl::Span<const int32_t> page_ids,
@@ -120,14 +104,12 @@ class Int2OscarCpuFormat final : public CpuPageFormat {
                               which == 0 ? codec.RhoK(l) : codec.RhoV(l),
                               which == 0 ? layout.K(page, h) : layout.V(page, h));
   }
-
-  const Int2OscarFormat layout_;
 };
 
 }  // namespace
 
-std::unique_ptr<CpuPageFormat> MakeInt2OscarCpuFormat(const PageGeometry& geometry,
-                                                      std::shared_ptr<const CodecProfile> codec) {
+std::unique_ptr<PageFormat> MakeInt2OscarCpuFormat(const PageGeometry& geometry,
+                                                   std::shared_ptr<const CodecProfile> codec) {
   return std::make_unique<Int2OscarCpuFormat>(geometry, std::move(codec));
 }
 

@@ -10,7 +10,7 @@
 
 namespace kvcd {
 
-// The layout and host-side checks and reads, shared by the backends' implementations.
+// The layout and host-side checks and reads.
 class Int2OscarFormat {
  public:
   explicit Int2OscarFormat(const PageGeometry& g) : g_(g) {}
@@ -31,8 +31,34 @@ class Int2OscarFormat {
   PageGeometry g_;
 };
 
-// A codec profile (rotations, clip ratios) is required.
-std::unique_ptr<CpuPageFormat> MakeInt2OscarCpuFormat(const PageGeometry& geometry,
-                                                      std::shared_ptr<const CodecProfile> codec);
+// INT2 pages on any backend: layout, host check, expansion (dequantized, un-rotated). A codec
+// profile (rotations, clip ratios) is required.
+class Int2OscarPageFormat : public PageFormat {
+ public:
+  Int2OscarPageFormat(const PageGeometry& g, std::shared_ptr<const CodecProfile> codec)
+      : PageFormat(FormatId::kInt2Oscar, g, std::move(codec)), layout_(g) {}
+
+  int64_t layer_page_bytes() const override { return layout_.layer_page_bytes(); }
+  double bits_per_element() const override { return layout_.bits_per_element(); }
+  absl::Status CheckPages(const uint8_t* src, int64_t num_pages,
+                          int64_t first_index) const override {
+    return layout_.CheckPages(src, num_pages, first_index);
+  }
+  void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which,
+                  int64_t /*page_first_token*/, int32_t slot, int32_t count,
+                  float* out) const override {
+    layout_.ReadRows(layer_page, head, which, slot, count, out);
+    Unrotate(layer, which, count, out);
+  }
+
+ protected:
+  const Int2OscarFormat& layout() const { return layout_; }
+
+ private:
+  const Int2OscarFormat layout_;
+};
+
+std::unique_ptr<PageFormat> MakeInt2OscarCpuFormat(const PageGeometry& geometry,
+                                                   std::shared_ptr<const CodecProfile> codec);
 
 }  // namespace kvcd

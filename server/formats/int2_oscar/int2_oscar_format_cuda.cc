@@ -1,4 +1,5 @@
-// OSCAR INT2 pages in device memory: quantize-on-put and demotion by the paged INT2 row
+// OSCAR INT2 pages in device memory (layout, checks and expansion: Int2OscarPageFormat):
+// quantize-on-put and demotion by the paged INT2 row
 // store (bit-identical to the CPU codec), attention by the INT2 tensor-core decode kernel,
 // which also merges every part of the call (windows included).
 #include "server/formats/int2_oscar/int2_oscar_format_cuda.h"
@@ -14,15 +15,9 @@ namespace {
 
 namespace kc = kernels::cuda;
 
-class Int2OscarCudaFormat final : public CudaPageFormat {
+class Int2OscarCudaFormat final : public CudaFormat<Int2OscarPageFormat> {
  public:
-  Int2OscarCudaFormat(const PageGeometry& g, std::shared_ptr<const CodecProfile> codec,
-                      std::shared_ptr<const CudaCodec> device_codec)
-      : CudaPageFormat(FormatId::kInt2Oscar, g, std::move(codec), std::move(device_codec)),
-        layout_(g) {}
-
-  int64_t layer_page_bytes() const override { return layout_.layer_page_bytes(); }
-  double bits_per_element() const override { return layout_.bits_per_element(); }
+  using CudaFormat::CudaFormat;
 
   absl::Status WritePages(const RowSource& k, const RowSource& v, int64_t first_token,
                           absl::Span<const int32_t> pages, const PagePool& pool) const override {
@@ -52,26 +47,14 @@ class Int2OscarCudaFormat final : public CudaPageFormat {
     return absl::OkStatus();
   }
 
-  absl::Status CheckPages(const uint8_t* src, int64_t num_pages,
-                          int64_t first_index) const override {
-    return layout_.CheckPages(src, num_pages, first_index);
-  }
-
   absl::Status CheckDevicePages(const uint8_t* src, int64_t num_pages,
                                 int64_t first_index) const override {
     std::lock_guard<std::mutex> lock(scratch_.mu);
     return CheckDevicePageRegions(src, num_pages, geometry().num_layers, layer_page_bytes(),
-                                  layout_.ParamsOffset(), 2 * layout_.ParamsCount(),
+                                  layout().ParamsOffset(), 2 * layout().ParamsCount(),
                                   kc::kCheckFp16ScaleMin,
                                   static_cast<uint32_t>(geometry().page_size), first_index,
                                   "non-finite FP16 parameter(s) or negative scale(s)", &scratch_);
-  }
-
-  void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which,
-                  int64_t /*page_first_token*/, int32_t slot, int32_t count,
-                  float* out) const override {
-    layout_.ReadRows(layer_page, head, which, slot, count, out);
-    Unrotate(layer, which, count, out);
   }
 
   int AttendSplits(const kc::DecodeGeometry& geo, int max_tokens, int num_sms) const override {
@@ -97,16 +80,15 @@ class Int2OscarCudaFormat final : public CudaPageFormat {
   }
 
  private:
-  const Int2OscarFormat layout_;
   mutable RowStoreScratch scratch_;
 };
 
 }  // namespace
 
-std::unique_ptr<CudaPageFormat> MakeInt2OscarCudaFormat(
-    const PageGeometry& geometry, std::shared_ptr<const CodecProfile> codec,
-    std::shared_ptr<const CudaCodec> device_codec) {
-  return std::make_unique<Int2OscarCudaFormat>(geometry, std::move(codec), std::move(device_codec));
+std::unique_ptr<PageFormat> MakeInt2OscarCudaFormat(const PageGeometry& geometry,
+                                                    std::shared_ptr<const CodecProfile> codec,
+                                                    std::shared_ptr<const CudaCodec> device_codec) {
+  return std::make_unique<Int2OscarCudaFormat>(std::move(device_codec), geometry, std::move(codec));
 }
 
 }  // namespace kvcd

@@ -8,8 +8,8 @@
 namespace kvcd {
 
 // device_codec is required (rotations and clip ratios on the device).
-std::unique_ptr<CudaPageFormat> MakeInt2OscarCudaFormat(
-    const PageGeometry& geometry, std::shared_ptr<const CodecProfile> codec,
-    std::shared_ptr<const CudaCodec> device_codec);
+std::unique_ptr<PageFormat> MakeInt2OscarCudaFormat(const PageGeometry& geometry,
+                                                    std::shared_ptr<const CodecProfile> codec,
+                                                    std::shared_ptr<const CudaCodec> device_codec);
 
 }  // namespace kvcd

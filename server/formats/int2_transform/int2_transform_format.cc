@@ -97,41 +97,26 @@ void Int2TransformLayout::Encode(const float* rows, int32_t layer, int32_t head,
 
 namespace {
 
-class Int2TransformCpuFormat final : public CpuPageFormat {
+class Int2TransformCpuFormat final : public CpuFormat<Int2TransformPageFormat> {
  public:
-  Int2TransformCpuFormat(const PageGeometry& g, std::shared_ptr<const KeyTransformProfile> p)
-      : CpuPageFormat(FormatId::kInt2Transform, g, nullptr), x_(g, std::move(p)) {}
-
-  int64_t layer_page_bytes() const override { return x_.layer_page_bytes(); }
-  double bits_per_element() const override { return x_.bits_per_element(); }
+  using CpuFormat::CpuFormat;
 
   absl::Status WritePages(const RowSource& k, const RowSource& v, int64_t first_token,
                           absl::Span<const int32_t> pages, const PagePool& pool) const override {
-    return EncodeRequestPages(k, v, first_token, pages, pool,
+    return EncodeRequestPages(geometry(), k, v, first_token, pages, pool,
                               [&](int32_t l, uint8_t* page, int32_t h, int which, float* rows) {
-                                x_.Encode(rows, l, h, which, page);
+                                transform().Encode(rows, l, h, which, page);
                               });
   }
 
   // The window stores rows as given.
   absl::Status Demote(const PagePool& window_pool, absl::Span<const int32_t> src_pages,
                       const PagePool& pool, absl::Span<const int32_t> dst_pages) const override {
-    EncodeWindowPages(window_pool, src_pages, pool, dst_pages,
+    EncodeWindowPages(geometry(), window_pool, src_pages, pool, dst_pages,
                       [&](int32_t l, uint8_t* page, int32_t h, int which, float* rows) {
-                        x_.Encode(rows, l, h, which, page);
+                        transform().Encode(rows, l, h, which, page);
                       });
     return absl::OkStatus();
-  }
-
-  absl::Status CheckPages(const uint8_t* src, int64_t num_pages,
-                          int64_t first_index) const override {
-    return x_.CheckPages(src, num_pages, first_index);
-  }
-
-  void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which,
-                  int64_t /*page_first_token*/, int32_t slot, int32_t count,
-                  float* out) const override {
-    x_.ExpandRows(layer_page, layer, head, which, slot, count, out);
   }
 
   void Attend(const PagePool& pool, int32_t layer, absl::Span<const int32_t> page_ids,
@@ -143,19 +128,17 @@ class Int2TransformCpuFormat final : public CpuPageFormat {
     kv.page_stride = pool.layer_page_bytes();
     kv.page_ids = page_ids.data();
     kv.num_pages = static_cast<int32_t>(page_ids.size());
-    kv.layout = x_.layout();
-    kernels::AttendTransformPages(kv, kv_head, x_.profile().KeyCode(layer, kv_head),
-                                  x_.profile().head(layer, kv_head).r_v.data(), q, group,
-                                  softmax_scale, begin, end, o, lse);
+    kv.layout = transform().layout();
+    const KeyTransformProfile& p = transform().profile();
+    kernels::AttendTransformPages(kv, kv_head, p.KeyCode(layer, kv_head),
+                                  p.head(layer, kv_head).r_v.data(), q, group, softmax_scale, begin,
+                                  end, o, lse);
   }
-
- private:
-  const Int2TransformLayout x_;
 };
 
 }  // namespace
 
-std::unique_ptr<CpuPageFormat> MakeInt2TransformCpuFormat(
+std::unique_ptr<PageFormat> MakeInt2TransformCpuFormat(
     const PageGeometry& geometry, std::shared_ptr<const KeyTransformProfile> profile) {
   return std::make_unique<Int2TransformCpuFormat>(geometry, std::move(profile));
 }

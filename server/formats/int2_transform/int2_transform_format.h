@@ -16,7 +16,7 @@
 
 namespace kvcd {
 
-// The layout, host-side checks and reads, shared by the backends' implementations.
+// The layout, host-side checks, reads and the reference (CPU) encoder.
 class Int2TransformLayout {
  public:
   // The profile must match the geometry (KeyTransformProfile::FromSafetensors checked it).
@@ -51,8 +51,34 @@ class Int2TransformLayout {
   kernels::TransformPageLayout layout_;
 };
 
-// The profile must match the geometry (KeyTransformProfile::FromSafetensors checked it).
-std::unique_ptr<CpuPageFormat> MakeInt2TransformCpuFormat(
+// int2-transform pages on any backend: layout, host check, expansion (keys decoded, values
+// un-rotated). The profile must match the geometry (KeyTransformProfile::FromSafetensors
+// checked it).
+class Int2TransformPageFormat : public PageFormat {
+ public:
+  Int2TransformPageFormat(const PageGeometry& g, std::shared_ptr<const KeyTransformProfile> p)
+      : PageFormat(FormatId::kInt2Transform, g, nullptr), x_(g, std::move(p)) {}
+
+  int64_t layer_page_bytes() const override { return x_.layer_page_bytes(); }
+  double bits_per_element() const override { return x_.bits_per_element(); }
+  absl::Status CheckPages(const uint8_t* src, int64_t num_pages,
+                          int64_t first_index) const override {
+    return x_.CheckPages(src, num_pages, first_index);
+  }
+  void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which,
+                  int64_t /*page_first_token*/, int32_t slot, int32_t count,
+                  float* out) const override {
+    x_.ExpandRows(layer_page, layer, head, which, slot, count, out);
+  }
+
+ protected:
+  const Int2TransformLayout& transform() const { return x_; }
+
+ private:
+  const Int2TransformLayout x_;
+};
+
+std::unique_ptr<PageFormat> MakeInt2TransformCpuFormat(
     const PageGeometry& geometry, std::shared_ptr<const KeyTransformProfile> profile);
 
 }  // namespace kvcd

@@ -1,5 +1,5 @@
 // int2-transform pages in device memory (int2_transform_format_cuda.h). The layout, the host
-// checks and the host-side expansion are Int2TransformLayout's, shared with the CPU
+// checks and the host-side expansion are Int2TransformPageFormat's, shared with the CPU
 // implementation.
 #include "server/formats/int2_transform/int2_transform_format_cuda.h"
 
@@ -49,17 +49,13 @@ absl::Status CheckTransformCudaGeometry(const PageGeometry& g, const KeyTransfor
 
 namespace {
 
-class Int2TransformCudaFormat final : public CudaPageFormat {
+class Int2TransformCudaFormat final : public CudaFormat<Int2TransformPageFormat> {
  public:
   Int2TransformCudaFormat(const PageGeometry& g, std::shared_ptr<const KeyTransformProfile> p,
                           std::shared_ptr<const TransformDeviceCodec> dev)
-      : CudaPageFormat(FormatId::kInt2Transform, g, nullptr, nullptr),
-        x_(g, std::move(p)),
+      : CudaFormat(nullptr, g, std::move(p)),
         dev_(std::move(dev)),
-        offsets_(x_.layout()) {}
-
-  int64_t layer_page_bytes() const override { return x_.layer_page_bytes(); }
-  double bits_per_element() const override { return x_.bits_per_element(); }
+        offsets_(transform().layout()) {}
 
   absl::Status WritePages(const RowSource& k, const RowSource& v, int64_t first_token,
                           absl::Span<const int32_t> pages, const PagePool& pool) const override {
@@ -91,11 +87,6 @@ class Int2TransformCudaFormat final : public CudaPageFormat {
     return absl::OkStatus();
   }
 
-  absl::Status CheckPages(const uint8_t* src, int64_t num_pages,
-                          int64_t first_index) const override {
-    return x_.CheckPages(src, num_pages, first_index);
-  }
-
   // Value parameters checked on the device; the key gains (2 bytes per token-head and layer)
   // come to the host for the shared check.
   absl::Status CheckDevicePages(const uint8_t* src, int64_t num_pages,
@@ -116,13 +107,7 @@ class Int2TransformCudaFormat final : public CudaPageFormat {
                               static_cast<size_t>(layer_bytes), static_cast<size_t>(width),
                               static_cast<size_t>(num_pages * g.num_layers)),
                    "reading pushed key gains"));
-    return x_.CheckKeyGains(gains.data(), num_pages, first_index);
-  }
-
-  void ExpandRows(const uint8_t* layer_page, int32_t layer, int32_t head, int which,
-                  int64_t /*page_first_token*/, int32_t slot, int32_t count,
-                  float* out) const override {
-    x_.ExpandRows(layer_page, layer, head, which, slot, count, out);
+    return transform().CheckKeyGains(gains.data(), num_pages, first_index);
   }
 
   int AttendSplits(const kc::DecodeGeometry& geo, int max_tokens, int num_sms) const override {
@@ -144,7 +129,6 @@ class Int2TransformCudaFormat final : public CudaPageFormat {
   }
 
  private:
-  const Int2TransformLayout x_;
   const std::shared_ptr<const TransformDeviceCodec> dev_;
   const kc::TransformPageOffsets offsets_;
   mutable RowStoreScratch scratch_;
@@ -152,7 +136,7 @@ class Int2TransformCudaFormat final : public CudaPageFormat {
 
 }  // namespace
 
-std::unique_ptr<CudaPageFormat> MakeInt2TransformCudaFormat(
+std::unique_ptr<PageFormat> MakeInt2TransformCudaFormat(
     const PageGeometry& geometry, std::shared_ptr<const KeyTransformProfile> profile,
     std::shared_ptr<const TransformDeviceCodec> device_codec) {
   return std::make_unique<Int2TransformCudaFormat>(geometry, std::move(profile),

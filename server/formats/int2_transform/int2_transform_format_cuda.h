@@ -24,7 +24,7 @@ absl::Status CheckTransformCudaGeometry(const PageGeometry& geometry,
 
 // REQUIRES: CheckTransformCudaGeometry(geometry, *profile) is OK; device_codec uploaded from
 // profile.
-std::unique_ptr<CudaPageFormat> MakeInt2TransformCudaFormat(
+std::unique_ptr<PageFormat> MakeInt2TransformCudaFormat(
     const PageGeometry& geometry, std::shared_ptr<const KeyTransformProfile> profile,
     std::shared_ptr<const TransformDeviceCodec> device_codec);
 

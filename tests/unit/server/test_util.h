@@ -6,8 +6,8 @@
 #include "client/synthetic.h"
 #include "common/tensor_ref.h"
 #include "kvcd/v1/kvcache.pb.h"
-#include "server/cache/model_spec.h"
 #include "server/engine/cache_engine.h"
+#include "server/formats/model_spec.h"
 
 namespace kvcd::testing_util {
 

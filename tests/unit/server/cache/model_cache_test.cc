@@ -957,7 +957,7 @@ TEST(ModelCacheTest, VersionThreeCodecSelectsInt2TransformAndBadFilesRegisterNot
       {TransformBlob(s.num_layers, s.num_kv_heads, 2 * s.head_dim),
        "k_encode must be F32 [2, 16, 16]"},
       {TransformBlob(s.num_layers, 1, s.head_dim), "k_encode must be F32 [2, 16, 16]"},
-      {TransformBlob(s.num_layers, s.num_kv_heads, s.head_dim).substr(0, 100), "codec file"},
+      {TransformBlob(s.num_layers, s.num_kv_heads, s.head_dim).substr(0, 100), "codec_blob: "},
   };
   for (const auto& b : bad) {
     auto r = ModelCache::Create(s, backend.get(), 0.95, 0.85, &counters, b.blob);

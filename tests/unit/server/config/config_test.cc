@@ -2,6 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <fstream>
+
+#include "common/fsq_codec.h"
+
 namespace kvcd {
 namespace {
 
@@ -175,6 +179,62 @@ models:
   EXPECT_TRUE(m.rope_interleaved);
   EXPECT_EQ(m.rotary_dims(), 8);
   EXPECT_EQ(m.codec_file, "/tmp/codec.safetensors");
+}
+
+// check-config opens the codec files as serve does (CheckModelCodecs: the formats'
+// factories): a missing, malformed or mismatched file is refused, naming codec_file.
+TEST(ConfigTest, CheckModelCodecsOpensEachCodecFile) {
+  const std::string dir = ::testing::TempDir();
+  FsqCodecShape shape;
+  shape.num_layers = 2;
+  shape.residual_width = 64;
+  shape.latent_width = 21;
+  shape.num_kv_heads = 2;
+  shape.head_dim = 16;
+  const std::string good = dir + "/check_config_fsq.safetensors";
+  std::ofstream(good, std::ios::binary)
+      << FsqCodec::Synthetic(shape, 1).ToSafetensors().Serialize();
+  shape.latent_width = 20;
+  const std::string mismatched = dir + "/check_config_fsq_g20.safetensors";
+  std::ofstream(mismatched, std::ios::binary)
+      << FsqCodec::Synthetic(shape, 1).ToSafetensors().Serialize();
+  const std::string garbage = dir + "/check_config_garbage.safetensors";
+  std::ofstream(garbage, std::ios::binary) << "not safetensors";
+  const auto config = [](const std::string& history, const std::string& codec_file) {
+    return ParseConfig(R"(
+models:
+  - builtin: tiny
+    name: m
+    history_format: )" +
+                       history + R"(
+    fsq_residual_width: )" +
+                       (history == "fsq" ? "64" : "0") + R"(
+    fsq_latent_width: )" +
+                       (history == "fsq" ? "21" : "0") + R"(
+    codec_file: )" + codec_file +
+                       "\n");
+  };
+  auto ok = config("fsq", good);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_TRUE(CheckModelCodecs(*ok).ok()) << CheckModelCodecs(*ok);
+  const struct {
+    std::string history, file, says;
+  } bad[] = {
+      {"fsq", dir + "/no_such_codec.safetensors", "codec_file '" + dir + "/no_such_codec"},
+      {"fsq", garbage, "codec_file '" + garbage + "'"},
+      {"fsq", mismatched, "'latent_width' is '20', expected 21"},
+      {"int2-oscar", dir + "/no_such_codec.safetensors", "codec_file '" + dir + "/no_such_codec"},
+      {"int2-oscar", garbage, "codec_file '" + garbage + "'"},
+  };
+  for (const auto& b : bad) {
+    auto c = config(b.history, b.file);
+    ASSERT_TRUE(c.ok()) << c.status();  // parsing does not open files
+    const absl::Status s = CheckModelCodecs(*c);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << b.file;
+    EXPECT_NE(s.message().find(b.says), std::string::npos) << s;
+    EXPECT_NE(s.message().find("model 'm': codec_file"), std::string::npos) << s;
+    EXPECT_EQ(s.message().find("codec_blob"), std::string::npos) << s;
+  }
 }
 
 TEST(ConfigTest, ByteSizes) {

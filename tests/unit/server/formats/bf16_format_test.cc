@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "format_test_util.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/finite_check.h"
 #include "kvcd/kernels/int2_codec.h"
@@ -19,23 +20,11 @@
 namespace kvcd {
 namespace {
 
+using format_test::Bf16Rows;
+using format_test::KvRow;
+using format_test::RandomBf16;
+
 constexpr PageGeometry kGeo{3, 2, 16, 4};  // layers, kv heads, head_dim, page size
-
-std::vector<uint16_t> RandomBf16(int64_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<uint16_t> x(static_cast<size_t>(n));
-  for (auto& v : x) v = kernels::FloatToBf16(normal(rng));
-  return x;
-}
-
-RowSource Bf16Rows(const std::vector<uint16_t>& x, int64_t tokens) {
-  RowSource r;
-  r.data = x.data();
-  r.token_stride = int64_t{kGeo.num_kv_heads} * kGeo.head_dim;
-  r.layer_stride = tokens * r.token_stride;
-  return r;
-}
 
 const uint16_t* Row(const PagePool& pool, int32_t layer, int32_t page, int which, int32_t head,
                     int32_t slot) {
@@ -56,7 +45,9 @@ TEST(Bf16FormatTest, WritePagesAndRowsPlaceRowsInTheLayout) {
     const auto v = RandomBf16(kGeo.num_layers * tokens * row, 2);
     std::vector<uint8_t> mem(static_cast<size_t>(f->page_bytes() * 3));
     PagePool pool("bf16", mem.data(), kGeo.num_layers, f->layer_page_bytes(), 3);
-    ASSERT_TRUE(f->WritePages(Bf16Rows(k, tokens), Bf16Rows(v, tokens), 0, {2, 1}, pool).ok());
+    ASSERT_TRUE(f->WritePages(Bf16Rows(k, tokens, KvRow(kGeo)), Bf16Rows(v, tokens, KvRow(kGeo)), 0,
+                              {2, 1}, pool)
+                    .ok());
     std::vector<float> x(kGeo.head_dim), y(kGeo.head_dim);
     std::vector<uint16_t> want(kGeo.head_dim);
     for (int32_t l = 0; l < kGeo.num_layers; ++l) {
@@ -85,7 +76,9 @@ TEST(Bf16FormatTest, WritePagesAndRowsPlaceRowsInTheLayout) {
     // One token's rows at layer 1 only (a one-layer source), into page 0 slot 3.
     const auto k1 = RandomBf16(row, 3), v1 = RandomBf16(row, 4);
     std::vector<uint8_t> before = mem;
-    ASSERT_TRUE(f->WriteRows(Bf16Rows(k1, 1), Bf16Rows(v1, 1), {{0, 0, 3}}, 1, pool).ok());
+    ASSERT_TRUE(f->WriteRows(Bf16Rows(k1, 1, KvRow(kGeo)), Bf16Rows(v1, 1, KvRow(kGeo)),
+                             {{0, 0, 3}}, 1, pool)
+                    .ok());
     int64_t changed_other_layers = 0;
     for (int32_t l : {0, 2}) {
       const uint8_t* a = pool.PagePtr(l, 0);
@@ -158,7 +151,7 @@ TEST(Bf16FormatTest, CheckedWritesRefuseNonFiniteValuesByFlatIndex) {
       kernels::Bf16ToFloatN(k16.data(), k32.data(), n);
       kernels::Bf16ToFloatN(v16.data(), v32.data(), n);
       auto rows = [&](bool is_k, bool check) {
-        RowSource r = Bf16Rows(k16, tokens);
+        RowSource r = Bf16Rows(k16, tokens, KvRow(kGeo));
         r.data = bf16 ? static_cast<const void*>((is_k ? k16 : v16).data())
                       : static_cast<const void*>((is_k ? k32 : v32).data());
         r.is_bf16 = bf16;

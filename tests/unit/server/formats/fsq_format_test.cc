@@ -13,40 +13,20 @@
 #include <random>
 #include <vector>
 
+#include "format_test_util.h"
 #include "kvcd/kernels/bf16.h"
 #include "server/formats/bf16/bf16_format.h"
 
 namespace kvcd {
 namespace {
 
+using format_test::F32Rows;
+using format_test::RandomFloats;
+using format_test::TestPool;
+
 constexpr PageGeometry kGeo{2, 2, 16, 4};  // layers, kv heads, head_dim, page size
 constexpr int kC = 24;                     // residual width
 constexpr int kG = 7;                      // latent width (odd: a spare nibble per token)
-
-struct Pool {
-  Pool(int64_t layer_bytes, int32_t pages)
-      : mem(static_cast<size_t>(layer_bytes * pages * kGeo.num_layers), 0),
-        pool("test", mem.data(), kGeo.num_layers, layer_bytes, pages) {}
-  std::vector<uint8_t> mem;
-  PagePool pool;
-};
-
-std::vector<float> RandomRows(int64_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> x(static_cast<size_t>(n));
-  for (auto& v : x) v = normal(rng);
-  return x;
-}
-
-RowSource F32Rows(const std::vector<float>& x, int64_t tokens, int64_t row) {
-  RowSource r;
-  r.data = x.data();
-  r.is_bf16 = false;
-  r.token_stride = row;
-  r.layer_stride = tokens * row;
-  return r;
-}
 
 std::shared_ptr<const FsqModelCodec> Codec(bool key_norm, bool interleaved) {
   FsqCodecShape s;
@@ -96,8 +76,8 @@ TEST(FsqFormatTest, WriteCodesIsTheEncoderInThePageLayout) {
   auto m = Codec(false, false);
   auto hist = MakeFsqCpuFormat(kGeo, m);
   const int64_t tokens = 2 * kGeo.page_size + 3;
-  const auto x = RandomRows(kGeo.num_layers * tokens * kC, 1);
-  Pool p(hist->layer_page_bytes(), 4);
+  const auto x = RandomFloats(kGeo.num_layers * tokens * kC, 1);
+  TestPool p(kGeo, hist->layer_page_bytes(), 4);
   const std::vector<int32_t> pages = {2, 0};
   const auto slots = PageRowSlots(3, pages, kGeo.page_size);
   ASSERT_TRUE(hist->WriteCodes(F32Rows(x, tokens, kC), slots, -1, p.pool).ok());
@@ -117,8 +97,8 @@ TEST(FsqFormatTest, WriteCodesIsTheEncoderInThePageLayout) {
   EXPECT_GT(nonzero, 0);  // the codes are not all z = 0
   // Untouched pages stay zero; one layer at a time writes only that layer.
   EXPECT_EQ(p.pool.PagePtr(0, 1)[0], 0);
-  Pool one(hist->layer_page_bytes(), 1);
-  const auto x1 = RandomRows(kC, 9);
+  TestPool one(kGeo, hist->layer_page_bytes(), 1);
+  const auto x1 = RandomFloats(kC, 9);
   ASSERT_TRUE(hist->WriteCodes(F32Rows(x1, 1, kC), {{0, 0, 2}}, 1, one.pool).ok());
   EXPECT_EQ(std::vector<uint8_t>(one.pool.PagePtr(1, 0) + 8, one.pool.PagePtr(1, 0) + 12),
             Encode(*m, 1, x1.data()));
@@ -136,16 +116,16 @@ TEST(FsqFormatTest, DemotionCopiesTheCodesWrittenAtArrival) {
   auto window = MakeFsqWindowCpuFormat(kGeo, m);
   const int64_t tokens = kGeo.page_size;
   const int64_t row = int64_t{kGeo.num_kv_heads} * kGeo.head_dim;
-  const auto x = RandomRows(kGeo.num_layers * tokens * kC, 3);
-  const auto k = RandomRows(kGeo.num_layers * tokens * row, 4);
-  const auto v = RandomRows(kGeo.num_layers * tokens * row, 5);
+  const auto x = RandomFloats(kGeo.num_layers * tokens * kC, 3);
+  const auto k = RandomFloats(kGeo.num_layers * tokens * row, 4);
+  const auto v = RandomFloats(kGeo.num_layers * tokens * row, 5);
   // Put path: codes straight into an fsq page.
-  Pool direct(hist->layer_page_bytes(), 2);
+  TestPool direct(kGeo, hist->layer_page_bytes(), 2);
   ASSERT_TRUE(hist->WriteCodes(F32Rows(x, tokens, kC), PageRowSlots(0, {1}, kGeo.page_size), -1,
                                direct.pool)
                   .ok());
   // Append path: token by token into a window page, then demoted.
-  Pool win(window->layer_page_bytes(), 1);
+  TestPool win(kGeo, window->layer_page_bytes(), 1);
   for (int64_t t = 0; t < tokens; ++t) {
     const std::vector<RowSlot> slot = {{t, 0, static_cast<int32_t>(t)}};
     ASSERT_TRUE(
@@ -153,7 +133,7 @@ TEST(FsqFormatTest, DemotionCopiesTheCodesWrittenAtArrival) {
             .ok());
     ASSERT_TRUE(window->WriteCodes(F32Rows(x, tokens, kC), slot, -1, win.pool).ok());
   }
-  Pool demoted(hist->layer_page_bytes(), 2);
+  TestPool demoted(kGeo, hist->layer_page_bytes(), 2);
   ASSERT_TRUE(hist->Demote(win.pool, {0}, demoted.pool, {1}).ok());
   for (int32_t l = 0; l < kGeo.num_layers; ++l) {
     EXPECT_EQ(0, std::memcmp(demoted.pool.PagePtr(l, 1), direct.pool.PagePtr(l, 1),
@@ -174,8 +154,8 @@ TEST(FsqFormatTest, ExpandRowsRebuildsAtTheAbsolutePosition) {
   for (bool interleaved : {false, true}) {
     auto m = Codec(true, interleaved);
     auto hist = MakeFsqCpuFormat(kGeo, m);
-    const auto x = RandomRows(kGeo.num_layers * kGeo.page_size * kC, 6);
-    Pool p(hist->layer_page_bytes(), 1);
+    const auto x = RandomFloats(kGeo.num_layers * kGeo.page_size * kC, 6);
+    TestPool p(kGeo, hist->layer_page_bytes(), 1);
     ASSERT_TRUE(hist->WriteCodes(F32Rows(x, kGeo.page_size, kC),
                                  PageRowSlots(0, {0}, kGeo.page_size), -1, p.pool)
                     .ok());
@@ -211,20 +191,20 @@ TEST(FsqFormatTest, AttendIsTheOracleAtTheSegmentPosition) {
     auto hist = MakeFsqCpuFormat(kGeo, m);
     const int32_t num_pages = 3;
     const int64_t tokens = num_pages * kGeo.page_size;
-    const auto x = RandomRows(kGeo.num_layers * tokens * kC, 7);
-    Pool p(hist->layer_page_bytes(), 5);
+    const auto x = RandomFloats(kGeo.num_layers * tokens * kC, 7);
+    TestPool p(kGeo, hist->layer_page_bytes(), 5);
     const std::vector<int32_t> ids = {4, 1, 3};
     ASSERT_TRUE(
         hist->WriteCodes(F32Rows(x, tokens, kC), PageRowSlots(0, ids, kGeo.page_size), -1, p.pool)
             .ok());
     const int group = 2;
-    const auto q = RandomRows(group * kGeo.head_dim, 8);
+    const auto q = RandomFloats(group * kGeo.head_dim, 8);
     const float scale = 1.0f / std::sqrt(static_cast<float>(kGeo.head_dim));
     std::vector<float> o(static_cast<size_t>(group * kGeo.head_dim)), lse(group);
     std::vector<float> o_ref(o.size()), lse_ref(lse.size());
     const int64_t first_position = 8;
-    hist->Attend(p.pool, 1, ids, first_position, 1, q.data(), group, scale, 2, tokens - 1, o.data(),
-                 lse.data());
+    hist->cpu()->Attend(p.pool, 1, ids, first_position, 1, q.data(), group, scale, 2, tokens - 1,
+                        o.data(), lse.data());
     kernels::FsqPageTable t;
     t.base = p.pool.LayerBase(1);
     t.page_stride = p.pool.layer_page_bytes();
@@ -238,8 +218,8 @@ TEST(FsqFormatTest, AttendIsTheOracleAtTheSegmentPosition) {
     for (size_t i = 0; i < lse.size(); ++i) EXPECT_NEAR(lse[i], lse_ref[i], 1e-4f) << i;
     // Another position gives another answer (keys carry RoPE).
     std::vector<float> o_other(o.size()), lse_other(lse.size());
-    hist->Attend(p.pool, 1, ids, 0, 1, q.data(), group, scale, 2, tokens - 1, o_other.data(),
-                 lse_other.data());
+    hist->cpu()->Attend(p.pool, 1, ids, 0, 1, q.data(), group, scale, 2, tokens - 1, o_other.data(),
+                        lse_other.data());
     EXPECT_NE(lse_other, lse);
   }
 }

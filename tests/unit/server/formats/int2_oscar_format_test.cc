@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "format_test_util.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/int2_attention.h"
 #include "kvcd/kernels/int2_codec.h"
@@ -21,32 +22,12 @@
 namespace kvcd {
 namespace {
 
+using format_test::F32Rows;
+using format_test::KvRow;
+using format_test::RandomFloats;
+using format_test::TestPool;
+
 constexpr PageGeometry kGeo{2, 3, 32, 8};  // layers, kv heads, head_dim, page size
-
-struct Pool {
-  Pool(int64_t layer_bytes, int32_t pages)
-      : mem(static_cast<size_t>(layer_bytes * pages * kGeo.num_layers), 0xA5),
-        pool("test", mem.data(), kGeo.num_layers, layer_bytes, pages) {}
-  std::vector<uint8_t> mem;
-  PagePool pool;
-};
-
-std::vector<float> RandomRows(int64_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> x(static_cast<size_t>(n));
-  for (auto& v : x) v = normal(rng);
-  return x;
-}
-
-RowSource F32Rows(const std::vector<float>& x, int64_t tokens) {
-  RowSource r;
-  r.data = x.data();
-  r.is_bf16 = false;
-  r.token_stride = int64_t{kGeo.num_kv_heads} * kGeo.head_dim;
-  r.layer_stride = tokens * r.token_stride;
-  return r;
-}
 
 std::shared_ptr<const CodecProfile> Hadamard() {
   return std::make_shared<const CodecProfile>(
@@ -61,12 +42,14 @@ TEST(Int2OscarFormatTest, WritePagesIsTheCodecInThePageLayout) {
   EXPECT_DOUBLE_EQ(f->bits_per_element(), 2.0 + 32.0 / kGeo.head_dim);
   const int64_t tokens = 2 * kGeo.page_size + 3;
   const int64_t row = int64_t{kGeo.num_kv_heads} * kGeo.head_dim;
-  const auto k = RandomRows(kGeo.num_layers * tokens * row, 1);
-  const auto v = RandomRows(kGeo.num_layers * tokens * row, 2);
-  Pool p(f->layer_page_bytes(), 4);
+  const auto k = RandomFloats(kGeo.num_layers * tokens * row, 1);
+  const auto v = RandomFloats(kGeo.num_layers * tokens * row, 2);
+  TestPool p(kGeo, f->layer_page_bytes(), 4, 0xA5);
   // Source tokens 3.. fill pages 2 and 0 (in that order).
   const std::vector<int32_t> pages = {2, 0};
-  ASSERT_TRUE(f->WritePages(F32Rows(k, tokens), F32Rows(v, tokens), 3, pages, p.pool).ok());
+  ASSERT_TRUE(f->WritePages(F32Rows(k, tokens, KvRow(kGeo)), F32Rows(v, tokens, KvRow(kGeo)), 3,
+                            pages, p.pool)
+                  .ok());
   std::vector<uint8_t> want = p.mem;
   const kernels::Int2PageLayout layout{kGeo.num_kv_heads, kGeo.page_size, kGeo.head_dim};
   std::vector<float> rows(static_cast<size_t>(kGeo.page_size * kGeo.head_dim));
@@ -91,7 +74,9 @@ TEST(Int2OscarFormatTest, WritePagesIsTheCodecInThePageLayout) {
   }
   EXPECT_TRUE(p.mem == want);
   // The rows are not written one at a time.
-  EXPECT_EQ(f->WriteRows(F32Rows(k, tokens), F32Rows(v, tokens), {{0, 1, 0}}, -1, p.pool).code(),
+  EXPECT_EQ(f->WriteRows(F32Rows(k, tokens, KvRow(kGeo)), F32Rows(v, tokens, KvRow(kGeo)),
+                         {{0, 1, 0}}, -1, p.pool)
+                .code(),
             absl::StatusCode::kUnimplemented);
 }
 
@@ -101,10 +86,13 @@ TEST(Int2OscarFormatTest, DemoteQuantizesTheWindowRowsAsStored) {
   auto f = MakeInt2OscarCpuFormat(kGeo, codec);
   const int64_t tokens = kGeo.page_size;
   const int64_t row = int64_t{kGeo.num_kv_heads} * kGeo.head_dim;
-  const auto k = RandomRows(kGeo.num_layers * tokens * row, 3);
-  const auto v = RandomRows(kGeo.num_layers * tokens * row, 4);
-  Pool wp(window->layer_page_bytes(), 2), hp(f->layer_page_bytes(), 2);
-  ASSERT_TRUE(window->WritePages(F32Rows(k, tokens), F32Rows(v, tokens), 0, {1}, wp.pool).ok());
+  const auto k = RandomFloats(kGeo.num_layers * tokens * row, 3);
+  const auto v = RandomFloats(kGeo.num_layers * tokens * row, 4);
+  TestPool wp(kGeo, window->layer_page_bytes(), 2, 0xA5), hp(kGeo, f->layer_page_bytes(), 2, 0xA5);
+  ASSERT_TRUE(window
+                  ->WritePages(F32Rows(k, tokens, KvRow(kGeo)), F32Rows(v, tokens, KvRow(kGeo)), 0,
+                               {1}, wp.pool)
+                  .ok());
   ASSERT_TRUE(f->Demote(wp.pool, {1}, hp.pool, {0}).ok());
   // Reference: the window's BF16 (rotated) rows through the codec without rotation.
   const kernels::Int2PageLayout layout{kGeo.num_kv_heads, kGeo.page_size, kGeo.head_dim};
@@ -161,9 +149,11 @@ TEST(Int2OscarFormatTest, ExpandRowsUnrotatesTheDequantizedRows) {
   auto f = MakeInt2OscarCpuFormat(kGeo, codec);
   const int64_t tokens = kGeo.page_size;
   const int64_t row = int64_t{kGeo.num_kv_heads} * kGeo.head_dim;
-  const auto k = RandomRows(kGeo.num_layers * tokens * row, 5);
-  Pool p(f->layer_page_bytes(), 1);
-  ASSERT_TRUE(f->WritePages(F32Rows(k, tokens), F32Rows(k, tokens), 0, {0}, p.pool).ok());
+  const auto k = RandomFloats(kGeo.num_layers * tokens * row, 5);
+  TestPool p(kGeo, f->layer_page_bytes(), 1, 0xA5);
+  ASSERT_TRUE(f->WritePages(F32Rows(k, tokens, KvRow(kGeo)), F32Rows(k, tokens, KvRow(kGeo)), 0,
+                            {0}, p.pool)
+                  .ok());
   std::vector<float> got(static_cast<size_t>(3 * kGeo.head_dim));
   f->ExpandRows(p.pool.PagePtr(1, 0), 1, 2, 0, 0, 4, 3, got.data());
   // Reference: dequantize in the rotated space, then x = y · R^T.
@@ -197,14 +187,15 @@ TEST(Int2OscarFormatTest, CheckedWritePagesRefusesNonFiniteRowsByFlatIndex) {
   auto f = MakeInt2OscarCpuFormat(kGeo, Hadamard());
   const int64_t tokens = 2 * kGeo.page_size;
   const int64_t n = kGeo.num_layers * tokens * kGeo.num_kv_heads * kGeo.head_dim;
-  auto k = RandomRows(n, 21), v = RandomRows(n, 22);
+  auto k = RandomFloats(n, 21), v = RandomFloats(n, 22);
   auto rows = [&](const std::vector<float>& x, bool check, const char* name) {
-    RowSource r = F32Rows(x, tokens);
+    RowSource r = F32Rows(x, tokens, KvRow(kGeo));
     r.check_finite = check;
     r.name = name;
     return r;
   };
-  Pool plain(f->layer_page_bytes(), 2), checked(f->layer_page_bytes(), 2);
+  TestPool plain(kGeo, f->layer_page_bytes(), 2, 0xA5),
+      checked(kGeo, f->layer_page_bytes(), 2, 0xA5);
   ASSERT_TRUE(f->WritePages(rows(k, false, "k"), rows(v, false, "v"), 0, {0, 1}, plain.pool).ok());
   ASSERT_TRUE(f->WritePages(rows(k, true, "k"), rows(v, true, "v"), 0, {0, 1}, checked.pool).ok());
   EXPECT_EQ(plain.mem, checked.mem);

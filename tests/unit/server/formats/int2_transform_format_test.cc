@@ -10,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "format_test_util.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/reference_attention.h"
 #include "kvcd/kernels/transform_attention.h"
@@ -17,6 +18,11 @@
 
 namespace kvcd {
 namespace {
+
+using format_test::Bf16Rows;
+using format_test::KvRow;
+using format_test::RandomBf16;
+using format_test::TestPool;
 
 constexpr PageGeometry kGeo{2, 3, 32, 8};  // layers, kv heads, head_dim, page size
 
@@ -34,33 +40,6 @@ std::shared_ptr<const KeyTransformProfile> Profile() {
   return std::make_shared<const KeyTransformProfile>(std::move(*p));
 }
 
-struct Pool {
-  Pool(int64_t layer_bytes, int32_t pages)
-      : mem(static_cast<size_t>(layer_bytes * pages * kGeo.num_layers), 0xA5),
-        pool("test", mem.data(), kGeo.num_layers, layer_bytes, pages) {}
-  std::vector<uint8_t> mem;
-  PagePool pool;
-};
-
-// BF16 rows [layers][tokens][kv heads][d], N(0, 2) keys around 1, N(0, 1) values.
-std::vector<uint16_t> RandomRows(int64_t tokens, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<uint16_t> x(
-      static_cast<size_t>(kGeo.num_layers * tokens * kGeo.num_kv_heads * kGeo.head_dim));
-  for (auto& v : x) v = kernels::FloatToBf16(1.0f + 2.0f * normal(rng));
-  return x;
-}
-
-RowSource Rows(const std::vector<uint16_t>& x, int64_t tokens) {
-  RowSource r;
-  r.data = x.data();
-  r.is_bf16 = true;
-  r.token_stride = int64_t{kGeo.num_kv_heads} * kGeo.head_dim;
-  r.layer_stride = tokens * r.token_stride;
-  return r;
-}
-
 TEST(Int2TransformFormatTest, WritePagesIsTheCodecInThePageLayout) {
   auto profile = Profile();
   auto f = MakeInt2TransformCpuFormat(kGeo, profile);
@@ -70,10 +49,13 @@ TEST(Int2TransformFormatTest, WritePagesIsTheCodecInThePageLayout) {
   EXPECT_DOUBLE_EQ(f->bits_per_element(), 2.0 + 32.0 / kGeo.head_dim);
   EXPECT_EQ(f->rotation(), nullptr);  // the window keeps rows as given
   const int64_t tokens = 2 * kGeo.page_size + 3;
-  const auto k = RandomRows(tokens, 1), v = RandomRows(tokens, 2);
-  Pool p(f->layer_page_bytes(), 4);
+  const auto k = RandomBf16(kGeo.num_layers * tokens * KvRow(kGeo), 1, 1.0f, 2.0f),
+             v = RandomBf16(kGeo.num_layers * tokens * KvRow(kGeo), 2, 1.0f, 2.0f);
+  TestPool p(kGeo, f->layer_page_bytes(), 4, 0xA5);
   const std::vector<int32_t> pages = {2, 0};
-  ASSERT_TRUE(f->WritePages(Rows(k, tokens), Rows(v, tokens), 3, pages, p.pool).ok());
+  ASSERT_TRUE(f->WritePages(Bf16Rows(k, tokens, KvRow(kGeo)), Bf16Rows(v, tokens, KvRow(kGeo)), 3,
+                            pages, p.pool)
+                  .ok());
   std::vector<uint8_t> want = p.mem;
   const kernels::TransformPageLayout layout{kGeo.num_kv_heads, kGeo.page_size, kGeo.head_dim,
                                             profile->key_code_bits() / 8};
@@ -119,12 +101,18 @@ TEST(Int2TransformFormatTest, DemoteEncodesTheWindowRowsAsStored) {
   auto f = MakeInt2TransformCpuFormat(kGeo, profile);
   auto window = MakeBf16CpuFormat(kGeo, nullptr);
   const int64_t tokens = kGeo.page_size;
-  const auto k = RandomRows(tokens, 3), v = RandomRows(tokens, 4);
-  Pool wp(window->layer_page_bytes(), 2), hp(f->layer_page_bytes(), 2),
-      direct(f->layer_page_bytes(), 2);
-  ASSERT_TRUE(window->WritePages(Rows(k, tokens), Rows(v, tokens), 0, {1}, wp.pool).ok());
+  const auto k = RandomBf16(kGeo.num_layers * tokens * KvRow(kGeo), 3, 1.0f, 2.0f),
+             v = RandomBf16(kGeo.num_layers * tokens * KvRow(kGeo), 4, 1.0f, 2.0f);
+  TestPool wp(kGeo, window->layer_page_bytes(), 2, 0xA5), hp(kGeo, f->layer_page_bytes(), 2, 0xA5),
+      direct(kGeo, f->layer_page_bytes(), 2, 0xA5);
+  ASSERT_TRUE(window
+                  ->WritePages(Bf16Rows(k, tokens, KvRow(kGeo)), Bf16Rows(v, tokens, KvRow(kGeo)),
+                               0, {1}, wp.pool)
+                  .ok());
   ASSERT_TRUE(f->Demote(wp.pool, {1}, hp.pool, {0}).ok());
-  ASSERT_TRUE(f->WritePages(Rows(k, tokens), Rows(v, tokens), 0, {0}, direct.pool).ok());
+  ASSERT_TRUE(f->WritePages(Bf16Rows(k, tokens, KvRow(kGeo)), Bf16Rows(v, tokens, KvRow(kGeo)), 0,
+                            {0}, direct.pool)
+                  .ok());
   for (int32_t l = 0; l < kGeo.num_layers; ++l) {
     EXPECT_EQ(std::memcmp(hp.pool.PagePtr(l, 0), direct.pool.PagePtr(l, 0),
                           static_cast<size_t>(f->layer_page_bytes())),
@@ -138,10 +126,13 @@ TEST(Int2TransformFormatTest, AttendOnTheCodesMatchesAttentionOverTheExpandedRow
   auto f = MakeInt2TransformCpuFormat(kGeo, profile);
   const int d = kGeo.head_dim, ps = kGeo.page_size, hkv = kGeo.num_kv_heads, group = 3;
   const int64_t tokens = 3 * ps;
-  const auto k = RandomRows(tokens, 5), v = RandomRows(tokens, 6);
-  Pool p(f->layer_page_bytes(), 5);
+  const auto k = RandomBf16(kGeo.num_layers * tokens * KvRow(kGeo), 5, 1.0f, 2.0f),
+             v = RandomBf16(kGeo.num_layers * tokens * KvRow(kGeo), 6, 1.0f, 2.0f);
+  TestPool p(kGeo, f->layer_page_bytes(), 5, 0xA5);
   const std::vector<int32_t> pages = {4, 1, 3};
-  ASSERT_TRUE(f->WritePages(Rows(k, tokens), Rows(v, tokens), 0, pages, p.pool).ok());
+  ASSERT_TRUE(f->WritePages(Bf16Rows(k, tokens, KvRow(kGeo)), Bf16Rows(v, tokens, KvRow(kGeo)), 0,
+                            pages, p.pool)
+                  .ok());
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.0f, 0.3f);
   std::vector<float> q(static_cast<size_t>(group * d));
@@ -159,8 +150,8 @@ TEST(Int2TransformFormatTest, AttendOnTheCodesMatchesAttentionOverTheExpandedRow
     kernels::ReferenceAttention(q.data(), kr.data(), vr.data(), tokens, group, 1, d, scale,
                                 ro.data(), rl.data());
     std::vector<float> o(q.size()), lse(group);
-    static_cast<const CpuPageFormat&>(*f).Attend(p.pool, l, pages, 0, h, q.data(), group, scale, 0,
-                                                 tokens, o.data(), lse.data());
+    f->cpu()->Attend(p.pool, l, pages, 0, h, q.data(), group, scale, 0, tokens, o.data(),
+                     lse.data());
     for (size_t i = 0; i < o.size(); ++i)
       EXPECT_NEAR(o[i], ro[i], 1e-4) << "head " << h << " " << i;
     for (int i = 0; i < group; ++i) EXPECT_NEAR(lse[i], rl[i], 1e-4) << "head " << h;
@@ -171,9 +162,12 @@ TEST(Int2TransformFormatTest, CheckPagesNamesTheBadPageAndLayer) {
   auto profile = Profile();
   auto f = MakeInt2TransformCpuFormat(kGeo, profile);
   const int64_t tokens = 2 * kGeo.page_size;
-  const auto k = RandomRows(tokens, 8), v = RandomRows(tokens, 9);
-  Pool p(f->layer_page_bytes(), 2);
-  ASSERT_TRUE(f->WritePages(Rows(k, tokens), Rows(v, tokens), 0, {0, 1}, p.pool).ok());
+  const auto k = RandomBf16(kGeo.num_layers * tokens * KvRow(kGeo), 8, 1.0f, 2.0f),
+             v = RandomBf16(kGeo.num_layers * tokens * KvRow(kGeo), 9, 1.0f, 2.0f);
+  TestPool p(kGeo, f->layer_page_bytes(), 2, 0xA5);
+  ASSERT_TRUE(f->WritePages(Bf16Rows(k, tokens, KvRow(kGeo)), Bf16Rows(v, tokens, KvRow(kGeo)), 0,
+                            {0, 1}, p.pool)
+                  .ok());
   // Pages travel as [page][layer][layer_page_bytes].
   std::vector<uint8_t> run;
   for (int32_t i = 0; i < 2; ++i)

@@ -1,4 +1,4 @@
-#include "server/cache/model_spec.h"
+#include "server/formats/model_spec.h"
 
 #include "absl/strings/str_cat.h"
 #include "common/quote.h"

@@ -1,0 +1,81 @@
+// fsq models: the FSQ codec file (docs/fsq.md), required, checked against the profile, and
+// the model's RoPE; the bf16+fsq window and the fsq history share it.
+#include "server/formats/fsq/fsq_factory.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/quote.h"
+#include "common/status_macros.h"
+#include "server/formats/fsq/fsq_format.h"
+#if KVCD_HAVE_CUDA_FORMATS
+#include "server/formats/fsq/fsq_device_codec.h"
+#include "server/formats/fsq/fsq_format_cuda.h"
+#endif
+
+namespace kvcd {
+namespace {
+
+class FsqCodecOfModel final : public ModelCodec {
+ public:
+  explicit FsqCodecOfModel(std::shared_ptr<const FsqModelCodec> m) : m_(std::move(m)) {}
+  FormatId history() const override { return FormatId::kFsq; }
+  std::string description() const override {
+    return absl::StrCat("fsq G=", m_->codec.shape().latent_width,
+                        m_->codec.source().empty() ? "" : " (" + m_->codec.source() + ")");
+  }
+  absl::StatusOr<std::vector<std::unique_ptr<PageFormat>>> CreateFormats(
+      const PageGeometry& g, BackendKind kind) const override {
+    std::vector<std::unique_ptr<PageFormat>> out;
+    if (kind == BackendKind::kCpu) {
+      out.push_back(MakeFsqWindowCpuFormat(g, m_));
+      out.push_back(MakeFsqCpuFormat(g, m_));
+      return out;
+    }
+#if KVCD_HAVE_CUDA_FORMATS
+    KVCD_RETURN_IF_ERROR(CheckFsqCudaGeometry(g, *m_));
+    KVCD_ASSIGN_OR_RETURN(auto device, FsqDeviceCodec::Upload(*m_));
+    out.push_back(MakeFsqWindowCudaFormat(g, m_, device));
+    out.push_back(MakeFsqCudaFormat(g, m_, device));
+    return out;
+#else
+    return absl::UnimplementedError("this build has no CUDA formats");
+#endif
+  }
+
+ private:
+  const std::shared_ptr<const FsqModelCodec> m_;
+};
+
+absl::StatusOr<std::unique_ptr<const ModelCodec>> Load(const ModelSpec& spec,
+                                                       const CodecSource& codec) {
+  if (!codec.given()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model ", Quote(spec.name),
+                     ": history_format fsq needs its codec: codec_blob (RegisterModel) or "
+                     "codec_file (config), a safetensors file as docs/fsq.md describes"));
+  }
+  KVCD_ASSIGN_OR_RETURN(const SafetensorsFile* file, codec.Open());
+  FsqCodecShape shape;
+  shape.num_layers = spec.num_layers;
+  shape.residual_width = spec.fsq_residual_width;
+  shape.latent_width = spec.fsq_latent_width;
+  shape.num_kv_heads = spec.num_kv_heads;
+  shape.head_dim = spec.head_dim;
+  shape.key_norm = spec.key_norm;
+  shape.key_norm_eps = spec.key_norm_eps;
+  auto fsq = FsqCodec::FromSafetensors(*file, shape);
+  if (!fsq.ok()) return codec.Error(fsq.status().message());
+  auto m = std::make_shared<FsqModelCodec>();
+  m->codec = std::move(*fsq);
+  m->rope.theta = spec.rope_theta;
+  m->rope.rotary_dims = spec.rotary_dims();
+  m->rope.scaling = spec.rope_scaling;
+  m->rope.pairing =
+      spec.rope_interleaved ? kernels::RopePairing::kInterleaved : kernels::RopePairing::kHalf;
+  return std::make_unique<const FsqCodecOfModel>(std::move(m));
+}
+
+}  // namespace
+
+FormatFactory FsqFactory() { return FormatFactory{nullptr, &Load}; }
+
+}  // namespace kvcd
