@@ -14,12 +14,12 @@
 #include <string>
 #include <vector>
 
-#include "client/synthetic.h"
-#include "common/tensor_ref.h"
 #include "kvcd/kernels/finite_check.h"
+#include "proto/tensor_ref.h"
 #include "server/engine/cache_engine.h"
 #include "server/formats/bf16/bf16_format.h"
 #include "server/formats/page_pool.h"
+#include "testing/synthetic.h"
 
 namespace kvcd {
 namespace {

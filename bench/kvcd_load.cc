@@ -19,8 +19,8 @@
 #include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "client/decode_channel.h"
-#include "client/synthetic.h"
-#include "common/tensor_ref.h"
+#include "proto/tensor_ref.h"
+#include "testing/synthetic.h"
 
 namespace {
 

@@ -28,8 +28,8 @@
 
 #include "absl/strings/numbers.h"
 #include "client/client.h"
-#include "client/synthetic.h"
-#include "common/tensor_ref.h"
+#include "proto/tensor_ref.h"
+#include "testing/synthetic.h"
 
 namespace {
 

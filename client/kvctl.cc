@@ -12,11 +12,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
-#include "client/synthetic.h"
 #include "common/safetensors.h"
-#include "common/tensor_ref.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
+#include "proto/tensor_ref.h"
+#include "testing/synthetic.h"
 
 namespace {
 

@@ -47,12 +47,12 @@
 
 #include "client/client.h"
 #include "client/decode_channel.h"
-#include "client/synthetic.h"
 #include "client/workers/ipc_buffer.h"
-#include "client/workers/synthetic_device.h"
 #include "client/workers/worker_common.h"
 #include "common/phase_times.h"
-#include "common/tensor_ref.h"
+#include "proto/tensor_ref.h"
+#include "testing/synthetic.h"
+#include "testing/synthetic_device.h"
 
 namespace kw = kvcd::workers;
 using Clock = std::chrono::steady_clock;

@@ -31,10 +31,10 @@
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "client/workers/ipc_buffer.h"
-#include "client/workers/synthetic_device.h"
 #include "client/workers/worker_common.h"
 #include "kvcd/kernels/cuda_nccl.h"
 #include "kvcd/kernels/int2_attention.h"
+#include "testing/synthetic_device.h"
 
 namespace kw = kvcd::workers;
 namespace kc = kvcd::kernels::cuda;

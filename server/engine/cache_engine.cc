@@ -12,8 +12,8 @@
 #include "common/quote.h"
 #include "common/status_macros.h"
 #include "common/steady_clock.h"
-#include "common/tensor_ref.h"
 #include "kvcd/kernels/bf16.h"
+#include "proto/tensor_ref.h"
 #include "server/backends/device_runtime.h"
 #include "server/engine/tensor_checks.h"
 

@@ -6,9 +6,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
-#include "common/tensor_ref.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/device_fault.h"
+#include "proto/tensor_ref.h"
 #include "server/engine/cache_engine.h"
 
 namespace kvcd {

@@ -14,15 +14,15 @@
 
 #include "client/client.h"
 #include "client/decode_channel.h"
-#include "client/synthetic.h"
 #include "common/fsq_codec.h"
 #include "common/rotation.h"
 #include "common/safetensors.h"
-#include "common/tensor_ref.h"
 #include "daemon_process.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/fsq.h"
 #include "kvcd/kernels/reference_attention.h"
+#include "proto/tensor_ref.h"
+#include "testing/synthetic.h"
 
 namespace kvcd {
 namespace {

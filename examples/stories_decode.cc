@@ -8,10 +8,10 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "client/examples/llama2c_tokenizer.h"
-#include "client/examples/llama_worker.h"
 #include "common/activation_dump.h"
 #include "common/safetensors.h"
+#include "examples/llama2c_tokenizer.h"
+#include "examples/llama_worker.h"
 
 namespace {
 

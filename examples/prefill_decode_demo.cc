@@ -14,10 +14,10 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
-#include "client/synthetic.h"
-#include "common/tensor_ref.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/reference_attention.h"
+#include "proto/tensor_ref.h"
+#include "testing/synthetic.h"
 
 namespace {
 

@@ -11,9 +11,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "client/examples/bpe_tokenizer.h"
-#include "client/examples/llama_worker.h"
 #include "common/activation_dump.h"
+#include "examples/bpe_tokenizer.h"
+#include "examples/llama_worker.h"
 
 namespace {
 
