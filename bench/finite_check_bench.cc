@@ -14,9 +14,9 @@
 #include <string>
 #include <vector>
 
-#include "client/synthetic.h"
+#include "testing/synthetic.h"
 #include "common/cli.h"
-#include "common/tensor_ref.h"
+#include "proto/tensor_ref.h"
 #include "kvcd/kernels/finite_check.h"
 #include "server/engine/cache_engine.h"
 #include "server/formats/bf16/bf16_format.h"

@@ -19,8 +19,8 @@ smol=$(./scripts/fetch-smollm2.sh)
 py="$(./scripts/fsq-venv.sh)/bin/python"
 ft=(tools/fsq_finetune/finetune.py)
 mkdir -p "$out"
-"$b/client/examples/kvcd-llama" --model "$smol" --encode bench/text/smollm2-calibration.txt >"$out/cal.tok"
-"$b/client/examples/kvcd-llama" --model "$smol" --encode bench/text/smollm2-heldout.txt >"$out/held.tok"
+"$b/examples/kvcd-llama" --model "$smol" --encode bench/text/smollm2-calibration.txt >"$out/cal.tok"
+"$b/examples/kvcd-llama" --model "$smol" --encode bench/text/smollm2-heldout.txt >"$out/held.tok"
 "$py" -c "import sys; ids = open(sys.argv[1]).read().split()
 open(sys.argv[2], 'w').write(' '.join(ids[:128]) + '\n'); open(sys.argv[3], 'w').write(' '.join(ids[256:]) + '\n')
 ids = open(sys.argv[4]).read().split(); open(sys.argv[5], 'w').write(' '.join(ids[:256]) + '\n')" \

@@ -18,10 +18,10 @@ py="$(./scripts/fsq-venv.sh)/bin/python"
 ft=(tools/fsq_finetune/finetune.py)
 mkdir -p "$out"
 m=(--checkpoint "$data/stories260K.bin" --tokenizer "$data/tok512.bin")
-[[ -f $out/calib.dump ]] || "$b/client/examples/kvcd_stories" "${m[@]}" --steps 512 \
+[[ -f $out/calib.dump ]] || "$b/examples/kvcd_stories" "${m[@]}" --steps 512 \
   --dump "$out/calib.dump" --dump-prompts "Once upon a time" --weights "$out/weights.st" >/dev/null
 # The init text's tokens (the FP32 greedy run), for training too.
-[[ -f $out/train-A.txt ]] || { "$b/client/examples/kvcd_stories" "${m[@]}" --steps 512 \
+[[ -f $out/train-A.txt ]] || { "$b/examples/kvcd_stories" "${m[@]}" --steps 512 \
   --prompt "Once upon a time" --logits "$out/A.logits.st" >/dev/null && "$py" -c "import sys
 from safetensors.numpy import load_file
 open(sys.argv[2], 'w').write(' '.join(map(str, load_file(sys.argv[1])['inputs'].astype(int))) + '\n')" \

@@ -18,9 +18,9 @@ mkdir -p "$out"
 m=(--checkpoint "$data/stories260K.bin" --tokenizer "$data/tok512.bin")
 A="Once upon a time"
 B="Tom had a big dog"
-"$b/client/examples/kvcd_stories" "${m[@]}" --steps 512 --dump "$out/calib.dump" \
+"$b/examples/kvcd_stories" "${m[@]}" --steps 512 --dump "$out/calib.dump" \
   --dump-prompts "$A" --weights "$out/weights.st" >/dev/null
-"$b/client/examples/kvcd_stories" "${m[@]}" --steps 512 --dump "$out/eval.dump" \
+"$b/examples/kvcd_stories" "${m[@]}" --steps 512 --dump "$out/eval.dump" \
   --dump-prompts "$B" >/dev/null
 "$b/tools/kvcd-calibrate" --dump "$out/calib.dump" --out "$out/oscar.st" --search-clip \
   >"$out/oscar.log"

@@ -32,7 +32,7 @@ start_kvcd "$b/server/kvcd" "$config"
 trap 'kill $KVCD_PID 2>/dev/null || true; rm -f "$config"' EXIT
 
 stories="int2-identity,int2-hadamard,int2-oscar,fsq:G=64,fsq:G=32,fsq:G=16${STORIES_EXTRA:+,$STORIES_EXTRA}"
-"$b/client/examples/kvcd_stories" --target "$KVCD_GRPC" \
+"$b/examples/kvcd_stories" --target "$KVCD_GRPC" \
   --checkpoint "$data/stories260K.bin" --tokenizer "$data/tok512.bin" \
   --prompt "Tom had a big dog" --steps 512 \
   --calib-prompts "Once upon a time" --calib-steps 512 \
@@ -40,7 +40,7 @@ stories="int2-identity,int2-hadamard,int2-oscar,fsq:G=64,fsq:G=32,fsq:G=16${STOR
 
 if [[ -f $smol/model.safetensors ]]; then
   smollm2="int2-hadamard,int2-oscar,fsq:G=128,fsq:G=48,fsq:G=16${SMOLLM2_EXTRA:+,$SMOLLM2_EXTRA}"
-  "$b/client/examples/kvcd-llama" --model "$smol" --target "$KVCD_GRPC" \
+  "$b/examples/kvcd-llama" --model "$smol" --target "$KVCD_GRPC" \
     --calib-text bench/text/smollm2-calibration.txt \
     --eval-text bench/text/smollm2-heldout.txt --eval-steps 64 \
     --memory-mib 128 --histories "$smollm2" | tee "$out/smollm2.log"

@@ -29,8 +29,8 @@ start_kvcd "$b/server/kvcd" "$config"
 trap 'kill $KVCD_PID 2>/dev/null || true; rm -f "$config"' EXIT
 common=(--model "$smol" --target "$KVCD_GRPC" --calib-text bench/text/smollm2-calibration.txt
   --page 16 --sink 64 --recent 256 --memory-mib 128 --histories "$histories")
-"$b/client/examples/kvcd-llama" "${common[@]}" --prompt "$(cat bench/text/smollm2-heldout.txt)" \
+"$b/examples/kvcd-llama" "${common[@]}" --prompt "$(cat bench/text/smollm2-heldout.txt)" \
   --max-new 16 | tee "$out/prompt16.log"
-"$b/client/examples/kvcd-llama" "${common[@]}" --eval-text bench/text/smollm2-heldout.txt \
+"$b/examples/kvcd-llama" "${common[@]}" --eval-text bench/text/smollm2-heldout.txt \
   --eval-steps 64 | tee "$out/eval64.log"
 stop_kvcd

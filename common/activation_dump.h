@@ -19,8 +19,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "layer_activations.h"
 #include "safetensors.h"
-#include "synthetic_activations.h"
 
 namespace kvcd {
 

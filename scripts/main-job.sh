@@ -14,7 +14,7 @@ grep '^kvcd ready' "$KVCD_LOG_DIR/out"
 target=$KVCD_GRPC
 metrics=$KVCD_METRICS
 status=0
-"$build/client/examples/kvcd_demo" --target "$target" "$@" || status=$?
+"$build/examples/kvcd_demo" --target "$target" "$@" || status=$?
 echo
 echo "--- kvctl stats ---"
 "$build/client/kvctl" --target "$target" stats || status=$?

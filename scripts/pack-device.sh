@@ -16,7 +16,7 @@ if [[ ${1:-} == fuzz ]]; then
   rm -rf .devfuzz && mkdir -p .devfuzz .devlibs
 else
   build=${KVCD_BUILD_DIR:-build}
-  bins=(server/kvcd client/kvctl bench/kvcd_load client/examples/kvcd_demo
+  bins=(server/kvcd client/kvctl bench/kvcd_load examples/kvcd_demo
         client/workers/kvcd_prefill_worker client/workers/kvcd_decode_worker
         tests/kvcd_data_plane_tests tests/kvcd_cuda_tests bench/cuda_int2_bench
         bench/cuda_finite_check_bench bench/cuda_doorbell_bench bench/cuda_host_cost_bench

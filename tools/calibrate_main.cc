@@ -7,7 +7,7 @@
 #include "absl/flags/flag.h"
 #include "common/activation_dump.h"
 #include "common/cli.h"
-#include "common/synthetic_activations.h"
+#include "testing/synthetic_activations.h"
 #include "tools/calibration.h"
 #include "tools/fsq_calibration.h"
 #include "tools/progress.h"

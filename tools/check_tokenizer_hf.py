@@ -4,7 +4,7 @@ library configured as SmolLM2's tokenizer (BPE from the GGUF vocabulary and merg
 <|endoftext|>, pre-tokenizer Digits(individual_digits) + ByteLevel(regex), the GGUF's
 control tokens as special tokens).
 
-  check_tokenizer_hf.py --gguf MODEL.gguf --model DIR --kvcd-llama build/client/examples/kvcd-llama \
+  check_tokenizer_hf.py --gguf MODEL.gguf --model DIR --kvcd-llama build/examples/kvcd-llama \
       CASES.txt [MORE.txt ...]
 
 Every line of the files is one case (the two characters \\n stand for a newline). Prints the

@@ -6,7 +6,7 @@
 writes OUT_DIR/model.safetensors (every tensor dequantized to F32, Hugging Face names,
 the model geometry in the metadata under "kvcd.*") and OUT_DIR/tokenizer.txt (byte-level
 BPE vocabulary as raw bytes, merges, special tokens, Unicode letter/number classes and the
-chat format), both read by client/examples/llama_model.cc and bpe_tokenizer.cc.
+chat format), both read by examples/llama_model.cc and bpe_tokenizer.cc.
 
 RoPE layout. llama.cpp's converter permutes the rows of attn_q / attn_k of every head
 from the Hugging Face order (rotation pairs (i, i + d/2), "half") into adjacent pairs

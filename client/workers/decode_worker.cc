@@ -48,12 +48,12 @@
 #include "absl/flags/flag.h"
 #include "client/client.h"
 #include "client/decode_channel.h"
-#include "client/synthetic.h"
 #include "client/workers/ipc_buffer.h"
-#include "client/workers/synthetic_device.h"
 #include "client/workers/worker_common.h"
 #include "common/phase_times.h"
-#include "common/tensor_ref.h"
+#include "proto/tensor_ref.h"
+#include "testing/synthetic.h"
+#include "testing/synthetic_device.h"
 
 ABSL_FLAG(int32_t, steps, 16, "decode steps (tokens per sequence)");
 ABSL_FLAG(bool, sync, false, "wait for every call's result on the host (one layer's latency)");

@@ -1,7 +1,7 @@
 #include "client/workers/ipc_buffer.h"
 
 #include "absl/strings/str_cat.h"
-#include "common/tensor_ref.h"
+#include "proto/tensor_ref.h"
 
 namespace kvcd::workers {
 

@@ -32,10 +32,10 @@
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "client/workers/ipc_buffer.h"
-#include "client/workers/synthetic_device.h"
 #include "client/workers/worker_common.h"
 #include "kvcd/kernels/cuda_nccl.h"
 #include "kvcd/kernels/int2_attention.h"
+#include "testing/synthetic_device.h"
 
 ABSL_FLAG(std::string, transport, "ipc", "ipc (CUDA IPC, same node) or nccl (another GPU)");
 ABSL_FLAG(int32_t, repeat, 3, "timed repetitions of the push / fetch (or put)");

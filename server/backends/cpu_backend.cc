@@ -6,10 +6,10 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/thread_pool.h"
 #include "kvcd/kernels/attention_state.h"
 #include "kvcd/kernels/int2_codec.h"
 #include "server/backends/backend.h"
-#include "server/backends/thread_pool.h"
 #include "server/formats/cpu_page_format.h"
 
 namespace kvcd {

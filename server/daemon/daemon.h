@@ -12,7 +12,7 @@
 #include <thread>
 
 #include "absl/status/statusor.h"
-#include "server/backends/thread_pool.h"
+#include "common/thread_pool.h"
 #include "server/config/config.h"
 #include "server/engine/cache_engine.h"
 #include "server/metrics/metrics.h"

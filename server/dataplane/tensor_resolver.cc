@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
-#include "common/tensor_ref.h"
+#include "proto/tensor_ref.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/finite_check.h"
 #include "server/backends/device_runtime.h"

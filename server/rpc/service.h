@@ -15,8 +15,8 @@
 #include <set>
 #include <string>
 
+#include "common/thread_pool.h"
 #include "kvcd/v1/kvcache.grpc.pb.h"
-#include "server/backends/thread_pool.h"
 #include "server/dataplane/decode_channels.h"
 #include "server/engine/cache_engine.h"
 #include "server/metrics/metrics.h"

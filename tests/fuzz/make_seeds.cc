@@ -9,15 +9,15 @@
 #include <string>
 #include <vector>
 
-#include "client/synthetic.h"
 #include "common/activation_dump.h"
 #include "common/cli.h"
 #include "common/codec_profile.h"
 #include "common/safetensors.h"
-#include "common/tensor_ref.h"
+#include "proto/tensor_ref.h"
 #include "server/backends/backend.h"
 #include "server/engine/cache_engine.h"
 #include "server/formats/model_spec.h"
+#include "testing/synthetic.h"
 
 namespace kvcd {
 namespace {

@@ -15,10 +15,10 @@
 #include <vector>
 
 #include "client/client.h"
-#include "client/synthetic.h"
 #include "client/workers/ipc_buffer.h"
-#include "common/tensor_ref.h"
 #include "daemon_process.h"
+#include "proto/tensor_ref.h"
+#include "testing/synthetic.h"
 
 namespace kvcd::testing_util {
 

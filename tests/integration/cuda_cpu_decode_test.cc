@@ -26,12 +26,12 @@
 #include <vector>
 
 #include "client/client.h"
-#include "client/synthetic.h"
+#include "testing/synthetic.h"
 #include "client/workers/ipc_buffer.h"
 #include "common/fsq_codec.h"
 #include "common/key_transform_profile.h"
 #include "common/rotation.h"
-#include "common/tensor_ref.h"
+#include "proto/tensor_ref.h"
 #include "cuda_cpu_daemons.h"
 #include "daemon_process.h"
 #include "kvcd/kernels/bf16.h"

@@ -16,16 +16,16 @@
 
 #include "client/client.h"
 #include "client/decode_channel.h"
-#include "client/synthetic.h"
+#include "testing/synthetic.h"
 #include "common/decode_channel_layout.h"
 #include "common/fsq_codec.h"
 #include "common/rotation.h"
 #include "common/safetensors.h"
-#include "common/tensor_ref.h"
 #include "daemon_process.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/fsq.h"
 #include "kvcd/kernels/reference_attention.h"
+#include "proto/tensor_ref.h"
 
 namespace kvcd {
 namespace {

@@ -11,12 +11,12 @@
 #include <thread>
 
 #include "client/client.h"
-#include "client/synthetic.h"
 #include "client/workers/ipc_buffer.h"
-#include "common/tensor_ref.h"
 #include "daemon_process.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/cuda_nccl.h"
+#include "proto/tensor_ref.h"
+#include "testing/synthetic.h"
 
 namespace kvcd {
 namespace {

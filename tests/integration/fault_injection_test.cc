@@ -11,10 +11,10 @@
 #include <sstream>
 
 #include "client/client.h"
-#include "client/synthetic.h"
-#include "common/tensor_ref.h"
 #include "daemon_process.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "proto/tensor_ref.h"
+#include "testing/synthetic.h"
 
 namespace kvcd {
 namespace {

@@ -13,9 +13,9 @@
 
 #include "client/client.h"
 #include "client/decode_channel.h"
-#include "client/synthetic.h"
-#include "common/tensor_ref.h"
 #include "daemon_process.h"
+#include "proto/tensor_ref.h"
+#include "testing/synthetic.h"
 
 namespace kvcd {
 namespace {

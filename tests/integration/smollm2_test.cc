@@ -6,9 +6,9 @@
 #include <cstdlib>
 #include <fstream>
 
-#include "client/examples/bpe_tokenizer.h"
-#include "client/examples/llama_worker.h"
 #include "daemon_process.h"
+#include "examples/bpe_tokenizer.h"
+#include "examples/llama_worker.h"
 
 namespace kvcd {
 namespace {

@@ -7,9 +7,9 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
-#include "client/examples/llama2c_tokenizer.h"
-#include "client/examples/llama_worker.h"
 #include "daemon_process.h"
+#include "examples/llama2c_tokenizer.h"
+#include "examples/llama_worker.h"
 
 namespace kvcd {
 namespace {

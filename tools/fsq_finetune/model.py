@@ -5,7 +5,7 @@ Two file kinds, one model:
   RoPE on interleaved pairs, theta 10000, RMSNorm eps 1e-5, tied classifier, no q/k norm;
 - a Hugging Face-layout safetensors file as tools/gguf_to_safetensors.py writes it (e.g.
   SmolLM2-135M; metadata kvcd.model = "llama", kvcd.dim, ... kvcd.rope_pairing,
-  kvcd.tied_embeddings, kvcd.qk_norm), the same file client/examples/llama_model.cc reads:
+  kvcd.tied_embeddings, kvcd.qk_norm), the same file examples/llama_model.cc reads:
   GQA, RoPE pairing half or interleaved, optional per-head q/k RMSNorm (Qwen3) applied
   before RoPE, tied or separate classifier.
 

@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "common/codec_profile.h"
+#include "testing/synthetic_activations.h"
 #include "tools/calibration.h"
 
 namespace kvcd {

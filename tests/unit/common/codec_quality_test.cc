@@ -8,9 +8,9 @@
 #include <vector>
 
 #include "common/rotation.h"
-#include "common/synthetic_activations.h"
 #include "kvcd/kernels/int2_codec.h"
 #include "kvcd/kernels/reference_attention.h"
+#include "testing/synthetic_activations.h"
 
 namespace kvcd {
 namespace {

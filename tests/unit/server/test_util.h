@@ -3,11 +3,11 @@
 
 #include <vector>
 
-#include "client/synthetic.h"
-#include "common/tensor_ref.h"
 #include "kvcd/v1/kvcache.pb.h"
 #include "server/engine/cache_engine.h"
 #include "server/formats/model_spec.h"
+#include "proto/tensor_ref.h"
+#include "testing/synthetic.h"
 
 namespace kvcd::testing_util {
 

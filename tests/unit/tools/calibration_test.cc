@@ -12,6 +12,7 @@
 
 #include "common/codec_profile.h"
 #include "kvcd/kernels/bf16.h"
+#include "testing/synthetic_activations.h"
 #include "tools/eval.h"
 #include "tools/progress.h"
 

@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include "testing/synthetic_activations.h"
 #include "tools/calibration.h"
 
 namespace kvcd {

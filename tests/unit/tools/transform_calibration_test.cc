@@ -8,8 +8,8 @@
 #include <string>
 
 #include "common/rotation.h"
-#include "common/synthetic_activations.h"
 #include "kvcd/kernels/int2_codec.h"
+#include "testing/synthetic_activations.h"
 
 namespace kvcd {
 namespace {

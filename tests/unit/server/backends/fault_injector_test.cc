@@ -6,7 +6,7 @@
 
 #include <gtest/gtest.h>
 
-#include "common/tensor_ref.h"
+#include "proto/tensor_ref.h"
 #include "server/engine/cache_engine.h"
 #include "test_util.h"
 

@@ -10,7 +10,7 @@
 #include <cstring>
 #include <limits>
 
-#include "common/tensor_ref.h"
+#include "proto/tensor_ref.h"
 
 namespace kvcd {
 namespace {

@@ -1,4 +1,4 @@
-#include "client/examples/llama_model.h"
+#include "examples/llama_model.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "client/examples/llama_model.h"
+#include "examples/llama_model.h"
 
 #include <gtest/gtest.h>
 
@@ -8,10 +8,10 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
-#include "client/examples/llama_worker.h"
 #include "common/activation_dump.h"
 #include "common/fsq_codec.h"
 #include "common/safetensors.h"
+#include "examples/llama_worker.h"
 
 namespace kvcd::llama {
 namespace {

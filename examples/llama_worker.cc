@@ -1,4 +1,4 @@
-#include "client/examples/llama_worker.h"
+#include "examples/llama_worker.h"
 
 #include <algorithm>
 #include <chrono>
@@ -11,11 +11,11 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/key_transform_profile.h"
+#include "common/layer_activations.h"
 #include "common/rotation.h"
 #include "common/status_macros.h"
-#include "common/synthetic_activations.h"
-#include "common/tensor_ref.h"
 #include "kvcd/kernels/int2_codec.h"
+#include "proto/tensor_ref.h"
 #include "tools/int2_layer.h"
 #include "tools/transform_calibration.h"
 

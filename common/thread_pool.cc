@@ -1,4 +1,4 @@
-#include "server/backends/thread_pool.h"
+#include "common/thread_pool.h"
 
 #include <atomic>
 #include <memory>

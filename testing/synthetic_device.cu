@@ -1,6 +1,6 @@
 #include <cuda_fp16.h>
 
-#include "client/workers/synthetic_device.h"
+#include "testing/synthetic_device.h"
 
 namespace kvcd::workers {
 namespace {

@@ -9,11 +9,11 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "client/examples/llama2c_tokenizer.h"
-#include "client/examples/llama_worker.h"
 #include "common/activation_dump.h"
 #include "common/cli.h"
 #include "common/safetensors.h"
+#include "examples/llama2c_tokenizer.h"
+#include "examples/llama_worker.h"
 
 ABSL_FLAG(std::string, checkpoint, "", "llama2.c checkpoint (e.g. stories260K.bin)");
 ABSL_FLAG(std::string, tokenizer, "", "llama2.c tokenizer (e.g. tok512.bin)");

@@ -1,4 +1,4 @@
-#include "client/examples/llama2c_tokenizer.h"
+#include "examples/llama2c_tokenizer.h"
 
 #include <cstdint>
 #include <cstdio>

@@ -11,9 +11,9 @@
 
 #include "absl/status/statusor.h"
 #include "client/client.h"
-#include "client/examples/llama_model.h"
 #include "common/activation_dump.h"
 #include "common/safetensors.h"
+#include "examples/llama_model.h"
 #include "tools/fsq_calibration.h"
 
 namespace kvcd::llama {

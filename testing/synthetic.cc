@@ -1,6 +1,6 @@
-#include "client/synthetic.h"
+#include "testing/synthetic.h"
 
-#include "common/tensor_ref.h"
+#include "proto/tensor_ref.h"
 
 namespace kvcd::synthetic {
 namespace {

@@ -15,9 +15,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
-#include "client/synthetic.h"
+#include "testing/synthetic.h"
 #include "common/cli.h"
-#include "common/tensor_ref.h"
+#include "proto/tensor_ref.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/reference_attention.h"
 

@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/layer_activations.h"
+
 namespace kvcd {
 
 struct ActivationSpec {
@@ -32,20 +34,7 @@ struct ActivationSpec {
   double rope_theta = 10000.0;
 };
 
-struct LayerActivations {
-  std::vector<float> q, k, v;
-};
-
 // REQUIRES: head_dim even, num_q_heads % num_kv_heads == 0.
 std::vector<LayerActivations> GenerateActivations(const ActivationSpec& spec);
-
-// OSCAR calibration statistics (docs/formats.md "int2-oscar"), FP64, d x d row-major, 1 layer:
-//   C_q = mean_h (Q_gh^T Q_gh / n_h)  (Q_gh: the g query heads of KV head h stacked)
-//   C_v = mean_h (sum_t w_t v_t^T v_t / n),  w_t = k_t (Q_gh^T Q_gh / n_h) k_t^T,
-//         normalized so that sum_t w_t = n.
-std::vector<double> KeyCovariance(const LayerActivations& a, int64_t n, int num_q_heads,
-                                  int num_kv_heads, int d);
-std::vector<double> ValueCovariance(const LayerActivations& a, int64_t n, int num_q_heads,
-                                    int num_kv_heads, int d);
 
 }  // namespace kvcd

@@ -1,4 +1,4 @@
-#include "client/examples/bpe_tokenizer.h"
+#include "examples/bpe_tokenizer.h"
 
 #include <gtest/gtest.h>
 

@@ -12,10 +12,10 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "client/examples/bpe_tokenizer.h"
-#include "client/examples/llama_worker.h"
 #include "common/activation_dump.h"
 #include "common/cli.h"
+#include "examples/bpe_tokenizer.h"
+#include "examples/llama_worker.h"
 
 ABSL_FLAG(std::string, model, "", "directory of model.safetensors and tokenizer.txt");
 ABSL_FLAG(std::string, prompt, "The capital of France is", "prompt of the greedy generation");

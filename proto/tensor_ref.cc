@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "checked_math.h"
+#include "common/checked_math.h"
 #include "kvcd/kernels/bf16.h"
 
 namespace kvcd {

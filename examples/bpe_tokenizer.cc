@@ -1,4 +1,4 @@
-#include "client/examples/bpe_tokenizer.h"
+#include "examples/bpe_tokenizer.h"
 
 #include <algorithm>
 #include <fstream>
