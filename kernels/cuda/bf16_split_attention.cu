@@ -400,16 +400,8 @@ bool SplitGeometry(const DecodeGeometry& g) {
 }  // namespace
 
 int Bf16SplitCtasPerSm(int head_dim) {
-  switch (head_dim) {
-    case 64:
-      return kCtasPerSm<64>;
-    case 128:
-      return kCtasPerSm<128>;
-    case 256:
-      return kCtasPerSm<256>;
-    default:
-      return 0;
-  }
+  return kernels::DispatchHeadDim(
+      head_dim, [](auto hd) { return kCtasPerSm<decltype(hd)::value>; }, [] { return 0; });
 }
 
 int Bf16DecodeSplits(Bf16Kernel kernel, int batch, int num_kv_heads, int head_dim, int max_tokens,

@@ -13,8 +13,8 @@
 // v2 kernel (head_dim 64/128) takes the codes as A and accumulates the value products in
 // int32 across tiles; with pages of 64 tokens its warps stream their pages into shared
 // memory by bulk copies (mbarrier-completed stages). The first kernel (every head_dim) takes
-// the query and the weights as A and accumulates in FP32 per tile (decode_attention.cu says
-// more).
+// the query and the weights as A and accumulates in FP32 per tile (int2_decode_v1.cu and
+// int2_decode_v2.cu say more).
 // Split-K: grid (splits, kv_heads, batch); partial (o_rot, lse) in FP32; a merge kernel
 // combines the splits (and optional extra states, e.g. BF16 windows) and applies R_v^T.
 #pragma once
