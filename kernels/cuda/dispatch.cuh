@@ -29,14 +29,7 @@ using HeadTiles = std::integral_constant<int, NT>;
 // cudaError_t; cudaErrorInvalidValue for any other count.
 template <class Fn>
 cudaError_t DispatchHeadTiles(int head_tiles, Fn&& fn) {
-  switch (head_tiles) {
-    case 1:
-      return fn(HeadTiles<1>{});
-    case 2:
-      return fn(HeadTiles<2>{});
-    default:
-      return cudaErrorInvalidValue;
-  }
+  return kernels::DispatchValue<1, 2>(head_tiles, fn, [] { return cudaErrorInvalidValue; });
 }
 
 }  // namespace kvcd::kernels::cuda

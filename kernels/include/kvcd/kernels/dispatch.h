@@ -1,4 +1,4 @@
-// The dispatches of the kernels' runtime parameters to compile-time ones (FlashInfer style),
+// The dispatch of the kernels' runtime parameters to compile-time ones (FlashInfer style),
 // framework-free and shared by the CPU kernels and the CUDA launchers (cuda/dispatch.cuh):
 // a kernel instantiated per value gets its value here and nowhere else, and a value outside
 // the set goes to the caller's `otherwise` (never a silent default).
@@ -8,43 +8,34 @@
 
 namespace kvcd::kernels {
 
-template <int D>
-using HeadDim = std::integral_constant<int, D>;
-
-// fn(HeadDim<D>{}) for head_dim in {64, 128, 256}, else otherwise().
-template <class Fn, class Otherwise>
-decltype(auto) DispatchHeadDim(int head_dim, Fn&& fn, Otherwise&& otherwise) {
-  switch (head_dim) {
-    case 64:
-      return fn(HeadDim<64>{});
-    case 128:
-      return fn(HeadDim<128>{});
-    case 256:
-      return fn(HeadDim<256>{});
-    default:
-      return otherwise();
+// fn(std::integral_constant<int, V>{}) for the V of kValues equal to `value`, else
+// otherwise(); every branch returns the same type.
+template <int kFirst, int... kRest, class Fn, class Otherwise>
+decltype(auto) DispatchValue(int value, Fn&& fn, Otherwise&& otherwise) {
+  if (value == kFirst) return fn(std::integral_constant<int, kFirst>{});
+  if constexpr (sizeof...(kRest) > 0) {
+    return DispatchValue<kRest...>(value, fn, otherwise);
+  } else {
+    return otherwise();
   }
 }
 
-template <int G>
-using GroupSize = std::integral_constant<int, G>;
+template <int D>
+using HeadDim = std::integral_constant<int, D>;
+
+// The head dims every kernel is instantiated for: fn(HeadDim<D>{}) for head_dim in
+// {64, 128, 256}, else otherwise().
+template <class Fn, class Otherwise>
+decltype(auto) DispatchHeadDim(int head_dim, Fn&& fn, Otherwise&& otherwise) {
+  return DispatchValue<64, 128, 256>(head_dim, fn, otherwise);
+}
 
 // The GQA group sizes (query heads per KV head) in common use, which the CPU INT2 kernels
-// instantiate: fn(GroupSize<G>{}) for group in {1, 2, 4, 8}, else otherwise().
+// instantiate: fn(std::integral_constant<int, G>{}) for group in {1, 2, 4, 8}, else
+// otherwise().
 template <class Fn, class Otherwise>
 decltype(auto) DispatchGroupSize(int group, Fn&& fn, Otherwise&& otherwise) {
-  switch (group) {
-    case 1:
-      return fn(GroupSize<1>{});
-    case 2:
-      return fn(GroupSize<2>{});
-    case 4:
-      return fn(GroupSize<4>{});
-    case 8:
-      return fn(GroupSize<8>{});
-    default:
-      return otherwise();
-  }
+  return DispatchValue<1, 2, 4, 8>(group, fn, otherwise);
 }
 
 }  // namespace kvcd::kernels
