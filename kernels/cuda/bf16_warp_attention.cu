@@ -5,6 +5,7 @@
 #include <cfloat>
 #include <cstdint>
 
+#include "cuda_error.cuh"
 #include "decode_parts.cuh"
 #include "dispatch.cuh"
 #include "kvcd/kernels/call_counts.h"
@@ -90,21 +91,21 @@ __global__ void __launch_bounds__(kWarps * 32) Bf16DecodeKernel(PartArgs a) {
 
 }  // namespace
 
-cudaError_t LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
-                                  const float* r_k, float scale, int splits, int max_tokens,
-                                  float* part_o, float* part_lse, int part_base,
-                                  cudaStream_t stream, const RawQueries* raw) {
-  if (!SupportedGeometry(geo) || splits <= 0) return cudaErrorInvalidValue;
+Error LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
+                            const float* r_k, float scale, int splits, int max_tokens,
+                            float* part_o, float* part_lse, int part_base, cudaStream_t stream,
+                            const RawQueries* raw) {
+  if (!SupportedGeometry(geo) || splits <= 0) return ToError(cudaErrorInvalidValue);
   PartArgs a{list,   geo,      q,        r_k, scale, TokensPerSplit(max_tokens, splits, kTile),
              part_o, part_lse, part_base};
   SetRawQueries(raw, &a);
   const dim3 grid(splits, geo.num_kv_heads, geo.batch);
   CountLaunch();
-  return DispatchHeadDim(geo.head_dim, [&](auto hd) {
+  return ToError(DispatchHeadDim(geo.head_dim, [&](auto hd) {
     constexpr int kD = decltype(hd)::value;
     Bf16DecodeKernel<kD><<<grid, kWarps * 32, 0, stream>>>(a);
     return cudaGetLastError();
-  });
+  }));
 }
 
 }  // namespace kvcd::kernels::cuda

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "cuda_error.cuh"
 #include "decode_parts.cuh"
 #include "int2_decode.cuh"
 #include "kvcd/kernels/cuda_decode_attention.h"
@@ -44,15 +45,15 @@ int Int2DecodeSplits(int batch, int num_kv_heads, int max_tokens, int num_sms, i
   return splits < 1 ? 1 : splits;
 }
 
-cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
-                                  const float* r_k, float scale, int splits, int max_tokens,
-                                  float* part_o, float* part_lse, int part_base,
-                                  cudaStream_t stream, const Int2PartsOptions& opt) {
+Error LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
+                            const float* r_k, float scale, int splits, int max_tokens,
+                            float* part_o, float* part_lse, int part_base, cudaStream_t stream,
+                            const Int2PartsOptions& opt) {
   const bool v2 = opt.kernel == Int2Kernel::kAuto && geo.head_dim <= 128;
   if (!SupportedGeometry(geo) || geo.page_size % kTile != 0 || splits <= 0 ||
       (v2 && opt.state == nullptr) ||
       (opt.merge != nullptr && opt.merge->parts < part_base + splits)) {
-    return cudaErrorInvalidValue;
+    return ToError(cudaErrorInvalidValue);
   }
   const int per_split = TokensPerSplit(max_tokens, splits, v2 ? kWarps * 2 * kTile : kTile);
   PartArgs a{list, geo, q, r_k, scale, per_split, part_o, part_lse, part_base};
@@ -65,19 +66,20 @@ cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& g
   } else {
     e = LaunchInt2V1(grid, a, stream);
   }
-  if (e != cudaSuccess || opt.merge == nullptr) return e;
+  if (e != cudaSuccess || opt.merge == nullptr) return ToError(e);
   // The merge as the decode kernel's programmatic dependent: its launch overlaps the tail
   // of the decode grid (which signals once every CTA is past its loop).
   const MergeTarget& m = *opt.merge;
   const int rows = geo.batch * geo.num_q_heads;
-  return LaunchMerge(part_o, part_lse, m.parts, rows, geo.head_dim, m.r_v_t, m.o, m.lse, stream,
-                     /*dependent=*/v2 && opt.dependent_launch, m.faults, m.rows_per_entry);
+  return ToError(LaunchMerge(part_o, part_lse, m.parts, rows, geo.head_dim, m.r_v_t, m.o, m.lse,
+                             stream,
+                             /*dependent=*/v2 && opt.dependent_launch, m.faults, m.rows_per_entry));
 }
 
-cudaError_t LaunchInt2Decode(const Int2DecodeParams& p, int max_tokens, cudaStream_t stream) {
+Error LaunchInt2Decode(const Int2DecodeParams& p, int max_tokens, cudaStream_t stream) {
   const DecodeGeometry geo{p.batch, p.num_q_heads, p.num_kv_heads, p.head_dim, p.page_size};
   if (!SupportedGeometry(geo) || p.page_size % kTile != 0 || p.num_splits <= 0) {
-    return cudaErrorInvalidValue;
+    return ToError(cudaErrorInvalidValue);
   }
   const int rows = p.batch * p.num_q_heads;
   float* part_o = static_cast<float*>(p.workspace);

@@ -5,6 +5,7 @@
 #include <cfloat>
 #include <cstdint>
 
+#include "cuda_error.cuh"
 #include "decode_parts.cuh"
 #include "dispatch.cuh"
 #include "kvcd/kernels/cuda_decode_attention.h"
@@ -120,11 +121,11 @@ cudaError_t LaunchMerge(const float* part_o, const float* part_lse, int parts, i
   });
 }
 
-cudaError_t LaunchMergeParts(const float* part_o, const float* part_lse, int parts, int rows,
-                             int head_dim, const float* r_v_t, float* o, float* lse,
-                             cudaStream_t stream, const DeviceFault* faults, int rows_per_entry) {
-  return LaunchMerge(part_o, part_lse, parts, rows, head_dim, r_v_t, o, lse, stream,
-                     /*dependent=*/false, faults, rows_per_entry);
+Error LaunchMergeParts(const float* part_o, const float* part_lse, int parts, int rows,
+                       int head_dim, const float* r_v_t, float* o, float* lse, cudaStream_t stream,
+                       const DeviceFault* faults, int rows_per_entry) {
+  return ToError(LaunchMerge(part_o, part_lse, parts, rows, head_dim, r_v_t, o, lse, stream,
+                             /*dependent=*/false, faults, rows_per_entry));
 }
 
 }  // namespace kvcd::kernels::cuda
