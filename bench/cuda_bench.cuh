@@ -13,10 +13,18 @@
 #include <vector>
 
 #include "kvcd/kernels/cuda_store_rows.h"
+#include "kvcd/kernels/error.h"
+
+// The cudaError_t of a CUDA runtime call, or of a kernels launcher's Error.
+inline cudaError_t CheckedCode(cudaError_t e) { return e; }
+inline cudaError_t CheckedCode(const kvcd::kernels::Error& e) {
+  if (e.ok()) return cudaSuccess;
+  return e.device_code() != 0 ? static_cast<cudaError_t>(e.device_code()) : cudaErrorUnknown;
+}
 
 #define CHECK(x)                                                                              \
   do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
+    cudaError_t e_ = CheckedCode(x);                                                          \
     if (e_ != cudaSuccess) {                                                                  \
       std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
       std::exit(1);                                                                           \

@@ -267,11 +267,11 @@ int main(int argc, char** argv) {
     auto conn = (*client)->NcclConnect("prefill", timeout_ms);
     CHECK_OK(conn.status());
     comm_id = conn->communicator_id();
-    std::string e = kc::CreateStream(&nstream);
-    if (e.empty()) e = kc::NcclInit(conn->unique_id(), 2, 1, timeout_ms, &comm);
-    if (!e.empty()) {
+    kvcd::kernels::Error e = kc::CreateStream(&nstream);
+    if (e.ok()) e = kc::NcclInit(conn->unique_id(), 2, 1, timeout_ms, &comm);
+    if (!e.ok()) {
       std::printf("nccl: joining communicator %llu failed: %s\n",
-                  static_cast<unsigned long long>(comm_id), e.c_str());
+                  static_cast<unsigned long long>(comm_id), e.message().c_str());
       comm = nullptr;
     }
   }
@@ -296,11 +296,13 @@ int main(int argc, char** argv) {
       req.mutable_pages()->mutable_nccl()->set_size(static_cast<uint64_t>(total));
       absl::StatusOr<int64_t> r = absl::UnknownError("not run");
       std::thread rpc([&] { r = (*client)->PushPages(req); });
-      std::string e = comm ? kc::NcclSend(comm, pushed, total, 0, nstream) : "no communicator";
-      if (e.empty()) e = kc::NcclWait(comm, nstream, timeout_ms);
+      kvcd::kernels::Error e =
+          comm ? kc::NcclSend(comm, pushed, total, 0, nstream)
+               : kvcd::kernels::Error(kvcd::kernels::ErrorCode::kNccl, "no communicator");
+      if (e.ok()) e = kc::NcclWait(comm, nstream, timeout_ms);
       rpc.join();
       if (!r.ok()) return r.status();
-      if (!e.empty()) return absl::InternalError("ncclSend: " + e);
+      if (!e.ok()) return absl::InternalError("ncclSend: " + e.message());
     }
     return Seconds(t0);
   };
@@ -352,11 +354,11 @@ int main(int argc, char** argv) {
       f.mutable_destination()->mutable_nccl()->set_size(static_cast<uint64_t>(total));
       absl::StatusOr<kvcd::v1::FetchPagesResponse> resp = absl::UnknownError("not run");
       std::thread rpc([&] { resp = (*client)->FetchPages(f); });
-      std::string e = kc::NcclRecv(comm, fetched, total, 0, nstream);
-      if (e.empty()) e = kc::NcclWait(comm, nstream, timeout_ms);
+      kvcd::kernels::Error e = kc::NcclRecv(comm, fetched, total, 0, nstream);
+      if (e.ok()) e = kc::NcclWait(comm, nstream, timeout_ms);
       rpc.join();
       CHECK_OK(resp.status());
-      if (!e.empty()) CHECK_OK(absl::InternalError("ncclRecv: " + e));
+      if (!e.ok()) CHECK_OK(absl::InternalError("ncclRecv: " + e.message()));
     }
     fetch_s.push_back(Seconds(t0));
   }

@@ -1,5 +1,7 @@
 #include "kvcd/kernels/bf16_attention.h"
 
+#include "isa_dispatch.h"
+
 namespace kvcd::kernels {
 namespace internal {
 #define KVCD_DECLARE_BF16_ATTEND(fn)                                                            \
@@ -15,22 +17,9 @@ void AttendBf16Pages(const Bf16PageTable& kv, int kv_head, const float* q, int g
                      float softmax_scale, int64_t token_begin, int64_t token_end, float* o,
                      float* lse, CpuIsa isa) {
   // The vector primitives step 16 (AVX-512) or 8 (AVX2) floats at a time.
-  if (isa == CpuIsa::kAvx512 && kv.head_dim % 16 != 0) isa = CpuIsa::kAvx2;
-  if (isa == CpuIsa::kAvx2 && kv.head_dim % 8 != 0) isa = CpuIsa::kScalar;
-  switch (isa) {
-    case CpuIsa::kAvx512:
-      internal::AttendBf16PagesAvx512(kv, kv_head, q, group, softmax_scale, token_begin, token_end,
-                                      o, lse);
-      return;
-    case CpuIsa::kAvx2:
-      internal::AttendBf16PagesAvx2(kv, kv_head, q, group, softmax_scale, token_begin, token_end, o,
-                                    lse);
-      return;
-    case CpuIsa::kScalar:
-      break;
-  }
-  internal::AttendBf16PagesScalar(kv, kv_head, q, group, softmax_scale, token_begin, token_end, o,
-                                  lse);
+  internal::ForIsa(internal::UsableIsa(isa, kv.head_dim, 16, 8), internal::AttendBf16PagesScalar,
+                   internal::AttendBf16PagesAvx2, internal::AttendBf16PagesAvx512)(
+      kv, kv_head, q, group, softmax_scale, token_begin, token_end, o, lse);
 }
 
 }  // namespace kvcd::kernels

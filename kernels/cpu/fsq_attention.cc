@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "fsq_math.h"
+#include "isa_dispatch.h"
 #include "kvcd/kernels/fsq.h"
 
 namespace kvcd::kernels {
@@ -23,22 +24,9 @@ void AttendFsqPages(const FsqPageTable& pages, const FsqLayerCodec& codec, const
                     int kv_head, const float* q, int group, float softmax_scale,
                     int64_t token_begin, int64_t token_end, float* o, float* lse, CpuIsa isa) {
   // The key rebuild works on 2 vectors of head dims at a time: 32 (AVX-512) or 16 (AVX2).
-  if (isa == CpuIsa::kAvx512 && codec.head_dim % 32 != 0) isa = CpuIsa::kAvx2;
-  if (isa == CpuIsa::kAvx2 && codec.head_dim % 16 != 0) isa = CpuIsa::kScalar;
-  switch (isa) {
-    case CpuIsa::kAvx512:
-      internal::AttendFsqPagesAvx512(pages, codec, rope, kv_head, q, group, softmax_scale,
-                                     token_begin, token_end, o, lse);
-      return;
-    case CpuIsa::kAvx2:
-      internal::AttendFsqPagesAvx2(pages, codec, rope, kv_head, q, group, softmax_scale,
-                                   token_begin, token_end, o, lse);
-      return;
-    case CpuIsa::kScalar:
-      break;
-  }
-  internal::AttendFsqPagesScalar(pages, codec, rope, kv_head, q, group, softmax_scale, token_begin,
-                                 token_end, o, lse);
+  internal::ForIsa(internal::UsableIsa(isa, codec.head_dim, 32, 16), internal::AttendFsqPagesScalar,
+                   internal::AttendFsqPagesAvx2, internal::AttendFsqPagesAvx512)(
+      pages, codec, rope, kv_head, q, group, softmax_scale, token_begin, token_end, o, lse);
 }
 
 void AttendFsqPagesReference(const FsqPageTable& pages, const FsqLayerCodec& codec,

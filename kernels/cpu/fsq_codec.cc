@@ -9,6 +9,7 @@
 
 #include "fsq_encode.h"
 #include "fsq_math.h"
+#include "isa_dispatch.h"
 #include "kvcd/kernels/fsq.h"
 
 namespace kvcd::kernels {
@@ -82,15 +83,22 @@ void FsqEncodeRowsScalar(const FsqLayerCodec& codec, const float* x, int64_t tok
 
 }  // namespace internal
 
+namespace {
+
+void FsqEncodeAllRowsScalar(const FsqLayerCodec& codec, const float* x, int64_t tokens,
+                            uint8_t* codes) {
+  internal::FsqEncodeRowsScalar(codec, x, tokens, 0, codec.latent_width, codes);
+}
+
+}  // namespace
+
 void FsqEncodeRows(const FsqLayerCodec& codec, const float* x, int64_t tokens, uint8_t* codes,
                    CpuIsa isa) {
   const int G = codec.latent_width;
   std::fill(codes, codes + tokens * FsqCodeBytes(G), uint8_t{0});  // odd G: last high nibble 0
-  if (isa >= CpuIsa::kAvx2) {
-    internal::FsqEncodeRowsAvx2(codec, x, tokens, codes);
-  } else {
-    internal::FsqEncodeRowsScalar(codec, x, tokens, 0, G, codes);
-  }
+  // The AVX2 encoder serves AVX-512 CPUs too.
+  internal::ForIsa(isa, FsqEncodeAllRowsScalar, internal::FsqEncodeRowsAvx2,
+                   internal::FsqEncodeRowsAvx2)(codec, x, tokens, codes);
 }
 
 namespace {

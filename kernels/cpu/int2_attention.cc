@@ -4,6 +4,7 @@
 #include <limits>
 #include <vector>
 
+#include "isa_dispatch.h"
 #include "kvcd/kernels/fp16.h"
 
 namespace kvcd::kernels {
@@ -21,22 +22,9 @@ void AttendInt2Pages(const Int2PageTable& kv, int kv_head, const float* q_rot, i
                      float softmax_scale, int64_t token_begin, int64_t token_end, float* o_rot,
                      float* lse, CpuIsa isa) {
   // Dot/Axpy/Scale step 16 (AVX-512) or 8 (AVX2) floats.
-  if (isa == CpuIsa::kAvx512 && kv.head_dim % 16 != 0) isa = CpuIsa::kAvx2;
-  if (isa == CpuIsa::kAvx2 && kv.head_dim % 8 != 0) isa = CpuIsa::kScalar;
-  switch (isa) {
-    case CpuIsa::kAvx512:
-      internal::AttendInt2PagesAvx512(kv, kv_head, q_rot, group, softmax_scale, token_begin,
-                                      token_end, o_rot, lse);
-      return;
-    case CpuIsa::kAvx2:
-      internal::AttendInt2PagesAvx2(kv, kv_head, q_rot, group, softmax_scale, token_begin,
-                                    token_end, o_rot, lse);
-      return;
-    case CpuIsa::kScalar:
-      break;
-  }
-  internal::AttendInt2PagesScalar(kv, kv_head, q_rot, group, softmax_scale, token_begin, token_end,
-                                  o_rot, lse);
+  internal::ForIsa(internal::UsableIsa(isa, kv.head_dim, 16, 8), internal::AttendInt2PagesScalar,
+                   internal::AttendInt2PagesAvx2, internal::AttendInt2PagesAvx512)(
+      kv, kv_head, q_rot, group, softmax_scale, token_begin, token_end, o_rot, lse);
 }
 
 void AttendInt2PagesReference(const Int2PageTable& kv, int kv_head, const float* q_rot, int group,

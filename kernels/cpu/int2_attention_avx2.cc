@@ -31,6 +31,7 @@
 #include "int2_attention_impl.h"
 #include "int2_page_prefetch.h"
 #include "int2_values_avx2.h"
+#include "kvcd/kernels/dispatch.h"
 #include "simd_avx2.h"
 
 namespace kvcd::kernels::internal {
@@ -191,30 +192,23 @@ void AttendInt2PagesAvx2(const Int2PageTable& kv, int kv_head, const float* q, i
                          float softmax_scale, int64_t token_begin, int64_t token_end, float* o,
                          float* lse) {
   if (CpuHasF16c() && kv.head_dim % 32 == 0 && kv.head_dim <= kMaxD && kv.page_size % 8 == 0) {
-    switch (group) {  // one instantiation per GQA group size in common use
-      case 1:
-        return kv.head_dim == 128 ? AttendInt2Madd<1, 128>(kv, kv_head, q, softmax_scale,
-                                                           token_begin, token_end, o, lse)
-                                  : AttendInt2Madd<1, 0>(kv, kv_head, q, softmax_scale, token_begin,
-                                                         token_end, o, lse);
-      case 2:
-        return kv.head_dim == 128 ? AttendInt2Madd<2, 128>(kv, kv_head, q, softmax_scale,
-                                                           token_begin, token_end, o, lse)
-                                  : AttendInt2Madd<2, 0>(kv, kv_head, q, softmax_scale, token_begin,
-                                                         token_end, o, lse);
-      case 4:
-        return kv.head_dim == 128 ? AttendInt2Madd<4, 128>(kv, kv_head, q, softmax_scale,
-                                                           token_begin, token_end, o, lse)
-                                  : AttendInt2Madd<4, 0>(kv, kv_head, q, softmax_scale, token_begin,
-                                                         token_end, o, lse);
-      case 8:
-        return kv.head_dim == 128 ? AttendInt2Madd<8, 128>(kv, kv_head, q, softmax_scale,
-                                                           token_begin, token_end, o, lse)
-                                  : AttendInt2Madd<8, 0>(kv, kv_head, q, softmax_scale, token_begin,
-                                                         token_end, o, lse);
-      default:
-        break;  // other group sizes: the FP32 path below
-    }
+    // One instantiation per GQA group size in common use; head_dim 128 fixed at compile time,
+    // the others read at run time (kD = 0). Other group sizes: the FP32 path below.
+    const bool done = DispatchGroupSize(
+        group,
+        [&](auto g) {
+          auto madd = [&](auto hd) {
+            AttendInt2Madd<decltype(g)::value, decltype(hd)::value>(kv, kv_head, q, softmax_scale,
+                                                                    token_begin, token_end, o, lse);
+          };
+          DispatchHeadDim(
+              kv.head_dim,
+              [&](auto hd) { madd(HeadDim < decltype(hd)::value == 128 ? 128 : 0 > {}); },
+              [&] { madd(HeadDim<0>{}); });
+          return true;
+        },
+        [] { return false; });
+    if (done) return;
   }
   AttendInt2PagesImpl<Avx2Ops>(kv, kv_head, q, group, softmax_scale, token_begin, token_end, o,
                                lse);

@@ -26,6 +26,7 @@
 
 #include "int2_attention_impl.h"
 #include "int2_page_prefetch.h"
+#include "kvcd/kernels/dispatch.h"
 #include "simd_avx512.h"
 
 namespace kvcd::kernels::internal {
@@ -220,19 +221,16 @@ void AttendInt2Vnni(const Int2PageTable& kv, int kv_head, const float* q, float 
       prefetch.Slice(g0 / 16, 8);
       __m512i sum[G];
       const int64_t kstride = int64_t{ps} * 4;
-      switch (groups4) {  // the loop over byte groups unrolled for head_dim 64, 128, 256
-        case 4:
-          PlaneDots<G, 0, 4, 4, kMaxD / 4, true>(kc, kstride, groups4, bmask, qhi, qlo, sum);
-          break;
-        case 8:
-          PlaneDots<G, 0, 4, 8, kMaxD / 4, true>(kc, kstride, groups4, bmask, qhi, qlo, sum);
-          break;
-        case 16:
-          PlaneDots<G, 0, 4, 16, kMaxD / 4, true>(kc, kstride, groups4, bmask, qhi, qlo, sum);
-          break;
-        default:
-          PlaneDots<G, 0, 4, 0, kMaxD / 4, true>(kc, kstride, groups4, bmask, qhi, qlo, sum);
-      }
+      // The loop over byte groups unrolled for head_dim 64, 128, 256 (kN = head_dim / 16).
+      DispatchHeadDim(
+          d,
+          [&](auto hd) {
+            PlaneDots<G, 0, 4, decltype(hd)::value / 16, kMaxD / 4, true>(kc, kstride, groups4,
+                                                                          bmask, qhi, qlo, sum);
+          },
+          [&] {
+            PlaneDots<G, 0, 4, 0, kMaxD / 4, true>(kc, kstride, groups4, bmask, qhi, qlo, sum);
+          });
       const __m512 sc = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, kr.scale + off + g0));
       const __m512 lo = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, kr.lo + off + g0));
       for (int i = 0; i < G; ++i) {
@@ -354,18 +352,17 @@ void AttendInt2PagesAvx512(const Int2PageTable& kv, int kv_head, const float* q,
                            float softmax_scale, int64_t token_begin, int64_t token_end, float* o,
                            float* lse) {
   if (CpuHasAvx512Vnni() && kv.head_dim % 64 == 0) {
-    switch (group) {  // one instantiation per GQA group size in common use
-      case 1:
-        return AttendInt2Vnni<1>(kv, kv_head, q, softmax_scale, token_begin, token_end, o, lse);
-      case 2:
-        return AttendInt2Vnni<2>(kv, kv_head, q, softmax_scale, token_begin, token_end, o, lse);
-      case 4:
-        return AttendInt2Vnni<4>(kv, kv_head, q, softmax_scale, token_begin, token_end, o, lse);
-      case 8:
-        return AttendInt2Vnni<8>(kv, kv_head, q, softmax_scale, token_begin, token_end, o, lse);
-      default:
-        break;  // other group sizes: the generic AVX-512 path below
-    }
+    // One instantiation per GQA group size in common use; other group sizes: the generic
+    // AVX-512 path below.
+    const bool done = DispatchGroupSize(
+        group,
+        [&](auto g) {
+          AttendInt2Vnni<decltype(g)::value>(kv, kv_head, q, softmax_scale, token_begin, token_end,
+                                             o, lse);
+          return true;
+        },
+        [] { return false; });
+    if (done) return;
   }
   AttendInt2PagesImpl<Avx512Ops>(kv, kv_head, q, group, softmax_scale, token_begin, token_end, o,
                                  lse);

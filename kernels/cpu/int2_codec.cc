@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "isa_dispatch.h"
 #include "kvcd/kernels/fp16.h"
 
 namespace kvcd::kernels {
@@ -19,11 +20,9 @@ namespace internal {
 void RotateRowsAvx512(const float* x, int64_t n, int d, const float* r, float* out);
 }  // namespace internal
 
-void RotateRows(const float* x, int64_t n, int d, const float* r, float* out, CpuIsa isa) {
-  if (isa == CpuIsa::kAvx512 && d % 16 == 0) {
-    internal::RotateRowsAvx512(x, n, d, r, out);
-    return;
-  }
+namespace {
+
+void RotateRowsScalar(const float* x, int64_t n, int d, const float* r, float* out) {
   for (int64_t t = 0; t < n; ++t) {
     const float* xr = x + t * d;
     float* o = out + t * d;
@@ -34,6 +33,14 @@ void RotateRows(const float* x, int64_t n, int d, const float* r, float* out, Cp
       for (int j = 0; j < d; ++j) o[j] += xi * ri[j];
     }
   }
+}
+
+}  // namespace
+
+void RotateRows(const float* x, int64_t n, int d, const float* r, float* out, CpuIsa isa) {
+  // No AVX2 version: the scalar loop stands in for it.
+  internal::ForIsa(internal::UsableIsa(isa, d, 16, 1), RotateRowsScalar, RotateRowsScalar,
+                   internal::RotateRowsAvx512)(x, n, d, r, out);
 }
 
 Rotation ClassifyRotation(const float* r, int d) {

@@ -26,6 +26,7 @@
 #include <cstdint>
 
 #include "int2_values_avx2.h"
+#include "kvcd/kernels/dispatch.h"
 #include "simd_avx2.h"
 #include "transform_attention_impl.h"
 
@@ -182,26 +183,25 @@ KVCD_XFORM_AVX2_TARGET void AttendTransformMadd(const TransformPageTable& kv, in
   UnrotateTransformOutput<Avx2Ops>(r_v, o, G, d, out);
 }
 
-// The integer kernel for the first (group, head_dim) pair that matches; false if none.
-template <int kGroup, int... kDs>
-bool AttendTransformMaddD(const TransformPageTable& kv, int kv_head, const TransformKeyCode& key,
-                          const float* r_v, const float* q, float softmax_scale,
-                          int64_t token_begin, int64_t token_end, float* o, float* lse) {
-  return ((kv.layout.head_dim == kDs &&
-           (AttendTransformMadd<kGroup, kDs>(kv, kv_head, key, r_v, q, softmax_scale, token_begin,
-                                             token_end, o, lse),
-            true)) ||
-          ...);
-}
-
-template <int... kGroups>
-bool AttendTransformMaddG(const TransformPageTable& kv, int kv_head, const TransformKeyCode& key,
-                          const float* r_v, const float* q, int group, float softmax_scale,
-                          int64_t token_begin, int64_t token_end, float* o, float* lse) {
-  return ((group == kGroups &&
-           AttendTransformMaddD<kGroups, 32, 64, 96, 128>(kv, kv_head, key, r_v, q, softmax_scale,
-                                                          token_begin, token_end, o, lse)) ||
-          ...);
+// The integer kernel for the (group, head_dim) pair if it has one: group sizes in common use
+// (3: SmolLM2-135M, 9 query / 3 KV heads) and the int2-transform format's head dims 32..128
+// (the int32 logit sums need head_dim <= 128); false otherwise.
+bool AttendTransformMaddAny(const TransformPageTable& kv, int kv_head, const TransformKeyCode& key,
+                            const float* r_v, const float* q, int group, float softmax_scale,
+                            int64_t token_begin, int64_t token_end, float* o, float* lse) {
+  return DispatchValue<1, 2, 3, 4, 8>(
+      group,
+      [&](auto g) {
+        return DispatchValue<32, 64, 96, 128>(
+            kv.layout.head_dim,
+            [&](auto d) {
+              AttendTransformMadd<decltype(g)::value, decltype(d)::value>(
+                  kv, kv_head, key, r_v, q, softmax_scale, token_begin, token_end, o, lse);
+              return true;
+            },
+            [] { return false; });
+      },
+      [] { return false; });
 }
 
 #undef KVCD_XFORM_AVX2_TARGET
@@ -212,10 +212,9 @@ void AttendTransformPagesAvx2(const TransformPageTable& kv, int kv_head,
                               const TransformKeyCode& key, const float* r_v, const float* q,
                               int group, float softmax_scale, int64_t token_begin,
                               int64_t token_end, float* o, float* lse) {
-  // Group sizes in common use (3: SmolLM2-135M, 9 query / 3 KV heads).
   if (CpuHasF16c() && kv.layout.page_size % 8 == 0 &&
-      AttendTransformMaddG<1, 2, 3, 4, 8>(kv, kv_head, key, r_v, q, group, softmax_scale,
-                                          token_begin, token_end, o, lse)) {
+      AttendTransformMaddAny(kv, kv_head, key, r_v, q, group, softmax_scale, token_begin, token_end,
+                             o, lse)) {
     return;
   }
   AttendTransformPagesImpl<Avx2TransformOps>(kv, kv_head, key, r_v, q, group, softmax_scale,

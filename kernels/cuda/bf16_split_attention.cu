@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cuda_error.cuh"
 #include "dispatch.cuh"
 #include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_bf16_split_attention.h"
@@ -400,16 +401,8 @@ bool SplitGeometry(const DecodeGeometry& g) {
 }  // namespace
 
 int Bf16SplitCtasPerSm(int head_dim) {
-  switch (head_dim) {
-    case 64:
-      return kCtasPerSm<64>;
-    case 128:
-      return kCtasPerSm<128>;
-    case 256:
-      return kCtasPerSm<256>;
-    default:
-      return 0;
-  }
+  return kernels::DispatchHeadDim(
+      head_dim, [](auto hd) { return kCtasPerSm<decltype(hd)::value>; }, [] { return 0; });
 }
 
 int Bf16DecodeSplits(Bf16Kernel kernel, int batch, int num_kv_heads, int head_dim, int max_tokens,
@@ -431,11 +424,11 @@ int Bf16DecodeSplits(Bf16Kernel kernel, int batch, int num_kv_heads, int head_di
   return splits < 1 ? 1 : static_cast<int>(splits);
 }
 
-cudaError_t LaunchBf16SplitDecodeParts(const PagedList& list, const DecodeGeometry& geo,
-                                       const float* q, const float* r_k, float scale, int splits,
-                                       int max_tokens, float* part_o, float* part_lse,
-                                       int part_base, cudaStream_t stream, const RawQueries* raw) {
-  if (!SplitGeometry(geo) || splits <= 0) return cudaErrorInvalidValue;
+Error LaunchBf16SplitDecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
+                                 const float* r_k, float scale, int splits, int max_tokens,
+                                 float* part_o, float* part_lse, int part_base, cudaStream_t stream,
+                                 const RawQueries* raw) {
+  if (!SplitGeometry(geo) || splits <= 0) return ToError(cudaErrorInvalidValue);
   if (reinterpret_cast<uintptr_t>(list.pages) % 16 != 0 || list.page_stride % 16 != 0) {
     // 16-byte copies need 16-byte aligned rows (BF16 pools are; a pool whose pages carry
     // other data after the rows may not be).
@@ -459,14 +452,14 @@ cudaError_t LaunchBf16SplitDecodeParts(const PagedList& list, const DecodeGeomet
     a.q_faults = raw->faults;
     a.q_fault_bits = FaultTag(0, raw->fault_layer);
   }
-  return DispatchHeadDim(
-      geo.head_dim, [&](auto d) { return LaunchSplit<decltype(d)::value>(a, splits, stream); });
+  return ToError(DispatchHeadDim(
+      geo.head_dim, [&](auto d) { return LaunchSplit<decltype(d)::value>(a, splits, stream); }));
 }
 
-cudaError_t LaunchBf16Parts(Bf16Kernel kernel, const PagedList& list, const DecodeGeometry& geo,
-                            const float* q, const float* r_k, float scale, int splits,
-                            int max_tokens, float* part_o, float* part_lse, int part_base,
-                            cudaStream_t stream, const RawQueries* raw) {
+Error LaunchBf16Parts(Bf16Kernel kernel, const PagedList& list, const DecodeGeometry& geo,
+                      const float* q, const float* r_k, float scale, int splits, int max_tokens,
+                      float* part_o, float* part_lse, int part_base, cudaStream_t stream,
+                      const RawQueries* raw) {
   if (kernel == Bf16Kernel::kWarp) {
     return LaunchBf16DecodeParts(list, geo, q, r_k, scale, splits, max_tokens, part_o, part_lse,
                                  part_base, stream, raw);

@@ -4,6 +4,7 @@
 // quantizer is int2_row_quantizer.cuh, shared with the paged row stores.
 #include <algorithm>
 
+#include "cuda_error.cuh"
 #include "dispatch.cuh"
 #include "int2_row_quantizer.cuh"
 #include "kvcd/kernels/call_counts.h"
@@ -123,15 +124,15 @@ __global__ void __launch_bounds__(256)
 
 }  // namespace
 
-cudaError_t LaunchDemoteInt2(const uint16_t* rows, int64_t n, int head_dim, const float* rotation,
-                             Rotation kind, float rho, const Int2RowRef& out, int64_t first_row,
-                             cudaStream_t stream, DemoteKernel kernel) {
-  if (n <= 0) return cudaSuccess;
+Error LaunchDemoteInt2(const uint16_t* rows, int64_t n, int head_dim, const float* rotation,
+                       Rotation kind, float rho, const Int2RowRef& out, int64_t first_row,
+                       cudaStream_t stream, DemoteKernel kernel) {
+  if (n <= 0) return Error();
   constexpr int64_t kMax32 = (int64_t{1} << 31) - 1;
   if (!(rho > 0.0f && rho <= 1.0f) || first_row < 0 || first_row + n > kMax32 ||
       out.rows_per_group <= 0 || out.bytes_per_group <= 0 ||
       (kind != Rotation::kNone && rotation == nullptr)) {
-    return cudaErrorInvalidValue;
+    return ToError(cudaErrorInvalidValue);
   }
   const CodeAddr addr{out.codes,
                       out.row_stride,
@@ -146,7 +147,7 @@ cudaError_t LaunchDemoteInt2(const uint16_t* rows, int64_t n, int head_dim, cons
   const bool grouped = kernel == DemoteKernel::kGrouped && kind != Rotation::kDense &&
                        reinterpret_cast<uintptr_t>(rows) % 16 == 0;
   CountLaunch();
-  return DispatchHeadDim(head_dim, [&](auto hd) {
+  return ToError(DispatchHeadDim(head_dim, [&](auto hd) {
     constexpr int kD = decltype(hd)::value;
     if (grouped) {
       const int64_t q = kD / 4;
@@ -165,7 +166,7 @@ cudaError_t LaunchDemoteInt2(const uint16_t* rows, int64_t n, int head_dim, cons
           first_row);
     }
     return cudaGetLastError();
-  });
+  }));
 }
 
 }  // namespace kvcd::kernels::cuda

@@ -1,5 +1,6 @@
 #include <cstdint>
 
+#include "cuda_error.cuh"
 #include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_device_copy.h"
 #include "query_input.cuh"
@@ -39,23 +40,22 @@ unsigned Blocks(int64_t n) {
 
 }  // namespace
 
-cudaError_t LaunchQueriesToFloat(const void* src, bool bf16, int64_t batch, int64_t row_elems,
-                                 float* dst, const DeviceFault* faults, cudaStream_t stream,
-                                 int64_t fault_layer) {
+Error LaunchQueriesToFloat(const void* src, bool bf16, int64_t batch, int64_t row_elems, float* dst,
+                           const DeviceFault* faults, cudaStream_t stream, int64_t fault_layer) {
   if (batch <= 0 || row_elems <= 0)
-    return batch < 0 || row_elems < 0 ? cudaErrorInvalidValue : cudaSuccess;
+    return ToError(batch < 0 || row_elems < 0 ? cudaErrorInvalidValue : cudaSuccess);
   const int64_t n = batch * row_elems;
   CountLaunch();
   QueriesToFloatKernel<<<Blocks(n), kThreads, 0, stream>>>(src, bf16, n, row_elems, dst, faults,
                                                            FaultTag(0, fault_layer));
-  return cudaGetLastError();
+  return ToError(cudaGetLastError());
 }
 
-cudaError_t LaunchToFloat(const void* src, bool bf16, int64_t n, float* dst, cudaStream_t stream) {
-  if (n <= 0) return cudaSuccess;
+Error LaunchToFloat(const void* src, bool bf16, int64_t n, float* dst, cudaStream_t stream) {
+  if (n <= 0) return Error();
   CountLaunch();
   ToFloatKernel<<<Blocks(n), kThreads, 0, stream>>>(src, bf16, n, dst);
-  return cudaGetLastError();
+  return ToError(cudaGetLastError());
 }
 
 }  // namespace kvcd::kernels::cuda

@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "cuda_error.cuh"
 #include "dispatch.cuh"
 #include "kvcd/kernels/cuda_fsq.h"
 
@@ -638,13 +639,12 @@ size_t FsqDecoderBytes(int num_kv_heads, int head_dim, int latent_width) {
          static_cast<size_t>(num_kv_heads) * head_dim * sizeof(float2);
 }
 
-cudaError_t LaunchFsqPrepareDecoder(const FsqLayerCodec& codec, void* prepared,
-                                    cudaStream_t stream) {
+Error LaunchFsqPrepareDecoder(const FsqLayerCodec& codec, void* prepared, cudaStream_t stream) {
   const int hkv = codec.num_kv_heads, d = codec.head_dim, G = codec.latent_width;
   if (prepared == nullptr || codec.decoder_k == nullptr || codec.bias_k == nullptr || hkv < 1 ||
       d < 8 || d % 8 != 0 || G < 1 || G > kFsqMaxLatent ||
       reinterpret_cast<uintptr_t>(prepared) % 16 != 0) {
-    return cudaErrorInvalidValue;
+    return ToError(cudaErrorInvalidValue);
   }
   auto* frags = static_cast<uint2*>(prepared);
   auto* col = reinterpret_cast<float2*>(static_cast<uint8_t*>(prepared) + FragBytes(hkv, d, G));
@@ -654,7 +654,7 @@ cudaError_t LaunchFsqPrepareDecoder(const FsqLayerCodec& codec, void* prepared,
   const int64_t total = static_cast<int64_t>(hkv) * ((G + 15) / 16) * (d / 8) * 32;
   FsqFragKernel<<<static_cast<unsigned>((total + 255) / 256), 256, 0, stream>>>(
       codec.decoder_k, col, hkv, d, G, frags);
-  return cudaGetLastError();
+  return ToError(cudaGetLastError());
 }
 
 size_t FsqDecodeWorkspaceBytes(int batch, int num_q_heads, int latent_width, int splits) {
@@ -672,10 +672,10 @@ int FsqDecodeSplits(int batch, int num_kv_heads, int max_tokens, int num_sms) {
   return static_cast<int>(s < 1 ? 1 : s);
 }
 
-cudaError_t LaunchFsqDecodeParts(const PagedList& list, const DecodeGeometry& geo,
-                                 const FsqDecodeArgs& args, int max_tokens, float* part_o,
-                                 float* part_lse, int part_base, cudaStream_t stream,
-                                 const MergeTarget* merge) {
+Error LaunchFsqDecodeParts(const PagedList& list, const DecodeGeometry& geo,
+                           const FsqDecodeArgs& args, int max_tokens, float* part_o,
+                           float* part_lse, int part_base, cudaStream_t stream,
+                           const MergeTarget* merge) {
   const FsqLayerCodec& c = args.codec;
   const int G = c.latent_width;
   const RopeSpec& rope = args.rope;
@@ -691,7 +691,7 @@ cudaError_t LaunchFsqDecodeParts(const PagedList& list, const DecodeGeometry& ge
       rope.rotary_dims > geo.head_dim || (rope.rotary_dims > 0 && !(rope.scaling > 0.0)) ||
       (rope.rotary_dims > 0 && rope.pairing == RopePairing::kHalf && rope.rotary_dims % 16 != 0) ||
       (merge != nullptr && merge->r_v_t != nullptr)) {
-    return cudaErrorInvalidValue;
+    return ToError(cudaErrorInvalidValue);
   }
   PartArgs a{};
   a.list = list;
@@ -749,7 +749,7 @@ cudaError_t LaunchFsqDecodeParts(const PagedList& list, const DecodeGeometry& ge
         part_base);
     return cudaGetLastError();
   });
-  if (e != cudaSuccess || merge == nullptr) return e;
+  if (e != cudaSuccess || merge == nullptr) return ToError(e);
   return LaunchMergeParts(part_o, part_lse, merge->parts, rows, geo.head_dim, nullptr, merge->o,
                           merge->lse, stream, merge->faults, merge->rows_per_entry);
 }

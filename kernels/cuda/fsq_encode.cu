@@ -17,6 +17,7 @@
 
 #include <cstdint>
 
+#include "cuda_error.cuh"
 #include "kvcd/kernels/cuda_fsq.h"
 #include "paged_rows.cuh"
 
@@ -130,19 +131,18 @@ __global__ void __launch_bounds__(kEncThreads) FsqEncodeKernel(const EncodeArgs 
 
 }  // namespace
 
-cudaError_t LaunchFsqEncodeRows(const RowBlock& x, const PagedRows& dst, int64_t codes_offset,
-                                const FsqLayerCodec* layer_codecs, int32_t residual_width,
-                                int32_t latent_width, cudaStream_t stream,
-                                const StoreCheck* check) {
+Error LaunchFsqEncodeRows(const RowBlock& x, const PagedRows& dst, int64_t codes_offset,
+                          const FsqLayerCodec* layer_codecs, int32_t residual_width,
+                          int32_t latent_width, cudaStream_t stream, const StoreCheck* check) {
   if (x.data == nullptr || dst.base == nullptr || layer_codecs == nullptr || residual_width < 1 ||
       latent_width < 1 || latent_width > kFsqMaxLatent || dst.page_size < 1 || dst.num_layers < 1 ||
       dst.num_tokens < 0 || codes_offset < 0 ||
       (dst.slots == nullptr && dst.num_tokens > PagedRows::kInlineSlots) ||
       (check != nullptr && check->use_inline_faults && dst.num_tokens > PagedRows::kInlineSlots) ||
       dst.num_layers > 65535) {
-    return cudaErrorInvalidValue;
+    return ToError(cudaErrorInvalidValue);
   }
-  if (dst.num_tokens == 0) return cudaSuccess;
+  if (dst.num_tokens == 0) return Error();
   static const Thresholds thr = [] {
     Thresholds t{};
     FsqLatentThresholds(t.t);
@@ -159,12 +159,12 @@ cudaError_t LaunchFsqEncodeRows(const RowBlock& x, const PagedRows& dst, int64_t
   a.has_check = check != nullptr;
   if (check != nullptr) a.check = *check;
   const int64_t token_blocks = (dst.num_tokens + kEncTokens - 1) / kEncTokens;
-  if (token_blocks > 0x7fffffff) return cudaErrorInvalidValue;
+  if (token_blocks > 0x7fffffff) return ToError(cudaErrorInvalidValue);
   const dim3 grid(static_cast<unsigned>(token_blocks),
                   static_cast<unsigned>((latent_width + kEncLatents - 1) / kEncLatents),
                   static_cast<unsigned>(dst.num_layers));
   FsqEncodeKernel<<<grid, kEncThreads, 0, stream>>>(a);
-  return cudaGetLastError();
+  return ToError(cudaGetLastError());
 }
 
 }  // namespace kvcd::kernels::cuda

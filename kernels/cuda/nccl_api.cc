@@ -6,8 +6,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <string>
 #include <thread>
+#include <utility>
 
+#include "cuda_error.cuh"
 #include "kvcd/kernels/cuda_nccl.h"
 
 namespace kvcd::kernels::cuda {
@@ -95,62 +98,71 @@ std::string Poll(ncclComm_t comm, cudaStream_t stream, int timeout_ms, const cha
   }
 }
 
+// Empty text: success; else a kNccl error with it.
+Error NcclError(std::string text) {
+  if (text.empty()) return Error();
+  return Error(ErrorCode::kNccl, std::move(text));
+}
+
 }  // namespace
 
-std::string NcclLoad() { return Lib().load_error; }
+Error NcclLoad() { return NcclError(Lib().load_error); }
 
-std::string NcclGetUniqueId(std::string* id) {
-  if (!NcclLoad().empty()) return NcclLoad();
+Error NcclGetUniqueId(std::string* id) {
+  if (Error e = NcclLoad(); !e.ok()) return e;
   ncclUniqueId u;
   const std::string e = Text(Lib().get_unique_id(&u));
   if (e.empty()) id->assign(reinterpret_cast<const char*>(&u), sizeof(u));
-  return e;
+  return NcclError(e);
 }
 
-std::string NcclInit(const std::string& id, int nranks, int rank, int timeout_ms, void** comm) {
-  if (!NcclLoad().empty()) return NcclLoad();
-  if (id.size() != sizeof(ncclUniqueId)) return "ncclUniqueId has the wrong size";
+Error NcclInit(const std::string& id, int nranks, int rank, int timeout_ms, void** comm) {
+  if (Error e = NcclLoad(); !e.ok()) return e;
+  if (id.size() != sizeof(ncclUniqueId)) return NcclError("ncclUniqueId has the wrong size");
   ncclUniqueId u;
   std::memcpy(&u, id.data(), sizeof(u));
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
   ncclComm_t c = nullptr;
   const ncclResult_t r = Lib().init_rank_config(&c, nranks, u, rank, &config);
-  if (r != ncclSuccess && r != ncclInProgress) return "ncclCommInitRankConfig: " + Text(r);
+  if (r != ncclSuccess && r != ncclInProgress)
+    return NcclError("ncclCommInitRankConfig: " + Text(r));
   const std::string e = Poll(c, nullptr, timeout_ms, "NCCL communicator init");
-  if (!e.empty()) return e;
+  if (!e.empty()) return NcclError(e);
   *comm = c;
-  return std::string();
+  return Error();
 }
 
-std::string NcclSend(void* comm, const void* buf, size_t bytes, int peer, void* stream) {
+Error NcclSend(void* comm, const void* buf, size_t bytes, int peer, void* stream) {
   const ncclResult_t r = Lib().send(buf, bytes, ncclUint8, peer, static_cast<ncclComm_t>(comm),
                                     static_cast<cudaStream_t>(stream));
-  return r == ncclInProgress ? std::string() : Text(r);
+  return r == ncclInProgress ? Error() : NcclError(Text(r));
 }
 
-std::string NcclRecv(void* comm, void* buf, size_t bytes, int peer, void* stream) {
+Error NcclRecv(void* comm, void* buf, size_t bytes, int peer, void* stream) {
   const ncclResult_t r = Lib().recv(buf, bytes, ncclUint8, peer, static_cast<ncclComm_t>(comm),
                                     static_cast<cudaStream_t>(stream));
-  return r == ncclInProgress ? std::string() : Text(r);
+  return r == ncclInProgress ? Error() : NcclError(Text(r));
 }
 
-std::string NcclWait(void* comm, void* stream, int timeout_ms) {
-  return Poll(static_cast<ncclComm_t>(comm), static_cast<cudaStream_t>(stream), timeout_ms,
-              "NCCL transfer");
+Error NcclWait(void* comm, void* stream, int timeout_ms) {
+  return NcclError(Poll(static_cast<ncclComm_t>(comm), static_cast<cudaStream_t>(stream),
+                        timeout_ms, "NCCL transfer"));
 }
 
-std::string NcclDestroy(void* comm) { return Text(Lib().destroy(static_cast<ncclComm_t>(comm))); }
+Error NcclDestroy(void* comm) {
+  return NcclError(Text(Lib().destroy(static_cast<ncclComm_t>(comm))));
+}
 
-std::string CreateStream(void** stream) {
+Error CreateStream(void** stream) {
   cudaStream_t s = nullptr;
   const cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
   if (e == cudaSuccess) *stream = s;
-  return CudaText(e);
+  return ToError(e);
 }
-std::string DestroyStream(void* stream) {
-  return CudaText(cudaStreamDestroy(static_cast<cudaStream_t>(stream)));
+Error DestroyStream(void* stream) {
+  return ToError(cudaStreamDestroy(static_cast<cudaStream_t>(stream)));
 }
-std::string SynchronizeDefaultStream() { return CudaText(cudaStreamSynchronize(nullptr)); }
+Error SynchronizeDefaultStream() { return ToError(cudaStreamSynchronize(nullptr)); }
 
 }  // namespace kvcd::kernels::cuda

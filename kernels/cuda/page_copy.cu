@@ -3,6 +3,7 @@
 // page p = item / num_layers, layer l = item % num_layers.
 #include <cstdint>
 
+#include "cuda_error.cuh"
 #include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_page_copy.h"
 
@@ -79,15 +80,15 @@ __global__ void PagedCopyKernel(int kind, PagedCopyArgs a, unsigned long long* b
 
 }  // namespace
 
-cudaError_t LaunchPagedCopy(PageCopy kind, const PagedCopyArgs& a, unsigned long long* bad,
-                            cudaStream_t stream) {
+Error LaunchPagedCopy(PageCopy kind, const PagedCopyArgs& a, unsigned long long* bad,
+                      cudaStream_t stream) {
   if (a.num_pages < 0 || a.num_layers <= 0 || a.layer_bytes <= 0 || a.layer_bytes % 2 != 0 ||
       a.check_offset % 2 != 0 || a.check_bytes % 2 != 0 || a.run == nullptr ||
       (kind != PageCopy::kCheck && (a.pool == nullptr || a.page_ids == nullptr)) ||
       (a.check != kCheckNone && bad == nullptr)) {
-    return cudaErrorInvalidValue;
+    return ToError(cudaErrorInvalidValue);
   }
-  if (a.num_pages == 0) return cudaSuccess;
+  if (a.num_pages == 0) return Error();
   const bool vec =
       ((reinterpret_cast<uintptr_t>(a.pool) | reinterpret_cast<uintptr_t>(a.run) |
         static_cast<uintptr_t>(a.layer_bytes) | static_cast<uintptr_t>(a.pool_layer_stride)) &
@@ -106,7 +107,7 @@ cudaError_t LaunchPagedCopy(PageCopy kind, const PagedCopyArgs& a, unsigned long
   } else {
     PagedCopyKernel<false><<<blocks, kThreads, 0, stream>>>(static_cast<int>(kind), a, bad);
   }
-  return cudaGetLastError();
+  return ToError(cudaGetLastError());
 }
 
 }  // namespace kvcd::kernels::cuda

@@ -2,118 +2,115 @@
 
 #include <cstring>
 
+#include "cuda_error.cuh"
 #include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_runtime_api.h"
 
 namespace kvcd::kernels::cuda {
-namespace {
-
-std::string Text(cudaError_t e) { return e == cudaSuccess ? std::string() : cudaGetErrorString(e); }
-
-}  // namespace
-
-std::string SetDevice(int ordinal) { return Text(cudaSetDevice(ordinal)); }
-std::string Malloc(void** ptr, size_t bytes) { return Text(cudaMalloc(ptr, bytes)); }
-std::string Free(void* ptr) { return Text(cudaFree(ptr)); }
-std::string CopyToDevice(void* dst, const void* src, size_t bytes) {
+Error SetDevice(int ordinal) { return ToError(cudaSetDevice(ordinal)); }
+Error Malloc(void** ptr, size_t bytes) { return ToError(cudaMalloc(ptr, bytes)); }
+Error Free(void* ptr) { return ToError(cudaFree(ptr)); }
+Error CopyToDevice(void* dst, const void* src, size_t bytes) {
   Counts().h2d.fetch_add(1, std::memory_order_relaxed);
-  return Text(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+  return ToError(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
 }
-std::string CopyToHost(void* dst, const void* src, size_t bytes) {
+Error CopyToHost(void* dst, const void* src, size_t bytes) {
   Counts().d2h.fetch_add(1, std::memory_order_relaxed);
-  return Text(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+  return ToError(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
 }
-std::string HostAlloc(void** ptr, size_t bytes) { return Text(cudaMallocHost(ptr, bytes)); }
-std::string HostAllocMapped(void** host, void** device_view, size_t bytes) {
+Error HostAlloc(void** ptr, size_t bytes) { return ToError(cudaMallocHost(ptr, bytes)); }
+Error HostAllocMapped(void** host, void** device_view, size_t bytes) {
   void* h = nullptr;
   cudaError_t e = cudaHostAlloc(&h, bytes, cudaHostAllocMapped);
-  if (e != cudaSuccess) return Text(e);
+  if (e != cudaSuccess) return ToError(e);
   e = cudaHostGetDevicePointer(device_view, h, 0);
   if (e != cudaSuccess) {
     cudaFreeHost(h);
-    return Text(e);
+    return ToError(e);
   }
   *host = h;
-  return std::string();
+  return Error();
 }
-std::string HostFree(void* ptr) { return Text(cudaFreeHost(ptr)); }
-std::string CopyToDeviceAsync(void* dst, const void* src, size_t bytes) {
+Error HostFree(void* ptr) { return ToError(cudaFreeHost(ptr)); }
+Error CopyToDeviceAsync(void* dst, const void* src, size_t bytes) {
   Counts().h2d.fetch_add(1, std::memory_order_relaxed);
-  return Text(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, nullptr));
+  return ToError(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, nullptr));
 }
-std::string CreateEvent(void** event) {
+Error CreateEvent(void** event) {
   cudaEvent_t e = nullptr;
   const cudaError_t err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
   if (err == cudaSuccess) *event = e;
-  return Text(err);
+  return ToError(err);
 }
-std::string EventSynchronize(void* event) {
+Error EventSynchronize(void* event) {
   Counts().host_syncs.fetch_add(1, std::memory_order_relaxed);
-  return Text(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
+  return ToError(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
 }
 
-std::string CopyDeviceToDevice(void* dst, const void* src, size_t bytes) {
+Error CopyDeviceToDevice(void* dst, const void* src, size_t bytes) {
   Counts().d2d.fetch_add(1, std::memory_order_relaxed);
-  return Text(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, nullptr));
+  return ToError(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, nullptr));
 }
 
-std::string Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
-                   size_t rows) {
+Error Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
+             size_t rows) {
   Counts().d2d.fetch_add(1, std::memory_order_relaxed);
-  return Text(
+  return ToError(
       cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows, cudaMemcpyDefault, nullptr));
 }
 
-std::string IpcOpenMemory(const std::string& handle, void** ptr) {
-  if (handle.size() != sizeof(cudaIpcMemHandle_t)) return "IPC memory handle has the wrong size";
+Error IpcOpenMemory(const std::string& handle, void** ptr) {
+  if (handle.size() != sizeof(cudaIpcMemHandle_t))
+    return Error(ErrorCode::kCuda, "IPC memory handle has the wrong size", cudaErrorInvalidValue);
   cudaIpcMemHandle_t h;
   std::memcpy(&h, handle.data(), sizeof(h));
-  return Text(cudaIpcOpenMemHandle(ptr, h, cudaIpcMemLazyEnablePeerAccess));
+  return ToError(cudaIpcOpenMemHandle(ptr, h, cudaIpcMemLazyEnablePeerAccess));
 }
-std::string IpcCloseMemory(void* ptr) { return Text(cudaIpcCloseMemHandle(ptr)); }
+Error IpcCloseMemory(void* ptr) { return ToError(cudaIpcCloseMemHandle(ptr)); }
 
-std::string IpcCreateEvent(void** event, std::string* handle) {
+Error IpcCreateEvent(void** event, std::string* handle) {
   cudaEvent_t e = nullptr;
   cudaError_t err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventInterprocess);
-  if (err != cudaSuccess) return Text(err);
+  if (err != cudaSuccess) return ToError(err);
   cudaIpcEventHandle_t h;
   err = cudaIpcGetEventHandle(&h, e);
   if (err != cudaSuccess) {
     cudaEventDestroy(e);
-    return Text(err);
+    return ToError(err);
   }
   handle->assign(reinterpret_cast<const char*>(&h), sizeof(h));
   *event = e;
-  return std::string();
+  return Error();
 }
-std::string IpcOpenEvent(const std::string& handle, void** event) {
-  if (handle.size() != sizeof(cudaIpcEventHandle_t)) return "IPC event handle has the wrong size";
+Error IpcOpenEvent(const std::string& handle, void** event) {
+  if (handle.size() != sizeof(cudaIpcEventHandle_t))
+    return Error(ErrorCode::kCuda, "IPC event handle has the wrong size", cudaErrorInvalidValue);
   cudaIpcEventHandle_t h;
   std::memcpy(&h, handle.data(), sizeof(h));
   cudaEvent_t e = nullptr;
   const cudaError_t err = cudaIpcOpenEventHandle(&e, h);
   if (err == cudaSuccess) *event = e;
-  return Text(err);
+  return ToError(err);
 }
-std::string DestroyEvent(void* event) {
-  return Text(cudaEventDestroy(static_cast<cudaEvent_t>(event)));
+Error DestroyEvent(void* event) {
+  return ToError(cudaEventDestroy(static_cast<cudaEvent_t>(event)));
 }
-std::string StreamWaitEvent(void* event) {
+Error StreamWaitEvent(void* event) {
   Counts().stream_waits.fetch_add(1, std::memory_order_relaxed);
-  return Text(cudaStreamWaitEvent(nullptr, static_cast<cudaEvent_t>(event), 0));
+  return ToError(cudaStreamWaitEvent(nullptr, static_cast<cudaEvent_t>(event), 0));
 }
-std::string RecordEvent(void* event) {
+Error RecordEvent(void* event) {
   Counts().event_records.fetch_add(1, std::memory_order_relaxed);
-  return Text(cudaEventRecord(static_cast<cudaEvent_t>(event), nullptr));
+  return ToError(cudaEventRecord(static_cast<cudaEvent_t>(event), nullptr));
 }
 
-std::string CreateSideStream(void** stream) {
+Error CreateSideStream(void** stream) {
   cudaStream_t s = nullptr;
   const cudaError_t err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
   if (err == cudaSuccess) *stream = s;
-  return Text(err);
+  return ToError(err);
 }
-std::string ForkTo(void* stream, void* event) {
+Error ForkTo(void* stream, void* event) {
   Counts().event_records.fetch_add(1, std::memory_order_relaxed);
   Counts().stream_waits.fetch_add(1, std::memory_order_relaxed);
   cudaError_t err = cudaEventRecord(static_cast<cudaEvent_t>(event), nullptr);
@@ -121,44 +118,44 @@ std::string ForkTo(void* stream, void* event) {
     err =
         cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0);
   }
-  return Text(err);
+  return ToError(err);
 }
-std::string JoinFrom(void* stream, void* event) {
+Error JoinFrom(void* stream, void* event) {
   Counts().event_records.fetch_add(1, std::memory_order_relaxed);
   Counts().stream_waits.fetch_add(1, std::memory_order_relaxed);
   cudaError_t err =
       cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream));
   if (err == cudaSuccess) err = cudaStreamWaitEvent(nullptr, static_cast<cudaEvent_t>(event), 0);
-  return Text(err);
+  return ToError(err);
 }
 
-std::string CreateTimingEvent(void** event) {
+Error CreateTimingEvent(void** event) {
   cudaEvent_t e = nullptr;
   const cudaError_t err = cudaEventCreate(&e);
   if (err == cudaSuccess) *event = e;
-  return Text(err);
+  return ToError(err);
 }
-std::string RecordTimingEvent(void* event) {
-  return Text(cudaEventRecord(static_cast<cudaEvent_t>(event), nullptr));
+Error RecordTimingEvent(void* event) {
+  return ToError(cudaEventRecord(static_cast<cudaEvent_t>(event), nullptr));
 }
-std::string ElapsedIfDone(void* from, void* to, bool* done, float* ms) {
+Error ElapsedIfDone(void* from, void* to, bool* done, float* ms) {
   const cudaError_t q = cudaEventQuery(static_cast<cudaEvent_t>(to));
   *done = q == cudaSuccess;
   if (q == cudaErrorNotReady) {
     (void)cudaGetLastError();
-    return std::string();
+    return Error();
   }
-  if (q != cudaSuccess) return Text(q);
-  return Text(
+  if (q != cudaSuccess) return ToError(q);
+  return ToError(
       cudaEventElapsedTime(ms, static_cast<cudaEvent_t>(from), static_cast<cudaEvent_t>(to)));
 }
 
-std::string Synchronize() {
+Error Synchronize() {
   Counts().host_syncs.fetch_add(1, std::memory_order_relaxed);
-  return Text(cudaDeviceSynchronize());
+  return ToError(cudaDeviceSynchronize());
 }
 
-std::string ErrorText(int code) { return Text(static_cast<cudaError_t>(code)); }
+Error ErrorToError(int code) { return ToError(static_cast<cudaError_t>(code)); }
 
 int SmCount() {
   int dev = 0, n = 0;

@@ -2,6 +2,7 @@
 // [32w, 32w + 32) (one per lane) so that the rotation's reads of R spread over as many warps
 // as there are columns to make; each output summed in input order as RotateRows does, and
 // rounded as FloatToBf16. kCheck compiles the fused non-finite check in (StoreCheck).
+#include "cuda_error.cuh"
 #include "dispatch.cuh"
 #include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_store_rows.h"
@@ -63,14 +64,13 @@ __global__ void StoreBf16RowsKernel(RowBlock k, RowBlock v, PagedRows p, RowCode
 
 }  // namespace
 
-cudaError_t LaunchStoreBf16Rows(const RowBlock& k, const RowBlock& v, const PagedRows& dst,
-                                const RowCodec& codec, cudaStream_t stream,
-                                const StoreCheck* check) {
-  if (!ValidStore(k, v, dst, check)) return cudaErrorInvalidValue;
-  if (dst.num_tokens == 0) return cudaSuccess;
+Error LaunchStoreBf16Rows(const RowBlock& k, const RowBlock& v, const PagedRows& dst,
+                          const RowCodec& codec, cudaStream_t stream, const StoreCheck* check) {
+  if (!ValidStore(k, v, dst, check)) return ToError(cudaErrorInvalidValue);
+  if (dst.num_tokens == 0) return Error();
   const StoreCheck c = check != nullptr ? *check : StoreCheck{};
   CountLaunch();
-  return DispatchHeadDim(dst.head_dim, [&](auto hd) {
+  return ToError(DispatchHeadDim(dst.head_dim, [&](auto hd) {
     constexpr int kD = decltype(hd)::value;
     const dim3 grid = StoreGrid(dst, kD / 32);
     if (check != nullptr) {
@@ -81,7 +81,7 @@ cudaError_t LaunchStoreBf16Rows(const RowBlock& k, const RowBlock& v, const Page
           <<<grid, 32 * kStoreWarpsPerBlock, 0, stream>>>(k, v, dst, codec, c);
     }
     return cudaGetLastError();
-  });
+  }));
 }
 
 }  // namespace kvcd::kernels::cuda

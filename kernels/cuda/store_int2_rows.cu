@@ -3,6 +3,7 @@
 // kCheck compiles the fused non-finite check in (StoreCheck).
 #include <cuda_fp16.h>
 
+#include "cuda_error.cuh"
 #include "dispatch.cuh"
 #include "int2_row_quantizer.cuh"
 #include "kvcd/kernels/call_counts.h"
@@ -65,16 +66,15 @@ __global__ void StoreInt2RowsKernel(RowBlock k, RowBlock v, PagedRows p, RowCode
 
 }  // namespace
 
-cudaError_t LaunchStoreInt2Rows(const RowBlock& k, const RowBlock& v, const PagedRows& dst,
-                                const RowCodec& codec, cudaStream_t stream,
-                                const StoreCheck* check) {
+Error LaunchStoreInt2Rows(const RowBlock& k, const RowBlock& v, const PagedRows& dst,
+                          const RowCodec& codec, cudaStream_t stream, const StoreCheck* check) {
   if (!ValidStore(k, v, dst, check) || codec.rho_k == nullptr || codec.rho_v == nullptr) {
-    return cudaErrorInvalidValue;
+    return ToError(cudaErrorInvalidValue);
   }
-  if (dst.num_tokens == 0) return cudaSuccess;
+  if (dst.num_tokens == 0) return Error();
   const StoreCheck c = check != nullptr ? *check : StoreCheck{};
   CountLaunch();
-  return DispatchHeadDim(dst.head_dim, [&](auto hd) {
+  return ToError(DispatchHeadDim(dst.head_dim, [&](auto hd) {
     constexpr int kD = decltype(hd)::value;
     if (check != nullptr) {
       StoreInt2RowsKernel<kD, true>
@@ -84,7 +84,7 @@ cudaError_t LaunchStoreInt2Rows(const RowBlock& k, const RowBlock& v, const Page
           <<<StoreGrid(dst), 32 * kStoreWarpsPerBlock, 0, stream>>>(k, v, dst, codec, c);
     }
     return cudaGetLastError();
-  });
+  }));
 }
 
 }  // namespace kvcd::kernels::cuda

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cuda_error.cuh"
 #include "dispatch.cuh"
 #include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_transform.h"
@@ -361,11 +362,11 @@ int TransformDecodeSplits(int batch, int num_kv_heads, int max_tokens, int num_s
   return static_cast<int>(std::max<int64_t>(1, std::min(wave, most)));
 }
 
-cudaError_t LaunchTransformDecodeParts(const PagedList& list, const DecodeGeometry& geo,
-                                       const TransformPageOffsets& layout,
-                                       const TransformHeadCodec* heads, const float* q, float scale,
-                                       int splits, int max_tokens, float* part_o, float* part_lse,
-                                       int part_base, cudaStream_t stream) {
+Error LaunchTransformDecodeParts(const PagedList& list, const DecodeGeometry& geo,
+                                 const TransformPageOffsets& layout,
+                                 const TransformHeadCodec* heads, const float* q, float scale,
+                                 int splits, int max_tokens, float* part_o, float* part_lse,
+                                 int part_base, cudaStream_t stream) {
   if (geo.batch < 1 || geo.num_kv_heads < 1 || geo.num_q_heads % geo.num_kv_heads != 0 ||
       geo.num_q_heads / geo.num_kv_heads > kTransformCudaMaxGroup || geo.page_size % kTile != 0 ||
       geo.page_size < kTile || splits < 1 || max_tokens < 0 || part_base < 0 || heads == nullptr ||
@@ -374,7 +375,7 @@ cudaError_t LaunchTransformDecodeParts(const PagedList& list, const DecodeGeomet
       layout.num_kv_heads != geo.num_kv_heads || layout.page_size != geo.page_size ||
       layout.code_bytes < 1 || layout.code_bytes > layout.head_dim || geo.batch > 65535 ||
       geo.num_kv_heads > 65535 || list.page_stride % 4 != 0) {
-    return cudaErrorInvalidValue;
+    return ToError(cudaErrorInvalidValue);
   }
   const int per = (max_tokens + splits - 1) / splits;
   DecodeArgs a{list,
@@ -392,13 +393,13 @@ cudaError_t LaunchTransformDecodeParts(const PagedList& list, const DecodeGeomet
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(geo.num_kv_heads),
                   static_cast<unsigned>(geo.batch));
   const int group = geo.num_q_heads / geo.num_kv_heads;
-  return DispatchHeadDim(geo.head_dim, [&](auto hd) -> cudaError_t {
+  return ToError(DispatchHeadDim(geo.head_dim, [&](auto hd) -> cudaError_t {
     constexpr int kD = decltype(hd)::value;
     if (group <= 2) return Launch<kD, 2, 2>(a, grid, stream);
     if (group == 3) return Launch<kD, 4, 3>(a, grid, stream);  // SmolLM2-135M
     if (group == 4) return Launch<kD, 4, 4>(a, grid, stream);
     return Launch<kD, 8, 8>(a, grid, stream);
-  });
+  }));
 }
 
 }  // namespace kvcd::kernels::cuda

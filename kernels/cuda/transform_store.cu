@@ -13,6 +13,7 @@
 // Values: one warp per row, the shared INT2 row quantizer (int2_row_quantizer.cuh).
 #include <cuda_fp16.h>
 
+#include "cuda_error.cuh"
 #include "dispatch.cuh"
 #include "int2_row_quantizer.cuh"
 #include "kvcd/kernels/call_counts.h"
@@ -226,19 +227,18 @@ __global__ void StoreTransformValuesKernel(RowBlock v, PagedRows p, TransformPag
 
 }  // namespace
 
-cudaError_t LaunchStoreTransformRows(const RowBlock& k, const RowBlock& v, const PagedRows& dst,
-                                     const TransformPageOffsets& layout,
-                                     const TransformHeadCodec* heads, cudaStream_t stream,
-                                     const StoreCheck* check) {
+Error LaunchStoreTransformRows(const RowBlock& k, const RowBlock& v, const PagedRows& dst,
+                               const TransformPageOffsets& layout, const TransformHeadCodec* heads,
+                               cudaStream_t stream, const StoreCheck* check) {
   if (!ValidStore(k, v, dst, check) || heads == nullptr || dst.head_dim != layout.head_dim ||
       dst.num_kv_heads != layout.num_kv_heads || dst.page_size != layout.page_size ||
       layout.code_bytes < 1 || layout.code_bytes > layout.head_dim || dst.num_layers > 65535 ||
       dst.num_kv_heads > 65535) {
-    return cudaErrorInvalidValue;
+    return ToError(cudaErrorInvalidValue);
   }
-  if (dst.num_tokens == 0) return cudaSuccess;
+  if (dst.num_tokens == 0) return Error();
   const int64_t token_blocks = (dst.num_tokens + kEncTokens - 1) / kEncTokens;
-  if (token_blocks > 0x7fffffff) return cudaErrorInvalidValue;
+  if (token_blocks > 0x7fffffff) return ToError(cudaErrorInvalidValue);
   KeyArgs a{};
   a.k = k;
   a.dst = dst;
@@ -248,7 +248,7 @@ cudaError_t LaunchStoreTransformRows(const RowBlock& k, const RowBlock& v, const
   a.has_check = check != nullptr;
   if (check != nullptr) a.check = *check;
   const StoreCheck c = check != nullptr ? *check : StoreCheck{};
-  return DispatchHeadDim(dst.head_dim, [&](auto hd) {
+  return ToError(DispatchHeadDim(dst.head_dim, [&](auto hd) {
     constexpr int kD = decltype(hd)::value;
     CountLaunch();
     const dim3 grid(static_cast<unsigned>(token_blocks), static_cast<unsigned>(dst.num_kv_heads),
@@ -267,7 +267,7 @@ cudaError_t LaunchStoreTransformRows(const RowBlock& k, const RowBlock& v, const
           <<<vgrid, 32 * kStoreWarpsPerBlock, 0, stream>>>(v, dst, layout, heads, c);
     }
     return cudaGetLastError();
-  });
+  }));
 }
 
 }  // namespace kvcd::kernels::cuda

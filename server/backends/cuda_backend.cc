@@ -26,21 +26,17 @@
 #include "server/backends/device_runtime.h"
 #include "server/formats/cuda_codec.h"
 #include "server/formats/cuda_page_format.h"
+#include "server/formats/kernel_status.h"
 
 namespace kvcd {
 namespace {
 
 namespace kc = kernels::cuda;
 
-#define RETURN_IF_CUDA(expr)                          \
-  do {                                                \
-    const std::string kvcd_err_ = (expr);             \
-    if (!kvcd_err_.empty()) return Failed(kvcd_err_); \
-  } while (0)
-#define RETURN_IF_CUDA_ERR(expr)                                   \
-  do {                                                             \
-    const int kvcd_code_ = static_cast<int>(expr);                 \
-    if (kvcd_code_ != 0) return Failed(kc::ErrorText(kvcd_code_)); \
+#define RETURN_IF_CUDA(expr)                       \
+  do {                                             \
+    const kernels::Error kvcd_err_ = (expr);       \
+    if (!kvcd_err_.ok()) return Failed(kvcd_err_); \
   } while (0)
 
 class CudaBackend final : public Backend, public DeviceRuntime {
@@ -59,11 +55,9 @@ class CudaBackend final : public Backend, public DeviceRuntime {
 
   absl::StatusOr<uint8_t*> AllocatePoolMemory(uint64_t bytes) override {
     void* p = nullptr;
-    const std::string err = kc::Malloc(&p, bytes);
-    if (!err.empty()) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "cannot allocate ", bytes, " bytes of device memory for a page pool: ", err));
-    }
+    KVCD_RETURN_IF_ERROR(KernelStatus(
+        kc::Malloc(&p, bytes), absl::StatusCode::kResourceExhausted,
+        absl::StrCat("cannot allocate ", bytes, " bytes of device memory for a page pool")));
     return static_cast<uint8_t*>(p);
   }
   void FreePoolMemory(uint8_t* p, uint64_t) override { (void)kc::Free(p); }
@@ -102,15 +96,15 @@ class CudaBackend final : public Backend, public DeviceRuntime {
   // DeviceRuntime.
   absl::StatusOr<void*> OpenIpcBuffer(const std::string& handle) override {
     void* p = nullptr;
-    const std::string err = kc::IpcOpenMemory(handle, &p);
-    if (!err.empty()) return absl::InvalidArgumentError(err);
+    KVCD_RETURN_IF_ERROR(
+        KernelStatus(kc::IpcOpenMemory(handle, &p), absl::StatusCode::kInvalidArgument));
     return p;
   }
   void CloseIpcBuffer(void* p) override { Note(kc::IpcCloseMemory(p)); }
   absl::StatusOr<void*> OpenIpcEvent(const std::string& handle) override {
     void* e = nullptr;
-    const std::string err = kc::IpcOpenEvent(handle, &e);
-    if (!err.empty()) return absl::InvalidArgumentError(err);
+    KVCD_RETURN_IF_ERROR(
+        KernelStatus(kc::IpcOpenEvent(handle, &e), absl::StatusCode::kInvalidArgument));
     return e;
   }
   absl::StatusOr<void*> CreateIpcEvent(std::string* handle) override {
@@ -322,9 +316,9 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     const kc::RawQueries* raw_q =
         b.device_q != nullptr && any_splits && all_read_raw ? &raw : nullptr;
     if (b.device_q != nullptr && raw_q == nullptr) {
-      RETURN_IF_CUDA_ERR(kc::LaunchQueriesToFloat(b.device_q, b.device_q_bf16, batch,
-                                                  static_cast<int64_t>(hq) * d, d_q, d_faults,
-                                                  nullptr, b.layer));
+      RETURN_IF_CUDA(kc::LaunchQueriesToFloat(b.device_q, b.device_q_bf16, batch,
+                                              static_cast<int64_t>(hq) * d, d_q, d_faults, nullptr,
+                                              b.layer));
     } else if (b.device_q == nullptr) {
       std::vector<float> q(static_cast<size_t>(rows) * d);
       for (int j = 0; j < batch; ++j)
@@ -411,8 +405,8 @@ class CudaBackend final : public Backend, public DeviceRuntime {
         std::vector<float> neg(static_cast<size_t>(rows), -INFINITY);
         RETURN_IF_CUDA(kc::CopyToDevice(d_part_lse, neg.data(), sizeof(float) * rows));
       }
-      RETURN_IF_CUDA_ERR(kc::LaunchMergeParts(d_part_o, d_part_lse, parts, rows, d, merge.r_v_t,
-                                              merge.o, merge.lse, nullptr, d_faults, hq));
+      RETURN_IF_CUDA(kc::LaunchMergeParts(d_part_o, d_part_lse, parts, rows, d, merge.r_v_t,
+                                          merge.o, merge.lse, nullptr, d_faults, hq));
     }
     lap.Mark(kLaunch);
     if (timeline_ != nullptr && forked) {
@@ -464,7 +458,7 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     a.page_ids = reinterpret_cast<const int32_t*>(*d_ids);
     a.num_pages = static_cast<int64_t>(ids.size());
     a.run = run;
-    RETURN_IF_CUDA_ERR(kc::LaunchPagedCopy(kind, a, nullptr, nullptr));
+    RETURN_IF_CUDA(kc::LaunchPagedCopy(kind, a, nullptr, nullptr));
     return absl::OkStatus();
   }
 
@@ -473,14 +467,14 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     return s;
   }
   // Records a failed copy; a sticky error makes the backend unhealthy for good.
-  void Note(const std::string& err) {
-    if (err.empty()) return;
-    std::fprintf(stderr, "kvcd: CUDA error: %s\n", err.c_str());
+  void Note(const kernels::Error& err) {
+    if (err.ok()) return;
+    std::fprintf(stderr, "kvcd: CUDA error: %s\n", err.message().c_str());
     if (kc::LastErrorIsSticky()) sticky_.store(true);
   }
-  absl::Status Failed(const std::string& err) {
+  absl::Status Failed(const kernels::Error& err) {
     Note(err);
-    return absl::InternalError("CUDA: " + err);
+    return KernelStatus(err, absl::StatusCode::kInternal, "CUDA");
   }
 
   // True if the device copy at d_i32 already holds `table` (see Attend). REQUIRES: mu_.
@@ -533,10 +527,8 @@ class CudaBackend final : public Backend, public DeviceRuntime {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device) {
-  const std::string err = kc::SetDevice(device);
-  if (!err.empty()) {
-    return absl::UnavailableError(absl::StrCat("CUDA device ", device, " unavailable: ", err));
-  }
+  KVCD_RETURN_IF_ERROR(KernelStatus(kc::SetDevice(device), absl::StatusCode::kUnavailable,
+                                    absl::StrCat("CUDA device ", device, " unavailable")));
   return std::unique_ptr<Backend>(std::make_unique<CudaBackend>(device));
 }
 

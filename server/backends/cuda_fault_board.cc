@@ -3,7 +3,9 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kvcd/kernels/cuda_runtime_api.h"
+#include "server/formats/kernel_status.h"
 
 namespace kvcd {
 
@@ -21,22 +23,21 @@ absl::Status CudaFaultBoard::GrowLocked() {
   Chunk c;
   void* host = nullptr;
   void* view = nullptr;
-  if (std::string e = kc::HostAllocMapped(&host, &view, kBytes); !e.empty()) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cannot allocate mapped pinned memory for sequence fault words: ", e));
-  }
+  KVCD_RETURN_IF_ERROR(
+      KernelStatus(kc::HostAllocMapped(&host, &view, kBytes), absl::StatusCode::kResourceExhausted,
+                   "cannot allocate mapped pinned memory for sequence fault words"));
   std::memset(host, 0, kBytes);
   void* dev = nullptr;
-  std::string e = kc::Malloc(&dev, kBytes);
-  if (e.empty()) {
+  kernels::Error e = kc::Malloc(&dev, kBytes);
+  if (e.ok()) {
     const std::vector<uint64_t> zeros(kChunkWords, 0);
     e = kc::CopyToDevice(dev, zeros.data(), kBytes);
-    if (!e.empty()) (void)kc::Free(dev);
+    if (!e.ok()) (void)kc::Free(dev);
   }
-  if (!e.empty()) {
+  if (!e.ok()) {
     (void)kc::HostFree(host);
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cannot allocate device memory for sequence fault words: ", e));
+    return KernelStatus(e, absl::StatusCode::kResourceExhausted,
+                        "cannot allocate device memory for sequence fault words");
   }
   c.host = static_cast<uint64_t*>(host);
   c.host_view = static_cast<unsigned long long*>(view);

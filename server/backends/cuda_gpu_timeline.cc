@@ -31,7 +31,7 @@ void* GpuTimeline::TakeEventLocked() {
     return e;
   }
   void* e = nullptr;
-  if (!kc::CreateTimingEvent(&e).empty()) return nullptr;
+  if (!kc::CreateTimingEvent(&e).ok()) return nullptr;
   return e;
 }
 
@@ -52,7 +52,7 @@ void GpuTimeline::Mark(Kind kind, int phase) {
     while (!marks_.empty()) DropFrontLocked();
   }
   void* e = TakeEventLocked();
-  if (e == nullptr || !kc::RecordTimingEvent(e).empty()) {
+  if (e == nullptr || !kc::RecordTimingEvent(e).ok()) {
     failed_ = true;
     RecycleLocked(e);
     return;
@@ -77,19 +77,19 @@ void GpuTimeline::ResolveLocked() {
     }
     bool done = false;
     float ms = 0;
-    if (!kc::ElapsedIfDone(marks_.front().event, marks_[end].event, &done, &ms).empty()) {
+    if (!kc::ElapsedIfDone(marks_.front().event, marks_[end].event, &done, &ms).ok()) {
       failed_ = true;
       return;
     }
     if (!done) return;
     PhaseTimes::Add(busy_phase_, static_cast<int64_t>(ms * 1e6f));
     for (size_t i = 1; i <= end; ++i) {
-      if (kc::ElapsedIfDone(marks_[i - 1].event, marks_[i].event, &done, &ms).empty() && done) {
+      if (kc::ElapsedIfDone(marks_[i - 1].event, marks_[i].event, &done, &ms).ok() && done) {
         PhaseTimes::Add(marks_[i].phase, static_cast<int64_t>(ms * 1e6f));
       }
     }
     if (last_end_ != nullptr) {
-      if (kc::ElapsedIfDone(last_end_, marks_.front().event, &done, &ms).empty() && done) {
+      if (kc::ElapsedIfDone(last_end_, marks_.front().event, &done, &ms).ok() && done) {
         PhaseTimes::Add(idle_phase_, static_cast<int64_t>(ms * 1e6f));
       }
       RecycleLocked(last_end_);

@@ -6,11 +6,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/random_id.h"
+#include "common/status_macros.h"
 #include "server/backends/device_runtime.h"
 
 #ifdef KVCD_HAVE_CUDA_BACKEND
 #include "kvcd/kernels/cuda_nccl.h"
 #include "kvcd/kernels/cuda_runtime_api.h"
+#include "server/formats/kernel_status.h"
 #endif
 
 namespace kvcd {
@@ -115,19 +117,16 @@ absl::StatusOr<NcclLinks::Connection> NcclLinks::Connect(const std::string& name
     return absl::InvalidArgumentError(
         absl::StrCat("name has ", name.size(), " bytes, expected at most 128"));
   }
-  if (const std::string e = kc::NcclLoad(); !e.empty()) {
-    return absl::FailedPreconditionError("NCCL is not available to the daemon: " + e);
-  }
+  KVCD_RETURN_IF_ERROR(KernelStatus(kc::NcclLoad(), absl::StatusCode::kFailedPrecondition,
+                                    "NCCL is not available to the daemon"));
   auto link = std::make_shared<Link>();
   link->name = name;
   link->timeout_ms = timeout_ms == 0 ? 10000 : static_cast<int>(timeout_ms);
   Connection c;
-  if (const std::string e = kc::NcclGetUniqueId(&c.unique_id); !e.empty()) {
-    return absl::InternalError("ncclGetUniqueId: " + e);
-  }
-  if (const std::string e = kc::CreateStream(&link->stream); !e.empty()) {
-    return absl::InternalError("cannot create the transfer stream: " + e);
-  }
+  KVCD_RETURN_IF_ERROR(KernelStatus(kc::NcclGetUniqueId(&c.unique_id), absl::StatusCode::kInternal,
+                                    "ncclGetUniqueId"));
+  KVCD_RETURN_IF_ERROR(KernelStatus(kc::CreateStream(&link->stream), absl::StatusCode::kInternal,
+                                    "cannot create the transfer stream"));
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (static_cast<int>(links_.size()) >= kMaxLinks) {
@@ -144,16 +143,17 @@ absl::StatusOr<NcclLinks::Connection> NcclLinks::Connect(const std::string& name
   const std::string uid = c.unique_id;
   link->joiner = std::thread([raw, uid] {
     void* comm = nullptr;
-    const std::string e = kc::NcclInit(uid, 2, 0, raw->timeout_ms, &comm);
+    const kernels::Error e = kc::NcclInit(uid, 2, 0, raw->timeout_ms, &comm);
     std::lock_guard<std::mutex> lock(raw->state_mu);
-    if (e.empty()) {
+    if (e.ok()) {
       raw->comm = comm;
       raw->state = Link::State::kReady;
     } else {
       raw->state = Link::State::kFailed;
-      raw->error = e;
+      raw->error = e.message();
       std::fprintf(stderr, "kvcd: NCCL communicator %llu (%s): %s\n",
-                   static_cast<unsigned long long>(raw->id), raw->name.c_str(), e.c_str());
+                   static_cast<unsigned long long>(raw->id), raw->name.c_str(),
+                   e.message().c_str());
     }
     raw->joined.notify_all();
   });
@@ -166,10 +166,9 @@ absl::Status Reserve(void** staging, uint64_t* have, uint64_t bytes) {
   if (*staging != nullptr) (void)kc::Free(*staging);
   *staging = nullptr;
   *have = 0;
-  if (const std::string e = kc::Malloc(staging, bytes); !e.empty()) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cannot allocate ", bytes, " bytes of device staging: ", e));
-  }
+  KVCD_RETURN_IF_ERROR(
+      KernelStatus(kc::Malloc(staging, bytes), absl::StatusCode::kResourceExhausted,
+                   absl::StrCat("cannot allocate ", bytes, " bytes of device staging")));
   *have = bytes;
   return absl::OkStatus();
 }
@@ -187,12 +186,13 @@ absl::Status NcclLinks::Receive(uint64_t id, uint64_t bytes,
   std::lock_guard<std::mutex> transfer(l.transfer_mu);
   if (absl::Status s = l.Ready(); !s.ok()) return s;
   if (absl::Status s = Reserve(&l.staging, &l.staging_bytes, bytes); !s.ok()) return s;
-  std::string e = kc::NcclRecv(l.comm, l.staging, bytes, 1, l.stream);
-  if (e.empty()) e = kc::NcclWait(l.comm, l.stream, l.timeout_ms);
-  if (!e.empty()) {
-    l.Fail(e);
-    return absl::DeadlineExceededError(absl::StrCat(
-        "NCCL receive of ", bytes, " bytes on communicator ", id, ": ", e, "; nothing was stored"));
+  kernels::Error e = kc::NcclRecv(l.comm, l.staging, bytes, 1, l.stream);
+  if (e.ok()) e = kc::NcclWait(l.comm, l.stream, l.timeout_ms);
+  if (!e.ok()) {
+    l.Fail(e.message());
+    return KernelStatus(e, absl::StatusCode::kDeadlineExceeded,
+                        absl::StrCat("NCCL receive of ", bytes, " bytes on communicator ", id),
+                        "; nothing was stored");
   }
   return use(static_cast<const uint8_t*>(l.staging));
 }
@@ -210,13 +210,13 @@ absl::Status NcclLinks::Send(uint64_t id, uint64_t bytes,
   if (absl::Status s = l.Ready(); !s.ok()) return s;
   if (absl::Status s = Reserve(&l.staging, &l.staging_bytes, bytes); !s.ok()) return s;
   if (absl::Status s = fill(static_cast<uint8_t*>(l.staging)); !s.ok()) return s;
-  std::string e = kc::SynchronizeDefaultStream();
-  if (e.empty()) e = kc::NcclSend(l.comm, l.staging, bytes, 1, l.stream);
-  if (e.empty()) e = kc::NcclWait(l.comm, l.stream, l.timeout_ms);
-  if (!e.empty()) {
-    l.Fail(e);
-    return absl::DeadlineExceededError(
-        absl::StrCat("NCCL send of ", bytes, " bytes on communicator ", id, ": ", e));
+  kernels::Error e = kc::SynchronizeDefaultStream();
+  if (e.ok()) e = kc::NcclSend(l.comm, l.staging, bytes, 1, l.stream);
+  if (e.ok()) e = kc::NcclWait(l.comm, l.stream, l.timeout_ms);
+  if (!e.ok()) {
+    l.Fail(e.message());
+    return KernelStatus(e, absl::StatusCode::kDeadlineExceeded,
+                        absl::StrCat("NCCL send of ", bytes, " bytes on communicator ", id));
   }
   return absl::OkStatus();
 }

@@ -13,16 +13,6 @@ namespace kvcd {
 
 namespace kc = kernels::cuda;
 
-absl::Status CudaStatus(const std::string& error, const char* what) {
-  if (error.empty()) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat("CUDA: ", what, ": ", error));
-}
-
-absl::Status CudaStatus(int cuda_error, const char* what) {
-  if (cuda_error == 0) return absl::OkStatus();
-  return CudaStatus(kc::ErrorText(cuda_error), what);
-}
-
 DeviceScratch::~DeviceScratch() {
   if (ptr_ != nullptr) (void)kc::Free(ptr_);
 }
@@ -37,10 +27,11 @@ absl::StatusOr<uint8_t*> DeviceScratch::Reserve(size_t bytes) {
   ptr_ = nullptr;
   size_ = 0;
   const size_t want = std::max(bytes, size_ * 2);
-  const std::string err = kc::Malloc(&ptr_, want);
-  if (!err.empty()) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cannot allocate ", want, " bytes of device scratch: ", err));
+  if (absl::Status s =
+          KernelStatus(kc::Malloc(&ptr_, want), absl::StatusCode::kResourceExhausted,
+                       absl::StrCat("cannot allocate ", want, " bytes of device scratch"));
+      !s.ok()) {
+    return s;
   }
   size_ = want;
   ++generation_;

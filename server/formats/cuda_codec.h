@@ -11,12 +11,9 @@
 
 #include "absl/status/statusor.h"
 #include "common/codec_profile.h"
+#include "server/formats/kernel_status.h"
 
 namespace kvcd {
-
-// A kernels::cuda error text as a status (empty text = OK); INTERNAL with what failed.
-absl::Status CudaStatus(const std::string& error, const char* what);
-absl::Status CudaStatus(int cuda_error, const char* what);
 
 // Device memory that only grows; one user at a time (callers hold their own lock).
 class DeviceScratch {

@@ -562,7 +562,7 @@ TEST_P(DataPlaneTest, UnregisterAndLeaseExpiryDropTheMapping) {
 // uses the second one and the pages must arrive byte-identical; with one GPU NCCL refuses
 // two ranks on one device and the push must fail cleanly, storing nothing.
 TEST_P(DataPlaneTest, NcclPushAndFetch) {
-  if (!kernels::cuda::NcclLoad().empty()) GTEST_SKIP() << kernels::cuda::NcclLoad();
+  if (!kernels::cuda::NcclLoad().ok()) GTEST_SKIP() << kernels::cuda::NcclLoad().message();
   const bool two_gpus = DeviceCount() >= 2;
   const auto put = MakePut(11, kPrompt, "a");
   ASSERT_TRUE(client_->Put(put).ok());
@@ -575,8 +575,8 @@ TEST_P(DataPlaneTest, NcclPushAndFetch) {
   }
   void* comm = nullptr;
   void* stream = nullptr;
-  ASSERT_EQ(kernels::cuda::CreateStream(&stream), "");
-  const std::string init = kernels::cuda::NcclInit(conn->unique_id(), 2, 1, 8000, &comm);
+  ASSERT_EQ(kernels::cuda::CreateStream(&stream).message(), "");
+  const std::string init = kernels::cuda::NcclInit(conn->unique_id(), 2, 1, 8000, &comm).message();
   uint8_t* dev = nullptr;
   ASSERT_EQ(cudaMalloc(&dev, 2 * total), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(dev, stored.data(), total, cudaMemcpyHostToDevice), cudaSuccess);
@@ -591,8 +591,9 @@ TEST_P(DataPlaneTest, NcclPushAndFetch) {
   push.mutable_pages()->mutable_nccl()->set_size(total);
   absl::StatusOr<int64_t> pushed = absl::UnknownError("not run");
   std::thread rpc([&] { pushed = client_->PushPages(push); });
-  std::string sent = init.empty() ? kernels::cuda::NcclSend(comm, dev, total, 0, stream) : init;
-  if (sent.empty()) sent = kernels::cuda::NcclWait(comm, stream, 8000);
+  std::string sent =
+      init.empty() ? kernels::cuda::NcclSend(comm, dev, total, 0, stream).message() : init;
+  if (sent.empty()) sent = kernels::cuda::NcclWait(comm, stream, 8000).message();
   rpc.join();
   const std::vector<int32_t> tokens(put.tokens().begin(), put.tokens().end());
   if (!two_gpus) {
@@ -616,8 +617,8 @@ TEST_P(DataPlaneTest, NcclPushAndFetch) {
     f.mutable_destination()->mutable_nccl()->set_size(total);
     absl::StatusOr<v1::FetchPagesResponse> fetched = absl::UnknownError("not run");
     std::thread frpc([&] { fetched = client_->FetchPages(f); });
-    std::string got = kernels::cuda::NcclRecv(comm, dev + total, total, 0, stream);
-    if (got.empty()) got = kernels::cuda::NcclWait(comm, stream, 8000);
+    std::string got = kernels::cuda::NcclRecv(comm, dev + total, total, 0, stream).message();
+    if (got.empty()) got = kernels::cuda::NcclWait(comm, stream, 8000).message();
     frpc.join();
     ASSERT_TRUE(fetched.ok()) << fetched.status();
     ASSERT_EQ(got, "");

@@ -55,11 +55,9 @@ absl::StatusOr<std::shared_ptr<const FsqDeviceCodec>> FsqDeviceCodec::Upload(
   image.resize(array_at + sizeof(kernels::FsqLayerCodec) * static_cast<size_t>(layers));
 
   std::shared_ptr<FsqDeviceCodec> c(new FsqDeviceCodec());
-  const std::string err = kc::Malloc(&c->memory_, image.size());
-  if (!err.empty()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "cannot allocate ", image.size(), " bytes of device memory for the FSQ codec: ", err));
-  }
+  KVCD_RETURN_IF_ERROR(KernelStatus(
+      kc::Malloc(&c->memory_, image.size()), absl::StatusCode::kResourceExhausted,
+      absl::StrCat("cannot allocate ", image.size(), " bytes of device memory for the FSQ codec")));
   auto* base = static_cast<uint8_t*>(c->memory_);
   auto dev = [base](size_t off) { return reinterpret_cast<const float*>(base + off); };
   for (int l = 0; l < layers; ++l) {

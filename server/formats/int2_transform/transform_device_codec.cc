@@ -27,11 +27,10 @@ absl::StatusOr<std::shared_ptr<const TransformDeviceCodec>> TransformDeviceCodec
   const int n = static_cast<int>(src.size());
   const size_t bytes = kc::TransformCodecBytes(n, p.head_dim());
   std::shared_ptr<TransformDeviceCodec> c(new TransformDeviceCodec());
-  const std::string err = kc::Malloc(&c->memory_, bytes);
-  if (!err.empty()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "cannot allocate ", bytes, " bytes of device memory for the int2-transform codec: ", err));
-  }
+  KVCD_RETURN_IF_ERROR(
+      KernelStatus(kc::Malloc(&c->memory_, bytes), absl::StatusCode::kResourceExhausted,
+                   absl::StrCat("cannot allocate ", bytes,
+                                " bytes of device memory for the int2-transform codec")));
   c->bytes_ = bytes;
   c->num_kv_heads_ = heads;
   std::vector<uint8_t> image(bytes);

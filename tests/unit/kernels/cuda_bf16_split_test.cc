@@ -147,7 +147,8 @@ TEST_F(CudaBf16SplitTest, PartsMatchTheScalarCpuKernel) {
       float* part_o = Up(std::vector<float>(static_cast<size_t>(parts) * rows * d, NAN));
       float* part_lse = Up(std::vector<float>(static_cast<size_t>(parts) * rows, NAN));
       ASSERT_EQ(cuda::LaunchBf16SplitDecodeParts(list, geo, d_q, d_rk, scale, splits, max_len,
-                                                 part_o, part_lse, 1, nullptr),
+                                                 part_o, part_lse, 1, nullptr)
+                    .device_code(),
                 cudaSuccess)
           << where;
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << where;
@@ -167,7 +168,8 @@ TEST_F(CudaBf16SplitTest, PartsMatchTheScalarCpuKernel) {
                 cudaSuccess);
       float* o = Up(std::vector<float>(static_cast<size_t>(rows) * d, NAN));
       float* lse = Up(std::vector<float>(rows, NAN));
-      ASSERT_EQ(cuda::LaunchMergeParts(part_o, part_lse, parts, rows, d, nullptr, o, lse, nullptr),
+      ASSERT_EQ(cuda::LaunchMergeParts(part_o, part_lse, parts, rows, d, nullptr, o, lse, nullptr)
+                    .device_code(),
                 cudaSuccess);
       const auto merged_o = Down(o, static_cast<size_t>(rows) * d);
       const auto merged_lse = Down(lse, rows);
@@ -248,12 +250,14 @@ TEST_F(CudaBf16SplitTest, RawQueriesAreBitIdenticalToConvertedOnes) {
     } else if (way == kConvertedBf16) {
       float* d_qc = Up(std::vector<float>(q.size(), NAN));
       ASSERT_EQ(cuda::LaunchQueriesToFloat(d_qb, true, batch, int64_t{hq} * d, d_qc, d_faults,
-                                           nullptr, layer),
+                                           nullptr, layer)
+                    .device_code(),
                 cudaSuccess);
       way_q = d_qc;
     }
     ASSERT_EQ(cuda::LaunchBf16SplitDecodeParts(list, geo, way_q, d_rk, scale, splits, 300, part_o,
-                                               part_lse, 0, nullptr, raw_q),
+                                               part_lse, 0, nullptr, raw_q)
+                  .device_code(),
               cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const auto o = Down(part_o, static_cast<size_t>(splits) * rows * d);
@@ -302,7 +306,8 @@ TEST(Bf16SplitArgsTest, SplitsFillOneCtaPerSmAndBadArgumentsAreRefused) {
   const cuda::PagedList list{reinterpret_cast<const uint8_t*>(part), 1024, &zero, 1, &zero};
   auto launch = [&](cuda::DecodeGeometry g, int splits) {
     return cuda::LaunchBf16SplitDecodeParts(list, g, part, nullptr, 1.0f, splits, 16, part, part, 0,
-                                            nullptr);
+                                            nullptr)
+        .device_code();
   };
   EXPECT_EQ(launch({1, 32, 8, 96, 64}, 1), cudaErrorInvalidValue);   // head_dim
   EXPECT_EQ(launch({1, 32, 2, 128, 64}, 1), cudaErrorInvalidValue);  // group 16

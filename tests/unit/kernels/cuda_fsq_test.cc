@@ -117,8 +117,9 @@ TEST_F(CudaFsqTest, EncodeIsBitIdenticalToTheCpu) {
         dst.layer_stride = pages * page_bytes;
         dst.page_bytes = page_bytes;
         dst.slots = Up(slots);
-        ASSERT_EQ(cuda::LaunchFsqEncodeRows(rb, dst, offset, Up(codecs), C, G, nullptr),
-                  cudaSuccess);
+        ASSERT_EQ(
+            cuda::LaunchFsqEncodeRows(rb, dst, offset, Up(codecs), C, G, nullptr).device_code(),
+            cudaSuccess);
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
         const std::vector<uint8_t> got = Down(dst.base, want.size());
         int64_t diff = 0;
@@ -174,7 +175,8 @@ TEST_F(CudaFsqTest, EncodeCheckZeroesAndReportsNonFiniteRows) {
   check.count = counters;
   check.first_row = counters + 1;
   ASSERT_EQ(cuda::LaunchFsqEncodeRows(rb, dst, 0, Up(std::vector<FsqLayerCodec>{codec}), C, G,
-                                      nullptr, &check),
+                                      nullptr, &check)
+                .device_code(),
             cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto got = Down(dst.base, ps * cb);
@@ -277,7 +279,7 @@ TEST_F(CudaFsqTest, DecodeAttentionMatchesTheOracle) {
     void* prepared = nullptr;
     ASSERT_EQ(cudaMalloc(&prepared, cuda::FsqDecoderBytes(hkv, d, G)), cudaSuccess);
     owned_.push_back(prepared);
-    ASSERT_EQ(cuda::LaunchFsqPrepareDecoder(dc, prepared, nullptr), cudaSuccess);
+    ASSERT_EQ(cuda::LaunchFsqPrepareDecoder(dc, prepared, nullptr).device_code(), cudaSuccess);
     const int rows = batch * hq;
     const cuda::DecodeGeometry geo{batch, hq, hkv, d, ps};
     for (const int splits : {1, cuda::FsqDecodeSplits(batch, hkv, max_len, 132), 7}) {
@@ -295,7 +297,8 @@ TEST_F(CudaFsqTest, DecodeAttentionMatchesTheOracle) {
       const cuda::PagedList wlist{reinterpret_cast<const uint8_t*>(Up(wpool)), welems * 2, Up(wids),
                                   1, Up(std::vector<int32_t>(cs.window.begin(), cs.window.end()))};
       ASSERT_EQ(cuda::LaunchBf16DecodeParts(wlist, wgeo, d_q, nullptr, scale, 1, wps, part_o,
-                                            part_lse, 0, nullptr),
+                                            part_lse, 0, nullptr)
+                    .device_code(),
                 cudaSuccess);
       cuda::FsqDecodeArgs args;
       args.codec = dc;
@@ -309,9 +312,10 @@ TEST_F(CudaFsqTest, DecodeAttentionMatchesTheOracle) {
       const cuda::PagedList list{Up(pool), page_bytes, Up(ids), max_pages,
                                  Up(std::vector<int32_t>(cs.lengths.begin(), cs.lengths.end()))};
       const cuda::MergeTarget merge{2, nullptr, o, lse};
-      ASSERT_EQ(cuda::LaunchFsqDecodeParts(list, geo, args, max_len, part_o, part_lse, 1, nullptr,
-                                           &merge),
-                cudaSuccess);
+      ASSERT_EQ(
+          cuda::LaunchFsqDecodeParts(list, geo, args, max_len, part_o, part_lse, 1, nullptr, &merge)
+              .device_code(),
+          cudaSuccess);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       const auto got_po = Down(part_o + rows * d, rows * d);
       const auto got_pl = Down(part_lse + rows, rows);
@@ -390,13 +394,13 @@ TEST_F(CudaFsqTest, DecodeAttentionRejectsUnsupportedArguments) {
   float f = 0;
   const cuda::PagedList list{};
   // No prepared decoder, pages or positions; G > kFsqCudaMaxLatent; head_dim 96.
-  EXPECT_EQ(cuda::LaunchFsqDecodeParts(list, geo, args, 16, &f, &f, 0, nullptr),
+  EXPECT_EQ(cuda::LaunchFsqDecodeParts(list, geo, args, 16, &f, &f, 0, nullptr).device_code(),
             cudaErrorInvalidValue);
   args.codec.latent_width = 300;
-  EXPECT_EQ(cuda::LaunchFsqDecodeParts(list, geo, args, 16, &f, &f, 0, nullptr),
+  EXPECT_EQ(cuda::LaunchFsqDecodeParts(list, geo, args, 16, &f, &f, 0, nullptr).device_code(),
             cudaErrorInvalidValue);
   const cuda::DecodeGeometry geo96{1, 4, 1, 96, 16};
-  EXPECT_EQ(cuda::LaunchFsqDecodeParts(list, geo96, args, 16, &f, &f, 0, nullptr),
+  EXPECT_EQ(cuda::LaunchFsqDecodeParts(list, geo96, args, 16, &f, &f, 0, nullptr).device_code(),
             cudaErrorInvalidValue);
 }
 

@@ -78,7 +78,8 @@ TEST_F(CudaKernelsTest, DemoteIsBitIdenticalToTheCpu) {
               Int2RowRef dev = Int2RowRef::RowMajor(codes, row_bytes, params, params + 1, 2);
               dev.byte_stride = stride;
               ASSERT_EQ(
-                  cuda::LaunchDemoteInt2(d_rows, n, d, d_rot, kind, rho, dev, 0, nullptr, kernel),
+                  cuda::LaunchDemoteInt2(d_rows, n, d, d_rot, kind, rho, dev, 0, nullptr, kernel)
+                      .device_code(),
                   cudaSuccess);
               ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
               const std::string where =
@@ -203,7 +204,8 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
       raw_q = &raw;
       way_q = nullptr;
     } else if (way.queries == kConvertedBf16) {
-      ASSERT_EQ(cuda::LaunchQueriesToFloat(d_qb, true, batch, hq * d, d_qc, d_faults, nullptr, 9),
+      ASSERT_EQ(cuda::LaunchQueriesToFloat(d_qb, true, batch, hq * d, d_qc, d_faults, nullptr, 9)
+                    .device_code(),
                 cudaSuccess);
       way_q = d_qc;
     }
@@ -214,7 +216,8 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
                          cudaMemcpyHostToDevice),
               cudaSuccess);
     ASSERT_EQ(cuda::LaunchBf16Parts(way.bf16, bf16_list, geo, way_q, d_rk, scale, s_bf16, max_bf16,
-                                    part_o, part_lse, 0, nullptr, raw_q),
+                                    part_o, part_lse, 0, nullptr, raw_q)
+                  .device_code(),
               cudaSuccess);
     const cuda::MergeTarget merge{s_int2 + s_bf16, d_rvt, o, lse};
     cuda::Int2PartsOptions opt;
@@ -223,12 +226,14 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
     opt.dependent_launch = way.dependent;
     opt.raw = raw_q;
     ASSERT_EQ(cuda::LaunchInt2DecodeParts(int2_list, geo, way_q, d_rk, scale, s_int2, max_int2,
-                                          part_o, part_lse, s_bf16, nullptr, opt),
+                                          part_o, part_lse, s_bf16, nullptr, opt)
+                  .device_code(),
               cudaSuccess);
     if (!way.merge_in_launch) {
-      ASSERT_EQ(cuda::LaunchMergeParts(part_o, part_lse, s_int2 + s_bf16, rows, d, d_rvt, o, lse,
-                                       nullptr),
-                cudaSuccess);
+      ASSERT_EQ(
+          cuda::LaunchMergeParts(part_o, part_lse, s_int2 + s_bf16, rows, d, d_rvt, o, lse, nullptr)
+              .device_code(),
+          cudaSuccess);
     }
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     got_o_ways.push_back(Down(o, rows * d));
@@ -399,8 +404,9 @@ TEST_F(CudaKernelsTest, PagedRowStoresAreBitIdenticalToTheHostPath) {
           dst.layer_stride = pool_pages * page_bytes;
           dst.page_bytes = page_bytes;
           dst.slots = Up(slots);
-          ASSERT_EQ(fmt == 0 ? cuda::LaunchStoreBf16Rows(k, v, dst, codec, nullptr)
-                             : cuda::LaunchStoreInt2Rows(k, v, dst, codec, nullptr),
+          ASSERT_EQ((fmt == 0 ? cuda::LaunchStoreBf16Rows(k, v, dst, codec, nullptr)
+                              : cuda::LaunchStoreInt2Rows(k, v, dst, codec, nullptr))
+                        .device_code(),
                     cudaSuccess);
           const auto got = Down(d_pool, poison.size());
           // The host path into a host copy of the same pool.
@@ -468,7 +474,8 @@ TEST_F(CudaKernelsTest, PagedCopyScattersGathersAndChecksLikeTheReference) {
     a.check_offset = 512;
     a.check_bytes = 256;
     unsigned long long* d_bad = Up(std::vector<unsigned long long>{0});
-    ASSERT_EQ(cuda::LaunchPagedCopy(cuda::PageCopy::kScatter, a, d_bad, nullptr), cudaSuccess);
+    ASSERT_EQ(cuda::LaunchPagedCopy(cuda::PageCopy::kScatter, a, d_bad, nullptr).device_code(),
+              cudaSuccess);
     std::vector<uint8_t> want = pool;
     unsigned long long want_bad = 0;
     for (int64_t p = 0; p < pages; ++p) {
@@ -486,7 +493,8 @@ TEST_F(CudaKernelsTest, PagedCopyScattersGathersAndChecksLikeTheReference) {
     EXPECT_GT(want_bad, 0u);  // random bytes: the check is exercised
     // Check only: the same count, nothing written.
     ASSERT_EQ(cudaMemset(d_bad, 0, sizeof(unsigned long long)), cudaSuccess);
-    ASSERT_EQ(cuda::LaunchPagedCopy(cuda::PageCopy::kCheck, a, d_bad, nullptr), cudaSuccess);
+    ASSERT_EQ(cuda::LaunchPagedCopy(cuda::PageCopy::kCheck, a, d_bad, nullptr).device_code(),
+              cudaSuccess);
     EXPECT_EQ(Down(d_bad, 1)[0], want_bad);
     // The BF16 check over whole layer pages: random bytes hold Inf/NaN patterns.
     const uint64_t want_bf16 = CountBad(run, 0, run.size(), cuda::kCheckBf16Finite, 0);
@@ -494,7 +502,8 @@ TEST_F(CudaKernelsTest, PagedCopyScattersGathersAndChecksLikeTheReference) {
     a.check_offset = 0;
     a.check_bytes = layer_bytes;
     ASSERT_EQ(cudaMemset(d_bad, 0, sizeof(unsigned long long)), cudaSuccess);
-    ASSERT_EQ(cuda::LaunchPagedCopy(cuda::PageCopy::kCheck, a, d_bad, nullptr), cudaSuccess);
+    ASSERT_EQ(cuda::LaunchPagedCopy(cuda::PageCopy::kCheck, a, d_bad, nullptr).device_code(),
+              cudaSuccess);
     EXPECT_EQ(Down(d_bad, 1)[0], want_bf16);
     EXPECT_GT(want_bf16, 0u);
     // The F32 check (F32 values in device memory, e.g. a pushed run of F32 words): the
@@ -506,14 +515,16 @@ TEST_F(CudaKernelsTest, PagedCopyScattersGathersAndChecksLikeTheReference) {
     }
     a.check = cuda::kCheckF32Finite;
     ASSERT_EQ(cudaMemset(d_bad, 0, sizeof(unsigned long long)), cudaSuccess);
-    ASSERT_EQ(cuda::LaunchPagedCopy(cuda::PageCopy::kCheck, a, d_bad, nullptr), cudaSuccess);
+    ASSERT_EQ(cuda::LaunchPagedCopy(cuda::PageCopy::kCheck, a, d_bad, nullptr).device_code(),
+              cudaSuccess);
     EXPECT_EQ(Down(d_bad, 1)[0], want_f32);
     EXPECT_GT(want_f32, 0u);
     EXPECT_LT(want_f32, want_bf16);
     // Gather into a poisoned run: the original run comes back.
     ASSERT_EQ(cudaMemset(d_run, 0xee, run.size()), cudaSuccess);
     a.check = cuda::kCheckNone;
-    ASSERT_EQ(cuda::LaunchPagedCopy(cuda::PageCopy::kGather, a, nullptr, nullptr), cudaSuccess);
+    ASSERT_EQ(cuda::LaunchPagedCopy(cuda::PageCopy::kGather, a, nullptr, nullptr).device_code(),
+              cudaSuccess);
     EXPECT_TRUE(Down(d_run, run.size()) == run) << "layer_bytes " << layer_bytes;
   }
 }
@@ -630,8 +641,9 @@ TEST_F(CudaKernelsTest, FusedStoreCheckMatchesAScalarReference) {
             dst.page_bytes = page_bytes;
             dst.slots = Up(slots);
             auto launch = [&](const cuda::StoreCheck* c) {
-              return fmt == 0 ? cuda::LaunchStoreBf16Rows(k, v, dst, codec, nullptr, c)
-                              : cuda::LaunchStoreInt2Rows(k, v, dst, codec, nullptr, c);
+              return (fmt == 0 ? cuda::LaunchStoreBf16Rows(k, v, dst, codec, nullptr, c)
+                               : cuda::LaunchStoreInt2Rows(k, v, dst, codec, nullptr, c))
+                  .device_code();
             };
             // Synchronous report.
             dst.base = Up(poison);
@@ -727,7 +739,8 @@ TEST_F(CudaKernelsTest, QueryConversionCheckMatchesAScalarReference) {
       float* d_out = Up(std::vector<float>(f.size(), NAN));
       const void* src = bf16 ? static_cast<const void*>(Up(h)) : Up(f);
       ASSERT_EQ(cuda::LaunchQueriesToFloat(src, bf16, batch, row, d_out, Up(faults), nullptr,
-                                           in_call ? 5 : 0),
+                                           in_call ? 5 : 0)
+                    .device_code(),
                 cudaSuccess);
       const auto out = Down(d_out, f.size());
       const auto got = Down(d_words, words.size());
@@ -769,8 +782,9 @@ TEST_F(CudaKernelsTest, MergePoisonsFaultedSequences) {
     const float* d_rvt = Up(rvt);
     float* o = Up(std::vector<float>(rows * d, 1.0f));
     float* lse = Up(std::vector<float>(rows, 1.0f));
-    ASSERT_EQ(cuda::LaunchMergeParts(d_po, d_pl, parts, rows, d, d_rvt, o, lse, nullptr),
-              cudaSuccess);
+    ASSERT_EQ(
+        cuda::LaunchMergeParts(d_po, d_pl, parts, rows, d, d_rvt, o, lse, nullptr).device_code(),
+        cudaSuccess);
     const auto base_o = Down(o, rows * d);
     const auto base_lse = Down(lse, rows);
     // b0 clean, b1 set for its owner, b2 set by an earlier owner, b3 untracked (tag 0) with
@@ -788,7 +802,8 @@ TEST_F(CudaKernelsTest, MergePoisonsFaultedSequences) {
     }
     const DeviceFault* d_faults = Up(faults);
     ASSERT_EQ(
-        cuda::LaunchMergeParts(d_po, d_pl, parts, rows, d, d_rvt, o, lse, nullptr, d_faults, hq),
+        cuda::LaunchMergeParts(d_po, d_pl, parts, rows, d, d_rvt, o, lse, nullptr, d_faults, hq)
+            .device_code(),
         cudaSuccess);
     const auto got_o = Down(o, rows * d);
     const auto got_lse = Down(lse, rows);
@@ -821,10 +836,10 @@ TEST_F(CudaKernelsTest, ToFloatMatchesTheCpu) {
   }
   std::vector<float> poison(n, NAN);
   float* d_out = Up(poison);
-  ASSERT_EQ(cuda::LaunchToFloat(Up(bf), true, n, d_out, nullptr), cudaSuccess);
+  ASSERT_EQ(cuda::LaunchToFloat(Up(bf), true, n, d_out, nullptr).device_code(), cudaSuccess);
   auto out = Down(d_out, n);
   for (int64_t i = 0; i < n; ++i) ASSERT_EQ(out[i], Bf16ToFloat(bf[i])) << i;
-  ASSERT_EQ(cuda::LaunchToFloat(Up(f), false, n, d_out, nullptr), cudaSuccess);
+  ASSERT_EQ(cuda::LaunchToFloat(Up(f), false, n, d_out, nullptr).device_code(), cudaSuccess);
   out = Down(d_out, n);
   for (int64_t i = 0; i < n; ++i) ASSERT_EQ(out[i], f[i]) << i;
 }

@@ -178,7 +178,8 @@ TEST(CudaTransformHostTest, LaunchersRefuseWhatTheKernelsDoNotServe) {
   const kc::PagedList list{fake.data(), l.Bytes(), &i32, 1, &i32};
   auto decode = [&](kc::DecodeGeometry g, const kc::TransformPageOffsets& lo, int splits) {
     return kc::LaunchTransformDecodeParts(list, g, lo, heads, &f, 1.0f, splits, 32, &f, &f, 0,
-                                          nullptr);
+                                          nullptr)
+        .device_code();
   };
   const kc::DecodeGeometry good{1, 9, 3, d, ps};
   EXPECT_EQ(decode({1, 9, 3, d, 16}, kc::TransformPageOffsets({3, 16, d, 18}), 1),
@@ -200,20 +201,21 @@ TEST(CudaTransformHostTest, LaunchersRefuseWhatTheKernelsDoNotServe) {
   dst.head_dim = d;
   dst.page_size = ps;
   dst.base = fake.data();
-  EXPECT_EQ(kc::LaunchStoreTransformRows(rows, rows, dst, o, nullptr, nullptr),
+  EXPECT_EQ(kc::LaunchStoreTransformRows(rows, rows, dst, o, nullptr, nullptr).device_code(),
             cudaErrorInvalidValue);  // no codec
   kc::PagedRows bad = dst;
   bad.head_dim = 96;
   EXPECT_EQ(kc::LaunchStoreTransformRows(rows, rows, bad, kc::TransformPageOffsets({3, ps, 96, 18}),
-                                         heads, nullptr),
+                                         heads, nullptr)
+                .device_code(),
             cudaErrorInvalidValue);
   bad = dst;
   bad.num_kv_heads = 2;  // the layout says 3
-  EXPECT_EQ(kc::LaunchStoreTransformRows(rows, rows, bad, o, heads, nullptr),
+  EXPECT_EQ(kc::LaunchStoreTransformRows(rows, rows, bad, o, heads, nullptr).device_code(),
             cudaErrorInvalidValue);
   bad = dst;
   bad.num_tokens = kc::PagedRows::kInlineSlots + 1;  // no slot array
-  EXPECT_EQ(kc::LaunchStoreTransformRows(rows, rows, bad, o, heads, nullptr),
+  EXPECT_EQ(kc::LaunchStoreTransformRows(rows, rows, bad, o, heads, nullptr).device_code(),
             cudaErrorInvalidValue);
 }
 
@@ -363,7 +365,8 @@ void RunStoreCase(CudaTransformTest* t, const StoreCase& c, uint32_t seed) {
   }
   const kc::TransformHeadCodec* heads = t->UpCodec(p);
   ASSERT_EQ(
-      kc::LaunchStoreTransformRows(kr, vr, dst, off, heads, nullptr, c.check ? &check : nullptr),
+      kc::LaunchStoreTransformRows(kr, vr, dst, off, heads, nullptr, c.check ? &check : nullptr)
+          .device_code(),
       cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<uint8_t> got = t->Down(d_pool, pool.size());
@@ -468,11 +471,13 @@ void RunDecodeCase(CudaTransformTest* t, const DecodeCase& c, uint32_t seed) {
   float* o = t->Up(std::vector<float>(static_cast<size_t>(rows) * c.d, NAN));
   float* lse = t->Up(std::vector<float>(static_cast<size_t>(rows), NAN));
   const kc::DecodeGeometry geo{batch, c.hq, c.hkv, c.d, c.ps};
-  ASSERT_EQ(kc::LaunchTransformDecodeParts(list, geo, kc::TransformPageOffsets(layout),
-                                           t->UpCodec(p), t->Up(q), scale, splits, max_len, part_o,
-                                           part_lse, 0, nullptr),
-            cudaSuccess);
-  ASSERT_EQ(kc::LaunchMergeParts(part_o, part_lse, splits, rows, c.d, nullptr, o, lse, nullptr),
+  ASSERT_EQ(
+      kc::LaunchTransformDecodeParts(list, geo, kc::TransformPageOffsets(layout), t->UpCodec(p),
+                                     t->Up(q), scale, splits, max_len, part_o, part_lse, 0, nullptr)
+          .device_code(),
+      cudaSuccess);
+  ASSERT_EQ(kc::LaunchMergeParts(part_o, part_lse, splits, rows, c.d, nullptr, o, lse, nullptr)
+                .device_code(),
             cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto go = t->Down(o, static_cast<size_t>(rows) * c.d);

@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include "kvcd/kernels/cuda_decode_attention.h"
+#include "kvcd/kernels/error.h"
 
 namespace kvcd::kernels::cuda {
 
@@ -43,16 +44,15 @@ int Bf16DecodeSplits(Bf16Kernel kernel, int batch, int num_kv_heads, int head_di
 // (cudaFuncSetAttribute), which never waits for the device.
 // REQUIRES: head_dim in {64, 128, 256}, num_q_heads / num_kv_heads <= 8, page_size > 0,
 // splits > 0; cudaErrorInvalidValue otherwise.
-cudaError_t LaunchBf16SplitDecodeParts(const PagedList& list, const DecodeGeometry& geo,
-                                       const float* q, const float* r_k, float scale, int splits,
-                                       int max_tokens, float* part_o, float* part_lse,
-                                       int part_base, cudaStream_t stream,
-                                       const RawQueries* raw = nullptr);
+Error LaunchBf16SplitDecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
+                                 const float* r_k, float scale, int splits, int max_tokens,
+                                 float* part_o, float* part_lse, int part_base, cudaStream_t stream,
+                                 const RawQueries* raw = nullptr);
 
 // One entry for both kernels (the daemon's BF16 format, the benchmarks).
-cudaError_t LaunchBf16Parts(Bf16Kernel kernel, const PagedList& list, const DecodeGeometry& geo,
-                            const float* q, const float* r_k, float scale, int splits,
-                            int max_tokens, float* part_o, float* part_lse, int part_base,
-                            cudaStream_t stream, const RawQueries* raw = nullptr);
+Error LaunchBf16Parts(Bf16Kernel kernel, const PagedList& list, const DecodeGeometry& geo,
+                      const float* q, const float* r_k, float scale, int splits, int max_tokens,
+                      float* part_o, float* part_lse, int part_base, cudaStream_t stream,
+                      const RawQueries* raw = nullptr);
 
 }  // namespace kvcd::kernels::cuda

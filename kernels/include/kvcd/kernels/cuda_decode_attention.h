@@ -1,5 +1,5 @@
 // CUDA decode attention over paged K/V (sm_90), framework-free: raw device pointers, sizes
-// and a stream; launchers return cudaError_t and never synchronize or allocate.
+// and a stream; launchers return an Error (error.h) and never synchronize or allocate.
 //
 // A sequence's pages are split by format into two lists (attention does not depend on
 // token order, and only a sequence's last page can be partial): INT2 history pages and
@@ -13,8 +13,8 @@
 // v2 kernel (head_dim 64/128) takes the codes as A and accumulates the value products in
 // int32 across tiles; with pages of 64 tokens its warps stream their pages into shared
 // memory by bulk copies (mbarrier-completed stages). The first kernel (every head_dim) takes
-// the query and the weights as A and accumulates in FP32 per tile (decode_attention.cu says
-// more).
+// the query and the weights as A and accumulates in FP32 per tile (int2_decode_v1.cu and
+// int2_decode_v2.cu say more).
 // Split-K: grid (splits, kv_heads, batch); partial (o_rot, lse) in FP32; a merge kernel
 // combines the splits (and optional extra states, e.g. BF16 windows) and applies R_v^T.
 #pragma once
@@ -24,6 +24,7 @@
 #include <cstdint>
 
 #include "kvcd/kernels/device_fault.h"
+#include "kvcd/kernels/error.h"
 
 namespace kvcd::kernels::cuda {
 
@@ -68,7 +69,7 @@ int Int2CtasPerSm(int num_q_heads, int num_kv_heads, int head_dim);
 
 // REQUIRES: head_dim in {64, 128, 256}, num_q_heads / num_kv_heads <= 8, page_size a
 // multiple of 32. Returns cudaErrorInvalidValue otherwise.
-cudaError_t LaunchInt2Decode(const Int2DecodeParams& p, int max_tokens, cudaStream_t stream);
+Error LaunchInt2Decode(const Int2DecodeParams& p, int max_tokens, cudaStream_t stream);
 
 // --- The stages, for callers that combine several page lists (the daemon) ---------------
 // Partial states: part_o [parts][rows][head_dim], part_lse [parts][rows] (rows =
@@ -131,24 +132,23 @@ struct Int2PartsOptions {
 // kernel, which starts as its programmatic dependent; inside the first kernel). With
 // opt.merge the launch also produces o / lse. Same requirements as above; the v2 kernel
 // also needs opt.state.
-cudaError_t LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
-                                  const float* r_k, float scale, int splits, int max_tokens,
-                                  float* part_o, float* part_lse, int part_base,
-                                  cudaStream_t stream, const Int2PartsOptions& opt = {});
+Error LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
+                            const float* r_k, float scale, int splits, int max_tokens,
+                            float* part_o, float* part_lse, int part_base, cudaStream_t stream,
+                            const Int2PartsOptions& opt = {});
 
 // BF16 pages (layout of bf16_attention.h) -> parts [part_base, part_base + splits); with raw
 // set, the queries are read from it (checked) and q is not used.
 // REQUIRES: head_dim in {64, 128, 256}, num_q_heads / num_kv_heads <= 8.
-cudaError_t LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
-                                  const float* r_k, float scale, int splits, int max_tokens,
-                                  float* part_o, float* part_lse, int part_base,
-                                  cudaStream_t stream, const RawQueries* raw = nullptr);
+Error LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
+                            const float* r_k, float scale, int splits, int max_tokens,
+                            float* part_o, float* part_lse, int part_base, cudaStream_t stream,
+                            const RawQueries* raw = nullptr);
 
 // o[row] = merge of the parts of row, times R_v^T (null = identity); lse natural log;
 // faults / rows_per_entry as in MergeTarget.
-cudaError_t LaunchMergeParts(const float* part_o, const float* part_lse, int parts, int rows,
-                             int head_dim, const float* r_v_t, float* o, float* lse,
-                             cudaStream_t stream, const DeviceFault* faults = nullptr,
-                             int rows_per_entry = 1);
+Error LaunchMergeParts(const float* part_o, const float* part_lse, int parts, int rows,
+                       int head_dim, const float* r_v_t, float* o, float* lse, cudaStream_t stream,
+                       const DeviceFault* faults = nullptr, int rows_per_entry = 1);
 
 }  // namespace kvcd::kernels::cuda

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "kvcd/kernels/error.h"
 #include "kvcd/kernels/int2_codec.h"
 
 namespace kvcd::kernels::cuda {
@@ -19,8 +20,8 @@ enum class DemoteKernel { kGrouped, kWarpPerRow };
 // kind kNone; kind: ClassifyRotation of the host copy of the rotation (kHadamard reads only
 // c = rotation[0]); out: device pointers and strides of the destination rows (row i written
 // at index first_row + i). REQUIRES: head_dim in {64, 128, 256}, 0 < rho <= 1.
-cudaError_t LaunchDemoteInt2(const uint16_t* rows, int64_t n, int head_dim, const float* rotation,
-                             Rotation kind, float rho, const Int2RowRef& out, int64_t first_row,
-                             cudaStream_t stream, DemoteKernel kernel = DemoteKernel::kGrouped);
+Error LaunchDemoteInt2(const uint16_t* rows, int64_t n, int head_dim, const float* rotation,
+                       Rotation kind, float rho, const Int2RowRef& out, int64_t first_row,
+                       cudaStream_t stream, DemoteKernel kernel = DemoteKernel::kGrouped);
 
 }  // namespace kvcd::kernels::cuda

@@ -7,11 +7,12 @@
 #include <cstdint>
 
 #include "kvcd/kernels/device_fault.h"
+#include "kvcd/kernels/error.h"
 
 namespace kvcd::kernels::cuda {
 
 // dst[i] = float(src[i]) for i < n; src is BF16 (bf16 = true) or F32.
-cudaError_t LaunchToFloat(const void* src, bool bf16, int64_t n, float* dst, cudaStream_t stream);
+Error LaunchToFloat(const void* src, bool bf16, int64_t n, float* dst, cudaStream_t stream);
 
 // The worker's queries of `batch` sequences ([batch][row_elems]) to F32, with the non-finite
 // check fused into the conversion (the one kernel that reads device queries, for every page
@@ -23,8 +24,7 @@ cudaError_t LaunchToFloat(const void* src, bool bf16, int64_t n, float* dst, cud
 // targets of tag FaultTag(owner, 0), the same for every layer of a token (the daemon keeps
 // them beside its page tables, which are then sent once per token, not once per layer), and
 // name the call's layer here.
-cudaError_t LaunchQueriesToFloat(const void* src, bool bf16, int64_t batch, int64_t row_elems,
-                                 float* dst, const DeviceFault* faults, cudaStream_t stream,
-                                 int64_t fault_layer = 0);
+Error LaunchQueriesToFloat(const void* src, bool bf16, int64_t batch, int64_t row_elems, float* dst,
+                           const DeviceFault* faults, cudaStream_t stream, int64_t fault_layer = 0);
 
 }  // namespace kvcd::kernels::cuda

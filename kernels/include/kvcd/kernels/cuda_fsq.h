@@ -1,5 +1,5 @@
 // Transformer-FSQ on the GPU (sm_90), framework-free: raw device pointers, sizes and a
-// stream; launchers return cudaError_t and never synchronize or allocate.
+// stream; launchers return an Error (error.h) and never synchronize or allocate.
 //
 //  - Encode: residual rows x_t (all layers of a Put / Append at once) -> packed 4-bit codes
 //    in their page slots, bit for bit the codes of kernels::FsqEncodeRows (fsq.h): u = E x
@@ -29,6 +29,7 @@
 
 #include "kvcd/kernels/cuda_decode_attention.h"
 #include "kvcd/kernels/cuda_store_rows.h"
+#include "kvcd/kernels/error.h"
 #include "kvcd/kernels/fsq.h"
 
 namespace kvcd::kernels::cuda {
@@ -51,10 +52,10 @@ namespace kvcd::kernels::cuda {
 // reported (faults: input kFaultKNew, the residual the keys come from). Without it a NaN
 // latent sum gives z = 0 and ±Inf saturates, as the CPU encoder does.
 // REQUIRES: 1 <= G <= kFsqMaxLatent, C >= 1, page_size >= 1. cudaErrorInvalidValue otherwise.
-cudaError_t LaunchFsqEncodeRows(const RowBlock& x, const PagedRows& dst, int64_t codes_offset,
-                                const FsqLayerCodec* layer_codecs, int32_t residual_width,
-                                int32_t latent_width, cudaStream_t stream,
-                                const StoreCheck* check = nullptr);
+Error LaunchFsqEncodeRows(const RowBlock& x, const PagedRows& dst, int64_t codes_offset,
+                          const FsqLayerCodec* layer_codecs, int32_t residual_width,
+                          int32_t latent_width, cudaStream_t stream,
+                          const StoreCheck* check = nullptr);
 
 // --- Decode attention --------------------------------------------------------------------
 
@@ -69,8 +70,7 @@ size_t FsqDecoderBytes(int num_kv_heads, int head_dim, int latent_width);
 // decoder_k, bias_k, key_norm (null = none)) into `prepared` (FsqDecoderBytes bytes, device,
 // 16-byte aligned). Run once per layer (model load); the buffer stays valid while the
 // codec's values do not change.
-cudaError_t LaunchFsqPrepareDecoder(const FsqLayerCodec& codec, void* prepared,
-                                    cudaStream_t stream);
+Error LaunchFsqPrepareDecoder(const FsqLayerCodec& codec, void* prepared, cudaStream_t stream);
 
 // Workspace of LaunchFsqDecodeParts: the latent partial states of `splits` splits.
 size_t FsqDecodeWorkspaceBytes(int batch, int num_q_heads, int latent_width, int splits);
@@ -103,9 +103,9 @@ struct FsqDecodeArgs {
 // of 16 for the half pairing), rope.scaling > 0, page_size a multiple of 16, list.pages
 // 16-byte aligned and list.page_stride a multiple of 16, codec.key_norm (if set) 8-byte
 // aligned. cudaErrorInvalidValue otherwise.
-cudaError_t LaunchFsqDecodeParts(const PagedList& list, const DecodeGeometry& geo,
-                                 const FsqDecodeArgs& args, int max_tokens, float* part_o,
-                                 float* part_lse, int part_base, cudaStream_t stream,
-                                 const MergeTarget* merge = nullptr);
+Error LaunchFsqDecodeParts(const PagedList& list, const DecodeGeometry& geo,
+                           const FsqDecodeArgs& args, int max_tokens, float* part_o,
+                           float* part_lse, int part_base, cudaStream_t stream,
+                           const MergeTarget* merge = nullptr);
 
 }  // namespace kvcd::kernels::cuda

@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "kvcd/kernels/error.h"
+
 namespace kvcd::kernels::cuda {
 
 enum CopyCheck : uint32_t {
@@ -48,7 +50,7 @@ struct PagedCopyArgs {
 // With a check, atomically adds the number of failing values to *bad (device).
 // REQUIRES: layer_bytes, check_offset and check_bytes even; 16-byte alignment of pool, run
 // and layer_bytes takes the vector path, anything else the byte path.
-cudaError_t LaunchPagedCopy(PageCopy kind, const PagedCopyArgs& a, unsigned long long* bad,
-                            cudaStream_t stream);
+Error LaunchPagedCopy(PageCopy kind, const PagedCopyArgs& a, unsigned long long* bad,
+                      cudaStream_t stream);
 
 }  // namespace kvcd::kernels::cuda

@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "kvcd/kernels/device_fault.h"
+#include "kvcd/kernels/error.h"
 
 namespace kvcd::kernels::cuda {
 
@@ -83,14 +84,14 @@ struct StoreCheck {
 // BF16 pages: K [heads][page_size][head_dim] then V (bf16_attention.h). With `check` (not
 // null) the checked kernel runs, without it the kernel with no check compiled in.
 // REQUIRES: head_dim in {64, 128, 256}.
-cudaError_t LaunchStoreBf16Rows(const RowBlock& k, const RowBlock& v, const PagedRows& dst,
-                                const RowCodec& codec, cudaStream_t stream,
-                                const StoreCheck* check = nullptr);
+Error LaunchStoreBf16Rows(const RowBlock& k, const RowBlock& v, const PagedRows& dst,
+                          const RowCodec& codec, cudaStream_t stream,
+                          const StoreCheck* check = nullptr);
 
 // INT2 pages (int2_attention.h). REQUIRES: head_dim in {64, 128, 256}, rho_k and rho_v set,
 // every rho in (0, 1].
-cudaError_t LaunchStoreInt2Rows(const RowBlock& k, const RowBlock& v, const PagedRows& dst,
-                                const RowCodec& codec, cudaStream_t stream,
-                                const StoreCheck* check = nullptr);
+Error LaunchStoreInt2Rows(const RowBlock& k, const RowBlock& v, const PagedRows& dst,
+                          const RowCodec& codec, cudaStream_t stream,
+                          const StoreCheck* check = nullptr);
 
 }  // namespace kvcd::kernels::cuda

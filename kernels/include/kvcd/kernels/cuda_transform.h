@@ -1,5 +1,5 @@
 // Transform-coded key pages (codec file version 3, int2-transform) on the GPU (sm_90),
-// framework-free: raw device pointers, sizes and a stream; launchers return cudaError_t and
+// framework-free: raw device pointers, sizes and a stream; launchers return an Error (error.h) and
 // never synchronize or allocate. Page layout: kvcd/kernels/transform_attention.h; key code:
 // transform_codec.h; values: OSCAR INT2 rows rotated by their KV head's R_v (int2_codec.h).
 //
@@ -25,6 +25,7 @@
 
 #include "kvcd/kernels/cuda_decode_attention.h"
 #include "kvcd/kernels/cuda_store_rows.h"
+#include "kvcd/kernels/error.h"
 #include "kvcd/kernels/transform_attention.h"
 #include "kvcd/kernels/transform_codec.h"
 
@@ -100,10 +101,9 @@ struct TransformPageOffsets {
 // REQUIRES: dst.head_dim in {64, 128, 256} and equal to layout.head_dim, dst.num_kv_heads =
 // layout.num_kv_heads, dst.page_size = layout.page_size, 1 <= code_bytes <= head_dim.
 // cudaErrorInvalidValue otherwise.
-cudaError_t LaunchStoreTransformRows(const RowBlock& k, const RowBlock& v, const PagedRows& dst,
-                                     const TransformPageOffsets& layout,
-                                     const TransformHeadCodec* heads, cudaStream_t stream,
-                                     const StoreCheck* check = nullptr);
+Error LaunchStoreTransformRows(const RowBlock& k, const RowBlock& v, const PagedRows& dst,
+                               const TransformPageOffsets& layout, const TransformHeadCodec* heads,
+                               cudaStream_t stream, const StoreCheck* check = nullptr);
 
 // Split count filling one wave of the GPU for this batch and context (at least 32 tokens per
 // split).
@@ -120,10 +120,10 @@ inline constexpr int kTransformCudaMaxGroup = 8;
 // REQUIRES: head_dim in {64, 128, 256}, num_q_heads a multiple of num_kv_heads with group
 // <= kTransformCudaMaxGroup, page_size a multiple of 32, layout matching geo, splits >= 1.
 // cudaErrorInvalidValue otherwise.
-cudaError_t LaunchTransformDecodeParts(const PagedList& list, const DecodeGeometry& geo,
-                                       const TransformPageOffsets& layout,
-                                       const TransformHeadCodec* heads, const float* q, float scale,
-                                       int splits, int max_tokens, float* part_o, float* part_lse,
-                                       int part_base, cudaStream_t stream);
+Error LaunchTransformDecodeParts(const PagedList& list, const DecodeGeometry& geo,
+                                 const TransformPageOffsets& layout,
+                                 const TransformHeadCodec* heads, const float* q, float scale,
+                                 int splits, int max_tokens, float* part_o, float* part_lse,
+                                 int part_base, cudaStream_t stream);
 
 }  // namespace kvcd::kernels::cuda
