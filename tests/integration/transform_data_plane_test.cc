@@ -12,10 +12,11 @@
 //     to 4 ULP;
 //   - CUDA against CPU attention: close. Both attend on the codes in FP32 in different orders
 //     (the CPU's AVX2 path rounds the projected query to int16, bench/results/
-//     2026-12-05-int2-transform-daemon.md: <= 3e-4 of the scalar path; the CUDA kernel sums
-//     the codes uncentred and uses __expf: <= 5e-4 of the float64 oracle in
-//     cuda_transform_test). kMaxOutputError bounds the error on o relative to the row's
-//     largest |o| (>= 1) and on lse, with room for both; the test prints what it measured.
+//     2026-12-05-int2-transform-daemon.md: <= 3e-4 of the scalar path; the CUDA kernels, the
+//     int8 tensor-core one by default or the FP32 one with KVCD_TRANSFORM_KERNEL=fp32, sum the
+//     codes uncentred: <= 5e-4 of the float64 oracle in cuda_transform_test).
+//     kMaxOutputError bounds the error on o relative to the row's largest |o| (>= 1) and on
+//     lse, with room for both; the test prints what it measured.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
