@@ -61,13 +61,13 @@ summary "ncu tensor-pipe metrics found: ${tensor:-none}"
 metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,sm__inst_issued.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active${tensor:+,$tensor}
 for b in 1 8; do
   args=("$BIN/cuda_transform_bench" --tc-only --layer Qwen3-8B --batch $b --context 100000)
-  timeout 60 ncu --kernel-name regex:'Transform(DecodeKernelTc|QueryFragments)' \
+  timeout 60 ncu --clock-control none --kernel-name regex:'Transform(DecodeKernelTc|QueryFragments)' \
     --launch-skip 4 --launch-count 2 --section SpeedOfLight --section ComputeWorkloadAnalysis \
     --section SchedulerStats --section Occupancy "${args[@]}" > "$out/ncu-b$b.log" 2>&1
   summary "ncu sections, Qwen3-8B 100k batch $b rc $?"
   grep -E 'Transform|Duration|DRAM Throughput|Memory Throughput|Issue Slots Busy|Issued Ipc|Achieved Occupancy|Registers Per' \
     "$out/ncu-b$b.log" | sed 's/^ *//' | head -24 | tee -a "$out/summary.txt"
-  timeout 45 ncu --kernel-name regex:'TransformDecodeKernelTc' --launch-skip 2 --launch-count 1 \
+  timeout 45 ncu --clock-control none --kernel-name regex:'TransformDecodeKernelTc' --launch-skip 2 --launch-count 1 \
     --metrics "$metrics" "${args[@]}" > "$out/ncu-metrics-b$b.log" 2>&1
   summary "ncu metrics, Qwen3-8B 100k batch $b rc $?"
   grep -E '__' "$out/ncu-metrics-b$b.log" | sed 's/^ *//' | tee -a "$out/summary.txt"
