@@ -3,6 +3,10 @@
 // implementation.
 #include "server/formats/int2_transform/int2_transform_format_cuda.h"
 
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -49,13 +53,25 @@ absl::Status CheckTransformCudaGeometry(const PageGeometry& g, const KeyTransfor
 
 namespace {
 
+// KVCD_TRANSFORM_KERNEL: "tc" (default: the int8 tensor-core decode kernel wherever it serves
+// the geometry, the FP32 one elsewhere) or "fp32" (the FP32 kernel always); another value is
+// reported and ignored.
+kc::TransformKernel TransformKernelFromEnv() {
+  const char* v = std::getenv("KVCD_TRANSFORM_KERNEL");
+  if (v == nullptr || std::strcmp(v, "tc") == 0) return kc::TransformKernel::kTensorCore;
+  if (std::strcmp(v, "fp32") == 0) return kc::TransformKernel::kFp32;
+  std::fprintf(stderr, "kvcd: KVCD_TRANSFORM_KERNEL=%s is not tc or fp32; using tc\n", v);
+  return kc::TransformKernel::kTensorCore;
+}
+
 class Int2TransformCudaFormat final : public CudaFormat<Int2TransformPageFormat> {
  public:
   Int2TransformCudaFormat(const PageGeometry& g, std::shared_ptr<const KeyTransformProfile> p,
                           std::shared_ptr<const TransformDeviceCodec> dev)
       : CudaFormat(nullptr, g, std::move(p)),
         dev_(std::move(dev)),
-        offsets_(transform().layout()) {}
+        offsets_(transform().layout()),
+        kernel_(TransformKernelFromEnv()) {}
 
   absl::Status WritePages(const RowSource& k, const RowSource& v, int64_t first_token,
                           absl::Span<const int32_t> pages, const PagePool& pool) const override {
@@ -111,7 +127,16 @@ class Int2TransformCudaFormat final : public CudaFormat<Int2TransformPageFormat>
   }
 
   int AttendSplits(const kc::DecodeGeometry& geo, int max_tokens, int num_sms) const override {
+    if (TensorCores(geo)) {
+      return kc::TransformTcDecodeSplits(geo.batch, geo.num_q_heads, geo.num_kv_heads, max_tokens,
+                                         num_sms);
+    }
     return kc::TransformDecodeSplits(geo.batch, geo.num_kv_heads, max_tokens, num_sms);
+  }
+
+  size_t AttendStateBytes(const kc::DecodeGeometry& geo, int /*max_tokens*/,
+                          int /*num_sms*/) const override {
+    return TensorCores(geo) ? kc::TransformTcStateBytes(geo.batch, geo.num_kv_heads) : 0;
   }
 
   absl::Status LaunchAttend(const AttendLaunch& a) const override {
@@ -122,15 +147,30 @@ class Int2TransformCudaFormat final : public CudaFormat<Int2TransformPageFormat>
           " query heads per KV head, expected at most ", kc::kTransformCudaMaxGroup,
           " for int2-transform history on the cuda backend; the cpu backend serves up to 16"));
     }
+    const auto stream = static_cast<cudaStream_t>(a.stream);
+    if (TensorCores(a.geo) && a.state != nullptr && a.list.page_stride % 16 == 0 &&
+        reinterpret_cast<uintptr_t>(a.list.pages) % 16 == 0) {
+      return CudaStatus(kc::LaunchTransformDecodePartsTc(
+                            a.list, a.geo, offsets_, dev_->heads(a.layer), a.q, a.scale, a.splits,
+                            a.max_tokens, a.part_o, a.part_lse, a.part_base, a.state, stream),
+                        "int2-transform decode attention (tensor cores)");
+    }
     return CudaStatus(kc::LaunchTransformDecodeParts(a.list, a.geo, offsets_, dev_->heads(a.layer),
                                                      a.q, a.scale, a.splits, a.max_tokens, a.part_o,
-                                                     a.part_lse, a.part_base, nullptr),
+                                                     a.part_lse, a.part_base, stream),
                       "int2-transform decode attention");
   }
 
  private:
   const std::shared_ptr<const TransformDeviceCodec> dev_;
+  // Whether the tensor-core variant serves this geometry (KVCD_TRANSFORM_KERNEL allowing).
+  bool TensorCores(const kc::DecodeGeometry& geo) const {
+    return kernel_ == kc::TransformKernel::kTensorCore &&
+           kc::TransformTensorCoreServes(geo, offsets_);
+  }
+
   const kc::TransformPageOffsets offsets_;
+  const kc::TransformKernel kernel_;
   mutable RowStoreScratch scratch_;
 };
 

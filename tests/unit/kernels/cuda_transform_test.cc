@@ -419,16 +419,21 @@ TEST_F(CudaTransformTest, StoreIsTheCpuCodecBitForBit) {
 struct DecodeCase {
   int d, hq, hkv, ps;
   std::vector<int> lengths;
-  int splits;  // 0: TransformDecodeSplits
+  int splits;  // 0: the variant's split count (TransformDecodeSplits / TransformTcDecodeSplits)
 };
 
-void RunDecodeCase(CudaTransformTest* t, const DecodeCase& c, uint32_t seed) {
+// The case through `kernel`, merged (LaunchMergeParts), against the float64 oracle
+// AttendTransformPagesReference; the tensor-core variant also against the CPU kernel
+// AttendTransformPages on the same pages (same bounds).
+void RunDecodeCase(CudaTransformTest* t, const DecodeCase& c, uint32_t seed,
+                   kc::TransformKernel kernel = kc::TransformKernel::kFp32) {
+  const bool tc = kernel == kc::TransformKernel::kTensorCore;
   const int batch = static_cast<int>(c.lengths.size());
   const int group = c.hq / c.hkv;
   std::string what = "d " + std::to_string(c.d) + " hq " + std::to_string(c.hq) + " hkv " +
                      std::to_string(c.hkv) + " ps " + std::to_string(c.ps) + " lengths";
   for (int n : c.lengths) what += " " + std::to_string(n);
-  SCOPED_TRACE(what);
+  SCOPED_TRACE(what + (tc ? " (tensor cores)" : " (fp32)"));
   std::mt19937 rng(seed);
   const KeyTransformProfile p = Profile(1, c.hkv, c.d, seed, /*hadamard=*/true);
   const TransformPageLayout layout{c.hkv, c.ps, c.d, p.key_code_bits() / 8};
@@ -462,8 +467,9 @@ void RunDecodeCase(CudaTransformTest* t, const DecodeCase& c, uint32_t seed) {
   std::vector<float> q(static_cast<size_t>(batch) * c.hq * c.d);
   for (auto& x : q) x = g(rng);
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
-  const int splits =
-      c.splits > 0 ? c.splits : kc::TransformDecodeSplits(batch, c.hkv, max_len, 132);
+  const int splits = c.splits > 0 ? c.splits
+                     : tc         ? kc::TransformTcDecodeSplits(batch, c.hq, c.hkv, max_len, 132)
+                                  : kc::TransformDecodeSplits(batch, c.hkv, max_len, 132);
   const int rows = batch * c.hq;
   const kc::PagedList list{t->Up(pool), layout.Bytes(), t->Up(table), max_pages, t->Up(c.lengths)};
   float* part_o = t->Up(std::vector<float>(static_cast<size_t>(splits) * rows * c.d, NAN));
@@ -471,11 +477,22 @@ void RunDecodeCase(CudaTransformTest* t, const DecodeCase& c, uint32_t seed) {
   float* o = t->Up(std::vector<float>(static_cast<size_t>(rows) * c.d, NAN));
   float* lse = t->Up(std::vector<float>(static_cast<size_t>(rows), NAN));
   const kc::DecodeGeometry geo{batch, c.hq, c.hkv, c.d, c.ps};
-  ASSERT_EQ(
-      kc::LaunchTransformDecodeParts(list, geo, kc::TransformPageOffsets(layout), t->UpCodec(p),
-                                     t->Up(q), scale, splits, max_len, part_o, part_lse, 0, nullptr)
-          .device_code(),
-      cudaSuccess);
+  const kc::TransformPageOffsets offsets(layout);
+  if (tc) {
+    ASSERT_TRUE(kc::TransformTensorCoreServes(geo, offsets));
+    // Scratch poisoned: the launch writes every word it reads.
+    auto* state = t->Up(std::vector<uint8_t>(kc::TransformTcStateBytes(batch, c.hkv), 0xff));
+    ASSERT_EQ(
+        kc::LaunchTransformDecodePartsTc(list, geo, offsets, t->UpCodec(p), t->Up(q), scale, splits,
+                                         max_len, part_o, part_lse, 0, state, nullptr)
+            .device_code(),
+        cudaSuccess);
+  } else {
+    ASSERT_EQ(kc::LaunchTransformDecodeParts(list, geo, offsets, t->UpCodec(p), t->Up(q), scale,
+                                             splits, max_len, part_o, part_lse, 0, nullptr)
+                  .device_code(),
+              cudaSuccess);
+  }
   ASSERT_EQ(kc::LaunchMergeParts(part_o, part_lse, splits, rows, c.d, nullptr, o, lse, nullptr)
                 .device_code(),
             cudaSuccess);
@@ -495,6 +512,24 @@ void RunDecodeCase(CudaTransformTest* t, const DecodeCase& c, uint32_t seed) {
       const size_t q0 = (static_cast<size_t>(b) * c.hq + h * group) * c.d;
       AttendTransformPagesReference(kv, h, p.KeyCode(0, h), p.head(0, h).r_v.data(), q.data() + q0,
                                     group, scale, 0, n, ro.data(), rl.data());
+      if (tc && n > 0) {  // the CPU kernel: the same bounds against the device
+        std::vector<float> co(ro.size()), cl(rl.size());
+        AttendTransformPages(kv, h, p.KeyCode(0, h), p.head(0, h).r_v.data(), q.data() + q0, group,
+                             scale, 0, n, co.data(), cl.data());
+        for (int i = 0; i < group; ++i) {
+          const size_t r = static_cast<size_t>(b) * c.hq + h * group + i;
+          double err = 0, norm = 0;
+          for (int e = 0; e < c.d; ++e) {
+            const double x = go[r * c.d + e], y = co[static_cast<size_t>(i) * c.d + e];
+            err += (x - y) * (x - y);
+            norm += y * y;
+          }
+          EXPECT_LT(std::sqrt(err / std::max(norm, 1e-30)), 5e-4)
+              << "against the CPU kernel: seq " << b << " kv head " << h << " query " << i;
+          EXPECT_NEAR(gl[r], cl[static_cast<size_t>(i)], 5e-4 * std::max(1.0f, std::fabs(cl[i])))
+              << "against the CPU kernel: seq " << b << " kv head " << h << " query " << i;
+        }
+      }
       for (int i = 0; i < group; ++i) {
         const size_t r = static_cast<size_t>(b) * c.hq + h * group + i;
         if (n == 0) {
@@ -538,6 +573,79 @@ TEST_F(CudaTransformTest, DecodeMatchesTheOracle) {
     RunDecodeCase(this, c, seed++);
     if (HasFatalFailure()) return;
   }
+}
+
+// The tensor-core variant on the FP32 variant's cases it serves (head_dim 64/128) and on
+// random geometries: GQA groups 1..8 (odd ones in n-tiles of 4 or 8), odd lengths, empty
+// sequences, page sizes 32..128, one or many splits; same bounds against the oracle.
+TEST_F(CudaTransformTest, TensorCoreDecodeMatchesTheOracle) {
+  uint32_t seed = rng_();
+  std::vector<DecodeCase> cases = {
+      {64, 9, 3, 32, {1, 77, 300}, 0},   // SmolLM2-135M: group 3
+      {64, 9, 3, 64, {613, 0, 33}, 7},   // an empty sequence, several splits
+      {128, 8, 2, 32, {95, 1000}, 0},    // group 4
+      {128, 32, 8, 64, {129}, 1},        // one split, Qwen3-8B's heads
+      {64, 8, 1, 32, {511, 2}, 0},       // group 8
+      {128, 5, 5, 32, {31, 32, 33}, 0},  // group 1
+      {128, 12, 2, 32, {200, 45}, 0},    // group 6 (in two n-tiles)
+      {128, 7, 1, 96, {1001}, 0},        // group 7, pages of 96
+      {64, 10, 2, 128, {333, 129}, 2},   // group 5, pages of 128
+  };
+  if (Small()) cases = {{64, 9, 3, 32, {1, 77}, 0}, {128, 8, 2, 64, {95, 0, 130}, 3}};
+  for (const DecodeCase& c : cases) {
+    RunDecodeCase(this, c, seed++, kc::TransformKernel::kTensorCore);
+    if (HasFatalFailure()) return;
+  }
+  if (Small()) return;
+  std::mt19937 rng(seed);
+  for (int i = 0; i < 12; ++i) {
+    DecodeCase c;
+    c.d = rng() % 2 ? 128 : 64;
+    const int group = 1 + static_cast<int>(rng() % 8);
+    c.hkv = 1 + static_cast<int>(rng() % 3);
+    c.hq = group * c.hkv;
+    c.ps = 32 * (1 + static_cast<int>(rng() % 4));
+    const int batch = 1 + static_cast<int>(rng() % 3);
+    for (int b = 0; b < batch; ++b) c.lengths.push_back(static_cast<int>(rng() % 1500));
+    c.splits = rng() % 2 ? 0 : 1 + static_cast<int>(rng() % 9);
+    RunDecodeCase(this, c, seed++, kc::TransformKernel::kTensorCore);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST(CudaTransformHostTest, TensorCoreVariantServesWhatItSays) {
+  const int ps = 64;
+  auto serves = [](kc::DecodeGeometry g, int cb) {
+    return kc::TransformTensorCoreServes(
+        g, kc::TransformPageOffsets({g.num_kv_heads, g.page_size, g.head_dim, cb}));
+  };
+  EXPECT_TRUE(serves({1, 32, 8, 128, ps}, 34));   // Qwen3-8B, 2d + 16 code bits
+  EXPECT_TRUE(serves({8, 9, 3, 64, ps}, 18));     // SmolLM2-135M
+  EXPECT_TRUE(serves({1, 8, 1, 64, 96}, 24));     // 3 bits per direction: the most
+  EXPECT_FALSE(serves({1, 8, 1, 64, ps}, 25));    // more
+  EXPECT_FALSE(serves({1, 8, 2, 256, ps}, 66));   // head_dim 256: the FP32 variant
+  EXPECT_FALSE(serves({1, 18, 2, 128, ps}, 34));  // group 9
+  EXPECT_FALSE(serves({1, 8, 2, 128, 48}, 34));   // pages of 48
+  // The launcher refuses what it does not serve, and a missing scratch, before any device
+  // work.
+  std::vector<uint8_t> fake(64);
+  const auto* heads = reinterpret_cast<const kc::TransformHeadCodec*>(fake.data());
+  float f = 0;
+  int32_t i32 = 0;
+  const TransformPageLayout l{2, ps, 128, 34};
+  const kc::PagedList list{fake.data(), l.Bytes(), &i32, 1, &i32};
+  auto launch = [&](kc::DecodeGeometry g, int cb, void* state) {
+    return kc::LaunchTransformDecodePartsTc(
+        list, g, kc::TransformPageOffsets({g.num_kv_heads, g.page_size, g.head_dim, cb}), heads, &f,
+        1.0f, 1, 32, &f, &f, 0, state, nullptr).device_code();
+  };
+  EXPECT_EQ(launch({1, 8, 2, 128, ps}, 34, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(launch({1, 8, 2, 256, ps}, 66, fake.data()), cudaErrorInvalidValue);
+  EXPECT_EQ(launch({1, 8, 2, 128, ps}, 49, fake.data()), cudaErrorInvalidValue);
+  EXPECT_GE(kc::TransformTcStateBytes(8, 8), size_t{64} * 4 * (12 * 128 + 24));
+  EXPECT_EQ(kc::TransformTcDecodeSplits(1, 32, 8, 32768, 132), 66);
+  EXPECT_EQ(kc::TransformTcDecodeSplits(1, 64, 8, 32768, 132), 49);  // 3 CTAs per SM
+  EXPECT_EQ(kc::TransformTcDecodeSplits(1, 32, 8, 100, 132), 1);
 }
 
 }  // namespace

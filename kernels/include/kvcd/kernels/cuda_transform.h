@@ -126,4 +126,39 @@ Error LaunchTransformDecodeParts(const PagedList& list, const DecodeGeometry& ge
                                  int splits, int max_tokens, float* part_o, float* part_lse,
                                  int part_base, cudaStream_t stream);
 
+// --- The int8 tensor-core variant (transform_decode_attention_tc.cu) ---------------------
+// Same pages, same parts (original value space, mergeable with LaunchMergeParts), INT2 v2's
+// arithmetic: a query-preparation kernel projects the group's queries into the key basis once
+// per (sequence, KV head) and spreads them over the code row's BITS as two int8 digits (the
+// logit is linear in the bits whatever the directions' widths), then the decode kernel runs
+// u8 x s8 MMAs on the code rows' bit planes and INT2's integer value path.
+
+// Which decode kernel serves int2-transform history: the FP32 one above (the reference
+// variant, every geometry) or the tensor-core one (TransformTensorCoreServes).
+enum class TransformKernel { kFp32, kTensorCore };
+
+// Whether the tensor-core variant takes this geometry: head_dim 64 or 128, group <=
+// kTransformCudaMaxGroup, page_size a multiple of 32, code rows of at most 3 bits per
+// direction on average (ceil(code_bytes / 4) <= 3 head_dim / 32).
+bool TransformTensorCoreServes(const DecodeGeometry& geo, const TransformPageOffsets& layout);
+
+// Device scratch the tensor-core variant needs (query fragments per sequence and KV head).
+size_t TransformTcStateBytes(int batch, int num_kv_heads);
+
+// Split count of the tensor-core variant: one wave of its resident CTAs (4 per SM, 3 for
+// groups above 4), at least 4 tiles (one per warp) per split.
+int TransformTcDecodeSplits(int batch, int num_q_heads, int num_kv_heads, int max_tokens,
+                            int num_sms);
+
+// LaunchTransformDecodeParts' contract on the tensor cores; `state`: TransformTcStateBytes
+// (batch, num_kv_heads) bytes of device scratch (written and read by this launch on `stream`).
+// REQUIRES additionally: TransformTensorCoreServes, page_stride and pages 16-byte aligned.
+// An Error of cudaErrorInvalidValue otherwise. Two launches on the stream (the preparation,
+// then the decode kernel as its programmatic dependent).
+Error LaunchTransformDecodePartsTc(const PagedList& list, const DecodeGeometry& geo,
+                                   const TransformPageOffsets& layout,
+                                   const TransformHeadCodec* heads, const float* q, float scale,
+                                   int splits, int max_tokens, float* part_o, float* part_lse,
+                                   int part_base, void* state, cudaStream_t stream);
+
 }  // namespace kvcd::kernels::cuda
