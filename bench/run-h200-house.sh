@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The device check of issue #30's restructuring and #36's int2-transform tensor-core kernel,
+# in one lease (< 10 minutes), most important first:
+#   1. every CUDA kernel test (kvcd_cuda_tests: the INT2 kernels split by concept, the one
+#      error type, the int2-transform FP32 and tensor-core variants against the float64 oracle);
+#   2. every data-plane test (kvcd_data_plane_tests: the CUDA daemon against the CPU daemon
+#      for each format through the format registry, IPC, decode channels, NCCL);
+#   3. cuda_transform_bench: FP32 variant, tensor-core variant and the INT2 kernel
+#      (Qwen3-8B and SmolLM2-135M layers, batch 1 and 8, 32k and 100k tokens);
+#   4. the INT2 kernel after the split beside the binary built before it (.devbin/*_prev,
+#      commit b1cc2ef), same lease, the pass-3 sizes: the timings must match;
+#   5. the tensor-core variant's small cases under compute-sanitizer memcheck and racecheck;
+#   6. the int2-transform daemon test with KVCD_TRANSFORM_KERNEL=fp32 (the reference variant);
+#   7. Nsight Compute of the tensor-core call at 100k, Qwen3-8B, batch 1 and 8.
+#   here:   ./scripts/build.sh && ./scripts/pack-device.sh && cp <prev>/cuda_*_bench_prev .devbin/
+#   device: bench/run-h200-house.sh   (device tool, carry [".devbin", ".devlibs"])
+# Writes $OUT/summary.txt and $OUT/logs.tgz (re-packed after every step, so a run cut short
+# still returns what it did).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+final=${OUT:-/tmp/kvcd-h200-house}
+out=/tmp/kvcd-h200-house-logs
+mkdir -p "$final" "$out"
+export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH=$PWD/.devlibs
+BIN=.devbin
+summary() { echo "$*" | tee -a "$final/summary.txt"; }
+pack() { tar -czf "$final/logs.tgz" -C "$out" . 2>/dev/null; }
+step() {  # name, timeout, command...
+  local name=$1 limit=$2 t0=$SECONDS
+  shift 2
+  timeout "$limit" stdbuf -oL "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  summary "$name rc $rc ($((SECONDS - t0)) s): $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\] [0-9]+ tests?' "$out/$name.log" | tr '\n' ' ')"
+  grep -E '^\[  FAILED  \] [A-Za-z]' "$out/$name.log" | head -20 | tee -a "$final/summary.txt"
+  pack
+}
+: > "$final/summary.txt"
+summary "$(nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1)"
+
+step cuda-tests 150 "$BIN/kvcd_cuda_tests"
+KVCD_BINARY=$BIN/kvcd step data-plane 200 "$BIN/kvcd_data_plane_tests"
+grep -hE 'CUDA vs CPU|largest|max err' "$out/data-plane.log" | head -12 | tee -a "$final/summary.txt"
+
+step xform-bench 60 "$BIN/cuda_transform_bench" --out "$out/xform-bench.md"
+sed -n '/^|/p' "$out/xform-bench.log" | tee -a "$final/summary.txt"
+
+for nb in "100000 8" "100000 1" "32768 8" "32768 1"; do
+  set -- $nb
+  for v in "" _prev; do
+    [ -x "$BIN/cuda_int2_bench$v" ] || continue
+    timeout 30 "$BIN/cuda_int2_bench$v" --one "$1" "$2" 4 > "$out/int2-$1-$2$v.log" 2>&1
+    summary "int2 $1/$2${v:- (split)}: $(grep -E "^ +$1 " "$out/int2-$1-$2$v.log" | head -1)"
+  done
+done
+pack
+
+for tool in memcheck racecheck; do
+  KVCD_TRANSFORM_TEST_SMALL=1 step "xform-$tool" 45 compute-sanitizer --tool $tool \
+    --error-exitcode 9 "$BIN/kvcd_cuda_tests" --gtest_filter='CudaTransformTest.*Decode*'
+  grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/xform-$tool.log" | tail -1 |
+    tee -a "$final/summary.txt"
+done
+
+KVCD_TRANSFORM_KERNEL=fp32 KVCD_BINARY=$BIN/kvcd step data-plane-xform-fp32 45 \
+  "$BIN/kvcd_data_plane_tests" --gtest_filter='Formats/*.*/int2_transform'
+grep -hE 'CUDA vs CPU' "$out/data-plane-xform-fp32.log" | head -3 | tee -a "$final/summary.txt"
+
+for b in 1 8; do
+  args=("$BIN/cuda_transform_bench" --tc-only --layer Qwen3-8B --batch $b --context 100000)
+  timeout 60 ncu --clock-control none --kernel-name regex:'Transform(DecodeKernelTc|QueryFragments)' \
+    --launch-skip 4 --launch-count 2 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+    --section SchedulerStats --section Occupancy "${args[@]}" > "$out/ncu-b$b.log" 2>&1
+  summary "ncu Qwen3-8B 100k batch $b rc $?"
+  grep -E 'Transform|Duration|DRAM Throughput|Memory Throughput|Issue Slots Busy|Issued Ipc|Achieved Occupancy|Registers Per' \
+    "$out/ncu-b$b.log" | sed 's/^ *//' | head -24 | tee -a "$final/summary.txt"
+  pack
+done
+summary "done in $SECONDS s"
