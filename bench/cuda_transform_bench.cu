@@ -83,7 +83,8 @@ int LayersFor(int64_t layer_bytes) {
 }  // namespace
 
 ABSL_FLAG(std::string, out, "", "also write the table to this Markdown file");
-ABSL_FLAG(std::string, layer, "", "only this layer geometry, by its name in the table (e.g. Qwen3-8B; empty: all)");
+ABSL_FLAG(std::string, layer, "",
+          "only this layer geometry, by its name in the table (e.g. Qwen3-8B; empty: all)");
 ABSL_FLAG(int32_t, batch, 0, "only this batch size (0: all)");
 ABSL_FLAG(int32_t, context, 0, "only this context length in tokens (0: all)");
 ABSL_FLAG(bool, tc_only, false,
@@ -92,8 +93,9 @@ ABSL_FLAG(bool, tc_only, false,
 int main(int argc, char** argv) {
   const kvcd::cli::Program program = {
       .name = "cuda_transform_bench",
-      .summary = "int2-transform decode attention on the GPU (FP32 and tensor-core variants) "
-                 "beside the INT2 kernel",
+      .summary =
+          "int2-transform decode attention on the GPU (FP32 and tensor-core variants) "
+          "beside the INT2 kernel",
       .files = {__FILE__},
       .synopsis = "[--out FILE.md] [--tc-only --layer NAME --batch B --context N]"};
   kvcd::cli::Parse(program, argc, argv);

@@ -14,13 +14,13 @@
 #include <string>
 #include <vector>
 
-#include "testing/synthetic.h"
 #include "common/cli.h"
-#include "proto/tensor_ref.h"
 #include "kvcd/kernels/finite_check.h"
+#include "proto/tensor_ref.h"
 #include "server/engine/cache_engine.h"
 #include "server/formats/bf16/bf16_format.h"
 #include "server/formats/page_pool.h"
+#include "testing/synthetic.h"
 
 namespace kvcd {
 namespace {

@@ -20,9 +20,9 @@
 #include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "client/decode_channel.h"
-#include "testing/synthetic.h"
 #include "common/cli.h"
 #include "proto/tensor_ref.h"
+#include "testing/synthetic.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "daemon address HOST:PORT");
 ABSL_FLAG(std::string, model, "qwen3-8b", "model of the workloads");

@@ -28,9 +28,9 @@
 
 #include "absl/flags/flag.h"
 #include "client/client.h"
-#include "testing/synthetic.h"
 #include "common/cli.h"
 #include "proto/tensor_ref.h"
+#include "testing/synthetic.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "daemon address HOST:PORT");
 ABSL_FLAG(std::string, model, "tiny", "model of the sessions");

@@ -4,7 +4,7 @@
 # over parallel jobs (libFuzzer -jobs/-workers: independent processes sharing one corpus
 # directory), all targets at once. Stops a target at its first crash and keeps the
 # reproducer. Binaries come from .devfuzz (scripts/pack-device.sh fuzz, after
-# scripts/test-fuzz.sh built them in build-fuzz), their shared libraries from .devlibs.
+# scripts/test-fuzz.sh built them in build-san), their shared libraries from .devlibs.
 #   bench/run-fuzz-campaign.sh            # on the device machine, repository root
 #   bench/run-fuzz-campaign.sh rpc_fuzz   # only some targets
 # Prints a per-target summary (executions, seconds, crashes); works in /tmp/fuzz-campaign/;

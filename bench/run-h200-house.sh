@@ -10,7 +10,8 @@
 #   4. the INT2 kernel after the split beside the binary built before it (.devbin/*_prev,
 #      commit b1cc2ef), same lease, the pass-3 sizes: the timings must match;
 #   5. the tensor-core variant's small cases under compute-sanitizer memcheck and racecheck;
-#   6. the int2-transform daemon test with KVCD_TRANSFORM_KERNEL=fp32 (the reference variant);
+#   6. the int2-transform daemon test with KVCD_TRANSFORM_KERNEL=tc (the tensor-core variant;
+#      step 2 ran the default, fp32);
 #   7. Nsight Compute of the tensor-core call at 100k, Qwen3-8B, batch 1 and 8.
 #   here:   ./scripts/build.sh && ./scripts/pack-device.sh && cp <prev>/cuda_*_bench_prev .devbin/
 #   device: bench/run-h200-house.sh   (device tool, carry [".devbin", ".devlibs"])
@@ -61,9 +62,9 @@ for tool in memcheck racecheck; do
     tee -a "$final/summary.txt"
 done
 
-KVCD_TRANSFORM_KERNEL=fp32 KVCD_BINARY=$BIN/kvcd step data-plane-xform-fp32 45 \
+KVCD_TRANSFORM_KERNEL=tc KVCD_BINARY=$BIN/kvcd step data-plane-xform-tc 45 \
   "$BIN/kvcd_data_plane_tests" --gtest_filter='Formats/*.*/int2_transform'
-grep -hE 'CUDA vs CPU' "$out/data-plane-xform-fp32.log" | head -3 | tee -a "$final/summary.txt"
+grep -hE 'CUDA vs CPU' "$out/data-plane-xform-tc.log" | head -3 | tee -a "$final/summary.txt"
 
 for b in 1 8; do
   args=("$BIN/cuda_transform_bench" --tc-only --layer Qwen3-8B --batch $b --context 100000)

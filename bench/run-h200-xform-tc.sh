@@ -6,8 +6,8 @@
 #      geometries; then the small cases (KVCD_TRANSFORM_TEST_SMALL) under compute-sanitizer
 #      memcheck and racecheck;
 #   2. the int2-transform daemon test (cuda daemon vs cpu daemon, SmolLM2-135M's heads) with
-#      the tensor-core variant (KVCD_TRANSFORM_KERNEL=tc, the default), then with the FP32
-#      one (fp32) for the error beside it;
+#      the tensor-core variant (KVCD_TRANSFORM_KERNEL=tc), then with the FP32 one (fp32, the
+#      daemon's default until this run passes) for the error beside it;
 #   3. cuda_transform_bench: FP32 variant, tensor-core variant and the INT2 kernel, Qwen3-8B
 #      and SmolLM2-135M layers, batch 1 and 8, 32k and 100k tokens (us, GB/s, x INT2);
 #   4. ncu of the tensor-core calls at 100k, Qwen3-8B, batch 1 and 8 (duration, DRAM
@@ -17,7 +17,7 @@
 # Writes $OUT/xform-kernels.log, xform-memcheck.log, xform-racecheck.log,
 # xform-data-plane-tc.log, xform-data-plane-fp32.log, xform-bench.log, xform-bench.md,
 # ncu-b1.log, ncu-b8.log, ncu-metrics-b1.log, ncu-metrics-b8.log and summary.txt. Revert the daemon to the FP32 kernel with
-# KVCD_TRANSFORM_KERNEL=fp32.
+# KVCD_TRANSFORM_KERNEL=fp32 (the default until this run has passed on a device).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/kvcd-h200-xform-tc}

@@ -12,12 +12,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
-#include "testing/synthetic.h"
 #include "common/cli.h"
 #include "common/safetensors.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
 #include "proto/tensor_ref.h"
+#include "testing/synthetic.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051",
           "daemon address HOST:PORT ($KVCD_TARGET if unset)");

@@ -15,11 +15,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
-#include "testing/synthetic.h"
 #include "common/cli.h"
-#include "proto/tensor_ref.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/reference_attention.h"
+#include "proto/tensor_ref.h"
+#include "testing/synthetic.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "daemon address HOST:PORT");
 ABSL_FLAG(std::string, models, "qwen3-8b,qwen3-8b-int2",

@@ -4,12 +4,12 @@
 # dependency except glibc, libstdc++, libgcc and zlib, which the device has) into .devlibs.
 # Both folders are ignored by git; the device tool carries them.
 #   scripts/pack-device.sh        # the daemon, workers, benches and device tests
-#   scripts/pack-device.sh fuzz   # adds the libFuzzer targets of build-fuzz into .devfuzz
+#   scripts/pack-device.sh fuzz   # adds the libFuzzer targets of build-san into .devfuzz
 #                                 # (bench/run-fuzz-campaign.sh), keeping .devbin/.devlibs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ ${1:-} == fuzz ]]; then
-  build=${KVCD_FUZZ_BUILD_DIR:-build-fuzz}
+  build=${KVCD_FUZZ_BUILD_DIR:-build-san}
   bins=(tests/fuzz/config_fuzz tests/fuzz/safetensors_fuzz tests/fuzz/codec_profile_fuzz
         tests/fuzz/activation_dump_fuzz tests/fuzz/rpc_fuzz tests/fuzz/decode_channel_fuzz)
   dest=.devfuzz

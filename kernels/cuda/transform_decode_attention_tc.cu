@@ -38,9 +38,9 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "kvcd/kernels/call_counts.h"
 #include "cuda_error.cuh"
 #include "dispatch.cuh"
+#include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_transform.h"
 
 namespace kvcd::kernels::cuda {

@@ -7,9 +7,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
-#include "proto/tensor_ref.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/finite_check.h"
+#include "proto/tensor_ref.h"
 #include "server/backends/device_runtime.h"
 
 namespace kvcd {

@@ -26,16 +26,16 @@
 #include <vector>
 
 #include "client/client.h"
-#include "testing/synthetic.h"
 #include "client/workers/ipc_buffer.h"
 #include "common/fsq_codec.h"
 #include "common/key_transform_profile.h"
 #include "common/rotation.h"
-#include "proto/tensor_ref.h"
 #include "cuda_cpu_daemons.h"
 #include "daemon_process.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/transform_attention.h"
+#include "proto/tensor_ref.h"
+#include "testing/synthetic.h"
 
 namespace kvcd {
 namespace {

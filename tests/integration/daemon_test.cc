@@ -16,7 +16,6 @@
 
 #include "client/client.h"
 #include "client/decode_channel.h"
-#include "testing/synthetic.h"
 #include "common/decode_channel_layout.h"
 #include "common/fsq_codec.h"
 #include "common/rotation.h"
@@ -26,6 +25,7 @@
 #include "kvcd/kernels/fsq.h"
 #include "kvcd/kernels/reference_attention.h"
 #include "proto/tensor_ref.h"
+#include "testing/synthetic.h"
 
 namespace kvcd {
 namespace {

@@ -482,11 +482,10 @@ void RunDecodeCase(CudaTransformTest* t, const DecodeCase& c, uint32_t seed,
     ASSERT_TRUE(kc::TransformTensorCoreServes(geo, offsets));
     // Scratch poisoned: the launch writes every word it reads.
     auto* state = t->Up(std::vector<uint8_t>(kc::TransformTcStateBytes(batch, c.hkv), 0xff));
-    ASSERT_EQ(
-        kc::LaunchTransformDecodePartsTc(list, geo, offsets, t->UpCodec(p), t->Up(q), scale, splits,
-                                         max_len, part_o, part_lse, 0, state, nullptr)
-            .device_code(),
-        cudaSuccess);
+    ASSERT_EQ(kc::LaunchTransformDecodePartsTc(list, geo, offsets, t->UpCodec(p), t->Up(q), scale,
+                                               splits, max_len, part_o, part_lse, 0, state, nullptr)
+                  .device_code(),
+              cudaSuccess);
   } else {
     ASSERT_EQ(kc::LaunchTransformDecodeParts(list, geo, offsets, t->UpCodec(p), t->Up(q), scale,
                                              splits, max_len, part_o, part_lse, 0, nullptr)
@@ -636,8 +635,9 @@ TEST(CudaTransformHostTest, TensorCoreVariantServesWhatItSays) {
   const kc::PagedList list{fake.data(), l.Bytes(), &i32, 1, &i32};
   auto launch = [&](kc::DecodeGeometry g, int cb, void* state) {
     return kc::LaunchTransformDecodePartsTc(
-        list, g, kc::TransformPageOffsets({g.num_kv_heads, g.page_size, g.head_dim, cb}), heads, &f,
-        1.0f, 1, 32, &f, &f, 0, state, nullptr).device_code();
+               list, g, kc::TransformPageOffsets({g.num_kv_heads, g.page_size, g.head_dim, cb}),
+               heads, &f, 1.0f, 1, 32, &f, &f, 0, state, nullptr)
+        .device_code();
   };
   EXPECT_EQ(launch({1, 8, 2, 128, ps}, 34, nullptr), cudaErrorInvalidValue);
   EXPECT_EQ(launch({1, 8, 2, 256, ps}, 66, fake.data()), cudaErrorInvalidValue);

@@ -4,9 +4,9 @@
 #include <vector>
 
 #include "kvcd/v1/kvcache.pb.h"
+#include "proto/tensor_ref.h"
 #include "server/engine/cache_engine.h"
 #include "server/formats/model_spec.h"
-#include "proto/tensor_ref.h"
 #include "testing/synthetic.h"
 
 namespace kvcd::testing_util {
