@@ -66,6 +66,17 @@ Method Make(const char* name, absl::Status (CacheEngine::*fn)(const Req&, Resp*)
                 }};
 }
 
+// The calls that may take the sequences the authorizer found (none here: the engine looks
+// them up itself, as without auth).
+template <class Req, class Resp>
+Method Make(const char* name,
+            absl::Status (CacheEngine::*fn)(const Req&, Resp*, const FoundSequences&)) {
+  return Method{name, std::make_unique<Req>(), std::make_unique<Resp>(),
+                [fn](CacheEngine& e, const Message& req, Message* resp) {
+                  return (e.*fn)(static_cast<const Req&>(req), static_cast<Resp*>(resp), {});
+                }};
+}
+
 const std::vector<Method>& Methods() {
   static const auto* methods = new std::vector<Method>([] {
     std::vector<Method> m;
