@@ -90,8 +90,8 @@ TEST(TransformCalibrationTest, Version3FileScoresAsTheInMemoryHybrid) {
   // In memory: keys through the transform code, values through Hadamard INT2.
   EvalCodec mem = TransformEvalCodec(shared, "mem", hkv);
   const auto keys = mem.round_trip;
-  mem.round_trip = [keys, values](int l, int which, const std::vector<float>& rows,
-                                          int64_t n, std::vector<float>* o) {
+  mem.round_trip = [keys, values](int l, int which, const std::vector<float>& rows, int64_t n,
+                                  std::vector<float>* o) {
     if (which == 0) return keys(l, which, rows, n, o);
     Int2RoundTrip(rows, n, hkv, d, values[l], which, -1, o);
   };
