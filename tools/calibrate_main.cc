@@ -12,7 +12,7 @@
 #include "tools/fsq_calibration.h"
 #include "tools/progress.h"
 
-ABSL_FLAG(std::string, dump, "", "activation dump (safetensors; README.md \"Calibration\")");
+ABSL_FLAG(std::string, dump, "", "activation dump (safetensors; docs/calibration.md)");
 ABSL_FLAG(std::string, out, "", "codec file to write (synth: the dump to write)");
 ABSL_FLAG(double, holdout, 0.2, "last fraction of the tokens: not fitted, scored");
 ABSL_FLAG(bool, search_clip, false, "grid-search rho_k, then rho_v, per layer");
@@ -51,7 +51,7 @@ const kvcd::cli::Program& Cli() {
     [--joint-clip] [--sink 64] [--recent 256] [--max-queries 64])",
            .description = R"(OSCAR rotations (and optionally clip quantiles) into a codec file
 The dump layout (tensors layers.<l>.q/k/v, metadata kvcd.dump = "1" and the geometry) is in
-README.md "Calibration"; tools/dump_activations.py writes one from a Hugging Face model,
+docs/calibration.md; tools/dump_activations.py writes one from a Hugging Face model,
 'synth' writes one from kvcd's synthetic activation generator.
 
 Per layer it prints the orthogonality error of R_k and R_v, the eigenvalue spread
@@ -70,7 +70,7 @@ KV head with --per-head) on that error; --clip-floor lowers the grid's floor (e.
 --joint-clip alternates keys and values until neither quantile changes. --per-head fits one rotation and clip pair per KV
 head (covariances of that head's query group) and writes codec file version 2
 (layers.<l>.r_k/r_v [Hkv, d, d], rho_k/rho_v [Hkv]); kvcd-eval reads it, the daemon reads
-version 1 only. --hadamard keeps R = H (the data-free rotation) and only fits the clips.
+versions 1 and 3, not 2. --hadamard keeps R = H (the data-free rotation) and only fits the clips.
 )",
            .flags = {"dump", "out", "holdout", "search_clip", "per_head", "hadamard", "joint_clip",
                      "clip_floor", "sink", "recent", "max_queries"}},

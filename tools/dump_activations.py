@@ -9,7 +9,7 @@ Qwen-family models whose modeling module applies RoPE through `apply_rotary_pos_
       --prompts prompts.txt [--max-tokens 2048] [--dtype bfloat16]
 
 prompts.txt holds one prompt per line; their tokens are concatenated in the dump. Layout
-(README.md "Calibration"): layers.<l>.q [n, Hq, d], layers.<l>.k / .v [n, Hkv, d] (F32),
+(docs/calibration.md): layers.<l>.q [n, Hq, d], layers.<l>.k / .v [n, Hkv, d] (F32),
 metadata kvcd.dump = "1", num_layers, num_q_heads, num_kv_heads, head_dim, tokens, source.
 """
 import argparse

@@ -384,7 +384,7 @@ absl::Status CheckExposure(const ServerConfig& c) {
       : !c.tls.enabled()                    ? "TLS"
                                             : "authentication",
       ": set tls.cert_file and tls.key_file (and tls.client_ca_file for mutual TLS) and "
-      "auth.tokens_file in the config (README.md, \"Security\"), listen on 127.0.0.1, or "
+      "auth.tokens_file in the config (docs/operating.md, \"Security\"), listen on 127.0.0.1, or "
       "start with 'kvcd serve --insecure' to serve this address unprotected"));
 }
 

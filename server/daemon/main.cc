@@ -17,7 +17,7 @@
 #include "server/rpc/auth.h"
 #include "server/rpc/tls.h"
 
-ABSL_FLAG(std::string, config, "", "YAML config file (keys: README.md, \"Configuration\")");
+ABSL_FLAG(std::string, config, "", "YAML config file (keys: docs/operating.md, \"Configuration\")");
 ABSL_FLAG(std::string, listen, "", "gRPC address HOST:PORT; overrides the config's listen");
 ABSL_FLAG(std::string, metrics_listen, "",
           "Prometheus address HOST:PORT (empty: off); overrides the config's metrics_listen");
@@ -61,7 +61,7 @@ tokens (auth.tokens_file); --insecure serves it without them.
                     .description = R"(validate a config file (and its TLS and tokens files)
 Prints what the daemon would serve with it and the flags given.)",
                     .flags = kFlags}},
-      .notes = "Configuration keys are documented in README.md (\"Configuration\").\n"};
+      .notes = "Configuration keys are documented in docs/operating.md (\"Configuration\").\n"};
   return program;
 }
 

@@ -6,7 +6,7 @@ daemon's message names the offending field and the expected value; it is the exc
 ``message`` (and ``str(e)``). Per-request errors of a :class:`~kvcd.DecodeSession` are
 raised the same way and leave the stream usable.
 
-Codes the daemon produces (README "API"): INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS,
+Codes the daemon produces (docs/api.md): INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS,
 RESOURCE_EXHAUSTED (with a retry hint), FAILED_PRECONDITION, UNAVAILABLE (draining).
 PERMISSION_DENIED and UNAUTHENTICATED come from a daemon with token auth; the others
 from the transport (DEADLINE_EXCEEDED, CANCELLED, ...).
