@@ -50,7 +50,7 @@ def llama2c_model():
 def test_forward_matches_the_cpp_worker(llama2c_model, tmp_path):
     c, w, tok = llama2c_model
     out = tmp_path / "logits.safetensors"
-    subprocess.run([tool("client", "examples", "kvcd_stories"), "--checkpoint", CKPT,
+    subprocess.run([tool("examples", "kvcd_stories"), "--checkpoint", CKPT,
                     "--tokenizer", TOK, "--prompt", "Lily saw a cat", "--steps", "48",
                     "--logits", str(out)], check=True, capture_output=True)
     ref = load_file(str(out))
@@ -135,9 +135,9 @@ def test_smollm2_projections_match_kvcd_llama(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("The lighthouse keeper climbed the stairs and checked the lamp.\n")
     dump = tmp_path / "d.st"
-    subprocess.run([tool("client", "examples", "kvcd-llama"), "--model", SMOL, "--dump",
+    subprocess.run([tool("examples", "kvcd-llama"), "--model", SMOL, "--dump",
                     str(dump), "--dump-text", str(text)], check=True, capture_output=True)
-    ids = subprocess.run([tool("client", "examples", "kvcd-llama"), "--model", SMOL, "--encode",
+    ids = subprocess.run([tool("examples", "kvcd-llama"), "--model", SMOL, "--encode",
                           str(text)], check=True, capture_output=True, text=True).stdout.split()
     ref = load_file(str(dump))
     c, w = model.load(os.path.join(SMOL, "model.safetensors"))
@@ -171,7 +171,7 @@ def test_finetuning_lowers_the_loss_and_the_heldout_kl(llama2c_model, tmp_path):
     most the KL before."""
     c, w, tok = llama2c_model
     dump, weights, init = (tmp_path / n for n in ("dump.st", "weights.st", "init.st"))
-    subprocess.run([tool("client", "examples", "kvcd_stories"), "--checkpoint", CKPT,
+    subprocess.run([tool("examples", "kvcd_stories"), "--checkpoint", CKPT,
                     "--tokenizer", TOK, "--steps", "256", "--dump", str(dump),
                     "--dump-prompts", "Once upon a time", "--weights", str(weights)],
                    check=True, capture_output=True)
