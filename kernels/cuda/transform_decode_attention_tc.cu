@@ -1,6 +1,7 @@
 // Decode attention over int2-transform pages on int8 tensor cores (cuda_transform.h,
 // TransformKernel::kTensorCore). Same pages, same parts as the FP32 kernel
-// (transform_decode_attention.cu); the arithmetic is INT2 v2's (decode_attention.cu).
+// (transform_decode_attention.cu); the arithmetic is INT2 v2's (int2_decode_v2.cu,
+// int2_decode.cuh).
 //
 // The key code as bits. A row's code is a bit stream of nb = 8 code_bytes bits in which
 // direction i holds b_i bits at pos_i (LSB first), so the dot product the logit needs,
@@ -19,7 +20,7 @@
 //
 // TransformDecodeKernelTc: grid (splits, kv heads, batch), 4 warps; each warp walks a
 // contiguous quarter of its split, 32-token tiles, one tile ahead in registers. Per tile
-// (mma.sync.m16n8k32 fragments as in decode_attention.cu, lane = 4g + t, the lane's tokens
+// (mma.sync.m16n8k32 fragments as in int2_decode_v2.cu, lane = 4g + t, the lane's tokens
 // 4g..4g+3):
 //  - keys: the tile's code rows (32 cb bytes, contiguous and 32-byte aligned in the page)
 //    are loaded coalesced, put in the warp's shared-memory buffer, and each lane reads the
@@ -78,8 +79,8 @@ struct TcArgs {
   float* scal;
 };
 
-// TODO(merge): shared with int2 v2 (decode_attention.cu): the MMAs, the digit helpers, the
-// lazy-rescale constants, the programmatic-launch controls.
+// TODO(merge): shared with int2 v2 (int2_decode.cuh, int2_decode_v2.cu): the MMAs, the digit
+// helpers, the lazy-rescale constants, the programmatic-launch controls.
 __device__ __forceinline__ void MmaU8S8(int (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                         uint32_t b1) {
   asm volatile(
@@ -648,7 +649,7 @@ __global__ void __launch_bounds__(kWarps * 32, CtasPerSm(NT)) TransformDecodeKer
 
 // Launches `kernel` as the programmatic dependent of the previous launch on the stream
 // (the plain launch where the stream does not take the attribute).
-// TODO(merge): shared with int2 v2 (LaunchDependent in decode_attention.cu).
+// TODO(merge): shared with int2 v2 (LaunchDependent in decode_parts.cuh).
 cudaError_t LaunchDecodeDependent(void (*kernel)(TcArgs), dim3 grid, cudaStream_t stream,
                                   const TcArgs& a) {
   CountLaunch();
