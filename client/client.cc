@@ -218,6 +218,26 @@ absl::StatusOr<v1::StatsResponse> Client::Stats() {
   return KVCD_CALL(v1::StatsResponse, Stats, v1::StatsRequest());
 }
 
+absl::StatusOr<v1::PinPrefixResponse> Client::PinPrefix(const std::string& model,
+                                                        const std::string& salt,
+                                                        absl::Span<const int32_t> tokens,
+                                                        int64_t ttl_ms) {
+  v1::PinPrefixRequest req;
+  req.set_model(model);
+  req.set_cache_salt(salt);
+  req.mutable_tokens()->Add(tokens.begin(), tokens.end());
+  req.set_ttl_ms(ttl_ms);
+  return KVCD_CALL(v1::PinPrefixResponse, PinPrefix, req);
+}
+
+absl::StatusOr<int64_t> Client::UnpinPrefix(uint64_t pin_id) {
+  v1::UnpinPrefixRequest req;
+  req.set_pin_id(pin_id);
+  auto r = KVCD_CALL(v1::UnpinPrefixResponse, UnpinPrefix, req);
+  if (!r.ok()) return r.status();
+  return r->unpinned_pages();
+}
+
 absl::StatusOr<v1::RegisterBufferResponse> Client::RegisterBuffer(
     const v1::RegisterBufferRequest& req) {
   return KVCD_CALL(v1::RegisterBufferResponse, RegisterBuffer, req);

@@ -108,6 +108,13 @@ class Client {
   absl::StatusOr<int64_t> PushPages(const v1::PushPagesRequest& req);
   absl::StatusOr<v1::StatsResponse> Stats();
 
+  // Pins the longest cached page-aligned prefix of `tokens` for ttl_ms (docs/sessions.md
+  // "Pinned prefixes"): eviction skips it until UnpinPrefix or the ttl runs out.
+  absl::StatusOr<v1::PinPrefixResponse> PinPrefix(const std::string& model, const std::string& salt,
+                                                  absl::Span<const int32_t> tokens, int64_t ttl_ms);
+  // Removes a pin; returns the pages it pinned.
+  absl::StatusOr<int64_t> UnpinPrefix(uint64_t pin_id);
+
   // Data plane (daemon with backend: cuda). RegisterBuffer maps a device allocation of
   // this process into the daemon (see client/workers/ipc_buffer.h for the CUDA side).
   absl::StatusOr<v1::RegisterBufferResponse> RegisterBuffer(const v1::RegisterBufferRequest& req);

@@ -182,8 +182,8 @@ absl::Status ModelCache::CheckFitsLocked(int32_t store, absl::Span<const TenantN
       "model ", Quote(spec_.name), ": the ", p.format(), " pool cannot hold the request: need ",
       others, " page(s), ", free, " free + ", evictable, " evictable of ", p.num_pages(), " (",
       tree_.PinnedPages(),
-      " cached pages pinned by open sequences); nothing was evicted; close sequences, send "
-      "fewer tokens or give the model more memory; retry later"));
+      " cached pages pinned by open sequences or prefix pins); nothing was evicted; close "
+      "sequences, unpin prefixes, send fewer tokens or give the model more memory; retry later"));
 }
 
 absl::Status ModelCache::WriteCodes(int32_t store, const RowSource* x,
@@ -240,8 +240,8 @@ absl::Status ModelCache::AllocateLocked(int32_t store, absl::Span<const TenantNe
             "model ", Quote(spec_.name), ": the ", p.format(), " pool is full: need ", n,
             " page(s), ", p.free_pages(), " free of ", p.num_pages(), ", nothing evictable (",
             tree_.PinnedPages(),
-            " cached pages pinned by open sequences); close sequences or give the model more "
-            "memory; retry later"));
+            " cached pages pinned by open sequences or prefix pins); close sequences, unpin "
+            "prefixes or give the model more memory; retry later"));
         break;
       }
       // Record the owner.
@@ -526,6 +526,28 @@ void ModelCache::Close(Sequence* seq) {
   seq->pages.clear();
   open_sequences_.fetch_sub(1);
   if (seq->device_fault.held()) backend_->device()->ReleaseFaultWords(seq->device_fault);
+}
+
+absl::StatusOr<ModelCache::PinnedPrefix> ModelCache::PinPrefix(
+    const std::string& salt, absl::Span<const int32_t> tokens,
+    const std::function<absl::Status(int64_t pages)>& admit) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Counted first without splitting anything, so that a refused pin leaves the tree as it was.
+  const int64_t pages = static_cast<int64_t>(tree_.Match(salt, tokens).pages.size());
+  if (pages == 0) {
+    return absl::NotFoundError(absl::StrCat(
+        "model ", Quote(spec_.name), ", cache_salt ", Quote(salt), ": not one page (",
+        spec_.page_size, " tokens) of the ", tokens.size(),
+        " tokens is cached, so there is nothing to pin; Put the prefix first"));
+  }
+  KVCD_RETURN_IF_ERROR(admit(pages));
+  const RadixTree::MatchResult m = tree_.MatchAndPin(salt, tokens);
+  return PinnedPrefix{m.node, m.tokens, static_cast<int64_t>(m.pages.size())};
+}
+
+void ModelCache::UnpinPrefix(RadixTree::Node* node) {
+  std::lock_guard<std::mutex> lock(mu_);
+  tree_.Unpin(node);
 }
 
 absl::Status ModelCache::CheckReadable(const Sequence& seq, int64_t first, int64_t n) const {

@@ -159,6 +159,21 @@ class ModelCache {
   // Releases pins and private pages. Idempotent.
   void Close(Sequence* seq);
 
+  // A prefix pin (PinPrefix): the longest cached page-aligned prefix of `tokens`, pinned
+  // in the tree so that eviction skips it (and its ancestors) until UnpinPrefix(node).
+  struct PinnedPrefix {
+    RadixTree::Node* node = nullptr;
+    int64_t tokens = 0;
+    int64_t pages = 0;
+  };
+  // NOT_FOUND naming the model and salt when not one page of `tokens` is cached. Before
+  // pinning, `admit(pages)` is asked (the tenant's quota); its error is returned and nothing
+  // is pinned. Runs under the cache's lock: `admit` must not call back into this cache.
+  absl::StatusOr<PinnedPrefix> PinPrefix(const std::string& salt, absl::Span<const int32_t> tokens,
+                                         const std::function<absl::Status(int64_t pages)>& admit);
+  // Releases a pin of PinPrefix; its pages are ordinary LRU pages again.
+  void UnpinPrefix(RadixTree::Node* node);
+
   // Appends n tokens (all layers). FAILED_PRECONDITION if the sequence is closed or a
   // per-layer token is pending; RESOURCE_EXHAUSTED if no page is available.
   // x: residuals [num_layers][n][C], REQUIRED for FSQ models (null otherwise).

@@ -78,7 +78,8 @@ CacheEngine::CacheEngine(const ServerConfig& config, std::unique_ptr<Backend> ba
       tensors_(backend_.get(), &buffers_),
       tenants_(config.quotas),
       sequences_(LeasePolicy{config.default_lease_ms, config.max_lease_ms}, config.max_sequences,
-                 &tenants_) {}
+                 &tenants_),
+      pins_(&tenants_, config.max_pin_ttl_ms) {}
 
 CacheEngine::~CacheEngine() = default;
 
@@ -492,6 +493,30 @@ absl::Status CacheEngine::NcclDisconnect(const v1::NcclDisconnectRequest& req,
   return nccl_.Disconnect(req.communicator_id());
 }
 
+absl::Status CacheEngine::PinPrefix(const v1::PinPrefixRequest& req,
+                                    v1::PinPrefixResponse* resp) {
+  KVCD_ASSIGN_OR_RETURN(ModelCache * m, FindModel(req.model()));
+  KVCD_RETURN_IF_ERROR(CheckSalt(req.cache_salt()));
+  KVCD_RETURN_IF_ERROR(CheckTokens(req.tokens(), "tokens", false));
+  const int64_t now_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                                  std::chrono::system_clock::now().time_since_epoch())
+                                  .count();
+  KVCD_ASSIGN_OR_RETURN(PrefixPins::Pin pin, pins_.Add(m, req.cache_salt(), req.tokens(),
+                                                       req.ttl_ms(), SteadyNowNs(), now_unix_ms));
+  resp->set_pin_id(pin.id);
+  resp->set_pinned_tokens(pin.tokens);
+  resp->set_pinned_pages(pin.pages);
+  resp->set_expires_unix_ms(pin.expires_unix_ms);
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::UnpinPrefix(const v1::UnpinPrefixRequest& req,
+                                      v1::UnpinPrefixResponse* resp) {
+  KVCD_ASSIGN_OR_RETURN(int64_t pages, pins_.Remove(req.pin_id()));
+  resp->set_unpinned_pages(pages);
+  return absl::OkStatus();
+}
+
 absl::Status CacheEngine::Stats(const v1::StatsRequest&, v1::StatsResponse* resp) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -524,6 +549,17 @@ absl::Status CacheEngine::Stats(const v1::StatsRequest&, v1::StatsResponse* resp
     t->set_registered_model_bytes(u.registered_model_bytes);
     t->set_max_models(static_cast<uint64_t>(u.quota.max_models));
     t->set_max_model_bytes(u.quota.max_model_bytes);
+    t->set_pinned_prefix_pages(static_cast<uint64_t>(u.pinned_prefix_pages));
+    t->set_max_pinned_prefix_pages(static_cast<uint64_t>(u.quota.max_pinned_prefix_pages));
+  }
+  for (const PrefixPins::Pin& p : pins_.List()) {
+    v1::PrefixPin* out = resp->add_pins();
+    out->set_pin_id(p.id);
+    out->set_tenant(p.tenant);
+    out->set_model(p.model);
+    out->set_pinned_tokens(p.tokens);
+    out->set_pinned_pages(p.pages);
+    out->set_expires_unix_ms(p.expires_unix_ms);
   }
   return absl::OkStatus();
 }
@@ -535,6 +571,8 @@ int CacheEngine::ExpireLeases(int64_t now_ns) {
   counters_.expired_buffers.fetch_add(static_cast<uint64_t>(buffers));
   return sequences + buffers;
 }
+
+int CacheEngine::ExpirePins(int64_t now_ns) { return pins_.Expire(now_ns); }
 
 std::vector<CacheEngine::ModelView> CacheEngine::SnapshotModels() const {
   std::lock_guard<std::mutex> lock(mu_);

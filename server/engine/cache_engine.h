@@ -26,6 +26,7 @@
 #include "server/dataplane/decode_engine.h"
 #include "server/dataplane/nccl_links.h"
 #include "server/dataplane/tensor_resolver.h"
+#include "server/engine/prefix_pins.h"
 #include "server/engine/sequence_table.h"
 #include "server/engine/tenant_ledger.h"
 
@@ -66,6 +67,10 @@ class CacheEngine : public DecodeEngine {
   absl::Status FetchPages(const v1::FetchPagesRequest& req, v1::FetchPagesResponse* resp,
                           const FoundSequences& found = {});
   absl::Status PushPages(const v1::PushPagesRequest& req, v1::PushPagesResponse* resp);
+  // Prefix pins (prefix_pins.h). Stats lists every live pin; the RPC layer keeps only the
+  // caller's tenants' (server/rpc/service.cc).
+  absl::Status PinPrefix(const v1::PinPrefixRequest& req, v1::PinPrefixResponse* resp);
+  absl::Status UnpinPrefix(const v1::UnpinPrefixRequest& req, v1::UnpinPrefixResponse* resp);
   absl::Status Stats(const v1::StatsRequest& req, v1::StatsResponse* resp);
   absl::Status RegisterBuffer(const v1::RegisterBufferRequest& req,
                               v1::RegisterBufferResponse* resp);
@@ -85,6 +90,13 @@ class CacheEngine : public DecodeEngine {
   // Closes every sequence and drops every registered buffer whose lease ran out before
   // now_ns (steady clock); returns how many. Called periodically by the daemon.
   int ExpireLeases(int64_t now_ns);
+  // Removes the prefix pins whose ttl ran out before now_ns (steady clock); how many.
+  // Called periodically by the daemon, beside ExpireLeases.
+  int ExpirePins(int64_t now_ns);
+  // A live prefix pin (the authorizer's look-up of its tenant); NOT_FOUND otherwise.
+  absl::StatusOr<PrefixPins::Pin> LookupPin(uint64_t pin_id) const { return pins_.Lookup(pin_id); }
+  std::vector<PrefixPins::Pin> Pins() const { return pins_.List(); }
+  uint64_t ExpiredPins() const { return pins_.expired(); }
 
   const CacheCounters& counters() const { return counters_; }
   const LeasePolicy& leases() const { return sequences_.leases(); }
@@ -167,6 +179,7 @@ class CacheEngine : public DecodeEngine {
   std::map<std::string, std::unique_ptr<ModelCache>> models_ ABSL_GUARDED_BY(mu_);
   uint64_t budget_used_ ABSL_GUARDED_BY(mu_) = 0;
   SequenceTable sequences_;  // destroyed (closing sequences) before models_
+  PrefixPins pins_;          // destroyed (unpinning) before models_ and tenants_
 };
 
 // Converts a v1 profile to a spec (0 rope.theta/scaling mean the defaults 10000 / 1).

@@ -53,7 +53,11 @@ using KvCacheCallbackBase = v1::KvCache::WithCallbackMethod_RegisterModel<
                                                                     v1::KvCache::
                                                                         Service>>>>>>>>>>>>>>>>>>>>;
 
-class KvCacheService final : public KvCacheCallbackBase {
+// With the session calls served so far (prefix pins).
+using KvCacheSessionBase = v1::KvCache::WithCallbackMethod_PinPrefix<
+    v1::KvCache::WithCallbackMethod_UnpinPrefix<KvCacheCallbackBase>>;
+
+class KvCacheService final : public KvCacheSessionBase {
  public:
   // tokens may be null (auth off); it must outlive the service.
   KvCacheService(CacheEngine* engine, Metrics* metrics, ThreadPool* executor,
@@ -105,6 +109,12 @@ class KvCacheService final : public KvCacheCallbackBase {
                                       v1::PushPagesResponse* resp) override;
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest* req,
                                   v1::StatsResponse* resp) override;
+  grpc::ServerUnaryReactor* PinPrefix(grpc::CallbackServerContext* ctx,
+                                      const v1::PinPrefixRequest* req,
+                                      v1::PinPrefixResponse* resp) override;
+  grpc::ServerUnaryReactor* UnpinPrefix(grpc::CallbackServerContext* ctx,
+                                        const v1::UnpinPrefixRequest* req,
+                                        v1::UnpinPrefixResponse* resp) override;
   grpc::ServerUnaryReactor* RegisterBuffer(grpc::CallbackServerContext* ctx,
                                            const v1::RegisterBufferRequest* req,
                                            v1::RegisterBufferResponse* resp) override;

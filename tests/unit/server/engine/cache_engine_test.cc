@@ -65,6 +65,7 @@ class CacheEngineTest : public ::testing::Test {
       fp += m.profile().name() + ":" + std::to_string(m.cached_tokens());
       for (const auto& p : m.pools()) fp += "/" + std::to_string(p.pages_used());
     }
+    fp += "|pins " + std::to_string(stats.pins_size());
     v1::FetchPagesRequest f;
     f.set_sequence_id(seq);
     f.set_expand_to_bf16(true);
@@ -674,6 +675,14 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
     r.add_new_tokens(7);
     return r;
   };
+  auto pin = [&](const std::string& model, int64_t n, int64_t ttl_ms, uint64_t seed = 4) {
+    v1::PinPrefixRequest r;
+    r.set_model(model);
+    const auto t = synthetic::Tokens(seed, 0, n);
+    r.mutable_tokens()->Add(t.begin(), t.end());
+    r.set_ttl_ms(ttl_ms);
+    return engine_->PinPrefix(r, Out<v1::PinPrefixResponse>());
+  };
   std::vector<BadCase> cases = {
       {"put: unknown model", absl::StatusCode::kNotFound,
        [&] {
@@ -1094,6 +1103,27 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
          return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
        },
        "layers.0.k_encode must be F32"},
+      // Prefix pins (docs/sessions.md "Pinned prefixes"): the prefix of seed 4 is cached.
+      {"pin: unknown model", absl::StatusCode::kNotFound,
+       [&] { return pin("nope", 8, 1000); }, "model 'nope' is not registered"},
+      {"pin: ttl_ms 0", absl::StatusCode::kInvalidArgument, [&] { return pin("tiny", 8, 0); },
+       "ttl_ms is 0, expected 1..86400000 (the daemon's max_pin_ttl_ms)"},
+      {"pin: negative ttl_ms", absl::StatusCode::kInvalidArgument,
+       [&] { return pin("tiny", 8, -5); }, "ttl_ms is -5, expected 1..86400000"},
+      {"pin: ttl_ms above max_pin_ttl_ms", absl::StatusCode::kInvalidArgument,
+       [&] { return pin("tiny", 8, 86400001); }, "ttl_ms is 86400001, expected 1..86400000"},
+      {"pin: ttl_ms INT64_MAX", absl::StatusCode::kInvalidArgument,
+       [&] { return pin("tiny", 8, std::numeric_limits<int64_t>::max()); }, "ttl_ms is"},
+      {"pin: no tokens", absl::StatusCode::kInvalidArgument, [&] { return pin("tiny", 0, 1000); }},
+      {"pin: nothing cached", absl::StatusCode::kNotFound,
+       [&] { return pin("tiny", 8, 1000, 77); }, "nothing to pin"},
+      {"unpin: no such pin", absl::StatusCode::kNotFound,
+       [&] {
+         v1::UnpinPrefixRequest r;
+         r.set_pin_id(12345);
+         return engine_->UnpinPrefix(r, Out<v1::UnpinPrefixResponse>());
+       },
+       "pin 12345 is not live"},
       // Issue #21.9: a 10 KB model name is quoted in 64 bytes, not echoed.
       {"put: 10 KB model name", absl::StatusCode::kNotFound,
        [&] {

@@ -6,6 +6,8 @@
 
 #include <set>
 
+#include "absl/strings/str_cat.h"
+
 #include "test_util.h"
 
 namespace kvcd {
@@ -30,8 +32,13 @@ class AuthorizerTest : public ::testing::Test {
   void SetUp() override {
     engine_ = std::make_unique<CacheEngine>(TestConfig(), MakeCpuBackend(2));
     ASSERT_TRUE(engine_->RegisterModelSpec(TinySpec()).ok());
-    authz_ =
-        std::make_unique<Authorizer>([this](uint64_t id) { return engine_->LookupSequence(id); });
+    authz_ = std::make_unique<Authorizer>(
+        [this](uint64_t id) { return engine_->LookupSequence(id); },
+        [this](uint64_t id) -> absl::StatusOr<std::string> {
+          absl::StatusOr<PrefixPins::Pin> pin = engine_->LookupPin(id);
+          if (!pin.ok()) return pin.status();
+          return pin->tenant;
+        });
   }
   uint64_t Open(const std::string& salt) {
     v1::OpenSequenceRequest req;
@@ -74,6 +81,42 @@ TEST_F(AuthorizerTest, TenantScopedRequestsNeedTheTenantInTheToken) {
   Principal all = Token("ops", {});
   all.all_tenants = true;
   EXPECT_TRUE(authz_->Check(all, match).ok());
+}
+
+// PinPrefix names a tenant like Match does; UnpinPrefix of another tenant's pin is answered
+// exactly like a pin that is not live.
+TEST_F(AuthorizerTest, AnotherTenantsPinLooksExactlyLikeAMissingOne) {
+  v1::PutResponse put;
+  ASSERT_TRUE(engine_->Put(MakePut(TinySpec(), 1, 8, "team-b"), &put).ok());
+  v1::PinPrefixRequest pin;
+  pin.set_model("tiny");
+  pin.set_cache_salt("team-b");
+  const auto t = synthetic::Tokens(1, 0, 8);
+  pin.mutable_tokens()->Add(t.begin(), t.end());
+  pin.set_ttl_ms(60000);
+  const Principal a = Token("a", {"team-a"});
+  const Principal b = Token("b", {"team-b"});
+  EXPECT_EQ(authz_->Check(a, pin).code(), absl::StatusCode::kPermissionDenied);
+  ASSERT_TRUE(authz_->Check(b, pin).ok());
+  v1::PinPrefixResponse pinned;
+  ASSERT_TRUE(engine_->PinPrefix(pin, &pinned).ok());
+
+  v1::UnpinPrefixRequest unpin;
+  unpin.set_pin_id(pinned.pin_id());
+  const absl::Status theirs = authz_->Check(a, unpin);
+  unpin.set_pin_id(pinned.pin_id() ^ 1);
+  const absl::Status missing = authz_->Check(a, unpin);
+  EXPECT_EQ(theirs.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(theirs.message(),
+            absl::StrCat("pin ", pinned.pin_id(),
+                         " is not live (never pinned, unpinned, or its ttl ran out)"));
+  EXPECT_EQ(missing.message(), absl::StrCat("pin ", pinned.pin_id() ^ 1,
+                                            " is not live (never pinned, unpinned, or its ttl "
+                                            "ran out)"));
+  unpin.set_pin_id(pinned.pin_id());
+  EXPECT_TRUE(authz_->Check(b, unpin).ok());
+  EXPECT_TRUE(authz_->Check(*Principal::Unrestricted(), unpin).ok());
 }
 
 TEST_F(AuthorizerTest, AnotherTenantsSequenceLooksExactlyLikeAMissingOne) {
