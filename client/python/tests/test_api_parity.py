@@ -143,6 +143,21 @@ def test_every_client_method_on_both_clients(both, daemon):
     (s, _), (a, _) = call("match", "tiny", toks, cache_salt="parity")
     assert s == a == kvcd.MatchResult(8, 2)
 
+    # prefix pins: each client pins the cached prefix (two pins of the same 2 pages)
+    (s, _), (a, _) = call("pin_prefix", "tiny", toks, ttl_ms=60000, cache_salt="parity")
+    assert (s.pinned_tokens, s.pinned_pages) == (a.pinned_tokens, a.pinned_pages) == (8, 2)
+    assert s.pin_id != a.pin_id and s.expires_unix_ms > 0
+    pins = {p.pin_id: p for p in both.sync.stats().pins}
+    assert pins[s.pin_id].tenant == "parity" and pins[a.pin_id].pinned_pages == 2
+    assert both.sync.unpin_prefix(s.pin_id) == both.run(both.aio.unpin_prefix(a.pin_id)) == 2
+    called.add("unpin_prefix")
+    s, a = call("unpin_prefix", s.pin_id)
+    _same_error(s, a)
+    assert s[1][0] is kvcd.NotFound
+    s, a = call("pin_prefix", "tiny", toks, ttl_ms=0, cache_salt="parity")
+    _same_error(s, a)
+    assert s[1][0] is kvcd.InvalidArgument and "ttl_ms is 0" in s[1][1]
+
     # sequences: open on both, append, renew, attention, pages, close
     (ss, _), (sa, _) = call("open_sequence", "tiny", toks, cache_salt="parity", lease_ms=5000,
                             auto_renew=False)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence as Seq, Type, Union
 
-from ._core import DecodeResult, FetchedPages, MatchResult, PutResult, TokenSeq
+from ._core import DecodeResult, FetchedPages, MatchResult, PinResult, PutResult, TokenSeq
 from .v1 import kvcache_pb2 as pb
 
 SequenceLike = Union["Sequence", int]
@@ -116,6 +116,22 @@ class ClientAPI:
     def match(self, model: str, tokens: TokenSeq, *, cache_salt: str = "") -> MatchResult:
         """The longest cached page-aligned prefix of ``tokens`` (nothing is pinned)."""
 
+    def pin_prefix(self, model: str, tokens: TokenSeq, *, ttl_ms: int,
+                   cache_salt: str = "") -> PinResult:
+        """Pins the longest cached page-aligned prefix of ``tokens`` for ``ttl_ms`` ms, so
+        that eviction skips it until :meth:`unpin_prefix` or the ttl runs out (then it is an
+        ordinary LRU prefix again). Its pages count against the tenant's
+        ``max_pinned_prefix_pages``, per pin. Pins do not survive a daemon restart.
+
+        Raises: InvalidArgument (``ttl_ms`` not in 1..the daemon's ``max_pin_ttl_ms``),
+        NotFound (unknown model, or not one page of ``tokens`` cached), ResourceExhausted
+        (the tenant's ``max_pinned_prefix_pages`` quota).
+        """
+
+    def unpin_prefix(self, pin_id: int) -> int:
+        """Removes a pin made by :meth:`pin_prefix`; returns the pages it pinned. Raises
+        NotFound for a pin that is not live (unpinned, expired, or another tenant's)."""
+
     def open_sequence(self, model: str, tokens: TokenSeq, *, k: Any = None, v: Any = None,
                       cache_salt: str = "", lease_ms: int = 0, auto_renew: bool = True,
                       wire_dtype: Optional[str] = None, x: Any = None) -> "Sequence":
@@ -184,7 +200,8 @@ class ClientAPI:
         Returns the tokens newly inserted."""
 
     def stats(self) -> pb.StatsResponse:
-        """Memory, pools, hit/miss tokens, evictions, sequences, backend and version."""
+        """Memory, pools, hit/miss tokens, evictions, sequences, backend and version; the
+        caller's tenants' prefix pins (``pins``)."""
 
     def health(self, service: str = "") -> str:
         """grpc.health.v1 Check: "SERVING", "NOT_SERVING", ... ("" = the whole server)."""

@@ -207,6 +207,21 @@ class MatchResult:
     matched_pages: int
 
 
+@dataclass(frozen=True)
+class PinResult:
+    """Outcome of :meth:`Client.pin_prefix`: the pin's id (for ``unpin_prefix``), the
+    page-aligned tokens and pages it holds, and when it expires (Unix time in ms)."""
+    pin_id: int
+    pinned_tokens: int
+    pinned_pages: int
+    expires_unix_ms: int
+
+
+def pin_result(r: Any) -> PinResult:
+    return PinResult(int(r.pin_id), int(r.pinned_tokens), int(r.pinned_pages),
+                     int(r.expires_unix_ms))
+
+
 class DecodeResult(tuple):
     """``(o, lse)`` of an attention call, unpackable as a pair.
 

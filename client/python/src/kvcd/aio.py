@@ -22,7 +22,7 @@ import grpc.aio
 
 from . import _api, _core as C
 from ._api import implements
-from ._core import DecodeResult, FetchedPages, MatchResult, PutResult, TLS, TokenSeq
+from ._core import DecodeResult, FetchedPages, MatchResult, PinResult, PutResult, TLS, TokenSeq
 from ._health import health_pb2
 from .errors import KvcdError, NotFound, _from_rpc_error, error_from_status
 from .pages import PageGeometry
@@ -152,6 +152,16 @@ class Client:
         r = await self._call("Match", pb.MatchRequest(model=model, cache_salt=cache_salt,
                                                       tokens=C.tokens_list(tokens)))
         return MatchResult(int(r.matched_tokens), int(r.matched_pages))
+
+    async def pin_prefix(self, model: str, tokens: TokenSeq, *, ttl_ms: int,
+                         cache_salt: str = "") -> PinResult:
+        return C.pin_result(await self._call("PinPrefix", pb.PinPrefixRequest(
+            model=model, cache_salt=cache_salt, tokens=C.tokens_list(tokens),
+            ttl_ms=int(ttl_ms))))
+
+    async def unpin_prefix(self, pin_id: int) -> int:
+        r = await self._call("UnpinPrefix", pb.UnpinPrefixRequest(pin_id=int(pin_id)))
+        return int(r.unpinned_pages)
 
     # -- sequences --------------------------------------------------------------------
 

@@ -11,7 +11,8 @@ import grpc
 
 from . import _api, _core as C
 from ._api import implements
-from ._core import (DecodeResult, FetchedPages, MatchResult, PutResult, TLS, TokenSeq)
+from ._core import (DecodeResult, FetchedPages, MatchResult, PinResult, PutResult, TLS,
+                    TokenSeq)
 from .errors import KvcdError, NotFound, _from_rpc_error, error_from_status
 from .pages import PageGeometry
 from .v1 import kvcache_pb2 as pb
@@ -173,6 +174,16 @@ class Client:
         r = self._call("Match", pb.MatchRequest(model=model, cache_salt=cache_salt,
                                                 tokens=C.tokens_list(tokens)))
         return MatchResult(int(r.matched_tokens), int(r.matched_pages))
+
+    def pin_prefix(self, model: str, tokens: TokenSeq, *, ttl_ms: int,
+                   cache_salt: str = "") -> PinResult:
+        return C.pin_result(self._call("PinPrefix", pb.PinPrefixRequest(
+            model=model, cache_salt=cache_salt, tokens=C.tokens_list(tokens),
+            ttl_ms=int(ttl_ms))))
+
+    def unpin_prefix(self, pin_id: int) -> int:
+        return int(self._call("UnpinPrefix", pb.UnpinPrefixRequest(pin_id=int(pin_id)))
+                   .unpinned_pages)
 
     # -- sequences --------------------------------------------------------------------
 
