@@ -100,7 +100,9 @@ enum Rpc : uint8_t {
   kUnregisterBuffer,
   kRenewBuffer,
   kNcclConnect,
-  kNcclDisconnect
+  kNcclDisconnect,
+  kPinPrefix,
+  kUnpinPrefix
 };
 
 struct Session {
@@ -189,6 +191,23 @@ void RpcSeeds() {
         .Add(kCloseSequence, close)
         .Add(kStats, v1::StatsRequest());
     Write("rpc_fuzz", "session-" + model, s.bytes);
+  }
+  {
+    // A prefix pin of a cached prompt, Stats listing it, and its removal.
+    v1::PinPrefixRequest pin;
+    pin.set_model("tiny");
+    const auto t = synthetic::Tokens(1, 0, 32);
+    pin.mutable_tokens()->Add(t.begin(), t.end());
+    pin.set_ttl_ms(60000);
+    v1::UnpinPrefixRequest unpin;
+    unpin.set_pin_id(0);  // rpc_fuzz: the first pin this session made
+    Write("rpc_fuzz", "pin",
+          Session()
+              .Add(kPut, Put("tiny", 1, 32))
+              .Add(kPinPrefix, pin)
+              .Add(kStats, v1::StatsRequest())
+              .Add(kUnpinPrefix, unpin)
+              .bytes);
   }
   Write("rpc_fuzz", "stats", Session().Add(kStats, v1::StatsRequest()).bytes);
   Write("rpc_fuzz", "list", Session().Add(kListModels, v1::ListModelsRequest()).bytes);
