@@ -535,10 +535,10 @@ absl::StatusOr<ModelCache::PinnedPrefix> ModelCache::PinPrefix(
   // Counted first without splitting anything, so that a refused pin leaves the tree as it was.
   const int64_t pages = static_cast<int64_t>(tree_.Match(salt, tokens).pages.size());
   if (pages == 0) {
-    return absl::NotFoundError(absl::StrCat(
-        "model ", Quote(spec_.name), ", cache_salt ", Quote(salt), ": not one page (",
-        spec_.page_size, " tokens) of the ", tokens.size(),
-        " tokens is cached, so there is nothing to pin; Put the prefix first"));
+    return absl::NotFoundError(
+        absl::StrCat("model ", Quote(spec_.name), ", cache_salt ", Quote(salt), ": not one page (",
+                     spec_.page_size, " tokens) of the ", tokens.size(),
+                     " tokens is cached, so there is nothing to pin; Put the prefix first"));
   }
   KVCD_RETURN_IF_ERROR(admit(pages));
   const RadixTree::MatchResult m = tree_.MatchAndPin(salt, tokens);

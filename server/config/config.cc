@@ -231,11 +231,10 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
       KVCD_RETURN_IF_ERROR(CheckKeys(quotas, "quotas", {"default", "tenants"}));
       auto read_quota = [&](const YAML::Node& n, const std::string& where,
                             TenantQuota* q) -> absl::Status {
-        KVCD_RETURN_IF_ERROR(
-            CheckKeys(n, where,
-                      {"tenant", "max_sequences", "max_pinned_pages", "max_lease_ms",
-                       "max_memory_share", "max_models", "max_model_bytes",
-                       "max_pinned_prefix_pages"}));
+        KVCD_RETURN_IF_ERROR(CheckKeys(
+            n, where,
+            {"tenant", "max_sequences", "max_pinned_pages", "max_lease_ms", "max_memory_share",
+             "max_models", "max_model_bytes", "max_pinned_prefix_pages"}));
         const std::string prefix = where + ".";
         KVCD_RETURN_IF_ERROR(Read(n, "max_sequences", prefix, &q->max_sequences));
         KVCD_RETURN_IF_ERROR(Read(n, "max_pinned_pages", prefix, &q->max_pinned_pages));

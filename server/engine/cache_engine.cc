@@ -493,8 +493,7 @@ absl::Status CacheEngine::NcclDisconnect(const v1::NcclDisconnectRequest& req,
   return nccl_.Disconnect(req.communicator_id());
 }
 
-absl::Status CacheEngine::PinPrefix(const v1::PinPrefixRequest& req,
-                                    v1::PinPrefixResponse* resp) {
+absl::Status CacheEngine::PinPrefix(const v1::PinPrefixRequest& req, v1::PinPrefixResponse* resp) {
   KVCD_ASSIGN_OR_RETURN(ModelCache * m, FindModel(req.model()));
   KVCD_RETURN_IF_ERROR(CheckSalt(req.cache_salt()));
   KVCD_RETURN_IF_ERROR(CheckTokens(req.tokens(), "tokens", false));

@@ -40,9 +40,9 @@ absl::StatusOr<PrefixPins::Pin> PrefixPins::Add(ModelCache* model, const std::st
   const std::optional<int64_t> deadline = ttl_ns ? CheckedAdd(now_ns, *ttl_ns) : std::nullopt;
   const std::optional<int64_t> expires = CheckedAdd(now_unix_ms, ttl_ms);
   if (!deadline || !expires) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "ttl_ms is ", ttl_ms, ": now + ttl_ms overflows a 64-bit clock; expected ", range,
-        " and a ttl that ends before the year 292277026596"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("ttl_ms is ", ttl_ms, ": now + ttl_ms overflows a 64-bit clock; expected ",
+                     range, " and a ttl that ends before the year 292277026596"));
   }
   absl::StatusOr<ModelCache::PinnedPrefix> pinned = model->PinPrefix(
       tenant, tokens, [&](int64_t pages) { return ledger_->PinPrefixPages(tenant, pages); });
@@ -109,7 +109,8 @@ std::vector<PrefixPins::Pin> PrefixPins::List() const {
     for (const auto& [id, e] : pins_) out.push_back(e.pin);
   }
   std::sort(out.begin(), out.end(), [](const Pin& a, const Pin& b) {
-    return std::tie(a.tenant, a.expires_unix_ms, a.id) < std::tie(b.tenant, b.expires_unix_ms, b.id);
+    return std::tie(a.tenant, a.expires_unix_ms, a.id) <
+           std::tie(b.tenant, b.expires_unix_ms, b.id);
   });
   return out;
 }

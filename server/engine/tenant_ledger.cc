@@ -77,7 +77,8 @@ absl::Status TenantLedger::PinPrefixPages(const std::string& tenant, int64_t pag
     const int64_t now = held.prefix_pages;
     DropIfEmptyLocked(held_.find(tenant));
     return QuotaError(tenant, "max_pinned_prefix_pages", limit,
-                      absl::StrCat("has ", now, " pages pinned by its prefix pins and this pin "
+                      absl::StrCat("has ", now,
+                                   " pages pinned by its prefix pins and this pin "
                                    "needs ",
                                    pages, " more"),
                       "unpin prefixes (UnpinPrefix) or let their ttl run out first");

@@ -189,9 +189,10 @@ grpc::ServerUnaryReactor* KvCacheService::Stats(grpc::CallbackServerContext* ctx
     if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;
     KVCD_RETURN_IF_ERROR(engine_->Stats(*req, resp));
     auto* pins = resp->mutable_pins();
-    pins->erase(std::remove_if(pins->begin(), pins->end(),
-                               [&](const v1::PrefixPin& pin) { return !p.MayUseTenant(pin.tenant()); }),
-                pins->end());
+    pins->erase(
+        std::remove_if(pins->begin(), pins->end(),
+                       [&](const v1::PrefixPin& pin) { return !p.MayUseTenant(pin.tenant()); }),
+        pins->end());
     return absl::OkStatus();
   });
 }

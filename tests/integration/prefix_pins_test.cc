@@ -135,8 +135,7 @@ TEST_F(PrefixPinsTest, BadPinsAreRefusedOverTheWire) {
       {"unknown model", absl::StatusCode::kNotFound,
        client_->PinPrefix("nope", "", prompt, 1000).status(), "model 'nope' is not registered"},
       {"nothing cached", absl::StatusCode::kNotFound,
-       client_->PinPrefix("tiny", "", synthetic::Tokens(2, 0, 8), 1000).status(),
-       "nothing to pin"},
+       client_->PinPrefix("tiny", "", synthetic::Tokens(2, 0, 8), 1000).status(), "nothing to pin"},
       {"unknown pin", absl::StatusCode::kNotFound, client_->UnpinPrefix(42).status(),
        "pin 42 is not live"},
   };

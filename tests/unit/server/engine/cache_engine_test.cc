@@ -1104,8 +1104,8 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
        },
        "layers.0.k_encode must be F32"},
       // Prefix pins (docs/sessions.md "Pinned prefixes"): the prefix of seed 4 is cached.
-      {"pin: unknown model", absl::StatusCode::kNotFound,
-       [&] { return pin("nope", 8, 1000); }, "model 'nope' is not registered"},
+      {"pin: unknown model", absl::StatusCode::kNotFound, [&] { return pin("nope", 8, 1000); },
+       "model 'nope' is not registered"},
       {"pin: ttl_ms 0", absl::StatusCode::kInvalidArgument, [&] { return pin("tiny", 8, 0); },
        "ttl_ms is 0, expected 1..86400000 (the daemon's max_pin_ttl_ms)"},
       {"pin: negative ttl_ms", absl::StatusCode::kInvalidArgument,
@@ -1115,8 +1115,8 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
       {"pin: ttl_ms INT64_MAX", absl::StatusCode::kInvalidArgument,
        [&] { return pin("tiny", 8, std::numeric_limits<int64_t>::max()); }, "ttl_ms is"},
       {"pin: no tokens", absl::StatusCode::kInvalidArgument, [&] { return pin("tiny", 0, 1000); }},
-      {"pin: nothing cached", absl::StatusCode::kNotFound,
-       [&] { return pin("tiny", 8, 1000, 77); }, "nothing to pin"},
+      {"pin: nothing cached", absl::StatusCode::kNotFound, [&] { return pin("tiny", 8, 1000, 77); },
+       "nothing to pin"},
       {"unpin: no such pin", absl::StatusCode::kNotFound,
        [&] {
          v1::UnpinPrefixRequest r;

@@ -94,8 +94,8 @@ TEST_F(PrefixPinsTest, APinnedPrefixSurvivesAFloodUntilUnpinned) {
 
   Flood(100);
   EXPECT_GT(Stats().evicted_pages(), 0u);
-  EXPECT_EQ(Match(1, 18), 16);   // still cached
-  EXPECT_EQ(Match(100, 8), 0);   // the oldest one-off prompt was evicted
+  EXPECT_EQ(Match(1, 18), 16);  // still cached
+  EXPECT_EQ(Match(100, 8), 0);  // the oldest one-off prompt was evicted
   v1::StatsResponse s = Stats();
   ASSERT_EQ(s.pins_size(), 1);
   EXPECT_EQ(s.pins(0).pin_id(), pin->pin_id());
@@ -152,7 +152,7 @@ TEST_F(PrefixPinsTest, PinsAndSequencesPinIndependently) {
   open.mutable_tokens()->Add(t.begin(), t.end());
   v1::OpenSequenceResponse opened;
   ASSERT_TRUE(engine_->OpenSequence(open, &opened).ok());  // pins pages 0..1
-  auto pin = Pin(1, 16, 60000);                              // pins pages 0..3
+  auto pin = Pin(1, 16, 60000);                            // pins pages 0..3
   ASSERT_TRUE(pin.ok());
   EXPECT_EQ(engine_->SnapshotModels()[0].snapshot.pinned_pages, 4);
   v1::CloseSequenceRequest close;
@@ -229,8 +229,8 @@ TEST_F(PrefixPinsTest, TtlOutsideItsRangeOrOverflowingIsInvalid) {
   for (int64_t ttl : {std::numeric_limits<int64_t>::max(), int64_t{1} << 62}) {
     auto r = Pin(1, 8, ttl);
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << ttl;
-    EXPECT_NE(r.status().message().find(absl::StrCat("ttl_ms is ", ttl,
-                                                     ": now + ttl_ms overflows a 64-bit clock")),
+    EXPECT_NE(r.status().message().find(
+                  absl::StrCat("ttl_ms is ", ttl, ": now + ttl_ms overflows a 64-bit clock")),
               std::string::npos)
         << r.status();
   }

@@ -7,7 +7,6 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
-
 #include "test_util.h"
 
 namespace kvcd {
@@ -32,13 +31,13 @@ class AuthorizerTest : public ::testing::Test {
   void SetUp() override {
     engine_ = std::make_unique<CacheEngine>(TestConfig(), MakeCpuBackend(2));
     ASSERT_TRUE(engine_->RegisterModelSpec(TinySpec()).ok());
-    authz_ = std::make_unique<Authorizer>(
-        [this](uint64_t id) { return engine_->LookupSequence(id); },
-        [this](uint64_t id) -> absl::StatusOr<std::string> {
-          absl::StatusOr<PrefixPins::Pin> pin = engine_->LookupPin(id);
-          if (!pin.ok()) return pin.status();
-          return pin->tenant;
-        });
+    authz_ =
+        std::make_unique<Authorizer>([this](uint64_t id) { return engine_->LookupSequence(id); },
+                                     [this](uint64_t id) -> absl::StatusOr<std::string> {
+                                       absl::StatusOr<PrefixPins::Pin> pin = engine_->LookupPin(id);
+                                       if (!pin.ok()) return pin.status();
+                                       return pin->tenant;
+                                     });
   }
   uint64_t Open(const std::string& salt) {
     v1::OpenSequenceRequest req;
