@@ -46,7 +46,8 @@ ABSL_FLAG(std::string, safetensors, "", "prompt file: tokens, k, v (and x for FS
 ABSL_FLAG(std::string, tokens, "", "the prompt's token ids, comma-separated");
 ABSL_FLAG(int64_t, steps, 8, "decode steps");
 ABSL_FLAG(int64_t, ttl_ms, 0,
-          "how long the pin lasts, in ms (1..the daemon's max_pin_ttl_ms, default 24 h)");
+          "pin: how long the pin lasts, in ms, 1..the daemon's max_pin_ttl_ms (24 h unless "
+          "configured); required");
 
 namespace {
 
