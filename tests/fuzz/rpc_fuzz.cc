@@ -97,6 +97,9 @@ const std::vector<Method>& Methods() {
     m.push_back(Make("RenewBuffer", &CacheEngine::RenewBuffer));
     m.push_back(Make("NcclConnect", &CacheEngine::NcclConnect));
     m.push_back(Make("NcclDisconnect", &CacheEngine::NcclDisconnect));
+    // Sessions (issue #31), after the others so that the seeds' method numbers stay.
+    m.push_back(Make("CommitSequence", &CacheEngine::CommitSequence));
+    m.push_back(Make("ForkSequence", &CacheEngine::ForkSequence));
     return m;
   }());
   return *methods;
@@ -423,6 +426,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     if (s.ok() && std::strcmp(m.name, "OpenSequence") == 0) {
       opened.push_back(static_cast<const v1::OpenSequenceResponse&>(*resp).sequence_id());
+    }
+    if (s.ok() && std::strcmp(m.name, "ForkSequence") == 0) {
+      opened.push_back(static_cast<const v1::ForkSequenceResponse&>(*resp).sequence_id());
     }
   }
   for (uint64_t id : opened) {
