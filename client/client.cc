@@ -184,6 +184,27 @@ absl::StatusOr<int64_t> Client::CloseSequence(uint64_t sequence_id) {
   return r->length();
 }
 
+absl::StatusOr<v1::CloseSequenceResponse> Client::CloseSequence(uint64_t sequence_id, bool commit) {
+  v1::CloseSequenceRequest req;
+  req.set_sequence_id(sequence_id);
+  req.set_commit(commit);
+  return KVCD_CALL(v1::CloseSequenceResponse, CloseSequence, req);
+}
+
+absl::StatusOr<v1::CommitSequenceResponse> Client::CommitSequence(uint64_t sequence_id) {
+  v1::CommitSequenceRequest req;
+  req.set_sequence_id(sequence_id);
+  return KVCD_CALL(v1::CommitSequenceResponse, CommitSequence, req);
+}
+
+absl::StatusOr<v1::ForkSequenceResponse> Client::ForkSequence(uint64_t sequence_id,
+                                                              int64_t lease_ms) {
+  v1::ForkSequenceRequest req;
+  req.set_sequence_id(sequence_id);
+  req.set_lease_ms(lease_ms);
+  return KVCD_CALL(v1::ForkSequenceResponse, ForkSequence, req);
+}
+
 absl::StatusOr<int64_t> Client::RenewLease(uint64_t sequence_id, int64_t lease_ms) {
   v1::RenewLeaseRequest req;
   req.set_sequence_id(sequence_id);

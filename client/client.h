@@ -96,6 +96,13 @@ class Client {
                                                         int64_t lease_ms = 0);
   // Returns the sequence's final length.
   absl::StatusOr<int64_t> CloseSequence(uint64_t sequence_id);
+  // With `commit`, the sequence's full pages enter the prefix cache before it closes
+  // (response.commit says what was committed); a failed commit leaves it open.
+  absl::StatusOr<v1::CloseSequenceResponse> CloseSequence(uint64_t sequence_id, bool commit);
+  // Sessions (docs/sessions.md): commit the full pages and keep the sequence open; fork a
+  // new sequence sharing its pages (lease_ms 0: the daemon's default).
+  absl::StatusOr<v1::CommitSequenceResponse> CommitSequence(uint64_t sequence_id);
+  absl::StatusOr<v1::ForkSequenceResponse> ForkSequence(uint64_t sequence_id, int64_t lease_ms = 0);
   // Returns the granted lease in ms.
   absl::StatusOr<int64_t> RenewLease(uint64_t sequence_id, int64_t lease_ms = 0);
   // Returns the new length.

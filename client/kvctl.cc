@@ -48,6 +48,8 @@ ABSL_FLAG(int64_t, steps, 8, "decode steps");
 ABSL_FLAG(int64_t, ttl_ms, 0,
           "pin: how long the pin lasts, in ms, 1..the daemon's max_pin_ttl_ms (24 h unless "
           "configured); required");
+ABSL_FLAG(int64_t, lease_ms, 0, "the fork's lease in milliseconds (0: the daemon's default)");
+ABSL_FLAG(bool, commit, false, "commit the sequence's full pages to the prefix cache first");
 
 namespace {
 
@@ -112,7 +114,27 @@ Its pages are ordinary LRU pages again. Prints how many pages it pinned.)",
 Opens a sequence on the synthetic prompt, appends the uncached tail, then runs K
 steps of per-layer fused append+attention over one AttentionDecodeStream; prints
 the per-step latency and tokens/s.)",
-            .flags = Concat(kPrompt, {"steps"})}},
+            .flags = Concat(kPrompt, {"steps"})},
+           {.name = "commit",
+            .synopsis = "SEQUENCE_ID",
+            .description = R"(commit an open sequence's full pages to the prefix cache
+The sequence stays open; a later OpenSequence on its tokens reuses them
+(docs/sessions.md). Prints the committed, inserted and deduplicated counts.)",
+            .takes_args = true},
+           {.name = "fork",
+            .synopsis = "SEQUENCE_ID [--lease-ms MS]",
+            .description = R"(fork an open sequence
+The new sequence shares every full page of the source and gets a copy of its
+partial page, with its own lease. Prints the new sequence's id.)",
+            .flags = {"lease_ms"},
+            .takes_args = true},
+           {.name = "close",
+            .synopsis = "SEQUENCE_ID [--commit]",
+            .description = R"(close an open sequence
+With --commit its full pages enter the prefix cache first (a failed commit leaves
+it open).)",
+            .flags = {"commit"},
+            .takes_args = true}},
       .notes = R"(Examples:
   kvctl register --profile small.textproto --codec small-codec.safetensors
   kvctl put --model qwen3-8b --synthetic 4096 --seed 7
@@ -120,6 +142,8 @@ the per-step latency and tokens/s.)",
   kvctl pin --model qwen3-8b --synthetic 4096 --seed 7 --ttl-ms 3600000
   kvctl unpin 1234567890123456789
   kvctl decode --model qwen3-8b --synthetic 4100 --seed 7 --steps 16
+  kvctl fork 1234567890 --lease-ms 60000
+  kvctl close 1234567890 --commit
 )"};
   return program;
 }
@@ -391,6 +415,40 @@ int Unpin(kvcd::Client& c, const Args& a) {
   if (!pages.ok()) return Fail(pages.status());
   std::printf("pin %llu removed: %lld pages are ordinary LRU pages again\n",
               static_cast<unsigned long long>(id), static_cast<long long>(*pages));
+// commit / fork / close SEQUENCE_ID.
+int Session(kvcd::Client& c, const Args& a) {
+  if (a.args.size() != 1) return Usage(a, "expected one SEQUENCE_ID");
+  uint64_t id = 0;
+  if (!absl::SimpleAtoi(a.args[0], &id)) {
+    return Usage(a, "SEQUENCE_ID must be an unsigned 64-bit integer (OpenSequence's id)");
+  }
+  auto print_commit = [](const kvcd::v1::CommitSequenceResponse& r) {
+    std::printf("committed %lld tokens: %lld pages inserted, %lld deduplicated\n",
+                static_cast<long long>(r.committed_tokens()),
+                static_cast<long long>(r.inserted_pages()),
+                static_cast<long long>(r.deduplicated_pages()));
+  };
+  const std::string command = a.command->name;
+  if (command == "commit") {
+    auto r = c.CommitSequence(id);
+    if (!r.ok()) return Fail(r.status());
+    print_commit(*r);
+    return 0;
+  }
+  if (command == "fork") {
+    auto r = c.ForkSequence(id, absl::GetFlag(FLAGS_lease_ms));
+    if (!r.ok()) return Fail(r.status());
+    std::printf("%llu\n", static_cast<unsigned long long>(r->sequence_id()));
+    std::fprintf(stderr, "fork of %llu: %lld tokens, %lld pages shared, lease %lld ms\n",
+                 static_cast<unsigned long long>(id), static_cast<long long>(r->length()),
+                 static_cast<long long>(r->shared_pages()), static_cast<long long>(r->lease_ms()));
+    return 0;
+  }
+  const bool commit = absl::GetFlag(FLAGS_commit);
+  auto r = c.CloseSequence(id, commit);
+  if (!r.ok()) return Fail(r.status());
+  if (commit) print_commit(r->commit());
+  std::printf("closed at %lld tokens\n", static_cast<long long>(r->length()));
   return 0;
 }
 
@@ -435,6 +493,15 @@ int main(int argc, char** argv) {
                 static_cast<unsigned long long>(s->hit_tokens()),
                 static_cast<unsigned long long>(s->miss_tokens()), s->hit_ratio(),
                 static_cast<unsigned long long>(s->evicted_pages()));
+    std::printf(
+        "sessions: %llu committed pages cached, %llu forks; hits %llu put / %llu committed "
+        "tokens; evicted %llu put / %llu committed pages\n",
+        static_cast<unsigned long long>(s->committed_pages()),
+        static_cast<unsigned long long>(s->forks()),
+        static_cast<unsigned long long>(s->hit_tokens_put()),
+        static_cast<unsigned long long>(s->hit_tokens_committed()),
+        static_cast<unsigned long long>(s->evicted_pages_put()),
+        static_cast<unsigned long long>(s->evicted_pages_committed()));
     std::printf("sequences: %llu active, %llu leases expired; %llu pages demoted\n",
                 static_cast<unsigned long long>(s->active_sequences()),
                 static_cast<unsigned long long>(s->expired_leases()),
@@ -475,5 +542,6 @@ int main(int argc, char** argv) {
   if (command == "decode") return Decode(c, a);
   if (command == "pin") return Pin(c, a);
   if (command == "unpin") return Unpin(c, a);
+  if (command == "commit" || command == "fork" || command == "close") return Session(c, a);
   return Usage(a, "unknown command");  // Parse accepts only the commands above
 }

@@ -51,10 +51,18 @@ class CacheEngine : public DecodeEngine {
   absl::Status Put(const v1::PutRequest& req, v1::PutResponse* resp);
   absl::Status Match(const v1::MatchRequest& req, v1::MatchResponse* resp);
   absl::Status OpenSequence(const v1::OpenSequenceRequest& req, v1::OpenSequenceResponse* resp);
-  absl::Status CloseSequence(const v1::CloseSequenceRequest& req, v1::CloseSequenceResponse* resp);
   // The sequence-scoped calls take the sequences the authorizer found for them (in the
   // request's order; FoundSequences), so that they are not looked up twice; without, the
   // engine finds them itself.
+  // With `commit`, the sequence's full pages enter the prefix cache first (CommitSequence);
+  // a commit that fails leaves the sequence open and unchanged.
+  absl::Status CloseSequence(const v1::CloseSequenceRequest& req, v1::CloseSequenceResponse* resp,
+                             const FoundSequences& found = {});
+  // Sessions (docs/sessions.md): ModelCache::Commit and SequenceTable::Fork.
+  absl::Status CommitSequence(const v1::CommitSequenceRequest& req,
+                              v1::CommitSequenceResponse* resp, const FoundSequences& found = {});
+  absl::Status ForkSequence(const v1::ForkSequenceRequest& req, v1::ForkSequenceResponse* resp,
+                            const FoundSequences& found = {});
   absl::Status RenewLease(const v1::RenewLeaseRequest& req, v1::RenewLeaseResponse* resp,
                           const FoundSequences& found = {});
   absl::Status Append(const v1::AppendRequest& req, v1::AppendResponse* resp,

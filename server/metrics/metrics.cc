@@ -2,6 +2,7 @@
 
 #include <map>
 #include <utility>
+#include <algorithm>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -65,6 +66,10 @@ class CacheCollector final : public prometheus::Collectable {
       ++pins_of[p.model].first;
       pins_of[p.model].second += p.pages;
     }
+    auto committed = Family("kvcd_committed_pages",
+                            "Cached pages that entered the prefix cache by a sequence's commit "
+                            "(CommitSequence, CloseSequence with commit), by model.",
+                            MetricType::Gauge);
     auto bpt = Family("kvcd_bytes_per_token",
                       "Bytes stored per token (all layers, K and V, scales included) by model and "
                       "segment (sink|history|recent).",
@@ -96,6 +101,7 @@ class CacheCollector final : public prometheus::Collectable {
       const auto pins = pins_of[mv.name];
       Add(&prefix_pins, static_cast<double>(pins.first), {{"model", mv.name}});
       Add(&prefix_pages, static_cast<double>(pins.second), {{"model", mv.name}});
+      Add(&committed, static_cast<double>(mv.snapshot.committed_pages), {{"model", mv.name}});
       Add(&bpt, mv.snapshot.bf16_bytes_per_token, {{"model", mv.name}, {"segment", "sink"}});
       Add(&bpt, mv.snapshot.history_bytes_per_token, {{"model", mv.name}, {"segment", "history"}});
       Add(&bpt, mv.snapshot.bf16_bytes_per_token, {{"model", mv.name}, {"segment", "recent"}});
@@ -108,6 +114,7 @@ class CacheCollector final : public prometheus::Collectable {
     out.push_back(std::move(pinned));
     out.push_back(std::move(prefix_pins));
     out.push_back(std::move(prefix_pages));
+    out.push_back(std::move(committed));
     out.push_back(std::move(bpt));
     out.push_back(std::move(bits));
     out.push_back(std::move(ratio));
@@ -126,6 +133,23 @@ class CacheCollector final : public prometheus::Collectable {
             c.evicted_pages.load());
     counter("kvcd_demoted_pages_total", "Pages demoted from BF16 to the history format.",
             c.demoted_pages.load());
+    // Reuse and eviction by the origin of the pages (put: Put / PushPages; committed: a
+    // sequence's commit); each pair sums to kvcd_radix_hit_tokens_total /
+    // kvcd_evicted_pages_total.
+    auto by_origin = [&](const char* name, const char* help, uint64_t total, uint64_t committed) {
+      auto f = Family(name, help, MetricType::Counter);
+      Add(&f, static_cast<double>(total - std::min(total, committed)), {{"origin", "put"}});
+      Add(&f, static_cast<double>(committed), {{"origin", "committed"}});
+      out.push_back(std::move(f));
+    };
+    by_origin("kvcd_hit_tokens_by_origin_total",
+              "Tokens found in the prefix cache by Put and OpenSequence, by the origin of their "
+              "pages (put|committed).",
+              c.hit_tokens.load(), c.hit_tokens_committed.load());
+    by_origin("kvcd_evicted_pages_by_origin_total",
+              "Pages evicted from the prefix cache, by origin (put|committed).",
+              c.evicted_pages.load(), c.evicted_pages_committed.load());
+    counter("kvcd_forks_total", "Sequences forked (ForkSequence).", c.forks.load());
     counter("kvcd_expired_leases_total", "Sequences closed because their lease ran out.",
             c.expired_leases.load());
     counter("kvcd_attention_calls_total", "Attention-decode batches executed.",

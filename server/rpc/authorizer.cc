@@ -168,6 +168,14 @@ absl::Status Authorizer::Check(const Principal& p, const v1::RenewLeaseRequest& 
                                FoundSequences* found) const {
   return CheckSequence(p, r.sequence_id(), found);
 }
+absl::Status Authorizer::Check(const Principal& p, const v1::CommitSequenceRequest& r,
+                               FoundSequences* found) const {
+  return CheckSequence(p, r.sequence_id(), found);
+}
+absl::Status Authorizer::Check(const Principal& p, const v1::ForkSequenceRequest& r,
+                               FoundSequences* found) const {
+  return CheckSequence(p, r.sequence_id(), found);
+}
 absl::Status Authorizer::Check(const Principal& p, const v1::AppendRequest& r,
                                FoundSequences* found) const {
   KVCD_RETURN_IF_ERROR(CheckSequence(p, r.sequence_id(), found));

@@ -5,9 +5,9 @@
 // - Put, Match, OpenSequence, PushPages: the request's cache_salt must be one of the
 //   token's tenants, else PERMISSION_DENIED.
 // - Append, AttentionDecode (every id of the batch), FetchPages, RenewLease,
-//   CloseSequence: the sequence must have been opened under one of the token's
-//   tenants. Another tenant's sequence is answered exactly like a sequence that does not
-//   exist (NOT_FOUND, same message), so ids cannot be probed across tenants.
+//   CloseSequence, CommitSequence, ForkSequence: the sequence must have been opened under one of
+//   the token's tenants. Another tenant's sequence is answered exactly like a sequence that does
+//   not exist (NOT_FOUND, same message), so ids cannot be probed across tenants.
 // - RegisterModel needs register_models: true, else PERMISSION_DENIED; its `tenant` (the
 //   tenant whose max_models / max_model_bytes quotas it counts against) must be one of the
 //   token's tenants, as a cache_salt must.
@@ -51,7 +51,8 @@ class Authorizer {
   explicit Authorizer(SequenceLookup lookup, PinTenantLookup pin_tenant = nullptr)
       : lookup_(std::move(lookup)), pin_tenant_(std::move(pin_tenant)) {}
 
-  // The sequence-scoped checks (Close, Renew, Append, AttentionDecode, FetchPages) add the
+  // The sequence-scoped checks (Close, Commit, Fork, Renew, Append, AttentionDecode,
+  // FetchPages) add the
   // sequences they looked up to *found, in the request's order, for the engine to use
   // instead of looking them up again; nothing is added for the unrestricted principal,
   // whose calls look up nothing here.
@@ -63,6 +64,10 @@ class Authorizer {
   absl::Status Check(const Principal& p, const v1::CloseSequenceRequest& r,
                      FoundSequences* found = nullptr) const;
   absl::Status Check(const Principal& p, const v1::RenewLeaseRequest& r,
+                     FoundSequences* found = nullptr) const;
+  absl::Status Check(const Principal& p, const v1::CommitSequenceRequest& r,
+                     FoundSequences* found = nullptr) const;
+  absl::Status Check(const Principal& p, const v1::ForkSequenceRequest& r,
                      FoundSequences* found = nullptr) const;
   absl::Status Check(const Principal& p, const v1::AppendRequest& r,
                      FoundSequences* found = nullptr) const;

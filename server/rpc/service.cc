@@ -159,7 +159,6 @@ KVCD_UNARY(ListModels, ListModelsRequest, ListModelsResponse)
 KVCD_UNARY(Put, PutRequest, PutResponse)
 KVCD_UNARY(Match, MatchRequest, MatchResponse)
 KVCD_UNARY(OpenSequence, OpenSequenceRequest, OpenSequenceResponse)
-KVCD_UNARY(CloseSequence, CloseSequenceRequest, CloseSequenceResponse)
 KVCD_UNARY(PushPages, PushPagesRequest, PushPagesResponse)
 KVCD_UNARY(PinPrefix, PinPrefixRequest, PinPrefixResponse)
 KVCD_UNARY(UnpinPrefix, UnpinPrefixRequest, UnpinPrefixResponse)
@@ -176,6 +175,9 @@ KVCD_UNARY(RenewBuffer, RenewBufferRequest, RenewBufferResponse)
       return engine_->Method(*req, resp, found);                                         \
     });                                                                                  \
   }
+KVCD_SEQUENCE_UNARY(CloseSequence, CloseSequenceRequest, CloseSequenceResponse)
+KVCD_SEQUENCE_UNARY(CommitSequence, CommitSequenceRequest, CommitSequenceResponse)
+KVCD_SEQUENCE_UNARY(ForkSequence, ForkSequenceRequest, ForkSequenceResponse)
 KVCD_SEQUENCE_UNARY(RenewLease, RenewLeaseRequest, RenewLeaseResponse)
 KVCD_SEQUENCE_UNARY(Append, AppendRequest, AppendResponse)
 KVCD_SEQUENCE_UNARY(FetchPages, FetchPagesRequest, FetchPagesResponse)

@@ -36,12 +36,12 @@ class ChannelAdmission;
 using KvCacheCallbackBase = v1::KvCache::WithCallbackMethod_RegisterModel<
     v1::KvCache::WithCallbackMethod_ListModels<v1::KvCache::WithCallbackMethod_Put<
         v1::KvCache::WithCallbackMethod_Match<v1::KvCache::WithCallbackMethod_OpenSequence<
-            v1::KvCache::WithCallbackMethod_CloseSequence<v1::KvCache::WithCallbackMethod_RenewLease<
-                v1::KvCache::WithCallbackMethod_Append<v1::KvCache::WithCallbackMethod_AttentionDecode<
-                    v1::KvCache::WithRawCallbackMethod_AttentionDecodeStream<
-                        v1::KvCache::WithCallbackMethod_FetchPages<
-                            v1::KvCache::WithCallbackMethod_PushPages<
-                                v1::KvCache::WithCallbackMethod_Stats<
+            v1::KvCache::WithCallbackMethod_CloseSequence<v1::KvCache::WithCallbackMethod_CommitSequence<
+                v1::KvCache::WithCallbackMethod_ForkSequence<v1::KvCache::WithCallbackMethod_RenewLease<
+                    v1::KvCache::WithCallbackMethod_Append<v1::KvCache::WithCallbackMethod_AttentionDecode<
+                        v1::KvCache::WithRawCallbackMethod_AttentionDecodeStream<
+                            v1::KvCache::WithCallbackMethod_FetchPages<
+                                v1::KvCache::WithCallbackMethod_PushPages<v1::KvCache::WithCallbackMethod_Stats<
                                     v1::KvCache::WithCallbackMethod_RegisterBuffer<
                                         v1::KvCache::WithCallbackMethod_UnregisterBuffer<
                                             v1::KvCache::WithCallbackMethod_RenewBuffer<
@@ -51,7 +51,7 @@ using KvCacheCallbackBase = v1::KvCache::WithCallbackMethod_RegisterModel<
                                                             v1::KvCache::
                                                                 WithCallbackMethod_CloseDecodeChannel<
                                                                     v1::KvCache::
-                                                                        Service>>>>>>>>>>>>>>>>>>>>;
+                                                                        Service>>>>>>>>>>>>>>>>>>>>>>;
 
 // With the session calls served so far (prefix pins).
 using KvCacheSessionBase = v1::KvCache::WithCallbackMethod_PinPrefix<
@@ -89,6 +89,12 @@ class KvCacheService final : public KvCacheSessionBase {
   grpc::ServerUnaryReactor* CloseSequence(grpc::CallbackServerContext* ctx,
                                           const v1::CloseSequenceRequest* req,
                                           v1::CloseSequenceResponse* resp) override;
+  grpc::ServerUnaryReactor* CommitSequence(grpc::CallbackServerContext* ctx,
+                                           const v1::CommitSequenceRequest* req,
+                                           v1::CommitSequenceResponse* resp) override;
+  grpc::ServerUnaryReactor* ForkSequence(grpc::CallbackServerContext* ctx,
+                                         const v1::ForkSequenceRequest* req,
+                                         v1::ForkSequenceResponse* resp) override;
   grpc::ServerUnaryReactor* RenewLease(grpc::CallbackServerContext* ctx,
                                        const v1::RenewLeaseRequest* req,
                                        v1::RenewLeaseResponse* resp) override;

@@ -102,7 +102,9 @@ enum Rpc : uint8_t {
   kNcclConnect,
   kNcclDisconnect,
   kPinPrefix,
-  kUnpinPrefix
+  kUnpinPrefix,
+  kCommitSequence,
+  kForkSequence
 };
 
 struct Session {
@@ -177,6 +179,13 @@ void RpcSeeds() {
     v1::RenewLeaseRequest renew;
     renew.set_sequence_id(0);
     renew.set_lease_ms(1000);
+    v1::CommitSequenceRequest commit;
+    commit.set_sequence_id(0);
+    v1::ForkSequenceRequest fork;
+    fork.set_sequence_id(0);
+    fork.set_lease_ms(1000);
+    v1::CloseSequenceRequest close_commit = close;
+    close_commit.set_commit(true);
     Session s;
     s.Add(kPut, Put(model, 1, 32))
         .Add(kMatch, match)
@@ -191,6 +200,19 @@ void RpcSeeds() {
         .Add(kCloseSequence, close)
         .Add(kStats, v1::StatsRequest());
     Write("rpc_fuzz", "session-" + model, s.bytes);
+    // A turn committed and closed, the next one opened on it, forked and committed again.
+    Session turns;
+    turns.Add(kPut, Put(model, 1, 32))
+        .Add(kOpenSequence, open)
+        .Add(kAppend, Append(model, 1, 32, 6))
+        .Add(kCommitSequence, commit)
+        .Add(kForkSequence, fork)
+        .Add(kAttentionDecode, Decode(model, 0, true))
+        .Add(kCloseSequence, close_commit)
+        .Add(kOpenSequence, open)
+        .Add(kCommitSequence, commit)
+        .Add(kStats, v1::StatsRequest());
+    Write("rpc_fuzz", "sessions-" + model, turns.bytes);
   }
   {
     // A prefix pin of a cached prompt, Stats listing it, and its removal.

@@ -100,6 +100,9 @@ const std::vector<Method>& Methods() {
     m.push_back(Make("NcclDisconnect", &CacheEngine::NcclDisconnect));
     m.push_back(Make("PinPrefix", &CacheEngine::PinPrefix));
     m.push_back(Make("UnpinPrefix", &CacheEngine::UnpinPrefix));
+    // Sessions (issue #31), after the others so that the seeds' method numbers stay.
+    m.push_back(Make("CommitSequence", &CacheEngine::CommitSequence));
+    m.push_back(Make("ForkSequence", &CacheEngine::ForkSequence));
     return m;
   }());
   return *methods;
@@ -432,6 +435,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     if (s.ok() && std::strcmp(m.name, "OpenSequence") == 0) {
       opened.push_back(static_cast<const v1::OpenSequenceResponse&>(*resp).sequence_id());
+    }
+    if (s.ok() && std::strcmp(m.name, "ForkSequence") == 0) {
+      opened.push_back(static_cast<const v1::ForkSequenceResponse&>(*resp).sequence_id());
     }
     if (s.ok() && std::strcmp(m.name, "PinPrefix") == 0) {
       pinned.push_back(static_cast<const v1::PinPrefixResponse&>(*resp).pin_id());

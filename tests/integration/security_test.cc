@@ -297,6 +297,9 @@ TEST_F(TenantTest, AnotherTenantIsRefusedOnEveryTenantScopedCall) {
   EXPECT_EQ(bob_missing.status().code(), kNotFound);
   EXPECT_EQ(bob_->RenewLease(seq).status().code(), kNotFound);
   EXPECT_EQ(bob_->CloseSequence(seq).status().code(), kNotFound);
+  EXPECT_EQ(bob_->CloseSequence(seq, /*commit=*/true).status().code(), kNotFound);
+  EXPECT_EQ(bob_->CommitSequence(seq).status().code(), kNotFound);
+  EXPECT_EQ(bob_->ForkSequence(seq).status().code(), kNotFound);
 
   // Nothing of alice's changed, and bob's refused Put stored nothing.
   auto len = alice_->Append(MakeAppend(seq, 3, 16, 1));

@@ -192,10 +192,25 @@ def test_every_client_method_on_both_clients(both, daemon):
 
     called.add("decode_session")
     np.testing.assert_array_equal(o1, both.run(aio_session()))
+    # sessions: a commit that keeps the sequence open, a fork of it
+    assert both.sync.commit_sequence(ss) == both.run(both.aio.commit_sequence(sa)) == \
+        kvcd.CommitResult(8, 0, 0)
+    called.add("commit_sequence")
+    fs = both.sync.fork_sequence(ss, lease_ms=5000)
+    fa = both.run(both.aio.fork_sequence(sa, lease_ms=5000))
+    called.add("fork_sequence")
+    assert (fs.length, fs.lease_ms, fs.renewing) == (fa.length, fa.lease_ms, fa.renewing) == \
+        (10, 5000, False)
+    assert both.sync.close_sequence(fs, commit=True) == \
+        both.run(both.aio.close_sequence(fa, commit=True)) == 10
+    assert fs.last_commit == fa.last_commit == kvcd.CommitResult(8, 0, 0)
     assert both.sync.close_sequence(ss) == both.run(both.aio.close_sequence(sa)) == 10
     called.add("close_sequence")
     _same_error(*call("renew_lease", ss.id))
     _same_error(*call("close_sequence", ss.id))
+    _same_error(*call("close_sequence", ss.id, commit=True))
+    _same_error(*call("commit_sequence", ss.id))
+    _same_error(*call("fork_sequence", ss.id, lease_ms=5000))
 
     # stats and health
     (s, _), (a, _) = call("stats")

@@ -203,8 +203,26 @@ class PutResult:
 
 @dataclass(frozen=True)
 class MatchResult:
+    """``committed_tokens``: of ``matched_tokens``, those in pages a sequence's commit put
+    into the cache (docs/sessions.md) rather than a Put."""
     matched_tokens: int
     matched_pages: int
+    committed_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    """What a commit put into the prefix cache (docs/sessions.md): ``committed_tokens``
+    page-aligned tokens of the sequence are cached now, ``inserted_pages`` of its pages were
+    added, ``deduplicated_pages`` were cached already (the sequence uses the cache's)."""
+    committed_tokens: int
+    inserted_pages: int
+    deduplicated_pages: int
+
+    @staticmethod
+    def of(r: Any) -> "CommitResult":
+        return CommitResult(int(r.committed_tokens), int(r.inserted_pages),
+                            int(r.deduplicated_pages))
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,18 @@ TEST_F(AuthorizerTest, AnotherTenantsSequenceLooksExactlyLikeAMissingOne) {
   v1::CloseSequenceRequest close;
   close.set_sequence_id(seq_b);
   EXPECT_EQ(authz_->Check(a, close).code(), absl::StatusCode::kNotFound);
+  close.set_commit(true);
+  EXPECT_EQ(authz_->Check(a, close).code(), absl::StatusCode::kNotFound);
+  v1::CommitSequenceRequest commit;
+  commit.set_sequence_id(seq_b);
+  EXPECT_EQ(authz_->Check(a, commit).message(), foreign.message());
+  commit.set_sequence_id(seq_a);
+  EXPECT_TRUE(authz_->Check(a, commit).ok());
+  v1::ForkSequenceRequest fork;
+  fork.set_sequence_id(seq_b);
+  EXPECT_EQ(authz_->Check(a, fork).message(), foreign.message());
+  fork.set_sequence_id(seq_a);
+  EXPECT_TRUE(authz_->Check(a, fork).ok());
   v1::AppendRequest append;
   append.set_sequence_id(seq_b);
   EXPECT_EQ(authz_->Check(a, append).code(), absl::StatusCode::kNotFound);
