@@ -417,7 +417,10 @@ TEST_F(DaemonTest, HealthMetricsAndDrain) {
         "kvcd_rpc_duration_seconds_count{code=\"OK\",method=\"Put\"} 1",
         "kvcd_attention_kernel_seconds", "kvcd_history_bytes_per_element{model=\"tiny\"} 2",
         "kvcd_bytes_per_token{model=\"tiny\",segment=\"history\"} 256",
-        "kvcd_pool_compression_ratio{model=\"tiny\"} 1"}) {
+        "kvcd_pool_compression_ratio{model=\"tiny\"} 1", "kvcd_committed_pages{model=\"tiny\"} 0",
+        "kvcd_forks_total 0", "kvcd_hit_tokens_by_origin_total{origin=\"put\"} 0",
+        "kvcd_hit_tokens_by_origin_total{origin=\"committed\"} 0",
+        "kvcd_evicted_pages_by_origin_total{origin=\"committed\"} 0"}) {
     EXPECT_NE(body.find(name), std::string::npos) << name;
   }
   EXPECT_EQ(daemon_.Stop(), 0);  // SIGTERM drains and exits 0

@@ -142,6 +142,18 @@ TEST_F(HardeningTest, BadRequestsOverTheWireChangeNothing) {
          f.set_num_tokens(std::numeric_limits<int64_t>::max());
          return client_->FetchPages(f).status();
        }},
+      // Issue #31: the session calls over the wire.
+      {"#31 fork with a negative lease", absl::StatusCode::kInvalidArgument,
+       [&] { return client_->ForkSequence(seq->sequence_id(), -1).status(); }},
+      {"#31 fork with an overflowing lease", absl::StatusCode::kInvalidArgument,
+       [&] {
+         return client_->ForkSequence(seq->sequence_id(), std::numeric_limits<int64_t>::max())
+             .status();
+       }},
+      {"#31 commit of a sequence that is not open", absl::StatusCode::kNotFound,
+       [&] { return client_->CommitSequence(seq->sequence_id() ^ 0x77).status(); }},
+      {"#31 close with commit of a sequence that is not open", absl::StatusCode::kNotFound,
+       [&] { return client_->CloseSequence(seq->sequence_id() ^ 0x77, true).status(); }},
       {"#2 a flood of one-page models stops at the rounded budget",
        absl::StatusCode::kResourceExhausted,
        [&] {
