@@ -1,6 +1,6 @@
 // kvcd-replay: replays a Mooncake-format request trace against a kvcd daemon and reports the
 // prefix-cache hit rate beside an LRU simulation at the same capacity and the trace's
-// infinite-cache bound (docs/sessions.md "Replaying a trace"; bench/replay/ holds the parts).
+// infinite-cache bound (docs/performance.md "Replaying a trace"; bench/replay/ holds the parts).
 #include <unistd.h>
 
 #include <cstdio>

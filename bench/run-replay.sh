@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Trace replay (docs/sessions.md "Replaying a trace"): for each capacity, a fresh daemon on
+# Trace replay (docs/performance.md "Replaying a trace"): for each capacity, a fresh daemon on
 # the CPU backend configured to evict only what a call needs (high_watermark 1: pure LRU at
 # capacity), then kvcd-replay over the public Mooncake trace; writes a Markdown table of the
 # hit rate beside the LRU simulation and the infinite-cache bound, committed reuse,

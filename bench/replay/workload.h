@@ -1,7 +1,7 @@
 // The replay workload: a trace's requests turned into what a client of a kvcd daemon sends
 // for them, at a scale where one 512-token trace block is one page of `page_size` tokens.
 //
-// The model of a request (docs/sessions.md "Replaying a trace"):
+// The model of a request (docs/performance.md "Replaying a trace"):
 // - Its prompt is its full blocks, one page each (tokens: PageTokens(hash id)), then a partial
 //   tail: the last, partial trace block scaled down (ScaledTokens of its real length). The
 //   tail is not a full page, so it is never cached: it is prefilled every time.
