@@ -112,7 +112,6 @@ std::string ReportJson(const ReplayReport& r, const std::string& trace_name) {
         {"commit_pages_continued", w.commit_pages_continued}}},
       {"requests", r.requests},
       {"rpcs", r.rpcs},
-      {"rpc_errors", 0},
       {"commits_served", r.commits_served},
       {"daemon", figures(r.daemon)},
       {"lru_simulation", figures(r.lru)},

@@ -65,11 +65,11 @@ TEST_P(ReplayTest, DaemonHitRateFollowsTheLruSimulation) {
                     " --capacity-pages " + std::to_string(c.capacity) + " --high-watermark " +
                     std::to_string(c.high) + " --low-watermark " + std::to_string(c.low),
                 &status);
+  // A failed RPC stops the replay with a non-zero status.
   ASSERT_EQ(status, 0) << out << daemon.Stderr();
   const nlohmann::json j = nlohmann::json::parse(out, nullptr, /*allow_exceptions=*/false);
   ASSERT_TRUE(j.is_object()) << out;
   EXPECT_EQ(j["requests"].get<int64_t>(), 200);
-  EXPECT_EQ(j["rpc_errors"].get<int64_t>(), 0);
   // Match, Put (where something missed), OpenSequence, Append, CloseSequence: all answered.
   int64_t calls = 0;
   for (const char* call : {"Match", "OpenSequence", "Append", "CloseSequence"}) {
