@@ -149,13 +149,14 @@ absl::StatusOr<RequestOutcome> DaemonTarget::Serve(const ReplayRequest& r, bool 
                                                 " tokens after Append, expected ", seq_len));
     }
   }
-  // Commit on close where this client can ask for it (CloseSequenceRequest.commit); until then
-  // the sequence's own pages are freed, and the report says no commit was served.
-  (void)commit;
   auto closed =
-      Timed(log, Call::kClose, [&] { return client_->CloseSequence(open->sequence_id()); });
+      Timed(log, Call::kClose, [&] { return client_->CloseSequence(open->sequence_id(), commit); });
   if (!failed.ok()) return failed;
   if (!closed.ok()) return Context(closed.status(), r, "CloseSequence");
+  // A daemon that does not serve commits answers without `commit`.
+  o.commit_served = commit && closed->has_commit();
+  o.commit_inserted_pages = closed->commit().inserted_pages();
+  o.commit_deduplicated_pages = closed->commit().deduplicated_pages();
   return o;
 }
 
