@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/finite_floats.h"
 #include "common/rotation.h"
 #include "kvcd/kernels/int2_codec.h"
 
@@ -57,6 +58,9 @@ absl::StatusOr<CodecProfile> CodecProfile::FromSafetensors(const SafetensorsFile
         return absl::InvalidArgumentError(absl::StrCat("codec file: ", v.status().message(),
                                                        " (every layer needs r_k and r_v of [",
                                                        head_dim, ", ", head_dim, "])"));
+      }
+      if (absl::Status f = CheckFinite(name, *v); !f.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat("codec file: ", f.message()));
       }
       const double err = OrthogonalityError(*v, head_dim);
       if (!(err <= 1e-3)) {

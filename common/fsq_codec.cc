@@ -7,6 +7,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/finite_floats.h"
 
 namespace kvcd {
 namespace {
@@ -15,14 +16,6 @@ constexpr const char* kCodecName = "fsq";
 constexpr const char* kVersion = "1";
 
 std::string TensorName(int l, const char* which) { return absl::StrCat("layers.", l, ".", which); }
-
-// First non-finite element, or -1.
-int64_t FirstNonFinite(const std::vector<float>& v) {
-  for (size_t i = 0; i < v.size(); ++i) {
-    if (!std::isfinite(v[i])) return static_cast<int64_t>(i);
-  }
-  return -1;
-}
 
 absl::Status CheckTensor(const std::string& name, const std::vector<float>& v, int64_t expected) {
   if (static_cast<int64_t>(v.size()) != expected) {

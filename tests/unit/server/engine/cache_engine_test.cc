@@ -10,6 +10,7 @@
 #include <limits>
 #include <map>
 
+#include "absl/strings/str_cat.h"
 #include "common/key_transform_profile.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/int2_attention.h"
@@ -1094,6 +1095,39 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
          return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
        },
        "layers.0.k_encode must be F32"},
+      // Issue #35.1: a codec file whose rotations are NaN (version 1) or whose value rotation
+      // is (version 3) is refused by tensor; std::max had dropped the NaN.
+      {"register: NaN rotation in a version-1 codec file", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::RegisterModelRequest r;
+         *r.mutable_profile() = p;
+         r.mutable_profile()->set_name("nan-v1");
+         r.mutable_profile()->set_history_format(v1::HISTORY_FORMAT_INT2_OSCAR);
+         SafetensorsWriter w;
+         const std::vector<float> nan(p.head_dim() * p.head_dim(), std::nanf(""));
+         for (int l = 0; l < p.num_layers(); ++l) {
+           w.AddF32(absl::StrCat("layers.", l, ".r_k"), {p.head_dim(), p.head_dim()}, nan);
+           w.AddF32(absl::StrCat("layers.", l, ".r_v"), {p.head_dim(), p.head_dim()}, nan);
+         }
+         r.set_codec_blob(w.Serialize());
+         return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
+       },
+       "layers.0.r_k element 0 is nan"},
+      {"register: NaN value rotation in a version-3 codec file", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::RegisterModelRequest r;
+         *r.mutable_profile() = p;
+         r.mutable_profile()->set_name("nan-v3");
+         r.mutable_profile()->set_history_format(v1::HISTORY_FORMAT_INT2_OSCAR);
+         auto heads =
+             KeyTransformProfile::SyntheticHeads(p.num_layers(), p.num_kv_heads(), p.head_dim(), 1);
+         heads.back().r_v.assign(heads.back().r_v.size(), std::nanf(""));
+         r.set_codec_blob(KeyTransformProfile::ToSafetensors(heads, p.num_layers(),
+                                                             p.num_kv_heads(), p.head_dim(), "t")
+                              .Serialize());
+         return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
+       },
+       "layers.1.r_v element 256 is nan"},
       // Issue #21.9: a 10 KB model name is quoted in 64 bytes, not echoed.
       {"put: 10 KB model name", absl::StatusCode::kNotFound,
        [&] {
