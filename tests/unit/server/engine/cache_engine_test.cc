@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <map>
@@ -1268,6 +1269,80 @@ namespace {
 
 // Pages fetched as stored from one tenant's sequence and pushed as stored for another give
 // the same attention: INT2 pages travel without re-encoding.
+// Issue #35.2: K/V of N(0,1)·1e6 (finite, far beyond FP16) into INT2 and int2-transform
+// histories, on Put and through the window's later demotion on Append: the fetched values
+// are finite and the stored pages push back into another tenant.
+TEST(Int2HistoryTest, KvBeyondFp16RangeIsStoredFinite) {
+  auto scale_bf16 = [](v1::TensorRef* t, float by) {
+    std::string& b = *t->mutable_inline_data();
+    for (size_t i = 0; i + 1 < b.size(); i += 2) {
+      uint16_t v;
+      std::memcpy(&v, b.data() + i, 2);
+      v = kernels::FloatToBf16(kernels::Bf16ToFloat(v) * by);
+      std::memcpy(b.data() + i, &v, 2);
+    }
+  };
+  auto all_finite = [](const v1::TensorRef& t) {
+    const std::string& b = t.inline_data();
+    for (size_t i = 0; i + 1 < b.size(); i += 2) {
+      uint16_t v;
+      std::memcpy(&v, b.data() + i, 2);
+      if (!std::isfinite(kernels::Bf16ToFloat(v))) return false;
+    }
+    return !b.empty();
+  };
+  for (const bool transform : {false, true}) {
+    CacheEngine engine(testing_util::TestConfig(), MakeCpuBackend(2));
+    ModelSpec spec = testing_util::TinyInt2Spec();
+    v1::RegisterModelRequest reg;
+    ProfileFromSpec(spec, reg.mutable_profile());
+    if (transform) {
+      reg.mutable_profile()->set_codec("");
+      reg.set_codec_blob(KeyTransformProfile::ToSafetensors(
+                             KeyTransformProfile::SyntheticHeads(spec.num_layers, spec.num_kv_heads,
+                                                                 spec.head_dim, 3),
+                             spec.num_layers, spec.num_kv_heads, spec.head_dim, "test")
+                             .Serialize());
+    }
+    ASSERT_TRUE(engine.RegisterModel(reg, Out<v1::RegisterModelResponse>()).ok());
+    v1::PutRequest put = MakePut(spec, 3, 24);
+    scale_bf16(put.mutable_k(), 1e6f);
+    scale_bf16(put.mutable_v(), 1e6f);
+    ASSERT_TRUE(engine.Put(put, Out<v1::PutResponse>()).ok());
+    const auto tokens = synthetic::Tokens(3, 0, 24);
+    v1::OpenSequenceRequest o;
+    o.set_model(spec.name);
+    o.mutable_tokens()->Add(tokens.begin(), tokens.end());
+    v1::OpenSequenceResponse seq;
+    ASSERT_TRUE(engine.OpenSequence(o, &seq).ok());
+    ASSERT_EQ(seq.matched_tokens(), 24);
+    // Three pages more: the recent window's rows (in BF16's range, not FP16's) are demoted.
+    v1::AppendRequest app = MakeAppend(spec, seq.sequence_id(), 3, 24, 12);
+    scale_bf16(app.mutable_k(), 1e6f);
+    scale_bf16(app.mutable_v(), 1e6f);
+    ASSERT_TRUE(engine.Append(app, Out<v1::AppendResponse>()).ok());
+    v1::FetchPagesRequest f;
+    f.set_sequence_id(seq.sequence_id());
+    f.set_expand_to_bf16(true);
+    v1::FetchPagesResponse expanded;
+    ASSERT_TRUE(engine.FetchPages(f, &expanded).ok());
+    EXPECT_EQ(expanded.num_tokens(), 36);
+    EXPECT_TRUE(all_finite(expanded.k())) << "transform " << transform;
+    EXPECT_TRUE(all_finite(expanded.v())) << "transform " << transform;
+    f.set_expand_to_bf16(false);
+    f.set_num_tokens(24);
+    v1::FetchPagesResponse stored;
+    ASSERT_TRUE(engine.FetchPages(f, &stored).ok());
+    v1::PushPagesRequest push;
+    push.set_model(spec.name);
+    push.set_cache_salt("other");
+    push.mutable_tokens()->Add(tokens.begin(), tokens.end());
+    for (const auto& page : stored.pages()) *push.add_inline_pages() = page;
+    const absl::Status pushed = engine.PushPages(push, Out<v1::PushPagesResponse>());
+    EXPECT_TRUE(pushed.ok()) << "transform " << transform << ": " << pushed;
+  }
+}
+
 TEST(PushPagesTest, StoredPagesRoundTripIntoAnotherTenant) {
   CacheEngine engine(testing_util::TestConfig(), MakeCpuBackend(2));
   const ModelSpec spec = testing_util::TinyInt2Spec();
