@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/finite_floats.h"
+#include "common/quote.h"
 #include "common/rotation.h"
 #include "kvcd/kernels/int2_codec.h"
 
@@ -38,7 +39,7 @@ absl::StatusOr<CodecProfile> CodecProfile::FromSafetensors(const SafetensorsFile
   if (auto v = file.metadata().find("kvcd.codec_version");
       v != file.metadata().end() && v->second != "1") {
     return absl::InvalidArgumentError(
-        absl::StrCat("codec file version ", v->second,
+        absl::StrCat("codec file version ", Quote(v->second),
                      v->second == "2"   ? " (one rotation per KV head)"
                      : v->second == "3" ? " (transform-coded keys, common/key_transform_profile.h)"
                                         : "",

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/finite_floats.h"
+#include "common/quote.h"
 #include "common/rotation.h"
 
 namespace kvcd {
@@ -16,7 +17,7 @@ absl::StatusOr<KeyTransformProfile> KeyTransformProfile::FromSafetensors(
   if (version == file.metadata().end() || version->second != "3") {
     return absl::InvalidArgumentError(
         absl::StrCat("codec file version ",
-                     version == file.metadata().end() ? std::string("1") : version->second,
+                     version == file.metadata().end() ? std::string("1") : Quote(version->second),
                      ": expected 3 (transform-coded keys, kvcd.codec_version = \"3\")"));
   }
   if (file.Has(absl::StrCat("layers.", num_layers, ".k_encode"))) {

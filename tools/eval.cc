@@ -8,6 +8,7 @@
 #include "common/codec_profile.h"
 #include "common/finite_floats.h"
 #include "common/key_transform_profile.h"
+#include "common/quote.h"
 #include "common/rotation.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/fp16.h"
@@ -341,7 +342,7 @@ absl::StatusOr<EvalCodec> LoadInt2Codec(const SafetensorsFile& file, const Activ
   }
   if (version->second != "2") {
     return absl::InvalidArgumentError(
-        absl::StrCat("codec file version ", version->second, ": expected 1, 2 or 3"));
+        absl::StrCat("codec file version ", Quote(version->second), ": expected 1, 2 or 3"));
   }
   if (file.Has(absl::StrCat("layers.", layers, ".r_k"))) {
     return absl::InvalidArgumentError(

@@ -111,7 +111,8 @@ TEST(KeyTransformProfileTest, RejectsWhatDoesNotFit) {
   ASSERT_TRUE(w.WriteFile(path).ok());
   auto file = SafetensorsFile::Load(path);
   ASSERT_TRUE(file.ok());
-  ExpectRejected(KeyTransformProfile::FromSafetensors(*file, 1, kHkv, kD), "version 2: expected 3");
+  ExpectRejected(KeyTransformProfile::FromSafetensors(*file, 1, kHkv, kD),
+                 "version '2': expected 3");
   std::remove(path.c_str());
 }
 

@@ -12,6 +12,7 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
+#include "common/codec_profile.h"
 #include "common/key_transform_profile.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/int2_attention.h"
@@ -1129,6 +1130,35 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
          return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
        },
        "layers.1.r_v element 256 is nan"},
+      // Issue #35.5: strings from a codec file (its version, a tensor's name or dtype) are
+      // quoted in 64 bytes: the message fits gRPC's metadata (INVALID_ARGUMENT, not
+      // RESOURCE_EXHAUSTED "metadata size exceeds limit").
+      {"register: codec file with a 10 KB version string", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::RegisterModelRequest r;
+         *r.mutable_profile() = p;
+         r.mutable_profile()->set_name("long-version");
+         r.mutable_profile()->set_history_format(v1::HISTORY_FORMAT_INT2_OSCAR);
+         SafetensorsWriter w = CodecProfile::Hadamard(p.num_layers(), p.head_dim()).ToSafetensors();
+         w.SetMetadata("kvcd.codec_version", std::string(10240, 'v'));
+         r.set_codec_blob(w.Serialize());
+         return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
+       },
+       "...' (10240 bytes)"},
+      {"register: codec file with a 10 KB tensor name and dtype",
+       absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::RegisterModelRequest r;
+         *r.mutable_profile() = p;
+         r.mutable_profile()->set_name("long-tensor");
+         r.mutable_profile()->set_history_format(v1::HISTORY_FORMAT_INT2_OSCAR);
+         SafetensorsWriter w = CodecProfile::Hadamard(p.num_layers(), p.head_dim()).ToSafetensors();
+         const uint8_t b[4] = {};
+         w.Add(std::string(10240, 't'), std::string(10240, 'D'), {1}, b, 4);
+         r.set_codec_blob(w.Serialize());
+         return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
+       },
+       "...' (10240 bytes)"},
       // Issue #21.9: a 10 KB model name is quoted in 64 bytes, not echoed.
       {"put: 10 KB model name", absl::StatusCode::kNotFound,
        [&] {
