@@ -910,6 +910,21 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
          r.set_softmax_scale(std::nanf(""));
          return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
        }},
+      // Issue #35.8: a scale whose FP32 scores overflow (3e38 answered lse = +Inf).
+      {"decode: softmax_scale 3e38", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = good_decode();
+         r.set_softmax_scale(3e38f);
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       },
+       "softmax_scale is 3e+38, expected 0 (= 1/sqrt(head_dim)) or a value in (0, 64]"},
+      {"decode: negative softmax_scale", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = good_decode();
+         r.set_softmax_scale(-0.5f);
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       },
+       "softmax_scale is -0.5"},
       {"decode: k_new without v_new", absl::StatusCode::kInvalidArgument,
        [&] {
          auto r = good_decode();
@@ -1159,6 +1174,65 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
          return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
        },
        "...' (10240 bytes)"},
+      // Issue #35.8: undefined enum values, a non-finite theta, a sink past the bound, and a
+      // codec named twice are refused by field.
+      {"register: undefined key_norm", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::RegisterModelRequest r;
+         *r.mutable_profile() = p;
+         r.mutable_profile()->set_name("key-norm");
+         r.mutable_profile()->set_key_norm(static_cast<v1::KeyNorm>(7));
+         return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
+       },
+       "profile.key_norm is 7, not a known KeyNorm"},
+      {"register: undefined rope.pairing", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::RegisterModelRequest r;
+         *r.mutable_profile() = p;
+         r.mutable_profile()->set_name("pairing");
+         r.mutable_profile()->mutable_rope()->set_pairing(static_cast<v1::RopePairing>(-3));
+         return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
+       },
+       "profile.rope.pairing is -3, not a known RopePairing"},
+      {"register: rope.theta +Inf", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::RegisterModelRequest r;
+         *r.mutable_profile() = p;
+         r.mutable_profile()->set_name("theta");
+         r.mutable_profile()->mutable_rope()->set_theta(INFINITY);
+         return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
+       },
+       "rope.theta is inf, expected a finite value > 0"},
+      {"register: rope.scaling NaN", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::RegisterModelRequest r;
+         *r.mutable_profile() = p;
+         r.mutable_profile()->set_name("scaling");
+         r.mutable_profile()->mutable_rope()->set_scaling(std::nan(""));
+         return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
+       },
+       "rope.scaling is nan"},
+      {"register: sink of 2^31 - 4 tokens", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::RegisterModelRequest r;
+         *r.mutable_profile() = p;
+         r.mutable_profile()->set_name("sink");
+         r.mutable_profile()->set_sink_tokens(std::numeric_limits<int32_t>::max() - 3);
+         return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
+       },
+       "in 0..1048576"},
+      {"register: codec and codec_blob", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::RegisterModelRequest r;
+         *r.mutable_profile() = p;
+         r.mutable_profile()->set_name("two-codecs");
+         r.mutable_profile()->set_history_format(v1::HISTORY_FORMAT_INT2_OSCAR);
+         r.mutable_profile()->set_codec("identity");
+         r.set_codec_blob(
+             CodecProfile::Hadamard(p.num_layers(), p.head_dim()).ToSafetensors().Serialize());
+         return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
+       },
+       "set either profile.codec or codec_blob, not both"},
       // Issue #21.9: a 10 KB model name is quoted in 64 bytes, not echoed.
       {"put: 10 KB model name", absl::StatusCode::kNotFound,
        [&] {
