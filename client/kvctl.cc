@@ -415,6 +415,9 @@ int Unpin(kvcd::Client& c, const Args& a) {
   if (!pages.ok()) return Fail(pages.status());
   std::printf("pin %llu removed: %lld pages are ordinary LRU pages again\n",
               static_cast<unsigned long long>(id), static_cast<long long>(*pages));
+  return 0;
+}
+
 // commit / fork / close SEQUENCE_ID.
 int Session(kvcd::Client& c, const Args& a) {
   if (a.args.size() != 1) return Usage(a, "expected one SEQUENCE_ID");

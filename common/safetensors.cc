@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "checked_math.h"
+#include "common/quote.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/fp16.h"
 #include "nlohmann/json.hpp"
@@ -61,7 +62,7 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::string bytes) {
       for (auto m = it.value().begin(); m != it.value().end(); ++m) {
         if (!m.value().is_string()) {
           return absl::InvalidArgumentError(
-              absl::StrCat("safetensors: metadata '", m.key(), "' must be a string"));
+              absl::StrCat("safetensors: metadata ", Quote(m.key()), " must be a string"));
         }
         f.metadata_[m.key()] = m.value().get<std::string>();
       }
@@ -71,21 +72,22 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::string bytes) {
     if (!t.is_object() || !t.contains("dtype") || !t.contains("shape") ||
         !t.contains("data_offsets") || !t["dtype"].is_string() || !t["shape"].is_array() ||
         !t["data_offsets"].is_array() || t["data_offsets"].size() != 2) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "safetensors: tensor '", it.key(), "' needs dtype, shape and data_offsets [begin, end]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("safetensors: tensor ", Quote(it.key()),
+                       " needs dtype, shape and data_offsets [begin, end]"));
     }
     Entry e;
     e.dtype = t["dtype"].get<std::string>();
     const int esize = SafetensorsDtypeSize(e.dtype);
     if (esize == 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("safetensors: tensor '", it.key(), "' has unknown dtype ", e.dtype));
+      return absl::InvalidArgumentError(absl::StrCat("safetensors: tensor ", Quote(it.key()),
+                                                     " has unknown dtype ", Quote(e.dtype)));
     }
     int64_t elems = 1;
     for (const auto& dim : t["shape"]) {
       if (!dim.is_number_integer() || dim.get<int64_t>() < 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("safetensors: tensor '", it.key(), "' has a negative or non-integer dim"));
+        return absl::InvalidArgumentError(absl::StrCat("safetensors: tensor ", Quote(it.key()),
+                                                       " has a negative or non-integer dim"));
       }
       e.shape.push_back(dim.get<int64_t>());
       auto next = CheckedMul(elems, e.shape.back());
@@ -101,8 +103,8 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::string bytes) {
     auto bytes_needed = CheckedMul(elems, esize);
     if (e.begin < 0 || e.end < e.begin || e.end > data_len || !bytes_needed ||
         e.end - e.begin != *bytes_needed) {
-      return absl::InvalidArgumentError(absl::StrCat("safetensors: tensor '", it.key(),
-                                                     "' data_offsets [", e.begin, ", ", e.end,
+      return absl::InvalidArgumentError(absl::StrCat("safetensors: tensor ", Quote(it.key()),
+                                                     " data_offsets [", e.begin, ", ", e.end,
                                                      ") do not match its shape (", elems, " x ",
                                                      esize, " bytes) or the data size ", data_len));
     }
@@ -114,7 +116,7 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::string bytes) {
 absl::StatusOr<SafetensorView> SafetensorsFile::Get(const std::string& name) const {
   auto it = tensors_.find(name);
   if (it == tensors_.end()) {
-    return absl::NotFoundError(absl::StrCat("safetensors: no tensor named '", name, "'"));
+    return absl::NotFoundError(absl::StrCat("safetensors: no tensor named ", Quote(name)));
   }
   SafetensorView v;
   v.dtype = it->second.dtype;
@@ -136,7 +138,7 @@ absl::StatusOr<std::vector<float>> SafetensorsFile::ReadFloats(
   if (!view.ok()) return view.status();
   if (!expected_shape.empty() && view->shape != expected_shape) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "safetensors: tensor '", name, "' has shape [", absl::StrJoin(view->shape, ", "),
+        "safetensors: tensor ", Quote(name), " has shape [", absl::StrJoin(view->shape, ", "),
         "], expected [", absl::StrJoin(expected_shape, ", "), "]"));
   }
   const int esize = SafetensorsDtypeSize(view->dtype);
@@ -151,8 +153,9 @@ absl::StatusOr<std::vector<float>> SafetensorsFile::ReadFloats(
       out[i] = view->dtype == "BF16" ? kernels::Bf16ToFloat(b) : kernels::HalfToFloat(b);
     }
   } else {
-    return absl::InvalidArgumentError(absl::StrCat("safetensors: tensor '", name, "' has dtype ",
-                                                   view->dtype, ", expected F32, F16 or BF16"));
+    return absl::InvalidArgumentError(absl::StrCat("safetensors: tensor ", Quote(name),
+                                                   " has dtype ", Quote(view->dtype),
+                                                   ", expected F32, F16 or BF16"));
   }
   return out;
 }

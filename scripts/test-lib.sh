@@ -96,4 +96,4 @@ san_build() {
 # What both scripts build: the sanitized unit tests and every fuzz target.
 SAN_TEST_TARGETS=(kvcd_unit_tests kvcd_tools_tests)
 FUZZ_TARGETS=(config_fuzz safetensors_fuzz codec_profile_fuzz activation_dump_fuzz
-  decode_channel_fuzz rpc_fuzz)
+  decode_channel_fuzz rpc_fuzz codec_register_fuzz)

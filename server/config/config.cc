@@ -1,5 +1,9 @@
 #include "server/config/config.h"
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <yaml-cpp/yaml.h>
 
 #include <cmath>
@@ -370,6 +374,21 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
   return c;
 }
 
+namespace {
+
+bool IsLoopbackSockaddr(const sockaddr* a) {
+  if (a->sa_family == AF_INET) {
+    return (ntohl(reinterpret_cast<const sockaddr_in*>(a)->sin_addr.s_addr) >> 24) == 127;
+  }
+  if (a->sa_family == AF_INET6) {
+    const in6_addr& v6 = reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr;
+    return IN6_IS_ADDR_LOOPBACK(&v6) || (IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127);
+  }
+  return false;
+}
+
+}  // namespace
+
 bool IsLoopbackAddress(const std::string& address) {
   if (address.rfind("unix:", 0) == 0 || address.rfind("unix-abstract:", 0) == 0) return true;
   std::string host = address;
@@ -380,8 +399,20 @@ bool IsLoopbackAddress(const std::string& address) {
   } else if (!host.empty() && host[0] == '[') {
     host = host.substr(1, host.find(']') - 1);  // [v6]:port
   }
-  if (host == "localhost" || host == "::1") return true;
-  return host.rfind("127.", 0) == 0;
+  if (host.empty()) return false;  // ":port": every interface
+  // A host is judged by the addresses it resolves to (a literal resolves to itself), all of
+  // which must be loopback; never by its spelling ("127.attacker.example" is a DNS name).
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), nullptr, &hints, &found) != 0) return false;
+  bool all = found != nullptr;
+  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    all = all && a->ai_addr != nullptr && IsLoopbackSockaddr(a->ai_addr);
+  }
+  freeaddrinfo(found);
+  return all;
 }
 
 absl::Status CheckExposure(const ServerConfig& c) {

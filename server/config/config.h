@@ -95,7 +95,9 @@ struct ServerConfig {
 // The start-up safety rule: a non-loopback `listen` needs TLS and auth, unless
 // `insecure`. FAILED_PRECONDITION says how to configure them.
 absl::Status CheckExposure(const ServerConfig& c);
-// True for 127.0.0.0/8, ::1, localhost and unix: addresses.
+// True for unix: addresses and for a host:port whose host resolves only to loopback
+// addresses (127.0.0.0/8, ::1, ::ffff:127.0.0.0/104): an IP literal, localhost, or a name
+// that points there. Decided by the resolved addresses, not the spelling of the name.
 bool IsLoopbackAddress(const std::string& host_port);
 
 // Parses and validates a YAML document. INVALID_ARGUMENT names the key and the

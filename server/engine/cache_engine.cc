@@ -153,9 +153,38 @@ void CacheEngine::FillModelInfo(const ModelCache& m, v1::ModelInfo* info) const 
   info->set_active_sequences(static_cast<uint64_t>(snap.active_sequences));
 }
 
+namespace {
+
+// What SpecFromProfile cannot see: enum values the proto does not define (it would read
+// them as the default), and a codec named twice.
+absl::Status CheckProfileFields(const v1::RegisterModelRequest& req) {
+  const v1::ModelProfile& p = req.profile();
+  if (!v1::KeyNorm_IsValid(p.key_norm())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("profile.key_norm is ", p.key_norm(),
+                     ", not a known KeyNorm; expected KEY_NORM_NONE (0) or KEY_NORM_RMS (1)"));
+  }
+  if (!v1::RopePairing_IsValid(p.rope().pairing())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "profile.rope.pairing is ", p.rope().pairing(),
+        ", not a known RopePairing; expected ROPE_PAIRING_HALF (0) or ROPE_PAIRING_INTERLEAVED "
+        "(1)"));
+  }
+  if (!req.codec_blob().empty() && !p.codec().empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("profile.codec is ", Quote(p.codec()),
+                     " and codec_blob is set: the codec comes from one of them, set either "
+                     "profile.codec or codec_blob, not both"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status CacheEngine::RegisterModel(const v1::RegisterModelRequest& req,
                                         v1::RegisterModelResponse* resp) {
   KVCD_RETURN_IF_ERROR(HistoryFormatOfProto(req.profile().history_format()).status());
+  KVCD_RETURN_IF_ERROR(CheckProfileFields(req));
   const ModelSpec spec = SpecFromProfile(req.profile());
   if (req.tenant().size() > kMaxSaltBytes) {
     return absl::InvalidArgumentError(absl::StrCat("tenant has ", req.tenant().size(),

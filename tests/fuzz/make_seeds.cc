@@ -4,6 +4,7 @@
 // The configuration seeds are hand-written files in corpus/config_fuzz/.
 #include <sys/stat.h>
 
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -12,6 +13,8 @@
 #include "common/activation_dump.h"
 #include "common/cli.h"
 #include "common/codec_profile.h"
+#include "common/fsq_codec.h"
+#include "common/key_transform_profile.h"
 #include "common/safetensors.h"
 #include "proto/tensor_ref.h"
 #include "server/backends/backend.h"
@@ -78,6 +81,45 @@ void FileSeeds() {
   Write("activation_dump_fuzz", "one-layer",
         std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()));
   std::remove(tmp.c_str());
+}
+
+// --- codec files through RegisterModel ---------------------------------------------------
+
+// codec_register_fuzz: [selector][codec file]; selector bit 0: int2-oscar (0) or fsq (1),
+// bit 1: the FSQ model's key_norm rms. The model: 2 layers, 1 KV head, head_dim 8.
+void CodecRegisterSeeds() {
+  auto seed = [](uint8_t selector, const SafetensorsWriter& w) {
+    return std::string(1, static_cast<char>(selector)) + w.Serialize();
+  };
+  Write("codec_register_fuzz", "v1-hadamard",
+        seed(0, CodecProfile::Hadamard(2, 8).ToSafetensors()));
+  Write("codec_register_fuzz", "v1-identity",
+        seed(0, CodecProfile::Identity(2, 8).ToSafetensors()));
+  // The files of issue #35.1 and #35.5: NaN rotations, a 10 KB version string.
+  SafetensorsWriter nan;
+  for (int l = 0; l < 2; ++l) {
+    for (const char* which : {"r_k", "r_v"}) {
+      nan.AddF32(std::string("layers.") + std::to_string(l) + "." + which, {8, 8},
+                 std::vector<float>(64, std::nanf("")));
+    }
+  }
+  Write("codec_register_fuzz", "v1-nan-rotations", seed(0, nan));
+  SafetensorsWriter long_version = CodecProfile::Hadamard(2, 8).ToSafetensors();
+  long_version.SetMetadata("kvcd.codec_version", std::string(10240, '9'));
+  Write("codec_register_fuzz", "long-version", seed(0, long_version));
+  Write("codec_register_fuzz", "v3-transform",
+        seed(0, KeyTransformProfile::ToSafetensors(KeyTransformProfile::SyntheticHeads(2, 1, 8, 1),
+                                                   2, 1, 8, "seed")));
+  FsqCodecShape shape;
+  shape.num_layers = 2;
+  shape.residual_width = 16;
+  shape.latent_width = 8;
+  shape.num_kv_heads = 1;
+  shape.head_dim = 8;
+  Write("codec_register_fuzz", "fsq", seed(1, FsqCodec::Synthetic(shape, 1).ToSafetensors()));
+  shape.key_norm = true;
+  Write("codec_register_fuzz", "fsq-key-norm",
+        seed(3, FsqCodec::Synthetic(shape, 2).ToSafetensors()));
 }
 
 // --- RPC sessions ------------------------------------------------------------------------
@@ -323,6 +365,7 @@ int main(int argc, char** argv) {
   mkdir(kvcd::root.c_str(), 0755);
   kvcd::FileSeeds();
   kvcd::RpcSeeds();
+  kvcd::CodecRegisterSeeds();
   kvcd::ChannelSeeds();
   return 0;
 }

@@ -253,6 +253,56 @@ TEST_F(HardeningTest, GarbageOnTheDecodeStreamEndsItWithInvalidArgument) {
   EXPECT_EQ(*client_->CloseSequence(seq->sequence_id()), 8);
 }
 
+// Issue #35.9: a unary request body that does not parse is INVALID_ARGUMENT with a message
+// naming the method and the expected message (gRPC's typed handler answered UNIMPLEMENTED
+// with an empty message); nothing changes and the daemon serves on.
+TEST_F(HardeningTest, UnparseableUnaryBodiesAreInvalidArgument) {
+  ASSERT_TRUE(client_->Put(MakePut(5, 8)).ok());
+  auto channel = grpc::CreateChannel(daemon_.grpc(), grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  const std::string truncated_varint("\xff\xff\xff\xff\xff", 5);
+  // PutRequest.model (field 1, a string) holding bytes that are not UTF-8.
+  const std::string not_utf8("\x0a\x02\xc3\x28", 4);
+  const struct {
+    const char* method;
+    std::string body;
+    const char* type;
+  } cases[] = {
+      {"Put", truncated_varint, "kvcd.v1.PutRequest"},
+      {"Put", not_utf8, "kvcd.v1.PutRequest"},
+      {"RegisterModel", truncated_varint, "kvcd.v1.RegisterModelRequest"},
+      {"Match", truncated_varint, "kvcd.v1.MatchRequest"},
+      {"AttentionDecode", truncated_varint, "kvcd.v1.AttentionDecodeRequest"},
+      {"Stats", truncated_varint, "kvcd.v1.StatsRequest"},
+      {"CloseDecodeChannel", truncated_varint, "kvcd.v1.CloseDecodeChannelRequest"},
+  };
+  for (const auto& c : cases) {
+    grpc::CompletionQueue cq;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    grpc::Slice slice(c.body);
+    const grpc::ByteBuffer body(&slice, 1);
+    auto call = stub.PrepareUnaryCall(&ctx, std::string("/kvcd.v1.KvCache/") + c.method, body, &cq);
+    call->StartCall();
+    grpc::ByteBuffer answer;
+    grpc::Status status;
+    call->Finish(&answer, &status, reinterpret_cast<void*>(1));
+    void* tag = nullptr;
+    bool ok = false;
+    ASSERT_TRUE(cq.Next(&tag, &ok));
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << c.method << ": " << status.error_message();
+    const std::string want = std::string(c.method) + ": the request body (" +
+                             std::to_string(c.body.size()) + " bytes) is not a valid " + c.type;
+    EXPECT_NE(status.error_message().find(want), std::string::npos)
+        << c.method << ": " << status.error_message();
+  }
+  auto stats = client_->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_EQ(stats->models_size(), 1);
+  EXPECT_EQ(stats->models(0).cached_tokens(), 8u);
+}
+
 // Issue #21.1: the decode channel's shared region is untrusted. A rewritten capacity and an
 // oversized request_bytes get an error answer on that channel; truncating the object under
 // the daemon's mapping (SIGBUS) closes that channel alone; the daemon serves on.

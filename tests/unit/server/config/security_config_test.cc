@@ -46,12 +46,15 @@ TEST(SecurityConfigTest, RejectsIncompleteOrUnknownSettings) {
 }
 
 TEST(SecurityConfigTest, LoopbackAddresses) {
-  for (const char* a :
-       {"127.0.0.1:50051", "127.1.2.3:0", "localhost:1", "[::1]:50051", "unix:/run/kvcd.sock"}) {
+  for (const char* a : {"127.0.0.1:50051", "127.1.2.3:0", "localhost:1", "[::1]:50051",
+                        "unix:/run/kvcd.sock", "[::ffff:127.0.0.1]:1"}) {
     EXPECT_TRUE(IsLoopbackAddress(a)) << a;
   }
-  for (const char* a : {"0.0.0.0:50051", "[::]:50051", ":50051", "10.0.0.5:50051",
-                        "kvcd.internal:50051", "128.0.0.1:1", "localhost.evil.com:1"}) {
+  for (const char* a :
+       {"0.0.0.0:50051", "[::]:50051", ":50051", "10.0.0.5:50051", "kvcd.internal:50051",
+        "128.0.0.1:1", "localhost.evil.com:1",
+        // Issue #35.8: a name that merely starts like a loopback address.
+        "127.attacker.example:9464", "127.0.0.1.attacker.example:1", "[::ffff:10.0.0.1]:1"}) {
     EXPECT_FALSE(IsLoopbackAddress(a)) << a;
   }
 }

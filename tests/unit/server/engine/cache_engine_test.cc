@@ -6,10 +6,13 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <map>
 
+#include "absl/strings/str_cat.h"
+#include "common/codec_profile.h"
 #include "common/key_transform_profile.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/int2_attention.h"
@@ -1033,6 +1036,21 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
          r.set_softmax_scale(std::nanf(""));
          return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
        }},
+      // Issue #35.8: a scale whose FP32 scores overflow (3e38 answered lse = +Inf).
+      {"decode: softmax_scale 3e38", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = good_decode();
+         r.set_softmax_scale(3e38f);
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       },
+       "softmax_scale is 3e+38, expected 0 (= 1/sqrt(head_dim)) or a value in (0, 64]"},
+      {"decode: negative softmax_scale", absl::StatusCode::kInvalidArgument,
+       [&] {
+         auto r = good_decode();
+         r.set_softmax_scale(-0.5f);
+         return engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>());
+       },
+       "softmax_scale is -0.5"},
       {"decode: k_new without v_new", absl::StatusCode::kInvalidArgument,
        [&] {
          auto r = good_decode();
@@ -1299,6 +1317,127 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
          return engine_->UnpinPrefix(r, Out<v1::UnpinPrefixResponse>());
        },
        "pin 12345 is not live"},
+      // Issue #35.1: a codec file whose rotations are NaN (version 1) or whose value rotation
+      // is (version 3) is refused by tensor; std::max had dropped the NaN.
+      {"register: NaN rotation in a version-1 codec file", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::RegisterModelRequest r;
+         *r.mutable_profile() = p;
+         r.mutable_profile()->set_name("nan-v1");
+         r.mutable_profile()->set_history_format(v1::HISTORY_FORMAT_INT2_OSCAR);
+         SafetensorsWriter w;
+         const std::vector<float> nan(p.head_dim() * p.head_dim(), std::nanf(""));
+         for (int l = 0; l < p.num_layers(); ++l) {
+           w.AddF32(absl::StrCat("layers.", l, ".r_k"), {p.head_dim(), p.head_dim()}, nan);
+           w.AddF32(absl::StrCat("layers.", l, ".r_v"), {p.head_dim(), p.head_dim()}, nan);
+         }
+         r.set_codec_blob(w.Serialize());
+         return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
+       },
+       "layers.0.r_k element 0 is nan"},
+      {"register: NaN value rotation in a version-3 codec file", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::RegisterModelRequest r;
+         *r.mutable_profile() = p;
+         r.mutable_profile()->set_name("nan-v3");
+         r.mutable_profile()->set_history_format(v1::HISTORY_FORMAT_INT2_OSCAR);
+         auto heads =
+             KeyTransformProfile::SyntheticHeads(p.num_layers(), p.num_kv_heads(), p.head_dim(), 1);
+         heads.back().r_v.assign(heads.back().r_v.size(), std::nanf(""));
+         r.set_codec_blob(KeyTransformProfile::ToSafetensors(heads, p.num_layers(),
+                                                             p.num_kv_heads(), p.head_dim(), "t")
+                              .Serialize());
+         return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
+       },
+       "layers.1.r_v element 256 is nan"},
+      // Issue #35.5: strings from a codec file (its version, a tensor's name or dtype) are
+      // quoted in 64 bytes: the message fits gRPC's metadata (INVALID_ARGUMENT, not
+      // RESOURCE_EXHAUSTED "metadata size exceeds limit").
+      {"register: codec file with a 10 KB version string", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::RegisterModelRequest r;
+         *r.mutable_profile() = p;
+         r.mutable_profile()->set_name("long-version");
+         r.mutable_profile()->set_history_format(v1::HISTORY_FORMAT_INT2_OSCAR);
+         SafetensorsWriter w = CodecProfile::Hadamard(p.num_layers(), p.head_dim()).ToSafetensors();
+         w.SetMetadata("kvcd.codec_version", std::string(10240, 'v'));
+         r.set_codec_blob(w.Serialize());
+         return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
+       },
+       "...' (10240 bytes)"},
+      {"register: codec file with a 10 KB tensor name and dtype",
+       absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::RegisterModelRequest r;
+         *r.mutable_profile() = p;
+         r.mutable_profile()->set_name("long-tensor");
+         r.mutable_profile()->set_history_format(v1::HISTORY_FORMAT_INT2_OSCAR);
+         SafetensorsWriter w = CodecProfile::Hadamard(p.num_layers(), p.head_dim()).ToSafetensors();
+         const uint8_t b[4] = {};
+         w.Add(std::string(10240, 't'), std::string(10240, 'D'), {1}, b, 4);
+         r.set_codec_blob(w.Serialize());
+         return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
+       },
+       "...' (10240 bytes)"},
+      // Issue #35.8: undefined enum values, a non-finite theta, a sink past the bound, and a
+      // codec named twice are refused by field.
+      {"register: undefined key_norm", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::RegisterModelRequest r;
+         *r.mutable_profile() = p;
+         r.mutable_profile()->set_name("key-norm");
+         r.mutable_profile()->set_key_norm(static_cast<v1::KeyNorm>(7));
+         return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
+       },
+       "profile.key_norm is 7, not a known KeyNorm"},
+      {"register: undefined rope.pairing", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::RegisterModelRequest r;
+         *r.mutable_profile() = p;
+         r.mutable_profile()->set_name("pairing");
+         r.mutable_profile()->mutable_rope()->set_pairing(static_cast<v1::RopePairing>(-3));
+         return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
+       },
+       "profile.rope.pairing is -3, not a known RopePairing"},
+      {"register: rope.theta +Inf", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::RegisterModelRequest r;
+         *r.mutable_profile() = p;
+         r.mutable_profile()->set_name("theta");
+         r.mutable_profile()->mutable_rope()->set_theta(INFINITY);
+         return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
+       },
+       "rope.theta is inf, expected a finite value > 0"},
+      {"register: rope.scaling NaN", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::RegisterModelRequest r;
+         *r.mutable_profile() = p;
+         r.mutable_profile()->set_name("scaling");
+         r.mutable_profile()->mutable_rope()->set_scaling(std::nan(""));
+         return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
+       },
+       "rope.scaling is nan"},
+      {"register: sink of 2^31 - 4 tokens", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::RegisterModelRequest r;
+         *r.mutable_profile() = p;
+         r.mutable_profile()->set_name("sink");
+         r.mutable_profile()->set_sink_tokens(std::numeric_limits<int32_t>::max() - 3);
+         return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
+       },
+       "in 0..1048576"},
+      {"register: codec and codec_blob", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::RegisterModelRequest r;
+         *r.mutable_profile() = p;
+         r.mutable_profile()->set_name("two-codecs");
+         r.mutable_profile()->set_history_format(v1::HISTORY_FORMAT_INT2_OSCAR);
+         r.mutable_profile()->set_codec("identity");
+         r.set_codec_blob(
+             CodecProfile::Hadamard(p.num_layers(), p.head_dim()).ToSafetensors().Serialize());
+         return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
+       },
+       "set either profile.codec or codec_blob, not both"},
       // Issue #21.9: a 10 KB model name is quoted in 64 bytes, not echoed.
       {"put: 10 KB model name", absl::StatusCode::kNotFound,
        [&] {
@@ -1448,6 +1587,80 @@ namespace {
 
 // Pages fetched as stored from one tenant's sequence and pushed as stored for another give
 // the same attention: INT2 pages travel without re-encoding.
+// Issue #35.2: K/V of N(0,1)·1e6 (finite, far beyond FP16) into INT2 and int2-transform
+// histories, on Put and through the window's later demotion on Append: the fetched values
+// are finite and the stored pages push back into another tenant.
+TEST(Int2HistoryTest, KvBeyondFp16RangeIsStoredFinite) {
+  auto scale_bf16 = [](v1::TensorRef* t, float by) {
+    std::string& b = *t->mutable_inline_data();
+    for (size_t i = 0; i + 1 < b.size(); i += 2) {
+      uint16_t v;
+      std::memcpy(&v, b.data() + i, 2);
+      v = kernels::FloatToBf16(kernels::Bf16ToFloat(v) * by);
+      std::memcpy(b.data() + i, &v, 2);
+    }
+  };
+  auto all_finite = [](const v1::TensorRef& t) {
+    const std::string& b = t.inline_data();
+    for (size_t i = 0; i + 1 < b.size(); i += 2) {
+      uint16_t v;
+      std::memcpy(&v, b.data() + i, 2);
+      if (!std::isfinite(kernels::Bf16ToFloat(v))) return false;
+    }
+    return !b.empty();
+  };
+  for (const bool transform : {false, true}) {
+    CacheEngine engine(testing_util::TestConfig(), MakeCpuBackend(2));
+    ModelSpec spec = testing_util::TinyInt2Spec();
+    v1::RegisterModelRequest reg;
+    ProfileFromSpec(spec, reg.mutable_profile());
+    if (transform) {
+      reg.mutable_profile()->set_codec("");
+      reg.set_codec_blob(KeyTransformProfile::ToSafetensors(
+                             KeyTransformProfile::SyntheticHeads(spec.num_layers, spec.num_kv_heads,
+                                                                 spec.head_dim, 3),
+                             spec.num_layers, spec.num_kv_heads, spec.head_dim, "test")
+                             .Serialize());
+    }
+    ASSERT_TRUE(engine.RegisterModel(reg, Out<v1::RegisterModelResponse>()).ok());
+    v1::PutRequest put = MakePut(spec, 3, 24);
+    scale_bf16(put.mutable_k(), 1e6f);
+    scale_bf16(put.mutable_v(), 1e6f);
+    ASSERT_TRUE(engine.Put(put, Out<v1::PutResponse>()).ok());
+    const auto tokens = synthetic::Tokens(3, 0, 24);
+    v1::OpenSequenceRequest o;
+    o.set_model(spec.name);
+    o.mutable_tokens()->Add(tokens.begin(), tokens.end());
+    v1::OpenSequenceResponse seq;
+    ASSERT_TRUE(engine.OpenSequence(o, &seq).ok());
+    ASSERT_EQ(seq.matched_tokens(), 24);
+    // Three pages more: the recent window's rows (in BF16's range, not FP16's) are demoted.
+    v1::AppendRequest app = MakeAppend(spec, seq.sequence_id(), 3, 24, 12);
+    scale_bf16(app.mutable_k(), 1e6f);
+    scale_bf16(app.mutable_v(), 1e6f);
+    ASSERT_TRUE(engine.Append(app, Out<v1::AppendResponse>()).ok());
+    v1::FetchPagesRequest f;
+    f.set_sequence_id(seq.sequence_id());
+    f.set_expand_to_bf16(true);
+    v1::FetchPagesResponse expanded;
+    ASSERT_TRUE(engine.FetchPages(f, &expanded).ok());
+    EXPECT_EQ(expanded.num_tokens(), 36);
+    EXPECT_TRUE(all_finite(expanded.k())) << "transform " << transform;
+    EXPECT_TRUE(all_finite(expanded.v())) << "transform " << transform;
+    f.set_expand_to_bf16(false);
+    f.set_num_tokens(24);
+    v1::FetchPagesResponse stored;
+    ASSERT_TRUE(engine.FetchPages(f, &stored).ok());
+    v1::PushPagesRequest push;
+    push.set_model(spec.name);
+    push.set_cache_salt("other");
+    push.mutable_tokens()->Add(tokens.begin(), tokens.end());
+    for (const auto& page : stored.pages()) *push.add_inline_pages() = page;
+    const absl::Status pushed = engine.PushPages(push, Out<v1::PushPagesResponse>());
+    EXPECT_TRUE(pushed.ok()) << "transform " << transform << ": " << pushed;
+  }
+}
+
 TEST(PushPagesTest, StoredPagesRoundTripIntoAnotherTenant) {
   CacheEngine engine(testing_util::TestConfig(), MakeCpuBackend(2));
   const ModelSpec spec = testing_util::TinyInt2Spec();
