@@ -79,6 +79,9 @@ inline void CpuRelax() {
 // truncated object ends that channel alone.
 struct DecodeChannels::Channel {
   uint64_t id = 0;
+  // The shared-memory object's identity (st_dev, st_ino): one channel per object.
+  dev_t dev = 0;
+  ino_t ino = 0;
   DecodeChannelHeader* header = nullptr;
   size_t bytes = 0;       // mapped bytes: TotalBytes(capacity), fixed at Open
   uint32_t capacity = 0;  // the capacity validated at Open; the header's copy is never reused
@@ -128,13 +131,12 @@ struct DecodeChannels::Channel {
         &args);
   }
 
+  // Writes nothing into the region: the serving thread sets `closed` when it ends, and a
+  // channel whose thread never started (a refused open) never served the region.
   ~Channel() {
     stop.store(true);
     if (thread.joinable()) thread.join();
-    if (header != nullptr) {
-      Store(header->closed, 1u, std::memory_order_release);
-      munmap(header, bytes);
-    }
+    if (header != nullptr) munmap(header, bytes);
   }
 };
 
@@ -187,6 +189,17 @@ absl::StatusOr<uint64_t> DecodeChannels::Open(const std::string& name, int64_t l
         " bytes; capacity must be ", DecodeChannelHeader::kMinCapacity, "..",
         DecodeChannelHeader::kMaxCapacity, "); see common/decode_channel_layout.h"));
   }
+  {
+    // One channel per object, whoever opened the first (and under whatever name): a second
+    // thread would answer the first one's requests and end by marking the region closed.
+    // Checked again, under the lock, before the channel starts.
+    std::lock_guard<std::mutex> lock(mu_);
+    ReapLocked();
+    if (ServedLocked(st.st_dev, st.st_ino)) {
+      close(fd);
+      return AlreadyServed(name);
+    }
+  }
   const size_t bytes = DecodeChannelHeader::TotalBytes(fixed.capacity);
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);
@@ -195,6 +208,8 @@ absl::StatusOr<uint64_t> DecodeChannels::Open(const std::string& name, int64_t l
         absl::StrCat("cannot map ", name, ": ", std::strerror(errno)));
   }
   auto c = std::make_unique<Channel>();
+  c->dev = st.st_dev;
+  c->ino = st.st_ino;
   c->header = static_cast<DecodeChannelHeader*>(p);
   c->bytes = bytes;
   c->capacity = fixed.capacity;
@@ -205,10 +220,8 @@ absl::StatusOr<uint64_t> DecodeChannels::Open(const std::string& name, int64_t l
         absl::StrCat("shared memory ", name, " shrank while the channel was opened"));
   }
   std::lock_guard<std::mutex> lock(mu_);
-  // Channels that ended on their own are reaped here.
-  for (auto it = channels_.begin(); it != channels_.end();) {
-    it = it->second->done.load() ? channels_.erase(it) : std::next(it);
-  }
+  ReapLocked();
+  if (ServedLocked(c->dev, c->ino)) return AlreadyServed(name);
   if (static_cast<int>(channels_.size()) >= options_.max_channels) {
     return absl::ResourceExhaustedError(
         absl::StrCat(options_.max_channels, " decode channels are open; close some first"));
@@ -353,6 +366,29 @@ void DecodeChannels::Serve(Channel* c) {
     PhaseTimes::Reset();
   }
   c->done.store(true);
+}
+
+void DecodeChannels::ReapLocked() {
+  // Channels that ended on their own (their thread set `closed` and stopped touching the
+  // region): only the mapping is left to release.
+  for (auto it = channels_.begin(); it != channels_.end();) {
+    it = it->second->done.load() ? channels_.erase(it) : std::next(it);
+  }
+}
+
+bool DecodeChannels::ServedLocked(dev_t dev, ino_t ino) const {
+  for (const auto& [id, c] : channels_) {
+    if (c->dev == dev && c->ino == ino) return true;
+  }
+  return false;
+}
+
+absl::Status DecodeChannels::AlreadyServed(const std::string& name) {
+  // Says nothing about the channel that serves it (it may be another tenant's).
+  return absl::AlreadyExistsError(absl::StrCat(
+      "shared memory ", name,
+      " is already served by an open decode channel; a region serves one channel: create a "
+      "new shared-memory object for a new channel"));
 }
 
 absl::Status DecodeChannels::Close(uint64_t id) {

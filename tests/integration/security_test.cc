@@ -1,11 +1,14 @@
 // Integration: TLS, mutual TLS, bearer tokens and the start-up safety rule, through the
 // real kvcd binary on loopback. Certificates are made at test time with the openssl CLI.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <sstream>
@@ -13,6 +16,7 @@
 
 #include "client/client.h"
 #include "client/decode_channel.h"
+#include "common/decode_channel_layout.h"
 #include "daemon_process.h"
 #include "proto/tensor_ref.h"
 #include "testing/synthetic.h"
@@ -176,14 +180,16 @@ class TenantTest : public SecurityTest {
     WriteFile(tokens_, "tokens:\n" + TokenEntry("alice", "tok-alice", "[team-a]") +
                            TokenEntry("bob", "tok-bob", "[team-b]") +
                            TokenEntry("admin", "tok-admin", "[\"*\"]", true, true) +
-                           TokenEntry("bob-worker", "tok-bob-worker", "[team-b]", false, true));
+                           TokenEntry("bob-worker", "tok-bob-worker", "[team-b]", false, true) +
+                           TokenEntry("alice-worker", "tok-alice-worker", "[team-a]", false, true));
     ASSERT_TRUE(daemon_.Start(Config("auth: {tokens_file: " + tokens_ + "}\n")));
     alice_ = Connect("tok-alice");
     bob_ = Connect("tok-bob");
     admin_ = Connect("tok-admin");
     anonymous_ = Connect("");
     bob_worker_ = Connect("tok-bob-worker");
-    ASSERT_TRUE(alice_ && bob_ && admin_ && anonymous_ && bob_worker_);
+    alice_worker_ = Connect("tok-alice-worker");
+    ASSERT_TRUE(alice_ && bob_ && admin_ && anonymous_ && bob_worker_ && alice_worker_);
     auto m = admin_->GetModel("tiny");
     ASSERT_TRUE(m.ok()) << m.status();
     profile_ = m->profile();
@@ -228,7 +234,7 @@ class TenantTest : public SecurityTest {
 
   std::string tokens_;
   DaemonProcess daemon_;
-  std::unique_ptr<Client> alice_, bob_, admin_, anonymous_, bob_worker_;
+  std::unique_ptr<Client> alice_, bob_, admin_, anonymous_, bob_worker_, alice_worker_;
   v1::ModelProfile profile_;
 };
 
@@ -328,6 +334,97 @@ TEST_F(TenantTest, DecodeChannelsRunWithTheTokenThatOpenedThem) {
   auto admin_channel = DecodeChannel::Open(admin_.get(), 1 << 16, 60000);
   ASSERT_TRUE(admin_channel.ok()) << admin_channel.status();
   EXPECT_TRUE((*admin_channel)->Call(MakeDecode(seq, 16)).ok());
+}
+
+// A worker's shared region, written as a worker does (common/decode_channel_layout.h), kept
+// under its name so that another tenant can name it too.
+struct RawRegion {
+  explicit RawRegion(uint32_t cap) : capacity(cap), bytes(DecodeChannelHeader::TotalBytes(cap)) {
+    name = "/kvcd-security-" + std::to_string(getpid()) + "-" + std::to_string(++count);
+    fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+    if (fd < 0 || ftruncate(fd, static_cast<off_t>(bytes)) != 0) return;
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) return;
+    h = new (p) DecodeChannelHeader{};
+    h->magic = DecodeChannelHeader::kMagic;
+    h->version = DecodeChannelHeader::kVersion;
+    h->capacity = capacity;
+  }
+  ~RawRegion() {
+    if (h != nullptr) munmap(h, bytes);
+    if (fd >= 0) close(fd);
+    shm_unlink(name.c_str());
+  }
+  // One request and its answer (an error answer for an unanswered one).
+  v1::AttentionDecodeStreamResponse Call(const v1::AttentionDecodeRequest& req) {
+    const std::string msg = req.SerializeAsString();
+    std::memcpy(h->RequestArea(), msg.data(), msg.size());
+    h->request_bytes.store(static_cast<uint32_t>(msg.size()), std::memory_order_relaxed);
+    h->request_seq.store(++seq, std::memory_order_release);
+    v1::AttentionDecodeStreamResponse r;
+    if (!WaitFor([&] { return h->response_seq.load() == seq; }, std::chrono::seconds(10))) {
+      r.set_error_code(static_cast<int>(absl::StatusCode::kDeadlineExceeded));
+      return r;
+    }
+    r.ParseFromArray(h->ResponseArea(), static_cast<int>(h->response_bytes.load()));
+    return r;
+  }
+  static inline int count = 0;
+  std::string name;
+  uint32_t capacity;
+  size_t bytes;
+  int fd = -1;
+  DecodeChannelHeader* h = nullptr;
+  uint64_t seq = 0;
+};
+
+// Issue #35.3: a tenant names the shared-memory object another tenant's channel serves. The
+// second open is refused (ALREADY_EXISTS, under any name for the object), nothing is written
+// into the victim's region, and the victim's channel keeps answering its own requests.
+TEST_F(TenantTest, ASecondChannelOnARegionAlreadyServedIsRefused) {
+  ASSERT_TRUE(alice_->Put(MakePut(7, 16, "team-a")).ok());
+  auto open = alice_->OpenSequence("tiny", "team-a", synthetic::Tokens(7, 0, 16));
+  ASSERT_TRUE(open.ok()) << open.status();
+  const uint64_t seq = open->sequence_id();
+  RawRegion victim(1 << 16);
+  ASSERT_NE(victim.h, nullptr);
+  v1::OpenDecodeChannelRequest req;
+  req.set_shm_name(victim.name);
+  req.set_lease_ms(60000);
+  v1::OpenDecodeChannelResponse opened;
+  ASSERT_TRUE(alice_worker_->OpenDecodeChannelRpc(req, &opened).ok());
+  v1::AttentionDecodeStreamResponse r = victim.Call(MakeDecode(seq, 16));
+  EXPECT_EQ(r.error_code(), 0) << r.error_message();
+
+  // bob's worker, then the admin, name the same object: refused, whoever asks.
+  v1::OpenDecodeChannelResponse stolen;
+  absl::Status s = bob_worker_->OpenDecodeChannelRpc(req, &stolen);
+  EXPECT_EQ(s.code(), absl::StatusCode::kAlreadyExists) << s;
+  EXPECT_NE(s.message().find("already served"), std::string::npos) << s;
+  EXPECT_EQ(s.message().find("alice"), std::string::npos) << s;  // nothing about the owner
+  EXPECT_EQ(admin_->OpenDecodeChannelRpc(req, &stolen).code(), absl::StatusCode::kAlreadyExists);
+  // The same object under another name (a hard link in /dev/shm) is the same region.
+  const std::string alias = victim.name + "-alias";
+  ASSERT_EQ(link(("/dev/shm" + victim.name).c_str(), ("/dev/shm" + alias).c_str()), 0);
+  v1::OpenDecodeChannelRequest by_alias = req;
+  by_alias.set_shm_name(alias);
+  EXPECT_EQ(bob_worker_->OpenDecodeChannelRpc(by_alias, &stolen).code(),
+            absl::StatusCode::kAlreadyExists);
+  shm_unlink(alias.c_str());
+
+  // Nothing was written into the victim's region; its channel serves its requests.
+  EXPECT_EQ(victim.h->closed.load(), 0u);
+  for (int i = 0; i < 3; ++i) {
+    r = victim.Call(MakeDecode(seq, 16));
+    EXPECT_EQ(r.error_code(), 0) << r.error_message();
+  }
+  // Once the victim closes its channel the object may be served again (by its owner).
+  ASSERT_TRUE(alice_worker_->CloseDecodeChannel(opened.channel_id()).ok());
+  EXPECT_EQ(victim.h->closed.load(), 1u);
+  victim.h->closed.store(0);
+  ASSERT_TRUE(alice_worker_->OpenDecodeChannelRpc(req, &opened).ok());
+  r = victim.Call(MakeDecode(seq, 16));
+  EXPECT_EQ(r.error_code(), 0) << r.error_message();
 }
 
 TEST_F(TenantTest, ModelRegistrationAndTheDataPlaneNeedTheirPermissions) {
