@@ -229,10 +229,10 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
       KVCD_RETURN_IF_ERROR(CheckKeys(quotas, "quotas", {"default", "tenants"}));
       auto read_quota = [&](const YAML::Node& n, const std::string& where,
                             TenantQuota* q) -> absl::Status {
-        KVCD_RETURN_IF_ERROR(
-            CheckKeys(n, where,
-                      {"tenant", "max_sequences", "max_pinned_pages", "max_lease_ms",
-                       "max_memory_share", "max_models", "max_model_bytes"}));
+        KVCD_RETURN_IF_ERROR(CheckKeys(
+            n, where,
+            {"tenant", "max_sequences", "max_pinned_pages", "max_lease_ms", "max_memory_share",
+             "max_models", "max_model_bytes", "max_decode_channels"}));
         const std::string prefix = where + ".";
         KVCD_RETURN_IF_ERROR(Read(n, "max_sequences", prefix, &q->max_sequences));
         KVCD_RETURN_IF_ERROR(Read(n, "max_pinned_pages", prefix, &q->max_pinned_pages));
@@ -240,8 +240,9 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
         KVCD_RETURN_IF_ERROR(Read(n, "max_memory_share", prefix, &q->max_memory_share));
         KVCD_RETURN_IF_ERROR(Read(n, "max_models", prefix, &q->max_models));
         KVCD_RETURN_IF_ERROR(ReadBytes(n, "max_model_bytes", prefix, &q->max_model_bytes));
+        KVCD_RETURN_IF_ERROR(Read(n, "max_decode_channels", prefix, &q->max_decode_channels));
         if (q->max_sequences < 0 || q->max_pinned_pages < 0 || q->max_lease_ms < 0 ||
-            q->max_models < 0) {
+            q->max_models < 0 || q->max_decode_channels < 0) {
           return absl::InvalidArgumentError(
               absl::StrCat(where, ": quotas must be >= 0 (0 = no limit)"));
         }

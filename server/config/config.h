@@ -45,6 +45,9 @@ struct TenantQuota {
   double max_memory_share = 1.0;
   int64_t max_models = 0;        // models registered by RegisterModel under this tenant
   uint64_t max_model_bytes = 0;  // pool bytes (as allocated) of the models it registered
+  // Decode channels open at once with a token that grants the tenant (a channel counts once
+  // against each tenant its token grants; auth off or a "*" token: the default tenant "").
+  int64_t max_decode_channels = 0;
 };
 
 struct TenantQuotaConfig {

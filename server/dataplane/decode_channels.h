@@ -1,6 +1,7 @@
 // DecodeChannels: the daemon side of the same-node decode fast path (OpenDecodeChannel).
-// Each channel maps the worker's shared memory and runs one thread that polls it for
-// requests (spinning for spin_us after each request, then checking every poll_us), asks
+// Each channel maps the worker's shared memory and runs one thread that waits for
+// requests (spinning for spin_us after each request, then sleeping on the region's
+// doorbell, a futex word: an idle channel costs no CPU), asks
 // the channel's admission for each, hands it down to the engine (decode_engine.h) and
 // writes the answers back. A channel ends on Close, when the worker sets the closed flag, after
 // lease_ms without a request, or when the daemon drains (CloseAll); its thread then sets the
@@ -13,6 +14,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -31,7 +33,6 @@ class DecodeChannels {
  public:
   struct Options {
     int64_t spin_us = 2000;
-    int64_t poll_us = 20;
     int max_channels = 64;
   };
   // engine must outlive the channels.
@@ -53,6 +54,9 @@ class DecodeChannels {
  private:
   struct Channel;
   void Serve(Channel* c);
+  // Sleeps on c's doorbell for at most `timeout` unless a request past `seen`, `closed` or
+  // a stop is already there. False if the mapping faulted.
+  static bool Sleep(Channel* c, uint64_t seen, std::chrono::steady_clock::duration timeout);
   void ReapLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool ServedLocked(dev_t dev, ino_t ino) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static absl::Status AlreadyServed(const std::string& name);

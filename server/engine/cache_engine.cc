@@ -524,6 +524,8 @@ absl::Status CacheEngine::Stats(const v1::StatsRequest&, v1::StatsResponse* resp
     t->set_registered_model_bytes(u.registered_model_bytes);
     t->set_max_models(static_cast<uint64_t>(u.quota.max_models));
     t->set_max_model_bytes(u.quota.max_model_bytes);
+    t->set_open_decode_channels(static_cast<uint64_t>(u.open_decode_channels));
+    t->set_max_decode_channels(static_cast<uint64_t>(u.quota.max_decode_channels));
   }
   return absl::OkStatus();
 }

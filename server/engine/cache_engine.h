@@ -88,6 +88,8 @@ class CacheEngine : public DecodeEngine {
 
   const CacheCounters& counters() const { return counters_; }
   const LeasePolicy& leases() const { return sequences_.leases(); }
+  // What each tenant holds (decode channels are charged here by the RPC layer).
+  TenantLedger& ledger() { return tenants_; }
   const ServerConfig& config() const { return config_; }
   const char* backend_name() const { return backend_->name(); }
   bool backend_healthy() const { return backend_->Healthy(); }

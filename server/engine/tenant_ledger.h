@@ -3,7 +3,8 @@
 // (server/rpc/authorizer.h). The ledger keeps each tenant's quota (config.h TenantQuota)
 // beside what it holds against it: open sequences, the pages they pin (a count; the pages
 // themselves are the sequences'), its share of each model's page pools (ModelCache asks
-// PoolShare and counts the pages), and the models registered under it with their bytes.
+// PoolShare and counts the pages), the models registered under it with their bytes, and the
+// decode channels open with a token that grants it.
 // The sequence table, the engine's registrations and the model caches consult it; no one
 // else reads the quotas.
 //
@@ -33,6 +34,7 @@ struct TenantUsage {
   int64_t held_pages = 0;
   int64_t registered_models = 0;
   uint64_t registered_model_bytes = 0;
+  int64_t open_decode_channels = 0;
 };
 
 class TenantLedger {
@@ -65,6 +67,11 @@ class TenantLedger {
                                  std::string* limit_what) const;
   void AddRegistration(const std::string& tenant, uint64_t bytes);
 
+  // One more decode channel for each of `tenants` (the tenants its token grants), all or
+  // none: RESOURCE_EXHAUSTED naming max_decode_channels and the first tenant at its quota.
+  absl::Status TakeDecodeChannel(const std::vector<std::string>& tenants);
+  void ReleaseDecodeChannel(const std::vector<std::string>& tenants);
+
   // Every tenant with a configured quota, open sequences or registrations, by name.
   std::vector<TenantUsage> Usage() const;
 
@@ -74,7 +81,10 @@ class TenantLedger {
     int64_t pinned_pages = 0;
     int64_t models = 0;
     uint64_t model_bytes = 0;  // allocated
-    bool empty() const { return sequences == 0 && pinned_pages == 0 && models == 0; }
+    int64_t decode_channels = 0;
+    bool empty() const {
+      return sequences == 0 && pinned_pages == 0 && models == 0 && decode_channels == 0;
+    }
   };
   void DropIfEmptyLocked(std::map<std::string, Held>::iterator it)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -145,9 +145,13 @@ class CacheCollector final : public prometheus::Collectable {
     auto t_model_bytes = Family(
         "kvcd_tenant_registered_model_bytes",
         "Pool bytes (as allocated) of the models registered under a tenant.", MetricType::Gauge);
+    auto t_channels =
+        Family("kvcd_tenant_open_decode_channels",
+               "Decode channels open with a token that grants the tenant.", MetricType::Gauge);
     auto t_quota = Family("kvcd_tenant_quota",
                           "A tenant's quota by kind (max_sequences, max_pinned_pages, "
-                          "max_lease_ms, max_models, max_model_bytes: 0 = no limit; "
+                          "max_lease_ms, max_models, max_model_bytes, max_decode_channels: "
+                          "0 = no limit; "
                           "max_memory_share: 1 = no limit).",
                           MetricType::Gauge);
     for (const TenantUsage& u : engine_->TenantUsages()) {
@@ -165,6 +169,9 @@ class CacheCollector final : public prometheus::Collectable {
           {{"quota", "max_models"}, {"tenant", u.tenant}});
       Add(&t_quota, static_cast<double>(u.quota.max_model_bytes),
           {{"quota", "max_model_bytes"}, {"tenant", u.tenant}});
+      Add(&t_quota, static_cast<double>(u.quota.max_decode_channels),
+          {{"quota", "max_decode_channels"}, {"tenant", u.tenant}});
+      Add(&t_channels, static_cast<double>(u.open_decode_channels), {{"tenant", u.tenant}});
       Add(&t_held, static_cast<double>(u.held_pages), {{"tenant", u.tenant}});
       Add(&t_models, static_cast<double>(u.registered_models), {{"tenant", u.tenant}});
       Add(&t_model_bytes, static_cast<double>(u.registered_model_bytes), {{"tenant", u.tenant}});
@@ -174,6 +181,7 @@ class CacheCollector final : public prometheus::Collectable {
     out.push_back(std::move(t_held));
     out.push_back(std::move(t_models));
     out.push_back(std::move(t_model_bytes));
+    out.push_back(std::move(t_channels));
     out.push_back(std::move(t_quota));
     return out;
   }

@@ -1,7 +1,9 @@
 #include "server/rpc/service.h"
 
+#include <atomic>
 #include <chrono>
 #include <mutex>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/phase_times.h"
@@ -29,16 +31,32 @@ KvCacheService::KvCacheService(CacheEngine* engine, Metrics* metrics, ThreadPool
       executor_(executor),
       tokens_(tokens),
       authz_([engine](uint64_t id) { return engine->LookupSequence(id); }),
-      channels_(engine, DecodeChannels::Options{engine->config().decode_channel_spin_us, 20, 64}) {}
+      channels_(engine, DecodeChannels::Options{engine->config().decode_channel_spin_us, 64}) {}
 
 // What a decode channel asks before each request: the token that opened the channel,
 // resolved again for every request (a revoked token stops working), may use every sequence
 // of it; the sequences found go down to the engine with the request. Each answer is
 // observed like a call's.
+//
+// The channel counts against the max_decode_channels quota of each tenant the opening
+// token grants (a token of every tenant, or no auth: the default tenant "") from Open
+// until it ends, whichever way it ends.
 class ChannelAdmission final : public DecodeAdmission {
  public:
-  ChannelAdmission(KvCacheService* service, std::optional<std::string> authorization)
-      : service_(service), authorization_(std::move(authorization)) {}
+  ChannelAdmission(KvCacheService* service, std::optional<std::string> authorization,
+                   std::vector<std::string> tenants)
+      : service_(service), authorization_(std::move(authorization)), tenants_(std::move(tenants)) {}
+  ~ChannelAdmission() override { Ended(); }
+
+  // What a principal's channels are charged to.
+  static std::vector<std::string> TenantsOf(const Principal& p) {
+    if (p.unrestricted || p.all_tenants) return {""};
+    return std::vector<std::string>(p.tenants.begin(), p.tenants.end());
+  }
+
+  void Ended() override {
+    if (!released_.exchange(true)) service_->engine_->ledger().ReleaseDecodeChannel(tenants_);
+  }
 
   absl::StatusOr<FoundSequences> Admit(const v1::AttentionDecodeRequest& req) override {
     absl::StatusOr<std::shared_ptr<const Principal>> now = service_->Authenticate(authorization_);
@@ -69,6 +87,8 @@ class ChannelAdmission final : public DecodeAdmission {
  private:
   KvCacheService* const service_;
   const std::optional<std::string> authorization_;
+  const std::vector<std::string> tenants_;  // charged one channel each (taken before Open)
+  std::atomic<bool> released_{false};
 };
 
 std::optional<std::string> KvCacheService::AuthorizationOf(grpc::CallbackServerContext* ctx) {
@@ -226,9 +246,13 @@ grpc::ServerUnaryReactor* KvCacheService::OpenDecodeChannel(grpc::CallbackServer
     const absl::StatusOr<int64_t> lease = engine_->leases().Grant(req->lease_ms());
     if (!lease.ok()) return lease.status();
     // Requests on the channel run with the token that opened it, resolved again for
-    // every request (a revoked token stops working).
+    // every request (a revoked token stops working). The channel is charged to the token's
+    // tenants first; a refused Open gives the charge back (the admission's destructor).
+    std::vector<std::string> tenants = ChannelAdmission::TenantsOf(p);
+    if (absl::Status s = engine_->ledger().TakeDecodeChannel(tenants); !s.ok()) return s;
     absl::StatusOr<uint64_t> id = channels_.Open(
-        req->shm_name(), *lease, std::make_unique<ChannelAdmission>(this, AuthorizationOf(ctx)));
+        req->shm_name(), *lease,
+        std::make_unique<ChannelAdmission>(this, AuthorizationOf(ctx), std::move(tenants)));
     if (!id.ok()) return id.status();
     authz_.Bind(Authorizer::Object::kChannel, *id, p);
     resp->set_channel_id(*id);

@@ -131,7 +131,7 @@ void WriteRequest(DecodeChannelHeader* h, const std::string& payload, bool raw_s
 // instead).
 bool Exchange(DecodeChannelHeader* h, uint64_t* seq) {
   *seq += 1;
-  h->request_seq.store(*seq, std::memory_order_release);
+  h->PublishRequest(*seq);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   while (h->response_seq.load(std::memory_order_acquire) != *seq) {
     if (h->closed.load(std::memory_order_acquire) != 0) return false;
@@ -148,8 +148,7 @@ bool Exchange(DecodeChannelHeader* h, uint64_t* seq) {
 // serving it with the real decode path.
 struct Channel {
   explicit Channel(World& w)
-      : channels(w.engine.get(),
-                 DecodeChannels::Options{/*spin_us=*/50, /*poll_us=*/20, /*max_channels=*/4}) {
+      : channels(w.engine.get(), DecodeChannels::Options{/*spin_us=*/50, /*max_channels=*/4}) {
     name = "/kvcd-fuzz-" + std::to_string(getpid());
     fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600);
     if (fd < 0) __builtin_trap();
@@ -217,7 +216,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     (void)ftruncate(channel->fd,
                     static_cast<off_t>(4096 + Le32(data + 1) % (channel->bytes - 4096)));
   }
-  if (flags & 4) h->closed.store(1, std::memory_order_release);
+  if (flags & 4) h->Close();
   const bool answered = Exchange(h, &channel->seq);
   const bool intact = (flags & (1 | 2 | 4)) == 0;
   if (intact && !answered) {

@@ -272,7 +272,7 @@ TEST_F(HardeningTest, ACorruptOrTruncatedDecodeChannelCannotCrashTheDaemon) {
   auto send = [&](const std::string& msg, uint32_t claimed_bytes) {
     std::memcpy(h->RequestArea(), msg.data(), std::min<size_t>(msg.size(), capacity));
     h->request_bytes.store(claimed_bytes, std::memory_order_relaxed);
-    h->request_seq.store(++next_seq, std::memory_order_release);
+    h->PublishRequest(++next_seq);
     EXPECT_TRUE(
         WaitFor([&] { return h->response_seq.load() == next_seq; }, std::chrono::seconds(10)));
     v1::AttentionDecodeStreamResponse r;

@@ -182,7 +182,9 @@ class TenantTest : public SecurityTest {
                            TokenEntry("admin", "tok-admin", "[\"*\"]", true, true) +
                            TokenEntry("bob-worker", "tok-bob-worker", "[team-b]", false, true) +
                            TokenEntry("alice-worker", "tok-alice-worker", "[team-a]", false, true));
-    ASSERT_TRUE(daemon_.Start(Config("auth: {tokens_file: " + tokens_ + "}\n")));
+    ASSERT_TRUE(daemon_.Start(Config("auth: {tokens_file: " + tokens_ +
+                                     "}\nquotas:\n  tenants:\n"
+                                     "    - {tenant: team-b, max_decode_channels: 2}\n")));
     alice_ = Connect("tok-alice");
     bob_ = Connect("tok-bob");
     admin_ = Connect("tok-admin");
@@ -360,7 +362,7 @@ struct RawRegion {
     const std::string msg = req.SerializeAsString();
     std::memcpy(h->RequestArea(), msg.data(), msg.size());
     h->request_bytes.store(static_cast<uint32_t>(msg.size()), std::memory_order_relaxed);
-    h->request_seq.store(++seq, std::memory_order_release);
+    h->PublishRequest(++seq);
     v1::AttentionDecodeStreamResponse r;
     if (!WaitFor([&] { return h->response_seq.load() == seq; }, std::chrono::seconds(10))) {
       r.set_error_code(static_cast<int>(absl::StatusCode::kDeadlineExceeded));
@@ -425,6 +427,53 @@ TEST_F(TenantTest, ASecondChannelOnARegionAlreadyServedIsRefused) {
   ASSERT_TRUE(alice_worker_->OpenDecodeChannelRpc(req, &opened).ok());
   r = victim.Call(MakeDecode(seq, 16));
   EXPECT_EQ(r.error_code(), 0) << r.error_message();
+}
+
+// Issue #35.4: one token could take all 64 channel slots. team-b may hold 2 channels: the
+// third is refused naming the quota, closing one or a lease running out gives its slot back,
+// and another tenant's token is not limited by team-b's quota.
+TEST_F(TenantTest, DecodeChannelsCountAgainstTheTenantsQuota) {
+  auto first = DecodeChannel::Open(bob_worker_.get(), 1 << 16, 60000);
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = DecodeChannel::Open(bob_worker_.get(), 1 << 16, 60000);
+  ASSERT_TRUE(second.ok()) << second.status();
+  auto third = DecodeChannel::Open(bob_worker_.get(), 1 << 16, 60000);
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted) << third.status();
+  EXPECT_NE(third.status().message().find("max_decode_channels is 2"), std::string::npos)
+      << third.status();
+  EXPECT_NE(third.status().message().find("'team-b'"), std::string::npos) << third.status();
+  auto stats = admin_->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  bool listed = false;
+  for (const v1::TenantUsage& t : stats->tenants()) {
+    if (t.tenant() != "team-b") continue;
+    listed = true;
+    EXPECT_EQ(t.open_decode_channels(), 2u);
+    EXPECT_EQ(t.max_decode_channels(), 2u);
+  }
+  EXPECT_TRUE(listed);
+  // alice's worker is not held back by team-b's channels.
+  auto alices = DecodeChannel::Open(alice_worker_.get(), 1 << 16, 60000);
+  EXPECT_TRUE(alices.ok()) << alices.status();
+
+  // Closing one gives its slot back.
+  ASSERT_TRUE((*first)->Close().ok());
+  first->reset();
+  auto replaced = DecodeChannel::Open(bob_worker_.get(), 1 << 16, 30);  // a 30 ms lease
+  ASSERT_TRUE(replaced.ok()) << replaced.status();
+  // A channel that ends on its lease gives its slot back too (the daemon's event: its
+  // channel count, as Stats reports it, drops).
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        auto s = admin_->Stats();
+        if (!s.ok()) return false;
+        for (const v1::TenantUsage& t : s->tenants())
+          if (t.tenant() == "team-b") return t.open_decode_channels() == 1;
+        return false;
+      },
+      std::chrono::seconds(10)));
+  auto after_lease = DecodeChannel::Open(bob_worker_.get(), 1 << 16, 60000);
+  EXPECT_TRUE(after_lease.ok()) << after_lease.status();
 }
 
 TEST_F(TenantTest, ModelRegistrationAndTheDataPlaneNeedTheirPermissions) {

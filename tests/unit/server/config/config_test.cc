@@ -97,7 +97,7 @@ TEST(ConfigTest, TenantQuotas) {
 quotas:
   default: {max_sequences: 8, max_memory_share: 0.5, max_models: 2, max_model_bytes: 64MiB}
   tenants:
-    - {tenant: team-a, max_memory_share: 0.25}
+    - {tenant: team-a, max_memory_share: 0.25, max_decode_channels: 3}
     - {tenant: "", max_pinned_pages: 100, max_lease_ms: 5000, max_memory_share: 1}
 )");
   ASSERT_TRUE(c.ok()) << c.status();
@@ -110,6 +110,8 @@ quotas:
   EXPECT_EQ(a.max_sequences, 8);  // keys not given: the defaults
   EXPECT_EQ(a.max_models, 2);
   EXPECT_EQ(a.max_model_bytes, 64ull << 20);
+  EXPECT_EQ(a.max_decode_channels, 3);
+  EXPECT_EQ(c->quotas.For("unlisted").max_decode_channels, 0);  // no limit
   const TenantQuota& none = c->quotas.For("");
   EXPECT_DOUBLE_EQ(none.max_memory_share, 1.0);
   EXPECT_EQ(none.max_pinned_pages, 100);
@@ -136,6 +138,8 @@ quotas:
       {"quotas: {default: {max_memory_share: half}}",
        "quotas.default.max_memory_share has value 'half' of the wrong type"},
       {"quotas: {tenants: [{tenant: a, max_models: -1}]}",
+       "quotas.tenants[0]: quotas must be >= 0"},
+      {"quotas: {tenants: [{tenant: a, max_decode_channels: -2}]}",
        "quotas.tenants[0]: quotas must be >= 0"},
       {"quotas: {tenants: [{tenant: a, max_models: lots}]}",
        "quotas.tenants[0].max_models has value 'lots' of the wrong type"},
