@@ -188,6 +188,7 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
                                     "max_buffers",
                                     "decode_channel_spin_us",
                                     "drain_timeout_ms",
+                                    "metrics_per_tenant",
                                     "models",
                                     "tls",
                                     "auth",
@@ -195,6 +196,7 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
     KVCD_RETURN_IF_ERROR(Read(root, "listen", "", &c.listen));
     KVCD_RETURN_IF_ERROR(Read(root, "health_listen", "", &c.health_listen));
     KVCD_RETURN_IF_ERROR(Read(root, "metrics_listen", "", &c.metrics_listen));
+    KVCD_RETURN_IF_ERROR(Read(root, "metrics_per_tenant", "", &c.metrics_per_tenant));
     KVCD_RETURN_IF_ERROR(Read(root, "backend", "", &c.backend));
     KVCD_RETURN_IF_ERROR(Read(root, "cuda_device", "", &c.cuda_device));
     KVCD_RETURN_IF_ERROR(ReadBytes(root, "memory_budget", "", &c.memory_budget_bytes));
@@ -387,6 +389,17 @@ absl::Status CheckExposure(const ServerConfig& c) {
       ": set tls.cert_file and tls.key_file (and tls.client_ca_file for mutual TLS) and "
       "auth.tokens_file in the config (docs/operating.md, \"Security\"), listen on 127.0.0.1, or "
       "start with 'kvcd serve --insecure' to serve this address unprotected"));
+}
+
+absl::Status CheckMetricsExposure(const ServerConfig& c) {
+  if (!c.metrics_per_tenant || c.metrics_listen.empty() || IsLoopbackAddress(c.metrics_listen)) {
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "refusing metrics_per_tenant: true with metrics_listen '", c.metrics_listen,
+      "' beyond loopback: the metrics port is plaintext and unauthenticated, and the "
+      "kvcd_tenant_* metrics name every tenant and its use; set metrics_per_tenant: false, or "
+      "listen for metrics on 127.0.0.1 (docs/operating.md, \"Metrics\")"));
 }
 
 absl::StatusOr<ServerConfig> LoadConfigFile(const std::string& path) {

@@ -128,9 +128,12 @@ class CacheCollector final : public prometheus::Collectable {
                          MetricType::Gauge);
     Add(&budget, static_cast<double>(engine_->config().memory_budget_bytes));
     out.push_back(std::move(budget));
-    // Per tenant (cache_salt): only tenants with open sequences, pages in a pool, registered
-    // models or a configured quota, so the label's values stay bounded by max_sequences,
-    // the pools' pages, the memory budget and the config.
+    // Per tenant (cache_salt), only with metrics_per_tenant (tenant names and their use on an
+    // unauthenticated port: an operator's explicit choice, and only on loopback,
+    // CheckMetricsExposure): only tenants with open sequences, pages in a pool, registered
+    // models, decode channels or a configured quota, so the label's values stay bounded by
+    // max_sequences, the pools' pages, the memory budget and the config.
+    if (!engine_->config().metrics_per_tenant) return out;
     auto t_seqs = Family("kvcd_tenant_open_sequences", "Open sequences by tenant (cache_salt).",
                          MetricType::Gauge);
     auto t_pages =

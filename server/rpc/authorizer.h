@@ -16,7 +16,11 @@
 //   an nccl communicator, need data_plane: true (else PERMISSION_DENIED). Buffers,
 //   communicators and channels are bound to the token (by name) that created them;
 //   another token's object is NOT_FOUND with the message of a missing one.
-// - ListModels and Stats: any valid token.
+// - ListModels and Stats: any valid token, scoped to it (Scope): a token of every tenant
+//   ("*") sees the whole daemon; any other token sees its own tenants in Stats.tenants and
+//   Stats.pins, and no daemon-wide activity (the counters of every tenant's calls, the
+//   pools' used pages, cached tokens and open sequences are 0), only the daemon's
+//   configuration: models, formats, pool sizes, budget, backend, version.
 //
 // Thread-safe.
 #pragma once
@@ -64,6 +68,10 @@ class Authorizer {
                      FoundSequences* found = nullptr) const;
   absl::Status Check(const Principal& p, const v1::PushPagesRequest& r) const;
   absl::Status Check(const Principal& p, const v1::StatsRequest& r) const;
+  // What of an answer the principal may see (the rules above); the unrestricted principal
+  // and "*" tokens see all of it.
+  void Scope(const Principal& p, v1::StatsResponse* r) const;
+  void Scope(const Principal& p, v1::ListModelsResponse* r) const;
   absl::Status Check(const Principal& p, const v1::RegisterBufferRequest& r) const;
   absl::Status Check(const Principal& p, const v1::UnregisterBufferRequest& r) const;
   absl::Status Check(const Principal& p, const v1::RenewBufferRequest& r) const;

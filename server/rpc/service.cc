@@ -168,15 +168,28 @@ bool KvCacheService::WaitIdle(std::chrono::steady_clock::time_point deadline) {
     });                                                                                  \
   }
 KVCD_UNARY(RegisterModel, RegisterModelRequest, RegisterModelResponse)
-KVCD_UNARY(ListModels, ListModelsRequest, ListModelsResponse)
 KVCD_UNARY(Put, PutRequest, PutResponse)
 KVCD_UNARY(Match, MatchRequest, MatchResponse)
 KVCD_UNARY(OpenSequence, OpenSequenceRequest, OpenSequenceResponse)
 KVCD_UNARY(CloseSequence, CloseSequenceRequest, CloseSequenceResponse)
 KVCD_UNARY(PushPages, PushPagesRequest, PushPagesResponse)
-KVCD_UNARY(Stats, StatsRequest, StatsResponse)
 KVCD_UNARY(RenewBuffer, RenewBufferRequest, RenewBufferResponse)
 #undef KVCD_UNARY
+
+// What the daemon's state shows is scoped to the caller's tenants (Authorizer::Scope).
+#define KVCD_SCOPED_UNARY(Method, Req, Resp)                                             \
+  grpc::ServerUnaryReactor* KvCacheService::Method(grpc::CallbackServerContext* ctx,     \
+                                                   const v1::Req* req, v1::Resp* resp) { \
+    return Run(#Method, ctx, [this, req, resp](const Principal& p) -> absl::Status {     \
+      if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;                     \
+      absl::Status s = engine_->Method(*req, resp);                                      \
+      if (s.ok()) authz_.Scope(p, resp);                                                 \
+      return s;                                                                          \
+    });                                                                                  \
+  }
+KVCD_SCOPED_UNARY(ListModels, ListModelsRequest, ListModelsResponse)
+KVCD_SCOPED_UNARY(Stats, StatsRequest, StatsResponse)
+#undef KVCD_SCOPED_UNARY
 
 // Sequence-scoped calls: the sequences the authorizer found go on to the engine.
 #define KVCD_SEQUENCE_UNARY(Method, Req, Resp)                                           \

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -474,6 +475,57 @@ TEST_F(TenantTest, DecodeChannelsCountAgainstTheTenantsQuota) {
       std::chrono::seconds(10)));
   auto after_lease = DecodeChannel::Open(bob_worker_.get(), 1 << 16, 60000);
   EXPECT_TRUE(after_lease.ok()) << after_lease.status();
+}
+
+// Issue #35.7: any token's Stats and ListModels showed every tenant's name and use. A token
+// sees its own tenants only, and no daemon-wide activity; a "*" token sees everything.
+TEST_F(TenantTest, StatsAndListModelsShowOnlyTheCallersTenants) {
+  ASSERT_TRUE(alice_->Put(MakePut(8, 16, "team-a")).ok());
+  ASSERT_TRUE(alice_->OpenSequence("tiny", "team-a", synthetic::Tokens(8, 0, 16)).ok());
+  ASSERT_TRUE(bob_->OpenSequence("tiny", "team-b", synthetic::Tokens(9, 0, 16)).ok());
+  auto names = [](const v1::StatsResponse& s) {
+    std::set<std::string> out;
+    for (const v1::TenantUsage& t : s.tenants()) out.insert(t.tenant());
+    return out;
+  };
+  auto alice = alice_->Stats();
+  ASSERT_TRUE(alice.ok()) << alice.status();
+  EXPECT_EQ(names(*alice), std::set<std::string>{"team-a"});
+  for (const v1::TenantUsage& t : alice->tenants()) EXPECT_EQ(t.open_sequences(), 1u);
+  auto bob = bob_->Stats();
+  ASSERT_TRUE(bob.ok()) << bob.status();
+  EXPECT_EQ(names(*bob), std::set<std::string>{"team-b"});
+  // No daemon-wide activity (it is every tenant's), only the configuration.
+  for (const auto* s : {&*alice, &*bob}) {
+    EXPECT_EQ(s->active_sequences(), 0u);
+    EXPECT_EQ(s->memory_used_bytes(), 0u);
+    EXPECT_EQ(s->hit_tokens() + s->miss_tokens(), 0u);
+    EXPECT_GT(s->memory_budget_bytes(), 0u);
+    ASSERT_EQ(s->models_size(), 1);
+    EXPECT_EQ(s->models(0).cached_tokens(), 0u);
+    EXPECT_EQ(s->models(0).active_sequences(), 0u);
+    for (const v1::PoolInfo& p : s->models(0).pools()) {
+      EXPECT_EQ(p.pages_used(), 0u);
+      EXPECT_GT(p.pages_total(), 0u);
+    }
+  }
+  auto models = bob_->ListModels();
+  ASSERT_TRUE(models.ok()) << models.status();
+  ASSERT_EQ(models->size(), 1u);
+  EXPECT_EQ((*models)[0].profile().name(), "tiny");
+  EXPECT_EQ((*models)[0].cached_tokens(), 0u);
+  EXPECT_EQ((*models)[0].active_sequences(), 0u);
+
+  // The admin ("*") sees the whole daemon.
+  auto admin = admin_->Stats();
+  ASSERT_TRUE(admin.ok()) << admin.status();
+  EXPECT_TRUE(names(*admin).count("team-a") && names(*admin).count("team-b"));
+  EXPECT_EQ(admin->active_sequences(), 2u);
+  EXPECT_GT(admin->models(0).cached_tokens(), 0u);
+  auto all_models = admin_->ListModels();
+  ASSERT_TRUE(all_models.ok()) << all_models.status();
+  EXPECT_GT((*all_models)[0].cached_tokens(), 0u);
+  EXPECT_EQ((*all_models)[0].active_sequences(), 2u);
 }
 
 TEST_F(TenantTest, ModelRegistrationAndTheDataPlaneNeedTheirPermissions) {
