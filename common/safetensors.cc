@@ -13,6 +13,67 @@
 #include "nlohmann/json.hpp"
 
 namespace kvcd {
+namespace {
+
+// Counts the header's entries and values without building a tree, and stops at the first
+// bound passed (or at a syntax error, left to the real parse to report).
+class HeaderCounter final : public nlohmann::json::json_sax_t {
+ public:
+  int64_t entries = 0, values = 0;
+  bool over = false;
+
+  bool null() override { return Value(); }
+  bool boolean(bool) override { return Value(); }
+  bool number_integer(number_integer_t) override { return Value(); }
+  bool number_unsigned(number_unsigned_t) override { return Value(); }
+  bool number_float(number_float_t, const string_t&) override { return Value(); }
+  bool string(string_t&) override { return Value(); }
+  bool binary(binary_t&) override { return Value(); }
+  bool start_object(std::size_t) override {
+    ++depth_;
+    return Value();
+  }
+  bool key(string_t& k) override {
+    // Depth 1: a tensor or __metadata__; depth 2 under __metadata__: a metadata entry.
+    if (depth_ == 1) {
+      in_metadata_ = k == "__metadata__";
+      if (!in_metadata_) ++entries;
+    } else if (depth_ == 2 && in_metadata_) {
+      ++entries;
+    }
+    return Check();
+  }
+  bool end_object() override {
+    --depth_;
+    return true;
+  }
+  bool start_array(std::size_t) override {
+    ++depth_;
+    return Value();
+  }
+  bool end_array() override {
+    --depth_;
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::json::exception&) override {
+    return false;
+  }
+
+ private:
+  bool Value() {
+    ++values;
+    return Check();
+  }
+  bool Check() {
+    over =
+        entries > SafetensorsFile::kMaxHeaderEntries || values > SafetensorsFile::kMaxHeaderValues;
+    return !over;
+  }
+  int depth_ = 0;
+  bool in_metadata_ = false;
+};
+
+}  // namespace
 
 int SafetensorsDtypeSize(const std::string& dtype) {
   if (dtype == "F64" || dtype == "I64" || dtype == "U64") return 8;
@@ -42,12 +103,30 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::string bytes) {
   if (total < 8) return absl::InvalidArgumentError("safetensors: file shorter than 8 bytes");
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | static_cast<uint8_t>(f.bytes_[i]);
-  if (header_len > static_cast<uint64_t>(total - 8) || header_len > (100u << 20)) {
+  if (header_len > kMaxHeaderBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("safetensors: header length ", header_len,
+                                                   " exceeds the limit of ", kMaxHeaderBytes,
+                                                   " bytes (kMaxHeaderBytes)"));
+  }
+  if (header_len > static_cast<uint64_t>(total - 8)) {
     return absl::InvalidArgumentError(
         absl::StrCat("safetensors: header length ", header_len, " exceeds the file size ", total));
   }
   f.data_start_ = 8 + static_cast<int64_t>(header_len);
   const int64_t data_len = total - f.data_start_;
+  {
+    HeaderCounter counter;
+    nlohmann::json::sax_parse(f.bytes_.begin() + 8, f.bytes_.begin() + f.data_start_, &counter,
+                              nlohmann::json::input_format_t::json, /*strict=*/true);
+    if (counter.over) {
+      return absl::InvalidArgumentError(
+          counter.entries > kMaxHeaderEntries
+              ? absl::StrCat("safetensors: the header has more than ", kMaxHeaderEntries,
+                             " entries (tensors and __metadata__ keys; kMaxHeaderEntries)")
+              : absl::StrCat("safetensors: the header has more than ", kMaxHeaderValues,
+                             " JSON values (kMaxHeaderValues)"));
+    }
+  }
   nlohmann::json header =
       nlohmann::json::parse(f.bytes_.begin() + 8, f.bytes_.begin() + f.data_start_, nullptr,
                             /*allow_exceptions=*/false);

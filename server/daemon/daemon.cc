@@ -38,6 +38,7 @@ void ApplyLimits(const ServerConfig& c, grpc::ServerBuilder* b) {
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerConfig& config) {
   KVCD_RETURN_IF_ERROR(CheckExposure(config));
+  KVCD_RETURN_IF_ERROR(CheckMetricsExposure(config));
   std::unique_ptr<Daemon> d(new Daemon(config));
   if (config.auth.enabled()) {
     KVCD_ASSIGN_OR_RETURN(d->tokens_, TokenStore::Load(config.auth.tokens_file));
@@ -131,9 +132,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerConfig& config
 
   if (!config.metrics_listen.empty()) {
     if (!IsLoopbackAddress(config.metrics_listen)) {
+      // CheckMetricsExposure refused metrics_per_tenant here: this is true.
       std::fprintf(stderr,
                    "kvcd: metrics on non-loopback address '%s' are plaintext and "
                    "unauthenticated (aggregate counters only, no tenant data)\n",
+                   config.metrics_listen.c_str());
+    } else if (config.metrics_per_tenant) {
+      std::fprintf(stderr,
+                   "kvcd: metrics_per_tenant: the metrics on '%s' name every tenant and its use "
+                   "(kvcd_tenant_*)\n",
                    config.metrics_listen.c_str());
     }
     KVCD_ASSIGN_OR_RETURN(int mport, d->metrics_->Serve(config.metrics_listen));

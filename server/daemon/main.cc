@@ -97,6 +97,8 @@ int main(int argc, char** argv) {
   if (cmd == "check-config") {
     if (absl::Status s = kvcd::CheckExposure(config); !s.ok())
       return Fail(std::string(s.message()));
+    if (absl::Status s = kvcd::CheckMetricsExposure(config); !s.ok())
+      return Fail(std::string(s.message()));
     if (absl::Status s = kvcd::CheckModelCodecs(config); !s.ok()) {
       return Fail(std::string(s.message()));
     }

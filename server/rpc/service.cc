@@ -1,8 +1,9 @@
 #include "server/rpc/service.h"
 
-#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <mutex>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/phase_times.h"
@@ -61,16 +62,32 @@ KvCacheService::KvCacheService(CacheEngine* engine, Metrics* metrics, ThreadPool
                if (!pin.ok()) return pin.status();
                return pin->tenant;
              }),
-      channels_(engine, DecodeChannels::Options{engine->config().decode_channel_spin_us, 20, 64}) {}
+      channels_(engine, DecodeChannels::Options{engine->config().decode_channel_spin_us, 64}) {}
 
 // What a decode channel asks before each request: the token that opened the channel,
 // resolved again for every request (a revoked token stops working), may use every sequence
 // of it; the sequences found go down to the engine with the request. Each answer is
 // observed like a call's.
+//
+// The channel counts against the max_decode_channels quota of each tenant the opening
+// token grants (a token of every tenant, or no auth: the default tenant "") from Open
+// until it ends, whichever way it ends.
 class ChannelAdmission final : public DecodeAdmission {
  public:
-  ChannelAdmission(KvCacheService* service, std::optional<std::string> authorization)
-      : service_(service), authorization_(std::move(authorization)) {}
+  ChannelAdmission(KvCacheService* service, std::optional<std::string> authorization,
+                   std::vector<std::string> tenants)
+      : service_(service), authorization_(std::move(authorization)), tenants_(std::move(tenants)) {}
+  ~ChannelAdmission() override { Ended(); }
+
+  // What a principal's channels are charged to.
+  static std::vector<std::string> TenantsOf(const Principal& p) {
+    if (p.unrestricted || p.all_tenants) return {""};
+    return std::vector<std::string>(p.tenants.begin(), p.tenants.end());
+  }
+
+  void Ended() override {
+    if (!released_.exchange(true)) service_->engine_->ledger().ReleaseDecodeChannel(tenants_);
+  }
 
   absl::StatusOr<FoundSequences> Admit(const v1::AttentionDecodeRequest& req) override {
     absl::StatusOr<std::shared_ptr<const Principal>> now = service_->Authenticate(authorization_);
@@ -101,6 +118,8 @@ class ChannelAdmission final : public DecodeAdmission {
  private:
   KvCacheService* const service_;
   const std::optional<std::string> authorization_;
+  const std::vector<std::string> tenants_;  // charged one channel each (taken before Open)
+  std::atomic<bool> released_{false};
 };
 
 std::optional<std::string> KvCacheService::AuthorizationOf(grpc::CallbackServerContext* ctx) {
@@ -191,7 +210,6 @@ bool KvCacheService::WaitIdle(std::chrono::steady_clock::time_point deadline) {
         });                                                                                  \
   }
 KVCD_UNARY(RegisterModel, RegisterModelRequest, RegisterModelResponse)
-KVCD_UNARY(ListModels, ListModelsRequest, ListModelsResponse)
 KVCD_UNARY(Put, PutRequest, PutResponse)
 KVCD_UNARY(Match, MatchRequest, MatchResponse)
 KVCD_UNARY(OpenSequence, OpenSequenceRequest, OpenSequenceResponse)
@@ -200,6 +218,24 @@ KVCD_UNARY(PinPrefix, PinPrefixRequest, PinPrefixResponse)
 KVCD_UNARY(UnpinPrefix, UnpinPrefixRequest, UnpinPrefixResponse)
 KVCD_UNARY(RenewBuffer, RenewBufferRequest, RenewBufferResponse)
 #undef KVCD_UNARY
+
+// What the daemon's state shows is scoped to the caller's tenants (Authorizer::Scope),
+// the prefix pins of Stats included.
+#define KVCD_SCOPED_UNARY(Method, Req, Resp)                                                 \
+  grpc::ServerUnaryReactor* KvCacheService::Method(                                          \
+      grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* in, grpc::ByteBuffer* out) { \
+    return Run<v1::Req, v1::Resp>(                                                           \
+        #Method, ctx, in, out,                                                               \
+        [this](const Principal& p, const v1::Req& req, v1::Resp* resp) -> absl::Status {     \
+          if (absl::Status s = authz_.Check(p, req); !s.ok()) return s;                      \
+          absl::Status s = engine_->Method(req, resp);                                       \
+          if (s.ok()) authz_.Scope(p, resp);                                                 \
+          return s;                                                                          \
+        });                                                                                  \
+  }
+KVCD_SCOPED_UNARY(ListModels, ListModelsRequest, ListModelsResponse)
+KVCD_SCOPED_UNARY(Stats, StatsRequest, StatsResponse)
+#undef KVCD_SCOPED_UNARY
 
 // Sequence-scoped calls: the sequences the authorizer found go on to the engine.
 #define KVCD_SEQUENCE_UNARY(Method, Req, Resp)                                               \
@@ -220,22 +256,6 @@ KVCD_SEQUENCE_UNARY(RenewLease, RenewLeaseRequest, RenewLeaseResponse)
 KVCD_SEQUENCE_UNARY(Append, AppendRequest, AppendResponse)
 KVCD_SEQUENCE_UNARY(FetchPages, FetchPagesRequest, FetchPagesResponse)
 #undef KVCD_SEQUENCE_UNARY
-
-// Stats lists only the prefix pins of the caller's tenants.
-grpc::ServerUnaryReactor* KvCacheService::Stats(grpc::CallbackServerContext* ctx,
-                                                const v1::StatsRequest* req,
-                                                v1::StatsResponse* resp) {
-  return Run("Stats", ctx, [this, req, resp](const Principal& p) -> absl::Status {
-    if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;
-    KVCD_RETURN_IF_ERROR(engine_->Stats(*req, resp));
-    auto* pins = resp->mutable_pins();
-    pins->erase(
-        std::remove_if(pins->begin(), pins->end(),
-                       [&](const v1::PrefixPin& pin) { return !p.MayUseTenant(pin.tenant()); }),
-        pins->end());
-    return absl::OkStatus();
-  });
-}
 
 // Data-plane objects are bound to the token that created them (authorizer.h).
 grpc::ServerUnaryReactor* KvCacheService::RegisterBuffer(grpc::CallbackServerContext* ctx,
@@ -305,9 +325,14 @@ grpc::ServerUnaryReactor* KvCacheService::OpenDecodeChannel(grpc::CallbackServer
         const absl::StatusOr<int64_t> lease = engine_->leases().Grant(req.lease_ms());
         if (!lease.ok()) return lease.status();
         // Requests on the channel run with the token that opened it, resolved again for
-        // every request (a revoked token stops working).
+        // every request (a revoked token stops working). The channel is charged to the
+        // token's tenants first; a refused Open gives the charge back (the admission's
+        // destructor).
+        std::vector<std::string> tenants = ChannelAdmission::TenantsOf(p);
+        if (absl::Status s = engine_->ledger().TakeDecodeChannel(tenants); !s.ok()) return s;
         absl::StatusOr<uint64_t> id = channels_.Open(
-            req.shm_name(), *lease, std::make_unique<ChannelAdmission>(this, AuthorizationOf(ctx)));
+            req.shm_name(), *lease,
+            std::make_unique<ChannelAdmission>(this, AuthorizationOf(ctx), std::move(tenants)));
         if (!id.ok()) return id.status();
         authz_.Bind(Authorizer::Object::kChannel, *id, p);
         resp->set_channel_id(*id);

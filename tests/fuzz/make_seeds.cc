@@ -13,6 +13,7 @@
 #include "common/activation_dump.h"
 #include "common/cli.h"
 #include "common/codec_profile.h"
+#include "common/decode_channel_layout.h"
 #include "common/fsq_codec.h"
 #include "common/key_transform_profile.h"
 #include "common/safetensors.h"
@@ -348,6 +349,26 @@ void ChannelSeeds() {
   std::string sized = seed(8, Decode("tiny", 0, false).SerializeAsString());
   sized[5] = '\x10';  // request_bytes = 16: a cut request
   Write("decode_channel_fuzz", "cut", sized);
+  // Flag 32: a value for every other header field (the block after byte 8): a valid header
+  // for the second object, a jump of request_seq, and the daemon's fields and the doorbell's
+  // words scribbled on.
+  auto le = [](std::string* s, uint64_t v, int bytes) {
+    for (int i = 0; i < bytes; ++i) s->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  };
+  std::string block;
+  le(&block, DecodeChannelHeader::kMagic, 8);
+  le(&block, DecodeChannelHeader::kVersion, 4);
+  le(&block, DecodeChannelHeader::kMinCapacity, 4);
+  le(&block, 1000, 8);         // request_seq
+  le(&block, 1000, 8);         // response_seq: as if already answered
+  le(&block, 0xffffffffu, 4);  // response_bytes
+  le(&block, 7, 4);            // doorbell
+  le(&block, 0, 4);            // daemon_waiting: the wake-up is skipped
+  Write("decode_channel_fuzz", "header",
+        seed(32, block + Decode("tiny", 1, false).SerializeAsString()));
+  block[0] ^= 1;  // a bad magic: the second object is refused
+  Write("decode_channel_fuzz", "header-bad-magic",
+        seed(32, block + Decode("tiny", 1, false).SerializeAsString()));
 }
 
 }  // namespace

@@ -182,6 +182,59 @@ TEST_F(HardeningTest, BadRequestsOverTheWireChangeNothing) {
 
 // Issue #21.6: SO_REUSEPORT is off, so a second daemon on the same port fails at start-up
 // with a clear message and a non-zero exit instead of splitting the connections.
+// Issue #35.7: the unauthenticated metrics port had tenant= labels (tenant names and their
+// use) while the log said it held no tenant data. Per-tenant metrics are an explicit opt-in
+// (metrics_per_tenant), and refused at start-up when metrics listen beyond loopback.
+TEST(TenantMetricsTest, PerTenantMetricsAreOptInAndLoopbackOnly) {
+  constexpr char kBase[] = R"(
+listen: 127.0.0.1:0
+memory_budget: 16MiB
+models:
+  - builtin: tiny
+    memory: 1MiB
+)";
+  auto open_one = [](const DaemonProcess& d) {
+    ClientOptions o;
+    o.target = d.grpc();
+    auto c = Client::Connect(o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    ASSERT_TRUE((*c)->OpenSequence("tiny", "secret-tenant", {1, 2, 3}, 60000).ok());
+  };
+  {  // The default: aggregate metrics, no tenant label, and the log says so.
+    DaemonProcess d;
+    ASSERT_TRUE(d.CaptureStderr());
+    ASSERT_TRUE(d.Start(std::string(kBase) + "metrics_listen: 127.0.0.1:0\n"));
+    open_one(d);
+    const std::string body = ScrapeMetrics(d);
+    EXPECT_NE(body.find("kvcd_active_sequences 1"), std::string::npos) << body;
+    EXPECT_EQ(body.find("tenant="), std::string::npos) << body;
+    EXPECT_EQ(body.find("secret-tenant"), std::string::npos) << body;
+    EXPECT_EQ(d.Stop(), 0);
+  }
+  {  // Opted in on loopback: the tenant metrics, and the log says they name tenants.
+    DaemonProcess d;
+    ASSERT_TRUE(d.CaptureStderr());
+    ASSERT_TRUE(
+        d.Start(std::string(kBase) + "metrics_listen: 127.0.0.1:0\nmetrics_per_tenant: true\n"));
+    open_one(d);
+    const std::string body = ScrapeMetrics(d);
+    EXPECT_NE(body.find("kvcd_tenant_open_sequences{tenant=\"secret-tenant\"} 1"),
+              std::string::npos)
+        << body;
+    EXPECT_NE(d.Stderr().find("name every tenant"), std::string::npos) << d.Stderr();
+    EXPECT_EQ(d.Stop(), 0);
+  }
+  {  // Opted in beyond loopback: refused at start-up, saying why and what to change.
+    DaemonProcess d;
+    ASSERT_TRUE(d.CaptureStderr());
+    EXPECT_FALSE(
+        d.Start(std::string(kBase) + "metrics_listen: 0.0.0.0:0\nmetrics_per_tenant: true\n"));
+    EXPECT_NE(d.WaitExit(), 0);
+    EXPECT_NE(d.Stderr().find("refusing metrics_per_tenant"), std::string::npos) << d.Stderr();
+    EXPECT_NE(d.Stderr().find("'0.0.0.0:0'"), std::string::npos) << d.Stderr();
+  }
+}
+
 TEST_F(HardeningTest, SecondDaemonOnTheSamePortFailsAtStartUp) {
   DaemonProcess second;
   ASSERT_TRUE(second.CaptureStderr());
@@ -334,7 +387,7 @@ TEST_F(HardeningTest, ACorruptOrTruncatedDecodeChannelCannotCrashTheDaemon) {
   auto send = [&](const std::string& msg, uint32_t claimed_bytes) {
     std::memcpy(h->RequestArea(), msg.data(), std::min<size_t>(msg.size(), capacity));
     h->request_bytes.store(claimed_bytes, std::memory_order_relaxed);
-    h->request_seq.store(++next_seq, std::memory_order_release);
+    h->PublishRequest(++next_seq);
     EXPECT_TRUE(
         WaitFor([&] { return h->response_seq.load() == next_seq; }, std::chrono::seconds(10)));
     v1::AttentionDecodeStreamResponse r;
@@ -447,6 +500,7 @@ TEST(TenantQuotaDaemonTest, AGreedyTenantCannotStarveAnother) {
   constexpr char kQuotaConfig[] = R"(
 listen: 127.0.0.1:0
 metrics_listen: 127.0.0.1:0
+metrics_per_tenant: true
 memory_budget: 16MiB
 max_sequences: 6
 quotas:
@@ -529,6 +583,7 @@ TEST(TenantQuotaDaemonTest, AGreedyTenantCannotStarveAnotherOfMemoryOrRegistrati
   constexpr char kShareConfig[] = R"(
 listen: 127.0.0.1:0
 metrics_listen: 127.0.0.1:0
+metrics_per_tenant: true
 memory_budget: 16MiB
 quotas:
   default: {max_models: 2}

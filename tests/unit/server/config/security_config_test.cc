@@ -86,5 +86,25 @@ TEST(SecurityConfigTest, NonLoopbackNeedsTlsAndAuthUnlessInsecure) {
   EXPECT_TRUE(CheckExposure(open).ok());
 }
 
+// Issue #35.7: per-tenant metrics are opt-in, and only on a loopback metrics address.
+TEST(SecurityConfigTest, PerTenantMetricsAreOptInAndLoopbackOnly) {
+  absl::StatusOr<ServerConfig> c = ParseConfig("metrics_listen: 0.0.0.0:9464\n");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->metrics_per_tenant);  // off unless asked for
+  EXPECT_TRUE(CheckMetricsExposure(*c).ok());
+  c = ParseConfig("metrics_listen: 0.0.0.0:9464\nmetrics_per_tenant: true\n");
+  ASSERT_TRUE(c.ok()) << c.status();
+  absl::Status s = CheckMetricsExposure(*c);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("'0.0.0.0:9464'"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("metrics_per_tenant: false"), std::string::npos) << s;
+  c->metrics_listen = "127.0.0.1:9464";
+  EXPECT_TRUE(CheckMetricsExposure(*c).ok());
+  c->metrics_listen = "";  // no metrics at all
+  EXPECT_TRUE(CheckMetricsExposure(*c).ok());
+  EXPECT_EQ(ParseConfig("metrics_per_tenant: maybe\n").status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace kvcd
