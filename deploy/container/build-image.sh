@@ -156,7 +156,7 @@ fi
 # --- the build context: the sources CMake needs, the ccache, the image's files -----------
 ctx=$cache/context-$variant
 rm -rf "$ctx" && mkdir -p "$ctx/src" "$ctx/ccache"
-srcs=(CMakeLists.txt proto kernels common server client tools testing examples deploy/container)
+srcs=(CMakeLists.txt cmake proto kernels common server client tools testing examples deploy/container)
 if git rev-parse --git-dir >/dev/null 2>&1; then
   git ls-files -z --cached --others --exclude-standard -- "${srcs[@]}" | xargs -0 cp --parents -t "$ctx/src"
 else
