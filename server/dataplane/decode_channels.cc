@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/decode_channel_layout.h"
+#include "common/log.h"
 #include "common/phase_times.h"
 #include "common/quote.h"
 #include "common/random_id.h"
@@ -390,10 +391,9 @@ void DecodeChannels::Serve(Channel* c) {
     served_.fetch_add(1, std::memory_order_relaxed);
   }
   if (faulted) {
-    std::fprintf(stderr,
-                 "kvcd: decode channel %llu: its shared memory shrank under the mapping "
-                 "(SIGBUS caught); channel closed\n",
-                 static_cast<unsigned long long>(c->id));
+    KVCD_LOG(WARNING) << "decode channel " << c->id
+                      << ": its shared memory shrank under the mapping (SIGBUS caught); "
+                         "channel closed";
   }
   // Tell the worker (a guarded store: when the header page is gone too, nothing to tell).
   (void)c->Store(h.closed, 1u, std::memory_order_release);

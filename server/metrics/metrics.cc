@@ -6,7 +6,10 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "prometheus/collectable.h"
+#include "prometheus/gauge.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/text_serializer.h"
 
@@ -254,9 +257,24 @@ prometheus::Histogram::BucketBoundaries LatencyBuckets() {
 
 }  // namespace
 
-Metrics::Metrics(const CacheEngine* engine)
+Metrics::Metrics(const CacheEngine* engine, const BuildLabels& build)
     : registry_(std::make_shared<prometheus::Registry>()),
       cache_collector_(std::make_shared<CacheCollector>(engine)) {
+  prometheus::BuildGauge()
+      .Name("kvcd_build_info")
+      .Help("The daemon's build: version, commit, serving backend, CUDA compiled in; value 1.")
+      .Register(*registry_)
+      .Add({{"version", build.version},
+            {"commit", build.commit},
+            {"backend", build.backend},
+            {"cuda", build.cuda ? "true" : "false"}})
+      .Set(1);
+  prometheus::BuildGauge()
+      .Name("kvcd_process_start_time_seconds")
+      .Help("When the daemon process started (Unix time, seconds); it changes on a restart.")
+      .Register(*registry_)
+      .Add({})
+      .Set(absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()));
   rpc_seconds_ = &prometheus::BuildHistogram()
                       .Name("kvcd_rpc_duration_seconds")
                       .Help("Server-side latency of kvcd RPCs by method and status code.")

@@ -714,7 +714,11 @@ TEST_F(SecurityTest, NonLoopbackWithoutTlsAndAuthIsRefusedUnlessInsecure) {
   insecure.set_stderr_path(StderrPath());
   insecure.set_extra_args({"--insecure"});
   ASSERT_TRUE(insecure.Start(Config("", "0.0.0.0:0")));
-  EXPECT_NE(ReadFile(StderrPath()).find("WARNING: --insecure"), std::string::npos);
+  const std::string warned = ReadFile(StderrPath());
+  const size_t at = warned.find("--insecure: serving without TLS or authentication");
+  ASSERT_NE(at, std::string::npos) << warned;
+  const size_t line = warned.rfind('\n', at) + 1;  // npos + 1 == 0 on the first line
+  EXPECT_NE(warned.substr(line, at - line).find(" WARNING "), std::string::npos) << warned;
   ClientOptions o;
   o.target = "127.0.0.1:" + insecure.grpc().substr(insecure.grpc().rfind(':') + 1);
   auto c = Client::Connect(o);
