@@ -376,3 +376,86 @@ def test_generated_copies_are_in_sync():
     r = subprocess.run([sys.executable, str(ROOT / "deploy/tools/sync_generated.py"), "--check"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+# Keys the chart writes itself (ports, backend, tls, auth): deploy/tools/sync_generated.py.
+sys.path.insert(0, str(ROOT / "deploy/tools"))
+from sync_generated import without_chart_owned  # noqa: E402
+
+# Every daemon config in the repository: the examples, the images', the overlays', the live
+# test's and the config fuzzer's seeds.
+EXAMPLE_CONFIGS = sorted(
+    p for pattern in ("deploy/config/kvcd-*.yaml", "deploy/container/*.yaml",
+                      "deploy/kubernetes/overlays/*/kvcd.yaml", "deploy/tests/live.yaml",
+                      "tests/fuzz/corpus/config_fuzz/*.yaml")
+    for p in ROOT.glob(pattern) if "tokens" not in p.name)
+
+
+def check_config(cfg, tmp_path, name="kvcd.yaml"):
+    f = tmp_path / name
+    f.write_text(yaml.safe_dump(cfg))
+    return subprocess.run([KVCD, "check-config", "--config", str(f), "--insecure"],
+                          capture_output=True, text=True)
+
+
+def as_chart_values(cfg):
+    values = {"config": without_chart_owned(cfg)}
+    if "backend" in cfg:
+        values["backend"] = cfg["backend"]
+    return values
+
+
+def test_example_configs_are_found():
+    names = {p.name for p in EXAMPLE_CONFIGS}
+    assert {"kvcd-demo.yaml", "kvcd-secure.yaml", "kvcd-h200.yaml", "live.yaml",
+            "full.yaml"} <= names, names
+
+
+@pytest.mark.parametrize("path", EXAMPLE_CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_chart_accepts_every_config_the_daemon_accepts(path, tmp_path):
+    """A config kvcd accepts renders through the chart (its schema, derived from the
+    daemon's, refuses nothing the daemon takes), and the rendered config says the same and is
+    accepted by kvcd in turn."""
+    cfg = yaml.safe_load(path.read_text())
+    local = {k: v for k, v in cfg.items() if k not in ("tls", "auth")}  # files exist in pods only
+    local["backend"] = "cpu"  # what check-config can open here; the key itself is the chart's
+    daemon = check_config(local, tmp_path)
+    if daemon.returncode != 0:
+        pytest.skip(f"kvcd refuses it, so the chart may too: {daemon.stderr.strip()}")
+    docs = helm_render(as_chart_values(cfg))
+    rendered = daemon_config(docs)
+    for k, v in without_chart_owned(cfg).items():
+        assert rendered[k] == v, k
+    rendered = {k: v for k, v in rendered.items() if k not in ("tls", "auth")}
+    rendered["backend"] = "cpu"
+    r = check_config(rendered, tmp_path, "rendered.yaml")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("key", [["colour"], ["models", 0, "memroy"], ["quotas", "default", "max_pages"],
+                                 ["lease", "maximum_ms"], ["quotas", "tenants", 0, "tennant"]])
+def test_a_key_the_schema_lacks_fails_both(key, tmp_path):
+    cfg = {"memory_budget": "1GiB", "drain_timeout_ms": 1000, "models": [{"builtin": "tiny"}],
+           "quotas": {"default": {"max_sequences": 4}, "tenants": [{"tenant": "a"}]},
+           "lease": {"default_ms": 1000}}
+    node = cfg
+    for part in key[:-1]:
+        node = node[part]
+    node[key[-1]] = 1
+    r = check_config(cfg, tmp_path)
+    assert r.returncode != 0 and f"unknown key '" in r.stderr and key[-1] in r.stderr, r.stderr
+    with helm.Chart.load(str(CHART)) as chart:
+        with pytest.raises(helm.HelmValuesError) as e:
+            chart.render({"config": cfg}, name="kvcd", namespace="kvcd")
+    assert key[-1] in str(e.value), str(e.value)
+
+
+def test_keys_in_progress_are_accepted_by_the_chart():
+    """Keys another change is adding to the daemon (x-kvcd-status in the schema) are in the
+    chart's schema already: their landing touches only the daemon."""
+    docs = helm_render({"config": {"memory_budget": "1GiB", "drain_timeout_ms": 1000,
+                                   "models": [{"builtin": "tiny"}], "per_tenant_metrics": False,
+                                   "quotas": {"default": {"max_pinned_prefix_pages": 10,
+                                                          "max_pin_ttl_ms": 60000,
+                                                          "max_decode_channels": 2}}}})
+    assert daemon_config(docs)["quotas"]["default"]["max_decode_channels"] == 2

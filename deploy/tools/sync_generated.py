@@ -7,11 +7,82 @@ deploy/prometheus/kvcd-rules.yaml is the one source of the alerting and recordin
     (Helm's .Files reach only files inside the chart).
 deploy/grafana/kvcd-dashboard.json is copied to deploy/helm/kvcd/files/ for the chart's
 optional dashboard ConfigMap.
+server/config/kvcd-config.schema.json is the one source of the daemon config's structure:
+  - the `config` subtree of deploy/helm/kvcd/values.schema.json is derived from it (its $refs
+    inlined, less the keys the chart writes itself: CHART_OWNED), so the chart accepts every
+    key the daemon accepts and refuses every key the daemon refuses; the rest of
+    values.schema.json (the chart's own values) is edited by hand;
 """
+import copy
+import json
 import pathlib
 import sys
 
 DEPLOY = pathlib.Path(__file__).resolve().parent.parent
+CONFIG_SCHEMA = DEPLOY.parent / "server/config/kvcd-config.schema.json"
+CHART = DEPLOY / "helm/kvcd"
+# Daemon keys the chart writes from its other values (ports, backend, tls, auth).
+CHART_OWNED = ["listen", "health_listen", "metrics_listen", "backend", "cuda_device",
+               "tls.cert_file", "tls.key_file", "tls.client_ca_file", "auth.tokens_file"]
+# What the chart needs of the config on top of the daemon's schema: the grace period is
+# computed from drain_timeout_ms (values.yaml has defaults for all three).
+CHART_CONFIG = {
+    "description": "The daemon's config file (server/config/kvcd-config.schema.json, less the "
+                   "keys the chart writes: " + ", ".join(CHART_OWNED) + ").",
+    "required": ["memory_budget", "drain_timeout_ms", "models"],
+}
+
+
+def without_chart_owned(config):
+    """A daemon config less the keys the chart writes (a copy)."""
+    config = copy.deepcopy(config)
+    for key in CHART_OWNED:
+        *parents, leaf = key.split(".")
+        node = config
+        for p in parents:
+            node = node.get(p) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+            if parents and not node:
+                config.pop(parents[0])
+    return config
+
+
+def inline_refs(node, definitions):
+    """node with every {"$ref": "#/definitions/x", ...} replaced by x merged with its siblings."""
+    if isinstance(node, list):
+        return [inline_refs(n, definitions) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    if "$ref" in node:
+        out.update(inline_refs(definitions[node["$ref"].rsplit("/", 1)[1]], definitions))
+    for k, v in node.items():
+        if k != "$ref":
+            out[k] = inline_refs(v, definitions)
+    return out
+
+
+def chart_config_schema():
+    daemon = json.loads(CONFIG_SCHEMA.read_text())
+    config = inline_refs({k: v for k, v in daemon.items()
+                          if k not in ("$schema", "$id", "$comment", "title", "definitions")},
+                         daemon.get("definitions", {}))
+    for key in CHART_OWNED:
+        *parents, leaf = key.split(".")
+        node = config
+        for p in parents:
+            node = node["properties"][p]
+        del node["properties"][leaf]
+    config.update(copy.deepcopy(CHART_CONFIG))
+    return config
+
+
+def values_schema():
+    path = CHART / "values.schema.json"
+    schema = json.loads(path.read_text())
+    schema["properties"]["config"] = chart_config_schema()
+    return json.dumps(schema, indent=2) + "\n"
 
 
 def outputs():
@@ -29,6 +100,7 @@ def outputs():
     dashboard = DEPLOY / "grafana/kvcd-dashboard.json"
     if dashboard.exists():
         yield DEPLOY / "helm/kvcd/files/kvcd-dashboard.json", dashboard.read_text()
+    yield CHART / "values.schema.json", values_schema()
 
 
 def main():
