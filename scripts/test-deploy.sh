@@ -12,8 +12,8 @@
 #      query returns data, recording rules evaluate, SIGTERM drains (pytest)
 #   5. the container image: registry-free build, run on 127.0.0.1, kvctl, docker stop drains
 #      (build-image.sh installs docker.io and debootstrap and starts dockerd when no engine
-#      answers); an image already built from this commit (clean tree: kvcd:<git describe>-cpu)
-#      is reused, not rebuilt. KVCD_DEPLOY_SKIP_IMAGE=1 skips it.
+#      answers); an image already built from this commit (clean tree:
+#      kvcd:<version>-<git describe>-cpu) is reused, not rebuilt. KVCD_DEPLOY_SKIP_IMAGE=1 skips it.
 #   6. with KVCD_DEPLOY_CUDA_IMAGE=1: the CUDA image builds (compile and link for sm_90)
 # `--prepare` only installs what the checks need (packages, the venv) and needs no build
 # (scripts/test.sh runs it while the C++ builds run).
@@ -77,9 +77,10 @@ step "kustomize + helm renders" "$py" -m pytest -q -p no:cacheprovider deploy/te
 step "live kvcd + prometheus" "$py" -m pytest -q -p no:cacheprovider deploy/tests/test_live_metrics.py
 if [[ $image == run ]]; then
   # An image of this very commit (clean tree) is reused; build-image.sh tags it so.
-  version=$(git describe --always --dirty 2>/dev/null || echo dev)
-  tag="kvcd:${version}-cpu"
-  if [[ $version != *-dirty && $version != dev ]] && docker image inspect "$tag" >/dev/null 2>&1; then
+  build_id=$(git describe --always --dirty 2>/dev/null || echo dev)
+  version=$(sed -n 's/^project(kvcd VERSION \([0-9][0-9.]*\).*/\1/p' CMakeLists.txt)
+  tag="kvcd:${version}-${build_id}-cpu"  # build-image.sh's second tag: this very build
+  if [[ $build_id != *-dirty && $build_id != dev ]] && docker image inspect "$tag" >/dev/null 2>&1; then
     echo "test-deploy: reusing the image $tag (built from this commit)"
     step "container image (cached $tag)" deploy/tests/test_container.sh "$tag"
   else

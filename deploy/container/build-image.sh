@@ -25,8 +25,18 @@ done
 cache=${KVCD_DEPLOY_CACHE:-$root/.cache/deploy}
 mkdir -p "$cache"
 cache=$(cd "$cache" && pwd)
-version=$(git describe --always --dirty 2>/dev/null || echo dev)
-[[ -n $tag ]] || tag="kvcd:${version}-${variant}"
+# One version: the project's (CMakeLists.txt, project(kvcd VERSION ...)). The image is tagged
+# kvcd:<version>-<variant>, the tag the Helm chart and the kustomize overlays default to
+# (deploy/tools/sync_generated.py keeps them equal to it), and kvcd:<version>-<commit>-<variant>
+# (git describe: which build it is).
+version=$(sed -n 's/^project(kvcd VERSION \([0-9][0-9.]*\).*/\1/p' CMakeLists.txt)
+[[ -n $version ]] || { echo "build-image: no project(kvcd VERSION ...) in CMakeLists.txt" >&2; exit 1; }
+build_id=$(git describe --always --dirty 2>/dev/null || echo dev)
+build_tag=""
+if [[ -z $tag ]]; then
+  tag="kvcd:${version}-${variant}"
+  build_tag="kvcd:${version}-${build_id}-${variant}"
+fi
 log() { echo "build-image: $*" >&2; }
 
 need=()
@@ -110,7 +120,7 @@ ccache_dir=$cache/ccache-$variant
 [[ ! -d $ccache_dir ]] || cp -a "$ccache_dir/." "$ctx/ccache/"
 dockerfile=deploy/container/Dockerfile
 [[ $variant == cpu ]] || dockerfile=deploy/container/Dockerfile.cuda
-build_args=(--build-arg "BASE_IMAGE=$base" --build-arg "KVCD_VERSION=$version")
+build_args=(--build-arg "BASE_IMAGE=$base" --build-arg "KVCD_VERSION=$version+$build_id")
 if [[ $variant == cuda ]]; then
   cuda=${CUDA_HOME:-/usr/local/cuda}
   [[ -x $cuda/bin/nvcc ]] || { log "the CUDA variant needs a CUDA toolkit at $cuda"; exit 1; }
@@ -141,4 +151,5 @@ rm -rf "$ccache_dir.new" && docker cp "$cid:/ccache" "$ccache_dir.new" && rm -rf
 docker rm "$cid" >/dev/null
 docker image rm "$tag-buildstage" >/dev/null
 rm -rf "$ctx"
+[[ -z $build_tag ]] || { docker tag "$tag" "$build_tag"; log "also tagged $build_tag"; }
 echo "$tag"

@@ -16,6 +16,7 @@ server/config/kvcd-config.schema.json is the one source of the daemon config's s
 import copy
 import json
 import pathlib
+import re
 import sys
 
 DEPLOY = pathlib.Path(__file__).resolve().parent.parent
@@ -100,7 +101,40 @@ def outputs():
     dashboard = DEPLOY / "grafana/kvcd-dashboard.json"
     if dashboard.exists():
         yield DEPLOY / "helm/kvcd/files/kvcd-dashboard.json", dashboard.read_text()
+    yield from versioned_files()
     yield CHART / "values.schema.json", values_schema()
+
+
+def project_version():
+    m = re.search(r"^project\(kvcd VERSION ([0-9][0-9.]*)", (DEPLOY.parent / "CMakeLists.txt").read_text(),
+                  re.M)
+    return m.group(1)
+
+
+# Where the image tag and the chart's version repeat the project's version (CMakeLists.txt):
+# (file, pattern whose group 1 is the version).
+VERSIONED = [
+    ("helm/kvcd/Chart.yaml", r"^version: ([0-9][0-9.]*)$"),
+    ("helm/kvcd/Chart.yaml", r'^appVersion: "([0-9][0-9.]*)"$'),
+    ("helm/kvcd/values.yaml", r"^  tag: ([0-9][0-9.]*)-cpu$"),
+    ("helm/kvcd/values-cuda.yaml", r"^  tag: ([0-9][0-9.]*)-cuda$"),
+    ("kubernetes/base/statefulset.yaml", r"image: kvcd:([0-9][0-9.]*)-cpu$"),
+    ("kubernetes/overlays/cpu/kustomization.yaml", r"newTag: ([0-9][0-9.]*)-cpu$"),
+    ("kubernetes/overlays/cuda/kustomization.yaml", r"newTag: ([0-9][0-9.]*)-cuda$"),
+]
+
+
+def versioned_files():
+    version = project_version()
+    texts = {}
+    for name, pattern in VERSIONED:
+        text = texts.get(name) or (DEPLOY / name).read_text()
+        if not re.search(pattern, text, re.M):
+            raise SystemExit(f"deploy/{name}: no line matches {pattern}")
+        texts[name] = re.sub(pattern, lambda m: m.group(0).replace(m.group(1), version, 1), text,
+                             flags=re.M)
+    for name, text in texts.items():
+        yield DEPLOY / name, text
 
 
 def main():
