@@ -36,9 +36,14 @@ def kustomize(path):
     return [d for d in yaml.safe_load_all(out) if d]
 
 
-def helm_render(values=None):
+def helm_render(values=None, operator=True):
+    """Renders the chart; operator: as on a cluster with the Prometheus Operator's CRDs
+    (helm-python-sdk renders with Helm's default capabilities, which have none of them)."""
+    values = copy.deepcopy(values or {})
+    if operator:
+        values.setdefault("assumePrometheusOperator", True)
     with helm.Chart.load(str(CHART)) as chart:
-        manifests = chart.render(values or {}, name="kvcd", namespace="kvcd")
+        manifests = chart.render(values, name="kvcd", namespace="kvcd")
     docs = []
     for path, text in sorted(manifests.items()):
         if path.endswith(".yaml"):
@@ -376,6 +381,37 @@ def test_generated_copies_are_in_sync():
     r = subprocess.run([sys.executable, str(ROOT / "deploy/tools/sync_generated.py"), "--check"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_monitoring_objects_need_the_operator_crds():
+    """Without monitoring.coreos.com/v1 in the cluster (Helm's default capabilities here) the
+    ServiceMonitor and PrometheusRule are left out, so an install does not fail on a cluster
+    without the Prometheus Operator; the NOTES say so."""
+    with helm.Chart.load(str(CHART)) as chart:
+        manifests = chart.render({}, name="kvcd", namespace="kvcd")
+    kinds = {d["kind"] for path, text in manifests.items() if path.endswith(".yaml")
+             for d in yaml.safe_load_all(text) if d}
+    assert "StatefulSet" in kinds and not kinds & CRD_KINDS, kinds
+    notes = next(text for path, text in manifests.items() if path.endswith("NOTES.txt"))
+    assert "no monitoring.coreos.com/v1" in notes
+    assert CRD_KINDS <= {d["kind"] for d in helm_render({})}
+
+
+def test_extra_volumes_mount_a_codec_file():
+    docs = helm_render({
+        "extraVolumes": [{"name": "codecs", "configMap": {"name": "kvcd-codecs"}}],
+        "extraVolumeMounts": [{"name": "codecs", "mountPath": "/opt/kvcd/codecs", "readOnly": True}],
+    })
+    mounts = {m["mountPath"]: m["name"] for m in container(docs)["volumeMounts"]}
+    assert mounts["/opt/kvcd/codecs"] == "codecs"
+    volumes = {v["name"]: v for v in pod_spec(docs)["volumes"]}
+    assert volumes["codecs"]["configMap"] == {"name": "kvcd-codecs"}
+    kv.validate(one(docs, "StatefulSet"), K8S_VERSION, strict=True)
+    with helm.Chart.load(str(CHART)) as chart:
+        with pytest.raises(helm.HelmValuesError) as e:  # would hide the config or the Secrets
+            chart.render({"extraVolumeMounts": [{"name": "x", "mountPath": "/etc/kvcd/tls"}]},
+                         name="kvcd", namespace="kvcd")
+    assert "/extraVolumeMounts/0/mountPath" in str(e.value), str(e.value)
 
 
 # Keys the chart writes itself (ports, backend, tls, auth): deploy/tools/sync_generated.py.

@@ -44,3 +44,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "kvcd.terminationGracePeriodSeconds" -}}
 {{- add (int .Values.preStopSleepSeconds) (div (add (int .Values.config.drain_timeout_ms) 999) 1000) 5 -}}
 {{- end -}}
+
+{{/* Non-empty when the Prometheus Operator's CRDs can be used: the cluster serves
+monitoring.coreos.com/v1, or assumePrometheusOperator says to render them anyway. */}}
+{{- define "kvcd.prometheusOperator" -}}
+{{- if or .Values.assumePrometheusOperator (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1") -}}
+true
+{{- end -}}
+{{- end -}}
