@@ -7,7 +7,9 @@
 #   1. promtool check rules + promtool test rules (a unit test per alert, and each alert
 #      disabled in turn must fail its test)
 #   2. the committed Grafana JSON and the synced copies equal their generators' output
-#   3. kustomize and Helm renders: strict schemas, assertions, equivalence (pytest)
+#   3. kustomize and Helm renders: strict schemas, assertions, equivalence, every daemon
+#      example config through the chart (pytest); the chart's helm-unittest-style suites
+#      (deploy/helm/kvcd/tests, deploy/tests/chart_unittest.py)
 #   4. a real kvcd scraped by a real Prometheus: promtool check metrics, every dashboard
 #      query returns data, recording rules evaluate, SIGTERM drains (pytest)
 #   5. the container image: registry-free build, run on 127.0.0.1, kvctl, docker stop drains
@@ -74,6 +76,7 @@ step "promtool check/test rules" bash -c \
 step "generated files up to date" bash -c \
   "'$py' deploy/grafana/generate_dashboard.py --check && '$py' deploy/tools/sync_generated.py --check"
 step "kustomize + helm renders" "$py" -m pytest -q -p no:cacheprovider deploy/tests/test_kubernetes.py
+step "helm chart unit tests" "$py" deploy/tests/chart_unittest.py
 step "live kvcd + prometheus" "$py" -m pytest -q -p no:cacheprovider deploy/tests/test_live_metrics.py
 if [[ $image == run ]]; then
   # An image of this very commit (clean tree) is reused; build-image.sh tags it so.
