@@ -73,9 +73,8 @@ class YamlToJson {
     }
     if (std::regex_match(s, kFloat)) return std::strtod(s.c_str(), nullptr);
     if (s == ".nan" || s == ".NaN" || s == ".NAN") return std::nan("");
-    if (std::regex_match(s, std::regex("[-+]?\\.(inf|Inf|INF)"))) {
-      return s[0] == '-' ? -HUGE_VAL : HUGE_VAL;
-    }
+    static const std::regex kInf("[-+]?\\.(inf|Inf|INF)");
+    if (std::regex_match(s, kInf)) return s[0] == '-' ? -HUGE_VAL : HUGE_VAL;
     return s;
   }
 
