@@ -7,7 +7,9 @@
 #   1. promtool check rules + promtool test rules (a unit test per alert, and each alert
 #      disabled in turn must fail its test)
 #   2. the committed Grafana JSON and the synced copies equal their generators' output
-#   3. kustomize and Helm renders: strict schemas, assertions, equivalence (pytest)
+#   3. kustomize and Helm renders: strict schemas, assertions, equivalence, every daemon
+#      example config through the chart (pytest); the chart's helm-unittest-style suites
+#      (deploy/helm/kvcd/tests, deploy/tests/chart_unittest.py)
 #   4. a real kvcd scraped by a real Prometheus: promtool check metrics, every dashboard
 #      query returns data, recording rules evaluate, SIGTERM drains (pytest)
 #   5. the container image: registry-free, from the kvcd and kvctl just built (no second
@@ -17,7 +19,7 @@
 #      answers). KVCD_DEPLOY_SKIP_IMAGE=1 skips it.
 #   6. with KVCD_DEPLOY_SOURCE_IMAGE=1: the release image (Dockerfile, compiled inside
 #      Docker) is built and checked the same way; an image of this very commit (clean tree:
-#      kvcd:<git describe>-cpu) is reused, not rebuilt
+#      kvcd:<version>-<git describe>-cpu) is reused, not rebuilt
 #   7. with KVCD_DEPLOY_CUDA_IMAGE=1: the CUDA image builds (compile and link for sm_90)
 # `--prepare` only installs what the checks need (packages, the venv, the Docker engine and
 # the base image) and needs no build (scripts/test.sh runs it while the C++ builds run).
@@ -86,6 +88,7 @@ step "promtool check/test rules" bash -c \
 step "generated files up to date" bash -c \
   "'$py' deploy/grafana/generate_dashboard.py --check && '$py' deploy/tools/sync_generated.py --check"
 step "kustomize + helm renders" "$py" -m pytest -q -p no:cacheprovider deploy/tests/test_kubernetes.py
+step "helm chart unit tests" "$py" deploy/tests/chart_unittest.py
 step "live kvcd + prometheus" "$py" -m pytest -q -p no:cacheprovider deploy/tests/test_live_metrics.py
 if [[ $image == run ]]; then
   # The test image holds the binaries just built; its runtime stage is the release one.
@@ -96,9 +99,10 @@ if [[ $image == run ]]; then
     "tag=\$(deploy/container/build-image.sh --from-build '$build' | tail -1) && deploy/tests/test_container.sh \"\$tag\""
   if [[ -n ${KVCD_DEPLOY_SOURCE_IMAGE:-} ]]; then
     # The release image (compiled inside Docker); one of this very commit (clean tree) is reused.
-    version=$(git describe --always --dirty 2>/dev/null || echo dev)
-    tag="kvcd:${version}-cpu"
-    if [[ $version != *-dirty && $version != dev ]] && docker image inspect "$tag" >/dev/null 2>&1; then
+    build_id=$(git describe --always --dirty 2>/dev/null || echo dev)
+    version=$(sed -n 's/^project(kvcd VERSION \([0-9][0-9.]*\).*/\1/p' CMakeLists.txt)
+    tag="kvcd:${version}-${build_id}-cpu"  # build-image.sh's second tag: this very build
+    if [[ $build_id != *-dirty && $build_id != dev ]] && docker image inspect "$tag" >/dev/null 2>&1; then
       echo "test-deploy: reusing the image $tag (built from this commit)"
       step "release container image (cached $tag)" deploy/tests/test_container.sh "$tag"
     else

@@ -39,16 +39,27 @@ done
 cache=${KVCD_DEPLOY_CACHE:-$root/.cache/deploy}
 mkdir -p "$cache"
 cache=$(cd "$cache" && pwd)
-version=$(git describe --always --dirty 2>/dev/null || echo dev)
+# One version: the project's (CMakeLists.txt, project(kvcd VERSION ...)). The image is tagged
+# kvcd:<version>-<variant>, the tag the Helm chart and the kustomize overlays default to
+# (deploy/tools/sync_generated.py keeps them equal to it), and kvcd:<version>-<commit>-<variant>
+# (git describe: which build it is). --from-build images are tagged
+# kvcd-prebuilt:<version>-<commit>-cpu: they are test images, never the release tag.
+version=$(sed -n 's/^project(kvcd VERSION \([0-9][0-9.]*\).*/\1/p' CMakeLists.txt)
+[[ -n $version ]] || { echo "build-image: no project(kvcd VERSION ...) in CMakeLists.txt" >&2; exit 1; }
+build_id=$(git describe --always --dirty 2>/dev/null || echo dev)
+build_tag=""
 log() { echo "build-image: $*" >&2; }
 if [[ -n $from_build ]]; then
   [[ $variant == cpu ]] || { log "--from-build makes the CPU image only"; exit 2; }
   for b in "$from_build/server/kvcd" "$from_build/client/kvctl"; do
     [[ -x $b ]] || { log "$b is missing: run scripts/build.sh kvcd kvctl"; exit 1; }
   done
-  [[ -n $tag ]] || tag="kvcd-prebuilt:${version}-${variant}"
+  [[ -n $tag ]] || tag="kvcd-prebuilt:${version}-${build_id}-${variant}"
 fi
-[[ -n $tag ]] || tag="kvcd:${version}-${variant}"
+if [[ -z $tag ]]; then
+  tag="kvcd:${version}-${variant}"
+  build_tag="kvcd:${version}-${build_id}-${variant}"
+fi
 
 need=()
 command -v dockerd >/dev/null || need+=(docker.io)
@@ -166,7 +177,7 @@ ccache_dir=$cache/ccache-$variant
 [[ ! -d $ccache_dir ]] || cp -a "$ccache_dir/." "$ctx/ccache/"
 dockerfile=deploy/container/Dockerfile
 [[ $variant == cpu ]] || dockerfile=deploy/container/Dockerfile.cuda
-build_args=(--build-arg "BASE_IMAGE=$base" --build-arg "KVCD_VERSION=$version")
+build_args=(--build-arg "BASE_IMAGE=$base" --build-arg "KVCD_VERSION=$version+$build_id")
 if [[ $variant == cuda ]]; then
   cuda=${CUDA_HOME:-/usr/local/cuda}
   [[ -x $cuda/bin/nvcc ]] || { log "the CUDA variant needs a CUDA toolkit at $cuda"; exit 1; }
@@ -197,4 +208,5 @@ rm -rf "$ccache_dir.new" && docker cp "$cid:/ccache" "$ccache_dir.new" && rm -rf
 docker rm "$cid" >/dev/null
 docker image rm "$tag-buildstage" >/dev/null
 rm -rf "$ctx"
+[[ -z $build_tag ]] || { docker tag "$tag" "$build_tag"; log "also tagged $build_tag"; }
 echo "$tag"

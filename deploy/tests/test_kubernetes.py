@@ -36,9 +36,14 @@ def kustomize(path):
     return [d for d in yaml.safe_load_all(out) if d]
 
 
-def helm_render(values=None):
+def helm_render(values=None, operator=True):
+    """Renders the chart; operator: as on a cluster with the Prometheus Operator's CRDs
+    (helm-python-sdk renders with Helm's default capabilities, which have none of them)."""
+    values = copy.deepcopy(values or {})
+    if operator:
+        values.setdefault("assumePrometheusOperator", True)
     with helm.Chart.load(str(CHART)) as chart:
-        manifests = chart.render(values or {}, name="kvcd", namespace="kvcd")
+        manifests = chart.render(values, name="kvcd", namespace="kvcd")
     docs = []
     for path, text in sorted(manifests.items()):
         if path.endswith(".yaml"):
@@ -376,3 +381,116 @@ def test_generated_copies_are_in_sync():
     r = subprocess.run([sys.executable, str(ROOT / "deploy/tools/sync_generated.py"), "--check"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_monitoring_objects_need_the_operator_crds():
+    """Without monitoring.coreos.com/v1 in the cluster (Helm's default capabilities here) the
+    ServiceMonitor and PrometheusRule are left out, so an install does not fail on a cluster
+    without the Prometheus Operator; the NOTES say so."""
+    with helm.Chart.load(str(CHART)) as chart:
+        manifests = chart.render({}, name="kvcd", namespace="kvcd")
+    kinds = {d["kind"] for path, text in manifests.items() if path.endswith(".yaml")
+             for d in yaml.safe_load_all(text) if d}
+    assert "StatefulSet" in kinds and not kinds & CRD_KINDS, kinds
+    notes = next(text for path, text in manifests.items() if path.endswith("NOTES.txt"))
+    assert "no monitoring.coreos.com/v1" in notes
+    assert CRD_KINDS <= {d["kind"] for d in helm_render({})}
+
+
+def test_extra_volumes_mount_a_codec_file():
+    docs = helm_render({
+        "extraVolumes": [{"name": "codecs", "configMap": {"name": "kvcd-codecs"}}],
+        "extraVolumeMounts": [{"name": "codecs", "mountPath": "/opt/kvcd/codecs", "readOnly": True}],
+    })
+    mounts = {m["mountPath"]: m["name"] for m in container(docs)["volumeMounts"]}
+    assert mounts["/opt/kvcd/codecs"] == "codecs"
+    volumes = {v["name"]: v for v in pod_spec(docs)["volumes"]}
+    assert volumes["codecs"]["configMap"] == {"name": "kvcd-codecs"}
+    kv.validate(one(docs, "StatefulSet"), K8S_VERSION, strict=True)
+    with helm.Chart.load(str(CHART)) as chart:
+        with pytest.raises(helm.HelmValuesError) as e:  # would hide the config or the Secrets
+            chart.render({"extraVolumeMounts": [{"name": "x", "mountPath": "/etc/kvcd/tls"}]},
+                         name="kvcd", namespace="kvcd")
+    assert "/extraVolumeMounts/0/mountPath" in str(e.value), str(e.value)
+
+
+# Keys the chart writes itself (ports, backend, tls, auth): deploy/tools/sync_generated.py.
+sys.path.insert(0, str(ROOT / "deploy/tools"))
+from sync_generated import without_chart_owned  # noqa: E402
+
+# Every daemon config in the repository: the examples, the images', the overlays', the live
+# test's and the config fuzzer's seeds.
+EXAMPLE_CONFIGS = sorted(
+    p for pattern in ("deploy/config/kvcd-*.yaml", "deploy/container/*.yaml",
+                      "deploy/kubernetes/overlays/*/kvcd.yaml", "deploy/tests/live.yaml",
+                      "tests/fuzz/corpus/config_fuzz/*.yaml")
+    for p in ROOT.glob(pattern) if "tokens" not in p.name)
+
+
+def check_config(cfg, tmp_path, name="kvcd.yaml"):
+    f = tmp_path / name
+    f.write_text(yaml.safe_dump(cfg))
+    return subprocess.run([KVCD, "check-config", "--config", str(f), "--insecure"],
+                          capture_output=True, text=True)
+
+
+def as_chart_values(cfg):
+    values = {"config": without_chart_owned(cfg)}
+    if "backend" in cfg:
+        values["backend"] = cfg["backend"]
+    return values
+
+
+def test_example_configs_are_found():
+    names = {p.name for p in EXAMPLE_CONFIGS}
+    assert {"kvcd-demo.yaml", "kvcd-secure.yaml", "kvcd-h200.yaml", "live.yaml",
+            "full.yaml"} <= names, names
+
+
+@pytest.mark.parametrize("path", EXAMPLE_CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_chart_accepts_every_config_the_daemon_accepts(path, tmp_path):
+    """A config kvcd accepts renders through the chart (its schema, derived from the
+    daemon's, refuses nothing the daemon takes), and the rendered config says the same and is
+    accepted by kvcd in turn."""
+    cfg = yaml.safe_load(path.read_text())
+    local = {k: v for k, v in cfg.items() if k not in ("tls", "auth")}  # files exist in pods only
+    local["backend"] = "cpu"  # what check-config can open here; the key itself is the chart's
+    daemon = check_config(local, tmp_path)
+    if daemon.returncode != 0:
+        pytest.skip(f"kvcd refuses it, so the chart may too: {daemon.stderr.strip()}")
+    docs = helm_render(as_chart_values(cfg))
+    rendered = daemon_config(docs)
+    for k, v in without_chart_owned(cfg).items():
+        assert rendered[k] == v, k
+    rendered = {k: v for k, v in rendered.items() if k not in ("tls", "auth")}
+    rendered["backend"] = "cpu"
+    r = check_config(rendered, tmp_path, "rendered.yaml")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("key", [["colour"], ["models", 0, "memroy"], ["quotas", "default", "max_pages"],
+                                 ["lease", "maximum_ms"], ["quotas", "tenants", 0, "tennant"]])
+def test_a_key_the_schema_lacks_fails_both(key, tmp_path):
+    cfg = {"memory_budget": "1GiB", "drain_timeout_ms": 1000, "models": [{"builtin": "tiny"}],
+           "quotas": {"default": {"max_sequences": 4}, "tenants": [{"tenant": "a"}]},
+           "lease": {"default_ms": 1000}}
+    node = cfg
+    for part in key[:-1]:
+        node = node[part]
+    node[key[-1]] = 1
+    r = check_config(cfg, tmp_path)
+    assert r.returncode != 0 and f"unknown key '" in r.stderr and key[-1] in r.stderr, r.stderr
+    with helm.Chart.load(str(CHART)) as chart:
+        with pytest.raises(helm.HelmValuesError) as e:
+            chart.render({"config": cfg}, name="kvcd", namespace="kvcd")
+    assert key[-1] in str(e.value), str(e.value)
+
+
+def test_session_and_channel_keys_are_accepted_by_the_chart():
+    """The prefix-pin and decode-channel keys (issues 31 and 35) pass through the chart."""
+    docs = helm_render({"config": {"memory_budget": "1GiB", "drain_timeout_ms": 1000,
+                                   "models": [{"builtin": "tiny"}], "metrics_per_tenant": False,
+                                   "max_pin_ttl_ms": 60000,
+                                   "quotas": {"default": {"max_pinned_prefix_pages": 10,
+                                                          "max_decode_channels": 2}}}})
+    assert daemon_config(docs)["quotas"]["default"]["max_decode_channels"] == 2

@@ -177,6 +177,11 @@ def test_key_queries_show_the_workload(stack):
     bits = {s["metric"]["model"]: float(s["values"][-1][1])
             for s in stack.query(by_panel["History bits per element"][0])}
     assert bits == {"qwen3-8b": 16.0, "qwen3-8b-int2": 2.25, "tiny": 16.0}
+    # live.yaml's default quotas, and the default tenant's pages under the workload.
+    assert peak(stack, by_panel["Open sequences by tenant, against max_sequences"][1]) == 1000
+    assert peak(stack, by_panel["Registered model bytes by tenant, against max_model_bytes"][1]) == 2**30
+    assert peak(stack, by_panel["Pool pages held by tenant"][0]) > 0
+    assert 0 < peak(stack, by_panel["Quota use by tenant"][0]) < 1
     heat = stack.query(by_panel["RPC latency: $method"][0])
     assert len({s["metric"]["le"] for s in heat}) > 5  # one series per histogram bucket
     if os.environ.get("KVCD_SCREENSHOT_DIR"):

@@ -6,70 +6,155 @@
 #include <sys/socket.h>
 #include <yaml-cpp/yaml.h>
 
+#include <cerrno>
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
+#include <regex>
 #include <set>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "server/config/config_schema.h"
 #include "server/formats/format_registry.h"
 
 namespace kvcd {
 namespace {
 
-absl::Status CheckKeys(const YAML::Node& node, const std::string& where,
-                       const std::set<std::string>& allowed) {
-  if (!node.IsMap()) return absl::InvalidArgumentError(absl::StrCat(where, " must be a mapping"));
-  for (const auto& kv : node) {
-    const std::string key = kv.first.as<std::string>();
-    if (!allowed.count(key)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown key '", where.empty() ? "" : where + ".", key,
-                       "'; expected one of: ", absl::StrJoin(allowed, ", ")));
+using nlohmann::json;
+
+// The YAML document as JSON, for the schema: plain scalars resolve as YAML 1.2's core schema
+// does (null, true/false, integers, floats, else strings); quoted scalars are strings.
+class YamlToJson {
+ public:
+  absl::StatusOr<json> Convert(const YAML::Node& n, const std::string& path, int depth) {
+    if (--budget_ < 0) return absl::InvalidArgumentError("config has more than 100000 nodes");
+    if (depth > 64) return absl::InvalidArgumentError(absl::StrCat(path, " is nested too deeply"));
+    switch (n.Type()) {
+      case YAML::NodeType::Map: {
+        json out = json::object();
+        for (const auto& kv : n) {
+          if (!kv.first.IsScalar()) {
+            return absl::InvalidArgumentError(
+                absl::StrCat(path.empty() ? "the config" : path, " has a key that is not a name"));
+          }
+          const std::string key = kv.first.Scalar();
+          KVCD_ASSIGN_OR_RETURN(
+              out[key], Convert(kv.second, path.empty() ? key : path + "." + key, depth + 1));
+        }
+        return out;
+      }
+      case YAML::NodeType::Sequence: {
+        json out = json::array();
+        for (size_t i = 0; i < n.size(); ++i) {
+          KVCD_ASSIGN_OR_RETURN(json item,
+                                Convert(n[i], absl::StrCat(path, "[", i, "]"), depth + 1));
+          out.push_back(std::move(item));
+        }
+        return out;
+      }
+      case YAML::NodeType::Scalar:
+        return n.Tag() == "?" ? Plain(n.Scalar()) : json(n.Scalar());
+      default:
+        return json(nullptr);
     }
   }
-  return absl::OkStatus();
-}
 
-template <class T>
-absl::Status Read(const YAML::Node& node, const std::string& key, const std::string& where,
-                  T* out) {
-  const YAML::Node v = node[key];
-  if (!v) return absl::OkStatus();
-  try {
-    *out = v.as<T>();
-  } catch (const YAML::Exception&) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, key, " has value '", v.Scalar(), "' of the wrong type"));
+ private:
+  static json Plain(const std::string& s) {
+    static const std::regex kInt("[-+]?[0-9]+");
+    static const std::regex kFloat("[-+]?(\\.[0-9]+|[0-9]+(\\.[0-9]*)?)([eE][-+]?[0-9]+)?");
+    if (s == "true" || s == "True" || s == "TRUE") return true;
+    if (s == "false" || s == "False" || s == "FALSE") return false;
+    if (s.size() > 64) return s;
+    if (std::regex_match(s, kInt)) {
+      errno = 0;
+      const long long v = std::strtoll(s.c_str(), nullptr, 10);
+      if (errno == 0) return v;
+      return std::strtod(s.c_str(), nullptr);  // out of range: a number no integer key takes
+    }
+    if (std::regex_match(s, kFloat)) return std::strtod(s.c_str(), nullptr);
+    if (s == ".nan" || s == ".NaN" || s == ".NAN") return std::nan("");
+    static const std::regex kInf("[-+]?\\.(inf|Inf|INF)");
+    if (std::regex_match(s, kInf)) return s[0] == '-' ? -HUGE_VAL : HUGE_VAL;
+    return s;
   }
-  return absl::OkStatus();
-}
 
-absl::Status ReadBytes(const YAML::Node& node, const std::string& key, const std::string& where,
-                       uint64_t* out) {
-  const YAML::Node v = node[key];
-  if (!v) return absl::OkStatus();
-  if (!v.IsScalar()) return absl::InvalidArgumentError(absl::StrCat(where, key, " must be a size"));
-  auto parsed = ParseByteSize(v.Scalar());
-  if (!parsed.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(where, key, ": ", parsed.status().message()));
+  int budget_ = 100000;
+};
+
+// Reads the keys of a document the schema accepted into the config, and remembers which it
+// read: a key the schema accepts but no code reads (one added to the schema before the
+// daemon implements it) is refused by CheckAllRead instead of being ignored.
+class Reader {
+ public:
+  template <class T>
+  absl::Status Read(const YAML::Node& node, const std::string& key, const std::string& where,
+                    T* out) {
+    const YAML::Node v = node[key];
+    if (!v) return absl::OkStatus();
+    read_.insert(where + key);
+    try {
+      *out = v.as<T>();
+    } catch (const YAML::Exception&) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, key, " has value '", v.Scalar(), "' of the wrong type"));
+    }
+    return absl::OkStatus();
   }
-  *out = *parsed;
-  return absl::OkStatus();
-}
 
-absl::Status ParseModel(const YAML::Node& m, int index, ModelSpec* spec) {
+  absl::Status ReadBytes(const YAML::Node& node, const std::string& key, const std::string& where,
+                         uint64_t* out) {
+    const YAML::Node v = node[key];
+    if (!v) return absl::OkStatus();
+    read_.insert(where + key);
+    if (!v.IsScalar()) {
+      return absl::InvalidArgumentError(absl::StrCat(where, key, " must be a size"));
+    }
+    auto parsed = ParseByteSize(v.Scalar());
+    if (!parsed.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(where, key, ": ", parsed.status().message()));
+    }
+    *out = *parsed;
+    return absl::OkStatus();
+  }
+
+  // For keys read without Read (enumerations, names).
+  std::string Take(const YAML::Node& node, const std::string& key, const std::string& where) {
+    read_.insert(where + key);
+    return node[key].as<std::string>();
+  }
+
+  // Every scalar of the document was read; else INVALID_ARGUMENT naming the first that was not.
+  absl::Status CheckAllRead(const YAML::Node& n, const std::string& path) const {
+    if (n.IsMap()) {
+      for (const auto& kv : n) {
+        const std::string key = kv.first.Scalar();
+        KVCD_RETURN_IF_ERROR(CheckAllRead(kv.second, path.empty() ? key : path + "." + key));
+      }
+    } else if (n.IsSequence()) {
+      for (size_t i = 0; i < n.size(); ++i) {
+        KVCD_RETURN_IF_ERROR(CheckAllRead(n[i], absl::StrCat(path, "[", i, "]")));
+      }
+    } else if (!read_.count(path)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("key '", path,
+                       "' is in the config schema but this kvcd does not implement it yet (see its "
+                       "x-kvcd-status in server/config/kvcd-config.schema.json)"));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  std::set<std::string> read_;
+};
+
+absl::Status ReadModel(Reader& r, const YAML::Node& m, int index, ModelSpec* spec) {
   const std::string where = absl::StrCat("models[", index, "].");
-  KVCD_RETURN_IF_ERROR(
-      CheckKeys(m, absl::StrCat("models[", index, "]"),
-                {"builtin", "name", "num_layers", "num_q_heads", "num_kv_heads", "head_dim",
-                 "page_size", "sink_tokens", "recent_tokens", "history_format", "rope", "memory",
-                 "bf16_fraction", "codec_file", "codec", "fsq_residual_width", "fsq_latent_width",
-                 "key_norm", "key_norm_eps"}));
   if (m["builtin"]) {
-    const std::string b = m["builtin"].as<std::string>();
+    const std::string b = r.Take(m, "builtin", where);
     auto builtin = BuiltinModelSpec(b);
     if (!builtin) {
       return absl::InvalidArgumentError(absl::StrCat(where, "builtin is '", b,
@@ -78,50 +163,54 @@ absl::Status ParseModel(const YAML::Node& m, int index, ModelSpec* spec) {
     }
     *spec = *builtin;
   }
-  KVCD_RETURN_IF_ERROR(Read(m, "name", where, &spec->name));
-  KVCD_RETURN_IF_ERROR(Read(m, "num_layers", where, &spec->num_layers));
-  KVCD_RETURN_IF_ERROR(Read(m, "num_q_heads", where, &spec->num_q_heads));
-  KVCD_RETURN_IF_ERROR(Read(m, "num_kv_heads", where, &spec->num_kv_heads));
-  KVCD_RETURN_IF_ERROR(Read(m, "head_dim", where, &spec->head_dim));
-  KVCD_RETURN_IF_ERROR(Read(m, "page_size", where, &spec->page_size));
-  KVCD_RETURN_IF_ERROR(Read(m, "sink_tokens", where, &spec->sink_tokens));
-  KVCD_RETURN_IF_ERROR(Read(m, "recent_tokens", where, &spec->recent_tokens));
-  KVCD_RETURN_IF_ERROR(Read(m, "bf16_fraction", where, &spec->bf16_fraction));
-  KVCD_RETURN_IF_ERROR(Read(m, "codec_file", where, &spec->codec_file));
-  KVCD_RETURN_IF_ERROR(Read(m, "codec", where, &spec->codec));
-  KVCD_RETURN_IF_ERROR(ReadBytes(m, "memory", where, &spec->memory_bytes));
-  KVCD_RETURN_IF_ERROR(Read(m, "fsq_residual_width", where, &spec->fsq_residual_width));
-  KVCD_RETURN_IF_ERROR(Read(m, "fsq_latent_width", where, &spec->fsq_latent_width));
-  KVCD_RETURN_IF_ERROR(Read(m, "key_norm_eps", where, &spec->key_norm_eps));
-  if (m["key_norm"]) {
-    const std::string kn = m["key_norm"].as<std::string>();
-    if (kn != "none" && kn != "rms") {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, "key_norm is '", kn.substr(0, 64), "', expected 'none' or 'rms'"));
-    }
-    spec->key_norm = kn == "rms";
-  }
+  KVCD_RETURN_IF_ERROR(r.Read(m, "name", where, &spec->name));
+  KVCD_RETURN_IF_ERROR(r.Read(m, "num_layers", where, &spec->num_layers));
+  KVCD_RETURN_IF_ERROR(r.Read(m, "num_q_heads", where, &spec->num_q_heads));
+  KVCD_RETURN_IF_ERROR(r.Read(m, "num_kv_heads", where, &spec->num_kv_heads));
+  KVCD_RETURN_IF_ERROR(r.Read(m, "head_dim", where, &spec->head_dim));
+  KVCD_RETURN_IF_ERROR(r.Read(m, "page_size", where, &spec->page_size));
+  KVCD_RETURN_IF_ERROR(r.Read(m, "sink_tokens", where, &spec->sink_tokens));
+  KVCD_RETURN_IF_ERROR(r.Read(m, "recent_tokens", where, &spec->recent_tokens));
+  KVCD_RETURN_IF_ERROR(r.Read(m, "bf16_fraction", where, &spec->bf16_fraction));
+  KVCD_RETURN_IF_ERROR(r.Read(m, "codec_file", where, &spec->codec_file));
+  KVCD_RETURN_IF_ERROR(r.Read(m, "codec", where, &spec->codec));
+  KVCD_RETURN_IF_ERROR(r.ReadBytes(m, "memory", where, &spec->memory_bytes));
+  KVCD_RETURN_IF_ERROR(r.Read(m, "fsq_residual_width", where, &spec->fsq_residual_width));
+  KVCD_RETURN_IF_ERROR(r.Read(m, "fsq_latent_width", where, &spec->fsq_latent_width));
+  KVCD_RETURN_IF_ERROR(r.Read(m, "key_norm_eps", where, &spec->key_norm_eps));
+  if (m["key_norm"]) spec->key_norm = r.Take(m, "key_norm", where) == "rms";  // schema: none|rms
   if (m["history_format"]) {
-    KVCD_RETURN_IF_ERROR(ParseFormatName(m["history_format"].as<std::string>(), "history_format",
+    KVCD_RETURN_IF_ERROR(ParseFormatName(r.Take(m, "history_format", where), "history_format",
                                          &spec->history_format));
   }
   if (const YAML::Node rope = m["rope"]) {
     const std::string rw = where + "rope.";
-    KVCD_RETURN_IF_ERROR(
-        CheckKeys(rope, where + "rope", {"theta", "rotary_dims", "scaling", "pairing"}));
-    if (rope["pairing"]) {
-      const std::string pairing = rope["pairing"].as<std::string>();
-      if (pairing != "half" && pairing != "interleaved") {
-        return absl::InvalidArgumentError(absl::StrCat(rw, "pairing is '", pairing.substr(0, 64),
-                                                       "', expected 'half' or 'interleaved'"));
-      }
-      spec->rope_interleaved = pairing == "interleaved";
+    if (rope["pairing"]) {  // schema: half|interleaved
+      spec->rope_interleaved = r.Take(rope, "pairing", rw) == "interleaved";
     }
-    KVCD_RETURN_IF_ERROR(Read(rope, "theta", rw, &spec->rope_theta));
-    KVCD_RETURN_IF_ERROR(Read(rope, "rotary_dims", rw, &spec->rope_rotary_dims));
-    KVCD_RETURN_IF_ERROR(Read(rope, "scaling", rw, &spec->rope_scaling));
+    KVCD_RETURN_IF_ERROR(r.Read(rope, "theta", rw, &spec->rope_theta));
+    KVCD_RETURN_IF_ERROR(r.Read(rope, "rotary_dims", rw, &spec->rope_rotary_dims));
+    KVCD_RETURN_IF_ERROR(r.Read(rope, "scaling", rw, &spec->rope_scaling));
   }
-  return ValidateModelSpec(*spec);
+  return absl::OkStatus();
+}
+
+absl::Status ReadQuota(Reader& r, const YAML::Node& n, const std::string& where, TenantQuota* q) {
+  const std::string prefix = where + ".";
+  KVCD_RETURN_IF_ERROR(r.Read(n, "max_sequences", prefix, &q->max_sequences));
+  KVCD_RETURN_IF_ERROR(r.Read(n, "max_pinned_pages", prefix, &q->max_pinned_pages));
+  KVCD_RETURN_IF_ERROR(r.Read(n, "max_lease_ms", prefix, &q->max_lease_ms));
+  KVCD_RETURN_IF_ERROR(r.Read(n, "max_memory_share", prefix, &q->max_memory_share));
+  KVCD_RETURN_IF_ERROR(r.Read(n, "max_models", prefix, &q->max_models));
+  KVCD_RETURN_IF_ERROR(r.ReadBytes(n, "max_model_bytes", prefix, &q->max_model_bytes));
+  KVCD_RETURN_IF_ERROR(r.Read(n, "max_pinned_prefix_pages", prefix, &q->max_pinned_prefix_pages));
+  KVCD_RETURN_IF_ERROR(r.Read(n, "max_decode_channels", prefix, &q->max_decode_channels));
+  // The schema bounds each key (>= 0, max_memory_share in (0, 1]).
+  if (q->max_lease_ms != 0 && q->max_lease_ms < 10) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ".max_lease_ms is ", q->max_lease_ms, ", expected 0 or >= 10"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -175,116 +264,57 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
   }
   if (root.IsNull()) return c;
   try {
-    KVCD_RETURN_IF_ERROR(CheckKeys(root, "",
-                                   {"listen",
-                                    "health_listen",
-                                    "metrics_listen",
-                                    "backend",
-                                    "cuda_device",
-                                    "memory_budget",
-                                    "high_watermark",
-                                    "low_watermark",
-                                    "lease",
-                                    "worker_threads",
-                                    "compute_threads",
-                                    "max_message_bytes",
-                                    "max_sequences",
-                                    "max_buffers",
-                                    "decode_channel_spin_us",
-                                    "drain_timeout_ms",
-                                    "max_pin_ttl_ms",
-                                    "metrics_per_tenant",
-                                    "models",
-                                    "tls",
-                                    "auth",
-                                    "quotas"}));
-    KVCD_RETURN_IF_ERROR(Read(root, "listen", "", &c.listen));
-    KVCD_RETURN_IF_ERROR(Read(root, "health_listen", "", &c.health_listen));
-    KVCD_RETURN_IF_ERROR(Read(root, "metrics_listen", "", &c.metrics_listen));
-    KVCD_RETURN_IF_ERROR(Read(root, "metrics_per_tenant", "", &c.metrics_per_tenant));
-    KVCD_RETURN_IF_ERROR(Read(root, "backend", "", &c.backend));
-    KVCD_RETURN_IF_ERROR(Read(root, "cuda_device", "", &c.cuda_device));
-    KVCD_RETURN_IF_ERROR(ReadBytes(root, "memory_budget", "", &c.memory_budget_bytes));
-    KVCD_RETURN_IF_ERROR(Read(root, "high_watermark", "", &c.high_watermark));
-    KVCD_RETURN_IF_ERROR(Read(root, "low_watermark", "", &c.low_watermark));
-    KVCD_RETURN_IF_ERROR(Read(root, "worker_threads", "", &c.worker_threads));
-    KVCD_RETURN_IF_ERROR(Read(root, "compute_threads", "", &c.compute_threads));
-    KVCD_RETURN_IF_ERROR(Read(root, "max_message_bytes", "", &c.max_message_bytes));
-    KVCD_RETURN_IF_ERROR(Read(root, "max_sequences", "", &c.max_sequences));
-    KVCD_RETURN_IF_ERROR(Read(root, "max_buffers", "", &c.max_buffers));
-    KVCD_RETURN_IF_ERROR(Read(root, "decode_channel_spin_us", "", &c.decode_channel_spin_us));
-    KVCD_RETURN_IF_ERROR(Read(root, "drain_timeout_ms", "", &c.drain_timeout_ms));
-    KVCD_RETURN_IF_ERROR(Read(root, "max_pin_ttl_ms", "", &c.max_pin_ttl_ms));
+    // 1. Structure: keys, types and ranges, from the schema.
+    KVCD_ASSIGN_OR_RETURN(const json doc, YamlToJson().Convert(root, "", 0));
+    KVCD_RETURN_IF_ERROR(ValidateJson(doc, ConfigSchema()));
+    // 2. Values.
+    Reader r;
+    KVCD_RETURN_IF_ERROR(r.Read(root, "listen", "", &c.listen));
+    KVCD_RETURN_IF_ERROR(r.Read(root, "health_listen", "", &c.health_listen));
+    KVCD_RETURN_IF_ERROR(r.Read(root, "metrics_listen", "", &c.metrics_listen));
+    KVCD_RETURN_IF_ERROR(r.Read(root, "metrics_per_tenant", "", &c.metrics_per_tenant));
+    KVCD_RETURN_IF_ERROR(r.Read(root, "backend", "", &c.backend));
+    KVCD_RETURN_IF_ERROR(r.Read(root, "cuda_device", "", &c.cuda_device));
+    KVCD_RETURN_IF_ERROR(r.ReadBytes(root, "memory_budget", "", &c.memory_budget_bytes));
+    KVCD_RETURN_IF_ERROR(r.Read(root, "high_watermark", "", &c.high_watermark));
+    KVCD_RETURN_IF_ERROR(r.Read(root, "low_watermark", "", &c.low_watermark));
+    KVCD_RETURN_IF_ERROR(r.Read(root, "worker_threads", "", &c.worker_threads));
+    KVCD_RETURN_IF_ERROR(r.Read(root, "compute_threads", "", &c.compute_threads));
+    KVCD_RETURN_IF_ERROR(r.Read(root, "max_message_bytes", "", &c.max_message_bytes));
+    KVCD_RETURN_IF_ERROR(r.Read(root, "max_sequences", "", &c.max_sequences));
+    KVCD_RETURN_IF_ERROR(r.Read(root, "max_buffers", "", &c.max_buffers));
+    KVCD_RETURN_IF_ERROR(r.Read(root, "decode_channel_spin_us", "", &c.decode_channel_spin_us));
+    KVCD_RETURN_IF_ERROR(r.Read(root, "drain_timeout_ms", "", &c.drain_timeout_ms));
+    KVCD_RETURN_IF_ERROR(r.Read(root, "max_pin_ttl_ms", "", &c.max_pin_ttl_ms));
     if (const YAML::Node lease = root["lease"]) {
-      KVCD_RETURN_IF_ERROR(CheckKeys(lease, "lease", {"default_ms", "max_ms"}));
-      KVCD_RETURN_IF_ERROR(Read(lease, "default_ms", "lease.", &c.default_lease_ms));
-      KVCD_RETURN_IF_ERROR(Read(lease, "max_ms", "lease.", &c.max_lease_ms));
+      KVCD_RETURN_IF_ERROR(r.Read(lease, "default_ms", "lease.", &c.default_lease_ms));
+      KVCD_RETURN_IF_ERROR(r.Read(lease, "max_ms", "lease.", &c.max_lease_ms));
     }
     if (const YAML::Node tls = root["tls"]) {
-      KVCD_RETURN_IF_ERROR(
-          CheckKeys(tls, "tls", {"cert_file", "key_file", "client_ca_file", "reload_interval_s"}));
-      KVCD_RETURN_IF_ERROR(Read(tls, "cert_file", "tls.", &c.tls.cert_file));
-      KVCD_RETURN_IF_ERROR(Read(tls, "key_file", "tls.", &c.tls.key_file));
-      KVCD_RETURN_IF_ERROR(Read(tls, "client_ca_file", "tls.", &c.tls.client_ca_file));
-      KVCD_RETURN_IF_ERROR(Read(tls, "reload_interval_s", "tls.", &c.tls.reload_interval_s));
+      KVCD_RETURN_IF_ERROR(r.Read(tls, "cert_file", "tls.", &c.tls.cert_file));
+      KVCD_RETURN_IF_ERROR(r.Read(tls, "key_file", "tls.", &c.tls.key_file));
+      KVCD_RETURN_IF_ERROR(r.Read(tls, "client_ca_file", "tls.", &c.tls.client_ca_file));
+      KVCD_RETURN_IF_ERROR(r.Read(tls, "reload_interval_s", "tls.", &c.tls.reload_interval_s));
     }
     if (const YAML::Node auth = root["auth"]) {
-      KVCD_RETURN_IF_ERROR(CheckKeys(auth, "auth", {"tokens_file", "reload_interval_ms"}));
-      KVCD_RETURN_IF_ERROR(Read(auth, "tokens_file", "auth.", &c.auth.tokens_file));
-      KVCD_RETURN_IF_ERROR(Read(auth, "reload_interval_ms", "auth.", &c.auth.reload_interval_ms));
+      KVCD_RETURN_IF_ERROR(r.Read(auth, "tokens_file", "auth.", &c.auth.tokens_file));
+      KVCD_RETURN_IF_ERROR(r.Read(auth, "reload_interval_ms", "auth.", &c.auth.reload_interval_ms));
     }
     if (const YAML::Node quotas = root["quotas"]) {
-      KVCD_RETURN_IF_ERROR(CheckKeys(quotas, "quotas", {"default", "tenants"}));
-      auto read_quota = [&](const YAML::Node& n, const std::string& where,
-                            TenantQuota* q) -> absl::Status {
-        KVCD_RETURN_IF_ERROR(CheckKeys(
-            n, where,
-            {"tenant", "max_sequences", "max_pinned_pages", "max_lease_ms", "max_memory_share",
-             "max_models", "max_model_bytes", "max_pinned_prefix_pages", "max_decode_channels"}));
-        const std::string prefix = where + ".";
-        KVCD_RETURN_IF_ERROR(Read(n, "max_sequences", prefix, &q->max_sequences));
-        KVCD_RETURN_IF_ERROR(Read(n, "max_pinned_pages", prefix, &q->max_pinned_pages));
-        KVCD_RETURN_IF_ERROR(Read(n, "max_lease_ms", prefix, &q->max_lease_ms));
-        KVCD_RETURN_IF_ERROR(Read(n, "max_memory_share", prefix, &q->max_memory_share));
-        KVCD_RETURN_IF_ERROR(Read(n, "max_models", prefix, &q->max_models));
-        KVCD_RETURN_IF_ERROR(ReadBytes(n, "max_model_bytes", prefix, &q->max_model_bytes));
-        KVCD_RETURN_IF_ERROR(
-            Read(n, "max_pinned_prefix_pages", prefix, &q->max_pinned_prefix_pages));
-        KVCD_RETURN_IF_ERROR(Read(n, "max_decode_channels", prefix, &q->max_decode_channels));
-        if (q->max_sequences < 0 || q->max_pinned_pages < 0 || q->max_lease_ms < 0 ||
-            q->max_models < 0 || q->max_pinned_prefix_pages < 0 || q->max_decode_channels < 0) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(where, ": quotas must be >= 0 (0 = no limit)"));
-        }
-        if (!(q->max_memory_share > 0 && q->max_memory_share <= 1)) {  // NaN fails too
-          return absl::InvalidArgumentError(
-              absl::StrCat(where, ".max_memory_share is ", q->max_memory_share,
-                           ", expected a fraction of each model's page pools in (0, 1] "
-                           "(1 = no limit)"));
-        }
-        if (q->max_lease_ms != 0 && q->max_lease_ms < 10) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(where, ".max_lease_ms is ", q->max_lease_ms, ", expected 0 or >= 10"));
-        }
-        return absl::OkStatus();
-      };
       if (const YAML::Node d = quotas["default"]) {
-        KVCD_RETURN_IF_ERROR(read_quota(d, "quotas.default", &c.quotas.defaults));
+        if (d["tenant"]) {
+          return absl::InvalidArgumentError(
+              "quotas.default.tenant: the defaults apply to every tenant; name one tenant in a "
+              "quotas.tenants entry instead");
+        }
+        KVCD_RETURN_IF_ERROR(ReadQuota(r, d, "quotas.default", &c.quotas.defaults));
       }
       if (const YAML::Node tenants = quotas["tenants"]) {
-        if (!tenants.IsSequence()) {
-          return absl::InvalidArgumentError(
-              "quotas.tenants must be a list of {tenant: <cache_salt>, max_...: N}");
-        }
         for (size_t i = 0; i < tenants.size(); ++i) {
           const std::string where = absl::StrCat("quotas.tenants[", i, "]");
-          if (!tenants[i]["tenant"]) {
-            return absl::InvalidArgumentError(
-                absl::StrCat(where, ".tenant is missing (the tenant's cache_salt)"));
-          }
-          const std::string name = tenants[i]["tenant"].as<std::string>();
+          const std::string name = r.Take(tenants[i], "tenant", where + ".");  // schema: required
           TenantQuota q = c.quotas.defaults;  // keys not given: the defaults
-          KVCD_RETURN_IF_ERROR(read_quota(tenants[i], where, &q));
+          KVCD_RETURN_IF_ERROR(ReadQuota(r, tenants[i], where, &q));
           if (!c.quotas.tenants.emplace(name, q).second) {
             return absl::InvalidArgumentError(
                 absl::StrCat(where, ": tenant '", name, "' appears twice"));
@@ -293,25 +323,18 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
       }
     }
     if (const YAML::Node models = root["models"]) {
-      if (!models.IsSequence()) return absl::InvalidArgumentError("models must be a list");
       for (size_t i = 0; i < models.size(); ++i) {
         ModelSpec spec;
-        KVCD_RETURN_IF_ERROR(ParseModel(models[i], static_cast<int>(i), &spec));
+        KVCD_RETURN_IF_ERROR(ReadModel(r, models[i], static_cast<int>(i), &spec));
         c.models.push_back(spec);
       }
     }
+    KVCD_RETURN_IF_ERROR(r.CheckAllRead(root, ""));
   } catch (const YAML::Exception& e) {
     return absl::InvalidArgumentError(absl::StrCat("config: ", e.what()));
   }
-  if (c.listen.empty()) return absl::InvalidArgumentError("listen must be host:port");
-  if (c.cuda_device < 0 || c.cuda_device > 64) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cuda_device is ", c.cuda_device, ", expected a device ordinal 0..64"));
-  }
-  if (c.backend != "cpu" && c.backend != "cuda") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("backend is '", c.backend, "', expected 'cpu' or 'cuda'"));
-  }
+  // 3. What the schema cannot say: one key against another, a model's geometry.
+  for (const ModelSpec& m : c.models) KVCD_RETURN_IF_ERROR(ValidateModelSpec(m));
   if (!(c.low_watermark > 0 && c.low_watermark < c.high_watermark && c.high_watermark <= 1)) {
     return absl::InvalidArgumentError(
         absl::StrCat("watermarks must satisfy 0 < low_watermark < high_watermark <= 1; got low ",
@@ -327,23 +350,6 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
         "max_pin_ttl_ms is ", c.max_pin_ttl_ms,
         ", expected >= 1 (the longest ttl_ms of a PinPrefix, in ms; default 86400000 = 24 h)"));
   }
-  if (c.worker_threads < 0 || c.worker_threads > 1024 || c.compute_threads < 0 ||
-      c.compute_threads > 1024) {
-    return absl::InvalidArgumentError("worker_threads and compute_threads must be in 0..1024");
-  }
-  if (c.max_message_bytes < (1 << 20) || c.max_message_bytes > (2047ll << 20)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_message_bytes is ", c.max_message_bytes, ", expected 1MiB..2047MiB"));
-  }
-  if (c.max_sequences < 1) return absl::InvalidArgumentError("max_sequences must be >= 1");
-  if (c.decode_channel_spin_us < 0 || c.decode_channel_spin_us > 1000000) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "decode_channel_spin_us is ", c.decode_channel_spin_us, ", expected 0..1000000"));
-  }
-  if (c.max_buffers < 1 || c.max_buffers > 65536) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_buffers is ", c.max_buffers, ", expected 1..65536"));
-  }
   if (c.tls.cert_file.empty() != c.tls.key_file.empty()) {
     return absl::InvalidArgumentError(
         "tls.cert_file and tls.key_file go together: set both (PEM certificate chain and its "
@@ -352,14 +358,6 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
   if (!c.tls.client_ca_file.empty() && c.tls.cert_file.empty()) {
     return absl::InvalidArgumentError(
         "tls.client_ca_file (mutual TLS) needs tls.cert_file and tls.key_file as well");
-  }
-  if (c.tls.reload_interval_s < 1 || c.tls.reload_interval_s > 86400) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tls.reload_interval_s is ", c.tls.reload_interval_s, ", expected 1..86400"));
-  }
-  if (c.auth.reload_interval_ms < 10 || c.auth.reload_interval_ms > 86400000) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "auth.reload_interval_ms is ", c.auth.reload_interval_ms, ", expected 10..86400000"));
   }
   uint64_t total = 0;
   std::set<std::string> names;

@@ -1,5 +1,7 @@
 // Daemon configuration (YAML). Every field is validated; unknown keys are errors, so
 // a typo never silently falls back to a default. See docs/operating.md "Configuration".
+// The keys, their types and ranges are those of kvcd-config.schema.json beside this file
+// (config_schema.h), which the Helm chart's values schema is derived from.
 #pragma once
 
 #include <cstdint>
@@ -109,7 +111,10 @@ absl::Status CheckMetricsExposure(const ServerConfig& c);
 // that points there. Decided by the resolved addresses, not the spelling of the name.
 bool IsLoopbackAddress(const std::string& host_port);
 
-// Parses and validates a YAML document. INVALID_ARGUMENT names the key and the
+// Parses and validates a YAML document: against the schema (keys, types, ranges), then
+// what the schema cannot say (one key against another, model geometry, the memory budget).
+// A key the schema accepts that this code does not read yet (one marked x-kvcd-status "in
+// progress" there) is refused, never ignored. INVALID_ARGUMENT names the key and the
 // expected value.
 absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text);
 // Reads and parses a file (NOT_FOUND if it cannot be read).

@@ -28,13 +28,14 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- $_ := set $c "metrics_listen" (printf "0.0.0.0:%d" (int .Values.ports.metrics)) -}}
 {{- $_ := set $c "backend" .Values.backend -}}
 {{- if eq .Values.backend "cuda" }}{{ $_ := set $c "cuda_device" 0 }}{{ end -}}
+{{- /* config.tls and config.auth may hold the reload intervals; the chart adds the files. */ -}}
 {{- if .Values.tls.enabled -}}
-{{- $tls := dict "cert_file" "/etc/kvcd/tls/tls.crt" "key_file" "/etc/kvcd/tls/tls.key" -}}
+{{- $tls := merge (dict "cert_file" "/etc/kvcd/tls/tls.crt" "key_file" "/etc/kvcd/tls/tls.key") ($c.tls | default dict) -}}
 {{- if .Values.tls.clientCA }}{{ $_ := set $tls "client_ca_file" "/etc/kvcd/tls/ca.crt" }}{{ end -}}
 {{- $_ := set $c "tls" $tls -}}
 {{- end -}}
 {{- if .Values.auth.enabled -}}
-{{- $_ := set $c "auth" (dict "tokens_file" "/etc/kvcd/auth/tokens") -}}
+{{- $_ := set $c "auth" (merge (dict "tokens_file" "/etc/kvcd/auth/tokens") ($c.auth | default dict)) -}}
 {{- end -}}
 {{- toYaml $c -}}
 {{- end -}}
@@ -42,4 +43,12 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{/* preStop sleep + the drain rounded up to seconds + 5 s of margin. */}}
 {{- define "kvcd.terminationGracePeriodSeconds" -}}
 {{- add (int .Values.preStopSleepSeconds) (div (add (int .Values.config.drain_timeout_ms) 999) 1000) 5 -}}
+{{- end -}}
+
+{{/* Non-empty when the Prometheus Operator's CRDs can be used: the cluster serves
+monitoring.coreos.com/v1, or assumePrometheusOperator says to render them anyway. */}}
+{{- define "kvcd.prometheusOperator" -}}
+{{- if or .Values.assumePrometheusOperator (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1") -}}
+true
+{{- end -}}
 {{- end -}}

@@ -44,8 +44,8 @@ TEST(ConfigTest, EveryBadFieldIsNamed) {
   };
   const Case cases[] = {
       {"listn: x", "unknown key 'listn'"},
-      {"memory_budget: 12XB", "unit 'XB'"},
-      {"memory_budget: lots", "not a size"},
+      {"memory_budget: 12XB", "memory_budget is '12XB', expected a size in bytes"},
+      {"memory_budget: lots", "memory_budget is 'lots'"},
       {"backend: tpu", "backend is 'tpu'"},
       {"high_watermark: 0.5\nlow_watermark: 0.6", "watermarks"},
       {"lease: {default_ms: 5}", "lease.default_ms"},
@@ -131,29 +131,30 @@ quotas:
     const char* needle;
   };
   const Case bad[] = {
-    {"quotas: {default: {max_memory_share: 0}}",
-     "quotas.default.max_memory_share is 0, expected a fraction of each model's page pools in "
-     "(0, 1]"},
-    {"quotas: {default: {max_memory_share: 1.5}}", "max_memory_share is 1.5"},
-    {"quotas: {default: {max_memory_share: -0.1}}", "max_memory_share is -0.1"},
-    {"quotas: {default: {max_memory_share: .nan}}", "max_memory_share is nan"},
-    {"quotas: {default: {max_memory_share: half}}",
-     "quotas.default.max_memory_share has value 'half' of the wrong type"},
-    {"quotas: {tenants: [{tenant: a, max_models: -1}]}", "quotas.tenants[0]: quotas must be >= 0"},
-    {
-        "quotas: {tenants: [{tenant: a, max_pinned_prefix_pages: -3}]}",
-        {"quotas: {tenants: [{tenant: a, max_decode_channels: -2}]}",
-         "quotas.tenants[0]: quotas must be >= 0"},
-        {"quotas: {tenants: [{tenant: a, max_models: lots}]}",
-         "quotas.tenants[0].max_models has value 'lots' of the wrong type"},
-        {"quotas: {default: {max_model_bytes: 12XB}}", "quotas.default.max_model_bytes: unit 'XB'"},
-        {"quotas: {default: {max_model_bytes: -5}}", "quotas.default.max_model_bytes: size '-5'"},
-        {"quotas: {default: {max_memory: 0.5}}",
-         "unknown key 'quotas.default.max_memory'; expected one of"},
-        {"quotas: {tenants: [{max_models: 1}]}", "quotas.tenants[0].tenant is missing"},
-        {"quotas: {tenants: [{tenant: a}, {tenant: a}]}", "tenant 'a' appears twice"},
-        {"quotas: {tenants: {tenant: a}}", "quotas.tenants must be a list"},
-    };
+      {"quotas: {default: {max_memory_share: 0}}",
+       "quotas.default.max_memory_share is 0, expected a number in (0, 1]"},
+      {"quotas: {default: {max_memory_share: 1.5}}", "max_memory_share is 1.5"},
+      {"quotas: {default: {max_memory_share: -0.1}}", "max_memory_share is -0.1"},
+      {"quotas: {default: {max_memory_share: .nan}}", "max_memory_share is nan"},
+      {"quotas: {default: {max_memory_share: half}}",
+       "quotas.default.max_memory_share has value 'half' of the wrong type"},
+      {"quotas: {tenants: [{tenant: a, max_models: -1}]}",
+       "quotas.tenants[0].max_models is -1, expected >= 0"},
+      {"quotas: {tenants: [{tenant: a, max_pinned_prefix_pages: -3}]}",
+       "quotas.tenants[0].max_pinned_prefix_pages is -3, expected >= 0"},
+      {"quotas: {tenants: [{tenant: a, max_decode_channels: -2}]}",
+       "quotas.tenants[0].max_decode_channels is -2, expected >= 0"},
+      {"quotas: {tenants: [{tenant: a, max_models: lots}]}",
+       "quotas.tenants[0].max_models has value 'lots' of the wrong type"},
+      {"quotas: {default: {max_model_bytes: 12XB}}", "quotas.default.max_model_bytes is '12XB'"},
+      {"quotas: {default: {max_model_bytes: -5}}",
+       "quotas.default.max_model_bytes is -5, expected >= 0"},
+      {"quotas: {default: {max_memory: 0.5}}",
+       "unknown key 'quotas.default.max_memory'; expected one of"},
+      {"quotas: {tenants: [{max_models: 1}]}", "quotas.tenants[0].tenant is missing"},
+      {"quotas: {tenants: [{tenant: a}, {tenant: a}]}", "tenant 'a' appears twice"},
+      {"quotas: {tenants: {tenant: a}}", "quotas.tenants must be a list"},
+  };
   for (const auto& b : bad) {
     auto r = ParseConfig(b.yaml);
     ASSERT_FALSE(r.ok()) << b.yaml;
