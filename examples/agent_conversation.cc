@@ -50,8 +50,9 @@ AgentScript DefaultAgentScript() {
   // script holds the call and the turn feeds it as tokens.
   s.tool_call =
       "<tool_call>[{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}]</tool_call>";
-  s.tool_result = "{\"city\": \"Paris\", \"temperature\": 18, \"sky\": \"light rain\", "
-                  "\"wind\": \"12 km/h from the west\"}";
+  s.tool_result =
+      "{\"city\": \"Paris\", \"temperature\": 18, \"sky\": \"light rain\", "
+      "\"wind\": \"12 km/h from the west\"}";
   s.follow_up = "Should I take an umbrella when I go out?";
   s.fork_follow_up = "Is it warm enough to wear a t-shirt?";
   s.question2 = "What is the weather in Tokyo?";
@@ -69,8 +70,8 @@ absl::StatusOr<AgentResult> RunAgentConversation(Client& client, const Model& mo
   auto encode = [&](const std::string& text) { return tok.Encode(text); };
   // One table row from a conversation's turn.
   auto row = [&](const std::string& session, const std::string& what,
-                 const ServedConversation& conv, int64_t held, int64_t message,
-                 const Turn& t, bool scripted = false) -> absl::StatusOr<AgentTurn> {
+                 const ServedConversation& conv, int64_t held, int64_t message, const Turn& t,
+                 bool scripted = false) -> absl::StatusOr<AgentTurn> {
     AgentTurn r;
     r.session = session;
     r.what = what;
@@ -94,8 +95,8 @@ absl::StatusOr<AgentResult> RunAgentConversation(Client& client, const Model& mo
   LocalAttention system_fp32(c);
   for (int pos = 0; pos < static_cast<int>(system.size()); ++pos) {
     std::vector<float> logits;
-    KVCD_RETURN_IF_ERROR(model.Forward(system[static_cast<size_t>(pos)], pos,
-                                       std::ref(system_fp32), &logits));
+    KVCD_RETURN_IF_ERROR(
+        model.Forward(system[static_cast<size_t>(pos)], pos, std::ref(system_fp32), &logits));
   }
   {
     const std::vector<int32_t> ids(system.begin(), system.end());
@@ -107,8 +108,8 @@ absl::StatusOr<AgentResult> RunAgentConversation(Client& client, const Model& mo
   const std::vector<int> question = encode(Message("user", script.question, true));
   std::vector<int> opening = system;
   opening.insert(opening.end(), question.begin(), question.end());
-  KVCD_ASSIGN_OR_RETURN(auto s1, ServedConversation::Open(&client, &model, p, "", opening,
-                                                          system_fp32));
+  KVCD_ASSIGN_OR_RETURN(auto s1,
+                        ServedConversation::Open(&client, &model, p, "", opening, system_fp32));
   {
     const std::vector<int> call = encode(script.tool_call + "<|im_end|>");
     const bool scripted = !script.tool_call.empty();
@@ -144,12 +145,11 @@ absl::StatusOr<AgentResult> RunAgentConversation(Client& client, const Model& mo
   std::vector<int> prompt = history;
   prompt.insert(prompt.end(), follow.begin(), follow.end());
   {
-    KVCD_ASSIGN_OR_RETURN(auto s, ServedConversation::Open(&client, &model, p, "", prompt,
-                                                           history_fp32));
+    KVCD_ASSIGN_OR_RETURN(auto s,
+                          ServedConversation::Open(&client, &model, p, "", prompt, history_fp32));
     KVCD_ASSIGN_OR_RETURN(Turn t, s->Run(max_new, eos));
-    KVCD_ASSIGN_OR_RETURN(result.committed,
-                          row("1", "follow-up on the committed history", *s, 0,
-                              static_cast<int64_t>(follow.size()), t));
+    KVCD_ASSIGN_OR_RETURN(result.committed, row("1", "follow-up on the committed history", *s, 0,
+                                                static_cast<int64_t>(follow.size()), t));
     result.turns.push_back(result.committed);
     // Fresh: the whole conversation prefilled in FP32 (the shadow fed it), Put under
     // another salt, opened there, teacher-forced on the same answer.
@@ -158,11 +158,11 @@ absl::StatusOr<AgentResult> RunAgentConversation(Client& client, const Model& mo
     if (!put.ok()) return put.status();
     KVCD_RETURN_IF_ERROR(s->Finish(eos));
     KVCD_RETURN_IF_ERROR(s->Close(/*commit=*/true).status());
-    KVCD_ASSIGN_OR_RETURN(auto f, ServedConversation::Open(&client, &model, p, "fresh", prompt,
-                                                           history_fp32));
+    KVCD_ASSIGN_OR_RETURN(
+        auto f, ServedConversation::Open(&client, &model, p, "fresh", prompt, history_fp32));
     KVCD_ASSIGN_OR_RETURN(Turn ft, f->Run(0, -1, &t.tokens));
-    KVCD_ASSIGN_OR_RETURN(result.fresh, row("1 fresh", "same follow-up, fresh FP32 prefill + Put",
-                                            *f, 0, static_cast<int64_t>(follow.size()), ft,
+    KVCD_ASSIGN_OR_RETURN(result.fresh, row("1 fresh", "same follow-up after a fresh FP32 Put", *f,
+                                            0, static_cast<int64_t>(follow.size()), ft,
                                             /*scripted=*/true));
     result.turns.push_back(result.fresh);
     KVCD_RETURN_IF_ERROR(f->Close(/*commit=*/false).status());
@@ -186,8 +186,8 @@ absl::StatusOr<AgentResult> RunAgentConversation(Client& client, const Model& mo
     const std::vector<int> q2 = encode(Message("user", script.question2, true));
     std::vector<int> open2 = system;
     open2.insert(open2.end(), q2.begin(), q2.end());
-    KVCD_ASSIGN_OR_RETURN(auto s2, ServedConversation::Open(&client, &model, p, "", open2,
-                                                            system_fp32));
+    KVCD_ASSIGN_OR_RETURN(auto s2,
+                          ServedConversation::Open(&client, &model, p, "", open2, system_fp32));
     KVCD_ASSIGN_OR_RETURN(Turn t, s2->Run(max_new, eos));
     KVCD_ASSIGN_OR_RETURN(AgentTurn r, row("2", "question on the shared system prompt", *s2, 0,
                                            static_cast<int64_t>(q2.size()), t));

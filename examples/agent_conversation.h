@@ -53,16 +53,16 @@ struct AgentOptions {
 // One row of the per-turn table.
 struct AgentTurn {
   std::string session, what;
-  int64_t from_put = 0;        // served from the cache at open: pages stored by Put
-  int64_t from_committed = 0;  // ... pages that entered by a commit
-  int64_t held = 0;            // already in the (open or forked) sequence
-  int64_t message = 0;         // the new message's tokens
-  int64_t prefilled = 0;       // tokens fed before the first generated one (message
-                               // included; the rest: a partial page the cache cannot hold)
-  std::vector<int> tokens;     // generated (or, scripted / teacher-forced, followed)
-  bool scripted = false;       // tokens fed from the script, not generated
+  int64_t from_put = 0;              // served from the cache at open: pages stored by Put
+  int64_t from_committed = 0;        // ... pages that entered by a commit
+  int64_t held = 0;                  // already in the (open or forked) sequence
+  int64_t message = 0;               // the new message's tokens
+  int64_t prefilled = 0;             // tokens fed before the first generated one (message
+                                     // included; the rest: a partial page the cache cannot hold)
+  std::vector<int> tokens;           // generated (or, scripted / teacher-forced, followed)
+  bool scripted = false;             // tokens fed from the script, not generated
   double first_kl = 0, mean_kl = 0;  // KL(FP32 || served), first step and mean over steps
-  double bytes_per_token = 0;  // the model's pool bytes in use / tokens those pages hold
+  double bytes_per_token = 0;        // the model's pool bytes in use / tokens those pages hold
   double seconds = 0;
 };
 

@@ -2,6 +2,7 @@
 // model (SmolLM2-135M-Instruct, scripts/fetch-smollm2.sh) with its attention served by a
 // kvcd daemon, once per history format, printing per turn what the cache served, what was
 // prefilled, the text, the next-token KL against FP32 and the bytes per token held.
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -66,6 +67,10 @@ int Fail(const std::string& what, const absl::Status& s) {
   return 1;
 }
 
+double Seconds(std::chrono::steady_clock::time_point since) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
+}
+
 std::string Printable(const std::string& s) {
   std::string out;
   for (char ch : s) out += ch == '\n' ? std::string("\\n") : std::string(1, ch);
@@ -104,20 +109,22 @@ int main(int argc, char** argv) {
   auto model = ll::Model::Load(dir + "/model.safetensors");
   if (!model.ok()) return Fail("model", model.status());
   const ll::Config& c = model->config();
-  std::printf("model %s: dim %d, %d layers, %d q / %d kv heads, head_dim %d; dense BF16 K/V "
-              "%.0f B/token\n",
-              dir.c_str(), c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim,
-              ll::DenseBytesPerToken(c));
+  std::printf(
+      "model %s: dim %d, %d layers, %d q / %d kv heads, head_dim %d; dense BF16 K/V "
+      "%.0f B/token\n",
+      dir.c_str(), c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim,
+      ll::DenseBytesPerToken(c));
 
   // The calibration run: the FP32 reference over the first calib_tokens of the text.
+  const auto start = std::chrono::steady_clock::now();
   ll::LocalAttention calib(c);
   std::vector<const ll::LocalAttention*> calibration;
   if (!calib_text.empty()) {
     std::ifstream in(calib_text);
     std::string line;
     if (!in || !std::getline(in, line)) {
-      return Fail("calibration", absl::NotFoundError("cannot read --calib-text '" + calib_text +
-                                                     "'"));
+      return Fail("calibration",
+                  absl::NotFoundError("cannot read --calib-text '" + calib_text + "'"));
     }
     std::vector<int> ids = tok->Encode(line);
     if (static_cast<int>(ids.size()) > calib_tokens) ids.resize(static_cast<size_t>(calib_tokens));
@@ -125,13 +132,16 @@ int main(int argc, char** argv) {
       return Fail("calibration", r.status());
     }
     calibration.push_back(&calib);
+    std::printf("calibration run: %d tokens of %s in FP32 (%.1f s)\n", calib.tokens(),
+                calib_text.c_str(), Seconds(start));
   }
   bool fsq = false;
   for (const auto& h : histories) fsq = fsq || absl::StartsWith(h, "fsq");
   if (!fsq) {
-    std::printf("FSQ: not run. No trained FSQ codec for this model is part of the repository's "
-                "flow (tools/fsq_finetune trains one, docs/fsq.md); --histories ...,fsq=CODEC "
-                "serves one.\n");
+    std::printf(
+        "FSQ: not run. No trained FSQ codec for this model is part of the repository's "
+        "flow (tools/fsq_finetune trains one, docs/fsq.md); --histories ...,fsq=CODEC "
+        "serves one.\n");
   }
 
   kvcd::ClientOptions co;
@@ -159,6 +169,7 @@ int main(int argc, char** argv) {
   std::vector<Outcome> outcomes;
   for (const auto& h : histories) {
     std::string note;
+    const auto resolving = std::chrono::steady_clock::now();
     auto p = ll::ResolveHistory(h, *model, calibration, &note, sink);
     if (!p.ok()) return Fail("history " + h, p.status());
     p->name = absl::StrCat("llama-agent-", h.substr(0, h.find('=')));
@@ -168,41 +179,48 @@ int main(int argc, char** argv) {
     p->memory_bytes = int64_t{memory_mib} << 20;
     auto info = ll::RegisterProfile(**client, c, *p);
     if (!info.ok()) return Fail("RegisterModel " + h, info.status());
-    std::printf("\n=== %s history: model %s, page %d, BF16 sink %d + recent %d; B/token: sink %.0f, "
-                "history %.0f, recent %.0f%s%s\n",
-                h.c_str(), p->name.c_str(), page, sink, recent, info->bytes_per_token_sink(),
-                info->bytes_per_token_history(), info->bytes_per_token_recent(),
-                note.empty() ? "" : "\n    codec: ", note.c_str());
+    std::printf(
+        "\n=== %s history: model %s, page %d, BF16 sink %d + recent %d; B/token: sink %.0f, "
+        "history %.0f, recent %.0f%s%s\n",
+        h.c_str(), p->name.c_str(), page, sink, recent, info->bytes_per_token_sink(),
+        info->bytes_per_token_history(), info->bytes_per_token_recent(),
+        note.empty() ? "" : "\n    codec: ", note.c_str());
+    if (!note.empty()) std::printf("    codec ready in %.1f s\n", Seconds(resolving));
+    const auto began = std::chrono::steady_clock::now();
     auto r = ll::RunAgentConversation(**client, *model, *tok, *p, script, options);
     if (!r.ok()) return Fail("conversation " + h, r.status());
-    std::printf("%-7s %-38s %6s %6s %6s %6s %6s %6s %9s %9s %8s %6s\n", "session", "turn",
-                "c:put", "c:comm", "held", "msg", "prefil", "gen", "KL first", "KL mean",
-                "B/token", "s");
+    std::printf("%-7s %-41s %6s %6s %6s %6s %6s %6s %9s %9s %8s %6s\n", "session", "turn", "c:put",
+                "c:comm", "held", "msg", "prefil", "gen", "KL first", "KL mean", "B/token", "s");
     for (const auto& t : r->turns) {
-      std::printf("%-7s %-38s %6lld %6lld %6lld %6lld %6lld %6zu %9.3g %9.3g %8.0f %6.1f\n",
+      std::printf("%-7s %-41s %6lld %6lld %6lld %6lld %6lld %6zu %9.3g %9.3g %8.0f %6.1f\n",
                   t.session.c_str(), t.what.c_str(), static_cast<long long>(t.from_put),
                   static_cast<long long>(t.from_committed), static_cast<long long>(t.held),
                   static_cast<long long>(t.message), static_cast<long long>(t.prefilled),
                   t.tokens.size(), t.first_kl, t.mean_kl, t.bytes_per_token, t.seconds);
     }
     const auto& s = r->stats;
-    std::printf("session 1 closed with commit: %lld of its %lld tokens in the tree (%lld pages "
-                "inserted, %lld already there)\n",
-                static_cast<long long>(r->close_commit.committed_tokens()),
-                static_cast<long long>(r->history_tokens),
-                static_cast<long long>(r->close_commit.inserted_pages()),
-                static_cast<long long>(r->close_commit.deduplicated_pages()));
-    std::printf("daemon: hit tokens %llu (from Put %llu, from commits %llu), committed pages "
-                "%llu, forks %llu\n",
-                static_cast<unsigned long long>(s.hit_tokens()),
-                static_cast<unsigned long long>(s.hit_tokens_put()),
-                static_cast<unsigned long long>(s.hit_tokens_committed()),
-                static_cast<unsigned long long>(s.committed_pages()),
-                static_cast<unsigned long long>(s.forks()));
+    std::printf(
+        "session 1 closed with commit: %lld of its %lld tokens in the tree (%lld pages "
+        "inserted, %lld already there)\n",
+        static_cast<long long>(r->close_commit.committed_tokens()),
+        static_cast<long long>(r->history_tokens),
+        static_cast<long long>(r->close_commit.inserted_pages()),
+        static_cast<long long>(r->close_commit.deduplicated_pages()));
+    std::printf(
+        "daemon: hit tokens %llu (from Put %llu, from commits %llu), committed pages "
+        "%llu, forks %llu\n",
+        static_cast<unsigned long long>(s.hit_tokens()),
+        static_cast<unsigned long long>(s.hit_tokens_put()),
+        static_cast<unsigned long long>(s.hit_tokens_committed()),
+        static_cast<unsigned long long>(s.committed_pages()),
+        static_cast<unsigned long long>(s.forks()));
+    std::printf("%s: the conversation took %.1f s (codec calibration before it excluded)\n",
+                h.c_str(), Seconds(began));
     outcomes.push_back({h, std::move(*r)});
   }
-  std::printf("\n=== follow-up turn: opened on the committed history vs a fresh FP32 prefill of "
-              "the whole conversation (Put, then opened), same tokens\n");
+  std::printf(
+      "\n=== follow-up turn: opened on the committed history vs a fresh FP32 prefill of "
+      "the whole conversation (Put, then opened), same tokens\n");
   std::printf("%-16s %8s %9s %11s %11s %12s %12s %8s\n", "history", "history", "message",
               "prefilled", "prefilled", "KL mean", "KL mean", "ratio");
   std::printf("%-16s %8s %9s %11s %11s %12s %12s %8s\n", "", "tokens", "tokens", "committed",
@@ -216,8 +234,9 @@ int main(int argc, char** argv) {
                 static_cast<long long>(r.fresh.prefilled), r.committed.mean_kl, r.fresh.mean_kl,
                 r.fresh.mean_kl > 0 ? r.committed.mean_kl / r.fresh.mean_kl : 0.0);
   }
-  std::printf("(prefilled on the committed history = the message + the history's last partial "
-              "page, which stays with the closed sequence: %d tokens a page)\n",
-              page);
+  std::printf(
+      "(prefilled on the committed history = the message + the history's last partial "
+      "page, which stays with the closed sequence: %d tokens a page)\n",
+      page);
   return 0;
 }

@@ -67,8 +67,8 @@ absl::Status ServedConversation::FeedServed(std::vector<float>* logits) {
   const int token = tokens_[static_cast<size_t>(fed_)];
   const int pos = static_cast<int>(fed_);
   const bool fsq = profile_.history == "fsq";
-  auto attend = [&](int layer, int, const float* x, const float* q, const float* k,
-                    const float* v, float* o) -> absl::Status {
+  auto attend = [&](int layer, int, const float* x, const float* q, const float* k, const float* v,
+                    float* o) -> absl::Status {
     v1::AttentionDecodeRequest req;
     req.set_layer(layer);
     req.add_sequence_ids(sequence_);
@@ -123,8 +123,8 @@ absl::StatusOr<Turn> ServedConversation::Run(int max_new, int stop,
       total > model_->config().max_seq_len) {
     return absl::InvalidArgumentError(
         absl::StrCat("a turn needs a pending token and a step within the model's context of ",
-                     model_->config().max_seq_len, " positions (", tokens_.size(),
-                     " tokens, ", pending(), " pending, ", steps, " steps)"));
+                     model_->config().max_seq_len, " positions (", tokens_.size(), " tokens, ",
+                     pending(), " pending, ", steps, " steps)"));
   }
   Turn turn;
   turn.prefilled = static_cast<int>(pending());
@@ -139,8 +139,7 @@ absl::StatusOr<Turn> ServedConversation::Run(int max_new, int stop,
     tokens_.push_back(next);
     if (teacher == nullptr && next == stop) break;
   }
-  turn.seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  turn.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return turn;
 }
 
@@ -169,8 +168,8 @@ absl::StatusOr<std::unique_ptr<ServedConversation>> ServedConversation::Fork() {
   c->matched_ = 0;
   c->matched_committed_ = 0;
   if (c->fed_ != fed_) {
-    return absl::InternalError(absl::StrCat("the fork holds ", c->fed_,
-                                            " tokens, its source ", fed_));
+    return absl::InternalError(
+        absl::StrCat("the fork holds ", c->fed_, " tokens, its source ", fed_));
   }
   if (auto s = c->Connect(); !s.ok()) return s;
   return c;

@@ -4,13 +4,15 @@
 // only the new message (and the history's last partial page, which a commit leaves with the
 // sequence), and its next-token KL against FP32 is within 10% of the same turn after a fresh
 // FP32 prefill of the whole conversation in the same history format.
+#include "examples/agent_conversation.h"
+
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 
 #include "daemon_process.h"
-#include "examples/agent_conversation.h"
 #include "examples/bpe_tokenizer.h"
 #include "examples/llama_worker.h"
 
@@ -60,7 +62,9 @@ class AgentConversationTest : public ::testing::Test {
     client_ = std::move(*c);
   }
 
-  int64_t Tokens(const std::string& text) { return static_cast<int64_t>(tok_->Encode(text).size()); }
+  int64_t Tokens(const std::string& text) {
+    return static_cast<int64_t>(tok_->Encode(text).size());
+  }
 
   // Runs the conversation on `p` and checks every turn's token accounting and the
   // measured outcome.
@@ -75,13 +79,13 @@ class AgentConversationTest : public ::testing::Test {
     ASSERT_TRUE(r.ok()) << r.status();
     ASSERT_EQ(r->turns.size(), 6u);
     for (const auto& t : r->turns) {
-      std::printf("%s | %-8s %-40s put %3lld committed %3lld held %3lld message %3lld "
-                  "prefilled %3lld gen %2zu KL first %.3g mean %.3g B/token %.0f\n",
-                  p.name.c_str(), t.session.c_str(), t.what.c_str(),
-                  static_cast<long long>(t.from_put), static_cast<long long>(t.from_committed),
-                  static_cast<long long>(t.held), static_cast<long long>(t.message),
-                  static_cast<long long>(t.prefilled), t.tokens.size(), t.first_kl, t.mean_kl,
-                  t.bytes_per_token);
+      std::printf(
+          "%s | %-8s %-40s put %3lld committed %3lld held %3lld message %3lld "
+          "prefilled %3lld gen %2zu KL first %.3g mean %.3g B/token %.0f\n",
+          p.name.c_str(), t.session.c_str(), t.what.c_str(), static_cast<long long>(t.from_put),
+          static_cast<long long>(t.from_committed), static_cast<long long>(t.held),
+          static_cast<long long>(t.message), static_cast<long long>(t.prefilled), t.tokens.size(),
+          t.first_kl, t.mean_kl, t.bytes_per_token);
       EXPECT_FALSE(t.tokens.empty()) << t.what;
     }
     const int64_t system = Tokens("<|im_start|>system\n" + script.system + "<|im_end|>\n");
@@ -117,14 +121,28 @@ class AgentConversationTest : public ::testing::Test {
     const llama::AgentTurn& fork = r->turns[4];
     EXPECT_EQ(fork.held, history);
     EXPECT_EQ(fork.prefilled, fork.message);
-    // Session 2 opens on the system prompt already in the cache.
+    // Session 2 opens on the system prompt already in the cache (and on any committed
+    // page of session 1 that its prompt shares: the system prompt's tail and the start of
+    // the user turn can fill one).
     const llama::AgentTurn& second = r->turns[5];
+    const std::vector<int> prompt2 =
+        tok_->Encode("<|im_start|>system\n" + script.system + "<|im_end|>\n<|im_start|>user\n" +
+                     script.question2 + "<|im_end|>\n<|im_start|>assistant\n");
+    const std::vector<int> history1 =
+        tok_->Encode("<|im_start|>system\n" + script.system + "<|im_end|>\n<|im_start|>user\n" +
+                     script.question + "<|im_end|>\n");
+    size_t common = 0;
+    while (common + 1 < prompt2.size() && common < history1.size() &&
+           prompt2[common] == history1[common]) {
+      ++common;
+    }
+    const int64_t shared_pages = static_cast<int64_t>(common) / kPage * kPage;
     EXPECT_EQ(second.from_put, system_pages);
-    EXPECT_EQ(second.from_committed, 0);
-    EXPECT_EQ(second.prefilled, system + second.message - system_pages);
+    EXPECT_EQ(second.from_committed, std::max<int64_t>(0, shared_pages - system_pages));
+    EXPECT_EQ(second.prefilled,
+              static_cast<int64_t>(prompt2.size()) - second.from_put - second.from_committed);
     EXPECT_GE(r->stats.forks(), 1u);
-    EXPECT_GE(r->stats.hit_tokens_committed(),
-              static_cast<uint64_t>(committed.from_committed));
+    EXPECT_GE(r->stats.hit_tokens_committed(), static_cast<uint64_t>(committed.from_committed));
     // The measured outcome.
     std::printf("%s: follow-up KL mean committed %.4g, fresh %.4g, ratio %.3f\n", p.name.c_str(),
                 committed.mean_kl, fresh.mean_kl, committed.mean_kl / fresh.mean_kl);
