@@ -184,6 +184,27 @@ absl::StatusOr<int64_t> Client::CloseSequence(uint64_t sequence_id) {
   return r->length();
 }
 
+absl::StatusOr<v1::CloseSequenceResponse> Client::CloseSequence(uint64_t sequence_id, bool commit) {
+  v1::CloseSequenceRequest req;
+  req.set_sequence_id(sequence_id);
+  req.set_commit(commit);
+  return KVCD_CALL(v1::CloseSequenceResponse, CloseSequence, req);
+}
+
+absl::StatusOr<v1::CommitSequenceResponse> Client::CommitSequence(uint64_t sequence_id) {
+  v1::CommitSequenceRequest req;
+  req.set_sequence_id(sequence_id);
+  return KVCD_CALL(v1::CommitSequenceResponse, CommitSequence, req);
+}
+
+absl::StatusOr<v1::ForkSequenceResponse> Client::ForkSequence(uint64_t sequence_id,
+                                                              int64_t lease_ms) {
+  v1::ForkSequenceRequest req;
+  req.set_sequence_id(sequence_id);
+  req.set_lease_ms(lease_ms);
+  return KVCD_CALL(v1::ForkSequenceResponse, ForkSequence, req);
+}
+
 absl::StatusOr<int64_t> Client::RenewLease(uint64_t sequence_id, int64_t lease_ms) {
   v1::RenewLeaseRequest req;
   req.set_sequence_id(sequence_id);
@@ -216,6 +237,26 @@ absl::StatusOr<int64_t> Client::PushPages(const v1::PushPagesRequest& req) {
 
 absl::StatusOr<v1::StatsResponse> Client::Stats() {
   return KVCD_CALL(v1::StatsResponse, Stats, v1::StatsRequest());
+}
+
+absl::StatusOr<v1::PinPrefixResponse> Client::PinPrefix(const std::string& model,
+                                                        const std::string& salt,
+                                                        absl::Span<const int32_t> tokens,
+                                                        int64_t ttl_ms) {
+  v1::PinPrefixRequest req;
+  req.set_model(model);
+  req.set_cache_salt(salt);
+  req.mutable_tokens()->Add(tokens.begin(), tokens.end());
+  req.set_ttl_ms(ttl_ms);
+  return KVCD_CALL(v1::PinPrefixResponse, PinPrefix, req);
+}
+
+absl::StatusOr<int64_t> Client::UnpinPrefix(uint64_t pin_id) {
+  v1::UnpinPrefixRequest req;
+  req.set_pin_id(pin_id);
+  auto r = KVCD_CALL(v1::UnpinPrefixResponse, UnpinPrefix, req);
+  if (!r.ok()) return r.status();
+  return r->unpinned_pages();
 }
 
 absl::StatusOr<v1::RegisterBufferResponse> Client::RegisterBuffer(

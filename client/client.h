@@ -96,6 +96,13 @@ class Client {
                                                         int64_t lease_ms = 0);
   // Returns the sequence's final length.
   absl::StatusOr<int64_t> CloseSequence(uint64_t sequence_id);
+  // With `commit`, the sequence's full pages enter the prefix cache before it closes
+  // (response.commit says what was committed); a failed commit leaves it open.
+  absl::StatusOr<v1::CloseSequenceResponse> CloseSequence(uint64_t sequence_id, bool commit);
+  // Sessions (docs/sessions.md): commit the full pages and keep the sequence open; fork a
+  // new sequence sharing its pages (lease_ms 0: the daemon's default).
+  absl::StatusOr<v1::CommitSequenceResponse> CommitSequence(uint64_t sequence_id);
+  absl::StatusOr<v1::ForkSequenceResponse> ForkSequence(uint64_t sequence_id, int64_t lease_ms = 0);
   // Returns the granted lease in ms.
   absl::StatusOr<int64_t> RenewLease(uint64_t sequence_id, int64_t lease_ms = 0);
   // Returns the new length.
@@ -107,6 +114,13 @@ class Client {
   // INT2). Returns the number of tokens newly inserted into the radix tree.
   absl::StatusOr<int64_t> PushPages(const v1::PushPagesRequest& req);
   absl::StatusOr<v1::StatsResponse> Stats();
+
+  // Pins the longest cached page-aligned prefix of `tokens` for ttl_ms (docs/sessions.md
+  // "Pinned prefixes"): eviction skips it until UnpinPrefix or the ttl runs out.
+  absl::StatusOr<v1::PinPrefixResponse> PinPrefix(const std::string& model, const std::string& salt,
+                                                  absl::Span<const int32_t> tokens, int64_t ttl_ms);
+  // Removes a pin; returns the pages it pinned.
+  absl::StatusOr<int64_t> UnpinPrefix(uint64_t pin_id);
 
   // Data plane (daemon with backend: cuda). RegisterBuffer maps a device allocation of
   // this process into the daemon (see client/workers/ipc_buffer.h for the CUDA side).

@@ -11,6 +11,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/client.h"
 #include "common/cli.h"
 #include "common/safetensors.h"
@@ -43,6 +45,11 @@ ABSL_FLAG(int64_t, seed, 1, "seed of the synthetic prompt");
 ABSL_FLAG(std::string, safetensors, "", "prompt file: tokens, k, v (and x for FSQ models)");
 ABSL_FLAG(std::string, tokens, "", "the prompt's token ids, comma-separated");
 ABSL_FLAG(int64_t, steps, 8, "decode steps");
+ABSL_FLAG(int64_t, ttl_ms, 0,
+          "pin: how long the pin lasts, in ms, 1..the daemon's max_pin_ttl_ms (24 h unless "
+          "configured); required");
+ABSL_FLAG(int64_t, lease_ms, 0, "the fork's lease in milliseconds (0: the daemon's default)");
+ABSL_FLAG(bool, commit, false, "commit the sequence's full pages to the prefix cache first");
 
 namespace {
 
@@ -64,7 +71,7 @@ const kvcd::cli::Program& Cli() {
           {{.name = "health", .synopsis = "", .description = "grpc.health.v1 status of the daemon"},
            {.name = "stats",
             .synopsis = "",
-            .description = "memory, pools, prefix-cache hit ratio, sequences"},
+            .description = "memory, pools, prefix-cache hit ratio, sequences, prefix pins"},
            {.name = "models",
             .synopsis = "",
             .description = "registered model profiles and their pools"},
@@ -88,18 +95,55 @@ synthetic residuals for FSQ models).)",
             .synopsis = "--model M [--salt S] (--tokens 1,2,3 | --synthetic N [--seed X])",
             .description = "longest cached prefix, in tokens",
             .flags = Concat(kPrompt, {"tokens"})},
+           {.name = "pin",
+            .synopsis = "--model M [--salt S] (--tokens 1,2,3 | --synthetic N [--seed X]) "
+                        "--ttl-ms N",
+            .description = R"(pin a cached prefix so that eviction skips it
+Pins the longest cached page-aligned prefix of the tokens for --ttl-ms ms (or until
+'kvctl unpin'); the pages count against the tenant's max_pinned_prefix_pages. Prints
+the pin id, the pinned tokens and pages, and when the pin expires (UTC).)",
+            .flags = Concat(kPrompt, {"tokens", "ttl_ms"})},
+           {.name = "unpin",
+            .synopsis = "PIN_ID",
+            .description = R"(remove a prefix pin
+Its pages are ordinary LRU pages again. Prints how many pages it pinned.)",
+            .takes_args = true},
            {.name = "decode",
             .synopsis = "--model M [--salt S] --synthetic N [--seed X] [--steps K]",
             .description = R"(demo decode loop
 Opens a sequence on the synthetic prompt, appends the uncached tail, then runs K
 steps of per-layer fused append+attention over one AttentionDecodeStream; prints
 the per-step latency and tokens/s.)",
-            .flags = Concat(kPrompt, {"steps"})}},
+            .flags = Concat(kPrompt, {"steps"})},
+           {.name = "commit",
+            .synopsis = "SEQUENCE_ID",
+            .description = R"(commit an open sequence's full pages to the prefix cache
+The sequence stays open; a later OpenSequence on its tokens reuses them
+(docs/sessions.md). Prints the committed, inserted and deduplicated counts.)",
+            .takes_args = true},
+           {.name = "fork",
+            .synopsis = "SEQUENCE_ID [--lease-ms MS]",
+            .description = R"(fork an open sequence
+The new sequence shares every full page of the source and gets a copy of its
+partial page, with its own lease. Prints the new sequence's id.)",
+            .flags = {"lease_ms"},
+            .takes_args = true},
+           {.name = "close",
+            .synopsis = "SEQUENCE_ID [--commit]",
+            .description = R"(close an open sequence
+With --commit its full pages enter the prefix cache first (a failed commit leaves
+it open).)",
+            .flags = {"commit"},
+            .takes_args = true}},
       .notes = R"(Examples:
   kvctl register --profile small.textproto --codec small-codec.safetensors
   kvctl put --model qwen3-8b --synthetic 4096 --seed 7
   kvctl match --model qwen3-8b --synthetic 4096 --seed 7
+  kvctl pin --model qwen3-8b --synthetic 4096 --seed 7 --ttl-ms 3600000
+  kvctl unpin 1234567890123456789
   kvctl decode --model qwen3-8b --synthetic 4100 --seed 7 --steps 16
+  kvctl fork 1234567890 --lease-ms 60000
+  kvctl close 1234567890 --commit
 )"};
   return program;
 }
@@ -131,6 +175,14 @@ void PrintModel(const kvcd::v1::ModelInfo& m) {
   std::printf("  cached tokens %llu, active sequences %llu\n",
               static_cast<unsigned long long>(m.cached_tokens()),
               static_cast<unsigned long long>(m.active_sequences()));
+}
+
+// "2026-12-05 01:02:03 UTC (in 59 s)" for a unix time in ms.
+std::string Until(int64_t unix_ms) {
+  const absl::Time t = absl::FromUnixMillis(unix_ms);
+  const int64_t left = (unix_ms - absl::ToUnixMillis(absl::Now()) + 999) / 1000;
+  return absl::StrCat(absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", t, absl::UTCTimeZone()), " (",
+                      left > 0 ? absl::StrCat("in ", left, " s") : "due now", ")");
 }
 
 absl::StatusOr<std::string> ReadWholeFile(const std::string& path, const char* what) {
@@ -339,6 +391,67 @@ int Decode(kvcd::Client& c, const Args& a) {
   return 0;
 }
 
+int Pin(kvcd::Client& c, const Args& a) {
+  if (!a.Given("ttl_ms")) return Usage(a, "pin needs --ttl-ms N");
+  if (!a.Given("tokens") && absl::GetFlag(FLAGS_synthetic) < 1) {
+    return Usage(a, "pin needs --tokens 1,2,3 or --synthetic N (N >= 1)");
+  }
+  auto r = c.PinPrefix(absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_salt), PromptTokens(a),
+                       absl::GetFlag(FLAGS_ttl_ms));
+  if (!r.ok()) return Fail(r.status());
+  std::printf("pin %llu: %lld tokens (%lld pages) pinned until %s\n",
+              static_cast<unsigned long long>(r->pin_id()),
+              static_cast<long long>(r->pinned_tokens()), static_cast<long long>(r->pinned_pages()),
+              Until(r->expires_unix_ms()).c_str());
+  return 0;
+}
+
+int Unpin(kvcd::Client& c, const Args& a) {
+  uint64_t id = 0;
+  if (a.args.size() != 1 || !absl::SimpleAtoi(a.args[0], &id)) {
+    return Usage(a, "unpin needs one PIN_ID (the number 'kvctl pin' printed)");
+  }
+  auto pages = c.UnpinPrefix(id);
+  if (!pages.ok()) return Fail(pages.status());
+  std::printf("pin %llu removed: %lld pages are ordinary LRU pages again\n",
+              static_cast<unsigned long long>(id), static_cast<long long>(*pages));
+// commit / fork / close SEQUENCE_ID.
+int Session(kvcd::Client& c, const Args& a) {
+  if (a.args.size() != 1) return Usage(a, "expected one SEQUENCE_ID");
+  uint64_t id = 0;
+  if (!absl::SimpleAtoi(a.args[0], &id)) {
+    return Usage(a, "SEQUENCE_ID must be an unsigned 64-bit integer (OpenSequence's id)");
+  }
+  auto print_commit = [](const kvcd::v1::CommitSequenceResponse& r) {
+    std::printf("committed %lld tokens: %lld pages inserted, %lld deduplicated\n",
+                static_cast<long long>(r.committed_tokens()),
+                static_cast<long long>(r.inserted_pages()),
+                static_cast<long long>(r.deduplicated_pages()));
+  };
+  const std::string command = a.command->name;
+  if (command == "commit") {
+    auto r = c.CommitSequence(id);
+    if (!r.ok()) return Fail(r.status());
+    print_commit(*r);
+    return 0;
+  }
+  if (command == "fork") {
+    auto r = c.ForkSequence(id, absl::GetFlag(FLAGS_lease_ms));
+    if (!r.ok()) return Fail(r.status());
+    std::printf("%llu\n", static_cast<unsigned long long>(r->sequence_id()));
+    std::fprintf(stderr, "fork of %llu: %lld tokens, %lld pages shared, lease %lld ms\n",
+                 static_cast<unsigned long long>(id), static_cast<long long>(r->length()),
+                 static_cast<long long>(r->shared_pages()), static_cast<long long>(r->lease_ms()));
+    return 0;
+  }
+  const bool commit = absl::GetFlag(FLAGS_commit);
+  auto r = c.CloseSequence(id, commit);
+  if (!r.ok()) return Fail(r.status());
+  if (commit) print_commit(r->commit());
+  std::printf("closed at %lld tokens\n", static_cast<long long>(r->length()));
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -380,11 +493,35 @@ int main(int argc, char** argv) {
                 static_cast<unsigned long long>(s->hit_tokens()),
                 static_cast<unsigned long long>(s->miss_tokens()), s->hit_ratio(),
                 static_cast<unsigned long long>(s->evicted_pages()));
+    std::printf(
+        "sessions: %llu committed pages cached, %llu forks; hits %llu put / %llu committed "
+        "tokens; evicted %llu put / %llu committed pages\n",
+        static_cast<unsigned long long>(s->committed_pages()),
+        static_cast<unsigned long long>(s->forks()),
+        static_cast<unsigned long long>(s->hit_tokens_put()),
+        static_cast<unsigned long long>(s->hit_tokens_committed()),
+        static_cast<unsigned long long>(s->evicted_pages_put()),
+        static_cast<unsigned long long>(s->evicted_pages_committed()));
     std::printf("sequences: %llu active, %llu leases expired; %llu pages demoted\n",
                 static_cast<unsigned long long>(s->active_sequences()),
                 static_cast<unsigned long long>(s->expired_leases()),
                 static_cast<unsigned long long>(s->demoted_pages()));
     for (const auto& m : s->models()) PrintModel(m);
+    for (const auto& t : s->tenants()) {
+      if (t.pinned_prefix_pages() == 0 && t.max_pinned_prefix_pages() == 0) continue;
+      std::printf("tenant '%s': %llu pages pinned by prefix pins (quota %s)\n", t.tenant().c_str(),
+                  static_cast<unsigned long long>(t.pinned_prefix_pages()),
+                  t.max_pinned_prefix_pages() == 0
+                      ? "none"
+                      : std::to_string(t.max_pinned_prefix_pages()).c_str());
+    }
+    std::printf("prefix pins: %d\n", s->pins_size());
+    for (const auto& p : s->pins()) {
+      std::printf("  pin %llu: tenant '%s', model %s, %lld tokens (%lld pages) until %s\n",
+                  static_cast<unsigned long long>(p.pin_id()), p.tenant().c_str(),
+                  p.model().c_str(), static_cast<long long>(p.pinned_tokens()),
+                  static_cast<long long>(p.pinned_pages()), Until(p.expires_unix_ms()).c_str());
+    }
     return 0;
   }
   if (command == "models") {
@@ -403,5 +540,8 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (command == "decode") return Decode(c, a);
+  if (command == "pin") return Pin(c, a);
+  if (command == "unpin") return Unpin(c, a);
+  if (command == "commit" || command == "fork" || command == "close") return Session(c, a);
   return Usage(a, "unknown command");  // Parse accepts only the commands above
 }

@@ -94,6 +94,7 @@ absl::StatusOr<std::unique_ptr<ModelCache>> ModelCache::Create(
   std::lock_guard<std::mutex> lock(cache->mu_);
   for (const PageStore& store : cache->stores_) {
     cache->owner_.emplace_back(static_cast<size_t>(store.pool->num_pages()), -1);
+    cache->refs_.emplace_back(static_cast<size_t>(store.pool->num_pages()), 0);
   }
   return cache;
 }
@@ -148,6 +149,10 @@ std::vector<std::pair<const std::string*, int64_t>> PerTenant(absl::Span<const N
 
 absl::Status ModelCache::CheckFitsLocked(int32_t store, absl::Span<const TenantNeed> needs) const {
   const PagePool& p = *stores_[store].pool;
+  // A tree page a sequence (a fork) still holds is not freed by evicting it.
+  const auto frees = [this](const PageRef& r) {
+    return refs_[static_cast<size_t>(r.pool)][static_cast<size_t>(r.page)] == 1;
+  };
   int64_t free = p.free_pages();
   int64_t own_evicted = 0;  // by tenants past their share, from their own pages
   int64_t others = 0;       // pages of tenants within their share
@@ -160,7 +165,7 @@ absl::Status ModelCache::CheckFitsLocked(int32_t store, absl::Span<const TenantN
     }
     // Past its share: its own unpinned pages must make room under the share, and in the
     // pool when it has too few free pages.
-    const int64_t own = tree_.EvictablePages(store, tenant);
+    const int64_t own = tree_.EvictablePages(store, tenant, frees);
     const int64_t must = n > limit ? INT64_MAX : std::max(held + n - limit, n - free);
     if (own < must) {
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -176,14 +181,14 @@ absl::Status ModelCache::CheckFitsLocked(int32_t store, absl::Span<const TenantN
     own_evicted += must;
   }
   if (others <= free) return absl::OkStatus();
-  const int64_t evictable = tree_.EvictablePages(store) - own_evicted;
+  const int64_t evictable = tree_.EvictablePages(store, nullptr, frees) - own_evicted;
   if (others <= free + evictable) return absl::OkStatus();
   return absl::ResourceExhaustedError(absl::StrCat(
       "model ", Quote(spec_.name), ": the ", p.format(), " pool cannot hold the request: need ",
       others, " page(s), ", free, " free + ", evictable, " evictable of ", p.num_pages(), " (",
       tree_.PinnedPages(),
-      " cached pages pinned by open sequences); nothing was evicted; close sequences, send "
-      "fewer tokens or give the model more memory; retry later"));
+      " cached pages pinned by open sequences or prefix pins); nothing was evicted; close "
+      "sequences, unpin prefixes, send fewer tokens or give the model more memory; retry later"));
 }
 
 absl::Status ModelCache::WriteCodes(int32_t store, const RowSource* x,
@@ -199,6 +204,7 @@ absl::Status ModelCache::WriteCodes(int32_t store, const RowSource* x,
 }
 
 void ModelCache::EvictLocked(const std::function<bool()>& want_more, const std::string* tenant) {
+  const int64_t committed_before = tree_.committed_pages();
   tree_.Evict(
       want_more,
       [&](const PageRef& r) {
@@ -206,6 +212,8 @@ void ModelCache::EvictLocked(const std::function<bool()>& want_more, const std::
         counters_->evicted_pages.fetch_add(1, std::memory_order_relaxed);
       },
       tenant);
+  counters_->evicted_pages_committed.fetch_add(
+      static_cast<uint64_t>(committed_before - tree_.committed_pages()), std::memory_order_relaxed);
 }
 
 absl::Status ModelCache::AllocateLocked(int32_t store, absl::Span<const TenantNeed> needs,
@@ -240,8 +248,8 @@ absl::Status ModelCache::AllocateLocked(int32_t store, absl::Span<const TenantNe
             "model ", Quote(spec_.name), ": the ", p.format(), " pool is full: need ", n,
             " page(s), ", p.free_pages(), " free of ", p.num_pages(), ", nothing evictable (",
             tree_.PinnedPages(),
-            " cached pages pinned by open sequences); close sequences or give the model more "
-            "memory; retry later"));
+            " cached pages pinned by open sequences or prefix pins); close sequences, unpin "
+            "prefixes or give the model more memory; retry later"));
         break;
       }
       // Record the owner.
@@ -261,7 +269,10 @@ absl::Status ModelCache::AllocateLocked(int32_t store, absl::Span<const TenantNe
         slot_of_.emplace(tenant, slot);
       }
       TenantSlot& t = tenants_[static_cast<size_t>(slot)];
-      for (int32_t id : ids[i]) owner_[static_cast<size_t>(store)][static_cast<size_t>(id)] = slot;
+      for (int32_t id : ids[i]) {
+        owner_[static_cast<size_t>(store)][static_cast<size_t>(id)] = slot;
+        refs_[static_cast<size_t>(store)][static_cast<size_t>(id)] = 1;
+      }
       t.held[static_cast<size_t>(store)] += n;
       t.total += n;
     }
@@ -285,6 +296,12 @@ absl::Status ModelCache::AllocateLocked(int32_t store, absl::Span<const TenantNe
 
 void ModelCache::FreeLocked(absl::Span<const PageRef> pages) {
   for (const PageRef& r : pages) {
+    int32_t& refs = refs_[static_cast<size_t>(r.pool)][static_cast<size_t>(r.page)];
+    if (refs > 1) {  // another holder (a fork, or the tree) keeps it
+      --refs;
+      continue;
+    }
+    refs = 0;
     stores_[r.pool].pool->Free({r.page});
     int32_t& owner = owner_[static_cast<size_t>(r.pool)][static_cast<size_t>(r.page)];
     if (owner < 0) continue;
@@ -396,6 +413,7 @@ absl::StatusOr<PutResult> ModelCache::StorePrefix(const std::string& salt,
     result.inserted_tokens = ins.new_pages * ps;
     counters_->inserted_pages.fetch_add(static_cast<uint64_t>(ins.new_pages));
     counters_->hit_tokens.fetch_add(static_cast<uint64_t>(result.cached_tokens));
+    counters_->hit_tokens_committed.fetch_add(static_cast<uint64_t>(match.committed_tokens));
     counters_->miss_tokens.fetch_add(static_cast<uint64_t>(n - result.cached_tokens));
   }
   return result;
@@ -488,9 +506,12 @@ absl::StatusOr<PutResult> ModelCache::PushDevicePages(const std::string& salt,
                      });
 }
 
-int64_t ModelCache::Match(const std::string& salt, absl::Span<const int32_t> tokens) {
+int64_t ModelCache::Match(const std::string& salt, absl::Span<const int32_t> tokens,
+                          int64_t* committed_tokens) {
   std::lock_guard<std::mutex> lock(mu_);
-  return tree_.Match(salt, tokens).tokens;
+  const RadixTree::MatchResult m = tree_.Match(salt, tokens);
+  if (committed_tokens != nullptr) *committed_tokens = m.committed_tokens;
+  return m.tokens;
 }
 
 std::shared_ptr<Sequence> ModelCache::Open(uint64_t id, const std::string& salt,
@@ -509,6 +530,7 @@ std::shared_ptr<Sequence> ModelCache::Open(uint64_t id, const std::string& salt,
   seq->layer_len.assign(static_cast<size_t>(spec_.num_layers), m.tokens);
   seq->tokens.assign(tokens.begin(), tokens.begin() + m.tokens);
   counters_->hit_tokens.fetch_add(static_cast<uint64_t>(m.tokens));
+  counters_->hit_tokens_committed.fetch_add(static_cast<uint64_t>(m.committed_tokens));
   counters_->miss_tokens.fetch_add(static_cast<uint64_t>(tokens.size()) -
                                    static_cast<uint64_t>(m.tokens));
   open_sequences_.fetch_add(1);
@@ -518,14 +540,55 @@ std::shared_ptr<Sequence> ModelCache::Open(uint64_t id, const std::string& salt,
 void ModelCache::Close(Sequence* seq) {
   std::lock_guard<std::mutex> seq_lock(seq->mu);
   if (seq->closed) return;
-  seq->closed = true;
   std::lock_guard<std::mutex> lock(mu_);
+  CloseLocked(seq);
+}
+
+std::vector<PageRef> ModelCache::OwnPages(const Sequence& seq) {
+  std::vector<PageRef> own(
+      seq.pages.begin() +
+          std::min<int64_t>(seq.shared_pages, static_cast<int64_t>(seq.pages.size())),
+      seq.pages.end());
+  for (const Sequence::WindowCopy& w : seq.window_copies) {
+    if (!(seq.pages[static_cast<size_t>(w.index)] == w.tree)) {
+      own.push_back(seq.pages[static_cast<size_t>(w.index)]);
+    }
+  }
+  return own;
+}
+
+void ModelCache::CloseLocked(Sequence* seq) {
+  seq->closed = true;
   tree_.Unpin(seq->pinned);
   seq->pinned = nullptr;
-  FreeLocked(absl::MakeConstSpan(seq->pages).subspan(static_cast<size_t>(seq->shared_pages)));
+  FreeLocked(OwnPages(*seq));
   seq->pages.clear();
+  seq->window_copies.clear();
+  seq->shared_pages = 0;
   open_sequences_.fetch_sub(1);
   if (seq->device_fault.held()) backend_->device()->ReleaseFaultWords(seq->device_fault);
+}
+
+absl::StatusOr<ModelCache::PinnedPrefix> ModelCache::PinPrefix(
+    const std::string& salt, absl::Span<const int32_t> tokens,
+    const std::function<absl::Status(int64_t pages)>& admit) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Counted first without splitting anything, so that a refused pin leaves the tree as it was.
+  const int64_t pages = static_cast<int64_t>(tree_.Match(salt, tokens).pages.size());
+  if (pages == 0) {
+    return absl::NotFoundError(
+        absl::StrCat("model ", Quote(spec_.name), ", cache_salt ", Quote(salt), ": not one page (",
+                     spec_.page_size, " tokens) of the ", tokens.size(),
+                     " tokens is cached, so there is nothing to pin; Put the prefix first"));
+  }
+  KVCD_RETURN_IF_ERROR(admit(pages));
+  const RadixTree::MatchResult m = tree_.MatchAndPin(salt, tokens);
+  return PinnedPrefix{m.node, m.tokens, static_cast<int64_t>(m.pages.size())};
+}
+
+void ModelCache::UnpinPrefix(RadixTree::Node* node) {
+  std::lock_guard<std::mutex> lock(mu_);
+  tree_.Unpin(node);
 }
 
 absl::Status ModelCache::CheckReadable(const Sequence& seq, int64_t first, int64_t n) const {
@@ -681,6 +744,7 @@ ModelSnapshot ModelCache::Snapshot() const {
   s.demoted_pages = demoted_pages_.load();
   std::lock_guard<std::mutex> lock(mu_);
   s.cached_tokens = tree_.cached_pages() * spec_.page_size;
+  s.committed_pages = tree_.committed_pages();
   s.pinned_pages = tree_.PinnedPages();
   s.active_sequences = open_sequences_.load();
   for (const TenantSlot& t : tenants_) {

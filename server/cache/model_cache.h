@@ -10,7 +10,8 @@
 // was stored (pages allocated for a failed call are returned to the pool).
 //
 // The sequence write paths (Append, Attend's fused append and its undo, DemotePages) are
-// defined in sequence_writes.cc; everything else in model_cache.cc.
+// defined in sequence_writes.cc; Commit and Fork in sequence_sessions.cc; everything else
+// in model_cache.cc.
 //
 // Thread safety: all methods are thread-safe. Lock order: Sequence::mu before mu_.
 // Attention runs holding only the sequences' locks: their pages are pinned or private,
@@ -43,8 +44,12 @@ namespace kvcd {
 struct CacheCounters {
   std::atomic<uint64_t> hit_tokens{0};   // tokens found cached (Put, OpenSequence)
   std::atomic<uint64_t> miss_tokens{0};  // tokens looked up and not cached
+  // Of hit_tokens, those served by pages a commit inserted (the rest: Put / PushPages).
+  std::atomic<uint64_t> hit_tokens_committed{0};
   std::atomic<uint64_t> inserted_pages{0};
   std::atomic<uint64_t> evicted_pages{0};
+  std::atomic<uint64_t> evicted_pages_committed{0};  // of evicted_pages, committed ones
+  std::atomic<uint64_t> forks{0};                    // sequences forked
   std::atomic<uint64_t> demoted_pages{0};
   std::atomic<uint64_t> expired_leases{0};
   std::atomic<uint64_t> expired_buffers{0};  // CUDA IPC buffers dropped by lease expiry
@@ -70,6 +75,7 @@ struct ModelSnapshot {
   std::vector<PoolSnapshot> pools;
   std::vector<TenantPagesSnapshot> tenants;  // tenants holding pages, by name
   int64_t cached_tokens = 0;
+  int64_t committed_pages = 0;  // tree pages a commit inserted
   int64_t pinned_pages = 0;
   int64_t active_sequences = 0;
   std::string codec;
@@ -149,8 +155,10 @@ class ModelCache {
   int64_t StoredPageBytes(int64_t page_index) const;
   int64_t MaxPageBytes() const;
 
-  // Page-aligned longest cached prefix, in tokens (no pinning).
-  int64_t Match(const std::string& salt, absl::Span<const int32_t> tokens);
+  // Page-aligned longest cached prefix, in tokens (no pinning); with committed_tokens,
+  // also how many of them are in pages a commit inserted.
+  int64_t Match(const std::string& salt, absl::Span<const int32_t> tokens,
+                int64_t* committed_tokens = nullptr);
 
   // Creates a sequence on the longest cached prefix of `tokens` (pinned).
   std::shared_ptr<Sequence> Open(uint64_t id, const std::string& salt,
@@ -158,6 +166,46 @@ class ModelCache {
 
   // Releases pins and private pages. Idempotent.
   void Close(Sequence* seq);
+
+  struct CommitResult {
+    int64_t committed_tokens = 0;    // page-aligned tokens of the sequence in the tree now
+    int64_t inserted_pages = 0;      // pages this call added to the tree
+    int64_t deduplicated_pages = 0;  // full pages the tree held already
+    int64_t length = 0;              // the sequence's length
+  };
+  // Inserts the sequence's full pages into the tree under its salt (origin kCommit), keyed
+  // by its token ids; docs/sessions.md. Pages it holds from the tree stay as they are;
+  // an own page whose chunk the tree already holds is freed and the sequence uses the
+  // tree's page; other own pages in the store StoreForPage names move to the tree; an own
+  // BF16 window page at a history position enters as a history-format copy made by the
+  // format's Demote, the sequence keeping its BF16 page (Sequence::window_copies). The
+  // partial last page stays the sequence's. Afterwards pages [0, committed) are pinned
+  // tree pages. With `close`, the sequence is then closed in the same critical section.
+  // NOT_FOUND if the sequence is closed; FAILED_PRECONDITION naming the layers while a
+  // per-layer token is pending; RESOURCE_EXHAUSTED when the copies do not fit (nothing
+  // changed then).
+  absl::StatusOr<CommitResult> Commit(Sequence* seq, bool close = false);
+
+  // A new sequence `id` sharing every full page of `src` (the tree's pinned once more,
+  // its own reference-counted) with a copy of its partial last page. NOT_FOUND if `src`
+  // is closed, FAILED_PRECONDITION naming the layers while a per-layer token is pending,
+  // RESOURCE_EXHAUSTED if the partial page cannot be had (nothing changed then).
+  absl::StatusOr<std::shared_ptr<Sequence>> Fork(uint64_t id, Sequence* src);
+
+  // A prefix pin (PinPrefix): the longest cached page-aligned prefix of `tokens`, pinned
+  // in the tree so that eviction skips it (and its ancestors) until UnpinPrefix(node).
+  struct PinnedPrefix {
+    RadixTree::Node* node = nullptr;
+    int64_t tokens = 0;
+    int64_t pages = 0;
+  };
+  // NOT_FOUND naming the model and salt when not one page of `tokens` is cached. Before
+  // pinning, `admit(pages)` is asked (the tenant's quota); its error is returned and nothing
+  // is pinned. Runs under the cache's lock: `admit` must not call back into this cache.
+  absl::StatusOr<PinnedPrefix> PinPrefix(const std::string& salt, absl::Span<const int32_t> tokens,
+                                         const std::function<absl::Status(int64_t pages)>& admit);
+  // Releases a pin of PinPrefix; its pages are ordinary LRU pages again.
+  void UnpinPrefix(RadixTree::Node* node);
 
   // Appends n tokens (all layers). FAILED_PRECONDITION if the sequence is closed or a
   // per-layer token is pending; RESOURCE_EXHAUSTED if no page is available.
@@ -287,7 +335,17 @@ class ModelCache {
     return AllocateLocked(store, absl::MakeConstSpan(&need, 1), out);
   }
   // Returns pages to their pools and their owners' counts.
+  // Drops one reference to each page; a page goes back to its pool (and its owner's
+  // count) when its last holder lets it go.
   void FreeLocked(absl::Span<const PageRef> pages) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The pages only `seq` holds references to among its pages (not the tree's): pages
+  // [shared_pages, end) and its live window copies.
+  static std::vector<PageRef> OwnPages(const Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  // Close's work, with both locks held.
+  void CloseLocked(Sequence* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq->mu, mu_);
+  // OK if `seq` is open and no per-layer token is pending (`what` names the call).
+  static absl::Status CheckWhole(const Sequence& seq, const char* what)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
   // Brings each pool under the low watermark once it is over the high one, after a Put of
   // `tenant`: evicting only the tenant's pages where it is at its share.
   void EvictToWatermarksLocked(const std::string& tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -300,9 +358,12 @@ class ModelCache {
   int64_t ShareLimit(const std::string& tenant, int32_t store) const;
   // A demotion not final yet: page `index` of a sequence now refers to `history`, and its
   // `window` page is kept until the caller commits (frees it) or reverts (puts it back).
+  // from_tree: `history` is the tree's copy of a committed window page (Sequence::
+  // window_copies), not a fresh page: reverting does not free it.
   struct Demotion {
     int64_t index;
     PageRef window, history;
+    bool from_tree = false;
   };
   // Demotes every private window page of `seq` that has left the recent window. With
   // `deferred`, the window pages are kept and listed there (and not counted yet).
@@ -342,6 +403,9 @@ class ModelCache {
     int64_t total = 0;
   };
   std::vector<std::vector<int32_t>> owner_ ABSL_GUARDED_BY(mu_);
+  // Holders of each page in use: 1 for the tree or the sequence that holds it, more while
+  // forks share a sequence's page (refs_[store][page]; 0: free).
+  std::vector<std::vector<int32_t>> refs_ ABSL_GUARDED_BY(mu_);
   std::vector<TenantSlot> tenants_ ABSL_GUARDED_BY(mu_);
   std::vector<int32_t> free_slots_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, int32_t> slot_of_ ABSL_GUARDED_BY(mu_);

@@ -33,6 +33,7 @@ struct RadixTree::Node {
   absl::flat_hash_map<std::vector<int32_t>, std::unique_ptr<Node>, PageKeyHash, PageKeyEq> children;
   int32_t pins = 0;  // pins of this node and of its descendants
   uint64_t last_access = 0;
+  Origin origin = Origin::kPut;
 };
 
 namespace {
@@ -65,6 +66,7 @@ RadixTree::Node* RadixTree::Split(Node* node, int64_t keep_pages) {
   mid->parent = parent;
   mid->pins = node->pins;
   mid->last_access = node->last_access;
+  mid->origin = node->origin;
   node->key.erase(node->key.begin(), node->key.begin() + keep_pages * page_size_);
   node->pages.erase(node->pages.begin(), node->pages.begin() + keep_pages);
   auto self = parent->children.extract(FirstPage(mid->key, page_size_));
@@ -98,6 +100,7 @@ RadixTree::MatchResult RadixTree::Walk(Node* root, absl::Span<const int32_t> tok
     if (m < child_pages && split) child = Split(child, m);
     child->last_access = now;
     r.pages.insert(r.pages.end(), child->pages.begin(), child->pages.begin() + m);
+    if (child->origin == Origin::kCommit) r.committed_tokens += m * page_size_;
     pos += m * page_size_;
     r.node = child;
     if (m < child_pages) break;
@@ -126,8 +129,12 @@ void RadixTree::Unpin(Node* node) {
   for (Node* p = node; p != nullptr && p->parent != nullptr; p = p->parent) --p->pins;
 }
 
+void RadixTree::Pin(Node* node) {
+  for (Node* p = node; p != nullptr && p->parent != nullptr; p = p->parent) ++p->pins;
+}
+
 RadixTree::InsertResult RadixTree::Insert(const std::string& ns, absl::Span<const int32_t> tokens,
-                                          absl::Span<const PageRef> pages) {
+                                          absl::Span<const PageRef> pages, Origin origin) {
   InsertResult r;
   const int64_t total_pages = static_cast<int64_t>(pages.size());
   if (total_pages == 0) return r;
@@ -144,9 +151,11 @@ RadixTree::InsertResult RadixTree::Insert(const std::string& ns, absl::Span<cons
       leaf->pages.assign(pages.begin() + page, pages.end());
       leaf->parent = node;
       leaf->last_access = now;
+      leaf->origin = origin;
       node->children.emplace(FirstPage(chunk, page_size_), std::move(leaf));
       r.new_pages += total_pages - page;
       cached_pages_ += total_pages - page;
+      if (origin == Origin::kCommit) committed_pages_ += total_pages - page;
       ++num_nodes_;
       return r;
     }
@@ -192,6 +201,9 @@ int64_t RadixTree::Evict(const std::function<bool()>& want_more,
     for (const PageRef& p : leaf->pages) on_free(p);
     freed += static_cast<int64_t>(leaf->pages.size());
     cached_pages_ -= static_cast<int64_t>(leaf->pages.size());
+    if (leaf->origin == Origin::kCommit) {
+      committed_pages_ -= static_cast<int64_t>(leaf->pages.size());
+    }
     Node* parent = leaf->parent;
     parent->children.erase(FirstPage(leaf->key, page_size_));  // destroys leaf
     --num_nodes_;
@@ -210,7 +222,8 @@ int64_t RadixTree::Evict(const std::function<bool()>& want_more,
   return freed;
 }
 
-int64_t RadixTree::EvictablePages(int32_t pool, const std::string* only) const {
+int64_t RadixTree::EvictablePages(int32_t pool, const std::string* only,
+                                  const std::function<bool(const PageRef&)>& frees) const {
   int64_t evictable = 0;
   std::vector<const Node*> stack;
   for (const auto& [ns, root] : roots_) {
@@ -220,7 +233,9 @@ int64_t RadixTree::EvictablePages(int32_t pool, const std::string* only) const {
     const Node* n = stack.back();
     stack.pop_back();
     if (n->parent != nullptr && n->pins == 0) {
-      for (const PageRef& p : n->pages) evictable += p.pool == pool ? 1 : 0;
+      for (const PageRef& p : n->pages) {
+        evictable += p.pool == pool && (!frees || frees(p)) ? 1 : 0;
+      }
     }
     for (const auto& [k, c] : n->children) stack.push_back(c.get());
   }

@@ -4,7 +4,9 @@
 // namespaced (model profile is implicit: one tree per model; the namespace is the
 // tenant's cache_salt), so a tenant never matches another tenant's pages. A partial
 // trailing page is never stored. Pinned nodes (and their ancestors) are never evicted;
-// eviction removes least-recently-used unpinned leaves.
+// eviction removes least-recently-used unpinned leaves. Every node records the origin of
+// its pages: a Put / PushPages (kPut) or a sequence's commit (kCommit, docs/sessions.md);
+// a chunk already present keeps the origin it entered with.
 //
 // Thread safety: none; the owner (ModelCache) serializes all calls.
 #pragma once
@@ -36,10 +38,14 @@ class RadixTree {
   RadixTree(const RadixTree&) = delete;
   RadixTree& operator=(const RadixTree&) = delete;
 
+  // Where a node's pages came from.
+  enum class Origin : uint8_t { kPut, kCommit };
+
   struct MatchResult {
-    int64_t tokens = 0;          // page-aligned matched length
-    std::vector<PageRef> pages;  // tokens / page_size pages
-    Node* node = nullptr;        // deepest node covering the match (pinned by MatchAndPin)
+    int64_t tokens = 0;            // page-aligned matched length
+    int64_t committed_tokens = 0;  // of them, those whose pages entered by a commit
+    std::vector<PageRef> pages;    // tokens / page_size pages
+    Node* node = nullptr;          // deepest node covering the match (pinned by MatchAndPin)
   };
 
   // Longest cached page-aligned prefix of `tokens`; refreshes the LRU clock of the path.
@@ -50,6 +56,9 @@ class RadixTree {
   // (a null node means nothing matched and nothing was pinned).
   MatchResult MatchAndPin(const std::string& ns, absl::Span<const int32_t> tokens);
   void Unpin(Node* node);
+  // Pins `node` and its ancestors once more (a second holder of a match, e.g. a fork of a
+  // sequence pinned there); Unpin releases each pin. A null node does nothing.
+  void Pin(Node* node);
 
   struct InsertResult {
     int64_t new_pages = 0;            // pages taken over by the tree
@@ -57,9 +66,10 @@ class RadixTree {
   };
   // Inserts the first pages.size() pages of `tokens` (REQUIRES: tokens.size() >=
   // pages.size() * page_size). Pages of chunks already present are returned as
-  // duplicates, for the caller to free; the others belong to the tree from now on.
+  // duplicates, for the caller to free; the others belong to the tree from now on, in
+  // nodes of origin `origin` (a chunk already present keeps its origin).
   InsertResult Insert(const std::string& ns, absl::Span<const int32_t> tokens,
-                      absl::Span<const PageRef> pages);
+                      absl::Span<const PageRef> pages, Origin origin = Origin::kPut);
 
   // Evicts least-recently-used unpinned leaves while want_more() is true, handing
   // every freed page to on_free. Returns the number of pages freed. With `ns`, only
@@ -69,6 +79,8 @@ class RadixTree {
                 const std::string* ns = nullptr);
 
   int64_t cached_pages() const { return cached_pages_; }
+  // Of cached_pages(), those in nodes of origin kCommit.
+  int64_t committed_pages() const { return committed_pages_; }
   int64_t num_nodes() const { return num_nodes_; }
   int32_t page_size() const { return page_size_; }
   // Number of pages reachable only through pinned nodes (for tests/metrics).
@@ -76,8 +88,11 @@ class RadixTree {
   // Pages of pool `pool` that Evict could free if asked to free everything: those of
   // unpinned nodes (a node with no pins has no pinned descendant, so all of them are
   // leaves in turn). Callers decide feasibility with it before evicting anything.
-  // With `ns`, only that namespace's pages.
-  int64_t EvictablePages(int32_t pool, const std::string* ns = nullptr) const;
+  // With `ns`, only that namespace's pages. With `frees`, only the pages for which it is
+  // true (the owner's pages that eviction really returns to the pool: a page a sequence
+  // still holds as well is only let go by the tree).
+  int64_t EvictablePages(int32_t pool, const std::string* ns = nullptr,
+                         const std::function<bool(const PageRef&)>& frees = nullptr) const;
 
  private:
   Node* Root(const std::string& ns, bool create);
@@ -87,6 +102,7 @@ class RadixTree {
   const int32_t page_size_;
   uint64_t clock_ = 0;
   int64_t cached_pages_ = 0;
+  int64_t committed_pages_ = 0;
   int64_t num_nodes_ = 0;
   absl::flat_hash_map<std::string, std::unique_ptr<Node>> roots_;
 };

@@ -1,10 +1,18 @@
 // Sequence: one decode stream's state, three-segment layout (docs/architecture.md "The cache").
 //
 // Page i holds tokens [i*page_size, (i+1)*page_size) of every layer. Pages
-// [0, shared_pages) come from the radix tree (pinned while the sequence lives);
-// the rest are private. Private pages in the sink (i < sink_pages) and in the recent
-// window stay BF16; a full private page whose tokens have all left the recent window
-// is demoted to the model's history format.
+// [0, shared_pages) are the tree's: the prefix the sequence was opened on or has since
+// committed (docs/sessions.md), pinned at `pinned` while the sequence lives; the rest are
+// its own. One exception below shared_pages: a page the sequence committed while it was
+// still in its BF16 recent window at a history position entered the tree as a
+// history-format copy (listed in window_copies), and the sequence keeps its own BF16 page
+// there until the page leaves the window, when it takes the tree's copy instead of
+// demoting (the two are the same bytes: the copy was made by the same Demote).
+// Own pages in the sink (i < sink_pages) and in the recent window stay BF16; a full own
+// page whose tokens have all left the recent window is demoted to the history format.
+// Own pages are reference-counted by ModelCache: a fork (ForkSequence) shares every full
+// own page of its source; the partial last page is never shared. Nothing writes a full
+// page, so sharing needs no copy on write.
 //
 // Per-layer lengths allow the per-layer decode loop: AttentionDecode with k_new/v_new
 // appends one token at one layer; the token is committed (length() grows) once every
@@ -40,6 +48,15 @@ struct Sequence {
   RadixTree::Node* pinned ABSL_GUARDED_BY(mu) = nullptr;  // pinned prefix node, or null
   int64_t shared_pages ABSL_GUARDED_BY(mu) = 0;
   std::vector<PageRef> pages ABSL_GUARDED_BY(mu);
+  // Pages below shared_pages whose tree page is a history-format copy of the sequence's
+  // own BF16 window page: pages[index] is that own page while pages[index] != tree, and
+  // the tree's page once it has left the recent window (the entry is stale then, and
+  // dropped at the next commit).
+  struct WindowCopy {
+    int64_t index;
+    PageRef tree;
+  };
+  std::vector<WindowCopy> window_copies ABSL_GUARDED_BY(mu);
   std::vector<int64_t> layer_len ABSL_GUARDED_BY(mu);  // tokens held per layer
   std::vector<int32_t> tokens ABSL_GUARDED_BY(mu);     // committed token ids
   int32_t pending_token ABSL_GUARDED_BY(mu) = 0;       // id of a partly appended token

@@ -16,8 +16,10 @@ void ModelCache::DemotePages(Sequence* seq, std::vector<Demotion>* deferred) {
   if (!DemotesHistory()) return;
   const int32_t ps = spec_.page_size;
   const int64_t len = seq->length();
-  const int64_t first = std::max<int64_t>(
-      {seq->next_demote_page, seq->shared_pages, static_cast<int64_t>(spec_.sink_pages())});
+  // Pages below shared_pages are the tree's, in their final store, except a committed
+  // window page (Sequence::window_copies): it takes the tree's copy instead of demoting.
+  const int64_t first =
+      std::max<int64_t>(seq->next_demote_page, static_cast<int64_t>(spec_.sink_pages()));
   const PageStore& window = stores_[kWindow];
   const PageStore& history = stores_[HistoryStore()];
   int64_t i = first;
@@ -25,6 +27,23 @@ void ModelCache::DemotePages(Sequence* seq, std::vector<Demotion>* deferred) {
   for (; (i + 1) * ps <= len - spec_.recent_tokens; ++i) {
     const PageRef old = seq->pages[static_cast<size_t>(i)];
     if (old.pool != kWindow) continue;
+    if (i < seq->shared_pages) {
+      const auto w = std::find_if(seq->window_copies.begin(), seq->window_copies.end(),
+                                  [&](const Sequence::WindowCopy& c) { return c.index == i; });
+      if (w == seq->window_copies.end()) continue;  // not reached: the tree's pages are final
+      seq->pages[static_cast<size_t>(i)] = w->tree;
+      if (deferred != nullptr) {
+        deferred->push_back({i, old, w->tree, /*from_tree=*/true});
+        continue;
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        FreeLocked({old});
+      }
+      demoted_pages_.fetch_add(1);
+      counters_->demoted_pages.fetch_add(1);
+      continue;
+    }
     std::vector<PageRef> fresh;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -290,7 +309,7 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
       const Undo& u = undo[b];
       for (const Demotion& d : u.demotions) {
         s->pages[static_cast<size_t>(d.index)] = d.window;
-        to_free.push_back(d.history);
+        if (!d.from_tree) to_free.push_back(d.history);
       }
       s->next_demote_page = u.next_demote_page;
       if (u.committed) s->tokens.pop_back();

@@ -188,6 +188,7 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
                                     "max_buffers",
                                     "decode_channel_spin_us",
                                     "drain_timeout_ms",
+                                    "max_pin_ttl_ms",
                                     "models",
                                     "tls",
                                     "auth",
@@ -207,6 +208,7 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
     KVCD_RETURN_IF_ERROR(Read(root, "max_buffers", "", &c.max_buffers));
     KVCD_RETURN_IF_ERROR(Read(root, "decode_channel_spin_us", "", &c.decode_channel_spin_us));
     KVCD_RETURN_IF_ERROR(Read(root, "drain_timeout_ms", "", &c.drain_timeout_ms));
+    KVCD_RETURN_IF_ERROR(Read(root, "max_pin_ttl_ms", "", &c.max_pin_ttl_ms));
     if (const YAML::Node lease = root["lease"]) {
       KVCD_RETURN_IF_ERROR(CheckKeys(lease, "lease", {"default_ms", "max_ms"}));
       KVCD_RETURN_IF_ERROR(Read(lease, "default_ms", "lease.", &c.default_lease_ms));
@@ -229,10 +231,10 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
       KVCD_RETURN_IF_ERROR(CheckKeys(quotas, "quotas", {"default", "tenants"}));
       auto read_quota = [&](const YAML::Node& n, const std::string& where,
                             TenantQuota* q) -> absl::Status {
-        KVCD_RETURN_IF_ERROR(
-            CheckKeys(n, where,
-                      {"tenant", "max_sequences", "max_pinned_pages", "max_lease_ms",
-                       "max_memory_share", "max_models", "max_model_bytes"}));
+        KVCD_RETURN_IF_ERROR(CheckKeys(
+            n, where,
+            {"tenant", "max_sequences", "max_pinned_pages", "max_lease_ms", "max_memory_share",
+             "max_models", "max_model_bytes", "max_pinned_prefix_pages"}));
         const std::string prefix = where + ".";
         KVCD_RETURN_IF_ERROR(Read(n, "max_sequences", prefix, &q->max_sequences));
         KVCD_RETURN_IF_ERROR(Read(n, "max_pinned_pages", prefix, &q->max_pinned_pages));
@@ -240,8 +242,10 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
         KVCD_RETURN_IF_ERROR(Read(n, "max_memory_share", prefix, &q->max_memory_share));
         KVCD_RETURN_IF_ERROR(Read(n, "max_models", prefix, &q->max_models));
         KVCD_RETURN_IF_ERROR(ReadBytes(n, "max_model_bytes", prefix, &q->max_model_bytes));
+        KVCD_RETURN_IF_ERROR(
+            Read(n, "max_pinned_prefix_pages", prefix, &q->max_pinned_prefix_pages));
         if (q->max_sequences < 0 || q->max_pinned_pages < 0 || q->max_lease_ms < 0 ||
-            q->max_models < 0) {
+            q->max_models < 0 || q->max_pinned_prefix_pages < 0) {
           return absl::InvalidArgumentError(
               absl::StrCat(where, ": quotas must be >= 0 (0 = no limit)"));
         }
@@ -310,6 +314,11 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
     return absl::InvalidArgumentError(
         absl::StrCat("lease.default_ms must be >= 10 and lease.max_ms >= lease.default_ms; got ",
                      c.default_lease_ms, " and ", c.max_lease_ms));
+  }
+  if (c.max_pin_ttl_ms < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_pin_ttl_ms is ", c.max_pin_ttl_ms,
+        ", expected >= 1 (the longest ttl_ms of a PinPrefix, in ms; default 86400000 = 24 h)"));
   }
   if (c.worker_threads < 0 || c.worker_threads > 1024 || c.compute_threads < 0 ||
       c.compute_threads > 1024) {

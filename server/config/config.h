@@ -45,6 +45,9 @@ struct TenantQuota {
   double max_memory_share = 1.0;
   int64_t max_models = 0;        // models registered by RegisterModel under this tenant
   uint64_t max_model_bytes = 0;  // pool bytes (as allocated) of the models it registered
+  // Pages its live PinPrefix pins hold, summed over its pins (a page under two of its pins
+  // counts twice).
+  int64_t max_pinned_prefix_pages = 0;
 };
 
 struct TenantQuotaConfig {
@@ -75,6 +78,8 @@ struct ServerConfig {
   // A decode channel's thread spins this long after each request before it polls.
   int64_t decode_channel_spin_us = 2000;
   int64_t drain_timeout_ms = 10000;
+  // The longest ttl_ms a PinPrefix may ask for (>= 1; default 24 h).
+  int64_t max_pin_ttl_ms = 24ll * 3600 * 1000;
   std::vector<ModelSpec> models;
   TenantQuotaConfig quotas;
   TlsConfig tls;

@@ -159,6 +159,8 @@ void Daemon::ReaperLoop() {
     ReloadCredentials();
     const int n = engine_->ExpireLeases(now);
     if (n > 0) std::fprintf(stderr, "kvcd: closed %d sequence(s) whose lease expired\n", n);
+    const int pins = engine_->ExpirePins(now);
+    if (pins > 0) std::fprintf(stderr, "kvcd: removed %d prefix pin(s) whose ttl ran out\n", pins);
     if (!engine_->backend_healthy() && !fatal_.exchange(true)) {
       // A sticky device error: stop serving, drain from another thread, exit non-zero.
       std::fprintf(stderr, "kvcd: backend '%s' hit an unrecoverable error; NOT_SERVING\n",

@@ -1,5 +1,6 @@
 #include "server/engine/cache_engine.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -78,7 +79,8 @@ CacheEngine::CacheEngine(const ServerConfig& config, std::unique_ptr<Backend> ba
       tensors_(backend_.get(), &buffers_),
       tenants_(config.quotas),
       sequences_(LeasePolicy{config.default_lease_ms, config.max_lease_ms}, config.max_sequences,
-                 &tenants_) {}
+                 &tenants_),
+      pins_(&tenants_, config.max_pin_ttl_ms) {}
 
 CacheEngine::~CacheEngine() = default;
 
@@ -200,8 +202,10 @@ absl::Status CacheEngine::Match(const v1::MatchRequest& req, v1::MatchResponse* 
   KVCD_ASSIGN_OR_RETURN(ModelCache * m, FindModel(req.model()));
   KVCD_RETURN_IF_ERROR(CheckSalt(req.cache_salt()));
   KVCD_RETURN_IF_ERROR(CheckTokens(req.tokens(), "tokens", true));
-  const int64_t matched = m->Match(req.cache_salt(), req.tokens());
+  int64_t committed = 0;
+  const int64_t matched = m->Match(req.cache_salt(), req.tokens(), &committed);
   resp->set_matched_tokens(matched);
+  resp->set_committed_tokens(committed);
   resp->set_matched_pages(matched / m->spec().page_size);
   return absl::OkStatus();
 }
@@ -224,10 +228,57 @@ absl::StatusOr<std::shared_ptr<Sequence>> CacheEngine::LookupSequence(uint64_t i
   return sequences_.Peek(id);
 }
 
+namespace {
+
+void FillCommit(const ModelCache::CommitResult& r, v1::CommitSequenceResponse* resp) {
+  resp->set_committed_tokens(r.committed_tokens);
+  resp->set_inserted_pages(r.inserted_pages);
+  resp->set_deduplicated_pages(r.deduplicated_pages);
+}
+
+}  // namespace
+
 absl::Status CacheEngine::CloseSequence(const v1::CloseSequenceRequest& req,
-                                        v1::CloseSequenceResponse* resp) {
-  KVCD_ASSIGN_OR_RETURN(int64_t length, sequences_.Close(req.sequence_id()));
-  resp->set_length(length);
+                                        v1::CloseSequenceResponse* resp,
+                                        const FoundSequences& found) {
+  if (!req.commit()) {
+    KVCD_ASSIGN_OR_RETURN(int64_t length, sequences_.Close(req.sequence_id()));
+    resp->set_length(length);
+    return absl::OkStatus();
+  }
+  KVCD_ASSIGN_OR_RETURN(auto seq, sequences_.Use(req.sequence_id(), found, 0));
+  KVCD_RETURN_IF_ERROR(DeviceFaultStatus(*seq));
+  // Commit and close in one step of the sequence; then the table lets it go (a lease that
+  // ran out meanwhile has let it go already: the commit happened all the same).
+  KVCD_ASSIGN_OR_RETURN(ModelCache::CommitResult r, seq->model->Commit(seq.get(), /*close=*/true));
+  (void)sequences_.Close(req.sequence_id());
+  resp->set_length(r.length);
+  FillCommit(r, resp->mutable_commit());
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::CommitSequence(const v1::CommitSequenceRequest& req,
+                                         v1::CommitSequenceResponse* resp,
+                                         const FoundSequences& found) {
+  KVCD_ASSIGN_OR_RETURN(auto seq, sequences_.Use(req.sequence_id(), found, 0));
+  KVCD_RETURN_IF_ERROR(DeviceFaultStatus(*seq));
+  KVCD_ASSIGN_OR_RETURN(ModelCache::CommitResult r, seq->model->Commit(seq.get()));
+  FillCommit(r, resp);
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::ForkSequence(const v1::ForkSequenceRequest& req,
+                                       v1::ForkSequenceResponse* resp,
+                                       const FoundSequences& found) {
+  KVCD_ASSIGN_OR_RETURN(auto src, sequences_.Use(req.sequence_id(), found, 0));
+  KVCD_RETURN_IF_ERROR(DeviceFaultStatus(*src));
+  KVCD_ASSIGN_OR_RETURN(int64_t lease, sequences_.GrantLease(src->salt, req.lease_ms()));
+  KVCD_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> fork, sequences_.Fork(*src, lease));
+  const int64_t len = fork->model->Length(fork.get());
+  resp->set_sequence_id(fork->id);
+  resp->set_length(len);
+  resp->set_lease_ms(lease);
+  resp->set_shared_pages(len / fork->model->spec().page_size);
   return absl::OkStatus();
 }
 
@@ -492,6 +543,29 @@ absl::Status CacheEngine::NcclDisconnect(const v1::NcclDisconnectRequest& req,
   return nccl_.Disconnect(req.communicator_id());
 }
 
+absl::Status CacheEngine::PinPrefix(const v1::PinPrefixRequest& req, v1::PinPrefixResponse* resp) {
+  KVCD_ASSIGN_OR_RETURN(ModelCache * m, FindModel(req.model()));
+  KVCD_RETURN_IF_ERROR(CheckSalt(req.cache_salt()));
+  KVCD_RETURN_IF_ERROR(CheckTokens(req.tokens(), "tokens", false));
+  const int64_t now_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                                  std::chrono::system_clock::now().time_since_epoch())
+                                  .count();
+  KVCD_ASSIGN_OR_RETURN(PrefixPins::Pin pin, pins_.Add(m, req.cache_salt(), req.tokens(),
+                                                       req.ttl_ms(), SteadyNowNs(), now_unix_ms));
+  resp->set_pin_id(pin.id);
+  resp->set_pinned_tokens(pin.tokens);
+  resp->set_pinned_pages(pin.pages);
+  resp->set_expires_unix_ms(pin.expires_unix_ms);
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::UnpinPrefix(const v1::UnpinPrefixRequest& req,
+                                      v1::UnpinPrefixResponse* resp) {
+  KVCD_ASSIGN_OR_RETURN(int64_t pages, pins_.Remove(req.pin_id()));
+  resp->set_unpinned_pages(pages);
+  return absl::OkStatus();
+}
+
 absl::Status CacheEngine::Stats(const v1::StatsRequest&, v1::StatsResponse* resp) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -506,6 +580,19 @@ absl::Status CacheEngine::Stats(const v1::StatsRequest&, v1::StatsResponse* resp
   resp->set_miss_tokens(miss);
   resp->set_hit_ratio(hit + miss == 0 ? 0.0 : static_cast<double>(hit) / (hit + miss));
   resp->set_evicted_pages(counters_.evicted_pages.load());
+  const uint64_t hit_committed = counters_.hit_tokens_committed.load();
+  resp->set_hit_tokens_committed(hit_committed);
+  resp->set_hit_tokens_put(hit - std::min(hit, hit_committed));
+  const uint64_t evicted = resp->evicted_pages();
+  const uint64_t evicted_committed = counters_.evicted_pages_committed.load();
+  resp->set_evicted_pages_committed(evicted_committed);
+  resp->set_evicted_pages_put(evicted - std::min(evicted, evicted_committed));
+  resp->set_forks(counters_.forks.load());
+  uint64_t committed_pages = 0;
+  for (const ModelView& mv : SnapshotModels()) {
+    committed_pages += static_cast<uint64_t>(mv.snapshot.committed_pages);
+  }
+  resp->set_committed_pages(committed_pages);
   resp->set_demoted_pages(counters_.demoted_pages.load());
   resp->set_expired_leases(counters_.expired_leases.load());
   resp->set_backend(backend_->name());
@@ -524,6 +611,17 @@ absl::Status CacheEngine::Stats(const v1::StatsRequest&, v1::StatsResponse* resp
     t->set_registered_model_bytes(u.registered_model_bytes);
     t->set_max_models(static_cast<uint64_t>(u.quota.max_models));
     t->set_max_model_bytes(u.quota.max_model_bytes);
+    t->set_pinned_prefix_pages(static_cast<uint64_t>(u.pinned_prefix_pages));
+    t->set_max_pinned_prefix_pages(static_cast<uint64_t>(u.quota.max_pinned_prefix_pages));
+  }
+  for (const PrefixPins::Pin& p : pins_.List()) {
+    v1::PrefixPin* out = resp->add_pins();
+    out->set_pin_id(p.id);
+    out->set_tenant(p.tenant);
+    out->set_model(p.model);
+    out->set_pinned_tokens(p.tokens);
+    out->set_pinned_pages(p.pages);
+    out->set_expires_unix_ms(p.expires_unix_ms);
   }
   return absl::OkStatus();
 }
@@ -535,6 +633,8 @@ int CacheEngine::ExpireLeases(int64_t now_ns) {
   counters_.expired_buffers.fetch_add(static_cast<uint64_t>(buffers));
   return sequences + buffers;
 }
+
+int CacheEngine::ExpirePins(int64_t now_ns) { return pins_.Expire(now_ns); }
 
 std::vector<CacheEngine::ModelView> CacheEngine::SnapshotModels() const {
   std::lock_guard<std::mutex> lock(mu_);

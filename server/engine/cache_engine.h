@@ -26,6 +26,7 @@
 #include "server/dataplane/decode_engine.h"
 #include "server/dataplane/nccl_links.h"
 #include "server/dataplane/tensor_resolver.h"
+#include "server/engine/prefix_pins.h"
 #include "server/engine/sequence_table.h"
 #include "server/engine/tenant_ledger.h"
 
@@ -50,10 +51,18 @@ class CacheEngine : public DecodeEngine {
   absl::Status Put(const v1::PutRequest& req, v1::PutResponse* resp);
   absl::Status Match(const v1::MatchRequest& req, v1::MatchResponse* resp);
   absl::Status OpenSequence(const v1::OpenSequenceRequest& req, v1::OpenSequenceResponse* resp);
-  absl::Status CloseSequence(const v1::CloseSequenceRequest& req, v1::CloseSequenceResponse* resp);
   // The sequence-scoped calls take the sequences the authorizer found for them (in the
   // request's order; FoundSequences), so that they are not looked up twice; without, the
   // engine finds them itself.
+  // With `commit`, the sequence's full pages enter the prefix cache first (CommitSequence);
+  // a commit that fails leaves the sequence open and unchanged.
+  absl::Status CloseSequence(const v1::CloseSequenceRequest& req, v1::CloseSequenceResponse* resp,
+                             const FoundSequences& found = {});
+  // Sessions (docs/sessions.md): ModelCache::Commit and SequenceTable::Fork.
+  absl::Status CommitSequence(const v1::CommitSequenceRequest& req,
+                              v1::CommitSequenceResponse* resp, const FoundSequences& found = {});
+  absl::Status ForkSequence(const v1::ForkSequenceRequest& req, v1::ForkSequenceResponse* resp,
+                            const FoundSequences& found = {});
   absl::Status RenewLease(const v1::RenewLeaseRequest& req, v1::RenewLeaseResponse* resp,
                           const FoundSequences& found = {});
   absl::Status Append(const v1::AppendRequest& req, v1::AppendResponse* resp,
@@ -66,6 +75,10 @@ class CacheEngine : public DecodeEngine {
   absl::Status FetchPages(const v1::FetchPagesRequest& req, v1::FetchPagesResponse* resp,
                           const FoundSequences& found = {});
   absl::Status PushPages(const v1::PushPagesRequest& req, v1::PushPagesResponse* resp);
+  // Prefix pins (prefix_pins.h). Stats lists every live pin; the RPC layer keeps only the
+  // caller's tenants' (server/rpc/service.cc).
+  absl::Status PinPrefix(const v1::PinPrefixRequest& req, v1::PinPrefixResponse* resp);
+  absl::Status UnpinPrefix(const v1::UnpinPrefixRequest& req, v1::UnpinPrefixResponse* resp);
   absl::Status Stats(const v1::StatsRequest& req, v1::StatsResponse* resp);
   absl::Status RegisterBuffer(const v1::RegisterBufferRequest& req,
                               v1::RegisterBufferResponse* resp);
@@ -85,6 +98,13 @@ class CacheEngine : public DecodeEngine {
   // Closes every sequence and drops every registered buffer whose lease ran out before
   // now_ns (steady clock); returns how many. Called periodically by the daemon.
   int ExpireLeases(int64_t now_ns);
+  // Removes the prefix pins whose ttl ran out before now_ns (steady clock); how many.
+  // Called periodically by the daemon, beside ExpireLeases.
+  int ExpirePins(int64_t now_ns);
+  // A live prefix pin (the authorizer's look-up of its tenant); NOT_FOUND otherwise.
+  absl::StatusOr<PrefixPins::Pin> LookupPin(uint64_t pin_id) const { return pins_.Lookup(pin_id); }
+  std::vector<PrefixPins::Pin> Pins() const { return pins_.List(); }
+  uint64_t ExpiredPins() const { return pins_.expired(); }
 
   const CacheCounters& counters() const { return counters_; }
   const LeasePolicy& leases() const { return sequences_.leases(); }
@@ -167,6 +187,7 @@ class CacheEngine : public DecodeEngine {
   std::map<std::string, std::unique_ptr<ModelCache>> models_ ABSL_GUARDED_BY(mu_);
   uint64_t budget_used_ ABSL_GUARDED_BY(mu_) = 0;
   SequenceTable sequences_;  // destroyed (closing sequences) before models_
+  PrefixPins pins_;          // destroyed (unpinning) before models_ and tenants_
 };
 
 // Converts a v1 profile to a spec (0 rope.theta/scaling mean the defaults 10000 / 1).

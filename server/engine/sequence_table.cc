@@ -47,38 +47,66 @@ absl::StatusOr<int64_t> SequenceTable::GrantLease(const std::string& tenant,
   return ledger_->CapLease(tenant, *lease);
 }
 
-absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Open(ModelCache* model,
-                                                              const std::string& salt,
-                                                              absl::Span<const int32_t> tokens,
-                                                              int64_t lease_ms) {
-  uint64_t id;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (static_cast<int64_t>(sequences_.size()) + opening_ >= max_sequences_) {
-      return absl::ResourceExhaustedError(absl::StrCat("max_sequences (", max_sequences_,
-                                                       ") sequences are open; close some first"));
-    }
-    // The tenant's slot is taken while the prefix is pinned.
-    if (absl::Status s = ledger_->TakeSequence(salt); !s.ok()) return s;
-    ++opening_;
-    do {
-      id = RandomId64();
-    } while (sequences_.count(id) != 0);
+absl::StatusOr<uint64_t> SequenceTable::Reserve(const std::string& salt) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (static_cast<int64_t>(sequences_.size()) + opening_ >= max_sequences_) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("max_sequences (", max_sequences_, ") sequences are open; close some first"));
   }
-  std::shared_ptr<Sequence> seq = model->Open(id, salt, tokens);
-  const int64_t pages = PagesOf(model, seq.get());
+  // The tenant's slot is taken while the prefix is pinned.
+  if (absl::Status s = ledger_->TakeSequence(salt); !s.ok()) return s;
+  ++opening_;
+  uint64_t id;
+  do {
+    id = RandomId64();
+  } while (sequences_.count(id) != 0);
+  return id;
+}
+
+void SequenceTable::Refuse(const std::string& salt) {
+  std::lock_guard<std::mutex> lock(mu_);
+  --opening_;
+  ledger_->ReleaseSequence(salt, 0);
+}
+
+absl::Status SequenceTable::Admit(const std::shared_ptr<Sequence>& seq, int64_t lease_ms,
+                                  absl::string_view needer) {
+  const int64_t pages = PagesOf(seq->model, seq.get());
   seq->lease_ms.store(lease_ms);
   Touch(seq.get());
   std::unique_lock<std::mutex> lock(mu_);
   --opening_;
-  if (absl::Status s = ledger_->PinPages(salt, pages, "the matched prefix"); !s.ok()) {
-    ledger_->ReleaseSequence(salt, 0);
+  if (absl::Status s = ledger_->PinPages(seq->salt, pages, needer); !s.ok()) {
+    ledger_->ReleaseSequence(seq->salt, 0);
     lock.unlock();
-    model->Close(seq.get());
+    seq->model->Close(seq.get());
     return s;
   }
-  pages_[id] = pages;
-  sequences_.emplace(id, seq);
+  pages_[seq->id] = pages;
+  sequences_.emplace(seq->id, seq);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Open(ModelCache* model,
+                                                              const std::string& salt,
+                                                              absl::Span<const int32_t> tokens,
+                                                              int64_t lease_ms) {
+  absl::StatusOr<uint64_t> id = Reserve(salt);
+  if (!id.ok()) return id.status();
+  std::shared_ptr<Sequence> seq = model->Open(*id, salt, tokens);
+  if (absl::Status s = Admit(seq, lease_ms, "the matched prefix"); !s.ok()) return s;
+  return seq;
+}
+
+absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Fork(Sequence& src, int64_t lease_ms) {
+  absl::StatusOr<uint64_t> id = Reserve(src.salt);
+  if (!id.ok()) return id.status();
+  absl::StatusOr<std::shared_ptr<Sequence>> seq = src.model->Fork(*id, &src);
+  if (!seq.ok()) {
+    Refuse(src.salt);
+    return seq.status();
+  }
+  if (absl::Status s = Admit(*seq, lease_ms, "the fork's pages"); !s.ok()) return s;
   return seq;
 }
 

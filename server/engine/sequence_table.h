@@ -52,6 +52,11 @@ class SequenceTable {
   absl::StatusOr<std::shared_ptr<Sequence>> Open(ModelCache* model, const std::string& salt,
                                                  absl::Span<const int32_t> tokens,
                                                  int64_t lease_ms);
+  // A fork of `src` (ModelCache::Fork) with a lease of lease_ms (already granted), counted
+  // against max_sequences and its tenant's quotas as Open counts a new sequence (its pages
+  // against max_pinned_pages); RESOURCE_EXHAUSTED naming the quota and nothing kept
+  // otherwise. NOT_FOUND / FAILED_PRECONDITION as ModelCache::Fork.
+  absl::StatusOr<std::shared_ptr<Sequence>> Fork(Sequence& src, int64_t lease_ms);
   // NOT_FOUND unless open; refreshes the lease of a found sequence.
   absl::StatusOr<std::shared_ptr<Sequence>> Find(uint64_t id);
   // Sequence `id`, the i-th a request names: found[i] when the check before routing
@@ -77,6 +82,14 @@ class SequenceTable {
 
  private:
   absl::StatusOr<std::shared_ptr<Sequence>> Get(uint64_t id) const;
+  // Takes a place for a new sequence of `salt` (max_sequences, the tenant's quota) and
+  // picks its id; Admit or Refuse ends it.
+  absl::StatusOr<uint64_t> Reserve(const std::string& salt);
+  // The reserved sequence, now created: counts its pages (max_pinned_pages) and lists it,
+  // or closes it and frees the place when they do not fit.
+  absl::Status Admit(const std::shared_ptr<Sequence>& seq, int64_t lease_ms,
+                     absl::string_view needer);
+  void Refuse(const std::string& salt);
   static void Touch(Sequence* seq);
 
   // Gives a closed sequence's share back to its tenant. REQUIRES: mu_ held.

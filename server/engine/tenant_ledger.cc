@@ -9,10 +9,10 @@ namespace kvcd {
 namespace {
 
 absl::Status QuotaError(const std::string& tenant, const char* quota, int64_t limit,
-                        const std::string& what) {
+                        const std::string& what, const char* remedy = "close sequences first") {
   return absl::ResourceExhaustedError(absl::StrCat("tenant ", Quote(tenant), " (cache_salt) ", what,
-                                                   "; its quota ", quota, " is ", limit,
-                                                   "; close sequences first"));
+                                                   "; its quota ", quota, " is ", limit, "; ",
+                                                   remedy));
 }
 
 }  // namespace
@@ -65,6 +65,33 @@ void TenantLedger::ReleaseSequence(const std::string& tenant, int64_t pinned_pag
   if (it == held_.end()) return;
   --it->second.sequences;
   it->second.pinned_pages -= pinned_pages;
+  DropIfEmptyLocked(it);
+}
+
+absl::Status TenantLedger::PinPrefixPages(const std::string& tenant, int64_t pages) {
+  const TenantQuota& quota = Quota(tenant);
+  std::lock_guard<std::mutex> lock(mu_);
+  Held& held = held_[tenant];
+  const int64_t limit = quota.max_pinned_prefix_pages;
+  if (limit > 0 && (pages > limit || held.prefix_pages > limit - pages)) {
+    const int64_t now = held.prefix_pages;
+    DropIfEmptyLocked(held_.find(tenant));
+    return QuotaError(tenant, "max_pinned_prefix_pages", limit,
+                      absl::StrCat("has ", now,
+                                   " pages pinned by its prefix pins and this pin "
+                                   "needs ",
+                                   pages, " more"),
+                      "unpin prefixes (UnpinPrefix) or let their ttl run out first");
+  }
+  held.prefix_pages += pages;
+  return absl::OkStatus();
+}
+
+void TenantLedger::ReleasePrefixPages(const std::string& tenant, int64_t pages) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = held_.find(tenant);
+  if (it == held_.end()) return;
+  it->second.prefix_pages -= pages;
   DropIfEmptyLocked(it);
 }
 
@@ -124,6 +151,7 @@ std::vector<TenantUsage> TenantLedger::Usage() const {
       u.pinned_pages = h.pinned_pages;
       u.registered_models = h.models;
       u.registered_model_bytes = h.model_bytes;
+      u.pinned_prefix_pages = h.prefix_pages;
     }
   }
   std::vector<TenantUsage> out;

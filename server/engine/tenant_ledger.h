@@ -4,8 +4,10 @@
 // beside what it holds against it: open sequences, the pages they pin (a count; the pages
 // themselves are the sequences'), its share of each model's page pools (ModelCache asks
 // PoolShare and counts the pages), and the models registered under it with their bytes.
-// The sequence table, the engine's registrations and the model caches consult it; no one
-// else reads the quotas.
+// The pages its prefix pins (PinPrefix) hold count against max_pinned_prefix_pages, per pin:
+// a page under two of the tenant's pins counts twice. The sequence table, the prefix-pin
+// table, the engine's registrations and the model caches consult it; no one else reads the
+// quotas.
 //
 // Thread safety: all methods are thread-safe.
 #pragma once
@@ -33,6 +35,7 @@ struct TenantUsage {
   int64_t held_pages = 0;
   int64_t registered_models = 0;
   uint64_t registered_model_bytes = 0;
+  int64_t pinned_prefix_pages = 0;  // held by its live prefix pins (summed over the pins)
 };
 
 class TenantLedger {
@@ -56,6 +59,13 @@ class TenantLedger {
   // A sequence closes (or is refused while opening) and gives back its pinned pages.
   void ReleaseSequence(const std::string& tenant, int64_t pinned_pages);
 
+  // A prefix pin of `pages` pages: RESOURCE_EXHAUSTED naming max_pinned_prefix_pages, its
+  // value and what the tenant's pins hold already, if the pins would hold more than the
+  // quota; nothing taken then.
+  absl::Status PinPrefixPages(const std::string& tenant, int64_t pages);
+  // A prefix pin is removed (UnpinPrefix) or expires.
+  void ReleasePrefixPages(const std::string& tenant, int64_t pages);
+
   // Before registering a model of memory_bytes for `tenant`: RESOURCE_EXHAUSTED naming
   // max_models or max_model_bytes. Lowers *limit to what the tenant has left under
   // max_model_bytes when that is the tighter bound, and then says why in *limit_what
@@ -74,7 +84,10 @@ class TenantLedger {
     int64_t pinned_pages = 0;
     int64_t models = 0;
     uint64_t model_bytes = 0;  // allocated
-    bool empty() const { return sequences == 0 && pinned_pages == 0 && models == 0; }
+    int64_t prefix_pages = 0;  // held by prefix pins
+    bool empty() const {
+      return sequences == 0 && pinned_pages == 0 && models == 0 && prefix_pages == 0;
+    }
   };
   void DropIfEmptyLocked(std::map<std::string, Held>::iterator it)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

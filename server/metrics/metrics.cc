@@ -1,5 +1,9 @@
 #include "server/metrics/metrics.h"
 
+#include <map>
+#include <utility>
+#include <algorithm>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "prometheus/collectable.h"
@@ -48,8 +52,24 @@ class CacheCollector final : public prometheus::Collectable {
                MetricType::Gauge);
     auto cached = Family("kvcd_cached_tokens", "Tokens held in the radix prefix cache, by model.",
                          MetricType::Gauge);
-    auto pinned = Family("kvcd_pinned_pages", "Cached pages pinned by open sequences, by model.",
+    auto pinned = Family("kvcd_pinned_pages",
+                         "Cached pages pinned by open sequences or prefix pins, by model.",
                          MetricType::Gauge);
+    auto prefix_pins =
+        Family("kvcd_prefix_pins", "Live prefix pins (PinPrefix), by model.", MetricType::Gauge);
+    auto prefix_pages = Family("kvcd_pinned_prefix_pages",
+                               "Pages held by live prefix pins, summed over the pins (a page "
+                               "under two pins counts twice), by model.",
+                               MetricType::Gauge);
+    std::map<std::string, std::pair<int64_t, int64_t>> pins_of;  // model -> (pins, pages)
+    for (const PrefixPins::Pin& p : engine_->Pins()) {
+      ++pins_of[p.model].first;
+      pins_of[p.model].second += p.pages;
+    }
+    auto committed = Family("kvcd_committed_pages",
+                            "Cached pages that entered the prefix cache by a sequence's commit "
+                            "(CommitSequence, CloseSequence with commit), by model.",
+                            MetricType::Gauge);
     auto bpt = Family("kvcd_bytes_per_token",
                       "Bytes stored per token (all layers, K and V, scales included) by model and "
                       "segment (sink|history|recent).",
@@ -78,6 +98,10 @@ class CacheCollector final : public prometheus::Collectable {
       }
       Add(&cached, static_cast<double>(mv.snapshot.cached_tokens), {{"model", mv.name}});
       Add(&pinned, static_cast<double>(mv.snapshot.pinned_pages), {{"model", mv.name}});
+      const auto pins = pins_of[mv.name];
+      Add(&prefix_pins, static_cast<double>(pins.first), {{"model", mv.name}});
+      Add(&prefix_pages, static_cast<double>(pins.second), {{"model", mv.name}});
+      Add(&committed, static_cast<double>(mv.snapshot.committed_pages), {{"model", mv.name}});
       Add(&bpt, mv.snapshot.bf16_bytes_per_token, {{"model", mv.name}, {"segment", "sink"}});
       Add(&bpt, mv.snapshot.history_bytes_per_token, {{"model", mv.name}, {"segment", "history"}});
       Add(&bpt, mv.snapshot.bf16_bytes_per_token, {{"model", mv.name}, {"segment", "recent"}});
@@ -88,6 +112,9 @@ class CacheCollector final : public prometheus::Collectable {
     out.push_back(std::move(pool_pages));
     out.push_back(std::move(cached));
     out.push_back(std::move(pinned));
+    out.push_back(std::move(prefix_pins));
+    out.push_back(std::move(prefix_pages));
+    out.push_back(std::move(committed));
     out.push_back(std::move(bpt));
     out.push_back(std::move(bits));
     out.push_back(std::move(ratio));
@@ -106,6 +133,23 @@ class CacheCollector final : public prometheus::Collectable {
             c.evicted_pages.load());
     counter("kvcd_demoted_pages_total", "Pages demoted from BF16 to the history format.",
             c.demoted_pages.load());
+    // Reuse and eviction by the origin of the pages (put: Put / PushPages; committed: a
+    // sequence's commit); each pair sums to kvcd_radix_hit_tokens_total /
+    // kvcd_evicted_pages_total.
+    auto by_origin = [&](const char* name, const char* help, uint64_t total, uint64_t committed) {
+      auto f = Family(name, help, MetricType::Counter);
+      Add(&f, static_cast<double>(total - std::min(total, committed)), {{"origin", "put"}});
+      Add(&f, static_cast<double>(committed), {{"origin", "committed"}});
+      out.push_back(std::move(f));
+    };
+    by_origin("kvcd_hit_tokens_by_origin_total",
+              "Tokens found in the prefix cache by Put and OpenSequence, by the origin of their "
+              "pages (put|committed).",
+              c.hit_tokens.load(), c.hit_tokens_committed.load());
+    by_origin("kvcd_evicted_pages_by_origin_total",
+              "Pages evicted from the prefix cache, by origin (put|committed).",
+              c.evicted_pages.load(), c.evicted_pages_committed.load());
+    counter("kvcd_forks_total", "Sequences forked (ForkSequence).", c.forks.load());
     counter("kvcd_expired_leases_total", "Sequences closed because their lease ran out.",
             c.expired_leases.load());
     counter("kvcd_attention_calls_total", "Attention-decode batches executed.",
@@ -113,6 +157,8 @@ class CacheCollector final : public prometheus::Collectable {
     counter("kvcd_expired_buffers_total",
             "CUDA IPC buffers dropped because their lease ran out (a worker stopped renewing).",
             c.expired_buffers.load());
+    counter("kvcd_expired_pins_total", "Prefix pins removed because their ttl ran out.",
+            engine_->ExpiredPins());
     auto buffers = Family("kvcd_registered_buffers",
                           "Worker device buffers mapped through CUDA IPC.", MetricType::Gauge);
     Add(&buffers, static_cast<double>(engine_->RegisteredBuffers()));
@@ -145,10 +191,13 @@ class CacheCollector final : public prometheus::Collectable {
     auto t_model_bytes = Family(
         "kvcd_tenant_registered_model_bytes",
         "Pool bytes (as allocated) of the models registered under a tenant.", MetricType::Gauge);
+    auto t_prefix = Family("kvcd_tenant_pinned_prefix_pages",
+                           "Pages held by a tenant's live prefix pins (summed over its pins).",
+                           MetricType::Gauge);
     auto t_quota = Family("kvcd_tenant_quota",
                           "A tenant's quota by kind (max_sequences, max_pinned_pages, "
-                          "max_lease_ms, max_models, max_model_bytes: 0 = no limit; "
-                          "max_memory_share: 1 = no limit).",
+                          "max_lease_ms, max_models, max_model_bytes, max_pinned_prefix_pages: "
+                          "0 = no limit; max_memory_share: 1 = no limit).",
                           MetricType::Gauge);
     for (const TenantUsage& u : engine_->TenantUsages()) {
       Add(&t_seqs, static_cast<double>(u.open_sequences), {{"tenant", u.tenant}});
@@ -165,6 +214,9 @@ class CacheCollector final : public prometheus::Collectable {
           {{"quota", "max_models"}, {"tenant", u.tenant}});
       Add(&t_quota, static_cast<double>(u.quota.max_model_bytes),
           {{"quota", "max_model_bytes"}, {"tenant", u.tenant}});
+      Add(&t_quota, static_cast<double>(u.quota.max_pinned_prefix_pages),
+          {{"quota", "max_pinned_prefix_pages"}, {"tenant", u.tenant}});
+      Add(&t_prefix, static_cast<double>(u.pinned_prefix_pages), {{"tenant", u.tenant}});
       Add(&t_held, static_cast<double>(u.held_pages), {{"tenant", u.tenant}});
       Add(&t_models, static_cast<double>(u.registered_models), {{"tenant", u.tenant}});
       Add(&t_model_bytes, static_cast<double>(u.registered_model_bytes), {{"tenant", u.tenant}});
@@ -174,6 +226,7 @@ class CacheCollector final : public prometheus::Collectable {
     out.push_back(std::move(t_held));
     out.push_back(std::move(t_models));
     out.push_back(std::move(t_model_bytes));
+    out.push_back(std::move(t_prefix));
     out.push_back(std::move(t_quota));
     return out;
   }

@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "common/quote.h"
 #include "common/status_macros.h"
+#include "server/engine/prefix_pins.h"
 
 namespace kvcd {
 namespace {
@@ -134,6 +135,17 @@ absl::Status Authorizer::Check(const Principal&, const v1::ListModelsRequest&) c
 absl::Status Authorizer::Check(const Principal&, const v1::StatsRequest&) const {
   return absl::OkStatus();
 }
+absl::Status Authorizer::Check(const Principal& p, const v1::PinPrefixRequest& r) const {
+  return CheckTenant(p, r.cache_salt());
+}
+absl::Status Authorizer::Check(const Principal& p, const v1::UnpinPrefixRequest& r) const {
+  if (p.unrestricted || pin_tenant_ == nullptr) return absl::OkStatus();
+  absl::StatusOr<std::string> tenant = pin_tenant_(r.pin_id());
+  if (!tenant.ok()) return tenant.status();
+  if (p.MayUseTenant(*tenant)) return absl::OkStatus();
+  // Exactly the answer for a pin that is not live: no probing across tenants.
+  return PrefixPins::NotLive(r.pin_id());
+}
 absl::Status Authorizer::Check(const Principal& p, const v1::PutRequest& r) const {
   KVCD_RETURN_IF_ERROR(CheckTenant(p, r.cache_salt()));
   return CheckRefs(p, r);
@@ -153,6 +165,14 @@ absl::Status Authorizer::Check(const Principal& p, const v1::CloseSequenceReques
   return CheckSequence(p, r.sequence_id(), found);
 }
 absl::Status Authorizer::Check(const Principal& p, const v1::RenewLeaseRequest& r,
+                               FoundSequences* found) const {
+  return CheckSequence(p, r.sequence_id(), found);
+}
+absl::Status Authorizer::Check(const Principal& p, const v1::CommitSequenceRequest& r,
+                               FoundSequences* found) const {
+  return CheckSequence(p, r.sequence_id(), found);
+}
+absl::Status Authorizer::Check(const Principal& p, const v1::ForkSequenceRequest& r,
                                FoundSequences* found) const {
   return CheckSequence(p, r.sequence_id(), found);
 }

@@ -5,9 +5,9 @@
 // - Put, Match, OpenSequence, PushPages: the request's cache_salt must be one of the
 //   token's tenants, else PERMISSION_DENIED.
 // - Append, AttentionDecode (every id of the batch), FetchPages, RenewLease,
-//   CloseSequence: the sequence must have been opened under one of the token's
-//   tenants. Another tenant's sequence is answered exactly like a sequence that does not
-//   exist (NOT_FOUND, same message), so ids cannot be probed across tenants.
+//   CloseSequence, CommitSequence, ForkSequence: the sequence must have been opened under one of
+//   the token's tenants. Another tenant's sequence is answered exactly like a sequence that does
+//   not exist (NOT_FOUND, same message), so ids cannot be probed across tenants.
 // - RegisterModel needs register_models: true, else PERMISSION_DENIED; its `tenant` (the
 //   tenant whose max_models / max_model_bytes quotas it counts against) must be one of the
 //   token's tenants, as a cache_salt must.
@@ -16,7 +16,12 @@
 //   an nccl communicator, need data_plane: true (else PERMISSION_DENIED). Buffers,
 //   communicators and channels are bound to the token (by name) that created them;
 //   another token's object is NOT_FOUND with the message of a missing one.
-// - ListModels and Stats: any valid token.
+// - PinPrefix: its cache_salt must be one of the token's tenants (PERMISSION_DENIED, as
+//   for Match). UnpinPrefix: the pin must have been made under one of the token's tenants;
+//   another tenant's pin is answered exactly like a pin that is not live (NOT_FOUND, same
+//   message).
+// - ListModels and Stats: any valid token (Stats lists only the pins of the token's
+//   tenants: KvCacheService filters them).
 //
 // Thread-safe.
 #pragma once
@@ -41,9 +46,13 @@ class Authorizer {
   // An open sequence (its tenant is its salt), NOT_FOUND if it is not open
   // (CacheEngine::LookupSequence).
   using SequenceLookup = std::function<absl::StatusOr<std::shared_ptr<Sequence>>(uint64_t)>;
-  explicit Authorizer(SequenceLookup lookup) : lookup_(std::move(lookup)) {}
+  // The tenant of a live prefix pin, NOT_FOUND if it is not live.
+  using PinTenantLookup = std::function<absl::StatusOr<std::string>(uint64_t)>;
+  explicit Authorizer(SequenceLookup lookup, PinTenantLookup pin_tenant = nullptr)
+      : lookup_(std::move(lookup)), pin_tenant_(std::move(pin_tenant)) {}
 
-  // The sequence-scoped checks (Close, Renew, Append, AttentionDecode, FetchPages) add the
+  // The sequence-scoped checks (Close, Commit, Fork, Renew, Append, AttentionDecode,
+  // FetchPages) add the
   // sequences they looked up to *found, in the request's order, for the engine to use
   // instead of looking them up again; nothing is added for the unrestricted principal,
   // whose calls look up nothing here.
@@ -56,6 +65,10 @@ class Authorizer {
                      FoundSequences* found = nullptr) const;
   absl::Status Check(const Principal& p, const v1::RenewLeaseRequest& r,
                      FoundSequences* found = nullptr) const;
+  absl::Status Check(const Principal& p, const v1::CommitSequenceRequest& r,
+                     FoundSequences* found = nullptr) const;
+  absl::Status Check(const Principal& p, const v1::ForkSequenceRequest& r,
+                     FoundSequences* found = nullptr) const;
   absl::Status Check(const Principal& p, const v1::AppendRequest& r,
                      FoundSequences* found = nullptr) const;
   absl::Status Check(const Principal& p, const v1::AttentionDecodeRequest& r,
@@ -64,6 +77,8 @@ class Authorizer {
                      FoundSequences* found = nullptr) const;
   absl::Status Check(const Principal& p, const v1::PushPagesRequest& r) const;
   absl::Status Check(const Principal& p, const v1::StatsRequest& r) const;
+  absl::Status Check(const Principal& p, const v1::PinPrefixRequest& r) const;
+  absl::Status Check(const Principal& p, const v1::UnpinPrefixRequest& r) const;
   absl::Status Check(const Principal& p, const v1::RegisterBufferRequest& r) const;
   absl::Status Check(const Principal& p, const v1::UnregisterBufferRequest& r) const;
   absl::Status Check(const Principal& p, const v1::RenewBufferRequest& r) const;
@@ -86,6 +101,7 @@ class Authorizer {
   absl::Status CheckRefs(const Principal& p, const google::protobuf::Message& m) const;
 
   const SequenceLookup lookup_;
+  const PinTenantLookup pin_tenant_;
   mutable std::mutex mu_;
   // -> principal name
   std::map<std::pair<Object, uint64_t>, std::string> owners_ ABSL_GUARDED_BY(mu_);

@@ -1,10 +1,12 @@
 #include "server/rpc/service.h"
 
+#include <algorithm>
 #include <chrono>
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "common/phase_times.h"
+#include "common/status_macros.h"
 #include "server/rpc/status_mapping.h"
 
 namespace kvcd {
@@ -28,7 +30,12 @@ KvCacheService::KvCacheService(CacheEngine* engine, Metrics* metrics, ThreadPool
       metrics_(metrics),
       executor_(executor),
       tokens_(tokens),
-      authz_([engine](uint64_t id) { return engine->LookupSequence(id); }),
+      authz_([engine](uint64_t id) { return engine->LookupSequence(id); },
+             [engine](uint64_t id) -> absl::StatusOr<std::string> {
+               absl::StatusOr<PrefixPins::Pin> pin = engine->LookupPin(id);
+               if (!pin.ok()) return pin.status();
+               return pin->tenant;
+             }),
       channels_(engine, DecodeChannels::Options{engine->config().decode_channel_spin_us, 20, 64}) {}
 
 // What a decode channel asks before each request: the token that opened the channel,
@@ -152,9 +159,9 @@ KVCD_UNARY(ListModels, ListModelsRequest, ListModelsResponse)
 KVCD_UNARY(Put, PutRequest, PutResponse)
 KVCD_UNARY(Match, MatchRequest, MatchResponse)
 KVCD_UNARY(OpenSequence, OpenSequenceRequest, OpenSequenceResponse)
-KVCD_UNARY(CloseSequence, CloseSequenceRequest, CloseSequenceResponse)
 KVCD_UNARY(PushPages, PushPagesRequest, PushPagesResponse)
-KVCD_UNARY(Stats, StatsRequest, StatsResponse)
+KVCD_UNARY(PinPrefix, PinPrefixRequest, PinPrefixResponse)
+KVCD_UNARY(UnpinPrefix, UnpinPrefixRequest, UnpinPrefixResponse)
 KVCD_UNARY(RenewBuffer, RenewBufferRequest, RenewBufferResponse)
 #undef KVCD_UNARY
 
@@ -168,10 +175,29 @@ KVCD_UNARY(RenewBuffer, RenewBufferRequest, RenewBufferResponse)
       return engine_->Method(*req, resp, found);                                         \
     });                                                                                  \
   }
+KVCD_SEQUENCE_UNARY(CloseSequence, CloseSequenceRequest, CloseSequenceResponse)
+KVCD_SEQUENCE_UNARY(CommitSequence, CommitSequenceRequest, CommitSequenceResponse)
+KVCD_SEQUENCE_UNARY(ForkSequence, ForkSequenceRequest, ForkSequenceResponse)
 KVCD_SEQUENCE_UNARY(RenewLease, RenewLeaseRequest, RenewLeaseResponse)
 KVCD_SEQUENCE_UNARY(Append, AppendRequest, AppendResponse)
 KVCD_SEQUENCE_UNARY(FetchPages, FetchPagesRequest, FetchPagesResponse)
 #undef KVCD_SEQUENCE_UNARY
+
+// Stats lists only the prefix pins of the caller's tenants.
+grpc::ServerUnaryReactor* KvCacheService::Stats(grpc::CallbackServerContext* ctx,
+                                                const v1::StatsRequest* req,
+                                                v1::StatsResponse* resp) {
+  return Run("Stats", ctx, [this, req, resp](const Principal& p) -> absl::Status {
+    if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;
+    KVCD_RETURN_IF_ERROR(engine_->Stats(*req, resp));
+    auto* pins = resp->mutable_pins();
+    pins->erase(
+        std::remove_if(pins->begin(), pins->end(),
+                       [&](const v1::PrefixPin& pin) { return !p.MayUseTenant(pin.tenant()); }),
+        pins->end());
+    return absl::OkStatus();
+  });
+}
 
 // Data-plane objects are bound to the token that created them (authorizer.h).
 grpc::ServerUnaryReactor* KvCacheService::RegisterBuffer(grpc::CallbackServerContext* ctx,

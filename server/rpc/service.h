@@ -36,12 +36,12 @@ class ChannelAdmission;
 using KvCacheCallbackBase = v1::KvCache::WithCallbackMethod_RegisterModel<
     v1::KvCache::WithCallbackMethod_ListModels<v1::KvCache::WithCallbackMethod_Put<
         v1::KvCache::WithCallbackMethod_Match<v1::KvCache::WithCallbackMethod_OpenSequence<
-            v1::KvCache::WithCallbackMethod_CloseSequence<v1::KvCache::WithCallbackMethod_RenewLease<
-                v1::KvCache::WithCallbackMethod_Append<v1::KvCache::WithCallbackMethod_AttentionDecode<
-                    v1::KvCache::WithRawCallbackMethod_AttentionDecodeStream<
-                        v1::KvCache::WithCallbackMethod_FetchPages<
-                            v1::KvCache::WithCallbackMethod_PushPages<
-                                v1::KvCache::WithCallbackMethod_Stats<
+            v1::KvCache::WithCallbackMethod_CloseSequence<v1::KvCache::WithCallbackMethod_CommitSequence<
+                v1::KvCache::WithCallbackMethod_ForkSequence<v1::KvCache::WithCallbackMethod_RenewLease<
+                    v1::KvCache::WithCallbackMethod_Append<v1::KvCache::WithCallbackMethod_AttentionDecode<
+                        v1::KvCache::WithRawCallbackMethod_AttentionDecodeStream<
+                            v1::KvCache::WithCallbackMethod_FetchPages<
+                                v1::KvCache::WithCallbackMethod_PushPages<v1::KvCache::WithCallbackMethod_Stats<
                                     v1::KvCache::WithCallbackMethod_RegisterBuffer<
                                         v1::KvCache::WithCallbackMethod_UnregisterBuffer<
                                             v1::KvCache::WithCallbackMethod_RenewBuffer<
@@ -51,9 +51,13 @@ using KvCacheCallbackBase = v1::KvCache::WithCallbackMethod_RegisterModel<
                                                             v1::KvCache::
                                                                 WithCallbackMethod_CloseDecodeChannel<
                                                                     v1::KvCache::
-                                                                        Service>>>>>>>>>>>>>>>>>>>>;
+                                                                        Service>>>>>>>>>>>>>>>>>>>>>>;
 
-class KvCacheService final : public KvCacheCallbackBase {
+// With the session calls served so far (prefix pins).
+using KvCacheSessionBase = v1::KvCache::WithCallbackMethod_PinPrefix<
+    v1::KvCache::WithCallbackMethod_UnpinPrefix<KvCacheCallbackBase>>;
+
+class KvCacheService final : public KvCacheSessionBase {
  public:
   // tokens may be null (auth off); it must outlive the service.
   KvCacheService(CacheEngine* engine, Metrics* metrics, ThreadPool* executor,
@@ -85,6 +89,12 @@ class KvCacheService final : public KvCacheCallbackBase {
   grpc::ServerUnaryReactor* CloseSequence(grpc::CallbackServerContext* ctx,
                                           const v1::CloseSequenceRequest* req,
                                           v1::CloseSequenceResponse* resp) override;
+  grpc::ServerUnaryReactor* CommitSequence(grpc::CallbackServerContext* ctx,
+                                           const v1::CommitSequenceRequest* req,
+                                           v1::CommitSequenceResponse* resp) override;
+  grpc::ServerUnaryReactor* ForkSequence(grpc::CallbackServerContext* ctx,
+                                         const v1::ForkSequenceRequest* req,
+                                         v1::ForkSequenceResponse* resp) override;
   grpc::ServerUnaryReactor* RenewLease(grpc::CallbackServerContext* ctx,
                                        const v1::RenewLeaseRequest* req,
                                        v1::RenewLeaseResponse* resp) override;
@@ -105,6 +115,12 @@ class KvCacheService final : public KvCacheCallbackBase {
                                       v1::PushPagesResponse* resp) override;
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest* req,
                                   v1::StatsResponse* resp) override;
+  grpc::ServerUnaryReactor* PinPrefix(grpc::CallbackServerContext* ctx,
+                                      const v1::PinPrefixRequest* req,
+                                      v1::PinPrefixResponse* resp) override;
+  grpc::ServerUnaryReactor* UnpinPrefix(grpc::CallbackServerContext* ctx,
+                                        const v1::UnpinPrefixRequest* req,
+                                        v1::UnpinPrefixResponse* resp) override;
   grpc::ServerUnaryReactor* RegisterBuffer(grpc::CallbackServerContext* ctx,
                                            const v1::RegisterBufferRequest* req,
                                            v1::RegisterBufferResponse* resp) override;

@@ -130,7 +130,9 @@ run 2 -- "$kvcd" check-config --config "$dir/kvcd.yaml" --listen 0.0.0.0:7002 --
 
 # kvctl: every command's help lists its own flags and the global ones.
 run 0 -- "$kvctl" --help
-for cmd in health stats models register put match decode; do has "^  $cmd " "kvctl --help"; done
+for cmd in health stats models register put match pin unpin decode; do
+  has "^  $cmd " "kvctl --help"
+done
 has '^  --target +.*\(default: "127.0.0.1:50051"\)' "kvctl --help"
 run 0 -- "$kvctl" put --help
 has '^Usage: kvctl put --model M' "kvctl put --help"
@@ -145,6 +147,11 @@ run 0 -- "$kvctl" register --help
 has '^  --profile +.*\(default: ""\)' "kvctl register --help"
 run 0 -- "$kvctl" match --help
 has '^  --tokens ' "kvctl match --help"
+run 0 -- "$kvctl" pin --help
+has '^  --ttl-ms +.*\(default: 0\)' "kvctl pin --help"
+has '^  --tokens ' "kvctl pin --help"
+run 0 -- "$kvctl" unpin --help
+has '^Usage: kvctl unpin PIN_ID' "kvctl unpin --help"
 run 0 -- "$kvctl" health --help
 has '^Usage: kvctl health' "kvctl health --help"
 one_line_error kvctl "no command given" "$kvctl"

@@ -3,6 +3,7 @@
 # text format registers a model that put and match then use; a name registered twice, a
 # malformed or missing profile file, a profile the daemon refuses and an unreadable codec
 # each fail with exit status 1 and a message naming what was wrong, registering nothing.
+# Also the session commands' refusals (commit, fork, close).
 #   usage: kvctl_register_test.sh KVCD_BINARY KVCTL_BINARY
 set -uo pipefail
 kvcd=$1 kvctl=$2
@@ -72,6 +73,15 @@ for m in broken bad-dim bad-codec; do
 done
 [[ $(grep -c '^[a-z0-9-]*:' <<<"$models") == 2 ]] || fail "expected tiny and small-int2: $models"
 grep -q "^small-int2: 2 layers" <<<"$models" || fail "small-int2 changed: $models"
+
+# The session commands (docs/sessions.md) name the sequence as their one argument: an id
+# that is not open is NOT_FOUND (exit 1); a missing or malformed one a usage error (exit 2).
+expect 1 "NOT_FOUND" -- ctl commit 12345
+expect 1 "NOT_FOUND" -- ctl fork 12345 --lease-ms 1000
+expect 1 "NOT_FOUND" -- ctl close 12345 --commit
+expect 2 "expected one SEQUENCE_ID" -- ctl commit
+expect 2 "SEQUENCE_ID must be an unsigned 64-bit integer" -- ctl fork abc
+expect 0 "sessions: 0 committed pages cached, 0 forks" -- ctl stats
 
 if ((failures > 0)); then echo "$failures check(s) failed"; exit 1; fi
 echo "kvctl register: all checks passed"

@@ -100,7 +100,11 @@ enum Rpc : uint8_t {
   kUnregisterBuffer,
   kRenewBuffer,
   kNcclConnect,
-  kNcclDisconnect
+  kNcclDisconnect,
+  kPinPrefix,
+  kUnpinPrefix,
+  kCommitSequence,
+  kForkSequence
 };
 
 struct Session {
@@ -175,6 +179,13 @@ void RpcSeeds() {
     v1::RenewLeaseRequest renew;
     renew.set_sequence_id(0);
     renew.set_lease_ms(1000);
+    v1::CommitSequenceRequest commit;
+    commit.set_sequence_id(0);
+    v1::ForkSequenceRequest fork;
+    fork.set_sequence_id(0);
+    fork.set_lease_ms(1000);
+    v1::CloseSequenceRequest close_commit = close;
+    close_commit.set_commit(true);
     Session s;
     s.Add(kPut, Put(model, 1, 32))
         .Add(kMatch, match)
@@ -189,6 +200,36 @@ void RpcSeeds() {
         .Add(kCloseSequence, close)
         .Add(kStats, v1::StatsRequest());
     Write("rpc_fuzz", "session-" + model, s.bytes);
+    // A turn committed and closed, the next one opened on it, forked and committed again.
+    Session turns;
+    turns.Add(kPut, Put(model, 1, 32))
+        .Add(kOpenSequence, open)
+        .Add(kAppend, Append(model, 1, 32, 6))
+        .Add(kCommitSequence, commit)
+        .Add(kForkSequence, fork)
+        .Add(kAttentionDecode, Decode(model, 0, true))
+        .Add(kCloseSequence, close_commit)
+        .Add(kOpenSequence, open)
+        .Add(kCommitSequence, commit)
+        .Add(kStats, v1::StatsRequest());
+    Write("rpc_fuzz", "sessions-" + model, turns.bytes);
+  }
+  {
+    // A prefix pin of a cached prompt, Stats listing it, and its removal.
+    v1::PinPrefixRequest pin;
+    pin.set_model("tiny");
+    const auto t = synthetic::Tokens(1, 0, 32);
+    pin.mutable_tokens()->Add(t.begin(), t.end());
+    pin.set_ttl_ms(60000);
+    v1::UnpinPrefixRequest unpin;
+    unpin.set_pin_id(0);  // rpc_fuzz: the first pin this session made
+    Write("rpc_fuzz", "pin",
+          Session()
+              .Add(kPut, Put("tiny", 1, 32))
+              .Add(kPinPrefix, pin)
+              .Add(kStats, v1::StatsRequest())
+              .Add(kUnpinPrefix, unpin)
+              .bytes);
   }
   Write("rpc_fuzz", "stats", Session().Add(kStats, v1::StatsRequest()).bytes);
   Write("rpc_fuzz", "list", Session().Add(kListModels, v1::ListModelsRequest()).bytes);

@@ -7,16 +7,17 @@
 // Input: a session of calls, each [method u8][length u16 little-endian][serialized request],
 // run in order on the engine. A
 // sequence_id (or sequence_ids element) below 8 names the k-th sequence this session
-// opened, so that the fuzzer reaches the calls on open sequences without guessing their
-// random ids; other values are passed as they are.
+// opened, and a pin_id below 8 the k-th prefix pin it made, so that the fuzzer reaches the
+// calls on open sequences and live pins without guessing their random ids; other values are
+// passed as they are.
 //
 // Checked after every call, beyond what ASan/UBSan catch:
 //   - the code is one docs/api.md "Errors" allows for client input (never UNKNOWN, INTERNAL or
 //     DATA_LOSS on the CPU backend);
 //   - a failed call stores nothing: cached tokens, pages in use and open sequences are
 //     as before;
-// and at the end of the session, after closing every sequence it opened: no sequence is
-// left open.
+// and at the end of the session, after closing every sequence it opened and removing every
+// pin it made: no sequence is left open and no prefix pin is left live.
 //
 // The custom mutator is structure-aware: it parses the session, then changes one field of
 // one request through protobuf reflection (interesting integers, NaN/Inf floats, model
@@ -97,6 +98,11 @@ const std::vector<Method>& Methods() {
     m.push_back(Make("RenewBuffer", &CacheEngine::RenewBuffer));
     m.push_back(Make("NcclConnect", &CacheEngine::NcclConnect));
     m.push_back(Make("NcclDisconnect", &CacheEngine::NcclDisconnect));
+    m.push_back(Make("PinPrefix", &CacheEngine::PinPrefix));
+    m.push_back(Make("UnpinPrefix", &CacheEngine::UnpinPrefix));
+    // Sessions (issue #31), after the others so that the seeds' method numbers stay.
+    m.push_back(Make("CommitSequence", &CacheEngine::CommitSequence));
+    m.push_back(Make("ForkSequence", &CacheEngine::ForkSequence));
     return m;
   }());
   return *methods;
@@ -135,11 +141,17 @@ std::string SerializeSession(const std::vector<Call>& calls) {
   return out;
 }
 
-// Rewrites small sequence ids to the ids this session opened.
-void MapSequenceIds(Message* msg, const std::vector<uint64_t>& opened) {
+// Rewrites small sequence ids to the ids this session opened, small pin ids to its pins'.
+void MapSequenceIds(Message* msg, const std::vector<uint64_t>& opened,
+                    const std::vector<uint64_t>& pinned) {
   const Reflection* r = msg->GetReflection();
   const auto* d = msg->GetDescriptor();
   auto map = [&](uint64_t v) { return v < 8 && v < opened.size() ? opened[v] : v; };
+  if (const FieldDescriptor* f = d->FindFieldByName("pin_id");
+      f != nullptr && f->cpp_type() == FieldDescriptor::CPPTYPE_UINT64 && !f->is_repeated()) {
+    const uint64_t v = r->GetUInt64(*msg, f);
+    if (v < 8 && v < pinned.size()) r->SetUInt64(msg, f, pinned[v]);
+  }
   if (const FieldDescriptor* f = d->FindFieldByName("sequence_id");
       f != nullptr && f->cpp_type() == FieldDescriptor::CPPTYPE_UINT64 && !f->is_repeated()) {
     r->SetUInt64(msg, f, map(r->GetUInt64(*msg, f)));
@@ -400,13 +412,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     shared = NewEngine();
   }
   CacheEngine* engine = shared.get();
-  std::vector<uint64_t> opened;
+  std::vector<uint64_t> opened, pinned;
   for (const Call& c : calls) {
     const Method& m = methods[c.method % methods.size()];
     std::unique_ptr<Message> req(m.request->New());
     // gRPC answers a request that does not parse before any handler runs.
     if (!req->ParseFromString(c.bytes)) continue;
-    MapSequenceIds(req.get(), opened);
+    MapSequenceIds(req.get(), opened, pinned);
     std::unique_ptr<Message> resp(m.response->New());
     const std::string before = StoredState(*engine);
     const absl::Status s = m.call(*engine, *req, resp.get());
@@ -424,6 +436,23 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (s.ok() && std::strcmp(m.name, "OpenSequence") == 0) {
       opened.push_back(static_cast<const v1::OpenSequenceResponse&>(*resp).sequence_id());
     }
+    if (s.ok() && std::strcmp(m.name, "ForkSequence") == 0) {
+      opened.push_back(static_cast<const v1::ForkSequenceResponse&>(*resp).sequence_id());
+    }
+    if (s.ok() && std::strcmp(m.name, "PinPrefix") == 0) {
+      pinned.push_back(static_cast<const v1::PinPrefixResponse&>(*resp).pin_id());
+    }
+  }
+  for (uint64_t id : pinned) {
+    v1::UnpinPrefixRequest unpin;
+    unpin.set_pin_id(id);
+    v1::UnpinPrefixResponse out;
+    (void)engine->UnpinPrefix(unpin, &out);
+  }
+  if (!engine->Pins().empty()) {
+    fprintf(stderr, "%zu prefix pins left live after removing every one made\n",
+            engine->Pins().size());
+    __builtin_trap();
   }
   for (uint64_t id : opened) {
     v1::CloseSequenceRequest close;

@@ -302,6 +302,86 @@ TEST_F(DaemonTest, ExpiredLeaseReleasesPins) {
   EXPECT_EQ(client_->Match("cramped", "", synthetic::Tokens(9, 0, 8))->matched_tokens(), 0);
 }
 
+// Sessions through the daemon (docs/sessions.md): turn 1 opens on the system prompt,
+// appends its answer and closes with commit; turn 2 opens on turn 1's tokens plus a new
+// message and matches everything turn 1 committed (page-aligned), reported as committed;
+// a fork and a commit that keeps the sequence open; the metrics by origin.
+TEST_F(DaemonTest, CommittedTurnIsReusedByTheNextTurn) {
+  ASSERT_TRUE(client_->Put(MakePut("tiny", 21, 8)).ok());  // the system prompt: 2 pages
+  const auto conversation = synthetic::Tokens(21, 0, 40);
+  const auto prompt = absl::MakeConstSpan(conversation).subspan(0, 8);
+  auto turn1 = client_->OpenSequence("tiny", "", prompt, 60000);
+  ASSERT_TRUE(turn1.ok()) << turn1.status();
+  EXPECT_EQ(turn1->matched_tokens(), 8);
+  // The answer: 15 tokens (8 + 15 = 23: 5 full pages and 3 tokens).
+  auto append = [&](uint64_t id, int64_t first, int64_t n) {
+    v1::AppendRequest app;
+    app.set_sequence_id(id);
+    app.mutable_tokens()->Add(conversation.begin() + first, conversation.begin() + first + n);
+    const std::vector<int64_t> shape = {profile_.num_layers(), n, profile_.num_kv_heads(),
+                                        profile_.head_dim()};
+    SetBf16FromFloat(app.mutable_k(), shape, synthetic::Kv(21, profile_, first, n, 0).data());
+    SetBf16FromFloat(app.mutable_v(), shape, synthetic::Kv(21, profile_, first, n, 1).data());
+    return client_->Append(app);
+  };
+  ASSERT_TRUE(append(turn1->sequence_id(), 8, 15).ok());
+  auto closed = client_->CloseSequence(turn1->sequence_id(), /*commit=*/true);
+  ASSERT_TRUE(closed.ok()) << closed.status();
+  EXPECT_EQ(closed->length(), 23);
+  EXPECT_EQ(closed->commit().committed_tokens(), 20);
+  EXPECT_EQ(closed->commit().inserted_pages(), 3);
+  EXPECT_EQ(client_->CommitSequence(turn1->sequence_id()).status().code(),
+            absl::StatusCode::kNotFound);
+
+  // Turn 2: turn 1's 23 tokens and a 9-token message.
+  const auto turn2_tokens = absl::MakeConstSpan(conversation).subspan(0, 32);
+  auto m = client_->Match("tiny", "", turn2_tokens);
+  ASSERT_TRUE(m.ok());
+  EXPECT_EQ(m->matched_tokens(), 20);  // every committed page; the partial one was not
+  EXPECT_EQ(m->committed_tokens(), 12);
+  auto turn2 = client_->OpenSequence("tiny", "", turn2_tokens, 60000);
+  ASSERT_TRUE(turn2.ok());
+  EXPECT_EQ(turn2->matched_tokens(), 20);
+  EXPECT_EQ(client_->Match("tiny", "other-tenant", turn2_tokens)->matched_tokens(), 0);
+  ASSERT_TRUE(append(turn2->sequence_id(), 20, 12).ok());
+  // The K/V turn 2 reads back are turn 1's, byte for byte, then its own.
+  v1::FetchPagesRequest f;
+  f.set_sequence_id(turn2->sequence_id());
+  f.set_expand_to_bf16(true);
+  auto fetched = client_->FetchPages(f);
+  ASSERT_TRUE(fetched.ok());
+  ASSERT_EQ(fetched->num_tokens(), 32);
+  const int hkv = profile_.num_kv_heads(), d = profile_.head_dim();
+  for (int64_t t = 0; t < 32; ++t) {
+    ASSERT_EQ(ElementAsFloat(fetched->k(), (32 + t) * hkv * d + 5),
+              RoundBf16(synthetic::Value(21, 1, t, 0, 5, 0)))
+        << t;
+  }
+
+  // A checkpoint that keeps turn 2 open, then a fork of it with its own lease.
+  auto commit = client_->CommitSequence(turn2->sequence_id());
+  ASSERT_TRUE(commit.ok()) << commit.status();
+  EXPECT_EQ(commit->committed_tokens(), 32);
+  EXPECT_EQ(commit->inserted_pages(), 3);
+  auto fork = client_->ForkSequence(turn2->sequence_id(), 60000);
+  ASSERT_TRUE(fork.ok()) << fork.status();
+  EXPECT_EQ(fork->length(), 32);
+  EXPECT_EQ(fork->shared_pages(), 8);
+  EXPECT_EQ(fork->lease_ms(), 60000);
+  EXPECT_EQ(client_->ForkSequence(turn2->sequence_id(), -1).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto stats = client_->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->committed_pages(), 6u);
+  EXPECT_EQ(stats->forks(), 1u);
+  EXPECT_EQ(stats->hit_tokens_committed(), 12u);
+  EXPECT_EQ(stats->hit_tokens_put() + stats->hit_tokens_committed(), stats->hit_tokens());
+  EXPECT_EQ(stats->active_sequences(), 2u);
+  ASSERT_TRUE(client_->CloseSequence(fork->sequence_id()).ok());
+  ASSERT_TRUE(client_->CloseSequence(turn2->sequence_id()).ok());
+  EXPECT_EQ(client_->Match("tiny", "", conversation)->matched_tokens(), 32);
+}
+
 TEST_F(DaemonTest, HealthMetricsAndDrain) {
   auto h = client_->Health();
   ASSERT_TRUE(h.ok()) << h.status();

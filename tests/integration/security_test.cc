@@ -11,6 +11,7 @@
 #include <sstream>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "client/decode_channel.h"
 #include "daemon_process.h"
@@ -296,6 +297,9 @@ TEST_F(TenantTest, AnotherTenantIsRefusedOnEveryTenantScopedCall) {
   EXPECT_EQ(bob_missing.status().code(), kNotFound);
   EXPECT_EQ(bob_->RenewLease(seq).status().code(), kNotFound);
   EXPECT_EQ(bob_->CloseSequence(seq).status().code(), kNotFound);
+  EXPECT_EQ(bob_->CloseSequence(seq, /*commit=*/true).status().code(), kNotFound);
+  EXPECT_EQ(bob_->CommitSequence(seq).status().code(), kNotFound);
+  EXPECT_EQ(bob_->ForkSequence(seq).status().code(), kNotFound);
 
   // Nothing of alice's changed, and bob's refused Put stored nothing.
   auto len = alice_->Append(MakeAppend(seq, 3, 16, 1));
@@ -313,6 +317,48 @@ TEST_F(TenantTest, AnotherTenantIsRefusedOnEveryTenantScopedCall) {
   auto closed = alice_->CloseSequence(seq);
   ASSERT_TRUE(closed.ok()) << closed.status();
   EXPECT_EQ(*closed, 17);
+}
+
+// Prefix pins: PinPrefix names its tenant like Match (PERMISSION_DENIED for another's);
+// another tenant's pin is NOT_FOUND exactly like a pin that is not live; Stats lists only
+// the caller's tenants' pins.
+TEST_F(TenantTest, AnotherTenantsPinIsNotFoundAndStatsListsOnlyOwnPins) {
+  const std::vector<int32_t> prompt = synthetic::Tokens(7, 0, 16);
+  ASSERT_TRUE(alice_->Put(MakePut(7, 16, "team-a")).ok());
+  ASSERT_TRUE(bob_->Put(MakePut(7, 16, "team-b")).ok());
+  EXPECT_EQ(bob_->PinPrefix("tiny", "team-a", prompt, 60000).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  auto alice_pin = alice_->PinPrefix("tiny", "team-a", prompt, 60000);
+  ASSERT_TRUE(alice_pin.ok()) << alice_pin.status();
+  EXPECT_EQ(alice_pin->pinned_pages(), 4);
+  auto bob_pin = bob_->PinPrefix("tiny", "team-b", prompt, 60000);
+  ASSERT_TRUE(bob_pin.ok()) << bob_pin.status();
+
+  auto theirs = bob_->UnpinPrefix(alice_pin->pin_id());
+  auto missing = bob_->UnpinPrefix(alice_pin->pin_id() ^ 0x1234567ull);
+  EXPECT_EQ(theirs.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(std::string(theirs.status().message()),
+            absl::StrCat("pin ", alice_pin->pin_id(),
+                         " is not live (never pinned, unpinned, or its ttl ran out)"));
+
+  auto pins_of = [](Client& c) {
+    auto s = c.Stats();
+    EXPECT_TRUE(s.ok()) << s.status();
+    std::vector<std::pair<uint64_t, std::string>> out;
+    for (const auto& p : s->pins()) out.emplace_back(p.pin_id(), p.tenant());
+    return out;
+  };
+  using Pins = std::vector<std::pair<uint64_t, std::string>>;
+  EXPECT_EQ(pins_of(*alice_), (Pins{{alice_pin->pin_id(), "team-a"}}));
+  EXPECT_EQ(pins_of(*bob_), (Pins{{bob_pin->pin_id(), "team-b"}}));
+  EXPECT_EQ(pins_of(*admin_).size(), 2u);  // tenants: ["*"]
+
+  auto unpinned = alice_->UnpinPrefix(alice_pin->pin_id());  // still alice's, still live
+  ASSERT_TRUE(unpinned.ok()) << unpinned.status();
+  EXPECT_EQ(*unpinned, 4);
+  EXPECT_TRUE(pins_of(*alice_).empty());
+  ASSERT_TRUE(bob_->UnpinPrefix(bob_pin->pin_id()).ok());
 }
 
 TEST_F(TenantTest, DecodeChannelsRunWithTheTokenThatOpenedThem) {

@@ -143,6 +143,21 @@ def test_every_client_method_on_both_clients(both, daemon):
     (s, _), (a, _) = call("match", "tiny", toks, cache_salt="parity")
     assert s == a == kvcd.MatchResult(8, 2)
 
+    # prefix pins: each client pins the cached prefix (two pins of the same 2 pages)
+    (s, _), (a, _) = call("pin_prefix", "tiny", toks, ttl_ms=60000, cache_salt="parity")
+    assert (s.pinned_tokens, s.pinned_pages) == (a.pinned_tokens, a.pinned_pages) == (8, 2)
+    assert s.pin_id != a.pin_id and s.expires_unix_ms > 0
+    pins = {p.pin_id: p for p in both.sync.stats().pins}
+    assert pins[s.pin_id].tenant == "parity" and pins[a.pin_id].pinned_pages == 2
+    assert both.sync.unpin_prefix(s.pin_id) == both.run(both.aio.unpin_prefix(a.pin_id)) == 2
+    called.add("unpin_prefix")
+    s, a = call("unpin_prefix", s.pin_id)
+    _same_error(s, a)
+    assert s[1][0] is kvcd.NotFound
+    s, a = call("pin_prefix", "tiny", toks, ttl_ms=0, cache_salt="parity")
+    _same_error(s, a)
+    assert s[1][0] is kvcd.InvalidArgument and "ttl_ms is 0" in s[1][1]
+
     # sequences: open on both, append, renew, attention, pages, close
     (ss, _), (sa, _) = call("open_sequence", "tiny", toks, cache_salt="parity", lease_ms=5000,
                             auto_renew=False)
@@ -177,10 +192,25 @@ def test_every_client_method_on_both_clients(both, daemon):
 
     called.add("decode_session")
     np.testing.assert_array_equal(o1, both.run(aio_session()))
+    # sessions: a commit that keeps the sequence open, a fork of it
+    assert both.sync.commit_sequence(ss) == both.run(both.aio.commit_sequence(sa)) == \
+        kvcd.CommitResult(8, 0, 0)
+    called.add("commit_sequence")
+    fs = both.sync.fork_sequence(ss, lease_ms=5000)
+    fa = both.run(both.aio.fork_sequence(sa, lease_ms=5000))
+    called.add("fork_sequence")
+    assert (fs.length, fs.lease_ms, fs.renewing) == (fa.length, fa.lease_ms, fa.renewing) == \
+        (10, 5000, False)
+    assert both.sync.close_sequence(fs, commit=True) == \
+        both.run(both.aio.close_sequence(fa, commit=True)) == 10
+    assert fs.last_commit == fa.last_commit == kvcd.CommitResult(8, 0, 0)
     assert both.sync.close_sequence(ss) == both.run(both.aio.close_sequence(sa)) == 10
     called.add("close_sequence")
     _same_error(*call("renew_lease", ss.id))
     _same_error(*call("close_sequence", ss.id))
+    _same_error(*call("close_sequence", ss.id, commit=True))
+    _same_error(*call("commit_sequence", ss.id))
+    _same_error(*call("fork_sequence", ss.id, lease_ms=5000))
 
     # stats and health
     (s, _), (a, _) = call("stats")

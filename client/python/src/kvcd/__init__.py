@@ -11,7 +11,9 @@ INT2 pages), :mod:`kvcd.cuda` (CUDA IPC buffers for torch tensors), :mod:`kvcd.e
 :mod:`kvcd.v1` (the generated protobuf/gRPC stubs).
 """
 from ._version import __version__
-from ._core import (TLS, DecodeResult, FetchedPages, MatchResult, PutResult, make_profile)
+from ._core import (TLS, CommitResult, DecodeResult, FetchedPages, MatchResult, PinResult,
+                    PutResult,
+                    make_profile)
 from .client import Client, DecodeSession, Sequence
 from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded,
                      FailedPrecondition, Internal, InvalidArgument, KvcdError, NotFound,
@@ -22,7 +24,8 @@ from .v1 import kvcache_pb2 as pb
 from . import aio, cuda, errors, pages, tensors, v1  # noqa: E402  (kvcd.aio etc. as attributes)
 
 __all__ = [
-    "__version__", "aio", "cuda", "errors", "pages", "tensors", "v1", "Client", "Sequence", "DecodeSession", "TLS", "PutResult", "MatchResult",
+    "__version__", "aio", "cuda", "errors", "pages", "tensors", "v1", "Client", "Sequence", "DecodeSession", "TLS", "PutResult", "MatchResult", "PinResult",
+    "CommitResult",
     "DecodeResult", "FetchedPages", "PageGeometry", "decode_page", "hadamard", "make_profile",
     "pb", "KvcdError", "Cancelled", "Unknown", "InvalidArgument", "DeadlineExceeded",
     "NotFound", "AlreadyExists", "PermissionDenied", "ResourceExhausted", "FailedPrecondition",

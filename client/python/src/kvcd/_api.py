@@ -13,7 +13,8 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence as Seq, Type, Union
 
-from ._core import DecodeResult, FetchedPages, MatchResult, PutResult, TokenSeq
+from ._core import (CommitResult, DecodeResult, FetchedPages, MatchResult, PinResult, PutResult,
+                    TokenSeq)
 from .v1 import kvcache_pb2 as pb
 
 SequenceLike = Union["Sequence", int]
@@ -114,7 +115,24 @@ class ClientAPI:
         """
 
     def match(self, model: str, tokens: TokenSeq, *, cache_salt: str = "") -> MatchResult:
-        """The longest cached page-aligned prefix of ``tokens`` (nothing is pinned)."""
+        """The longest cached page-aligned prefix of ``tokens`` (nothing is pinned), and how
+        many of its tokens came from committed sequences (``committed_tokens``)."""
+
+    def pin_prefix(self, model: str, tokens: TokenSeq, *, ttl_ms: int,
+                   cache_salt: str = "") -> PinResult:
+        """Pins the longest cached page-aligned prefix of ``tokens`` for ``ttl_ms`` ms, so
+        that eviction skips it until :meth:`unpin_prefix` or the ttl runs out (then it is an
+        ordinary LRU prefix again). Its pages count against the tenant's
+        ``max_pinned_prefix_pages``, per pin. Pins do not survive a daemon restart.
+
+        Raises: InvalidArgument (``ttl_ms`` not in 1..the daemon's ``max_pin_ttl_ms``),
+        NotFound (unknown model, or not one page of ``tokens`` cached), ResourceExhausted
+        (the tenant's ``max_pinned_prefix_pages`` quota).
+        """
+
+    def unpin_prefix(self, pin_id: int) -> int:
+        """Removes a pin made by :meth:`pin_prefix`; returns the pages it pinned. Raises
+        NotFound for a pin that is not live (unpinned, expired, or another tenant's)."""
 
     def open_sequence(self, model: str, tokens: TokenSeq, *, k: Any = None, v: Any = None,
                       cache_salt: str = "", lease_ms: int = 0, auto_renew: bool = True,
@@ -140,8 +158,31 @@ class ClientAPI:
     def renew_lease(self, sequence: SequenceLike, lease_ms: int = 0) -> int:
         """Renews a sequence's lease (0 = the lease granted at open); returns it in ms."""
 
-    def close_sequence(self, sequence: SequenceLike) -> int:
-        """Closes a sequence (unpins its prefix, frees private pages); returns its length."""
+    def close_sequence(self, sequence: SequenceLike, *, commit: bool = False) -> int:
+        """Closes a sequence (unpins its prefix, frees private pages); returns its length.
+
+        With ``commit`` its full pages first enter the prefix cache as
+        :meth:`commit_sequence` does (for a :class:`Sequence` handle the
+        :class:`kvcd.CommitResult` is kept in its ``last_commit``); a commit that fails
+        raises and leaves the sequence open."""
+
+    def commit_sequence(self, sequence: SequenceLike) -> CommitResult:
+        """Puts the sequence's full pages into the prefix cache under its model and tenant,
+        keyed by the tokens it holds; the sequence stays open (docs/sessions.md). A later
+        ``open_sequence`` on those tokens (plus a new message) reuses them.
+
+        Raises: NotFound (not open, or another tenant's), FailedPrecondition (a per-layer
+        token only partly appended: the message names the layers), ResourceExhausted
+        (nothing changed)."""
+
+    def fork_sequence(self, sequence: SequenceLike, *, lease_ms: int = 0) -> "Sequence":
+        """A new sequence sharing every full page of ``sequence`` and a copy of its partial
+        page, with its own lease (0 = the daemon's default), counted against the tenant's
+        quotas like ``open_sequence``. Its lease is renewed in the background when the
+        source is a :class:`Sequence` whose lease is. Each then appends independently.
+
+        Raises: NotFound, FailedPrecondition (a partly appended token), InvalidArgument
+        (lease_ms), ResourceExhausted (a quota or the pool; nothing changed)."""
 
     def attention_decode(self, layer: int, sequences: Union[SequenceLike, Seq[SequenceLike]],
                          q: Any, *, k_new: Any = None, v_new: Any = None,
@@ -184,7 +225,8 @@ class ClientAPI:
         Returns the tokens newly inserted."""
 
     def stats(self) -> pb.StatsResponse:
-        """Memory, pools, hit/miss tokens, evictions, sequences, backend and version."""
+        """Memory, pools, hit/miss tokens, evictions, sequences, backend and version; the
+        caller's tenants' prefix pins (``pins``)."""
 
     def health(self, service: str = "") -> str:
         """grpc.health.v1 Check: "SERVING", "NOT_SERVING", ... ("" = the whole server)."""
@@ -245,9 +287,17 @@ class SequenceAPI:
     def stop_renewing(self) -> None:
         """Stops the background renewal (a no-op when none runs)."""
 
-    def close(self, *, missing_ok: bool = False) -> int:
+    def commit(self) -> CommitResult:
+        """:meth:`Client.commit_sequence` of this sequence (it stays open): an agent loop
+        checkpoints a turn and keeps decoding."""
+
+    def fork(self, *, lease_ms: int = 0) -> "Sequence":
+        """:meth:`Client.fork_sequence` of this sequence."""
+
+    def close(self, *, missing_ok: bool = False, commit: bool = False) -> int:
         """Stops renewal and closes the sequence; returns its final length (-1 if it was
-        already gone and ``missing_ok``)."""
+        already gone and ``missing_ok``). With ``commit`` its full pages enter the prefix
+        cache first (``last_commit`` holds the :class:`kvcd.CommitResult`)."""
 
 
 class DecodeSessionAPI:

@@ -203,8 +203,41 @@ class PutResult:
 
 @dataclass(frozen=True)
 class MatchResult:
+    """``committed_tokens``: of ``matched_tokens``, those in pages a sequence's commit put
+    into the cache (docs/sessions.md) rather than a Put."""
     matched_tokens: int
     matched_pages: int
+    committed_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    """What a commit put into the prefix cache (docs/sessions.md): ``committed_tokens``
+    page-aligned tokens of the sequence are cached now, ``inserted_pages`` of its pages were
+    added, ``deduplicated_pages`` were cached already (the sequence uses the cache's)."""
+    committed_tokens: int
+    inserted_pages: int
+    deduplicated_pages: int
+
+    @staticmethod
+    def of(r: Any) -> "CommitResult":
+        return CommitResult(int(r.committed_tokens), int(r.inserted_pages),
+                            int(r.deduplicated_pages))
+
+
+@dataclass(frozen=True)
+class PinResult:
+    """Outcome of :meth:`Client.pin_prefix`: the pin's id (for ``unpin_prefix``), the
+    page-aligned tokens and pages it holds, and when it expires (Unix time in ms)."""
+    pin_id: int
+    pinned_tokens: int
+    pinned_pages: int
+    expires_unix_ms: int
+
+
+def pin_result(r: Any) -> PinResult:
+    return PinResult(int(r.pin_id), int(r.pinned_tokens), int(r.pinned_pages),
+                     int(r.expires_unix_ms))
 
 
 class DecodeResult(tuple):

@@ -22,7 +22,8 @@ import grpc.aio
 
 from . import _api, _core as C
 from ._api import implements
-from ._core import DecodeResult, FetchedPages, MatchResult, PutResult, TLS, TokenSeq
+from ._core import (CommitResult, DecodeResult, FetchedPages, MatchResult, PinResult, PutResult,
+                    TLS, TokenSeq)
 from ._health import health_pb2
 from .errors import KvcdError, NotFound, _from_rpc_error, error_from_status
 from .pages import PageGeometry
@@ -151,7 +152,17 @@ class Client:
     async def match(self, model: str, tokens: TokenSeq, *, cache_salt: str = "") -> MatchResult:
         r = await self._call("Match", pb.MatchRequest(model=model, cache_salt=cache_salt,
                                                       tokens=C.tokens_list(tokens)))
-        return MatchResult(int(r.matched_tokens), int(r.matched_pages))
+        return MatchResult(int(r.matched_tokens), int(r.matched_pages), int(r.committed_tokens))
+
+    async def pin_prefix(self, model: str, tokens: TokenSeq, *, ttl_ms: int,
+                         cache_salt: str = "") -> PinResult:
+        return C.pin_result(await self._call("PinPrefix", pb.PinPrefixRequest(
+            model=model, cache_salt=cache_salt, tokens=C.tokens_list(tokens),
+            ttl_ms=int(ttl_ms))))
+
+    async def unpin_prefix(self, pin_id: int) -> int:
+        r = await self._call("UnpinPrefix", pb.UnpinPrefixRequest(pin_id=int(pin_id)))
+        return int(r.unpinned_pages)
 
     # -- sequences --------------------------------------------------------------------
 
@@ -184,7 +195,8 @@ class Client:
     async def append(self, sequence: SequenceLike, tokens: TokenSeq, k: Any, v: Any, *,
                      wire_dtype: Optional[str] = None, x: Any = None) -> int:
         toks = C.tokens_list(tokens)
-        p = await self.profile(sequence.model) if isinstance(sequence, Sequence) else None
+        p = (await self.profile(sequence.model)
+             if isinstance(sequence, Sequence) and sequence.model else None)
         length = 0
         for r in C.append_requests(p, _seq_id(sequence), toks, k, v, wire_dtype,
                                    self.max_message_bytes, x):
@@ -197,15 +209,36 @@ class Client:
         return int((await self._call("RenewLease", pb.RenewLeaseRequest(
             sequence_id=_seq_id(sequence), lease_ms=int(lease_ms)))).lease_ms)
 
-    async def close_sequence(self, sequence: SequenceLike) -> int:
-        return int((await self._call("CloseSequence", pb.CloseSequenceRequest(
-            sequence_id=_seq_id(sequence)))).length)
+    async def close_sequence(self, sequence: SequenceLike, *, commit: bool = False) -> int:
+        r = await self._call("CloseSequence", pb.CloseSequenceRequest(
+            sequence_id=_seq_id(sequence), commit=bool(commit)))
+        if commit and isinstance(sequence, Sequence):
+            sequence.last_commit = CommitResult.of(r.commit)
+        return int(r.length)
+
+    async def commit_sequence(self, sequence: SequenceLike) -> CommitResult:
+        r = await self._call("CommitSequence",
+                            pb.CommitSequenceRequest(sequence_id=_seq_id(sequence)))
+        result = CommitResult.of(r)
+        if isinstance(sequence, Sequence):
+            sequence.last_commit = result
+        return result
+
+    async def fork_sequence(self, sequence: SequenceLike, *, lease_ms: int = 0) -> "Sequence":
+        r = await self._call("ForkSequence", pb.ForkSequenceRequest(
+            sequence_id=_seq_id(sequence), lease_ms=int(lease_ms)))
+        source = sequence if isinstance(sequence, Sequence) else None
+        fork = Sequence(self, source.model if source is not None else "", int(r.sequence_id),
+                        int(r.length), int(r.lease_ms), [])
+        if source is not None and source.renewing:
+            fork.start_renewing()
+        return fork
 
     # -- attention --------------------------------------------------------------------
 
     async def _decode_profile(self, seqs: Seq[SequenceLike]) -> Optional[pb.ModelProfile]:
         models = {s.model for s in seqs if isinstance(s, Sequence)}
-        if len(models) == 1 and all(isinstance(s, Sequence) for s in seqs):
+        if len(models) == 1 and all(isinstance(s, Sequence) for s in seqs) and all(models):
             return await self.profile(models.pop())
         return None
 
@@ -339,8 +372,14 @@ class Sequence:
         self.renewals = 0
         self.closed = False
         self.renew_error: Optional[KvcdError] = None
+        self.last_commit: Optional[CommitResult] = None
         self._task: Optional[asyncio.Task] = None
         self._renewed = asyncio.Condition()
+
+    @property
+    def renewing(self) -> bool:
+        """Whether the lease is renewed in the background."""
+        return self._task is not None
 
     def __repr__(self) -> str:
         return f"<kvcd.aio.Sequence {self.id} model={self.model} length={self.length}>"
@@ -388,10 +427,29 @@ class Sequence:
                 pass
             self._task = None
 
-    async def close(self, *, missing_ok: bool = False) -> int:
-        await self.stop_renewing()
+    async def commit(self) -> CommitResult:
+        return await self.client.commit_sequence(self)
+
+    async def fork(self, *, lease_ms: int = 0) -> "Sequence":
+        return await self.client.fork_sequence(self, lease_ms=lease_ms)
+
+    async def close(self, *, missing_ok: bool = False, commit: bool = False) -> int:
         if self.closed:
+            await self.stop_renewing()
             return self.length
+        if commit:  # a commit that fails leaves the sequence open (and renewed)
+            try:
+                self.length = await self.client.close_sequence(self, commit=True)
+            except NotFound:
+                await self.stop_renewing()
+                self.closed = True
+                if not missing_ok:
+                    raise
+                return -1
+            await self.stop_renewing()
+            self.closed = True
+            return self.length
+        await self.stop_renewing()
         self.closed = True
         try:
             self.length = await self.client.close_sequence(self)

@@ -11,7 +11,9 @@ import grpc
 
 from . import _api, _core as C
 from ._api import implements
-from ._core import (DecodeResult, FetchedPages, MatchResult, PutResult, TLS, TokenSeq)
+from ._core import (CommitResult, DecodeResult, FetchedPages, MatchResult, PinResult, PutResult,
+                    TLS,
+                    TokenSeq)
 from .errors import KvcdError, NotFound, _from_rpc_error, error_from_status
 from .pages import PageGeometry
 from .v1 import kvcache_pb2 as pb
@@ -172,7 +174,17 @@ class Client:
     def match(self, model: str, tokens: TokenSeq, *, cache_salt: str = "") -> MatchResult:
         r = self._call("Match", pb.MatchRequest(model=model, cache_salt=cache_salt,
                                                 tokens=C.tokens_list(tokens)))
-        return MatchResult(int(r.matched_tokens), int(r.matched_pages))
+        return MatchResult(int(r.matched_tokens), int(r.matched_pages), int(r.committed_tokens))
+
+    def pin_prefix(self, model: str, tokens: TokenSeq, *, ttl_ms: int,
+                   cache_salt: str = "") -> PinResult:
+        return C.pin_result(self._call("PinPrefix", pb.PinPrefixRequest(
+            model=model, cache_salt=cache_salt, tokens=C.tokens_list(tokens),
+            ttl_ms=int(ttl_ms))))
+
+    def unpin_prefix(self, pin_id: int) -> int:
+        return int(self._call("UnpinPrefix", pb.UnpinPrefixRequest(pin_id=int(pin_id)))
+                   .unpinned_pages)
 
     # -- sequences --------------------------------------------------------------------
 
@@ -204,7 +216,8 @@ class Client:
     def append(self, sequence: SequenceLike, tokens: TokenSeq, k: Any, v: Any, *,
                wire_dtype: Optional[str] = None, x: Any = None) -> int:
         toks = C.tokens_list(tokens)
-        p = self.profile(sequence.model) if isinstance(sequence, Sequence) else None
+        p = (self.profile(sequence.model)
+             if isinstance(sequence, Sequence) and sequence.model else None)
         length = 0
         for r in C.append_requests(p, _seq_id(sequence), toks, k, v, wire_dtype,
                                    self.max_message_bytes, x):
@@ -217,15 +230,36 @@ class Client:
         return int(self._call("RenewLease", pb.RenewLeaseRequest(
             sequence_id=_seq_id(sequence), lease_ms=int(lease_ms))).lease_ms)
 
-    def close_sequence(self, sequence: SequenceLike) -> int:
-        return int(self._call("CloseSequence",
-                              pb.CloseSequenceRequest(sequence_id=_seq_id(sequence))).length)
+    def close_sequence(self, sequence: SequenceLike, *, commit: bool = False) -> int:
+        r = self._call("CloseSequence", pb.CloseSequenceRequest(
+            sequence_id=_seq_id(sequence), commit=bool(commit)))
+        if commit and isinstance(sequence, Sequence):
+            sequence.last_commit = CommitResult.of(r.commit)
+        return int(r.length)
+
+    def commit_sequence(self, sequence: SequenceLike) -> CommitResult:
+        r = self._call("CommitSequence",
+                            pb.CommitSequenceRequest(sequence_id=_seq_id(sequence)))
+        result = CommitResult.of(r)
+        if isinstance(sequence, Sequence):
+            sequence.last_commit = result
+        return result
+
+    def fork_sequence(self, sequence: SequenceLike, *, lease_ms: int = 0) -> "Sequence":
+        r = self._call("ForkSequence", pb.ForkSequenceRequest(
+            sequence_id=_seq_id(sequence), lease_ms=int(lease_ms)))
+        source = sequence if isinstance(sequence, Sequence) else None
+        fork = Sequence(self, source.model if source is not None else "", int(r.sequence_id),
+                        int(r.length), int(r.lease_ms), [])
+        if source is not None and source.renewing:
+            fork.start_renewing()
+        return fork
 
     # -- attention --------------------------------------------------------------------
 
     def _decode_profile(self, sequences: Seq[SequenceLike]) -> Optional[pb.ModelProfile]:
         models = {s.model for s in sequences if isinstance(s, Sequence)}
-        if len(models) == 1 and all(isinstance(s, Sequence) for s in sequences):
+        if len(models) == 1 and all(isinstance(s, Sequence) for s in sequences) and all(models):
             return self.profile(models.pop())
         return None
 
@@ -356,9 +390,15 @@ class Sequence:
         self.renewals = 0
         self.closed = False
         self.renew_error: Optional[KvcdError] = None
+        self.last_commit: Optional[CommitResult] = None
         self._stop = threading.Event()
         self._renewed = threading.Condition()
         self._thread: Optional[threading.Thread] = None
+
+    @property
+    def renewing(self) -> bool:
+        """Whether the lease is renewed in the background."""
+        return self._thread is not None
 
     def __repr__(self) -> str:
         return f"<kvcd.Sequence {self.id} model={self.model} length={self.length}>"
@@ -402,10 +442,29 @@ class Sequence:
             self._thread.join()
         self._thread = None
 
-    def close(self, *, missing_ok: bool = False) -> int:
-        self.stop_renewing()
+    def commit(self) -> CommitResult:
+        return self.client.commit_sequence(self)
+
+    def fork(self, *, lease_ms: int = 0) -> "Sequence":
+        return self.client.fork_sequence(self, lease_ms=lease_ms)
+
+    def close(self, *, missing_ok: bool = False, commit: bool = False) -> int:
         if self.closed:
+            self.stop_renewing()
             return self.length
+        if commit:  # a commit that fails leaves the sequence open (and renewed)
+            try:
+                self.length = self.client.close_sequence(self, commit=True)
+            except NotFound:
+                self.stop_renewing()
+                self.closed = True
+                if not missing_ok:
+                    raise
+                return -1
+            self.stop_renewing()
+            self.closed = True
+            return self.length
+        self.stop_renewing()
         self.closed = True
         try:
             self.length = self.client.close_sequence(self)

@@ -162,5 +162,43 @@ TEST(RadixTreeTest, EvictingAChildExposesItsParentAsALeaf) {
   EXPECT_EQ(tree.num_nodes(), 0);
 }
 
+// Origins: a node keeps the origin it entered with (a split keeps it on both halves), Match
+// counts committed tokens, eviction keeps committed_pages() right.
+TEST(RadixTreeTest, OriginsAreKeptThroughSplitsAndCountedByMatchAndEviction) {
+  RadixTree tree(2);
+  tree.Insert("t", Seq(0, 4), Pages(0, 2));  // put [0..3]
+  auto ins = tree.Insert("t", Seq(0, 10), Pages(10, 5), RadixTree::Origin::kCommit);
+  EXPECT_EQ(ins.new_pages, 3);  // [4..9] committed
+  EXPECT_EQ(ins.duplicates.size(), 2u);
+  EXPECT_EQ(tree.committed_pages(), 3);
+  auto m = tree.Match("t", Seq(0, 10));
+  EXPECT_EQ(m.tokens, 10);
+  EXPECT_EQ(m.committed_tokens, 6);
+  // A put of the committed tokens does not change their origin; a split keeps it.
+  tree.Insert("t", Seq(0, 6), Pages(20, 3));
+  auto pinned = tree.MatchAndPin("t", Seq(0, 8));  // splits [4..9] at 8
+  EXPECT_EQ(pinned.committed_tokens, 4);
+  EXPECT_EQ(tree.committed_pages(), 3);
+  EXPECT_EQ(tree.Match("t", Seq(0, 10)).committed_tokens, 6);
+  // A second pin of the same node (a fork) keeps it until both are released.
+  tree.Pin(pinned.node);
+  tree.Unpin(pinned.node);
+  std::vector<PageRef> freed;
+  tree.Evict([] { return true; }, [&](const PageRef& p) { freed.push_back(p); });
+  EXPECT_EQ(freed.size(), 1u);  // only the unpinned committed leaf [8..9]
+  EXPECT_EQ(tree.committed_pages(), 2);
+  tree.Unpin(pinned.node);
+  tree.Evict([] { return true; }, [&](const PageRef& p) { freed.push_back(p); });
+  EXPECT_EQ(tree.committed_pages(), 0);
+  EXPECT_EQ(tree.cached_pages(), 0);
+}
+
+TEST(RadixTreeTest, EvictablePagesCountsOnlyThePagesEvictionFrees) {
+  RadixTree tree(1);
+  tree.Insert("", Seq(0, 4), Pages(0, 4));
+  EXPECT_EQ(tree.EvictablePages(0), 4);
+  EXPECT_EQ(tree.EvictablePages(0, nullptr, [](const PageRef& r) { return r.page % 2 == 0; }), 2);
+}
+
 }  // namespace
 }  // namespace kvcd

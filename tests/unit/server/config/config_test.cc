@@ -97,7 +97,7 @@ TEST(ConfigTest, TenantQuotas) {
 quotas:
   default: {max_sequences: 8, max_memory_share: 0.5, max_models: 2, max_model_bytes: 64MiB}
   tenants:
-    - {tenant: team-a, max_memory_share: 0.25}
+    - {tenant: team-a, max_memory_share: 0.25, max_pinned_prefix_pages: 12}
     - {tenant: "", max_pinned_pages: 100, max_lease_ms: 5000, max_memory_share: 1}
 )");
   ASSERT_TRUE(c.ok()) << c.status();
@@ -110,6 +110,8 @@ quotas:
   EXPECT_EQ(a.max_sequences, 8);  // keys not given: the defaults
   EXPECT_EQ(a.max_models, 2);
   EXPECT_EQ(a.max_model_bytes, 64ull << 20);
+  EXPECT_EQ(a.max_pinned_prefix_pages, 12);
+  EXPECT_EQ(c->quotas.For("").max_pinned_prefix_pages, 0);  // 0 = no limit
   const TenantQuota& none = c->quotas.For("");
   EXPECT_DOUBLE_EQ(none.max_memory_share, 1.0);
   EXPECT_EQ(none.max_pinned_pages, 100);
@@ -137,6 +139,8 @@ quotas:
        "quotas.default.max_memory_share has value 'half' of the wrong type"},
       {"quotas: {tenants: [{tenant: a, max_models: -1}]}",
        "quotas.tenants[0]: quotas must be >= 0"},
+      {"quotas: {tenants: [{tenant: a, max_pinned_prefix_pages: -3}]}",
+       "quotas.tenants[0]: quotas must be >= 0"},
       {"quotas: {tenants: [{tenant: a, max_models: lots}]}",
        "quotas.tenants[0].max_models has value 'lots' of the wrong type"},
       {"quotas: {default: {max_model_bytes: 12XB}}", "quotas.default.max_model_bytes: unit 'XB'"},
@@ -153,6 +157,22 @@ quotas:
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << b.yaml;
     EXPECT_NE(r.status().message().find(b.needle), std::string::npos)
         << b.yaml << " -> " << r.status().message();
+  }
+}
+
+TEST(ConfigTest, MaxPinTtl) {
+  auto d = ParseConfig("listen: 127.0.0.1:1");
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->max_pin_ttl_ms, 86400000);  // 24 h
+  auto c = ParseConfig("max_pin_ttl_ms: 5000");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->max_pin_ttl_ms, 5000);
+  for (const char* bad : {"max_pin_ttl_ms: 0", "max_pin_ttl_ms: -1"}) {
+    auto r = ParseConfig(bad);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find("max_pin_ttl_ms is"), std::string::npos)
+        << r.status().message();
   }
 }
 

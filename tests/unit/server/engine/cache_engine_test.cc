@@ -65,6 +65,7 @@ class CacheEngineTest : public ::testing::Test {
       fp += m.profile().name() + ":" + std::to_string(m.cached_tokens());
       for (const auto& p : m.pools()) fp += "/" + std::to_string(p.pages_used());
     }
+    fp += "|pins " + std::to_string(stats.pins_size());
     v1::FetchPagesRequest f;
     f.set_sequence_id(seq);
     f.set_expand_to_bf16(true);
@@ -120,6 +121,110 @@ TEST_F(CacheEngineTest, PutMatchOpenShareThePrefix) {
   ASSERT_TRUE(engine_->Stats(v1::StatsRequest(), &st).ok());
   EXPECT_EQ(st.active_sequences(), 1u);
   EXPECT_EQ(st.hit_tokens(), 16u + 16u);  // second Put + Open
+}
+
+// Sessions (docs/sessions.md): a turn's sequence is committed on close, the next turn
+// opens on it and matches every committed page; a fork attends exactly as its source
+// (AttentionDecode, every layer) until each appends its own tokens.
+TEST_F(CacheEngineTest, CommittedTurnsAreReusedAndForksAttendAsTheirSource) {
+  const auto p = Profile(spec_);
+  v1::PutResponse put;
+  ASSERT_TRUE(engine_->Put(MakePut(spec_, 3, 8), &put).ok());  // the system prompt
+  int64_t matched = 0;
+  const uint64_t turn1 = Open(3, 8, &matched);
+  EXPECT_EQ(matched, 8);
+  // The answer and a tool result: 11 tokens after the prompt (19: 4 full pages + 3).
+  ASSERT_TRUE(engine_->Append(MakeAppend(spec_, turn1, 3, 8, 11), Out<v1::AppendResponse>()).ok());
+  v1::CloseSequenceRequest close;
+  close.set_sequence_id(turn1);
+  close.set_commit(true);
+  v1::CloseSequenceResponse closed;
+  ASSERT_TRUE(engine_->CloseSequence(close, &closed).ok());
+  EXPECT_EQ(closed.length(), 19);
+  EXPECT_EQ(closed.commit().committed_tokens(), 16);
+  EXPECT_EQ(closed.commit().inserted_pages(), 2);
+  EXPECT_EQ(closed.commit().deduplicated_pages(), 0);
+  EXPECT_EQ(engine_->CloseSequence(close, Out<v1::CloseSequenceResponse>()).code(),
+            absl::StatusCode::kNotFound);
+  // Turn 2: turn 1's tokens and a new message.
+  v1::MatchRequest mreq;
+  mreq.set_model(spec_.name);
+  const auto t = synthetic::Tokens(3, 0, 25);
+  mreq.mutable_tokens()->Add(t.begin(), t.end());
+  v1::MatchResponse m;
+  ASSERT_TRUE(engine_->Match(mreq, &m).ok());
+  EXPECT_EQ(m.matched_tokens(), 16);
+  EXPECT_EQ(m.committed_tokens(), 8);
+  const uint64_t turn2 = Open(3, 25, &matched);
+  EXPECT_EQ(matched, 16);
+  v1::StatsResponse st;
+  ASSERT_TRUE(engine_->Stats(v1::StatsRequest(), &st).ok());
+  EXPECT_EQ(st.committed_pages(), 2u);
+  EXPECT_EQ(st.hit_tokens_committed(), 8u);
+  EXPECT_EQ(st.hit_tokens_put(), st.hit_tokens() - 8u);
+  ASSERT_TRUE(engine_->Append(MakeAppend(spec_, turn2, 3, 16, 5), Out<v1::AppendResponse>()).ok());
+
+  // Fork turn 2 (21 tokens: a partial page) and attend both with the same q.
+  v1::ForkSequenceRequest freq;
+  freq.set_sequence_id(turn2);
+  v1::ForkSequenceResponse fork;
+  ASSERT_TRUE(engine_->ForkSequence(freq, &fork).ok());
+  EXPECT_NE(fork.sequence_id(), turn2);
+  EXPECT_EQ(fork.length(), 21);
+  EXPECT_EQ(fork.shared_pages(), 5);
+  EXPECT_EQ(fork.lease_ms(), engine_->leases().default_ms);
+  auto decode = [&](uint64_t id, int32_t layer, float qv, std::vector<float> token_kv = {}) {
+    v1::AttentionDecodeRequest r;
+    r.set_layer(layer);
+    r.add_sequence_ids(id);
+    std::vector<float> q(p.num_q_heads() * p.head_dim());
+    for (size_t i = 0; i < q.size(); ++i) q[i] = qv * static_cast<float>(i % 7) - 1.0f;
+    SetF32Tensor(r.mutable_q(), {1, p.num_q_heads(), p.head_dim()}, q.data());
+    if (!token_kv.empty()) {
+      SetBf16FromFloat(r.mutable_k_new(), {1, 2, 16}, token_kv.data());
+      SetBf16FromFloat(r.mutable_v_new(), {1, 2, 16}, token_kv.data());
+      r.add_new_tokens(42);
+    }
+    v1::AttentionDecodeResponse resp;
+    EXPECT_TRUE(engine_->AttentionDecode(r, &resp).ok());
+    return resp.o().inline_data() + resp.lse().inline_data();
+  };
+  for (int32_t l = 0; l < spec_.num_layers; ++l) {
+    EXPECT_EQ(decode(turn2, l, 0.3f + l), decode(fork.sequence_id(), l, 0.3f + l)) << l;
+  }
+  // Each appends a different token (fused, layer by layer): they diverge, and neither
+  // sees the other's token.
+  for (int32_t l = 0; l < spec_.num_layers; ++l) {
+    decode(turn2, l, 0.1f, std::vector<float>(32, 0.5f));
+    decode(fork.sequence_id(), l, 0.1f, std::vector<float>(32, -2.0f));
+  }
+  v1::FetchPagesRequest f;
+  f.set_sequence_id(fork.sequence_id());
+  f.set_first_token(20);
+  f.set_expand_to_bf16(true);
+  v1::FetchPagesResponse fr;
+  ASSERT_TRUE(engine_->FetchPages(f, &fr).ok());
+  ASSERT_EQ(fr.num_tokens(), 2);
+  const int64_t layer1_token21 = (1 * 2 + 1) * 2 * 16;  // [layer][token][kv head][d]
+  EXPECT_EQ(ElementAsFloat(fr.k(), layer1_token21), -2.0f);
+  f.set_sequence_id(turn2);
+  ASSERT_TRUE(engine_->FetchPages(f, &fr).ok());
+  EXPECT_EQ(ElementAsFloat(fr.k(), layer1_token21), 0.5f);
+  for (int32_t l = 0; l < spec_.num_layers; ++l) {
+    EXPECT_NE(decode(turn2, l, 0.7f), decode(fork.sequence_id(), l, 0.7f)) << l;
+  }
+  // Commit keeps the sequence open; the fork commits onto the same pages.
+  v1::CommitSequenceRequest creq;
+  creq.set_sequence_id(fork.sequence_id());
+  v1::CommitSequenceResponse cr;
+  ASSERT_TRUE(engine_->CommitSequence(creq, &cr).ok());
+  EXPECT_EQ(cr.committed_tokens(), 20);
+  EXPECT_EQ(cr.inserted_pages(), 1);
+  EXPECT_EQ(cr.deduplicated_pages(), 0);
+  ASSERT_TRUE(engine_->Stats(v1::StatsRequest(), &st).ok());
+  EXPECT_EQ(st.forks(), 1u);
+  EXPECT_EQ(st.committed_pages(), 3u);
+  EXPECT_EQ(st.active_sequences(), 2u);
 }
 
 TEST_F(CacheEngineTest, ChunkedPutNeedsTheCachedPrefix) {
@@ -632,6 +737,19 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
   ASSERT_TRUE(engine_->Put(MakePut(spec_, 4, 12), &put).ok());
   const uint64_t seq = Open(4, 14);
   ASSERT_TRUE(engine_->Append(MakeAppend(spec_, seq, 4, 12, 2), Out<v1::AppendResponse>()).ok());
+  // A sequence in the middle of a fused per-layer step: its next token is at layer 0 only.
+  const uint64_t pending = Open(4, 14);
+  {
+    v1::AttentionDecodeRequest r;
+    r.set_layer(0);
+    r.add_sequence_ids(pending);
+    std::vector<float> q(p.num_q_heads() * p.head_dim(), 0.5f), kv(2 * 16, 0.25f);
+    SetF32Tensor(r.mutable_q(), {1, p.num_q_heads(), p.head_dim()}, q.data());
+    SetBf16FromFloat(r.mutable_k_new(), {1, 2, 16}, kv.data());
+    SetBf16FromFloat(r.mutable_v_new(), {1, 2, 16}, kv.data());
+    r.add_new_tokens(7);
+    ASSERT_TRUE(engine_->AttentionDecode(r, Out<v1::AttentionDecodeResponse>()).ok());
+  }
   const std::string before = Fingerprint(seq);
 
   auto good_decode = [&] {
@@ -673,6 +791,14 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
     SetBf16FromFloat(r.mutable_v_new(), {1, 2, 16}, kv.data());
     r.add_new_tokens(7);
     return r;
+  };
+  auto pin = [&](const std::string& model, int64_t n, int64_t ttl_ms, uint64_t seed = 4) {
+    v1::PinPrefixRequest r;
+    r.set_model(model);
+    const auto t = synthetic::Tokens(seed, 0, n);
+    r.mutable_tokens()->Add(t.begin(), t.end());
+    r.set_ttl_ms(ttl_ms);
+    return engine_->PinPrefix(r, Out<v1::PinPrefixResponse>());
   };
   std::vector<BadCase> cases = {
       {"put: unknown model", absl::StatusCode::kNotFound,
@@ -941,6 +1067,64 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
          r.set_sequence_id(777);
          return engine_->CloseSequence(r, Out<v1::CloseSequenceResponse>());
        }},
+      // Sessions (issue #31): commit, fork, close with commit.
+      {"commit: unknown sequence", absl::StatusCode::kNotFound,
+       [&] {
+         v1::CommitSequenceRequest r;
+         r.set_sequence_id(777);
+         return engine_->CommitSequence(r, Out<v1::CommitSequenceResponse>());
+       }},
+      {"fork: unknown sequence", absl::StatusCode::kNotFound,
+       [&] {
+         v1::ForkSequenceRequest r;
+         r.set_sequence_id(777);
+         return engine_->ForkSequence(r, Out<v1::ForkSequenceResponse>());
+       }},
+      {"close with commit: unknown sequence", absl::StatusCode::kNotFound,
+       [&] {
+         v1::CloseSequenceRequest r;
+         r.set_sequence_id(777);
+         r.set_commit(true);
+         return engine_->CloseSequence(r, Out<v1::CloseSequenceResponse>());
+       }},
+      {"commit: a token pending at layer 1", absl::StatusCode::kFailedPrecondition,
+       [&] {
+         v1::CommitSequenceRequest r;
+         r.set_sequence_id(pending);
+         return engine_->CommitSequence(r, Out<v1::CommitSequenceResponse>());
+       },
+       "not yet appended at layer 1"},
+      {"close with commit: a token pending at layer 1", absl::StatusCode::kFailedPrecondition,
+       [&] {
+         v1::CloseSequenceRequest r;
+         r.set_sequence_id(pending);
+         r.set_commit(true);
+         return engine_->CloseSequence(r, Out<v1::CloseSequenceResponse>());
+       },
+       "not yet appended at layer 1"},
+      {"fork: a token pending at layer 1", absl::StatusCode::kFailedPrecondition,
+       [&] {
+         v1::ForkSequenceRequest r;
+         r.set_sequence_id(pending);
+         return engine_->ForkSequence(r, Out<v1::ForkSequenceResponse>());
+       },
+       "not yet appended at layer 1"},
+      {"fork: negative lease", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::ForkSequenceRequest r;
+         r.set_sequence_id(seq);
+         r.set_lease_ms(-5);
+         return engine_->ForkSequence(r, Out<v1::ForkSequenceResponse>());
+       },
+       "lease_ms is -5"},
+      {"fork: overflowing lease", absl::StatusCode::kInvalidArgument,
+       [&] {
+         v1::ForkSequenceRequest r;
+         r.set_sequence_id(seq);
+         r.set_lease_ms(std::numeric_limits<int64_t>::max());
+         return engine_->ForkSequence(r, Out<v1::ForkSequenceResponse>());
+       },
+       "lease_ms is 9223372036854775807"},
       {"register: bad geometry", absl::StatusCode::kInvalidArgument,
        [&] {
          v1::RegisterModelRequest r;
@@ -1094,6 +1278,27 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
          return engine_->RegisterModel(r, Out<v1::RegisterModelResponse>());
        },
        "layers.0.k_encode must be F32"},
+      // Prefix pins (docs/sessions.md "Pinned prefixes"): the prefix of seed 4 is cached.
+      {"pin: unknown model", absl::StatusCode::kNotFound, [&] { return pin("nope", 8, 1000); },
+       "model 'nope' is not registered"},
+      {"pin: ttl_ms 0", absl::StatusCode::kInvalidArgument, [&] { return pin("tiny", 8, 0); },
+       "ttl_ms is 0, expected 1..86400000 (the daemon's max_pin_ttl_ms)"},
+      {"pin: negative ttl_ms", absl::StatusCode::kInvalidArgument,
+       [&] { return pin("tiny", 8, -5); }, "ttl_ms is -5, expected 1..86400000"},
+      {"pin: ttl_ms above max_pin_ttl_ms", absl::StatusCode::kInvalidArgument,
+       [&] { return pin("tiny", 8, 86400001); }, "ttl_ms is 86400001, expected 1..86400000"},
+      {"pin: ttl_ms INT64_MAX", absl::StatusCode::kInvalidArgument,
+       [&] { return pin("tiny", 8, std::numeric_limits<int64_t>::max()); }, "ttl_ms is"},
+      {"pin: no tokens", absl::StatusCode::kInvalidArgument, [&] { return pin("tiny", 0, 1000); }},
+      {"pin: nothing cached", absl::StatusCode::kNotFound, [&] { return pin("tiny", 8, 1000, 77); },
+       "nothing to pin"},
+      {"unpin: no such pin", absl::StatusCode::kNotFound,
+       [&] {
+         v1::UnpinPrefixRequest r;
+         r.set_pin_id(12345);
+         return engine_->UnpinPrefix(r, Out<v1::UnpinPrefixResponse>());
+       },
+       "pin 12345 is not live"},
       // Issue #21.9: a 10 KB model name is quoted in 64 bytes, not echoed.
       {"put: 10 KB model name", absl::StatusCode::kNotFound,
        [&] {
@@ -1123,6 +1328,15 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
     EXPECT_EQ(put.inserted_tokens(), 0);
     EXPECT_EQ(Fingerprint(seq), before);
   }
+  // The refused close-with-commit left the pending sequence open; nothing was committed.
+  v1::RenewLeaseRequest renew;
+  renew.set_sequence_id(pending);
+  EXPECT_TRUE(engine_->RenewLease(renew, Out<v1::RenewLeaseResponse>()).ok());
+  v1::StatsResponse stats;
+  ASSERT_TRUE(engine_->Stats(v1::StatsRequest(), &stats).ok());
+  EXPECT_EQ(stats.committed_pages(), 0u);
+  EXPECT_EQ(stats.forks(), 0u);
+  EXPECT_EQ(stats.active_sequences(), 2u);
   // Registrations refused above left no model behind.
   v1::ListModelsResponse models;
   ASSERT_TRUE(engine_->ListModels(v1::ListModelsRequest(), &models).ok());

@@ -67,5 +67,55 @@ TEST_F(SequenceTableTest, ExpireClosesOnlySequencesPastTheirDeadline) {
   EXPECT_EQ(model_->Snapshot().active_sequences, 1);
 }
 
+// A fork counts like an opened sequence: the bound, the tenant's max_sequences and its
+// max_pinned_pages (the fork's pages); a refused fork changes nothing.
+TEST_F(SequenceTableTest, ForksCountAgainstTheBoundAndTheTenantsQuotas) {
+  TenantQuotaConfig quotas;
+  quotas.tenants["t"].max_sequences = 2;
+  quotas.tenants["p"].max_pinned_pages = 6;
+  TenantLedger ledger(quotas);
+  SequenceTable table(LeasePolicy{1000, 5000}, 8, &ledger);
+  const ModelSpec& s = model_->spec();
+  const int64_t n = 3 * s.page_size;  // 3 pages
+  std::vector<uint16_t> kv(static_cast<size_t>(s.num_layers * n * s.num_kv_heads * s.head_dim),
+                           0x3f80);
+  RowSource rows;
+  rows.data = kv.data();
+  rows.is_bf16 = true;
+  rows.token_stride = int64_t{s.num_kv_heads} * s.head_dim;
+  rows.layer_stride = n * rows.token_stride;
+  std::vector<int32_t> tokens(static_cast<size_t>(n), 5);
+  for (const char* tenant : {"t", "p"}) {
+    auto src = table.Open(model_.get(), tenant, {}, 1000);
+    ASSERT_TRUE(src.ok());
+    ASSERT_TRUE(table.ReserveTokens(**src, n).ok());
+    ASSERT_TRUE(model_->Append(src->get(), tokens, rows, rows).ok());
+    table.Settle(**src);
+    const int64_t used = model_->Snapshot().pools[0].pages_used;
+    auto fork = table.Fork(**src, 2000);
+    ASSERT_TRUE(fork.ok()) << fork.status();
+    EXPECT_EQ((*fork)->lease_ms.load(), 2000);
+    EXPECT_EQ(model_->Length(fork->get()), n);
+    EXPECT_TRUE(table.Find((*fork)->id).ok());
+    // "t": a third sequence passes max_sequences; "p": 3 more pages pass max_pinned_pages.
+    const int64_t open = table.size();
+    auto refused = table.Fork(**src, 2000);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << tenant;
+    EXPECT_NE(refused.status().message().find(std::string(tenant) == "t" ? "max_sequences"
+                                                                         : "max_pinned_pages"),
+              std::string::npos)
+        << refused.status();
+    EXPECT_EQ(table.size(), open);
+    EXPECT_EQ(model_->Snapshot().pools[0].pages_used, used);  // no page was taken
+    ASSERT_TRUE(table.Close((*fork)->id).ok());
+    ASSERT_TRUE(table.Close((*src)->id).ok());
+  }
+  for (const TenantUsage& u : ledger.Usage()) {
+    EXPECT_EQ(u.open_sequences, 0) << u.tenant;
+    EXPECT_EQ(u.pinned_pages, 0) << u.tenant;
+  }
+  EXPECT_EQ(model_->Snapshot().pools[0].pages_used, 0);
+}
+
 }  // namespace
 }  // namespace kvcd

@@ -17,7 +17,42 @@ TenantQuotaConfig Quotas() {
   a.max_memory_share = 0.5;
   a.max_models = 1;
   a.max_model_bytes = 1000;
+  a.max_pinned_prefix_pages = 6;
   return q;
+}
+
+// Prefix pins count their pages per pin against max_pinned_prefix_pages, apart from the
+// pages of open sequences (max_pinned_pages); a refusal names the quota, its value and the
+// usage, and takes nothing.
+TEST(TenantLedgerTest, PrefixPinsStayUnderTheirOwnQuota) {
+  TenantLedger ledger(Quotas());
+  ASSERT_TRUE(ledger.PinPrefixPages("team-a", 4).ok());
+  ASSERT_TRUE(ledger.PinPages("team-a", 10, "the matched prefix").ok());  // the other quota
+  absl::Status s = ledger.PinPrefixPages("team-a", 3);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(s.message(),
+            "tenant 'team-a' (cache_salt) has 4 pages pinned by its prefix pins and this pin "
+            "needs 3 more; its quota max_pinned_prefix_pages is 6; unpin prefixes (UnpinPrefix) "
+            "or let their ttl run out first");
+  // The same pages pinned twice count twice: 4 + 2 fills the quota exactly.
+  ASSERT_TRUE(ledger.PinPrefixPages("team-a", 2).ok());
+  EXPECT_EQ(ledger.PinPrefixPages("team-a", 1).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(ledger.PinPrefixPages("team-a", INT64_MAX).code(),
+            absl::StatusCode::kResourceExhausted);  // no overflow in the check
+  std::vector<TenantUsage> u = ledger.Usage();
+  ASSERT_EQ(u.size(), 1u);
+  EXPECT_EQ(u[0].pinned_prefix_pages, 6);
+  EXPECT_EQ(u[0].pinned_pages, 10);
+  EXPECT_EQ(u[0].quota.max_pinned_prefix_pages, 6);
+  ledger.ReleasePrefixPages("team-a", 4);
+  EXPECT_TRUE(ledger.PinPrefixPages("team-a", 4).ok());
+  // Without a quota (0) any number of pages; a tenant whose pins are all gone is dropped.
+  ASSERT_TRUE(ledger.PinPrefixPages("free", 1 << 20).ok());
+  EXPECT_EQ(ledger.Usage().size(), 2u);
+  ledger.ReleasePrefixPages("free", 1 << 20);
+  u = ledger.Usage();
+  ASSERT_EQ(u.size(), 1u);
+  EXPECT_EQ(u[0].tenant, "team-a");
 }
 
 TEST(TenantLedgerTest, SequencesAndPinnedPagesStayUnderTheQuota) {

@@ -6,6 +6,7 @@
 
 #include <set>
 
+#include "absl/strings/str_cat.h"
 #include "test_util.h"
 
 namespace kvcd {
@@ -31,7 +32,12 @@ class AuthorizerTest : public ::testing::Test {
     engine_ = std::make_unique<CacheEngine>(TestConfig(), MakeCpuBackend(2));
     ASSERT_TRUE(engine_->RegisterModelSpec(TinySpec()).ok());
     authz_ =
-        std::make_unique<Authorizer>([this](uint64_t id) { return engine_->LookupSequence(id); });
+        std::make_unique<Authorizer>([this](uint64_t id) { return engine_->LookupSequence(id); },
+                                     [this](uint64_t id) -> absl::StatusOr<std::string> {
+                                       absl::StatusOr<PrefixPins::Pin> pin = engine_->LookupPin(id);
+                                       if (!pin.ok()) return pin.status();
+                                       return pin->tenant;
+                                     });
   }
   uint64_t Open(const std::string& salt) {
     v1::OpenSequenceRequest req;
@@ -76,6 +82,42 @@ TEST_F(AuthorizerTest, TenantScopedRequestsNeedTheTenantInTheToken) {
   EXPECT_TRUE(authz_->Check(all, match).ok());
 }
 
+// PinPrefix names a tenant like Match does; UnpinPrefix of another tenant's pin is answered
+// exactly like a pin that is not live.
+TEST_F(AuthorizerTest, AnotherTenantsPinLooksExactlyLikeAMissingOne) {
+  v1::PutResponse put;
+  ASSERT_TRUE(engine_->Put(MakePut(TinySpec(), 1, 8, "team-b"), &put).ok());
+  v1::PinPrefixRequest pin;
+  pin.set_model("tiny");
+  pin.set_cache_salt("team-b");
+  const auto t = synthetic::Tokens(1, 0, 8);
+  pin.mutable_tokens()->Add(t.begin(), t.end());
+  pin.set_ttl_ms(60000);
+  const Principal a = Token("a", {"team-a"});
+  const Principal b = Token("b", {"team-b"});
+  EXPECT_EQ(authz_->Check(a, pin).code(), absl::StatusCode::kPermissionDenied);
+  ASSERT_TRUE(authz_->Check(b, pin).ok());
+  v1::PinPrefixResponse pinned;
+  ASSERT_TRUE(engine_->PinPrefix(pin, &pinned).ok());
+
+  v1::UnpinPrefixRequest unpin;
+  unpin.set_pin_id(pinned.pin_id());
+  const absl::Status theirs = authz_->Check(a, unpin);
+  unpin.set_pin_id(pinned.pin_id() ^ 1);
+  const absl::Status missing = authz_->Check(a, unpin);
+  EXPECT_EQ(theirs.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(theirs.message(),
+            absl::StrCat("pin ", pinned.pin_id(),
+                         " is not live (never pinned, unpinned, or its ttl ran out)"));
+  EXPECT_EQ(missing.message(), absl::StrCat("pin ", pinned.pin_id() ^ 1,
+                                            " is not live (never pinned, unpinned, or its ttl "
+                                            "ran out)"));
+  unpin.set_pin_id(pinned.pin_id());
+  EXPECT_TRUE(authz_->Check(b, unpin).ok());
+  EXPECT_TRUE(authz_->Check(*Principal::Unrestricted(), unpin).ok());
+}
+
 TEST_F(AuthorizerTest, AnotherTenantsSequenceLooksExactlyLikeAMissingOne) {
   const uint64_t seq_b = Open("team-b");
   const uint64_t seq_a = Open("team-a");
@@ -102,6 +144,18 @@ TEST_F(AuthorizerTest, AnotherTenantsSequenceLooksExactlyLikeAMissingOne) {
   v1::CloseSequenceRequest close;
   close.set_sequence_id(seq_b);
   EXPECT_EQ(authz_->Check(a, close).code(), absl::StatusCode::kNotFound);
+  close.set_commit(true);
+  EXPECT_EQ(authz_->Check(a, close).code(), absl::StatusCode::kNotFound);
+  v1::CommitSequenceRequest commit;
+  commit.set_sequence_id(seq_b);
+  EXPECT_EQ(authz_->Check(a, commit).message(), foreign.message());
+  commit.set_sequence_id(seq_a);
+  EXPECT_TRUE(authz_->Check(a, commit).ok());
+  v1::ForkSequenceRequest fork;
+  fork.set_sequence_id(seq_b);
+  EXPECT_EQ(authz_->Check(a, fork).message(), foreign.message());
+  fork.set_sequence_id(seq_a);
+  EXPECT_TRUE(authz_->Check(a, fork).ok());
   v1::AppendRequest append;
   append.set_sequence_id(seq_b);
   EXPECT_EQ(authz_->Check(a, append).code(), absl::StatusCode::kNotFound);
