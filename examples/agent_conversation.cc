@@ -90,6 +90,7 @@ absl::StatusOr<AgentResult> RunAgentConversation(Client& client, const Model& mo
     return r;
   };
 
+  KVCD_ASSIGN_OR_RETURN(result.stats_before, client.Stats());
   // The prefill worker: the system prompt in FP32, Put (its full pages).
   const std::vector<int> system = encode(SystemTurn(script.system));
   LocalAttention system_fp32(c);

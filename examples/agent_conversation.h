@@ -73,7 +73,7 @@ struct AgentResult {
   AgentTurn committed, fresh;
   int64_t history_tokens = 0, committed_history_tokens = 0;
   v1::CommitSequenceResponse close_commit;  // session 1's CloseSequence(commit)
-  v1::StatsResponse stats;                  // the daemon's, at the end
+  v1::StatsResponse stats_before, stats;    // the daemon's, before and after
 };
 
 // Runs the conversation against model `p.name` (registered with `p`'s page size) on the

@@ -199,6 +199,7 @@ int main(int argc, char** argv) {
                   t.tokens.size(), t.first_kl, t.mean_kl, t.bytes_per_token, t.seconds);
     }
     const auto& s = r->stats;
+    const auto& b = r->stats_before;
     std::printf(
         "session 1 closed with commit: %lld of its %lld tokens in the tree (%lld pages "
         "inserted, %lld already there)\n",
@@ -207,13 +208,13 @@ int main(int argc, char** argv) {
         static_cast<long long>(r->close_commit.inserted_pages()),
         static_cast<long long>(r->close_commit.deduplicated_pages()));
     std::printf(
-        "daemon: hit tokens %llu (from Put %llu, from commits %llu), committed pages "
-        "%llu, forks %llu\n",
-        static_cast<unsigned long long>(s.hit_tokens()),
-        static_cast<unsigned long long>(s.hit_tokens_put()),
-        static_cast<unsigned long long>(s.hit_tokens_committed()),
-        static_cast<unsigned long long>(s.committed_pages()),
-        static_cast<unsigned long long>(s.forks()));
+        "daemon, during this conversation: hit tokens %llu (from Put %llu, from commits "
+        "%llu), committed pages in the tree +%llu, forks %llu\n",
+        static_cast<unsigned long long>(s.hit_tokens() - b.hit_tokens()),
+        static_cast<unsigned long long>(s.hit_tokens_put() - b.hit_tokens_put()),
+        static_cast<unsigned long long>(s.hit_tokens_committed() - b.hit_tokens_committed()),
+        static_cast<unsigned long long>(s.committed_pages() - b.committed_pages()),
+        static_cast<unsigned long long>(s.forks() - b.forks()));
     std::printf("%s: the conversation took %.1f s (codec calibration before it excluded)\n",
                 h.c_str(), Seconds(began));
     outcomes.push_back({h, std::move(*r)});

@@ -150,14 +150,11 @@ absl::Status ServedConversation::Finish(int end) {
 }
 
 absl::StatusOr<v1::CommitSequenceResponse> ServedConversation::Commit() {
-  // INTERIM until the client's CommitSequence lands (branch commit-fork).
-  return absl::UnimplementedError("CommitSequence: not in this client yet");
+  return client_->CommitSequence(sequence_);
 }
 
 absl::StatusOr<std::unique_ptr<ServedConversation>> ServedConversation::Fork() {
-  // INTERIM until the client's ForkSequence lands (branch commit-fork).
-  absl::StatusOr<v1::ForkSequenceResponse> forked =
-      absl::UnimplementedError("ForkSequence: not in this client yet");
+  auto forked = client_->ForkSequence(sequence_);
   if (!forked.ok()) return forked.status();
   std::unique_ptr<ServedConversation> c(
       new ServedConversation(client_, model_, profile_, reference_));
@@ -181,14 +178,9 @@ absl::StatusOr<v1::CloseSequenceResponse> ServedConversation::Close(bool commit)
     stream_.reset();
     if (!s.ok()) return s;
   }
-  open_ = false;
-  // INTERIM until the client's CloseSequence(id, commit) lands (branch commit-fork).
-  if (commit) return absl::UnimplementedError("CloseSequence(commit): not in this client yet");
-  auto len = client_->CloseSequence(sequence_);
-  if (!len.ok()) return len.status();
-  v1::CloseSequenceResponse r;
-  r.set_length(*len);
-  return r;
+  auto closed = client_->CloseSequence(sequence_, commit);
+  if (closed.ok()) open_ = false;  // a failed commit leaves the sequence open
+  return closed;
 }
 
 }  // namespace kvcd::llama
