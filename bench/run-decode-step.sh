@@ -63,7 +63,7 @@ err_seen=0
 daemon_side() {
   local n
   n=$(wc -l <"$KVCD_LOG_DIR/err")
-  sed -n "$((err_seen + 1)),${n}p" "$KVCD_LOG_DIR/err" | grep -vE '^kvcd: (sequence|lease)' || true
+  sed -n "$((err_seen + 1)),${n}p" "$KVCD_LOG_DIR/err" | grep -vE '(INFO|WARNING) [a-z_]+\.cc:[0-9]+\] (sequence|lease|closed [0-9]+ sequence)' || true
   err_seen=$n
 }
 for mt in $RUNS; do

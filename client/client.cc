@@ -6,6 +6,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "client/reachability.h"
 
 namespace kvcd {
 
@@ -94,8 +95,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   if (!creds.ok()) return creds.status();
   c->channel_ = grpc::CreateCustomChannel(options.target, *creds, args);
   if (!c->channel_->WaitForConnected(std::chrono::system_clock::now() + options.connect_timeout)) {
-    return absl::UnavailableError(absl::StrCat("cannot connect to kvcd at ", options.target,
-                                               " within ", options.connect_timeout.count(), " ms"));
+    return absl::UnavailableError(
+        UnreachableMessage(options.target, options.UsesTls(), options.connect_timeout));
   }
   c->stub_ = v1::KvCache::NewStub(c->channel_);
   c->health_ = grpc::health::v1::Health::NewStub(c->channel_);

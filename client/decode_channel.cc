@@ -61,7 +61,9 @@ absl::StatusOr<std::unique_ptr<DecodeChannel>> DecodeChannel::Open(Client* clien
   h->request_bytes.store(0);
   h->response_seq.store(0);
   h->response_bytes.store(0);
-  h->closed.store(0, std::memory_order_release);
+  h->closed.store(0);
+  h->doorbell.store(0);
+  h->daemon_waiting.store(0, std::memory_order_release);
   ch->header_ = h;
   v1::OpenDecodeChannelRequest req;
   req.set_shm_name(name);
@@ -103,7 +105,7 @@ absl::StatusOr<v1::AttentionDecodeResponse> DecodeChannel::Call(
   h.request_bytes.store(static_cast<uint32_t>(n), std::memory_order_relaxed);
   const uint64_t seq = ++seq_;
   lap.Mark(kWrite);
-  h.request_seq.store(seq, std::memory_order_release);
+  h.PublishRequest(seq);  // request_seq, then the doorbell (wakes an idle daemon thread)
   const auto deadline = std::chrono::steady_clock::now() + client_->options().deadline;
   for (uint64_t spins = 0; h.response_seq.load(std::memory_order_acquire) != seq; ++spins) {
     CpuRelax();
@@ -135,8 +137,8 @@ absl::StatusOr<v1::AttentionDecodeResponse> DecodeChannel::Call(
 
 absl::Status DecodeChannel::Close() {
   if (header_ == nullptr || id_ == 0) return absl::OkStatus();
-  header_->closed.store(1, std::memory_order_release);
-  broken_ = true;  // closed by us: later calls are FAILED_PRECONDITION
+  header_->Close();  // closed, then the doorbell
+  broken_ = true;    // closed by us: later calls are FAILED_PRECONDITION
   const uint64_t id = id_;
   id_ = 0;
   absl::Status s = client_->CloseDecodeChannel(id);

@@ -1,7 +1,8 @@
 // DecodeChannel: the client side of the same-node decode fast path (OpenDecodeChannel).
 // Same Call() contract as DecodeStream — one request at a time, answered in order, a
 // per-request error returned as that status — but the request and the answer go through
-// a POSIX shared memory object polled by both sides instead of through gRPC. The daemon
+// a POSIX shared memory object instead of through gRPC (this side spins for the answer; the
+// daemon's side sleeps on the region's doorbell while the channel is idle). The daemon
 // must run on the same host (NOT_FOUND otherwise: fall back to OpenDecodeStream).
 //
 // Thread safety: a DecodeChannel may not be shared by threads.

@@ -1,7 +1,10 @@
 // kvctl: command-line client of the kvcd daemon.
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -16,6 +19,7 @@
 #include "client/client.h"
 #include "common/cli.h"
 #include "common/safetensors.h"
+#include "common/status_macros.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
 #include "proto/tensor_ref.h"
@@ -23,7 +27,8 @@
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051",
           "daemon address HOST:PORT ($KVCD_TARGET if unset)");
-ABSL_FLAG(int64_t, deadline_ms, 30000, "per-call deadline in milliseconds");
+ABSL_FLAG(int64_t, deadline_ms, 30000,
+          "deadline in milliseconds of each call, and of connecting to the daemon");
 ABSL_FLAG(std::string, token_file, "",
           "bearer token file for a daemon with auth.tokens_file (or $KVCD_TOKEN, "
           "$KVCD_TOKEN_FILE); never a token itself on the command line");
@@ -152,9 +157,16 @@ using Args = kvcd::cli::Parsed;
 
 int Usage(const Args& a, const char* why) { return kvcd::cli::UsageError(Cli(), a.command, why); }
 
+// A call's failure: the daemon's gRPC code and message.
 int Fail(const absl::Status& s) {
   std::fprintf(stderr, "kvctl: %s: %s\n", absl::StatusCodeToString(s.code()).c_str(),
                std::string(s.message()).c_str());
+  return 1;
+}
+
+// A failure on this machine (a file given on the command line): the message alone.
+int FailLocal(const Args& a, const absl::Status& s) {
+  std::fprintf(stderr, "kvctl %s: %s\n", a.command->name.c_str(), std::string(s.message()).c_str());
   return 1;
 }
 
@@ -187,7 +199,10 @@ std::string Until(int64_t unix_ms) {
 
 absl::StatusOr<std::string> ReadWholeFile(const std::string& path, const char* what) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", what, " '", path, "'"));
+  if (!in) {
+    return absl::NotFoundError(
+        absl::StrCat("cannot open ", what, " '", path, "': ", std::strerror(errno)));
+  }
   std::ostringstream bytes;
   bytes << in.rdbuf();
   if (in.bad()) return absl::DataLossError(absl::StrCat("cannot read ", what, " '", path, "'"));
@@ -208,27 +223,34 @@ class FirstError : public google::protobuf::io::ErrorCollector {
   std::string error_;
 };
 
-int Register(kvcd::Client& c, const Args& a) {
-  const std::string path = absl::GetFlag(FLAGS_profile);
-  if (path.empty()) return Usage(a, "register needs --profile FILE");
-  auto text = ReadWholeFile(path, "profile file");
-  if (!text.ok()) return Fail(text.status());
+// What `register` sends: the profile and the codec file's bytes.
+struct Registration {
   kvcd::v1::ModelProfile profile;
+  std::string codec;
+};
+
+// Reads register's files before connecting: a missing or malformed file is a problem on this
+// machine, reported as such (no gRPC code), whether or not a daemon answers.
+absl::StatusOr<Registration> ReadRegistration() {
+  const std::string path = absl::GetFlag(FLAGS_profile);
+  Registration r;
+  KVCD_ASSIGN_OR_RETURN(std::string text, ReadWholeFile(path, "profile file"));
   google::protobuf::TextFormat::Parser parser;
   FirstError errors;
   parser.RecordErrorsTo(&errors);
-  if (!parser.ParseFromString(*text, &profile)) {
-    return Fail(absl::InvalidArgumentError(
+  if (!parser.ParseFromString(text, &r.profile)) {
+    return absl::InvalidArgumentError(
         absl::StrCat("profile file '", path,
-                     "' is not a kvcd.v1.ModelProfile in protobuf text format: ", errors.error())));
+                     "' is not a kvcd.v1.ModelProfile in protobuf text format: ", errors.error()));
   }
-  std::string codec;
   if (const std::string f = absl::GetFlag(FLAGS_codec); !f.empty()) {
-    auto blob = ReadWholeFile(f, "codec file");
-    if (!blob.ok()) return Fail(blob.status());
-    codec = std::move(*blob);
+    KVCD_ASSIGN_OR_RETURN(r.codec, ReadWholeFile(f, "codec file"));
   }
-  auto info = c.RegisterModel(profile, codec, absl::GetFlag(FLAGS_tenant));
+  return r;
+}
+
+int Register(kvcd::Client& c, const Registration& r) {
+  auto info = c.RegisterModel(r.profile, r.codec, absl::GetFlag(FLAGS_tenant));
   if (!info.ok()) return Fail(info.status());
   std::printf("registered ");
   PrintModel(*info);
@@ -415,6 +437,9 @@ int Unpin(kvcd::Client& c, const Args& a) {
   if (!pages.ok()) return Fail(pages.status());
   std::printf("pin %llu removed: %lld pages are ordinary LRU pages again\n",
               static_cast<unsigned long long>(id), static_cast<long long>(*pages));
+  return 0;
+}
+
 // commit / fork / close SEQUENCE_ID.
 int Session(kvcd::Client& c, const Args& a) {
   if (a.args.size() != 1) return Usage(a, "expected one SEQUENCE_ID");
@@ -463,6 +488,8 @@ int main(int argc, char** argv) {
     opts.target = t;
   }
   opts.deadline = std::chrono::milliseconds(absl::GetFlag(FLAGS_deadline_ms));
+  // --deadline-ms bounds the whole command, connecting included.
+  opts.connect_timeout = std::min(opts.connect_timeout, opts.deadline);
   kvcd::ApplySecurityEnvironment(&opts);
   if (const std::string f = absl::GetFlag(FLAGS_token_file); !f.empty()) {
     auto t = kvcd::ReadTokenFile(f);
@@ -473,6 +500,13 @@ int main(int argc, char** argv) {
   if (a.Given("tls_cert")) opts.tls_client_cert_file = absl::GetFlag(FLAGS_tls_cert);
   if (a.Given("tls_key")) opts.tls_client_key_file = absl::GetFlag(FLAGS_tls_key);
   if (a.Given("tls_server_name")) opts.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  // Local files first: their errors do not wait on (or blame) the daemon.
+  absl::StatusOr<Registration> registration;
+  if (command == "register") {
+    if (!a.Given("profile")) return Usage(a, "register needs --profile FILE");
+    registration = ReadRegistration();
+    if (!registration.ok()) return FailLocal(a, registration.status());
+  }
   auto client = kvcd::Client::Connect(opts);
   if (!client.ok()) return Fail(client.status());
   kvcd::Client& c = **client;
@@ -530,7 +564,7 @@ int main(int argc, char** argv) {
     for (const auto& m : *models) PrintModel(m);
     return 0;
   }
-  if (command == "register") return Register(c, a);
+  if (command == "register") return Register(c, *registration);
   if (command == "put") return Put(c, a);
   if (command == "match") {
     auto r = c.Match(absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_salt), PromptTokens(a));

@@ -3,6 +3,8 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/finite_floats.h"
+#include "common/quote.h"
 #include "common/rotation.h"
 #include "kvcd/kernels/int2_codec.h"
 
@@ -37,7 +39,7 @@ absl::StatusOr<CodecProfile> CodecProfile::FromSafetensors(const SafetensorsFile
   if (auto v = file.metadata().find("kvcd.codec_version");
       v != file.metadata().end() && v->second != "1") {
     return absl::InvalidArgumentError(
-        absl::StrCat("codec file version ", v->second,
+        absl::StrCat("codec file version ", Quote(v->second),
                      v->second == "2"   ? " (one rotation per KV head)"
                      : v->second == "3" ? " (transform-coded keys, common/key_transform_profile.h)"
                                         : "",
@@ -57,6 +59,9 @@ absl::StatusOr<CodecProfile> CodecProfile::FromSafetensors(const SafetensorsFile
         return absl::InvalidArgumentError(absl::StrCat("codec file: ", v.status().message(),
                                                        " (every layer needs r_k and r_v of [",
                                                        head_dim, ", ", head_dim, "])"));
+      }
+      if (absl::Status f = CheckFinite(name, *v); !f.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat("codec file: ", f.message()));
       }
       const double err = OrthogonalityError(*v, head_dim);
       if (!(err <= 1e-3)) {

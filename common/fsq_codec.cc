@@ -7,6 +7,8 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/finite_floats.h"
+#include "common/quote.h"
 
 namespace kvcd {
 namespace {
@@ -15,14 +17,6 @@ constexpr const char* kCodecName = "fsq";
 constexpr const char* kVersion = "1";
 
 std::string TensorName(int l, const char* which) { return absl::StrCat("layers.", l, ".", which); }
-
-// First non-finite element, or -1.
-int64_t FirstNonFinite(const std::vector<float>& v) {
-  for (size_t i = 0; i < v.size(); ++i) {
-    if (!std::isfinite(v[i])) return static_cast<int64_t>(i);
-  }
-  return -1;
-}
 
 absl::Status CheckTensor(const std::string& name, const std::vector<float>& v, int64_t expected) {
   if (static_cast<int64_t>(v.size()) != expected) {
@@ -47,8 +41,8 @@ absl::Status CheckMetadataInt(const std::map<std::string, std::string>& meta, co
   }
   int64_t v = 0;
   if (!absl::SimpleAtoi(it->second, &v) || v != expected) {
-    return absl::InvalidArgumentError(absl::StrCat("fsq codec: metadata '", key, "' is '",
-                                                   it->second, "', expected ", expected,
+    return absl::InvalidArgumentError(absl::StrCat("fsq codec: metadata '", key, "' is ",
+                                                   Quote(it->second), ", expected ", expected,
                                                    " (the model profile)"));
   }
   return absl::OkStatus();
@@ -62,8 +56,8 @@ absl::Status CheckMetadataString(const std::map<std::string, std::string>& meta,
         absl::StrCat("fsq codec: metadata '", key, "' is missing, expected '", expected, "'"));
   }
   if (it->second != expected) {
-    return absl::InvalidArgumentError(absl::StrCat("fsq codec: metadata '", key, "' is '",
-                                                   it->second, "', expected '", expected, "'"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "fsq codec: metadata '", key, "' is ", Quote(it->second), ", expected '", expected, "'"));
   }
   return absl::OkStatus();
 }
@@ -167,7 +161,7 @@ absl::StatusOr<FsqCodec> FsqCodec::FromSafetensors(const SafetensorsFile& file,
       }
       if (view->dtype != "F32") {
         return absl::InvalidArgumentError(absl::StrCat("fsq codec: tensor '", name, "' has dtype ",
-                                                       view->dtype, ", expected F32"));
+                                                       Quote(view->dtype), ", expected F32"));
       }
       auto v = file.ReadFloats(name, target.second);
       if (!v.ok())
@@ -183,8 +177,9 @@ absl::StatusOr<FsqCodec> FsqCodec::FromSafetensors(const SafetensorsFile& file,
                                                        expected.head_dim, "] (key_norm = rms)"));
       }
       if (view->dtype != "F32") {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "fsq codec: tensor '", norm_name, "' has dtype ", view->dtype, ", expected F32"));
+        return absl::InvalidArgumentError(absl::StrCat("fsq codec: tensor '", norm_name,
+                                                       "' has dtype ", Quote(view->dtype),
+                                                       ", expected F32"));
       }
       auto v = file.ReadFloats(norm_name, {expected.head_dim});
       if (!v.ok())

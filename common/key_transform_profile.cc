@@ -5,6 +5,8 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "common/finite_floats.h"
+#include "common/quote.h"
 #include "common/rotation.h"
 
 namespace kvcd {
@@ -15,7 +17,7 @@ absl::StatusOr<KeyTransformProfile> KeyTransformProfile::FromSafetensors(
   if (version == file.metadata().end() || version->second != "3") {
     return absl::InvalidArgumentError(
         absl::StrCat("codec file version ",
-                     version == file.metadata().end() ? std::string("1") : version->second,
+                     version == file.metadata().end() ? std::string("1") : Quote(version->second),
                      ": expected 3 (transform-coded keys, kvcd.codec_version = \"3\")"));
   }
   if (file.Has(absl::StrCat("layers.", num_layers, ".k_encode"))) {
@@ -38,6 +40,9 @@ absl::StatusOr<KeyTransformProfile> KeyTransformProfile::FromSafetensors(
         for (int64_t x : shape) absl::StrAppend(&s, s.empty() ? "" : ", ", x);
         return absl::InvalidArgumentError(absl::StrCat(
             "codec file version 3: ", v.status().message(), " (", name, " must be F32 [", s, "])"));
+      }
+      if (absl::Status f = CheckFinite(name, *v); !f.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat("codec file: ", f.message()));
       }
       return v;
     };
@@ -86,15 +91,6 @@ absl::StatusOr<KeyTransformProfile> KeyTransformProfile::FromSafetensors(
                                                          static_cast<int>(b), " bits)"));
         }
       }
-      for (float x : hd.k_encode)
-        if (!std::isfinite(x))
-          return absl::InvalidArgumentError(absl::StrCat("codec file: ", at, "k_encode holds ", x));
-      for (float x : hd.k_decode)
-        if (!std::isfinite(x))
-          return absl::InvalidArgumentError(absl::StrCat("codec file: ", at, "k_decode holds ", x));
-      for (float x : hd.k_mean)
-        if (!std::isfinite(x))
-          return absl::InvalidArgumentError(absl::StrCat("codec file: ", at, "k_mean holds ", x));
       if (sum % 8 != 0 || sum == 0 || (p.key_code_bits_ != 0 && sum != p.key_code_bits_)) {
         return absl::InvalidArgumentError(absl::StrCat(
             "codec file: ", at, "k_bits[", h, "] sums to ", sum,

@@ -3,6 +3,7 @@
 #include <Eigen/Dense>
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <random>
 
@@ -99,6 +100,11 @@ std::vector<float> RandomOrthogonal(int d, uint32_t seed) {
 }
 
 double OrthogonalityError(const std::vector<float>& r, int d) {
+  // NaN would vanish in std::max below (every comparison with it is false): a matrix with a
+  // non-finite element is as far from orthogonal as it gets.
+  for (float x : r) {
+    if (!std::isfinite(x)) return std::numeric_limits<double>::infinity();
+  }
   double worst = 0;
   for (int i = 0; i < d; ++i) {
     for (int j = 0; j < d; ++j) {

@@ -31,7 +31,7 @@ std::vector<float> OscarRotation(const std::vector<double>& cov, int d,
 // and synthetic codecs.
 std::vector<float> RandomOrthogonal(int d, uint32_t seed);
 
-// max |R R^T - I| (orthogonality error).
+// max |R R^T - I| (orthogonality error); +Inf when R holds a NaN or +-Inf.
 double OrthogonalityError(const std::vector<float>& r, int d);
 
 }  // namespace kvcd

@@ -7,11 +7,73 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "checked_math.h"
+#include "common/quote.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/fp16.h"
 #include "nlohmann/json.hpp"
 
 namespace kvcd {
+namespace {
+
+// Counts the header's entries and values without building a tree, and stops at the first
+// bound passed (or at a syntax error, left to the real parse to report).
+class HeaderCounter final : public nlohmann::json::json_sax_t {
+ public:
+  int64_t entries = 0, values = 0;
+  bool over = false;
+
+  bool null() override { return Value(); }
+  bool boolean(bool) override { return Value(); }
+  bool number_integer(number_integer_t) override { return Value(); }
+  bool number_unsigned(number_unsigned_t) override { return Value(); }
+  bool number_float(number_float_t, const string_t&) override { return Value(); }
+  bool string(string_t&) override { return Value(); }
+  bool binary(binary_t&) override { return Value(); }
+  bool start_object(std::size_t) override {
+    ++depth_;
+    return Value();
+  }
+  bool key(string_t& k) override {
+    // Depth 1: a tensor or __metadata__; depth 2 under __metadata__: a metadata entry.
+    if (depth_ == 1) {
+      in_metadata_ = k == "__metadata__";
+      if (!in_metadata_) ++entries;
+    } else if (depth_ == 2 && in_metadata_) {
+      ++entries;
+    }
+    return Check();
+  }
+  bool end_object() override {
+    --depth_;
+    return true;
+  }
+  bool start_array(std::size_t) override {
+    ++depth_;
+    return Value();
+  }
+  bool end_array() override {
+    --depth_;
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::json::exception&) override {
+    return false;
+  }
+
+ private:
+  bool Value() {
+    ++values;
+    return Check();
+  }
+  bool Check() {
+    over =
+        entries > SafetensorsFile::kMaxHeaderEntries || values > SafetensorsFile::kMaxHeaderValues;
+    return !over;
+  }
+  int depth_ = 0;
+  bool in_metadata_ = false;
+};
+
+}  // namespace
 
 int SafetensorsDtypeSize(const std::string& dtype) {
   if (dtype == "F64" || dtype == "I64" || dtype == "U64") return 8;
@@ -41,12 +103,30 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::string bytes) {
   if (total < 8) return absl::InvalidArgumentError("safetensors: file shorter than 8 bytes");
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | static_cast<uint8_t>(f.bytes_[i]);
-  if (header_len > static_cast<uint64_t>(total - 8) || header_len > (100u << 20)) {
+  if (header_len > kMaxHeaderBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("safetensors: header length ", header_len,
+                                                   " exceeds the limit of ", kMaxHeaderBytes,
+                                                   " bytes (kMaxHeaderBytes)"));
+  }
+  if (header_len > static_cast<uint64_t>(total - 8)) {
     return absl::InvalidArgumentError(
         absl::StrCat("safetensors: header length ", header_len, " exceeds the file size ", total));
   }
   f.data_start_ = 8 + static_cast<int64_t>(header_len);
   const int64_t data_len = total - f.data_start_;
+  {
+    HeaderCounter counter;
+    nlohmann::json::sax_parse(f.bytes_.begin() + 8, f.bytes_.begin() + f.data_start_, &counter,
+                              nlohmann::json::input_format_t::json, /*strict=*/true);
+    if (counter.over) {
+      return absl::InvalidArgumentError(
+          counter.entries > kMaxHeaderEntries
+              ? absl::StrCat("safetensors: the header has more than ", kMaxHeaderEntries,
+                             " entries (tensors and __metadata__ keys; kMaxHeaderEntries)")
+              : absl::StrCat("safetensors: the header has more than ", kMaxHeaderValues,
+                             " JSON values (kMaxHeaderValues)"));
+    }
+  }
   nlohmann::json header =
       nlohmann::json::parse(f.bytes_.begin() + 8, f.bytes_.begin() + f.data_start_, nullptr,
                             /*allow_exceptions=*/false);
@@ -61,7 +141,7 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::string bytes) {
       for (auto m = it.value().begin(); m != it.value().end(); ++m) {
         if (!m.value().is_string()) {
           return absl::InvalidArgumentError(
-              absl::StrCat("safetensors: metadata '", m.key(), "' must be a string"));
+              absl::StrCat("safetensors: metadata ", Quote(m.key()), " must be a string"));
         }
         f.metadata_[m.key()] = m.value().get<std::string>();
       }
@@ -71,21 +151,22 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::string bytes) {
     if (!t.is_object() || !t.contains("dtype") || !t.contains("shape") ||
         !t.contains("data_offsets") || !t["dtype"].is_string() || !t["shape"].is_array() ||
         !t["data_offsets"].is_array() || t["data_offsets"].size() != 2) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "safetensors: tensor '", it.key(), "' needs dtype, shape and data_offsets [begin, end]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("safetensors: tensor ", Quote(it.key()),
+                       " needs dtype, shape and data_offsets [begin, end]"));
     }
     Entry e;
     e.dtype = t["dtype"].get<std::string>();
     const int esize = SafetensorsDtypeSize(e.dtype);
     if (esize == 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("safetensors: tensor '", it.key(), "' has unknown dtype ", e.dtype));
+      return absl::InvalidArgumentError(absl::StrCat("safetensors: tensor ", Quote(it.key()),
+                                                     " has unknown dtype ", Quote(e.dtype)));
     }
     int64_t elems = 1;
     for (const auto& dim : t["shape"]) {
       if (!dim.is_number_integer() || dim.get<int64_t>() < 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("safetensors: tensor '", it.key(), "' has a negative or non-integer dim"));
+        return absl::InvalidArgumentError(absl::StrCat("safetensors: tensor ", Quote(it.key()),
+                                                       " has a negative or non-integer dim"));
       }
       e.shape.push_back(dim.get<int64_t>());
       auto next = CheckedMul(elems, e.shape.back());
@@ -101,8 +182,8 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::string bytes) {
     auto bytes_needed = CheckedMul(elems, esize);
     if (e.begin < 0 || e.end < e.begin || e.end > data_len || !bytes_needed ||
         e.end - e.begin != *bytes_needed) {
-      return absl::InvalidArgumentError(absl::StrCat("safetensors: tensor '", it.key(),
-                                                     "' data_offsets [", e.begin, ", ", e.end,
+      return absl::InvalidArgumentError(absl::StrCat("safetensors: tensor ", Quote(it.key()),
+                                                     " data_offsets [", e.begin, ", ", e.end,
                                                      ") do not match its shape (", elems, " x ",
                                                      esize, " bytes) or the data size ", data_len));
     }
@@ -114,7 +195,7 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::string bytes) {
 absl::StatusOr<SafetensorView> SafetensorsFile::Get(const std::string& name) const {
   auto it = tensors_.find(name);
   if (it == tensors_.end()) {
-    return absl::NotFoundError(absl::StrCat("safetensors: no tensor named '", name, "'"));
+    return absl::NotFoundError(absl::StrCat("safetensors: no tensor named ", Quote(name)));
   }
   SafetensorView v;
   v.dtype = it->second.dtype;
@@ -136,7 +217,7 @@ absl::StatusOr<std::vector<float>> SafetensorsFile::ReadFloats(
   if (!view.ok()) return view.status();
   if (!expected_shape.empty() && view->shape != expected_shape) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "safetensors: tensor '", name, "' has shape [", absl::StrJoin(view->shape, ", "),
+        "safetensors: tensor ", Quote(name), " has shape [", absl::StrJoin(view->shape, ", "),
         "], expected [", absl::StrJoin(expected_shape, ", "), "]"));
   }
   const int esize = SafetensorsDtypeSize(view->dtype);
@@ -151,8 +232,9 @@ absl::StatusOr<std::vector<float>> SafetensorsFile::ReadFloats(
       out[i] = view->dtype == "BF16" ? kernels::Bf16ToFloat(b) : kernels::HalfToFloat(b);
     }
   } else {
-    return absl::InvalidArgumentError(absl::StrCat("safetensors: tensor '", name, "' has dtype ",
-                                                   view->dtype, ", expected F32, F16 or BF16"));
+    return absl::InvalidArgumentError(absl::StrCat("safetensors: tensor ", Quote(name),
+                                                   " has dtype ", Quote(view->dtype),
+                                                   ", expected F32, F16 or BF16"));
   }
   return out;
 }

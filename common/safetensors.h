@@ -25,6 +25,14 @@ struct SafetensorView {
 
 class SafetensorsFile {
  public:
+  // Bounds on the JSON header, checked before it is parsed into a tree (a hostile header
+  // of 100 MB and millions of entries took over 1 GB to parse): its length, its entries
+  // (tensors plus __metadata__ keys) and its JSON values in all. Real codec files have a
+  // few thousand entries and headers of a few hundred KB. INVALID_ARGUMENT names the bound.
+  static constexpr uint64_t kMaxHeaderBytes = 16u << 20;
+  static constexpr int64_t kMaxHeaderEntries = 65536;
+  static constexpr int64_t kMaxHeaderValues = 1 << 20;
+
   // Parses an in-memory file; the bytes are copied and owned.
   static absl::StatusOr<SafetensorsFile> Parse(std::string bytes);
   static absl::StatusOr<SafetensorsFile> Load(const std::string& path);

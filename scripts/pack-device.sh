@@ -11,7 +11,8 @@ cd "$(dirname "$0")/.."
 if [[ ${1:-} == fuzz ]]; then
   build=${KVCD_FUZZ_BUILD_DIR:-build-san}
   bins=(tests/fuzz/config_fuzz tests/fuzz/safetensors_fuzz tests/fuzz/codec_profile_fuzz
-        tests/fuzz/activation_dump_fuzz tests/fuzz/rpc_fuzz tests/fuzz/decode_channel_fuzz)
+        tests/fuzz/activation_dump_fuzz tests/fuzz/rpc_fuzz tests/fuzz/decode_channel_fuzz
+        tests/fuzz/codec_register_fuzz)
   dest=.devfuzz
   rm -rf .devfuzz && mkdir -p .devfuzz .devlibs
 else

@@ -10,13 +10,17 @@
 #   3. kustomize and Helm renders: strict schemas, assertions, equivalence (pytest)
 #   4. a real kvcd scraped by a real Prometheus: promtool check metrics, every dashboard
 #      query returns data, recording rules evaluate, SIGTERM drains (pytest)
-#   5. the container image: registry-free build, run on 127.0.0.1, kvctl, docker stop drains
+#   5. the container image: registry-free, from the kvcd and kvctl just built (no second
+#      compile: build-image.sh --from-build, Dockerfile.prebuilt, whose runtime stage must be
+#      Dockerfile's byte for byte), run on 127.0.0.1, kvctl, docker stop drains
 #      (build-image.sh installs docker.io and debootstrap and starts dockerd when no engine
-#      answers); an image already built from this commit (clean tree: kvcd:<git describe>-cpu)
-#      is reused, not rebuilt. KVCD_DEPLOY_SKIP_IMAGE=1 skips it.
-#   6. with KVCD_DEPLOY_CUDA_IMAGE=1: the CUDA image builds (compile and link for sm_90)
-# `--prepare` only installs what the checks need (packages, the venv) and needs no build
-# (scripts/test.sh runs it while the C++ builds run).
+#      answers). KVCD_DEPLOY_SKIP_IMAGE=1 skips it.
+#   6. with KVCD_DEPLOY_SOURCE_IMAGE=1: the release image (Dockerfile, compiled inside
+#      Docker) is built and checked the same way; an image of this very commit (clean tree:
+#      kvcd:<git describe>-cpu) is reused, not rebuilt
+#   7. with KVCD_DEPLOY_CUDA_IMAGE=1: the CUDA image builds (compile and link for sm_90)
+# `--prepare` only installs what the checks need (packages, the venv, the Docker engine and
+# the base image) and needs no build (scripts/test.sh runs it while the C++ builds run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 build=${KVCD_BUILD_DIR:-build}
@@ -56,7 +60,15 @@ if [[ ! -f $venv/.reqs ]] || [[ $(cat "$venv/.reqs") != "$reqs" ]]; then
 fi
 py=$venv/bin/python
 export PATH=$venv/bin:$PATH
-((!prepare_only)) || { echo "test-deploy: prepared (packages, $venv)"; exit 0; }
+if ((prepare_only)); then
+  prepared="packages, $venv"
+  if [[ $image == run ]]; then
+    deploy/container/build-image.sh --base-only || { echo "test-deploy: base image failed" >&2; exit 1; }
+    prepared+=", Docker engine and base image"
+  fi
+  echo "test-deploy: prepared ($prepared)"
+  exit 0
+fi
 
 passed=0 failed=0 names=()
 step() {  # step NAME COMMAND...
@@ -76,14 +88,22 @@ step "generated files up to date" bash -c \
 step "kustomize + helm renders" "$py" -m pytest -q -p no:cacheprovider deploy/tests/test_kubernetes.py
 step "live kvcd + prometheus" "$py" -m pytest -q -p no:cacheprovider deploy/tests/test_live_metrics.py
 if [[ $image == run ]]; then
-  # An image of this very commit (clean tree) is reused; build-image.sh tags it so.
-  version=$(git describe --always --dirty 2>/dev/null || echo dev)
-  tag="kvcd:${version}-cpu"
-  if [[ $version != *-dirty && $version != dev ]] && docker image inspect "$tag" >/dev/null 2>&1; then
-    echo "test-deploy: reusing the image $tag (built from this commit)"
-    step "container image (cached $tag)" deploy/tests/test_container.sh "$tag"
-  else
-    step "container image" deploy/tests/test_container.sh
+  # The test image holds the binaries just built; its runtime stage is the release one.
+  runtime_stage() { sed -n '/^# --- runtime:/,$p' "$1"; }
+  step "Dockerfile.prebuilt's runtime stage is Dockerfile's" \
+    diff <(runtime_stage deploy/container/Dockerfile) <(runtime_stage deploy/container/Dockerfile.prebuilt)
+  step "container image (from $build)" bash -o pipefail -c \
+    "tag=\$(deploy/container/build-image.sh --from-build '$build' | tail -1) && deploy/tests/test_container.sh \"\$tag\""
+  if [[ -n ${KVCD_DEPLOY_SOURCE_IMAGE:-} ]]; then
+    # The release image (compiled inside Docker); one of this very commit (clean tree) is reused.
+    version=$(git describe --always --dirty 2>/dev/null || echo dev)
+    tag="kvcd:${version}-cpu"
+    if [[ $version != *-dirty && $version != dev ]] && docker image inspect "$tag" >/dev/null 2>&1; then
+      echo "test-deploy: reusing the image $tag (built from this commit)"
+      step "release container image (cached $tag)" deploy/tests/test_container.sh "$tag"
+    else
+      step "release container image" deploy/tests/test_container.sh
+    fi
   fi
 else
   echo "test-deploy: SKIP container image: $image_why"

@@ -5,7 +5,7 @@
 # compile). Replays each target's committed corpus (tests/fuzz/corpus/<target>/), then fuzzes
 # within a fixed total budget: KVCD_FUZZ_BUDGET seconds of wall time (default 60) for all the
 # targets, KVCD_FUZZ_JOBS of them at a time (default: the number of cores), so each gets
-# budget x jobs / targets seconds (20 s with 6 targets on 2 cores); KVCD_FUZZ_SECONDS sets
+# budget x jobs / targets seconds (18 s with 7 targets on 2 cores); KVCD_FUZZ_SECONDS sets
 # the seconds per target instead. Any crash, leak, sanitizer report or timeout fails the
 # script and leaves the reproducer in $build/fuzz-artifacts/.
 #   scripts/test-fuzz.sh                    # build, replay, fuzz every target

@@ -79,7 +79,9 @@ phase_summary() {  # prints the table; returns 1 if any phase failed
 # The one instrumented build: clang, ASan + UBSan, every library compiled with libFuzzer's
 # coverage (-fsanitize=fuzzer-no-link), CPU only, in ${KVCD_SAN_BUILD_DIR:-build-san}. The
 # unit tests (scripts/test-asan.sh) and the fuzz targets (scripts/test-fuzz.sh) link the same
-# objects, so they are compiled once. san_build TARGET... configures it and builds them.
+# objects, so they are compiled once. Debug (assertions on) with line tables only: the
+# sanitizers' stack traces need file:line, not the full debug info that makes every compile
+# and link of this build heavier. san_build TARGET... configures it and builds them.
 san_build_dir() { echo "${KVCD_SAN_BUILD_DIR:-build-san}"; }
 san_build() {
   local build
@@ -88,7 +90,8 @@ san_build() {
   CC=clang CXX=clang++ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Debug \
     -DKVCD_SANITIZER=asan -DKVCD_CUDA=OFF -DKVCD_BUILD_TESTS=ON -DKVCD_BUILD_BENCH=OFF \
     -DKVCD_BUILD_FUZZ=ON "-DCMAKE_CXX_FLAGS=-O1 -fsanitize=fuzzer-no-link -Wno-unknown-warning-option" \
-    "-DCMAKE_C_FLAGS=-O1 -fsanitize=fuzzer-no-link" >/dev/null
+    "-DCMAKE_C_FLAGS=-O1 -fsanitize=fuzzer-no-link" -DCMAKE_CXX_FLAGS_DEBUG=-gline-tables-only \
+    -DCMAKE_C_FLAGS_DEBUG=-gline-tables-only >/dev/null
   local args=()
   for t in "$@"; do args+=(--target "$t"); done
   cmake --build "$build" -j "$(nproc)" "${args[@]}"
@@ -96,4 +99,4 @@ san_build() {
 # What both scripts build: the sanitized unit tests and every fuzz target.
 SAN_TEST_TARGETS=(kvcd_unit_tests kvcd_tools_tests)
 FUZZ_TARGETS=(config_fuzz safetensors_fuzz codec_profile_fuzz activation_dump_fuzz
-  decode_channel_fuzz rpc_fuzz)
+  decode_channel_fuzz rpc_fuzz codec_register_fuzz)

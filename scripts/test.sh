@@ -9,10 +9,12 @@
 # against a real Prometheus; the container image when a Docker engine answers,
 # scripts/test-deploy.sh). Prints each phase's wall and CPU time at the end.
 #
-# On 2 cores the work overlaps where it does not compete: the Python environments and the
-# deployment tools (downloads, cached under .cache) are prepared while the C++ builds, and
-# the Python and deployment tests (mostly waiting on daemons and Prometheus) run while the
-# instrumented build compiles. KVCD_TEST_SERIAL=1 runs every phase alone.
+# On 2 cores the work overlaps where it does not compete: the Python environments, the
+# deployment tools (downloads, cached under .cache) and the container image's Debian base are
+# prepared while the C++ builds, and CTest, the Python and the deployment tests (mostly
+# waiting on daemons and Prometheus) run while the instrumented build compiles. The container
+# image is made from the kvcd and kvctl just built: kvcd is not compiled a second time.
+# KVCD_TEST_SERIAL=1 runs every phase alone.
 # The inner loop is scripts/test-fast.sh (incremental build, unit + integration tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,12 +39,14 @@ if [[ -n $serial ]]; then
 else
   phase_wait fetch-smollm2
 fi
+# The instrumented build starts now: CTest's integration tests mostly wait on daemons, so
+# the two share the cores.
+[[ -n $serial ]] || phase_bg asan ./scripts/test-asan.sh
 phase ctest ctest --test-dir "$build" --output-on-failure -j "$(nproc)" --timeout 600
 
 if [[ -z $serial ]]; then
   phase_wait prepare-python
   phase_wait prepare-deploy
-  phase_bg asan ./scripts/test-asan.sh
 else
   phase asan ./scripts/test-asan.sh
 fi

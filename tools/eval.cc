@@ -6,7 +6,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/codec_profile.h"
+#include "common/finite_floats.h"
 #include "common/key_transform_profile.h"
+#include "common/quote.h"
 #include "common/rotation.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/fp16.h"
@@ -340,7 +342,7 @@ absl::StatusOr<EvalCodec> LoadInt2Codec(const SafetensorsFile& file, const Activ
   }
   if (version->second != "2") {
     return absl::InvalidArgumentError(
-        absl::StrCat("codec file version ", version->second, ": expected 1, 2 or 3"));
+        absl::StrCat("codec file version ", Quote(version->second), ": expected 1, 2 or 3"));
   }
   if (file.Has(absl::StrCat("layers.", layers, ".r_k"))) {
     return absl::InvalidArgumentError(
@@ -357,6 +359,9 @@ absl::StatusOr<EvalCodec> LoadInt2Codec(const SafetensorsFile& file, const Activ
         return absl::InvalidArgumentError(
             absl::StrCat("codec file version 2: ", v.status().message(),
                          " (every layer needs r_k and r_v of [", hkv, ", ", d, ", ", d, "])"));
+      }
+      if (absl::Status f = CheckFinite(t, *v); !f.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat("codec file: ", f.message()));
       }
       for (int g = 0; g < hkv; ++g) {
         const std::vector<float> r(v->begin() + g * d * d, v->begin() + (g + 1) * d * d);

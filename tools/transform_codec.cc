@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "kvcd/kernels/fp16.h"
+#include "kvcd/kernels/fp16_saturate.h"
 #include "tools/bit_allocation.h"
 
 namespace kvcd {
@@ -43,8 +44,9 @@ void TransformRoundTrip(const TransformCodec& c, const float* x, float* out) {
       g = std::max(g, std::fabs(z[i]) / (half_range * c.overload));
     }
     // FP16 of g (1 + 2^-10): at least g after round-to-nearest (10 mantissa bits).
-    const float h =
-        kernels::HalfToFloat(kernels::FloatToHalf(static_cast<float>(g * (1 + 1.0 / 1024))));
+    // Saturated at FP16's largest finite value (a row far beyond it: its codes clip).
+    const float h = kernels::HalfToFloat(kernels::FloatToHalf(
+        static_cast<float>(std::min(g * (1 + 1.0 / 1024), double{kernels::kFp16Max}))));
     gain = h > 0 && std::isfinite(h) ? h : 1.0;
   }
   for (int i = 0; i < d; ++i) {

@@ -4,6 +4,16 @@
 # imported into Docker; the Dockerfile then builds FROM it with the classic builder.
 #
 #   deploy/container/build-image.sh [--cuda] [--tag NAME:TAG]
+#   deploy/container/build-image.sh --from-build BUILD_DIR [--tag NAME:TAG]
+#   deploy/container/build-image.sh --base-only
+#
+# The first compiles kvcd and kvctl from source inside Docker (Dockerfile, Dockerfile.cuda):
+# how release images are made. --from-build packs BUILD_DIR/server/kvcd and
+# BUILD_DIR/client/kvctl, already built on this machine (Debian 12, like the base image),
+# into the same runtime stage (Dockerfile.prebuilt), tagged kvcd-prebuilt:<git describe>-cpu:
+# what the test command checks, without compiling kvcd again. --base-only only starts the
+# engine and prepares the base image (scripts/test-deploy.sh --prepare runs it during the
+# build).
 #
 # Starts dockerd if none answers. Caches under ${KVCD_DEPLOY_CACHE:-.cache/deploy}: the
 # debootstrap tarball (rebuilt after ${KVCD_BASE_MAX_AGE_DAYS:-7} days), and the build
@@ -14,10 +24,14 @@ cd "$(dirname "$0")/../.."
 root=$PWD
 variant=cpu
 tag=""
+from_build=""
+base_only=0
 while (($#)); do
   case $1 in
     --cuda) variant=cuda ;;
     --tag) tag=$2; shift ;;
+    --from-build) from_build=$2; shift ;;
+    --base-only) base_only=1 ;;
     *) echo "build-image: unknown argument '$1'" >&2; exit 2 ;;
   esac
   shift
@@ -26,8 +40,15 @@ cache=${KVCD_DEPLOY_CACHE:-$root/.cache/deploy}
 mkdir -p "$cache"
 cache=$(cd "$cache" && pwd)
 version=$(git describe --always --dirty 2>/dev/null || echo dev)
-[[ -n $tag ]] || tag="kvcd:${version}-${variant}"
 log() { echo "build-image: $*" >&2; }
+if [[ -n $from_build ]]; then
+  [[ $variant == cpu ]] || { log "--from-build makes the CPU image only"; exit 2; }
+  for b in "$from_build/server/kvcd" "$from_build/client/kvctl"; do
+    [[ -x $b ]] || { log "$b is missing: run scripts/build.sh kvcd kvctl"; exit 1; }
+  done
+  [[ -n $tag ]] || tag="kvcd-prebuilt:${version}-${variant}"
+fi
+[[ -n $tag ]] || tag="kvcd:${version}-${variant}"
 
 need=()
 command -v dockerd >/dev/null || need+=(docker.io)
@@ -96,11 +117,46 @@ if ! docker image inspect "$base" >/dev/null 2>&1; then
   log "docker import $tarball as $base"
   docker import --change 'CMD ["/bin/bash"]' "$tarball" "$base" >/dev/null
 fi
+if ((base_only)); then
+  log "base image $base ready"
+  exit 0
+fi
+
+# --- from binaries already built: strip them, list their libraries' packages, one stage ---
+if [[ -n $from_build ]]; then
+  ctx=$cache/context-prebuilt
+  rm -rf "$ctx" && mkdir -p "$ctx/prebuilt/bin" "$ctx/src/deploy/container"
+  strip -o "$ctx/prebuilt/bin/kvcd" "$from_build/server/kvcd"
+  strip -o "$ctx/prebuilt/bin/kvctl" "$from_build/client/kvctl"
+  "$ctx/prebuilt/bin/kvcd" --version >/dev/null
+  # Each shared library must come from a Debian package the runtime stage can install. One
+  # dpkg -S for all of them (it reads the whole package database each time), asked for both
+  # spellings of a merged-/usr path; then every library must have been found.
+  mapfile -t libs < <(ldd "$ctx/prebuilt/bin/kvcd" "$ctx/prebuilt/bin/kvctl" |
+    awk '/=> \//{print $3}' | sed 's|^/usr/|/|' | sort -u)
+  owners=$(dpkg -S "${libs[@]}" "${libs[@]/#//usr}" 2>/dev/null || true)
+  owned=$(sed 's/^.*: //' <<<"$owners")
+  for lib in "${libs[@]}"; do
+    grep -qxF -e "$lib" -e "/usr$lib" <<<"$owned" ||
+      { log "$lib (linked by kvcd or kvctl) is in no Debian package"; exit 1; }
+  done
+  cut -d: -f1 <<<"$owners" | sort -u >"$ctx/prebuilt/runtime-packages"
+  cp deploy/container/Dockerfile.prebuilt deploy/container/kvcd.yaml "$ctx/src/deploy/container/"
+  log "docker build (prebuilt from $from_build) FROM $base"
+  start=$(date +%s)
+  DOCKER_BUILDKIT=0 docker build -f "$ctx/src/deploy/container/Dockerfile.prebuilt" \
+    --build-arg "BASE_IMAGE=$base" --build-arg "KVCD_VERSION=$version" -t "$tag" "$ctx" \
+    >"$cache/docker-build-prebuilt.log" 2>&1 || { tail -40 "$cache/docker-build-prebuilt.log" >&2; exit 1; }
+  log "built $tag in $(($(date +%s) - start)) s ($(docker image inspect -f '{{.Size}}' "$tag" | awk '{printf "%.0f MB", $1/1e6}'))"
+  rm -rf "$ctx"
+  echo "$tag"
+  exit 0
+fi
 
 # --- the build context: the sources CMake needs, the ccache, the image's files -----------
 ctx=$cache/context-$variant
 rm -rf "$ctx" && mkdir -p "$ctx/src" "$ctx/ccache"
-srcs=(CMakeLists.txt proto kernels common server client tools testing examples deploy/container)
+srcs=(CMakeLists.txt cmake proto kernels common server client tools testing examples deploy/container)
 if git rev-parse --git-dir >/dev/null 2>&1; then
   git ls-files -z --cached --others --exclude-standard -- "${srcs[@]}" | xargs -0 cp --parents -t "$ctx/src"
 else

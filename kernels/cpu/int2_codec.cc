@@ -5,6 +5,7 @@
 
 #include "isa_dispatch.h"
 #include "kvcd/kernels/fp16.h"
+#include "kvcd/kernels/fp16_saturate.h"
 
 namespace kvcd::kernels {
 
@@ -100,6 +101,8 @@ void DemoteRowsToInt2(const float* rows, int64_t n, int d, const float* rotation
     } else {
       std::copy(x, x + d, rot);
     }
+    // Beyond +-65504 the row's FP16 scale or offset would overflow: saturate first.
+    for (int i = 0; i < d; ++i) rot[i] = SaturateToFp16Range(rot[i]);
     const float tau = Int2ClipThreshold(rot, d, rho);
     float lo = tau, hi = -tau;
     for (int i = 0; i < d; ++i) {

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "kvcd/kernels/fp16.h"
+#include "kvcd/kernels/fp16_saturate.h"
 
 namespace kvcd::kernels {
 namespace {
@@ -58,7 +59,9 @@ void EncodeTransformKeys(const TransformKeyCode& c, const float* rows, int64_t n
         const double half_range = (1 << (c.bits[i] - 1)) * kSteps[c.bits[i]] * 1.0;
         g = std::max(g, std::fabs(z[i]) / (half_range * 1.0));
       }
-      const float h = HalfToFloat(FloatToHalf(static_cast<float>(g * (1 + 1.0 / 1024))));
+      // Saturated at FP16's largest finite value (a row far beyond it: codes clip).
+      const float h = HalfToFloat(
+          FloatToHalf(static_cast<float>(std::min(g * (1 + 1.0 / 1024), double{kFp16Max}))));
       gain = h > 0 && std::isfinite(h) ? h : 1.0;
     }
     gains[t * gain_stride] = FloatToHalf(static_cast<float>(gain));

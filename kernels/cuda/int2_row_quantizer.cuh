@@ -17,6 +17,8 @@
 
 #include <cstdint>
 
+#include "kvcd/kernels/fp16_saturate.h"
+
 namespace kvcd::kernels::cuda {
 
 // The lanes of a warp that hold one row: L in {2, 4, ..., 32}, aligned.
@@ -129,6 +131,10 @@ template <int D, int L>
 __device__ __forceinline__ void QuantizeRowInt2(float (&x)[D / L], float rho, const GroupOf<L>& grp,
                                                 int (&q)[D / L], float* scale_out, float* lo_out) {
   constexpr int E = D / L;
+  // Saturated into FP16's range first, as DemoteRowsToInt2 does (fp16_saturate.h): the
+  // row's FP16 scale and offset stay finite, and no NaN reaches the selection below.
+#pragma unroll
+  for (int k = 0; k < E; ++k) x[k] = SaturateToFp16Range(x[k]);
   // Clip threshold: the element of rank kk = floor(rho * d) of the sorted |x|, compared as
   // bit patterns (non-negative floats order as their bits). Clipping keeps the top d - kk
   // - 1 elements out. For a small count the distinct values are taken in descending order,

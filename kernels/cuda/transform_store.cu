@@ -116,7 +116,8 @@ __global__ void __launch_bounds__(D) EncodeTransformKeysKernel(const KeyArgs a) 
         const double v = __ddiv_rn(fabs(zs[tok][d]), half_range);
         g = g < v ? v : g;  // std::max(g, v)
       }
-      const float gf = __double2float_rn(__dmul_rn(g, 1.0 + 1.0 / 1024));
+      // Saturated at FP16's largest finite value, as EncodeTransformKeys does.
+      const float gf = __double2float_rn(fmin(__dmul_rn(g, 1.0 + 1.0 / 1024), double{kFp16Max}));
       const float h = __half2float(__float2half_rn(gf));
       gain = h > 0.0f && isfinite(h) ? static_cast<double>(h) : 1.0;
     }

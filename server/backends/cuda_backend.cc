@@ -13,6 +13,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
 #include "common/phase_times.h"
 #include "common/status_macros.h"
 #include "kvcd/kernels/cuda_decode_attention.h"
@@ -469,7 +470,7 @@ class CudaBackend final : public Backend, public DeviceRuntime {
   // Records a failed copy; a sticky error makes the backend unhealthy for good.
   void Note(const kernels::Error& err) {
     if (err.ok()) return;
-    std::fprintf(stderr, "kvcd: CUDA error: %s\n", err.message().c_str());
+    KVCD_LOG(ERROR) << "CUDA error: " << err.message();
     if (kc::LastErrorIsSticky()) sticky_.store(true);
   }
   absl::Status Failed(const kernels::Error& err) {

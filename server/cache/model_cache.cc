@@ -32,11 +32,19 @@ absl::StatusOr<std::unique_ptr<ModelCache>> ModelCache::Create(
     const ModelSpec& spec, Backend* backend, double high_watermark, double low_watermark,
     CacheCounters* counters, const std::string& codec_blob, uint64_t allocation_limit,
     const std::string& limit_what) {
-  std::unique_ptr<ModelCache> cache(
-      new ModelCache(spec, backend, high_watermark, low_watermark, counters));
   // The model's codec and formats come from its history format's factory (the format
   // registry): the window format first, then the history's when it has its own.
   KVCD_ASSIGN_OR_RETURN(std::unique_ptr<const ModelCodec> codec, LoadModelCodec(spec, codec_blob));
+  return Create(spec, backend, high_watermark, low_watermark, counters, std::move(codec),
+                allocation_limit, limit_what);
+}
+
+absl::StatusOr<std::unique_ptr<ModelCache>> ModelCache::Create(
+    const ModelSpec& spec, Backend* backend, double high_watermark, double low_watermark,
+    CacheCounters* counters, std::unique_ptr<const ModelCodec> codec, uint64_t allocation_limit,
+    const std::string& limit_what) {
+  std::unique_ptr<ModelCache> cache(
+      new ModelCache(spec, backend, high_watermark, low_watermark, counters));
   cache->codec_description_ = codec->description();
   const PageGeometry geometry{spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.page_size};
   auto formats = codec->CreateFormats(geometry, backend->kind());

@@ -34,6 +34,7 @@
 #include "server/backends/backend.h"
 #include "server/cache/radix_tree.h"
 #include "server/cache/sequence.h"
+#include "server/formats/format_registry.h"
 #include "server/formats/model_spec.h"
 #include "server/formats/page_format.h"
 #include "server/formats/page_pool.h"
@@ -106,6 +107,12 @@ class ModelCache {
   static absl::StatusOr<std::unique_ptr<ModelCache>> Create(
       const ModelSpec& spec, Backend* backend, double high_watermark, double low_watermark,
       CacheCounters* counters, const std::string& codec_blob = "",
+      uint64_t allocation_limit = UINT64_MAX, const std::string& limit_what = "");
+  // The same with the codec already loaded (LoadModelCodec(spec, ...)): a caller that holds
+  // a lock parses the codec file before taking it.
+  static absl::StatusOr<std::unique_ptr<ModelCache>> Create(
+      const ModelSpec& spec, Backend* backend, double high_watermark, double low_watermark,
+      CacheCounters* counters, std::unique_ptr<const ModelCodec> codec,
       uint64_t allocation_limit = UINT64_MAX, const std::string& limit_what = "");
   ~ModelCache();
 

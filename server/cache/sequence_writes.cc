@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
 #include "common/phase_times.h"
 #include "common/status_macros.h"
 #include "server/cache/model_cache.h"
@@ -53,8 +54,8 @@ void ModelCache::DemotePages(Sequence* seq, std::vector<Demotion>* deferred) {
     const absl::Status s =
         history.format->Demote(*window.pool, {old.page}, *history.pool, {fresh[0].page});
     if (!s.ok()) {  // keep the window page; the next append retries
-      std::fprintf(stderr, "kvcd: model '%s': demotion failed, page kept: %s\n", spec_.name.c_str(),
-                   std::string(s.message()).c_str());
+      KVCD_LOG(WARNING) << "model '" << spec_.name
+                        << "': demotion failed, page kept: " << s.message();
       std::lock_guard<std::mutex> lock(mu_);
       FreeLocked(fresh);
       break;

@@ -1,5 +1,9 @@
 #include "server/config/config.h"
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <yaml-cpp/yaml.h>
 
 #include <cmath>
@@ -189,6 +193,7 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
                                     "decode_channel_spin_us",
                                     "drain_timeout_ms",
                                     "max_pin_ttl_ms",
+                                    "metrics_per_tenant",
                                     "models",
                                     "tls",
                                     "auth",
@@ -196,6 +201,7 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
     KVCD_RETURN_IF_ERROR(Read(root, "listen", "", &c.listen));
     KVCD_RETURN_IF_ERROR(Read(root, "health_listen", "", &c.health_listen));
     KVCD_RETURN_IF_ERROR(Read(root, "metrics_listen", "", &c.metrics_listen));
+    KVCD_RETURN_IF_ERROR(Read(root, "metrics_per_tenant", "", &c.metrics_per_tenant));
     KVCD_RETURN_IF_ERROR(Read(root, "backend", "", &c.backend));
     KVCD_RETURN_IF_ERROR(Read(root, "cuda_device", "", &c.cuda_device));
     KVCD_RETURN_IF_ERROR(ReadBytes(root, "memory_budget", "", &c.memory_budget_bytes));
@@ -234,7 +240,7 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
         KVCD_RETURN_IF_ERROR(CheckKeys(
             n, where,
             {"tenant", "max_sequences", "max_pinned_pages", "max_lease_ms", "max_memory_share",
-             "max_models", "max_model_bytes", "max_pinned_prefix_pages"}));
+             "max_models", "max_model_bytes", "max_pinned_prefix_pages", "max_decode_channels"}));
         const std::string prefix = where + ".";
         KVCD_RETURN_IF_ERROR(Read(n, "max_sequences", prefix, &q->max_sequences));
         KVCD_RETURN_IF_ERROR(Read(n, "max_pinned_pages", prefix, &q->max_pinned_pages));
@@ -244,8 +250,9 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
         KVCD_RETURN_IF_ERROR(ReadBytes(n, "max_model_bytes", prefix, &q->max_model_bytes));
         KVCD_RETURN_IF_ERROR(
             Read(n, "max_pinned_prefix_pages", prefix, &q->max_pinned_prefix_pages));
+        KVCD_RETURN_IF_ERROR(Read(n, "max_decode_channels", prefix, &q->max_decode_channels));
         if (q->max_sequences < 0 || q->max_pinned_pages < 0 || q->max_lease_ms < 0 ||
-            q->max_models < 0 || q->max_pinned_prefix_pages < 0) {
+            q->max_models < 0 || q->max_pinned_prefix_pages < 0 || q->max_decode_channels < 0) {
           return absl::InvalidArgumentError(
               absl::StrCat(where, ": quotas must be >= 0 (0 = no limit)"));
         }
@@ -370,6 +377,21 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
   return c;
 }
 
+namespace {
+
+bool IsLoopbackSockaddr(const sockaddr* a) {
+  if (a->sa_family == AF_INET) {
+    return (ntohl(reinterpret_cast<const sockaddr_in*>(a)->sin_addr.s_addr) >> 24) == 127;
+  }
+  if (a->sa_family == AF_INET6) {
+    const in6_addr& v6 = reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr;
+    return IN6_IS_ADDR_LOOPBACK(&v6) || (IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127);
+  }
+  return false;
+}
+
+}  // namespace
+
 bool IsLoopbackAddress(const std::string& address) {
   if (address.rfind("unix:", 0) == 0 || address.rfind("unix-abstract:", 0) == 0) return true;
   std::string host = address;
@@ -380,8 +402,20 @@ bool IsLoopbackAddress(const std::string& address) {
   } else if (!host.empty() && host[0] == '[') {
     host = host.substr(1, host.find(']') - 1);  // [v6]:port
   }
-  if (host == "localhost" || host == "::1") return true;
-  return host.rfind("127.", 0) == 0;
+  if (host.empty()) return false;  // ":port": every interface
+  // A host is judged by the addresses it resolves to (a literal resolves to itself), all of
+  // which must be loopback; never by its spelling ("127.attacker.example" is a DNS name).
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), nullptr, &hints, &found) != 0) return false;
+  bool all = found != nullptr;
+  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    all = all && a->ai_addr != nullptr && IsLoopbackSockaddr(a->ai_addr);
+  }
+  freeaddrinfo(found);
+  return all;
 }
 
 absl::Status CheckExposure(const ServerConfig& c) {
@@ -395,6 +429,17 @@ absl::Status CheckExposure(const ServerConfig& c) {
       ": set tls.cert_file and tls.key_file (and tls.client_ca_file for mutual TLS) and "
       "auth.tokens_file in the config (docs/operating.md, \"Security\"), listen on 127.0.0.1, or "
       "start with 'kvcd serve --insecure' to serve this address unprotected"));
+}
+
+absl::Status CheckMetricsExposure(const ServerConfig& c) {
+  if (!c.metrics_per_tenant || c.metrics_listen.empty() || IsLoopbackAddress(c.metrics_listen)) {
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "refusing metrics_per_tenant: true with metrics_listen '", c.metrics_listen,
+      "' beyond loopback: the metrics port is plaintext and unauthenticated, and the "
+      "kvcd_tenant_* metrics name every tenant and its use; set metrics_per_tenant: false, or "
+      "listen for metrics on 127.0.0.1 (docs/operating.md, \"Metrics\")"));
 }
 
 absl::StatusOr<ServerConfig> LoadConfigFile(const std::string& path) {

@@ -48,6 +48,9 @@ struct TenantQuota {
   // Pages its live PinPrefix pins hold, summed over its pins (a page under two of its pins
   // counts twice).
   int64_t max_pinned_prefix_pages = 0;
+  // Decode channels open at once with a token that grants the tenant (a channel counts once
+  // against each tenant its token grants; auth off or a "*" token: the default tenant "").
+  int64_t max_decode_channels = 0;
 };
 
 struct TenantQuotaConfig {
@@ -63,11 +66,14 @@ struct ServerConfig {
   std::string listen = "127.0.0.1:50051";  // gRPC address; port 0 = pick a free port
   std::string health_listen;               // optional extra plaintext port serving health only
   std::string metrics_listen = "127.0.0.1:9464";  // Prometheus exposer; "" disables
-  std::string backend = "cpu";                    // "cpu" (or "cuda" when built with CUDA)
-  int cuda_device = 0;                            // device ordinal of the cuda backend
-  uint64_t memory_budget_bytes = 1ull << 30;      // total for all model pools
-  double high_watermark = 0.95;                   // evict when a pool is fuller than this ...
-  double low_watermark = 0.85;                    // ... down to this
+  // The kvcd_tenant_* metrics (tenant names and their use as labels): off unless asked
+  // for, and refused when metrics_listen is beyond loopback (CheckMetricsExposure).
+  bool metrics_per_tenant = false;
+  std::string backend = "cpu";                // "cpu" (or "cuda" when built with CUDA)
+  int cuda_device = 0;                        // device ordinal of the cuda backend
+  uint64_t memory_budget_bytes = 1ull << 30;  // total for all model pools
+  double high_watermark = 0.95;               // evict when a pool is fuller than this ...
+  double low_watermark = 0.85;                // ... down to this
   int64_t default_lease_ms = 30000;
   int64_t max_lease_ms = 600000;
   int worker_threads = 0;   // request executor threads (0 = number of CPUs)
@@ -95,7 +101,12 @@ struct ServerConfig {
 // The start-up safety rule: a non-loopback `listen` needs TLS and auth, unless
 // `insecure`. FAILED_PRECONDITION says how to configure them.
 absl::Status CheckExposure(const ServerConfig& c);
-// True for 127.0.0.0/8, ::1, localhost and unix: addresses.
+// metrics_per_tenant puts tenant names on the unauthenticated metrics port: only on
+// loopback (IsLoopbackAddress). FAILED_PRECONDITION says what to change.
+absl::Status CheckMetricsExposure(const ServerConfig& c);
+// True for unix: addresses and for a host:port whose host resolves only to loopback
+// addresses (127.0.0.0/8, ::1, ::ffff:127.0.0.0/104): an IP literal, localhost, or a name
+// that points there. Decided by the resolved addresses, not the spelling of the name.
 bool IsLoopbackAddress(const std::string& host_port);
 
 // Parses and validates a YAML document. INVALID_ARGUMENT names the key and the

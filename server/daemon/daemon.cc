@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/log.h"
 #include "common/status_macros.h"
+#include "kvcd_commit.h"
 #include "server/backends/backend.h"
 #include "server/backends/fault_injector.h"
 
@@ -38,36 +40,35 @@ void ApplyLimits(const ServerConfig& c, grpc::ServerBuilder* b) {
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerConfig& config) {
   KVCD_RETURN_IF_ERROR(CheckExposure(config));
+  KVCD_RETURN_IF_ERROR(CheckMetricsExposure(config));
   std::unique_ptr<Daemon> d(new Daemon(config));
   if (config.auth.enabled()) {
     KVCD_ASSIGN_OR_RETURN(d->tokens_, TokenStore::Load(config.auth.tokens_file));
-    std::fprintf(stderr, "kvcd: auth: %zu token(s) from %s (reloaded on change)\n",
-                 d->tokens_->current()->size(), config.auth.tokens_file.c_str());
+    KVCD_LOG(INFO) << "auth: " << d->tokens_->current()->size() << " token(s) from "
+                   << config.auth.tokens_file << " (reloaded on change)";
   } else {
-    std::fprintf(stderr,
-                 "kvcd: auth: off (no auth.tokens_file): every caller may use every "
-                 "tenant\n");
+    KVCD_LOG(INFO) << "auth: off (no auth.tokens_file): every caller may use every tenant";
   }
   std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
   if (config.tls.enabled()) {
     KVCD_ASSIGN_OR_RETURN(d->tls_, TlsCredentialSource::Create(config.tls));
     creds = d->tls_->ServerCredentials();
-    std::fprintf(stderr, "kvcd: tls: on (%s), certificate %s, reloaded on change\n",
-                 config.tls.client_ca_file.empty() ? "server certificate only"
-                                                   : "mutual: client certificates required",
-                 config.tls.cert_file.c_str());
+    KVCD_LOG(INFO) << "tls: on ("
+                   << (config.tls.client_ca_file.empty() ? "server certificate only"
+                                                         : "mutual: client certificates required")
+                   << "), certificate " << config.tls.cert_file << ", reloaded on change";
   } else {
-    std::fprintf(stderr, "kvcd: tls: off (no tls.cert_file): the API port is plaintext\n");
+    KVCD_LOG(INFO) << "tls: off (no tls.cert_file): the API port is plaintext";
   }
   if (config.insecure && !IsLoopbackAddress(config.listen) &&
       !(config.tls.enabled() && config.auth.enabled())) {
-    std::fprintf(stderr,
-                 "kvcd: WARNING: --insecure: serving %s on non-loopback address '%s'; anyone "
-                 "who can reach it can read and overwrite every tenant's KV cache\n",
-                 config.tls.enabled()    ? "without authentication"
-                 : config.auth.enabled() ? "without TLS (tokens travel in clear text)"
-                                         : "without TLS or authentication",
-                 config.listen.c_str());
+    KVCD_LOG(WARNING) << "--insecure: serving "
+                      << (config.tls.enabled()    ? "without authentication"
+                          : config.auth.enabled() ? "without TLS (tokens travel in clear text)"
+                                                  : "without TLS or authentication")
+                      << " on non-loopback address '" << config.listen
+                      << "'; anyone who can reach it can read and overwrite every tenant's KV "
+                         "cache";
   }
   std::unique_ptr<Backend> backend;
   if (config.backend == "cpu") {
@@ -84,15 +85,19 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerConfig& config
   if (!config.fault_inject.empty()) {
     KVCD_ASSIGN_OR_RETURN(std::shared_ptr<FaultInjector> injector,
                           FaultInjector::Parse(config.fault_inject));
-    std::fprintf(stderr, "kvcd: WARNING: --fault-inject %s: the backend fails on purpose (tests)\n",
-                 config.fault_inject.c_str());
+    KVCD_LOG(WARNING) << "--fault-inject " << config.fault_inject
+                      << ": the backend fails on purpose (tests)";
     backend = WithFaultInjection(std::move(backend), std::move(injector));
   }
   d->engine_ = std::make_unique<CacheEngine>(config, std::move(backend));
   for (const ModelSpec& spec : config.models) {
     KVCD_RETURN_IF_ERROR(d->engine_->RegisterModelSpec(spec));
   }
-  d->metrics_ = std::make_unique<Metrics>(d->engine_.get());
+  BuildLabels build{.version = KVCD_VERSION, .commit = KVCD_COMMIT, .backend = config.backend};
+#ifdef KVCD_HAVE_CUDA_BACKEND
+  build.cuda = true;
+#endif
+  d->metrics_ = std::make_unique<Metrics>(d->engine_.get(), build);
   d->executor_ = std::make_unique<ThreadPool>(config.worker_threads);
   d->service_ = std::make_unique<KvCacheService>(d->engine_.get(), d->metrics_.get(),
                                                  d->executor_.get(), d->tokens_.get());
@@ -131,10 +136,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerConfig& config
 
   if (!config.metrics_listen.empty()) {
     if (!IsLoopbackAddress(config.metrics_listen)) {
-      std::fprintf(stderr,
-                   "kvcd: metrics on non-loopback address '%s' are plaintext and "
-                   "unauthenticated (aggregate counters only, no tenant data)\n",
-                   config.metrics_listen.c_str());
+      // CheckMetricsExposure refused metrics_per_tenant here: this is true.
+      KVCD_LOG(WARNING) << "metrics on non-loopback address '" << config.metrics_listen
+                        << "' are plaintext and unauthenticated (aggregate counters only, no "
+                           "tenant data)";
+    } else if (config.metrics_per_tenant) {
+      KVCD_LOG(WARNING) << "metrics_per_tenant: the metrics on '" << config.metrics_listen
+                        << "' name every tenant and its use (kvcd_tenant_*)";
     }
     KVCD_ASSIGN_OR_RETURN(int mport, d->metrics_->Serve(config.metrics_listen));
     d->metrics_address_ = absl::StrCat(HostOf(config.metrics_listen), ":", mport);
@@ -158,13 +166,13 @@ void Daemon::ReaperLoop() {
                             .count();
     ReloadCredentials();
     const int n = engine_->ExpireLeases(now);
-    if (n > 0) std::fprintf(stderr, "kvcd: closed %d sequence(s) whose lease expired\n", n);
+    if (n > 0) KVCD_LOG(INFO) << "closed " << n << " sequence(s) whose lease expired";
     const int pins = engine_->ExpirePins(now);
-    if (pins > 0) std::fprintf(stderr, "kvcd: removed %d prefix pin(s) whose ttl ran out\n", pins);
+    if (pins > 0) KVCD_LOG(INFO) << "removed " << pins << " prefix pin(s) whose ttl ran out";
     if (!engine_->backend_healthy() && !fatal_.exchange(true)) {
       // A sticky device error: stop serving, drain from another thread, exit non-zero.
-      std::fprintf(stderr, "kvcd: backend '%s' hit an unrecoverable error; NOT_SERVING\n",
-                   engine_->backend_name());
+      KVCD_LOG(ERROR) << "backend '" << engine_->backend_name()
+                      << "' hit an unrecoverable error; NOT_SERVING";
       health_.SetServing(false);
       health_only_.SetServing(false);
       std::thread([this] { Drain(); }).detach();
@@ -176,7 +184,7 @@ void Daemon::ReaperLoop() {
 void Daemon::ReloadCredentials() {
   if (tls_) {
     const std::string line = tls_->Poll();
-    if (!line.empty()) std::fprintf(stderr, "kvcd: %s\n", line.c_str());
+    if (!line.empty()) KVCD_LOG(INFO) << line;
   }
   if (!tokens_) return;
   const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -189,10 +197,10 @@ void Daemon::ReloadCredentials() {
     case TokenStore::ReloadResult::kUnchanged:
       break;
     case TokenStore::ReloadResult::kReloaded:
-      std::fprintf(stderr, "kvcd: auth: %s\n", message.c_str());
+      KVCD_LOG(INFO) << "auth: " << message;
       break;
     case TokenStore::ReloadResult::kFailed:
-      std::fprintf(stderr, "kvcd: auth: reload failed: %s\n", message.c_str());
+      KVCD_LOG(WARNING) << "auth: reload failed: " << message;
       break;
   }
 }
@@ -240,13 +248,12 @@ void Daemon::Drain() {
   const auto t2 = std::chrono::steady_clock::now();
   if (reaper_.joinable()) reaper_.join();
   tls_.reset();  // removes the staged copies of the TLS files
-  std::fprintf(
-      stderr,
-      "kvcd: drain: api %.0f ms (calls in flight %.0f ms), health %.0f ms, reaper %.0f ms\n",
-      std::chrono::duration<double, std::milli>(t1 - t0).count(),
-      std::chrono::duration<double, std::milli>(t_idle - t0).count(),
-      std::chrono::duration<double, std::milli>(t2 - t1).count(),
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t2).count());
+  auto ms = [](auto d) {
+    return absl::StrFormat("%.0f", std::chrono::duration<double, std::milli>(d).count());
+  };
+  KVCD_LOG(INFO) << "drain: api " << ms(t1 - t0) << " ms (calls in flight " << ms(t_idle - t0)
+                 << " ms), health " << ms(t2 - t1) << " ms, reaper "
+                 << ms(std::chrono::steady_clock::now() - t2) << " ms";
   {
     std::lock_guard<std::mutex> lock(mu_);
     drained_ = true;

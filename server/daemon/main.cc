@@ -10,9 +10,12 @@
 
 #include "absl/flags/flag.h"
 #include "common/cli.h"
+#include "common/log.h"
 #include "kvcd/kernels/cpu_features.h"
+#include "kvcd_commit.h"
 #include "server/config/config.h"
 #include "server/daemon/daemon.h"
+#include "server/daemon/grpc_log.h"
 #include "server/daemon/protobuf_log.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/tls.h"
@@ -26,6 +29,9 @@ ABSL_FLAG(std::string, health_listen, "",
 ABSL_FLAG(bool, insecure, false,
           "serve a non-loopback address without TLS and tokens (logged; never on an untrusted "
           "network)");
+ABSL_FLAG(std::string, log_format, "text",
+          "the log's lines on stderr: text (time, level, source, message) or json (one object "
+          "per line: time, level, source, message)");
 ABSL_FLAG(std::string, fault_inject, "",
           "tests only: alloc:N, copy:N, attend:N or sticky:KIND:N, comma-separated, makes the "
           "backend fail on purpose");
@@ -33,7 +39,8 @@ ABSL_FLAG(std::string, fault_inject, "",
 namespace {
 
 const std::vector<std::string> kFlags = {"config",        "listen",   "metrics_listen",
-                                         "health_listen", "insecure", "fault_inject"};
+                                         "health_listen", "insecure", "log_format",
+                                         "fault_inject"};
 
 const kvcd::cli::Program& Cli() {
   static const kvcd::cli::Program program = {
@@ -43,7 +50,8 @@ const kvcd::cli::Program& Cli() {
       .commands = {{.name = "serve",
                     .synopsis =
                         "[--config FILE] [--listen HOST:PORT] [--metrics-listen HOST:PORT]\n"
-                        "    [--health-listen HOST:PORT] [--insecure] [--fault-inject SPEC]",
+                        "    [--health-listen HOST:PORT] [--insecure] [--log-format text|json]\n"
+                        "    [--fault-inject SPEC]",
                     .description =
                         R"(start the daemon
 Without --config it serves the built-in profiles 'qwen3-8b' (1 GiB) and 'tiny'
@@ -51,7 +59,8 @@ Without --config it serves the built-in profiles 'qwen3-8b' (1 GiB) and 'tiny'
 config file. When ready it prints one line to stdout:
   kvcd ready grpc=HOST:PORT metrics=HOST:PORT health=HOST:PORT
 SIGTERM/SIGINT drain it: health turns NOT_SERVING, new calls get UNAVAILABLE,
-calls in flight finish, then it exits 0.
+calls in flight finish, then it exits 0. The log goes to stderr, one line per
+event with its time and level (--log-format json: one JSON object per line).
 A non-loopback --listen/listen needs TLS (tls.cert_file, tls.key_file) and bearer
 tokens (auth.tokens_file); --insecure serves it without them.
 --fault-inject SPEC: server/backends/fault_injector.h.)",
@@ -70,11 +79,20 @@ int Fail(const std::string& msg) {
   return 2;
 }
 
+// A failure of `serve` after the command line was read: one ERROR line in the log.
+int FailServe(const absl::Status& s) {
+  KVCD_LOG(ERROR) << s.message();
+  return 2;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const kvcd::cli::Parsed cli = kvcd::cli::Parse(Cli(), argc, argv);
   const std::string cmd = cli.command->name;
+  if (absl::Status s = kvcd::log::SetFormat(absl::GetFlag(FLAGS_log_format)); !s.ok()) {
+    return kvcd::cli::UsageError(Cli(), cli.command, s.message());
+  }
   const std::string config_path = absl::GetFlag(FLAGS_config);
   const std::string listen = absl::GetFlag(FLAGS_listen);
   kvcd::ServerConfig config;
@@ -96,6 +114,8 @@ int main(int argc, char** argv) {
 
   if (cmd == "check-config") {
     if (absl::Status s = kvcd::CheckExposure(config); !s.ok())
+      return Fail(std::string(s.message()));
+    if (absl::Status s = kvcd::CheckMetricsExposure(config); !s.ok())
       return Fail(std::string(s.message()));
     if (absl::Status s = kvcd::CheckModelCodecs(config); !s.ok()) {
       return Fail(std::string(s.message()));
@@ -131,12 +151,14 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   kvcd::InstallRateLimitedProtobufLog();  // invalid UTF-8 in requests must not flood the log
+  kvcd::InstallRateLimitedGrpcLog();      // nor handshakes that fail in a loop
   auto daemon = kvcd::Daemon::Start(config);
-  if (!daemon.ok()) return Fail(std::string(daemon.status().message()));
-  std::fprintf(stderr, "kvcd %s: backend %s (cpu isa %s), %zu model(s), budget %llu bytes\n",
-               KVCD_VERSION, config.backend.c_str(),
-               kvcd::kernels::CpuIsaName(kvcd::kernels::ActiveCpuIsa()), config.models.size(),
-               static_cast<unsigned long long>(config.memory_budget_bytes));
+  if (!daemon.ok()) return FailServe(daemon.status());
+  KVCD_LOG(INFO) << "kvcd " << KVCD_VERSION << " (commit " << KVCD_COMMIT << "): backend "
+                 << config.backend << " (cpu isa "
+                 << kvcd::kernels::CpuIsaName(kvcd::kernels::ActiveCpuIsa()) << "), "
+                 << config.models.size() << " model(s), budget " << config.memory_budget_bytes
+                 << " bytes";
   std::printf("kvcd ready grpc=%s metrics=%s health=%s\n", (*daemon)->grpc_address().c_str(),
               (*daemon)->metrics_address().empty() ? "off" : (*daemon)->metrics_address().c_str(),
               (*daemon)->health_address().empty() ? (*daemon)->grpc_address().c_str()
@@ -147,14 +169,17 @@ int main(int argc, char** argv) {
   std::thread signal_thread([raw, signals] {
     int sig = 0;
     sigwait(&signals, &sig);
-    std::fprintf(stderr, "kvcd: signal %d, draining\n", sig);
+    KVCD_LOG(INFO) << "signal " << sig << ", draining";
     raw->Drain();
   });
   raw->Wait();
   signal_thread.detach();  // still in sigwait if the backend failed
   const bool fatal = raw->fatal();
-  std::fprintf(
-      stderr, fatal ? "kvcd: backend failed, exiting with status 1\n" : "kvcd: drained, exiting\n");
+  if (fatal) {
+    KVCD_LOG(ERROR) << "backend failed, exiting with status 1";
+  } else {
+    KVCD_LOG(INFO) << "drained, exiting";
+  }
   std::fflush(nullptr);
   // Every RPC has finished. Skip the remaining destructors: the metrics exposer's web
   // server (civetweb) alone takes seconds to stop, and the pools are only memory.

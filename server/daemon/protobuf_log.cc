@@ -2,9 +2,8 @@
 
 #include <google/protobuf/stubs/logging.h>
 
-#include <cstdio>
-
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
 
 namespace kvcd {
 
@@ -12,7 +11,7 @@ void LogRateLimiter::Log(const std::string& line, std::chrono::steady_clock::tim
   std::lock_guard<std::mutex> lock(mu_);
   if (now - window_start_ >= window_) {
     if (suppressed_ > 0) {
-      sink_(absl::StrCat("kvcd: ", suppressed_, " protobuf log line(s) suppressed in the last ",
+      sink_(absl::StrCat(suppressed_, " ", what_, " log line(s) suppressed in the last ",
                          window_.count(), " ms"));
     }
     window_start_ = now;
@@ -30,9 +29,9 @@ void LogRateLimiter::Log(const std::string& line, std::chrono::steady_clock::tim
 namespace {
 
 LogRateLimiter& ProtobufLimiter() {
-  static LogRateLimiter* limiter = new LogRateLimiter(
-      10, std::chrono::milliseconds(10000),
-      [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); });
+  static LogRateLimiter* limiter =
+      new LogRateLimiter(10, std::chrono::milliseconds(10000),
+                         [](const std::string& line) { KVCD_LOG(WARNING) << line; });
   return *limiter;
 }
 
@@ -40,7 +39,7 @@ void OnProtobufLog(google::protobuf::LogLevel level, const char* filename, int l
                    const std::string& message) {
   static const char* const kLevels[] = {"INFO", "WARNING", "ERROR", "FATAL"};
   const int l = static_cast<int>(level);
-  ProtobufLimiter().Log(absl::StrCat("kvcd: protobuf ", l >= 0 && l < 4 ? kLevels[l] : "LOG", " ",
+  ProtobufLimiter().Log(absl::StrCat("protobuf ", l >= 0 && l < 4 ? kLevels[l] : "LOG", " ",
                                      filename, ":", line, ": ", message),
                         std::chrono::steady_clock::now());
 }

@@ -20,24 +20,27 @@ namespace kvcd {
 class LogRateLimiter {
  public:
   using Sink = std::function<void(const std::string& line)>;
-  LogRateLimiter(int lines_per_window, std::chrono::milliseconds window, Sink sink)
-      : limit_(lines_per_window), window_(window), sink_(std::move(sink)) {}
+  // `what` names the library in the line that counts the suppressed ones.
+  LogRateLimiter(int lines_per_window, std::chrono::milliseconds window, Sink sink,
+                 std::string what = "protobuf")
+      : limit_(lines_per_window), window_(window), sink_(std::move(sink)), what_(std::move(what)) {}
 
   // Writes `line` to the sink unless this window's quota is spent; the first line of a
-  // later window is preceded by "... N protobuf log line(s) suppressed".
+  // later window is preceded by "N <what> log line(s) suppressed ...".
   void Log(const std::string& line, std::chrono::steady_clock::time_point now);
 
  private:
   const int limit_;
   const std::chrono::milliseconds window_;
   const Sink sink_;
+  const std::string what_;
   std::mutex mu_;
   std::chrono::steady_clock::time_point window_start_{};
   int passed_ = 0;
   int64_t suppressed_ = 0;
 };
 
-// Routes protobuf's log through a LogRateLimiter writing to stderr (10 lines per 10 s).
+// Routes protobuf's log through a LogRateLimiter into the daemon's log (10 lines per 10 s).
 void InstallRateLimitedProtobufLog();
 
 }  // namespace kvcd

@@ -1,8 +1,11 @@
 #include "server/dataplane/decode_channels.h"
 
 #include <fcntl.h>
+#include <linux/futex.h>
+#include <pthread.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cctype>
@@ -14,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/decode_channel_layout.h"
+#include "common/log.h"
 #include "common/phase_times.h"
 #include "common/quote.h"
 #include "common/random_id.h"
@@ -70,6 +74,12 @@ inline void CpuRelax() {
 #endif
 }
 
+// The longest one sleep on the doorbell lasts: the thread then looks at its stop flag and
+// its lease again. A worker that rewrites the doorbell under the daemon (so that the
+// daemon's own wake-up on Close finds the word unchanged) delays its own channel's end by
+// at most this; an idle channel wakes a few times a second for it.
+constexpr std::chrono::milliseconds kMaxSleep{200};
+
 }  // namespace
 
 // Everything read from the mapping is client-controlled and may change or vanish at any
@@ -79,6 +89,9 @@ inline void CpuRelax() {
 // truncated object ends that channel alone.
 struct DecodeChannels::Channel {
   uint64_t id = 0;
+  // The shared-memory object's identity (st_dev, st_ino): one channel per object.
+  dev_t dev = 0;
+  ino_t ino = 0;
   DecodeChannelHeader* header = nullptr;
   size_t bytes = 0;       // mapped bytes: TotalBytes(capacity), fixed at Open
   uint32_t capacity = 0;  // the capacity validated at Open; the header's copy is never reused
@@ -128,13 +141,33 @@ struct DecodeChannels::Channel {
         &args);
   }
 
+  // Stops the serving thread, waking it from the doorbell: stop, then a bump of the
+  // channel's own doorbell (the thread re-reads stop after reading the bell, so either it
+  // sees stop or its FUTEX_WAIT finds the word changed), then FUTEX_WAKE. Only on a
+  // channel that still serves the region (started, not ended).
+  void Stop() {
+    stop.store(true, std::memory_order_seq_cst);
+    if (!thread.joinable() || done.load()) return;
+    struct Args {
+      std::atomic<uint32_t>* bell;
+    } args{&header->doorbell};
+    (void)RunGuarded(
+        header, bytes,
+        [](void* p) {
+          auto* a = static_cast<Args*>(p);
+          a->bell->fetch_add(1, std::memory_order_seq_cst);
+          DecodeChannelHeader::WakeAll(a->bell);
+        },
+        &args);
+  }
+
+  // Writes nothing into the region beyond Stop's doorbell: the serving thread sets `closed`
+  // when it ends, and a channel whose thread never started (a refused open) never served
+  // the region and is not touched at all.
   ~Channel() {
-    stop.store(true);
+    Stop();
     if (thread.joinable()) thread.join();
-    if (header != nullptr) {
-      Store(header->closed, 1u, std::memory_order_release);
-      munmap(header, bytes);
-    }
+    if (header != nullptr) munmap(header, bytes);
   }
 };
 
@@ -187,6 +220,17 @@ absl::StatusOr<uint64_t> DecodeChannels::Open(const std::string& name, int64_t l
         " bytes; capacity must be ", DecodeChannelHeader::kMinCapacity, "..",
         DecodeChannelHeader::kMaxCapacity, "); see common/decode_channel_layout.h"));
   }
+  {
+    // One channel per object, whoever opened the first (and under whatever name): a second
+    // thread would answer the first one's requests and end by marking the region closed.
+    // Checked again, under the lock, before the channel starts.
+    std::lock_guard<std::mutex> lock(mu_);
+    ReapLocked();
+    if (ServedLocked(st.st_dev, st.st_ino)) {
+      close(fd);
+      return AlreadyServed(name);
+    }
+  }
   const size_t bytes = DecodeChannelHeader::TotalBytes(fixed.capacity);
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);
@@ -195,6 +239,8 @@ absl::StatusOr<uint64_t> DecodeChannels::Open(const std::string& name, int64_t l
         absl::StrCat("cannot map ", name, ": ", std::strerror(errno)));
   }
   auto c = std::make_unique<Channel>();
+  c->dev = st.st_dev;
+  c->ino = st.st_ino;
   c->header = static_cast<DecodeChannelHeader*>(p);
   c->bytes = bytes;
   c->capacity = fixed.capacity;
@@ -205,10 +251,8 @@ absl::StatusOr<uint64_t> DecodeChannels::Open(const std::string& name, int64_t l
         absl::StrCat("shared memory ", name, " shrank while the channel was opened"));
   }
   std::lock_guard<std::mutex> lock(mu_);
-  // Channels that ended on their own are reaped here.
-  for (auto it = channels_.begin(); it != channels_.end();) {
-    it = it->second->done.load() ? channels_.erase(it) : std::next(it);
-  }
+  ReapLocked();
+  if (ServedLocked(c->dev, c->ino)) return AlreadyServed(name);
   if (static_cast<int>(channels_.size()) >= options_.max_channels) {
     return absl::ResourceExhaustedError(
         absl::StrCat(options_.max_channels, " decode channels are open; close some first"));
@@ -227,6 +271,7 @@ absl::StatusOr<uint64_t> DecodeChannels::Open(const std::string& name, int64_t l
 }
 
 void DecodeChannels::Serve(Channel* c) {
+  pthread_setname_np(pthread_self(), "kvcd-channel");  // top, /proc/<pid>/task/*/comm
   DecodeChannelHeader& h = *c->header;
   uint64_t seen = c->opened_seq;
   auto last_request = Clock::now();
@@ -249,11 +294,18 @@ void DecodeChannels::Serve(Channel* c) {
       }
       if (closed != 0) break;
       const auto idle = Clock::now() - last_request;
-      if (idle > std::chrono::milliseconds(c->lease_ms)) break;
+      const auto lease = std::chrono::milliseconds(c->lease_ms);
+      if (idle > lease) break;
       if (idle < std::chrono::microseconds(options_.spin_us)) {
         for (int i = 0; i < 64; ++i) CpuRelax();
-      } else {
-        std::this_thread::sleep_for(std::chrono::microseconds(options_.poll_us));
+        continue;
+      }
+      // Past the spin window: sleep on the doorbell until the worker rings it, the
+      // channel is stopped, or the lease (or kMaxSleep) passes.
+      const auto sleep = std::min<Clock::duration>(lease - idle, kMaxSleep);
+      if (!Sleep(c, seen, sleep)) {
+        faulted = true;
+        break;
       }
       continue;
     }
@@ -339,13 +391,13 @@ void DecodeChannels::Serve(Channel* c) {
     served_.fetch_add(1, std::memory_order_relaxed);
   }
   if (faulted) {
-    std::fprintf(stderr,
-                 "kvcd: decode channel %llu: its shared memory shrank under the mapping "
-                 "(SIGBUS caught); channel closed\n",
-                 static_cast<unsigned long long>(c->id));
+    KVCD_LOG(WARNING) << "decode channel " << c->id
+                      << ": its shared memory shrank under the mapping (SIGBUS caught); "
+                         "channel closed";
   }
   // Tell the worker (a guarded store: when the header page is gone too, nothing to tell).
   (void)c->Store(h.closed, 1u, std::memory_order_release);
+  if (c->admission) c->admission->Ended();
   if (PhaseTimes::Enabled()) {  // the channel's timeline (one worker at a time in benches)
     const std::string report =
         PhaseTimes::Report(absl::StrCat("decode channel ", c->id, " (daemon side)"));
@@ -353,6 +405,53 @@ void DecodeChannels::Serve(Channel* c) {
     PhaseTimes::Reset();
   }
   c->done.store(true);
+}
+
+bool DecodeChannels::Sleep(Channel* c, uint64_t seen, Clock::duration timeout) {
+  DecodeChannelHeader& h = *c->header;
+  uint32_t bell = 0, closed = 0;
+  uint64_t seq = 0;
+  if (!c->Load(h.doorbell, &bell, std::memory_order_seq_cst) ||
+      !c->Store(h.daemon_waiting, 1u, std::memory_order_seq_cst) ||
+      !c->Load(h.request_seq, &seq, std::memory_order_seq_cst) ||
+      !c->Load(h.closed, &closed, std::memory_order_seq_cst)) {
+    return false;
+  }
+  if (seq == seen && closed == 0 && !c->stop.load(std::memory_order_seq_cst)) {
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(timeout).count();
+    struct timespec ts {};
+    ts.tv_sec = static_cast<time_t>(ns / 1000000000);
+    ts.tv_nsec = static_cast<long>(ns % 1000000000);
+    // Not FUTEX_PRIVATE_FLAG: the word is in a mapping shared with the worker's process.
+    // EAGAIN (the bell rang since it was read), EINTR and ETIMEDOUT all mean: look again.
+    const long r = syscall(SYS_futex, reinterpret_cast<uint32_t*>(&h.doorbell), FUTEX_WAIT, bell,
+                           &ts, nullptr, 0);
+    if (r != 0 && errno == EFAULT) return false;  // the header page is gone
+  }
+  return c->Store(h.daemon_waiting, 0u, std::memory_order_seq_cst);
+}
+
+void DecodeChannels::ReapLocked() {
+  // Channels that ended on their own (their thread set `closed` and stopped touching the
+  // region): only the mapping is left to release.
+  for (auto it = channels_.begin(); it != channels_.end();) {
+    it = it->second->done.load() ? channels_.erase(it) : std::next(it);
+  }
+}
+
+bool DecodeChannels::ServedLocked(dev_t dev, ino_t ino) const {
+  for (const auto& [id, c] : channels_) {
+    if (c->dev == dev && c->ino == ino) return true;
+  }
+  return false;
+}
+
+absl::Status DecodeChannels::AlreadyServed(const std::string& name) {
+  // Says nothing about the channel that serves it (it may be another tenant's).
+  return absl::AlreadyExistsError(absl::StrCat(
+      "shared memory ", name,
+      " is already served by an open decode channel; a region serves one channel: create a "
+      "new shared-memory object for a new channel"));
 }
 
 absl::Status DecodeChannels::Close(uint64_t id) {
@@ -377,6 +476,7 @@ void DecodeChannels::CloseAll() {
     std::lock_guard<std::mutex> lock(mu_);
     all.swap(channels_);
   }
+  for (auto& [id, c] : all) c->Stop();  // every thread wakes at once; then each is joined
 }
 
 int64_t DecodeChannels::size() const {

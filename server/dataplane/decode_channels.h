@@ -1,14 +1,20 @@
 // DecodeChannels: the daemon side of the same-node decode fast path (OpenDecodeChannel).
-// Each channel maps the worker's shared memory and runs one thread that polls it for
-// requests (spinning for spin_us after each request, then checking every poll_us), asks
+// Each channel maps the worker's shared memory and runs one thread that waits for
+// requests (spinning for spin_us after each request, then sleeping on the region's
+// doorbell, a futex word: an idle channel costs no CPU), asks
 // the channel's admission for each, hands it down to the engine (decode_engine.h) and
 // writes the answers back. A channel ends on Close, when the worker sets the closed flag, after
-// lease_ms without a request, or when the daemon drains (CloseAll).
+// lease_ms without a request, or when the daemon drains (CloseAll); its thread then sets the
+// closed flag. One object is served by at most one channel: a second Open on it is refused,
+// so no channel's end ever writes into a region another channel serves.
 //
 // Thread safety: all methods are thread-safe.
 #pragma once
 
+#include <sys/types.h>
+
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -27,7 +33,6 @@ class DecodeChannels {
  public:
   struct Options {
     int64_t spin_us = 2000;
-    int64_t poll_us = 20;
     int max_channels = 64;
   };
   // engine must outlive the channels.
@@ -35,7 +40,9 @@ class DecodeChannels {
   ~DecodeChannels();
 
   // INVALID_ARGUMENT for a bad name or layout, NOT_FOUND if the object does not exist,
-  // RESOURCE_EXHAUSTED past max_channels. Without an admission every request runs, on
+  // ALREADY_EXISTS if an open channel serves the same object (under any name: the object's
+  // device and inode decide), RESOURCE_EXHAUSTED past max_channels. A refused open writes
+  // nothing into the object. Without an admission every request runs, on
   // the sequences the engine finds.
   absl::StatusOr<uint64_t> Open(const std::string& shm_name, int64_t lease_ms,
                                 std::unique_ptr<DecodeAdmission> admission = nullptr);
@@ -47,6 +54,12 @@ class DecodeChannels {
  private:
   struct Channel;
   void Serve(Channel* c);
+  // Sleeps on c's doorbell for at most `timeout` unless a request past `seen`, `closed` or
+  // a stop is already there. False if the mapping faulted.
+  static bool Sleep(Channel* c, uint64_t seen, std::chrono::steady_clock::duration timeout);
+  void ReapLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool ServedLocked(dev_t dev, ino_t ino) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static absl::Status AlreadyServed(const std::string& name);
 
   DecodeEngine* const engine_;
   const Options options_;

@@ -37,6 +37,9 @@ class DecodeAdmission {
   // is the engine's answer when `s` is OK.
   virtual void Answered(const absl::Status& s, double seconds,
                         const v1::AttentionDecodeResponse& resp) = 0;
+  // Told once, from the channel's thread, when the channel stopped serving (closed by
+  // either side, idle past its lease, drained or faulted), before the channel is reaped.
+  virtual void Ended() {}
 };
 
 }  // namespace kvcd

@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
 #include "common/random_id.h"
 #include "common/status_macros.h"
 #include "server/backends/device_runtime.h"
@@ -151,9 +152,8 @@ absl::StatusOr<NcclLinks::Connection> NcclLinks::Connect(const std::string& name
     } else {
       raw->state = Link::State::kFailed;
       raw->error = e.message();
-      std::fprintf(stderr, "kvcd: NCCL communicator %llu (%s): %s\n",
-                   static_cast<unsigned long long>(raw->id), raw->name.c_str(),
-                   e.message().c_str());
+      KVCD_LOG(ERROR) << "NCCL communicator " << raw->id << " (" << raw->name
+                      << "): " << e.message();
     }
     raw->joined.notify_all();
   });

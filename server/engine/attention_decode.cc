@@ -191,10 +191,13 @@ absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
   }
   KVCD_ASSIGN_OR_RETURN(const DecodeQueries q, ResolveQueries(req, seqs, s));
   KVCD_ASSIGN_OR_RETURN(const DecodeOutputs out, ResolveOutputs(req, batch, s));
-  if (!std::isfinite(req.softmax_scale()) || req.softmax_scale() < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("softmax_scale is ", req.softmax_scale(),
-                     ", expected a finite value >= 0 (0 = 1/sqrt(d))"));
+  // Bounded so that the FP32 scores scale·q·k of real queries and keys stay finite (a scale of
+  // 3e38 answered lse = +Inf); no model's scale comes near it (docs/api.md).
+  if (!(req.softmax_scale() >= 0 && req.softmax_scale() <= kMaxSoftmaxScale)) {
+    return absl::InvalidArgumentError(absl::StrCat("softmax_scale is ", req.softmax_scale(),
+                                                   ", expected 0 (= 1/sqrt(head_dim)) "
+                                                   "or a value in (0, ",
+                                                   kMaxSoftmaxScale, "]"));
   }
   const float scale = req.softmax_scale() == 0 ? 1.0f / std::sqrt(static_cast<float>(s.head_dim))
                                                : req.softmax_scale();

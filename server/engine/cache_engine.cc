@@ -1,5 +1,7 @@
 #include "server/engine/cache_engine.h"
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -87,13 +89,53 @@ CacheEngine::~CacheEngine() = default;
 absl::Status CacheEngine::RegisterModelSpec(const ModelSpec& spec, const std::string& codec_blob,
                                             const std::string* tenant) {
   KVCD_RETURN_IF_ERROR(ValidateModelSpec(spec));
+  uint64_t limit = 0;
+  std::string limit_what;
+  {  // Everything that refuses the registration before its codec is parsed, as before.
+    std::lock_guard<std::mutex> lock(mu_);
+    bool registered = false;
+    KVCD_RETURN_IF_ERROR(CheckRegistrationLocked(spec, tenant, &registered, &limit, &limit_what));
+    if (registered) return absl::OkStatus();  // idempotent
+  }
+  // The codec file (RegisterModel's codec_blob, or the spec's codec_file) is parsed without
+  // the engine's lock, which every other call needs: a large one takes a while. Its
+  // transient allocations (the header's JSON tree, the copies of the file) are given back
+  // to the system once it is parsed.
+  absl::StatusOr<std::unique_ptr<const ModelCodec>> codec = LoadModelCodec(spec, codec_blob);
+#if defined(__GLIBC__)
+  if (codec_blob.size() >= kTrimAfterCodecBytes || !spec.codec_file.empty()) malloc_trim(0);
+#endif
+  if (!codec.ok()) return codec.status();
   std::lock_guard<std::mutex> lock(mu_);
+  // Checked again: another registration may have taken the name or the budget meanwhile.
+  bool registered = false;
+  KVCD_RETURN_IF_ERROR(CheckRegistrationLocked(spec, tenant, &registered, &limit, &limit_what));
+  if (registered) return absl::OkStatus();
+  // The budget counts what the pools really take (rounded by the backend); a model that
+  // does not fit once rounded is refused before anything is allocated.
+  KVCD_ASSIGN_OR_RETURN(auto cache, ModelCache::Create(spec, backend_.get(), config_.high_watermark,
+                                                       config_.low_watermark, &counters_,
+                                                       std::move(*codec), limit, limit_what));
+  cache->set_memory_shares([this](const std::string& t) { return tenants_.PoolShare(t); });
+  budget_used_ += cache->allocated_bytes();
+  if (tenant != nullptr) tenants_.AddRegistration(*tenant, cache->allocated_bytes());
+  models_.emplace(spec.name, std::move(cache));
+  return absl::OkStatus();
+}
+
+absl::Status CacheEngine::CheckRegistrationLocked(const ModelSpec& spec, const std::string* tenant,
+                                                  bool* registered, uint64_t* limit,
+                                                  std::string* limit_what) const {
+  *registered = false;
   auto it = models_.find(spec.name);
   if (it != models_.end()) {
     v1::ModelProfile a, b;
     ProfileFromSpec(it->second->spec(), &a);
     ProfileFromSpec(spec, &b);
-    if (a.SerializeAsString() == b.SerializeAsString()) return absl::OkStatus();  // idempotent
+    if (a.SerializeAsString() == b.SerializeAsString()) {
+      *registered = true;  // idempotent
+      return absl::OkStatus();
+    }
     return absl::AlreadyExistsError(absl::StrCat(
         "model ", Quote(spec.name), " is already registered with a different profile"));
   }
@@ -104,21 +146,12 @@ absl::Status CacheEngine::RegisterModelSpec(const ModelSpec& spec, const std::st
         config_.memory_budget_bytes, " are unassigned"));
   }
   // A tenant's registrations: at most max_models, and max_model_bytes of pools in all.
-  uint64_t limit = config_.memory_budget_bytes - budget_used_;
-  std::string limit_what;
+  *limit = config_.memory_budget_bytes - budget_used_;
+  limit_what->clear();
   if (tenant != nullptr) {
     KVCD_RETURN_IF_ERROR(
-        tenants_.CheckRegistration(*tenant, spec.name, spec.memory_bytes, &limit, &limit_what));
+        tenants_.CheckRegistration(*tenant, spec.name, spec.memory_bytes, limit, limit_what));
   }
-  // The budget counts what the pools really take (rounded by the backend); a model that
-  // does not fit once rounded is refused before anything is allocated.
-  KVCD_ASSIGN_OR_RETURN(auto cache, ModelCache::Create(spec, backend_.get(), config_.high_watermark,
-                                                       config_.low_watermark, &counters_,
-                                                       codec_blob, limit, limit_what));
-  cache->set_memory_shares([this](const std::string& t) { return tenants_.PoolShare(t); });
-  budget_used_ += cache->allocated_bytes();
-  if (tenant != nullptr) tenants_.AddRegistration(*tenant, cache->allocated_bytes());
-  models_.emplace(spec.name, std::move(cache));
   return absl::OkStatus();
 }
 
@@ -153,9 +186,38 @@ void CacheEngine::FillModelInfo(const ModelCache& m, v1::ModelInfo* info) const 
   info->set_active_sequences(static_cast<uint64_t>(snap.active_sequences));
 }
 
+namespace {
+
+// What SpecFromProfile cannot see: enum values the proto does not define (it would read
+// them as the default), and a codec named twice.
+absl::Status CheckProfileFields(const v1::RegisterModelRequest& req) {
+  const v1::ModelProfile& p = req.profile();
+  if (!v1::KeyNorm_IsValid(p.key_norm())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("profile.key_norm is ", p.key_norm(),
+                     ", not a known KeyNorm; expected KEY_NORM_NONE (0) or KEY_NORM_RMS (1)"));
+  }
+  if (!v1::RopePairing_IsValid(p.rope().pairing())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "profile.rope.pairing is ", p.rope().pairing(),
+        ", not a known RopePairing; expected ROPE_PAIRING_HALF (0) or ROPE_PAIRING_INTERLEAVED "
+        "(1)"));
+  }
+  if (!req.codec_blob().empty() && !p.codec().empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("profile.codec is ", Quote(p.codec()),
+                     " and codec_blob is set: the codec comes from one of them, set either "
+                     "profile.codec or codec_blob, not both"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status CacheEngine::RegisterModel(const v1::RegisterModelRequest& req,
                                         v1::RegisterModelResponse* resp) {
   KVCD_RETURN_IF_ERROR(HistoryFormatOfProto(req.profile().history_format()).status());
+  KVCD_RETURN_IF_ERROR(CheckProfileFields(req));
   const ModelSpec spec = SpecFromProfile(req.profile());
   if (req.tenant().size() > kMaxSaltBytes) {
     return absl::InvalidArgumentError(absl::StrCat("tenant has ", req.tenant().size(),
@@ -611,6 +673,8 @@ absl::Status CacheEngine::Stats(const v1::StatsRequest&, v1::StatsResponse* resp
     t->set_registered_model_bytes(u.registered_model_bytes);
     t->set_max_models(static_cast<uint64_t>(u.quota.max_models));
     t->set_max_model_bytes(u.quota.max_model_bytes);
+    t->set_open_decode_channels(static_cast<uint64_t>(u.open_decode_channels));
+    t->set_max_decode_channels(static_cast<uint64_t>(u.quota.max_decode_channels));
     t->set_pinned_prefix_pages(static_cast<uint64_t>(u.pinned_prefix_pages));
     t->set_max_pinned_prefix_pages(static_cast<uint64_t>(u.quota.max_pinned_prefix_pages));
   }

@@ -42,7 +42,9 @@ class CacheEngine : public DecodeEngine {
   // RegisterModel call) the registration counts against that tenant's max_models and
   // max_model_bytes (RESOURCE_EXHAUSTED naming the quota, nothing allocated); without
   // (the config's models) it counts against no tenant. Registering a model already
-  // registered with the same profile is OK and counts nothing.
+  // registered with the same profile is OK and counts nothing. The codec file is parsed
+  // without the engine's lock (other calls go on meanwhile) and its transient memory is
+  // given back to the system afterwards.
   absl::Status RegisterModelSpec(const ModelSpec& spec, const std::string& codec_blob = "",
                                  const std::string* tenant = nullptr);
 
@@ -108,6 +110,8 @@ class CacheEngine : public DecodeEngine {
 
   const CacheCounters& counters() const { return counters_; }
   const LeasePolicy& leases() const { return sequences_.leases(); }
+  // What each tenant holds (decode channels are charged here by the RPC layer).
+  TenantLedger& ledger() { return tenants_; }
   const ServerConfig& config() const { return config_; }
   const char* backend_name() const { return backend_->name(); }
   bool backend_healthy() const { return backend_->Healthy(); }
@@ -173,6 +177,16 @@ class CacheEngine : public DecodeEngine {
   absl::Status BindDecodeIo(const v1::AttentionDecodeRequest& req, const ModelSpec& s,
                             int64_t batch, const DecodeQueries& q, const DecodeOutputs& out,
                             ModelCache::DeviceIo* device, v1::AttentionDecodeResponse* resp);
+
+  // RegisterModelSpec's checks before anything is parsed or allocated: ALREADY_EXISTS,
+  // the budget, the tenant's registration quotas (*limit, *limit_what: what Create may
+  // allocate); *registered when the same profile is registered already.
+  absl::Status CheckRegistrationLocked(const ModelSpec& spec, const std::string* tenant,
+                                       bool* registered, uint64_t* limit,
+                                       std::string* limit_what) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A codec blob this large leaves enough freed heap behind its parse to trim.
+  static constexpr size_t kTrimAfterCodecBytes = 1 << 20;
 
   const ServerConfig config_;
   std::unique_ptr<Backend> backend_;

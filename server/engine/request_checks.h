@@ -1,5 +1,5 @@
 // The bounds every request's plain fields are checked against before anything is routed:
-// cache_salt length, token lists, batch size.
+// cache_salt length, token lists, batch size, softmax_scale.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +13,9 @@ namespace kvcd {
 constexpr int64_t kMaxTokensPerCall = int64_t{1} << 24;
 constexpr int kMaxSaltBytes = 256;
 constexpr int kMaxBatch = 1024;
+// The largest AttentionDecode softmax_scale (docs/api.md): 1/sqrt(head_dim) and 1, the
+// scales models use, with room to spare; at 3e38 the FP32 scores overflowed (lse = +Inf).
+constexpr float kMaxSoftmaxScale = 64.0f;
 
 // INVALID_ARGUMENT if a cache_salt is longer than kMaxSaltBytes.
 absl::Status CheckSalt(const std::string& salt);

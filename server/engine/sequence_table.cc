@@ -69,14 +69,13 @@ void SequenceTable::Refuse(const std::string& salt) {
   ledger_->ReleaseSequence(salt, 0);
 }
 
-absl::Status SequenceTable::Admit(const std::shared_ptr<Sequence>& seq, int64_t lease_ms,
-                                  absl::string_view needer) {
+absl::Status SequenceTable::Admit(const std::shared_ptr<Sequence>& seq, int64_t lease_ms) {
   const int64_t pages = PagesOf(seq->model, seq.get());
   seq->lease_ms.store(lease_ms);
   Touch(seq.get());
   std::unique_lock<std::mutex> lock(mu_);
   --opening_;
-  if (absl::Status s = ledger_->PinPages(seq->salt, pages, needer); !s.ok()) {
+  if (absl::Status s = ledger_->PinPages(seq->salt, pages, "the matched prefix"); !s.ok()) {
     ledger_->ReleaseSequence(seq->salt, 0);
     lock.unlock();
     seq->model->Close(seq.get());
@@ -94,19 +93,34 @@ absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Open(ModelCache* model,
   absl::StatusOr<uint64_t> id = Reserve(salt);
   if (!id.ok()) return id.status();
   std::shared_ptr<Sequence> seq = model->Open(*id, salt, tokens);
-  if (absl::Status s = Admit(seq, lease_ms, "the matched prefix"); !s.ok()) return s;
+  if (absl::Status s = Admit(seq, lease_ms); !s.ok()) return s;
   return seq;
 }
 
 absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Fork(Sequence& src, int64_t lease_ms) {
   absl::StatusOr<uint64_t> id = Reserve(src.salt);
   if (!id.ok()) return id.status();
+  // The fork's pages count against max_pinned_pages before any page is taken for it (its
+  // partial page may evict), so that a refused fork changes nothing.
+  const int64_t pages = PagesOf(src.model, &src);
+  if (absl::Status s = ledger_->PinPages(src.salt, pages, "the fork's pages"); !s.ok()) {
+    Refuse(src.salt);
+    return s;
+  }
   absl::StatusOr<std::shared_ptr<Sequence>> seq = src.model->Fork(*id, &src);
   if (!seq.ok()) {
+    ledger_->AdjustPinned(src.salt, -pages);
     Refuse(src.salt);
     return seq.status();
   }
-  if (absl::Status s = Admit(*seq, lease_ms, "the fork's pages"); !s.ok()) return s;
+  const int64_t held = PagesOf(src.model, seq->get());  // the source may have grown meanwhile
+  (*seq)->lease_ms.store(lease_ms);
+  Touch(seq->get());
+  std::lock_guard<std::mutex> lock(mu_);
+  --opening_;
+  ledger_->AdjustPinned(src.salt, held - pages);
+  pages_[*id] = held;
+  sequences_.emplace(*id, *seq);
   return seq;
 }
 

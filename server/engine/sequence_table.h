@@ -55,7 +55,8 @@ class SequenceTable {
   // A fork of `src` (ModelCache::Fork) with a lease of lease_ms (already granted), counted
   // against max_sequences and its tenant's quotas as Open counts a new sequence (its pages
   // against max_pinned_pages); RESOURCE_EXHAUSTED naming the quota and nothing kept
-  // otherwise. NOT_FOUND / FAILED_PRECONDITION as ModelCache::Fork.
+  // otherwise: the quotas are checked before any page is taken for the fork.
+  // NOT_FOUND / FAILED_PRECONDITION as ModelCache::Fork.
   absl::StatusOr<std::shared_ptr<Sequence>> Fork(Sequence& src, int64_t lease_ms);
   // NOT_FOUND unless open; refreshes the lease of a found sequence.
   absl::StatusOr<std::shared_ptr<Sequence>> Find(uint64_t id);
@@ -87,8 +88,7 @@ class SequenceTable {
   absl::StatusOr<uint64_t> Reserve(const std::string& salt);
   // The reserved sequence, now created: counts its pages (max_pinned_pages) and lists it,
   // or closes it and frees the place when they do not fit.
-  absl::Status Admit(const std::shared_ptr<Sequence>& seq, int64_t lease_ms,
-                     absl::string_view needer);
+  absl::Status Admit(const std::shared_ptr<Sequence>& seq, int64_t lease_ms);
   void Refuse(const std::string& salt);
   static void Touch(Sequence* seq);
 

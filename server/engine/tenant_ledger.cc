@@ -134,6 +134,33 @@ void TenantLedger::AddRegistration(const std::string& tenant, uint64_t bytes) {
   h.model_bytes += bytes;
 }
 
+absl::Status TenantLedger::TakeDecodeChannel(const std::vector<std::string>& tenants) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const std::string& tenant : tenants) {
+    const int64_t limit = Quota(tenant).max_decode_channels;
+    auto it = held_.find(tenant);
+    const int64_t now = it == held_.end() ? 0 : it->second.decode_channels;
+    if (limit > 0 && now >= limit) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("tenant ", Quote(tenant), " (a tenant of the token) has ", now,
+                       " decode channels open; its quota max_decode_channels is ", limit,
+                       "; close channels first"));
+    }
+  }
+  for (const std::string& tenant : tenants) ++held_[tenant].decode_channels;
+  return absl::OkStatus();
+}
+
+void TenantLedger::ReleaseDecodeChannel(const std::vector<std::string>& tenants) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const std::string& tenant : tenants) {
+    auto it = held_.find(tenant);
+    if (it == held_.end()) continue;
+    --it->second.decode_channels;
+    DropIfEmptyLocked(it);
+  }
+}
+
 std::vector<TenantUsage> TenantLedger::Usage() const {
   std::map<std::string, TenantUsage> all;
   for (const auto& [name, q] : quotas_.tenants) {
@@ -152,6 +179,7 @@ std::vector<TenantUsage> TenantLedger::Usage() const {
       u.registered_models = h.models;
       u.registered_model_bytes = h.model_bytes;
       u.pinned_prefix_pages = h.prefix_pages;
+      u.open_decode_channels = h.decode_channels;
     }
   }
   std::vector<TenantUsage> out;

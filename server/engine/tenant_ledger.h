@@ -3,11 +3,11 @@
 // (server/rpc/authorizer.h). The ledger keeps each tenant's quota (config.h TenantQuota)
 // beside what it holds against it: open sequences, the pages they pin (a count; the pages
 // themselves are the sequences'), its share of each model's page pools (ModelCache asks
-// PoolShare and counts the pages), and the models registered under it with their bytes.
-// The pages its prefix pins (PinPrefix) hold count against max_pinned_prefix_pages, per pin:
-// a page under two of the tenant's pins counts twice. The sequence table, the prefix-pin
-// table, the engine's registrations and the model caches consult it; no one else reads the
-// quotas.
+// PoolShare and counts the pages), the models registered under it with their bytes, and the
+// decode channels open with a token that grants it. The pages its prefix pins (PinPrefix)
+// hold count against max_pinned_prefix_pages, per pin: a page under two of the tenant's
+// pins counts twice. The sequence table, the prefix-pin table, the engine's registrations,
+// the decode channels and the model caches consult it; no one else reads the quotas.
 //
 // Thread safety: all methods are thread-safe.
 #pragma once
@@ -36,6 +36,7 @@ struct TenantUsage {
   int64_t registered_models = 0;
   uint64_t registered_model_bytes = 0;
   int64_t pinned_prefix_pages = 0;  // held by its live prefix pins (summed over the pins)
+  int64_t open_decode_channels = 0;
 };
 
 class TenantLedger {
@@ -75,6 +76,11 @@ class TenantLedger {
                                  std::string* limit_what) const;
   void AddRegistration(const std::string& tenant, uint64_t bytes);
 
+  // One more decode channel for each of `tenants` (the tenants its token grants), all or
+  // none: RESOURCE_EXHAUSTED naming max_decode_channels and the first tenant at its quota.
+  absl::Status TakeDecodeChannel(const std::vector<std::string>& tenants);
+  void ReleaseDecodeChannel(const std::vector<std::string>& tenants);
+
   // Every tenant with a configured quota, open sequences or registrations, by name.
   std::vector<TenantUsage> Usage() const;
 
@@ -85,8 +91,10 @@ class TenantLedger {
     int64_t models = 0;
     uint64_t model_bytes = 0;  // allocated
     int64_t prefix_pages = 0;  // held by prefix pins
+    int64_t decode_channels = 0;
     bool empty() const {
-      return sequences == 0 && pinned_pages == 0 && models == 0 && prefix_pages == 0;
+      return sequences == 0 && pinned_pages == 0 && models == 0 && prefix_pages == 0 &&
+             decode_channels == 0;
     }
   };
   void DropIfEmptyLocked(std::map<std::string, Held>::iterator it)

@@ -1,5 +1,7 @@
 #include "server/formats/model_spec.h"
 
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 #include "common/quote.h"
 
@@ -37,19 +39,24 @@ absl::Status ValidateModelSpec(const ModelSpec& s) {
   if (s.page_size < 1 || s.page_size > 1024) {
     return bad(absl::StrCat("page_size is ", s.page_size, ", expected 1..1024"));
   }
-  if (s.sink_tokens < 0 || s.sink_tokens % s.page_size != 0) {
+  if (s.sink_tokens < 0 || s.sink_tokens > (1 << 20) || s.sink_tokens % s.page_size != 0) {
     return bad(absl::StrCat("sink_tokens is ", s.sink_tokens,
-                            ", expected a non-negative multiple of page_size (", s.page_size, ")"));
+                            ", expected a multiple of page_size (", s.page_size,
+                            ") in 0..1048576"));
   }
   if (s.recent_tokens < 0 || s.recent_tokens > (1 << 20)) {
     return bad(absl::StrCat("recent_tokens is ", s.recent_tokens, ", expected 0..1048576"));
   }
-  if (!(s.rope_theta > 0)) return bad("rope.theta must be > 0");
+  if (!(s.rope_theta > 0 && std::isfinite(s.rope_theta))) {
+    return bad(absl::StrCat("rope.theta is ", s.rope_theta, ", expected a finite value > 0"));
+  }
   if (s.rope_rotary_dims < 0 || s.rope_rotary_dims > d || s.rope_rotary_dims % 2 != 0) {
     return bad(absl::StrCat("rope.rotary_dims is ", s.rope_rotary_dims,
                             ", expected an even value in 0..head_dim (0 = head_dim)"));
   }
-  if (!(s.rope_scaling > 0)) return bad("rope.scaling must be > 0");
+  if (!(s.rope_scaling > 0 && std::isfinite(s.rope_scaling))) {
+    return bad(absl::StrCat("rope.scaling is ", s.rope_scaling, ", expected a finite value > 0"));
+  }
   if (s.memory_bytes == 0) return bad("memory_bytes must be > 0 (the model's share of the budget)");
   if (s.history_format != FormatId::kBf16 && !(s.bf16_fraction > 0 && s.bf16_fraction < 1)) {
     return bad(absl::StrCat("bf16_fraction is ", s.bf16_fraction, ", expected 0 < x < 1"));

@@ -1,12 +1,15 @@
 #include "server/metrics/metrics.h"
 
+#include <algorithm>
 #include <map>
 #include <utility>
-#include <algorithm>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "prometheus/collectable.h"
+#include "prometheus/gauge.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/text_serializer.h"
 
@@ -174,9 +177,12 @@ class CacheCollector final : public prometheus::Collectable {
                          MetricType::Gauge);
     Add(&budget, static_cast<double>(engine_->config().memory_budget_bytes));
     out.push_back(std::move(budget));
-    // Per tenant (cache_salt): only tenants with open sequences, pages in a pool, registered
-    // models or a configured quota, so the label's values stay bounded by max_sequences,
-    // the pools' pages, the memory budget and the config.
+    // Per tenant (cache_salt), only with metrics_per_tenant (tenant names and their use on an
+    // unauthenticated port: an operator's explicit choice, and only on loopback,
+    // CheckMetricsExposure): only tenants with open sequences, pages in a pool, registered
+    // models, decode channels or a configured quota, so the label's values stay bounded by
+    // max_sequences, the pools' pages, the memory budget and the config.
+    if (!engine_->config().metrics_per_tenant) return out;
     auto t_seqs = Family("kvcd_tenant_open_sequences", "Open sequences by tenant (cache_salt).",
                          MetricType::Gauge);
     auto t_pages =
@@ -194,10 +200,13 @@ class CacheCollector final : public prometheus::Collectable {
     auto t_prefix = Family("kvcd_tenant_pinned_prefix_pages",
                            "Pages held by a tenant's live prefix pins (summed over its pins).",
                            MetricType::Gauge);
+    auto t_channels =
+        Family("kvcd_tenant_open_decode_channels",
+               "Decode channels open with a token that grants the tenant.", MetricType::Gauge);
     auto t_quota = Family("kvcd_tenant_quota",
                           "A tenant's quota by kind (max_sequences, max_pinned_pages, "
-                          "max_lease_ms, max_models, max_model_bytes, max_pinned_prefix_pages: "
-                          "0 = no limit; max_memory_share: 1 = no limit).",
+                          "max_lease_ms, max_models, max_model_bytes, max_pinned_prefix_pages, "
+                          "max_decode_channels: 0 = no limit; max_memory_share: 1 = no limit).",
                           MetricType::Gauge);
     for (const TenantUsage& u : engine_->TenantUsages()) {
       Add(&t_seqs, static_cast<double>(u.open_sequences), {{"tenant", u.tenant}});
@@ -217,6 +226,9 @@ class CacheCollector final : public prometheus::Collectable {
       Add(&t_quota, static_cast<double>(u.quota.max_pinned_prefix_pages),
           {{"quota", "max_pinned_prefix_pages"}, {"tenant", u.tenant}});
       Add(&t_prefix, static_cast<double>(u.pinned_prefix_pages), {{"tenant", u.tenant}});
+      Add(&t_quota, static_cast<double>(u.quota.max_decode_channels),
+          {{"quota", "max_decode_channels"}, {"tenant", u.tenant}});
+      Add(&t_channels, static_cast<double>(u.open_decode_channels), {{"tenant", u.tenant}});
       Add(&t_held, static_cast<double>(u.held_pages), {{"tenant", u.tenant}});
       Add(&t_models, static_cast<double>(u.registered_models), {{"tenant", u.tenant}});
       Add(&t_model_bytes, static_cast<double>(u.registered_model_bytes), {{"tenant", u.tenant}});
@@ -227,6 +239,7 @@ class CacheCollector final : public prometheus::Collectable {
     out.push_back(std::move(t_models));
     out.push_back(std::move(t_model_bytes));
     out.push_back(std::move(t_prefix));
+    out.push_back(std::move(t_channels));
     out.push_back(std::move(t_quota));
     return out;
   }
@@ -244,9 +257,24 @@ prometheus::Histogram::BucketBoundaries LatencyBuckets() {
 
 }  // namespace
 
-Metrics::Metrics(const CacheEngine* engine)
+Metrics::Metrics(const CacheEngine* engine, const BuildLabels& build)
     : registry_(std::make_shared<prometheus::Registry>()),
       cache_collector_(std::make_shared<CacheCollector>(engine)) {
+  prometheus::BuildGauge()
+      .Name("kvcd_build_info")
+      .Help("The daemon's build: version, commit, serving backend, CUDA compiled in; value 1.")
+      .Register(*registry_)
+      .Add({{"version", build.version},
+            {"commit", build.commit},
+            {"backend", build.backend},
+            {"cuda", build.cuda ? "true" : "false"}})
+      .Set(1);
+  prometheus::BuildGauge()
+      .Name("kvcd_process_start_time_seconds")
+      .Help("When the daemon process started (Unix time, seconds); it changes on a restart.")
+      .Register(*registry_)
+      .Add({})
+      .Set(absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()));
   rpc_seconds_ = &prometheus::BuildHistogram()
                       .Name("kvcd_rpc_duration_seconds")
                       .Help("Server-side latency of kvcd RPCs by method and status code.")

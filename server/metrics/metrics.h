@@ -18,9 +18,20 @@
 
 namespace kvcd {
 
+// What kvcd_build_info{version, commit, backend, cuda} 1 says about the process.
+struct BuildLabels {
+  std::string version;  // KVCD_VERSION
+  std::string commit;   // KVCD_COMMIT: short hash, "-dirty", or "unknown"
+  std::string backend;  // the backend serving: cpu | cuda
+  bool cuda = false;    // whether this build has the CUDA backend
+};
+
 class Metrics {
  public:
-  explicit Metrics(const CacheEngine* engine);
+  // Also exports kvcd_build_info (the labels above, value 1) and
+  // kvcd_process_start_time_seconds (Unix time of this constructor): a restart is a change of
+  // the start time (deploy/prometheus/kvcd-rules.yaml, KvcdRestarted).
+  Metrics(const CacheEngine* engine, const BuildLabels& build);
   ~Metrics();
 
   // Starts the HTTP exposer on `address` (host:port; port 0 picks one). Returns the port.

@@ -146,6 +146,55 @@ absl::Status Authorizer::Check(const Principal& p, const v1::UnpinPrefixRequest&
   // Exactly the answer for a pin that is not live: no probing across tenants.
   return PrefixPins::NotLive(r.pin_id());
 }
+namespace {
+
+bool SeesEverything(const Principal& p) { return p.unrestricted || p.all_tenants; }
+
+// A model's configuration stays; what every tenant's use of it shows goes.
+void ClearActivity(v1::ModelInfo* m) {
+  m->clear_cached_tokens();
+  m->clear_active_sequences();
+  m->clear_compression_ratio();
+  m->clear_demoted_pages();
+  for (v1::PoolInfo& pool : *m->mutable_pools()) pool.clear_pages_used();
+}
+
+}  // namespace
+
+void Authorizer::Scope(const Principal& p, v1::StatsResponse* r) const {
+  if (SeesEverything(p)) return;
+  google::protobuf::RepeatedPtrField<v1::TenantUsage> tenants;
+  for (v1::TenantUsage& t : *r->mutable_tenants()) {
+    if (p.MayUseTenant(t.tenant())) *tenants.Add() = std::move(t);
+  }
+  r->mutable_tenants()->Swap(&tenants);
+  google::protobuf::RepeatedPtrField<v1::PrefixPin> pins;
+  for (v1::PrefixPin& pin : *r->mutable_pins()) {
+    if (p.MayUseTenant(pin.tenant())) *pins.Add() = std::move(pin);
+  }
+  r->mutable_pins()->Swap(&pins);
+  for (v1::ModelInfo& m : *r->mutable_models()) ClearActivity(&m);
+  r->clear_memory_used_bytes();
+  r->clear_hit_tokens();
+  r->clear_miss_tokens();
+  r->clear_hit_ratio();
+  r->clear_evicted_pages();
+  r->clear_demoted_pages();
+  r->clear_active_sequences();
+  r->clear_expired_leases();
+  r->clear_committed_pages();
+  r->clear_forks();
+  r->clear_hit_tokens_put();
+  r->clear_hit_tokens_committed();
+  r->clear_evicted_pages_put();
+  r->clear_evicted_pages_committed();
+}
+
+void Authorizer::Scope(const Principal& p, v1::ListModelsResponse* r) const {
+  if (SeesEverything(p)) return;
+  for (v1::ModelInfo& m : *r->mutable_models()) ClearActivity(&m);
+}
+
 absl::Status Authorizer::Check(const Principal& p, const v1::PutRequest& r) const {
   KVCD_RETURN_IF_ERROR(CheckTenant(p, r.cache_salt()));
   return CheckRefs(p, r);

@@ -20,8 +20,11 @@
 //   for Match). UnpinPrefix: the pin must have been made under one of the token's tenants;
 //   another tenant's pin is answered exactly like a pin that is not live (NOT_FOUND, same
 //   message).
-// - ListModels and Stats: any valid token (Stats lists only the pins of the token's
-//   tenants: KvCacheService filters them).
+// - ListModels and Stats: any valid token, scoped to it (Scope): a token of every tenant
+//   ("*") sees the whole daemon; any other token sees its own tenants in Stats.tenants and
+//   Stats.pins, and no daemon-wide activity (the counters of every tenant's calls, the
+//   pools' used pages, cached tokens and open sequences are 0), only the daemon's
+//   configuration: models, formats, pool sizes, budget, backend, version.
 //
 // Thread-safe.
 #pragma once
@@ -79,6 +82,10 @@ class Authorizer {
   absl::Status Check(const Principal& p, const v1::StatsRequest& r) const;
   absl::Status Check(const Principal& p, const v1::PinPrefixRequest& r) const;
   absl::Status Check(const Principal& p, const v1::UnpinPrefixRequest& r) const;
+  // What of an answer the principal may see (the rules above); the unrestricted principal
+  // and "*" tokens see all of it.
+  void Scope(const Principal& p, v1::StatsResponse* r) const;
+  void Scope(const Principal& p, v1::ListModelsResponse* r) const;
   absl::Status Check(const Principal& p, const v1::RegisterBufferRequest& r) const;
   absl::Status Check(const Principal& p, const v1::UnregisterBufferRequest& r) const;
   absl::Status Check(const Principal& p, const v1::RenewBufferRequest& r) const;

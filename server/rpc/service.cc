@@ -1,8 +1,9 @@
 #include "server/rpc/service.h"
 
-#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <mutex>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/phase_times.h"
@@ -22,6 +23,31 @@ const absl::Status& DrainingStatus() {
   return s;
 }
 
+// The request of a unary call from its bytes. A body that does not parse is the client's
+// error: INVALID_ARGUMENT that says so (gRPC's typed handler answered UNIMPLEMENTED with an
+// empty message).
+absl::Status ParseRequest(const char* method, const grpc::ByteBuffer& in,
+                          google::protobuf::Message* req) {
+  grpc::ByteBuffer bytes(in);  // Deserialize consumes its buffer; the copy shares the slices
+  const size_t size = bytes.Length();
+  if (grpc::SerializationTraits<google::protobuf::Message>::Deserialize(&bytes, req).ok()) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      method, ": the request body (", size, " bytes) is not a valid ", req->GetTypeName(),
+      " (malformed protobuf encoding, or a string field that is not UTF-8)"));
+}
+
+absl::Status SerializeResponse(const char* method, const google::protobuf::Message& resp,
+                               grpc::ByteBuffer* out) {
+  bool own = false;
+  if (grpc::SerializationTraits<google::protobuf::Message>::Serialize(resp, out, &own).ok()) {
+    return absl::OkStatus();
+  }
+  return absl::InternalError(absl::StrCat(method, ": the response (", resp.ByteSizeLong(),
+                                          " bytes) could not be serialized"));
+}
+
 }  // namespace
 
 KvCacheService::KvCacheService(CacheEngine* engine, Metrics* metrics, ThreadPool* executor,
@@ -36,16 +62,32 @@ KvCacheService::KvCacheService(CacheEngine* engine, Metrics* metrics, ThreadPool
                if (!pin.ok()) return pin.status();
                return pin->tenant;
              }),
-      channels_(engine, DecodeChannels::Options{engine->config().decode_channel_spin_us, 20, 64}) {}
+      channels_(engine, DecodeChannels::Options{engine->config().decode_channel_spin_us, 64}) {}
 
 // What a decode channel asks before each request: the token that opened the channel,
 // resolved again for every request (a revoked token stops working), may use every sequence
 // of it; the sequences found go down to the engine with the request. Each answer is
 // observed like a call's.
+//
+// The channel counts against the max_decode_channels quota of each tenant the opening
+// token grants (a token of every tenant, or no auth: the default tenant "") from Open
+// until it ends, whichever way it ends.
 class ChannelAdmission final : public DecodeAdmission {
  public:
-  ChannelAdmission(KvCacheService* service, std::optional<std::string> authorization)
-      : service_(service), authorization_(std::move(authorization)) {}
+  ChannelAdmission(KvCacheService* service, std::optional<std::string> authorization,
+                   std::vector<std::string> tenants)
+      : service_(service), authorization_(std::move(authorization)), tenants_(std::move(tenants)) {}
+  ~ChannelAdmission() override { Ended(); }
+
+  // What a principal's channels are charged to.
+  static std::vector<std::string> TenantsOf(const Principal& p) {
+    if (p.unrestricted || p.all_tenants) return {""};
+    return std::vector<std::string>(p.tenants.begin(), p.tenants.end());
+  }
+
+  void Ended() override {
+    if (!released_.exchange(true)) service_->engine_->ledger().ReleaseDecodeChannel(tenants_);
+  }
 
   absl::StatusOr<FoundSequences> Admit(const v1::AttentionDecodeRequest& req) override {
     absl::StatusOr<std::shared_ptr<const Principal>> now = service_->Authenticate(authorization_);
@@ -76,6 +118,8 @@ class ChannelAdmission final : public DecodeAdmission {
  private:
   KvCacheService* const service_;
   const std::optional<std::string> authorization_;
+  const std::vector<std::string> tenants_;  // charged one channel each (taken before Open)
+  std::atomic<bool> released_{false};
 };
 
 std::optional<std::string> KvCacheService::AuthorizationOf(grpc::CallbackServerContext* ctx) {
@@ -97,8 +141,9 @@ absl::StatusOr<std::shared_ptr<const Principal>> KvCacheService::Authenticate(
   return Authenticate(AuthorizationOf(ctx));
 }
 
-template <class Fn>
+template <class Req, class Resp, class Fn>
 grpc::ServerUnaryReactor* KvCacheService::Run(const char* method, grpc::CallbackServerContext* ctx,
+                                              const grpc::ByteBuffer* in, grpc::ByteBuffer* out,
                                               Fn fn) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   const auto t0 = std::chrono::steady_clock::now();
@@ -118,18 +163,26 @@ grpc::ServerUnaryReactor* KvCacheService::Run(const char* method, grpc::Callback
     CallDone();
     return reactor;
   }
-  executor_->Submit(
-      [this, reactor, method, t0, ctx, p = std::move(*principal), fn = std::move(fn)]() mutable {
-        absl::Status s =
-            ctx->IsCancelled() ? absl::CancelledError("call cancelled by the client") : fn(*p);
-        if (s.code() == absl::StatusCode::kResourceExhausted) {
-          // gRPC's standard retry hint (honoured by gRPC's own retry policy).
-          ctx->AddTrailingMetadata(kRetryPushbackKey, std::to_string(kRetryAfterMs));
-        }
-        metrics_->ObserveRpc(method, s.code(), SecondsSince(t0));
-        reactor->Finish(ToGrpcStatus(s));
-        CallDone();
-      });
+  executor_->Submit([this, reactor, method, t0, ctx, in, out, p = std::move(*principal),
+                     fn = std::move(fn)]() mutable {
+    absl::Status s;
+    if (ctx->IsCancelled()) {
+      s = absl::CancelledError("call cancelled by the client");
+    } else {
+      Req req;
+      Resp resp;
+      s = ParseRequest(method, *in, &req);
+      if (s.ok()) s = fn(*p, req, &resp);
+      if (s.ok()) s = SerializeResponse(method, resp, out);
+    }
+    if (s.code() == absl::StatusCode::kResourceExhausted) {
+      // gRPC's standard retry hint (honoured by gRPC's own retry policy).
+      ctx->AddTrailingMetadata(kRetryPushbackKey, std::to_string(kRetryAfterMs));
+    }
+    metrics_->ObserveRpc(method, s.code(), SecondsSince(t0));
+    reactor->Finish(ToGrpcStatus(s));
+    CallDone();
+  });
   return reactor;
 }
 
@@ -146,16 +199,17 @@ bool KvCacheService::WaitIdle(std::chrono::steady_clock::time_point deadline) {
 }
 
 // Authorization runs before routing, so a refused call changes nothing stored.
-#define KVCD_UNARY(Method, Req, Resp)                                                    \
-  grpc::ServerUnaryReactor* KvCacheService::Method(grpc::CallbackServerContext* ctx,     \
-                                                   const v1::Req* req, v1::Resp* resp) { \
-    return Run(#Method, ctx, [this, req, resp](const Principal& p) -> absl::Status {     \
-      if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;                     \
-      return engine_->Method(*req, resp);                                                \
-    });                                                                                  \
+#define KVCD_UNARY(Method, Req, Resp)                                                        \
+  grpc::ServerUnaryReactor* KvCacheService::Method(                                          \
+      grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* in, grpc::ByteBuffer* out) { \
+    return Run<v1::Req, v1::Resp>(                                                           \
+        #Method, ctx, in, out,                                                               \
+        [this](const Principal& p, const v1::Req& req, v1::Resp* resp) -> absl::Status {     \
+          if (absl::Status s = authz_.Check(p, req); !s.ok()) return s;                      \
+          return engine_->Method(req, resp);                                                 \
+        });                                                                                  \
   }
 KVCD_UNARY(RegisterModel, RegisterModelRequest, RegisterModelResponse)
-KVCD_UNARY(ListModels, ListModelsRequest, ListModelsResponse)
 KVCD_UNARY(Put, PutRequest, PutResponse)
 KVCD_UNARY(Match, MatchRequest, MatchResponse)
 KVCD_UNARY(OpenSequence, OpenSequenceRequest, OpenSequenceResponse)
@@ -165,15 +219,35 @@ KVCD_UNARY(UnpinPrefix, UnpinPrefixRequest, UnpinPrefixResponse)
 KVCD_UNARY(RenewBuffer, RenewBufferRequest, RenewBufferResponse)
 #undef KVCD_UNARY
 
+// What the daemon's state shows is scoped to the caller's tenants (Authorizer::Scope),
+// the prefix pins of Stats included.
+#define KVCD_SCOPED_UNARY(Method, Req, Resp)                                                 \
+  grpc::ServerUnaryReactor* KvCacheService::Method(                                          \
+      grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* in, grpc::ByteBuffer* out) { \
+    return Run<v1::Req, v1::Resp>(                                                           \
+        #Method, ctx, in, out,                                                               \
+        [this](const Principal& p, const v1::Req& req, v1::Resp* resp) -> absl::Status {     \
+          if (absl::Status s = authz_.Check(p, req); !s.ok()) return s;                      \
+          absl::Status s = engine_->Method(req, resp);                                       \
+          if (s.ok()) authz_.Scope(p, resp);                                                 \
+          return s;                                                                          \
+        });                                                                                  \
+  }
+KVCD_SCOPED_UNARY(ListModels, ListModelsRequest, ListModelsResponse)
+KVCD_SCOPED_UNARY(Stats, StatsRequest, StatsResponse)
+#undef KVCD_SCOPED_UNARY
+
 // Sequence-scoped calls: the sequences the authorizer found go on to the engine.
-#define KVCD_SEQUENCE_UNARY(Method, Req, Resp)                                           \
-  grpc::ServerUnaryReactor* KvCacheService::Method(grpc::CallbackServerContext* ctx,     \
-                                                   const v1::Req* req, v1::Resp* resp) { \
-    return Run(#Method, ctx, [this, req, resp](const Principal& p) -> absl::Status {     \
-      FoundSequences found;                                                              \
-      if (absl::Status s = authz_.Check(p, *req, &found); !s.ok()) return s;             \
-      return engine_->Method(*req, resp, found);                                         \
-    });                                                                                  \
+#define KVCD_SEQUENCE_UNARY(Method, Req, Resp)                                               \
+  grpc::ServerUnaryReactor* KvCacheService::Method(                                          \
+      grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* in, grpc::ByteBuffer* out) { \
+    return Run<v1::Req, v1::Resp>(                                                           \
+        #Method, ctx, in, out,                                                               \
+        [this](const Principal& p, const v1::Req& req, v1::Resp* resp) -> absl::Status {     \
+          FoundSequences found;                                                              \
+          if (absl::Status s = authz_.Check(p, req, &found); !s.ok()) return s;              \
+          return engine_->Method(req, resp, found);                                          \
+        });                                                                                  \
   }
 KVCD_SEQUENCE_UNARY(CloseSequence, CloseSequenceRequest, CloseSequenceResponse)
 KVCD_SEQUENCE_UNARY(CommitSequence, CommitSequenceRequest, CommitSequenceResponse)
@@ -183,95 +257,102 @@ KVCD_SEQUENCE_UNARY(Append, AppendRequest, AppendResponse)
 KVCD_SEQUENCE_UNARY(FetchPages, FetchPagesRequest, FetchPagesResponse)
 #undef KVCD_SEQUENCE_UNARY
 
-// Stats lists only the prefix pins of the caller's tenants.
-grpc::ServerUnaryReactor* KvCacheService::Stats(grpc::CallbackServerContext* ctx,
-                                                const v1::StatsRequest* req,
-                                                v1::StatsResponse* resp) {
-  return Run("Stats", ctx, [this, req, resp](const Principal& p) -> absl::Status {
-    if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;
-    KVCD_RETURN_IF_ERROR(engine_->Stats(*req, resp));
-    auto* pins = resp->mutable_pins();
-    pins->erase(
-        std::remove_if(pins->begin(), pins->end(),
-                       [&](const v1::PrefixPin& pin) { return !p.MayUseTenant(pin.tenant()); }),
-        pins->end());
-    return absl::OkStatus();
-  });
-}
-
 // Data-plane objects are bound to the token that created them (authorizer.h).
 grpc::ServerUnaryReactor* KvCacheService::RegisterBuffer(grpc::CallbackServerContext* ctx,
-                                                         const v1::RegisterBufferRequest* req,
-                                                         v1::RegisterBufferResponse* resp) {
-  return Run("RegisterBuffer", ctx, [this, req, resp](const Principal& p) -> absl::Status {
-    if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;
-    absl::Status s = engine_->RegisterBuffer(*req, resp);
-    if (s.ok()) authz_.Bind(Authorizer::Object::kBuffer, resp->buffer_id(), p);
-    return s;
-  });
+                                                         const grpc::ByteBuffer* in,
+                                                         grpc::ByteBuffer* out) {
+  return Run<v1::RegisterBufferRequest, v1::RegisterBufferResponse>(
+      "RegisterBuffer", ctx, in, out,
+      [this](const Principal& p, const v1::RegisterBufferRequest& req,
+             v1::RegisterBufferResponse* resp) -> absl::Status {
+        if (absl::Status s = authz_.Check(p, req); !s.ok()) return s;
+        absl::Status s = engine_->RegisterBuffer(req, resp);
+        if (s.ok()) authz_.Bind(Authorizer::Object::kBuffer, resp->buffer_id(), p);
+        return s;
+      });
 }
 
 grpc::ServerUnaryReactor* KvCacheService::UnregisterBuffer(grpc::CallbackServerContext* ctx,
-                                                           const v1::UnregisterBufferRequest* req,
-                                                           v1::UnregisterBufferResponse* resp) {
-  return Run("UnregisterBuffer", ctx, [this, req, resp](const Principal& p) -> absl::Status {
-    if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;
-    absl::Status s = engine_->UnregisterBuffer(*req, resp);
-    if (s.ok()) authz_.Unbind(Authorizer::Object::kBuffer, req->buffer_id());
-    return s;
-  });
+                                                           const grpc::ByteBuffer* in,
+                                                           grpc::ByteBuffer* out) {
+  return Run<v1::UnregisterBufferRequest, v1::UnregisterBufferResponse>(
+      "UnregisterBuffer", ctx, in, out,
+      [this](const Principal& p, const v1::UnregisterBufferRequest& req,
+             v1::UnregisterBufferResponse* resp) -> absl::Status {
+        if (absl::Status s = authz_.Check(p, req); !s.ok()) return s;
+        absl::Status s = engine_->UnregisterBuffer(req, resp);
+        if (s.ok()) authz_.Unbind(Authorizer::Object::kBuffer, req.buffer_id());
+        return s;
+      });
 }
 
 grpc::ServerUnaryReactor* KvCacheService::NcclConnect(grpc::CallbackServerContext* ctx,
-                                                      const v1::NcclConnectRequest* req,
-                                                      v1::NcclConnectResponse* resp) {
-  return Run("NcclConnect", ctx, [this, req, resp](const Principal& p) -> absl::Status {
-    if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;
-    absl::Status s = engine_->NcclConnect(*req, resp);
-    if (s.ok()) authz_.Bind(Authorizer::Object::kCommunicator, resp->communicator_id(), p);
-    return s;
-  });
+                                                      const grpc::ByteBuffer* in,
+                                                      grpc::ByteBuffer* out) {
+  return Run<v1::NcclConnectRequest, v1::NcclConnectResponse>(
+      "NcclConnect", ctx, in, out,
+      [this](const Principal& p, const v1::NcclConnectRequest& req,
+             v1::NcclConnectResponse* resp) -> absl::Status {
+        if (absl::Status s = authz_.Check(p, req); !s.ok()) return s;
+        absl::Status s = engine_->NcclConnect(req, resp);
+        if (s.ok()) authz_.Bind(Authorizer::Object::kCommunicator, resp->communicator_id(), p);
+        return s;
+      });
 }
 
 grpc::ServerUnaryReactor* KvCacheService::NcclDisconnect(grpc::CallbackServerContext* ctx,
-                                                         const v1::NcclDisconnectRequest* req,
-                                                         v1::NcclDisconnectResponse* resp) {
-  return Run("NcclDisconnect", ctx, [this, req, resp](const Principal& p) -> absl::Status {
-    if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;
-    absl::Status s = engine_->NcclDisconnect(*req, resp);
-    if (s.ok()) authz_.Unbind(Authorizer::Object::kCommunicator, req->communicator_id());
-    return s;
-  });
+                                                         const grpc::ByteBuffer* in,
+                                                         grpc::ByteBuffer* out) {
+  return Run<v1::NcclDisconnectRequest, v1::NcclDisconnectResponse>(
+      "NcclDisconnect", ctx, in, out,
+      [this](const Principal& p, const v1::NcclDisconnectRequest& req,
+             v1::NcclDisconnectResponse* resp) -> absl::Status {
+        if (absl::Status s = authz_.Check(p, req); !s.ok()) return s;
+        absl::Status s = engine_->NcclDisconnect(req, resp);
+        if (s.ok()) authz_.Unbind(Authorizer::Object::kCommunicator, req.communicator_id());
+        return s;
+      });
 }
 
 grpc::ServerUnaryReactor* KvCacheService::OpenDecodeChannel(grpc::CallbackServerContext* ctx,
-                                                            const v1::OpenDecodeChannelRequest* req,
-                                                            v1::OpenDecodeChannelResponse* resp) {
-  return Run("OpenDecodeChannel", ctx, [this, ctx, req, resp](const Principal& p) -> absl::Status {
-    if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;
-    const absl::StatusOr<int64_t> lease = engine_->leases().Grant(req->lease_ms());
-    if (!lease.ok()) return lease.status();
-    // Requests on the channel run with the token that opened it, resolved again for
-    // every request (a revoked token stops working).
-    absl::StatusOr<uint64_t> id = channels_.Open(
-        req->shm_name(), *lease, std::make_unique<ChannelAdmission>(this, AuthorizationOf(ctx)));
-    if (!id.ok()) return id.status();
-    authz_.Bind(Authorizer::Object::kChannel, *id, p);
-    resp->set_channel_id(*id);
-    resp->set_lease_ms(*lease);
-    return absl::OkStatus();
-  });
+                                                            const grpc::ByteBuffer* in,
+                                                            grpc::ByteBuffer* out) {
+  return Run<v1::OpenDecodeChannelRequest, v1::OpenDecodeChannelResponse>(
+      "OpenDecodeChannel", ctx, in, out,
+      [this, ctx](const Principal& p, const v1::OpenDecodeChannelRequest& req,
+                  v1::OpenDecodeChannelResponse* resp) -> absl::Status {
+        if (absl::Status s = authz_.Check(p, req); !s.ok()) return s;
+        const absl::StatusOr<int64_t> lease = engine_->leases().Grant(req.lease_ms());
+        if (!lease.ok()) return lease.status();
+        // Requests on the channel run with the token that opened it, resolved again for
+        // every request (a revoked token stops working). The channel is charged to the
+        // token's tenants first; a refused Open gives the charge back (the admission's
+        // destructor).
+        std::vector<std::string> tenants = ChannelAdmission::TenantsOf(p);
+        if (absl::Status s = engine_->ledger().TakeDecodeChannel(tenants); !s.ok()) return s;
+        absl::StatusOr<uint64_t> id = channels_.Open(
+            req.shm_name(), *lease,
+            std::make_unique<ChannelAdmission>(this, AuthorizationOf(ctx), std::move(tenants)));
+        if (!id.ok()) return id.status();
+        authz_.Bind(Authorizer::Object::kChannel, *id, p);
+        resp->set_channel_id(*id);
+        resp->set_lease_ms(*lease);
+        return absl::OkStatus();
+      });
 }
 
-grpc::ServerUnaryReactor* KvCacheService::CloseDecodeChannel(
-    grpc::CallbackServerContext* ctx, const v1::CloseDecodeChannelRequest* req,
-    v1::CloseDecodeChannelResponse*) {
-  return Run("CloseDecodeChannel", ctx, [this, req](const Principal& p) -> absl::Status {
-    if (absl::Status s = authz_.Check(p, *req); !s.ok()) return s;
-    absl::Status s = channels_.Close(req->channel_id());
-    if (s.ok()) authz_.Unbind(Authorizer::Object::kChannel, req->channel_id());
-    return s;
-  });
+grpc::ServerUnaryReactor* KvCacheService::CloseDecodeChannel(grpc::CallbackServerContext* ctx,
+                                                             const grpc::ByteBuffer* in,
+                                                             grpc::ByteBuffer* out) {
+  return Run<v1::CloseDecodeChannelRequest, v1::CloseDecodeChannelResponse>(
+      "CloseDecodeChannel", ctx, in, out,
+      [this](const Principal& p, const v1::CloseDecodeChannelRequest& req,
+             v1::CloseDecodeChannelResponse* resp) -> absl::Status {
+        if (absl::Status s = authz_.Check(p, req); !s.ok()) return s;
+        absl::Status s = channels_.Close(req.channel_id());
+        if (s.ok()) authz_.Unbind(Authorizer::Object::kChannel, req.channel_id());
+        return s;
+      });
 }
 
 absl::Status KvCacheService::Decode(const v1::AttentionDecodeRequest& req,
@@ -283,13 +364,16 @@ absl::Status KvCacheService::Decode(const v1::AttentionDecodeRequest& req,
 }
 
 grpc::ServerUnaryReactor* KvCacheService::AttentionDecode(grpc::CallbackServerContext* ctx,
-                                                          const v1::AttentionDecodeRequest* req,
-                                                          v1::AttentionDecodeResponse* resp) {
-  return Run("AttentionDecode", ctx, [this, req, resp](const Principal& p) -> absl::Status {
-    FoundSequences found;
-    if (absl::Status s = authz_.Check(p, *req, &found); !s.ok()) return s;
-    return Decode(*req, resp, found);
-  });
+                                                          const grpc::ByteBuffer* in,
+                                                          grpc::ByteBuffer* out) {
+  return Run<v1::AttentionDecodeRequest, v1::AttentionDecodeResponse>(
+      "AttentionDecode", ctx, in, out,
+      [this](const Principal& p, const v1::AttentionDecodeRequest& req,
+             v1::AttentionDecodeResponse* resp) -> absl::Status {
+        FoundSequences found;
+        if (absl::Status s = authz_.Check(p, req, &found); !s.ok()) return s;
+        return Decode(req, resp, found);
+      });
 }
 
 // One stream per decode worker: read a request, run it on the executor, write the

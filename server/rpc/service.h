@@ -28,36 +28,33 @@ namespace kvcd {
 class DecodeStreamReactor;
 class ChannelAdmission;
 
-// The generated CallbackService, except that AttentionDecodeStream takes raw bytes: the
-// typed handler reports a message that does not parse exactly like the client's
-// half-close (OnReadDone(false)), so the stream would end OK and drop the requests after
-// the bad one. With the bytes in hand, the stream parses each message itself and ends
-// with INVALID_ARGUMENT when one does not parse.
-using KvCacheCallbackBase = v1::KvCache::WithCallbackMethod_RegisterModel<
-    v1::KvCache::WithCallbackMethod_ListModels<v1::KvCache::WithCallbackMethod_Put<
-        v1::KvCache::WithCallbackMethod_Match<v1::KvCache::WithCallbackMethod_OpenSequence<
-            v1::KvCache::WithCallbackMethod_CloseSequence<v1::KvCache::WithCallbackMethod_CommitSequence<
-                v1::KvCache::WithCallbackMethod_ForkSequence<v1::KvCache::WithCallbackMethod_RenewLease<
-                    v1::KvCache::WithCallbackMethod_Append<v1::KvCache::WithCallbackMethod_AttentionDecode<
+// The generated CallbackService with every method taking raw bytes: the typed handlers
+// answer a request that does not parse with UNIMPLEMENTED and an empty message (unary
+// calls), or treat it exactly like the client's half-close (OnReadDone(false): the decode
+// stream would end OK and drop the requests after the bad one). With the bytes in hand,
+// each call parses its message itself and answers INVALID_ARGUMENT saying what did not
+// parse; the stream ends with INVALID_ARGUMENT.
+using KvCacheCallbackBase = v1::KvCache::WithRawCallbackMethod_RegisterModel<
+    v1::KvCache::WithRawCallbackMethod_ListModels<v1::KvCache::WithRawCallbackMethod_Put<
+        v1::KvCache::WithRawCallbackMethod_Match<v1::KvCache::WithRawCallbackMethod_OpenSequence<
+            v1::KvCache::WithRawCallbackMethod_CloseSequence<v1::KvCache::WithRawCallbackMethod_CommitSequence<
+                v1::KvCache::WithRawCallbackMethod_ForkSequence<v1::KvCache::WithRawCallbackMethod_RenewLease<
+                    v1::KvCache::WithRawCallbackMethod_Append<v1::KvCache::WithRawCallbackMethod_AttentionDecode<
                         v1::KvCache::WithRawCallbackMethod_AttentionDecodeStream<
-                            v1::KvCache::WithCallbackMethod_FetchPages<
-                                v1::KvCache::WithCallbackMethod_PushPages<v1::KvCache::WithCallbackMethod_Stats<
-                                    v1::KvCache::WithCallbackMethod_RegisterBuffer<
-                                        v1::KvCache::WithCallbackMethod_UnregisterBuffer<
-                                            v1::KvCache::WithCallbackMethod_RenewBuffer<
-                                                v1::KvCache::WithCallbackMethod_NcclConnect<
-                                                    v1::KvCache::WithCallbackMethod_NcclDisconnect<
-                                                        v1::KvCache::WithCallbackMethod_OpenDecodeChannel<
-                                                            v1::KvCache::
-                                                                WithCallbackMethod_CloseDecodeChannel<
+                            v1::KvCache::WithRawCallbackMethod_FetchPages<v1::KvCache::WithRawCallbackMethod_PushPages<
+                                v1::KvCache::WithRawCallbackMethod_Stats<v1::KvCache::WithRawCallbackMethod_PinPrefix<
+                                    v1::KvCache::WithRawCallbackMethod_UnpinPrefix<
+                                        v1::KvCache::WithRawCallbackMethod_RegisterBuffer<
+                                            v1::KvCache::WithRawCallbackMethod_UnregisterBuffer<
+                                                v1::KvCache::WithRawCallbackMethod_RenewBuffer<
+                                                    v1::KvCache::WithRawCallbackMethod_NcclConnect<
+                                                        v1::KvCache::WithRawCallbackMethod_NcclDisconnect<
+                                                            v1::KvCache::WithRawCallbackMethod_OpenDecodeChannel<
+                                                                v1::KvCache::WithRawCallbackMethod_CloseDecodeChannel<
                                                                     v1::KvCache::
-                                                                        Service>>>>>>>>>>>>>>>>>>>>>>;
+                                                                        Service>>>>>>>>>>>>>>>>>>>>>>>>;
 
-// With the session calls served so far (prefix pins).
-using KvCacheSessionBase = v1::KvCache::WithCallbackMethod_PinPrefix<
-    v1::KvCache::WithCallbackMethod_UnpinPrefix<KvCacheCallbackBase>>;
-
-class KvCacheService final : public KvCacheSessionBase {
+class KvCacheService final : public KvCacheCallbackBase {
  public:
   // tokens may be null (auth off); it must outlive the service.
   KvCacheService(CacheEngine* engine, Metrics* metrics, ThreadPool* executor,
@@ -73,76 +70,75 @@ class KvCacheService final : public KvCacheSessionBase {
   bool WaitIdle(std::chrono::steady_clock::time_point deadline);
   int64_t OpenChannels() const { return channels_.size(); }
 
+  // Unary calls: the bytes of the method's request message in, of its response out (see
+  // KvCacheCallbackBase).
   grpc::ServerUnaryReactor* RegisterModel(grpc::CallbackServerContext* ctx,
-                                          const v1::RegisterModelRequest* req,
-                                          v1::RegisterModelResponse* resp) override;
+                                          const grpc::ByteBuffer* req,
+                                          grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* ctx,
-                                       const v1::ListModelsRequest* req,
-                                       v1::ListModelsResponse* resp) override;
-  grpc::ServerUnaryReactor* Put(grpc::CallbackServerContext* ctx, const v1::PutRequest* req,
-                                v1::PutResponse* resp) override;
-  grpc::ServerUnaryReactor* Match(grpc::CallbackServerContext* ctx, const v1::MatchRequest* req,
-                                  v1::MatchResponse* resp) override;
+                                       const grpc::ByteBuffer* req,
+                                       grpc::ByteBuffer* resp) override;
+  grpc::ServerUnaryReactor* Put(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                grpc::ByteBuffer* resp) override;
+  grpc::ServerUnaryReactor* Match(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                  grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* OpenSequence(grpc::CallbackServerContext* ctx,
-                                         const v1::OpenSequenceRequest* req,
-                                         v1::OpenSequenceResponse* resp) override;
+                                         const grpc::ByteBuffer* req,
+                                         grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* CloseSequence(grpc::CallbackServerContext* ctx,
-                                          const v1::CloseSequenceRequest* req,
-                                          v1::CloseSequenceResponse* resp) override;
+                                          const grpc::ByteBuffer* req,
+                                          grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* CommitSequence(grpc::CallbackServerContext* ctx,
-                                           const v1::CommitSequenceRequest* req,
-                                           v1::CommitSequenceResponse* resp) override;
+                                           const grpc::ByteBuffer* req,
+                                           grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* ForkSequence(grpc::CallbackServerContext* ctx,
-                                         const v1::ForkSequenceRequest* req,
-                                         v1::ForkSequenceResponse* resp) override;
+                                         const grpc::ByteBuffer* req,
+                                         grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* RenewLease(grpc::CallbackServerContext* ctx,
-                                       const v1::RenewLeaseRequest* req,
-                                       v1::RenewLeaseResponse* resp) override;
-  grpc::ServerUnaryReactor* Append(grpc::CallbackServerContext* ctx, const v1::AppendRequest* req,
-                                   v1::AppendResponse* resp) override;
+                                       const grpc::ByteBuffer* req,
+                                       grpc::ByteBuffer* resp) override;
+  grpc::ServerUnaryReactor* Append(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                   grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* AttentionDecode(grpc::CallbackServerContext* ctx,
-                                            const v1::AttentionDecodeRequest* req,
-                                            v1::AttentionDecodeResponse* resp) override;
-  // Raw bytes in and out (see KvCacheCallbackBase): AttentionDecodeRequest messages in,
-  // AttentionDecodeStreamResponse messages out.
+                                            const grpc::ByteBuffer* req,
+                                            grpc::ByteBuffer* resp) override;
+  // AttentionDecodeRequest messages in, AttentionDecodeStreamResponse messages out.
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionDecodeStream(
       grpc::CallbackServerContext* ctx) override;
   grpc::ServerUnaryReactor* FetchPages(grpc::CallbackServerContext* ctx,
-                                       const v1::FetchPagesRequest* req,
-                                       v1::FetchPagesResponse* resp) override;
-  grpc::ServerUnaryReactor* PushPages(grpc::CallbackServerContext* ctx,
-                                      const v1::PushPagesRequest* req,
-                                      v1::PushPagesResponse* resp) override;
-  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest* req,
-                                  v1::StatsResponse* resp) override;
-  grpc::ServerUnaryReactor* PinPrefix(grpc::CallbackServerContext* ctx,
-                                      const v1::PinPrefixRequest* req,
-                                      v1::PinPrefixResponse* resp) override;
+                                       const grpc::ByteBuffer* req,
+                                       grpc::ByteBuffer* resp) override;
+  grpc::ServerUnaryReactor* PushPages(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                      grpc::ByteBuffer* resp) override;
+  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                  grpc::ByteBuffer* resp) override;
+  grpc::ServerUnaryReactor* PinPrefix(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                      grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* UnpinPrefix(grpc::CallbackServerContext* ctx,
-                                        const v1::UnpinPrefixRequest* req,
-                                        v1::UnpinPrefixResponse* resp) override;
+                                        const grpc::ByteBuffer* req,
+                                        grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* RegisterBuffer(grpc::CallbackServerContext* ctx,
-                                           const v1::RegisterBufferRequest* req,
-                                           v1::RegisterBufferResponse* resp) override;
+                                           const grpc::ByteBuffer* req,
+                                           grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* UnregisterBuffer(grpc::CallbackServerContext* ctx,
-                                             const v1::UnregisterBufferRequest* req,
-                                             v1::UnregisterBufferResponse* resp) override;
+                                             const grpc::ByteBuffer* req,
+                                             grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* RenewBuffer(grpc::CallbackServerContext* ctx,
-                                        const v1::RenewBufferRequest* req,
-                                        v1::RenewBufferResponse* resp) override;
+                                        const grpc::ByteBuffer* req,
+                                        grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* NcclConnect(grpc::CallbackServerContext* ctx,
-                                        const v1::NcclConnectRequest* req,
-                                        v1::NcclConnectResponse* resp) override;
+                                        const grpc::ByteBuffer* req,
+                                        grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* NcclDisconnect(grpc::CallbackServerContext* ctx,
-                                           const v1::NcclDisconnectRequest* req,
-                                           v1::NcclDisconnectResponse* resp) override;
+                                           const grpc::ByteBuffer* req,
+                                           grpc::ByteBuffer* resp) override;
 
   grpc::ServerUnaryReactor* OpenDecodeChannel(grpc::CallbackServerContext* ctx,
-                                              const v1::OpenDecodeChannelRequest* req,
-                                              v1::OpenDecodeChannelResponse* resp) override;
+                                              const grpc::ByteBuffer* req,
+                                              grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* CloseDecodeChannel(grpc::CallbackServerContext* ctx,
-                                               const v1::CloseDecodeChannelRequest* req,
-                                               v1::CloseDecodeChannelResponse* resp) override;
+                                               const grpc::ByteBuffer* req,
+                                               grpc::ByteBuffer* resp) override;
 
   // Runs one decode request as the stream does (also used by the unary call), on the
   // sequences its authorization found.
@@ -150,8 +146,11 @@ class KvCacheService final : public KvCacheSessionBase {
                       const FoundSequences& found);
 
  private:
-  template <class Fn>
-  grpc::ServerUnaryReactor* Run(const char* method, grpc::CallbackServerContext* ctx, Fn fn);
+  // One unary call, run on the executor: parses a Req from `in` (INVALID_ARGUMENT saying
+  // so when it does not parse), then fn(principal, req, &resp), then writes resp to `out`.
+  template <class Req, class Resp, class Fn>
+  grpc::ServerUnaryReactor* Run(const char* method, grpc::CallbackServerContext* ctx,
+                                const grpc::ByteBuffer* in, grpc::ByteBuffer* out, Fn fn);
   void CallDone();  // a call or stream request finished (in_flight_ - 1; wakes WaitIdle)
   // The principal of a call: Principal::Unrestricted() without auth, else from the
   // call's bearer token (UNAUTHENTICATED if missing or unknown).

@@ -42,6 +42,7 @@ declare -A known=(
   [kvcd_stories]='--steps .*\(default: 100\)'
   [kvcd_load]='--put-tokens .*\(default: 64\)'
   [kvcd_soak]='--streams .*\(default: 1000\)'
+  [kvcd-replay]='--capacity-pages .*\(default: 1953\)'
   [attention_cpu_bench]='--contexts .*\(default: "4096,32768,100000"\)'
   [fsq_cpu_bench]='--latents .*\(default: "256,84"\)'
   [finite_check_bench]='^Usage: finite_check_bench \[OUT.md\]'
@@ -74,6 +75,13 @@ for path in "$@"; do
   has "^$name [0-9]+\.[0-9]+\.[0-9]+$" "$name --version"
   one_line_error "$name" "unknown flag '--no-such-flag'" "$path" --no-such-flag
 done
+
+# kvcd-replay: the trace is required; a bad capacity is a usage error.
+if [[ -v bin[kvcd-replay] ]]; then
+  one_line_error kvcd-replay "--trace is required" "${bin[kvcd-replay]}"
+  one_line_error kvcd-replay "--capacity-pages must be > 0" "${bin[kvcd-replay]}" --trace x \
+    --capacity-pages 0
+fi
 
 for name in kvcd kvctl kvcd-calibrate; do
   [[ -v bin[$name] ]] || fail "$name was not given"

@@ -54,8 +54,13 @@ sed 's/num_layers: 2/num_layers: 3/' "$dir/small-int2.textproto" > "$dir/other-l
 expect 1 "ALREADY_EXISTS" -- ctl register --profile "$dir/other-layers.textproto"
 printf 'name: "broken"\nnum_layers: two\n' > "$dir/broken.textproto"
 expect 1 "line 2 column 13" -- ctl register --profile "$dir/broken.textproto"
-expect 1 "cannot open profile file '$dir/absent.textproto'" -- \
+expect 1 "kvctl register: cannot open profile file '$dir/absent.textproto': No such file" -- \
   ctl register --profile "$dir/absent.textproto"
+# A local file's error is not a gRPC code, and comes before (and without) any daemon.
+out=$("$kvctl" --target 127.0.0.1:1 register --profile "$dir/absent.textproto" 2>&1)
+[[ $? == 1 ]] || fail "register with an absent profile and no daemon did not exit 1: $out"
+grep -q "NOT_FOUND\|UNAVAILABLE" <<<"$out" && fail "a local file error named a gRPC code: $out"
+grep -qF "cannot open profile file" <<<"$out" || fail "no local file error without a daemon: $out"
 sed -e 's/small-int2/bad-dim/' -e 's/head_dim: 16/head_dim: 12/' "$dir/small-int2.textproto" \
   > "$dir/bad-dim.textproto"
 expect 1 "INVALID_ARGUMENT" -- ctl register --profile "$dir/bad-dim.textproto"
@@ -64,7 +69,7 @@ sed 's/small-int2/bad-codec/' "$dir/small-int2.textproto" > "$dir/bad-codec.text
 head -c 100 /dev/urandom > "$dir/garbage.safetensors"
 expect 1 "INVALID_ARGUMENT" -- ctl register --profile "$dir/bad-codec.textproto" \
   --codec "$dir/garbage.safetensors"
-expect 1 "cannot open codec file" -- ctl register --profile "$dir/bad-codec.textproto" \
+expect 1 "kvctl register: cannot open codec file" -- ctl register --profile "$dir/bad-codec.textproto" \
   --codec "$dir/absent.safetensors"
 expect 2 "register needs --profile FILE" -- ctl register
 models=$(ctl models)

@@ -8,16 +8,29 @@
 //               the open (to 4096 + bytes 1..4 modulo the rest), 4 = set `closed`, 8 = write
 //               `request_bytes` from bytes 5..8 instead of the payload's size, 16 = send the
 //               payload as raw bytes (else a payload that parses as an AttentionDecodeRequest gets
-//               sequence id 0 mapped to the open sequence, so the fuzzer reaches the decode path)
+//               sequence id 0 mapped to the open sequence, so the fuzzer reaches the decode path),
+//               32 = hostile values in every other header field (the block below)
 //   bytes 1..4  the capacity written with flag 1 (little-endian)
 //   bytes 5..8  the request_bytes written with flag 8
-//   bytes 9..   the request area's content
+//   with flag 32, bytes 9..52 (kHeaderBlock), little-endian:
+//     9..16 magic, 17..20 version, 21..24 capacity: the header of a second, fresh object
+//               the daemon is asked to open (as large as that capacity needs when it is
+//               4096..16384, else 4096): it must open exactly when magic, version and
+//               capacity are valid for the object, and refuse with INVALID_ARGUMENT
+//               otherwise; then the live channel's magic and version are overwritten too;
+//     25..32 request_seq: the number this request is published under (any jump);
+//     33..40 response_seq, 41..44 response_bytes, 45..48 doorbell, 49..52 daemon_waiting:
+//               written by the worker before it publishes (the daemon's fields, and the
+//               doorbell's futex words)
+//   then        the request area's content
 //
 // The daemon must answer within 5 s or end the channel (closed set); an answer must parse
 // as an AttentionDecodeStreamResponse of at most `capacity` bytes. When the worker left the
 // header intact, a second, valid request on the same channel must then succeed: a bad
 // request fails that request only. Flags 1 and 2 reproduce #21 defect 1 (capacity rewritten
-// after the open: SIGSEGV; truncation: SIGBUS) until that fix lands.
+// after the open: SIGSEGV; truncation: SIGBUS) until that fix lands. Hostile values in the
+// other fields (flag 32; #35) leave the channel intact: it must still answer, asleep on its
+// doorbell or not.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -41,6 +54,7 @@ namespace kvcd {
 namespace {
 
 constexpr uint32_t kCapacity = DecodeChannelHeader::kMinCapacity;
+constexpr size_t kHeaderBlock = 44;
 
 struct World {
   std::unique_ptr<CacheEngine> engine;
@@ -119,6 +133,44 @@ const uint8_t* ResponseArea(DecodeChannelHeader* h) {
 uint32_t Le32(const uint8_t* p) {
   return p[0] | (uint32_t{p[1]} << 8) | (uint32_t{p[2]} << 16) | (uint32_t{p[3]} << 24);
 }
+uint64_t Le64(const uint8_t* p) { return Le32(p) | (uint64_t{Le32(p + 4)} << 32); }
+
+// A fresh object with a hostile header, opened by the daemon's DecodeChannels: OK exactly
+// when the header is valid for the object's size, INVALID_ARGUMENT otherwise; a channel
+// that opened is closed again.
+void OpenHostile(DecodeChannels& channels, uint64_t magic, uint32_t version, uint32_t capacity) {
+  const std::string name = "/kvcd-fuzz-open-" + std::to_string(getpid());
+  const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600);
+  if (fd < 0) __builtin_trap();
+  const bool sized = capacity >= DecodeChannelHeader::kMinCapacity &&
+                     capacity <= 4 * DecodeChannelHeader::kMinCapacity;
+  const size_t bytes = DecodeChannelHeader::TotalBytes(sized ? capacity : kCapacity);
+  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) __builtin_trap();
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) __builtin_trap();
+  std::memset(p, 0, bytes);
+  auto* h = static_cast<DecodeChannelHeader*>(p);
+  h->magic = magic;
+  h->version = version;
+  h->capacity = capacity;
+  const bool valid = magic == DecodeChannelHeader::kMagic &&
+                     version == DecodeChannelHeader::kVersion &&
+                     capacity >= DecodeChannelHeader::kMinCapacity &&
+                     capacity <= DecodeChannelHeader::kMaxCapacity &&
+                     DecodeChannelHeader::TotalBytes(capacity) <= bytes;
+  absl::StatusOr<uint64_t> opened = channels.Open(name, 60000);
+  shm_unlink(name.c_str());
+  if (valid != opened.ok() ||
+      (!opened.ok() && opened.status().code() != absl::StatusCode::kInvalidArgument)) {
+    fprintf(stderr, "open of magic %llx version %u capacity %u (object of %zu bytes): %s\n",
+            static_cast<unsigned long long>(magic), version, capacity, bytes,
+            opened.status().ToString().c_str());
+    __builtin_trap();
+  }
+  if (opened.ok() && !channels.Close(*opened).ok()) __builtin_trap();
+  munmap(p, bytes);
+  close(fd);
+}
 
 void WriteRequest(DecodeChannelHeader* h, const std::string& payload, bool raw_size,
                   uint32_t size) {
@@ -131,7 +183,7 @@ void WriteRequest(DecodeChannelHeader* h, const std::string& payload, bool raw_s
 // instead).
 bool Exchange(DecodeChannelHeader* h, uint64_t* seq) {
   *seq += 1;
-  h->request_seq.store(*seq, std::memory_order_release);
+  h->PublishRequest(*seq);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   while (h->response_seq.load(std::memory_order_acquire) != *seq) {
     if (h->closed.load(std::memory_order_acquire) != 0) return false;
@@ -148,8 +200,7 @@ bool Exchange(DecodeChannelHeader* h, uint64_t* seq) {
 // serving it with the real decode path.
 struct Channel {
   explicit Channel(World& w)
-      : channels(w.engine.get(),
-                 DecodeChannels::Options{/*spin_us=*/50, /*poll_us=*/20, /*max_channels=*/4}) {
+      : channels(w.engine.get(), DecodeChannels::Options{/*spin_us=*/50, /*max_channels=*/4}) {
     name = "/kvcd-fuzz-" + std::to_string(getpid());
     fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600);
     if (fd < 0) __builtin_trap();
@@ -189,7 +240,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace kvcd;
   if (size < 9) return 0;
   const uint8_t flags = data[0];
-  std::string payload(reinterpret_cast<const char*>(data + 9), size - 9);
+  const bool hostile = (flags & 32) != 0;
+  const size_t payload_at = hostile ? 9 + kHeaderBlock : 9;
+  if (size < payload_at) return 0;
+  const uint8_t* block = data + 9;
+  std::string payload(reinterpret_cast<const char*>(data + payload_at), size - payload_at);
   if (payload.size() > kCapacity) return 0;
   World& w = TheWorld();
   if ((flags & 16) == 0) {
@@ -209,6 +264,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static std::unique_ptr<Channel> channel;
   if (channel == nullptr) channel = std::make_unique<Channel>(w);
   DecodeChannelHeader* h = channel->header;
+  if (hostile) {
+    OpenHostile(channel->channels, Le64(block), Le32(block + 8), Le32(block + 12));
+    // The worker scribbles on every field that is not its request's, then publishes under
+    // the number it likes (Exchange adds one to channel->seq; an unchanged request_seq
+    // would be no request, and a response_seq already equal to it would read as answered).
+    h->magic = Le64(block);
+    h->version = Le32(block + 8);
+    const uint64_t wanted = Le64(block + 16);
+    channel->seq = wanted == channel->seq ? wanted : wanted - 1;
+    const uint64_t response_seq = Le64(block + 24);
+    h->response_seq.store(response_seq == channel->seq + 1 ? channel->seq : response_seq);
+    h->response_bytes.store(Le32(block + 32));
+    h->doorbell.store(Le32(block + 36));
+    h->daemon_waiting.store(Le32(block + 40));
+  }
   WriteRequest(h, payload, flags & 8, Le32(data + 5));
   if (flags & 1) h->capacity = Le32(data + 1);
   // The worker keeps the header page (it still writes request_seq there); everything after
@@ -217,7 +287,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     (void)ftruncate(channel->fd,
                     static_cast<off_t>(4096 + Le32(data + 1) % (channel->bytes - 4096)));
   }
-  if (flags & 4) h->closed.store(1, std::memory_order_release);
+  if (flags & 4) h->Close();
   const bool answered = Exchange(h, &channel->seq);
   const bool intact = (flags & (1 | 2 | 4)) == 0;
   if (intact && !answered) {

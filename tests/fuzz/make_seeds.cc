@@ -4,6 +4,7 @@
 // The configuration seeds are hand-written files in corpus/config_fuzz/.
 #include <sys/stat.h>
 
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -12,6 +13,9 @@
 #include "common/activation_dump.h"
 #include "common/cli.h"
 #include "common/codec_profile.h"
+#include "common/decode_channel_layout.h"
+#include "common/fsq_codec.h"
+#include "common/key_transform_profile.h"
 #include "common/safetensors.h"
 #include "proto/tensor_ref.h"
 #include "server/backends/backend.h"
@@ -78,6 +82,45 @@ void FileSeeds() {
   Write("activation_dump_fuzz", "one-layer",
         std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()));
   std::remove(tmp.c_str());
+}
+
+// --- codec files through RegisterModel ---------------------------------------------------
+
+// codec_register_fuzz: [selector][codec file]; selector bit 0: int2-oscar (0) or fsq (1),
+// bit 1: the FSQ model's key_norm rms. The model: 2 layers, 1 KV head, head_dim 8.
+void CodecRegisterSeeds() {
+  auto seed = [](uint8_t selector, const SafetensorsWriter& w) {
+    return std::string(1, static_cast<char>(selector)) + w.Serialize();
+  };
+  Write("codec_register_fuzz", "v1-hadamard",
+        seed(0, CodecProfile::Hadamard(2, 8).ToSafetensors()));
+  Write("codec_register_fuzz", "v1-identity",
+        seed(0, CodecProfile::Identity(2, 8).ToSafetensors()));
+  // The files of issue #35.1 and #35.5: NaN rotations, a 10 KB version string.
+  SafetensorsWriter nan;
+  for (int l = 0; l < 2; ++l) {
+    for (const char* which : {"r_k", "r_v"}) {
+      nan.AddF32(std::string("layers.") + std::to_string(l) + "." + which, {8, 8},
+                 std::vector<float>(64, std::nanf("")));
+    }
+  }
+  Write("codec_register_fuzz", "v1-nan-rotations", seed(0, nan));
+  SafetensorsWriter long_version = CodecProfile::Hadamard(2, 8).ToSafetensors();
+  long_version.SetMetadata("kvcd.codec_version", std::string(10240, '9'));
+  Write("codec_register_fuzz", "long-version", seed(0, long_version));
+  Write("codec_register_fuzz", "v3-transform",
+        seed(0, KeyTransformProfile::ToSafetensors(KeyTransformProfile::SyntheticHeads(2, 1, 8, 1),
+                                                   2, 1, 8, "seed")));
+  FsqCodecShape shape;
+  shape.num_layers = 2;
+  shape.residual_width = 16;
+  shape.latent_width = 8;
+  shape.num_kv_heads = 1;
+  shape.head_dim = 8;
+  Write("codec_register_fuzz", "fsq", seed(1, FsqCodec::Synthetic(shape, 1).ToSafetensors()));
+  shape.key_norm = true;
+  Write("codec_register_fuzz", "fsq-key-norm",
+        seed(3, FsqCodec::Synthetic(shape, 2).ToSafetensors()));
 }
 
 // --- RPC sessions ------------------------------------------------------------------------
@@ -306,6 +349,26 @@ void ChannelSeeds() {
   std::string sized = seed(8, Decode("tiny", 0, false).SerializeAsString());
   sized[5] = '\x10';  // request_bytes = 16: a cut request
   Write("decode_channel_fuzz", "cut", sized);
+  // Flag 32: a value for every other header field (the block after byte 8): a valid header
+  // for the second object, a jump of request_seq, and the daemon's fields and the doorbell's
+  // words scribbled on.
+  auto le = [](std::string* s, uint64_t v, int bytes) {
+    for (int i = 0; i < bytes; ++i) s->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  };
+  std::string block;
+  le(&block, DecodeChannelHeader::kMagic, 8);
+  le(&block, DecodeChannelHeader::kVersion, 4);
+  le(&block, DecodeChannelHeader::kMinCapacity, 4);
+  le(&block, 1000, 8);         // request_seq
+  le(&block, 1000, 8);         // response_seq: as if already answered
+  le(&block, 0xffffffffu, 4);  // response_bytes
+  le(&block, 7, 4);            // doorbell
+  le(&block, 0, 4);            // daemon_waiting: the wake-up is skipped
+  Write("decode_channel_fuzz", "header",
+        seed(32, block + Decode("tiny", 1, false).SerializeAsString()));
+  block[0] ^= 1;  // a bad magic: the second object is refused
+  Write("decode_channel_fuzz", "header-bad-magic",
+        seed(32, block + Decode("tiny", 1, false).SerializeAsString()));
 }
 
 }  // namespace
@@ -323,6 +386,7 @@ int main(int argc, char** argv) {
   mkdir(kvcd::root.c_str(), 0755);
   kvcd::FileSeeds();
   kvcd::RpcSeeds();
+  kvcd::CodecRegisterSeeds();
   kvcd::ChannelSeeds();
   return 0;
 }

@@ -100,6 +100,7 @@ class DaemonProcess {
     stderr_path_ = owned_stderr_ = path;
     return true;
   }
+  pid_t pid() const { return pid_; }
   // What the daemon wrote to stderr so far (set_stderr_path or CaptureStderr).
   std::string Stderr() const { return stderr_path_.empty() ? "" : ReadFile(stderr_path_); }
 

@@ -1,5 +1,6 @@
 // Integration: the real kvcd binary on a loopback port, driven by the real client.
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -7,11 +8,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <fstream>
 #include <functional>
 #include <set>
+#include <sstream>
 #include <thread>
 
 #include "client/client.h"
@@ -31,6 +34,7 @@ namespace kvcd {
 namespace {
 
 using testing_util::DaemonProcess;
+using testing_util::ReadFile;
 using testing_util::WaitFor;
 
 constexpr char kConfig[] = R"(
@@ -57,6 +61,33 @@ std::set<std::string> ChannelMappings() {
   for (std::string line; std::getline(maps, line);)
     if (line.find("/dev/shm/kvcd-") != std::string::npos) out.insert(line);
   return out;
+}
+
+// CPU ticks (utime + stime) of a process's threads named `comm`, and how many there are.
+std::pair<int64_t, int> ThreadTicks(pid_t pid, const std::string& comm) {
+  const std::string dir = "/proc/" + std::to_string(pid) + "/task";
+  int64_t ticks = 0;
+  int threads = 0;
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return {-1, 0};
+  while (dirent* e = readdir(d)) {
+    if (e->d_name[0] == '.') continue;
+    const std::string stat = ReadFile(dir + "/" + e->d_name + "/stat");
+    const size_t open = stat.find('('), close = stat.rfind(')');
+    if (open == std::string::npos || close == std::string::npos) continue;
+    if (stat.substr(open + 1, close - open - 1) != comm) continue;
+    std::istringstream rest(stat.substr(close + 2));
+    std::string field;
+    int64_t utime = 0, stime = 0;
+    for (int i = 3; i <= 15 && rest >> field; ++i) {  // fields 14, 15: utime, stime
+      if (i == 14) utime = std::stoll(field);
+      if (i == 15) stime = std::stoll(field);
+    }
+    ticks += utime + stime;
+    ++threads;
+  }
+  closedir(d);
+  return {ticks, threads};
 }
 
 class DaemonTest : public ::testing::Test {
@@ -263,6 +294,88 @@ TEST_F(DaemonTest, DecodeChannelMatchesTheStream) {
   EXPECT_EQ((*idle)->Call(ok_req).status().code(), absl::StatusCode::kUnavailable);
 }
 
+// Issue #35.4: each idle channel burnt ~0.19 of a core in a 20 us sleep-poll, so 64 of them
+// took the host and another tenant's Match took seconds. Past the spin window a channel's
+// thread sleeps on the region's doorbell (daemon_waiting set): while 64 channels idle, their
+// threads use (almost) no CPU, another client's Match stays fast, a request wakes its
+// channel at once, and closing all 64 sleeping channels is prompt.
+TEST_F(DaemonTest, IdleDecodeChannelsSleepAndCostNothing) {
+  ASSERT_TRUE(client_->Put(MakePut("tiny", 35, 16, "other")).ok());
+  const auto tokens = synthetic::Tokens(35, 0, 16);
+  auto match_p50 = [&] {
+    std::vector<double> ms;
+    for (int i = 0; i < 41; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      auto m = client_->Match("tiny", "other", tokens);
+      ms.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      EXPECT_TRUE(m.ok() && m->matched_tokens() == 16);
+    }
+    std::nth_element(ms.begin(), ms.begin() + 20, ms.end());
+    return ms[20];
+  };
+  const double baseline_ms = match_p50();
+
+  const std::set<std::string> before = ChannelMappings();
+  std::vector<std::unique_ptr<DecodeChannel>> channels;
+  for (int i = 0; i < 64; ++i) {
+    auto ch = DecodeChannel::Open(client_.get(), DecodeChannelHeader::kMinCapacity, 60000);
+    ASSERT_TRUE(ch.ok()) << i << ": " << ch.status();
+    channels.push_back(std::move(*ch));
+  }
+  std::vector<const DecodeChannelHeader*> headers;
+  for (const std::string& m : ChannelMappings())
+    if (!before.count(m))
+      headers.push_back(reinterpret_cast<const DecodeChannelHeader*>(
+          std::stoull(m.substr(0, m.find('-')), nullptr, 16)));
+  ASSERT_EQ(headers.size(), 64u);
+  // The event: every channel's thread went to sleep on its doorbell.
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        return std::all_of(headers.begin(), headers.end(),
+                           [](const DecodeChannelHeader* h) { return h->daemon_waiting.load(); });
+      },
+      std::chrono::seconds(20)));
+
+  // Another client's Matches for at least half a second with the 64 channels idle.
+  const auto [ticks_before, threads] = ThreadTicks(daemon_.pid(), "kvcd-channel");
+  ASSERT_EQ(threads, 64);
+  const auto t0 = std::chrono::steady_clock::now();
+  double with_channels_ms = 0;
+  while (std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(500)) {
+    with_channels_ms = std::max(with_channels_ms, match_p50());
+  }
+  const double window_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const int64_t ticks = ThreadTicks(daemon_.pid(), "kvcd-channel").first - ticks_before;
+  const int64_t hz = sysconf(_SC_CLK_TCK);
+  // The sleep-poll took about 0.19 core each: 64 threads, every core of the host. Sleeping on
+  // the doorbell they wake 5 times a second each: a few ticks at most in all.
+  EXPECT_LE(ticks, 5 + static_cast<int64_t>(0.01 * window_s * hz))
+      << ticks << " ticks of the 64 channel threads in " << window_s << " s";
+  EXPECT_LE(with_channels_ms, 10 * baseline_ms + 5)
+      << "Match p50 " << with_channels_ms << " ms with 64 idle channels, " << baseline_ms
+      << " ms before";
+
+  // A request wakes a sleeping channel and is answered.
+  auto seq = client_->OpenSequence("tiny", "other", tokens, 60000);
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  v1::AttentionDecodeRequest req;
+  req.set_layer(0);
+  req.add_sequence_ids(seq->sequence_id());
+  SetF32Tensor(req.mutable_q(), {1, profile_.num_q_heads(), profile_.head_dim()},
+               synthetic::Row(35, profile_, 0, 16, 2).data());
+  for (auto& ch : {channels.front().get(), channels.back().get()}) {
+    auto r = ch->Call(req);
+    EXPECT_TRUE(r.ok()) << r.status();
+  }
+  // All 64 close (each woken from its doorbell) and free their slots.
+  channels.clear();
+  EXPECT_EQ(ThreadTicks(daemon_.pid(), "kvcd-channel").second, 0);
+  auto again = DecodeChannel::Open(client_.get(), DecodeChannelHeader::kMinCapacity, 60000);
+  EXPECT_TRUE(again.ok()) << again.status();
+}
+
 TEST_F(DaemonTest, TenantsAreIsolated) {
   ASSERT_TRUE(client_->Put(MakePut("tiny", 21, 16, "alice")).ok());
   const auto tokens = synthetic::Tokens(21, 0, 16);
@@ -417,7 +530,10 @@ TEST_F(DaemonTest, HealthMetricsAndDrain) {
         "kvcd_rpc_duration_seconds_count{code=\"OK\",method=\"Put\"} 1",
         "kvcd_attention_kernel_seconds", "kvcd_history_bytes_per_element{model=\"tiny\"} 2",
         "kvcd_bytes_per_token{model=\"tiny\",segment=\"history\"} 256",
-        "kvcd_pool_compression_ratio{model=\"tiny\"} 1"}) {
+        "kvcd_pool_compression_ratio{model=\"tiny\"} 1", "kvcd_committed_pages{model=\"tiny\"} 0",
+        "kvcd_forks_total 0", "kvcd_hit_tokens_by_origin_total{origin=\"put\"} 0",
+        "kvcd_hit_tokens_by_origin_total{origin=\"committed\"} 0",
+        "kvcd_evicted_pages_by_origin_total{origin=\"committed\"} 0"}) {
     EXPECT_NE(body.find(name), std::string::npos) << name;
   }
   EXPECT_EQ(daemon_.Stop(), 0);  // SIGTERM drains and exits 0

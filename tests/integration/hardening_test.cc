@@ -142,6 +142,18 @@ TEST_F(HardeningTest, BadRequestsOverTheWireChangeNothing) {
          f.set_num_tokens(std::numeric_limits<int64_t>::max());
          return client_->FetchPages(f).status();
        }},
+      // Issue #31: the session calls over the wire.
+      {"#31 fork with a negative lease", absl::StatusCode::kInvalidArgument,
+       [&] { return client_->ForkSequence(seq->sequence_id(), -1).status(); }},
+      {"#31 fork with an overflowing lease", absl::StatusCode::kInvalidArgument,
+       [&] {
+         return client_->ForkSequence(seq->sequence_id(), std::numeric_limits<int64_t>::max())
+             .status();
+       }},
+      {"#31 commit of a sequence that is not open", absl::StatusCode::kNotFound,
+       [&] { return client_->CommitSequence(seq->sequence_id() ^ 0x77).status(); }},
+      {"#31 close with commit of a sequence that is not open", absl::StatusCode::kNotFound,
+       [&] { return client_->CloseSequence(seq->sequence_id() ^ 0x77, true).status(); }},
       {"#2 a flood of one-page models stops at the rounded budget",
        absl::StatusCode::kResourceExhausted,
        [&] {
@@ -170,6 +182,59 @@ TEST_F(HardeningTest, BadRequestsOverTheWireChangeNothing) {
 
 // Issue #21.6: SO_REUSEPORT is off, so a second daemon on the same port fails at start-up
 // with a clear message and a non-zero exit instead of splitting the connections.
+// Issue #35.7: the unauthenticated metrics port had tenant= labels (tenant names and their
+// use) while the log said it held no tenant data. Per-tenant metrics are an explicit opt-in
+// (metrics_per_tenant), and refused at start-up when metrics listen beyond loopback.
+TEST(TenantMetricsTest, PerTenantMetricsAreOptInAndLoopbackOnly) {
+  constexpr char kBase[] = R"(
+listen: 127.0.0.1:0
+memory_budget: 16MiB
+models:
+  - builtin: tiny
+    memory: 1MiB
+)";
+  auto open_one = [](const DaemonProcess& d) {
+    ClientOptions o;
+    o.target = d.grpc();
+    auto c = Client::Connect(o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    ASSERT_TRUE((*c)->OpenSequence("tiny", "secret-tenant", {1, 2, 3}, 60000).ok());
+  };
+  {  // The default: aggregate metrics, no tenant label, and the log says so.
+    DaemonProcess d;
+    ASSERT_TRUE(d.CaptureStderr());
+    ASSERT_TRUE(d.Start(std::string(kBase) + "metrics_listen: 127.0.0.1:0\n"));
+    open_one(d);
+    const std::string body = ScrapeMetrics(d);
+    EXPECT_NE(body.find("kvcd_active_sequences 1"), std::string::npos) << body;
+    EXPECT_EQ(body.find("tenant="), std::string::npos) << body;
+    EXPECT_EQ(body.find("secret-tenant"), std::string::npos) << body;
+    EXPECT_EQ(d.Stop(), 0);
+  }
+  {  // Opted in on loopback: the tenant metrics, and the log says they name tenants.
+    DaemonProcess d;
+    ASSERT_TRUE(d.CaptureStderr());
+    ASSERT_TRUE(
+        d.Start(std::string(kBase) + "metrics_listen: 127.0.0.1:0\nmetrics_per_tenant: true\n"));
+    open_one(d);
+    const std::string body = ScrapeMetrics(d);
+    EXPECT_NE(body.find("kvcd_tenant_open_sequences{tenant=\"secret-tenant\"} 1"),
+              std::string::npos)
+        << body;
+    EXPECT_NE(d.Stderr().find("name every tenant"), std::string::npos) << d.Stderr();
+    EXPECT_EQ(d.Stop(), 0);
+  }
+  {  // Opted in beyond loopback: refused at start-up, saying why and what to change.
+    DaemonProcess d;
+    ASSERT_TRUE(d.CaptureStderr());
+    EXPECT_FALSE(
+        d.Start(std::string(kBase) + "metrics_listen: 0.0.0.0:0\nmetrics_per_tenant: true\n"));
+    EXPECT_NE(d.WaitExit(), 0);
+    EXPECT_NE(d.Stderr().find("refusing metrics_per_tenant"), std::string::npos) << d.Stderr();
+    EXPECT_NE(d.Stderr().find("'0.0.0.0:0'"), std::string::npos) << d.Stderr();
+  }
+}
+
 TEST_F(HardeningTest, SecondDaemonOnTheSamePortFailsAtStartUp) {
   DaemonProcess second;
   ASSERT_TRUE(second.CaptureStderr());
@@ -241,6 +306,56 @@ TEST_F(HardeningTest, GarbageOnTheDecodeStreamEndsItWithInvalidArgument) {
   EXPECT_EQ(*client_->CloseSequence(seq->sequence_id()), 8);
 }
 
+// Issue #35.9: a unary request body that does not parse is INVALID_ARGUMENT with a message
+// naming the method and the expected message (gRPC's typed handler answered UNIMPLEMENTED
+// with an empty message); nothing changes and the daemon serves on.
+TEST_F(HardeningTest, UnparseableUnaryBodiesAreInvalidArgument) {
+  ASSERT_TRUE(client_->Put(MakePut(5, 8)).ok());
+  auto channel = grpc::CreateChannel(daemon_.grpc(), grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  const std::string truncated_varint("\xff\xff\xff\xff\xff", 5);
+  // PutRequest.model (field 1, a string) holding bytes that are not UTF-8.
+  const std::string not_utf8("\x0a\x02\xc3\x28", 4);
+  const struct {
+    const char* method;
+    std::string body;
+    const char* type;
+  } cases[] = {
+      {"Put", truncated_varint, "kvcd.v1.PutRequest"},
+      {"Put", not_utf8, "kvcd.v1.PutRequest"},
+      {"RegisterModel", truncated_varint, "kvcd.v1.RegisterModelRequest"},
+      {"Match", truncated_varint, "kvcd.v1.MatchRequest"},
+      {"AttentionDecode", truncated_varint, "kvcd.v1.AttentionDecodeRequest"},
+      {"Stats", truncated_varint, "kvcd.v1.StatsRequest"},
+      {"CloseDecodeChannel", truncated_varint, "kvcd.v1.CloseDecodeChannelRequest"},
+  };
+  for (const auto& c : cases) {
+    grpc::CompletionQueue cq;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    grpc::Slice slice(c.body);
+    const grpc::ByteBuffer body(&slice, 1);
+    auto call = stub.PrepareUnaryCall(&ctx, std::string("/kvcd.v1.KvCache/") + c.method, body, &cq);
+    call->StartCall();
+    grpc::ByteBuffer answer;
+    grpc::Status status;
+    call->Finish(&answer, &status, reinterpret_cast<void*>(1));
+    void* tag = nullptr;
+    bool ok = false;
+    ASSERT_TRUE(cq.Next(&tag, &ok));
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << c.method << ": " << status.error_message();
+    const std::string want = std::string(c.method) + ": the request body (" +
+                             std::to_string(c.body.size()) + " bytes) is not a valid " + c.type;
+    EXPECT_NE(status.error_message().find(want), std::string::npos)
+        << c.method << ": " << status.error_message();
+  }
+  auto stats = client_->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_EQ(stats->models_size(), 1);
+  EXPECT_EQ(stats->models(0).cached_tokens(), 8u);
+}
+
 // Issue #21.1: the decode channel's shared region is untrusted. A rewritten capacity and an
 // oversized request_bytes get an error answer on that channel; truncating the object under
 // the daemon's mapping (SIGBUS) closes that channel alone; the daemon serves on.
@@ -272,7 +387,7 @@ TEST_F(HardeningTest, ACorruptOrTruncatedDecodeChannelCannotCrashTheDaemon) {
   auto send = [&](const std::string& msg, uint32_t claimed_bytes) {
     std::memcpy(h->RequestArea(), msg.data(), std::min<size_t>(msg.size(), capacity));
     h->request_bytes.store(claimed_bytes, std::memory_order_relaxed);
-    h->request_seq.store(++next_seq, std::memory_order_release);
+    h->PublishRequest(++next_seq);
     EXPECT_TRUE(
         WaitFor([&] { return h->response_seq.load() == next_seq; }, std::chrono::seconds(10)));
     v1::AttentionDecodeStreamResponse r;
@@ -385,6 +500,7 @@ TEST(TenantQuotaDaemonTest, AGreedyTenantCannotStarveAnother) {
   constexpr char kQuotaConfig[] = R"(
 listen: 127.0.0.1:0
 metrics_listen: 127.0.0.1:0
+metrics_per_tenant: true
 memory_budget: 16MiB
 max_sequences: 6
 quotas:
@@ -467,6 +583,7 @@ TEST(TenantQuotaDaemonTest, AGreedyTenantCannotStarveAnotherOfMemoryOrRegistrati
   constexpr char kShareConfig[] = R"(
 listen: 127.0.0.1:0
 metrics_listen: 127.0.0.1:0
+metrics_per_tenant: true
 memory_budget: 16MiB
 quotas:
   default: {max_models: 2}

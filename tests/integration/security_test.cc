@@ -1,19 +1,24 @@
 // Integration: TLS, mutual TLS, bearer tokens and the start-up safety rule, through the
 // real kvcd binary on loopback. Certificates are made at test time with the openssl CLI.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <functional>
+#include <set>
 #include <sstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "client/decode_channel.h"
+#include "common/decode_channel_layout.h"
 #include "daemon_process.h"
 #include "proto/tensor_ref.h"
 #include "testing/synthetic.h"
@@ -177,14 +182,18 @@ class TenantTest : public SecurityTest {
     WriteFile(tokens_, "tokens:\n" + TokenEntry("alice", "tok-alice", "[team-a]") +
                            TokenEntry("bob", "tok-bob", "[team-b]") +
                            TokenEntry("admin", "tok-admin", "[\"*\"]", true, true) +
-                           TokenEntry("bob-worker", "tok-bob-worker", "[team-b]", false, true));
-    ASSERT_TRUE(daemon_.Start(Config("auth: {tokens_file: " + tokens_ + "}\n")));
+                           TokenEntry("bob-worker", "tok-bob-worker", "[team-b]", false, true) +
+                           TokenEntry("alice-worker", "tok-alice-worker", "[team-a]", false, true));
+    ASSERT_TRUE(daemon_.Start(Config("auth: {tokens_file: " + tokens_ +
+                                     "}\nquotas:\n  tenants:\n"
+                                     "    - {tenant: team-b, max_decode_channels: 2}\n")));
     alice_ = Connect("tok-alice");
     bob_ = Connect("tok-bob");
     admin_ = Connect("tok-admin");
     anonymous_ = Connect("");
     bob_worker_ = Connect("tok-bob-worker");
-    ASSERT_TRUE(alice_ && bob_ && admin_ && anonymous_ && bob_worker_);
+    alice_worker_ = Connect("tok-alice-worker");
+    ASSERT_TRUE(alice_ && bob_ && admin_ && anonymous_ && bob_worker_ && alice_worker_);
     auto m = admin_->GetModel("tiny");
     ASSERT_TRUE(m.ok()) << m.status();
     profile_ = m->profile();
@@ -229,7 +238,7 @@ class TenantTest : public SecurityTest {
 
   std::string tokens_;
   DaemonProcess daemon_;
-  std::unique_ptr<Client> alice_, bob_, admin_, anonymous_, bob_worker_;
+  std::unique_ptr<Client> alice_, bob_, admin_, anonymous_, bob_worker_, alice_worker_;
   v1::ModelProfile profile_;
 };
 
@@ -376,6 +385,195 @@ TEST_F(TenantTest, DecodeChannelsRunWithTheTokenThatOpenedThem) {
   EXPECT_TRUE((*admin_channel)->Call(MakeDecode(seq, 16)).ok());
 }
 
+// A worker's shared region, written as a worker does (common/decode_channel_layout.h), kept
+// under its name so that another tenant can name it too.
+struct RawRegion {
+  explicit RawRegion(uint32_t cap) : capacity(cap), bytes(DecodeChannelHeader::TotalBytes(cap)) {
+    name = "/kvcd-security-" + std::to_string(getpid()) + "-" + std::to_string(++count);
+    fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+    if (fd < 0 || ftruncate(fd, static_cast<off_t>(bytes)) != 0) return;
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) return;
+    h = new (p) DecodeChannelHeader{};
+    h->magic = DecodeChannelHeader::kMagic;
+    h->version = DecodeChannelHeader::kVersion;
+    h->capacity = capacity;
+  }
+  ~RawRegion() {
+    if (h != nullptr) munmap(h, bytes);
+    if (fd >= 0) close(fd);
+    shm_unlink(name.c_str());
+  }
+  // One request and its answer (an error answer for an unanswered one).
+  v1::AttentionDecodeStreamResponse Call(const v1::AttentionDecodeRequest& req) {
+    const std::string msg = req.SerializeAsString();
+    std::memcpy(h->RequestArea(), msg.data(), msg.size());
+    h->request_bytes.store(static_cast<uint32_t>(msg.size()), std::memory_order_relaxed);
+    h->PublishRequest(++seq);
+    v1::AttentionDecodeStreamResponse r;
+    if (!WaitFor([&] { return h->response_seq.load() == seq; }, std::chrono::seconds(10))) {
+      r.set_error_code(static_cast<int>(absl::StatusCode::kDeadlineExceeded));
+      return r;
+    }
+    r.ParseFromArray(h->ResponseArea(), static_cast<int>(h->response_bytes.load()));
+    return r;
+  }
+  static inline int count = 0;
+  std::string name;
+  uint32_t capacity;
+  size_t bytes;
+  int fd = -1;
+  DecodeChannelHeader* h = nullptr;
+  uint64_t seq = 0;
+};
+
+// Issue #35.3: a tenant names the shared-memory object another tenant's channel serves. The
+// second open is refused (ALREADY_EXISTS, under any name for the object), nothing is written
+// into the victim's region, and the victim's channel keeps answering its own requests.
+TEST_F(TenantTest, ASecondChannelOnARegionAlreadyServedIsRefused) {
+  ASSERT_TRUE(alice_->Put(MakePut(7, 16, "team-a")).ok());
+  auto open = alice_->OpenSequence("tiny", "team-a", synthetic::Tokens(7, 0, 16));
+  ASSERT_TRUE(open.ok()) << open.status();
+  const uint64_t seq = open->sequence_id();
+  RawRegion victim(1 << 16);
+  ASSERT_NE(victim.h, nullptr);
+  v1::OpenDecodeChannelRequest req;
+  req.set_shm_name(victim.name);
+  req.set_lease_ms(60000);
+  v1::OpenDecodeChannelResponse opened;
+  ASSERT_TRUE(alice_worker_->OpenDecodeChannelRpc(req, &opened).ok());
+  v1::AttentionDecodeStreamResponse r = victim.Call(MakeDecode(seq, 16));
+  EXPECT_EQ(r.error_code(), 0) << r.error_message();
+
+  // bob's worker, then the admin, name the same object: refused, whoever asks.
+  v1::OpenDecodeChannelResponse stolen;
+  absl::Status s = bob_worker_->OpenDecodeChannelRpc(req, &stolen);
+  EXPECT_EQ(s.code(), absl::StatusCode::kAlreadyExists) << s;
+  EXPECT_NE(s.message().find("already served"), std::string::npos) << s;
+  EXPECT_EQ(s.message().find("alice"), std::string::npos) << s;  // nothing about the owner
+  EXPECT_EQ(admin_->OpenDecodeChannelRpc(req, &stolen).code(), absl::StatusCode::kAlreadyExists);
+  // The same object under another name (a hard link in /dev/shm) is the same region.
+  const std::string alias = victim.name + "-alias";
+  ASSERT_EQ(link(("/dev/shm" + victim.name).c_str(), ("/dev/shm" + alias).c_str()), 0);
+  v1::OpenDecodeChannelRequest by_alias = req;
+  by_alias.set_shm_name(alias);
+  EXPECT_EQ(bob_worker_->OpenDecodeChannelRpc(by_alias, &stolen).code(),
+            absl::StatusCode::kAlreadyExists);
+  shm_unlink(alias.c_str());
+
+  // Nothing was written into the victim's region; its channel serves its requests.
+  EXPECT_EQ(victim.h->closed.load(), 0u);
+  for (int i = 0; i < 3; ++i) {
+    r = victim.Call(MakeDecode(seq, 16));
+    EXPECT_EQ(r.error_code(), 0) << r.error_message();
+  }
+  // Once the victim closes its channel the object may be served again (by its owner).
+  ASSERT_TRUE(alice_worker_->CloseDecodeChannel(opened.channel_id()).ok());
+  EXPECT_EQ(victim.h->closed.load(), 1u);
+  victim.h->closed.store(0);
+  ASSERT_TRUE(alice_worker_->OpenDecodeChannelRpc(req, &opened).ok());
+  r = victim.Call(MakeDecode(seq, 16));
+  EXPECT_EQ(r.error_code(), 0) << r.error_message();
+}
+
+// Issue #35.4: one token could take all 64 channel slots. team-b may hold 2 channels: the
+// third is refused naming the quota, closing one or a lease running out gives its slot back,
+// and another tenant's token is not limited by team-b's quota.
+TEST_F(TenantTest, DecodeChannelsCountAgainstTheTenantsQuota) {
+  auto first = DecodeChannel::Open(bob_worker_.get(), 1 << 16, 60000);
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = DecodeChannel::Open(bob_worker_.get(), 1 << 16, 60000);
+  ASSERT_TRUE(second.ok()) << second.status();
+  auto third = DecodeChannel::Open(bob_worker_.get(), 1 << 16, 60000);
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted) << third.status();
+  EXPECT_NE(third.status().message().find("max_decode_channels is 2"), std::string::npos)
+      << third.status();
+  EXPECT_NE(third.status().message().find("'team-b'"), std::string::npos) << third.status();
+  auto stats = admin_->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  bool listed = false;
+  for (const v1::TenantUsage& t : stats->tenants()) {
+    if (t.tenant() != "team-b") continue;
+    listed = true;
+    EXPECT_EQ(t.open_decode_channels(), 2u);
+    EXPECT_EQ(t.max_decode_channels(), 2u);
+  }
+  EXPECT_TRUE(listed);
+  // alice's worker is not held back by team-b's channels.
+  auto alices = DecodeChannel::Open(alice_worker_.get(), 1 << 16, 60000);
+  EXPECT_TRUE(alices.ok()) << alices.status();
+
+  // Closing one gives its slot back.
+  ASSERT_TRUE((*first)->Close().ok());
+  first->reset();
+  auto replaced = DecodeChannel::Open(bob_worker_.get(), 1 << 16, 30);  // a 30 ms lease
+  ASSERT_TRUE(replaced.ok()) << replaced.status();
+  // A channel that ends on its lease gives its slot back too (the daemon's event: its
+  // channel count, as Stats reports it, drops).
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        auto s = admin_->Stats();
+        if (!s.ok()) return false;
+        for (const v1::TenantUsage& t : s->tenants())
+          if (t.tenant() == "team-b") return t.open_decode_channels() == 1;
+        return false;
+      },
+      std::chrono::seconds(10)));
+  auto after_lease = DecodeChannel::Open(bob_worker_.get(), 1 << 16, 60000);
+  EXPECT_TRUE(after_lease.ok()) << after_lease.status();
+}
+
+// Issue #35.7: any token's Stats and ListModels showed every tenant's name and use. A token
+// sees its own tenants only, and no daemon-wide activity; a "*" token sees everything.
+TEST_F(TenantTest, StatsAndListModelsShowOnlyTheCallersTenants) {
+  ASSERT_TRUE(alice_->Put(MakePut(8, 16, "team-a")).ok());
+  ASSERT_TRUE(alice_->OpenSequence("tiny", "team-a", synthetic::Tokens(8, 0, 16)).ok());
+  ASSERT_TRUE(bob_->OpenSequence("tiny", "team-b", synthetic::Tokens(9, 0, 16)).ok());
+  auto names = [](const v1::StatsResponse& s) {
+    std::set<std::string> out;
+    for (const v1::TenantUsage& t : s.tenants()) out.insert(t.tenant());
+    return out;
+  };
+  auto alice = alice_->Stats();
+  ASSERT_TRUE(alice.ok()) << alice.status();
+  EXPECT_EQ(names(*alice), std::set<std::string>{"team-a"});
+  for (const v1::TenantUsage& t : alice->tenants()) EXPECT_EQ(t.open_sequences(), 1u);
+  auto bob = bob_->Stats();
+  ASSERT_TRUE(bob.ok()) << bob.status();
+  EXPECT_EQ(names(*bob), std::set<std::string>{"team-b"});
+  // No daemon-wide activity (it is every tenant's), only the configuration.
+  for (const auto* s : {&*alice, &*bob}) {
+    EXPECT_EQ(s->active_sequences(), 0u);
+    EXPECT_EQ(s->memory_used_bytes(), 0u);
+    EXPECT_EQ(s->hit_tokens() + s->miss_tokens(), 0u);
+    EXPECT_GT(s->memory_budget_bytes(), 0u);
+    ASSERT_EQ(s->models_size(), 1);
+    EXPECT_EQ(s->models(0).cached_tokens(), 0u);
+    EXPECT_EQ(s->models(0).active_sequences(), 0u);
+    for (const v1::PoolInfo& p : s->models(0).pools()) {
+      EXPECT_EQ(p.pages_used(), 0u);
+      EXPECT_GT(p.pages_total(), 0u);
+    }
+  }
+  auto models = bob_->ListModels();
+  ASSERT_TRUE(models.ok()) << models.status();
+  ASSERT_EQ(models->size(), 1u);
+  EXPECT_EQ((*models)[0].profile().name(), "tiny");
+  EXPECT_EQ((*models)[0].cached_tokens(), 0u);
+  EXPECT_EQ((*models)[0].active_sequences(), 0u);
+
+  // The admin ("*") sees the whole daemon.
+  auto admin = admin_->Stats();
+  ASSERT_TRUE(admin.ok()) << admin.status();
+  EXPECT_TRUE(names(*admin).count("team-a") && names(*admin).count("team-b"));
+  EXPECT_EQ(admin->active_sequences(), 2u);
+  EXPECT_GT(admin->models(0).cached_tokens(), 0u);
+  auto all_models = admin_->ListModels();
+  ASSERT_TRUE(all_models.ok()) << all_models.status();
+  EXPECT_GT((*all_models)[0].cached_tokens(), 0u);
+  EXPECT_EQ((*all_models)[0].active_sequences(), 2u);
+}
+
 TEST_F(TenantTest, ModelRegistrationAndTheDataPlaneNeedTheirPermissions) {
   v1::ModelProfile p = profile_;
   p.set_name("tiny-2");
@@ -516,7 +714,11 @@ TEST_F(SecurityTest, NonLoopbackWithoutTlsAndAuthIsRefusedUnlessInsecure) {
   insecure.set_stderr_path(StderrPath());
   insecure.set_extra_args({"--insecure"});
   ASSERT_TRUE(insecure.Start(Config("", "0.0.0.0:0")));
-  EXPECT_NE(ReadFile(StderrPath()).find("WARNING: --insecure"), std::string::npos);
+  const std::string warned = ReadFile(StderrPath());
+  const size_t at = warned.find("--insecure: serving without TLS or authentication");
+  ASSERT_NE(at, std::string::npos) << warned;
+  const size_t line = warned.rfind('\n', at) + 1;  // npos + 1 == 0 on the first line
+  EXPECT_NE(warned.substr(line, at - line).find(" WARNING "), std::string::npos) << warned;
   ClientOptions o;
   o.target = "127.0.0.1:" + insecure.grpc().substr(insecure.grpc().rfind(':') + 1);
   auto c = Client::Connect(o);

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "common/log.h"
 #include "common/status_macros.h"
 #include "kvcd/kernels/cuda_bf16_split_attention.h"
 #include "kvcd/kernels/cuda_decode_attention.h"
@@ -24,7 +25,7 @@ kc::Bf16Kernel Bf16KernelFromEnv() {
   const char* v = std::getenv("KVCD_BF16_KERNEL");
   if (v == nullptr || std::strcmp(v, "split") == 0) return kc::Bf16Kernel::kSplit;
   if (std::strcmp(v, "warp") == 0) return kc::Bf16Kernel::kWarp;
-  std::fprintf(stderr, "kvcd: KVCD_BF16_KERNEL=%s is not split or warp; using split\n", v);
+  KVCD_LOG(WARNING) << "KVCD_BF16_KERNEL=" << v << " is not split or warp; using split";
   return kc::Bf16Kernel::kSplit;
 }
 

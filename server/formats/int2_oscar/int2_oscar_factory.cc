@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "common/codec_profile.h"
+#include "common/log.h"
 #include "common/status_macros.h"
 #include "server/formats/bf16/bf16_format.h"
 #include "server/formats/int2_oscar/int2_oscar_format.h"
@@ -65,9 +66,8 @@ absl::StatusOr<std::unique_ptr<const ModelCodec>> Load(const ModelSpec& spec,
   auto hadamard =
       std::make_shared<CodecProfile>(CodecProfile::Hadamard(spec.num_layers, spec.head_dim));
   if (spec.codec.empty()) {
-    std::fprintf(stderr,
-                 "kvcd: model '%s': no codec file, INT2 history uses the Hadamard rotation\n",
-                 spec.name.c_str());
+    KVCD_LOG(INFO) << "model '" << spec.name
+                   << "': no codec file, INT2 history uses the Hadamard rotation";
     hadamard->set_description("hadamard (no codec file)");
   }
   return std::make_unique<const Int2OscarCodec>(std::move(hadamard));

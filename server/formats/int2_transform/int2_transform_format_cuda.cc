@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
 #include "common/status_macros.h"
 #include "kvcd/kernels/cuda_runtime_api.h"
 #include "kvcd/kernels/cuda_transform.h"
@@ -61,7 +62,7 @@ kc::TransformKernel TransformKernelFromEnv() {
   const char* v = std::getenv("KVCD_TRANSFORM_KERNEL");
   if (v == nullptr || std::strcmp(v, "fp32") == 0) return kc::TransformKernel::kFp32;
   if (std::strcmp(v, "tc") == 0) return kc::TransformKernel::kTensorCore;
-  std::fprintf(stderr, "kvcd: KVCD_TRANSFORM_KERNEL=%s is not tc or fp32; using fp32\n", v);
+  KVCD_LOG(WARNING) << "KVCD_TRANSFORM_KERNEL=" << v << " is not tc or fp32; using fp32";
   return kc::TransformKernel::kFp32;
 }
 

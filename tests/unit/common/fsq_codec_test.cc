@@ -165,7 +165,7 @@ TEST(FsqCodecTest, EachBadTensorIsNamed) {
   ExpectInvalid(
       Load(Mutated(codec, "layers.1.decoder_v", {kv, 5}, std::vector<float>(kv * 5, 1.0f), "BF16"),
            shape),
-      "'layers.1.decoder_v' has dtype BF16, expected F32");
+      "'layers.1.decoder_v' has dtype 'BF16', expected F32");
   // Non-finite values.
   for (float bad :
        {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 #include <string>
 
@@ -86,6 +87,19 @@ TEST(KeyTransformProfileTest, RejectsWhatDoesNotFit) {
   h = Heads();
   h[1].r_v[0] = 3.0f;
   ExpectRejected(RoundTrip(h), "r_v[1] is not orthogonal");
+  // Issue #35.1: NaN anywhere is refused by tensor and element, before any other check.
+  h = Heads();
+  h[1].r_v.assign(h[1].r_v.size(), std::nanf(""));
+  ExpectRejected(RoundTrip(h), "layers.0.r_v element 64 is nan, expected finite values");
+  h = Heads();
+  h[2].k_sigma[7] = INFINITY;  // a direction of 0 bits: never used, still checked
+  ExpectRejected(RoundTrip(h), "layers.1.k_sigma element 7 is inf");
+  h = Heads();
+  h[3].k_decode[3] = std::nanf("");
+  ExpectRejected(RoundTrip(h), "layers.1.k_decode element 67 is nan");
+  h = Heads();
+  h[0].k_mean[0] = -INFINITY;
+  ExpectRejected(RoundTrip(h), "layers.0.k_mean element 0 is -inf");
   h = Heads();
   h[2].rho_v = 0.0f;
   ExpectRejected(RoundTrip(h), "rho_v[0] = 0");
@@ -97,7 +111,8 @@ TEST(KeyTransformProfileTest, RejectsWhatDoesNotFit) {
   ASSERT_TRUE(w.WriteFile(path).ok());
   auto file = SafetensorsFile::Load(path);
   ASSERT_TRUE(file.ok());
-  ExpectRejected(KeyTransformProfile::FromSafetensors(*file, 1, kHkv, kD), "version 2: expected 3");
+  ExpectRejected(KeyTransformProfile::FromSafetensors(*file, 1, kHkv, kD),
+                 "version '2': expected 3");
   std::remove(path.c_str());
 }
 

@@ -21,6 +21,17 @@ TEST(RotationTest, HadamardIsOrthonormalSylvester) {
     EXPECT_LT(OrthogonalityError(HadamardMatrix(d), d), 1e-6) << d;
 }
 
+// Issue #35.1: std::max dropped NaN, so a NaN matrix measured as orthogonal (error 0).
+TEST(RotationTest, NonFiniteMatrixIsNotOrthogonal) {
+  for (float bad : {std::nanf(""), INFINITY, -INFINITY}) {
+    std::vector<float> r(16, bad);
+    EXPECT_FALSE(OrthogonalityError(r, 4) <= 1e-3) << bad;
+    r = HadamardMatrix(4);
+    r[5] = bad;
+    EXPECT_FALSE(OrthogonalityError(r, 4) <= 1e-3) << bad;
+  }
+}
+
 TEST(RotationTest, BitReversalPermutationByHand) {
   EXPECT_EQ(BitReverse(1, 3), 4);
   EXPECT_EQ(BitReverse(3, 3), 6);

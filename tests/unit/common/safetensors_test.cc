@@ -53,5 +53,48 @@ TEST(SafetensorsTest, MalformedFilesAreRejected) {
                   .ok());
 }
 
+// Issue #35.5: names, dtypes and metadata keys come from the file; an error quotes them in
+// 64 bytes (common/quote.h) so that it fits gRPC's metadata and reaches the client as
+// INVALID_ARGUMENT, not RESOURCE_EXHAUSTED.
+TEST(SafetensorsTest, ErrorsQuoteFileStringsBounded) {
+  const std::string long_name(10240, 'n'), long_dtype(10240, 'D');
+  auto with_header = [](const std::string& json) {
+    std::string out(8, '\0');
+    uint64_t n = json.size();
+    std::memcpy(out.data(), &n, 8);
+    return out + json + std::string(4, '\0');
+  };
+  const std::string files[] = {
+      with_header("{\"" + long_name + "\":3}"),
+      with_header("{\"x\":{\"dtype\":\"" + long_dtype +
+                  "\",\"shape\":[1],\"data_offsets\":[0,4]}}"),
+      with_header("{\"" + long_name +
+                  "\":{\"dtype\":\"F32\",\"shape\":[-1],\"data_offsets\":[0,4]}}"),
+      with_header("{\"" + long_name +
+                  "\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,4]}}"),
+      with_header("{\"__metadata__\":{\"" + long_name + "\":1}}"),
+  };
+  for (const std::string& f : files) {
+    auto parsed = SafetensorsFile::Parse(f);
+    ASSERT_FALSE(parsed.ok());
+    EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_LE(parsed.status().message().size(), 300u) << parsed.status().message().substr(0, 300);
+    EXPECT_NE(parsed.status().message().find("...' (10240 bytes)"), std::string::npos)
+        << parsed.status().message().substr(0, 300);
+  }
+  // A parsed file's tensor of an unreadable dtype, or of another shape, named bounded too.
+  SafetensorsWriter w;
+  const uint8_t bytes[4] = {};
+  w.Add(long_name, "I32", {1}, bytes, 4);
+  auto file = SafetensorsFile::Parse(w.Serialize());
+  ASSERT_TRUE(file.ok()) << file.status();
+  for (const std::vector<int64_t>& shape : {std::vector<int64_t>{}, std::vector<int64_t>{2}}) {
+    const absl::Status s = file->ReadFloats(long_name, shape).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_LE(s.message().size(), 300u);
+  }
+  EXPECT_LE(file->Get(long_name + "x").status().message().size(), 300u);
+}
+
 }  // namespace
 }  // namespace kvcd

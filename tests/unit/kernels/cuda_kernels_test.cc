@@ -22,6 +22,7 @@
 #include "kvcd/kernels/cuda_page_copy.h"
 #include "kvcd/kernels/cuda_store_rows.h"
 #include "kvcd/kernels/device_fault.h"
+#include "kvcd/kernels/fp16.h"
 #include "kvcd/kernels/int2_attention.h"
 #include "kvcd/kernels/int2_codec.h"
 
@@ -92,6 +93,55 @@ TEST_F(CudaKernelsTest, DemoteIsBitIdenticalToTheCpu) {
             }
           }
         }
+      }
+    }
+  }
+}
+
+// Issue #35.2: rows beyond FP16's range saturate on the GPU as on the CPU (N(0,1)·1e6 rows,
+// rows near BF16's largest value whose rotation overflows FP32 to Inf and NaN): the same
+// codes and parameters, all finite.
+TEST_F(CudaKernelsTest, DemoteSaturatesBeyondFp16RangeLikeTheCpu) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int d : {64, 128, 256}) {
+    const int n = 12;
+    std::vector<uint16_t> rows(n * d);
+    std::vector<float> rows_f(n * d);
+    for (int i = 0; i < n * d; ++i) {
+      const int t = i / d;
+      const float x = t % 3 == 0   ? 1e6f * normal(rng_)
+                      : t % 3 == 1 ? 3.3e38f
+                                   : (i % 2 ? 3.3e38f : -3.3e38f);
+      rows[i] = FloatToBf16(x);
+      rows_f[i] = Bf16ToFloat(rows[i]);
+    }
+    std::vector<float> hadamard(d * d);
+    const float c = 1.0f / std::sqrt(static_cast<float>(d));
+    for (int i = 0; i < d; ++i) {
+      for (int j = 0; j < d; ++j) hadamard[i * d + j] = __builtin_popcount(i & j) % 2 ? -c : c;
+    }
+    const float* d_hadamard = Up(hadamard);
+    const uint16_t* d_rows = Up(rows);
+    for (Rotation kind : {Rotation::kNone, Rotation::kHadamard}) {
+      const float* rot = kind == Rotation::kHadamard ? hadamard.data() : nullptr;
+      const float* d_rot = kind == Rotation::kHadamard ? d_hadamard : nullptr;
+      const int row_bytes = d / 4;
+      std::vector<uint8_t> cpu_codes(n * row_bytes, 0xAA);
+      std::vector<uint16_t> cpu_params(2 * n, 0xFFFF);
+      DemoteRowsToInt2(rows_f.data(), n, d, rot, 0.96f,
+                       Int2RowRef::RowMajor(cpu_codes.data(), row_bytes, cpu_params.data(),
+                                            cpu_params.data() + 1, 2));
+      for (uint16_t p : cpu_params) ASSERT_TRUE(std::isfinite(HalfToFloat(p))) << d;
+      for (auto kernel : {cuda::DemoteKernel::kGrouped, cuda::DemoteKernel::kWarpPerRow}) {
+        uint8_t* codes = Up(std::vector<uint8_t>(n * row_bytes, 0xAA));
+        uint16_t* params = Up(std::vector<uint16_t>(2 * n, 0xFFFF));
+        const Int2RowRef dev = Int2RowRef::RowMajor(codes, row_bytes, params, params + 1, 2);
+        ASSERT_EQ(cuda::LaunchDemoteInt2(d_rows, n, d, d_rot, kind, 0.96f, dev, 0, nullptr, kernel)
+                      .device_code(),
+                  cudaSuccess);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        EXPECT_EQ(Down(codes, cpu_codes.size()), cpu_codes) << d;
+        EXPECT_EQ(Down(params, cpu_params.size()), cpu_params) << d;
       }
     }
   }

@@ -101,6 +101,51 @@ TEST(Int2CodecTest, RotatedRoundTripErrorIsBoundedByHalfAStep) {
   }
 }
 
+// Issue #35.2: finite rows beyond FP16's range (N(0,1)·1e6; rows near FLT_MAX, whose
+// rotation overflows FP32 to Inf and NaN) saturate at +-65504: the FP16 scale and offset stay
+// finite, and so does every expanded value.
+TEST(Int2CodecTest, RowsBeyondFp16RangeSaturate) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  for (int d : {8, 128, 256}) {
+    const std::vector<float> h = HadamardMatrix(d);
+    std::vector<float> dense(d * d);
+    for (auto& v : dense) v = normal(rng);  // not orthogonal: its products overflow sooner
+    for (const float* r :
+         {static_cast<const float*>(nullptr), h.data(), static_cast<const float*>(dense.data())}) {
+      const int n = 4;
+      std::vector<float> x(n * d), back(n * d);
+      for (int i = 0; i < d; ++i) {
+        x[i] = 1e6f * normal(rng);                  // beyond FP16, within FP32
+        x[d + i] = 3.3e38f;                         // the rotation's sums overflow to +Inf
+        x[2 * d + i] = i % 2 ? 3.3e38f : -3.3e38f;  // ... and Inf - Inf = NaN
+        x[3 * d + i] = 1e6f;
+      }
+      std::vector<uint8_t> codes(n * d / 4);
+      std::vector<uint16_t> params(2 * n);
+      const Int2RowRef ref =
+          Int2RowRef::RowMajor(codes.data(), d / 4, params.data(), params.data() + 1, 2);
+      DemoteRowsToInt2(x.data(), n, d, r, 0.96f, ref);
+      for (int t = 0; t < n; ++t) {
+        const float scale = HalfToFloat(params[2 * t]), lo = HalfToFloat(params[2 * t + 1]);
+        EXPECT_TRUE(std::isfinite(scale) && std::isfinite(lo))
+            << "d=" << d << " row " << t << ": scale " << scale << " lo " << lo;
+        EXPECT_GE(lo, -65504.0f);
+      }
+      ExpandInt2Rows(ref, n, d, r, back.data());
+      for (int i = 0; i < n * d; ++i) ASSERT_TRUE(std::isfinite(back[i])) << "d=" << d << " " << i;
+    }
+  }
+  // Within FP16's range nothing changes: a row at +-60000 keeps its exact extremes.
+  float x[8] = {-60000, 60000, 0, 0, 0, 0, 0, 0};
+  uint8_t codes[2];
+  uint16_t params[2];
+  const Int2RowRef ref = Int2RowRef::RowMajor(codes, 2, &params[0], &params[1], 2);
+  DemoteRowsToInt2(x, 1, 8, nullptr, 1.0f, ref);
+  EXPECT_EQ(HalfToFloat(params[1]), -60000.0f);
+  EXPECT_EQ(HalfToFloat(params[0]), 40000.0f);
+}
+
 TEST(Int2CodecTest, BitsPerElementIs2Point25AtHeadDim128) {
   EXPECT_EQ((Int2CodeBytes(128) + kInt2ParamBytes) * 8.0 / 128, 2.25);
 }

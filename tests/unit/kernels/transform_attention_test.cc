@@ -203,5 +203,24 @@ TEST(TransformAttentionTest, KeyCodecRoundTripFollowsTheBits) {
   EXPECT_LT(rel, 0.35);
 }
 
+// Issue #35.2: keys far beyond FP16's range (N(0,1)·1e8, and rows near FLT_MAX) store a
+// finite gain (saturated at 65504) and decode to finite values.
+TEST(TransformAttentionTest, KeysBeyondFp16RangeStoreAFiniteGain) {
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal;
+  const int d = 64;
+  const KeyCode key(d, 7);
+  std::vector<float> k(d), out(d);
+  std::vector<uint8_t> codes(key.code.code_bytes);
+  for (float size : {1e8f, 1e30f, 3e38f}) {
+    for (int j = 0; j < d; ++j) k[j] = size == 3e38f ? (j % 2 ? size : -size) : size * normal(rng);
+    uint16_t gain = 0;
+    EncodeTransformKeys(key.code, k.data(), 1, codes.data(), 0, &gain);
+    EXPECT_EQ(HalfToFloat(gain), 65504.0f) << size;
+    DecodeTransformKeys(key.code, codes.data(), 0, &gain, 0, 1, out.data());
+    for (int j = 0; j < d; ++j) ASSERT_TRUE(std::isfinite(out[j])) << size << " element " << j;
+  }
+}
+
 }  // namespace
 }  // namespace kvcd::kernels

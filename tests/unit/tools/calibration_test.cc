@@ -221,7 +221,7 @@ TEST(CalibrationTest, CodecFilesMustMatchTheDumpAndPerHeadFilesAreVersion2) {
   // The daemon's reader (version 1 only) refuses it by its version, not by a shape.
   auto daemon = CodecProfile::FromSafetensors(*v2, 2, d, "v2");
   ASSERT_EQ(daemon.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(daemon.status().message().find("version 2"), std::string::npos) << daemon.status();
+  EXPECT_NE(daemon.status().message().find("version '2'"), std::string::npos) << daemon.status();
   // Per-head codecs evaluate.
   EvalOptions eo;
   eo.sink = 8;

@@ -212,14 +212,15 @@ TEST(TransformCodec, DaemonEncoderIsBitIdenticalToTheTools) {
   uint16_t gain = 0;
   int checked = 0;
   for (int t = 0; t < 2000; ++t) {
-    const int kind = t % 5;
+    const int kind = t % 6;
     for (int j = 0; j < d; ++j) {
       const double base = rows[(t % n) * d + j];
       x[j] = static_cast<float>(kind == 0   ? base
                                 : kind == 1 ? 1000 * base
                                 : kind == 2 ? (j == t % d ? 40.0 * g(rng) : 0.0)
                                 : kind == 3 ? 0.0
-                                            : mean[j]);
+                                : kind == 4 ? mean[j]
+                                            : 1e30 * base);  // gain saturates at 65504
     }
     TransformRoundTrip(tools, x.data(), want.data());
     kernels::EncodeTransformKeys(daemon, x.data(), 1, codes.data(), daemon.code_bytes, &gain);

@@ -97,7 +97,7 @@ TEST(ConfigTest, TenantQuotas) {
 quotas:
   default: {max_sequences: 8, max_memory_share: 0.5, max_models: 2, max_model_bytes: 64MiB}
   tenants:
-    - {tenant: team-a, max_memory_share: 0.25, max_pinned_prefix_pages: 12}
+    - {tenant: team-a, max_memory_share: 0.25, max_pinned_prefix_pages: 12, max_decode_channels: 3}
     - {tenant: "", max_pinned_pages: 100, max_lease_ms: 5000, max_memory_share: 1}
 )");
   ASSERT_TRUE(c.ok()) << c.status();
@@ -112,6 +112,8 @@ quotas:
   EXPECT_EQ(a.max_model_bytes, 64ull << 20);
   EXPECT_EQ(a.max_pinned_prefix_pages, 12);
   EXPECT_EQ(c->quotas.For("").max_pinned_prefix_pages, 0);  // 0 = no limit
+  EXPECT_EQ(a.max_decode_channels, 3);
+  EXPECT_EQ(c->quotas.For("unlisted").max_decode_channels, 0);  // no limit
   const TenantQuota& none = c->quotas.For("");
   EXPECT_DOUBLE_EQ(none.max_memory_share, 1.0);
   EXPECT_EQ(none.max_pinned_pages, 100);
@@ -129,28 +131,29 @@ quotas:
     const char* needle;
   };
   const Case bad[] = {
-      {"quotas: {default: {max_memory_share: 0}}",
-       "quotas.default.max_memory_share is 0, expected a fraction of each model's page pools in "
-       "(0, 1]"},
-      {"quotas: {default: {max_memory_share: 1.5}}", "max_memory_share is 1.5"},
-      {"quotas: {default: {max_memory_share: -0.1}}", "max_memory_share is -0.1"},
-      {"quotas: {default: {max_memory_share: .nan}}", "max_memory_share is nan"},
-      {"quotas: {default: {max_memory_share: half}}",
-       "quotas.default.max_memory_share has value 'half' of the wrong type"},
-      {"quotas: {tenants: [{tenant: a, max_models: -1}]}",
-       "quotas.tenants[0]: quotas must be >= 0"},
-      {"quotas: {tenants: [{tenant: a, max_pinned_prefix_pages: -3}]}",
-       "quotas.tenants[0]: quotas must be >= 0"},
-      {"quotas: {tenants: [{tenant: a, max_models: lots}]}",
-       "quotas.tenants[0].max_models has value 'lots' of the wrong type"},
-      {"quotas: {default: {max_model_bytes: 12XB}}", "quotas.default.max_model_bytes: unit 'XB'"},
-      {"quotas: {default: {max_model_bytes: -5}}", "quotas.default.max_model_bytes: size '-5'"},
-      {"quotas: {default: {max_memory: 0.5}}",
-       "unknown key 'quotas.default.max_memory'; expected one of"},
-      {"quotas: {tenants: [{max_models: 1}]}", "quotas.tenants[0].tenant is missing"},
-      {"quotas: {tenants: [{tenant: a}, {tenant: a}]}", "tenant 'a' appears twice"},
-      {"quotas: {tenants: {tenant: a}}", "quotas.tenants must be a list"},
-  };
+    {"quotas: {default: {max_memory_share: 0}}",
+     "quotas.default.max_memory_share is 0, expected a fraction of each model's page pools in "
+     "(0, 1]"},
+    {"quotas: {default: {max_memory_share: 1.5}}", "max_memory_share is 1.5"},
+    {"quotas: {default: {max_memory_share: -0.1}}", "max_memory_share is -0.1"},
+    {"quotas: {default: {max_memory_share: .nan}}", "max_memory_share is nan"},
+    {"quotas: {default: {max_memory_share: half}}",
+     "quotas.default.max_memory_share has value 'half' of the wrong type"},
+    {"quotas: {tenants: [{tenant: a, max_models: -1}]}", "quotas.tenants[0]: quotas must be >= 0"},
+    {
+        "quotas: {tenants: [{tenant: a, max_pinned_prefix_pages: -3}]}",
+        {"quotas: {tenants: [{tenant: a, max_decode_channels: -2}]}",
+         "quotas.tenants[0]: quotas must be >= 0"},
+        {"quotas: {tenants: [{tenant: a, max_models: lots}]}",
+         "quotas.tenants[0].max_models has value 'lots' of the wrong type"},
+        {"quotas: {default: {max_model_bytes: 12XB}}", "quotas.default.max_model_bytes: unit 'XB'"},
+        {"quotas: {default: {max_model_bytes: -5}}", "quotas.default.max_model_bytes: size '-5'"},
+        {"quotas: {default: {max_memory: 0.5}}",
+         "unknown key 'quotas.default.max_memory'; expected one of"},
+        {"quotas: {tenants: [{max_models: 1}]}", "quotas.tenants[0].tenant is missing"},
+        {"quotas: {tenants: [{tenant: a}, {tenant: a}]}", "tenant 'a' appears twice"},
+        {"quotas: {tenants: {tenant: a}}", "quotas.tenants must be a list"},
+    };
   for (const auto& b : bad) {
     auto r = ParseConfig(b.yaml);
     ASSERT_FALSE(r.ok()) << b.yaml;

@@ -46,12 +46,15 @@ TEST(SecurityConfigTest, RejectsIncompleteOrUnknownSettings) {
 }
 
 TEST(SecurityConfigTest, LoopbackAddresses) {
-  for (const char* a :
-       {"127.0.0.1:50051", "127.1.2.3:0", "localhost:1", "[::1]:50051", "unix:/run/kvcd.sock"}) {
+  for (const char* a : {"127.0.0.1:50051", "127.1.2.3:0", "localhost:1", "[::1]:50051",
+                        "unix:/run/kvcd.sock", "[::ffff:127.0.0.1]:1"}) {
     EXPECT_TRUE(IsLoopbackAddress(a)) << a;
   }
-  for (const char* a : {"0.0.0.0:50051", "[::]:50051", ":50051", "10.0.0.5:50051",
-                        "kvcd.internal:50051", "128.0.0.1:1", "localhost.evil.com:1"}) {
+  for (const char* a :
+       {"0.0.0.0:50051", "[::]:50051", ":50051", "10.0.0.5:50051", "kvcd.internal:50051",
+        "128.0.0.1:1", "localhost.evil.com:1",
+        // Issue #35.8: a name that merely starts like a loopback address.
+        "127.attacker.example:9464", "127.0.0.1.attacker.example:1", "[::ffff:10.0.0.1]:1"}) {
     EXPECT_FALSE(IsLoopbackAddress(a)) << a;
   }
 }
@@ -81,6 +84,26 @@ TEST(SecurityConfigTest, NonLoopbackNeedsTlsAndAuthUnlessInsecure) {
   open.listen = "0.0.0.0:50051";
   open.insecure = true;
   EXPECT_TRUE(CheckExposure(open).ok());
+}
+
+// Issue #35.7: per-tenant metrics are opt-in, and only on a loopback metrics address.
+TEST(SecurityConfigTest, PerTenantMetricsAreOptInAndLoopbackOnly) {
+  absl::StatusOr<ServerConfig> c = ParseConfig("metrics_listen: 0.0.0.0:9464\n");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->metrics_per_tenant);  // off unless asked for
+  EXPECT_TRUE(CheckMetricsExposure(*c).ok());
+  c = ParseConfig("metrics_listen: 0.0.0.0:9464\nmetrics_per_tenant: true\n");
+  ASSERT_TRUE(c.ok()) << c.status();
+  absl::Status s = CheckMetricsExposure(*c);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("'0.0.0.0:9464'"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("metrics_per_tenant: false"), std::string::npos) << s;
+  c->metrics_listen = "127.0.0.1:9464";
+  EXPECT_TRUE(CheckMetricsExposure(*c).ok());
+  c->metrics_listen = "";  // no metrics at all
+  EXPECT_TRUE(CheckMetricsExposure(*c).ok());
+  EXPECT_EQ(ParseConfig("metrics_per_tenant: maybe\n").status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -135,5 +135,44 @@ TEST(TenantLedgerTest, RegistrationsCountModelsAndBytes) {
   EXPECT_EQ(u[0].registered_model_bytes, 640u);
 }
 
+// Issue #35.4: one token could take every decode channel. A channel counts once against
+// each tenant of its token, all or none; ending it gives the slots back.
+TEST(TenantLedgerTest, DecodeChannelsStayUnderEachTenantsQuota) {
+  TenantQuotaConfig q;
+  q.defaults.max_decode_channels = 3;
+  q.tenants["team-a"].max_decode_channels = 2;
+  q.tenants["team-b"].max_decode_channels = 0;  // no limit
+  TenantLedger ledger(q);
+  ASSERT_TRUE(ledger.TakeDecodeChannel({"team-a"}).ok());
+  ASSERT_TRUE(ledger.TakeDecodeChannel({"team-a", "team-b"}).ok());
+  absl::Status s = ledger.TakeDecodeChannel({"team-b", "team-a"});
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(s.message(),
+            "tenant 'team-a' (a tenant of the token) has 2 decode channels open; its quota "
+            "max_decode_channels is 2; close channels first");
+  auto held = [&](const std::string& tenant) -> int64_t {
+    for (const TenantUsage& u : ledger.Usage()) {
+      if (u.tenant == tenant) return u.open_decode_channels;
+    }
+    return -1;
+  };
+  EXPECT_EQ(held("team-a"), 2);
+  EXPECT_EQ(held("team-b"), 1);  // the refused channel took nothing from team-b
+  for (int i = 0; i < 10; ++i) ASSERT_TRUE(ledger.TakeDecodeChannel({"team-b"}).ok());
+  // The defaults hold for an unlisted tenant (the default tenant "" of "*" tokens too).
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(ledger.TakeDecodeChannel({""}).ok());
+  s = ledger.TakeDecodeChannel({""});
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("max_decode_channels is 3"), std::string::npos) << s;
+
+  ledger.ReleaseDecodeChannel({"team-a"});
+  EXPECT_EQ(held("team-a"), 1);
+  EXPECT_TRUE(ledger.TakeDecodeChannel({"team-a"}).ok());
+  ledger.ReleaseDecodeChannel({""});
+  EXPECT_TRUE(ledger.TakeDecodeChannel({""}).ok());
+  for (int i = 0; i < 3; ++i) ledger.ReleaseDecodeChannel({""});
+  EXPECT_EQ(held(""), -1);  // holds nothing, no configured quota: not listed
+}
+
 }  // namespace
 }  // namespace kvcd

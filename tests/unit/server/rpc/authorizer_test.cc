@@ -286,5 +286,44 @@ TEST_F(AuthorizerTest, WithoutAuthEverythingIsAllowedAsBefore) {
   EXPECT_TRUE(authz_->Check(any, v1::RegisterBufferRequest()).ok());
 }
 
+// Issue #35.7: what Stats and ListModels show is scoped to the caller's tenants.
+TEST_F(AuthorizerTest, StatsAndListModelsAreScopedToTheCallersTenants) {
+  Open("team-a");
+  Open("team-b");
+  v1::StatsResponse all;
+  ASSERT_TRUE(engine_->Stats(v1::StatsRequest(), &all).ok());
+  ASSERT_EQ(all.tenants_size(), 2);
+  ASSERT_EQ(all.active_sequences(), 2u);
+  ASSERT_EQ(all.models(0).active_sequences(), 2u);
+  v1::PrefixPin* pin = all.add_pins();
+  pin->set_tenant("team-b");
+
+  v1::StatsResponse a = all;
+  authz_->Scope(Token("a", {"team-a"}), &a);
+  ASSERT_EQ(a.tenants_size(), 1);
+  EXPECT_EQ(a.tenants(0).tenant(), "team-a");
+  EXPECT_EQ(a.pins_size(), 0);
+  EXPECT_EQ(a.active_sequences(), 0u);
+  EXPECT_EQ(a.models(0).active_sequences(), 0u);
+  EXPECT_EQ(a.models(0).profile().name(), "tiny");
+  EXPECT_EQ(a.memory_budget_bytes(), all.memory_budget_bytes());
+  EXPECT_EQ(a.models(0).pools(0).pages_total(), all.models(0).pools(0).pages_total());
+
+  Principal star = Token("admin", {});
+  star.all_tenants = true;
+  for (const Principal& p : {star, *Principal::Unrestricted()}) {
+    v1::StatsResponse s = all;
+    authz_->Scope(p, &s);
+    EXPECT_EQ(s.SerializeAsString(), all.SerializeAsString()) << p.name;
+  }
+
+  v1::ListModelsResponse models;
+  ASSERT_TRUE(engine_->ListModels(v1::ListModelsRequest(), &models).ok());
+  ASSERT_EQ(models.models(0).active_sequences(), 2u);
+  authz_->Scope(Token("b", {"team-b"}), &models);
+  EXPECT_EQ(models.models(0).active_sequences(), 0u);
+  EXPECT_EQ(models.models(0).profile().name(), "tiny");
+}
+
 }  // namespace
 }  // namespace kvcd

@@ -1,0 +1,132 @@
+// kvcd-replay: replays a Mooncake-format request trace against a kvcd daemon and reports the
+// prefix-cache hit rate beside an LRU simulation at the same capacity and the trace's
+// infinite-cache bound (docs/performance.md "Replaying a trace"; bench/replay/ holds the parts).
+#include <unistd.h>
+
+#include <cstdio>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_format.h"
+#include "bench/replay/daemon_target.h"
+#include "bench/replay/progress_bar.h"
+#include "bench/replay/replay.h"
+#include "bench/replay/report.h"
+#include "bench/replay/trace.h"
+#include "bench/replay/workload.h"
+#include "common/cli.h"
+
+ABSL_FLAG(std::string, trace, "", "Mooncake-format JSONL trace to replay (required)");
+ABSL_FLAG(int64_t, requests, 0, "replay only the first N requests (0 = all)");
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "daemon address HOST:PORT");
+ABSL_FLAG(std::string, model, "replay-tiny", "name under which the replay registers its model");
+ABSL_FLAG(int32_t, page_size, 16, "tokens of the page that stands for one 512-token trace block");
+ABSL_FLAG(int32_t, layers, 2, "layers of the replay model");
+ABSL_FLAG(int32_t, kv_heads, 2, "KV heads of the replay model");
+ABSL_FLAG(int32_t, head_dim, 32, "head_dim of the replay model (8, 16, 32, 64, 128 or 256)");
+ABSL_FLAG(int64_t, capacity_pages, 1953,
+          "pages of the model's pool (one page = one trace block: 1953 = 1M trace tokens)");
+ABSL_FLAG(bool, commit, true, "commit every sequence on close (CloseSequenceRequest.commit)");
+ABSL_FLAG(double, high_watermark, 0.95,
+          "the daemon's high_watermark (its config), for the simulation");
+ABSL_FLAG(double, low_watermark, 0.85,
+          "the daemon's low_watermark (its config), for the simulation");
+ABSL_FLAG(int32_t, daemon_pid, 0, "pid of the daemon when it runs on this machine: report its CPU");
+ABSL_FLAG(bool, json, false, "print the report as JSON instead of text");
+ABSL_FLAG(bool, progress, true, "progress bar on stderr");
+ABSL_FLAG(int64_t, deadline_ms, 60000, "deadline of each RPC");
+
+namespace {
+
+const kvcd::cli::Program& Cli() {
+  static const kvcd::cli::Program program = {
+      .name = "kvcd-replay",
+      .summary = "replays a Mooncake-format request trace against a kvcd daemon",
+      .files = {__FILE__},
+      .synopsis = R"(--trace FILE.jsonl [--target HOST:PORT] [--capacity-pages N] [--requests N]
+    [--daemon-pid PID] [--high-watermark H --low-watermark L] [--json])",
+      .notes = R"(Per request: Match, Put of the prompt's missing pages, OpenSequence, Append of the
+partial tail and the output tokens, CloseSequence with commit. One 512-token trace block is one
+page of --page-size tokens; the model (BF16 history, one pool) is registered with
+--capacity-pages pages. Give the daemon's watermarks so that the LRU simulation evicts as it
+does (high_watermark 1 = evict only what a call needs). Example (bench/run-replay.sh):
+  kvcd-replay --trace ../shared/data/traces/mooncake_synthetic_trace.jsonl \
+    --target 127.0.0.1:50051 --capacity-pages 5859 --high-watermark 1 --low-watermark 0.99)"};
+  return program;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  kvcd::cli::Parse(Cli(), argc, argv);
+  const kvcd::cli::Program& cli = Cli();
+  const std::string trace_path = absl::GetFlag(FLAGS_trace);
+  if (trace_path.empty()) return kvcd::cli::UsageError(cli, nullptr, "--trace is required");
+  const int64_t capacity = absl::GetFlag(FLAGS_capacity_pages);
+  if (capacity <= 0) return kvcd::cli::UsageError(cli, nullptr, "--capacity-pages must be > 0");
+  if (absl::GetFlag(FLAGS_requests) < 0) {
+    return kvcd::cli::UsageError(cli, nullptr, "--requests must be >= 0");
+  }
+  const double high = absl::GetFlag(FLAGS_high_watermark), low = absl::GetFlag(FLAGS_low_watermark);
+  if (!(low > 0 && low < high && high <= 1)) {
+    return kvcd::cli::UsageError(
+        cli, nullptr, "the watermarks must satisfy 0 < low-watermark < high-watermark <= 1");
+  }
+  auto trace = kvcd::replay::ReadTrace(trace_path, absl::GetFlag(FLAGS_requests));
+  if (!trace.ok()) {
+    std::fprintf(stderr, "kvcd-replay: %s\n", std::string(trace.status().message()).c_str());
+    return 1;
+  }
+  kvcd::v1::ModelProfile profile;
+  profile.set_name(absl::GetFlag(FLAGS_model));
+  profile.set_page_size(absl::GetFlag(FLAGS_page_size));
+  profile.set_num_layers(absl::GetFlag(FLAGS_layers));
+  profile.set_num_kv_heads(absl::GetFlag(FLAGS_kv_heads));
+  profile.set_num_q_heads(absl::GetFlag(FLAGS_kv_heads));
+  profile.set_head_dim(absl::GetFlag(FLAGS_head_dim));
+  profile.set_recent_tokens(profile.page_size());
+  profile.set_history_format(kvcd::v1::HISTORY_FORMAT_BF16);
+  const uint64_t page_bytes = 2ull * 2 * static_cast<uint64_t>(profile.page_size()) *
+                              static_cast<uint64_t>(profile.num_layers()) *
+                              static_cast<uint64_t>(profile.num_kv_heads()) *
+                              static_cast<uint64_t>(profile.head_dim());  // K and V, BF16
+  profile.set_memory_bytes(static_cast<uint64_t>(capacity) * page_bytes);
+  auto workload = kvcd::replay::TraceWorkload::Create(*std::move(trace), profile.page_size());
+  if (!workload.ok()) {
+    std::fprintf(stderr, "kvcd-replay: %s\n", std::string(workload.status().message()).c_str());
+    return 1;
+  }
+  kvcd::ClientOptions co;
+  co.target = absl::GetFlag(FLAGS_target);
+  co.deadline = std::chrono::milliseconds(absl::GetFlag(FLAGS_deadline_ms));
+  kvcd::ApplySecurityEnvironment(&co);
+  auto target = kvcd::replay::DaemonTarget::Connect(co);
+  if (!target.ok()) {
+    std::fprintf(stderr, "kvcd-replay: %s: %s\n", co.target.c_str(),
+                 std::string(target.status().message()).c_str());
+    return 1;
+  }
+  kvcd::replay::ProgressBar bar(workload->size(), absl::GetFlag(FLAGS_progress));
+  kvcd::replay::ReplayOptions options;
+  options.commit = absl::GetFlag(FLAGS_commit);
+  options.high_watermark = high;
+  options.low_watermark = low;
+  options.daemon_pid = absl::GetFlag(FLAGS_daemon_pid);
+  options.progress = [&](int64_t done, double hit) {
+    bar.Update(done, absl::StrFormat("hit %.1f%%", 100 * hit));
+  };
+  auto report = kvcd::replay::Replay(*workload, **target, profile, options);
+  bar.Finish();
+  if (!report.ok()) {
+    std::fprintf(stderr, "kvcd-replay: %s\n", std::string(report.status().message()).c_str());
+    return 1;
+  }
+  if (report->capacity_pages != capacity) {
+    std::fprintf(stderr, "kvcd-replay: note: the daemon's pool holds %lld pages (asked %lld)\n",
+                 static_cast<long long>(report->capacity_pages), static_cast<long long>(capacity));
+  }
+  const std::string out = absl::GetFlag(FLAGS_json) ? kvcd::replay::ReportJson(*report, trace_path)
+                                                    : kvcd::replay::ReportText(*report, trace_path);
+  std::fwrite(out.data(), 1, out.size(), stdout);
+  return 0;
+}
