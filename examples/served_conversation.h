@@ -50,7 +50,8 @@ class ServedConversation {
   // Feeds the pending tokens, then generates greedily up to `max_new` tokens, stopping
   // after `stop` (-1: never); with `teacher`, its tokens are followed instead (max_new and
   // stop ignored). The last generated token joins the conversation unfed (pending).
-  // INVALID_ARGUMENT past the model's context; the daemon's error otherwise.
+  // INVALID_ARGUMENT without a pending token or past the model's context; the daemon's
+  // error otherwise.
   absl::StatusOr<Turn> Run(int max_new, int stop, const std::vector<int>* teacher = nullptr);
 
   // Ends a turn: appends `end` (e.g. <|im_end|>) unless the conversation ends with it, and
