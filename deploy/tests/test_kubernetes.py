@@ -489,8 +489,7 @@ def test_a_key_the_schema_lacks_fails_both(key, tmp_path):
 def test_session_and_channel_keys_are_accepted_by_the_chart():
     """The prefix-pin and decode-channel keys (issues 31 and 35) pass through the chart."""
     docs = helm_render({"config": {"memory_budget": "1GiB", "drain_timeout_ms": 1000,
-                                   "models": [{"builtin": "tiny"}], "metrics_per_tenant": False,
-                                   "max_pin_ttl_ms": 60000,
+                                   "models": [{"builtin": "tiny"}], "max_pin_ttl_ms": 60000,
                                    "quotas": {"default": {"max_pinned_prefix_pages": 10,
                                                           "max_decode_channels": 2}}}})
     assert daemon_config(docs)["quotas"]["default"]["max_decode_channels"] == 2

@@ -26,9 +26,12 @@ import yaml
 DEPLOY = pathlib.Path(__file__).resolve().parent.parent
 CONFIG_SCHEMA = DEPLOY.parent / "server/config/kvcd-config.schema.json"
 CHART = DEPLOY / "helm/kvcd"
-# Daemon keys the chart writes from its other values (ports, backend, tls, auth).
-CHART_OWNED = ["listen", "health_listen", "metrics_listen", "backend", "cuda_device",
-               "tls.cert_file", "tls.key_file", "tls.client_ca_file", "auth.tokens_file"]
+# Daemon keys the chart writes from its other values (ports, backend, tls, auth), and
+# metrics_per_tenant: the chart's metrics listen on the pod's address, where the daemon refuses
+# per-tenant metrics (tenant names on an unauthenticated port), so the chart leaves it off.
+CHART_OWNED = ["listen", "health_listen", "metrics_listen", "metrics_per_tenant", "backend",
+               "cuda_device", "tls.cert_file", "tls.key_file", "tls.client_ca_file",
+               "auth.tokens_file"]
 # What the chart needs of the config on top of the daemon's schema: the grace period is
 # computed from drain_timeout_ms (values.yaml has defaults for all three).
 CHART_CONFIG = {
