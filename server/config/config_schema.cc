@@ -64,7 +64,9 @@ std::string Show(const json& v) {
     return absl::StrCat("'", s.size() > 64 ? s.substr(0, 64) + "..." : s, "'");
   }
   if (v.is_number_float()) return absl::StrCat(v.get<double>());
-  std::string d = v.dump();
+  // A config's strings are not known to be UTF-8 (yaml-cpp does not check): replace what is
+  // not, rather than let dump() throw.
+  std::string d = v.dump(-1, ' ', false, json::error_handler_t::replace);
   return d.size() > 64 ? d.substr(0, 64) + "..." : d;
 }
 

@@ -201,5 +201,23 @@ TEST(ConfigSchemaTest, YamlScalarsTakeTheirYamlTypes) {
       << big.status();
 }
 
+// A config whose keys or values are not UTF-8 (yaml-cpp does not check) is refused with a
+// message, never an exception out of the JSON serializer (found by config_fuzz: the seed
+// tests/fuzz/corpus/config_fuzz/non-utf8-key.yaml).
+TEST(ConfigSchemaTest, NonUtf8KeysAndValuesAreRefusedNotThrown) {
+  const std::string cases[] = {
+      // A value of the wrong type shown in the message: a mapping with a non-UTF-8 key.
+      "backend:\n    memo\x8e\x8d: 600MiB\n    bf16_fraction: 0.5\n",
+      "listen: [\"\xff\xfe\"]\n",
+      "models:\n  - builtin: tiny\n    memo\x8e\x8d: 600MiB\n",
+  };
+  for (const std::string& yaml : cases) {
+    absl::StatusOr<ServerConfig> c;
+    EXPECT_NO_THROW(c = ParseConfig(yaml)) << yaml;
+    ASSERT_FALSE(c.ok()) << yaml;
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+  }
+}
+
 }  // namespace
 }  // namespace kvcd
