@@ -203,7 +203,7 @@ TEST(ConfigSchemaTest, YamlScalarsTakeTheirYamlTypes) {
 
 // A config whose keys or values are not UTF-8 (yaml-cpp does not check) is refused with a
 // message, never an exception out of the JSON serializer (found by config_fuzz: the seed
-// tests/fuzz/corpus/config_fuzz/non-utf8-key.yaml).
+// tests/fuzz/corpus/config_fuzz/non-utf8-key).
 TEST(ConfigSchemaTest, NonUtf8KeysAndValuesAreRefusedNotThrown) {
   const std::string cases[] = {
       // A value of the wrong type shown in the message: a mapping with a non-UTF-8 key.
