@@ -198,17 +198,24 @@ bool KvCacheService::WaitIdle(std::chrono::steady_clock::time_point deadline) {
   return idle_cv_.wait_until(lock, deadline, [this] { return in_flight_.load() == 0; });
 }
 
-// Authorization runs before routing, so a refused call changes nothing stored.
-#define KVCD_UNARY(Method, Req, Resp)                                                        \
+// Authorization runs before routing, so a refused call changes nothing stored. `then` runs
+// after the engine answered OK (with p, req and resp in scope): what the caller may see of
+// the answer, or the binding of a created data-plane object to its token (authorizer.h).
+#define KVCD_UNARY_THEN(Method, Req, Resp, then)                                             \
   grpc::ServerUnaryReactor* KvCacheService::Method(                                          \
       grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* in, grpc::ByteBuffer* out) { \
     return Run<v1::Req, v1::Resp>(                                                           \
         #Method, ctx, in, out,                                                               \
         [this](const Principal& p, const v1::Req& req, v1::Resp* resp) -> absl::Status {     \
           if (absl::Status s = authz_.Check(p, req); !s.ok()) return s;                      \
-          return engine_->Method(req, resp);                                                 \
+          absl::Status s = engine_->Method(req, resp);                                       \
+          if (s.ok()) {                                                                      \
+            then;                                                                            \
+          }                                                                                  \
+          return s;                                                                          \
         });                                                                                  \
   }
+#define KVCD_UNARY(Method, Req, Resp) KVCD_UNARY_THEN(Method, Req, Resp, (void)p)
 KVCD_UNARY(RegisterModel, RegisterModelRequest, RegisterModelResponse)
 KVCD_UNARY(Put, PutRequest, PutResponse)
 KVCD_UNARY(Match, MatchRequest, MatchResponse)
@@ -218,24 +225,20 @@ KVCD_UNARY(PinPrefix, PinPrefixRequest, PinPrefixResponse)
 KVCD_UNARY(UnpinPrefix, UnpinPrefixRequest, UnpinPrefixResponse)
 KVCD_UNARY(RenewBuffer, RenewBufferRequest, RenewBufferResponse)
 #undef KVCD_UNARY
-
-// What the daemon's state shows is scoped to the caller's tenants (Authorizer::Scope),
-// the prefix pins of Stats included.
-#define KVCD_SCOPED_UNARY(Method, Req, Resp)                                                 \
-  grpc::ServerUnaryReactor* KvCacheService::Method(                                          \
-      grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* in, grpc::ByteBuffer* out) { \
-    return Run<v1::Req, v1::Resp>(                                                           \
-        #Method, ctx, in, out,                                                               \
-        [this](const Principal& p, const v1::Req& req, v1::Resp* resp) -> absl::Status {     \
-          if (absl::Status s = authz_.Check(p, req); !s.ok()) return s;                      \
-          absl::Status s = engine_->Method(req, resp);                                       \
-          if (s.ok()) authz_.Scope(p, resp);                                                 \
-          return s;                                                                          \
-        });                                                                                  \
-  }
-KVCD_SCOPED_UNARY(ListModels, ListModelsRequest, ListModelsResponse)
-KVCD_SCOPED_UNARY(Stats, StatsRequest, StatsResponse)
-#undef KVCD_SCOPED_UNARY
+// What the daemon's state shows is scoped to the caller's tenants (Authorizer::Scope), the
+// prefix pins of Stats included.
+KVCD_UNARY_THEN(ListModels, ListModelsRequest, ListModelsResponse, authz_.Scope(p, resp))
+KVCD_UNARY_THEN(Stats, StatsRequest, StatsResponse, authz_.Scope(p, resp))
+// Data-plane objects are bound to the token that created them (authorizer.h).
+KVCD_UNARY_THEN(RegisterBuffer, RegisterBufferRequest, RegisterBufferResponse,
+                authz_.Bind(Authorizer::Object::kBuffer, resp->buffer_id(), p))
+KVCD_UNARY_THEN(UnregisterBuffer, UnregisterBufferRequest, UnregisterBufferResponse,
+                authz_.Unbind(Authorizer::Object::kBuffer, req.buffer_id()))
+KVCD_UNARY_THEN(NcclConnect, NcclConnectRequest, NcclConnectResponse,
+                authz_.Bind(Authorizer::Object::kCommunicator, resp->communicator_id(), p))
+KVCD_UNARY_THEN(NcclDisconnect, NcclDisconnectRequest, NcclDisconnectResponse,
+                authz_.Unbind(Authorizer::Object::kCommunicator, req.communicator_id()))
+#undef KVCD_UNARY_THEN
 
 // Sequence-scoped calls: the sequences the authorizer found go on to the engine.
 #define KVCD_SEQUENCE_UNARY(Method, Req, Resp)                                               \
@@ -256,63 +259,6 @@ KVCD_SEQUENCE_UNARY(RenewLease, RenewLeaseRequest, RenewLeaseResponse)
 KVCD_SEQUENCE_UNARY(Append, AppendRequest, AppendResponse)
 KVCD_SEQUENCE_UNARY(FetchPages, FetchPagesRequest, FetchPagesResponse)
 #undef KVCD_SEQUENCE_UNARY
-
-// Data-plane objects are bound to the token that created them (authorizer.h).
-grpc::ServerUnaryReactor* KvCacheService::RegisterBuffer(grpc::CallbackServerContext* ctx,
-                                                         const grpc::ByteBuffer* in,
-                                                         grpc::ByteBuffer* out) {
-  return Run<v1::RegisterBufferRequest, v1::RegisterBufferResponse>(
-      "RegisterBuffer", ctx, in, out,
-      [this](const Principal& p, const v1::RegisterBufferRequest& req,
-             v1::RegisterBufferResponse* resp) -> absl::Status {
-        if (absl::Status s = authz_.Check(p, req); !s.ok()) return s;
-        absl::Status s = engine_->RegisterBuffer(req, resp);
-        if (s.ok()) authz_.Bind(Authorizer::Object::kBuffer, resp->buffer_id(), p);
-        return s;
-      });
-}
-
-grpc::ServerUnaryReactor* KvCacheService::UnregisterBuffer(grpc::CallbackServerContext* ctx,
-                                                           const grpc::ByteBuffer* in,
-                                                           grpc::ByteBuffer* out) {
-  return Run<v1::UnregisterBufferRequest, v1::UnregisterBufferResponse>(
-      "UnregisterBuffer", ctx, in, out,
-      [this](const Principal& p, const v1::UnregisterBufferRequest& req,
-             v1::UnregisterBufferResponse* resp) -> absl::Status {
-        if (absl::Status s = authz_.Check(p, req); !s.ok()) return s;
-        absl::Status s = engine_->UnregisterBuffer(req, resp);
-        if (s.ok()) authz_.Unbind(Authorizer::Object::kBuffer, req.buffer_id());
-        return s;
-      });
-}
-
-grpc::ServerUnaryReactor* KvCacheService::NcclConnect(grpc::CallbackServerContext* ctx,
-                                                      const grpc::ByteBuffer* in,
-                                                      grpc::ByteBuffer* out) {
-  return Run<v1::NcclConnectRequest, v1::NcclConnectResponse>(
-      "NcclConnect", ctx, in, out,
-      [this](const Principal& p, const v1::NcclConnectRequest& req,
-             v1::NcclConnectResponse* resp) -> absl::Status {
-        if (absl::Status s = authz_.Check(p, req); !s.ok()) return s;
-        absl::Status s = engine_->NcclConnect(req, resp);
-        if (s.ok()) authz_.Bind(Authorizer::Object::kCommunicator, resp->communicator_id(), p);
-        return s;
-      });
-}
-
-grpc::ServerUnaryReactor* KvCacheService::NcclDisconnect(grpc::CallbackServerContext* ctx,
-                                                         const grpc::ByteBuffer* in,
-                                                         grpc::ByteBuffer* out) {
-  return Run<v1::NcclDisconnectRequest, v1::NcclDisconnectResponse>(
-      "NcclDisconnect", ctx, in, out,
-      [this](const Principal& p, const v1::NcclDisconnectRequest& req,
-             v1::NcclDisconnectResponse* resp) -> absl::Status {
-        if (absl::Status s = authz_.Check(p, req); !s.ok()) return s;
-        absl::Status s = engine_->NcclDisconnect(req, resp);
-        if (s.ok()) authz_.Unbind(Authorizer::Object::kCommunicator, req.communicator_id());
-        return s;
-      });
-}
 
 grpc::ServerUnaryReactor* KvCacheService::OpenDecodeChannel(grpc::CallbackServerContext* ctx,
                                                             const grpc::ByteBuffer* in,
