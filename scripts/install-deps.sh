@@ -8,7 +8,8 @@ pkgs=(build-essential cmake ninja-build ccache pkg-config git curl
       libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
       prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev libeigen3-dev
       libyaml-cpp-dev nlohmann-json3-dev gnuplot-nox libssl-dev openssl clang-format
-      clang libclang-rt-14-dev python3-venv)
+      clang libclang-rt-14-dev python3-venv
+      etcd-server etcd-client redis-server libhiredis-dev libzmq3-dev cppzmq-dev libmsgpack-cxx-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
