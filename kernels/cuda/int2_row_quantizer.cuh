@@ -207,7 +207,10 @@ __device__ __forceinline__ void QuantizeRowInt2(float (&x)[D / L], float rho, co
     lo = fminf(lo, x[k]);
     hi = fmaxf(hi, x[k]);
   }
-  lo = grp.Min(lo);
+  // + 0: the CPU's std::min never yields -0 here (it keeps +tau unless a value is strictly
+  // below), while fminf/fmaxf may pick -0 from a row clipped to tau = 0 (a row saturated to
+  // NaN -> 0 by a rotation that overflowed); -0 + 0 = +0 keeps the stored offset's bits equal.
+  lo = __fadd_rn(grp.Min(lo), 0.0f);
   hi = grp.Max(hi);
   const float scale = __fdiv_rn(fmaxf(__fsub_rn(hi, lo), 1e-8f), 3.0f);
   const float zero = __fdiv_rn(-lo, scale);
