@@ -64,6 +64,12 @@ void Leaves(const json& schema, const std::string& path, const std::function<jso
     }
     return;
   }
+  if (s.contains("items") && !Resolved(s["items"]).contains("properties")) {
+    // A list of scalars (cluster.etcd_endpoints): one element.
+    Leaves(
+        s["items"], path + "[0]", [&](json v) { return wrap(json::array({std::move(v)})); }, out);
+    return;
+  }
   if (s.contains("items")) {
     const json& item = Resolved(s["items"]);
     json required = json::object();
