@@ -169,9 +169,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvcd-replay: %s\n", std::string(report.status().message()).c_str());
     return 1;
   }
-  if (report->capacity_pages != capacity) {
+  const int64_t asked = cluster != nullptr ? capacity * cluster->members() : capacity;
+  if (report->capacity_pages != asked) {
     std::fprintf(stderr, "kvcd-replay: note: the daemon's pool holds %lld pages (asked %lld)\n",
-                 static_cast<long long>(report->capacity_pages), static_cast<long long>(capacity));
+                 static_cast<long long>(report->capacity_pages), static_cast<long long>(asked));
   }
   if (cluster != nullptr && !absl::GetFlag(FLAGS_cluster_json).empty()) {
     auto figures = cluster->Figures();

@@ -3,8 +3,8 @@
 each routing mode over 4 daemons beside one daemon with 4x the capacity, the goals of issue
 32, lookup latency, pulls, balance and the index's Redis footprint per stored page.
     replay-cluster-table.py [--check] WORK_DIR TRACE CAPACITY_PER_DAEMON MODE...
---check (the CI-sized run): exits 1 unless every run served every request and index routing
-beats random routing's hit rate.
+--check (the CI-sized run): exits 1 unless every run served every request and every routing
+other than random beats random routing's hit rate.
 """
 import json
 import os
@@ -64,10 +64,10 @@ if "index" in runs:
 if check:
     failed = [f"{m}: {r['requests']} of {r['workload']['requests']} requests served"
               for m, (r, _) in runs.items() if r["requests"] != r["workload"]["requests"]]
-    if "index" in runs and random_hit is not None and \
-            not runs["index"][0]["daemon"]["hit_rate"] > random_hit:
-        failed.append(f"index routing's hit rate {runs['index'][0]['daemon']['hit_rate']:.4f} "
-                      f"does not beat random routing's {random_hit:.4f}")
+    for m, (r, _) in runs.items():  # every routing that keys on the prompt beats random
+        if m != "random" and random_hit is not None and not r["daemon"]["hit_rate"] > random_hit:
+            failed.append(f"{m} routing's hit rate {r['daemon']['hit_rate']:.4f} does not beat "
+                          f"random routing's {random_hit:.4f}")
     if failed:
         print("replay-cluster-table: check failed: " + "; ".join(failed), file=sys.stderr)
         sys.exit(1)

@@ -74,6 +74,7 @@ class ClusterTarget : public Target {
                                        LatencyLog* log) override;
   absl::StatusOr<TargetStats> Stats() override;
 
+  int64_t members() const { return static_cast<int64_t>(ids_.size()); }
   // Fills pages_held from the members' Stats; the rest is kept as requests are served.
   absl::StatusOr<ClusterFigures> Figures();
 
