@@ -55,9 +55,9 @@ if "index" in runs:
               f"{used / max(blocks, 1):.0f} bytes per indexed page.")
         cmds = open(os.path.join(work, "index.redis_cmds")).read().split()
         if cmds:
-            print("Redis commands: " + ", ".join(x.split(",")[0].replace("cmdstat_", "") + " "
-                                                 + x.split("calls=")[1].split(",")[0]
-                                                 for x in cmds) + ".")
+            print("Redis commands during the run: " + ", ".join(
+                x.split(":")[0].replace("cmdstat_", "").upper() + " "
+                + x.split("calls=")[1].split(",")[0] for x in cmds) + ".")
     except (OSError, ValueError, IndexError):
         pass
 

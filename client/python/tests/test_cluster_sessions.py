@@ -3,14 +3,11 @@ a member killed (SIGKILL) under a session (re-opened elsewhere, re-prefilled, ri
 fork and commit through the session, and attention across two daemons merged exactly
 against one daemon holding everything.
 
-Until the daemons register themselves (the cluster section of their config), the test
-writes each daemon's member key under a lease and the index entries of the pages it stored,
-in the contract's format."""
+The daemons register themselves in etcd and write the block index (the cluster section of
+their config); the test waits on those writes, bounded in time."""
 from __future__ import annotations
 
-import json
 import os
-import secrets
 import signal
 
 import numpy as np
@@ -18,7 +15,8 @@ import pytest
 
 from kvcd.cluster import (BlockIndex, ClusterClient, EtcdMembership, RoutingConfig,
                           block_hashes, to_hex)
-from conftest import Daemon, bf16_round, random_kv, random_tokens, reference_attention
+from conftest import (Daemon, bf16_round, random_kv, random_tokens, reference_attention,
+                      wait_until)
 from cluster_services import Etcd, Redis
 
 CLUSTER = "sessions"
@@ -27,24 +25,27 @@ CONFIG = """
 listen: 127.0.0.1:0
 metrics_listen: ""
 memory_budget: 64MiB
-lease: {default_ms: 5000, max_ms: 60000}
+lease: {{default_ms: 5000, max_ms: 60000}}
 drain_timeout_ms: 300
 models:
   - builtin: tiny
     memory: 1MiB
+cluster:
+  name: {cluster}
+  member_id: {member}
+  membership: etcd
+  etcd_endpoints: [{etcd}]
+  lease_ttl_s: 3
+  redis_url: {redis}
+  load_interval_ms: 100
 """
 
 
 class Member:
-    def __init__(self, etcd: Etcd, member_id: str) -> None:
-        self.id, self.incarnation = member_id, secrets.token_hex(8)
-        self.daemon = Daemon(CONFIG)
-        self.lease = etcd.grant(60)
-        etcd.put(f"{PREFIX}/members/{member_id}", json.dumps({
-            "member_id": member_id, "address": self.daemon.grpc, "backend": "cpu",
-            "capacity_pages": 256, "page_bytes": 4096, "incarnation": self.incarnation,
-            "started_unix_ms": 1, "version": "test", "events_endpoint": ""}).encode(),
-            self.lease)
+    def __init__(self, etcd: Etcd, redis: Redis, member_id: str) -> None:
+        self.id = member_id
+        self.daemon = Daemon(CONFIG.format(cluster=CLUSTER, member=member_id,
+                                           etcd=etcd.endpoint, redis=f"redis://127.0.0.1:{redis.port}"))
 
 
 @pytest.fixture
@@ -52,9 +53,11 @@ def cluster():
     etcd, redis = Etcd(), Redis()
     members = []
     try:
-        members = [Member(etcd, "m0"), Member(etcd, "m1")]
+        members = [Member(etcd, redis, "m0"), Member(etcd, redis, "m1")]
         ms = EtcdMembership(etcd.endpoint, PREFIX)
-        assert ms.wait_until(lambda m: len(m) == 2, 10)
+        assert ms.wait_until(lambda m: len(m) == 2, 20)
+        for m in members:
+            m.incarnation = ms.members()[m.id].incarnation
         cc = ClusterClient(ms, BlockIndex(CLUSTER, url=redis.url),
                            config=RoutingConfig(replicate_after=0), timeout=10)
         yield cc, members, redis.client(), etcd
@@ -68,7 +71,7 @@ def cluster():
 
 
 def stored(r, member, tokens, page_size) -> None:
-    """The index entries a daemon writes when it stores these pages."""
+    """Index entries as a daemon writes them, for pages it does not hold (a stale entry)."""
     for h in block_hashes("tiny", "", "bf16", page_size, tokens):
         r.hset(f"kvcd:{{{CLUSTER}}}:blk:{to_hex(h)}", member.id, f"{member.incarnation}:host")
 
@@ -80,10 +83,11 @@ def test_session_is_routed_to_the_holder_and_hits(cluster):
     toks = random_tokens(40, 1)
     k, v = random_kv(p, 40, 1)
     prefix = 4 * p.page_size
-    c1.put("tiny", toks[:prefix], k[:, :prefix], v[:, :prefix])
-    # Without the index entries nobody is credited: rendezvous decides.
+    # Before anything is stored nobody is credited: rendezvous decides.
     assert cc.route("tiny", toks).reason == "rendezvous"
-    stored(r, members[1], toks[:prefix], p.page_size)
+    c1.put("tiny", toks[:prefix], k[:, :prefix], v[:, :prefix])
+    # m1 writes the index from a background thread: wait (bounded) for the route to follow.
+    assert wait_until(lambda: cc.route("tiny", toks).reason == "index", 20)
     d = cc.route("tiny", toks)
     assert (d.member_id, d.hit_pages, d.reason) == ("m1", 4, "index")
     with cc.open("tiny", toks, k=k, v=v) as s:
