@@ -94,7 +94,7 @@ cluster:
   name: $CLUSTER
   member_id: $name
   membership: etcd
-  etcd_endpoints: [http://$(netns_addr 2):$etcd_port]
+  etcd_endpoints: ["$(netns_addr 2):$etcd_port"]
   lease_ttl_s: $LEASE_TTL
   redis_url: redis://$(netns_addr 3):$redis_port
   load_interval_ms: $LOAD_INTERVAL
