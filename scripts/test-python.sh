@@ -9,7 +9,7 @@
 # stamp of their contents in the venv). `--prepare` only makes the venv ready (no daemon
 # needed: scripts/test.sh runs it while the C++ builds run).
 # Needs PyPI (or a pip configured with --find-links) for grpcio, protobuf, numpy, pytest,
-# setuptools and grpcio-tools. torch is optional and not installed here: its tests skip.
+# setuptools, grpcio-tools and redis (kvcd.cluster). torch is optional and not installed here: its tests skip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${KVCD_BUILD_DIR:-build}
@@ -51,7 +51,8 @@ sources=$({ git ls-files -co --exclude-standard client/python proto 2>/dev/null 
 if [[ ! -f $stamp || $(cat "$stamp") != "$sources" ]]; then
   ./scripts/build-python-dist.sh "$dist" >/dev/null
   wheel=$(ls "$dist"/kvcd-*-py3-none-any.whl)
-  "$venv/bin/python" -m pip install -q --force-reinstall --no-cache-dir "$wheel" pytest==8.3.4
+  "$venv/bin/python" -m pip install -q --force-reinstall --no-cache-dir "$wheel" pytest==8.3.4 \
+    redis==8.1.0  # kvcd.cluster's index client (the `cluster` extra)
   # The floors as the wheel declares them (Requires-Dist: name>=version -> name==version).
   floors=$("$venv/bin/python" - "$wheel" <<'PY'
 import re, sys, zipfile

@@ -224,6 +224,13 @@ class ClientAPI:
         trailing partial page is left out (only full pages are stored, as with ``put``).
         Returns the tokens newly inserted."""
 
+    def pull_prefix(self, model: str, tokens: TokenSeq, peer_member_id: str, *,
+                    cache_salt: str = "") -> pb.PullPrefixResponse:
+        """Cluster (docs/cluster.md): makes this daemon pull from the member
+        ``peer_member_id`` the pages of the longest prefix of ``tokens`` the peer holds
+        beyond its own, as stored (the peer's address comes from membership). Returns the
+        tokens held before, pulled, and the bytes received."""
+
     def stats(self) -> pb.StatsResponse:
         """Memory, pools, hit/miss tokens, evictions, sequences, backend and version; the
         caller's tenants' prefix pins (``pins``)."""

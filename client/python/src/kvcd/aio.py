@@ -288,6 +288,12 @@ class Client:
                              cache_salt, device_pages, num_pages)
         return int((await self._call("PushPages", req)).inserted_tokens)
 
+    async def pull_prefix(self, model: str, tokens: TokenSeq, peer_member_id: str, *,
+                          cache_salt: str = "") -> pb.PullPrefixResponse:
+        return await self._call("PullPrefix", pb.PullPrefixRequest(
+            model=model, cache_salt=cache_salt, tokens=C.tokens_list(tokens),
+            peer_member_id=peer_member_id))
+
     # -- stats, health ------------------------------------------------------------------
 
     async def stats(self) -> pb.StatsResponse:

@@ -303,6 +303,12 @@ class Client:
                              cache_salt, device_pages, num_pages)
         return int(self._call("PushPages", req).inserted_tokens)
 
+    def pull_prefix(self, model: str, tokens: TokenSeq, peer_member_id: str, *,
+                    cache_salt: str = "") -> pb.PullPrefixResponse:
+        return self._call("PullPrefix", pb.PullPrefixRequest(
+            model=model, cache_salt=cache_salt, tokens=C.tokens_list(tokens),
+            peer_member_id=peer_member_id))
+
     # -- stats, health ------------------------------------------------------------------
 
     def stats(self) -> pb.StatsResponse:
