@@ -112,15 +112,23 @@ spawn() {  # NAME CMD...
   shift
   : >"$KVCD_TOPO_DIR/logs/$name.out"
   echo "--- start $(date -u +%T.%N)" >>"$KVCD_TOPO_DIR/logs/$name.err"
-  netns_exec "$name" "$@" </dev/null >"$KVCD_TOPO_DIR/logs/$name.out" \
+  # A simple command: $! is the process that `ip netns exec` turns into the server.
+  ip netns exec "$(netns_name "$name")" "$@" </dev/null >"$KVCD_TOPO_DIR/logs/$name.out" \
     2>>"$KVCD_TOPO_DIR/logs/$name.err" &
   echo $! >"$KVCD_TOPO_DIR/pids/$name"
+  disown $!  # ended by pid (teardown, ctl kill), without a job notice
 }
 
 # Succeeds once NAME printed its ready line or exited (start_node then tells which).
 ready_or_dead() { grep -q '^kvcd ready' "$KVCD_TOPO_DIR/logs/$1.out" || ! alive "$1"; }
 
-alive() { [[ -r $KVCD_TOPO_DIR/pids/$1 ]] && kill -0 "$(cat "$KVCD_TOPO_DIR/pids/$1")" 2>/dev/null; }
+# A process that exited but is not reaped yet (a zombie: its parent may be gone) is not running.
+running() {  # PID
+  local st
+  st=$(sed -n 's/^[0-9]* (.*) \([A-Z]\).*/\1/p' "/proc/$1/stat" 2>/dev/null)
+  [[ -n $st && $st != Z && $st != X ]]
+}
+alive() { [[ -r $KVCD_TOPO_DIR/pids/$1 ]] && running "$(cat "$KVCD_TOPO_DIR/pids/$1")"; }
 
 start_node() {  # NAME: starts it and waits until it serves
   local name=$1 addr
@@ -158,7 +166,7 @@ kill_node() {  # NAME: SIGKILL and wait until it is gone (bounded)
   kill -KILL "$pid"
   # Our child when started by this process; a grandchild of the topology otherwise.
   wait "$pid" 2>/dev/null
-  wait_until 100 "the end of $name" bash -c "! kill -0 $pid"
+  wait_until 100 "the end of $name" eval "! running $pid"
   rm -f "$KVCD_TOPO_DIR/pids/$name"
 }
 
