@@ -4,6 +4,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <unistd.h>
 #include <yaml-cpp/yaml.h>
 
 #include <cerrno>
@@ -121,6 +122,9 @@ class Reader {
     return absl::OkStatus();
   }
 
+  // For keys read element by element (lists of scalars).
+  void Mark(const std::string& path) { read_.insert(path); }
+
   // For keys read without Read (enumerations, names).
   std::string Take(const YAML::Node& node, const std::string& key, const std::string& where) {
     read_.insert(where + key);
@@ -213,7 +217,72 @@ absl::Status ReadQuota(Reader& r, const YAML::Node& n, const std::string& where,
   return absl::OkStatus();
 }
 
+// The cluster: keys against each other; fills the member id's default (the hostname).
+absl::Status CheckClusterConfig(ClusterConfig* k) {
+  if (!k->present) return absl::OkStatus();
+  if (k->membership == "etcd" && k->etcd_endpoints.empty()) {
+    return absl::InvalidArgumentError(
+        "cluster.membership is etcd but cluster.etcd_endpoints is empty: list the etcd v3 "
+        "endpoints as host:port");
+  }
+  if (k->membership == "dns" && k->dns_name.empty()) {
+    return absl::InvalidArgumentError(
+        "cluster.membership is dns but cluster.dns_name is empty: name the headless Service "
+        "whose A records are the members");
+  }
+  if (!k->redis_url.empty()) {
+    std::string host;
+    int port = 0;
+    KVCD_RETURN_IF_ERROR(ParseRedisUrl(k->redis_url, &host, &port));
+    if (k->membership == "none") {
+      return absl::InvalidArgumentError(
+          "cluster.redis_url needs cluster.membership etcd or dns: readers fence the index by "
+          "the incarnation membership publishes");
+    }
+  }
+  if (!k->events_replay_endpoint.empty() && k->events_endpoint.empty()) {
+    return absl::InvalidArgumentError(
+        "cluster.events_replay_endpoint needs cluster.events_endpoint (it replays that "
+        "publisher's batches)");
+  }
+  if (k->member_id.empty()) {
+    char host[256] = {};
+    if (gethostname(host, sizeof(host) - 1) != 0 || host[0] == '\0') {
+      return absl::InvalidArgumentError(
+          "cluster.member_id is empty and the hostname cannot be read: set cluster.member_id");
+    }
+    k->member_id = host;
+    static const std::regex kId("[A-Za-z0-9._-]{1,128}");
+    if (!std::regex_match(k->member_id, kId)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cluster.member_id is empty and the hostname '", k->member_id,
+          "' is not a valid member id (letters, digits, . _ -): set cluster.member_id"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+absl::Status ParseRedisUrl(const std::string& url, std::string* host, int* port) {
+  static const std::regex kUrl("redis://([A-Za-z0-9._-]+|\\[[0-9A-Fa-f:.]+\\])(:([0-9]{1,5}))?/?");
+  std::smatch m;
+  if (!std::regex_match(url, m, kUrl)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cluster.redis_url is '", url,
+                     "', expected redis://host:port (e.g. redis://127.0.0.1:6379)"));
+  }
+  std::string h = m[1].str();
+  if (h.size() >= 2 && h.front() == '[') h = h.substr(1, h.size() - 2);
+  const int p = m[3].matched ? std::stoi(m[3].str()) : 6379;
+  if (p < 1 || p > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cluster.redis_url: port ", p, " is out of range 1..65535"));
+  }
+  *host = h;
+  *port = p;
+  return absl::OkStatus();
+}
 
 absl::StatusOr<uint64_t> ParseByteSize(const std::string& s) {
   size_t pos = 0;
@@ -300,6 +369,29 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
       KVCD_RETURN_IF_ERROR(r.Read(auth, "tokens_file", "auth.", &c.auth.tokens_file));
       KVCD_RETURN_IF_ERROR(r.Read(auth, "reload_interval_ms", "auth.", &c.auth.reload_interval_ms));
     }
+    if (const YAML::Node cl = root["cluster"]) {
+      ClusterConfig& k = c.cluster;
+      k.present = true;
+      const std::string w = "cluster.";
+      KVCD_RETURN_IF_ERROR(r.Read(cl, "name", w, &k.name));
+      KVCD_RETURN_IF_ERROR(r.Read(cl, "member_id", w, &k.member_id));
+      if (cl["membership"]) k.membership = r.Take(cl, "membership", w);  // schema: the enum
+      if (const YAML::Node eps = cl["etcd_endpoints"]) {
+        for (size_t i = 0; i < eps.size(); ++i) {
+          k.etcd_endpoints.push_back(eps[i].as<std::string>());
+          r.Mark(absl::StrCat(w, "etcd_endpoints[", i, "]"));
+        }
+        r.Mark(w + "etcd_endpoints");
+      }
+      KVCD_RETURN_IF_ERROR(r.Read(cl, "lease_ttl_s", w, &k.lease_ttl_s));
+      KVCD_RETURN_IF_ERROR(r.Read(cl, "dns_name", w, &k.dns_name));
+      KVCD_RETURN_IF_ERROR(r.Read(cl, "redis_url", w, &k.redis_url));
+      KVCD_RETURN_IF_ERROR(r.Read(cl, "load_interval_ms", w, &k.load_interval_ms));
+      KVCD_RETURN_IF_ERROR(r.Read(cl, "events_endpoint", w, &k.events_endpoint));
+      KVCD_RETURN_IF_ERROR(r.Read(cl, "events_replay_endpoint", w, &k.events_replay_endpoint));
+      KVCD_RETURN_IF_ERROR(r.Read(cl, "events_buffer", w, &k.events_buffer));
+      KVCD_RETURN_IF_ERROR(r.Read(cl, "advertise_address", w, &k.advertise_address));
+    }
     if (const YAML::Node quotas = root["quotas"]) {
       if (const YAML::Node d = quotas["default"]) {
         if (d["tenant"]) {
@@ -359,6 +451,7 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
     return absl::InvalidArgumentError(
         "tls.client_ca_file (mutual TLS) needs tls.cert_file and tls.key_file as well");
   }
+  KVCD_RETURN_IF_ERROR(CheckClusterConfig(&c.cluster));
   uint64_t total = 0;
   std::set<std::string> names;
   for (const auto& m : c.models) {

@@ -64,6 +64,30 @@ struct TenantQuotaConfig {
   }
 };
 
+// Several daemons as one prefix cache (docs/cluster.md). `present` is false when the config
+// has no cluster: section (a lone daemon).
+struct ClusterConfig {
+  bool present = false;
+  std::string name = "kvcd";        // etcd prefix /kvcd/<name>, Redis hash tag {<name>}
+  std::string member_id;            // empty in the file: the hostname (filled by ParseConfig)
+  std::string membership = "none";  // etcd | dns | none
+  std::vector<std::string> etcd_endpoints;  // host:port
+  int lease_ttl_s = 10;
+  std::string dns_name;
+  std::string redis_url;  // redis://host:port, or empty (no block index)
+  int64_t load_interval_ms = 500;
+  std::string events_endpoint;         // tcp://host:port, or empty
+  std::string events_replay_endpoint;  // tcp://host:port, or empty
+  int events_buffer = 10000;
+  std::string advertise_address;  // host:port; empty: listen
+  bool has_peers() const { return present && membership != "none"; }
+  // The etcd key prefix of the members: /kvcd/<name>/members/.
+  std::string MembersPrefix() const { return "/kvcd/" + name + "/members/"; }
+};
+
+// Splits "redis://host:port" (port default 6379); INVALID_ARGUMENT otherwise.
+absl::Status ParseRedisUrl(const std::string& url, std::string* host, int* port);
+
 struct ServerConfig {
   std::string listen = "127.0.0.1:50051";  // gRPC address; port 0 = pick a free port
   std::string health_listen;               // optional extra plaintext port serving health only
@@ -92,6 +116,7 @@ struct ServerConfig {
   TenantQuotaConfig quotas;
   TlsConfig tls;
   AuthConfig auth;
+  ClusterConfig cluster;
   // Set only by `kvcd serve --insecure`: allow a non-loopback listen address without
   // TLS and auth. Never read from a config file.
   bool insecure = false;

@@ -261,6 +261,82 @@ models:
   }
 }
 
+TEST(ConfigTest, ClusterSection) {
+  auto none = ParseConfig("listen: 127.0.0.1:6000\n");
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_FALSE(none->cluster.present);
+  EXPECT_FALSE(none->cluster.has_peers());
+
+  auto c = ParseConfig(R"(
+cluster:
+  name: prod-1
+  member_id: kvcd-0
+  membership: etcd
+  etcd_endpoints: [127.0.0.1:2379, "[::1]:2379"]
+  lease_ttl_s: 2
+  redis_url: redis://127.0.0.1:6380
+  load_interval_ms: 100
+  events_endpoint: tcp://127.0.0.1:5557
+  events_replay_endpoint: tcp://127.0.0.1:5558
+  events_buffer: 50
+  advertise_address: 10.0.0.7:50051
+)");
+  ASSERT_TRUE(c.ok()) << c.status();
+  const ClusterConfig& k = c->cluster;
+  EXPECT_TRUE(k.present);
+  EXPECT_TRUE(k.has_peers());
+  EXPECT_EQ(k.name, "prod-1");
+  EXPECT_EQ(k.member_id, "kvcd-0");
+  EXPECT_EQ(k.MembersPrefix(), "/kvcd/prod-1/members/");
+  EXPECT_EQ(k.etcd_endpoints, (std::vector<std::string>{"127.0.0.1:2379", "[::1]:2379"}));
+  EXPECT_EQ(k.lease_ttl_s, 2);
+  EXPECT_EQ(k.load_interval_ms, 100);
+  EXPECT_EQ(k.events_buffer, 50);
+  EXPECT_EQ(k.advertise_address, "10.0.0.7:50051");
+  std::string host;
+  int port = 0;
+  ASSERT_TRUE(ParseRedisUrl(k.redis_url, &host, &port).ok());
+  EXPECT_EQ(host, "127.0.0.1");
+  EXPECT_EQ(port, 6380);
+  ASSERT_TRUE(ParseRedisUrl("redis://redis.kvcd.svc", &host, &port).ok());
+  EXPECT_EQ(port, 6379);
+
+  // Defaults: the member id is the hostname.
+  auto d = ParseConfig("cluster: {}\n");
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_TRUE(d->cluster.present);
+  EXPECT_FALSE(d->cluster.has_peers());
+  EXPECT_EQ(d->cluster.name, "kvcd");
+  EXPECT_EQ(d->cluster.lease_ttl_s, 10);
+  EXPECT_EQ(d->cluster.load_interval_ms, 500);
+  EXPECT_FALSE(d->cluster.member_id.empty());
+
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"cluster: {membership: etcd}", "etcd_endpoints is empty"},
+      {"cluster: {membership: dns}", "dns_name is empty"},
+      {"cluster: {membership: zookeeper}", "membership"},
+      {"cluster: {name: 'a{b}'}", "cluster.name"},
+      {"cluster: {member_id: 'a:b'}", "cluster.member_id"},
+      {"cluster: {lease_ttl_s: 1}", "cluster.lease_ttl_s"},
+      {"cluster: {load_interval_ms: 0}", "cluster.load_interval_ms"},
+      {"cluster: {membership: etcd, etcd_endpoints: [a:1], redis_url: 'http://x:1'}",
+       "cluster.redis_url"},
+      {"cluster: {membership: etcd, etcd_endpoints: [a:1], redis_url: 'redis://x:99999'}",
+       "out of range"},
+      {"cluster: {redis_url: 'redis://x:1'}", "needs cluster.membership"},
+      {"cluster: {events_replay_endpoint: 'tcp://127.0.0.1:1'}", "needs cluster.events_endpoint"},
+      {"cluster: {events_endpoint: 'ipc:///tmp/x'}", "cluster.events_endpoint"},
+      {"cluster: {bogus: 1}", "bogus"},
+  };
+  for (const auto& [yaml, want] : bad) {
+    auto r = ParseConfig(yaml);
+    ASSERT_FALSE(r.ok()) << yaml;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << yaml;
+    EXPECT_NE(r.status().message().find(want), std::string::npos)
+        << yaml << " -> " << r.status().message();
+  }
+}
+
 TEST(ConfigTest, ByteSizes) {
   EXPECT_EQ(*ParseByteSize("1024"), 1024u);
   EXPECT_EQ(*ParseByteSize("1KiB"), 1024u);
