@@ -173,6 +173,7 @@ class Driver:
         self.qrng = np.random.default_rng(args.seed + 1)
         self.phases = []
         self.wrong_details = []
+        self.stop = threading.Event()  # never set: a bounded pause after a failed request
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -234,6 +235,9 @@ class Driver:
                     s.close()
                 except Exception:
                     pass
+            # Through an outage (no member to route to) the loop does not spin: at most 20
+            # failing requests a second.
+            self.stop.wait(0.05)
 
     # -- sessions open through a failure ---------------------------------------------------------
 
@@ -410,10 +414,11 @@ class Driver:
         self.register_model()
         steady = self.new_phase("steady")
         self.run_until(steady, lambda: True, self.args.warmup, 60)
-        self.lose_member("kill")
-        self.lose_member("cut")
-        self.redis_restart()
-        self.etcd_restart()
+        phases = {"member-kill": lambda: self.lose_member("kill"),
+                  "member-cut": lambda: self.lose_member("cut"),
+                  "redis-restart": self.redis_restart, "etcd-restart": self.etcd_restart}
+        for name in self.args.phases.split(","):
+            phases[name]()
         after = self.new_phase("after")
         self.run_until(after, lambda: True, self.args.warmup // 2, 60)
         for p in self.phases:
@@ -497,6 +502,8 @@ def main():
     ap.add_argument("--markdown", help="also write the phases as a Markdown table here")
     ap.add_argument("--seed", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=40, help="requests of the steady phase")
+    ap.add_argument("--phases", default="member-kill,member-cut,redis-restart,etcd-restart",
+                    help="the failures, in order (comma-separated)")
     args = ap.parse_args()
     d = Driver(args)
     try:
