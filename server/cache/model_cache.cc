@@ -211,6 +211,30 @@ absl::Status ModelCache::WriteCodes(int32_t store, const RowSource* x,
   return s.format->WriteCodes(*x, rows, layer, *s.pool);
 }
 
+std::string ModelCache::BlockFormat() const {
+  for (const PageStore& st : stores_) {
+    if (st.format->id() == FormatId::kInt2Transform) return FormatName(FormatId::kInt2Transform);
+  }
+  return FormatName(spec_.history_format);
+}
+
+void ModelCache::set_block_observer(BlockObserver* observer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (observer == nullptr) {
+    tree_.set_listener(nullptr);
+    block_namer_.reset();
+    return;
+  }
+  block_namer_ = std::make_unique<BlockNamer>(spec_.name, BlockFormat(), spec_.page_size, observer);
+  tree_.set_listener(block_namer_.get());
+}
+
+void ModelCache::ReplayBlocks(BlockObserver* to) {
+  BlockNamer namer(spec_.name, BlockFormat(), spec_.page_size, to);
+  std::lock_guard<std::mutex> lock(mu_);
+  tree_.ReplayTo(&namer);
+}
+
 void ModelCache::EvictLocked(const std::function<bool()>& want_more, const std::string* tenant) {
   const int64_t committed_before = tree_.committed_pages();
   tree_.Evict(

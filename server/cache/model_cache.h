@@ -32,6 +32,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "server/backends/backend.h"
+#include "server/cache/block_observer.h"
 #include "server/cache/radix_tree.h"
 #include "server/cache/sequence.h"
 #include "server/formats/format_registry.h"
@@ -130,6 +131,16 @@ class ModelCache {
   void set_memory_shares(MemoryShareFn share_of) { share_of_ = std::move(share_of); }
 
   const ModelSpec& spec() const { return spec_; }
+
+  // Tells `observer` of every full page entering or leaving this model's tree, named by
+  // its block hash (block_observer.h); nullptr: nobody. REQUIRES: called before the cache is
+  // shared with other threads.
+  void set_block_observer(BlockObserver* observer);
+  // Tells `to` that every page of the tree entered (one observer that lost track: a
+  // restarted index, a lost membership).
+  void ReplayBlocks(BlockObserver* to);
+  // The history format as the cluster names blocks (bf16, int2-oscar, int2-transform, fsq).
+  std::string BlockFormat() const;
 
   // Stores the full pages of a prompt. k, v: [num_layers][tokens.size() - kv_first][kv][d]
   // hold tokens [kv_first, tokens.size()); tokens [0, kv_first) must already be cached
@@ -398,7 +409,8 @@ class ModelCache {
   uint64_t allocated_bytes_ = 0;  // set once by Create
   std::atomic<uint64_t> demoted_pages_{0};
 
-  MemoryShareFn share_of_;  // null: no shares
+  MemoryShareFn share_of_;                   // null: no shares
+  std::unique_ptr<BlockNamer> block_namer_;  // set_block_observer
 
   mutable std::mutex mu_;
   RadixTree tree_ ABSL_GUARDED_BY(mu_);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <queue>
+#include <tuple>
 
 #include "absl/hash/hash.h"
 
@@ -153,6 +154,9 @@ RadixTree::InsertResult RadixTree::Insert(const std::string& ns, absl::Span<cons
       leaf->last_access = now;
       leaf->origin = origin;
       node->children.emplace(FirstPage(chunk, page_size_), std::move(leaf));
+      if (listener_ != nullptr) {
+        listener_->PagesChanged(ns, tokens.first(total_pages * page_size_), page, true);
+      }
       r.new_pages += total_pages - page;
       cached_pages_ += total_pages - page;
       if (origin == Origin::kCommit) committed_pages_ += total_pages - page;
@@ -180,24 +184,34 @@ RadixTree::InsertResult RadixTree::Insert(const std::string& ns, absl::Span<cons
 int64_t RadixTree::Evict(const std::function<bool()>& want_more,
                          const std::function<void(const PageRef&)>& on_free,
                          const std::string* only) {
-  using Entry = std::pair<uint64_t, Node*>;
+  // (last access, node, its namespace: roots_ is not changed until the end, so the key
+  // pointers stay valid).
+  using Entry = std::tuple<uint64_t, Node*, const std::string*>;
   std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
-  std::vector<Node*> stack;
+  std::vector<std::pair<Node*, const std::string*>> stack;
   for (auto& [ns, root] : roots_) {
-    if (only == nullptr || ns == *only) stack.push_back(root.get());
+    if (only == nullptr || ns == *only) stack.emplace_back(root.get(), &ns);
   }
   while (!stack.empty()) {
-    Node* n = stack.back();
+    auto [n, ns] = stack.back();
     stack.pop_back();
     if (n->parent != nullptr && n->children.empty() && n->pins == 0) {
-      heap.emplace(n->last_access, n);
+      heap.emplace(n->last_access, n, ns);
     }
-    for (auto& [k, c] : n->children) stack.push_back(c.get());
+    for (auto& [k, c] : n->children) stack.emplace_back(c.get(), ns);
   }
   int64_t freed = 0;
   while (!heap.empty() && want_more()) {
-    Node* leaf = heap.top().second;
+    Node* leaf = std::get<1>(heap.top());
+    const std::string* leaf_ns = std::get<2>(heap.top());
     heap.pop();
+    if (listener_ != nullptr) {
+      const std::vector<int32_t> path = PathTo(leaf);
+      listener_->PagesChanged(
+          *leaf_ns, path,
+          static_cast<int64_t>(path.size()) / page_size_ - static_cast<int64_t>(leaf->pages.size()),
+          false);
+    }
     for (const PageRef& p : leaf->pages) on_free(p);
     freed += static_cast<int64_t>(leaf->pages.size());
     cached_pages_ -= static_cast<int64_t>(leaf->pages.size());
@@ -208,7 +222,7 @@ int64_t RadixTree::Evict(const std::function<bool()>& want_more,
     parent->children.erase(FirstPage(leaf->key, page_size_));  // destroys leaf
     --num_nodes_;
     if (parent->parent != nullptr && parent->children.empty() && parent->pins == 0) {
-      heap.emplace(parent->last_access, parent);
+      heap.emplace(parent->last_access, parent, leaf_ns);
     }
   }
   // Drop namespaces that became empty.
@@ -220,6 +234,39 @@ int64_t RadixTree::Evict(const std::function<bool()>& want_more,
     }
   }
   return freed;
+}
+
+std::vector<int32_t> RadixTree::PathTo(const Node* node) {
+  std::vector<const Node*> chain;
+  size_t n = 0;
+  for (const Node* at = node; at != nullptr; at = at->parent) {
+    chain.push_back(at);
+    n += at->key.size();
+  }
+  std::vector<int32_t> path;
+  path.reserve(n);
+  for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
+    path.insert(path.end(), (*it)->key.begin(), (*it)->key.end());
+  }
+  return path;
+}
+
+void RadixTree::ReplayTo(Listener* listener) const {
+  if (listener == nullptr) return;
+  for (const auto& [ns, root] : roots_) {
+    // Depth first, parents before children, the path kept as a stack of edges.
+    std::vector<int32_t> path;
+    std::vector<std::pair<const Node*, size_t>> stack;  // node, path length before its edge
+    for (const auto& [k, c] : root->children) stack.emplace_back(c.get(), 0);
+    while (!stack.empty()) {
+      auto [n, before] = stack.back();
+      stack.pop_back();
+      path.resize(before);
+      path.insert(path.end(), n->key.begin(), n->key.end());
+      listener->PagesChanged(ns, path, static_cast<int64_t>(before) / page_size_, true);
+      for (const auto& [k, c] : n->children) stack.emplace_back(c.get(), path.size());
+    }
+  }
 }
 
 int64_t RadixTree::EvictablePages(int32_t pool, const std::string* only,

@@ -78,6 +78,24 @@ class RadixTree {
                 const std::function<void(const PageRef&)>& on_free,
                 const std::string* ns = nullptr);
 
+  // Told of every page that enters or leaves the tree, with the token path from the
+  // namespace's root through it: what names a page (common/block_hash.h) for the cluster's
+  // block index and KV events. Called inside Insert and Evict, under the owner's lock: a
+  // listener queues and returns.
+  class Listener {
+   public:
+    virtual ~Listener() = default;
+    // The pages [first_page, path.size() / page_size) of `path` entered the tree (`entered`)
+    // or left it. The pages before first_page are their ancestors.
+    virtual void PagesChanged(const std::string& ns, absl::Span<const int32_t> path,
+                              int64_t first_page, bool entered) = 0;
+  };
+  // nullptr: none (the default).
+  void set_listener(Listener* listener) { listener_ = listener; }
+  // Tells `listener` that every page of the tree entered (parents before children): a
+  // listener that lost track (a restarted index) hears the whole tree again.
+  void ReplayTo(Listener* listener) const;
+
   int64_t cached_pages() const { return cached_pages_; }
   // Of cached_pages(), those in nodes of origin kCommit.
   int64_t committed_pages() const { return committed_pages_; }
@@ -98,6 +116,8 @@ class RadixTree {
   Node* Root(const std::string& ns, bool create);
   MatchResult Walk(Node* root, absl::Span<const int32_t> tokens, bool split);
   Node* Split(Node* node, int64_t keep_pages);
+  // The tokens from the namespace's root through `node`'s edge.
+  static std::vector<int32_t> PathTo(const Node* node);
 
   const int32_t page_size_;
   uint64_t clock_ = 0;
@@ -105,6 +125,7 @@ class RadixTree {
   int64_t committed_pages_ = 0;
   int64_t num_nodes_ = 0;
   absl::flat_hash_map<std::string, std::unique_ptr<Node>> roots_;
+  Listener* listener_ = nullptr;
 };
 
 }  // namespace kvcd

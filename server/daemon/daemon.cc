@@ -5,11 +5,20 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
 #include "common/log.h"
 #include "common/status_macros.h"
 #include "kvcd_commit.h"
 #include "server/backends/backend.h"
 #include "server/backends/fault_injector.h"
+#include "server/cluster/block_index.h"
+#include "server/cluster/cluster_metrics.h"
+#include "server/cluster/dns_membership.h"
+#include "server/cluster/etcd_membership.h"
+#include "server/cluster/event_publisher.h"
+#include "server/cluster/peer_credentials.h"
+#include "server/cluster/prefix_puller.h"
 
 namespace kvcd {
 namespace {
@@ -90,6 +99,46 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerConfig& config
     backend = WithFaultInjection(std::move(backend), std::move(injector));
   }
   d->engine_ = std::make_unique<CacheEngine>(config, std::move(backend));
+  if (config.cluster.present) {
+    d->incarnation_ = NewIncarnation();
+    d->engine_->SetClusterIdentity(config.cluster.member_id, d->incarnation_);
+  }
+  if (config.cluster.has_peers() && !config.cluster.redis_url.empty()) {
+    // The index hears of every page from the first model on (it writes once advertised).
+    CacheEngine* engine = d->engine_.get();
+    Daemon* raw = d.get();
+    BlockIndex::Options o;
+    o.cluster = config.cluster;
+    o.member_id = config.cluster.member_id;
+    o.incarnation = d->incarnation_;
+    o.tier = config.backend == "cuda" ? "device" : "host";
+    o.load = [engine] {
+      const CacheEngine::LoadFigures f = engine->Load();
+      return BlockIndex::Load{f.pages_used, f.pages_capacity, f.open_sequences, f.queued_decode};
+    };
+    o.replay = [engine, raw] { engine->ReplayBlocks(raw->index_.get()); };
+    o.is_member = [raw](const MemberInfo& m) {
+      if (!raw->membership_) return false;
+      const std::optional<MemberInfo> now = raw->membership_->Find(m.member_id);
+      return now.has_value() && now->incarnation == m.incarnation;
+    };
+    d->index_ = std::make_unique<BlockIndex>(std::move(o));
+    d->observers_.Add(d->index_.get());
+  }
+  if (config.cluster.present && !config.cluster.events_endpoint.empty()) {
+    EventPublisher::Options o;
+    o.endpoint = config.cluster.events_endpoint;
+    o.replay_endpoint = config.cluster.events_replay_endpoint;
+    o.buffer = config.cluster.events_buffer;
+    o.medium = config.backend == "cuda" ? "GPU" : "CPU";
+    KVCD_ASSIGN_OR_RETURN(d->events_, EventPublisher::Create(std::move(o)));
+    d->observers_.Add(d->events_.get());
+    KVCD_LOG(INFO) << "cluster: KV events on " << config.cluster.events_endpoint
+                   << (config.cluster.events_replay_endpoint.empty()
+                           ? std::string()
+                           : ", replay on " + config.cluster.events_replay_endpoint);
+  }
+  if (!d->observers_.empty()) d->engine_->SetBlockObserver(&d->observers_);
   for (const ModelSpec& spec : config.models) {
     KVCD_RETURN_IF_ERROR(d->engine_->RegisterModelSpec(spec));
   }
@@ -98,9 +147,32 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerConfig& config
   build.cuda = true;
 #endif
   d->metrics_ = std::make_unique<Metrics>(d->engine_.get(), build);
+  if (config.cluster.present) {
+    ClusterCollector::Parts parts;
+    parts.index = d->index_.get();
+    parts.events = d->events_.get();
+    parts.membership = &d->membership_seen_;
+    parts.puller = &d->puller_seen_;
+    parts.ready = &d->puller_ready_;
+    d->metrics_->AddCollectable(std::make_shared<ClusterCollector>(parts));
+  }
   d->executor_ = std::make_unique<ThreadPool>(config.worker_threads);
   d->service_ = std::make_unique<KvCacheService>(d->engine_.get(), d->metrics_.get(),
                                                  d->executor_.get(), d->tokens_.get());
+  if (config.cluster.has_peers()) {
+    // The puller exists once membership runs (after the port is bound); until then a pull
+    // is UNAVAILABLE.
+    Daemon* raw = d.get();
+    d->service_->set_pull_handler([raw](const v1::PullPrefixRequest& req,
+                                        const std::string& authorization,
+                                        v1::PullPrefixResponse* resp) -> absl::Status {
+      PrefixPuller* puller = raw->puller_ready_.load() ? raw->puller_.get() : nullptr;
+      if (puller == nullptr) {
+        return absl::UnavailableError("PullPrefix: this daemon is still joining its cluster");
+      }
+      return puller->Pull(req, authorization, resp);
+    });
+  }
 
   grpc::ServerBuilder builder;
   int port = 0;
@@ -147,8 +219,58 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerConfig& config
     KVCD_ASSIGN_OR_RETURN(int mport, d->metrics_->Serve(config.metrics_listen));
     d->metrics_address_ = absl::StrCat(HostOf(config.metrics_listen), ":", mport);
   }
+  KVCD_RETURN_IF_ERROR(d->StartCluster());
   d->reaper_ = std::thread([raw = d.get()] { raw->ReaperLoop(); });
   return d;
+}
+
+absl::Status Daemon::StartCluster() {
+  const ClusterConfig& k = config_.cluster;
+  if (!k.present || k.membership == "none") return absl::OkStatus();
+  MemberInfo self;
+  self.member_id = k.member_id;
+  self.address = k.advertise_address.empty() ? grpc_address_ : k.advertise_address;
+  const std::string host = HostOf(self.address);
+  if (host.empty() || host == "0.0.0.0" || host == "[::]" || host == "::") {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cluster: the gRPC address '", self.address,
+                     "' names no host peers can dial; set cluster.advertise_address to host:port"));
+  }
+  self.backend = config_.backend;
+  const CacheEngine::LoadFigures load = engine_->Load();
+  self.capacity_pages = load.pages_capacity;
+  self.page_bytes = load.max_page_bytes;
+  self.incarnation = incarnation_;
+  self.started_unix_ms = absl::ToUnixMillis(absl::Now());
+  self.version = KVCD_VERSION;
+  self.events_endpoint = k.events_endpoint;
+  if (k.membership == "dns") {
+    KVCD_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> creds,
+                          PeerCredentials(config_));
+    const std::string& a = self.address;
+    const int port = std::atoi(a.substr(a.rfind(':') + 1).c_str());
+    membership_ = std::make_unique<DnsMembership>(k, std::move(self), port, std::move(creds));
+  } else {
+    membership_ = std::make_unique<EtcdMembership>(k, std::move(self));
+  }
+  Membership::Listener listener;
+  if (index_) {
+    BlockIndex* index = index_.get();
+    listener.advertised = [index](uint64_t) { index->SetAdvertised(true); };
+    listener.lost = [index] { index->SetAdvertised(false); };
+    listener.member_gone = [index](const MemberInfo& m) { index->PurgeMember(m); };
+    index_->Start();
+  }
+  membership_->Start(std::move(listener));
+  KVCD_ASSIGN_OR_RETURN(puller_, PrefixPuller::Create(engine_.get(), membership_.get(), config_));
+  membership_seen_ = membership_.get();
+  puller_seen_ = puller_.get();
+  puller_ready_.store(true);
+  KVCD_LOG(INFO) << "cluster: " << k.name << ", member " << k.member_id << ", incarnation "
+                 << incarnation_ << ", membership "
+                 << (k.membership == "dns" ? "dns " + k.dns_name
+                                           : "etcd " + absl::StrJoin(k.etcd_endpoints, ","));
+  return absl::OkStatus();
 }
 
 void Daemon::ReaperLoop() {
@@ -214,6 +336,10 @@ void Daemon::Drain() {
   cv_.notify_all();
   health_.SetServing(false);
   health_only_.SetServing(false);
+  // Leave the cluster first: peers and clients stop routing here while the calls drain.
+  if (membership_) membership_->Stop();
+  if (index_) index_->Stop();
+  if (events_) events_->Stop();
   const auto t0 = std::chrono::steady_clock::now();
   const auto deadline =
       std::chrono::system_clock::now() + std::chrono::milliseconds(config_.drain_timeout_ms);

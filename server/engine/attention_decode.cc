@@ -171,6 +171,12 @@ absl::Status CacheEngine::BindDecodeIo(const v1::AttentionDecodeRequest& req, co
 absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
                                           v1::AttentionDecodeResponse* resp,
                                           const FoundSequences& found) {
+  // queued_decode of Stats and the index's load: this call until it answers.
+  decode_in_flight_.fetch_add(1);
+  struct Done {
+    std::atomic<uint64_t>* n;
+    ~Done() { n->fetch_sub(1); }
+  } done{&decode_in_flight_};
   // Host time of each step (PhaseTimes, off unless KVCD_PHASE_TIMES=1).
   static const int kValidate = PhaseTimes::Phase("daemon.engine.validate (+q/k/v resolve)");
   static const int kIo = PhaseTimes::Phase("daemon.engine.bind q/o/lse");

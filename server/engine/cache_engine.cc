@@ -117,6 +117,7 @@ absl::Status CacheEngine::RegisterModelSpec(const ModelSpec& spec, const std::st
                                                        config_.low_watermark, &counters_,
                                                        std::move(*codec), limit, limit_what));
   cache->set_memory_shares([this](const std::string& t) { return tenants_.PoolShare(t); });
+  cache->set_block_observer(block_observer_);
   budget_used_ += cache->allocated_bytes();
   if (tenant != nullptr) tenants_.AddRegistration(*tenant, cache->allocated_bytes());
   models_.emplace(spec.name, std::move(cache));
@@ -657,6 +658,12 @@ absl::Status CacheEngine::Stats(const v1::StatsRequest&, v1::StatsResponse* resp
   resp->set_committed_pages(committed_pages);
   resp->set_demoted_pages(counters_.demoted_pages.load());
   resp->set_expired_leases(counters_.expired_leases.load());
+  resp->set_member_id(member_id_);
+  resp->set_incarnation(incarnation_);
+  const LoadFigures load = Load();
+  resp->set_queued_decode(load.queued_decode);
+  resp->set_pages_used(load.pages_used);
+  resp->set_pages_capacity(load.pages_capacity);
   resp->set_backend(backend_->name());
   resp->set_version(KVCD_VERSION);
   for (const TenantUsage& u : TenantUsages()) {
@@ -726,6 +733,29 @@ std::vector<TenantUsage> CacheEngine::TenantUsages() const {
   std::vector<TenantUsage> out;
   for (auto& [name, u] : all) out.push_back(std::move(u));
   return out;
+}
+
+void CacheEngine::ReplayBlocks(BlockObserver* to) {
+  std::vector<ModelCache*> caches;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [name, m] : models_) caches.push_back(m.get());  // never removed
+  }
+  for (ModelCache* c : caches) c->ReplayBlocks(to);
+}
+
+CacheEngine::LoadFigures CacheEngine::Load() const {
+  LoadFigures f;
+  for (const auto& mv : SnapshotModels()) {
+    for (const auto& p : mv.snapshot.pools) {
+      f.pages_used += static_cast<uint64_t>(std::max<int32_t>(0, p.pages_used));
+      f.pages_capacity += static_cast<uint64_t>(std::max<int32_t>(0, p.pages_total));
+      f.max_page_bytes = std::max(f.max_page_bytes, static_cast<uint64_t>(p.page_bytes));
+    }
+  }
+  f.open_sequences = static_cast<uint64_t>(std::max<int64_t>(0, sequences_.size()));
+  f.queued_decode = decode_in_flight_.load();
+  return f;
 }
 
 uint64_t CacheEngine::MemoryUsedBytes() const {

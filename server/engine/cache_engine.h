@@ -9,6 +9,7 @@
 // Thread safety: all methods are thread-safe.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -82,6 +83,28 @@ class CacheEngine : public DecodeEngine {
   absl::Status PinPrefix(const v1::PinPrefixRequest& req, v1::PinPrefixResponse* resp);
   absl::Status UnpinPrefix(const v1::UnpinPrefixRequest& req, v1::UnpinPrefixResponse* resp);
   absl::Status Stats(const v1::StatsRequest& req, v1::StatsResponse* resp);
+
+  // Cluster (docs/cluster.md): the member id and incarnation Stats reports (fields 21-22),
+  // set once by the daemon before it serves.
+  void SetClusterIdentity(std::string member_id, std::string incarnation) {
+    member_id_ = std::move(member_id);
+    incarnation_ = std::move(incarnation);
+  }
+  // The load figures of Stats (fields 23-25) and of the index's load: hash.
+  struct LoadFigures {
+    uint64_t pages_used = 0;      // over all models' pools
+    uint64_t pages_capacity = 0;  // pages the pools can hold
+    uint64_t max_page_bytes = 0;  // the largest page of any pool
+    uint64_t open_sequences = 0;
+    uint64_t queued_decode = 0;  // AttentionDecode calls accepted and not yet answered
+  };
+  LoadFigures Load() const;
+  // Every full page entering or leaving any model's tree goes to `observer` (the cluster's
+  // block index and events; server/cache/block_observer.h). REQUIRES: called before any
+  // model is registered; the observer outlives the engine's models.
+  void SetBlockObserver(BlockObserver* observer) { block_observer_ = observer; }
+  // Tells `to` of every page held (a republish to one observer).
+  void ReplayBlocks(BlockObserver* to);
   absl::Status RegisterBuffer(const v1::RegisterBufferRequest& req,
                               v1::RegisterBufferResponse* resp);
   absl::Status UnregisterBuffer(const v1::UnregisterBufferRequest& req,
@@ -194,6 +217,9 @@ class CacheEngine : public DecodeEngine {
   NcclLinks nccl_;
   TensorResolver tensors_;
   CacheCounters counters_;
+  std::atomic<uint64_t> decode_in_flight_{0};
+  std::string member_id_, incarnation_;      // SetClusterIdentity
+  BlockObserver* block_observer_ = nullptr;  // SetBlockObserver
 
   TenantLedger tenants_;  // what each tenant holds and may hold
 

@@ -297,6 +297,7 @@ absl::StatusOr<int> Metrics::Serve(const std::string& address) {
   }
   exposer_->RegisterCollectable(registry_);
   exposer_->RegisterCollectable(cache_collector_);
+  for (const auto& c : extra_) exposer_->RegisterCollectable(c);
   const auto ports = exposer_->GetListeningPorts();
   if (ports.empty()) return absl::UnavailableError("metrics exposer has no listening port");
   return ports.front();
@@ -317,6 +318,10 @@ std::string Metrics::Render() const {
   auto families = registry_->Collect();
   auto cache = cache_collector_->Collect();
   families.insert(families.end(), cache.begin(), cache.end());
+  for (const auto& c : extra_) {
+    auto more = c->Collect();
+    families.insert(families.end(), more.begin(), more.end());
+  }
   return prometheus::TextSerializer().Serialize(families);
 }
 

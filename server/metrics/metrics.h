@@ -9,6 +9,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "prometheus/exposer.h"
@@ -34,6 +35,11 @@ class Metrics {
   Metrics(const CacheEngine* engine, const BuildLabels& build);
   ~Metrics();
 
+  // More metrics read at scrape time (the cluster's). REQUIRES: called before Serve.
+  void AddCollectable(std::shared_ptr<prometheus::Collectable> c) {
+    extra_.push_back(std::move(c));
+  }
+
   // Starts the HTTP exposer on `address` (host:port; port 0 picks one). Returns the port.
   absl::StatusOr<int> Serve(const std::string& address);
 
@@ -50,6 +56,7 @@ class Metrics {
  private:
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<prometheus::Collectable> cache_collector_;
+  std::vector<std::shared_ptr<prometheus::Collectable>> extra_;  // AddCollectable
   prometheus::Family<prometheus::Histogram>* rpc_seconds_;
   prometheus::Histogram* kernel_seconds_;
   std::unique_ptr<prometheus::Exposer> exposer_;

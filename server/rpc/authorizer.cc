@@ -182,6 +182,10 @@ void Authorizer::Scope(const Principal& p, v1::StatsResponse* r) const {
   r->clear_demoted_pages();
   r->clear_active_sequences();
   r->clear_expired_leases();
+  // Cluster load figures add up every tenant's use too (member_id, incarnation and
+  // pages_capacity are configuration and stay).
+  r->clear_pages_used();
+  r->clear_queued_decode();
   r->clear_committed_pages();
   r->clear_forks();
   r->clear_hit_tokens_put();
@@ -203,6 +207,11 @@ absl::Status Authorizer::Check(const Principal& p, const v1::MatchRequest& r) co
   return CheckTenant(p, r.cache_salt());
 }
 absl::Status Authorizer::Check(const Principal& p, const v1::OpenSequenceRequest& r) const {
+  return CheckTenant(p, r.cache_salt());
+}
+// PullPrefix: the tenant whose pages are pulled (and stored here) must be the caller's; the
+// peer checks the same token again.
+absl::Status Authorizer::Check(const Principal& p, const v1::PullPrefixRequest& r) const {
   return CheckTenant(p, r.cache_salt());
 }
 absl::Status Authorizer::Check(const Principal& p, const v1::PushPagesRequest& r) const {

@@ -79,6 +79,7 @@ class Authorizer {
   absl::Status Check(const Principal& p, const v1::FetchPagesRequest& r,
                      FoundSequences* found = nullptr) const;
   absl::Status Check(const Principal& p, const v1::PushPagesRequest& r) const;
+  absl::Status Check(const Principal& p, const v1::PullPrefixRequest& r) const;
   absl::Status Check(const Principal& p, const v1::StatsRequest& r) const;
   absl::Status Check(const Principal& p, const v1::PinPrefixRequest& r) const;
   absl::Status Check(const Principal& p, const v1::UnpinPrefixRequest& r) const;

@@ -240,6 +240,27 @@ KVCD_UNARY_THEN(NcclDisconnect, NcclDisconnectRequest, NcclDisconnectResponse,
                 authz_.Unbind(Authorizer::Object::kCommunicator, req.communicator_id()))
 #undef KVCD_UNARY_THEN
 
+grpc::ServerUnaryReactor* KvCacheService::PullPrefix(grpc::CallbackServerContext* ctx,
+                                                     const grpc::ByteBuffer* in,
+                                                     grpc::ByteBuffer* out) {
+  // The caller's own credentials go to the peer (docs/cluster.md): taken here, on the
+  // reactor's thread, while the call's metadata is at hand.
+  std::string authorization = AuthorizationOf(ctx).value_or("");
+  return Run<v1::PullPrefixRequest, v1::PullPrefixResponse>(
+      "PullPrefix", ctx, in, out,
+      [this, authorization = std::move(authorization)](
+          const Principal& p, const v1::PullPrefixRequest& req,
+          v1::PullPrefixResponse* resp) -> absl::Status {
+        if (absl::Status s = authz_.Check(p, req); !s.ok()) return s;
+        if (!pull_) {
+          return absl::FailedPreconditionError(
+              "PullPrefix needs a cluster: this daemon's config has no cluster section with "
+              "membership etcd (docs/cluster.md)");
+        }
+        return pull_(req, authorization, resp);
+      });
+}
+
 // Sequence-scoped calls: the sequences the authorizer found go on to the engine.
 #define KVCD_SEQUENCE_UNARY(Method, Req, Resp)                                               \
   grpc::ServerUnaryReactor* KvCacheService::Method(                                          \

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -34,25 +35,25 @@ class ChannelAdmission;
 // stream would end OK and drop the requests after the bad one). With the bytes in hand,
 // each call parses its message itself and answers INVALID_ARGUMENT saying what did not
 // parse; the stream ends with INVALID_ARGUMENT.
-using KvCacheCallbackBase = v1::KvCache::WithRawCallbackMethod_RegisterModel<
-    v1::KvCache::WithRawCallbackMethod_ListModels<v1::KvCache::WithRawCallbackMethod_Put<
-        v1::KvCache::WithRawCallbackMethod_Match<v1::KvCache::WithRawCallbackMethod_OpenSequence<
-            v1::KvCache::WithRawCallbackMethod_CloseSequence<v1::KvCache::WithRawCallbackMethod_CommitSequence<
-                v1::KvCache::WithRawCallbackMethod_ForkSequence<v1::KvCache::WithRawCallbackMethod_RenewLease<
-                    v1::KvCache::WithRawCallbackMethod_Append<v1::KvCache::WithRawCallbackMethod_AttentionDecode<
-                        v1::KvCache::WithRawCallbackMethod_AttentionDecodeStream<
-                            v1::KvCache::WithRawCallbackMethod_FetchPages<v1::KvCache::WithRawCallbackMethod_PushPages<
-                                v1::KvCache::WithRawCallbackMethod_Stats<v1::KvCache::WithRawCallbackMethod_PinPrefix<
-                                    v1::KvCache::WithRawCallbackMethod_UnpinPrefix<
-                                        v1::KvCache::WithRawCallbackMethod_RegisterBuffer<
-                                            v1::KvCache::WithRawCallbackMethod_UnregisterBuffer<
-                                                v1::KvCache::WithRawCallbackMethod_RenewBuffer<
-                                                    v1::KvCache::WithRawCallbackMethod_NcclConnect<
-                                                        v1::KvCache::WithRawCallbackMethod_NcclDisconnect<
-                                                            v1::KvCache::WithRawCallbackMethod_OpenDecodeChannel<
-                                                                v1::KvCache::WithRawCallbackMethod_CloseDecodeChannel<
+using KvCacheCallbackBase = v1::KvCache::WithRawCallbackMethod_RegisterModel<v1::KvCache::WithRawCallbackMethod_ListModels<
+    v1::KvCache::WithRawCallbackMethod_Put<v1::KvCache::WithRawCallbackMethod_Match<
+        v1::KvCache::WithRawCallbackMethod_OpenSequence<v1::KvCache::WithRawCallbackMethod_CloseSequence<
+            v1::KvCache::WithRawCallbackMethod_CommitSequence<v1::KvCache::WithRawCallbackMethod_ForkSequence<
+                v1::KvCache::WithRawCallbackMethod_RenewLease<v1::KvCache::WithRawCallbackMethod_Append<
+                    v1::KvCache::WithRawCallbackMethod_AttentionDecode<v1::KvCache::WithRawCallbackMethod_AttentionDecodeStream<
+                        v1::KvCache::WithRawCallbackMethod_FetchPages<v1::KvCache::WithRawCallbackMethod_PushPages<
+                            v1::KvCache::WithRawCallbackMethod_Stats<v1::KvCache::WithRawCallbackMethod_PinPrefix<
+                                v1::KvCache::WithRawCallbackMethod_UnpinPrefix<
+                                    v1::KvCache::WithRawCallbackMethod_RegisterBuffer<
+                                        v1::KvCache::WithRawCallbackMethod_UnregisterBuffer<
+                                            v1::KvCache::WithRawCallbackMethod_RenewBuffer<
+                                                v1::KvCache::WithRawCallbackMethod_NcclConnect<
+                                                    v1::KvCache::WithRawCallbackMethod_NcclDisconnect<
+                                                        v1::KvCache::WithRawCallbackMethod_OpenDecodeChannel<
+                                                            v1::KvCache::WithRawCallbackMethod_CloseDecodeChannel<
+                                                                v1::KvCache::WithRawCallbackMethod_PullPrefix<
                                                                     v1::KvCache::
-                                                                        Service>>>>>>>>>>>>>>>>>>>>>>>>;
+                                                                        Service>>>>>>>>>>>>>>>>>>>>>>>>>;
 
 class KvCacheService final : public KvCacheCallbackBase {
  public:
@@ -110,6 +111,16 @@ class KvCacheService final : public KvCacheCallbackBase {
                                        grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* PushPages(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
                                       grpc::ByteBuffer* resp) override;
+  // Cluster: runs the pull handler (set_pull_handler) with the caller's authorization
+  // metadata; without one, FAILED_PRECONDITION (no cluster).
+  grpc::ServerUnaryReactor* PullPrefix(grpc::CallbackServerContext* ctx,
+                                       const grpc::ByteBuffer* req,
+                                       grpc::ByteBuffer* resp) override;
+  using PullHandler =
+      std::function<absl::Status(const v1::PullPrefixRequest& req, const std::string& authorization,
+                                 v1::PullPrefixResponse* resp)>;
+  // REQUIRES: called before the service serves.
+  void set_pull_handler(PullHandler handler) { pull_ = std::move(handler); }
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
                                   grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* PinPrefix(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
@@ -164,6 +175,7 @@ class KvCacheService final : public KvCacheCallbackBase {
   static std::optional<std::string> AuthorizationOf(grpc::CallbackServerContext* ctx);
 
   CacheEngine* engine_;
+  PullHandler pull_;  // null: this daemon is in no cluster
   Metrics* metrics_;
   ThreadPool* executor_;
   const TokenStore* tokens_;

@@ -127,6 +127,16 @@ class DaemonProcess {
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   }
 
+  // SIGKILL (no drain, nothing said to anyone), then reaps it.
+  void Kill() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+    if (stdout_) fclose(stdout_);
+    stdout_ = nullptr;
+  }
+
   ~DaemonProcess() {
     if (pid_ > 0) Stop();
     if (!config_path_.empty()) std::remove(config_path_.c_str());

@@ -154,6 +154,20 @@ TEST_F(HardeningTest, BadRequestsOverTheWireChangeNothing) {
        [&] { return client_->CommitSequence(seq->sequence_id() ^ 0x77).status(); }},
       {"#31 close with commit of a sequence that is not open", absl::StatusCode::kNotFound,
        [&] { return client_->CloseSequence(seq->sequence_id() ^ 0x77, true).status(); }},
+      // Issue #32: PullPrefix on a daemon without a cluster: section.
+      {"#32 PullPrefix without a cluster section", absl::StatusCode::kFailedPrecondition,
+       [&] {
+         auto stub = v1::KvCache::NewStub(
+             grpc::CreateChannel(daemon_.grpc(), grpc::InsecureChannelCredentials()));
+         v1::PullPrefixRequest r;
+         r.set_model("tiny");
+         for (int32_t t : {1, 2, 3, 4, 5, 6, 7, 8}) r.add_tokens(t);
+         r.set_peer_member_id("peer");
+         v1::PullPrefixResponse resp;
+         grpc::ClientContext ctx;
+         const grpc::Status g = stub->PullPrefix(&ctx, r, &resp);
+         return absl::Status(static_cast<absl::StatusCode>(g.error_code()), g.error_message());
+       }},
       {"#2 a flood of one-page models stops at the rounded budget",
        absl::StatusCode::kResourceExhausted,
        [&] {

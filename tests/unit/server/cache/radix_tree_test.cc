@@ -202,3 +202,73 @@ TEST(RadixTreeTest, EvictablePagesCountsOnlyThePagesEvictionFrees) {
 
 }  // namespace
 }  // namespace kvcd
+
+namespace kvcd {
+namespace {
+
+// What a listener heard: (ns, path, first_page, entered) per call.
+struct Heard final : RadixTree::Listener {
+  struct Call {
+    std::string ns;
+    std::vector<int32_t> path;
+    int64_t first_page;
+    bool entered;
+  };
+  std::vector<Call> calls;
+  void PagesChanged(const std::string& ns, absl::Span<const int32_t> path, int64_t first_page,
+                    bool entered) override {
+    calls.push_back({ns, std::vector<int32_t>(path.begin(), path.end()), first_page, entered});
+  }
+};
+
+TEST(RadixTreeTest, ListenerHearsPagesEnterAndLeaveWithTheirPath) {
+  RadixTree tree(4);
+  Heard heard;
+  tree.set_listener(&heard);
+  tree.Insert("t", Seq(0, 12), Pages(100, 3));
+  ASSERT_EQ(heard.calls.size(), 1u);
+  EXPECT_EQ(heard.calls[0].ns, "t");
+  EXPECT_EQ(heard.calls[0].path, Seq(0, 12));
+  EXPECT_EQ(heard.calls[0].first_page, 0);
+  EXPECT_TRUE(heard.calls[0].entered);
+
+  // A longer prompt sharing 2 pages: only its new pages are told, with the whole path.
+  std::vector<int32_t> branch = Seq(0, 8);
+  for (int32_t t : Seq(50, 8)) branch.push_back(t);
+  const auto ins = tree.Insert("t", branch, Pages(200, 4));
+  EXPECT_EQ(ins.new_pages, 2);
+  ASSERT_EQ(heard.calls.size(), 2u);
+  EXPECT_EQ(heard.calls[1].path, branch);
+  EXPECT_EQ(heard.calls[1].first_page, 2);
+  // Inserting what is there tells nothing.
+  tree.Insert("t", Seq(0, 12), Pages(300, 3));
+  EXPECT_EQ(heard.calls.size(), 2u);
+
+  // Replay: every node, parents first, each with its whole path.
+  Heard replay;
+  tree.ReplayTo(&replay);
+  int64_t pages = 0;
+  for (const auto& c : replay.calls) {
+    EXPECT_TRUE(c.entered);
+    pages += static_cast<int64_t>(c.path.size()) / 4 - c.first_page;
+  }
+  EXPECT_EQ(pages, tree.cached_pages());
+  ASSERT_FALSE(replay.calls.empty());
+  EXPECT_EQ(replay.calls[0].first_page, 0);
+
+  // Evict everything: each leaf leaves with its path from the root.
+  int64_t freed_told = 0;
+  tree.Evict([] { return true; }, [](const PageRef&) {});
+  for (size_t i = 2; i < heard.calls.size(); ++i) {
+    const auto& c = heard.calls[i];
+    EXPECT_FALSE(c.entered);
+    EXPECT_EQ(c.ns, "t");
+    EXPECT_EQ(c.path.size() % 4, 0u);
+    freed_told += static_cast<int64_t>(c.path.size()) / 4 - c.first_page;
+  }
+  EXPECT_EQ(freed_told, pages);
+  EXPECT_EQ(tree.cached_pages(), 0);
+}
+
+}  // namespace
+}  // namespace kvcd
