@@ -146,6 +146,11 @@ def test_the_config_names_what_the_manifests_create(name):
     assert port_of(c, "events-replay") == int(cl["events_replay_endpoint"].rsplit(":", 1)[1])
     # The member id defaults to the hostname: the pod's name, kvcd-N.
     assert not cl.get("member_id")
+    # The address peers dial: the daemon serves gRPC on the pod's IP (a wildcard listen
+    # address names no host to advertise), on the port the Services target.
+    assert f'--listen=$(POD_IP):{port_of(c, "grpc")}' in c["args"]
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in c["env"]
+    assert not cl.get("advertise_address")
     if "dns" in name:
         assert cl["membership"] == "dns" and "etcd_endpoints" not in cl
         assert cl["dns_name"] == sts["spec"]["serviceName"]
@@ -248,6 +253,7 @@ def test_helm_without_a_cluster_adds_no_peer_rule_or_ports():
     assert len(np["spec"]["ingress"]) == 2
     (c,) = named(docs, "StatefulSet", "kvcd")["spec"]["template"]["spec"]["containers"]
     assert [p["name"] for p in c["ports"]] == ["grpc", "health", "metrics"]
+    assert "env" not in c and not [a for a in c["args"] if a.startswith("--listen")]
     assert not [d for d in docs if re.match(r"kvcd-(etcd|redis)$", d["metadata"]["name"])]
 
 
