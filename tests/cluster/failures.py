@@ -178,6 +178,7 @@ class Driver:
     # -- setup ---------------------------------------------------------------------------
 
     def register_model(self):
+        """The workload's model on every member that lacks it."""
         pages = 2048
         page_bytes = 2 * 2 * PAGE * LAYERS * KV_HEADS * HEAD_DIM
         for member_id in sorted(self.members.members()):
@@ -369,6 +370,9 @@ class Driver:
         m["back_s"] = round(time.monotonic() - t1, 2) if back else None
         if back:
             m["incarnation_changed"] = self.members.members()[victim].incarnation != inc
+            # A restarted daemon knows only the models of its config: register ours again,
+            # as the workers would on seeing a new incarnation.
+            self.register_model()
         return phase
 
     def redis_restart(self):
