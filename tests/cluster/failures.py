@@ -183,6 +183,9 @@ class Driver:
         page_bytes = 2 * 2 * PAGE * LAYERS * KV_HEADS * HEAD_DIM
         for member_id in sorted(self.members.members()):
             c = self.cc.client(member_id)
+            # A member back from a cut: its channel may still be in reconnect backoff (at
+            # most 1 s, CHANNEL_OPTIONS); wait for it to connect (bounded).
+            c.wait_ready(10)
             try:
                 c.register_model(name=MODEL, num_layers=LAYERS, num_q_heads=Q_HEADS,
                                  num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, page_size=PAGE,
