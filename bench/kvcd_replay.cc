@@ -4,10 +4,14 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <fstream>
 #include <string>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "bench/replay/cluster_report.h"
+#include "bench/replay/cluster_target.h"
 #include "bench/replay/daemon_target.h"
 #include "bench/replay/progress_bar.h"
 #include "bench/replay/replay.h"
@@ -35,6 +39,20 @@ ABSL_FLAG(int32_t, daemon_pid, 0, "pid of the daemon when it runs on this machin
 ABSL_FLAG(bool, json, false, "print the report as JSON instead of text");
 ABSL_FLAG(bool, progress, true, "progress bar on stderr");
 ABSL_FLAG(int64_t, deadline_ms, 60000, "deadline of each RPC");
+ABSL_FLAG(std::string, members, "",
+          "cluster target: comma-separated HOST:PORT of the members (their member id and "
+          "incarnation come from their Stats); replaces --target");
+ABSL_FLAG(std::string, routing, "index", "cluster routing: random, rendezvous or index");
+ABSL_FLAG(std::string, redis_url, "", "cluster index (routing index): redis://HOST:PORT[/DB]");
+ABSL_FLAG(std::string, cluster_name, "", "cluster name of the members (routing index)");
+ABSL_FLAG(bool, pull, true, "routing index: a member chosen over a longer holder pulls first");
+ABSL_FLAG(
+    int32_t, replicate_after, 8,
+    "routing index: routings of a prefix to a loaded holder before it is replicated (0: off)");
+ABSL_FLAG(uint64_t, seed, 1, "routing random: the seed");
+ABSL_FLAG(std::string, cluster_json, "",
+          "cluster target: write its figures (per-member "
+          "requests and pages, lookups, pulls) to this file");
 
 namespace {
 
@@ -100,11 +118,41 @@ int main(int argc, char** argv) {
   co.target = absl::GetFlag(FLAGS_target);
   co.deadline = std::chrono::milliseconds(absl::GetFlag(FLAGS_deadline_ms));
   kvcd::ApplySecurityEnvironment(&co);
-  auto target = kvcd::replay::DaemonTarget::Connect(co);
-  if (!target.ok()) {
-    std::fprintf(stderr, "kvcd-replay: %s: %s\n", co.target.c_str(),
-                 std::string(target.status().message()).c_str());
-    return 1;
+  std::unique_ptr<kvcd::replay::Target> target;
+  kvcd::replay::ClusterTarget* cluster = nullptr;
+  if (absl::GetFlag(FLAGS_members).empty()) {
+    auto daemon = kvcd::replay::DaemonTarget::Connect(co);
+    if (!daemon.ok()) {
+      std::fprintf(stderr, "kvcd-replay: %s: %s\n", co.target.c_str(),
+                   std::string(daemon.status().message()).c_str());
+      return 1;
+    }
+    target = *std::move(daemon);
+  } else {
+    auto mode = kvcd::replay::ParseRoutingMode(absl::GetFlag(FLAGS_routing));
+    if (!mode.ok()) return kvcd::cli::UsageError(cli, nullptr, mode.status().message());
+    kvcd::replay::ClusterTargetOptions cto;
+    cto.mode = *mode;
+    cto.client = co;
+    cto.redis_url = absl::GetFlag(FLAGS_redis_url);
+    cto.cluster_name = absl::GetFlag(FLAGS_cluster_name);
+    cto.pull = absl::GetFlag(FLAGS_pull);
+    cto.seed = absl::GetFlag(FLAGS_seed);
+    cto.routing.replicate_after = absl::GetFlag(FLAGS_replicate_after);
+    auto members = kvcd::replay::MembersFromStats(
+        absl::StrSplit(absl::GetFlag(FLAGS_members), ',', absl::SkipEmpty()), co);
+    if (!members.ok()) {
+      std::fprintf(stderr, "kvcd-replay: %s\n", std::string(members.status().message()).c_str());
+      return 1;
+    }
+    cto.members = *std::move(members);
+    auto c = kvcd::replay::ClusterTarget::Connect(std::move(cto));
+    if (!c.ok()) {
+      std::fprintf(stderr, "kvcd-replay: %s\n", std::string(c.status().message()).c_str());
+      return 1;
+    }
+    cluster = c->get();
+    target = *std::move(c);
   }
   kvcd::replay::ProgressBar bar(workload->size(), absl::GetFlag(FLAGS_progress));
   kvcd::replay::ReplayOptions options;
@@ -115,15 +163,24 @@ int main(int argc, char** argv) {
   options.progress = [&](int64_t done, double hit) {
     bar.Update(done, absl::StrFormat("hit %.1f%%", 100 * hit));
   };
-  auto report = kvcd::replay::Replay(*workload, **target, profile, options);
+  auto report = kvcd::replay::Replay(*workload, *target, profile, options);
   bar.Finish();
   if (!report.ok()) {
     std::fprintf(stderr, "kvcd-replay: %s\n", std::string(report.status().message()).c_str());
     return 1;
   }
-  if (report->capacity_pages != capacity) {
+  const int64_t asked = cluster != nullptr ? capacity * cluster->members() : capacity;
+  if (report->capacity_pages != asked) {
     std::fprintf(stderr, "kvcd-replay: note: the daemon's pool holds %lld pages (asked %lld)\n",
-                 static_cast<long long>(report->capacity_pages), static_cast<long long>(capacity));
+                 static_cast<long long>(report->capacity_pages), static_cast<long long>(asked));
+  }
+  if (cluster != nullptr && !absl::GetFlag(FLAGS_cluster_json).empty()) {
+    auto figures = cluster->Figures();
+    if (!figures.ok()) {
+      std::fprintf(stderr, "kvcd-replay: %s\n", std::string(figures.status().message()).c_str());
+      return 1;
+    }
+    std::ofstream(absl::GetFlag(FLAGS_cluster_json)) << kvcd::replay::ClusterFiguresJson(*figures);
   }
   const std::string out = absl::GetFlag(FLAGS_json) ? kvcd::replay::ReportJson(*report, trace_path)
                                                     : kvcd::replay::ReportText(*report, trace_path);

@@ -236,6 +236,10 @@ absl::StatusOr<int64_t> Client::PushPages(const v1::PushPagesRequest& req) {
   return r->inserted_tokens();
 }
 
+absl::StatusOr<v1::PullPrefixResponse> Client::PullPrefix(const v1::PullPrefixRequest& req) {
+  return KVCD_CALL(v1::PullPrefixResponse, PullPrefix, req);
+}
+
 absl::StatusOr<v1::StatsResponse> Client::Stats() {
   return KVCD_CALL(v1::StatsResponse, Stats, v1::StatsRequest());
 }

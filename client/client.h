@@ -114,6 +114,10 @@ class Client {
   // INT2). Returns the number of tokens newly inserted into the radix tree.
   absl::StatusOr<int64_t> PushPages(const v1::PushPagesRequest& req);
   absl::StatusOr<v1::StatsResponse> Stats();
+  // Cluster (docs/cluster.md "Pulling pages from a peer"): this daemon pulls from member
+  // req.peer_member_id the pages of the longest prefix of req.tokens that the peer holds
+  // beyond its own.
+  absl::StatusOr<v1::PullPrefixResponse> PullPrefix(const v1::PullPrefixRequest& req);
 
   // Pins the longest cached page-aligned prefix of `tokens` for ttl_ms (docs/sessions.md
   // "Pinned prefixes"): eviction skips it until UnpinPrefix or the ttl runs out.

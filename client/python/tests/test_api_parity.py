@@ -212,6 +212,10 @@ def test_every_client_method_on_both_clients(both, daemon):
     _same_error(*call("commit_sequence", ss.id))
     _same_error(*call("fork_sequence", ss.id, lease_ms=5000))
 
+    # cluster: a daemon without a cluster section refuses a pull alike on both clients
+    s, a = call("pull_prefix", "tiny", toks, "peer-0", cache_salt="parity")
+    _same_error(s, a)
+
     # stats and health
     (s, _), (a, _) = call("stats")
     assert s.backend == a.backend == "cpu"
