@@ -8,8 +8,8 @@
 #      disabled in turn must fail its test)
 #   2. the committed Grafana JSON and the synced copies equal their generators' output
 #   3. kustomize and Helm renders: strict schemas, assertions, equivalence, every daemon
-#      example config through the chart (pytest); the chart's helm-unittest-style suites
-#      (deploy/helm/kvcd/tests, deploy/tests/chart_unittest.py)
+#      example config through the chart, the cluster overlays and values (pytest); the
+#      chart's helm-unittest-style suites (deploy/helm/kvcd/tests, deploy/tests/chart_unittest.py)
 #   4. a real kvcd scraped by a real Prometheus: promtool check metrics, every dashboard
 #      query returns data, recording rules evaluate, SIGTERM drains (pytest)
 #   5. the container image: registry-free, from the kvcd and kvctl just built (no second
@@ -87,7 +87,8 @@ step "promtool check/test rules" bash -c \
   "promtool check rules deploy/prometheus/kvcd-rules.yaml && '$py' -m pytest -q -p no:cacheprovider deploy/tests/test_rules.py"
 step "generated files up to date" bash -c \
   "'$py' deploy/grafana/generate_dashboard.py --check && '$py' deploy/tools/sync_generated.py --check"
-step "kustomize + helm renders" "$py" -m pytest -q -p no:cacheprovider deploy/tests/test_kubernetes.py
+step "kustomize + helm renders" "$py" -m pytest -q -p no:cacheprovider deploy/tests/test_kubernetes.py \
+  deploy/tests/test_cluster.py
 step "helm chart unit tests" "$py" deploy/tests/chart_unittest.py
 step "live kvcd + prometheus" "$py" -m pytest -q -p no:cacheprovider deploy/tests/test_live_metrics.py
 if [[ $image == run ]]; then

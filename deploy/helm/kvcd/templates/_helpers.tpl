@@ -52,3 +52,30 @@ monitoring.coreos.com/v1, or assumePrometheusOperator says to render them anyway
 true
 {{- end -}}
 {{- end -}}
+
+{{/* Labels of a component of the cluster (etcd, redis): (dict "root" . "name" "etcd"). */}}
+{{- define "kvcd.componentSelectorLabels" -}}
+app.kubernetes.io/name: {{ .name }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+{{- end -}}
+
+{{- define "kvcd.componentLabels" -}}
+{{ include "kvcd.componentSelectorLabels" . }}
+app.kubernetes.io/part-of: kvcd
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
+{{- end -}}
+
+{{/* Non-empty when the daemons form a cluster with peers (config.cluster.membership etcd or dns). */}}
+{{- define "kvcd.clusterPeers" -}}
+{{- $c := .Values.config.cluster | default dict -}}
+{{- if has ($c.membership | default "none") (list "etcd" "dns") -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* The port of a ZeroMQ endpoint tcp://host:port. */}}
+{{- define "kvcd.endpointPort" -}}
+{{- regexFind "[0-9]+$" . -}}
+{{- end -}}
