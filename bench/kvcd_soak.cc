@@ -15,13 +15,18 @@
 //   - afterwards Stats shows 0 active sequences and, for the model, the pool back to idle:
 //     the pages in use are exactly the pages of the cached tokens (nothing pinned, nothing
 //     leaked).
-// It prints p50 / p99 / max latency per method and appends the table to --results.
+// It prints p50 / p99 / max latency per method and appends the table to --results, with
+// what says whether the daemon or this client was the limit: the CPU time each used during
+// the run, and the daemon's RSS and the host's load average at every tenth of the run.
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -92,6 +97,32 @@ int64_t RssKiB(int pid) {
     if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6));
   }
   return -1;
+}
+
+// utime + stime of a process in seconds (/proc/PID/stat), or -1.
+double CpuSeconds(int pid) {
+  if (pid <= 0) return -1;
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t close = stat.rfind(')');
+  if (close == std::string::npos) return -1;
+  std::istringstream rest(stat.substr(close + 2));
+  std::string field;
+  long long utime = -1, stime = -1;
+  for (int i = 3; i <= 15 && rest >> field; ++i) {  // fields 14, 15: utime, stime (ticks)
+    if (i == 14) utime = std::stoll(field);
+    if (i == 15) stime = std::stoll(field);
+  }
+  if (utime < 0 || stime < 0) return -1;
+  return static_cast<double>(utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+// The host's 1-minute load average (/proc/loadavg), or -1.
+double LoadAverage() {
+  std::ifstream in("/proc/loadavg");
+  double load = -1;
+  in >> load;
+  return load;
 }
 
 // The flags into `o`, or a usage error's exit status.
@@ -258,16 +289,28 @@ int main(int argc, char** argv) {
   }
   while (ready.load() < o.streams) std::this_thread::yield();
   const auto t0 = std::chrono::steady_clock::now();
+  const double daemon_cpu0 = CpuSeconds(o.daemon_pid), client_cpu0 = CpuSeconds(getpid());
   go.store(true);
-  // RSS after the warm-up (10% of the run) and at the end.
-  std::this_thread::sleep_for(run_for * 0.1);
-  const int64_t rss_warm = RssKiB(o.daemon_pid);
-  int64_t rss_peak = rss_warm;
+  // The daemon's RSS and the load average at every tenth of the run; the first tenth is the
+  // warm-up.
+  std::string samples;
+  int64_t rss_warm = -1;
+  for (int i = 1; i <= 10; ++i) {
+    std::this_thread::sleep_until(
+        t0 + std::chrono::duration_cast<std::chrono::steady_clock::duration>(run_for * i / 10));
+    const int64_t rss = RssKiB(o.daemon_pid);
+    if (i == 1) rss_warm = rss;
+    char sample[96];
+    std::snprintf(sample, sizeof(sample), "| %.0f | %lld | %.2f |\n", o.seconds * i / 10,
+                  static_cast<long long>(rss / 1024), LoadAverage());
+    samples += sample;
+  }
   for (auto& t : threads) t.join();
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double daemon_cpu = CpuSeconds(o.daemon_pid) - daemon_cpu0,
+               client_cpu = CpuSeconds(getpid()) - client_cpu0;
   const int64_t rss_end = RssKiB(o.daemon_pid);
-  rss_peak = std::max(rss_peak, rss_end);
 
   // The verdict.
   bool pass = true;
@@ -336,13 +379,22 @@ int main(int argc, char** argv) {
                 "(%.0f calls/s)\n",
                 o.streams, conns.size(), seconds, static_cast<long long>(sessions),
                 static_cast<long long>(calls), static_cast<double>(calls) / seconds);
-  std::printf("%s\n%s\n%s%s\n", head, table.c_str(), checks.c_str(),
+  char cpu[256];
+  std::snprintf(cpu, sizeof(cpu),
+                "CPU during the run: daemon %.0f s (%.2f cores), kvcd_soak %.0f s (%.2f cores), "
+                "on %ld CPUs\n",
+                daemon_cpu, daemon_cpu / seconds, client_cpu, client_cpu / seconds,
+                sysconf(_SC_NPROCESSORS_ONLN));
+  samples = "| s | daemon RSS MiB | load average (1 min) |\n|---:|---:|---:|\n" + samples;
+  std::printf("%s\n%s\n%s\n%s\n%s%s\n", head, table.c_str(), cpu, samples.c_str(), checks.c_str(),
               pass ? "soak: PASS" : "soak: FAIL");
   if (!o.results.empty()) {
     std::ofstream out(o.results, std::ios::app);
     out << "\n"
         << head << "\n"
         << table << "\n"
+        << cpu << "\n"
+        << samples << "\n"
         << checks << "\n"
         << (pass ? "**PASS**" : "**FAIL**") << "\n";
   }

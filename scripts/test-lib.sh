@@ -100,3 +100,53 @@ san_build() {
 SAN_TEST_TARGETS=(kvcd_unit_tests kvcd_tools_tests)
 FUZZ_TARGETS=(config_fuzz safetensors_fuzz codec_profile_fuzz activation_dump_fuzz
   decode_channel_fuzz rpc_fuzz codec_register_fuzz)
+
+# ThreadSanitizer (tsan_phase, one phase of scripts/test.sh): clang, -fsanitize=thread, CPU
+# only, in ${KVCD_TSAN_BUILD_DIR:-build-tsan}; a unity build of only the daemon and the unit
+# and integration test binaries (Debug with line tables, -O1), so that it costs as little as
+# a sanitizer build can. The unit tests and the integration tests (which start this build's
+# TSan-instrumented daemon, and include the concurrency stress test,
+# tests/integration/concurrency_stress_test.cc) run side by side; every process writes its
+# reports under one folder (TSAN_OPTIONS log_path), and any report fails the phase, even one
+# from a daemon whose test passed. gRPC, protobuf and Abseil are the distribution's
+# uninstrumented builds: ignore_noninstrumented_modules leaves their own accesses out, and
+# scripts/tsan.supp holds the suppressions for grpcpp's inline half, each with why.
+# One test is left out: the decode channel whose shared memory the client truncates
+# (SIGBUS, recovered by siglongjmp in server/dataplane/guarded_memory.cc). Under TSan the
+# fault is taken inside the runtime's own memcpy interceptor, which holds the thread's
+# shadow slot lock; jumping out of it leaves the lock held and the channel thread then
+# deadlocks in the runtime (gdb: __tsan::SlotLock). Nothing of kvcd's locking is involved,
+# and the unit test of the guarded copy (GuardedMemoryTest, one thread) runs.
+TSAN_TARGETS=(kvcd kvcd_unit_tests kvcd_integration_tests)
+TSAN_SKIP=HardeningTest.ACorruptOrTruncatedDecodeChannelCannotCrashTheDaemon
+tsan_phase() {
+  local build=${KVCD_TSAN_BUILD_DIR:-build-tsan} reports rc=0
+  export CCACHE_DIR=${CCACHE_DIR:-$PWD/.cache/ccache}
+  CC=clang CXX=clang++ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Debug \
+    -DKVCD_SANITIZER=tsan -DKVCD_CUDA=OFF -DKVCD_BUILD_TESTS=ON -DKVCD_BUILD_BENCH=OFF \
+    -DCMAKE_UNITY_BUILD=ON -DCMAKE_UNITY_BUILD_BATCH_SIZE=16 \
+    "-DCMAKE_CXX_FLAGS=-O1 -Wno-unknown-warning-option" -DCMAKE_CXX_FLAGS_DEBUG=-gline-tables-only \
+    -DCMAKE_C_FLAGS_DEBUG=-gline-tables-only >/dev/null || return 1
+  local args=()
+  for t in "${TSAN_TARGETS[@]}"; do args+=(--target "$t"); done
+  cmake --build "$build" -j "$(nproc)" "${args[@]}" || return 1
+  reports=$(mktemp -d "${TMPDIR:-/tmp}/kvcd-tsan.XXXXXX")
+  (
+    export TSAN_OPTIONS="log_path=$reports/tsan halt_on_error=0 second_deadlock_stack=1 ignore_noninstrumented_modules=1 suppressions=$PWD/scripts/tsan.supp"
+    "$build/tests/kvcd_unit_tests" --gtest_brief=1 >"$reports/unit.log" 2>&1 &
+    local unit=$!
+    "$build/tests/kvcd_integration_tests" --gtest_brief=1 "--gtest_filter=-$TSAN_SKIP" >"$reports/integration.log" 2>&1 &
+    local integration=$! failed=0
+    wait "$unit" || { cat "$reports/unit.log"; failed=1; }
+    wait "$integration" || { cat "$reports/integration.log"; failed=1; }
+    exit "$failed"
+  ) || rc=1
+  grep -h -E '^\[  PASSED  \]' "$reports/unit.log" "$reports/integration.log" | sed 's/^/tsan: /'
+  if compgen -G "$reports/tsan.*" >/dev/null; then
+    cat "$reports"/tsan.*
+    echo "tsan: $(cat "$reports"/tsan.* | grep -c '^WARNING: ThreadSanitizer') reports" >&2
+    rc=1
+  fi
+  rm -rf "$reports"
+  return "$rc"
+}

@@ -57,4 +57,5 @@ phase fsq-tools ./scripts/test-fsq-tools.sh
 phase deploy ./scripts/test-deploy.sh
 [[ -n $serial ]] || phase_wait asan
 phase fuzz ./scripts/test-fuzz.sh
+phase tsan tsan_phase  # ThreadSanitizer: unit + integration tests (scripts/test-lib.sh)
 phase_summary

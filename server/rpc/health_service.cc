@@ -2,6 +2,8 @@
 
 #include <string>
 
+#include "server/rpc/reactor_order.h"
+
 namespace kvcd {
 namespace {
 
@@ -31,10 +33,12 @@ class HealthService::Watcher final : public grpc::ServerWriteReactor<HealthCheck
     }
     writing_ = true;
     resp_.set_status(latest_);
+    HandToGrpc(this);
     StartWrite(&resp_);
   }
 
   void OnWriteDone(bool ok) override {
+    TakeFromGrpc(this);
     std::lock_guard<std::mutex> lock(owner_->mu_);
     writing_ = false;
     if (!ok) {
@@ -48,9 +52,11 @@ class HealthService::Watcher final : public grpc::ServerWriteReactor<HealthCheck
       if (finish_after_write_) {  // the last status, then the end of the stream
         done_ = true;
         owner_->watchers_.erase(this);
+        HandToGrpc(this);
         StartWriteAndFinish(&resp_, grpc::WriteOptions(), final_status_);
         return;
       }
+      HandToGrpc(this);
       StartWrite(&resp_);
       return;
     }
@@ -71,6 +77,7 @@ class HealthService::Watcher final : public grpc::ServerWriteReactor<HealthCheck
   }
 
   void OnCancel() override {
+    TakeFromGrpc(this);
     std::lock_guard<std::mutex> lock(owner_->mu_);
     FinishLocked(grpc::Status::CANCELLED);
   }
@@ -79,10 +86,14 @@ class HealthService::Watcher final : public grpc::ServerWriteReactor<HealthCheck
     if (done_) return;
     done_ = true;
     owner_->watchers_.erase(this);
+    HandToGrpc(this);
     Finish(s);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    TakeFromGrpc(this);
+    delete this;
+  }
 
  private:
   HealthService* owner_;

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/phase_times.h"
 #include "common/status_macros.h"
+#include "server/rpc/reactor_order.h"
 #include "server/rpc/status_mapping.h"
 
 namespace kvcd {
@@ -353,7 +354,7 @@ class DecodeStreamReactor final
     : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   DecodeStreamReactor(KvCacheService* service, grpc::CallbackServerContext* ctx)
-      : service_(service), ctx_(ctx) {
+      : service_(service) {
     // The stream runs with the token of its opening call, resolved again for every
     // request (a token revoked by a reload stops working on open streams too).
     authorization_ = KvCacheService::AuthorizationOf(ctx);
@@ -383,6 +384,7 @@ class DecodeStreamReactor final
   }
 
   void OnReadDone(bool ok) override {
+    TakeFromGrpc(this);
     // Counted before the draining check, like a unary call (Run), so that a drain's
     // WaitIdle cannot miss a request that got past it.
     service_->in_flight_.fetch_add(1);
@@ -443,11 +445,13 @@ class DecodeStreamReactor final
             grpc::Status(grpc::StatusCode::INTERNAL, "cannot serialize the stream response"));
         return;
       }
+      HandToGrpc(this);
       StartWrite(&out_);
     });
   }
 
   void OnWriteDone(bool ok) override {
+    TakeFromGrpc(this);
     if (!ok) {
       FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "stream write failed"));
       return;
@@ -460,6 +464,7 @@ class DecodeStreamReactor final
   }
 
   void OnDone() override {
+    TakeFromGrpc(this);
     if (registered_) {
       std::lock_guard<std::mutex> lock(service_->streams_mu_);
       service_->streams_.erase(this);
@@ -472,6 +477,7 @@ class DecodeStreamReactor final
     std::lock_guard<std::mutex> lock(mu_);
     if (finished_) return;
     reading_ = true;
+    HandToGrpc(this);
     StartRead(&in_);
   }
   void FinishOnce(const grpc::Status& s) {
@@ -481,11 +487,11 @@ class DecodeStreamReactor final
   void FinishLocked(const grpc::Status& s) {
     if (finished_) return;
     finished_ = true;
+    HandToGrpc(this);
     Finish(s);
   }
 
   KvCacheService* service_;
-  grpc::CallbackServerContext* ctx_;
   std::optional<std::string> authorization_;
   bool registered_ = false;
   std::mutex mu_;
