@@ -10,7 +10,7 @@ connector), optional ``connector`` (class name, default ``KvcdConnector``) and
 the whole distribution of every generated token), run round after round in this engine.
 OUT: per round, per request: ``prompt_tokens``, ``num_cached_tokens``, ``token_ids``,
 ``text``, ``seconds`` (the round's wall time), ``logprobs`` (per step, ``[[id, logprob],
-...]``) and the connector's counters after the job (``stats``, worker and scheduler
+...]``; with ``logprobs: -1`` the path of a ``[steps, vocab]`` float32 .npy file) and the connector's counters after the job (``stats``, worker and scheduler
 summed, since the start).
 """
 import json
@@ -38,6 +38,7 @@ def main() -> int:
               enable_prefix_caching=job.get("prefix_caching", True),
               max_num_batched_tokens=job.get("max_num_batched_tokens", 4096), **kwargs)
     tok = llm.get_tokenizer()
+    vocab = llm.llm_engine.model_config.get_vocab_size()
     out = {"rounds": []}
     for rnd in job["rounds"]:
         prompts, params = [], []
@@ -55,9 +56,20 @@ def main() -> int:
         for p, o in zip(prompts, results):
             c = o.outputs[0]
             steps = []
-            for d in c.logprobs or []:
-                steps.append([[int(t), float(x.logprob)] for t, x in d.items()])
+            if params[len(res)].logprobs == -1 and c.logprobs:
+                # The whole distribution of every step: [steps, vocab] float32 next to OUT.
+                import numpy as np
+                dense = np.full((len(c.logprobs), vocab), -np.inf, dtype=np.float32)
+                for i, d in enumerate(c.logprobs):
+                    ids = np.fromiter(d.keys(), dtype=np.int64)
+                    dense[i, ids] = np.fromiter((x.logprob for x in d.values()), np.float32)
+                steps = f"{sys.argv[2]}.{len(out['rounds'])}.{len(res)}.npy"
+                np.save(steps, dense)
+            else:
+                for d in c.logprobs or []:
+                    steps.append([[int(t), float(x.logprob)] for t, x in d.items()])
             res.append({"prompt_tokens": len(p["prompt_token_ids"]),
+                        "prompt_token_ids": list(p["prompt_token_ids"]),
                         "num_cached_tokens": o.num_cached_tokens, "token_ids": list(c.token_ids),
                         "text": c.text, "seconds": seconds, "logprobs": steps})
         out["rounds"].append(res)
