@@ -71,9 +71,15 @@ def main():
     base = {"model": args.model, "max_model_len": max(lengths) + 64,
             "max_num_batched_tokens": max(lengths) + 64, "kv_cache_gib": 2}
     try:
-        def reqs(lp=None):
-            return [[warm]] + [[{"text": p, "max_prompt_tokens": n, "max_tokens": 1,
-                                 "logprobs": lp}] for p, n in zip(prompts, lengths)]
+        def reqs(kl_rounds=False):
+            """A warm-up, one timed round per prompt (max_tokens=1, no logprobs: the time to
+            the first token), then with kl_rounds the same prompts again for their whole
+            next-token distribution (the engine's own prefix cache then holds the prompt,
+            loaded or computed: the distribution is the first round's)."""
+            one = [[{"text": p, "max_prompt_tokens": n, "max_tokens": 1}]
+                   for p, n in zip(prompts, lengths)]
+            lp = [[{**r[0], "logprobs": -1}] for r in one] if kl_rounds else []
+            return [[warm]] + one + lp
 
         kv = {"target": daemon.grpc}
         a = run(tmp, "store", {**base, "kv": kv, "rounds": reqs()})
@@ -95,7 +101,7 @@ def main():
                 else:
                     blob = Path(args.codec).read_bytes()
                 c.register_model(codec_blob=blob, **fields)
-                for (r,) in a["rounds"][1:]:
+                for (r,) in a["rounds"][1:1 + len(lengths)]:
                     toks = r["prompt_token_ids"]
                     n = (len(toks) - 1) // 128 * 128
                     with c.open_sequence(bf16, toks[:n]) as seq:
@@ -110,13 +116,16 @@ def main():
                                                         **({"codec_file": args.codec}
                                                            if not codec else {})}, name))
             sizes = {m.profile.name: m for m in c.list_models()}
-        none = run(tmp, "none", {**base, "kv": None, "rounds": reqs(-1)})
+        none = run(tmp, "none", {**base, "kv": None, "rounds": reqs(True)})
         rows, kls = [], []
         for label, extra, name in storages:
             out = run(tmp, label.replace(" ", "-"), {**base, "kv": {**kv, **extra},
-                                                     "rounds": reqs(-1)})
-            for n, (r,), (r0,) in zip(lengths, out["rounds"][1:], none["rounds"][1:]):
-                k = kl(np.load(r0["logprobs"])[0], np.load(r["logprobs"])[0])
+                                                     "rounds": reqs(True)})
+            m = len(lengths)
+            for n, (r,), (r0,), (d,), (d0,) in zip(lengths, out["rounds"][1:1 + m],
+                                                  none["rounds"][1:1 + m],
+                                                  out["rounds"][1 + m:], none["rounds"][1 + m:]):
+                k = kl(np.load(d0["logprobs"])[0], np.load(d["logprobs"])[0])
                 rows.append((label, n, r["num_cached_tokens"], r0["seconds"], r["seconds"], k))
             info = sizes.get(name or bf16)
             kls.append((label, info.bytes_per_token_history if info else float("nan")))

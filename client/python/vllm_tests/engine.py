@@ -47,8 +47,10 @@ def main() -> int:
             prompts.append(TokensPrompt(prompt_token_ids=ids, cache_salt=r["cache_salt"])
                            if r.get("cache_salt") else TokensPrompt(prompt_token_ids=ids))
             lp = r.get("logprobs")
+            # detokenize=False: vLLM would otherwise decode every token of every logprob
+            # (the whole vocabulary per step with logprobs -1); the text is decoded below.
             params.append(SamplingParams(temperature=0.0, max_tokens=r.get("max_tokens", 8),
-                                         logprobs=lp, ignore_eos=True))
+                                         logprobs=lp, ignore_eos=True, detokenize=False))
         t0 = time.perf_counter()
         results = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - t0
@@ -71,7 +73,7 @@ def main() -> int:
             res.append({"prompt_tokens": len(p["prompt_token_ids"]),
                         "prompt_token_ids": list(p["prompt_token_ids"]),
                         "num_cached_tokens": o.num_cached_tokens, "token_ids": list(c.token_ids),
-                        "text": c.text, "seconds": seconds, "logprobs": steps})
+                        "text": tok.decode(list(c.token_ids)), "seconds": seconds, "logprobs": steps})
         out["rounds"].append(res)
     stats = {}
     if job.get("kv") is not None:
