@@ -3,7 +3,8 @@
 # kvcd, history bytes per token per format and next-token KL of compressed storage
 # (bench/vllm_ttft.py) -> bench/results/2026-12-05-vllm-connector.md's table.
 # Needs scripts/build.sh kvcd (and kvcd-llama kvcd-int2-study for the int2-transform rows).
-# LENGTHS (default 1024,4096,7936: SmolLM2's context is 8192 tokens).
+# LENGTHS (default 1024,4096,7936: SmolLM2's context is 8192 tokens), SINKS (BF16 sink
+# tokens of the INT2 models, default 0,128).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 b=${KVCD_BUILD_DIR:-build}
@@ -16,4 +17,4 @@ fi
 kvcd=${KVCD_BINARY:-$b/server/kvcd}
 [[ $kvcd == /* ]] || kvcd=$PWD/$kvcd
 "$venv/bin/python" bench/vllm_ttft.py --model "$model" --kvcd "$kvcd" "${codec[@]}" \
-  --lengths "${LENGTHS:-1024,4096,7936}" --out "${OUT:-$b/vllm-ttft.md}"
+  --lengths "${LENGTHS:-1024,4096,7936}" --sinks "${SINKS:-0,128}" --out "${OUT:-$b/vllm-ttft.md}"

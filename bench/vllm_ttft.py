@@ -56,6 +56,7 @@ def main():
     ap.add_argument("--kvcd", required=True)
     ap.add_argument("--codec", default="")
     ap.add_argument("--lengths", default="1024,4096,7936")
+    ap.add_argument("--sinks", default="0,128", help="BF16 sink tokens of the INT2 models")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     os.environ["KVCD_BINARY"] = args.kvcd
@@ -86,9 +87,10 @@ def main():
         storages = [("bf16", {}, None)]
         with kvcd.Client(daemon.grpc) as c:
             bf16 = default_model_name(args.model, "bf16")
-            variants = [("int2-oscar", 0, "hadamard"), ("int2-oscar", 128, "hadamard")]
+            sinks = [int(x) for x in args.sinks.split(",")]
+            variants = [("int2-oscar", s, "hadamard") for s in sinks]
             if args.codec:
-                variants += [("int2-transform", 0, None), ("int2-transform", 128, None)]
+                variants += [("int2-transform", s, None) for s in sinks]
             for fmt, sink, codec in variants:
                 name = f"{default_model_name(args.model, fmt)}-s{sink}"
                 fields = dict(name=name, num_layers=30, num_q_heads=9, num_kv_heads=3,

@@ -21,7 +21,7 @@ key                        meaning (default)
                            file is required by (and selects) ``int2-transform``
 ``sink_tokens``            BF16 sink of the registered model, whole blocks (one block)
 ``recent_tokens``          BF16 recent window of the registered model (0)
-``memory_bytes``           the model's share of the daemon's memory (1 GiB)
+``memory_bytes``           the model's share of the daemon's memory (256 MiB)
 ``timeout_s``              deadline of a load or save call (5.0)
 ``match_timeout_s``        deadline of the scheduler's Match (1.0)
 ``backoff_s``              after the daemon failed, how long it is skipped (5.0)
@@ -46,7 +46,7 @@ _DEFAULTS: Dict[str, Any] = {
     "tls_client_key": None, "tls_server_name": None, "token": None, "token_env": None,
     "model": None, "cache_salt": "", "tenant": "", "history_format": "bf16",
     "codec": "hadamard", "codec_file": None, "sink_tokens": None, "recent_tokens": 0,
-    "memory_bytes": 1 << 30, "timeout_s": 5.0, "match_timeout_s": 1.0, "backoff_s": 5.0,
+    "memory_bytes": 256 << 20, "timeout_s": 5.0, "match_timeout_s": 1.0, "backoff_s": 5.0,
     "load": True, "save": True, "max_pending_save_bytes": 1 << 30,
     "fetch_chunk_tokens": None,
 }
