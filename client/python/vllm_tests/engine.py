@@ -22,6 +22,11 @@ import time
 def main() -> int:
     job = json.load(open(sys.argv[1]))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # On a small shared machine (the tests' 2 cores, other jobs running), OpenMP threads
+    # pinned to cores and spinning while they wait made one 300-token request take ~100 s
+    # instead of ~6 s: no binding, waiting threads sleep.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job.get("kv_cache_gib", 1)))
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig

@@ -235,7 +235,8 @@ def test_openai_server_second_request_hits_kvcd(tmp):
              "--enforce-eager", "--max-model-len", "1024", "--no-enable-prefix-caching",
              "--kv-transfer-config", json.dumps(ktc)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+                 "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_WAIT_POLICY": "PASSIVE"})
         ready = threading.Event()
 
         def read() -> None:
