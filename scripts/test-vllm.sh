@@ -26,4 +26,4 @@ if [[ ! -x $binary ]]; then
 fi
 cd client/python/vllm_tests
 KVCD_BINARY=$binary KVCD_VLLM_MODEL=$model KVCD_VLLM_CODEC=$codec \
-  exec "$venv/bin/python" -m pytest -p no:cacheprovider -q -rs -s "$@" test_config.py test_connector.py
+  exec "$venv/bin/python" -m pytest -p no:cacheprovider -q -rs -s "$@" test_config.py test_layout.py test_connector.py

@@ -1,9 +1,10 @@
 """Moving whole blocks between vLLM's paged KV cache and kvcd's ``[layers, tokens, kv_heads,
 head_dim]`` tensors.
 
-vLLM hands a connector each attention layer's cache as the logical view ``[num_blocks,
-num_kv_heads, block_size, 2 * head_dim]`` (the physical strides differ by backend; the CPU
-backend's are the identity): per (block, head) each token's row holds its K then its V.
+vLLM hands a connector each attention layer's cache as the view ``[num_blocks,
+num_kv_heads, block_size, 2 * head_dim]``. On the CPU backend (strides the identity) each
+(block, head) holds the K rows of its ``block_size`` tokens, then their V rows: the view's
+row r is not token r's K and V, and the block is read as ``[2, block_size, head_dim]``.
 """
 from __future__ import annotations
 
@@ -30,10 +31,11 @@ def gather(layers: Sequence[torch.Tensor], block_ids: Sequence[int],
     ks: List[torch.Tensor] = []
     vs: List[torch.Tensor] = []
     for cache in layers:
-        rows = cache.index_select(0, idx).permute(0, 2, 1, 3)  # [nb, bs, H, 2D]
-        rows = rows.reshape(-1, rows.shape[2], rows.shape[3])
-        ks.append(rows[..., :head_dim])
-        vs.append(rows[..., head_dim:])
+        nb, heads, bs = len(block_ids), cache.shape[1], cache.shape[2]
+        kv = cache.index_select(0, idx).reshape(nb, heads, 2, bs, head_dim)
+        kv = kv.permute(2, 0, 3, 1, 4).reshape(2, nb * bs, heads, head_dim)  # [2, n, H, D]
+        ks.append(kv[0])
+        vs.append(kv[1])
     return torch.stack(ks).cpu(), torch.stack(vs).cpu()
 
 
@@ -46,9 +48,10 @@ def scatter(layers: Sequence[torch.Tensor], block_ids: Sequence[int], k: torch.T
     nb = len(block_ids)
     idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=layers[0].device)
     for layer, cache in enumerate(layers):
-        bs, heads = cache.shape[2], cache.shape[1]
-        rows = torch.cat([k[layer], v[layer]], dim=-1).to(cache.device, cache.dtype)
-        cache.index_copy_(0, idx, rows.reshape(nb, bs, heads, -1).permute(0, 2, 1, 3))
+        heads, bs = cache.shape[1], cache.shape[2]
+        kv = torch.stack([k[layer], v[layer]]).to(cache.device, cache.dtype)  # [2, n, H, D]
+        kv = kv.reshape(2, nb, bs, heads, -1).permute(1, 3, 0, 2, 4)  # [nb, H, 2, bs, D]
+        cache.index_copy_(0, idx, kv.reshape(nb, heads, bs, -1))
 
 
 def ordered_layers(kv_caches: Dict[str, torch.Tensor]) -> List[Tuple[str, torch.Tensor]]:
