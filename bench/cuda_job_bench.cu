@@ -16,7 +16,9 @@
 // format's kernel (INT2: v2 kernel with the fused merge; int2-transform: tensor-core or FP32
 // kernel, then LaunchMergeParts), the layers' pages distinct (layer-major pool). Not
 // counted: the row store of the step's new token (one row per sequence and layer) and the
-// process boundary (this is the daemon's GPU work in one process).
+// process boundary (this is the daemon's GPU work in one process). Each format runs twice:
+// with the split counts the daemon's formats choose (sized for a batch of equal lengths) and
+// with the history's splits sized by the longest sequence ("balanced", RunFormat says how).
 // Pages hold random codes with valid parameters (times do not depend on the values; the
 // kernel tests check results against the float64 oracle); queries are random.
 //
@@ -54,6 +56,9 @@ ABSL_FLAG(int32_t, system_tokens, 2048, "shared system prompt tokens (a multiple
 ABSL_FLAG(int32_t, max_context, 131072, "context limit: system prompt + session history");
 ABSL_FLAG(std::string, formats, "bf16,int2,int2-transform", "history formats, comma-separated");
 ABSL_FLAG(std::string, transform_kernel, "tc", "int2-transform decode kernel: tc or fp32");
+ABSL_FLAG(std::string, splits, "both",
+          "history splits: daemon (the formats' split counts), balanced (sized by the longest "
+          "sequence), or both");
 ABSL_FLAG(int32_t, steps, 5, "timed decode steps (after one warm-up step)");
 ABSL_FLAG(std::string, out, "", "also write the table to this Markdown file");
 
@@ -123,7 +128,8 @@ struct DeviceList {
 
 struct Result {
   std::string format;
-  int held = 0;
+  int held = 0, splits = 0;
+  bool balanced = false;
   int64_t tokens = 0;  // history tokens held (system prompt once)
   double pool_gb = 0, step_ms = 0, step_ms_spread = 0, tok_s = 0, read_gb = 0;
 };
@@ -164,7 +170,7 @@ struct DeviceCodec {
 };
 
 Result RunFormat(const std::string& fmt, const std::vector<int>& trace, int64_t budget, int system,
-                 int max_context, int steps, bool tc, int sms, cudaStream_t stream) {
+                 int max_context, int steps, bool tc, bool balanced, int sms, cudaStream_t stream) {
   const bool bf16 = fmt == "bf16", xform = fmt == "int2-transform";
   if (!bf16 && !xform && fmt != "int2") {
     std::fprintf(stderr, "unknown format %s\n", fmt.c_str());
@@ -198,6 +204,7 @@ Result RunFormat(const std::string& fmt, const std::vector<int>& trace, int64_t 
   }
   Result r;
   r.format = fmt;
+  r.balanced = balanced;
   r.held = static_cast<int>(hist.size());
   r.tokens = system;
   for (int h : hist) r.tokens += h;
@@ -265,7 +272,22 @@ Result RunFormat(const std::string& fmt, const std::vector<int>& trace, int64_t 
           ? (use_tc ? kc::TransformTcDecodeSplits(batch, kHq, kHkv, hlist.max_len, sms)
                     : kc::TransformDecodeSplits(batch, kHkv, hlist.max_len, sms))
           : kc::Int2DecodeSplits(batch, kHkv, hlist.max_len, sms, kc::Int2CtasPerSm(kHq, kHkv, kD));
-  const int parts = w_splits + h_splits;
+  // Balanced: the uniform split count of the daemon's formats is sized for a batch of equal
+  // lengths (one wave of CTAs); with the trace's lengths (up to ~8x the mean) one CTA then
+  // walks the longest sequence alone while the others are done. Here the history's splits
+  // are sized so that a CTA holds at most half of an even share of the step's tokens (CTAs
+  // past a sequence's length exit at once).
+  int splits_h = h_splits;
+  if (balanced) {
+    const int per_sm = bf16 ? std::max(1, kc::Bf16SplitCtasPerSm(kD)) : 4;
+    int64_t list_tokens = 0;
+    for (int32_t n : hl) list_tokens += n;
+    const int64_t target = std::max<int64_t>(256, list_tokens * kHkv / (2 * int64_t{sms} * per_sm));
+    splits_h =
+        static_cast<int>(std::clamp<int64_t>((hlist.max_len + target - 1) / target, h_splits, 512));
+  }
+  r.splits = splits_h;
+  const int parts = w_splits + splits_h;
   float *part_o = nullptr, *part_lse = nullptr, *o = nullptr, *lse = nullptr;
   CHECK(cudaMalloc(&part_o, sizeof(float) * parts * rows * kD));
   CHECK(cudaMalloc(&part_lse, sizeof(float) * parts * rows));
@@ -286,17 +308,17 @@ Result RunFormat(const std::string& fmt, const std::vector<int>& trace, int64_t 
     const kc::PagedList hl_l{hpool + l * hist_layer, hist_page, hlist.table, hlist.max_pages,
                              hlist.lengths};
     if (bf16) {
-      CHECK(kc::LaunchBf16SplitDecodeParts(hl_l, geo, d_q, nullptr, scale, h_splits, hlist.max_len,
+      CHECK(kc::LaunchBf16SplitDecodeParts(hl_l, geo, d_q, nullptr, scale, splits_h, hlist.max_len,
                                            part_o, part_lse, 0, stream));
       CHECK(kc::LaunchMergeParts(part_o, part_lse, parts, rows, kD, nullptr, o, lse, stream));
     } else if (xform) {
       const kc::TransformHeadCodec* heads = codec->heads + l * kHkv;
       if (use_tc) {
-        CHECK(kc::LaunchTransformDecodePartsTc(hl_l, geo, xoff, heads, d_q, scale, h_splits,
+        CHECK(kc::LaunchTransformDecodePartsTc(hl_l, geo, xoff, heads, d_q, scale, splits_h,
                                                hlist.max_len, part_o, part_lse, w_splits, state,
                                                stream));
       } else {
-        CHECK(kc::LaunchTransformDecodeParts(hl_l, geo, xoff, heads, d_q, scale, h_splits,
+        CHECK(kc::LaunchTransformDecodeParts(hl_l, geo, xoff, heads, d_q, scale, splits_h,
                                              hlist.max_len, part_o, part_lse, w_splits, stream));
       }
       CHECK(kc::LaunchMergeParts(part_o, part_lse, parts, rows, kD, nullptr, o, lse, stream));
@@ -304,7 +326,7 @@ Result RunFormat(const std::string& fmt, const std::vector<int>& trace, int64_t 
       kc::Int2PartsOptions opt;
       opt.state = state;
       opt.merge = &merge;
-      CHECK(kc::LaunchInt2DecodeParts(hl_l, geo, d_q, nullptr, scale, h_splits, hlist.max_len,
+      CHECK(kc::LaunchInt2DecodeParts(hl_l, geo, d_q, nullptr, scale, splits_h, hlist.max_len,
                                       part_o, part_lse, w_splits, stream, opt));
     }
   };
@@ -395,18 +417,29 @@ int main(int argc, char** argv) {
                 max_context, tk.c_str());
   emit(line);
   emit(
-      "| history | sequences held | tokens held | pool GB | step ms (spread) | tokens/s | "
-      "GB read per step | TB/s |\n|---|---:|---:|---:|---:|---:|---:|---:|\n");
+      "| history | splits (history) | sequences held | tokens held | pool GB | step ms (spread) | "
+      "tokens/s | GB read per step | TB/s |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
   const std::vector<std::string> formats = absl::StrSplit(absl::GetFlag(FLAGS_formats), ',');
+  const std::string sp = absl::GetFlag(FLAGS_splits);
+  std::vector<bool> policies;
+  if (sp == "daemon" || sp == "both") policies.push_back(false);
+  if (sp == "balanced" || sp == "both") policies.push_back(true);
+  if (policies.empty()) {
+    std::fprintf(stderr, "--splits must be daemon, balanced or both\n");
+    return 2;
+  }
   for (const std::string& f : formats) {
-    const Result r =
-        RunFormat(f, trace, budget, system, max_context, std::max(1, absl::GetFlag(FLAGS_steps)),
-                  tk == "tc", prop.multiProcessorCount, stream);
-    std::snprintf(
-        line, sizeof(line), "| %s | %d | %lld | %.1f | %.2f (%.2f) | %.0f | %.1f | %.2f |\n",
-        r.format.c_str(), r.held, static_cast<long long>(r.tokens), r.pool_gb, r.step_ms,
-        r.step_ms_spread, r.tok_s, r.read_gb, r.step_ms > 0 ? r.read_gb / r.step_ms : 0.0);
-    emit(line);
+    for (bool balanced : policies) {
+      const Result r =
+          RunFormat(f, trace, budget, system, max_context, std::max(1, absl::GetFlag(FLAGS_steps)),
+                    tk == "tc", balanced, prop.multiProcessorCount, stream);
+      std::snprintf(line, sizeof(line),
+                    "| %s | %s, %d | %d | %lld | %.1f | %.2f (%.2f) | %.0f | %.1f | %.2f |\n",
+                    r.format.c_str(), r.balanced ? "balanced" : "daemon", r.splits, r.held,
+                    static_cast<long long>(r.tokens), r.pool_gb, r.step_ms, r.step_ms_spread,
+                    r.tok_s, r.read_gb, r.step_ms > 0 ? r.read_gb / r.step_ms : 0.0);
+      emit(line);
+    }
   }
   if (const std::string p = absl::GetFlag(FLAGS_out); !p.empty()) {
     if (FILE* f = std::fopen(p.c_str(), "w")) {

@@ -31,4 +31,15 @@ for b in "${bins[@]}"; do
   ldd "$build/$b" | awk '/=> \//{print $3}'
 done | sort -u | grep -vE '/(libc|libm|libgcc_s|libstdc\+\+|libz|ld-linux[^/]*)\.so' |
   while read -r lib; do cp -L "$lib" .devlibs/; done
+# The request trace's prompt lengths for cuda_job_bench / job_baseline.py on the device (only
+# input_length of each line; the trace itself is never committed).
+if [[ $dest == .devbin ]]; then
+  for t in "${KVCD_TRACE:-}" ../shared/data/traces/mooncake_synthetic_trace.jsonl \
+    ../../shared/data/traces/mooncake_synthetic_trace.jsonl; do
+    if [[ -n $t && -f $t ]]; then
+      sed -nE 's/.*"input_length": *([0-9]+).*/{"input_length": \1}/p' "$t" > .devbin/trace-lengths.jsonl
+      break
+    fi
+  done
+fi
 du -sh "$dest" .devlibs
