@@ -10,7 +10,8 @@
 #      (cuda_job_bench: BF16, INT2, int2-transform history; job_baseline.py: cuDNN BF16 in
 #      process under the same memory, same lease);
 #   4. Nsight Compute of the tensor-core call at 100k, Qwen3-8B, batch 1 and 8.
-#   here:   ./scripts/build.sh && ./scripts/pack-device.sh
+#   here:   ./scripts/build.sh && KVCD_PACK_ONLY="kvcd kvcd_cuda_tests kvcd_data_plane_tests
+#           cuda_transform_bench cuda_job_bench" ./scripts/pack-device.sh   (~50 MB of 64 MiB)
 #   device: bench/run-h200-s21.sh   (device tool, carry [".devbin", ".devlibs"])
 # The trace's prompt lengths: .devbin/trace-lengths.jsonl (scripts/pack-device.sh writes it
 # from ../shared/data/traces/mooncake_synthetic_trace.jsonl); KVCD_TRACE overrides.

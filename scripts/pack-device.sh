@@ -6,6 +6,9 @@
 #   scripts/pack-device.sh        # the daemon, workers, benches and device tests
 #   scripts/pack-device.sh fuzz   # adds the libFuzzer targets of build-san into .devfuzz
 #                                 # (bench/run-fuzz-campaign.sh), keeping .devbin/.devlibs
+#   KVCD_PACK_ONLY="kvcd kvcd_cuda_tests" scripts/pack-device.sh
+#                                 # only these binaries (by name), for a run that needs few
+#                                 # (the device tool carries 64 MiB at most)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ ${1:-} == fuzz ]]; then
@@ -25,6 +28,13 @@ else
         bench/cuda_transform_bench bench/cuda_job_bench)
   dest=.devbin
   rm -rf .devbin .devlibs && mkdir -p .devbin .devlibs
+fi
+if [[ -n ${KVCD_PACK_ONLY:-} ]]; then
+  only=()
+  for b in "${bins[@]}"; do
+    [[ " $KVCD_PACK_ONLY " == *" $(basename "$b") "* ]] && only+=("$b")
+  done
+  bins=("${only[@]}")
 fi
 for b in "${bins[@]}"; do
   strip -o "$dest/$(basename "$b")" "$build/$b"
