@@ -17,7 +17,7 @@
 # Writes $OUT/xform-kernels.log, xform-memcheck.log, xform-racecheck.log,
 # xform-data-plane-tc.log, xform-data-plane-fp32.log, xform-bench.log, xform-bench.md,
 # ncu-b1.log, ncu-b8.log, ncu-metrics-b1.log, ncu-metrics-b8.log and summary.txt. Revert the daemon to the FP32 kernel with
-# KVCD_TRANSFORM_KERNEL=fp32 (the default until this run has passed on a device).
+# KVCD_TRANSFORM_KERNEL=fp32 (the default was fp32 until this run passed on a device).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/kvcd-h200-xform-tc}

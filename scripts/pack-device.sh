@@ -6,6 +6,9 @@
 #   scripts/pack-device.sh        # the daemon, workers, benches and device tests
 #   scripts/pack-device.sh fuzz   # adds the libFuzzer targets of build-san into .devfuzz
 #                                 # (bench/run-fuzz-campaign.sh), keeping .devbin/.devlibs
+#   KVCD_PACK_ONLY="kvcd kvcd_cuda_tests" scripts/pack-device.sh
+#                                 # only these binaries (by name), for a run that needs few
+#                                 # (the device tool carries 64 MiB at most)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ ${1:-} == fuzz ]]; then
@@ -22,13 +25,31 @@ else
         tests/kvcd_data_plane_tests tests/kvcd_cuda_tests bench/cuda_int2_bench
         bench/cuda_finite_check_bench bench/cuda_doorbell_bench bench/cuda_host_cost_bench
         bench/cuda_fsq_bench bench/cuda_demote_bench bench/cuda_bf16_split_bench
-        bench/cuda_transform_bench)
+        bench/cuda_transform_bench bench/cuda_job_bench)
   dest=.devbin
   rm -rf .devbin .devlibs && mkdir -p .devbin .devlibs
+fi
+if [[ -n ${KVCD_PACK_ONLY:-} ]]; then
+  only=()
+  for b in "${bins[@]}"; do
+    [[ " $KVCD_PACK_ONLY " == *" $(basename "$b") "* ]] && only+=("$b")
+  done
+  bins=("${only[@]}")
 fi
 for b in "${bins[@]}"; do
   strip -o "$dest/$(basename "$b")" "$build/$b"
   ldd "$build/$b" | awk '/=> \//{print $3}'
 done | sort -u | grep -vE '/(libc|libm|libgcc_s|libstdc\+\+|libz|ld-linux[^/]*)\.so' |
   while read -r lib; do cp -L "$lib" .devlibs/; done
+# The request trace's prompt lengths for cuda_job_bench / job_baseline.py on the device (only
+# input_length of each line; the trace itself is never committed).
+if [[ $dest == .devbin ]]; then
+  for t in "${KVCD_TRACE:-}" ../shared/data/traces/mooncake_synthetic_trace.jsonl \
+    ../../shared/data/traces/mooncake_synthetic_trace.jsonl; do
+    if [[ -n $t && -f $t ]]; then
+      sed -nE 's/.*"input_length": *([0-9]+).*/{"input_length": \1}/p' "$t" > .devbin/trace-lengths.jsonl
+      break
+    fi
+  done
+fi
 du -sh "$dest" .devlibs

@@ -14,9 +14,16 @@
 // TransformQueryFragments (one CTA of 4 * D threads per (KV head, sequence), once per call):
 // projects the group's scaled queries into the key basis (a_i = unit_i (D^T q')_i, the
 // decode matrix read once), c_mean = q' . mean, c_off = -sum_i a_i (2^b_i - 1) / 2, spreads
-// a over the bit weights w_p and splits them into two int8 digits per head (INT2's: step =
-// max |w| / 127, w = step (hi + lo / 254)), written in the B-fragment lane order with the
-// per-head logit unit and constants (log2 units).
+// a over the bit weights w_p and splits them into three int8 digits per head (step =
+// max |w| / 127, w = step (hi + mid / 254 + lo / 254^2)), written in the B-fragment lane
+// order with the per-head logit unit and constants (log2 units). Why three: a wide
+// direction's top bit weighs 2^(b-1) a_i, so
+// with two digits (INT2's scheme) every bit's weight carried an error of up to
+// max |w| / 64,516, which summed over a row's bits put the logits ~7e-4 off (the H200 run of
+// 2026-12-05: 5-11e-4 against the 5e-4 bound); the third digit brings that under float
+// rounding. The hi / mid digits of 4 heads fill an n-tile as INT2's two digits do; the lo
+// digits of heads t and 4 + t share one more n-tile (columns 2t, 2t + 1), so a logit MMA
+// covers NT + 1 n-tiles.
 //
 // TransformDecodeKernelTc: grid (splits, kv heads, batch), 4 warps; each warp walks a
 // contiguous quarter of its split, 32-token tiles, one tile ahead in registers. Per tile
@@ -55,9 +62,11 @@ constexpr uint32_t kPlane = 0x03030303u;
 // k-blocks of a code row the kernel holds registers for: rows of up to 3 bits per direction
 // on average (INT2's 2 bits plus the transform's extra; 2.25 in the shipped profiles).
 __host__ __device__ constexpr int MaxKb(int d) { return 3 * d / 32; }
-// Per (sequence, KV head): KB x NT x 2 registers x 32 lanes of B fragments (sized for the
-// largest: head_dim 128, two n-tiles), then unit[8], c_mean[8], c_off[8] (log2 units).
-constexpr int kFragStride = MaxKb(128) * 2 * 2 * 32;
+// Per (sequence, KV head): KB x (NT + 1) x 2 registers x 32 lanes of B fragments (sized for
+// the largest: head_dim 128, two n-tiles of hi / mid digits and one of lo digits), then
+// unit[8], c_mean[8], c_off[8] (log2 units).
+constexpr int kFragStride = MaxKb(128) * 3 * 2 * 32;
+constexpr float kDigit2 = 254.0f * 254.0f;
 constexpr int kScalStride = 24;
 
 __host__ __device__ constexpr int TcHeadTiles(int group) { return group > 4 ? 2 : 1; }
@@ -200,28 +209,39 @@ __global__ void __launch_bounds__(4 * D) TransformQueryFragments(TcArgs a) {
       const float step = mx > 0.0f ? mx / 127.0f : 1.0f;
       s_step[h] = step;
       s_inv[h] = mx > 0.0f ? 127.0f / mx : 1.0f;
-      a.scal[frag * kScalStride + h] = step / 254.0f * kLog2e;
+      a.scal[frag * kScalStride + h] = step / kDigit2 * kLog2e;
       a.scal[frag * kScalStride + 8 + h] = cm * kLog2e;
       a.scal[frag * kScalStride + 16 + h] = -co * kLog2e;
     }
   }
   __syncthreads();
-  // B fragments: k-block kb, n-tile nt, register half, lane (g, t): bytes c = 0..3 hold
-  // digit g % 2 of head 4 nt + g / 2's weight of bit 32 kb + t + 4 half + 8 c.
+  // B fragments: k-block kb, n-tile nt, register half, lane (g, t): bytes c = 0..3 hold, for
+  // the weight of bit 32 kb + t + 4 half + 8 c, digit hi (g even) or mid (g odd) of head
+  // 4 nt + g / 2 (nt < NT), or digit lo of head g / 2 (g even) or 4 + g / 2 (g odd) (nt NT;
+  // 0 for a head past the tiles).
   uint32_t* out = a.frags + static_cast<int64_t>(frag) * kFragStride;
-  for (int x = tid; x < a.kb * NT * 64; x += blockDim.x) {
-    const int ln = x % 32, half = (x / 32) % 2, nt = (x / 64) % NT, kb = x / (64 * NT);
-    const int g = ln >> 2, t = ln & 3, h = 4 * nt + (g >> 1);
-    const float step = s_step[h], inv = s_inv[h];
+  for (int x = tid; x < a.kb * (NT + 1) * 64; x += blockDim.x) {
+    const int ln = x % 32, half = (x / 32) % 2, nt = (x / 64) % (NT + 1), kb = x / (64 * (NT + 1));
+    const int g = ln >> 2, t = ln & 3;
+    const bool lo_tile = nt == NT;
+    const int h = lo_tile ? (g >> 1) + 4 * (g & 1) : 4 * nt + (g >> 1);
     uint32_t d[4];
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const uint32_t bit = s_bit[32 * kb + t + 4 * half + 8 * c];
-      const float w =
-          bit == 0xffffffffu ? 0.0f : s_a[h][bit >> 8] * static_cast<float>(1u << (bit & 0xffu));
-      const int hi = Digit(w * inv);
-      const int lo = Digit((w - static_cast<float>(hi) * step) * (254.0f * inv));
-      d[c] = static_cast<uint32_t>((g & 1) != 0 ? lo : hi);
+      int digit = 0;
+      if (h < R) {
+        const float step = s_step[h], inv = s_inv[h];
+        const uint32_t bit = s_bit[32 * kb + t + 4 * half + 8 * c];
+        const float w =
+            bit == 0xffffffffu ? 0.0f : s_a[h][bit >> 8] * static_cast<float>(1u << (bit & 0xffu));
+        const int hi = Digit(w * inv);
+        const float r1 = fmaf(-static_cast<float>(hi), step, w);
+        const int mid = Digit(r1 * (254.0f * inv));
+        const float r2 = fmaf(-static_cast<float>(mid), step * (1.0f / 254.0f), r1);
+        const int lo = Digit(r2 * (kDigit2 * inv));
+        digit = lo_tile ? lo : (g & 1) != 0 ? mid : hi;
+      }
+      d[c] = static_cast<uint32_t>(digit);
     }
     out[x] = PackBytes<0>(d[0], d[1], d[2], d[3]);
   }
@@ -294,7 +314,7 @@ __global__ void __launch_bounds__(kWarps * 32, CtasPerSm(NT)) TransformDecodeKer
   __shared__ float s_m[kWarps][8], s_l[kWarps][8], s_lacc[kWarps][8];
   __shared__ float s_o[kWarps][4 * NT][D];
   __shared__ uint32_t s_k[kWarps][2][kBufWords];  // two code blocks per warp, in turn
-  __shared__ uint2 s_bq[KBM][NT][32];
+  __shared__ uint2 s_bq[KBM][NT + 1][32];
 
   const int per_warp = a.tokens_per_split / kWarps;
   const int w_begin = t_begin + warp * per_warp;
@@ -338,10 +358,10 @@ __global__ void __launch_bounds__(kWarps * 32, CtasPerSm(NT)) TransformDecodeKer
   // k-block kb, n-tile nt as one 8-byte word per lane.
   {
     const uint32_t* fw = a.frags + static_cast<int64_t>(frag) * kFragStride;
-    for (int x = threadIdx.x; x < kb_n * NT * 32; x += kWarps * 32) {
-      const int ln = x % 32, nt = (x / 32) % NT, kb = x / (32 * NT);
-      s_bq[kb][nt][ln] = make_uint2(__ldcg(fw + ((kb * NT + nt) * 2) * 32 + ln),
-                                    __ldcg(fw + ((kb * NT + nt) * 2 + 1) * 32 + ln));
+    for (int x = threadIdx.x; x < kb_n * (NT + 1) * 32; x += kWarps * 32) {
+      const int ln = x % 32, nt = (x / 32) % (NT + 1), kb = x / (32 * (NT + 1));
+      s_bq[kb][nt][ln] = make_uint2(__ldcg(fw + ((kb * (NT + 1) + nt) * 2) * 32 + ln),
+                                    __ldcg(fw + ((kb * (NT + 1) + nt) * 2 + 1) * 32 + ln));
     }
   }
   __syncthreads();
@@ -429,9 +449,9 @@ __global__ void __launch_bounds__(kWarps * 32, CtasPerSm(NT)) TransformDecodeKer
         w0[r] = byte0 >> 2;
         sh[r] = (byte0 & 3u) * 8 + t;
       }
-      int c[NT][4];
+      int c[NT + 1][4];
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0;
+      for (int nt = 0; nt <= NT; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0;
 #pragma unroll
       for (int kb = 0; kb < KBM; ++kb) {
         if (kb < kb_n) {
@@ -444,7 +464,7 @@ __global__ void __launch_bounds__(kWarps * 32, CtasPerSm(NT)) TransformDecodeKer
           }
           const uint32_t a4[4] = {x[0] & kBits, x[1] & kBits, y[0] & kBits, y[1] & kBits};
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
+          for (int nt = 0; nt <= NT; ++nt) {
             const uint2 bq = s_bq[kb][nt][lane];
             MmaU8S8(c[nt], a4, bq.x, bq.y);
           }
@@ -455,7 +475,9 @@ __global__ void __launch_bounds__(kWarps * 32, CtasPerSm(NT)) TransformDecodeKer
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int tok = 2 * mt + r;
-          const float dot = static_cast<float>(c[nt][2 * r] * 254 + c[nt][2 * r + 1]);
+          // hi * 254^2 + mid * 254 + lo (mid * 254 + lo is exact in int32 and float).
+          const float dot = fmaf(static_cast<float>(c[nt][2 * r]), kDigit2,
+                                 static_cast<float>(c[nt][2 * r + 1] * 254 + c[NT][2 * r + nt]));
           const float x = fmaf(dot, unit[nt] * kg[tok], fmaf(kg[tok], coff[nt], cmean[nt]));
           lg[nt][tok] = valid[tok] ? x : -INFINITY;
         }

@@ -54,16 +54,16 @@ absl::Status CheckTransformCudaGeometry(const PageGeometry& g, const KeyTransfor
 
 namespace {
 
-// KVCD_TRANSFORM_KERNEL: "fp32" (default: the FP32 kernel, measured on the H200) or "tc" (the
-// int8 tensor-core kernel wherever it serves the geometry, the FP32 one elsewhere; opt-in
-// until bench/run-h200-house.sh has checked it on a device); another value is reported and
-// ignored.
+// KVCD_TRANSFORM_KERNEL: "tc" (default: the int8 tensor-core kernel wherever it serves the
+// geometry, the FP32 one elsewhere; 2.5-4x faster than FP32 on the H200,
+// bench/results/2026-12-05-h200-s21.md) or "fp32" (the FP32 kernel everywhere, for
+// comparison); another value is reported and ignored.
 kc::TransformKernel TransformKernelFromEnv() {
   const char* v = std::getenv("KVCD_TRANSFORM_KERNEL");
-  if (v == nullptr || std::strcmp(v, "fp32") == 0) return kc::TransformKernel::kFp32;
-  if (std::strcmp(v, "tc") == 0) return kc::TransformKernel::kTensorCore;
-  KVCD_LOG(WARNING) << "KVCD_TRANSFORM_KERNEL=" << v << " is not tc or fp32; using fp32";
-  return kc::TransformKernel::kFp32;
+  if (v == nullptr || std::strcmp(v, "tc") == 0) return kc::TransformKernel::kTensorCore;
+  if (std::strcmp(v, "fp32") == 0) return kc::TransformKernel::kFp32;
+  KVCD_LOG(WARNING) << "KVCD_TRANSFORM_KERNEL=" << v << " is not tc or fp32; using tc";
+  return kc::TransformKernel::kTensorCore;
 }
 
 class Int2TransformCudaFormat final : public CudaFormat<Int2TransformPageFormat> {
