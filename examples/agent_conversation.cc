@@ -131,26 +131,38 @@ absl::StatusOr<AgentResult> RunAgentConversation(Client& client, const Model& mo
     result.turns.push_back(std::move(r));
     KVCD_RETURN_IF_ERROR(s1->Finish(eos));
   }
-  // A fork explores another follow-up later; the session's sequence is closed with commit.
+  // The answer is checkpointed: CommitSequence puts the sequence's full pages in the prefix
+  // cache and keeps the sequence open, so the session's next turn prefills only its message.
+  KVCD_ASSIGN_OR_RETURN(result.checkpoint, s1->Commit());
+  result.committed_history_tokens = result.checkpoint.committed_tokens();
+  // A fork explores another follow-up later.
   KVCD_ASSIGN_OR_RETURN(auto fork, s1->Fork());
   const std::vector<int> history = s1->tokens();
   const LocalAttention history_fp32 = s1->reference();
   result.history_tokens = static_cast<int64_t>(history.size());
-  KVCD_ASSIGN_OR_RETURN(v1::CloseSequenceResponse closed, s1->Close(/*commit=*/true));
-  result.close_commit = closed.commit();
-  result.committed_history_tokens = result.close_commit.committed_tokens();
-  s1.reset();
 
-  // The follow-up on a new sequence opened on the committed history.
+  // The follow-up in the open session: only the new message is prefilled.
   const std::vector<int> follow = encode(Message("user", script.follow_up, false));
+  {
+    const int64_t held = s1->held();
+    s1->Add(follow);
+    KVCD_ASSIGN_OR_RETURN(Turn t, s1->Run(max_new, eos));
+    KVCD_ASSIGN_OR_RETURN(result.in_session, row("1", "follow-up in the open session", *s1, held,
+                                                 static_cast<int64_t>(follow.size()), t));
+    result.turns.push_back(result.in_session);
+  }
+
+  // The same follow-up on a new sequence opened on the committed history (a session resumed
+  // elsewhere: the checkpoint's pages are served from the cache).
   std::vector<int> prompt = history;
   prompt.insert(prompt.end(), follow.begin(), follow.end());
   {
     KVCD_ASSIGN_OR_RETURN(auto s,
                           ServedConversation::Open(&client, &model, p, "", prompt, history_fp32));
     KVCD_ASSIGN_OR_RETURN(Turn t, s->Run(max_new, eos));
-    KVCD_ASSIGN_OR_RETURN(result.committed, row("1", "follow-up on the committed history", *s, 0,
-                                                static_cast<int64_t>(follow.size()), t));
+    KVCD_ASSIGN_OR_RETURN(result.committed,
+                          row("1 resumed", "same follow-up on the committed history", *s, 0,
+                              static_cast<int64_t>(follow.size()), t));
     result.turns.push_back(result.committed);
     // Fresh: the whole conversation prefilled in FP32 (the shadow fed it), Put under
     // another salt, opened there, teacher-forced on the same answer.
@@ -168,6 +180,13 @@ absl::StatusOr<AgentResult> RunAgentConversation(Client& client, const Model& mo
     result.turns.push_back(result.fresh);
     KVCD_RETURN_IF_ERROR(f->Close(/*commit=*/false).status());
   }
+
+  // Session 1 ends: its follow-up finished, the sequence closed with commit.
+  KVCD_RETURN_IF_ERROR(s1->Finish(eos));
+  result.session_tokens = static_cast<int64_t>(s1->tokens().size());
+  KVCD_ASSIGN_OR_RETURN(v1::CloseSequenceResponse closed, s1->Close(/*commit=*/true));
+  result.close_commit = closed.commit();
+  s1.reset();
 
   // The fork: another follow-up from the same point; only its message is prefilled.
   {

@@ -4,11 +4,14 @@
 //
 //   prefill worker  the system prompt, prefilled in FP32 and Put (the shared prefix)
 //   session 1       question -> tool call; the tool's result -> answer; the sequence is
-//                   forked, then closed with commit (its pages enter the prefix cache)
-//   session 1       a follow-up question on a new sequence opened on the committed history
+//                   committed (CommitSequence: its full pages enter the prefix cache, it
+//                   stays open) and forked
+//   session 1       a follow-up question in the open session: only the message is prefilled
+//   resumed         the same follow-up on a new sequence opened on the committed history
 //   fresh           the same follow-up after a fresh FP32 prefill of the whole conversation
 //                   (Put under another salt, then opened), teacher-forced on the tokens the
-//                   committed run generated: the measured outcome compares the two
+//                   resumed run generated: the measured outcome compares the two; session 1
+//                   is then closed with commit
 //   session 1 fork  a second follow-up explored on the fork
 //   session 2       another question, opened on the system prompt already in the cache
 //
@@ -68,11 +71,14 @@ struct AgentTurn {
 
 struct AgentResult {
   std::vector<AgentTurn> turns;
-  // The measured outcome: the follow-up on the committed history and after a fresh
-  // prefill (both also in `turns`), and the committed history's page-aligned length.
-  AgentTurn committed, fresh;
-  int64_t history_tokens = 0, committed_history_tokens = 0;
-  v1::CommitSequenceResponse close_commit;  // session 1's CloseSequence(commit)
+  // The follow-up in the open session after the checkpoint, and the measured outcome: the
+  // same follow-up on a new sequence opened on the committed history and after a fresh
+  // prefill (all three also in `turns`); the history's length at the checkpoint and its
+  // page-aligned part in the tree, and session 1's length when it closed.
+  AgentTurn in_session, committed, fresh;
+  int64_t history_tokens = 0, committed_history_tokens = 0, session_tokens = 0;
+  v1::CommitSequenceResponse checkpoint;    // session 1's CommitSequence after the answer
+  v1::CommitSequenceResponse close_commit;  // session 1's CloseSequence(commit) at the end
   v1::StatsResponse stats_before, stats;    // the daemon's, before and after
 };
 

@@ -49,10 +49,11 @@ runs examples/agent_conversation.h: a system prompt with a tool's description pr
 and Put; session 1 asks a question the tool answers (the script's tool call fed as tokens:
 SmolLM2-135M does not emit one reliably; --generate-tool-call lets the model write it),
 gets the tool's result and answers; the
-sequence is forked and closed with commit; a follow-up question opens a new sequence on the
-committed history; the same follow-up after a fresh FP32 prefill of the whole conversation
-(Put under another salt) is teacher-forced on the committed run's tokens; the fork answers
-another follow-up; session 2 opens on the cached system prompt. Per turn: tokens served
+sequence is committed (CommitSequence: it stays open) and forked; a follow-up question in the
+open session prefills only its message; the same follow-up on a new sequence opened on the
+committed history, and after a fresh FP32 prefill of the whole conversation (Put under
+another salt, teacher-forced on the resumed run's tokens); session 1 closes with commit; the
+fork answers another follow-up; session 2 opens on the cached system prompt. Per turn: tokens served
 from the cache (pages stored by Put / by a commit), already held by the sequence, the new
 message's tokens, tokens prefilled (fed before the first generated token), generated,
 KL(FP32 || served) of the next-token distribution (first step, mean), and the model's pool
@@ -201,10 +202,15 @@ int main(int argc, char** argv) {
     const auto& s = r->stats;
     const auto& b = r->stats_before;
     std::printf(
-        "session 1 closed with commit: %lld of its %lld tokens in the tree (%lld pages "
-        "inserted, %lld already there)\n",
-        static_cast<long long>(r->close_commit.committed_tokens()),
+        "session 1 committed after its answer (kept open): %lld of its %lld tokens in the tree "
+        "(%lld pages inserted, %lld already there); closed with commit after the follow-up: "
+        "%lld of %lld (%lld inserted, %lld already there)\n",
+        static_cast<long long>(r->checkpoint.committed_tokens()),
         static_cast<long long>(r->history_tokens),
+        static_cast<long long>(r->checkpoint.inserted_pages()),
+        static_cast<long long>(r->checkpoint.deduplicated_pages()),
+        static_cast<long long>(r->close_commit.committed_tokens()),
+        static_cast<long long>(r->session_tokens),
         static_cast<long long>(r->close_commit.inserted_pages()),
         static_cast<long long>(r->close_commit.deduplicated_pages()));
     std::printf(
@@ -220,24 +226,27 @@ int main(int argc, char** argv) {
     outcomes.push_back({h, std::move(*r)});
   }
   std::printf(
-      "\n=== follow-up turn: opened on the committed history vs a fresh FP32 prefill of "
-      "the whole conversation (Put, then opened), same tokens\n");
-  std::printf("%-16s %8s %9s %11s %11s %12s %12s %8s\n", "history", "history", "message",
-              "prefilled", "prefilled", "KL mean", "KL mean", "ratio");
-  std::printf("%-16s %8s %9s %11s %11s %12s %12s %8s\n", "", "tokens", "tokens", "committed",
-              "fresh", "committed", "fresh", "");
+      "\n=== follow-up turn: in the open session after its commit, on a new sequence opened "
+      "on the committed history, and after a fresh FP32 prefill of the whole conversation "
+      "(Put, then opened; same tokens as the resumed run)\n");
+  std::printf("%-16s %8s %9s %10s %10s %10s %12s %12s %8s\n", "history", "history", "message",
+              "prefilled", "prefilled", "prefilled", "KL mean", "KL mean", "ratio");
+  std::printf("%-16s %8s %9s %10s %10s %10s %12s %12s %8s\n", "", "tokens", "tokens", "session",
+              "resumed", "fresh", "resumed", "fresh", "");
   for (const auto& o : outcomes) {
     const auto& r = o.r;
-    std::printf("%-16s %8lld %9lld %11lld %11lld %12.4g %12.4g %8.3f\n", o.history.c_str(),
+    std::printf("%-16s %8lld %9lld %10lld %10lld %10lld %12.4g %12.4g %8.3f\n", o.history.c_str(),
                 static_cast<long long>(r.history_tokens),
                 static_cast<long long>(r.committed.message),
+                static_cast<long long>(r.in_session.prefilled),
                 static_cast<long long>(r.committed.prefilled),
                 static_cast<long long>(r.fresh.prefilled), r.committed.mean_kl, r.fresh.mean_kl,
                 r.fresh.mean_kl > 0 ? r.committed.mean_kl / r.fresh.mean_kl : 0.0);
   }
   std::printf(
-      "(prefilled on the committed history = the message + the history's last partial "
-      "page, which stays with the closed sequence: %d tokens a page)\n",
+      "(prefilled in the open session = the message alone; on the committed history = the "
+      "message + the history's last partial page, which a commit leaves with the sequence: "
+      "%d tokens a page)\n",
       page);
   return 0;
 }

