@@ -75,6 +75,14 @@ def test_scanned_forward_matches_the_model(stories):
     for a, b in zip(back, layers):
         for k in a:
             np.testing.assert_array_equal(a[k], b[k])
+    # Hugging Face's RoPE pairing (SmolLM2's) on the same weights, and a 3:1 GQA.
+    import dataclasses
+
+    for c2 in (dataclasses.replace(c, pairing="half"),):
+        ref = np.stack([np.asarray(model.forward(c2, w, jnp.asarray(t), fsq.make_history(
+            c2, finetune.to_params(layers)), 4, 8)) for t in toks])
+        got = np.asarray(stacked.forward(c2, w, jnp.asarray(toks), st, 4, 8))
+        np.testing.assert_allclose(got, ref, atol=2e-4, rtol=0)
     # The padding's code is exactly 0.
     z = np.asarray(fsq.fsq_code(jnp.zeros(8)))
     np.testing.assert_array_equal(z, np.zeros(8))
