@@ -11,7 +11,8 @@
 # codecs, rewritten at each improvement: the checkpoints), train.json, train.log,
 # samples.npy. Wall budget: BUDGET seconds (default 450) for the whole call, compile
 # included: the trainer gets what the preparation leaves, less a margin.
-# Knobs: BATCH (32), LR (5e-3), SAMPLES (512), EVAL_EVERY (25), TRAIN_SECONDS (0: the budget).
+# Knobs: BATCH (32), LR (5e-3), SAMPLES (256), EVAL_SECONDS (45), TRAIN_SECONDS (0: the budget).
+# Validation: 38 held-aside corpus sequences + 26 sampled ones (two batches of 32).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -37,18 +38,27 @@ got=$(sha256sum "$stage/model.gguf" | cut -d' ' -f1)
 [[ $got == "$(want gguf)" ]] || { say "model.gguf: sha256 $got, expected $(want gguf)"; exit 1; }
 say "model.gguf sha256 ok"
 model=$stage/model/model.safetensors
-if [[ ! -f $model ]]; then
+if [[ ! -f $model || "$(sha256sum "$model" | cut -d' ' -f1)" != "$(want model.safetensors)" ]]; then
   whl=$(ls "$stage"/gguf-*.whl 2>/dev/null | head -1)
   [[ -n $whl ]] || { say "no gguf wheel in $stage (part 2 carries it)"; exit 2; }
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$stage/site" "$whl"
-  PYTHONPATH=$stage/site python3 tools/gguf_to_safetensors.py "$stage/model.gguf" "$stage/model.tmp" >>"$log" 2>&1
+  # The converter records the GGUF's file name (kvcd.source): give it the original one.
+  ln -sf model.gguf "$stage/SmolLM2-135M-Instruct.Q4_1.gguf"
+  rm -rf "$stage/model" "$stage/model.tmp"
+  PYTHONPATH=$stage/site python3 tools/gguf_to_safetensors.py "$stage/SmolLM2-135M-Instruct.Q4_1.gguf" "$stage/model.tmp" >>"$log" 2>&1
   mv "$stage/model.tmp" "$stage/model"
 fi
 got=$(sha256sum "$model" | cut -d' ' -f1)
+tensors=$(python3 -c "import hashlib, struct, sys
+f = open(sys.argv[1], 'rb'); f.seek(8 + struct.unpack('<Q', f.read(8))[0]); h = hashlib.sha256()
+for b in iter(lambda: f.read(1 << 24), b''): h.update(b)
+print(h.hexdigest())" "$model")
 if [[ $got == "$(want model.safetensors)" ]]; then
   say "model.safetensors sha256 ok: the model the CPU evaluation uses"
+elif [[ $tensors == "$(want model.tensors)" ]]; then
+  say "model.safetensors: header differs ($got), tensor bytes identical to the CPU evaluation's ($tensors)"
 else
-  say "WARNING: model.safetensors sha256 $got differs from $(want model.safetensors) (conversion under another numpy?)"
+  say "WARNING: model.safetensors tensor bytes sha256 $tensors differ from the CPU evaluation's $(want model.tensors)"
 fi
 left=$((budget - ($(date +%s) - start) - 25))
 say "training, $left s left for it (compile, sampling and validation included)"
@@ -57,8 +67,9 @@ python3 tools/fsq_finetune/train_batched.py --model "$model" \
   --codec "$final/fsq-g128-init.st" --codec "$final/fsq-g48-init.st" --codec "$final/fsq-g16-init.st" \
   --train "$final/train.npy" --val "$final/val.npy" --out-dir "$out" \
   --batch "${BATCH:-32}" --sink 16 --recent 32 --lr "${LR:-5e-3}" --warmup 20 \
-  --eval-every "${EVAL_EVERY:-25}" --val-seqs 64 --samples "${SAMPLES:-512}" --prompt-len 32 \
-  --temperature 1.0 --sample-val 0.1 --precision tensorfloat32 --seed 0 \
+  --eval-every 0 --eval-seconds "${EVAL_SECONDS:-45}" --val-seqs 38 --samples "${SAMPLES:-256}" \
+  --prompt-len 32 --temperature 1.0 --sample-val 0.1 --precision tensorfloat32 \
+  --val-precision tensorfloat32 --seed 0 \
   --seconds "${TRAIN_SECONDS:-0}" --deadline "$left" 2>&1 | tee -a "$log"
 rc=${PIPESTATUS[0]}
 set -e

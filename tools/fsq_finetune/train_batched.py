@@ -6,8 +6,9 @@ budget, checkpoints and a progress line.
   train_batched.py --model MODEL.safetensors --codec INIT.st [--codec INIT2.st ...]
       --train TRAIN.npy [--train ...] --val VAL.npy --out-dir DIR
       [--batch 32] [--sink 16] [--recent 32] [--lr 2e-3] [--warmup 20] [--seconds 240]
-      [--max-steps 0] [--eval-every 25] [--val-seqs 64] [--samples 0 --prompt-len 32
-      --temperature 1.0 --sample-val 0.1] [--precision tensorfloat32] [--seed 0]
+      [--max-steps 0] [--eval-every 25] [--eval-seconds 0] [--val-seqs 64] [--samples 0
+      --prompt-len 32 --temperature 1.0 --sample-val 0.1] [--precision tensorfloat32]
+      [--val-precision highest] [--deadline 0] [--seed 0]
 
 MODEL: a llama-family file model.load reads (SmolLM2: tools/gguf_to_safetensors.py).
 TRAIN / VAL: uint16 or int32 token arrays [n, T] (tools/fsq_finetune/corpus.py).
@@ -29,14 +30,15 @@ its encoder row or decoder column, i.e. of its latent coordinate, in that layer,
 whole bias vector; floored at 5% of the mean), so one rate suits encoders, decoders and
 biases whatever their scale (the PCA initialization scales coordinates by 1/σ); linear
 warm-up over --warmup steps.
-Validation every --eval-every steps on --val-seqs sequences (never trained on) in
-`highest` matmul precision: a codec whose validation KL is the lowest so far is written to
+Validation every --eval-every steps and/or --eval-seconds of training on --val-seqs
+sequences (never trained on) in --val-precision matmul precision: a codec whose validation KL is the lowest so far is written to
 DIR/fsq-g<G>.st at once (the checkpoint; the initialization is the first candidate, so a
 run never writes a codec worse on validation than its input); two evaluations in a row
 without improvement roll that codec back to its best parameters and halve its rate.
-Training stops at --seconds (or --max-steps). Training matmuls use --precision
-(tensorfloat32 on the GPU: the teacher and student share the rounding; the selection runs
-in full FP32).
+Training stops at --seconds (or --max-steps), or when the next step and a validation
+would end past --deadline seconds from the start. Training matmuls use --precision
+(tensorfloat32 on the GPU: the teacher and student share the rounding, whose effect on
+the KL, ~1e-4, is far below the differences selected on).
 
 --samples N adds the model's own text: N continuations sampled at --temperature with a
 K/V cache from prompts of --prompt-len tokens cut from the starts of training sequences;
@@ -105,13 +107,16 @@ def tree_stack(trees):
 
 def train(c, w, inits, train_seqs, val_seqs, *, batch=32, sink=16, recent=32, lr=2e-3,
           warmup=20, seconds=240.0, max_steps=0, eval_every=25, precision="tensorfloat32",
-          seed=0, deadline=None, on_best=None, log=print):
+          seed=0, deadline=None, grace=15.0, eval_seconds=0.0, val_precision="highest",
+          on_best=None, log=print):
     """Trains the codecs `inits` (list of per-layer dict lists, fsq.read_codec) side by
     side. Returns (best per-layer lists, report dict). on_best(i, layers, step, val_kl) is
     called whenever codec i reaches a new lowest validation KL (the initialization first).
-    Stops after max_steps (if > 0), `seconds` of training counted from the end of the first
-    step (which compiles), or at time.time() >= deadline less twice the time of one
-    validation, whichever comes first."""
+    Validates every eval_every steps and/or every eval_seconds of training. Stops after
+    max_steps (if > 0), `seconds` of training counted from the end of the first step (which
+    compiles), or when the next step and a validation would end past `deadline`
+    (time.time()), whichever comes first; the last validation runs only if it ends before
+    deadline + grace."""
     log = log or (lambda s: None)
     widths = [layer[0]["encoder"].shape[0] for layer in inits]
     gmax = max(widths)
@@ -154,6 +159,8 @@ def train(c, w, inits, train_seqs, val_seqs, *, batch=32, sink=16, recent=32, lr
 
     train_seqs = np.asarray(train_seqs, np.int32)
     val_seqs = np.asarray(val_seqs, np.int32)
+    # Whole batches only (a last, smaller batch would compile the validation again).
+    val_seqs = val_seqs[:len(val_seqs) // min(batch, len(val_seqs)) * min(batch, len(val_seqs))]
     if train_seqs.shape[1] <= sink + recent:
         raise ValueError(f"sequences of {train_seqs.shape[1]} tokens: need more than the sink "
                          f"and recent windows ({sink} + {recent})")
@@ -164,7 +171,7 @@ def train(c, w, inits, train_seqs, val_seqs, *, batch=32, sink=16, recent=32, lr
         while True:
             try:
                 tot = np.zeros(K)
-                with jax.default_matmul_precision("highest"):
+                with jax.default_matmul_precision(val_precision):
                     for i in range(0, len(val_seqs), vb[0]):
                         tot += np.asarray(val_fn(p, w, jnp.asarray(val_seqs[i:i + vb[0]])))
                 return tot / (len(val_seqs) * (val_seqs.shape[1] - sink - recent))
@@ -178,38 +185,63 @@ def train(c, w, inits, train_seqs, val_seqs, *, batch=32, sink=16, recent=32, lr
     order, pos = rng.permutation(len(train_seqs)), 0
     rate = np.full(K, lr)
     report = {"widths": widths, "batch": batch, "sink": sink, "recent": recent, "lr": lr,
-              "warmup": warmup, "precision": precision, "train_sequences": len(train_seqs),
+              "warmup": warmup, "precision": precision, "val_precision": val_precision, "train_sequences": len(train_seqs),
               "val_sequences": len(val_seqs), "positions": int(train_seqs.shape[1]),
               "train": [], "val": [], "halvings": [[] for _ in range(K)]}
     t0 = time.time()
-    tv = time.time()
-    vk = validate(params)
-    t_val = time.time() - tv  # includes compiling; an upper bound of later validations
-    report["val"].append((0, vk.tolist()))
-    best = vk.copy()
-    best_params = params
-    best_step = [0] * K
-    bad = [0] * K
-    if on_best:
+    state = {"best": None, "best_params": params, "best_step": [0] * K, "bad": [0] * K,
+             "params": params}
+
+    def select(step, final=False):
+        """Validation of the current parameters; new bests written; rollback + halving."""
+        tv = time.time()
+        vk = validate(state["params"])
+        report["val"].append((step, vk.tolist()))
+        if state["best"] is None:
+            state["best"] = vk.copy()
+            improved = list(range(K))
+        else:
+            improved = [i for i in range(K) if vk[i] < state["best"][i]]
         for i in range(K):
-            on_best(i, stacked.unstack_codec(jax.tree_util.tree_map(lambda a: a[i], params),
-                                             widths[i]), 0, float(vk[i]))
-    log(f"step    0  {time.time() - t0:6.1f} s  validation KL "
-        + "  ".join(f"G={g}: {x:.5f}" for g, x in zip(widths, vk)))
-    step, tokens_seen, t_train = 0, 0, time.time()
+            if i in improved:
+                state["best"][i], state["best_step"][i], state["bad"][i] = vk[i], step, 0
+                state["best_params"] = jax.tree_util.tree_map(
+                    lambda b, p: b.at[i].set(p[i]), state["best_params"], state["params"])
+                if on_best:
+                    on_best(i, stacked.unstack_codec(
+                        jax.tree_util.tree_map(lambda a: a[i], state["params"]), widths[i]),
+                        step, float(vk[i]))
+            elif not final:
+                state["bad"][i] += 1
+                if state["bad"][i] >= 2:  # roll back to the best and halve the rate
+                    state["params"] = jax.tree_util.tree_map(
+                        lambda p, b: p.at[i].set(b[i]), state["params"], state["best_params"])
+                    rate[i] *= 0.5
+                    state["bad"][i] = 0
+                    report["halvings"][i].append(step)
+        log(f"step {step:4d}  {time.time() - t0:6.1f} s  validation KL{' (final)' if final else ''} "
+            + "  ".join(f"G={g}: {x:.5f}{'*' if i in improved else ''}"
+                        for i, (g, x) in enumerate(zip(widths, vk)))
+            + f"  ({time.time() - tv:.1f} s)")
+        return time.time() - tv
+
+    t_val0 = select(0)  # includes compiling
+    t_val = None  # an in-loop (compiled) validation's time
+    step, tokens_seen, t_train, t_step, last_val = 0, 0, time.time(), 0.0, time.time()
     while True:
         now = time.time()
         if ((max_steps and step >= max_steps) or (seconds and step and now - t_train >= seconds)
-                or (deadline and now >= deadline - 2 * t_val)):
+                or (deadline and step and now + t_step + (t_val or 0.0) >= deadline)):
             break
         if pos + batch > len(order):
             order, pos = rng.permutation(len(train_seqs)), 0
         idx = np.sort(order[pos:pos + batch])
         pos += batch
         tokens = jnp.asarray(train_seqs[idx])
+        ts = time.time()
         try:
             with jax.default_matmul_precision(precision):
-                (_, losses), g = grad_fn(params, w, tokens)
+                (_, losses), g = grad_fn(state["params"], w, tokens)
         except Exception as e:  # noqa: BLE001
             if step > 0 or not out_of_memory(e) or batch == 1:
                 raise
@@ -221,55 +253,35 @@ def train(c, w, inits, train_seqs, val_seqs, *, batch=32, sink=16, recent=32, lr
         if not np.all(np.isfinite(losses)):
             raise FloatingPointError(f"training loss {losses.tolist()} at step {step}")
         warm = min(1.0, (step + 1) / max(warmup, 1))
-        params, m, v = update(params, m, v, g, float(step + 1), jnp.asarray(rate * warm, jnp.float32))
+        state["params"], m, v = update(state["params"], m, v, g, float(step + 1),
+                                       jnp.asarray(rate * warm, jnp.float32))
         step += 1
+        t_step = time.time() - ts
         if step == 1:
-            t_train = time.time()  # the training time counts from the compiled step
-            log(f"step    1  {t_train - t0:6.1f} s  first step (compiled)")
+            t_train = last_val = time.time()  # the training time counts from the compiled step
+            log(f"step    1  {t_train - t0:6.1f} s  first step (compiled) train KL "
+                + "  ".join(f"G={g}: {x:.5f}" for g, x in zip(widths, losses)))
         tokens_seen += int(np.prod(tokens.shape))
         report["train"].append((step, losses.tolist()))
-        if step % 5 == 0 or step == 1:
+        if step % 5 == 0:
             el = time.time() - t_train
             rate_s = (tokens_seen - tokens.shape[0] * tokens.shape[1]) / max(el, 1e-9)
             log(f"step {step:4d}  {time.time() - t0:6.1f} s  {rate_s:8.0f} tok/s  "
                 "train KL " + "  ".join(f"G={g}: {x:.5f}" for g, x in zip(widths, losses)))
-        if step % eval_every == 0:
-            vk = validate(params)
-            report["val"].append((step, vk.tolist()))
-            for i in range(K):
-                if vk[i] < best[i]:
-                    best[i], best_step[i], bad[i] = vk[i], step, 0
-                    best_params = jax.tree_util.tree_map(
-                        lambda b, p: b.at[i].set(p[i]), best_params, params)
-                    if on_best:
-                        on_best(i, stacked.unstack_codec(
-                            jax.tree_util.tree_map(lambda a: a[i], params), widths[i]),
-                            step, float(vk[i]))
-                else:
-                    bad[i] += 1
-                    if bad[i] >= 2:  # roll back to the best and halve the rate
-                        params = jax.tree_util.tree_map(
-                            lambda p, b: p.at[i].set(b[i]), params, best_params)
-                        rate[i] *= 0.5
-                        bad[i] = 0
-                        report["halvings"][i].append(step)
-            log(f"step {step:4d}  {time.time() - t0:6.1f} s  validation KL "
-                + "  ".join(f"G={g}: {x:.5f}{'*' if best_step[i] == step else ''}"
-                            for i, (g, x) in enumerate(zip(widths, vk))))
-    if step % eval_every:
-        vk = validate(params)
-        report["val"].append((step, vk.tolist()))
-        for i in range(K):
-            if vk[i] < best[i]:
-                best[i], best_step[i] = vk[i], step
-                best_params = jax.tree_util.tree_map(lambda b, p: b.at[i].set(p[i]),
-                                                     best_params, params)
-                if on_best:
-                    on_best(i, stacked.unstack_codec(
-                        jax.tree_util.tree_map(lambda a: a[i], params), widths[i]), step,
-                        float(vk[i]))
-        log(f"step {step:4d}  {time.time() - t0:6.1f} s  validation KL (final) "
-            + "  ".join(f"G={g}: {x:.5f}" for g, x in zip(widths, vk)))
+        if (eval_every and step % eval_every == 0) or (
+                eval_seconds and time.time() - last_val >= eval_seconds):
+            t_val = select(step)
+            last_val = time.time()
+    if report["val"][-1][0] != step:
+        # A last validation if there is time for it (else the steps since the last one are
+        # dropped: the best parameters so far stand).
+        est = t_val if t_val is not None else t_val0
+        if not deadline or time.time() + est <= deadline + grace:
+            select(step, final=True)
+        else:
+            log(f"no time for a last validation ({est:.0f} s): steps after "
+                f"{report['val'][-1][0]} not selected")
+    best, best_params, best_step = state["best"], state["best_params"], state["best_step"]
     report.update({"steps": step, "tokens_per_codec": tokens_seen,
                    "train_seconds": time.time() - t_train,
                    "codecs": [{"G": g, "val_kl_init": report["val"][0][1][i],
@@ -323,12 +335,15 @@ def main(argv=None):
     ap.add_argument("--seconds", type=float, default=240.0)
     ap.add_argument("--max-steps", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=25)
+    ap.add_argument("--eval-seconds", type=float, default=0.0)
     ap.add_argument("--val-seqs", type=int, default=64)
     ap.add_argument("--samples", type=int, default=0)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--sample-val", type=float, default=0.1)
     ap.add_argument("--precision", default="tensorfloat32",
+                    choices=["bfloat16", "tensorfloat32", "float32", "highest"])
+    ap.add_argument("--val-precision", default="highest",
                     choices=["bfloat16", "tensorfloat32", "float32", "highest"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deadline", type=float, default=0,
@@ -389,6 +404,7 @@ def main(argv=None):
                          seconds=args.seconds, max_steps=args.max_steps,
                          eval_every=args.eval_every, precision=args.precision, seed=args.seed,
                          deadline=t0 + args.deadline if args.deadline > 0 else None,
+                         eval_seconds=args.eval_seconds, val_precision=args.val_precision,
                          on_best=on_best, log=lambda s: print(s, flush=True))
     report["data"] = data
     report["jax"] = jax.__version__
