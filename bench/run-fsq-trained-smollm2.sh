@@ -30,20 +30,21 @@ backend: cpu
 memory_budget: 2GiB
 drain_timeout_ms: 1000
 YAML
-start_kvcd "$b/server/kvcd" "$config"
-trap 'kill $KVCD_PID 2>/dev/null || true; rm -f "$config"' EXIT
+trap 'kill ${KVCD_PID:-} 2>/dev/null || true; rm -f "$config"' EXIT
 h="bf16,int2-hadamard,int2-transform,fsq:G=128,fsq:G=48,fsq:G=16"
 for g in 128 48 16; do h+=",fsq=$init/fsq-g$g-init.st"; done
 for g in 128 48 16; do h+=",fsq=$codecs/fsq-g$g.st"; done
 for w in "ci 16 32" "prod 64 256"; do
   read -r name sink recent <<<"$w"
+  # A daemon per window setting: kvcd-llama registers llama-0, llama-1, ... with its windows.
+  start_kvcd "$b/server/kvcd" "$config"
   "$b/examples/kvcd-llama" --model "$smol" --target "$KVCD_GRPC" \
     --calib-text bench/text/smollm2-calibration.txt \
     --eval-text bench/text/smollm2-heldout.txt --eval-steps "$steps" \
     --page 16 --sink "$sink" --recent "$recent" --memory-mib 64 --histories "$h" \
     --json "$out/$name.json" | tee "$out/$name.log"
+  stop_kvcd
 done
-stop_kvcd
 "$py" tools/plot_quality.py "$out/kl-vs-compression.png" "$out/ci.json" "$out/prod.json" \
   --metric kl_mean --x compression_ratio_history \
   --labels "sink 16 / recent 32 (CI),sink 64 / recent 256 (production)" \
