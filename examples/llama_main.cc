@@ -16,6 +16,7 @@
 #include "common/cli.h"
 #include "examples/bpe_tokenizer.h"
 #include "examples/llama_worker.h"
+#include "nlohmann/json.hpp"
 
 ABSL_FLAG(std::string, model, "", "directory of model.safetensors and tokenizer.txt");
 ABSL_FLAG(std::string, prompt, "The capital of France is", "prompt of the greedy generation");
@@ -38,6 +39,8 @@ ABSL_FLAG(std::string, dump_text, "", "--dump: text whose lines are run");
 ABSL_FLAG(int32_t, dump_max_tokens, 512, "--dump: tokens per line at most");
 ABSL_FLAG(std::string, weights, "", "--dump: also write the K/V projections here");
 ABSL_FLAG(std::string, encode, "", "print the token ids of each line of this file");
+ABSL_FLAG(std::string, json, "",
+          "with --target: also write the comparison table to this JSON file");
 
 namespace {
 
@@ -51,7 +54,7 @@ const kvcd::cli::Program& Cli() {
                int2-oscar,int2-transform,int2-oscar=CODEC,fsq=CODEC,fsq:G=N]
            [--calib-text FILE [--calib-max-tokens 1024]]
            [--eval-text FILE [--eval-steps 64]]
-           [--page 16] [--sink 16] [--recent 32] [--memory-mib 64]
+           [--page 16] [--sink 16] [--recent 32] [--memory-mib 64] [--json OUT.json]
        kvcd-llama --model DIR --dump OUT.safetensors --dump-text FILE [--dump-max-tokens 512]
            [--weights WEIGHTS.safetensors]
        kvcd-llama --model DIR --encode FILE)",
@@ -66,7 +69,9 @@ KL(FP32 || served) of the next-token distributions, and the bytes the daemon sto
 token (history alone, and over the whole sequence with the BF16 windows) against dense
 BF16 K/V. With --eval-text the comparison is teacher-forced on that text instead (no
 greedy run): its tokens but the last --eval-steps are the prompt (prefilled and Put),
-the last --eval-steps are fed one by one.
+the last --eval-steps are fed one by one. --json writes the table (per history: mean and
+max KL, first differing step, history bytes per token, compression of the history and of
+the whole run against dense BF16 K/V) for tools/plot_quality.py.
 Histories int2-oscar (rotations, default clips), int2-transform (codec file version 3:
 transform-coded keys fitted on the rows past --sink, Hadamard INT2 values) and fsq:G=N
 (an FSQ codec initialized by
@@ -111,7 +116,8 @@ int main(int argc, char** argv) {
                     encode = absl::GetFlag(FLAGS_encode),
                     weights_path = absl::GetFlag(FLAGS_weights),
                     calib_text = absl::GetFlag(FLAGS_calib_text),
-                    eval_text = absl::GetFlag(FLAGS_eval_text);
+                    eval_text = absl::GetFlag(FLAGS_eval_text),
+                    json_path = absl::GetFlag(FLAGS_json);
   const std::vector<std::string> histories =
       absl::StrSplit(absl::GetFlag(FLAGS_histories), ',', absl::SkipEmpty());
   const bool chat = absl::GetFlag(FLAGS_chat);
@@ -307,6 +313,31 @@ int main(int argc, char** argv) {
     std::printf("%-22s %10.1f %14s %10.3g %10.3g %11.1f %10.2f %11.2f\n", r.history.c_str(), r.tps,
                 r.agree.first_diff < 0 ? "never" : std::to_string(r.agree.first_diff).c_str(),
                 r.agree.mean_kl, r.agree.max_kl, r.history_bytes, r.ratio_history, r.ratio_run);
+  }
+  if (!json_path.empty()) {
+    nlohmann::json j;
+    j["model"] = dir;
+    j["eval_text"] = eval_text;
+    j["steps"] = static_cast<int64_t>(ref->tokens.size());
+    j["tokens"] = tokens;
+    j["page"] = page;
+    j["sink"] = sink;
+    j["recent"] = recent;
+    j["dense_bytes_per_token"] = ll::DenseBytesPerToken(c);
+    j["codecs"] = nlohmann::json::array();
+    for (const auto& r : rows) {
+      j["codecs"].push_back({{"name", r.history},
+                             {"kl_mean", r.agree.mean_kl},
+                             {"kl_max", r.agree.max_kl},
+                             {"first_differs", r.agree.first_diff},
+                             {"history_bytes_per_token", r.history_bytes},
+                             {"compression_ratio_history", r.ratio_history},
+                             {"compression_ratio", r.ratio_run}});
+    }
+    std::ofstream out(json_path);
+    out << j.dump(2) << "\n";
+    if (!out) return Fail("json", absl::InternalError("cannot write '" + json_path + "'"));
+    std::printf("wrote %s\n", json_path.c_str());
   }
   return 0;
 }

@@ -21,3 +21,25 @@ def test_plot_from_eval_json(tmp_path):
     head = png.read_bytes()[:8]
     assert head == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size > 5000
+
+
+def test_plot_from_kvcd_llama_json_with_labels(tmp_path):
+    """kvcd-llama --json files (history compression, codec-file names), two window
+    settings in one plot with a legend; a wrong number of labels is refused."""
+    rows = [{"name": "int2-hadamard", "compression_ratio": 4.5, "compression_ratio_history": 6.4,
+             "kl_mean": 0.2, "kl_max": 0.8},
+            {"name": "fsq=/some/folder/fsq-g48.st", "compression_ratio": 9.4,
+             "compression_ratio_history": 32.0, "kl_mean": 0.3, "kl_max": 3.9}]
+    paths = []
+    for n in ("ci", "prod"):
+        p = tmp_path / f"{n}.json"
+        p.write_text(json.dumps({"codecs": rows}))
+        paths.append(str(p))
+    png = tmp_path / "q.png"
+    plot_quality.main([str(png), *paths, "--metric", "kl_max", "--x",
+                       "compression_ratio_history", "--labels", "CI,production"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import pytest
+
+    with pytest.raises(SystemExit, match="labels"):
+        plot_quality.main([str(png), *paths, "--labels", "one"])
