@@ -2,6 +2,8 @@
 
 #include <prometheus/metric_family.h>
 
+#include "server/metrics/family_builder.h"
+
 namespace kvcd {
 namespace {
 
@@ -9,24 +11,8 @@ using prometheus::ClientMetric;
 using prometheus::MetricFamily;
 using prometheus::MetricType;
 
-MetricFamily Family(const char* name, const char* help, MetricType type) {
-  MetricFamily f;
-  f.name = name;
-  f.help = help;
-  f.type = type;
-  return f;
-}
-
-void Add(MetricFamily* f, double value, std::vector<ClientMetric::Label> labels = {}) {
-  ClientMetric m;
-  m.label = std::move(labels);
-  if (f->type == MetricType::Counter) {
-    m.counter.value = value;
-  } else {
-    m.gauge.value = value;
-  }
-  f->metric.push_back(std::move(m));
-}
+using metrics::Add;
+using metrics::Family;
 
 }  // namespace
 
