@@ -114,12 +114,37 @@ def stack():
                 s.kvctl("put", "--model", "qwen3-8b", "--synthetic", "256", "--seed", str(seed))
             s.kvctl("decode", "--model", "qwen3-8b-int2", "--synthetic", "420", "--seed", "3", "--steps", "4")
             s.kvctl("decode", "--model", "tiny", "--synthetic", "40", "--seed", "4", "--steps", "8")
+            # The quota panel needs a scrape while a sequence is open: decode again until
+            # Prometheus has seen one (a loaded machine can let a whole decode fall between
+            # two scrapes), at most 30 times.
+            for seed in range(5, 35):
+                if _seen_open_sequence(s):
+                    break
+                s.kvctl("decode", "--model", "tiny", "--synthetic", "40", "--seed", str(seed),
+                        "--steps", "64")
             s.kvctl("health")
             s.kvctl("stats")
-            time.sleep(3)  # a few more scrapes after the last call
+            # Two more scrapes after the last call, so every counter's last value is in.
+            last_call = time.time()
+            wait_for("two scrapes after the workload", lambda: _last_scrape(s) > last_call + 1)
             yield s
         finally:
             s.stop()
+
+
+def _instant(s, expr):
+    body = json.loads(http_get(f"http://{s.prom_addr}/api/v1/query?"
+                               + urllib.parse.urlencode({"query": expr})))
+    return body["data"]["result"] if body.get("status") == "success" else []
+
+
+def _seen_open_sequence(s):
+    return any(float(v[1]) > 0 for r in s.query("kvcd_tenant_open_sequences") for v in r["values"])
+
+
+def _last_scrape(s):
+    r = _instant(s, 'timestamp(up{job="kvcd"})')
+    return max((float(x["value"][1]) for x in r), default=0.0)
 
 
 def _up(s):
