@@ -35,18 +35,7 @@ memory_budget: 16MiB
 models:
   - builtin: tiny
     memory: 1MiB
-cluster:
-  name: cc
-  member_id: )" +
-         member + R"(
-  membership: etcd
-  etcd_endpoints: [)" +
-         etcd + R"(]
-  lease_ttl_s: 2
-  redis_url: )" +
-         redis + R"(
-  load_interval_ms: 100
-)";
+)" + testing_util::ClusterSection("cc", member, etcd, redis);
 }
 
 class ClusterClientTest : public ::testing::Test {

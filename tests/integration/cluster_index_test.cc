@@ -33,18 +33,7 @@ memory_budget: 16MiB
 models:
   - builtin: tiny
     memory: 16384    # 16 pages of 4 tokens
-cluster:
-  name: t
-  member_id: )" +
-         member + R"(
-  membership: etcd
-  etcd_endpoints: [)" +
-         etcd + R"(]
-  lease_ttl_s: 2
-  redis_url: )" +
-         redis + R"(
-  load_interval_ms: 100
-)";
+)" + testing_util::ClusterSection("t", member, etcd, redis);
 }
 
 class ClusterIndexTest : public ::testing::Test {

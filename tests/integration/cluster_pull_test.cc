@@ -29,15 +29,7 @@ memory_budget: 16MiB
 models:
   - builtin: tiny
     memory: 65536
-cluster:
-  name: t
-  member_id: )" +
-         member + R"(
-  membership: etcd
-  etcd_endpoints: [)" +
-         etcd + R"(]
-  lease_ttl_s: 2
-)";
+)" + testing_util::ClusterSection("t", member, etcd);
 }
 
 constexpr char kLoneConfig[] = R"(

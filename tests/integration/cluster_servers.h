@@ -174,4 +174,15 @@ class RedisServer : public ServerProcess {
   int port_ = 0;
 };
 
+// The daemon config's `cluster:` section for a test member: etcd membership with a 2 s lease
+// (so a killed member's key goes within seconds) and, when `redis` is given, the block index
+// with a 100 ms load interval.
+inline std::string ClusterSection(const std::string& name, const std::string& member,
+                                  const std::string& etcd, const std::string& redis = "") {
+  std::string s = "cluster:\n  name: " + name + "\n  member_id: " + member +
+                  "\n  membership: etcd\n  etcd_endpoints: [" + etcd + "]\n  lease_ttl_s: 2\n";
+  if (!redis.empty()) s += "  redis_url: " + redis + "\n  load_interval_ms: 100\n";
+  return s;
+}
+
 }  // namespace kvcd::testing_util
