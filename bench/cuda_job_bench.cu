@@ -46,6 +46,7 @@
 #include "kvcd/kernels/cuda_decode_attention.h"
 #include "kvcd/kernels/cuda_transform.h"
 #include "kvcd/kernels/int2_attention.h"
+#include "transform_device_codec.cuh"
 
 namespace kk = kvcd::kernels;
 namespace kc = kvcd::kernels::cuda;
@@ -134,41 +135,6 @@ struct Result {
   double pool_gb = 0, step_ms = 0, step_ms_spread = 0, tok_s = 0, read_gb = 0;
 };
 
-// Head codecs of a synthetic version-3 profile ([layer][kv head]) in device memory.
-struct DeviceCodec {
-  const kc::TransformHeadCodec* heads = nullptr;
-  int code_bytes = 0;
-  void* memory = nullptr;
-  std::vector<kvcd::KeyTransformProfile::Head> hs;
-  explicit DeviceCodec(int layers)
-      : hs(kvcd::KeyTransformProfile::SyntheticHeads(layers, kHkv, kD, 7)) {
-    std::vector<kc::TransformHeadSource> src;
-    for (const auto& h : hs) {
-      kc::TransformHeadSource s;
-      s.key.d = kD;
-      s.key.encode = h.k_encode.data();
-      s.key.decode = h.k_decode.data();
-      s.key.mean = h.k_mean.data();
-      s.key.sigma = h.k_sigma.data();
-      s.key.bits = h.k_bits.data();
-      int bits = 0;
-      for (int b : h.k_bits) bits += b;
-      s.key.code_bytes = code_bytes = bits / 8;
-      s.r_v = h.r_v.data();
-      s.rho_v = h.rho_v;
-      src.push_back(s);
-    }
-    const int n = static_cast<int>(src.size());
-    std::vector<uint8_t> image(kc::TransformCodecBytes(n, kD));
-    CHECK(cudaMalloc(&memory, image.size()));
-    heads = kc::BuildTransformCodecImage(src.data(), n, memory, image.data());
-    CHECK(cudaMemcpy(memory, image.data(), image.size(), cudaMemcpyHostToDevice));
-  }
-  ~DeviceCodec() { cudaFree(memory); }
-  DeviceCodec(const DeviceCodec&) = delete;
-  DeviceCodec& operator=(const DeviceCodec&) = delete;
-};
-
 Result RunFormat(const std::string& fmt, const std::vector<int>& trace, int64_t budget, int system,
                  int max_context, int steps, bool tc, bool balanced, int sms, cudaStream_t stream) {
   const bool bf16 = fmt == "bf16", xform = fmt == "int2-transform";
@@ -177,11 +143,12 @@ Result RunFormat(const std::string& fmt, const std::vector<int>& trace, int64_t 
     std::exit(2);
   }
   const int64_t bf16_page = kk::Bf16PageElems(kHkv, kPs, kD) * 2;
-  std::unique_ptr<DeviceCodec> codec;
+  std::unique_ptr<TransformDeviceCodec> codec;
   int64_t hist_page = bf16_page;
   kk::TransformPageLayout xlayout{kHkv, kPs, kD, 0};
   if (xform) {
-    codec = std::make_unique<DeviceCodec>(kLayers);
+    codec = std::make_unique<TransformDeviceCodec>(
+        kvcd::KeyTransformProfile::SyntheticHeads(kLayers, kHkv, kD, 7), kD);
     xlayout.code_bytes = codec->code_bytes;
     hist_page = xlayout.Bytes();
   } else if (!bf16) {

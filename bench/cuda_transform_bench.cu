@@ -30,6 +30,7 @@
 #include "kvcd/kernels/cuda_store_rows.h"
 #include "kvcd/kernels/cuda_transform.h"
 #include "kvcd/kernels/int2_attention.h"
+#include "transform_device_codec.cuh"
 
 namespace kk = kvcd::kernels;
 namespace kc = kvcd::kernels::cuda;
@@ -42,37 +43,6 @@ struct Geometry {
 };
 
 // Head codecs ([layer][kv head] of a synthetic version-3 profile) in device memory.
-struct DeviceCodec {
-  const kc::TransformHeadCodec* heads = nullptr;
-  int code_bytes = 0;
-  void* memory = nullptr;
-  DeviceCodec(const std::vector<kvcd::KeyTransformProfile::Head>& hs, int d) {
-    std::vector<kc::TransformHeadSource> src;
-    for (const auto& h : hs) {
-      kc::TransformHeadSource s;
-      s.key.d = d;
-      s.key.encode = h.k_encode.data();
-      s.key.decode = h.k_decode.data();
-      s.key.mean = h.k_mean.data();
-      s.key.sigma = h.k_sigma.data();
-      s.key.bits = h.k_bits.data();
-      int bits = 0;
-      for (int b : h.k_bits) bits += b;
-      s.key.code_bytes = code_bytes = bits / 8;
-      s.r_v = h.r_v.data();
-      s.rho_v = h.rho_v;
-      src.push_back(s);
-    }
-    const int n = static_cast<int>(src.size());
-    std::vector<uint8_t> image(kc::TransformCodecBytes(n, d));
-    CHECK(cudaMalloc(&memory, image.size()));
-    heads = kc::BuildTransformCodecImage(src.data(), n, memory, image.data());
-    CHECK(cudaMemcpy(memory, image.data(), image.size(), cudaMemcpyHostToDevice));
-  }
-  ~DeviceCodec() { cudaFree(memory); }
-  DeviceCodec(const DeviceCodec&) = delete;
-  DeviceCodec& operator=(const DeviceCodec&) = delete;
-};
 
 // How many layers of `layer_bytes` the back-to-back calls cycle over (>= 256 MB in all).
 int LayersFor(int64_t layer_bytes) {
@@ -136,7 +106,7 @@ int main(int argc, char** argv) {
     if (!only_layer.empty() && only_layer != g.name) continue;
     const int d = g.d, hq = g.hq, hkv = g.hkv;
     // The codec: one layer's heads of a synthetic version-3 profile.
-    const DeviceCodec codec(kvcd::KeyTransformProfile::SyntheticHeads(1, hkv, d, 7), d);
+    const TransformDeviceCodec codec(kvcd::KeyTransformProfile::SyntheticHeads(1, hkv, d, 7), d);
     const kk::TransformPageLayout layout{hkv, ps, d, codec.code_bytes};
     const kc::TransformPageOffsets offsets(layout);
     for (int batch : {1, 8}) {
@@ -258,7 +228,8 @@ int main(int argc, char** argv) {
   // Put-size stores: 4096 tokens x 30 layers of SmolLM2-135M (3 KV heads, d 64), BF16 rows.
   if (!tc_only) {
     const int layers = 30, hkv = 3, d = 64, tokens = 4096;
-    const DeviceCodec codec(kvcd::KeyTransformProfile::SyntheticHeads(layers, hkv, d, 9), d);
+    const TransformDeviceCodec codec(kvcd::KeyTransformProfile::SyntheticHeads(layers, hkv, d, 9),
+                                     d);
     const kk::TransformPageLayout layout{hkv, ps, d, codec.code_bytes};
     const int64_t pages = tokens / ps;
     std::vector<uint16_t> rows(static_cast<size_t>(2) * layers * tokens * hkv * d);
