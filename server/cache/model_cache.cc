@@ -2,13 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "common/quote.h"
 #include "common/status_macros.h"
-#include "kvcd/kernels/bf16.h"
 #include "server/backends/device_runtime.h"
 
 namespace kvcd {
@@ -99,11 +96,10 @@ absl::StatusOr<std::unique_ptr<ModelCache>> ModelCache::Create(
                                    store.format->layer_page_bytes(), static_cast<int32_t>(pages));
     cache->stores_.push_back(std::move(store));
   }
+  std::vector<int32_t> pages_per_store;
+  for (const PageStore& store : cache->stores_) pages_per_store.push_back(store.pool->num_pages());
   std::lock_guard<std::mutex> lock(cache->mu_);
-  for (const PageStore& store : cache->stores_) {
-    cache->owner_.emplace_back(static_cast<size_t>(store.pool->num_pages()), -1);
-    cache->refs_.emplace_back(static_cast<size_t>(store.pool->num_pages()), 0);
-  }
+  cache->owners_ = std::make_unique<PageOwners>(pages_per_store);
   return cache;
 }
 
@@ -129,8 +125,7 @@ int64_t ModelCache::ShareLimit(const std::string& tenant, int32_t store) const {
 }
 
 int64_t ModelCache::HeldLocked(const std::string& tenant, int32_t store) const {
-  auto it = slot_of_.find(tenant);
-  return it == slot_of_.end() ? 0 : tenants_[static_cast<size_t>(it->second)].held[store];
+  return owners_->Held(tenant, store);
 }
 
 namespace {
@@ -158,9 +153,7 @@ std::vector<std::pair<const std::string*, int64_t>> PerTenant(absl::Span<const N
 absl::Status ModelCache::CheckFitsLocked(int32_t store, absl::Span<const TenantNeed> needs) const {
   const PagePool& p = *stores_[store].pool;
   // A tree page a sequence (a fork) still holds is not freed by evicting it.
-  const auto frees = [this](const PageRef& r) {
-    return refs_[static_cast<size_t>(r.pool)][static_cast<size_t>(r.page)] == 1;
-  };
+  const auto frees = [this](const PageRef& r) { return owners_->holders(r) == 1; };
   int64_t free = p.free_pages();
   int64_t own_evicted = 0;  // by tenants past their share, from their own pages
   int64_t others = 0;       // pages of tenants within their share
@@ -284,29 +277,7 @@ absl::Status ModelCache::AllocateLocked(int32_t store, absl::Span<const TenantNe
             "prefixes or give the model more memory; retry later"));
         break;
       }
-      // Record the owner.
-      int32_t slot;
-      auto it = slot_of_.find(tenant);
-      if (it != slot_of_.end()) {
-        slot = it->second;
-      } else {
-        if (free_slots_.empty()) {
-          free_slots_.push_back(static_cast<int32_t>(tenants_.size()));
-          tenants_.emplace_back();
-        }
-        slot = free_slots_.back();
-        free_slots_.pop_back();
-        tenants_[static_cast<size_t>(slot)].name = tenant;
-        tenants_[static_cast<size_t>(slot)].held.assign(stores_.size(), 0);
-        slot_of_.emplace(tenant, slot);
-      }
-      TenantSlot& t = tenants_[static_cast<size_t>(slot)];
-      for (int32_t id : ids[i]) {
-        owner_[static_cast<size_t>(store)][static_cast<size_t>(id)] = slot;
-        refs_[static_cast<size_t>(store)][static_cast<size_t>(id)] = 1;
-      }
-      t.held[static_cast<size_t>(store)] += n;
-      t.total += n;
+      owners_->Claim(store, ids[i], tenant);
     }
   }
   if (!status.ok()) {
@@ -328,23 +299,7 @@ absl::Status ModelCache::AllocateLocked(int32_t store, absl::Span<const TenantNe
 
 void ModelCache::FreeLocked(absl::Span<const PageRef> pages) {
   for (const PageRef& r : pages) {
-    int32_t& refs = refs_[static_cast<size_t>(r.pool)][static_cast<size_t>(r.page)];
-    if (refs > 1) {  // another holder (a fork, or the tree) keeps it
-      --refs;
-      continue;
-    }
-    refs = 0;
-    stores_[r.pool].pool->Free({r.page});
-    int32_t& owner = owner_[static_cast<size_t>(r.pool)][static_cast<size_t>(r.page)];
-    if (owner < 0) continue;
-    TenantSlot& t = tenants_[static_cast<size_t>(owner)];
-    --t.held[static_cast<size_t>(r.pool)];
-    if (--t.total == 0) {  // the tenant holds nothing here any more: recycle its slot
-      slot_of_.erase(t.name);
-      t.name.clear();
-      free_slots_.push_back(owner);
-    }
-    owner = -1;
+    if (owners_->Release(r)) stores_[r.pool].pool->Free({r.page});
   }
 }
 
@@ -623,139 +578,6 @@ void ModelCache::UnpinPrefix(RadixTree::Node* node) {
   tree_.Unpin(node);
 }
 
-absl::Status ModelCache::CheckReadable(const Sequence& seq, int64_t first, int64_t n) const {
-  if (seq.closed) {
-    return absl::FailedPreconditionError(absl::StrCat("sequence ", seq.id, " is closed"));
-  }
-  const int64_t len = seq.length();
-  if (first < 0 || n < 0 || first > len || n > len - first) {  // no first + n: it may overflow
-    return absl::InvalidArgumentError(absl::StrCat("first_token ", first, " + num_tokens ", n,
-                                                   " exceeds the sequence length ", len));
-  }
-  return absl::OkStatus();
-}
-
-int64_t ModelCache::ReadRuns(const Sequence& seq, int64_t first, int64_t n, uint8_t* dst,
-                             bool dst_on_device, std::vector<StoredPageCopy>* pages,
-                             absl::Status* status) const {
-  const int32_t ps = spec_.page_size;
-  const int64_t len = seq.length();
-  int64_t at = 0;
-  for (int64_t p = first / ps; p * ps < first + n;) {
-    // A run of consecutive pages of one store goes in one ReadPages.
-    const int32_t store = seq.pages[static_cast<size_t>(p)].pool;
-    std::vector<int32_t> ids;
-    const int64_t run_at = at;
-    for (; p * ps < first + n && seq.pages[static_cast<size_t>(p)].pool == store; ++p) {
-      ids.push_back(seq.pages[static_cast<size_t>(p)].page);
-      StoredPageCopy c;
-      c.format = stores_[store].format->name();
-      c.first_token = p * ps;
-      c.num_tokens = static_cast<int32_t>(std::min<int64_t>(ps, len - p * ps));
-      c.bytes = stores_[store].pool->page_bytes();
-      at += c.bytes;
-      pages->push_back(std::move(c));
-    }
-    if (dst != nullptr && status->ok()) {
-      *status = backend_->ReadPages(*stores_[store].pool, ids, dst + run_at, dst_on_device);
-    }
-  }
-  return at;
-}
-
-absl::StatusOr<std::string> ModelCache::ReadToHost(const Sequence& seq, int64_t first, int64_t n,
-                                                   std::vector<StoredPageCopy>* pages) const {
-  std::vector<StoredPageCopy> sizes;
-  absl::Status read;
-  std::string staged(static_cast<size_t>(ReadRuns(seq, first, n, nullptr, false, &sizes, &read)),
-                     '\0');
-  ReadRuns(seq, first, n, reinterpret_cast<uint8_t*>(staged.data()), false, pages, &read);
-  if (!read.ok()) return read;
-  return staged;
-}
-
-absl::Status ModelCache::Fetch(Sequence* seq, int64_t first, int64_t n, uint16_t* k_out,
-                               uint16_t* v_out, std::vector<std::string>* page_formats) {
-  const int32_t ps = spec_.page_size, d = spec_.head_dim, hkv = spec_.num_kv_heads;
-  std::lock_guard<std::mutex> seq_lock(seq->mu);
-  KVCD_RETURN_IF_ERROR(CheckReadable(*seq, first, n));
-  // The pages as stored, in host memory, then each format expands its rows.
-  std::vector<StoredPageCopy> copies;
-  KVCD_ASSIGN_OR_RETURN(std::string staged, ReadToHost(*seq, first, n, &copies));
-  for (const auto& c : copies) page_formats->push_back(c.format);
-  std::vector<float> rows(static_cast<size_t>(ps) * d);
-  int64_t page_at = 0;
-  for (int64_t p = first / ps; p * ps < first + n; ++p) {
-    const PageRef& r = seq->pages[static_cast<size_t>(p)];
-    const PageFormat& f = FormatOf(r);
-    const int64_t t0 = std::max(first, p * ps);
-    const int64_t t1 = std::min(first + n, (p + 1) * ps);
-    const int32_t slot = static_cast<int32_t>(t0 - p * ps);
-    const int32_t count = static_cast<int32_t>(t1 - t0);
-    for (int32_t l = 0; l < spec_.num_layers; ++l) {
-      const auto* layer_page =
-          reinterpret_cast<const uint8_t*>(staged.data()) + page_at + l * f.layer_page_bytes();
-      for (int32_t h = 0; h < hkv; ++h) {
-        for (int which = 0; which < 2; ++which) {
-          f.ExpandRows(layer_page, l, h, which, p * ps, slot, count, rows.data());
-          uint16_t* out = which == 0 ? k_out : v_out;
-          for (int32_t t = 0; t < count; ++t) {
-            kernels::FloatToBf16N(rows.data() + int64_t{t} * d,
-                                  out + ((int64_t{l} * n + (t0 - first + t)) * hkv + h) * d, d);
-          }
-        }
-      }
-    }
-    page_at += f.page_bytes();
-  }
-  return absl::OkStatus();
-}
-
-absl::Status ModelCache::FetchStored(Sequence* seq, int64_t first, int64_t n,
-                                     std::vector<StoredPageCopy>* pages) {
-  std::lock_guard<std::mutex> seq_lock(seq->mu);
-  KVCD_RETURN_IF_ERROR(CheckReadable(*seq, first, n));
-  std::vector<StoredPageCopy> copies;
-  KVCD_ASSIGN_OR_RETURN(std::string staged, ReadToHost(*seq, first, n, &copies));
-  size_t at = 0;
-  for (StoredPageCopy& c : copies) {
-    c.data = staged.substr(at, static_cast<size_t>(c.bytes));
-    at += static_cast<size_t>(c.bytes);
-    pages->push_back(std::move(c));
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<int64_t> ModelCache::StoredBytes(Sequence* seq, int64_t first, int64_t n) {
-  std::lock_guard<std::mutex> seq_lock(seq->mu);
-  KVCD_RETURN_IF_ERROR(CheckReadable(*seq, first, n));
-  std::vector<StoredPageCopy> pages;
-  absl::Status unused;
-  return ReadRuns(*seq, first, n, nullptr, false, &pages, &unused);
-}
-
-absl::Status ModelCache::FetchStoredToDevice(Sequence* seq, int64_t first, int64_t n, uint8_t* dst,
-                                             int64_t dst_bytes,
-                                             std::vector<StoredPageCopy>* pages) {
-  std::lock_guard<std::mutex> seq_lock(seq->mu);
-  KVCD_RETURN_IF_ERROR(CheckReadable(*seq, first, n));
-  std::vector<StoredPageCopy> sizes;
-  absl::Status read;
-  const int64_t total = ReadRuns(*seq, first, n, nullptr, true, &sizes, &read);
-  if (total > dst_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("destination has ", dst_bytes,
-                                                   " bytes, too few for the pages from token ",
-                                                   first, " (", total, " bytes)"));
-  }
-  ReadRuns(*seq, first, n, dst, true, pages, &read);
-  return read;
-}
-
-int64_t ModelCache::Length(Sequence* seq) {
-  std::lock_guard<std::mutex> seq_lock(seq->mu);
-  return seq->length();
-}
-
 ModelSnapshot ModelCache::Snapshot() const {
   ModelSnapshot s;
   const double bf16_token = 2.0 * 2 * spec_.num_layers * spec_.num_kv_heads * spec_.head_dim;
@@ -779,13 +601,12 @@ ModelSnapshot ModelCache::Snapshot() const {
   s.committed_pages = tree_.committed_pages();
   s.pinned_pages = tree_.PinnedPages();
   s.active_sequences = open_sequences_.load();
-  for (const TenantSlot& t : tenants_) {
-    if (t.total == 0) continue;
+  for (PageOwners::TenantPages& t : owners_->Tenants()) {
     TenantPagesSnapshot tp;
-    tp.tenant = t.name;
-    tp.pages = t.held;
+    tp.tenant = std::move(t.tenant);
+    tp.pages = std::move(t.pages);
     for (size_t st = 0; st < stores_.size(); ++st) {
-      tp.limit.push_back(ShareLimit(t.name, static_cast<int32_t>(st)));
+      tp.limit.push_back(ShareLimit(tp.tenant, static_cast<int32_t>(st)));
     }
     s.tenants.push_back(std::move(tp));
   }

@@ -10,8 +10,10 @@
 // was stored (pages allocated for a failed call are returned to the pool).
 //
 // The sequence write paths (Append, Attend's fused append and its undo, DemotePages) are
-// defined in sequence_writes.cc; Commit and Fork in sequence_sessions.cc; everything else
-// in model_cache.cc.
+// defined in sequence_writes.cc; Commit and Fork in sequence_sessions.cc; the reads (Fetch,
+// FetchStored, StoredBytes, FetchStoredToDevice, Length) in sequence_reads.cc; page
+// ownership and reference counts are PageOwners' (page_owners.h); allocation, eviction,
+// Put/PushPages, Open/Close and pins in model_cache.cc.
 //
 // Thread safety: all methods are thread-safe. Lock order: Sequence::mu before mu_.
 // Attention runs holding only the sequences' locks: their pages are pinned or private,
@@ -33,6 +35,7 @@
 #include "absl/types/span.h"
 #include "server/backends/backend.h"
 #include "server/cache/block_observer.h"
+#include "server/cache/page_owners.h"
 #include "server/cache/radix_tree.h"
 #include "server/cache/sequence.h"
 #include "server/formats/format_registry.h"
@@ -414,20 +417,8 @@ class ModelCache {
 
   mutable std::mutex mu_;
   RadixTree tree_ ABSL_GUARDED_BY(mu_);
-  // Page owners: owner_[store][page] is a slot of tenants_ (-1: free). A slot is recycled
-  // once its tenant holds no page, so their number stays bounded by the pages.
-  struct TenantSlot {
-    std::string name;
-    std::vector<int64_t> held;  // per store
-    int64_t total = 0;
-  };
-  std::vector<std::vector<int32_t>> owner_ ABSL_GUARDED_BY(mu_);
-  // Holders of each page in use: 1 for the tree or the sequence that holds it, more while
-  // forks share a sequence's page (refs_[store][page]; 0: free).
-  std::vector<std::vector<int32_t>> refs_ ABSL_GUARDED_BY(mu_);
-  std::vector<TenantSlot> tenants_ ABSL_GUARDED_BY(mu_);
-  std::vector<int32_t> free_slots_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, int32_t> slot_of_ ABSL_GUARDED_BY(mu_);
+  // Who owns and holds each page (created by Create, one entry per store).
+  std::unique_ptr<PageOwners> owners_ ABSL_GUARDED_BY(mu_);
   std::atomic<int64_t> open_sequences_{0};
 };
 

@@ -182,7 +182,7 @@ absl::StatusOr<std::shared_ptr<Sequence>> ModelCache::Fork(uint64_t id, Sequence
     shared.erase(std::find(shared.begin(), shared.end(), src->pages.back()));
     seq->pages.back() = fresh[0];
   }
-  for (const PageRef& r : shared) ++refs_[static_cast<size_t>(r.pool)][static_cast<size_t>(r.page)];
+  for (const PageRef& r : shared) owners_->Share(r);
   seq->layer_len = src->layer_len;
   seq->tokens = src->tokens;
   seq->next_demote_page = src->next_demote_page;
