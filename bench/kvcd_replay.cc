@@ -4,10 +4,13 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <string>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "bench/replay/cluster_report.h"
@@ -50,6 +53,16 @@ ABSL_FLAG(
     int32_t, replicate_after, 8,
     "routing index: routings of a prefix to a loaded holder before it is replicated (0: off)");
 ABSL_FLAG(uint64_t, seed, 1, "routing random: the seed");
+ABSL_FLAG(std::string, etcd_endpoints, "",
+          "cluster target: comma-separated HOST:PORT of etcd: follow membership (a member "
+          "whose key is gone leaves routing, one back under a new incarnation rejoins it)");
+ABSL_FLAG(int64_t, verify_every, 0,
+          "check every N-th request's attention over its whole sequence against a float64 "
+          "reference of the rows the replay sent (0: none); mismatches are counted as wrong");
+ABSL_FLAG(std::string, hook, "",
+          "a shell command run before the requests at --hook-at, with two arguments: the "
+          "hook's number (0, 1, ...) and the request's position; a failing hook stops the replay");
+ABSL_FLAG(std::string, hook_at, "", "comma-separated request positions (0-based) of --hook");
 ABSL_FLAG(std::string, cluster_json, "",
           "cluster target: write its figures (per-member "
           "requests and pages, lookups, pulls) to this file");
@@ -139,6 +152,9 @@ int main(int argc, char** argv) {
     cto.pull = absl::GetFlag(FLAGS_pull);
     cto.seed = absl::GetFlag(FLAGS_seed);
     cto.routing.replicate_after = absl::GetFlag(FLAGS_replicate_after);
+    cto.etcd_endpoints =
+        absl::StrSplit(absl::GetFlag(FLAGS_etcd_endpoints), ',', absl::SkipEmpty());
+    cto.verify_every = absl::GetFlag(FLAGS_verify_every);
     auto members = kvcd::replay::MembersFromStats(
         absl::StrSplit(absl::GetFlag(FLAGS_members), ',', absl::SkipEmpty()), co);
     if (!members.ok()) {
@@ -162,6 +178,37 @@ int main(int argc, char** argv) {
   options.daemon_pid = absl::GetFlag(FLAGS_daemon_pid);
   options.progress = [&](int64_t done, double hit) {
     bar.Update(done, absl::StrFormat("hit %.1f%%", 100 * hit));
+  };
+  std::vector<int64_t> hook_at;
+  for (absl::string_view p : absl::StrSplit(absl::GetFlag(FLAGS_hook_at), ',', absl::SkipEmpty())) {
+    int64_t v = 0;
+    if (!absl::SimpleAtoi(p, &v) || v < 0) {
+      return kvcd::cli::UsageError(cli, nullptr,
+                                   "--hook-at takes comma-separated request positions >= 0");
+    }
+    hook_at.push_back(v);
+  }
+  if (!hook_at.empty() && absl::GetFlag(FLAGS_hook).empty()) {
+    return kvcd::cli::UsageError(cli, nullptr, "--hook-at needs --hook");
+  }
+  if (absl::GetFlag(FLAGS_verify_every) < 0) {
+    return kvcd::cli::UsageError(cli, nullptr, "--verify-every must be >= 0");
+  }
+  if (absl::GetFlag(FLAGS_verify_every) > 0) {
+    if (auto* d = dynamic_cast<kvcd::replay::DaemonTarget*>(target.get())) {
+      d->set_verify_every(absl::GetFlag(FLAGS_verify_every));
+    }
+  }
+  options.before_request = [&](int64_t i) -> absl::Status {
+    for (size_t k = 0; k < hook_at.size(); ++k) {
+      if (hook_at[k] != i) continue;
+      const std::string cmd = absl::StrCat(absl::GetFlag(FLAGS_hook), " ", k, " ", i);
+      const int rc = std::system(cmd.c_str());
+      if (rc != 0) {
+        return absl::AbortedError(absl::StrCat("the hook `", cmd, "` failed (", rc, ")"));
+      }
+    }
+    return absl::OkStatus();
   };
   auto report = kvcd::replay::Replay(*workload, *target, profile, options);
   bar.Finish();

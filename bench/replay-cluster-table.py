@@ -3,8 +3,9 @@
 each routing mode over 4 daemons beside one daemon with 4x the capacity, the goals of issue
 32, lookup latency, pulls, balance and the index's Redis footprint per stored page.
     replay-cluster-table.py [--check] WORK_DIR TRACE CAPACITY_PER_DAEMON MODE...
---check (the CI-sized run): exits 1 unless every run served every request and every routing
-other than random beats random routing's hit rate.
+--check (the CI-sized run): exits 1 unless every run served every request, every answer
+checked (kvcd-replay --verify-every) was right, and every routing other than random beats
+random routing's hit rate.
 """
 import json
 import os
@@ -64,6 +65,13 @@ if "index" in runs:
 if check:
     failed = [f"{m}: {r['requests']} of {r['workload']['requests']} requests served"
               for m, (r, _) in runs.items() if r["requests"] != r["workload"]["requests"]]
+    failed += [f"{m}: {r['wrong_requests']} of {r['checked_requests']} answers checked were wrong"
+               for m, (r, _) in runs.items() if r.get("wrong_requests", 0) != 0]
+    failed += [f"{m}: no answer was checked" for m, (r, _) in runs.items()
+               if r.get("checked_requests", 0) == 0]
+    if big.get("wrong_requests", 0) != 0 or big.get("checked_requests", 0) == 0:
+        failed.append(f"one daemon: {big.get('wrong_requests')} of "
+                      f"{big.get('checked_requests')} answers checked were wrong")
     for m, (r, _) in runs.items():  # every routing that keys on the prompt beats random
         if m != "random" and random_hit is not None and not r["daemon"]["hit_rate"] > random_hit:
             failed.append(f"{m} routing's hit rate {r['daemon']['hit_rate']:.4f} does not beat "

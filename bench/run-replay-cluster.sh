@@ -7,8 +7,9 @@
 #   bench/run-replay-cluster.sh [--out FILE.md] [--requests N] [--capacity PAGES_PER_DAEMON]
 #                               [--modes "random rendezvous index"] [--keep DIR] [--check]
 # Defaults: all requests, 1953 pages per daemon (1M trace tokens; the big daemon 7812).
-# --check: fail unless every request was served and every other routing beats random (the
-# CI-sized run of tests/CMakeLists.txt: a few hundred requests).
+# --check: fail unless every request was served, every answer checked against a float64
+# reference of the K/V sent was right (kvcd-replay --verify-every 1) and every other routing
+# beats random (the CI-sized run of tests/CMakeLists.txt: a few hundred requests).
 # Needs etcd, etcdctl, redis-server, redis-cli (scripts/install-deps.sh) and the build's kvcd
 # and kvcd-replay. The trace is read from ../shared/data/traces/ (or KVCD_TRACE).
 set -euo pipefail
@@ -99,6 +100,7 @@ stop_daemon() {
 }
 common=(--trace "$trace" --requests "$requests" --capacity-pages "$cap" --high-watermark 1
   --low-watermark 0.99 --json --progress=false)
+[[ -n $check ]] && common+=(--verify-every 1)
 for mode in $modes; do
   redis-cli -p "$redis_port" flushall >/dev/null
   members=()

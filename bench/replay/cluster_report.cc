@@ -1,6 +1,7 @@
 #include "bench/replay/cluster_report.h"
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 
 #include "nlohmann/json.hpp"
@@ -49,7 +50,22 @@ std::string ClusterFiguresJson(const ClusterFigures& f) {
       {"replications", f.replications},
       {"index_errors", f.index_errors},
       {"index_rejected", f.index_rejected},
+      {"failovers", f.failovers},
+      {"rejoins", f.rejoins},
+      {"checked", f.checked},
+      {"wrong", f.wrong},
+      {"wrong_details", f.wrong_details},
   };
+  // One row per request, in order: what the per-window figures of the failure bench read.
+  json records = json::array();
+  for (const RequestRecord& r : f.records) {
+    records.push_back({r.index, std::round(r.seconds * 1e4) / 1e4, r.input_length, r.matched_tokens,
+                       r.member, r.unavailable, r.index_error ? 1 : 0, r.checked ? 1 : 0,
+                       r.wrong ? 1 : 0});
+  }
+  out["record_fields"] = {"index",       "seconds",     "input_length", "matched_tokens", "member",
+                          "unavailable", "index_error", "checked",      "wrong"};
+  out["records"] = records;
   return out.dump(1) + "\n";
 }
 

@@ -1,5 +1,6 @@
 // The cluster target's figures as JSON (kvcd-replay --cluster-json): per-member requests and
-// pages held (and max/mean), lookup latency percentiles, pulls and replications.
+// pages held (and max/mean), lookup latency percentiles, pulls and replications, failovers,
+// answer checks, and one row per request (RequestRecord).
 #pragma once
 
 #include <string>

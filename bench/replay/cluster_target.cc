@@ -65,20 +65,18 @@ absl::StatusOr<std::unique_ptr<ClusterTarget>> ClusterTarget::Connect(
   std::unique_ptr<ClusterTarget> t(new ClusterTarget(std::move(options)));
   const ClusterTargetOptions& o = t->options_;
   t->rng_.seed(o.seed);
-  for (const ClusterMember& m : o.members) {
-    ClientOptions co = o.client;
-    co.target = m.address;
-    auto c = Client::Connect(co);
-    if (!c.ok()) {
-      return absl::Status(c.status().code(), absl::StrCat("member ", m.member_id, " at ", m.address,
-                                                          ": ", c.status().message()));
+  const size_t n = o.members.size();
+  t->clients_.resize(n);
+  t->targets_.resize(n);
+  t->incarnation_of_.resize(n);
+  t->down_.resize(n);
+  t->listed_.assign(n, true);
+  for (size_t i = 0; i < n; ++i) {
+    t->ids_.push_back(o.members[i].member_id);
+    if (absl::Status s = t->Attach(i, o.members[i].address, o.members[i].incarnation, false);
+        !s.ok()) {
+      return s;
     }
-    auto d = DaemonTarget::Connect(co);
-    if (!d.ok()) return d.status();
-    t->clients_.push_back(*std::move(c));
-    t->targets_.push_back(*std::move(d));
-    t->ids_.push_back(m.member_id);
-    t->incarnations_[m.member_id] = m.incarnation;
   }
   if (o.mode == RoutingMode::kIndex) {
     auto index = cluster::RedisIndex::Connect(o.redis_url, o.cluster_name);
@@ -87,9 +85,74 @@ absl::StatusOr<std::unique_ptr<ClusterTarget>> ClusterTarget::Connect(
     t->hot_ =
         std::make_unique<cluster::HotPrefixes>(o.routing.window_s, o.routing.max_tracked_prefixes);
   }
+  if (!o.etcd_endpoints.empty()) {
+    auto d = cluster::MemberDirectory::Connect(o.etcd_endpoints, o.cluster_name);
+    if (!d.ok()) return d.status();
+    t->directory_ = *std::move(d);
+  }
   t->figures_.member_ids = t->ids_;
   t->figures_.requests.assign(t->ids_.size(), 0);
   return t;
+}
+
+absl::Status ClusterTarget::Attach(size_t i, const std::string& address,
+                                   const std::string& incarnation, bool prepare) {
+  const std::string& id = ids_[i];
+  ClientOptions co = options_.client;
+  co.target = address;
+  auto c = Client::Connect(co);
+  if (!c.ok()) {
+    return absl::Status(c.status().code(),
+                        absl::StrCat("member ", id, " at ", address, ": ", c.status().message()));
+  }
+  auto d = DaemonTarget::Connect(co);
+  if (!d.ok()) return d.status();
+  (*d)->set_verify_every(options_.verify_every);
+  if (prepare) {
+    auto p = (*d)->Prepare(profile_);
+    if (!p.ok()) {
+      return absl::Status(p.status().code(),
+                          absl::StrCat("member ", id, ": ", p.status().message()));
+    }
+  }
+  clients_[i] = *std::move(c);
+  targets_[i] = *std::move(d);
+  incarnation_of_[i] = incarnation;
+  down_[i].clear();
+  incarnations_[id] = incarnation;
+  return absl::OkStatus();
+}
+
+void ClusterTarget::MarkDown(size_t i) {
+  down_[i] = incarnation_of_[i];
+  incarnations_.erase(ids_[i]);  // the index no longer credits it
+}
+
+void ClusterTarget::Sync() {
+  if (directory_ == nullptr) return;
+  const cluster::MemberDirectory::Members live = directory_->members();
+  for (size_t i = 0; i < ids_.size(); ++i) {
+    const auto it = live.find(ids_[i]);
+    listed_[i] = it != live.end();
+    if (!listed_[i]) {
+      incarnations_.erase(ids_[i]);
+      continue;
+    }
+    if (it->second.incarnation != incarnation_of_[i]) {
+      // Back with another incarnation (a restart): its cache is new, its model unregistered.
+      if (Attach(i, it->second.address, it->second.incarnation, true).ok()) ++figures_.rejoins;
+      continue;
+    }
+    if (down_[i].empty()) incarnations_[ids_[i]] = incarnation_of_[i];
+  }
+}
+
+std::vector<std::string> ClusterTarget::LiveIds() const {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < ids_.size(); ++i) {
+    if (listed_[i] && down_[i].empty()) out.push_back(ids_[i]);
+  }
+  return out;
 }
 
 std::string ClusterTarget::Describe() const {
@@ -112,10 +175,18 @@ absl::StatusOr<int64_t> ClusterTarget::Prepare(const v1::ModelProfile& profile) 
   return capacity;
 }
 
-size_t ClusterTarget::Route(const ReplayRequest& r, std::string* pull_from) {
-  const size_t n = ids_.size();
+absl::StatusOr<size_t> ClusterTarget::Route(const ReplayRequest& r, std::string* pull_from,
+                                            bool* index_error) {
+  const std::vector<std::string> live = LiveIds();
+  if (live.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("request ", r.index, ": no member of the cluster is live"));
+  }
+  auto index_of = [&](const std::string& id) {
+    return static_cast<size_t>(std::find(ids_.begin(), ids_.end(), id) - ids_.begin());
+  };
   if (options_.mode == RoutingMode::kRandom) {
-    return static_cast<size_t>(rng_() % n);
+    return index_of(live[static_cast<size_t>(rng_() % live.size())]);
   }
   const auto t0 = std::chrono::steady_clock::now();
   BlockNamespace ns{profile_.name(), "", format_, static_cast<uint32_t>(profile_.page_size())};
@@ -124,11 +195,8 @@ size_t ClusterTarget::Route(const ReplayRequest& r, std::string* pull_from) {
   hashes.reserve(raw.size());
   for (const BlockHash& h : raw) hashes.emplace_back(h.begin(), h.end());
   const std::string first = hashes.empty() ? std::string() : hashes[0];
-  auto index_of = [&](const std::string& id) {
-    return static_cast<size_t>(std::find(ids_.begin(), ids_.end(), id) - ids_.begin());
-  };
   if (options_.mode == RoutingMode::kRendezvous) {
-    return index_of(cluster::Rendezvous(first, ids_));
+    return index_of(cluster::Rendezvous(first, live));
   }
   absl::StatusOr<std::vector<cluster::PageHolders>> holders =
       index_->Holders(hashes, incarnations_);
@@ -137,9 +205,12 @@ size_t ClusterTarget::Route(const ReplayRequest& r, std::string* pull_from) {
           ? index_->Loads(incarnations_)
           : absl::StatusOr<absl::flat_hash_map<std::string, cluster::Load>>(holders.status());
   std::vector<cluster::PageHolders> none(hashes.size());
-  if (!holders.ok() || !loads.ok()) ++figures_.index_errors;
+  if (!holders.ok() || !loads.ok()) {
+    ++figures_.index_errors;
+    *index_error = true;
+  }
   const cluster::Decision d =
-      cluster::Decide(hashes, holders.ok() && loads.ok() ? *holders : none, ids_,
+      cluster::Decide(hashes, holders.ok() && loads.ok() ? *holders : none, live,
                       loads.ok() ? *loads : absl::flat_hash_map<std::string, cluster::Load>{},
                       profile_.page_size(), options_.routing, hot_.get());
   figures_.lookup_seconds.push_back(
@@ -165,33 +236,71 @@ size_t ClusterTarget::Route(const ReplayRequest& r, std::string* pull_from) {
 
 absl::StatusOr<RequestOutcome> ClusterTarget::Serve(const ReplayRequest& r, bool commit,
                                                     LatencyLog* log) {
-  std::string pull_from;
-  const size_t i = Route(r, &pull_from);
-  ++figures_.requests[i];
-  if (!pull_from.empty() && pull_from != ids_[i]) {
-    v1::PullPrefixRequest pull;
-    pull.set_model(profile_.name());
-    pull.mutable_tokens()->Add(r.prompt.begin(), r.prompt.end());
-    pull.set_peer_member_id(pull_from);
-    const auto t0 = std::chrono::steady_clock::now();
-    auto p = clients_[i]->PullPrefix(pull);
-    figures_.pull_seconds.push_back(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    if (p.ok()) {
-      ++figures_.pulls;
-      figures_.pulled_tokens += p->pulled_tokens();
-      figures_.pulled_bytes += p->pulled_bytes();
-    } else {
-      ++figures_.pull_errors;  // the member prefills instead: a miss, never a wrong answer
-    }
+  if (!started_) {
+    started_ = true;
+    t0_ = std::chrono::steady_clock::now();
   }
-  return targets_[i]->Serve(r, commit, log);
+  Sync();
+  RequestRecord rec;
+  rec.index = r.index;
+  rec.input_length = r.input_length;
+  // Each member at most once: one that answers UNAVAILABLE is out and the request starts
+  // over on another.
+  for (size_t attempt = 0;; ++attempt) {
+    std::string pull_from;
+    absl::StatusOr<size_t> routed = Route(r, &pull_from, &rec.index_error);
+    if (!routed.ok()) return routed.status();
+    const size_t i = *routed;
+    ++figures_.requests[i];
+    if (!pull_from.empty() && pull_from != ids_[i]) {
+      v1::PullPrefixRequest pull;
+      pull.set_model(profile_.name());
+      pull.mutable_tokens()->Add(r.prompt.begin(), r.prompt.end());
+      pull.set_peer_member_id(pull_from);
+      const auto t0 = std::chrono::steady_clock::now();
+      auto p = clients_[i]->PullPrefix(pull);
+      figures_.pull_seconds.push_back(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      if (p.ok()) {
+        ++figures_.pulls;
+        figures_.pulled_tokens += p->pulled_tokens();
+        figures_.pulled_bytes += p->pulled_bytes();
+      } else {
+        ++figures_.pull_errors;  // the member prefills instead: a miss, never a wrong answer
+      }
+    }
+    absl::StatusOr<RequestOutcome> out = targets_[i]->Serve(r, commit, log);
+    if (!out.ok()) {
+      if (!absl::IsUnavailable(out.status()) || attempt + 1 >= ids_.size()) return out.status();
+      MarkDown(i);
+      ++rec.unavailable;
+      continue;
+    }
+    figures_.failovers += rec.unavailable > 0 ? 1 : 0;
+    rec.member = static_cast<int>(i);
+    rec.matched_tokens = out->matched_tokens;
+    rec.checked = out->checked;
+    rec.wrong = out->wrong;
+    figures_.checked += out->checked ? 1 : 0;
+    if (out->wrong) {
+      ++figures_.wrong;
+      if (figures_.wrong_details.size() < 10) figures_.wrong_details.push_back(out->wrong_detail);
+    }
+    rec.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+    figures_.records.push_back(rec);
+    return out;
+  }
 }
 
 absl::StatusOr<TargetStats> ClusterTarget::Stats() {
   TargetStats sum;
-  for (auto& t : targets_) {
-    auto s = t->Stats();
+  for (size_t i = 0; i < targets_.size(); ++i) {
+    if (!down_[i].empty() || !listed_[i]) continue;  // a lost member's cache is gone
+    auto s = targets_[i]->Stats();
+    if (absl::IsUnavailable(s.status())) {
+      MarkDown(i);
+      continue;
+    }
     if (!s.ok()) return s.status();
     sum.evicted_pages += s->evicted_pages;
     sum.evicted_pages_committed += s->evicted_pages_committed;
@@ -204,10 +313,14 @@ absl::StatusOr<TargetStats> ClusterTarget::Stats() {
 
 absl::StatusOr<ClusterFigures> ClusterTarget::Figures() {
   figures_.pages_held.clear();
-  for (auto& t : targets_) {
-    auto s = t->Stats();
-    if (!s.ok()) return s.status();
-    figures_.pages_held.push_back(s->cached_tokens / std::max(1, profile_.page_size()));
+  for (size_t i = 0; i < targets_.size(); ++i) {
+    int64_t held = 0;
+    if (down_[i].empty() && listed_[i]) {
+      auto s = targets_[i]->Stats();
+      if (!s.ok() && !absl::IsUnavailable(s.status())) return s.status();
+      if (s.ok()) held = s->cached_tokens / std::max(1, profile_.page_size());
+    }
+    figures_.pages_held.push_back(held);
   }
   if (index_ != nullptr) figures_.index_rejected = index_->rejected();
   return figures_;

@@ -1,9 +1,11 @@
 #include "bench/replay/daemon_target.h"
 
 #include <chrono>
+#include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "bench/replay/reference_attention.h"
 #include "proto/tensor_ref.h"
 
 namespace kvcd::replay {
@@ -74,18 +76,23 @@ absl::StatusOr<int64_t> DaemonTarget::Prepare(const v1::ModelProfile& profile) {
   return static_cast<int64_t>(info->pools(0).pages_total());
 }
 
-void DaemonTarget::FillKv(const ReplayRequest& r, int64_t first, int64_t tokens, int kind,
-                          v1::TensorRef* out) const {
+std::vector<uint16_t> DaemonTarget::Rows(const ReplayRequest& r, int64_t first, int64_t tokens,
+                                         int kind) const {
   const int64_t ps = profile_.page_size(), layers = profile_.num_layers();
   const int64_t row = int64_t{profile_.num_kv_heads()} * profile_.head_dim();
+  const int64_t full = static_cast<int64_t>(r.prompt_pages.size());
+  const int64_t committed = static_cast<int64_t>(r.commit_pages.size());
   std::vector<uint16_t> bf16(static_cast<size_t>(layers * tokens * row));
   for (int64_t l = 0; l < layers; ++l) {
     for (int64_t t = 0; t < tokens; ++t) {
       const int64_t pos = first + t;
       const int64_t page = pos / ps;
+      // A full page is keyed as its tokens are (the prompt's blocks, then the commit's pages):
+      // whichever request stores it, its rows are the same.
       const uint64_t seed =
-          page < static_cast<int64_t>(r.prompt_pages.size())
-              ? Mix(static_cast<uint64_t>(r.prompt_pages[static_cast<size_t>(page)]))
+          page < full ? Mix(static_cast<uint64_t>(r.prompt_pages[static_cast<size_t>(page)]))
+          : page - full < committed
+              ? Mix(static_cast<uint64_t>(r.commit_pages[static_cast<size_t>(page - full)]))
               : Mix(~static_cast<uint64_t>(r.index));
       uint64_t s = Mix(seed ^ Mix((static_cast<uint64_t>(pos) << 16) ^
                                   (static_cast<uint64_t>(l) << 2) ^ static_cast<uint64_t>(kind)));
@@ -102,7 +109,67 @@ void DaemonTarget::FillKv(const ReplayRequest& r, int64_t first, int64_t tokens,
       }
     }
   }
-  SetBf16Tensor(out, {layers, tokens, profile_.num_kv_heads(), profile_.head_dim()}, bf16.data());
+  return bf16;
+}
+
+void DaemonTarget::FillKv(const ReplayRequest& r, int64_t first, int64_t tokens, int kind,
+                          v1::TensorRef* out) const {
+  const std::vector<uint16_t> bf16 = Rows(r, first, tokens, kind);
+  SetBf16Tensor(out, {profile_.num_layers(), tokens, profile_.num_kv_heads(), profile_.head_dim()},
+                bf16.data());
+}
+
+absl::Status DaemonTarget::Verify(const ReplayRequest& r, uint64_t sequence_id, int64_t seq_len,
+                                  bool* wrong, std::string* detail) {
+  const int hq = profile_.num_q_heads(), hkv = profile_.num_kv_heads(), d = profile_.head_dim();
+  const int64_t row = int64_t{hkv} * d;
+  auto as_float = [](const std::vector<uint16_t>& b, size_t begin, size_t n) {
+    std::vector<float> f(n);
+    for (size_t i = 0; i < n; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(b[begin + i]) << 16;
+      std::memcpy(&f[i], &bits, 4);
+    }
+    return f;
+  };
+  const std::vector<uint16_t> k = Rows(r, 0, seq_len, 0), v = Rows(r, 0, seq_len, 1);
+  const size_t per_layer = static_cast<size_t>(seq_len * row);
+  for (int l = 0; l < profile_.num_layers(); ++l) {
+    std::vector<float> q(static_cast<size_t>(hq) * d);
+    uint64_t s = Mix(static_cast<uint64_t>(r.index) * 131 + static_cast<uint64_t>(l));
+    for (float& x : q) {
+      s = Mix(s);
+      x = static_cast<float>(static_cast<int64_t>(s >> 40) - (int64_t{1} << 23)) /
+          static_cast<float>(int64_t{1} << 23);
+    }
+    v1::AttentionDecodeRequest req;
+    req.set_layer(l);
+    req.add_sequence_ids(sequence_id);
+    SetF32Tensor(req.mutable_q(), {1, hq, d}, q.data());
+    auto got = client_->AttentionDecode(req);
+    if (!got.ok()) return Context(got.status(), r, "AttentionDecode");
+    const ReferenceAttention want = AttendReference(
+        q, as_float(k, l * per_layer, per_layer), as_float(v, l * per_layer, per_layer), seq_len,
+        hq, hkv, d, 1.0 / std::sqrt(static_cast<double>(d)));
+    double worst = 0;
+    for (size_t i = 0; i < want.o.size(); ++i) {
+      worst =
+          std::max(worst, std::abs(ElementAsFloat(got->o(), static_cast<int64_t>(i)) - want.o[i]));
+    }
+    for (size_t i = 0; i < want.lse.size(); ++i) {
+      worst = std::max(worst,
+                       std::abs(ElementAsFloat(got->lse(), static_cast<int64_t>(i)) - want.lse[i]));
+    }
+    const int64_t attended = got->lengths_size() == 1 ? got->lengths(0) : -1;
+    // The daemon attends in float32 over BF16 rows that are exact: rounding stays far below
+    // 1e-3, while one page of other rows moves the answer by about 1e-2.
+    if (attended != seq_len || !(worst <= 1e-3)) {
+      *wrong = true;
+      *detail = absl::StrCat("request ", r.index, " layer ", l, ": attended ", attended,
+                             " tokens (expected ", seq_len, "), max |diff| ", worst);
+      return absl::OkStatus();
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<RequestOutcome> DaemonTarget::Serve(const ReplayRequest& r, bool commit,
@@ -148,6 +215,10 @@ absl::StatusOr<RequestOutcome> DaemonTarget::Serve(const ReplayRequest& r, bool 
       failed = absl::InternalError(absl::StrCat("request ", r.index, ": the sequence holds ", *len,
                                                 " tokens after Append, expected ", seq_len));
     }
+  }
+  if (failed.ok() && verify_every_ > 0 && r.index % verify_every_ == 0) {
+    o.checked = true;
+    failed = Verify(r, open->sequence_id(), seq_len, &o.wrong, &o.wrong_detail);
   }
   auto closed =
       Timed(log, Call::kClose, [&] { return client_->CloseSequence(open->sequence_id(), commit); });

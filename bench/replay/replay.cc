@@ -109,12 +109,17 @@ absl::StatusOr<ReplayReport> Replay(const TraceWorkload& workload, Target& targe
   const int32_t ps = workload.page_size();
   for (int64_t i = 0; i < workload.size(); ++i) {
     const ReplayRequest& r = workload.request(i);
+    if (options.before_request) {
+      if (absl::Status s = options.before_request(i); !s.ok()) return s;
+    }
     const int64_t calls_before = rep.latency.total();
     auto out = target.Serve(r, options.commit, &rep.latency);
     if (!out.ok()) return out.status();
     rep.rpcs += rep.latency.total() - calls_before;
     ++rep.requests;
     rep.commits_served += out->commit_served ? 1 : 0;
+    rep.checked_requests += out->checked ? 1 : 0;
+    rep.wrong_requests += out->wrong ? 1 : 0;
     rep.daemon.hit_pages += out->matched_tokens / ps;
     rep.daemon.committed_hit_pages += out->committed_tokens / ps;
     auto m = Simulate(lru, r, ps, out->commit_served);

@@ -23,6 +23,9 @@ struct ReplayOptions {
   int daemon_pid = 0;  // > 0: measure this local process's CPU time
   // Called after every request with (requests done, daemon hit rate so far).
   std::function<void(int64_t, double)> progress;
+  // Called before the request at this position is served (0-based); an error stops the
+  // replay (kvcd-replay --hook: a failure made at a known point of the trace).
+  std::function<absl::Status(int64_t)> before_request;
 };
 
 // Hits in pages (one page = one 512-token trace block).
@@ -41,6 +44,9 @@ struct ReplayReport {
   int64_t commits_served = 0;
   CacheFigures daemon, lru, infinite, infinite_commit;
   int64_t lru_mismatched_requests = 0;  // requests whose daemon match differs from the LRU's
+  // Answer checks (kvcd-replay --verify-every): requests checked, and those whose attention
+  // differed from the reference.
+  int64_t checked_requests = 0, wrong_requests = 0;
   LruSim::Counters lru_counters;
   TargetStats stats_before, stats_after;
   double seconds = 0;              // wall time of the replay

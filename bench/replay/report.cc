@@ -58,6 +58,10 @@ std::string ReportText(const ReplayReport& r, const std::string& trace_name) {
   absl::StrAppendFormat(
       &s, "commits: %d of %d sequences committed%s\n", r.commits_served, r.requests,
       r.commits_served == 0 ? " (the target did not commit: outputs not reused)" : "");
+  if (r.checked_requests > 0) {
+    absl::StrAppendFormat(&s, "answers checked: %d requests, %d wrong\n", r.checked_requests,
+                          r.wrong_requests);
+  }
   absl::StrAppendFormat(&s,
                         "throughput: %.1f requests/s (%d requests in %.1f s); %d RPCs, all OK\n",
                         Rate(r), r.requests, r.seconds, r.rpcs);
@@ -118,6 +122,8 @@ std::string ReportJson(const ReplayReport& r, const std::string& trace_name) {
       {"infinite", figures(r.infinite)},
       {"infinite_with_commits", figures(r.infinite_commit)},
       {"lru_mismatched_requests", r.lru_mismatched_requests},
+      {"checked_requests", r.checked_requests},
+      {"wrong_requests", r.wrong_requests},
       {"evicted_pages", Evicted(r)},
       {"evicted_pages_committed", EvictedCommitted(r)},
       {"lru_evicted_pages", r.lru_counters.evicted_pages},

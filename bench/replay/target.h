@@ -22,6 +22,10 @@ struct RequestOutcome {
   bool commit_served = false;    // the sequence's pages were committed on close
   int64_t commit_inserted_pages = 0;
   int64_t commit_deduplicated_pages = 0;
+  // The answer check (DaemonTarget::set_verify_every): made, and whether attention over the
+  // sequence differed from the reference (what differed, in wrong_detail).
+  bool checked = false, wrong = false;
+  std::string wrong_detail;
 };
 
 // The target's own counters (Stats), summed over its daemons.

@@ -23,7 +23,14 @@ std::string HistoryFormatName(const v1::ModelInfo& info) {
 absl::StatusOr<std::unique_ptr<ClusterClient>> ClusterClient::Connect(
     ClusterClientOptions options) {
   std::unique_ptr<ClusterClient> c(new ClusterClient(std::move(options)));
-  auto dir = MemberDirectory::Connect(c->options_.etcd_endpoints, c->options_.cluster_name);
+  const ClusterClientOptions& o = c->options_;
+  if (o.etcd_endpoints.empty() && o.dns_name.empty()) {
+    return absl::InvalidArgumentError(
+        "cluster membership: give the etcd endpoints (host:port) or a DNS name and port");
+  }
+  auto dir = !o.etcd_endpoints.empty()
+                 ? MemberDirectory::Connect(o.etcd_endpoints, o.cluster_name)
+                 : MemberDirectory::ConnectDns({o.dns_name, o.dns_port, o.client, o.dns_refresh});
   if (!dir.ok()) return dir.status();
   c->directory_ = *std::move(dir);
   if (!c->options_.redis_url.empty()) {

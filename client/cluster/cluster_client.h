@@ -24,7 +24,13 @@
 namespace kvcd::cluster {
 
 struct ClusterClientOptions {
-  std::vector<std::string> etcd_endpoints;  // host:port
+  // Membership: etcd (its endpoints, host:port), or, when none are given, DNS (membership
+  // dns: the A records of dns_name, every member serving gRPC on dns_port, asked for their
+  // Stats with `client`'s credentials every dns_refresh).
+  std::vector<std::string> etcd_endpoints;
+  std::string dns_name;
+  int dns_port = 0;
+  std::chrono::milliseconds dns_refresh{5000};
   std::string cluster_name = "kvcd";
   std::string redis_url;  // redis://host:port[/db]; empty: no index (rendezvous only)
   RoutingConfig routing;

@@ -8,7 +8,47 @@ constexpr size_t kMaxMembers = 4096;
 }  // namespace
 
 MemberDirectory::MemberDirectory(std::vector<std::string> endpoints, std::string prefix)
-    : etcd_(std::move(endpoints)), prefix_(std::move(prefix)) {}
+    : etcd_(std::make_unique<EtcdClient>(std::move(endpoints))), prefix_(std::move(prefix)) {}
+
+MemberDirectory::MemberDirectory(DnsSource dns) : dns_(std::move(dns)) {}
+
+absl::StatusOr<std::unique_ptr<MemberDirectory>> MemberDirectory::ConnectDns(DnsSource source) {
+  if (source.name.empty()) {
+    return absl::InvalidArgumentError("cluster DNS name: a name to resolve is needed");
+  }
+  if (source.refresh < std::chrono::milliseconds(100)) {
+    return absl::InvalidArgumentError("cluster DNS refresh: at least 100 ms");
+  }
+  std::unique_ptr<MemberDirectory> d(new MemberDirectory(std::move(source)));
+  if (absl::Status s = d->Resolve(); !s.ok()) {
+    return absl::UnavailableError(absl::StrCat("cluster membership: ", s.message()));
+  }
+  d->thread_ = std::thread([p = d.get()] { p->DnsLoop(); });
+  return d;
+}
+
+absl::Status MemberDirectory::Resolve() {
+  int64_t rejected = 0;
+  absl::StatusOr<Members> m = ResolveDnsMembers(dns_, &rejected);
+  rejected_ += rejected;
+  if (!m.ok()) return m.status();  // the last view stays (a resolver hiccup is no departure)
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    members_ = *std::move(m);
+  }
+  changed_.notify_all();
+  return absl::OkStatus();
+}
+
+void MemberDirectory::DnsLoop() {
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (changed_.wait_for(lock, dns_.refresh, [&] { return stop_.load(); })) return;
+    }
+    Resolve().IgnoreError();
+  }
+}
 
 absl::StatusOr<std::unique_ptr<MemberDirectory>> MemberDirectory::Connect(
     std::vector<std::string> etcd_endpoints, const std::string& cluster_name) {
@@ -58,7 +98,7 @@ void MemberDirectory::Apply(const std::string& key, const std::string& value, bo
 
 absl::StatusOr<int64_t> MemberDirectory::Range() {
   int64_t revision = 0;
-  auto kvs = etcd_.RangePrefix(prefix_, kMaxMembers, &revision);
+  auto kvs = etcd_->RangePrefix(prefix_, kMaxMembers, &revision);
   if (!kvs.ok()) {
     return absl::UnavailableError(
         absl::StrCat("etcd range of ", prefix_, " failed: ", kvs.status().message()));
@@ -76,7 +116,7 @@ absl::StatusOr<int64_t> MemberDirectory::Range() {
 void MemberDirectory::Loop(int64_t revision) {
   std::chrono::milliseconds backoff(50);
   while (!stop_) {
-    auto watch = etcd_.WatchPrefix(prefix_, revision + 1);
+    auto watch = etcd_->WatchPrefix(prefix_, revision + 1);
     if (watch.ok()) {
       {
         std::lock_guard<std::mutex> lock(watch_mu_);

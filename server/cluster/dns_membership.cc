@@ -4,8 +4,11 @@
 #include <netdb.h>
 #include <sys/socket.h>
 
+#include <fstream>
 #include <set>
+#include <sstream>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "kvcd/v1/kvcache.grpc.pb.h"
@@ -91,14 +94,34 @@ void DnsMembership::Loop() {
   }
 }
 
+// The bearer token of cluster.peer_token_file (surrounding white space removed); the
+// previous one when the file cannot be read or is empty (a secret being rotated).
+std::string DnsMembership::PeerToken() {
+  if (config_.peer_token_file.empty()) return "";
+  std::ifstream in(config_.peer_token_file);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string token(absl::StripAsciiWhitespace(ss.str()));
+  if (!in || token.empty()) {
+    KVCD_LOG(WARNING) << "cluster: cannot read a token from cluster.peer_token_file '"
+                      << config_.peer_token_file << "'"
+                      << (token_.empty() ? "" : "; keeping the previous one");
+    return token_;
+  }
+  token_ = token;
+  return token_;
+}
+
 void DnsMembership::Round() {
   std::map<std::string, MemberInfo> now;
+  const std::string token = PeerToken();
   for (const std::string& address : Resolve(config_.dns_name, port_)) {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(4 << 20);  // a Stats answer; bounded
     auto stub = v1::KvCache::NewStub(grpc::CreateCustomChannel(address, creds_, args));
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
     v1::StatsResponse stats;
     if (!stub->Stats(&ctx, v1::StatsRequest(), &stats).ok()) continue;
     // Checked as an etcd value would be (member_info.h).

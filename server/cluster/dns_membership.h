@@ -5,6 +5,8 @@
 // etcd value). A member whose address leaves the records, stops answering, or answers with
 // another incarnation has left. There is nothing to advertise: DNS lists the pod while
 // Kubernetes sees it ready, so the state is kAdvertised from the first resolution on.
+// With auth on, the Stats calls carry the bearer token of cluster.peer_token_file (read each
+// round: a rotated secret is picked up).
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -42,6 +44,7 @@ class DnsMembership final : public Membership {
  private:
   void Loop();
   void Round();
+  std::string PeerToken();  // on the loop's thread only
 
   const ClusterConfig config_;
   const MemberInfo self_;
@@ -54,6 +57,7 @@ class DnsMembership final : public Membership {
   bool stopping_ = false;
   std::map<std::string, MemberInfo> members_;
   std::atomic<uint64_t> rounds_ok_{0};
+  std::string token_;  // the last token read (the loop's thread)
   std::thread thread_;
 };
 

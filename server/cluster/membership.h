@@ -14,6 +14,10 @@
 
 namespace kvcd {
 
+// The grpc.health.v1 service name of a member's place in its cluster: SERVING while
+// advertised, NOT_SERVING while joining, after the lease is lost and once draining.
+inline constexpr char kClusterHealthService[] = "kvcd.cluster";
+
 enum class MembershipState {
   kJoining,     // not advertised yet (etcd unreachable at start)
   kAdvertised,  // the member key is in etcd under a live lease

@@ -391,6 +391,7 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
       KVCD_RETURN_IF_ERROR(r.Read(cl, "events_replay_endpoint", w, &k.events_replay_endpoint));
       KVCD_RETURN_IF_ERROR(r.Read(cl, "events_buffer", w, &k.events_buffer));
       KVCD_RETURN_IF_ERROR(r.Read(cl, "advertise_address", w, &k.advertise_address));
+      KVCD_RETURN_IF_ERROR(r.Read(cl, "peer_token_file", w, &k.peer_token_file));
     }
     if (const YAML::Node quotas = root["quotas"]) {
       if (const YAML::Node d = quotas["default"]) {
@@ -452,6 +453,13 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
         "tls.client_ca_file (mutual TLS) needs tls.cert_file and tls.key_file as well");
   }
   KVCD_RETURN_IF_ERROR(CheckClusterConfig(&c.cluster));
+  if (c.cluster.present && c.cluster.membership == "dns" && c.auth.enabled() &&
+      c.cluster.peer_token_file.empty()) {
+    return absl::InvalidArgumentError(
+        "cluster.membership is dns and auth is on, but cluster.peer_token_file is empty: DNS "
+        "membership asks each address for its Stats, which needs a token; name a file holding "
+        "one (any token of the tokens file; a \"*\" token lets peers see the load figures)");
+  }
   uint64_t total = 0;
   std::set<std::string> names;
   for (const auto& m : c.models) {

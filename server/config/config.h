@@ -80,6 +80,10 @@ struct ClusterConfig {
   std::string events_replay_endpoint;  // tcp://host:port, or empty
   int events_buffer = 10000;
   std::string advertise_address;  // host:port; empty: listen
+  // A file holding the bearer token this daemon presents on its own calls to peers that are
+  // not made for a client (DNS membership's Stats). Needed with membership dns and auth on;
+  // re-read every round, so a rotated secret is picked up.
+  std::string peer_token_file;
   bool has_peers() const { return present && membership != "none"; }
   // The etcd key prefix of the members: /kvcd/<name>/members/.
   std::string MembersPrefix() const { return "/kvcd/" + name + "/members/"; }

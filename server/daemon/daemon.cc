@@ -253,11 +253,24 @@ absl::Status Daemon::StartCluster() {
   } else {
     membership_ = std::make_unique<EtcdMembership>(k, std::move(self));
   }
+  // The health service "kvcd.cluster" says whether this member is advertised in its cluster
+  // (NOT_SERVING while joining and after the lease is lost); "" and "kvcd.v1.KvCache" stay
+  // as they are: the daemon serves its own sessions throughout.
+  health_.SetServiceServing(kClusterHealthService, false);
+  health_only_.SetServiceServing(kClusterHealthService, false);
   Membership::Listener listener;
+  BlockIndex* index = index_.get();
+  listener.advertised = [this, index](uint64_t) {
+    if (index != nullptr) index->SetAdvertised(true);
+    health_.SetServiceServing(kClusterHealthService, true);
+    health_only_.SetServiceServing(kClusterHealthService, true);
+  };
+  listener.lost = [this, index] {
+    if (index != nullptr) index->SetAdvertised(false);
+    health_.SetServiceServing(kClusterHealthService, false);
+    health_only_.SetServiceServing(kClusterHealthService, false);
+  };
   if (index_) {
-    BlockIndex* index = index_.get();
-    listener.advertised = [index](uint64_t) { index->SetAdvertised(true); };
-    listener.lost = [index] { index->SetAdvertised(false); };
     listener.member_gone = [index](const MemberInfo& m) { index->PurgeMember(m); };
     index_->Start();
   }
@@ -337,7 +350,11 @@ void Daemon::Drain() {
   health_.SetServing(false);
   health_only_.SetServing(false);
   // Leave the cluster first: peers and clients stop routing here while the calls drain.
-  if (membership_) membership_->Stop();
+  if (membership_) {
+    membership_->Stop();
+    health_.SetServiceServing(kClusterHealthService, false);
+    health_only_.SetServiceServing(kClusterHealthService, false);
+  }
   if (index_) index_->Stop();
   if (events_) events_->Stop();
   const auto t0 = std::chrono::steady_clock::now();

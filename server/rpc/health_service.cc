@@ -9,7 +9,7 @@ namespace {
 
 using grpc::health::v1::HealthCheckResponse;
 
-bool KnownService(const std::string& name) { return name.empty() || name == "kvcd.v1.KvCache"; }
+bool ServerWide(const std::string& name) { return name.empty() || name == "kvcd.v1.KvCache"; }
 
 }  // namespace
 
@@ -17,16 +17,17 @@ bool KnownService(const std::string& name) { return name.empty() || name == "kvc
 // flight is sent when that write completes (only the latest status matters).
 class HealthService::Watcher final : public grpc::ServerWriteReactor<HealthCheckResponse> {
  public:
-  Watcher(HealthService* owner, bool known) : owner_(owner), known_(known) {
+  Watcher(HealthService* owner, std::string service) : owner_(owner), service_(std::move(service)) {
     std::lock_guard<std::mutex> lock(owner_->mu_);
     owner_->watchers_.insert(this);
-    SendLocked(owner_->serving_);
+    SendLocked();
   }
 
-  // REQUIRES: owner_->mu_ held.
-  void SendLocked(bool serving) {
-    latest_ = !known_ ? HealthCheckResponse::SERVICE_UNKNOWN
-                      : (serving ? HealthCheckResponse::SERVING : HealthCheckResponse::NOT_SERVING);
+  const std::string& service() const { return service_; }
+
+  // Sends the service's current status. REQUIRES: owner_->mu_ held.
+  void SendLocked() {
+    latest_ = owner_->StatusLocked(service_);
     if (writing_ || done_) {
       dirty_ = true;
       return;
@@ -97,7 +98,7 @@ class HealthService::Watcher final : public grpc::ServerWriteReactor<HealthCheck
 
  private:
   HealthService* owner_;
-  const bool known_;
+  const std::string service_;
   HealthCheckResponse resp_;
   HealthCheckResponse::ServingStatus latest_ = HealthCheckResponse::UNKNOWN;
   bool writing_ = false, dirty_ = false, done_ = false, finish_after_write_ = false;
@@ -109,11 +110,37 @@ HealthService::~HealthService() {
   for (Watcher* w : std::set<Watcher*>(watchers_)) w->FinishLocked(grpc::Status::CANCELLED);
 }
 
+HealthCheckResponse::ServingStatus HealthService::StatusLocked(const std::string& service) const {
+  bool serving = serving_;
+  if (!ServerWide(service)) {
+    const auto it = services_.find(service);
+    if (it == services_.end()) return HealthCheckResponse::SERVICE_UNKNOWN;
+    serving = it->second;
+  }
+  return serving ? HealthCheckResponse::SERVING : HealthCheckResponse::NOT_SERVING;
+}
+
 void HealthService::SetServing(bool serving) {
   std::lock_guard<std::mutex> lock(mu_);
   if (serving_ == serving) return;
   serving_ = serving;
-  for (Watcher* w : watchers_) w->SendLocked(serving);
+  for (Watcher* w : watchers_) {
+    if (ServerWide(w->service())) w->SendLocked();
+  }
+}
+
+void HealthService::SetServiceServing(const std::string& service, bool serving) {
+  if (ServerWide(service)) {
+    SetServing(serving);
+    return;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto it = services_.find(service);
+  if (it != services_.end() && it->second == serving) return;
+  services_[service] = serving;
+  for (Watcher* w : watchers_) {
+    if (w->service() == service) w->SendLocked();
+  }
 }
 
 void HealthService::EndWatches() {
@@ -133,20 +160,26 @@ grpc::ServerUnaryReactor* HealthService::Check(grpc::CallbackServerContext* ctx,
                                                const grpc::health::v1::HealthCheckRequest* req,
                                                HealthCheckResponse* resp) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  if (!KnownService(req->service())) {
-    reactor->Finish(grpc::Status(
-        grpc::StatusCode::NOT_FOUND,
-        "unknown service '" + req->service() + "'; kvcd reports '' and 'kvcd.v1.KvCache'"));
+  HealthCheckResponse::ServingStatus status;
+  std::string known = "'', 'kvcd.v1.KvCache'";
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    status = StatusLocked(req->service());
+    for (const auto& [name, serving] : services_) known += ", '" + name + "'";
+  }
+  if (status == HealthCheckResponse::SERVICE_UNKNOWN) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown service '" + req->service() +
+                                                                  "'; this kvcd reports " + known));
     return reactor;
   }
-  resp->set_status(serving() ? HealthCheckResponse::SERVING : HealthCheckResponse::NOT_SERVING);
+  resp->set_status(status);
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }
 
 grpc::ServerWriteReactor<HealthCheckResponse>* HealthService::Watch(
     grpc::CallbackServerContext* ctx, const grpc::health::v1::HealthCheckRequest* req) {
-  return new Watcher(this, KnownService(req->service()));
+  return new Watcher(this, req->service());
 }
 
 }  // namespace kvcd

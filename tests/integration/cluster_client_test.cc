@@ -169,3 +169,63 @@ TEST_F(ClusterClientTest, SessionGoesToTheHolderAndSurvivesItsMemberKilled) {
 
 }  // namespace
 }  // namespace kvcd::cluster
+
+namespace kvcd::cluster {
+namespace {
+
+// Membership without etcd (membership dns): the client resolves a name (localhost here) on
+// the members' port and names each member by its Stats; sessions route and open as with etcd.
+TEST(ClusterClientDnsTest, MembersFromTheNamesAddresses) {
+  DaemonProcess d;
+  ASSERT_TRUE(d.Start(R"(
+listen: 127.0.0.1:0
+metrics_listen: ""
+memory_budget: 16MiB
+models:
+  - builtin: tiny
+    memory: 1MiB
+cluster:
+  member_id: dns-m
+)"));
+  const std::string& addr = d.grpc();
+  ClusterClientOptions o;
+  o.dns_name = "localhost";
+  o.dns_port = std::stoi(addr.substr(addr.rfind(':') + 1));
+  o.dns_refresh = std::chrono::milliseconds(200);
+  o.client.deadline = std::chrono::milliseconds(10000);
+  auto c = ClusterClient::Connect(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE((*c)->directory().WaitFor(
+      [&](const MemberDirectory::Members& m) {
+        auto it = m.find("dns-m");
+        return it != m.end() && it->second.address == addr && it->second.incarnation.size() == 16;
+      },
+      std::chrono::seconds(10)));
+  const std::vector<int32_t> tokens = synthetic::Tokens(3, 0, 9);
+  auto route = (*c)->Route("tiny", "", tokens);
+  ASSERT_TRUE(route.ok()) << route.status();
+  EXPECT_EQ(route->member_id, "dns-m");
+  auto info = (*(*c)->ClientOf("dns-m"))->GetModel("tiny");
+  ASSERT_TRUE(info.ok()) << info.status();
+  const v1::ModelProfile p = info->profile();
+  KvSource kv = [&](int64_t first, int64_t count, v1::TensorRef* k, v1::TensorRef* v) {
+    const std::vector<int64_t> shape = {p.num_layers(), count, p.num_kv_heads(), p.head_dim()};
+    SetBf16FromFloat(k, shape, synthetic::Kv(3, p, first, count, 0).data());
+    SetBf16FromFloat(v, shape, synthetic::Kv(3, p, first, count, 1).data());
+    return absl::OkStatus();
+  };
+  auto s = (*c)->Open("tiny", "", tokens, kv);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ((*s)->member_id(), "dns-m");
+  EXPECT_EQ((*s)->length(), 9);
+  ASSERT_TRUE((*s)->Close().ok());
+
+  // A name that does not resolve is refused at once (never an empty cluster by mistake).
+  o.dns_name = "no-such-member.invalid";
+  auto none = ClusterClient::Connect(o);
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kUnavailable) << none.status();
+}
+
+}  // namespace
+}  // namespace kvcd::cluster

@@ -301,6 +301,13 @@ cluster:
   ASSERT_TRUE(ParseRedisUrl("redis://redis.kvcd.svc", &host, &port).ok());
   EXPECT_EQ(port, 6379);
 
+  // DNS membership with auth on names the token it calls its peers with.
+  auto with_token = ParseConfig(
+      "auth: {tokens_file: /t.yaml}\ncluster: {membership: dns, dns_name: kvcd, "
+      "peer_token_file: /run/secrets/peer-token}\n");
+  ASSERT_TRUE(with_token.ok()) << with_token.status();
+  EXPECT_EQ(with_token->cluster.peer_token_file, "/run/secrets/peer-token");
+
   // Defaults: the member id is the hostname.
   auto d = ParseConfig("cluster: {}\n");
   ASSERT_TRUE(d.ok()) << d.status();
@@ -327,6 +334,8 @@ cluster:
       {"cluster: {events_replay_endpoint: 'tcp://127.0.0.1:1'}", "needs cluster.events_endpoint"},
       {"cluster: {events_endpoint: 'ipc:///tmp/x'}", "cluster.events_endpoint"},
       {"cluster: {bogus: 1}", "bogus"},
+      {"auth: {tokens_file: /t.yaml}\ncluster: {membership: dns, dns_name: kvcd}",
+       "cluster.peer_token_file is empty"},
   };
   for (const auto& [yaml, want] : bad) {
     auto r = ParseConfig(yaml);
