@@ -17,7 +17,7 @@ from kvcd.cluster import (BlockIndex, ClusterClient, EtcdMembership, RoutingConf
                           block_hashes, to_hex)
 from conftest import (Daemon, bf16_round, random_kv, random_tokens, reference_attention,
                       wait_until)
-from cluster_services import Etcd, Redis
+from cluster_services import Etcd, Redis, free_port
 
 CLUSTER = "sessions"
 PREFIX = f"/kvcd/{CLUSTER}"
@@ -130,6 +130,26 @@ def test_a_killed_member_is_replaced_and_the_session_re_prefilled(cluster):
     assert t.member_id == s.member_id
     t.close()
     assert s.close(commit=True) == 40
+
+
+def test_an_unreachable_index_routes_by_rendezvous(cluster):
+    """The index is a hint: with its Redis not answering (nothing listens on the port),
+    routing falls back to rendezvous and sessions still open and answer right."""
+    cc, members, _, _ = cluster
+    dead = BlockIndex(CLUSTER, url=f"redis://127.0.0.1:{free_port()}/0", timeout=0.5)
+    with ClusterClient(cc.membership, dead, timeout=10) as blind:
+        p = blind.client("m0").profile("tiny")
+        toks = random_tokens(24, 11)
+        k, v = random_kv(p, 24, 11)
+        d = blind.route("tiny", toks)
+        assert d.reason == "rendezvous" and blind.index_errors == 1
+        with blind.open("tiny", toks, k=k, v=v) as s:
+            assert s.member_id in {m.id for m in members} and blind.index_errors == 2
+            q = np.random.default_rng(11).standard_normal(
+                (1, p.num_q_heads, p.head_dim)).astype(np.float32)
+            o, _ = s.attention_decode(0, q)
+            ro, _ = reference_attention(q[0], bf16_round(k[0]), bf16_round(v[0]))
+            np.testing.assert_allclose(o[0], ro, rtol=1e-4, atol=1e-5)
 
 
 def test_fork_and_commit_through_the_session(cluster):

@@ -37,6 +37,18 @@ def history_format_name(info: pb.ModelInfo) -> str:
     return "fsq" if hf == pb.HISTORY_FORMAT_FSQ else "int2-oscar"
 
 
+def _index_unreachable(e: BaseException) -> bool:
+    """Whether ``e`` says the index's Redis did not answer (connection refused, reset,
+    timed out), as opposed to a bug or bad data."""
+    if isinstance(e, (ConnectionError, TimeoutError, OSError)):
+        return True
+    try:
+        import redis as redis_py  # the `cluster` extra
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(e, (redis_py.exceptions.ConnectionError, redis_py.exceptions.TimeoutError))
+
+
 class ClusterClient:
     """Routes sessions over the members of ``membership`` (an EtcdMembership or
     DnsMembership) using ``index`` (a BlockIndex; ``None``: rendezvous only).
@@ -64,6 +76,9 @@ class ClusterClient:
         self.last_lookup_seconds = 0.0
         self.replications = 0
         self.replication_errors = 0
+        # Lookups the index did not answer (Redis down or timing out): routed by
+        # rendezvous and load-free scoring instead.
+        self.index_errors = 0
 
     # -- members ------------------------------------------------------------------------
 
@@ -125,9 +140,17 @@ class ClusterClient:
         hashes = block_hashes(model, cache_salt, fmt, page_size, toks)
         members = self._live()
         t0 = time.perf_counter()
-        holders = self.index.holders(hashes, members) if self.index is not None else \
-            [{} for _ in hashes]
-        loads = self.index.loads(members) if self.index is not None else {}
+        holders: list = [{} for _ in hashes]
+        loads: dict = {}
+        if self.index is not None:
+            try:
+                holders = self.index.holders(hashes, members)
+                loads = self.index.loads(members)
+            except Exception as e:  # the index is a hint: route without it
+                if not _index_unreachable(e):
+                    raise
+                holders, loads = [{} for _ in hashes], {}
+                self.index_errors += 1
         self.last_lookup_seconds = time.perf_counter() - t0
         return decide(hashes, holders, list(members), loads, page_size, self.config,
                       self.hot, exclude)

@@ -9,7 +9,7 @@ given (``retain=True``, the default) or asks ``prefill(start, end) -> (k, v)`` f
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Protocol, Tuple
 
 import numpy as np
 
@@ -17,19 +17,33 @@ from .. import _core as C
 from ..errors import Unavailable
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .client import ClusterClient
-    from ..client import Sequence
+    from ..client import Client, Sequence
+    from .routing import Decision
 
-__all__ = ["ClusterSession"]
+__all__ = ["ClusterSession", "Prefill", "Router"]
 
 Prefill = Callable[[int, int], Tuple[Any, Any]]
+
+
+class Router(Protocol):
+    """What a session asks of the cluster it lives on (ClusterClient provides it): where to
+    open, a member's client, replication of a hot prefix, and a member's loss."""
+
+    def route(self, model: str, tokens: Any, *, cache_salt: str = "",
+              exclude: Tuple[str, ...] = ()) -> "Decision": ...
+
+    def replicate(self, d: "Decision", model: str, tokens: Any, cache_salt: str) -> str: ...
+
+    def client(self, member_id: str) -> "Client": ...
+
+    def mark_down(self, member_id: str) -> None: ...
 
 
 class ClusterSession:
     """Create with :meth:`ClusterClient.open`. ``member_id`` is where the sequence lives
     now; ``failovers`` and ``reprefilled_tokens`` count what a lost member cost."""
 
-    def __init__(self, cluster: "ClusterClient", model: str, cache_salt: str,
+    def __init__(self, cluster: Router, model: str, cache_salt: str,
                  tokens: List[int], prefill: Optional[Prefill], lease_ms: int) -> None:
         self.cluster = cluster
         self.model = model
