@@ -207,11 +207,13 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     std::vector<int32_t>& host_i32 = table_;
     host_i32.clear();
     for (auto l = lists_.begin(); l != lists_end; ++l) {
+      int64_t total_len = 0;
       for (int j = 0; j < batch; ++j) {
         l->max_pages = std::max(l->max_pages, static_cast<int>(l->pages[j].size()));
         l->max_len = std::max(l->max_len, l->lens[j]);
+        total_len += l->lens[j];
       }
-      l->splits = l->max_len > 0 ? l->format->AttendSplits(geo, l->max_len, sms_) : 0;
+      l->splits = l->max_len > 0 ? l->format->AttendSplits(geo, l->max_len, total_len, sms_) : 0;
       parts += l->splits;
       if (l->splits > 0) {
         state_bytes = std::max(state_bytes, l->format->AttendStateBytes(geo, l->max_len, sms_));

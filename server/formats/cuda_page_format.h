@@ -50,9 +50,11 @@ class CudaPageFormat {
     void* stream = nullptr;
   };
   // How many parts the launch writes per row (splits that fill the GPU for a batch whose
-  // longest page list holds max_tokens, or 1 for a format that merges its own splits).
+  // longest page list holds max_tokens and whose lists hold total_tokens together, sized by
+  // the longest list when the lengths differ: kernels/split_balance.h; or 1 for a format
+  // that merges its own splits).
   virtual int AttendSplits(const kernels::cuda::DecodeGeometry& geo, int max_tokens,
-                           int num_sms) const = 0;
+                           int64_t total_tokens, int num_sms) const = 0;
   virtual size_t AttendStateBytes(const kernels::cuda::DecodeGeometry& geo, int max_tokens,
                                   int num_sms) const {
     return 0;
