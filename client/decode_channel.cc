@@ -81,6 +81,13 @@ DecodeChannel::~DecodeChannel() {
   if (header_ != nullptr) munmap(header_, bytes_);
 }
 
+void DecodeChannel::SetDeviceSignal(uint64_t buffer_id, uint64_t offset) {
+  if (header_ == nullptr) return;
+  // Published with the next request (PublishRequest's seq_cst store of request_seq).
+  header_->signal_offset.store(offset, std::memory_order_relaxed);
+  header_->signal_buffer.store(buffer_id, std::memory_order_relaxed);
+}
+
 absl::StatusOr<v1::AttentionDecodeResponse> DecodeChannel::Call(
     const v1::AttentionDecodeRequest& req) {
   if (broken_ || header_ == nullptr) {

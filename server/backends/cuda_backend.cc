@@ -20,6 +20,7 @@
 #include "kvcd/kernels/cuda_device_copy.h"
 #include "kvcd/kernels/cuda_page_copy.h"
 #include "kvcd/kernels/cuda_runtime_api.h"
+#include "kvcd/kernels/cuda_stream_memops.h"
 #include "kvcd/kernels/device_fault.h"
 #include "server/backends/backend.h"
 #include "server/backends/cuda_fault_board.h"
@@ -123,6 +124,24 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     if (timeline_ != nullptr) timeline_->End();
     RETURN_IF_CUDA(kc::RecordEvent(e));
     return absl::OkStatus();
+  }
+  absl::Status WaitValue(const uint32_t* word, uint32_t value) override {
+    if (!kc::StreamMemopsAvailable()) {
+      return absl::FailedPreconditionError(
+          "this GPU's driver offers no stream memory operations (cuStreamWaitValue32); "
+          "order the buffer with its IPC events instead (no device signal words)");
+    }
+    RETURN_IF_CUDA(kc::StreamWaitValue32(nullptr, word, value));
+    if (timeline_ != nullptr) timeline_->Start();
+    return absl::OkStatus();
+  }
+  absl::Status WriteValue(uint32_t* word, uint32_t value) override {
+    if (timeline_ != nullptr) timeline_->End();
+    RETURN_IF_CUDA(kc::StreamWriteValue32(nullptr, word, value));
+    return absl::OkStatus();
+  }
+  void ReleaseValue(uint32_t* word, uint32_t value) override {
+    Note(kc::ReleaseValue32(word, value));
   }
   absl::Status CopyDeviceToHost(void* host, const void* dev, size_t bytes) override {
     RETURN_IF_CUDA(kc::CopyToHost(host, dev, bytes));

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Issue #36 on the H200, one lease (~6 minutes), most important first:
+#   1. tests: every CUDA kernel test (kvcd_cuda_tests) and every data-plane test (CUDA daemon
+#      vs CPU daemon per format: the formats' new split rule, AttendSplits sized by the
+#      longest list of a ragged batch, must keep them within their bounds);
+#   2. the per-layer decode loop through kvcd (bench/run-decode-batch.sh, INT2 history, 32k /
+#      100k, batch 1 / 8), each row with the cross-process hops as IPC events (the old path,
+#      --hops events) and as stream memory operations on device signal words (--hops memops,
+#      the new default), beside the in-process cuDNN loop of the same lease;
+#   3. the worker-death check with the new hops (bench/run-h200-worker-death.sh: a worker
+#      killed mid-step leaves the daemon and the other workers unharmed);
+#   4. the job-level bench under a 60 GB budget with the daemon's new split rule ("daemon"
+#      rows) beside the bench's own balanced rule, then the cuDNN BF16 baseline in process.
+#   here:   ./scripts/build.sh kvcd kvctl kvcd_cuda_tests kvcd_data_plane_tests \
+#             kvcd_prefill_worker kvcd_decode_worker cuda_job_bench &&
+#           KVCD_PACK_ONLY="kvcd kvctl kvcd_cuda_tests kvcd_data_plane_tests kvcd_prefill_worker \
+#             kvcd_decode_worker cuda_job_bench" ./scripts/pack-device.sh
+#   device: bench/run-h200-gpu-step.sh   (device tool, carry [".devbin", ".devlibs"])
+# Writes $OUT/summary.txt and $OUT/logs.tgz (re-packed after every step).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+final=${OUT:-/tmp/kvcd-h200-gpu-step}
+out=/tmp/kvcd-h200-gpu-step-logs
+mkdir -p "$final" "$out"
+export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH=$PWD/.devlibs
+BIN=.devbin
+summary() { echo "$*" | tee -a "$final/summary.txt"; }
+pack() { tar -czf "$final/logs.tgz" -C "$out" . 2>/dev/null; }
+step() {  # name, timeout, command...
+  local name=$1 limit=$2 t0=$SECONDS
+  shift 2
+  timeout "$limit" stdbuf -oL "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  summary "$name rc $rc ($((SECONDS - t0)) s): $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\] [0-9]+ tests?' "$out/$name.log" | tr '\n' ' ')"
+  grep -E '^\[  FAILED  \] [A-Za-z]' "$out/$name.log" | head -20 | tee -a "$final/summary.txt"
+  pack
+}
+: > "$final/summary.txt"
+summary "$(nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.max.sm --format=csv,noheader 2>&1)"
+
+# 1. tests
+step cuda-tests 150 "$BIN/kvcd_cuda_tests"
+grep -E 'Failure|actual:|exceeds' "$out/cuda-tests.log" | head -12 | tee -a "$final/summary.txt"
+KVCD_BINARY=$BIN/kvcd step data-plane 200 "$BIN/kvcd_data_plane_tests"
+grep -hE 'CUDA vs CPU' "$out/data-plane.log" | head -8 | tee -a "$final/summary.txt"
+
+# 2. the decode loop, old hops vs new, cuDNN baseline in the same run
+KVCD_RUNS="qwen3-8b-int2:32768 qwen3-8b-int2:99968" KVCD_BATCHES="1 8" \
+  KVCD_HOPS="events memops" OUT=$out/decode-batch step decode-batch 240 bench/run-decode-batch.sh
+grep -E 'hops|^\|' "$out/decode-batch.log" | tee -a "$final/summary.txt"
+grep -hE 'per call' "$out"/decode-batch/decode-*.log | head -8 | tee -a "$final/summary.txt"
+
+# 3. a worker killed mid-step, with the new hops
+OUT=$out/worker-death step worker-death 120 bench/run-h200-worker-death.sh
+grep -E '^(ok|FAILED|worker death|tokens/s)' "$out/worker-death.log" | tee -a "$final/summary.txt"
+
+# 4. job-level throughput with the daemon's split rule, then the cuDNN baseline
+trace=${KVCD_TRACE:-}
+for t in $BIN/trace-lengths.jsonl ../shared/data/traces/mooncake_synthetic_trace.jsonl; do
+  [[ -z $trace && -f $t ]] && trace=$t
+done
+if [[ -z $trace ]]; then
+  summary "job bench: no trace file (set KVCD_TRACE)"
+else
+  step job-bench 120 "$BIN/cuda_job_bench" --trace "$trace" --budget_gb 60 --splits both \
+    --out "$out/job-bench.md"
+  sed -n '/^device/p;/^|/p' "$out/job-bench.log" | tee -a "$final/summary.txt"
+  step job-baseline 120 python3 bench/job_baseline.py --trace "$trace" --budget_gb 60 \
+    --out "$out/job-baseline.json"
+  grep -E '^(device|\||graph|cuDNN|no )' "$out/job-baseline.log" | tee -a "$final/summary.txt"
+fi
+summary "done in $SECONDS s"
