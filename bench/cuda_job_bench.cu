@@ -268,8 +268,8 @@ Result RunFormat(const std::string& fmt, const std::vector<int>& trace, int64_t 
     int64_t list_tokens = 0;
     for (int32_t n : hl) list_tokens += n;
     const int64_t target = std::max<int64_t>(256, list_tokens * kHkv / (2 * int64_t{sms} * per_sm));
-    splits_h =
-        static_cast<int>(std::clamp<int64_t>((hlist.max_len + target - 1) / target, h_uniform, 512));
+    splits_h = static_cast<int>(
+        std::clamp<int64_t>((hlist.max_len + target - 1) / target, h_uniform, 512));
   }
   r.splits = splits_h;
   const int parts = w_splits + splits_h;

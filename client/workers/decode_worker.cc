@@ -251,8 +251,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "--hops memops needs --transport channel and --wait device\n");
     return 2;
   }
-  const bool memops = hops_flag == "memops" ||
-                      (hops_flag == "auto" && transport == "channel" && !host_wait);
+  const bool memops =
+      hops_flag == "memops" || (hops_flag == "auto" && transport == "channel" && !host_wait);
   const std::string io = absl::GetFlag(FLAGS_io);
   if (io != "ipc" && io != "host") {
     std::fprintf(stderr, "--io must be ipc or host\n");

@@ -75,10 +75,10 @@ absl::Status IpcBuffer::WaitDone(cudaStream_t stream) {
 
 absl::Status IpcBuffer::UseSignalWords(uint64_t offset) {
   if (offset % 8 != 0 || offset > size_ || size_ - offset < 8) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("signal words at offset ", offset, ": expected a multiple of 8 with 8 bytes "
-                     "inside the buffer of ",
-                     size_, " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat("signal words at offset ", offset,
+                                                   ": expected a multiple of 8 with 8 bytes "
+                                                   "inside the buffer of ",
+                                                   size_, " bytes"));
   }
   if (!kernels::cuda::StreamMemopsAvailable()) {
     return absl::FailedPreconditionError(

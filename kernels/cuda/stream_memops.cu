@@ -81,10 +81,9 @@ Error StreamWriteValue32(void* stream, uint32_t* word, uint32_t value) {
 Error ReleaseValue32(uint32_t* word, uint32_t value) {
   const Memops& m = Get();
   if (m.write == nullptr || m.release == nullptr) return ToError(cudaErrorNotSupported);
-  return FromDriver(
-      m.write(static_cast<CUstream>(m.release), reinterpret_cast<CUdeviceptr>(word), value,
-              CU_STREAM_WRITE_VALUE_DEFAULT),
-      "cuStreamWriteValue32 (release)");
+  return FromDriver(m.write(static_cast<CUstream>(m.release), reinterpret_cast<CUdeviceptr>(word),
+                            value, CU_STREAM_WRITE_VALUE_DEFAULT),
+                    "cuStreamWriteValue32 (release)");
 }
 
 }  // namespace kvcd::kernels::cuda

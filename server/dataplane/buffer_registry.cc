@@ -151,9 +151,10 @@ absl::StatusOr<uint32_t*> SignalWord(const BufferRegistry::Region& r, uint64_t o
                                      uint64_t word) {
   const BufferRegistry::Buffer& b = *r.buffer;
   if (offset % 8 != 0 || offset > b.size || b.size - offset < 8) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "decode channel signal_offset is ", offset, ", expected a multiple of 8 with its 8 bytes "
-        "(ready word, done word) inside buffer ", b.id, " of ", b.size, " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat("decode channel signal_offset is ", offset,
+                                                   ", expected a multiple of 8 with its 8 bytes "
+                                                   "(ready word, done word) inside buffer ",
+                                                   b.id, " of ", b.size, " bytes"));
   }
   return reinterpret_cast<uint32_t*>(b.base + offset) + word;
 }

@@ -33,9 +33,10 @@ class DecodeEngine {
   };
   // The same, with the call's CUDA IPC buffer `signal.buffer_id` ordered through the signal
   // words instead of its events.
-  virtual absl::Status AttentionDecodeSignaled(
-      const v1::AttentionDecodeRequest& req, v1::AttentionDecodeResponse* resp,
-      const std::vector<std::shared_ptr<Sequence>>& found, const DeviceSignal& signal) = 0;
+  virtual absl::Status AttentionDecodeSignaled(const v1::AttentionDecodeRequest& req,
+                                               v1::AttentionDecodeResponse* resp,
+                                               const std::vector<std::shared_ptr<Sequence>>& found,
+                                               const DeviceSignal& signal) = 0;
 };
 
 class DecodeAdmission {

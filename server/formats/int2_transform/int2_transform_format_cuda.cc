@@ -142,8 +142,7 @@ class Int2TransformCudaFormat final : public CudaFormat<Int2TransformPageFormat>
            : kc::TransformDecodeSplits(geo.batch, geo.num_kv_heads, max_tokens, num_sms);
     const int wave = tc ? kc::TransformTcDecodeSplits(1, group, 1, kUnbounded, num_sms)
                         : kc::TransformDecodeSplits(1, 1, kUnbounded, num_sms);
-    return kc::BalancedSplits(uniform, geo.batch, geo.num_kv_heads, max_tokens, total_tokens,
-                              wave);
+    return kc::BalancedSplits(uniform, geo.batch, geo.num_kv_heads, max_tokens, total_tokens, wave);
   }
 
   size_t AttendStateBytes(const kc::DecodeGeometry& geo, int /*max_tokens*/,

@@ -1,10 +1,10 @@
 // The split rule of ragged decode batches (kvcd/kernels/cuda_split_balance.h): host
 // arithmetic, so it is checked here without a GPU.
-#include "kvcd/kernels/cuda_split_balance.h"
-
 #include <gtest/gtest.h>
 
 #include <cstdint>
+
+#include "kvcd/kernels/cuda_split_balance.h"
 
 namespace kvcd::kernels::cuda {
 namespace {

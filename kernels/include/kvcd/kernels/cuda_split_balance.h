@@ -29,8 +29,8 @@ inline constexpr int kBalancedMaxSplits = 512;
 // max(uniform, kBalancedMaxSplits).
 inline int BalancedSplits(int uniform, int batch, int num_kv_heads, int64_t max_tokens,
                           int64_t total_tokens, int64_t wave_ctas) {
-  if (batch <= 1 || num_kv_heads <= 0 || max_tokens <= 0 || wave_ctas <= 0 ||
-      total_tokens <= 0 || max_tokens * batch <= total_tokens) {
+  if (batch <= 1 || num_kv_heads <= 0 || max_tokens <= 0 || wave_ctas <= 0 || total_tokens <= 0 ||
+      max_tokens * batch <= total_tokens) {
     return uniform;
   }
   const double mean = static_cast<double>(total_tokens) / batch;
@@ -38,8 +38,10 @@ inline int BalancedSplits(int uniform, int batch, int num_kv_heads, int64_t max_
   const double share =
       static_cast<double>(total_tokens) * num_kv_heads / static_cast<double>(wave_ctas) / skew;
   const double per_split = std::max(static_cast<double>(kBalancedMinTokensPerSplit), share);
-  const auto splits = static_cast<int64_t>(std::llround(static_cast<double>(max_tokens) / per_split));
-  return static_cast<int>(std::max<int64_t>(uniform, std::min<int64_t>(splits, kBalancedMaxSplits)));
+  const auto splits =
+      static_cast<int64_t>(std::llround(static_cast<double>(max_tokens) / per_split));
+  return static_cast<int>(
+      std::max<int64_t>(uniform, std::min<int64_t>(splits, kBalancedMaxSplits)));
 }
 
 }  // namespace kvcd::kernels::cuda
