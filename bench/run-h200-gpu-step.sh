@@ -14,8 +14,10 @@
 #   here:   ./scripts/build.sh kvcd kvctl kvcd_cuda_tests kvcd_data_plane_tests \
 #             kvcd_prefill_worker kvcd_decode_worker cuda_job_bench &&
 #           KVCD_PACK_ONLY="kvcd kvctl kvcd_cuda_tests kvcd_data_plane_tests kvcd_prefill_worker \
-#             kvcd_decode_worker cuda_job_bench" ./scripts/pack-device.sh
-#   device: bench/run-h200-gpu-step.sh   (device tool, carry [".devbin", ".devlibs"])
+#             kvcd_decode_worker cuda_job_bench" ./scripts/pack-device.sh &&
+#           tar -czf /tmp/pack.tgz .devbin .devlibs && rm -rf .devbin .devlibs &&
+#           mkdir .devbin && mv /tmp/pack.tgz .devbin/   (52 MB of binaries as 21 MB)
+#   device: tar -xzf .devbin/pack.tgz && bench/run-h200-gpu-step.sh   (carry [".devbin"])
 # Writes $OUT/summary.txt and $OUT/logs.tgz (re-packed after every step).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,8 +46,24 @@ grep -E 'Failure|actual:|exceeds' "$out/cuda-tests.log" | head -12 | tee -a "$fi
 KVCD_BINARY=$BIN/kvcd step data-plane 200 "$BIN/kvcd_data_plane_tests"
 grep -hE 'CUDA vs CPU' "$out/data-plane.log" | head -8 | tee -a "$final/summary.txt"
 
-# 2. the decode loop, old hops vs new, cuDNN baseline in the same run
-KVCD_RUNS="qwen3-8b-int2:32768 qwen3-8b-int2:99968" KVCD_BATCHES="1 8" \
+# 2. the decode loop, old hops vs new, cuDNN baseline in the same run (the INT2 model of
+# kvcd-decode-step.yaml alone: fits an H100's 80 GB as well)
+cat > "$out/kvcd-int2.yaml" <<'YAML'
+listen: 127.0.0.1:0
+metrics_listen: 127.0.0.1:0
+backend: cuda
+cuda_device: 0
+memory_budget: 40GiB
+lease: {default_ms: 60000, max_ms: 600000}
+drain_timeout_ms: 2000
+models:
+  - builtin: qwen3-8b
+    name: qwen3-8b-int2
+    history_format: int2-oscar
+    memory: 36GiB
+    bf16_fraction: 0.15
+YAML
+KVCD_CONFIG=$out/kvcd-int2.yaml KVCD_RUNS="qwen3-8b-int2:32768 qwen3-8b-int2:99968" KVCD_BATCHES="1 8" \
   KVCD_HOPS="events memops" OUT=$out/decode-batch step decode-batch 240 bench/run-decode-batch.sh
 grep -E 'hops|^\|' "$out/decode-batch.log" | tee -a "$final/summary.txt"
 grep -hE 'per call' "$out"/decode-batch/decode-*.log | head -8 | tee -a "$final/summary.txt"
