@@ -10,7 +10,7 @@
 # partly hit L2, where cuDNN reads B separate caches); KVCD_DISTINCT=1 gives each sequence
 # its own copy of the prompt instead (B prefills; memory allows INT2 up to B = 8 at 100k).
 # KVCD_RUNS ("qwen3-8b-int2:32768 qwen3-8b-int2:99968 qwen3-8b:32768 qwen3-8b:99968"),
-# KVCD_BATCHES ("1 8 64"), KVCD_STEPS (16), KVCD_HOPS ("auto": the worker's --hops, e.g.
+# KVCD_BATCHES ("1 8 64"), KVCD_STEPS (16), KVCD_HOPS ("events": the worker's --hops, e.g.
 # "memops events" to run both orderings of the cross-process hops, issue #36), KVCD_CONFIG
 # (deploy/config/kvcd-decode-step.yaml: 90 GiB, INT2 and BF16 models). Writes
 # $OUT/decode-batch.txt (the table last). About 90 s.
@@ -24,7 +24,7 @@ export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH=$PWD/.devlibs KVCD_PHASE_TIMES=0
 BIN=${KVCD_BIN:-.devbin}
 BATCHES=${KVCD_BATCHES:-1 8 64}
 STEPS=${KVCD_STEPS:-16}
-HOPS=${KVCD_HOPS:-auto}
+HOPS=${KVCD_HOPS:-events}
 nvidia-cuda-mps-control -d && echo "MPS on"
 start_kvcd "$BIN/kvcd" "${KVCD_CONFIG:-deploy/config/kvcd-decode-step.yaml}" || exit 1
 rc=0

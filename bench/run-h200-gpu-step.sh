@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Issue #36 on the H200, one lease (~6 minutes), most important first:
 #   1. tests: every CUDA kernel test (kvcd_cuda_tests) and every data-plane test (CUDA daemon
-#      vs CPU daemon per format: the formats' new split rule, AttendSplits sized by the
-#      longest list of a ragged batch, must keep them within their bounds);
+#      vs CPU daemon per format; the signal-word hops against inline calls), then the
+#      data-plane tests again with KVCD_SPLITS=balanced (the formats' split rule for ragged
+#      batches, opt-in until this run);
 #   2. the per-layer decode loop through kvcd (bench/run-decode-batch.sh, INT2 history, 32k /
-#      100k, batch 1 / 8), each row with the cross-process hops as IPC events (the old path,
+#      100k, batch 1 / 8), each row with the cross-process hops as IPC events (the default,
 #      --hops events) and as stream memory operations on device signal words (--hops memops,
-#      the new default), beside the in-process cuDNN loop of the same lease;
+#      opt-in until this run), beside the in-process cuDNN loop of the same lease;
 #   3. the worker-death check with the new hops (bench/run-h200-worker-death.sh: a worker
 #      killed mid-step leaves the daemon and the other workers unharmed);
-#   4. the job-level bench under a 60 GB budget with the daemon's new split rule ("daemon"
-#      rows) beside the bench's own balanced rule, then the cuDNN BF16 baseline in process.
+#   4. the job-level bench under a 60 GB budget: the kernels' own split counts ("daemon") and
+#      the formats' balanced rule ("balanced", what KVCD_SPLITS=balanced gives the daemon),
+#      then the cuDNN BF16 baseline in process.
 #   here:   ./scripts/build.sh kvcd kvctl kvcd_cuda_tests kvcd_data_plane_tests \
 #             kvcd_prefill_worker kvcd_decode_worker cuda_job_bench &&
 #           KVCD_PACK_ONLY="kvcd kvctl kvcd_cuda_tests kvcd_data_plane_tests kvcd_prefill_worker \
@@ -45,6 +47,7 @@ step cuda-tests 150 "$BIN/kvcd_cuda_tests"
 grep -E 'Failure|actual:|exceeds' "$out/cuda-tests.log" | head -12 | tee -a "$final/summary.txt"
 KVCD_BINARY=$BIN/kvcd step data-plane 200 "$BIN/kvcd_data_plane_tests"
 grep -hE 'CUDA vs CPU' "$out/data-plane.log" | head -8 | tee -a "$final/summary.txt"
+KVCD_SPLITS=balanced KVCD_BINARY=$BIN/kvcd step data-plane-balanced 200 "$BIN/kvcd_data_plane_tests"
 
 # 2. the decode loop, old hops vs new, cuDNN baseline in the same run (the INT2 model of
 # kvcd-decode-step.yaml alone: fits an H100's 80 GB as well)
@@ -69,7 +72,7 @@ grep -E 'hops|^\|' "$out/decode-batch.log" | tee -a "$final/summary.txt"
 grep -hE 'per call' "$out"/decode-batch/decode-*.log | head -8 | tee -a "$final/summary.txt"
 
 # 3. a worker killed mid-step, with the new hops
-OUT=$out/worker-death step worker-death 120 bench/run-h200-worker-death.sh
+KVCD_HOPS=memops OUT=$out/worker-death step worker-death 120 bench/run-h200-worker-death.sh
 grep -E '^(ok|FAILED|worker death|tokens/s)' "$out/worker-death.log" | tee -a "$final/summary.txt"
 
 # 4. job-level throughput with the daemon's split rule, then the cuDNN baseline

@@ -14,10 +14,10 @@
 // waits for its result on the host (latency of one layer, not throughput). Finally the
 // IPC result of one call is checked against the same call with inline tensors. With
 // --wait host the host waits for the ready and done events instead of the streams.
-// --hops (issue #36): how the two cross-process hops of a call are ordered on the GPU over
-// the decode channel: memops (stream memory operations on device signal words of the IPC
-// buffer, cuStreamWriteValue32 / cuStreamWaitValue32), events (the buffer's IPC events), or
-// auto (the default: memops with --transport channel and --wait device, else events).
+// --hops (issue #36): how the two cross-process hops of a call are ordered on the GPU: events
+// (the buffer's IPC events, the default) or memops (over the decode channel with --wait
+// device: stream memory operations on device signal words of the IPC buffer,
+// cuStreamWriteValue32 / cuStreamWaitValue32; opt-in until a device run has measured it).
 //
 // With --io host the loop needs no GPU: queries, K/V rows and results travel inline over the
 // same transports (any backend; a prompt not yet cached is appended first from synthetic
@@ -33,7 +33,7 @@
 // Usage: kvcd_decode_worker --target HOST:PORT --model NAME [--tokens 32768] [--seed 1]
 //          [--salt prefill] [--steps 16] [--sync] [--device 0] [--transport channel|stream]
 //          [--wait device|host] [--io ipc|host] [--batch 1] [--lease-ms N] [--die-after-calls N]
-//          [--hops auto|memops|events]
+//          [--hops events|memops]
 //
 // --batch B (IPC loop): B sequences opened on the same cached prompt decode together, one
 // call per layer for all of them (tokens/s counts every sequence's tokens); with
@@ -66,9 +66,9 @@ ABSL_FLAG(std::string, wait, "device",
           "device: order through stream waits on the IPC events; host: the host waits");
 ABSL_FLAG(std::string, transport, "channel",
           "channel (same-node decode channel) or stream (AttentionDecodeStream)");
-ABSL_FLAG(std::string, hops, "auto",
-          "cross-process hops over the decode channel: memops (device signal words), events "
-          "(IPC events), or auto (memops with --transport channel and --wait device)");
+ABSL_FLAG(std::string, hops, "events",
+          "cross-process hops: events (IPC events) or memops (device signal words over the "
+          "decode channel, with --wait device)");
 ABSL_FLAG(std::string, io, "ipc", "ipc (CUDA IPC regions) or host (inline tensors, no GPU)");
 ABSL_FLAG(int64_t, lease_ms, 600000, "lease of the sequences, the channel and the IPC buffer");
 ABSL_FLAG(int64_t, die_after_calls, 0,
@@ -243,16 +243,15 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string hops_flag = absl::GetFlag(FLAGS_hops);
-  if (hops_flag != "auto" && hops_flag != "memops" && hops_flag != "events") {
-    std::fprintf(stderr, "--hops must be auto, memops or events\n");
+  if (hops_flag != "memops" && hops_flag != "events") {
+    std::fprintf(stderr, "--hops must be events or memops\n");
     return 2;
   }
   if (hops_flag == "memops" && (transport != "channel" || host_wait)) {
     std::fprintf(stderr, "--hops memops needs --transport channel and --wait device\n");
     return 2;
   }
-  const bool memops =
-      hops_flag == "memops" || (hops_flag == "auto" && transport == "channel" && !host_wait);
+  const bool memops = hops_flag == "memops";
   const std::string io = absl::GetFlag(FLAGS_io);
   if (io != "ipc" && io != "host") {
     std::fprintf(stderr, "--io must be ipc or host\n");

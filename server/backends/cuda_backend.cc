@@ -232,7 +232,9 @@ class CudaBackend final : public Backend, public DeviceRuntime {
         l->max_len = std::max(l->max_len, l->lens[j]);
         total_len += l->lens[j];
       }
-      l->splits = l->max_len > 0 ? l->format->AttendSplits(geo, l->max_len, total_len, sms_) : 0;
+      l->splits = l->max_len > 0 ? l->format->AttendSplits(geo, l->max_len,
+                                                           balanced_splits_ ? total_len : 0, sms_)
+                                 : 0;
       parts += l->splits;
       if (l->splits > 0) {
         state_bytes = std::max(state_bytes, l->format->AttendStateBytes(geo, l->max_len, sms_));
@@ -448,6 +450,12 @@ class CudaBackend final : public Backend, public DeviceRuntime {
   }
 
  private:
+  // KVCD_SPLITS=balanced: the formats size their splits by the longest list of a ragged
+  // batch (AttendSplits' total_tokens); default: each kernel's own count.
+  static bool BalancedSplitsFromEnv() {
+    const char* v = std::getenv("KVCD_SPLITS");
+    return v != nullptr && std::strcmp(v, "balanced") == 0;
+  }
   static bool SideListsFromEnv() {
     const char* v = std::getenv("KVCD_SIDE_STREAM");
     return v == nullptr || std::strcmp(v, "0") != 0;
@@ -509,6 +517,7 @@ class CudaBackend final : public Backend, public DeviceRuntime {
   const int sms_;
   // Lists beside the last one run on a second stream (KVCD_SIDE_STREAM=0 turns it off).
   const bool side_lists_ = SideListsFromEnv();
+  const bool balanced_splits_ = BalancedSplitsFromEnv();
   void* side_stream_ = nullptr;  // created on first use, under mu_
   void* fork_event_ = nullptr;
   void* join_event_ = nullptr;

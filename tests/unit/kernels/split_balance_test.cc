@@ -24,14 +24,16 @@ TEST(BalancedSplitsTest, EqualLengthsKeepTheKernelsOwnCount) {
   }
 }
 
-TEST(BalancedSplitsTest, OneSequenceKeepsTheKernelsOwnCount) {
+TEST(BalancedSplitsTest, OneSequenceOrNoTotalKeepsTheKernelsOwnCount) {
   EXPECT_EQ(BalancedSplits(66, 1, kHkv, 99968, 99968, kWave), 66);
+  // total_tokens 0: the daemon's default (KVCD_SPLITS unset) passes no total.
+  EXPECT_EQ(BalancedSplits(1, 194, kHkv, 84559, 0, kWave), 1);
 }
 
 TEST(BalancedSplitsTest, TheJobBenchsTraceBatchGetsFourSplits) {
   // bench/results/2026-12-05-h200-s21.md, section 2: 194 INT2 sequences of the Mooncake
   // trace, 2,896,335 tokens, the longest 84,559; the kernel's own rule gives 1 split, the
-  // bench's balanced rule measured best gave 4 (39.6 -> 25.1 ms per step).
+  // bench's balanced rule gave 4 (39.6 -> 25.1 ms per step); so does this one.
   EXPECT_EQ(BalancedSplits(1, 194, kHkv, 84559, 2896335, kWave), 4);
 }
 
