@@ -105,6 +105,9 @@ absl::StatusOr<v1::AttentionDecodeResponse> DecodeChannel::Call(
   PhaseLap lap;
   const size_t n = req.ByteSizeLong();
   if (n > h.capacity) {
+    // The number is spent all the same: a ready word the caller already wrote for it must
+    // not satisfy the daemon's wait for the next call (device signal words).
+    ++seq_;
     return absl::InvalidArgumentError(absl::StrCat(
         "the request has ", n, " bytes, more than the channel's capacity ", h.capacity));
   }
