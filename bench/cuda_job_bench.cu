@@ -17,8 +17,9 @@
 // kernel, then LaunchMergeParts), the layers' pages distinct (layer-major pool). Not
 // counted: the row store of the step's new token (one row per sequence and layer) and the
 // process boundary (this is the daemon's GPU work in one process). Each format runs twice:
-// with the split counts the daemon's formats choose (sized for a batch of equal lengths) and
-// with the history's splits sized by the longest sequence ("balanced", RunFormat says how).
+// with the split counts the daemon's formats choose by default (each kernel's own, sized for a
+// batch of equal lengths) and with the history's splits sized by the longest sequence
+// ("balanced": the formats' rule with KVCD_SPLITS=balanced, kvcd/kernels/cuda_split_balance.h).
 // Pages hold random codes with valid parameters (times do not depend on the values; the
 // kernel tests check results against the float64 oracle); queries are random.
 //
@@ -44,6 +45,7 @@
 #include "kvcd/kernels/bf16_attention.h"
 #include "kvcd/kernels/cuda_bf16_split_attention.h"
 #include "kvcd/kernels/cuda_decode_attention.h"
+#include "kvcd/kernels/cuda_split_balance.h"
 #include "kvcd/kernels/cuda_transform.h"
 #include "kvcd/kernels/int2_attention.h"
 #include "transform_device_codec.cuh"
@@ -228,31 +230,40 @@ Result RunFormat(const std::string& fmt, const std::vector<int>& trace, int64_t 
   for (auto& x : q) x = normal(rng);
   float* d_q = Upload(q);
   const float scale = 1.0f / std::sqrt(static_cast<float>(kD));
-  // Splits as the daemon's formats choose them.
-  const int w_splits =
+  // Splits as the daemon's formats choose them (AttendSplits): "daemon", each kernel's own
+  // count (sized for a batch of equal lengths: one wave of CTAs; the daemon's default);
+  // "balanced", sized by the longest list when the lengths differ (KVCD_SPLITS=balanced,
+  // kvcd/kernels/cuda_split_balance.h). With the trace's lengths (up to ~8x the mean) the
+  // kernels' own count leaves one CTA walking the longest sequence alone while the others are
+  // done; the balanced rule gives each CTA at most half of an even share of one wave's tokens
+  // (CTAs past a sequence's length exit at once).
+  int64_t w_total = 0, h_total = 0;
+  for (int32_t n : wl) w_total += n;
+  for (int32_t n : hl) h_total += n;
+  const int64_t bf16_wave = int64_t{std::max(1, kc::Bf16SplitCtasPerSm(kD))} * sms;
+  const int w_uniform =
       bf16 ? 0 : kc::Bf16DecodeSplits(kc::Bf16Kernel::kSplit, batch, kHkv, kD, wlist->max_len, sms);
+  const int w_splits = balanced && !bf16 ? kc::BalancedSplits(w_uniform, batch, kHkv,
+                                                              wlist->max_len, w_total, bf16_wave)
+                                         : w_uniform;
   const kc::TransformPageOffsets xoff(xlayout);
   const bool use_tc = xform && tc && kc::TransformTensorCoreServes(geo, xoff);
-  const int h_splits =
+  constexpr int kUnbounded = 1 << 30;
+  const int h_uniform =
       bf16 ? kc::Bf16DecodeSplits(kc::Bf16Kernel::kSplit, batch, kHkv, kD, hlist.max_len, sms)
       : xform
           ? (use_tc ? kc::TransformTcDecodeSplits(batch, kHq, kHkv, hlist.max_len, sms)
                     : kc::TransformDecodeSplits(batch, kHkv, hlist.max_len, sms))
           : kc::Int2DecodeSplits(batch, kHkv, hlist.max_len, sms, kc::Int2CtasPerSm(kHq, kHkv, kD));
-  // Balanced: the uniform split count of the daemon's formats is sized for a batch of equal
-  // lengths (one wave of CTAs); with the trace's lengths (up to ~8x the mean) one CTA then
-  // walks the longest sequence alone while the others are done. Here the history's splits
-  // are sized so that a CTA holds at most half of an even share of the step's tokens (CTAs
-  // past a sequence's length exit at once).
-  int splits_h = h_splits;
-  if (balanced) {
-    const int per_sm = bf16 ? std::max(1, kc::Bf16SplitCtasPerSm(kD)) : 4;
-    int64_t list_tokens = 0;
-    for (int32_t n : hl) list_tokens += n;
-    const int64_t target = std::max<int64_t>(256, list_tokens * kHkv / (2 * int64_t{sms} * per_sm));
-    splits_h =
-        static_cast<int>(std::clamp<int64_t>((hlist.max_len + target - 1) / target, h_splits, 512));
-  }
+  // The kernel's wave: its count for one sequence of one KV head, unbounded by tokens.
+  const int64_t h_wave =
+      bf16    ? bf16_wave
+      : xform ? (use_tc ? kc::TransformTcDecodeSplits(1, kHq / kHkv, 1, kUnbounded, sms)
+                        : kc::TransformDecodeSplits(1, 1, kUnbounded, sms))
+              : int64_t{kc::Int2CtasPerSm(kHq, kHkv, kD)} * sms;
+  const int splits_h =
+      balanced ? kc::BalancedSplits(h_uniform, batch, kHkv, hlist.max_len, h_total, h_wave)
+               : h_uniform;
   r.splits = splits_h;
   const int parts = w_splits + splits_h;
   float *part_o = nullptr, *part_lse = nullptr, *o = nullptr, *lse = nullptr;

@@ -10,8 +10,10 @@
 # partly hit L2, where cuDNN reads B separate caches); KVCD_DISTINCT=1 gives each sequence
 # its own copy of the prompt instead (B prefills; memory allows INT2 up to B = 8 at 100k).
 # KVCD_RUNS ("qwen3-8b-int2:32768 qwen3-8b-int2:99968 qwen3-8b:32768 qwen3-8b:99968"),
-# KVCD_BATCHES ("1 8 64"), KVCD_STEPS (16). Writes $OUT/decode-batch.txt (the table last).
-# About 90 s.
+# KVCD_BATCHES ("1 8 64"), KVCD_STEPS (16), KVCD_HOPS ("events": the worker's --hops, e.g.
+# "memops events" to run both orderings of the cross-process hops, issue #36), KVCD_CONFIG
+# (deploy/config/kvcd-decode-step.yaml: 90 GiB, INT2 and BF16 models). Writes
+# $OUT/decode-batch.txt (the table last). About 90 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/kvcd-decode-batch}
@@ -22,8 +24,9 @@ export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH=$PWD/.devlibs KVCD_PHASE_TIMES=0
 BIN=${KVCD_BIN:-.devbin}
 BATCHES=${KVCD_BATCHES:-1 8 64}
 STEPS=${KVCD_STEPS:-16}
+HOPS=${KVCD_HOPS:-events}
 nvidia-cuda-mps-control -d && echo "MPS on"
-start_kvcd "$BIN/kvcd" deploy/config/kvcd-decode-step.yaml || exit 1
+start_kvcd "$BIN/kvcd" "${KVCD_CONFIG:-deploy/config/kvcd-decode-step.yaml}" || exit 1
 rc=0
 rows=()
 distinct=()
@@ -39,14 +42,17 @@ for mt in ${KVCD_RUNS:-qwen3-8b-int2:32768 qwen3-8b-int2:99968 qwen3-8b:32768 qw
       --salt "$s" --repeat 1 | grep -E 'rror|cannot' && rc=1
   done
   for bsz in $BATCHES; do
-    log="$out/decode-$m-$t-b$bsz.log"
-    timeout 300 "$BIN/kvcd_decode_worker" --target "$KVCD_GRPC" --model "$m" --tokens "$t" \
-      --salt "b$t" --steps "$STEPS" --batch "$bsz" --io ipc "${distinct[@]}" >"$log" 2>&1 || rc=1
-    tps=$(sed -n 's/^tokens\/s: \([0-9.]*\).*/\1/p' "$log")
-    match=$(grep -c ': match' "$log")
-    echo "$m $t batch $bsz: ${tps:-?} tokens/s, IPC vs inline $([[ $match == 1 ]] && echo match || echo MISMATCH)"
-    [[ $match == 1 ]] || rc=1
-    rows+=("$m $t $bsz ${tps:-0}")
+    for hops in $HOPS; do
+      log="$out/decode-$m-$t-b$bsz-$hops.log"
+      timeout 300 "$BIN/kvcd_decode_worker" --target "$KVCD_GRPC" --model "$m" --tokens "$t" \
+        --salt "b$t" --steps "$STEPS" --batch "$bsz" --io ipc --hops "$hops" "${distinct[@]}" \
+        >"$log" 2>&1 || rc=1
+      tps=$(sed -n 's/^tokens\/s: \([0-9.]*\).*/\1/p' "$log")
+      match=$(grep -c ': match' "$log")
+      echo "$m $t batch $bsz hops $hops: ${tps:-?} tokens/s, IPC vs inline $([[ $match == 1 ]] && echo match || echo MISMATCH)"
+      [[ $match == 1 ]] || rc=1
+      rows+=("$m $t $bsz ${tps:-0} $hops")
+    done
   done
 done
 stop_kvcd; echo "daemon exit: $?"
@@ -54,14 +60,14 @@ timeout 200 python3 bench/sdpa_baseline.py --backends cudnn --contexts 32768 100
   --batches $BATCHES > "$out/sdpa.txt" 2>&1 || rc=1
 cat "$out/sdpa.txt"
 echo
-echo "| history | context | batch | kvcd tok/s | cuDNN loop tok/s (us per layer) | kvcd / cuDNN |"
-echo "|---|---:|---:|---:|---:|---:|"
+echo "| history | context | batch | hops | kvcd tok/s | cuDNN loop tok/s (us per layer) | kvcd / cuDNN |"
+echo "|---|---:|---:|---|---:|---:|---:|"
 for r in "${rows[@]}"; do
-  read -r m t bsz tps <<<"$r"
+  read -r m t bsz tps hops <<<"$r"
   ctx=$t; [[ $t == 99968 ]] && ctx=100000
   us=$(awk -v c="$ctx" -v b="$bsz" '$1 == "cudnn" && $2 == c && $3 == b { print $5 }' "$out/sdpa.txt")
-  awk -v m="$m" -v t="$t" -v b="$bsz" -v k="$tps" -v us="${us:-0}" 'BEGIN {
+  awk -v m="$m" -v t="$t" -v b="$bsz" -v k="$tps" -v us="${us:-0}" -v hops="$hops" 'BEGIN {
     h = (m ~ /int2/) ? "INT2" : "BF16"; c = us > 0 ? b * 1e6 / (36 * us) : 0;
-    printf "| %s | %d | %d | %.1f | %.1f (%.1f) | %.2fx |\n", h, t, b, k, c, us, (c > 0 ? k / c : 0) }'
+    printf "| %s | %d | %d | %s | %.1f | %.1f (%.1f) | %.2fx |\n", h, t, b, hops, k, c, us, (c > 0 ? k / c : 0) }'
 done
 exit $rc

@@ -15,6 +15,9 @@
 #   here:   ./scripts/build.sh && ./scripts/pack-device.sh
 #   device: bench/run-h200-worker-death.sh   (device tool, carry [".devbin", ".devlibs"])
 # Exit status 0 when every check holds. Writes $OUT/worker-death.txt and the workers' logs.
+# KVCD_HOPS: the workers' --hops (events, the default, or memops: device signal words over
+# the decode channel, issue #36: a dead worker's unwritten ready word is released when its
+# buffer's lease ends).
 # About 30 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,7 +63,8 @@ worker() {  # SALT STEPS [extra flags]: the decode worker in the background, log
   local salt=$1 steps=$2
   shift 2
   timeout 300 "$BIN/kvcd_decode_worker" --target "$KVCD_GRPC" --model "$MODEL" \
-    --tokens "$TOKENS" --salt "death-$salt" --steps "$steps" --io ipc --lease-ms 3000 "$@" \
+    --tokens "$TOKENS" --salt "death-$salt" --steps "$steps" --io ipc --lease-ms 3000 \
+    --hops "${KVCD_HOPS:-events}" "$@" \
     >"$out/worker-$salt.log" 2>&1 &
 }
 wait_line() {  # FILE PATTERN PID: until the line appears (or the process ends)

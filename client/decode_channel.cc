@@ -81,6 +81,13 @@ DecodeChannel::~DecodeChannel() {
   if (header_ != nullptr) munmap(header_, bytes_);
 }
 
+void DecodeChannel::SetDeviceSignal(uint64_t buffer_id, uint64_t offset) {
+  if (header_ == nullptr) return;
+  // Published with the next request (PublishRequest's seq_cst store of request_seq).
+  header_->signal_offset.store(offset, std::memory_order_relaxed);
+  header_->signal_buffer.store(buffer_id, std::memory_order_relaxed);
+}
+
 absl::StatusOr<v1::AttentionDecodeResponse> DecodeChannel::Call(
     const v1::AttentionDecodeRequest& req) {
   if (broken_ || header_ == nullptr) {
@@ -98,6 +105,9 @@ absl::StatusOr<v1::AttentionDecodeResponse> DecodeChannel::Call(
   PhaseLap lap;
   const size_t n = req.ByteSizeLong();
   if (n > h.capacity) {
+    // The number is spent all the same: a ready word the caller already wrote for it must
+    // not satisfy the daemon's wait for the next call (device signal words).
+    ++seq_;
     return absl::InvalidArgumentError(absl::StrCat(
         "the request has ", n, " bytes, more than the channel's capacity ", h.capacity));
   }

@@ -34,6 +34,14 @@ class DecodeChannel {
   absl::StatusOr<v1::AttentionDecodeResponse> Call(const v1::AttentionDecodeRequest& req);
   absl::Status Close();
   uint64_t id() const { return id_; }
+  // Device signal words for the calls that follow (decode_channel_layout.h, issue #36): the
+  // registered buffer `buffer_id` holds at `offset` (a multiple of 8) the worker's ready word,
+  // then the daemon's done word, and the daemon orders that buffer through them instead of
+  // its IPC events. 0 = none (the events again).
+  void SetDeviceSignal(uint64_t buffer_id, uint64_t offset);
+  // The value of the next call's signal words (its sequence number, cyclic): write it into
+  // the ready word before Call, wait for the done word to reach it after an OK answer.
+  uint32_t NextSignalValue() const { return static_cast<uint32_t>(seq_ + 1); }
 
  private:
   DecodeChannel() = default;

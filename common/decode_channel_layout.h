@@ -42,6 +42,16 @@ struct DecodeChannelHeader {
   uint32_t capacity;  // bytes of each message area
   alignas(64) std::atomic<uint64_t> request_seq;
   std::atomic<uint32_t> request_bytes;
+  // Device signal words (issue #36), set by the worker before it publishes a request; 0 =
+  // none (the IPC buffers' events order the call). signal_buffer: the id of a registered
+  // buffer (RegisterBuffer); signal_offset: 8 bytes in it (a multiple of 8), the worker's
+  // ready word then the daemon's done word. With them, for the request of sequence number
+  // seq, the daemon's stream waits until ready >= (uint32_t)seq (cyclically) before reading
+  // that buffer, and writes (uint32_t)seq into done after writing into it (on an OK answer),
+  // in place of that buffer's events (stream memory operations: cuStreamWaitValue32 /
+  // cuStreamWriteValue32, no host in the path).
+  std::atomic<uint64_t> signal_buffer;
+  std::atomic<uint64_t> signal_offset;
   alignas(64) std::atomic<uint64_t> response_seq;
   std::atomic<uint32_t> response_bytes;
   alignas(64) std::atomic<uint32_t> closed;

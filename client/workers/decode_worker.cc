@@ -14,6 +14,10 @@
 // waits for its result on the host (latency of one layer, not throughput). Finally the
 // IPC result of one call is checked against the same call with inline tensors. With
 // --wait host the host waits for the ready and done events instead of the streams.
+// --hops (issue #36): how the two cross-process hops of a call are ordered on the GPU: events
+// (the buffer's IPC events, the default) or memops (over the decode channel with --wait
+// device: stream memory operations on device signal words of the IPC buffer,
+// cuStreamWriteValue32 / cuStreamWaitValue32; opt-in until a device run has measured it).
 //
 // With --io host the loop needs no GPU: queries, K/V rows and results travel inline over the
 // same transports (any backend; a prompt not yet cached is appended first from synthetic
@@ -29,6 +33,7 @@
 // Usage: kvcd_decode_worker --target HOST:PORT --model NAME [--tokens 32768] [--seed 1]
 //          [--salt prefill] [--steps 16] [--sync] [--device 0] [--transport channel|stream]
 //          [--wait device|host] [--io ipc|host] [--batch 1] [--lease-ms N] [--die-after-calls N]
+//          [--hops events|memops]
 //
 // --batch B (IPC loop): B sequences opened on the same cached prompt decode together, one
 // call per layer for all of them (tokens/s counts every sequence's tokens); with
@@ -61,6 +66,9 @@ ABSL_FLAG(std::string, wait, "device",
           "device: order through stream waits on the IPC events; host: the host waits");
 ABSL_FLAG(std::string, transport, "channel",
           "channel (same-node decode channel) or stream (AttentionDecodeStream)");
+ABSL_FLAG(std::string, hops, "events",
+          "cross-process hops: events (IPC events) or memops (device signal words over the "
+          "decode channel, with --wait device)");
 ABSL_FLAG(std::string, io, "ipc", "ipc (CUDA IPC regions) or host (inline tensors, no GPU)");
 ABSL_FLAG(int64_t, lease_ms, 600000, "lease of the sequences, the channel and the IPC buffer");
 ABSL_FLAG(int64_t, die_after_calls, 0,
@@ -234,6 +242,16 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "--transport must be channel or stream\n");
     return 2;
   }
+  const std::string hops_flag = absl::GetFlag(FLAGS_hops);
+  if (hops_flag != "memops" && hops_flag != "events") {
+    std::fprintf(stderr, "--hops must be events or memops\n");
+    return 2;
+  }
+  if (hops_flag == "memops" && (transport != "channel" || host_wait)) {
+    std::fprintf(stderr, "--hops memops needs --transport channel and --wait device\n");
+    return 2;
+  }
+  const bool memops = hops_flag == "memops";
   const std::string io = absl::GetFlag(FLAGS_io);
   if (io != "ipc" && io != "host") {
     std::fprintf(stderr, "--io must be ipc or host\n");
@@ -284,7 +302,8 @@ int main(int argc, char** argv) {
   auto align = [](int64_t b) { return (b + 255) / 256 * 256; };
   const int64_t q_off = 0, k_off = align(2 * q_n), v_off = k_off + align(2 * kv_n),
                 o_off = v_off + align(2 * kv_n), l_off = o_off + align(4 * q_n),
-                total = l_off + align(4 * int64_t{batch} * g.num_q_heads);
+                s_off = l_off + align(4 * int64_t{batch} * g.num_q_heads),
+                total = s_off + 256;  // the device signal words (--hops memops)
   auto buf = kw::IpcBuffer::Create(client->get(), static_cast<uint64_t>(total), "decode", lease_ms);
   CHECK_OK(buf.status());
   kw::IpcBuffer& b = **buf;
@@ -319,9 +338,21 @@ int main(int argc, char** argv) {
     auto ch = kvcd::DecodeChannel::Open(client->get(), capacity, lease_ms);
     CHECK_OK(ch.status());
     channel = std::move(*ch);
+    if (memops) {
+      CHECK_OK(b.UseSignalWords(static_cast<uint64_t>(s_off)));
+      channel->SetDeviceSignal(b.id(), b.signal_offset());
+    }
   }
   auto call = [&](const kvcd::v1::AttentionDecodeRequest& r) {
     return channel ? channel->Call(r) : stream_rpc->Call(r);
+  };
+  // The two hops of a call: the worker's inputs ready for the daemon's stream, the daemon's
+  // results for the worker's (device signal words or IPC events).
+  auto mark_ready = [&] {
+    return memops ? b.SignalReady(stream, channel->NextSignalValue()) : b.MarkReady(stream);
+  };
+  auto wait_done = [&](uint32_t value) {
+    return memops ? b.WaitSignalDone(stream, value) : b.WaitDone(stream);
   };
   std::vector<double> rtt_us, kernel_us, done_us;
   cudaEvent_t done_ev;
@@ -377,7 +408,8 @@ int main(int argc, char** argv) {
           kw::FillBf16(reinterpret_cast<uint16_t*>(d + v_off), kv_n, key ^ 2, stream), "fill v"));
       lap.Mark(kProduce);
       if (gpu_timeline) cudaEventRecord(q_ready[call_index], stream);
-      CHECK_OK(b.MarkReady(stream));
+      const uint32_t signal = channel ? channel->NextSignalValue() : 0;
+      CHECK_OK(mark_ready());
       if (host_wait) CHECK_OK(b.WaitReadyOnHost());
       lap.Mark(kReady);
       req.set_layer(l);
@@ -390,7 +422,7 @@ int main(int argc, char** argv) {
       lap.Mark(kCall);
       rtt_us.push_back(rtt);
       kernel_us.push_back(r->kernel_seconds() * 1e6);
-      CHECK_OK(host_wait ? b.WaitDoneOnHost() : b.WaitDone(stream));
+      CHECK_OK(host_wait ? b.WaitDoneOnHost() : wait_done(signal));
       if (gpu_timeline) cudaEventRecord(o_ready[call_index], stream);
       ++call_index;
       lap.Mark(kDone);
@@ -417,10 +449,11 @@ int main(int argc, char** argv) {
   b.Region(check.mutable_q(), kvcd::v1::DTYPE_BF16, {batch, g.num_q_heads, g.head_dim}, q_off);
   b.Region(check.mutable_o_out(), kvcd::v1::DTYPE_F32, {batch, g.num_q_heads, g.head_dim}, o_off);
   b.Region(check.mutable_lse_out(), kvcd::v1::DTYPE_F32, {batch, g.num_q_heads}, l_off);
-  CHECK_OK(b.MarkReady(stream));
+  const uint32_t check_signal = channel ? channel->NextSignalValue() : 0;
+  CHECK_OK(mark_ready());
   auto via_ipc = call(check);
   CHECK_OK(via_ipc.status());
-  CHECK_OK(b.WaitDone(stream));
+  CHECK_OK(wait_done(check_signal));
   CHECK_OK(kw::CudaCheck(cudaStreamSynchronize(stream), "sync"));
   CHECK_OK(
       kw::CudaCheck(cudaMemcpy(o_ipc.data(), d + o_off, 4 * q_n, cudaMemcpyDeviceToHost), "D2H"));
@@ -444,11 +477,12 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < rtt_us.size(); ++i) overhead[i] = rtt_us[i] - kernel_us[i];
   std::printf(
       "decode worker: %s, context %lld tokens, batch %d, %d steps x %d layers, tensors over "
-      "CUDA IPC, calls over the %s%s%s\n",
+      "CUDA IPC, calls over the %s%s%s, hops through %s\n",
       model.c_str(), static_cast<long long>(prompt), batch, steps, g.num_layers,
       transport == "channel" ? "shared-memory decode channel" : "gRPC stream",
       sync ? " (host waits for every result)" : "",
-      host_wait ? ", events waited on by the host" : "");
+      host_wait ? ", events waited on by the host" : "",
+      memops ? "stream memory operations" : "IPC events");
   std::printf("tokens/s: %.1f (%.3f ms per step of %d token(s), %d layer calls per step)\n",
               batch * steps / loop_s, loop_s / steps * 1e3, batch, g.num_layers);
   std::printf(

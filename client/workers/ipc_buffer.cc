@@ -1,6 +1,7 @@
 #include "client/workers/ipc_buffer.h"
 
 #include "absl/strings/str_cat.h"
+#include "kvcd/kernels/cuda_stream_memops.h"
 #include "proto/tensor_ref.h"
 
 namespace kvcd::workers {
@@ -70,6 +71,41 @@ absl::Status IpcBuffer::MarkReady(cudaStream_t stream) {
 
 absl::Status IpcBuffer::WaitDone(cudaStream_t stream) {
   return CudaCheck(cudaStreamWaitEvent(stream, done_, 0), "cudaStreamWaitEvent(done)");
+}
+
+absl::Status IpcBuffer::UseSignalWords(uint64_t offset) {
+  if (offset % 8 != 0 || offset > size_ || size_ - offset < 8) {
+    return absl::InvalidArgumentError(absl::StrCat("signal words at offset ", offset,
+                                                   ": expected a multiple of 8 with 8 bytes "
+                                                   "inside the buffer of ",
+                                                   size_, " bytes"));
+  }
+  if (!kernels::cuda::StreamMemopsAvailable()) {
+    return absl::FailedPreconditionError(
+        "the driver offers no stream memory operations (cuStreamWaitValue32)");
+  }
+  if (auto s = CudaCheck(cudaMemset(data_ + offset, 0, 8), "cudaMemset(signal words)"); !s.ok()) {
+    return s;
+  }
+  signal_offset_ = offset;
+  signals_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status IpcBuffer::SignalReady(cudaStream_t stream, uint32_t value) {
+  if (!signals_) return absl::FailedPreconditionError("UseSignalWords was not called");
+  const kernels::Error e = kernels::cuda::StreamWriteValue32(
+      stream, reinterpret_cast<uint32_t*>(data_ + signal_offset_), value);
+  if (e.ok()) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("writing the ready word: ", e.message()));
+}
+
+absl::Status IpcBuffer::WaitSignalDone(cudaStream_t stream, uint32_t value) {
+  if (!signals_) return absl::FailedPreconditionError("UseSignalWords was not called");
+  const kernels::Error e = kernels::cuda::StreamWaitValue32(
+      stream, reinterpret_cast<const uint32_t*>(data_ + signal_offset_) + 1, value);
+  if (e.ok()) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("waiting for the done word: ", e.message()));
 }
 
 absl::Status IpcBuffer::WaitReadyOnHost() {

@@ -42,6 +42,16 @@ class IpcBuffer {
   // stream blocked on the other process's event keeps its context scheduled).
   absl::Status WaitReadyOnHost();
   absl::Status WaitDoneOnHost();
+  // Stream memory operations in place of the events (issue #36): the 8 bytes at `offset`
+  // (a multiple of 8, kept free by the caller) become the buffer's device signal words, the
+  // ready word then the done word (zeroed here); DecodeChannel::SetDeviceSignal hands them
+  // to the daemon. SignalReady writes `value` into the ready word once the work queued on
+  // `stream` is done; WaitSignalDone makes `stream` wait until the daemon's done word has
+  // reached `value` (cyclically).
+  absl::Status UseSignalWords(uint64_t offset);
+  uint64_t signal_offset() const { return signal_offset_; }
+  absl::Status SignalReady(cudaStream_t stream, uint32_t value);
+  absl::Status WaitSignalDone(cudaStream_t stream, uint32_t value);
   // Unregisters now (the daemon drops its mapping); the allocation stays.
   absl::Status Unregister();
 
@@ -54,6 +64,8 @@ class IpcBuffer {
   bool registered_ = false;
   cudaEvent_t ready_ = nullptr;
   cudaEvent_t done_ = nullptr;
+  uint64_t signal_offset_ = 0;
+  bool signals_ = false;
 };
 
 }  // namespace kvcd::workers

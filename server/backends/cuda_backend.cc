@@ -20,6 +20,7 @@
 #include "kvcd/kernels/cuda_device_copy.h"
 #include "kvcd/kernels/cuda_page_copy.h"
 #include "kvcd/kernels/cuda_runtime_api.h"
+#include "kvcd/kernels/cuda_stream_memops.h"
 #include "kvcd/kernels/device_fault.h"
 #include "server/backends/backend.h"
 #include "server/backends/cuda_fault_board.h"
@@ -124,6 +125,24 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     RETURN_IF_CUDA(kc::RecordEvent(e));
     return absl::OkStatus();
   }
+  absl::Status WaitValue(const uint32_t* word, uint32_t value) override {
+    if (!kc::StreamMemopsAvailable()) {
+      return absl::FailedPreconditionError(
+          "this GPU's driver offers no stream memory operations (cuStreamWaitValue32); "
+          "order the buffer with its IPC events instead (no device signal words)");
+    }
+    RETURN_IF_CUDA(kc::StreamWaitValue32(nullptr, word, value));
+    if (timeline_ != nullptr) timeline_->Start();
+    return absl::OkStatus();
+  }
+  absl::Status WriteValue(uint32_t* word, uint32_t value) override {
+    if (timeline_ != nullptr) timeline_->End();
+    RETURN_IF_CUDA(kc::StreamWriteValue32(nullptr, word, value));
+    return absl::OkStatus();
+  }
+  void ReleaseValue(uint32_t* word, uint32_t value) override {
+    Note(kc::ReleaseValue32(word, value));
+  }
   absl::Status CopyDeviceToHost(void* host, const void* dev, size_t bytes) override {
     RETURN_IF_CUDA(kc::CopyToHost(host, dev, bytes));
     return absl::OkStatus();
@@ -207,11 +226,15 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     std::vector<int32_t>& host_i32 = table_;
     host_i32.clear();
     for (auto l = lists_.begin(); l != lists_end; ++l) {
+      int64_t total_len = 0;
       for (int j = 0; j < batch; ++j) {
         l->max_pages = std::max(l->max_pages, static_cast<int>(l->pages[j].size()));
         l->max_len = std::max(l->max_len, l->lens[j]);
+        total_len += l->lens[j];
       }
-      l->splits = l->max_len > 0 ? l->format->AttendSplits(geo, l->max_len, sms_) : 0;
+      l->splits = l->max_len > 0 ? l->format->AttendSplits(geo, l->max_len,
+                                                           balanced_splits_ ? total_len : 0, sms_)
+                                 : 0;
       parts += l->splits;
       if (l->splits > 0) {
         state_bytes = std::max(state_bytes, l->format->AttendStateBytes(geo, l->max_len, sms_));
@@ -427,6 +450,12 @@ class CudaBackend final : public Backend, public DeviceRuntime {
   }
 
  private:
+  // KVCD_SPLITS=balanced: the formats size their splits by the longest list of a ragged
+  // batch (AttendSplits' total_tokens); default: each kernel's own count.
+  static bool BalancedSplitsFromEnv() {
+    const char* v = std::getenv("KVCD_SPLITS");
+    return v != nullptr && std::strcmp(v, "balanced") == 0;
+  }
   static bool SideListsFromEnv() {
     const char* v = std::getenv("KVCD_SIDE_STREAM");
     return v == nullptr || std::strcmp(v, "0") != 0;
@@ -488,6 +517,7 @@ class CudaBackend final : public Backend, public DeviceRuntime {
   const int sms_;
   // Lists beside the last one run on a second stream (KVCD_SIDE_STREAM=0 turns it off).
   const bool side_lists_ = SideListsFromEnv();
+  const bool balanced_splits_ = BalancedSplitsFromEnv();
   void* side_stream_ = nullptr;  // created on first use, under mu_
   void* fork_event_ = nullptr;
   void* join_event_ = nullptr;

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -25,6 +26,15 @@ class DeviceRuntime {
   // Later device work waits for `event`; `event` completes after the work queued so far.
   virtual absl::Status WaitEvent(void* event) = 0;
   virtual absl::Status RecordEvent(void* event) = 0;
+  // The same two orderings through a 32-bit word of device memory (an IPC mapping of a
+  // worker's buffer) instead of an event (stream memory operations, issue #36): later device
+  // work waits until (int32_t)(*word - value) >= 0 / `value` is written into *word after the
+  // work queued so far. FAILED_PRECONDITION where the driver lacks them.
+  virtual absl::Status WaitValue(const uint32_t* word, uint32_t value) = 0;
+  virtual absl::Status WriteValue(uint32_t* word, uint32_t value) = 0;
+  // Writes `value` into *word now, beside the daemon's stream: releases a WaitValue whose
+  // writer died (the stream would otherwise wait for ever). Best effort.
+  virtual void ReleaseValue(uint32_t* word, uint32_t value) = 0;
   // Synchronous copies between host memory and device memory (IPC mappings included).
   virtual absl::Status CopyDeviceToHost(void* host, const void* device, size_t bytes) = 0;
   virtual absl::Status CopyHostToDevice(void* device, const void* host, size_t bytes) = 0;

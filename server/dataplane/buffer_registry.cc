@@ -18,6 +18,11 @@ constexpr size_t kHandleBytes = 64;  // cudaIpcMemHandle_t / cudaIpcEventHandle_
 }  // namespace
 
 BufferRegistry::Buffer::~Buffer() {
+  // A signal wait whose worker died before writing its ready word would hold the daemon's
+  // stream (and every other worker's calls) for ever: release it first.
+  if (uint32_t* word = signal_word.load(); word != nullptr) {
+    device->ReleaseValue(word, signal_value.load());
+  }
   // Work queued on the mapping (an asynchronous attention output, a fetch) must finish
   // before the mapping goes away.
   (void)device->Synchronize();
@@ -138,6 +143,35 @@ absl::Status BufferRegistry::WaitReady(const Region& r) {
 
 absl::Status BufferRegistry::MarkWritten(const Region& r) {
   return r.buffer->device->RecordEvent(r.buffer->done_event);
+}
+
+namespace {
+
+absl::StatusOr<uint32_t*> SignalWord(const BufferRegistry::Region& r, uint64_t offset,
+                                     uint64_t word) {
+  const BufferRegistry::Buffer& b = *r.buffer;
+  if (offset % 8 != 0 || offset > b.size || b.size - offset < 8) {
+    return absl::InvalidArgumentError(absl::StrCat("decode channel signal_offset is ", offset,
+                                                   ", expected a multiple of 8 with its 8 bytes "
+                                                   "(ready word, done word) inside buffer ",
+                                                   b.id, " of ", b.size, " bytes"));
+  }
+  return reinterpret_cast<uint32_t*>(b.base + offset) + word;
+}
+
+}  // namespace
+
+absl::Status BufferRegistry::WaitSignal(const Region& r, uint64_t offset, uint32_t value) {
+  KVCD_ASSIGN_OR_RETURN(uint32_t * ready, SignalWord(r, offset, 0));
+  KVCD_RETURN_IF_ERROR(r.buffer->device->WaitValue(ready, value));
+  r.buffer->signal_value.store(value);
+  r.buffer->signal_word.store(ready);
+  return absl::OkStatus();
+}
+
+absl::Status BufferRegistry::WriteSignal(const Region& r, uint64_t offset, uint32_t value) {
+  KVCD_ASSIGN_OR_RETURN(uint32_t * done, SignalWord(r, offset, 1));
+  return r.buffer->device->WriteValue(done, value);
 }
 
 int BufferRegistry::ExpireLeases(int64_t now_ns) {

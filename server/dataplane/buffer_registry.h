@@ -41,6 +41,11 @@ class BufferRegistry {
     uint64_t size = 0;
     void* ready_event = nullptr;  // worker's, may be null
     void* done_event = nullptr;   // daemon's
+    // The last device signal wait queued on this buffer (WaitSignal): its ready word and
+    // value, released when the entry goes away so that a worker that died before writing it
+    // cannot leave the daemon's stream waiting for ever.
+    std::atomic<uint32_t*> signal_word{nullptr};
+    std::atomic<uint32_t> signal_value{0};
     std::atomic<int64_t> lease_ms{0};
     std::atomic<int64_t> deadline_ns{0};
   };
@@ -69,6 +74,13 @@ class BufferRegistry {
   absl::Status WaitReady(const Region& r);
   // Records the buffer's done event after the writes queued so far.
   absl::Status MarkWritten(const Region& r);
+  // The same two orderings through the device signal words at byte `offset` of the region's
+  // buffer (decode_channel_layout.h: the ready word, then the done word) instead of its
+  // events: WaitSignal queues a wait until ready >= value, WriteSignal writes value into done
+  // after the work queued so far. INVALID_ARGUMENT when the 8 bytes are not inside the buffer
+  // at a multiple of 8.
+  absl::Status WaitSignal(const Region& r, uint64_t offset, uint32_t value);
+  absl::Status WriteSignal(const Region& r, uint64_t offset, uint32_t value);
 
   // Drops every buffer whose lease ended before now_ns; returns how many.
   int ExpireLeases(int64_t now_ns);

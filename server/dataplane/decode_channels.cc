@@ -343,7 +343,16 @@ void DecodeChannels::Serve(Channel* c) {
           s = found.status();
         } else {
           const auto t0 = Clock::now();
-          s = engine_->AttentionDecode(req, resp.mutable_response(), *found);
+          DecodeEngine::DeviceSignal signal;
+          if (!c->Load(h.signal_buffer, &signal.buffer_id, std::memory_order_relaxed) ||
+              !c->Load(h.signal_offset, &signal.offset, std::memory_order_relaxed)) {
+            faulted = true;
+            break;
+          }
+          signal.value = static_cast<uint32_t>(seq);
+          s = signal.buffer_id == 0
+                  ? engine_->AttentionDecode(req, resp.mutable_response(), *found)
+                  : engine_->AttentionDecodeSignaled(req, resp.mutable_response(), *found, signal);
           if (c->admission) {
             c->admission->Answered(s, std::chrono::duration<double>(Clock::now() - t0).count(),
                                    resp.response());

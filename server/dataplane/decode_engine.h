@@ -5,6 +5,7 @@
 // channel an admission bound to the token that opened it.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <vector>
 
@@ -23,6 +24,19 @@ class DecodeEngine {
   virtual absl::Status AttentionDecode(const v1::AttentionDecodeRequest& req,
                                        v1::AttentionDecodeResponse* resp,
                                        const std::vector<std::shared_ptr<Sequence>>& found) = 0;
+  // A call's device signal words (decode_channel_layout.h: signal_buffer, signal_offset, and
+  // the request's sequence number as the value).
+  struct DeviceSignal {
+    uint64_t buffer_id = 0;
+    uint64_t offset = 0;
+    uint32_t value = 0;
+  };
+  // The same, with the call's CUDA IPC buffer `signal.buffer_id` ordered through the signal
+  // words instead of its events.
+  virtual absl::Status AttentionDecodeSignaled(const v1::AttentionDecodeRequest& req,
+                                               v1::AttentionDecodeResponse* resp,
+                                               const std::vector<std::shared_ptr<Sequence>>& found,
+                                               const DeviceSignal& signal) = 0;
 };
 
 class DecodeAdmission {

@@ -23,6 +23,17 @@ struct CallWaits {
 };
 thread_local CallWaits call_waits;
 
+// This thread's SignalScope (active while one is alive).
+struct CallSignal {
+  bool active = false;
+  uint64_t buffer_id = 0;
+  uint64_t offset = 0;
+  uint32_t value = 0;
+  BufferRegistry::Region waited;  // the region whose buffer's ready word was waited on
+  bool written = false;
+};
+thread_local CallSignal call_signal;
+
 }  // namespace
 
 TensorResolver::CallScope::CallScope() { ++call_waits.depth; }
@@ -31,7 +42,39 @@ TensorResolver::CallScope::~CallScope() {
   if (--call_waits.depth == 0) call_waits.n = 0;
 }
 
+TensorResolver::SignalScope::SignalScope(BufferRegistry* buffers, uint64_t buffer_id,
+                                         uint64_t offset, uint32_t value)
+    : buffers_(buffers) {
+  call_signal = CallSignal{true, buffer_id, offset, value, {}, false};
+}
+
+TensorResolver::SignalScope::~SignalScope() {
+  CallSignal& s = call_signal;
+  if (s.waited.buffer != nullptr && !s.written) {
+    (void)buffers_->WriteSignal(s.waited, s.offset, s.value);
+  }
+  s = CallSignal{};
+}
+
+absl::Status TensorResolver::MarkWritten(const BufferRegistry::Region& r) {
+  CallSignal& s = call_signal;
+  if (s.active && r.buffer->id == s.buffer_id) {
+    if (s.written) return absl::OkStatus();
+    KVCD_RETURN_IF_ERROR(buffers_->WriteSignal(r, s.offset, s.value));
+    s.written = true;
+    return absl::OkStatus();
+  }
+  return buffers_->MarkWritten(r);
+}
+
 absl::Status TensorResolver::WaitReadyOnce(const BufferRegistry::Region& r) {
+  CallSignal& s = call_signal;
+  if (s.active && r.buffer->id == s.buffer_id) {
+    if (s.waited.buffer != nullptr) return absl::OkStatus();
+    KVCD_RETURN_IF_ERROR(buffers_->WaitSignal(r, s.offset, s.value));
+    s.waited = r;
+    return absl::OkStatus();
+  }
   const void* e = r.buffer->ready_event;
   if (e == nullptr) return absl::OkStatus();
   CallWaits& w = call_waits;

@@ -83,8 +83,9 @@ class TensorResolver {
   };
   absl::Status ResolveAll(absl::Span<const Item> items);
 
-  // Records the region's buffer's done event after the writes queued so far.
-  absl::Status MarkWritten(const BufferRegistry::Region& r) { return buffers_->MarkWritten(r); }
+  // Records the region's buffer's done event after the writes queued so far (or, inside a
+  // SignalScope naming its buffer, writes the done word once).
+  absl::Status MarkWritten(const BufferRegistry::Region& r);
 
   // While one is alive on a thread, the resolutions on that thread wait for each buffer's
   // ready event once: the inputs of one request (q, k_new, v_new) usually share the worker's
@@ -97,6 +98,24 @@ class TensorResolver {
     ~CallScope();
     CallScope(const CallScope&) = delete;
     CallScope& operator=(const CallScope&) = delete;
+  };
+
+  // While one is alive on a thread (a decode channel's call whose worker set device signal
+  // words, decode_channel_layout.h), the resolutions on that thread order buffer `buffer_id`
+  // through its signal words at `offset` instead of its events: one wait until the ready
+  // word >= value before the first read of that buffer, one write of value into the done
+  // word at the first MarkWritten on it. If the call waited but wrote nothing (it failed),
+  // the scope's end writes the done word, so that the worker's stream is never left waiting
+  // on a call that answered. Does not nest.
+  class SignalScope {
+   public:
+    SignalScope(BufferRegistry* buffers, uint64_t buffer_id, uint64_t offset, uint32_t value);
+    ~SignalScope();
+    SignalScope(const SignalScope&) = delete;
+    SignalScope& operator=(const SignalScope&) = delete;
+
+   private:
+    BufferRegistry* const buffers_;
   };
 
  private:

@@ -168,6 +168,14 @@ absl::Status CacheEngine::BindDecodeIo(const v1::AttentionDecodeRequest& req, co
   return absl::OkStatus();
 }
 
+absl::Status CacheEngine::AttentionDecodeSignaled(const v1::AttentionDecodeRequest& req,
+                                                  v1::AttentionDecodeResponse* resp,
+                                                  const FoundSequences& found,
+                                                  const DeviceSignal& signal) {
+  TensorResolver::SignalScope scope(&buffers_, signal.buffer_id, signal.offset, signal.value);
+  return AttentionDecode(req, resp, found);
+}
+
 absl::Status CacheEngine::AttentionDecode(const v1::AttentionDecodeRequest& req,
                                           v1::AttentionDecodeResponse* resp,
                                           const FoundSequences& found) {

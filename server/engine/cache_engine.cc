@@ -698,10 +698,12 @@ absl::Status CacheEngine::Stats(const v1::StatsRequest&, v1::StatsResponse* resp
 }
 
 int CacheEngine::ExpireLeases(int64_t now_ns) {
-  const int sequences = sequences_.Expire(now_ns);
-  counters_.expired_leases.fetch_add(static_cast<uint64_t>(sequences));
+  // Buffers first: a dead worker's buffer releases the device signal wait it may have left
+  // on the daemon's stream (BufferRegistry::Buffer) before anything else here touches it.
   const int buffers = buffers_.ExpireLeases(now_ns);
   counters_.expired_buffers.fetch_add(static_cast<uint64_t>(buffers));
+  const int sequences = sequences_.Expire(now_ns);
+  counters_.expired_leases.fetch_add(static_cast<uint64_t>(sequences));
   return sequences + buffers;
 }
 

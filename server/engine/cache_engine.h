@@ -75,6 +75,10 @@ class CacheEngine : public DecodeEngine {
   absl::Status AttentionDecode(const v1::AttentionDecodeRequest& req,
                                v1::AttentionDecodeResponse* resp,
                                const FoundSequences& found = {}) override;
+  absl::Status AttentionDecodeSignaled(const v1::AttentionDecodeRequest& req,
+                                       v1::AttentionDecodeResponse* resp,
+                                       const FoundSequences& found,
+                                       const DeviceSignal& signal) override;
   absl::Status FetchPages(const v1::FetchPagesRequest& req, v1::FetchPagesResponse* resp,
                           const FoundSequences& found = {});
   absl::Status PushPages(const v1::PushPagesRequest& req, v1::PushPagesResponse* resp);

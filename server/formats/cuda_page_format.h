@@ -49,10 +49,13 @@ class CudaPageFormat {
     // whose RunsOnSideStream() is true are given another one.
     void* stream = nullptr;
   };
-  // How many parts the launch writes per row (splits that fill the GPU for a batch whose
-  // longest page list holds max_tokens, or 1 for a format that merges its own splits).
+  // How many parts the launch writes per row: splits that fill the GPU for a batch whose
+  // longest page list holds max_tokens (each kernel's own count, sized for equal lengths),
+  // or 1 for a format that merges its own splits. total_tokens > 0 (the lists' tokens
+  // together; the backend passes it with KVCD_SPLITS=balanced): sized by the longest list
+  // when the lengths differ (kvcd/kernels/cuda_split_balance.h).
   virtual int AttendSplits(const kernels::cuda::DecodeGeometry& geo, int max_tokens,
-                           int num_sms) const = 0;
+                           int64_t total_tokens, int num_sms) const = 0;
   virtual size_t AttendStateBytes(const kernels::cuda::DecodeGeometry& geo, int max_tokens,
                                   int num_sms) const {
     return 0;

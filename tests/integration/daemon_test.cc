@@ -294,6 +294,53 @@ TEST_F(DaemonTest, DecodeChannelMatchesTheStream) {
   EXPECT_EQ((*idle)->Call(ok_req).status().code(), absl::StatusCode::kUnavailable);
 }
 
+// Issue #36: a channel's device signal words (decode_channel_layout.h) order only the CUDA IPC
+// buffer they name. On the CPU backend, with words set (naming a buffer that was never
+// registered), inline calls answer exactly as over the stream, and a cuda_ipc tensor is
+// refused as before, storing nothing.
+TEST_F(DaemonTest, DecodeChannelSignalWordsLeaveInlineCallsAlone) {
+  ASSERT_TRUE(client_->Put(MakePut("tiny", 17, 24)).ok());
+  const auto tokens = synthetic::Tokens(17, 0, 24);
+  auto s1 = client_->OpenSequence("tiny", "", tokens, 60000);
+  auto s2 = client_->OpenSequence("tiny", "", tokens, 60000);
+  ASSERT_TRUE(s1.ok() && s2.ok());
+  const int hq = profile_.num_q_heads(), hkv = profile_.num_kv_heads(), d = profile_.head_dim();
+  auto stream = client_->OpenDecodeStream();
+  ASSERT_TRUE(stream.ok());
+  auto channel = DecodeChannel::Open(client_.get(), 1 << 16, 60000);
+  ASSERT_TRUE(channel.ok()) << channel.status();
+  (*channel)->SetDeviceSignal(/*buffer_id=*/0x5eed, /*offset=*/64);
+  EXPECT_EQ((*channel)->NextSignalValue(), 1u);
+  for (int32_t l = 0; l < profile_.num_layers(); ++l) {
+    v1::AttentionDecodeRequest r;
+    r.set_layer(l);
+    SetF32Tensor(r.mutable_q(), {1, hq, d}, synthetic::Row(17, profile_, l, 24, 2).data());
+    SetBf16FromFloat(r.mutable_k_new(), {1, hkv, d}, synthetic::Row(17, profile_, l, 24, 0).data());
+    SetBf16FromFloat(r.mutable_v_new(), {1, hkv, d}, synthetic::Row(17, profile_, l, 24, 1).data());
+    r.add_new_tokens(synthetic::Token(17, 24));
+    v1::AttentionDecodeRequest r2 = r;
+    r.add_sequence_ids(s1->sequence_id());
+    r2.add_sequence_ids(s2->sequence_id());
+    auto a = (*stream)->Call(r);
+    auto b = (*channel)->Call(r2);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    ASSERT_EQ(a->o().inline_data(), b->o().inline_data());
+    ASSERT_EQ(a->lse().inline_data(), b->lse().inline_data());
+  }
+  EXPECT_EQ((*channel)->NextSignalValue(), static_cast<uint32_t>(profile_.num_layers()) + 1);
+  // A device tensor on the CPU backend: refused, as without the words; the length stays.
+  v1::AttentionDecodeRequest dev;
+  dev.set_layer(0);
+  dev.add_sequence_ids(s2->sequence_id());
+  SetIpcTensor(dev.mutable_q(), v1::DTYPE_F32, {1, hq, d}, 0x5eed, 0);
+  auto refused = (*channel)->Call(dev);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_TRUE((*channel)->Close().ok());
+  EXPECT_EQ(*client_->CloseSequence(s2->sequence_id()), 25);
+  EXPECT_EQ(*client_->CloseSequence(s1->sequence_id()), 25);
+}
+
 // Issue #35.4: each idle channel burnt ~0.19 of a core in a 20 us sleep-poll, so 64 of them
 // took the host and another tenant's Match took seconds. Past the spin window a channel's
 // thread sleeps on the region's doorbell (daemon_waiting set): while 64 channels idle, their

@@ -11,10 +11,12 @@
 #include <thread>
 
 #include "client/client.h"
+#include "client/decode_channel.h"
 #include "client/workers/ipc_buffer.h"
 #include "daemon_process.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/cuda_nccl.h"
+#include "kvcd/kernels/cuda_stream_memops.h"
 #include "proto/tensor_ref.h"
 #include "testing/synthetic.h"
 
@@ -245,6 +247,111 @@ TEST_P(DataPlaneTest, AttentionThroughIpcMatchesInline) {
       for (int i = 0; i < hq; ++i) ASSERT_FLOAT_EQ(lse[i], ElementAsFloat(r_in->lse(), i));
     }
   }
+  EXPECT_EQ(StoredBytes(s1), StoredBytes(s2));
+}
+
+// Issue #36: the same calls over the decode channel with the hops as stream memory
+// operations (device signal words in the buffer instead of its IPC events). The worker's
+// side is all asynchronous on one non-blocking stream: its copies of q/k/v, the ready word,
+// the wait for the done word and the copy of the results back are queued before the host
+// looks, so a missing or early hop shows as the NaN poison or as another call's results.
+TEST_P(DataPlaneTest, AttentionThroughChannelSignalWordsMatchesInline) {
+  if (!kernels::cuda::StreamMemopsAvailable()) GTEST_SKIP() << "no stream memory operations";
+  const auto put = MakePut(5, kPrompt, "");
+  ASSERT_TRUE(client_->Put(put).ok());
+  const uint64_t s1 = Open(put, ""), s2 = Open(put, "");
+  const int hq = profile_.num_q_heads(), hkv = profile_.num_kv_heads(), d = profile_.head_dim();
+  const int64_t q_bytes = 4LL * hq * d, kv_bytes = 2LL * hkv * d;
+  auto buf = IpcBuffer::Create(client_.get(), 1 << 20, "decode");
+  ASSERT_TRUE(buf.ok()) << buf.status();
+  IpcBuffer& b = **buf;
+  const uint64_t q_off = 0, k_off = 4096, v_off = 8192, o_off = 16384, l_off = 65536,
+                 s_off = 131072;
+  // Signal words must lie inside the buffer at a multiple of 8.
+  EXPECT_EQ(b.UseSignalWords((1 << 20) - 4).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(b.UseSignalWords(s_off).ok());
+  auto ch = DecodeChannel::Open(client_.get());
+  ASSERT_TRUE(ch.ok()) << ch.status();
+  DecodeChannel& channel = **ch;
+  channel.SetDeviceSignal(b.id(), b.signal_offset());
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  std::vector<float> q_h, o(static_cast<size_t>(hq) * d), lse(hq);
+  std::vector<uint16_t> kb, vb;
+  for (int step = 0; step < 2; ++step) {
+    for (int layer = 0; layer < profile_.num_layers(); ++layer) {
+      const int64_t pos = kPrompt + step;
+      q_h = synthetic::Row(9, profile_, layer, pos, 2);
+      auto k = synthetic::Row(9, profile_, layer, pos, 0);
+      auto v = synthetic::Row(9, profile_, layer, pos, 1);
+      kb.resize(k.size());
+      vb.resize(v.size());
+      for (size_t i = 0; i < k.size(); ++i) kb[i] = kernels::FloatToBf16(k[i]);
+      for (size_t i = 0; i < v.size(); ++i) vb[i] = kernels::FloatToBf16(v[i]);
+      v1::AttentionDecodeRequest in;
+      in.set_layer(layer);
+      in.add_sequence_ids(s1);
+      SetF32Tensor(in.mutable_q(), {1, hq, d}, q_h.data());
+      SetBf16Tensor(in.mutable_k_new(), {1, hkv, d}, kb.data());
+      SetBf16Tensor(in.mutable_v_new(), {1, hkv, d}, vb.data());
+      in.add_new_tokens(synthetic::Token(9, pos));
+      auto r_in = client_->AttentionDecode(in);
+      ASSERT_TRUE(r_in.ok()) << r_in.status();
+      // Queued on the stream, the host never waits: inputs, poison, the ready word.
+      ASSERT_EQ(
+          cudaMemcpyAsync(b.data() + q_off, q_h.data(), q_bytes, cudaMemcpyHostToDevice, stream),
+          cudaSuccess);
+      ASSERT_EQ(
+          cudaMemcpyAsync(b.data() + k_off, kb.data(), kv_bytes, cudaMemcpyHostToDevice, stream),
+          cudaSuccess);
+      ASSERT_EQ(
+          cudaMemcpyAsync(b.data() + v_off, vb.data(), kv_bytes, cudaMemcpyHostToDevice, stream),
+          cudaSuccess);
+      ASSERT_EQ(cudaMemsetAsync(b.data() + o_off, 0xff, q_bytes, stream), cudaSuccess);
+      const uint32_t value = channel.NextSignalValue();
+      ASSERT_TRUE(b.SignalReady(stream, value).ok());
+      v1::AttentionDecodeRequest ipc = in;
+      ipc.set_sequence_ids(0, s2);
+      b.Region(ipc.mutable_q(), v1::DTYPE_F32, {1, hq, d}, q_off);
+      b.Region(ipc.mutable_k_new(), v1::DTYPE_BF16, {1, hkv, d}, k_off);
+      b.Region(ipc.mutable_v_new(), v1::DTYPE_BF16, {1, hkv, d}, v_off);
+      b.Region(ipc.mutable_o_out(), v1::DTYPE_F32, {1, hq, d}, o_off);
+      b.Region(ipc.mutable_lse_out(), v1::DTYPE_F32, {1, hq}, l_off);
+      auto r_ipc = channel.Call(ipc);
+      ASSERT_TRUE(r_ipc.ok()) << r_ipc.status();
+      ASSERT_EQ(r_ipc->lengths(0), r_in->lengths(0));
+      ASSERT_TRUE(b.WaitSignalDone(stream, value).ok());
+      ASSERT_EQ(
+          cudaMemcpyAsync(o.data(), b.data() + o_off, q_bytes, cudaMemcpyDeviceToHost, stream),
+          cudaSuccess);
+      ASSERT_EQ(
+          cudaMemcpyAsync(lse.data(), b.data() + l_off, 4 * hq, cudaMemcpyDeviceToHost, stream),
+          cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      for (int i = 0; i < hq * d; ++i) {
+        ASSERT_TRUE(std::isfinite(o[i])) << i;
+        ASSERT_FLOAT_EQ(o[i], ElementAsFloat(r_in->o(), i)) << "layer " << layer << " i " << i;
+      }
+      for (int i = 0; i < hq; ++i) ASSERT_FLOAT_EQ(lse[i], ElementAsFloat(r_in->lse(), i));
+    }
+  }
+  // A signal offset outside the buffer is refused with a clear error, and nothing is stored.
+  const std::string before = StoredBytes(s2);
+  channel.SetDeviceSignal(b.id(), (1 << 20) - 4);
+  v1::AttentionDecodeRequest bad;
+  bad.set_layer(0);
+  bad.add_sequence_ids(s2);
+  b.Region(bad.mutable_q(), v1::DTYPE_F32, {1, hq, d}, q_off);
+  b.Region(bad.mutable_k_new(), v1::DTYPE_BF16, {1, hkv, d}, k_off);
+  b.Region(bad.mutable_v_new(), v1::DTYPE_BF16, {1, hkv, d}, v_off);
+  bad.add_new_tokens(1);
+  auto refused = channel.Call(bad);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_NE(refused.status().message().find("signal_offset"), std::string::npos)
+      << refused.status();
+  EXPECT_EQ(StoredBytes(s2), before);
+  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+  EXPECT_TRUE(channel.Close().ok());
   EXPECT_EQ(StoredBytes(s1), StoredBytes(s2));
 }
 

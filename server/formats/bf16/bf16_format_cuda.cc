@@ -4,6 +4,7 @@
 // BF16 kernel (one warp per token) with KVCD_BF16_KERNEL=warp, kept for comparison.
 #include "server/formats/bf16/bf16_format_cuda.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -12,6 +13,7 @@
 #include "common/status_macros.h"
 #include "kvcd/kernels/cuda_bf16_split_attention.h"
 #include "kvcd/kernels/cuda_decode_attention.h"
+#include "kvcd/kernels/cuda_split_balance.h"
 #include "server/formats/bf16/bf16_format.h"
 #include "server/formats/cuda_rows.h"
 
@@ -55,9 +57,13 @@ class Bf16CudaFormat final : public CudaFormat<Bf16PageFormat> {
                                   "non-finite BF16 value(s)", &scratch_);
   }
 
-  int AttendSplits(const kc::DecodeGeometry& geo, int max_tokens, int num_sms) const override {
-    return kc::Bf16DecodeSplits(kernel_, geo.batch, geo.num_kv_heads, geo.head_dim, max_tokens,
-                                num_sms);
+  int AttendSplits(const kc::DecodeGeometry& geo, int max_tokens, int64_t total_tokens,
+                   int num_sms) const override {
+    const int uniform = kc::Bf16DecodeSplits(kernel_, geo.batch, geo.num_kv_heads, geo.head_dim,
+                                             max_tokens, num_sms);
+    if (kernel_ != kc::Bf16Kernel::kSplit) return uniform;
+    return kc::BalancedSplits(uniform, geo.batch, geo.num_kv_heads, max_tokens, total_tokens,
+                              int64_t{std::max(1, kc::Bf16SplitCtasPerSm(geo.head_dim))} * num_sms);
   }
 
   bool ReadsRawQueries() const override { return true; }

@@ -160,7 +160,7 @@ class FsqCudaFormat final : public CudaFormat<FsqPageFormat> {
   }
 
   // One value-space part per row: the kernel merges its own splits (W_v applied once).
-  int AttendSplits(const kc::DecodeGeometry&, int, int) const override { return 1; }
+  int AttendSplits(const kc::DecodeGeometry&, int, int64_t, int) const override { return 1; }
   size_t AttendStateBytes(const kc::DecodeGeometry& geo, int max_tokens,
                           int num_sms) const override {
     return kc::FsqDecodeWorkspaceBytes(geo.batch, geo.num_q_heads, LatentWidth(),
@@ -228,8 +228,9 @@ class FsqWindowCudaFormat final : public CudaFormat<FsqWindowPageFormat> {
     return codes_.Check(src, num_pages, first_index, layer_page_bytes());
   }
 
-  int AttendSplits(const kc::DecodeGeometry& geo, int max_tokens, int num_sms) const override {
-    return kv_->cuda()->AttendSplits(geo, max_tokens, num_sms);
+  int AttendSplits(const kc::DecodeGeometry& geo, int max_tokens, int64_t total_tokens,
+                   int num_sms) const override {
+    return kv_->cuda()->AttendSplits(geo, max_tokens, total_tokens, num_sms);
   }
   absl::Status LaunchAttend(const AttendLaunch& a) const override {
     return kv_->cuda()->LaunchAttend(a);

@@ -7,6 +7,7 @@
 #include "common/status_macros.h"
 #include "kvcd/kernels/cuda_decode_attention.h"
 #include "kvcd/kernels/cuda_runtime_api.h"
+#include "kvcd/kernels/cuda_split_balance.h"
 #include "server/formats/cuda_rows.h"
 #include "server/formats/int2_oscar/int2_oscar_format.h"
 
@@ -57,9 +58,12 @@ class Int2OscarCudaFormat final : public CudaFormat<Int2OscarPageFormat> {
                                   "non-finite FP16 parameter(s) or negative scale(s)", &scratch_);
   }
 
-  int AttendSplits(const kc::DecodeGeometry& geo, int max_tokens, int num_sms) const override {
-    return kc::Int2DecodeSplits(geo.batch, geo.num_kv_heads, max_tokens, num_sms,
-                                kc::Int2CtasPerSm(geo.num_q_heads, geo.num_kv_heads, geo.head_dim));
+  int AttendSplits(const kc::DecodeGeometry& geo, int max_tokens, int64_t total_tokens,
+                   int num_sms) const override {
+    const int per_sm = kc::Int2CtasPerSm(geo.num_q_heads, geo.num_kv_heads, geo.head_dim);
+    return kc::BalancedSplits(
+        kc::Int2DecodeSplits(geo.batch, geo.num_kv_heads, max_tokens, num_sms, per_sm), geo.batch,
+        geo.num_kv_heads, max_tokens, total_tokens, int64_t{per_sm} * num_sms);
   }
   size_t AttendStateBytes(const kc::DecodeGeometry& geo, int /*max_tokens*/,
                           int /*num_sms*/) const override {

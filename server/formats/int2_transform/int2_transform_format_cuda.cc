@@ -13,6 +13,7 @@
 #include "common/log.h"
 #include "common/status_macros.h"
 #include "kvcd/kernels/cuda_runtime_api.h"
+#include "kvcd/kernels/cuda_split_balance.h"
 #include "kvcd/kernels/cuda_transform.h"
 #include "server/formats/cuda_rows.h"
 
@@ -128,12 +129,20 @@ class Int2TransformCudaFormat final : public CudaFormat<Int2TransformPageFormat>
     return transform().CheckKeyGains(gains.data(), num_pages, first_index);
   }
 
-  int AttendSplits(const kc::DecodeGeometry& geo, int max_tokens, int num_sms) const override {
-    if (TensorCores(geo)) {
-      return kc::TransformTcDecodeSplits(geo.batch, geo.num_q_heads, geo.num_kv_heads, max_tokens,
-                                         num_sms);
-    }
-    return kc::TransformDecodeSplits(geo.batch, geo.num_kv_heads, max_tokens, num_sms);
+  int AttendSplits(const kc::DecodeGeometry& geo, int max_tokens, int64_t total_tokens,
+                   int num_sms) const override {
+    // Each kernel's own count for a batch of equal lengths, and its wave: that count for one
+    // sequence of one KV head with no bound from the tokens (SMs x resident CTAs per SM).
+    constexpr int kUnbounded = 1 << 30;
+    const bool tc = TensorCores(geo);
+    const int group = geo.num_kv_heads > 0 ? geo.num_q_heads / geo.num_kv_heads : 1;
+    const int uniform =
+        tc ? kc::TransformTcDecodeSplits(geo.batch, geo.num_q_heads, geo.num_kv_heads, max_tokens,
+                                         num_sms)
+           : kc::TransformDecodeSplits(geo.batch, geo.num_kv_heads, max_tokens, num_sms);
+    const int wave = tc ? kc::TransformTcDecodeSplits(1, group, 1, kUnbounded, num_sms)
+                        : kc::TransformDecodeSplits(1, 1, kUnbounded, num_sms);
+    return kc::BalancedSplits(uniform, geo.batch, geo.num_kv_heads, max_tokens, total_tokens, wave);
   }
 
   size_t AttendStateBytes(const kc::DecodeGeometry& geo, int /*max_tokens*/,

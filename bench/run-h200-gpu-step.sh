@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Issue #36 on the H200, one lease (~6 minutes), most important first:
+#   1. tests: every CUDA kernel test (kvcd_cuda_tests) and every data-plane test (CUDA daemon
+#      vs CPU daemon per format; the signal-word hops against inline calls), then the
+#      data-plane tests again with KVCD_SPLITS=balanced (the formats' split rule for ragged
+#      batches, opt-in until this run);
+#   2. the per-layer decode loop through kvcd (bench/run-decode-batch.sh, INT2 history, 32k /
+#      100k, batch 1 / 8), each row with the cross-process hops as IPC events (the default,
+#      --hops events) and as stream memory operations on device signal words (--hops memops,
+#      opt-in until this run), beside the in-process cuDNN loop of the same lease;
+#   3. the worker-death check with the new hops (bench/run-h200-worker-death.sh: a worker
+#      killed mid-step leaves the daemon and the other workers unharmed);
+#   4. the job-level bench under a 60 GB budget: the kernels' own split counts ("daemon") and
+#      the formats' balanced rule ("balanced", what KVCD_SPLITS=balanced gives the daemon),
+#      then the cuDNN BF16 baseline in process.
+#   here:   ./scripts/build.sh kvcd kvctl kvcd_cuda_tests kvcd_data_plane_tests \
+#             kvcd_prefill_worker kvcd_decode_worker cuda_job_bench &&
+#           KVCD_PACK_ONLY="kvcd kvctl kvcd_cuda_tests kvcd_data_plane_tests kvcd_prefill_worker \
+#             kvcd_decode_worker cuda_job_bench" ./scripts/pack-device.sh &&
+#           tar -czf /tmp/pack.tgz .devbin .devlibs && rm -rf .devbin .devlibs &&
+#           mkdir .devbin && mv /tmp/pack.tgz .devbin/   (52 MB of binaries as 21 MB)
+#   device: tar -xzf .devbin/pack.tgz && bench/run-h200-gpu-step.sh   (carry [".devbin"])
+# Writes $OUT/summary.txt and $OUT/logs.tgz (re-packed after every step).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+final=${OUT:-/tmp/kvcd-h200-gpu-step}
+out=/tmp/kvcd-h200-gpu-step-logs
+mkdir -p "$final" "$out"
+export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH=$PWD/.devlibs
+BIN=.devbin
+summary() { echo "$*" | tee -a "$final/summary.txt"; }
+pack() { tar -czf "$final/logs.tgz" -C "$out" . 2>/dev/null; }
+step() {  # name, timeout, command...
+  local name=$1 limit=$2 t0=$SECONDS
+  shift 2
+  timeout "$limit" stdbuf -oL "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  summary "$name rc $rc ($((SECONDS - t0)) s): $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\] [0-9]+ tests?' "$out/$name.log" | tr '\n' ' ')"
+  grep -E '^\[  FAILED  \] [A-Za-z]' "$out/$name.log" | head -20 | tee -a "$final/summary.txt"
+  pack
+}
+: > "$final/summary.txt"
+summary "$(nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.max.sm --format=csv,noheader 2>&1)"
+
+# 1. tests
+step cuda-tests 150 "$BIN/kvcd_cuda_tests"
+grep -E 'Failure|actual:|exceeds' "$out/cuda-tests.log" | head -12 | tee -a "$final/summary.txt"
+KVCD_BINARY=$BIN/kvcd step data-plane 200 "$BIN/kvcd_data_plane_tests"
+grep -hE 'CUDA vs CPU' "$out/data-plane.log" | head -8 | tee -a "$final/summary.txt"
+KVCD_SPLITS=balanced KVCD_BINARY=$BIN/kvcd step data-plane-balanced 200 "$BIN/kvcd_data_plane_tests"
+
+# 2. the decode loop, old hops vs new, cuDNN baseline in the same run (the INT2 model of
+# kvcd-decode-step.yaml alone: fits an H100's 80 GB as well)
+cat > "$out/kvcd-int2.yaml" <<'YAML'
+listen: 127.0.0.1:0
+metrics_listen: 127.0.0.1:0
+backend: cuda
+cuda_device: 0
+memory_budget: 40GiB
+lease: {default_ms: 60000, max_ms: 600000}
+drain_timeout_ms: 2000
+models:
+  - builtin: qwen3-8b
+    name: qwen3-8b-int2
+    history_format: int2-oscar
+    memory: 36GiB
+    bf16_fraction: 0.15
+YAML
+KVCD_CONFIG=$out/kvcd-int2.yaml KVCD_RUNS="qwen3-8b-int2:32768 qwen3-8b-int2:99968" KVCD_BATCHES="1 8" \
+  KVCD_HOPS="events memops" OUT=$out/decode-batch step decode-batch 240 bench/run-decode-batch.sh
+grep -E 'hops|^\|' "$out/decode-batch.log" | tee -a "$final/summary.txt"
+grep -hE 'per call' "$out"/decode-batch/decode-*.log | head -8 | tee -a "$final/summary.txt"
+
+# 3. a worker killed mid-step, with the new hops
+KVCD_HOPS=memops OUT=$out/worker-death step worker-death 120 bench/run-h200-worker-death.sh
+grep -E '^(ok|FAILED|worker death|tokens/s)' "$out/worker-death.log" | tee -a "$final/summary.txt"
+
+# 4. job-level throughput with the daemon's split rule, then the cuDNN baseline
+trace=${KVCD_TRACE:-}
+for t in $BIN/trace-lengths.jsonl ../shared/data/traces/mooncake_synthetic_trace.jsonl; do
+  [[ -z $trace && -f $t ]] && trace=$t
+done
+if [[ -z $trace ]]; then
+  summary "job bench: no trace file (set KVCD_TRACE)"
+else
+  step job-bench 120 "$BIN/cuda_job_bench" --trace "$trace" --budget_gb 60 --splits both \
+    --out "$out/job-bench.md"
+  sed -n '/^device/p;/^|/p' "$out/job-bench.log" | tee -a "$final/summary.txt"
+  step job-baseline 120 python3 bench/job_baseline.py --trace "$trace" --budget_gb 60 \
+    --out "$out/job-baseline.json"
+  grep -E '^(device|\||graph|cuDNN|no )' "$out/job-baseline.log" | tee -a "$final/summary.txt"
+fi
+summary "done in $SECONDS s"
