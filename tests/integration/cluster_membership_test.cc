@@ -16,7 +16,7 @@
 #include "server/cluster/member_info.h"
 
 namespace kvcd {
-namespace {
+namespace cluster_membership_test {
 
 using testing_util::DaemonProcess;
 using testing_util::EtcdServer;
@@ -142,11 +142,11 @@ TEST_F(ClusterMembershipTest, RegistersAgainAfterEtcdRestarts) {
   EXPECT_EQ(info->incarnation, incarnation);
 }
 
-}  // namespace
+}  // namespace cluster_membership_test
 }  // namespace kvcd
 
 namespace kvcd {
-namespace {
+namespace cluster_membership_test {
 
 // membership: dns, with a name that resolves to loopback: the daemon finds itself through
 // its own Stats; a pull from an unknown member is NOT_FOUND and from itself INVALID_ARGUMENT.
@@ -187,5 +187,5 @@ cluster:
   }
 }
 
-}  // namespace
+}  // namespace cluster_membership_test
 }  // namespace kvcd
