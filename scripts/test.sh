@@ -27,6 +27,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/test-lib.sh
 export CCACHE_DIR=${CCACHE_DIR:-$PWD/.cache/ccache}
+# Paths relative to the clone in the cache's keys (every build: main, ASan, TSan), so a
+# second clone reuses the first one's objects.
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
 build=${KVCD_BUILD_DIR:-build}
 serial=${KVCD_TEST_SERIAL:-}
 fatal() { phase_summary; echo "test: stopped: $1 failed" >&2; exit 1; }
