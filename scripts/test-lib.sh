@@ -93,7 +93,8 @@ phase_summary() {  # prints the table; returns 1 if any phase failed
 # and link of this build heavier. A unity build (KVCD_SAN_UNITY=OFF turns it off): nobody
 # edits in this build dir, and each target's sources compiled a few per translation unit
 # parse the gRPC/protobuf/Abseil headers once per batch. The kernels are compiled at -O1 here
-# like everything else (kernels/CMakeLists.txt: -O3 only in uninstrumented builds).
+# like everything else (kernels/CMakeLists.txt: -O3 only in uninstrumented builds); the
+# tests' own code at -O0, unity-built like the rest (tests/CMakeLists.txt).
 # san_build TARGET... configures it and builds them.
 san_build_dir() { echo "${KVCD_SAN_BUILD_DIR:-build-san}"; }
 san_build() {
@@ -116,7 +117,8 @@ FUZZ_TARGETS=(config_fuzz safetensors_fuzz codec_profile_fuzz activation_dump_fu
 
 # ThreadSanitizer (tsan_phase, one phase of scripts/test.sh): clang, -fsanitize=thread, CPU
 # only, in ${KVCD_TSAN_BUILD_DIR:-build-tsan}; a unity build of only the daemon and the unit
-# and integration test binaries (Debug with line tables, -O1), so that it costs as little as
+# and integration test binaries (Debug with line tables, -O1; the tests' own code -O0), so
+# that it costs as little as
 # a sanitizer build can. The unit tests and the integration tests (which start this build's
 # TSan-instrumented daemon, and include the concurrency stress test,
 # tests/integration/concurrency_stress_test.cc) run side by side; every process writes its

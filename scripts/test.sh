@@ -17,14 +17,19 @@
 # prepared while the C++ builds, and CTest, the Python and the deployment tests (mostly
 # waiting on daemons and Prometheus) run while the instrumented builds compile, test and fuzz
 # in the background. The container image is made from the kvcd and kvctl just built: kvcd is
-# not compiled a second time. Both C++ builds are unity builds (KVCD_UNITY=OFF and
-# KVCD_SAN_UNITY=OFF turn that off), the instrumented ones at -O1 throughout.
+# not compiled a second time. The C++ builds are unity builds (KVCD_UNITY=OFF and
+# KVCD_SAN_UNITY=OFF turn that off), test sources included; the main build is lean (-O1, no
+# debug information, KVCD_LEAN=OFF turns it off), the instrumented ones at -O1 throughout;
+# the tests' own code is compiled at -O0 in every build (tests/CMakeLists.txt).
 # KVCD_TEST_SERIAL=1 runs every phase alone.
 # The inner loop is scripts/test-fast.sh (incremental build, unit + integration tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/test-lib.sh
 export CCACHE_DIR=${CCACHE_DIR:-$PWD/.cache/ccache}
+# Paths relative to the clone in the cache's keys (every build: main, ASan, TSan), so a
+# second clone reuses the first one's objects.
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
 build=${KVCD_BUILD_DIR:-build}
 serial=${KVCD_TEST_SERIAL:-}
 fatal() { phase_summary; echo "test: stopped: $1 failed" >&2; exit 1; }
@@ -40,8 +45,9 @@ if [[ -z $serial ]]; then
   # The vLLM connector's pinned venv (downloads; cached outside the clone after the first run).
   phase_bg prepare-vllm ./scripts/vllm-venv.sh
 fi
-# The main build is a unity build (scripts/build.sh, KVCD_UNITY=OFF turns it off).
-export KVCD_UNITY=${KVCD_UNITY:-ON}
+# The main build is a unity build, lean: -O1 without debug information (scripts/build.sh;
+# KVCD_UNITY=OFF, KVCD_LEAN=OFF turn them off).
+export KVCD_UNITY=${KVCD_UNITY:-ON} KVCD_LEAN=${KVCD_LEAN:-ON}
 phase build ./scripts/build.sh || fatal build
 if [[ -n $serial ]]; then
   phase fetch-smollm2 ./scripts/fetch-smollm2.sh

@@ -18,7 +18,7 @@
 #include "examples/llama_worker.h"
 
 namespace kvcd {
-namespace {
+namespace agent_conversation_test {
 
 using testing_util::DaemonProcess;
 
@@ -195,5 +195,5 @@ TEST_F(AgentConversationTest, Int2TransformFollowUpOnCommittedHistoryMatchesFres
   RunAndCheck(*p);
 }
 
-}  // namespace
+}  // namespace agent_conversation_test
 }  // namespace kvcd

@@ -20,7 +20,7 @@
 #include "testing/synthetic.h"
 
 namespace kvcd::cluster {
-namespace {
+namespace cluster_client_test {
 
 using testing_util::DaemonProcess;
 using testing_util::EtcdServer;
@@ -167,7 +167,7 @@ TEST_F(ClusterClientTest, SessionGoesToTheHolderAndSurvivesItsMemberKilled) {
   EXPECT_EQ(*closed, n + 2);
 }
 
-}  // namespace
+}  // namespace cluster_client_test
 }  // namespace kvcd::cluster
 
 namespace kvcd::cluster {

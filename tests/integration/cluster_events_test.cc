@@ -18,7 +18,7 @@
 #include "testing/synthetic.h"
 
 namespace kvcd {
-namespace {
+namespace cluster_events_test {
 
 using testing_util::DaemonProcess;
 using testing_util::FreeLoopbackPort;
@@ -189,5 +189,5 @@ cluster:
   EXPECT_GT(next, seen.rbegin()->first) << "the replay missed published batches";
 }
 
-}  // namespace
+}  // namespace cluster_events_test
 }  // namespace kvcd

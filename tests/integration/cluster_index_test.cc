@@ -15,7 +15,7 @@
 #include "testing/synthetic.h"
 
 namespace kvcd {
-namespace {
+namespace cluster_index_test {
 
 using testing_util::DaemonProcess;
 using testing_util::EtcdServer;
@@ -181,11 +181,11 @@ TEST_F(ClusterIndexTest, EntriesFollowTheTreeAndMembers) {
                       std::chrono::seconds(30)));
 }
 
-}  // namespace
+}  // namespace cluster_index_test
 }  // namespace kvcd
 
 namespace kvcd {
-namespace {
+namespace cluster_index_test {
 
 // The bound of docs/cluster.md "Redis restarted empty", measured: 4,096 pages held, Redis
 // restarted without its data; the time until every page is indexed again.
@@ -231,5 +231,5 @@ TEST_F(ClusterIndexTest, RepublishBoundAfterRedisRestart) {
   EXPECT_LT(ms, 10000.0);
 }
 
-}  // namespace
+}  // namespace cluster_index_test
 }  // namespace kvcd

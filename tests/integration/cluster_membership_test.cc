@@ -22,7 +22,7 @@
 #include "server/cluster/member_info.h"
 
 namespace kvcd {
-namespace {
+namespace cluster_membership_test {
 
 using testing_util::DaemonProcess;
 using testing_util::EtcdServer;
@@ -175,11 +175,11 @@ TEST_F(ClusterMembershipTest, RegistersAgainAfterEtcdRestarts) {
   (void)watch->Finish();
 }
 
-}  // namespace
+}  // namespace cluster_membership_test
 }  // namespace kvcd
 
 namespace kvcd {
-namespace {
+namespace cluster_membership_test {
 
 // membership: dns, with a name that resolves to loopback: the daemon finds itself through
 // its own Stats; a pull from an unknown member is NOT_FOUND and from itself INVALID_ARGUMENT.
@@ -220,7 +220,7 @@ cluster:
   }
 }
 
-}  // namespace
+}  // namespace cluster_membership_test
 }  // namespace kvcd
 
 namespace kvcd {

@@ -15,7 +15,7 @@
 #include "testing/synthetic.h"
 
 namespace kvcd {
-namespace {
+namespace cluster_pull_test {
 
 using testing_util::DaemonProcess;
 using testing_util::EtcdServer;
@@ -166,5 +166,5 @@ TEST(ClusterPullTest, PagesMoveAsStoredAndBadPullsStoreNothing) {
   EXPECT_EQ(matched, 0);
 }
 
-}  // namespace
+}  // namespace cluster_pull_test
 }  // namespace kvcd

@@ -30,7 +30,7 @@
 #include "testing/synthetic.h"
 
 namespace kvcd {
-namespace {
+namespace concurrency_stress_test {
 
 using testing_util::DaemonProcess;
 using testing_util::ScrapeMetrics;
@@ -320,5 +320,5 @@ TEST_F(ConcurrencyStressTest, SessionsRegistrationsReaperAndSweepAtOnce) {
   EXPECT_EQ(daemon_.Stop(), 0) << "the daemon did not drain cleanly";
 }
 
-}  // namespace
+}  // namespace concurrency_stress_test
 }  // namespace kvcd

@@ -38,7 +38,7 @@
 #include "testing/synthetic.h"
 
 namespace kvcd {
-namespace {
+namespace cuda_cpu_decode_test {
 
 using testing_util::DecodeThroughBuffer;
 using testing_util::ExpectCloseToCpu;
@@ -571,5 +571,5 @@ TEST_P(FsqResidualsTest, NonFiniteDeviceResidualsAreRefused) {
 
 INSTANTIATE_TEST_SUITE_P(Formats, FsqResidualsTest, ::testing::Values(kFsqG33, kFsqG64), CaseName);
 
-}  // namespace
+}  // namespace cuda_cpu_decode_test
 }  // namespace kvcd

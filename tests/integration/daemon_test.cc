@@ -31,7 +31,7 @@
 #include "testing/synthetic.h"
 
 namespace kvcd {
-namespace {
+namespace daemon_test {
 
 using testing_util::DaemonProcess;
 using testing_util::ReadFile;
@@ -586,11 +586,11 @@ TEST_F(DaemonTest, HealthMetricsAndDrain) {
   EXPECT_EQ(daemon_.Stop(), 0);  // SIGTERM drains and exits 0
 }
 
-}  // namespace
+}  // namespace daemon_test
 }  // namespace kvcd
 
 namespace kvcd {
-namespace {
+namespace daemon_test {
 
 // RegisterModel with a codec file (safetensors rotations) over the wire; a model whose
 // history is INT2 serves put -> open -> attend; a malformed codec file is rejected.
@@ -1019,5 +1019,5 @@ TEST_F(DaemonTest, FsqModelServesCodesEndToEnd) {
   ASSERT_TRUE(client_->CloseSequence(id).ok());
 }
 
-}  // namespace
+}  // namespace daemon_test
 }  // namespace kvcd

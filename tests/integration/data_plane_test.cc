@@ -21,7 +21,7 @@
 #include "testing/synthetic.h"
 
 namespace kvcd {
-namespace {
+namespace data_plane_test {
 
 using testing_util::DaemonProcess;
 using workers::IpcBuffer;
@@ -746,5 +746,5 @@ INSTANTIATE_TEST_SUITE_P(Models, DataPlaneTest, ::testing::Values("small", "smal
                            return n;
                          });
 
-}  // namespace
+}  // namespace data_plane_test
 }  // namespace kvcd

@@ -17,7 +17,7 @@
 #include "testing/synthetic.h"
 
 namespace kvcd {
-namespace {
+namespace fault_injection_test {
 
 using testing_util::DaemonProcess;
 
@@ -190,5 +190,5 @@ TEST_F(FaultInjectionTest, StickyFaultTurnsHealthNotServingAndExitsNonZero) {
   EXPECT_NE(Stderr().find("unrecoverable error; NOT_SERVING"), std::string::npos) << Stderr();
 }
 
-}  // namespace
+}  // namespace fault_injection_test
 }  // namespace kvcd

@@ -12,7 +12,7 @@
 #include "nlohmann/json.hpp"
 
 namespace kvcd {
-namespace {
+namespace observability_test {
 
 using testing_util::DaemonProcess;
 using testing_util::MetricValue;
@@ -120,5 +120,5 @@ TEST(ObservabilityTest, MetricsCarryBuildInfoAndStartTime) {
   EXPECT_EQ(d.Stop(), 0);
 }
 
-}  // namespace
+}  // namespace observability_test
 }  // namespace kvcd

@@ -13,7 +13,7 @@
 #include "testing/synthetic.h"
 
 namespace kvcd {
-namespace {
+namespace prefix_pins_integration_test {
 
 using testing_util::DaemonProcess;
 using testing_util::ScrapeMetrics;
@@ -148,5 +148,5 @@ TEST_F(PrefixPinsTest, BadPinsAreRefusedOverTheWire) {
   EXPECT_EQ(Matched(1, 8), 8);
 }
 
-}  // namespace
+}  // namespace prefix_pins_integration_test
 }  // namespace kvcd

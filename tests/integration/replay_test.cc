@@ -12,7 +12,7 @@
 #include "tests/integration/daemon_process.h"
 
 namespace kvcd {
-namespace {
+namespace replay_test {
 
 using testing_util::DaemonProcess;
 
@@ -97,5 +97,5 @@ INSTANTIATE_TEST_SUITE_P(Watermarks, ReplayTest,
                                            Case{"DefaultWatermarks", 0.95, 0.85, 1000}),
                          [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
 
-}  // namespace
+}  // namespace replay_test
 }  // namespace kvcd

@@ -24,7 +24,7 @@
 #include "testing/synthetic.h"
 
 namespace kvcd {
-namespace {
+namespace security_test {
 
 using testing_util::DaemonProcess;
 using testing_util::ReadFile;
@@ -774,5 +774,5 @@ TEST_F(SecurityTest, BadCredentialFilesFailStartUpNamingTheFile) {
   }
 }
 
-}  // namespace
+}  // namespace security_test
 }  // namespace kvcd

@@ -11,7 +11,7 @@
 #include "examples/llama_worker.h"
 
 namespace kvcd {
-namespace {
+namespace smollm2_test {
 
 using testing_util::DaemonProcess;
 
@@ -243,5 +243,5 @@ TEST_F(SmolLm2Test, TransformCodedKeysBeatHadamardInt2OnTeacherForcedKl) {
   EXPECT_GT(mean[1], 1e-3) << "INT2-sized history must differ from FP32";
 }
 
-}  // namespace
+}  // namespace smollm2_test
 }  // namespace kvcd

@@ -12,7 +12,7 @@
 #include "examples/llama_worker.h"
 
 namespace kvcd {
-namespace {
+namespace stories_test {
 
 using testing_util::DaemonProcess;
 
@@ -250,5 +250,5 @@ TEST_F(StoriesTest, FsqCodecFileServesLikeTheInProcessCodec) {
             absl::StatusCode::kInvalidArgument);
 }
 
-}  // namespace
+}  // namespace stories_test
 }  // namespace kvcd

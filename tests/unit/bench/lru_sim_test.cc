@@ -3,7 +3,7 @@
 #include <gtest/gtest.h>
 
 namespace kvcd::replay {
-namespace {
+namespace lru_sim_test {
 
 LruSim Sim(int64_t capacity, double high = 1.0, double low = 1.0) {
   return LruSim({.capacity_pages = capacity, .high_watermark = high, .low_watermark = low});
@@ -110,5 +110,5 @@ TEST(LruSim, WithoutCapacityItNeverEvicts) {
   EXPECT_EQ(s.counters().evicted_pages, 0);
 }
 
-}  // namespace
+}  // namespace lru_sim_test
 }  // namespace kvcd::replay

@@ -5,7 +5,7 @@
 #include "bench/replay/trace.h"
 
 namespace kvcd::replay {
-namespace {
+namespace replay_trace_test {
 
 // The message holds `want`.
 ::testing::AssertionResult Says(absl::string_view message, absl::string_view want) {
@@ -122,5 +122,5 @@ TEST(ReplayTrace, MissingFileIsNotFound) {
   EXPECT_EQ(ReadTrace("/nonexistent/trace.jsonl").status().code(), absl::StatusCode::kNotFound);
 }
 
-}  // namespace
+}  // namespace replay_trace_test
 }  // namespace kvcd::replay

@@ -5,7 +5,7 @@
 #include "bench/replay/workload.h"
 
 namespace kvcd::replay {
-namespace {
+namespace replay_workload_test {
 
 TraceRequest Req(int64_t in, int64_t out, std::vector<int64_t> ids) {
   TraceRequest r;
@@ -114,5 +114,5 @@ TEST(ReplayWorkload, RefusesABadPageSize) {
   EXPECT_FALSE(TraceWorkload::Create({}, 513).ok());
 }
 
-}  // namespace
+}  // namespace replay_workload_test
 }  // namespace kvcd::replay

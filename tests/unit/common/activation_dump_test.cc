@@ -9,7 +9,7 @@
 #include "tools/calibration.h"
 
 namespace kvcd {
-namespace {
+namespace activation_dump_test {
 
 TEST(ActivationDumpTest, RoundTripAndCalibrationToALoadableCodecFile) {
   ActivationSpec spec;
@@ -71,5 +71,5 @@ TEST(ActivationDumpTest, MalformedDumpsAreRejected) {
   std::remove(path.c_str());
 }
 
-}  // namespace
+}  // namespace activation_dump_test
 }  // namespace kvcd

@@ -10,7 +10,7 @@
 #include "nlohmann/json.hpp"
 
 namespace kvcd {
-namespace {
+namespace block_hash_test {
 
 nlohmann::json LoadVectors() {
   std::ifstream in(KVCD_TEST_DATA "/block_hash_vectors.json");
@@ -100,5 +100,5 @@ TEST(BlockHashTest, HexRoundTripsAndBadTextIsRefused) {
   EXPECT_NE(status.message().find("offset 10"), std::string::npos) << status;
 }
 
-}  // namespace
+}  // namespace block_hash_test
 }  // namespace kvcd

@@ -13,7 +13,7 @@
 #include "testing/synthetic_activations.h"
 
 namespace kvcd {
-namespace {
+namespace codec_quality_test {
 
 constexpr int kHq = 8, kHkv = 2, kD = 128;
 
@@ -93,5 +93,5 @@ TEST(CodecQualityTest, RotationsReduceAttentionErrorOfNaiveInt2) {
   EXPECT_LT(oscar, 0.9 * naive);
 }
 
-}  // namespace
+}  // namespace codec_quality_test
 }  // namespace kvcd

@@ -7,7 +7,7 @@
 #include <string>
 
 namespace kvcd {
-namespace {
+namespace fsq_codec_test {
 
 FsqCodecShape SmallShape(bool key_norm) {
   FsqCodecShape s;
@@ -205,5 +205,5 @@ TEST(FsqCodecTest, ShapeRangesAndFromLayers) {
   ExpectInvalid(FsqCodec::FromLayers(s, layers).status(), "1 layers, expected 2");
 }
 
-}  // namespace
+}  // namespace fsq_codec_test
 }  // namespace kvcd

@@ -9,7 +9,7 @@
 #include "common/rotation.h"
 
 namespace kvcd {
-namespace {
+namespace key_transform_profile_test {
 
 constexpr int kD = 8, kHkv = 2, kLayers = 2;
 
@@ -116,5 +116,5 @@ TEST(KeyTransformProfileTest, RejectsWhatDoesNotFit) {
   std::remove(path.c_str());
 }
 
-}  // namespace
+}  // namespace key_transform_profile_test
 }  // namespace kvcd

@@ -5,7 +5,7 @@
 #include "nlohmann/json.hpp"
 
 namespace kvcd::log {
-namespace {
+namespace log_test {
 
 const absl::Time kTime = absl::FromUnixMicros(1764893523123456);  // 2025-12-05T00:12:03.123456Z
 
@@ -42,5 +42,5 @@ TEST(LogTest, FormatByName) {
   EXPECT_EQ(s.message(), "log format 'xml' is not 'text' or 'json'");
 }
 
-}  // namespace
+}  // namespace log_test
 }  // namespace kvcd::log

@@ -11,7 +11,7 @@
 #include <vector>
 
 namespace kvcd {
-namespace {
+namespace phase_times_test {
 
 TEST(PhaseTimesTest, BucketsAreExactBelowSixteenAndWithinASixteenthAbove) {
   for (uint64_t v = 0; v < 16; ++v) {
@@ -86,5 +86,5 @@ TEST(PhaseTimesTest, LapsRecordOnlyWhenEnabled) {
   PhaseTimes::Reset();
 }
 
-}  // namespace
+}  // namespace phase_times_test
 }  // namespace kvcd

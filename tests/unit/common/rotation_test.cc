@@ -8,7 +8,7 @@
 #include <vector>
 
 namespace kvcd {
-namespace {
+namespace rotation_test {
 
 TEST(RotationTest, HadamardIsOrthonormalSylvester) {
   const auto h2 = HadamardMatrix(2);
@@ -113,5 +113,5 @@ TEST(RotationTest, RecoversAKnownEigenbasisWithTheSignConvention) {
   }
 }
 
-}  // namespace
+}  // namespace rotation_test
 }  // namespace kvcd

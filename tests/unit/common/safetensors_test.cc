@@ -7,7 +7,7 @@
 #include "kvcd/kernels/bf16.h"
 
 namespace kvcd {
-namespace {
+namespace safetensors_test {
 
 TEST(SafetensorsTest, RoundTrip) {
   SafetensorsWriter w;
@@ -96,5 +96,5 @@ TEST(SafetensorsTest, ErrorsQuoteFileStringsBounded) {
   EXPECT_LE(file->Get(long_name + "x").status().message().size(), 300u);
 }
 
-}  // namespace
+}  // namespace safetensors_test
 }  // namespace kvcd

@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 
 namespace kvcd::llama {
-namespace {
+namespace bpe_tokenizer_test {
 
 std::string Hex(const std::string& s) {
   std::string out;
@@ -171,5 +171,5 @@ TEST_F(SmolLm2TokenizerTest, ChatTemplate) {
   EXPECT_EQ(specials, 5);
 }
 
-}  // namespace
+}  // namespace bpe_tokenizer_test
 }  // namespace kvcd::llama

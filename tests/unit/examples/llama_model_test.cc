@@ -14,7 +14,7 @@
 #include "examples/llama_worker.h"
 
 namespace kvcd::llama {
-namespace {
+namespace llama_model_test {
 
 // A small random llama-family model, written and read through safetensors like the real one.
 struct Spec {
@@ -402,5 +402,5 @@ TEST(LlamaModelTest, RejectsBadFilesAndInputs) {
             absl::StatusCode::kNotFound);
 }
 
-}  // namespace
+}  // namespace llama_model_test
 }  // namespace kvcd::llama

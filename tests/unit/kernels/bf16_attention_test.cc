@@ -12,7 +12,7 @@
 #include "kvcd/kernels/reference_attention.h"
 
 namespace kvcd::kernels {
-namespace {
+namespace bf16_attention_test {
 
 struct Case {
   int64_t n;
@@ -162,5 +162,5 @@ TEST(Bf16Test, RoundTripAndRounding) {
   EXPECT_TRUE(std::isnan(Bf16ToFloat(FloatToBf16(NAN))));
 }
 
-}  // namespace
+}  // namespace bf16_attention_test
 }  // namespace kvcd::kernels

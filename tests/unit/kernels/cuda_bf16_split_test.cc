@@ -22,7 +22,7 @@
 #include "kvcd/kernels/int2_codec.h"
 
 namespace kvcd::kernels {
-namespace {
+namespace cuda_bf16_split_test {
 
 constexpr uint16_t kBf16Nan = 0x7fc0;
 
@@ -318,5 +318,5 @@ TEST(Bf16SplitArgsTest, SplitsFillOneCtaPerSmAndBadArgumentsAreRefused) {
   EXPECT_EQ(launch({1, 32, 8, 128, 64}, 0), cudaErrorInvalidValue);  // splits
 }
 
-}  // namespace
+}  // namespace cuda_bf16_split_test
 }  // namespace kvcd::kernels

@@ -25,7 +25,7 @@
 #include "kvcd/kernels/fsq.h"
 
 namespace kvcd::kernels {
-namespace {
+namespace cuda_fsq_test {
 
 class CudaFsqTest : public CudaTestFixture {};
 
@@ -404,5 +404,5 @@ TEST_F(CudaFsqTest, DecodeAttentionRejectsUnsupportedArguments) {
             cudaErrorInvalidValue);
 }
 
-}  // namespace
+}  // namespace cuda_fsq_test
 }  // namespace kvcd::kernels

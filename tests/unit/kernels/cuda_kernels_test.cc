@@ -27,7 +27,7 @@
 #include "kvcd/kernels/int2_codec.h"
 
 namespace kvcd::kernels {
-namespace {
+namespace cuda_kernels_test {
 
 class CudaKernelsTest : public CudaTestFixture {};
 
@@ -894,5 +894,5 @@ TEST_F(CudaKernelsTest, ToFloatMatchesTheCpu) {
   for (int64_t i = 0; i < n; ++i) ASSERT_EQ(out[i], f[i]) << i;
 }
 
-}  // namespace
+}  // namespace cuda_kernels_test
 }  // namespace kvcd::kernels

@@ -25,7 +25,7 @@
 #include "kvcd/kernels/transform_attention.h"
 
 namespace kvcd::kernels {
-namespace {
+namespace cuda_transform_test {
 
 namespace kc = cuda;
 
@@ -648,5 +648,5 @@ TEST(CudaTransformHostTest, TensorCoreVariantServesWhatItSays) {
   EXPECT_EQ(kc::TransformTcDecodeSplits(1, 32, 8, 100, 132), 1);
 }
 
-}  // namespace
+}  // namespace cuda_transform_test
 }  // namespace kvcd::kernels

@@ -3,7 +3,7 @@
 #include <gtest/gtest.h>
 
 namespace kvcd::kernels {
-namespace {
+namespace dispatch_test {
 
 TEST(DispatchTest, HeadDimReachesItsInstantiationAndNothingElse) {
   for (int d : {64, 128, 256}) {
@@ -42,5 +42,5 @@ TEST(DispatchTest, ValueSetsOfTheirOwn) {
   for (int d : {16, 48, 256}) EXPECT_EQ(transform_dims(d), 0) << d;
 }
 
-}  // namespace
+}  // namespace dispatch_test
 }  // namespace kvcd::kernels

@@ -13,7 +13,7 @@
 #include "kvcd/kernels/bf16.h"
 
 namespace kvcd::kernels {
-namespace {
+namespace finite_check_test {
 
 TEST(FiniteCheckTest, MatchesTheReferenceOnRandomInputs) {
   std::mt19937_64 rng(21);
@@ -68,5 +68,5 @@ TEST(FiniteCheckTest, MatchesTheReferenceOnRandomInputs) {
   EXPECT_GT(found, 50);  // the planted values were seen
 }
 
-}  // namespace
+}  // namespace finite_check_test
 }  // namespace kvcd::kernels

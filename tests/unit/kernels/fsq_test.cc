@@ -16,7 +16,7 @@
 #include "kvcd/kernels/attention_state.h"
 
 namespace kvcd::kernels {
-namespace {
+namespace fsq_test {
 
 std::vector<CpuIsa> AvailableIsas() {
   std::vector<CpuIsa> isas = {CpuIsa::kScalar};
@@ -450,5 +450,5 @@ TEST(FsqAttentionTest, EmptyRangeGivesTheEmptyState) {
   for (float x : l) EXPECT_EQ(x, kEmptyLse);
 }
 
-}  // namespace
+}  // namespace fsq_test
 }  // namespace kvcd::kernels

@@ -13,7 +13,7 @@
 #include "kvcd/kernels/int2_codec.h"
 
 namespace kvcd::kernels {
-namespace {
+namespace int2_attention_test {
 
 std::vector<CpuIsa> AvailableIsas() {
   std::vector<CpuIsa> isas = {CpuIsa::kScalar};
@@ -102,5 +102,5 @@ TEST(Int2AttentionTest, MatchesTheScalarOracle) {
   }
 }
 
-}  // namespace
+}  // namespace int2_attention_test
 }  // namespace kvcd::kernels

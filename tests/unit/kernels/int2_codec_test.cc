@@ -11,7 +11,7 @@
 #include "kvcd/kernels/fp16.h"
 
 namespace kvcd::kernels {
-namespace {
+namespace int2_codec_test {
 
 TEST(Fp16Test, RoundTripAndRounding) {
   for (float f :
@@ -150,11 +150,11 @@ TEST(Int2CodecTest, BitsPerElementIs2Point25AtHeadDim128) {
   EXPECT_EQ((Int2CodeBytes(128) + kInt2ParamBytes) * 8.0 / 128, 2.25);
 }
 
-}  // namespace
+}  // namespace int2_codec_test
 }  // namespace kvcd::kernels
 
 namespace kvcd::kernels {
-namespace {
+namespace int2_codec_test {
 
 // The optimized rotation is bit-identical to the scalar loop, so demotion (clip index,
 // codes, scales) never depends on the CPU it ran on.
@@ -173,11 +173,11 @@ TEST(Int2CodecTest, RotationIsBitIdenticalAcrossIsas) {
   }
 }
 
-}  // namespace
+}  // namespace int2_codec_test
 }  // namespace kvcd::kernels
 
 namespace kvcd::kernels {
-namespace {
+namespace int2_codec_test {
 
 // The daemon's Hadamard (common/rotation.h) is recognised at every head size; anything else
 // (a changed entry, the identity, a negative scale) is applied densely.
@@ -240,5 +240,5 @@ TEST(Int2CodecTest, HadamardButterfliesAreTheHadamardProduct) {
   }
 }
 
-}  // namespace
+}  // namespace int2_codec_test
 }  // namespace kvcd::kernels

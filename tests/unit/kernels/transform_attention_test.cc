@@ -16,7 +16,7 @@
 #include "kvcd/kernels/fp16.h"
 
 namespace kvcd::kernels {
-namespace {
+namespace transform_attention_test {
 
 // One KV head of a synthetic version-3 profile as the kernels take it, and keys drawn
 // from the code's own distribution.
@@ -222,5 +222,5 @@ TEST(TransformAttentionTest, KeysBeyondFp16RangeStoreAFiniteGain) {
   }
 }
 
-}  // namespace
+}  // namespace transform_attention_test
 }  // namespace kvcd::kernels

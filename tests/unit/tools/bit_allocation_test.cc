@@ -6,7 +6,7 @@
 #include <random>
 
 namespace kvcd {
-namespace {
+namespace bit_allocation_test {
 
 constexpr double kPi = 3.14159265358979323846;
 
@@ -92,5 +92,5 @@ TEST(BitAllocation, ReverseWaterFillingKnownAnswers) {
   EXPECT_NEAR(theta, 1.0, 1e-9);
 }
 
-}  // namespace
+}  // namespace bit_allocation_test
 }  // namespace kvcd

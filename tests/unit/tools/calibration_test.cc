@@ -17,7 +17,7 @@
 #include "tools/progress.h"
 
 namespace kvcd {
-namespace {
+namespace calibration_test {
 
 ActivationDump Synthetic(int layers, int64_t tokens, int d, uint64_t seed) {
   ActivationSpec spec;
@@ -252,5 +252,5 @@ TEST(CalibrationTest, ProgressBarDrawsOnlyOnTerminals) {
   EXPECT_NE(text.find("layer 2/2\n"), std::string::npos);
 }
 
-}  // namespace
+}  // namespace calibration_test
 }  // namespace kvcd

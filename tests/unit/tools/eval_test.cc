@@ -7,7 +7,7 @@
 #include "tools/calibration.h"
 
 namespace kvcd {
-namespace {
+namespace eval_test {
 
 TEST(EvalTest, OscarBeatsHadamardBeatsNaiveOnSyntheticActivations) {
   ActivationSpec spec;  // 8 q / 2 kv heads, head_dim 128
@@ -54,5 +54,5 @@ TEST(EvalTest, OscarBeatsHadamardBeatsNaiveOnSyntheticActivations) {
               1e-9);
 }
 
-}  // namespace
+}  // namespace eval_test
 }  // namespace kvcd

@@ -9,7 +9,7 @@
 #include "tools/eval.h"
 
 namespace kvcd {
-namespace {
+namespace fsq_calibration_test {
 
 constexpr int kC = 16, kRank = 8, kHkv = 2, kD = 8, kKv = kHkv * kD, kTrain = 128;
 constexpr double kSigma[kRank] = {4.0, 3.5, 3.0, 2.5, 2.0, 1.5, 1.0, 0.5};
@@ -355,5 +355,5 @@ TEST(FsqCalibrationTest, EvalRebuildsPostRopeKeysAndCountsCodeBytes) {
   EXPECT_EQ(Evaluate(d, {codecs[0]}, eo).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-}  // namespace
+}  // namespace fsq_calibration_test
 }  // namespace kvcd

@@ -12,7 +12,7 @@
 #include "testing/synthetic_activations.h"
 
 namespace kvcd {
-namespace {
+namespace transform_calibration_test {
 
 ActivationDump Synthetic(int layers, int64_t tokens, int d, uint64_t seed) {
   ActivationSpec spec;
@@ -108,5 +108,5 @@ TEST(TransformCalibrationTest, Version3FileScoresAsTheInMemoryHybrid) {
   EXPECT_NEAR((*res)[0].bits_per_element, (*res)[2].bits_per_element, 1e-9);
 }
 
-}  // namespace
+}  // namespace transform_calibration_test
 }  // namespace kvcd

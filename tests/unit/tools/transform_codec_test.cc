@@ -10,7 +10,7 @@
 #include "tools/bit_allocation.h"
 
 namespace kvcd {
-namespace {
+namespace transform_codec_test {
 
 // A random orthogonal d x d matrix (Gram-Schmidt of Gaussian columns), row-major.
 std::vector<double> RandomOrthogonal(int d, std::mt19937_64& rng) {
@@ -235,5 +235,5 @@ TEST(TransformCodec, DaemonEncoderIsBitIdenticalToTheTools) {
   EXPECT_EQ(checked, 2000);
 }
 
-}  // namespace
+}  // namespace transform_codec_test
 }  // namespace kvcd

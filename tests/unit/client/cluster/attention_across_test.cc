@@ -10,7 +10,7 @@
 #include <vector>
 
 namespace kvcd::cluster {
-namespace {
+namespace attention_across_test {
 
 // o [heads][dim], lse [heads] of q over keys [lo, hi) (float64, then float32).
 void Attend(const std::vector<double>& q, const std::vector<double>& k,
@@ -96,5 +96,5 @@ TEST(AttentionAcross, AnswersThatDoNotMergeAreRefused) {
   EXPECT_EQ(MergeAttention(bf16, a).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-}  // namespace
+}  // namespace attention_across_test
 }  // namespace kvcd::cluster

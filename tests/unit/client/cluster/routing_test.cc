@@ -10,7 +10,7 @@
 #include <vector>
 
 namespace kvcd::cluster {
-namespace {
+namespace routing_test {
 
 std::string H(int i) { return std::string(32, static_cast<char>(i)); }
 
@@ -159,5 +159,5 @@ TEST(Routing, HotPrefixTrackingIsBounded) {
   EXPECT_EQ(hot.Record(H(0), "a"), 1);   // the oldest was forgotten
 }
 
-}  // namespace
+}  // namespace routing_test
 }  // namespace kvcd::cluster

@@ -9,7 +9,7 @@
 #include <random>
 
 namespace kvcd {
-namespace {
+namespace device_fault_words_test {
 
 using kernels::FaultInputOf;
 using kernels::FaultLayerOf;
@@ -63,5 +63,5 @@ TEST(DeviceFaultWordsTest, LayersBeyondTheFieldAreClampedNotSpilledIntoTheOwner)
   EXPECT_EQ(none.AtLayer(7).tag, 0u);
 }
 
-}  // namespace
+}  // namespace device_fault_words_test
 }  // namespace kvcd

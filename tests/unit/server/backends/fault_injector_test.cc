@@ -11,7 +11,7 @@
 #include "test_util.h"
 
 namespace kvcd {
-namespace {
+namespace fault_injector_test {
 
 using testing_util::MakeAppend;
 using testing_util::MakePut;
@@ -248,5 +248,5 @@ TEST_F(FaultInjectionEngineTest, StickyFaultMakesTheBackendUnhealthy) {
   EXPECT_FALSE(engine_->RegisterModelSpec(other).ok());
 }
 
-}  // namespace
+}  // namespace fault_injector_test
 }  // namespace kvcd

@@ -23,7 +23,7 @@
 #include "test_util.h"
 
 namespace kvcd {
-namespace {
+namespace model_cache_test {
 
 using testing_util::TinyInt2Spec;
 using testing_util::TinySpec;
@@ -968,5 +968,5 @@ TEST(ModelCacheTest, VersionThreeCodecSelectsInt2TransformAndBadFilesRegisterNot
   }
 }
 
-}  // namespace
+}  // namespace model_cache_test
 }  // namespace kvcd

@@ -6,7 +6,7 @@
 #include <vector>
 
 namespace kvcd {
-namespace {
+namespace radix_tree_test {
 
 std::vector<int32_t> Seq(int32_t begin, int32_t n) {
   std::vector<int32_t> v(n);
@@ -200,11 +200,11 @@ TEST(RadixTreeTest, EvictablePagesCountsOnlyThePagesEvictionFrees) {
   EXPECT_EQ(tree.EvictablePages(0, nullptr, [](const PageRef& r) { return r.page % 2 == 0; }), 2);
 }
 
-}  // namespace
+}  // namespace radix_tree_test
 }  // namespace kvcd
 
 namespace kvcd {
-namespace {
+namespace radix_tree_test {
 
 // What a listener heard: (ns, path, first_page, entered) per call.
 struct Heard final : RadixTree::Listener {
@@ -270,5 +270,5 @@ TEST(RadixTreeTest, ListenerHearsPagesEnterAndLeaveWithTheirPath) {
   EXPECT_EQ(tree.cached_pages(), 0);
 }
 
-}  // namespace
+}  // namespace radix_tree_test
 }  // namespace kvcd

@@ -19,7 +19,7 @@
 #include "test_util.h"
 
 namespace kvcd {
-namespace {
+namespace sequence_sessions_test {
 
 using testing_util::TinyInt2Spec;
 using testing_util::TinySpec;
@@ -457,5 +457,5 @@ TEST(SequenceSessionsTest, ACommitRacingCloseCompletesOrChangesNothing) {
   }
 }
 
-}  // namespace
+}  // namespace sequence_sessions_test
 }  // namespace kvcd

@@ -7,7 +7,7 @@
 #include <set>
 
 namespace kvcd {
-namespace {
+namespace member_info_test {
 
 MemberInfo Sample() {
   MemberInfo m;
@@ -87,5 +87,5 @@ TEST(MemberInfoTest, HostileValuesAreRefused) {
   EXPECT_TRUE(IsValidMemberId("kvcd-0.pod_1"));
 }
 
-}  // namespace
+}  // namespace member_info_test
 }  // namespace kvcd

@@ -16,7 +16,7 @@
 #include "server/formats/model_spec.h"
 
 namespace kvcd {
-namespace {
+namespace config_schema_test {
 
 using nlohmann::json;
 
@@ -225,5 +225,5 @@ TEST(ConfigSchemaTest, NonUtf8KeysAndValuesAreRefusedNotThrown) {
   }
 }
 
-}  // namespace
+}  // namespace config_schema_test
 }  // namespace kvcd

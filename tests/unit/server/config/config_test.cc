@@ -7,7 +7,7 @@
 #include "common/fsq_codec.h"
 
 namespace kvcd {
-namespace {
+namespace config_test {
 
 TEST(ConfigTest, DefaultsAndBuiltinModels) {
   auto c = ParseConfig(R"(
@@ -355,5 +355,5 @@ TEST(ConfigTest, ByteSizes) {
   EXPECT_FALSE(ParseByteSize("1e30").ok());
 }
 
-}  // namespace
+}  // namespace config_test
 }  // namespace kvcd

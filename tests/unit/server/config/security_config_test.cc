@@ -4,7 +4,7 @@
 #include "server/config/config.h"
 
 namespace kvcd {
-namespace {
+namespace security_config_test {
 
 TEST(SecurityConfigTest, ParsesTlsAndAuth) {
   auto c = ParseConfig(
@@ -106,5 +106,5 @@ TEST(SecurityConfigTest, PerTenantMetricsAreOptInAndLoopbackOnly) {
             absl::StatusCode::kInvalidArgument);
 }
 
-}  // namespace
+}  // namespace security_config_test
 }  // namespace kvcd

@@ -7,7 +7,7 @@
 #include <vector>
 
 namespace kvcd {
-namespace {
+namespace protobuf_log_test {
 
 TEST(LogRateLimiterTest, PassesNLinesPerWindowAndCountsTheRest) {
   std::vector<std::string> out;
@@ -28,5 +28,5 @@ TEST(LogRateLimiterTest, PassesNLinesPerWindowAndCountsTheRest) {
   EXPECT_EQ(out[5], "quiet");
 }
 
-}  // namespace
+}  // namespace protobuf_log_test
 }  // namespace kvcd

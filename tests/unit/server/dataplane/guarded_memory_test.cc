@@ -10,7 +10,7 @@
 #include <string>
 
 namespace kvcd {
-namespace {
+namespace guarded_memory_test {
 
 TEST(GuardedMemoryTest, ATruncatedMappingFailsTheCopyInsteadOfTheProcess) {
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
@@ -42,5 +42,5 @@ TEST(GuardedMemoryTest, ATruncatedMappingFailsTheCopyInsteadOfTheProcess) {
   close(fd);
 }
 
-}  // namespace
+}  // namespace guarded_memory_test
 }  // namespace kvcd

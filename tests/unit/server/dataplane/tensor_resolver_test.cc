@@ -13,7 +13,7 @@
 #include "proto/tensor_ref.h"
 
 namespace kvcd {
-namespace {
+namespace tensor_resolver_test {
 
 TensorSpec Spec(absl::string_view field, std::vector<int64_t> shape, int kinds) {
   TensorSpec s;
@@ -119,5 +119,5 @@ TEST(TensorResolverTest, AShapeKnownOnlyAfterThePayloadIsAskedForThen) {
   EXPECT_EQ(s.message(), "the range holds no page") << s;
 }
 
-}  // namespace
+}  // namespace tensor_resolver_test
 }  // namespace kvcd

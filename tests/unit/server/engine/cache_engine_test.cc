@@ -24,7 +24,7 @@
 #include "test_util.h"
 
 namespace kvcd {
-namespace {
+namespace cache_engine_test {
 
 using testing_util::MakeAppend;
 using testing_util::MakePut;
@@ -1486,11 +1486,11 @@ TEST_F(CacheEngineTest, BadRequestsAreRejectedAndChangeNothing) {
   EXPECT_EQ(models.models_size(), 1);
 }
 
-}  // namespace
+}  // namespace cache_engine_test
 }  // namespace kvcd
 
 namespace kvcd {
-namespace {
+namespace cache_engine_test {
 
 // A model whose history is OSCAR INT2 (Hadamard rotation): Put demotes every page past
 // the sink, Append demotes pages that leave the recent window, and attention over the
@@ -1583,11 +1583,11 @@ TEST(Int2HistoryTest, DemotionAndAttentionOverTheThreeSegments) {
   }
 }
 
-}  // namespace
+}  // namespace cache_engine_test
 }  // namespace kvcd
 
 namespace kvcd {
-namespace {
+namespace cache_engine_test {
 
 // Pages fetched as stored from one tenant's sequence and pushed as stored for another give
 // the same attention: INT2 pages travel without re-encoding.
@@ -1817,5 +1817,5 @@ TEST_F(CacheEngineTest, ALargeCodecFileIsBoundedAndParsedWithoutStallingOtherCal
       << " ms registration; the slowest of 200 before it took " << baseline_ms << " ms";
 }
 
-}  // namespace
+}  // namespace cache_engine_test
 }  // namespace kvcd

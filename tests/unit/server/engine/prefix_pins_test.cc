@@ -14,7 +14,7 @@
 #include "test_util.h"
 
 namespace kvcd {
-namespace {
+namespace prefix_pins_test {
 
 using testing_util::MakePut;
 using testing_util::TestConfig;
@@ -254,5 +254,5 @@ TEST_F(PrefixPinsTest, NothingCachedOrUnknownModelIsNotFound) {
   EXPECT_EQ(Stats().pins_size(), 0);
 }
 
-}  // namespace
+}  // namespace prefix_pins_test
 }  // namespace kvcd

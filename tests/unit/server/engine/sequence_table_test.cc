@@ -7,7 +7,7 @@
 #include "test_util.h"
 
 namespace kvcd {
-namespace {
+namespace sequence_table_test {
 
 class SequenceTableTest : public ::testing::Test {
  protected:
@@ -117,5 +117,5 @@ TEST_F(SequenceTableTest, ForksCountAgainstTheBoundAndTheTenantsQuotas) {
   EXPECT_EQ(model_->Snapshot().pools[0].pages_used, 0);
 }
 
-}  // namespace
+}  // namespace sequence_table_test
 }  // namespace kvcd

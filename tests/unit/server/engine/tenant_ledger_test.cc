@@ -6,7 +6,7 @@
 #include <gtest/gtest.h>
 
 namespace kvcd {
-namespace {
+namespace tenant_ledger_test {
 
 TenantQuotaConfig Quotas() {
   TenantQuotaConfig q;
@@ -174,5 +174,5 @@ TEST(TenantLedgerTest, DecodeChannelsStayUnderEachTenantsQuota) {
   EXPECT_EQ(held(""), -1);  // holds nothing, no configured quota: not listed
 }
 
-}  // namespace
+}  // namespace tenant_ledger_test
 }  // namespace kvcd

@@ -18,7 +18,7 @@
 #include "kvcd/kernels/int2_codec.h"
 
 namespace kvcd {
-namespace {
+namespace bf16_format_test {
 
 using format_test::Bf16Rows;
 using format_test::KvRow;
@@ -124,11 +124,11 @@ TEST(Bf16FormatTest, FormatNamesRoundTrip) {
   EXPECT_NE(s.message().find("expected 'bf16', 'int2-oscar' or 'fsq'"), absl::string_view::npos);
 }
 
-}  // namespace
+}  // namespace bf16_format_test
 }  // namespace kvcd
 
 namespace kvcd {
-namespace {
+namespace bf16_format_test {
 
 // Issue #21.3, fused: with check_finite the write path refuses the first NaN/Inf it reads,
 // naming the tensor and the value's flat index (the same index the whole-tensor scan
@@ -210,5 +210,5 @@ TEST(Bf16FormatTest, CheckedWritesRefuseNonFiniteValuesByFlatIndex) {
   }
 }
 
-}  // namespace
+}  // namespace bf16_format_test
 }  // namespace kvcd

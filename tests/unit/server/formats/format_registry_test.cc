@@ -12,7 +12,7 @@
 #include "test_util.h"
 
 namespace kvcd {
-namespace {
+namespace format_registry_test {
 
 using testing_util::TinyInt2Spec;
 using testing_util::TinySpec;
@@ -153,5 +153,5 @@ TEST(FormatRegistryTest, CodecErrorsNameTheirSource) {
       << bf16.status();
 }
 
-}  // namespace
+}  // namespace format_registry_test
 }  // namespace kvcd

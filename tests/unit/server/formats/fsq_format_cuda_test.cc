@@ -8,7 +8,7 @@
 #include <string>
 
 namespace kvcd {
-namespace {
+namespace fsq_format_cuda_test {
 
 FsqModelCodec Codec(const PageGeometry& g, int rotary_dims, int latent = 9,
                     kernels::RopePairing pairing = kernels::RopePairing::kInterleaved) {
@@ -69,5 +69,5 @@ TEST(FsqCudaFormatTest, RefusesACodecOfAnotherShape) {
   ExpectRefused(CheckFsqCudaGeometry(g, Codec(heads, 128)), "4 KV heads");
 }
 
-}  // namespace
+}  // namespace fsq_format_cuda_test
 }  // namespace kvcd

@@ -18,7 +18,7 @@
 #include "server/formats/bf16/bf16_format.h"
 
 namespace kvcd {
-namespace {
+namespace fsq_format_test {
 
 using format_test::F32Rows;
 using format_test::RandomFloats;
@@ -252,5 +252,5 @@ TEST(FsqFormatTest, ChecksNameThePage) {
             std::string::npos);
 }
 
-}  // namespace
+}  // namespace fsq_format_test
 }  // namespace kvcd

@@ -20,7 +20,7 @@
 #include "server/formats/bf16/bf16_format.h"
 
 namespace kvcd {
-namespace {
+namespace int2_oscar_format_test {
 
 using format_test::F32Rows;
 using format_test::KvRow;
@@ -174,11 +174,11 @@ TEST(Int2OscarFormatTest, ExpandRowsUnrotatesTheDequantizedRows) {
   EXPECT_LT(std::sqrt(err / norm), 0.6);
 }
 
-}  // namespace
+}  // namespace int2_oscar_format_test
 }  // namespace kvcd
 
 namespace kvcd {
-namespace {
+namespace int2_oscar_format_test {
 
 // Issue #21.3, fused: a checked INT2 write refuses a NaN/Inf row before it reaches the
 // quantizer (whose integer codes are undefined for them), naming the tensor and flat
@@ -215,5 +215,5 @@ TEST(Int2OscarFormatTest, CheckedWritePagesRefusesNonFiniteRowsByFlatIndex) {
   }
 }
 
-}  // namespace
+}  // namespace int2_oscar_format_test
 }  // namespace kvcd

@@ -8,7 +8,7 @@
 #include <string>
 
 namespace kvcd {
-namespace {
+namespace int2_transform_format_cuda_test {
 
 KeyTransformProfile Profile(int layers, int heads, int d) {
   auto file = SafetensorsFile::Parse(
@@ -49,5 +49,5 @@ TEST(Int2TransformCudaFormatTest, RefusesWhatTheKernelsCannotRun) {
   ExpectRefused(CheckTransformCudaGeometry(g, Profile(2, 2, 64)), "expected the profile's 2 x 3");
 }
 
-}  // namespace
+}  // namespace int2_transform_format_cuda_test
 }  // namespace kvcd

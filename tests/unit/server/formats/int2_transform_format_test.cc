@@ -17,7 +17,7 @@
 #include "server/formats/bf16/bf16_format.h"
 
 namespace kvcd {
-namespace {
+namespace int2_transform_format_test {
 
 using format_test::Bf16Rows;
 using format_test::KvRow;
@@ -189,5 +189,5 @@ TEST(Int2TransformFormatTest, CheckPagesNamesTheBadPageAndLayer) {
   EXPECT_NE(std::string(s.message()).find("page 11 layer 1"), std::string::npos) << s;
 }
 
-}  // namespace
+}  // namespace int2_transform_format_test
 }  // namespace kvcd

@@ -3,7 +3,7 @@
 #include <gtest/gtest.h>
 
 namespace kvcd {
-namespace {
+namespace kernel_status_test {
 
 using kernels::Error;
 using kernels::ErrorCode;
@@ -37,5 +37,5 @@ TEST(KernelStatusTest, CudaStatusIsInternalWithWhatFailed) {
   EXPECT_EQ(s.message(), "CUDA: page check: invalid argument");
 }
 
-}  // namespace
+}  // namespace kernel_status_test
 }  // namespace kvcd

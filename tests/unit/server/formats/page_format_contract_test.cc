@@ -21,7 +21,7 @@
 #include "server/formats/format_registry.h"
 
 namespace kvcd {
-namespace {
+namespace page_format_contract_test {
 
 using format_test::F32Rows;
 using format_test::KvRow;
@@ -321,5 +321,5 @@ TEST(PageFormatContractTest, EveryRegisteredFormatIsCovered) {
   }
 }
 
-}  // namespace
+}  // namespace page_format_contract_test
 }  // namespace kvcd

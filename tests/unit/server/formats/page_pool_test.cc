@@ -6,7 +6,7 @@
 #include <vector>
 
 namespace kvcd {
-namespace {
+namespace page_pool_test {
 
 TEST(PagePoolTest, AllocationIsAllOrNothingAndIdsAreUnique) {
   std::vector<uint8_t> mem(3 * 5 * 32);
@@ -39,5 +39,5 @@ TEST(PagePoolTest, LayersAreContiguousPerLayer) {
   EXPECT_EQ(pool.PagePtr(1, 3), mem.data() + 4 * 16 + 3 * 16);
 }
 
-}  // namespace
+}  // namespace page_pool_test
 }  // namespace kvcd

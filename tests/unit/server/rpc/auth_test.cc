@@ -9,7 +9,7 @@
 #include <string>
 
 namespace kvcd {
-namespace {
+namespace auth_test {
 
 std::string Entry(const std::string& name, const std::string& token, const std::string& tenants,
                   const std::string& extra = "") {
@@ -191,5 +191,5 @@ TEST(TokenStoreTest, ReloadAddsAndRevokesAndKeepsThePreviousTokensOnABrokenFile)
   EXPECT_EQ(s.current()->Find("tok-b"), nullptr);
 }
 
-}  // namespace
+}  // namespace auth_test
 }  // namespace kvcd

@@ -10,7 +10,7 @@
 #include "test_util.h"
 
 namespace kvcd {
-namespace {
+namespace authorizer_test {
 
 using testing_util::MakePut;
 using testing_util::TestConfig;
@@ -325,5 +325,5 @@ TEST_F(AuthorizerTest, StatsAndListModelsAreScopedToTheCallersTenants) {
   EXPECT_EQ(models.models(0).profile().name(), "tiny");
 }
 
-}  // namespace
+}  // namespace authorizer_test
 }  // namespace kvcd

@@ -14,7 +14,7 @@
 #include "server/rpc/auth.h"
 
 namespace kvcd {
-namespace {
+namespace tls_test {
 
 std::string g_dir;
 
@@ -137,5 +137,5 @@ TEST_F(TlsTest, OnlyFilesThatPassTheChecksReachTheStagedCopies) {
   EXPECT_NE(access(staged_dir.c_str(), F_OK), 0);
 }
 
-}  // namespace
+}  // namespace tls_test
 }  // namespace kvcd
