@@ -18,7 +18,7 @@
 #include "testing/synthetic.h"
 
 namespace kvcd::cluster {
-namespace {
+namespace cluster_attention_test {
 
 using testing_util::DaemonProcess;
 
@@ -149,5 +149,5 @@ TEST(ClusterAttentionTest, MergedAcrossTwoDaemonsEqualsOneDaemon) {
   }
 }
 
-}  // namespace
+}  // namespace cluster_attention_test
 }  // namespace kvcd::cluster

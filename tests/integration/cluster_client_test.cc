@@ -171,7 +171,7 @@ TEST_F(ClusterClientTest, SessionGoesToTheHolderAndSurvivesItsMemberKilled) {
 }  // namespace kvcd::cluster
 
 namespace kvcd::cluster {
-namespace {
+namespace cluster_client_test {
 
 // Membership without etcd (membership dns): the client resolves a name (localhost here) on
 // the members' port and names each member by its Stats; sessions route and open as with etcd.
@@ -227,5 +227,5 @@ cluster:
   EXPECT_EQ(none.status().code(), absl::StatusCode::kUnavailable) << none.status();
 }
 
-}  // namespace
+}  // namespace cluster_client_test
 }  // namespace kvcd::cluster

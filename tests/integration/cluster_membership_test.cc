@@ -224,7 +224,7 @@ cluster:
 }  // namespace kvcd
 
 namespace kvcd {
-namespace {
+namespace cluster_membership_test {
 
 // membership: dns with auth on: the daemon asks each address for its Stats with the token of
 // cluster.peer_token_file, re-read every round. With a token the daemon does not know it
@@ -279,5 +279,5 @@ cluster:
   std::filesystem::remove_all(dir);
 }
 
-}  // namespace
+}  // namespace cluster_membership_test
 }  // namespace kvcd

@@ -7,7 +7,7 @@
 #include "kvcd/kernels/cuda_split_balance.h"
 
 namespace kvcd::kernels::cuda {
-namespace {
+namespace split_balance_test {
 
 // An H200 (132 SMs) running a kernel of 4 resident CTAs per SM; Qwen3-8B's 8 KV heads.
 constexpr int64_t kWave = 132 * 4;
@@ -66,5 +66,5 @@ TEST(BalancedSplitsTest, NeverFewerSplitsForALongerLongestList) {
   }
 }
 
-}  // namespace
+}  // namespace split_balance_test
 }  // namespace kvcd::kernels::cuda

@@ -8,7 +8,7 @@
 #include "gtest/gtest.h"
 
 namespace kvcd {
-namespace {
+namespace page_owners_test {
 
 TEST(PageOwnersTest, ClaimCountsPagesPerTenantAndStore) {
   PageOwners owners({8, 4});
@@ -89,5 +89,5 @@ TEST(PageOwnersTest, MatchesASimpleModelUnderRandomOperations) {
   }
 }
 
-}  // namespace
+}  // namespace page_owners_test
 }  // namespace kvcd
