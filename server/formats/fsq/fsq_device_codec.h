@@ -1,8 +1,10 @@
 // FsqDeviceCodec: an FSQ model's codec in device memory, shared by the model's two CUDA FSQ
 // formats: every layer's tensors (F32, the layouts of kvcd/kernels/fsq.h), the per-layer
 // kernel views with device pointers (one array of them in device memory for the encoder,
-// which takes all layers of a Put in one launch), and each layer's key decoder prepared for
-// the attention kernel (cuda_fsq.h LaunchFsqPrepareDecoder). CUDA builds only.
+// which takes all layers of a Put in one launch), each layer's key decoder prepared for
+// the attention kernel (cuda_fsq.h LaunchFsqPrepareDecoder), and, for the tensor-core
+// encoders, every layer's encoder prepared in BF16 (cuda_fsq_encode_tc.h), back to back.
+// CUDA builds only.
 //
 // Thread safety: immutable after Upload; may be shared.
 #pragma once
@@ -11,16 +13,29 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kvcd/kernels/cuda_fsq_encode_tc.h"
 #include "kvcd/kernels/fsq.h"
 #include "server/formats/fsq/fsq_format.h"
 
 namespace kvcd {
 
+// Which device encoder computes an FSQ model's codes (KVCD_FSQ_ENCODER, docs/operating.md):
+// the float64 encoder, bit-identical to the CPU's (cuda_fsq.h), or the tensor-core encoder
+// with BF16, FP16 or split-BF16 operands (cuda_fsq_encode_tc.h), whose codes differ from
+// the CPU's only within FsqEncodeTcBound of a rounding threshold.
+enum class FsqDeviceEncoder { kExact, kTcBf16, kTcFp16, kTcSplit };
+
+// KVCD_FSQ_ENCODER: "exact", "tc" (BF16), "tc-fp16" or "tc-split"; unset: the default
+// (fsq_device_codec.cc). Another value is reported and ignored.
+FsqDeviceEncoder FsqDeviceEncoderFromEnv();
+
 class FsqDeviceCodec {
  public:
-  // Uploads every layer of m and prepares the key decoders (waits for the device).
-  // RESOURCE_EXHAUSTED when device memory runs out, INTERNAL on another CUDA error.
-  static absl::StatusOr<std::shared_ptr<const FsqDeviceCodec>> Upload(const FsqModelCodec& m);
+  // Uploads every layer of m and prepares the key decoders and, for a tensor-core
+  // `encoder`, the encoders (waits for the device). RESOURCE_EXHAUSTED when device memory
+  // runs out, INTERNAL on another CUDA error.
+  static absl::StatusOr<std::shared_ptr<const FsqDeviceCodec>> Upload(
+      const FsqModelCodec& m, FsqDeviceEncoder encoder = FsqDeviceEncoderFromEnv());
   ~FsqDeviceCodec();
   FsqDeviceCodec(const FsqDeviceCodec&) = delete;
   FsqDeviceCodec& operator=(const FsqDeviceCodec&) = delete;
@@ -33,6 +48,18 @@ class FsqDeviceCodec {
   // Layer l's prepared key decoder (device).
   const void* Prepared(int l) const { return prepared_[static_cast<size_t>(l)]; }
   const kernels::RopeSpec& rope() const { return rope_; }
+  FsqDeviceEncoder encoder() const { return encoder_; }
+  // The tensor-core encoders' operands (encoder() not kExact).
+  kernels::cuda::FsqTcOperands tc_operands() const {
+    return encoder_ == FsqDeviceEncoder::kTcSplit  ? kernels::cuda::FsqTcOperands::kBf16Split
+           : encoder_ == FsqDeviceEncoder::kTcFp16 ? kernels::cuda::FsqTcOperands::kFp16
+                                                   : kernels::cuda::FsqTcOperands::kBf16;
+  }
+  // Layer l's prepared encoder, the later layers' following it (encoder() not kExact).
+  const void* PreparedEncoders(int l) const {
+    return static_cast<const uint8_t*>(prepared_encoders_) +
+           static_cast<size_t>(l) * encoder_bytes_;
+  }
 
  private:
   FsqDeviceCodec() = default;
@@ -41,6 +68,9 @@ class FsqDeviceCodec {
   std::vector<const void*> prepared_;
   const kernels::FsqLayerCodec* device_layers_ = nullptr;
   kernels::RopeSpec rope_;
+  FsqDeviceEncoder encoder_ = FsqDeviceEncoder::kExact;
+  const void* prepared_encoders_ = nullptr;
+  size_t encoder_bytes_ = 0;
 };
 
 }  // namespace kvcd
