@@ -2,7 +2,7 @@
 # Issue #37 part 2 on the H200, one lease (~3 minutes), most important first: the FSQ
 # prefill encoder on tensor cores (kernels/cuda/fsq_encode_tc.cu) against the float64
 # encoder.
-#   1. tests: the FSQ kernel tests (kvcd_cuda_tests CudaFsq*: the tensor-core encoder within
+#   1. tests: the FSQ encoder tests (kvcd_cuda_tests: the tensor-core encoder within
 #      its bound of the float64 oracle on random geometries, the float64 encoder bit for
 #      bit); the FSQ data-plane tests (CUDA daemon vs CPU daemon) with the daemon's default
 #      encoder and with KVCD_FSQ_ENCODER=tc-fp16 (stored codes may then differ near a threshold;
@@ -41,7 +41,7 @@ step() {  # name, timeout, command...
 summary "$(nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.max.sm --format=csv,noheader 2>&1)"
 
 # 1. tests
-step cuda-tests 120 "$BIN/kvcd_cuda_tests" --gtest_filter='CudaFsq*'
+step cuda-tests 120 "$BIN/kvcd_cuda_tests" --gtest_filter='CudaFsqEncodeTc*:CudaFsqTest.Encode*'
 grep -E 'Failure|actual:|allowed|of codes differ' "$out/cuda-tests.log" | head -24 |
   tee -a "$final/summary.txt"
 if [[ -x $BIN/kvcd_data_plane_tests && -x $BIN/kvcd ]]; then  # packed for the second run
