@@ -36,7 +36,7 @@ FsqDeviceEncoder FsqDeviceEncoderFromEnv() {
 }
 
 absl::StatusOr<std::shared_ptr<const FsqDeviceCodec>> FsqDeviceCodec::Upload(
-    const FsqModelCodec& m, FsqDeviceEncoder encoder) {
+    const FsqModelCodec& m) {
   const FsqCodecShape& shape = m.codec.shape();
   const int layers = shape.num_layers;
   const size_t prepared_bytes =
@@ -72,6 +72,7 @@ absl::StatusOr<std::shared_ptr<const FsqDeviceCodec>> FsqDeviceCodec::Upload(
   // The tensor-core encoders' prepared weights, every layer back to back (written on the
   // device from the F32 encoder; the host image leaves them zero).
   std::shared_ptr<FsqDeviceCodec> c(new FsqDeviceCodec());
+  const FsqDeviceEncoder encoder = FsqDeviceEncoderFromEnv();
   c->encoder_ = encoder;
   const size_t encoders_at = image.size();
   if (encoder != FsqDeviceEncoder::kExact) {

@@ -31,11 +31,9 @@ FsqDeviceEncoder FsqDeviceEncoderFromEnv();
 
 class FsqDeviceCodec {
  public:
-  // Uploads every layer of m and prepares the key decoders and, for a tensor-core
-  // `encoder`, the encoders (waits for the device). RESOURCE_EXHAUSTED when device memory
-  // runs out, INTERNAL on another CUDA error.
-  static absl::StatusOr<std::shared_ptr<const FsqDeviceCodec>> Upload(
-      const FsqModelCodec& m, FsqDeviceEncoder encoder = FsqDeviceEncoderFromEnv());
+  // Uploads every layer of m and prepares the key decoders (waits for the device).
+  // RESOURCE_EXHAUSTED when device memory runs out, INTERNAL on another CUDA error.
+  static absl::StatusOr<std::shared_ptr<const FsqDeviceCodec>> Upload(const FsqModelCodec& m);
   ~FsqDeviceCodec();
   FsqDeviceCodec(const FsqDeviceCodec&) = delete;
   FsqDeviceCodec& operator=(const FsqDeviceCodec&) = delete;
@@ -67,10 +65,10 @@ class FsqDeviceCodec {
   std::vector<kernels::FsqLayerCodec> layers_;
   std::vector<const void*> prepared_;
   const kernels::FsqLayerCodec* device_layers_ = nullptr;
-  kernels::RopeSpec rope_;
-  FsqDeviceEncoder encoder_ = FsqDeviceEncoder::kExact;
-  const void* prepared_encoders_ = nullptr;
+  FsqDeviceEncoder encoder_ = FsqDeviceEncoder::kExact;  // FsqDeviceEncoderFromEnv()
+  const void* prepared_encoders_ = nullptr;  // tensor-core encoders: every layer's, in turn
   size_t encoder_bytes_ = 0;
+  kernels::RopeSpec rope_;
 };
 
 }  // namespace kvcd
