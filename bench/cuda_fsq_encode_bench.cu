@@ -7,7 +7,7 @@
 // differing codes on attention (the float64 oracle on both code sets, Qwen3-8B layer).
 //
 //   cuda_fsq_encode_bench            all of it
-//   cuda_fsq_encode_bench --tc_timings   the tensor-core timings only
+//   cuda_fsq_encode_bench --tc-timings   the tensor-core timings only
 //   cuda_fsq_encode_bench --one V T L   variant V (exact | bf16 | fp16 | split) on T tokens x L
 //                                       layers at G 256, three calls (profilers)
 #include <cuda_bf16.h>
@@ -76,10 +76,10 @@ const char* Name(Variant v) {
          : v == Variant::kFp16 ? "TC FP16"
                                : "TC split BF16";
 }
-kc::FsqTcOperands Ops(Variant v) {
-  return v == Variant::kBf16   ? kc::FsqTcOperands::kBf16
-         : v == Variant::kFp16 ? kc::FsqTcOperands::kFp16
-                               : kc::FsqTcOperands::kBf16Split;
+kk::FsqTcOperands Ops(Variant v) {
+  return v == Variant::kBf16   ? kk::FsqTcOperands::kBf16
+         : v == Variant::kFp16 ? kk::FsqTcOperands::kFp16
+                               : kk::FsqTcOperands::kBf16Split;
 }
 
 // One layer's encoder (synthetic scales: E ~ N(0, 4/C), e ~ N(0, 0.01)) on the host and
@@ -105,9 +105,9 @@ struct Encoder {
     lc.encoder = d_e;
     lc.encoder_bias = d_eb;
     d_layers = Upload(std::vector<kk::FsqLayerCodec>(layers, lc));
-    for (auto [ops, p] : {std::pair{kc::FsqTcOperands::kBf16, &prep_bf16},
-                          std::pair{kc::FsqTcOperands::kBf16Split, &prep_split},
-                          std::pair{kc::FsqTcOperands::kFp16, &prep_fp16}}) {
+    for (auto [ops, p] : {std::pair{kk::FsqTcOperands::kBf16, &prep_bf16},
+                          std::pair{kk::FsqTcOperands::kBf16Split, &prep_split},
+                          std::pair{kk::FsqTcOperands::kFp16, &prep_fp16}}) {
       const size_t bytes = kc::FsqEncoderTcBytes(kC, G, ops);
       CHECK(cudaMalloc(p, bytes * layers));
       for (int l = 0; l < layers; ++l) {
@@ -241,7 +241,7 @@ int main(int argc, char** argv) {
       .name = "cuda_fsq_encode_bench",
       .summary = "FSQ encoders on the GPU: float64 against tensor cores",
       .files = {__FILE__},
-      .synopsis = "[--tc_timings | --one exact|bf16|fp16|split TOKENS LAYERS]",
+      .synopsis = "[--tc-timings | --one exact|bf16|fp16|split TOKENS LAYERS]",
       .takes_args = true};
   const kvcd::cli::Parsed cli = kvcd::cli::Parse(program, argc, argv);
   const bool one = absl::GetFlag(FLAGS_one);

@@ -64,7 +64,7 @@ done
 # 3. bench
 step enc-bench 150 "$BIN/cuda_fsq_encode_bench"
 grep -E '^(device|mma|\||  )' "$out/enc-bench.log" | tee -a "$final/summary.txt"
-KVCD_FSQ_TC_BLOCKS_PER_SM=1 step enc-bench-1block 60 "$BIN/cuda_fsq_encode_bench" --tc_timings
+KVCD_FSQ_TC_BLOCKS_PER_SM=1 step enc-bench-1block 60 "$BIN/cuda_fsq_encode_bench" --tc-timings
 grep -E '^\| [0-9]' "$out/enc-bench-1block.log" | sed 's/^/1 block per SM: /' | tee -a "$final/summary.txt"
 
 # 4. ncu of the tensor-core encoder

@@ -507,23 +507,4 @@ Error LaunchFsqEncodeRowsTc(const RowBlock& x, const PagedRows& dst, int64_t cod
                 : LaunchTc<1, false, true>(a, grid, stream);
 }
 
-double FsqEncodeTcBound(const FsqTcBoundTerms& t, int32_t residual_width, FsqTcOperands ops,
-                        bool x_bf16) {
-  const bool fp16 = ops == FsqTcOperands::kFp16;
-  // Unit roundoffs: BF16 2^-8, FP16 2^-11 (normal range); the split E to 2^-16.
-  const double ulp_e = fp16 ? 0x1p-11 : ops == FsqTcOperands::kBf16 ? 0x1p-8 : 0x1p-16;
-  // x: BF16 -> BF16 exact, BF16 -> FP16 exact in FP16's normal range, F32 rounded.
-  const double ulp_x = fp16 ? (x_bf16 ? 0.0 : 0x1p-11) : (x_bf16 ? 0.0 : 0x1p-8);
-  const double products = ulp_e + ulp_x + ulp_e * ulp_x;
-  const double terms = static_cast<double>(Planes(ops)) * residual_width + 16.0;
-  const double accumulate = terms * 0x1p-22 * (1.0 + products);
-  const double oracle = (residual_width + 1.0) * 0x1p-53;
-  // Below the normal range rounding is absolute: x under 2^-14 in FP16 by <= 2^-25; E's
-  // rows are scaled to max |E_g| >= 2^14 for FP16, so a weight loses <= 2^-25 2^-14 max|E_g|
-  // <= 2^-39 sum |E_g|; BF16 (E, or F32 x) by <= 2^-134.
-  const double tiny = fp16 ? 0x1p-25 * t.abs_e * 1.001 + 0x1p-39 * t.abs_e * t.abs_x
-                           : 0x1p-133 * (t.abs_e + t.abs_x);
-  return t.abs_sum * (products + accumulate + oracle) + tiny;
-}
-
 }  // namespace kvcd::kernels::cuda

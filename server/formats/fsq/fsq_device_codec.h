@@ -48,10 +48,10 @@ class FsqDeviceCodec {
   const kernels::RopeSpec& rope() const { return rope_; }
   FsqDeviceEncoder encoder() const { return encoder_; }
   // The tensor-core encoders' operands (encoder() not kExact).
-  kernels::cuda::FsqTcOperands tc_operands() const {
-    return encoder_ == FsqDeviceEncoder::kTcSplit  ? kernels::cuda::FsqTcOperands::kBf16Split
-           : encoder_ == FsqDeviceEncoder::kTcFp16 ? kernels::cuda::FsqTcOperands::kFp16
-                                                   : kernels::cuda::FsqTcOperands::kBf16;
+  kernels::FsqTcOperands tc_operands() const {
+    return encoder_ == FsqDeviceEncoder::kTcSplit  ? kernels::FsqTcOperands::kBf16Split
+           : encoder_ == FsqDeviceEncoder::kTcFp16 ? kernels::FsqTcOperands::kFp16
+                                                   : kernels::FsqTcOperands::kBf16;
   }
   // Layer l's prepared encoder, the later layers' following it (encoder() not kExact).
   const void* PreparedEncoders(int l) const {

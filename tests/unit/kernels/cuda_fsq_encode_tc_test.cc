@@ -25,8 +25,6 @@
 namespace kvcd::kernels {
 namespace {
 
-using cuda::FsqTcOperands;
-
 class CudaFsqEncodeTcTest : public CudaTestFixture {
  protected:
   // The codec's prepared encoders for `layers` layers of E [layers][G][C] (device).
@@ -133,7 +131,7 @@ TEST_F(CudaFsqEncodeTcTest, CodesLieWithinTheBoundOfTheOracle) {
             }
             FsqUnpackCode(code, G, z.data());
             const float* xr = x.data() + (int64_t{l} * tokens + t) * C;
-            cuda::FsqTcBoundTerms terms;
+            FsqTcBoundTerms terms;
             for (int c = 0; c < C; ++c) terms.abs_x += std::fabs(xr[c]);
             for (int g = 0; g < G; ++g) {
               const float* er = e.data() + (int64_t{l} * G + g) * C;
@@ -146,7 +144,7 @@ TEST_F(CudaFsqEncodeTcTest, CodesLieWithinTheBoundOfTheOracle) {
                 terms.abs_e += std::fabs(er[c]);
               }
               const double b = static_cast<double>(eb[l * G + g]);
-              const double bound = cuda::FsqEncodeTcBound(terms, C, ops, bf16);
+              const double bound = FsqEncodeTcBound(terms, C, ops, bf16);
               const int lo = CodeOf(u + b - bound, thr), hi = CodeOf(u + b + bound, thr);
               const int want = CodeOf(u + b, thr);
               differ += z[g] != want;
