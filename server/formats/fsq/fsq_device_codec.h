@@ -1,10 +1,8 @@
 // FsqDeviceCodec: an FSQ model's codec in device memory, shared by the model's two CUDA FSQ
 // formats: every layer's tensors (F32, the layouts of kvcd/kernels/fsq.h), the per-layer
 // kernel views with device pointers (one array of them in device memory for the encoder,
-// which takes all layers of a Put in one launch), each layer's key decoder prepared for
-// the attention kernel (cuda_fsq.h LaunchFsqPrepareDecoder), and, for the tensor-core
-// encoders, every layer's encoder prepared in BF16 (cuda_fsq_encode_tc.h), back to back.
-// CUDA builds only.
+// which takes all layers of a Put in one launch), and each layer's key decoder prepared for
+// the attention kernel (cuda_fsq.h LaunchFsqPrepareDecoder). CUDA builds only.
 //
 // Thread safety: immutable after Upload; may be shared.
 #pragma once
@@ -19,7 +17,9 @@
 
 namespace kvcd {
 
-// Which device encoder computes an FSQ model's codes (KVCD_FSQ_ENCODER, docs/operating.md):
+// Which device encoder computes an FSQ model's codes (KVCD_FSQ_ENCODER, docs/operating.md;
+// for a tensor-core one FsqDeviceCodec also holds every layer's encoder prepared for it,
+// back to back, PreparedEncoders):
 // the float64 encoder, bit-identical to the CPU's (cuda_fsq.h), or the tensor-core encoder
 // with BF16, FP16 or split-BF16 operands (cuda_fsq_encode_tc.h), whose codes differ from
 // the CPU's only within FsqEncodeTcBound of a rounding threshold.
