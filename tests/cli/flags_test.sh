@@ -58,6 +58,8 @@ declare -A known=(
   [cuda_host_cost_bench]='--rounds .*\(default: 200\)'
   [cuda_bf16_split_bench]='--batches .*\(default: "1,8"\)'
   [cuda_fsq_bench]='--quick .*\(default: false\)'
+  [cuda_fsq_encode_bench]='--tc-timings .*\(default: false\)'
+  [fsq_tc_accuracy]='--attention-tokens .*\(default: 512\)'
 )
 
 declare -A bin

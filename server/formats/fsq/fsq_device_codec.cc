@@ -1,8 +1,10 @@
 #include "server/formats/fsq/fsq_device_codec.h"
 
+#include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
 #include "common/status_macros.h"
 #include "kvcd/kernels/cuda_fsq.h"
 #include "kvcd/kernels/cuda_runtime_api.h"
@@ -17,7 +19,21 @@ namespace {
 constexpr size_t kAlign = 256;
 size_t Aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
+constexpr FsqDeviceEncoder kDefault = FsqDeviceEncoder::kExact;
+
 }  // namespace
+
+FsqDeviceEncoder FsqDeviceEncoderFromEnv() {
+  const char* v = std::getenv("KVCD_FSQ_ENCODER");
+  if (v == nullptr) return kDefault;
+  if (std::strcmp(v, "exact") == 0) return FsqDeviceEncoder::kExact;
+  if (std::strcmp(v, "tc") == 0) return FsqDeviceEncoder::kTcBf16;
+  if (std::strcmp(v, "tc-fp16") == 0) return FsqDeviceEncoder::kTcFp16;
+  if (std::strcmp(v, "tc-split") == 0) return FsqDeviceEncoder::kTcSplit;
+  KVCD_LOG(WARNING) << "KVCD_FSQ_ENCODER=" << v
+                    << " is not exact, tc, tc-fp16 or tc-split; using the default";
+  return kDefault;
+}
 
 absl::StatusOr<std::shared_ptr<const FsqDeviceCodec>> FsqDeviceCodec::Upload(
     const FsqModelCodec& m) {
@@ -52,9 +68,19 @@ absl::StatusOr<std::shared_ptr<const FsqDeviceCodec>> FsqDeviceCodec::Upload(
     image.resize(o.prepared + Aligned(prepared_bytes));
   }
   const size_t array_at = image.size();
-  image.resize(array_at + sizeof(kernels::FsqLayerCodec) * static_cast<size_t>(layers));
-
+  image.resize(Aligned(array_at + sizeof(kernels::FsqLayerCodec) * static_cast<size_t>(layers)));
+  // The tensor-core encoders' prepared weights, every layer back to back (written on the
+  // device from the F32 encoder; the host image leaves them zero).
   std::shared_ptr<FsqDeviceCodec> c(new FsqDeviceCodec());
+  const FsqDeviceEncoder encoder = FsqDeviceEncoderFromEnv();
+  c->encoder_ = encoder;
+  const size_t encoders_at = image.size();
+  if (encoder != FsqDeviceEncoder::kExact) {
+    c->encoder_bytes_ =
+        kc::FsqEncoderTcBytes(shape.residual_width, shape.latent_width, c->tc_operands());
+    image.resize(encoders_at + c->encoder_bytes_ * static_cast<size_t>(layers));
+  }
+
   KVCD_RETURN_IF_ERROR(KernelStatus(
       kc::Malloc(&c->memory_, image.size()), absl::StatusCode::kResourceExhausted,
       absl::StrCat("cannot allocate ", image.size(), " bytes of device memory for the FSQ codec")));
@@ -76,6 +102,7 @@ absl::StatusOr<std::shared_ptr<const FsqDeviceCodec>> FsqDeviceCodec::Upload(
   std::memcpy(image.data() + array_at, c->layers_.data(),
               sizeof(kernels::FsqLayerCodec) * c->layers_.size());
   c->device_layers_ = reinterpret_cast<const kernels::FsqLayerCodec*>(base + array_at);
+  c->prepared_encoders_ = base + encoders_at;
   c->rope_ = m.rope;
   KVCD_RETURN_IF_ERROR(
       CudaStatus(kc::CopyToDevice(base, image.data(), image.size()), "FSQ codec upload"));
@@ -85,8 +112,15 @@ absl::StatusOr<std::shared_ptr<const FsqDeviceCodec>> FsqDeviceCodec::Upload(
                                     const_cast<void*>(c->prepared_[static_cast<size_t>(l)]),
                                     nullptr),
         "FSQ key decoder preparation"));
+    if (encoder != FsqDeviceEncoder::kExact) {
+      KVCD_RETURN_IF_ERROR(CudaStatus(
+          kc::LaunchFsqPrepareEncoderTc(c->layers_[static_cast<size_t>(l)].encoder,
+                                        shape.residual_width, shape.latent_width, c->tc_operands(),
+                                        const_cast<void*>(c->PreparedEncoders(l)), nullptr),
+          "FSQ encoder preparation"));
+    }
   }
-  KVCD_RETURN_IF_ERROR(CudaStatus(kc::Synchronize(), "FSQ key decoder preparation"));
+  KVCD_RETURN_IF_ERROR(CudaStatus(kc::Synchronize(), "FSQ codec preparation"));
   return std::shared_ptr<const FsqDeviceCodec>(std::move(c));
 }
 

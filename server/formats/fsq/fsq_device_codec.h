@@ -11,10 +11,23 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kvcd/kernels/cuda_fsq_encode_tc.h"
 #include "kvcd/kernels/fsq.h"
 #include "server/formats/fsq/fsq_format.h"
 
 namespace kvcd {
+
+// Which device encoder computes an FSQ model's codes (KVCD_FSQ_ENCODER, docs/operating.md;
+// for a tensor-core one FsqDeviceCodec also holds every layer's encoder prepared for it,
+// back to back, PreparedEncoders):
+// the float64 encoder, bit-identical to the CPU's (cuda_fsq.h), or the tensor-core encoder
+// with BF16, FP16 or split-BF16 operands (cuda_fsq_encode_tc.h), whose codes differ from
+// the CPU's only within FsqEncodeTcBound of a rounding threshold.
+enum class FsqDeviceEncoder { kExact, kTcBf16, kTcFp16, kTcSplit };
+
+// KVCD_FSQ_ENCODER: "exact", "tc" (BF16), "tc-fp16" or "tc-split"; unset: the default
+// (fsq_device_codec.cc). Another value is reported and ignored.
+FsqDeviceEncoder FsqDeviceEncoderFromEnv();
 
 class FsqDeviceCodec {
  public:
@@ -33,6 +46,18 @@ class FsqDeviceCodec {
   // Layer l's prepared key decoder (device).
   const void* Prepared(int l) const { return prepared_[static_cast<size_t>(l)]; }
   const kernels::RopeSpec& rope() const { return rope_; }
+  FsqDeviceEncoder encoder() const { return encoder_; }
+  // The tensor-core encoders' operands (encoder() not kExact).
+  kernels::FsqTcOperands tc_operands() const {
+    return encoder_ == FsqDeviceEncoder::kTcSplit  ? kernels::FsqTcOperands::kBf16Split
+           : encoder_ == FsqDeviceEncoder::kTcFp16 ? kernels::FsqTcOperands::kFp16
+                                                   : kernels::FsqTcOperands::kBf16;
+  }
+  // Layer l's prepared encoder, the later layers' following it (encoder() not kExact).
+  const void* PreparedEncoders(int l) const {
+    return static_cast<const uint8_t*>(prepared_encoders_) +
+           static_cast<size_t>(l) * encoder_bytes_;
+  }
 
  private:
   FsqDeviceCodec() = default;
@@ -40,6 +65,9 @@ class FsqDeviceCodec {
   std::vector<kernels::FsqLayerCodec> layers_;
   std::vector<const void*> prepared_;
   const kernels::FsqLayerCodec* device_layers_ = nullptr;
+  FsqDeviceEncoder encoder_ = FsqDeviceEncoder::kExact;  // FsqDeviceEncoderFromEnv()
+  const void* prepared_encoders_ = nullptr;  // tensor-core encoders: every layer's, in turn
+  size_t encoder_bytes_ = 0;
   kernels::RopeSpec rope_;
 };
 

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kvcd/kernels/cuda_fsq.h"
+#include "kvcd/kernels/cuda_fsq_encode_tc.h"
 #include "kvcd/kernels/cuda_page_copy.h"
 #include "kvcd/kernels/cuda_runtime_api.h"
 #include "server/formats/bf16/bf16_format_cuda.h"
@@ -87,10 +88,18 @@ class DeviceCodes {
     KVCD_RETURN_IF_ERROR(
         PrepareResidualStore(x, rows, layer, pool, g_, s.residual_width, &scratch_, &a));
     const kernels::FsqLayerCodec* codecs = dev_->device_layers() + a.first_layer;
-    KVCD_RETURN_IF_ERROR(
-        CudaStatus(kc::LaunchFsqEncodeRows(a.x, a.dst, codes_offset_, codecs, s.residual_width,
-                                           s.latent_width, nullptr, a.check()),
-                   "FSQ encode"));
+    if (dev_->encoder() == FsqDeviceEncoder::kExact) {
+      KVCD_RETURN_IF_ERROR(
+          CudaStatus(kc::LaunchFsqEncodeRows(a.x, a.dst, codes_offset_, codecs, s.residual_width,
+                                             s.latent_width, nullptr, a.check()),
+                     "FSQ encode"));
+    } else {
+      KVCD_RETURN_IF_ERROR(CudaStatus(
+          kc::LaunchFsqEncodeRowsTc(a.x, a.dst, codes_offset_, codecs,
+                                    dev_->PreparedEncoders(a.first_layer), s.residual_width,
+                                    s.latent_width, dev_->tc_operands(), nullptr, a.check()),
+          "FSQ encode (tensor cores)"));
+    }
     return FinishResidualStore(x, a, &scratch_);
   }
 

@@ -1,6 +1,7 @@
 // The CUDA implementation of the two FSQ formats (fsq_format.h): the same page layouts in
 // device memory; codes computed on the device from the residuals (cuda_fsq.h
-// LaunchFsqEncodeRows, bit-identical to the CPU encoder), demotion a device copy of the
+// LaunchFsqEncodeRows, bit-identical to the CPU encoder, or the tensor-core encoder of
+// cuda_fsq_encode_tc.h as FsqDeviceCodec::encoder() says), demotion a device copy of the
 // window page's codes, history attention by the FSQ decode kernel (keys rebuilt on tensor
 // cores from the codes, never written), window attention by the BF16 decode kernel; the
 // backend merges both. CUDA builds only.

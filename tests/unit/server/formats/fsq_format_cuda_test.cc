@@ -1,11 +1,16 @@
 // The host-side checks of the CUDA FSQ formats (no GPU needed): which FSQ models the CUDA
-// kernels serve, and the clear refusal of the others before any device memory is touched.
+// kernels serve, and the clear refusal of the others before any device memory is touched;
+// which device encoder KVCD_FSQ_ENCODER selects.
 #include "server/formats/fsq/fsq_format_cuda.h"
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <memory>
 #include <string>
+#include <utility>
+
+#include "server/formats/fsq/fsq_device_codec.h"
 
 namespace kvcd {
 namespace fsq_format_cuda_test {
@@ -67,6 +72,29 @@ TEST(FsqCudaFormatTest, RefusesACodecOfAnotherShape) {
                 "x 128");
   const PageGeometry heads{2, 4, 128, 64};
   ExpectRefused(CheckFsqCudaGeometry(g, Codec(heads, 128)), "4 KV heads");
+}
+
+// KVCD_FSQ_ENCODER: the float64 encoder unless a tensor-core one is asked for by name; an
+// unknown value falls back to it (with a warning).
+TEST(FsqCudaFormatTest, EncoderFromTheEnvironment) {
+  const char* before = std::getenv("KVCD_FSQ_ENCODER");
+  const std::string saved = before != nullptr ? before : "";
+  unsetenv("KVCD_FSQ_ENCODER");
+  EXPECT_EQ(FsqDeviceEncoderFromEnv(), FsqDeviceEncoder::kExact);
+  const std::pair<const char*, FsqDeviceEncoder> cases[] = {
+      {"exact", FsqDeviceEncoder::kExact},    {"tc", FsqDeviceEncoder::kTcBf16},
+      {"tc-fp16", FsqDeviceEncoder::kTcFp16}, {"tc-split", FsqDeviceEncoder::kTcSplit},
+      {"TC", FsqDeviceEncoder::kExact},       {"tc-int8", FsqDeviceEncoder::kExact},
+      {"", FsqDeviceEncoder::kExact}};
+  for (const auto& [value, want] : cases) {
+    setenv("KVCD_FSQ_ENCODER", value, 1);
+    EXPECT_EQ(FsqDeviceEncoderFromEnv(), want) << "KVCD_FSQ_ENCODER=" << value;
+  }
+  if (before != nullptr) {
+    setenv("KVCD_FSQ_ENCODER", saved.c_str(), 1);
+  } else {
+    unsetenv("KVCD_FSQ_ENCODER");
+  }
 }
 
 }  // namespace fsq_format_cuda_test
