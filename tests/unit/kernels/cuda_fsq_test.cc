@@ -3,7 +3,8 @@
 // BF16 and F32 residuals, page slots with an offset, the non-finite check), and the decode
 // attention against the float64 oracle on fresh random codes (every head_dim, odd G and
 // lengths, both RoPE pairings, key norm on and off, poisoned outputs, merged with a BF16
-// window part).
+// window part), for both key-rebuild variants (FP16, int8: cuda_fsq_i8.h), and the int8
+// decoder's added key error against FSQ's own rounding error (on the CPU).
 #include "kvcd/kernels/cuda_fsq.h"
 
 #include <cuda_runtime.h>
@@ -22,6 +23,7 @@
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/bf16_attention.h"
 #include "kvcd/kernels/cuda_device.h"
+#include "kvcd/kernels/cuda_fsq_i8.h"
 #include "kvcd/kernels/fsq.h"
 
 namespace kvcd::kernels {
@@ -222,165 +224,195 @@ TEST_F(CudaFsqTest, DecodeAttentionMatchesTheOracle) {
   };
   // KVCD_FSQ_TEST_SMALL=1 (the compute-sanitizer runs): the first two cases, short contexts.
   const bool small = std::getenv("KVCD_FSQ_TEST_SMALL") != nullptr;
-  double worst = 0;
+  // worst[kernel]: against the oracle of the decoder the kernel uses (int8: scale * q);
+  // added: the int8 kernel against the oracle of the float W_k (printed, not bounded here:
+  // KeyErrorIsSmallAgainstFsqRounding bounds the key error it comes from).
+  double worst[2] = {0, 0}, added = 0;
   for (AttnCase cs : small ? std::vector<AttnCase>(cases.begin(), cases.begin() + 2) : cases) {
-    if (small) {
-      for (int& n : cs.lengths) n = std::min(n, 70);
-    }
-    const int d = cs.d, G = cs.G, hq = cs.hq, hkv = cs.hkv, ps = cs.ps, group = hq / hkv;
-    const int batch = static_cast<int>(cs.lengths.size());
-    const int max_len = *std::max_element(cs.lengths.begin(), cs.lengths.end());
-    const int max_pages = std::max(1, (max_len + ps - 1) / ps);
-    const int64_t cb = FsqCodeBytes(G), page_bytes = ps * cb;
-    // Codes: random bytes (odd G: the unused high nibble 0), shuffled pages.
-    std::vector<uint8_t> pool(batch * max_pages * page_bytes);
-    for (size_t i = 0; i < pool.size(); ++i) {
-      pool[i] = static_cast<uint8_t>(rng_());
-      if (G % 2 == 1 && i % cb == static_cast<size_t>(cb - 1)) pool[i] &= 0x0F;
-    }
-    std::vector<int32_t> ids(batch * max_pages);
-    for (int i = 0; i < batch * max_pages; ++i) ids[i] = i;
-    std::shuffle(ids.begin(), ids.end(), rng_);
-    std::vector<float> wk(hkv * d * G), wv(hkv * d * G), bk(hkv * d), bv(hkv * d), kn(d);
-    for (auto& v : wk) v = normal(rng_) / std::sqrt(static_cast<float>(G));
-    for (auto& v : wv) v = normal(rng_) / std::sqrt(static_cast<float>(G));
-    for (auto& v : bk) v = 0.2f * normal(rng_);
-    for (auto& v : bv) v = 0.2f * normal(rng_);
-    for (auto& v : kn) v = 1.0f + 0.3f * normal(rng_);
-    std::vector<float> q(batch * hq * d);
-    for (auto& v : q) v = normal(rng_);
-    std::vector<int64_t> positions(batch);
-    for (int b = 0; b < batch; ++b) positions[b] = b == 0 ? 100000 + rng_() % 1000 : rng_() % 64;
-    RopeSpec rope;
-    rope.theta = 1000000.0;
-    rope.rotary_dims = cs.rotary;
-    rope.scaling = cs.rotary == 38 ? 2.0 : 1.0;
-    rope.pairing = cs.pairing;
-    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    // BF16 windows (layout of bf16_attention.h), one page per sequence.
-    const int wps = 32;
-    const int64_t welems = Bf16PageElems(hkv, wps, d);
-    std::vector<uint16_t> wpool(batch * welems);
-    for (auto& v : wpool) v = FloatToBf16(normal(rng_));
-    std::vector<int32_t> wids(batch);
-    for (int b = 0; b < batch; ++b) wids[b] = b;
+    for (const cuda::FsqKeyKernel kernel : {cuda::FsqKeyKernel::kFp16, cuda::FsqKeyKernel::kInt8}) {
+      const int kv = kernel == cuda::FsqKeyKernel::kInt8 ? 1 : 0;
+      if (small) {
+        for (int& n : cs.lengths) n = std::min(n, 70);
+      }
+      const int d = cs.d, G = cs.G, hq = cs.hq, hkv = cs.hkv, ps = cs.ps, group = hq / hkv;
+      const int batch = static_cast<int>(cs.lengths.size());
+      const int max_len = *std::max_element(cs.lengths.begin(), cs.lengths.end());
+      const int max_pages = std::max(1, (max_len + ps - 1) / ps);
+      const int64_t cb = FsqCodeBytes(G), page_bytes = ps * cb;
+      // Codes: random bytes (odd G: the unused high nibble 0), shuffled pages.
+      std::vector<uint8_t> pool(batch * max_pages * page_bytes);
+      for (size_t i = 0; i < pool.size(); ++i) {
+        pool[i] = static_cast<uint8_t>(rng_());
+        if (G % 2 == 1 && i % cb == static_cast<size_t>(cb - 1)) pool[i] &= 0x0F;
+      }
+      std::vector<int32_t> ids(batch * max_pages);
+      for (int i = 0; i < batch * max_pages; ++i) ids[i] = i;
+      std::shuffle(ids.begin(), ids.end(), rng_);
+      std::vector<float> wk(hkv * d * G), wv(hkv * d * G), bk(hkv * d), bv(hkv * d), kn(d);
+      for (auto& v : wk) v = normal(rng_) / std::sqrt(static_cast<float>(G));
+      for (auto& v : wv) v = normal(rng_) / std::sqrt(static_cast<float>(G));
+      for (auto& v : bk) v = 0.2f * normal(rng_);
+      for (auto& v : bv) v = 0.2f * normal(rng_);
+      for (auto& v : kn) v = 1.0f + 0.3f * normal(rng_);
+      // The decoder the int8 kernel computes with.
+      std::vector<float> wk_i8(wk.size());
+      std::vector<int8_t> qrow(G);
+      for (int r = 0; r < hkv * d; ++r) {
+        const float sc = cuda::FsqQuantizeKeyRow(wk.data() + r * G, G, qrow.data());
+        for (int k = 0; k < G; ++k) wk_i8[r * G + k] = sc * qrow[k];
+      }
+      std::vector<float> q(batch * hq * d);
+      for (auto& v : q) v = normal(rng_);
+      std::vector<int64_t> positions(batch);
+      for (int b = 0; b < batch; ++b) positions[b] = b == 0 ? 100000 + rng_() % 1000 : rng_() % 64;
+      RopeSpec rope;
+      rope.theta = 1000000.0;
+      rope.rotary_dims = cs.rotary;
+      rope.scaling = cs.rotary == 38 ? 2.0 : 1.0;
+      rope.pairing = cs.pairing;
+      const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+      // BF16 windows (layout of bf16_attention.h), one page per sequence.
+      const int wps = 32;
+      const int64_t welems = Bf16PageElems(hkv, wps, d);
+      std::vector<uint16_t> wpool(batch * welems);
+      for (auto& v : wpool) v = FloatToBf16(normal(rng_));
+      std::vector<int32_t> wids(batch);
+      for (int b = 0; b < batch; ++b) wids[b] = b;
 
-    // GPU.
-    FsqLayerCodec dc{};
-    dc.num_kv_heads = hkv;
-    dc.head_dim = d;
-    dc.latent_width = G;
-    dc.decoder_k = Up(wk);
-    dc.decoder_v = Up(wv);
-    dc.bias_k = Up(bk);
-    dc.bias_v = Up(bv);
-    dc.key_norm = cs.key_norm ? Up(kn) : nullptr;
-    dc.key_norm_eps = 1e-6f;
-    void* prepared = nullptr;
-    ASSERT_EQ(cudaMalloc(&prepared, cuda::FsqDecoderBytes(hkv, d, G)), cudaSuccess);
-    owned_.push_back(prepared);
-    ASSERT_EQ(cuda::LaunchFsqPrepareDecoder(dc, prepared, nullptr).device_code(), cudaSuccess);
-    const int rows = batch * hq;
-    const cuda::DecodeGeometry geo{batch, hq, hkv, d, ps};
-    for (const int splits : {1, cuda::FsqDecodeSplits(batch, hkv, max_len, 132), 7}) {
-      void* ws = nullptr;
-      ASSERT_EQ(cudaMalloc(&ws, cuda::FsqDecodeWorkspaceBytes(batch, hq, G, splits)), cudaSuccess);
-      owned_.push_back(ws);
-      ASSERT_EQ(cudaMemset(ws, 0xFF, cuda::FsqDecodeWorkspaceBytes(batch, hq, G, splits)),
-                cudaSuccess);  // NaN
-      float* part_o = Up(std::vector<float>(2 * rows * d, NAN));
-      float* part_lse = Up(std::vector<float>(2 * rows, NAN));
-      float* o = Up(std::vector<float>(rows * d, NAN));
-      float* lse = Up(std::vector<float>(rows, NAN));
-      const float* d_q = Up(q);
-      const cuda::DecodeGeometry wgeo{batch, hq, hkv, d, wps};
-      const cuda::PagedList wlist{reinterpret_cast<const uint8_t*>(Up(wpool)), welems * 2, Up(wids),
-                                  1, Up(std::vector<int32_t>(cs.window.begin(), cs.window.end()))};
-      ASSERT_EQ(cuda::LaunchBf16DecodeParts(wlist, wgeo, d_q, nullptr, scale, 1, wps, part_o,
-                                            part_lse, 0, nullptr)
-                    .device_code(),
+      // GPU.
+      FsqLayerCodec dc{};
+      dc.num_kv_heads = hkv;
+      dc.head_dim = d;
+      dc.latent_width = G;
+      dc.decoder_k = Up(wk);
+      dc.decoder_v = Up(wv);
+      dc.bias_k = Up(bk);
+      dc.bias_v = Up(bv);
+      dc.key_norm = cs.key_norm ? Up(kn) : nullptr;
+      dc.key_norm_eps = 1e-6f;
+      void* prepared = nullptr;
+      ASSERT_EQ(cudaMalloc(&prepared, cuda::FsqDecoderBytes(kernel, hkv, d, G)), cudaSuccess);
+      owned_.push_back(prepared);
+      ASSERT_EQ(cuda::LaunchFsqPrepareDecoder(kernel, dc, prepared, nullptr).device_code(),
                 cudaSuccess);
-      cuda::FsqDecodeArgs args;
-      args.codec = dc;
-      args.prepared = prepared;
-      args.rope = rope;
-      args.positions = Up(positions);
-      args.q = d_q;
-      args.softmax_scale = scale;
-      args.splits = splits;
-      args.workspace = ws;
-      const cuda::PagedList list{Up(pool), page_bytes, Up(ids), max_pages,
-                                 Up(std::vector<int32_t>(cs.lengths.begin(), cs.lengths.end()))};
-      const cuda::MergeTarget merge{2, nullptr, o, lse};
-      ASSERT_EQ(
-          cuda::LaunchFsqDecodeParts(list, geo, args, max_len, part_o, part_lse, 1, nullptr, &merge)
-              .device_code(),
-          cudaSuccess);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      const auto got_po = Down(part_o + rows * d, rows * d);
-      const auto got_pl = Down(part_lse + rows, rows);
-      const auto got_o = Down(o, rows * d);
-      const auto got_l = Down(lse, rows);
+      const int rows = batch * hq;
+      const cuda::DecodeGeometry geo{batch, hq, hkv, d, ps};
+      for (const int splits : {1, cuda::FsqDecodeSplits(batch, hkv, max_len, 132), 7}) {
+        void* ws = nullptr;
+        ASSERT_EQ(cudaMalloc(&ws, cuda::FsqDecodeWorkspaceBytes(batch, hq, G, splits)),
+                  cudaSuccess);
+        owned_.push_back(ws);
+        ASSERT_EQ(cudaMemset(ws, 0xFF, cuda::FsqDecodeWorkspaceBytes(batch, hq, G, splits)),
+                  cudaSuccess);  // NaN
+        float* part_o = Up(std::vector<float>(2 * rows * d, NAN));
+        float* part_lse = Up(std::vector<float>(2 * rows, NAN));
+        float* o = Up(std::vector<float>(rows * d, NAN));
+        float* lse = Up(std::vector<float>(rows, NAN));
+        const float* d_q = Up(q);
+        const cuda::DecodeGeometry wgeo{batch, hq, hkv, d, wps};
+        const cuda::PagedList wlist{reinterpret_cast<const uint8_t*>(Up(wpool)), welems * 2,
+                                    Up(wids), 1,
+                                    Up(std::vector<int32_t>(cs.window.begin(), cs.window.end()))};
+        ASSERT_EQ(cuda::LaunchBf16DecodeParts(wlist, wgeo, d_q, nullptr, scale, 1, wps, part_o,
+                                              part_lse, 0, nullptr)
+                      .device_code(),
+                  cudaSuccess);
+        cuda::FsqDecodeArgs args;
+        args.codec = dc;
+        args.prepared = prepared;
+        args.rope = rope;
+        args.positions = Up(positions);
+        args.q = d_q;
+        args.softmax_scale = scale;
+        args.splits = splits;
+        args.workspace = ws;
+        const cuda::PagedList list{Up(pool), page_bytes, Up(ids), max_pages,
+                                   Up(std::vector<int32_t>(cs.lengths.begin(), cs.lengths.end()))};
+        const cuda::MergeTarget merge{2, nullptr, o, lse};
+        ASSERT_EQ(cuda::LaunchFsqDecodeParts(kernel, list, geo, args, max_len, part_o, part_lse, 1,
+                                             nullptr, &merge)
+                      .device_code(),
+                  cudaSuccess);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const auto got_po = Down(part_o + rows * d, rows * d);
+        const auto got_pl = Down(part_lse + rows, rows);
+        const auto got_o = Down(o, rows * d);
+        const auto got_l = Down(lse, rows);
 
-      // CPU: the float64 oracle for the fsq part, the CPU BF16 kernel for the window.
-      FsqLayerCodec hc = dc;
-      hc.decoder_k = wk.data();
-      hc.decoder_v = wv.data();
-      hc.bias_k = bk.data();
-      hc.bias_v = bv.data();
-      hc.key_norm = cs.key_norm ? kn.data() : nullptr;
-      for (int b = 0; b < batch; ++b) {
-        FsqPageTable t;
-        t.base = pool.data();
-        t.page_stride = page_bytes;
-        t.page_ids = ids.data() + b * max_pages;
-        t.num_pages = max_pages;
-        t.page_size = ps;
-        t.first_position = positions[b];
-        Bf16PageTable bt{wpool.data(), welems, wids.data() + b, 1, wps, hkv, d};
-        for (int h = 0; h < hkv; ++h) {
-          std::vector<float> po(group * d), pl(group), wo(group * d), wl(group);
-          const float* qh = q.data() + (b * hq + h * group) * d;
-          AttendFsqPagesReference(t, hc, rope, h, qh, group, scale, 0, cs.lengths[b], po.data(),
-                                  pl.data());
-          AttendBf16Pages(bt, h, qh, group, scale, 0, cs.window[b], wo.data(), wl.data());
-          std::vector<float> mo = po, ml = pl;
-          MergeStates(group, d, mo.data(), ml.data(), wo.data(), wl.data());
-          for (int j = 0; j < group; ++j) {
-            const int row = b * hq + h * group + j;
-            double err = 0, norm = 0, merr = 0, mnorm = 0;
-            for (int c = 0; c < d; ++c) {
-              ASSERT_FALSE(std::isnan(got_po[row * d + c])) << "row " << row;
-              ASSERT_FALSE(std::isnan(got_o[row * d + c])) << "row " << row;
-              err += std::pow(got_po[row * d + c] - po[j * d + c], 2);
-              norm += std::pow(po[j * d + c], 2);
-              merr += std::pow(got_o[row * d + c] - mo[j * d + c], 2);
-              mnorm += std::pow(mo[j * d + c], 2);
+        // CPU: the float64 oracle for the fsq part, the CPU BF16 kernel for the window.
+        FsqLayerCodec hc = dc;
+        hc.decoder_k = kv == 1 ? wk_i8.data() : wk.data();
+        FsqLayerCodec hc_float = hc;  // the float W_k (the int8 kernel's added error)
+        hc_float.decoder_k = wk.data();
+        hc.decoder_v = wv.data();
+        hc.bias_k = bk.data();
+        hc.bias_v = bv.data();
+        hc.key_norm = cs.key_norm ? kn.data() : nullptr;
+        for (int b = 0; b < batch; ++b) {
+          FsqPageTable t;
+          t.base = pool.data();
+          t.page_stride = page_bytes;
+          t.page_ids = ids.data() + b * max_pages;
+          t.num_pages = max_pages;
+          t.page_size = ps;
+          t.first_position = positions[b];
+          Bf16PageTable bt{wpool.data(), welems, wids.data() + b, 1, wps, hkv, d};
+          for (int h = 0; h < hkv; ++h) {
+            std::vector<float> po(group * d), pl(group), wo(group * d), wl(group);
+            std::vector<float> fo(group * d), fl(group);
+            const float* qh = q.data() + (b * hq + h * group) * d;
+            AttendFsqPagesReference(t, hc, rope, h, qh, group, scale, 0, cs.lengths[b], po.data(),
+                                    pl.data());
+            if (kv == 1) {
+              AttendFsqPagesReference(t, hc_float, rope, h, qh, group, scale, 0, cs.lengths[b],
+                                      fo.data(), fl.data());
             }
-            if (cs.lengths[b] == 0) {
-              EXPECT_EQ(got_pl[row], -INFINITY);
-              EXPECT_EQ(norm, 0.0);
-              EXPECT_EQ(err, 0.0);
-            } else {
-              const double rel = std::sqrt(err / norm);
-              worst = std::max(worst, rel);
-              EXPECT_LE(rel, 4e-3) << "d=" << d << " G=" << G << " b=" << b << " row=" << row
-                                   << " splits=" << splits;
-              EXPECT_NEAR(got_pl[row], pl[j], 2e-3 * (1 + std::fabs(pl[j]))) << "row " << row;
-            }
-            if (cs.lengths[b] + cs.window[b] > 0) {
-              EXPECT_LE(std::sqrt(merr), 4e-3 * std::sqrt(mnorm) + 1e-6) << "merged row " << row;
-              EXPECT_NEAR(got_l[row], ml[j], 2e-3 * (1 + std::fabs(ml[j]))) << "row " << row;
-            } else {
-              EXPECT_EQ(got_l[row], -INFINITY);
+            AttendBf16Pages(bt, h, qh, group, scale, 0, cs.window[b], wo.data(), wl.data());
+            std::vector<float> mo = po, ml = pl;
+            MergeStates(group, d, mo.data(), ml.data(), wo.data(), wl.data());
+            for (int j = 0; j < group; ++j) {
+              const int row = b * hq + h * group + j;
+              double err = 0, norm = 0, merr = 0, mnorm = 0, ferr = 0, fnorm = 0;
+              for (int c = 0; c < d; ++c) {
+                if (kv == 1) {
+                  ferr += std::pow(got_po[row * d + c] - fo[j * d + c], 2);
+                  fnorm += std::pow(fo[j * d + c], 2);
+                }
+                ASSERT_FALSE(std::isnan(got_po[row * d + c])) << "row " << row;
+                ASSERT_FALSE(std::isnan(got_o[row * d + c])) << "row " << row;
+                err += std::pow(got_po[row * d + c] - po[j * d + c], 2);
+                norm += std::pow(po[j * d + c], 2);
+                merr += std::pow(got_o[row * d + c] - mo[j * d + c], 2);
+                mnorm += std::pow(mo[j * d + c], 2);
+              }
+              if (cs.lengths[b] == 0) {
+                EXPECT_EQ(got_pl[row], -INFINITY);
+                EXPECT_EQ(norm, 0.0);
+                EXPECT_EQ(err, 0.0);
+              } else {
+                const double rel = std::sqrt(err / norm);
+                worst[kv] = std::max(worst[kv], rel);
+                if (kv == 1) added = std::max(added, std::sqrt(ferr / fnorm));
+                EXPECT_LE(rel, 4e-3) << "d=" << d << " G=" << G << " b=" << b << " row=" << row
+                                     << " splits=" << splits << " int8=" << kv;
+                EXPECT_NEAR(got_pl[row], pl[j], 2e-3 * (1 + std::fabs(pl[j]))) << "row " << row;
+              }
+              if (cs.lengths[b] + cs.window[b] > 0) {
+                EXPECT_LE(std::sqrt(merr), 4e-3 * std::sqrt(mnorm) + 1e-6) << "merged row " << row;
+                EXPECT_NEAR(got_l[row], ml[j], 2e-3 * (1 + std::fabs(ml[j]))) << "row " << row;
+              } else {
+                EXPECT_EQ(got_l[row], -INFINITY);
+              }
             }
           }
         }
       }
     }
   }
-  std::printf("fsq decode attention: worst relative error of o against the float64 oracle %.3g\n",
-              worst);
+  std::printf(
+      "fsq decode attention: worst relative error of o against the float64 oracle %.3g (FP16 "
+      "keys), %.3g (int8 keys, oracle on scale * q); int8 keys against the float W_k: %.3g\n",
+      worst[0], worst[1], added);
 }
 
 TEST_F(CudaFsqTest, DecodeAttentionRejectsUnsupportedArguments) {
@@ -402,6 +434,68 @@ TEST_F(CudaFsqTest, DecodeAttentionRejectsUnsupportedArguments) {
   const cuda::DecodeGeometry geo96{1, 4, 1, 96, 16};
   EXPECT_EQ(cuda::LaunchFsqDecodeParts(list, geo96, args, 16, &f, &f, 0, nullptr).device_code(),
             cudaErrorInvalidValue);
+  // The int8 variant checks the same contract; an unknown variant is rejected.
+  for (const auto kernel : {cuda::FsqKeyKernel::kInt8, static_cast<cuda::FsqKeyKernel>(7)}) {
+    EXPECT_EQ(
+        cuda::LaunchFsqDecodeParts(kernel, list, geo96, args, 16, &f, &f, 0, nullptr).device_code(),
+        cudaErrorInvalidValue);
+    EXPECT_EQ(cuda::LaunchFsqPrepareDecoder(kernel, args.codec, nullptr, nullptr).device_code(),
+              cudaErrorInvalidValue);
+  }
+}
+
+// The int8 key decoder (FsqQuantizeKeyRow, host arithmetic = device arithmetic): every weight
+// within half a step of its row's scale, and the key error it adds, over random codes, against
+// the error FSQ's own rounding of the latents (uniform in +-0.5) puts into the same keys, at
+// the kernels' geometries (Gaussian rows as the tests' and benches' decoders). By count:
+// ratio = (max |w| / 127) rms(z) / rms(w) = 0.0365 max |w| / rms(w), about 0.08 (G 37) to 0.11
+// (G 256); bound 0.2. Runs without a GPU.
+TEST(CudaFsqI8KeysTest, KeyErrorIsSmallAgainstFsqRounding) {
+  std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> nibble(0, 15);
+  std::uniform_real_distribution<double> round_err(-0.5, 0.5);
+  for (const int G : {1, 37, 84, 85, 128, 256}) {
+    const int rows = 128, tokens = 64;
+    std::vector<float> w(rows * G), deq(rows * G);
+    std::vector<int8_t> q(G);
+    for (auto& v : w) v = normal(rng) / std::sqrt(static_cast<float>(G));
+    for (int r = 0; r < rows; ++r) {
+      const float sc = cuda::FsqQuantizeKeyRow(w.data() + r * G, G, q.data());
+      float mx = 0;
+      for (int k = 0; k < G; ++k) mx = std::max(mx, std::fabs(w[r * G + k]));
+      ASSERT_FLOAT_EQ(sc, mx / 127.0f);
+      for (int k = 0; k < G; ++k) {
+        deq[r * G + k] = sc * q[k];
+        ASSERT_LE(std::fabs(deq[r * G + k] - w[r * G + k]), 0.5001 * sc) << "G=" << G;
+      }
+    }
+    double e_i8 = 0, e_fsq = 0;
+    std::vector<double> z(G), eps(G);
+    for (int t = 0; t < tokens; ++t) {
+      for (int k = 0; k < G; ++k) {
+        z[k] = nibble(rng) - 8;
+        eps[k] = round_err(rng);
+      }
+      for (int r = 0; r < rows; ++r) {
+        double a = 0, b = 0;
+        for (int k = 0; k < G; ++k) {
+          a += (double{deq[r * G + k]} - w[r * G + k]) * z[k];
+          b += double{w[r * G + k]} * eps[k];
+        }
+        e_i8 += a * a;
+        e_fsq += b * b;
+      }
+    }
+    const double ratio = std::sqrt(e_i8 / e_fsq);
+    std::printf("int8 W_k, G %3d: key error %.3f of FSQ's rounding error\n", G, ratio);
+    EXPECT_LE(ratio, 0.2) << "G=" << G;
+  }
+  // A zero row: scale 1, every q 0.
+  std::vector<float> zero(5, 0.0f);
+  std::vector<int8_t> q(5, 1);
+  EXPECT_EQ(cuda::FsqQuantizeKeyRow(zero.data(), 5, q.data()), 1.0f);
+  EXPECT_TRUE(std::all_of(q.begin(), q.end(), [](int8_t v) { return v == 0; }));
 }
 
 }  // namespace
