@@ -5,8 +5,11 @@
 // lane 4g + t of k-step s and n-tile n holds dim 8n + g; b0's byte i the weight of latent
 // 32 s + 8 t + 2 i, b1's byte i that of latent 32 s + 8 t + 2 i + 1: the order in which the
 // kernel's A fragments take the nibbles of one 4-byte word of codes; latents >= G are 0),
-// then [Hkv * d] float2 (scale, b_k - 8 scale sum_k q[k]) per dim: the codes enter as their
-// nibbles z + 8, so K = scale * (sum q nibble) + that bias.
+// then [Hkv * d] float2 (scale, b_k - 8 scale sum_k q[k] - 1.5 * 2^23 scale) per dim: the
+// codes enter as their nibbles z + 8 and the accumulators start at the bits of 1.5 * 2^23
+// (fsq_decode_kernel.cuh KeyAccBase), so K = scale * acc + that bias, one FMA. The bias
+// is rounded once to float: ~2^-24 of 1.5 * 2^23 scale = 0.75 scale (a key element is
+// ~ thousands of scale at G 256: ~1e-4 of it), the same for every token.
 #include <cstdint>
 #include <type_traits>
 
@@ -54,7 +57,8 @@ __global__ void FsqPrepareI8Kernel(const float* w_k, const float* b_k, int nrows
     const float scale = mx > 0.0f ? __fdiv_rn(mx, 127.0f) : 1.0f;
     col[row] = make_float2(
         scale, static_cast<float>(static_cast<double>(b_k[row]) -
-                                  8.0 * static_cast<double>(scale) * static_cast<double>(sum)));
+                                  static_cast<double>(scale) *
+                                      (8.0 * static_cast<double>(sum) + KeyAccBase<true>())));
   }
 }
 

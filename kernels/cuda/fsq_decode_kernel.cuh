@@ -31,12 +31,17 @@
 // per row and split; the merge kernel combines splits, applies W_v and b_v (FP32) once per
 // row and writes one value-space part.
 //
-// The int8 variant (kI8, fsq_decode_attention_i8.cu) changes step 1 only: K = Z W_k^T on
+// The int8 variant (kI8, fsq_decode_attention_i8.cu) changes step 1: K = Z W_k^T on
 // m16n8k32 u8 x s8 MMAs into int32 accumulators, A = the codes' nibbles (0..15, = z + 8) as
 // bytes (one word of 8 nibbles gives two A registers: even and odd nibbles), B = W_k quantized
 // once per layer to int8 per row (scale = max |w| / 127), half the fragments of the FP16 path
-// per tile and twice the MMA rate; the offset 8 and the row scale are folded into (scale,
-// bias) per dim, so step 2 is the same FMA after one exact int -> float conversion.
+// per tile and twice the MMA rate; the accumulators start at the bits of 1.5 * 2^23 (read as
+// floats they are then 1.5 * 2^23 + the integer sum, exact), and the row scale, the nibbles'
+// offset 8 and that start are folded into (scale, bias) per dim, so step 2 is the same single
+// FMA (the folded bias rounds to ~2^-24 of 1.5 * 2^23 scale: ~1e-4 of a key). It also
+// issues the same products of steps 3 and 5 with shorter chains and fewer instructions: the
+// scores in two MMA chains (even and odd n), the codes of step 5 paired by a byte permute,
+// the states rescaled only in tiles where a head's running max rose.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -104,8 +109,9 @@ __device__ __forceinline__ void MmaU8S8(float (&c)[4], const uint32_t (&a)[4], u
 }
 
 // The key accumulators' start value. int8: the bits of 1.5 * 2^23, so that the int32 sum S
-// added to them (|S| <= 256 * 15 * 127 < 2^22) reads back as the float 1.5 * 2^23 + S, exact,
-// and S = acc - KeyAccBase: the conversion costs one FADD, no I2F.
+// added to them (|S| <= 256 * 15 * 127 < 2^22) reads back as the float 1.5 * 2^23 + S, exact:
+// no conversion instruction; the prepared bias takes the - 1.5 * 2^23 * scale
+// (fsq_decode_attention_i8.cu), so step 2 is the FP16 path's one FMA.
 template <bool kI8>
 __host__ __device__ constexpr float KeyAccBase() {
   return kI8 ? 12582912.0f : 0.0f;
@@ -151,6 +157,21 @@ __device__ __forceinline__ uint2 BytePair(const uint8_t* p, int j, bool aligned)
     return make_uint2((w.x >> (8 * j)) & 0xFFu, (w.y >> (8 * j)) & 0xFFu);
   }
   return make_uint2(p[j], p[j + 4]);
+}
+
+// The 8 bytes at p (8-byte aligned) as loaded, or, unaligned, bytes j and j + 4 at byte 0 of
+// each word (two byte loads): PairedNibblesToHalf2's input after a byte permute.
+__device__ __forceinline__ uint2 Row8(const uint8_t* p, int j, bool aligned) {
+  if (aligned) return *reinterpret_cast<const uint2*>(p);
+  return make_uint2(p[j], p[j + 4]);
+}
+
+// Bytes 0 and 2 of x, each shifted right by sh (0 or 4), their low nibbles -> FP16x2 of
+// nibble - 8 (low half <- byte 0), exact.
+__device__ __forceinline__ uint32_t PairedNibblesToHalf2(uint32_t x, int sh) {
+  const uint32_t v = ((x >> sh) & 0x000F000Fu) | 0x64006400u;  // 1024 + nibble
+  const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&v), __float2half2_rn(1032.0f));
+  return *reinterpret_cast<const uint32_t*>(&h);
 }
 
 // Byte k of row r of a stage tile of rows of cb bytes. With swz (cb a multiple of 128) the
@@ -445,11 +466,14 @@ __global__ void __launch_bounds__(kWarps * 32, 1) FsqDecodeKernel(const PartArgs
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
         const float4 cv = __ldg(col + n * 4 + t);
-        acc[n][0] = fmaf(acc[n][0] - kBase, cv.x, cv.y);
-        acc[n][1] = fmaf(acc[n][1] - kBase, cv.z, cv.w);
-        acc[n][2] = fmaf(acc[n][2] - kBase, cv.x, cv.y);
-        acc[n][3] = fmaf(acc[n][3] - kBase, cv.z, cv.w);
+        acc[n][0] = fmaf(acc[n][0], cv.x, cv.y);
+        acc[n][1] = fmaf(acc[n][1], cv.z, cv.w);
+        acc[n][2] = fmaf(acc[n][2], cv.x, cv.y);
+        acc[n][3] = fmaf(acc[n][3], cv.z, cv.w);
       }
+      // int8: the keys' 1 / rms (rows g, g + 8) multiplies their scores in step 3 instead of
+      // every element here (RoPE and the dot product are linear).
+      float inv0 = 1.0f, inv1 = 1.0f;
       if (a.key_norm != nullptr) {
         float ss0 = 0.0f, ss1 = 0.0f;
 #pragma unroll
@@ -461,15 +485,22 @@ __global__ void __launch_bounds__(kWarps * 32, 1) FsqDecodeKernel(const PartArgs
         ss0 += __shfl_xor_sync(0xffffffffu, ss0, 2);
         ss1 += __shfl_xor_sync(0xffffffffu, ss1, 1);
         ss1 += __shfl_xor_sync(0xffffffffu, ss1, 2);
-        const float inv0 = 1.0f / sqrtf(ss0 / D + a.key_norm_eps);
-        const float inv1 = 1.0f / sqrtf(ss1 / D + a.key_norm_eps);
+        inv0 = 1.0f / sqrtf(ss0 / D + a.key_norm_eps);
+        inv1 = 1.0f / sqrtf(ss1 / D + a.key_norm_eps);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
           const float2 w = __ldg(reinterpret_cast<const float2*>(a.key_norm) + n * 4 + t);
-          acc[n][0] *= inv0 * w.x;
-          acc[n][1] *= inv0 * w.y;
-          acc[n][2] *= inv1 * w.x;
-          acc[n][3] *= inv1 * w.y;
+          if constexpr (kI8) {
+            acc[n][0] *= w.x;
+            acc[n][1] *= w.y;
+            acc[n][2] *= w.x;
+            acc[n][3] *= w.y;
+          } else {
+            acc[n][0] *= inv0 * w.x;
+            acc[n][1] *= inv0 * w.y;
+            acc[n][2] *= inv1 * w.x;
+            acc[n][3] *= inv1 * w.y;
+          }
         }
       }
       if (a.rotary > 0) {
@@ -491,20 +522,42 @@ __global__ void __launch_bounds__(kWarps * 32, 1) FsqDecodeKernel(const PartArgs
         }
       }
 
-      // 3. S^T = Q K^T (two token n-tiles of 8).
-      float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      // 3. S^T = Q K^T (two token n-tiles of 8; int8: each in two chains of MMAs, even and
+      // odd n, half as deep).
+      constexpr int kChains = kI8 ? 2 : 1;
+      float s0[kChains][4], s1[kChains][4];
+#pragma unroll
+      for (int c = 0; c < kChains; ++c) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) s0[c][k] = s1[c][k] = 0.0f;
+      }
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
         const uint2 qh =
             *reinterpret_cast<const uint2*>(sm.q_hi + g * QStride<D>() + 8 * n + 2 * t);
         const uint2 ql =
             *reinterpret_cast<const uint2*>(sm.q_lo + g * QStride<D>() + 8 * n + 2 * t);
-        MmaTf32(s0, qh.x, ql.x, qh.y, ql.y, Tf32(acc[n][0]), Tf32(acc[n][1]));
-        MmaTf32(s1, qh.x, ql.x, qh.y, ql.y, Tf32(acc[n][2]), Tf32(acc[n][3]));
+        MmaTf32(s0[n % kChains], qh.x, ql.x, qh.y, ql.y, Tf32(acc[n][0]), Tf32(acc[n][1]));
+        MmaTf32(s1[n % kChains], qh.x, ql.x, qh.y, ql.y, Tf32(acc[n][2]), Tf32(acc[n][3]));
+      }
+#pragma unroll
+      for (int c = 1; c < kChains; ++c) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          s0[0][k] += s0[c][k];
+          s1[0][k] += s1[c][k];
+        }
       }
       // 4. Online softmax of head g over tokens 2t, 2t + 1, 2t + 8, 2t + 9.
       const int n_valid = end - tile - 16 * u;
-      float sc[4] = {s0[0] + s0[2], s0[1] + s0[3], s1[0] + s1[2], s1[1] + s1[3]};
+      float sc[4] = {s0[0][0] + s0[0][2], s0[0][1] + s0[0][3], s1[0][0] + s1[0][2],
+                     s1[0][1] + s1[0][3]};
+      if (kI8 && a.key_norm != nullptr) {  // tokens 2t, 2t + 1 (rows of quads 2t, 2t + 1), + 8
+        sc[0] *= __shfl_sync(0xffffffffu, inv0, 8 * t);
+        sc[1] *= __shfl_sync(0xffffffffu, inv0, 8 * t + 4);
+        sc[2] *= __shfl_sync(0xffffffffu, inv1, 8 * t);
+        sc[3] *= __shfl_sync(0xffffffffu, inv1, 8 * t + 4);
+      }
       const int tok[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
       float tmax = -INFINITY;
 #pragma unroll
@@ -529,23 +582,52 @@ __global__ void __launch_bounds__(kWarps * 32, 1) FsqDecodeKernel(const PartArgs
       const int sh = 4 * (g & 1);
       const int zr = 16 * u + 2 * t;  // rows (tokens) zr, zr + 1, zr + 8, zr + 9
       const int zj = g >> 1;
+      if constexpr (kI8) {
+        // The same products with fewer instructions: a row's 8 bytes as loaded, the two
+        // tokens' bytes zj paired by one byte permute, one shift and mask for the nibble; the
+        // states rescaled only when a head's running max rose (alpha != 1) this tile.
+        const bool rescale = __any_sync(0xffffffffu, alpha != 1.0f);
+        const uint32_t sel = aligned ? zj | ((4 + zj) << 8) : 0x0400u;
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        o[mt][0] *= alpha0;
-        o[mt][1] *= alpha1;
-        o[mt][2] *= alpha0;
-        o[mt][3] *= alpha1;
-        if (mt < a.slices) {
-          const uint2 w0 = BytePair(StageAt(cs, zr, 8 * mt, cb, swz), zj, aligned);
-          const uint2 w1 = BytePair(StageAt(cs, zr + 1, 8 * mt, cb, swz), zj, aligned);
-          const uint2 w8 = BytePair(StageAt(cs, zr + 8, 8 * mt, cb, swz), zj, aligned);
-          const uint2 w9 = BytePair(StageAt(cs, zr + 9, 8 * mt, cb, swz), zj, aligned);
-          uint32_t af[4];
-          af[0] = NibblesToHalf2((w0.x >> sh) & 0xFu, (w1.x >> sh) & 0xFu);
-          af[1] = NibblesToHalf2((w0.y >> sh) & 0xFu, (w1.y >> sh) & 0xFu);
-          af[2] = NibblesToHalf2((w8.x >> sh) & 0xFu, (w9.x >> sh) & 0xFu);
-          af[3] = NibblesToHalf2((w8.y >> sh) & 0xFu, (w9.y >> sh) & 0xFu);
-          MmaF16(o[mt], af, pb0, pb1);
+        for (int mt = 0; mt < MT; ++mt) {
+          if (rescale) {
+            o[mt][0] *= alpha0;
+            o[mt][1] *= alpha1;
+            o[mt][2] *= alpha0;
+            o[mt][3] *= alpha1;
+          }
+          if (mt < a.slices) {
+            const uint2 w0 = Row8(StageAt(cs, zr, 8 * mt, cb, swz), zj, aligned);
+            const uint2 w1 = Row8(StageAt(cs, zr + 1, 8 * mt, cb, swz), zj, aligned);
+            const uint2 w8 = Row8(StageAt(cs, zr + 8, 8 * mt, cb, swz), zj, aligned);
+            const uint2 w9 = Row8(StageAt(cs, zr + 9, 8 * mt, cb, swz), zj, aligned);
+            uint32_t af[4];
+            af[0] = PairedNibblesToHalf2(__byte_perm(w0.x, w1.x, sel), sh);
+            af[1] = PairedNibblesToHalf2(__byte_perm(w0.y, w1.y, sel), sh);
+            af[2] = PairedNibblesToHalf2(__byte_perm(w8.x, w9.x, sel), sh);
+            af[3] = PairedNibblesToHalf2(__byte_perm(w8.y, w9.y, sel), sh);
+            MmaF16(o[mt], af, pb0, pb1);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          o[mt][0] *= alpha0;
+          o[mt][1] *= alpha1;
+          o[mt][2] *= alpha0;
+          o[mt][3] *= alpha1;
+          if (mt < a.slices) {
+            const uint2 w0 = BytePair(StageAt(cs, zr, 8 * mt, cb, swz), zj, aligned);
+            const uint2 w1 = BytePair(StageAt(cs, zr + 1, 8 * mt, cb, swz), zj, aligned);
+            const uint2 w8 = BytePair(StageAt(cs, zr + 8, 8 * mt, cb, swz), zj, aligned);
+            const uint2 w9 = BytePair(StageAt(cs, zr + 9, 8 * mt, cb, swz), zj, aligned);
+            uint32_t af[4];
+            af[0] = NibblesToHalf2((w0.x >> sh) & 0xFu, (w1.x >> sh) & 0xFu);
+            af[1] = NibblesToHalf2((w0.y >> sh) & 0xFu, (w1.y >> sh) & 0xFu);
+            af[2] = NibblesToHalf2((w8.x >> sh) & 0xFu, (w9.x >> sh) & 0xFu);
+            af[3] = NibblesToHalf2((w8.y >> sh) & 0xFu, (w9.y >> sh) & 0xFu);
+            MmaF16(o[mt], af, pb0, pb1);
+          }
         }
       }
     }              // u

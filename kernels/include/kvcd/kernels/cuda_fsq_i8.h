@@ -46,7 +46,8 @@ inline float FsqQuantizeKeyRow(const float* w, int G, int8_t* q) {
 size_t FsqDecoderBytes(FsqKeyKernel kernel, int num_kv_heads, int head_dim, int latent_width);
 
 // LaunchFsqPrepareDecoder (cuda_fsq.h) for `kernel`: kInt8 writes the int8 B fragments of
-// W_k (FsqQuantizeKeyRow per row) and per dim (scale, b_k - 8 scale sum_k q[k]).
+// W_k (FsqQuantizeKeyRow per row) and per dim its scale and bias
+// (cuda/fsq_decode_attention_i8.cu).
 Error LaunchFsqPrepareDecoder(FsqKeyKernel kernel, const FsqLayerCodec& codec, void* prepared,
                               cudaStream_t stream);
 
