@@ -17,6 +17,7 @@
 #include "fsq_decode_kernel.cuh"
 #include "kvcd/kernels/cuda_fsq.h"
 #include "kvcd/kernels/cuda_fsq_i8.h"
+#include "kvcd/kernels/fsq_i8_fragments.h"
 
 namespace kvcd::kernels::cuda {
 namespace {
@@ -37,7 +38,7 @@ __global__ void FsqPrepareI8Kernel(const float* w_k, const float* b_k, int nrows
   for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
   const float inv = mx > 0.0f ? 127.0f / mx : 0.0f;
   const int ksteps = (latent + 31) / 32;
-  const int h = row / d, dim = row % d, n = dim / 8, g = dim % 8;
+  const int h = row / d, dim = row % d;
   int sum = 0;
   for (int k = lane; k < 32 * ksteps; k += 32) {
     int v = 0;
@@ -45,20 +46,12 @@ __global__ void FsqPrepareI8Kernel(const float* w_k, const float* b_k, int nrows
       v = static_cast<int>(fminf(fmaxf(rintf(__fmul_rn(w[k], inv)), -127.0f), 127.0f));
     }
     sum += v;
-    const int s = k / 32, r = k % 32;  // r = 8 t + 2 i + e
-    const int t = r >> 3, i = (r >> 1) & 3, e = r & 1;
-    const size_t at =
-        ((((static_cast<size_t>(h) * ksteps + s) * (d / 8) + n) * 32 + (4 * g + t)) * 8) + 4 * e +
-        i;
-    frags[at] = static_cast<uint8_t>(static_cast<int8_t>(v));
+    frags[FsqI8WeightByte(h, dim, k, ksteps, d)] = static_cast<uint8_t>(static_cast<int8_t>(v));
   }
   for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
   if (lane == 0) {
     const float scale = mx > 0.0f ? __fdiv_rn(mx, 127.0f) : 1.0f;
-    col[row] = make_float2(
-        scale, static_cast<float>(static_cast<double>(b_k[row]) -
-                                  static_cast<double>(scale) *
-                                      (8.0 * static_cast<double>(sum) + KeyAccBase<true>())));
+    col[row] = make_float2(scale, FsqI8Bias(b_k[row], scale, sum));
   }
 }
 

@@ -53,6 +53,7 @@
 #include "cuda_error.cuh"
 #include "dispatch.cuh"
 #include "kvcd/kernels/cuda_fsq.h"
+#include "kvcd/kernels/fsq_i8_fragments.h"
 
 namespace kvcd::kernels::cuda {
 namespace {
@@ -114,7 +115,7 @@ __device__ __forceinline__ void MmaU8S8(float (&c)[4], const uint32_t (&a)[4], u
 // (fsq_decode_attention_i8.cu), so step 2 is the FP16 path's one FMA.
 template <bool kI8>
 __host__ __device__ constexpr float KeyAccBase() {
-  return kI8 ? 12582912.0f : 0.0f;
+  return kI8 ? kFsqI8AccBase : 0.0f;
 }
 
 __device__ __forceinline__ void MmaTf32(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
@@ -134,7 +135,7 @@ __device__ __forceinline__ uint32_t Tf32(float x) {
 
 // Two nibbles (low half <- lo, high half <- hi, each 0..15) -> FP16x2 of nibble - 8, exact.
 __device__ __forceinline__ uint32_t NibblesToHalf2(uint32_t lo, uint32_t hi) {
-  const uint32_t v = lo | (hi << 16) | 0x64006400u;  // 1024 + nibble
+  const uint32_t v = FsqNibblePairBits(lo, hi);  // 1024 + nibble
   const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&v), __float2half2_rn(1032.0f));
   return *reinterpret_cast<const uint32_t*>(&h);
 }
@@ -169,18 +170,16 @@ __device__ __forceinline__ uint2 Row8(const uint8_t* p, int j, bool aligned) {
 // Bytes 0 and 2 of x, each shifted right by sh (0 or 4), their low nibbles -> FP16x2 of
 // nibble - 8 (low half <- byte 0), exact.
 __device__ __forceinline__ uint32_t PairedNibblesToHalf2(uint32_t x, int sh) {
-  const uint32_t v = ((x >> sh) & 0x000F000Fu) | 0x64006400u;  // 1024 + nibble
+  const uint32_t v = FsqPairedNibbleBits(x, sh);  // 1024 + nibble
   const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&v), __float2half2_rn(1032.0f));
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-// Byte k of row r of a stage tile of rows of cb bytes. With swz (cb a multiple of 128) the
-// 16-byte chunks of row r are stored XOR (r & 7): the 8 rows a fragment load touches at one
-// column fall in 8 different bank groups.
+// Byte k of row r of a stage tile (fsq_i8_fragments.h: 16-byte chunks XOR (r & 7) when
+// cb is a multiple of 128).
 __device__ __forceinline__ const uint8_t* StageAt(const uint8_t* tile, int r, int k, int cb,
                                                   bool swz) {
-  const int chunk = swz ? (k >> 4) ^ (r & 7) : k >> 4;
-  return tile + r * cb + (chunk << 4) + (k & 15);
+  return FsqStageAt(tile, r, k, cb, swz);
 }
 
 __device__ __forceinline__ uint32_t PackHalf2(float lo, float hi) {
@@ -423,10 +422,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) FsqDecodeKernel(const PartArgs
         for (int u = 0; u < MTOK; ++u) {
           const uint32_t lo = Word(StageAt(cs, 16 * u + g, 16 * s + 4 * t, cb, swz), aligned4);
           const uint32_t hi = Word(StageAt(cs, 16 * u + g + 8, 16 * s + 4 * t, cb, swz), aligned4);
-          af[u][0] = lo & 0x0F0F0F0Fu;
-          af[u][1] = hi & 0x0F0F0F0Fu;
-          af[u][2] = (lo >> 4) & 0x0F0F0F0Fu;
-          af[u][3] = (hi >> 4) & 0x0F0F0F0Fu;
+          FsqI8CodeFragments(lo, &af[u][0], &af[u][2]);
+          FsqI8CodeFragments(hi, &af[u][1], &af[u][3]);
         }
         const uint2* bp = wk + static_cast<size_t>(s) * NT * 32;
 #pragma unroll
@@ -587,7 +584,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) FsqDecodeKernel(const PartArgs
         // tokens' bytes zj paired by one byte permute, one shift and mask for the nibble; the
         // states rescaled only when a head's running max rose (alpha != 1) this tile.
         const bool rescale = __any_sync(0xffffffffu, alpha != 1.0f);
-        const uint32_t sel = aligned ? zj | ((4 + zj) << 8) : 0x0400u;
+        const uint32_t sel = FsqPairSelector(zj, aligned);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           if (rescale) {

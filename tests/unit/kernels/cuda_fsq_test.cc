@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
@@ -25,6 +26,7 @@
 #include "kvcd/kernels/cuda_device.h"
 #include "kvcd/kernels/cuda_fsq_i8.h"
 #include "kvcd/kernels/fsq.h"
+#include "kvcd/kernels/fsq_i8_fragments.h"
 
 namespace kvcd::kernels {
 namespace {
@@ -496,6 +498,279 @@ TEST(CudaFsqI8KeysTest, KeyErrorIsSmallAgainstFsqRounding) {
   std::vector<int8_t> q(5, 1);
   EXPECT_EQ(cuda::FsqQuantizeKeyRow(zero.data(), 5, q.data()), 1.0f);
   EXPECT_TRUE(std::all_of(q.begin(), q.end(), [](int8_t v) { return v == 0; }));
+}
+
+// --- The int8 variant's arithmetic, emulated on the CPU (no GPU needed) -------------------
+
+// Little-endian word of the 4 bytes at p.
+uint32_t Word4(const uint8_t* p) {
+  uint32_t w;
+  std::memcpy(&w, p, 4);
+  return w;
+}
+
+// Packs z (G values in -8..7) as FSQ codes (fsq.h: coordinate 2i low nibble of byte i).
+std::vector<uint8_t> PackCode(const std::vector<int>& z) {
+  std::vector<uint8_t> c(FsqCodeBytes(static_cast<int>(z.size())), 0);
+  for (size_t i = 0; i < z.size(); ++i)
+    c[i / 2] |= static_cast<uint8_t>((z[i] + 8) << (4 * (i % 2)));
+  return c;
+}
+
+// The prepared B fragments (FsqI8WeightByte) and the A fragments of the codes
+// (FsqI8CodeFragments), put through m16n8k32 as the PTX ISA defines its operand layouts
+// (fsq_i8_fragments.h), give every token's sum_latent q[dim][latent] * (z + 8) exactly: the
+// kernel's operand orders agree with each other and with the MMA.
+TEST(CudaFsqI8KeysTest, FragmentsRebuildTheKeysOnTheMma) {
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_int_distribution<int> w8(-127, 127), byte(0, 255);
+  for (const int G : {1, 37, 84, 85, 128, 256}) {
+    const int d = 16, hkv = 2, rows = 16, ksteps = (G + 31) / 32;
+    const int64_t cb = FsqCodeBytes(G);
+    std::vector<int> q(hkv * d * G);
+    for (auto& v : q) v = w8(rng);
+    std::vector<uint8_t> frags(static_cast<size_t>(hkv) * ksteps * (d / 8) * 32 * 8, 0);
+    for (int h = 0; h < hkv; ++h) {
+      for (int dim = 0; dim < d; ++dim) {
+        for (int l = 0; l < G; ++l) {
+          frags[FsqI8WeightByte(h, dim, l, ksteps, d)] =
+              static_cast<uint8_t>(static_cast<int8_t>(q[(h * d + dim) * G + l]));
+        }
+      }
+    }
+    // FsqI8Latent names the same order: latent FsqI8Latent(k) of k-step s sits in byte k & 3
+    // of B register k >> 4 of lane 4 g + (k & 15) / 4.
+    for (int k = 0; k < 32 && G >= 32; ++k) {
+      const size_t at = FsqI8WeightByte(1, 8 + 3, 32 + FsqI8Latent(k), ksteps, d);
+      const size_t frag = ((static_cast<size_t>(1) * ksteps + 1) * (d / 8) + 1) * 32;
+      ASSERT_EQ(at, (frag + 4 * 3 + (k & 15) / 4) * 8 + 4 * (k >> 4) + (k & 3)) << "k=" << k;
+    }
+    // A stage tile: rows of cb bytes, 64 bytes of slack (the kernel reads past a row).
+    std::vector<uint8_t> stage(rows * cb + 64);
+    for (auto& b : stage) b = static_cast<uint8_t>(byte(rng));
+    for (int h = 0; h < hkv; ++h) {
+      for (int n = 0; n < d / 8; ++n) {
+        int64_t c[16][8] = {};
+        for (int s = 0; s < ksteps; ++s) {
+          int a_mat[16][32], b_mat[32][8];
+          for (int lane = 0; lane < 32; ++lane) {
+            const int g = lane / 4, t = lane % 4;
+            uint32_t a[4];
+            FsqI8CodeFragments(Word4(&stage[g * cb + 16 * s + 4 * t]), &a[0], &a[2]);
+            FsqI8CodeFragments(Word4(&stage[(g + 8) * cb + 16 * s + 4 * t]), &a[1], &a[3]);
+            const uint8_t* bp =
+                &frags[(((static_cast<size_t>(h) * ksteps + s) * (d / 8) + n) * 32 + lane) * 8];
+            for (int r = 0; r < 4; ++r) {
+              for (int i = 0; i < 4; ++i) {
+                a_mat[g + 8 * (r & 1)][4 * t + 16 * (r >> 1) + i] = (a[r] >> (8 * i)) & 0xFF;
+              }
+            }
+            for (int r = 0; r < 2; ++r) {
+              for (int i = 0; i < 4; ++i)
+                b_mat[4 * t + 16 * r + i][g] = static_cast<int8_t>(bp[4 * r + i]);
+            }
+          }
+          for (int row = 0; row < 16; ++row) {
+            for (int col = 0; col < 8; ++col) {
+              for (int k = 0; k < 32; ++k) c[row][col] += int64_t{a_mat[row][k]} * b_mat[k][col];
+            }
+          }
+        }
+        for (int row = 0; row < 16; ++row) {
+          std::vector<int8_t> z(G);
+          FsqUnpackCode(&stage[row * cb], G, z.data());
+          for (int col = 0; col < 8; ++col) {
+            int64_t want = 0;
+            for (int l = 0; l < G; ++l)
+              want += int64_t{q[(h * d + 8 * n + col) * G + l]} * (z[l] + 8);
+            ASSERT_EQ(c[row][col], want) << "G=" << G << " h=" << h << " n=" << n << " row=" << row;
+          }
+        }
+      }
+    }
+  }
+}
+
+// Step 5's operands: the int8 variant's byte-permute gather gives the FP16 variant's A
+// fragments bit for bit (every lane, m-tile and row width: aligned, unaligned, swizzled),
+// and they hold 1024 + the nibble of (token, latent) the fragment position stands for.
+TEST(CudaFsqI8KeysTest, PairedGatherMatchesTheFp16Gather) {
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (const int G : {37, 84, 128, 200, 256}) {
+    const int cb = static_cast<int>(FsqCodeBytes(G)), slices = (G + 15) / 16;
+    const bool aligned = cb % 8 == 0, swz = cb % 128 == 0;
+    std::vector<uint8_t> stage(16 * cb + 64);
+    for (auto& b : stage) b = static_cast<uint8_t>(byte(rng));
+    // The tokens' codes as the kernel's swizzled stage holds them.
+    auto nibble = [&](int token, int latent) {
+      const uint8_t b = *FsqStageAt(stage.data(), token, latent / 2, cb, swz);
+      return (b >> (4 * (latent % 2))) & 0xF;
+    };
+    for (int lane = 0; lane < 32; ++lane) {
+      const int g = lane / 4, t = lane % 4, zr = 2 * t, zj = g / 2, sh = 4 * (g % 2);
+      const uint32_t sel = FsqPairSelector(zj, aligned);
+      for (int mt = 0; mt < slices; ++mt) {
+        const int tok[4][2] = {{zr, zr + 1}, {zr, zr + 1}, {zr + 8, zr + 9}, {zr + 8, zr + 9}};
+        for (int r = 0; r < 4; ++r) {
+          const int hi_word = r % 2;  // registers 1, 3: bytes j + 4 (latent row g + 8)
+          uint32_t ref_nib[2], raw[2];
+          for (int e = 0; e < 2; ++e) {
+            const uint8_t* p = FsqStageAt(stage.data(), tok[r][e], 8 * mt, cb, swz);
+            // FP16 variant (BytePair): byte zj (+ 4) of the 8, then the nibble.
+            ref_nib[e] = (p[zj + 4 * hi_word] >> sh) & 0xFu;
+            // int8 variant (Row8): the word as loaded, or the byte at byte 0.
+            raw[e] = aligned ? Word4(p + 4 * hi_word) : p[zj + 4 * hi_word];
+          }
+          const uint32_t ref = FsqNibblePairBits(ref_nib[0], ref_nib[1]);
+          const uint32_t got = FsqPairedNibbleBits(FsqBytePermHost(raw[0], raw[1], sel), sh);
+          ASSERT_EQ(got, ref) << "G=" << G << " lane=" << lane << " mt=" << mt << " r=" << r;
+          const int latent = 16 * mt + g + 8 * hi_word;
+          ASSERT_EQ(ref, FsqNibblePairBits(nibble(tok[r][0], latent), nibble(tok[r][1], latent)));
+        }
+      }
+    }
+  }
+}
+
+// Step 2 of the int8 variant: the accumulator read as a float (kFsqI8AccBase + the integer
+// sum) times the scale plus the folded bias (FsqI8Bias), one float FMA, against the key of the
+// int8 decoder in double: within the bias's rounding (2^-24 of 1.5 * 2^23 scale, <= 0.75 of a
+// scale step) and float rounding of the key.
+TEST(CudaFsqI8KeysTest, FoldedBiasRebuildsTheKeys) {
+  std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> code(-8, 7);
+  double worst = 0;
+  for (const int G : {1, 84, 256}) {
+    std::vector<float> w(G);
+    std::vector<int8_t> q(G);
+    for (int row = 0; row < 64; ++row) {
+      for (auto& v : w) v = normal(rng) / std::sqrt(static_cast<float>(G));
+      const float b = 0.2f * normal(rng);
+      const float scale = cuda::FsqQuantizeKeyRow(w.data(), G, q.data());
+      int qsum = 0;
+      for (int8_t v : q) qsum += v;
+      const float bias = FsqI8Bias(b, scale, qsum);
+      for (int tok = 0; tok < 32; ++tok) {
+        int32_t sum = 0;
+        double exact = b;
+        for (int k = 0; k < G; ++k) {
+          const int z = code(rng);
+          sum += q[k] * (z + 8);
+          exact += static_cast<double>(scale) * q[k] * z;
+        }
+        const uint32_t bits = kFsqI8AccBaseBits + static_cast<uint32_t>(sum);
+        float acc;
+        std::memcpy(&acc, &bits, 4);
+        ASSERT_EQ(static_cast<double>(acc), double{kFsqI8AccBase} + sum);
+        const float key = std::fma(acc, scale, bias);
+        const double err = std::fabs(key - exact);
+        worst = std::max(worst, err / scale);
+        EXPECT_LE(err, 0.76 * scale + 1e-6 * std::fabs(exact)) << "G=" << G;
+      }
+    }
+  }
+  std::printf("int8 keys: folded bias within %.3f of a scale step of the exact key\n", worst);
+}
+
+// The int8 W_k's added error on attention (the float64 oracle, AttendFsqPagesReference),
+// against the error FSQ's own rounding of the key latents makes there: the oracle over the
+// same codes with (a) the float W_k, (b) the int8 decoder (scale * q), (c) the latents before
+// rounding, z + eps with eps uniform on a 1/16 grid in +-0.47 (a second half of the code
+// with W_k / 16 and W_v 0: keys only). At the kernels' geometries (Qwen3-like: d 128, key
+// norm, half RoPE, q ~ 2 N(0, 1)) the attention error of (b) is a fraction of (c)'s, by
+// count ~0.1 (KeyErrorIsSmallAgainstFsqRounding); bound 0.3.
+TEST(CudaFsqI8KeysTest, AttentionErrorIsSmallAgainstFsqRounding) {
+  std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> code(-8, 7);
+  struct Geo {
+    int d, G;
+    bool key_norm;
+    RopePairing pairing;
+  };
+  for (const Geo geo :
+       {Geo{128, 256, true, RopePairing::kHalf}, Geo{128, 84, true, RopePairing::kHalf},
+        Geo{64, 37, false, RopePairing::kInterleaved}}) {
+    const int d = geo.d, G = geo.G, group = 4, n = 512, ps = 64, pages = n / ps;
+    std::vector<float> wk(d * G), wv(d * G), bk(d), bv(d), kn(d), q(group * d);
+    for (auto& v : wk) v = normal(rng) / std::sqrt(static_cast<float>(G));
+    for (auto& v : wv) v = normal(rng) / std::sqrt(static_cast<float>(G));
+    for (auto& v : bk) v = 0.2f * normal(rng);
+    for (auto& v : bv) v = 0.2f * normal(rng);
+    for (auto& v : kn) v = 1.0f + 0.3f * normal(rng);
+    for (auto& v : q) v = 2.0f * normal(rng);
+    std::vector<float> wk_i8(d * G);
+    std::vector<int8_t> qrow(G);
+    for (int r = 0; r < d; ++r) {
+      const float sc = cuda::FsqQuantizeKeyRow(wk.data() + r * G, G, qrow.data());
+      for (int k = 0; k < G; ++k) wk_i8[r * G + k] = sc * qrow[k];
+    }
+    // (c)'s codec: latents [z | e], W_k' = [W_k | W_k / 16], b_k' = b_k + W_k / 32 (so eps =
+    // (e + 1/2) / 16), W_v' = [W_v | 0].
+    const int G2 = 2 * G;
+    std::vector<float> wk2(d * G2), wv2(d * G2, 0.0f), bk2(bk);
+    for (int r = 0; r < d; ++r) {
+      for (int k = 0; k < G; ++k) {
+        wk2[r * G2 + k] = wk[r * G + k];
+        wk2[r * G2 + G + k] = wk[r * G + k] / 16.0f;
+        wv2[r * G2 + k] = wv[r * G + k];
+        bk2[r] += wk[r * G + k] / 32.0f;
+      }
+    }
+    const int64_t cb = FsqCodeBytes(G), cb2 = FsqCodeBytes(G2);
+    std::vector<uint8_t> pool(n * cb), pool2(n * cb2);
+    for (int tkn = 0; tkn < n; ++tkn) {
+      std::vector<int> z(G), z2(G2);
+      for (int k = 0; k < G; ++k) z[k] = z2[k] = code(rng);
+      for (int k = 0; k < G; ++k) z2[G + k] = code(rng);
+      const auto c = PackCode(z), c2 = PackCode(z2);
+      std::copy(c.begin(), c.end(), pool.begin() + tkn * cb);
+      std::copy(c2.begin(), c2.end(), pool2.begin() + tkn * cb2);
+    }
+    std::vector<int32_t> ids(pages);
+    for (int i = 0; i < pages; ++i) ids[i] = i;
+    RopeSpec rope;
+    rope.theta = 1000000.0;
+    rope.rotary_dims = d;
+    rope.pairing = geo.pairing;
+    FsqLayerCodec c{};
+    c.num_kv_heads = 1;
+    c.head_dim = d;
+    c.latent_width = G;
+    c.decoder_k = wk.data();
+    c.decoder_v = wv.data();
+    c.bias_k = bk.data();
+    c.bias_v = bv.data();
+    c.key_norm = geo.key_norm ? kn.data() : nullptr;
+    c.key_norm_eps = 1e-6f;
+    FsqLayerCodec c8 = c, c2 = c;
+    c8.decoder_k = wk_i8.data();
+    c2.latent_width = G2;
+    c2.decoder_k = wk2.data();
+    c2.decoder_v = wv2.data();
+    c2.bias_k = bk2.data();
+    FsqPageTable t{pool.data(), ps * cb, ids.data(), pages, ps, 90000};
+    FsqPageTable t2{pool2.data(), ps * cb2, ids.data(), pages, ps, 90000};
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    std::vector<float> o(group * d), o8(group * d), o2(group * d), l(group), l8(group), l2(group);
+    AttendFsqPagesReference(t, c, rope, 0, q.data(), group, scale, 0, n, o.data(), l.data());
+    AttendFsqPagesReference(t, c8, rope, 0, q.data(), group, scale, 0, n, o8.data(), l8.data());
+    AttendFsqPagesReference(t2, c2, rope, 0, q.data(), group, scale, 0, n, o2.data(), l2.data());
+    double e8 = 0, e2 = 0, norm = 0;
+    for (int i = 0; i < group * d; ++i) {
+      e8 += std::pow(double{o8[i]} - o[i], 2);
+      e2 += std::pow(double{o[i]} - o2[i], 2);
+      norm += std::pow(double{o2[i]}, 2);
+    }
+    const double r8 = std::sqrt(e8 / norm), r2 = std::sqrt(e2 / norm);
+    std::printf(
+        "d %3d G %3d: attention error of int8 W_k %.2e, of FSQ's rounding of the latents %.2e "
+        "(ratio %.3f)\n",
+        d, G, r8, r2, r8 / r2);
+    EXPECT_LE(r8, 0.3 * r2) << "d=" << d << " G=" << G;
+  }
 }
 
 }  // namespace
