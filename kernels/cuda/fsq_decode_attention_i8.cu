@@ -36,7 +36,7 @@ __global__ void FsqPrepareI8Kernel(const float* w_k, const float* b_k, int nrows
   float mx = 0.0f;
   for (int k = lane; k < latent; k += 32) mx = fmaxf(mx, fabsf(w[k]));
   for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-  const float inv = mx > 0.0f ? 127.0f / mx : 0.0f;
+  const float inv = mx > 0.0f ? __fdiv_rn(127.0f, mx) : 0.0f;
   const int ksteps = (latent + 31) / 32;
   const int h = row / d, dim = row % d;
   int sum = 0;
