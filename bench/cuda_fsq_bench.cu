@@ -1,12 +1,14 @@
 // FSQ on the GPU (cuda_fsq.h): decode attention timings at Qwen3-8B geometry (C = 4096,
-// 32 q / 8 KV heads, d = 128, key norm, half-pairing RoPE over 128 dims) for contexts 32k
-// and 100k, batch 1 / 8 / 64, G = 256 (32x) and G = 84 (97.5x); the key-rebuild FLOPs and
-// the bytes read per call against two ceilings measured in the same run (a read-only
-// reduction's TB/s and a register-only mma.sync FP16 loop's TFLOP/s); the error against
-// the float64 oracle at that geometry; the device encoder's cost. Kernels only (runs on a
-// GPU machine without the daemon's libraries).
+// 32 q / 8 KV heads, d = 128, key norm, half-pairing RoPE over 128 dims) for contexts 2k
+// (the fixed cost of a call), 32k and 100k, batch 1 / 8 / 64, G = 256 (32x) and G = 84 (97.5x); the
+// key-rebuild FLOPs and the bytes read per call against two ceilings measured in the same run (a
+// read-only reduction's TB/s and a register-only mma.sync FP16 loop's TFLOP/s, and its int8
+// m16n8k32 twin's TOPS); the error against the float64 oracle at that geometry; the device
+// encoder's cost. Both key-rebuild variants (cuda_fsq_i8.h: FP16, the reference, and int8) unless
+// --kernel names one. Kernels only (runs on a GPU machine without the daemon's libraries).
 //
-//   cuda_fsq_bench [--quick]   (--quick: contexts 32k only, batch 1 and 64)
+//   cuda_fsq_bench [--quick] [--kernel=fp16|int8|both] [--one G N BATCH]
+//   (--quick: contexts 32k only, batch 1 and 64)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -15,12 +17,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "common/cli.h"
 #include "cuda_bench.cuh"
 #include "kvcd/kernels/cuda_fsq.h"
+#include "kvcd/kernels/cuda_fsq_i8.h"
 #include "kvcd/kernels/fsq.h"
 
 namespace kk = kvcd::kernels;
@@ -58,11 +62,35 @@ __global__ void MmaLoop(int iters, float* out) {
   if (s == 1.2345f) out[0] = s;
 }
 
+// The int8 ceiling: the same loop of m16n8k32 u8 x s8 MMAs.
+__global__ void MmaLoopI8(int iters, int* out) {
+  uint32_t a[4] = {threadIdx.x, threadIdx.x * 3u, 7u, 9u}, b0 = threadIdx.x ^ 5u, b1 = 3u;
+  int c[8][4] = {};
+  for (int i = 0; i < iters; ++i) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      asm volatile(
+          "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+          "{%8,%9}, {%0,%1,%2,%3};\n"
+          : "+r"(c[k][0]), "+r"(c[k][1]), "+r"(c[k][2]), "+r"(c[k][3])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+  }
+  int s = 0;
+  for (int k = 0; k < 8; ++k) s += c[k][0] + c[k][1] + c[k][2] + c[k][3];
+  if (s == 12345) out[0] = s;
+}
+
+const char* KernelName(kk::cuda::FsqKeyKernel k) {
+  return k == kk::cuda::FsqKeyKernel::kInt8 ? "int8" : "fp16";
+}
+
 // One layer's codec at Qwen3-8B geometry, host and device copies.
 struct Codec {
   std::vector<float> wk, wv, bk, bv, kn, e, eb;
+  std::vector<float> wk_i8;  // the int8 decoder as floats (scale * q): the int8 kernel's oracle
   kk::FsqLayerCodec host{}, dev{};
-  void* prepared = nullptr;
+  void* prepared[2] = {nullptr, nullptr};  // per FsqKeyKernel
   Codec(int G, uint32_t seed) {
     std::mt19937 rng(seed);
     std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -99,8 +127,17 @@ struct Codec {
     dev.bias_k = Upload(bk);
     dev.bias_v = Upload(bv);
     dev.key_norm = Upload(kn);
-    CHECK(cudaMalloc(&prepared, kk::cuda::FsqDecoderBytes(kHkv, kD, G)));
-    CHECK(kk::cuda::LaunchFsqPrepareDecoder(dev, prepared, nullptr));
+    for (const auto k : {kk::cuda::FsqKeyKernel::kFp16, kk::cuda::FsqKeyKernel::kInt8}) {
+      void*& p = prepared[static_cast<int>(k)];
+      CHECK(cudaMalloc(&p, kk::cuda::FsqDecoderBytes(k, kHkv, kD, G)));
+      CHECK(kk::cuda::LaunchFsqPrepareDecoder(k, dev, p, nullptr));
+    }
+    wk_i8.resize(wk.size());
+    std::vector<int8_t> q(G);
+    for (int r = 0; r < kHkv * kD; ++r) {
+      const float sc = kk::cuda::FsqQuantizeKeyRow(wk.data() + r * G, G, q.data());
+      for (int k = 0; k < G; ++k) wk_i8[r * G + k] = sc * q[k];
+    }
   }
 };
 
@@ -113,8 +150,10 @@ kk::RopeSpec QwenRope() {
 }
 
 // Error of the kernel against the float64 oracle at this geometry: one sequence of n
-// tokens at positions from `pos0`; relative L2 error of o over every head, max |dlse|.
-void ErrorAtGeometry(const Codec& c, int n, int64_t pos0, int num_sms) {
+// tokens at positions from `pos0`; relative L2 error of o over every head, max |dlse|; the
+// int8 kernel also against the oracle of its own decoder (scale * q).
+void ErrorAtGeometry(kk::cuda::FsqKeyKernel kernel, const Codec& c, int n, int64_t pos0,
+                     int num_sms) {
   const int G = c.host.latent_width;
   const int64_t cb = kk::FsqCodeBytes(G), page_bytes = kPs * cb;
   const int pages = (n + kPs - 1) / kPs;
@@ -135,7 +174,7 @@ void ErrorAtGeometry(const Codec& c, int n, int64_t pos0, int num_sms) {
   CHECK(cudaMalloc(&pl, kHq * 4));
   kk::cuda::FsqDecodeArgs a;
   a.codec = c.dev;
-  a.prepared = c.prepared;
+  a.prepared = c.prepared[static_cast<int>(kernel)];
   a.rope = QwenRope();
   a.positions = Upload(std::vector<int64_t>{pos0});
   a.q = Upload(q);
@@ -145,7 +184,7 @@ void ErrorAtGeometry(const Codec& c, int n, int64_t pos0, int num_sms) {
   const kk::cuda::PagedList list{Upload(pool), page_bytes, Upload(ids), pages,
                                  Upload(std::vector<int32_t>{n})};
   const kk::cuda::DecodeGeometry geo{1, kHq, kHkv, kD, kPs};
-  CHECK(kk::cuda::LaunchFsqDecodeParts(list, geo, a, n, po, pl, 0, nullptr));
+  CHECK(kk::cuda::LaunchFsqDecodeParts(kernel, list, geo, a, n, po, pl, 0, nullptr));
   std::vector<float> got(kHq * kD), got_l(kHq);
   CHECK(cudaMemcpy(got.data(), po, got.size() * 4, cudaMemcpyDeviceToHost));
   CHECK(cudaMemcpy(got_l.data(), pl, got_l.size() * 4, cudaMemcpyDeviceToHost));
@@ -156,35 +195,51 @@ void ErrorAtGeometry(const Codec& c, int n, int64_t pos0, int num_sms) {
   t.num_pages = pages;
   t.page_size = kPs;
   t.first_position = pos0;
-  double err = 0, norm = 0, dl = 0;
+  const bool i8 = kernel == kk::cuda::FsqKeyKernel::kInt8;
+  kk::FsqLayerCodec own = c.host;
+  own.decoder_k = c.wk_i8.data();
+  double err = 0, norm = 0, dl = 0, oerr = 0, onorm = 0;
   const int group = kHq / kHkv;
-  std::vector<float> o(group * kD), l(group);
+  std::vector<float> o(group * kD), l(group), oo(group * kD), ol(group);
   for (int h = 0; h < kHkv; ++h) {
-    kk::AttendFsqPagesReference(t, c.host, QwenRope(), h, q.data() + h * group * kD, group, scale,
-                                0, n, o.data(), l.data());
+    const float* qh = q.data() + h * group * kD;
+    kk::AttendFsqPagesReference(t, c.host, QwenRope(), h, qh, group, scale, 0, n, o.data(),
+                                l.data());
+    if (i8) {
+      kk::AttendFsqPagesReference(t, own, QwenRope(), h, qh, group, scale, 0, n, oo.data(),
+                                  ol.data());
+    }
     for (int i = 0; i < group * kD; ++i) {
       err += std::pow(got[h * group * kD + i] - o[i], 2);
       norm += std::pow(o[i], 2);
+      if (i8) {
+        oerr += std::pow(got[h * group * kD + i] - oo[i], 2);
+        onorm += std::pow(oo[i], 2);
+      }
     }
     for (int j = 0; j < group; ++j)
       dl = std::max(dl, std::fabs(double{got_l[h * group + j]} - l[j]));
   }
   std::printf(
-      "  G %3d, %d tokens at positions %lld..: relative L2 error of o %.2e, max |dlse| %.1e\n", G,
-      n, static_cast<long long>(pos0), std::sqrt(err / norm), dl);
+      "  %s G %3d, %d tokens at positions %lld..: relative L2 error of o %.2e, max |dlse| "
+      "%.1e",
+      KernelName(kernel), G, n, static_cast<long long>(pos0), std::sqrt(err / norm), dl);
+  if (i8) std::printf(" (against the oracle on scale * q: %.2e)", std::sqrt(oerr / onorm));
+  std::printf("\n");
 }
 
 }  // namespace
 
 ABSL_FLAG(bool, quick, false, "fewer configurations");
 ABSL_FLAG(bool, one, false, "that decode configuration only (profilers): G N BATCH follow");
+ABSL_FLAG(std::string, kernel, "both", "key rebuild: fp16, int8 or both");
 
 int main(int argc, char** argv) {
   const kvcd::cli::Program program = {
       .name = "cuda_fsq_bench",
       .summary = "FSQ decode attention timings on the GPU against two ceilings",
       .files = {__FILE__},
-      .synopsis = "[--quick | --one G N BATCH]",
+      .synopsis = "[--quick | --one G N BATCH] [--kernel=fp16|int8|both]",
       .takes_args = true};
   const kvcd::cli::Parsed cli = kvcd::cli::Parse(program, argc, argv);
   const bool quick = absl::GetFlag(FLAGS_quick);
@@ -193,6 +248,15 @@ int main(int argc, char** argv) {
   if (one ? cli.args.size() != 3 : !cli.args.empty()) {
     return kvcd::cli::UsageError(program, nullptr,
                                  one ? "--one takes G N BATCH" : "unexpected argument");
+  }
+  const std::string kernel_flag = absl::GetFlag(FLAGS_kernel);
+  std::vector<kk::cuda::FsqKeyKernel> kernels;
+  if (kernel_flag == "fp16" || kernel_flag == "both")
+    kernels.push_back(kk::cuda::FsqKeyKernel::kFp16);
+  if (kernel_flag == "int8" || kernel_flag == "both")
+    kernels.push_back(kk::cuda::FsqKeyKernel::kInt8);
+  if (kernels.empty()) {
+    return kvcd::cli::UsageError(program, nullptr, "--kernel takes fp16, int8 or both");
   }
   const int one_g = one ? std::atoi(cli.args[0].c_str()) : 0,
             one_n = one ? std::atoi(cli.args[1].c_str()) : 0,
@@ -214,23 +278,31 @@ int main(int argc, char** argv) {
       MmaLoop<<<blocks, threads, 0, stream>>>(iters, reinterpret_cast<float*>(out));
     });
     mma_tflops = 2.0 * 16 * 8 * 16 * 8 * double{iters} * blocks * (threads / 32) / mus / 1e6;
+    const double mus8 = MedianUsPerCall(stream, 5, 1, 1, [&](int) {
+      MmaLoopI8<<<blocks, threads, 0, stream>>>(iters, reinterpret_cast<int*>(out));
+    });
+    const double mma_tops8 =
+        2.0 * 16 * 8 * 32 * 8 * double{iters} * blocks * (threads / 32) / mus8 / 1e6;
     CHECK(cudaFree(out));
     std::printf(
         "read ceiling %.2f TB/s (8 GiB read-only reduction); mma.sync m16n8k16 FP16 "
-        "ceiling %.0f TFLOP/s (register-only loop; datasheet dense 990)\n",
-        read_tbs, mma_tflops);
+        "ceiling %.0f TFLOP/s (register-only loop; datasheet dense 990); m16n8k32 u8 x s8 "
+        "%.0f TOPS (datasheet dense 1979)\n",
+        read_tbs, mma_tflops, mma_tops8);
   }
 
   // Error against the float64 oracle at the benchmark geometry.
   std::printf(
-      "\nerror against the float64 oracle (W_k FP16 per-row scaled, TF32 scores, FP16 "
-      "softmax weights):\n");
+      "\nerror against the float64 oracle (W_k FP16 per-row scaled, or int8 per-row scaled; "
+      "TF32 scores, FP16 softmax weights):\n");
   std::vector<Codec*> codecs;
   for (int G : {256, 84}) {
     if (!one || G == one_g) codecs.push_back(new Codec(G, 1000u + G));
   }
   for (Codec* c : codecs) {
-    if (!one) ErrorAtGeometry(*c, 4096, 100000, prop.multiProcessorCount);
+    for (const auto k : kernels) {
+      if (!one) ErrorAtGeometry(k, *c, 4096, 100000, prop.multiProcessorCount);
+    }
   }
 
   // Encode: one decode step (64 tokens x 36 layers) and a 8192-token Put of one layer.
@@ -281,72 +353,74 @@ int main(int argc, char** argv) {
       "to 4 layers of pages, per call.\nGFLOP: key rebuild 2 n Hkv d G per sequence; MB: codes "
       "read (+ prepared W_k, L2-resident).\n",
       kPs);
-  std::printf("%4s %8s %6s %7s %10s %10s %8s %8s %9s %8s %8s\n", "G", "context", "batch", "splits",
-              "single us", "b2b us", "MB", "GFLOP", "TB/s", "TFLOP/s", "bound");
+  std::printf("%6s %4s %8s %6s %7s %10s %10s %8s %8s %9s %8s %8s\n", "kernel", "G", "context",
+              "batch", "splits", "single us", "b2b us", "MB", "GFLOP", "TB/s", "TFLOP/s", "bound");
   const std::vector<int> n_list = one     ? std::vector<int>{one_n}
                                   : quick ? std::vector<int>{32768}
-                                          : std::vector<int>{32768, 100000};
+                                          : std::vector<int>{2048, 32768, 100000};
   const std::vector<int> b_list = one     ? std::vector<int>{one_b}
                                   : quick ? std::vector<int>{1, 64}
                                           : std::vector<int>{1, 8, 64};
   for (Codec* c : codecs) {
-    const int G = c->host.latent_width;
-    const int64_t cb = kk::FsqCodeBytes(G), page_bytes = kPs * cb;
-    for (int n : n_list) {
-      for (int batch : b_list) {
-        const int pages_per = (n + kPs - 1) / kPs;
-        const int64_t n_pages = int64_t{pages_per} * batch;
-        const int64_t layer_bytes = n_pages * page_bytes;
-        const int layers =
-            static_cast<int>(std::clamp<int64_t>(int64_t{1000000000} / layer_bytes, 1, 4));
-        std::vector<uint8_t*> pools(layers);
-        for (int l = 0; l < layers; ++l) {
-          CHECK(cudaMalloc(&pools[l], layer_bytes));
-          FillBytes<<<4096, 256>>>(pools[l], layer_bytes, 7u + l);
-          CHECK(cudaGetLastError());
+    for (const auto kernel : kernels) {
+      const int G = c->host.latent_width;
+      const int64_t cb = kk::FsqCodeBytes(G), page_bytes = kPs * cb;
+      for (int n : n_list) {
+        for (int batch : b_list) {
+          const int pages_per = (n + kPs - 1) / kPs;
+          const int64_t n_pages = int64_t{pages_per} * batch;
+          const int64_t layer_bytes = n_pages * page_bytes;
+          const int layers =
+              static_cast<int>(std::clamp<int64_t>(int64_t{1000000000} / layer_bytes, 1, 4));
+          std::vector<uint8_t*> pools(layers);
+          for (int l = 0; l < layers; ++l) {
+            CHECK(cudaMalloc(&pools[l], layer_bytes));
+            FillBytes<<<4096, 256>>>(pools[l], layer_bytes, 7u + l);
+            CHECK(cudaGetLastError());
+          }
+          std::vector<int32_t> table(n_pages);
+          for (int64_t i = 0; i < n_pages; ++i) table[i] = static_cast<int32_t>(i);
+          std::mt19937 rng(5);
+          std::normal_distribution<float> normal(0.0f, 1.0f);
+          std::vector<float> q(batch * kHq * kD);
+          for (auto& v : q) v = normal(rng);
+          const int splits = kk::cuda::FsqDecodeSplits(batch, kHkv, n, prop.multiProcessorCount);
+          void* ws = nullptr;
+          float *po = nullptr, *pl = nullptr;
+          CHECK(cudaMalloc(&ws, kk::cuda::FsqDecodeWorkspaceBytes(batch, kHq, G, splits)));
+          CHECK(cudaMalloc(&po, int64_t{batch} * kHq * kD * 4));
+          CHECK(cudaMalloc(&pl, int64_t{batch} * kHq * 4));
+          kk::cuda::FsqDecodeArgs a;
+          a.codec = c->dev;
+          a.prepared = c->prepared[static_cast<int>(kernel)];
+          a.rope = QwenRope();
+          a.positions = Upload(std::vector<int64_t>(batch, 64));
+          a.q = Upload(q);
+          a.softmax_scale = 1.0f / std::sqrt(static_cast<float>(kD));
+          a.splits = splits;
+          a.workspace = ws;
+          kk::cuda::PagedList list{pools[0], page_bytes, Upload(table), pages_per,
+                                   Upload(std::vector<int32_t>(batch, n))};
+          const kk::cuda::DecodeGeometry geo{batch, kHq, kHkv, kD, kPs};
+          const double us = MedianUsPerCall(stream, 25, 3, 1, [&](int) {
+            CHECK(kk::cuda::LaunchFsqDecodeParts(kernel, list, geo, a, n, po, pl, 0, stream));
+          });
+          const double us_b2b = MedianUsPerCall(stream, 7, 2, 40, [&](int call) {
+            kk::cuda::PagedList lc = list;
+            lc.pages = pools[call % layers];
+            CHECK(kk::cuda::LaunchFsqDecodeParts(kernel, lc, geo, a, n, po, pl, 0, stream));
+          });
+          const double mb = static_cast<double>(layer_bytes) / 1e6;
+          const double gflop = 2.0 * n * batch * kHkv * kD * G / 1e9;
+          const double tbs = mb / us_b2b, tflops = gflop / us_b2b * 1e3;
+          std::printf("%6s %4d %8d %6d %7d %10.1f %10.1f %8.1f %8.1f %9.2f %8.0f %7.0f%%%s\n",
+                      KernelName(kernel), G, n, batch, splits, us, us_b2b, mb, gflop, tbs, tflops,
+                      100.0 * std::max(tbs / read_tbs, tflops / mma_tflops),
+                      tbs / read_tbs > tflops / mma_tflops ? " read" : " mma");
+          for (uint8_t* p : pools) CHECK(cudaFree(p));
+          const void* to_free[] = {list.page_table, list.lengths, a.positions, a.q, ws, po, pl};
+          for (const void* p : to_free) CHECK(cudaFree(const_cast<void*>(p)));
         }
-        std::vector<int32_t> table(n_pages);
-        for (int64_t i = 0; i < n_pages; ++i) table[i] = static_cast<int32_t>(i);
-        std::mt19937 rng(5);
-        std::normal_distribution<float> normal(0.0f, 1.0f);
-        std::vector<float> q(batch * kHq * kD);
-        for (auto& v : q) v = normal(rng);
-        const int splits = kk::cuda::FsqDecodeSplits(batch, kHkv, n, prop.multiProcessorCount);
-        void* ws = nullptr;
-        float *po = nullptr, *pl = nullptr;
-        CHECK(cudaMalloc(&ws, kk::cuda::FsqDecodeWorkspaceBytes(batch, kHq, G, splits)));
-        CHECK(cudaMalloc(&po, int64_t{batch} * kHq * kD * 4));
-        CHECK(cudaMalloc(&pl, int64_t{batch} * kHq * 4));
-        kk::cuda::FsqDecodeArgs a;
-        a.codec = c->dev;
-        a.prepared = c->prepared;
-        a.rope = QwenRope();
-        a.positions = Upload(std::vector<int64_t>(batch, 64));
-        a.q = Upload(q);
-        a.softmax_scale = 1.0f / std::sqrt(static_cast<float>(kD));
-        a.splits = splits;
-        a.workspace = ws;
-        kk::cuda::PagedList list{pools[0], page_bytes, Upload(table), pages_per,
-                                 Upload(std::vector<int32_t>(batch, n))};
-        const kk::cuda::DecodeGeometry geo{batch, kHq, kHkv, kD, kPs};
-        const double us = MedianUsPerCall(stream, 25, 3, 1, [&](int) {
-          CHECK(kk::cuda::LaunchFsqDecodeParts(list, geo, a, n, po, pl, 0, stream));
-        });
-        const double us_b2b = MedianUsPerCall(stream, 7, 2, 40, [&](int call) {
-          kk::cuda::PagedList lc = list;
-          lc.pages = pools[call % layers];
-          CHECK(kk::cuda::LaunchFsqDecodeParts(lc, geo, a, n, po, pl, 0, stream));
-        });
-        const double mb = static_cast<double>(layer_bytes) / 1e6;
-        const double gflop = 2.0 * n * batch * kHkv * kD * G / 1e9;
-        const double tbs = mb / us_b2b, tflops = gflop / us_b2b * 1e3;
-        std::printf("%4d %8d %6d %7d %10.1f %10.1f %8.1f %8.1f %9.2f %8.0f %7.0f%%%s\n", G, n,
-                    batch, splits, us, us_b2b, mb, gflop, tbs, tflops,
-                    100.0 * std::max(tbs / read_tbs, tflops / mma_tflops),
-                    tbs / read_tbs > tflops / mma_tflops ? " read" : " mma");
-        for (uint8_t* p : pools) CHECK(cudaFree(p));
-        const void* to_free[] = {list.page_table, list.lengths, a.positions, a.q, ws, po, pl};
-        for (const void* p : to_free) CHECK(cudaFree(const_cast<void*>(p)));
       }
     }
   }

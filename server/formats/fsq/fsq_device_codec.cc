@@ -6,7 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "common/status_macros.h"
-#include "kvcd/kernels/cuda_fsq.h"
+#include "kvcd/kernels/cuda_fsq_i8.h"
 #include "kvcd/kernels/cuda_runtime_api.h"
 #include "server/formats/cuda_codec.h"
 
@@ -36,11 +36,11 @@ FsqDeviceEncoder FsqDeviceEncoderFromEnv() {
 }
 
 absl::StatusOr<std::shared_ptr<const FsqDeviceCodec>> FsqDeviceCodec::Upload(
-    const FsqModelCodec& m) {
+    const FsqModelCodec& m, kc::FsqKeyKernel key_kernel) {
   const FsqCodecShape& shape = m.codec.shape();
   const int layers = shape.num_layers;
   const size_t prepared_bytes =
-      kc::FsqDecoderBytes(shape.num_kv_heads, shape.head_dim, shape.latent_width);
+      kc::FsqDecoderBytes(key_kernel, shape.num_kv_heads, shape.head_dim, shape.latent_width);
   // One allocation: per layer its tensors and its prepared decoder, then the layer array.
   // Host image of the tensors and the array first; offsets are relative to the base.
   std::vector<uint8_t> image;
@@ -104,11 +104,12 @@ absl::StatusOr<std::shared_ptr<const FsqDeviceCodec>> FsqDeviceCodec::Upload(
   c->device_layers_ = reinterpret_cast<const kernels::FsqLayerCodec*>(base + array_at);
   c->prepared_encoders_ = base + encoders_at;
   c->rope_ = m.rope;
+  c->key_kernel_ = key_kernel;
   KVCD_RETURN_IF_ERROR(
       CudaStatus(kc::CopyToDevice(base, image.data(), image.size()), "FSQ codec upload"));
   for (int l = 0; l < layers; ++l) {
     KVCD_RETURN_IF_ERROR(CudaStatus(
-        kc::LaunchFsqPrepareDecoder(c->layers_[static_cast<size_t>(l)],
+        kc::LaunchFsqPrepareDecoder(key_kernel, c->layers_[static_cast<size_t>(l)],
                                     const_cast<void*>(c->prepared_[static_cast<size_t>(l)]),
                                     nullptr),
         "FSQ key decoder preparation"));

@@ -2,7 +2,8 @@
 // formats: every layer's tensors (F32, the layouts of kvcd/kernels/fsq.h), the per-layer
 // kernel views with device pointers (one array of them in device memory for the encoder,
 // which takes all layers of a Put in one launch), and each layer's key decoder prepared for
-// the attention kernel (cuda_fsq.h LaunchFsqPrepareDecoder). CUDA builds only.
+// the attention kernel variant it serves (cuda_fsq_i8.h LaunchFsqPrepareDecoder). CUDA
+// builds only.
 //
 // Thread safety: immutable after Upload; may be shared.
 #pragma once
@@ -12,6 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "kvcd/kernels/cuda_fsq_encode_tc.h"
+#include "kvcd/kernels/cuda_fsq_i8.h"
 #include "kvcd/kernels/fsq.h"
 #include "server/formats/fsq/fsq_format.h"
 
@@ -31,9 +33,11 @@ FsqDeviceEncoder FsqDeviceEncoderFromEnv();
 
 class FsqDeviceCodec {
  public:
-  // Uploads every layer of m and prepares the key decoders (waits for the device).
-  // RESOURCE_EXHAUSTED when device memory runs out, INTERNAL on another CUDA error.
-  static absl::StatusOr<std::shared_ptr<const FsqDeviceCodec>> Upload(const FsqModelCodec& m);
+  // Uploads every layer of m and prepares the key decoders for key_kernel's attention
+  // (waits for the device). RESOURCE_EXHAUSTED when device memory runs out, INTERNAL on
+  // another CUDA error.
+  static absl::StatusOr<std::shared_ptr<const FsqDeviceCodec>> Upload(
+      const FsqModelCodec& m, kernels::cuda::FsqKeyKernel key_kernel);
   ~FsqDeviceCodec();
   FsqDeviceCodec(const FsqDeviceCodec&) = delete;
   FsqDeviceCodec& operator=(const FsqDeviceCodec&) = delete;
@@ -43,8 +47,9 @@ class FsqDeviceCodec {
   const kernels::FsqLayerCodec& Layer(int l) const { return layers_[static_cast<size_t>(l)]; }
   // [num_layers] the same structs in device memory.
   const kernels::FsqLayerCodec* device_layers() const { return device_layers_; }
-  // Layer l's prepared key decoder (device).
+  // Layer l's prepared key decoder (device), for key_kernel().
   const void* Prepared(int l) const { return prepared_[static_cast<size_t>(l)]; }
+  kernels::cuda::FsqKeyKernel key_kernel() const { return key_kernel_; }
   const kernels::RopeSpec& rope() const { return rope_; }
   FsqDeviceEncoder encoder() const { return encoder_; }
   // The tensor-core encoders' operands (encoder() not kExact).
@@ -69,6 +74,7 @@ class FsqDeviceCodec {
   const void* prepared_encoders_ = nullptr;  // tensor-core encoders: every layer's, in turn
   size_t encoder_bytes_ = 0;
   kernels::RopeSpec rope_;
+  kernels::cuda::FsqKeyKernel key_kernel_ = kernels::cuda::FsqKeyKernel::kFp16;
 };
 
 }  // namespace kvcd

@@ -2,7 +2,11 @@
 // the model's RoPE; the bf16+fsq window and the fsq history share it.
 #include "server/formats/fsq/fsq_factory.h"
 
+#include <cstdlib>
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
 #include "common/quote.h"
 #include "common/status_macros.h"
 #include "server/formats/fsq/fsq_format.h"
@@ -13,6 +17,19 @@
 
 namespace kvcd {
 namespace {
+
+#if KVCD_HAVE_CUDA_FORMATS
+// KVCD_FSQ_KERNEL: the key rebuild of the CUDA FSQ decode attention (cuda_fsq_i8.h): "fp16"
+// (default, the reference variant) or "int8" (W_k quantized to int8 per row at upload:
+// bench/results/2026-12-05-h200-fsq-keys.md); another value is reported and ignored.
+kernels::cuda::FsqKeyKernel FsqKeyKernelFromEnv() {
+  const char* v = std::getenv("KVCD_FSQ_KERNEL");
+  if (v == nullptr || std::strcmp(v, "fp16") == 0) return kernels::cuda::FsqKeyKernel::kFp16;
+  if (std::strcmp(v, "int8") == 0) return kernels::cuda::FsqKeyKernel::kInt8;
+  KVCD_LOG(WARNING) << "KVCD_FSQ_KERNEL=" << v << " is not fp16 or int8; using fp16";
+  return kernels::cuda::FsqKeyKernel::kFp16;
+}
+#endif
 
 class FsqCodecOfModel final : public ModelCodec {
  public:
@@ -32,7 +49,7 @@ class FsqCodecOfModel final : public ModelCodec {
     }
 #if KVCD_HAVE_CUDA_FORMATS
     KVCD_RETURN_IF_ERROR(CheckFsqCudaGeometry(g, *m_));
-    KVCD_ASSIGN_OR_RETURN(auto device, FsqDeviceCodec::Upload(*m_));
+    KVCD_ASSIGN_OR_RETURN(auto device, FsqDeviceCodec::Upload(*m_, FsqKeyKernelFromEnv()));
     out.push_back(MakeFsqWindowCudaFormat(g, m_, device));
     out.push_back(MakeFsqCudaFormat(g, m_, device));
     return out;

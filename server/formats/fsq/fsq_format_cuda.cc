@@ -10,6 +10,7 @@
 #include "common/status_macros.h"
 #include "kvcd/kernels/cuda_fsq.h"
 #include "kvcd/kernels/cuda_fsq_encode_tc.h"
+#include "kvcd/kernels/cuda_fsq_i8.h"
 #include "kvcd/kernels/cuda_page_copy.h"
 #include "kvcd/kernels/cuda_runtime_api.h"
 #include "server/formats/bf16/bf16_format_cuda.h"
@@ -187,9 +188,10 @@ class FsqCudaFormat final : public CudaFormat<FsqPageFormat> {
     args.softmax_scale = a.scale;
     args.splits = Splits(a.geo, a.max_tokens, a.num_sms);
     args.workspace = a.state;
-    return CudaStatus(kc::LaunchFsqDecodeParts(a.list, a.geo, args, a.max_tokens, a.part_o,
-                                               a.part_lse, a.part_base, nullptr),
-                      "FSQ decode attention");
+    return CudaStatus(
+        kc::LaunchFsqDecodeParts(codes_.device().key_kernel(), a.list, a.geo, args, a.max_tokens,
+                                 a.part_o, a.part_lse, a.part_base, nullptr),
+        "FSQ decode attention");
   }
 
  private:

@@ -3,7 +3,8 @@
 // BF16 and F32 residuals, page slots with an offset, the non-finite check), and the decode
 // attention against the float64 oracle on fresh random codes (every head_dim, odd G and
 // lengths, both RoPE pairings, key norm on and off, poisoned outputs, merged with a BF16
-// window part).
+// window part), for both key-rebuild variants (FP16, int8: cuda_fsq_i8.h), and the int8
+// decoder's added key error against FSQ's own rounding error (on the CPU).
 #include "kvcd/kernels/cuda_fsq.h"
 
 #include <cuda_runtime.h>
@@ -13,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
@@ -22,7 +24,9 @@
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/bf16_attention.h"
 #include "kvcd/kernels/cuda_device.h"
+#include "kvcd/kernels/cuda_fsq_i8.h"
 #include "kvcd/kernels/fsq.h"
+#include "kvcd/kernels/fsq_i8_fragments.h"
 
 namespace kvcd::kernels {
 namespace cuda_fsq_test {
@@ -222,165 +226,195 @@ TEST_F(CudaFsqTest, DecodeAttentionMatchesTheOracle) {
   };
   // KVCD_FSQ_TEST_SMALL=1 (the compute-sanitizer runs): the first two cases, short contexts.
   const bool small = std::getenv("KVCD_FSQ_TEST_SMALL") != nullptr;
-  double worst = 0;
+  // worst[kernel]: against the oracle of the decoder the kernel uses (int8: scale * q);
+  // added: the int8 kernel against the oracle of the float W_k (printed, not bounded here:
+  // KeyErrorIsSmallAgainstFsqRounding bounds the key error it comes from).
+  double worst[2] = {0, 0}, added = 0;
   for (AttnCase cs : small ? std::vector<AttnCase>(cases.begin(), cases.begin() + 2) : cases) {
-    if (small) {
-      for (int& n : cs.lengths) n = std::min(n, 70);
-    }
-    const int d = cs.d, G = cs.G, hq = cs.hq, hkv = cs.hkv, ps = cs.ps, group = hq / hkv;
-    const int batch = static_cast<int>(cs.lengths.size());
-    const int max_len = *std::max_element(cs.lengths.begin(), cs.lengths.end());
-    const int max_pages = std::max(1, (max_len + ps - 1) / ps);
-    const int64_t cb = FsqCodeBytes(G), page_bytes = ps * cb;
-    // Codes: random bytes (odd G: the unused high nibble 0), shuffled pages.
-    std::vector<uint8_t> pool(batch * max_pages * page_bytes);
-    for (size_t i = 0; i < pool.size(); ++i) {
-      pool[i] = static_cast<uint8_t>(rng_());
-      if (G % 2 == 1 && i % cb == static_cast<size_t>(cb - 1)) pool[i] &= 0x0F;
-    }
-    std::vector<int32_t> ids(batch * max_pages);
-    for (int i = 0; i < batch * max_pages; ++i) ids[i] = i;
-    std::shuffle(ids.begin(), ids.end(), rng_);
-    std::vector<float> wk(hkv * d * G), wv(hkv * d * G), bk(hkv * d), bv(hkv * d), kn(d);
-    for (auto& v : wk) v = normal(rng_) / std::sqrt(static_cast<float>(G));
-    for (auto& v : wv) v = normal(rng_) / std::sqrt(static_cast<float>(G));
-    for (auto& v : bk) v = 0.2f * normal(rng_);
-    for (auto& v : bv) v = 0.2f * normal(rng_);
-    for (auto& v : kn) v = 1.0f + 0.3f * normal(rng_);
-    std::vector<float> q(batch * hq * d);
-    for (auto& v : q) v = normal(rng_);
-    std::vector<int64_t> positions(batch);
-    for (int b = 0; b < batch; ++b) positions[b] = b == 0 ? 100000 + rng_() % 1000 : rng_() % 64;
-    RopeSpec rope;
-    rope.theta = 1000000.0;
-    rope.rotary_dims = cs.rotary;
-    rope.scaling = cs.rotary == 38 ? 2.0 : 1.0;
-    rope.pairing = cs.pairing;
-    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    // BF16 windows (layout of bf16_attention.h), one page per sequence.
-    const int wps = 32;
-    const int64_t welems = Bf16PageElems(hkv, wps, d);
-    std::vector<uint16_t> wpool(batch * welems);
-    for (auto& v : wpool) v = FloatToBf16(normal(rng_));
-    std::vector<int32_t> wids(batch);
-    for (int b = 0; b < batch; ++b) wids[b] = b;
+    for (const cuda::FsqKeyKernel kernel : {cuda::FsqKeyKernel::kFp16, cuda::FsqKeyKernel::kInt8}) {
+      const int kv = kernel == cuda::FsqKeyKernel::kInt8 ? 1 : 0;
+      if (small) {
+        for (int& n : cs.lengths) n = std::min(n, 70);
+      }
+      const int d = cs.d, G = cs.G, hq = cs.hq, hkv = cs.hkv, ps = cs.ps, group = hq / hkv;
+      const int batch = static_cast<int>(cs.lengths.size());
+      const int max_len = *std::max_element(cs.lengths.begin(), cs.lengths.end());
+      const int max_pages = std::max(1, (max_len + ps - 1) / ps);
+      const int64_t cb = FsqCodeBytes(G), page_bytes = ps * cb;
+      // Codes: random bytes (odd G: the unused high nibble 0), shuffled pages.
+      std::vector<uint8_t> pool(batch * max_pages * page_bytes);
+      for (size_t i = 0; i < pool.size(); ++i) {
+        pool[i] = static_cast<uint8_t>(rng_());
+        if (G % 2 == 1 && i % cb == static_cast<size_t>(cb - 1)) pool[i] &= 0x0F;
+      }
+      std::vector<int32_t> ids(batch * max_pages);
+      for (int i = 0; i < batch * max_pages; ++i) ids[i] = i;
+      std::shuffle(ids.begin(), ids.end(), rng_);
+      std::vector<float> wk(hkv * d * G), wv(hkv * d * G), bk(hkv * d), bv(hkv * d), kn(d);
+      for (auto& v : wk) v = normal(rng_) / std::sqrt(static_cast<float>(G));
+      for (auto& v : wv) v = normal(rng_) / std::sqrt(static_cast<float>(G));
+      for (auto& v : bk) v = 0.2f * normal(rng_);
+      for (auto& v : bv) v = 0.2f * normal(rng_);
+      for (auto& v : kn) v = 1.0f + 0.3f * normal(rng_);
+      // The decoder the int8 kernel computes with.
+      std::vector<float> wk_i8(wk.size());
+      std::vector<int8_t> qrow(G);
+      for (int r = 0; r < hkv * d; ++r) {
+        const float sc = cuda::FsqQuantizeKeyRow(wk.data() + r * G, G, qrow.data());
+        for (int k = 0; k < G; ++k) wk_i8[r * G + k] = sc * qrow[k];
+      }
+      std::vector<float> q(batch * hq * d);
+      for (auto& v : q) v = normal(rng_);
+      std::vector<int64_t> positions(batch);
+      for (int b = 0; b < batch; ++b) positions[b] = b == 0 ? 100000 + rng_() % 1000 : rng_() % 64;
+      RopeSpec rope;
+      rope.theta = 1000000.0;
+      rope.rotary_dims = cs.rotary;
+      rope.scaling = cs.rotary == 38 ? 2.0 : 1.0;
+      rope.pairing = cs.pairing;
+      const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+      // BF16 windows (layout of bf16_attention.h), one page per sequence.
+      const int wps = 32;
+      const int64_t welems = Bf16PageElems(hkv, wps, d);
+      std::vector<uint16_t> wpool(batch * welems);
+      for (auto& v : wpool) v = FloatToBf16(normal(rng_));
+      std::vector<int32_t> wids(batch);
+      for (int b = 0; b < batch; ++b) wids[b] = b;
 
-    // GPU.
-    FsqLayerCodec dc{};
-    dc.num_kv_heads = hkv;
-    dc.head_dim = d;
-    dc.latent_width = G;
-    dc.decoder_k = Up(wk);
-    dc.decoder_v = Up(wv);
-    dc.bias_k = Up(bk);
-    dc.bias_v = Up(bv);
-    dc.key_norm = cs.key_norm ? Up(kn) : nullptr;
-    dc.key_norm_eps = 1e-6f;
-    void* prepared = nullptr;
-    ASSERT_EQ(cudaMalloc(&prepared, cuda::FsqDecoderBytes(hkv, d, G)), cudaSuccess);
-    owned_.push_back(prepared);
-    ASSERT_EQ(cuda::LaunchFsqPrepareDecoder(dc, prepared, nullptr).device_code(), cudaSuccess);
-    const int rows = batch * hq;
-    const cuda::DecodeGeometry geo{batch, hq, hkv, d, ps};
-    for (const int splits : {1, cuda::FsqDecodeSplits(batch, hkv, max_len, 132), 7}) {
-      void* ws = nullptr;
-      ASSERT_EQ(cudaMalloc(&ws, cuda::FsqDecodeWorkspaceBytes(batch, hq, G, splits)), cudaSuccess);
-      owned_.push_back(ws);
-      ASSERT_EQ(cudaMemset(ws, 0xFF, cuda::FsqDecodeWorkspaceBytes(batch, hq, G, splits)),
-                cudaSuccess);  // NaN
-      float* part_o = Up(std::vector<float>(2 * rows * d, NAN));
-      float* part_lse = Up(std::vector<float>(2 * rows, NAN));
-      float* o = Up(std::vector<float>(rows * d, NAN));
-      float* lse = Up(std::vector<float>(rows, NAN));
-      const float* d_q = Up(q);
-      const cuda::DecodeGeometry wgeo{batch, hq, hkv, d, wps};
-      const cuda::PagedList wlist{reinterpret_cast<const uint8_t*>(Up(wpool)), welems * 2, Up(wids),
-                                  1, Up(std::vector<int32_t>(cs.window.begin(), cs.window.end()))};
-      ASSERT_EQ(cuda::LaunchBf16DecodeParts(wlist, wgeo, d_q, nullptr, scale, 1, wps, part_o,
-                                            part_lse, 0, nullptr)
-                    .device_code(),
+      // GPU.
+      FsqLayerCodec dc{};
+      dc.num_kv_heads = hkv;
+      dc.head_dim = d;
+      dc.latent_width = G;
+      dc.decoder_k = Up(wk);
+      dc.decoder_v = Up(wv);
+      dc.bias_k = Up(bk);
+      dc.bias_v = Up(bv);
+      dc.key_norm = cs.key_norm ? Up(kn) : nullptr;
+      dc.key_norm_eps = 1e-6f;
+      void* prepared = nullptr;
+      ASSERT_EQ(cudaMalloc(&prepared, cuda::FsqDecoderBytes(kernel, hkv, d, G)), cudaSuccess);
+      owned_.push_back(prepared);
+      ASSERT_EQ(cuda::LaunchFsqPrepareDecoder(kernel, dc, prepared, nullptr).device_code(),
                 cudaSuccess);
-      cuda::FsqDecodeArgs args;
-      args.codec = dc;
-      args.prepared = prepared;
-      args.rope = rope;
-      args.positions = Up(positions);
-      args.q = d_q;
-      args.softmax_scale = scale;
-      args.splits = splits;
-      args.workspace = ws;
-      const cuda::PagedList list{Up(pool), page_bytes, Up(ids), max_pages,
-                                 Up(std::vector<int32_t>(cs.lengths.begin(), cs.lengths.end()))};
-      const cuda::MergeTarget merge{2, nullptr, o, lse};
-      ASSERT_EQ(
-          cuda::LaunchFsqDecodeParts(list, geo, args, max_len, part_o, part_lse, 1, nullptr, &merge)
-              .device_code(),
-          cudaSuccess);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      const auto got_po = Down(part_o + rows * d, rows * d);
-      const auto got_pl = Down(part_lse + rows, rows);
-      const auto got_o = Down(o, rows * d);
-      const auto got_l = Down(lse, rows);
+      const int rows = batch * hq;
+      const cuda::DecodeGeometry geo{batch, hq, hkv, d, ps};
+      for (const int splits : {1, cuda::FsqDecodeSplits(batch, hkv, max_len, 132), 7}) {
+        void* ws = nullptr;
+        ASSERT_EQ(cudaMalloc(&ws, cuda::FsqDecodeWorkspaceBytes(batch, hq, G, splits)),
+                  cudaSuccess);
+        owned_.push_back(ws);
+        ASSERT_EQ(cudaMemset(ws, 0xFF, cuda::FsqDecodeWorkspaceBytes(batch, hq, G, splits)),
+                  cudaSuccess);  // NaN
+        float* part_o = Up(std::vector<float>(2 * rows * d, NAN));
+        float* part_lse = Up(std::vector<float>(2 * rows, NAN));
+        float* o = Up(std::vector<float>(rows * d, NAN));
+        float* lse = Up(std::vector<float>(rows, NAN));
+        const float* d_q = Up(q);
+        const cuda::DecodeGeometry wgeo{batch, hq, hkv, d, wps};
+        const cuda::PagedList wlist{reinterpret_cast<const uint8_t*>(Up(wpool)), welems * 2,
+                                    Up(wids), 1,
+                                    Up(std::vector<int32_t>(cs.window.begin(), cs.window.end()))};
+        ASSERT_EQ(cuda::LaunchBf16DecodeParts(wlist, wgeo, d_q, nullptr, scale, 1, wps, part_o,
+                                              part_lse, 0, nullptr)
+                      .device_code(),
+                  cudaSuccess);
+        cuda::FsqDecodeArgs args;
+        args.codec = dc;
+        args.prepared = prepared;
+        args.rope = rope;
+        args.positions = Up(positions);
+        args.q = d_q;
+        args.softmax_scale = scale;
+        args.splits = splits;
+        args.workspace = ws;
+        const cuda::PagedList list{Up(pool), page_bytes, Up(ids), max_pages,
+                                   Up(std::vector<int32_t>(cs.lengths.begin(), cs.lengths.end()))};
+        const cuda::MergeTarget merge{2, nullptr, o, lse};
+        ASSERT_EQ(cuda::LaunchFsqDecodeParts(kernel, list, geo, args, max_len, part_o, part_lse, 1,
+                                             nullptr, &merge)
+                      .device_code(),
+                  cudaSuccess);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const auto got_po = Down(part_o + rows * d, rows * d);
+        const auto got_pl = Down(part_lse + rows, rows);
+        const auto got_o = Down(o, rows * d);
+        const auto got_l = Down(lse, rows);
 
-      // CPU: the float64 oracle for the fsq part, the CPU BF16 kernel for the window.
-      FsqLayerCodec hc = dc;
-      hc.decoder_k = wk.data();
-      hc.decoder_v = wv.data();
-      hc.bias_k = bk.data();
-      hc.bias_v = bv.data();
-      hc.key_norm = cs.key_norm ? kn.data() : nullptr;
-      for (int b = 0; b < batch; ++b) {
-        FsqPageTable t;
-        t.base = pool.data();
-        t.page_stride = page_bytes;
-        t.page_ids = ids.data() + b * max_pages;
-        t.num_pages = max_pages;
-        t.page_size = ps;
-        t.first_position = positions[b];
-        Bf16PageTable bt{wpool.data(), welems, wids.data() + b, 1, wps, hkv, d};
-        for (int h = 0; h < hkv; ++h) {
-          std::vector<float> po(group * d), pl(group), wo(group * d), wl(group);
-          const float* qh = q.data() + (b * hq + h * group) * d;
-          AttendFsqPagesReference(t, hc, rope, h, qh, group, scale, 0, cs.lengths[b], po.data(),
-                                  pl.data());
-          AttendBf16Pages(bt, h, qh, group, scale, 0, cs.window[b], wo.data(), wl.data());
-          std::vector<float> mo = po, ml = pl;
-          MergeStates(group, d, mo.data(), ml.data(), wo.data(), wl.data());
-          for (int j = 0; j < group; ++j) {
-            const int row = b * hq + h * group + j;
-            double err = 0, norm = 0, merr = 0, mnorm = 0;
-            for (int c = 0; c < d; ++c) {
-              ASSERT_FALSE(std::isnan(got_po[row * d + c])) << "row " << row;
-              ASSERT_FALSE(std::isnan(got_o[row * d + c])) << "row " << row;
-              err += std::pow(got_po[row * d + c] - po[j * d + c], 2);
-              norm += std::pow(po[j * d + c], 2);
-              merr += std::pow(got_o[row * d + c] - mo[j * d + c], 2);
-              mnorm += std::pow(mo[j * d + c], 2);
+        // CPU: the float64 oracle for the fsq part, the CPU BF16 kernel for the window.
+        FsqLayerCodec hc = dc;
+        hc.decoder_k = kv == 1 ? wk_i8.data() : wk.data();
+        FsqLayerCodec hc_float = hc;  // the float W_k (the int8 kernel's added error)
+        hc_float.decoder_k = wk.data();
+        hc.decoder_v = wv.data();
+        hc.bias_k = bk.data();
+        hc.bias_v = bv.data();
+        hc.key_norm = cs.key_norm ? kn.data() : nullptr;
+        for (int b = 0; b < batch; ++b) {
+          FsqPageTable t;
+          t.base = pool.data();
+          t.page_stride = page_bytes;
+          t.page_ids = ids.data() + b * max_pages;
+          t.num_pages = max_pages;
+          t.page_size = ps;
+          t.first_position = positions[b];
+          Bf16PageTable bt{wpool.data(), welems, wids.data() + b, 1, wps, hkv, d};
+          for (int h = 0; h < hkv; ++h) {
+            std::vector<float> po(group * d), pl(group), wo(group * d), wl(group);
+            std::vector<float> fo(group * d), fl(group);
+            const float* qh = q.data() + (b * hq + h * group) * d;
+            AttendFsqPagesReference(t, hc, rope, h, qh, group, scale, 0, cs.lengths[b], po.data(),
+                                    pl.data());
+            if (kv == 1) {
+              AttendFsqPagesReference(t, hc_float, rope, h, qh, group, scale, 0, cs.lengths[b],
+                                      fo.data(), fl.data());
             }
-            if (cs.lengths[b] == 0) {
-              EXPECT_EQ(got_pl[row], -INFINITY);
-              EXPECT_EQ(norm, 0.0);
-              EXPECT_EQ(err, 0.0);
-            } else {
-              const double rel = std::sqrt(err / norm);
-              worst = std::max(worst, rel);
-              EXPECT_LE(rel, 4e-3) << "d=" << d << " G=" << G << " b=" << b << " row=" << row
-                                   << " splits=" << splits;
-              EXPECT_NEAR(got_pl[row], pl[j], 2e-3 * (1 + std::fabs(pl[j]))) << "row " << row;
-            }
-            if (cs.lengths[b] + cs.window[b] > 0) {
-              EXPECT_LE(std::sqrt(merr), 4e-3 * std::sqrt(mnorm) + 1e-6) << "merged row " << row;
-              EXPECT_NEAR(got_l[row], ml[j], 2e-3 * (1 + std::fabs(ml[j]))) << "row " << row;
-            } else {
-              EXPECT_EQ(got_l[row], -INFINITY);
+            AttendBf16Pages(bt, h, qh, group, scale, 0, cs.window[b], wo.data(), wl.data());
+            std::vector<float> mo = po, ml = pl;
+            MergeStates(group, d, mo.data(), ml.data(), wo.data(), wl.data());
+            for (int j = 0; j < group; ++j) {
+              const int row = b * hq + h * group + j;
+              double err = 0, norm = 0, merr = 0, mnorm = 0, ferr = 0, fnorm = 0;
+              for (int c = 0; c < d; ++c) {
+                if (kv == 1) {
+                  ferr += std::pow(got_po[row * d + c] - fo[j * d + c], 2);
+                  fnorm += std::pow(fo[j * d + c], 2);
+                }
+                ASSERT_FALSE(std::isnan(got_po[row * d + c])) << "row " << row;
+                ASSERT_FALSE(std::isnan(got_o[row * d + c])) << "row " << row;
+                err += std::pow(got_po[row * d + c] - po[j * d + c], 2);
+                norm += std::pow(po[j * d + c], 2);
+                merr += std::pow(got_o[row * d + c] - mo[j * d + c], 2);
+                mnorm += std::pow(mo[j * d + c], 2);
+              }
+              if (cs.lengths[b] == 0) {
+                EXPECT_EQ(got_pl[row], -INFINITY);
+                EXPECT_EQ(norm, 0.0);
+                EXPECT_EQ(err, 0.0);
+              } else {
+                const double rel = std::sqrt(err / norm);
+                worst[kv] = std::max(worst[kv], rel);
+                if (kv == 1) added = std::max(added, std::sqrt(ferr / fnorm));
+                EXPECT_LE(rel, 4e-3) << "d=" << d << " G=" << G << " b=" << b << " row=" << row
+                                     << " splits=" << splits << " int8=" << kv;
+                EXPECT_NEAR(got_pl[row], pl[j], 2e-3 * (1 + std::fabs(pl[j]))) << "row " << row;
+              }
+              if (cs.lengths[b] + cs.window[b] > 0) {
+                EXPECT_LE(std::sqrt(merr), 4e-3 * std::sqrt(mnorm) + 1e-6) << "merged row " << row;
+                EXPECT_NEAR(got_l[row], ml[j], 2e-3 * (1 + std::fabs(ml[j]))) << "row " << row;
+              } else {
+                EXPECT_EQ(got_l[row], -INFINITY);
+              }
             }
           }
         }
       }
     }
   }
-  std::printf("fsq decode attention: worst relative error of o against the float64 oracle %.3g\n",
-              worst);
+  std::printf(
+      "fsq decode attention: worst relative error of o against the float64 oracle %.3g (FP16 "
+      "keys), %.3g (int8 keys, oracle on scale * q); int8 keys against the float W_k: %.3g\n",
+      worst[0], worst[1], added);
 }
 
 TEST_F(CudaFsqTest, DecodeAttentionRejectsUnsupportedArguments) {
@@ -402,6 +436,341 @@ TEST_F(CudaFsqTest, DecodeAttentionRejectsUnsupportedArguments) {
   const cuda::DecodeGeometry geo96{1, 4, 1, 96, 16};
   EXPECT_EQ(cuda::LaunchFsqDecodeParts(list, geo96, args, 16, &f, &f, 0, nullptr).device_code(),
             cudaErrorInvalidValue);
+  // The int8 variant checks the same contract; an unknown variant is rejected.
+  for (const auto kernel : {cuda::FsqKeyKernel::kInt8, static_cast<cuda::FsqKeyKernel>(7)}) {
+    EXPECT_EQ(
+        cuda::LaunchFsqDecodeParts(kernel, list, geo96, args, 16, &f, &f, 0, nullptr).device_code(),
+        cudaErrorInvalidValue);
+    EXPECT_EQ(cuda::LaunchFsqPrepareDecoder(kernel, args.codec, nullptr, nullptr).device_code(),
+              cudaErrorInvalidValue);
+  }
+}
+
+// The int8 key decoder (FsqQuantizeKeyRow, host arithmetic = device arithmetic): every weight
+// within half a step of its row's scale, and the key error it adds, over random codes, against
+// the error FSQ's own rounding of the latents (uniform in +-0.5) puts into the same keys, at
+// the kernels' geometries (Gaussian rows as the tests' and benches' decoders). By count:
+// ratio = (max |w| / 127) rms(z) / rms(w) = 0.0365 max |w| / rms(w), about 0.08 (G 37) to 0.11
+// (G 256); bound 0.2. Runs without a GPU.
+TEST(CudaFsqI8KeysTest, KeyErrorIsSmallAgainstFsqRounding) {
+  std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> nibble(0, 15);
+  std::uniform_real_distribution<double> round_err(-0.5, 0.5);
+  for (const int G : {1, 37, 84, 85, 128, 256}) {
+    const int rows = 128, tokens = 64;
+    std::vector<float> w(rows * G), deq(rows * G);
+    std::vector<int8_t> q(G);
+    for (auto& v : w) v = normal(rng) / std::sqrt(static_cast<float>(G));
+    for (int r = 0; r < rows; ++r) {
+      const float sc = cuda::FsqQuantizeKeyRow(w.data() + r * G, G, q.data());
+      float mx = 0;
+      for (int k = 0; k < G; ++k) mx = std::max(mx, std::fabs(w[r * G + k]));
+      ASSERT_FLOAT_EQ(sc, mx / 127.0f);
+      for (int k = 0; k < G; ++k) {
+        deq[r * G + k] = sc * q[k];
+        ASSERT_LE(std::fabs(deq[r * G + k] - w[r * G + k]), 0.5001 * sc) << "G=" << G;
+      }
+    }
+    double e_i8 = 0, e_fsq = 0;
+    std::vector<double> z(G), eps(G);
+    for (int t = 0; t < tokens; ++t) {
+      for (int k = 0; k < G; ++k) {
+        z[k] = nibble(rng) - 8;
+        eps[k] = round_err(rng);
+      }
+      for (int r = 0; r < rows; ++r) {
+        double a = 0, b = 0;
+        for (int k = 0; k < G; ++k) {
+          a += (double{deq[r * G + k]} - w[r * G + k]) * z[k];
+          b += double{w[r * G + k]} * eps[k];
+        }
+        e_i8 += a * a;
+        e_fsq += b * b;
+      }
+    }
+    const double ratio = std::sqrt(e_i8 / e_fsq);
+    std::printf("int8 W_k, G %3d: key error %.3f of FSQ's rounding error\n", G, ratio);
+    EXPECT_LE(ratio, 0.2) << "G=" << G;
+  }
+  // A zero row: scale 1, every q 0.
+  std::vector<float> zero(5, 0.0f);
+  std::vector<int8_t> q(5, 1);
+  EXPECT_EQ(cuda::FsqQuantizeKeyRow(zero.data(), 5, q.data()), 1.0f);
+  EXPECT_TRUE(std::all_of(q.begin(), q.end(), [](int8_t v) { return v == 0; }));
+}
+
+// --- The int8 variant's arithmetic, emulated on the CPU (no GPU needed) -------------------
+
+// Little-endian word of the 4 bytes at p.
+uint32_t Word4(const uint8_t* p) {
+  uint32_t w;
+  std::memcpy(&w, p, 4);
+  return w;
+}
+
+// Packs z (G values in -8..7) as FSQ codes (fsq.h: coordinate 2i low nibble of byte i).
+std::vector<uint8_t> PackCode(const std::vector<int>& z) {
+  std::vector<uint8_t> c(FsqCodeBytes(static_cast<int>(z.size())), 0);
+  for (size_t i = 0; i < z.size(); ++i)
+    c[i / 2] |= static_cast<uint8_t>((z[i] + 8) << (4 * (i % 2)));
+  return c;
+}
+
+// The prepared B fragments (FsqI8WeightByte) and the A fragments of the codes
+// (FsqI8CodeFragments), put through m16n8k32 as the PTX ISA defines its operand layouts
+// (fsq_i8_fragments.h), give every token's sum_latent q[dim][latent] * (z + 8) exactly: the
+// kernel's operand orders agree with each other and with the MMA.
+TEST(CudaFsqI8KeysTest, FragmentsRebuildTheKeysOnTheMma) {
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_int_distribution<int> w8(-127, 127), byte(0, 255);
+  for (const int G : {1, 37, 84, 85, 128, 256}) {
+    const int d = 16, hkv = 2, rows = 16, ksteps = (G + 31) / 32;
+    const int64_t cb = FsqCodeBytes(G);
+    std::vector<int> q(hkv * d * G);
+    for (auto& v : q) v = w8(rng);
+    std::vector<uint8_t> frags(static_cast<size_t>(hkv) * ksteps * (d / 8) * 32 * 8, 0);
+    for (int h = 0; h < hkv; ++h) {
+      for (int dim = 0; dim < d; ++dim) {
+        for (int l = 0; l < G; ++l) {
+          frags[FsqI8WeightByte(h, dim, l, ksteps, d)] =
+              static_cast<uint8_t>(static_cast<int8_t>(q[(h * d + dim) * G + l]));
+        }
+      }
+    }
+    // FsqI8Latent names the same order: latent FsqI8Latent(k) of k-step s sits in byte k & 3
+    // of B register k >> 4 of lane 4 g + (k & 15) / 4.
+    for (int k = 0; k < 32 && G >= 32; ++k) {
+      const size_t at = FsqI8WeightByte(1, 8 + 3, 32 + FsqI8Latent(k), ksteps, d);
+      const size_t frag = ((static_cast<size_t>(1) * ksteps + 1) * (d / 8) + 1) * 32;
+      ASSERT_EQ(at, (frag + 4 * 3 + (k & 15) / 4) * 8 + 4 * (k >> 4) + (k & 3)) << "k=" << k;
+    }
+    // A stage tile: rows of cb bytes, 64 bytes of slack (the kernel reads past a row).
+    std::vector<uint8_t> stage(rows * cb + 64);
+    for (auto& b : stage) b = static_cast<uint8_t>(byte(rng));
+    for (int h = 0; h < hkv; ++h) {
+      for (int n = 0; n < d / 8; ++n) {
+        int64_t c[16][8] = {};
+        for (int s = 0; s < ksteps; ++s) {
+          int a_mat[16][32], b_mat[32][8];
+          for (int lane = 0; lane < 32; ++lane) {
+            const int g = lane / 4, t = lane % 4;
+            uint32_t a[4];
+            FsqI8CodeFragments(Word4(&stage[g * cb + 16 * s + 4 * t]), &a[0], &a[2]);
+            FsqI8CodeFragments(Word4(&stage[(g + 8) * cb + 16 * s + 4 * t]), &a[1], &a[3]);
+            const uint8_t* bp =
+                &frags[(((static_cast<size_t>(h) * ksteps + s) * (d / 8) + n) * 32 + lane) * 8];
+            for (int r = 0; r < 4; ++r) {
+              for (int i = 0; i < 4; ++i) {
+                a_mat[g + 8 * (r & 1)][4 * t + 16 * (r >> 1) + i] = (a[r] >> (8 * i)) & 0xFF;
+              }
+            }
+            for (int r = 0; r < 2; ++r) {
+              for (int i = 0; i < 4; ++i)
+                b_mat[4 * t + 16 * r + i][g] = static_cast<int8_t>(bp[4 * r + i]);
+            }
+          }
+          for (int row = 0; row < 16; ++row) {
+            for (int col = 0; col < 8; ++col) {
+              for (int k = 0; k < 32; ++k) c[row][col] += int64_t{a_mat[row][k]} * b_mat[k][col];
+            }
+          }
+        }
+        for (int row = 0; row < 16; ++row) {
+          std::vector<int8_t> z(G);
+          FsqUnpackCode(&stage[row * cb], G, z.data());
+          for (int col = 0; col < 8; ++col) {
+            int64_t want = 0;
+            for (int l = 0; l < G; ++l)
+              want += int64_t{q[(h * d + 8 * n + col) * G + l]} * (z[l] + 8);
+            ASSERT_EQ(c[row][col], want) << "G=" << G << " h=" << h << " n=" << n << " row=" << row;
+          }
+        }
+      }
+    }
+  }
+}
+
+// Step 5's operands: the int8 variant's byte-permute gather gives the FP16 variant's A
+// fragments bit for bit (every lane, m-tile and row width: aligned, unaligned, swizzled),
+// and they hold 1024 + the nibble of (token, latent) the fragment position stands for.
+TEST(CudaFsqI8KeysTest, PairedGatherMatchesTheFp16Gather) {
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (const int G : {37, 84, 128, 200, 256}) {
+    const int cb = static_cast<int>(FsqCodeBytes(G)), slices = (G + 15) / 16;
+    const bool aligned = cb % 8 == 0, swz = cb % 128 == 0;
+    std::vector<uint8_t> stage(16 * cb + 64);
+    for (auto& b : stage) b = static_cast<uint8_t>(byte(rng));
+    // The tokens' codes as the kernel's swizzled stage holds them.
+    auto nibble = [&](int token, int latent) {
+      const uint8_t b = *FsqStageAt(stage.data(), token, latent / 2, cb, swz);
+      return (b >> (4 * (latent % 2))) & 0xF;
+    };
+    for (int lane = 0; lane < 32; ++lane) {
+      const int g = lane / 4, t = lane % 4, zr = 2 * t, zj = g / 2, sh = 4 * (g % 2);
+      const uint32_t sel = FsqPairSelector(zj, aligned);
+      for (int mt = 0; mt < slices; ++mt) {
+        const int tok[4][2] = {{zr, zr + 1}, {zr, zr + 1}, {zr + 8, zr + 9}, {zr + 8, zr + 9}};
+        for (int r = 0; r < 4; ++r) {
+          const int hi_word = r % 2;  // registers 1, 3: bytes j + 4 (latent row g + 8)
+          uint32_t ref_nib[2], raw[2];
+          for (int e = 0; e < 2; ++e) {
+            const uint8_t* p = FsqStageAt(stage.data(), tok[r][e], 8 * mt, cb, swz);
+            // FP16 variant (BytePair): byte zj (+ 4) of the 8, then the nibble.
+            ref_nib[e] = (p[zj + 4 * hi_word] >> sh) & 0xFu;
+            // int8 variant (Row8): the word as loaded, or the byte at byte 0.
+            raw[e] = aligned ? Word4(p + 4 * hi_word) : p[zj + 4 * hi_word];
+          }
+          const uint32_t ref = FsqNibblePairBits(ref_nib[0], ref_nib[1]);
+          const uint32_t got = FsqPairedNibbleBits(FsqBytePermHost(raw[0], raw[1], sel), sh);
+          ASSERT_EQ(got, ref) << "G=" << G << " lane=" << lane << " mt=" << mt << " r=" << r;
+          const int latent = 16 * mt + g + 8 * hi_word;
+          ASSERT_EQ(ref, FsqNibblePairBits(nibble(tok[r][0], latent), nibble(tok[r][1], latent)));
+        }
+      }
+    }
+  }
+}
+
+// Step 2 of the int8 variant: the accumulator read as a float (kFsqI8AccBase + the integer
+// sum) times the scale plus the folded bias (FsqI8Bias), one float FMA, against the key of the
+// int8 decoder in double: within the bias's rounding (2^-24 of 1.5 * 2^23 scale, <= 0.75 of a
+// scale step) and float rounding of the key.
+TEST(CudaFsqI8KeysTest, FoldedBiasRebuildsTheKeys) {
+  std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> code(-8, 7);
+  double worst = 0;
+  for (const int G : {1, 84, 256}) {
+    std::vector<float> w(G);
+    std::vector<int8_t> q(G);
+    for (int row = 0; row < 64; ++row) {
+      for (auto& v : w) v = normal(rng) / std::sqrt(static_cast<float>(G));
+      const float b = 0.2f * normal(rng);
+      const float scale = cuda::FsqQuantizeKeyRow(w.data(), G, q.data());
+      int qsum = 0;
+      for (int8_t v : q) qsum += v;
+      const float bias = FsqI8Bias(b, scale, qsum);
+      for (int tok = 0; tok < 32; ++tok) {
+        int32_t sum = 0;
+        double exact = b;
+        for (int k = 0; k < G; ++k) {
+          const int z = code(rng);
+          sum += q[k] * (z + 8);
+          exact += static_cast<double>(scale) * q[k] * z;
+        }
+        const uint32_t bits = kFsqI8AccBaseBits + static_cast<uint32_t>(sum);
+        float acc;
+        std::memcpy(&acc, &bits, 4);
+        ASSERT_EQ(static_cast<double>(acc), double{kFsqI8AccBase} + sum);
+        const float key = std::fma(acc, scale, bias);
+        const double err = std::fabs(key - exact);
+        worst = std::max(worst, err / scale);
+        EXPECT_LE(err, 0.76 * scale + 1e-6 * std::fabs(exact)) << "G=" << G;
+      }
+    }
+  }
+  std::printf("int8 keys: folded bias within %.3f of a scale step of the exact key\n", worst);
+}
+
+// The int8 W_k's added error on attention (the float64 oracle, AttendFsqPagesReference),
+// against the error FSQ's own rounding of the key latents makes there: the oracle over the
+// same codes with (a) the float W_k, (b) the int8 decoder (scale * q), (c) the latents before
+// rounding, z + eps with eps uniform on a 1/16 grid in +-0.47 (a second half of the code
+// with W_k / 16 and W_v 0: keys only). At the kernels' geometries (Qwen3-like: d 128, key
+// norm, half RoPE, q ~ 2 N(0, 1)) the attention error of (b) is a fraction of (c)'s, by
+// count ~0.1 (KeyErrorIsSmallAgainstFsqRounding); bound 0.3.
+TEST(CudaFsqI8KeysTest, AttentionErrorIsSmallAgainstFsqRounding) {
+  std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> code(-8, 7);
+  struct Geo {
+    int d, G;
+    bool key_norm;
+    RopePairing pairing;
+  };
+  for (const Geo geo :
+       {Geo{128, 256, true, RopePairing::kHalf}, Geo{128, 84, true, RopePairing::kHalf},
+        Geo{64, 37, false, RopePairing::kInterleaved}}) {
+    const int d = geo.d, G = geo.G, group = 4, n = 512, ps = 64, pages = n / ps;
+    std::vector<float> wk(d * G), wv(d * G), bk(d), bv(d), kn(d), q(group * d);
+    for (auto& v : wk) v = normal(rng) / std::sqrt(static_cast<float>(G));
+    for (auto& v : wv) v = normal(rng) / std::sqrt(static_cast<float>(G));
+    for (auto& v : bk) v = 0.2f * normal(rng);
+    for (auto& v : bv) v = 0.2f * normal(rng);
+    for (auto& v : kn) v = 1.0f + 0.3f * normal(rng);
+    for (auto& v : q) v = 2.0f * normal(rng);
+    std::vector<float> wk_i8(d * G);
+    std::vector<int8_t> qrow(G);
+    for (int r = 0; r < d; ++r) {
+      const float sc = cuda::FsqQuantizeKeyRow(wk.data() + r * G, G, qrow.data());
+      for (int k = 0; k < G; ++k) wk_i8[r * G + k] = sc * qrow[k];
+    }
+    // (c)'s codec: latents [z | e], W_k' = [W_k | W_k / 16], b_k' = b_k + W_k / 32 (so eps =
+    // (e + 1/2) / 16), W_v' = [W_v | 0].
+    const int G2 = 2 * G;
+    std::vector<float> wk2(d * G2), wv2(d * G2, 0.0f), bk2(bk);
+    for (int r = 0; r < d; ++r) {
+      for (int k = 0; k < G; ++k) {
+        wk2[r * G2 + k] = wk[r * G + k];
+        wk2[r * G2 + G + k] = wk[r * G + k] / 16.0f;
+        wv2[r * G2 + k] = wv[r * G + k];
+        bk2[r] += wk[r * G + k] / 32.0f;
+      }
+    }
+    const int64_t cb = FsqCodeBytes(G), cb2 = FsqCodeBytes(G2);
+    std::vector<uint8_t> pool(n * cb), pool2(n * cb2);
+    for (int tkn = 0; tkn < n; ++tkn) {
+      std::vector<int> z(G), z2(G2);
+      for (int k = 0; k < G; ++k) z[k] = z2[k] = code(rng);
+      for (int k = 0; k < G; ++k) z2[G + k] = code(rng);
+      const auto c = PackCode(z), c2 = PackCode(z2);
+      std::copy(c.begin(), c.end(), pool.begin() + tkn * cb);
+      std::copy(c2.begin(), c2.end(), pool2.begin() + tkn * cb2);
+    }
+    std::vector<int32_t> ids(pages);
+    for (int i = 0; i < pages; ++i) ids[i] = i;
+    RopeSpec rope;
+    rope.theta = 1000000.0;
+    rope.rotary_dims = d;
+    rope.pairing = geo.pairing;
+    FsqLayerCodec c{};
+    c.num_kv_heads = 1;
+    c.head_dim = d;
+    c.latent_width = G;
+    c.decoder_k = wk.data();
+    c.decoder_v = wv.data();
+    c.bias_k = bk.data();
+    c.bias_v = bv.data();
+    c.key_norm = geo.key_norm ? kn.data() : nullptr;
+    c.key_norm_eps = 1e-6f;
+    FsqLayerCodec c8 = c, c2 = c;
+    c8.decoder_k = wk_i8.data();
+    c2.latent_width = G2;
+    c2.decoder_k = wk2.data();
+    c2.decoder_v = wv2.data();
+    c2.bias_k = bk2.data();
+    FsqPageTable t{pool.data(), ps * cb, ids.data(), pages, ps, 90000};
+    FsqPageTable t2{pool2.data(), ps * cb2, ids.data(), pages, ps, 90000};
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    std::vector<float> o(group * d), o8(group * d), o2(group * d), l(group), l8(group), l2(group);
+    AttendFsqPagesReference(t, c, rope, 0, q.data(), group, scale, 0, n, o.data(), l.data());
+    AttendFsqPagesReference(t, c8, rope, 0, q.data(), group, scale, 0, n, o8.data(), l8.data());
+    AttendFsqPagesReference(t2, c2, rope, 0, q.data(), group, scale, 0, n, o2.data(), l2.data());
+    double e8 = 0, e2 = 0, norm = 0;
+    for (int i = 0; i < group * d; ++i) {
+      e8 += std::pow(double{o8[i]} - o[i], 2);
+      e2 += std::pow(double{o[i]} - o2[i], 2);
+      norm += std::pow(double{o2[i]}, 2);
+    }
+    const double r8 = std::sqrt(e8 / norm), r2 = std::sqrt(e2 / norm);
+    std::printf(
+        "d %3d G %3d: attention error of int8 W_k %.2e, of FSQ's rounding of the latents %.2e "
+        "(ratio %.3f)\n",
+        d, G, r8, r2, r8 / r2);
+    EXPECT_LE(r8, 0.3 * r2) << "d=" << d << " G=" << G;
+  }
 }
 
 }  // namespace cuda_fsq_test

@@ -1,0 +1,62 @@
+// FSQ decode attention with the key rebuild on int8 tensor cores (issue 37), beside the FP16
+// reference variant of cuda_fsq.h: the same pages, workspace, splits, parts and merge; only
+// the prepared key decoder and the kernel's step 1 differ (cuda/fsq_decode_kernel.cuh).
+//
+// The int8 decoder: each row of W_k (an output channel: KV head h, dim i) is quantized ONCE at
+// preparation to int8 with its own scale, FsqQuantizeKeyRow below; the kernel multiplies the
+// codes (as their nibbles z + 8, exact in u8) by it on mma.sync m16n8k32 u8 x s8 into int32
+// and applies scale, bias, key norm and RoPE on the accumulators in FP32 registers. The error
+// this adds is the rounding of each weight to 1/127 of its row's max |w|: on random Gaussian
+// rows, a key error about 0.1 of what FSQ's own rounding of the latents (+-0.5 a coordinate)
+// puts into the same key (CudaFsqI8KeysTest.KeyErrorIsSmallAgainstFsqRounding bounds it);
+// the kernel's arithmetic besides is the FP16 variant's (same oracle bound, against the
+// dequantized W_k).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "kvcd/kernels/cuda_fsq.h"
+
+namespace kvcd::kernels::cuda {
+
+// Which kernel serves FSQ decode attention: the FP16 key rebuild (the reference variant,
+// cuda_fsq.h) or the int8 one. A prepared decoder belongs to the variant that prepared it.
+enum class FsqKeyKernel { kFp16, kInt8 };
+
+// The int8 decoder of one row of W_k (G weights): q[k] = rint(w[k] * (127 / m)) with
+// m = max |w|, returns the scale m / 127 (a zero row: q = 0, scale 1). The device
+// preparation does exactly this arithmetic (IEEE float division and product, round half to
+// even), so scale * q on the host is the decoder the int8 kernel uses.
+inline float FsqQuantizeKeyRow(const float* w, int G, int8_t* q) {
+  float m = 0.0f;
+  for (int k = 0; k < G; ++k) m = std::fmax(m, std::fabs(w[k]));
+  const float inv = m > 0.0f ? 127.0f / m : 0.0f;
+  for (int k = 0; k < G; ++k) {
+    const float v = std::nearbyint(w[k] * inv);
+    q[k] = static_cast<int8_t>(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
+  }
+  return m > 0.0f ? m / 127.0f : 1.0f;
+}
+
+// Bytes of one layer's prepared decoder for `kernel`.
+size_t FsqDecoderBytes(FsqKeyKernel kernel, int num_kv_heads, int head_dim, int latent_width);
+
+// LaunchFsqPrepareDecoder (cuda_fsq.h) for `kernel`: kInt8 writes the int8 B fragments of
+// W_k (FsqQuantizeKeyRow per row) and per dim its scale and bias
+// (cuda/fsq_decode_attention_i8.cu).
+Error LaunchFsqPrepareDecoder(FsqKeyKernel kernel, const FsqLayerCodec& codec, void* prepared,
+                              cudaStream_t stream);
+
+// LaunchFsqDecodeParts (cuda_fsq.h) on `kernel`'s key rebuild; args.prepared must come from
+// LaunchFsqPrepareDecoder with the same kernel. Same REQUIRES; cudaErrorInvalidValue for
+// another kernel value.
+Error LaunchFsqDecodeParts(FsqKeyKernel kernel, const PagedList& list, const DecodeGeometry& geo,
+                           const FsqDecodeArgs& args, int max_tokens, float* part_o,
+                           float* part_lse, int part_base, cudaStream_t stream,
+                           const MergeTarget* merge = nullptr);
+
+}  // namespace kvcd::kernels::cuda
