@@ -164,8 +164,11 @@ class IpcTransport:
         """(Re)registers both buffers. Errors propagate (kvcd errors from RegisterBuffer)."""
         with self._reg_lock:
             for b in (self._save_buf, self._load_buf):
-                if b is not None:
-                    b.buffer_id = None  # gone with the old daemon or lease: nothing to undo
+                if b is not None:  # one may still be registered: drop it (errors ignored)
+                    try:
+                        b.unregister()
+                    except kvcd.KvcdError:
+                        b.buffer_id = None
             self._save_buf = self._kcuda.CudaIpcBuffer(self.client, self._save_mem,
                                                        lease_ms=self._lease_ms,
                                                        name="vllm-save")
