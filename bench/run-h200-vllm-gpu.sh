@@ -69,7 +69,7 @@ target=$(sed -n 's/.*grpc=\([^ ]*\).*/\1/p' <<< "$ready")
 if [[ -z $target ]]; then
   summary "bench daemon not ready: $(tail -5 "$out/bench-daemon.err")"
 else
-  step bench 240 "$py" bench/vllm_gpu_transfer_bench.py --target "$target" --out "$final/bench.json"
+  step bench 200 "$py" bench/vllm_gpu_transfer_bench.py --target "$target" --out "$final/bench.json"
   grep -E '^(device|\|)' "$out/bench.log" | tee -a "$final/summary.txt"
   tail -5 "$out/bench.log" | grep -E 'Error|assert' | tee -a "$final/summary.txt"
 fi
@@ -81,7 +81,7 @@ wrap=$out/kvcd-memcheck.sh
 printf '#!/bin/sh\nexec compute-sanitizer --tool memcheck --error-exitcode 9 --log-file %s/memcheck-%%p.log %s "$@"\n' \
   "$out" "$root/.devbin/kvcd" > "$wrap"
 chmod +x "$wrap"
-(cd client/python/tests && KVCD_BINARY=$wrap step memcheck 150 "$py" -m pytest -p no:cacheprovider \
+(cd client/python/tests && KVCD_BINARY=$wrap step memcheck 120 "$py" -m pytest -p no:cacheprovider \
   -q -rs test_vllm_gpu.py -k "bf16_blocks or compressed or larger")
 summary "memcheck: $(cat "$out"/memcheck-*.log 2>/dev/null | grep -E 'ERROR SUMMARY' | sort | uniq -c | tr '\n' ' ')"
 pack
