@@ -7,9 +7,9 @@ store. Worker side (:mod:`kvcd.vllm.worker`): before the forward, the matched bl
 fetched (``OpenSequence`` + ``FetchPages``, in chunks) and written into the engine's blocks;
 after it, the new blocks are copied out and stored with one ``Put`` per request (all layers;
 the registered model's history format decides how kvcd stores them) on a background
-thread, so a slow daemon never holds the forward. On a CPU engine the bytes travel in the
-messages; on a CUDA engine through CUDA IPC buffers on its GPU, device to device
-(:mod:`kvcd.vllm.transfer`).
+thread, so a slow daemon never holds the forward. The bytes travel in the messages; on a
+CUDA engine with ``transport: cuda_ipc`` (opt-in, not yet run on a GPU) through CUDA IPC
+buffers on its GPU, device to device (:mod:`kvcd.vllm.transfer`).
 
 A load that fails (the daemon gone, the prefix evicted in between, the deadline passed)
 reports its blocks through ``get_block_ids_with_load_errors``: with
