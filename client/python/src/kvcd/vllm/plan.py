@@ -13,27 +13,7 @@ from typing import Dict, List, Optional
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-
-@dataclass
-class LoadSpec:
-    """Load tokens ``[first_token, first_token + len(block_ids) * block_size)`` of
-    ``tokens`` into ``block_ids``."""
-    req_id: str
-    cache_salt: str
-    tokens: List[int]
-    first_token: int
-    block_ids: List[int]
-
-
-@dataclass
-class SaveSpec:
-    """Store the K/V of tokens ``[first_token, len(tokens))`` (whole blocks, read from
-    ``block_ids``) under the prefix ``tokens``."""
-    req_id: str
-    cache_salt: str
-    tokens: List[int]
-    first_token: int
-    block_ids: List[int]
+from .specs import LoadSpec, SaveSpec
 
 
 @dataclass
