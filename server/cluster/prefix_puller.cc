@@ -4,7 +4,10 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
 #include "common/quote.h"
+#include "common/status_macros.h"
+#include "server/cluster/device_page_pull.h"
 #include "server/cluster/peer_credentials.h"
 
 namespace kvcd {
@@ -97,6 +100,48 @@ absl::Status PrefixPuller::Pull(const v1::PullPrefixRequest& req, const std::str
   return s;
 }
 
+const char* PrefixPuller::TransportName(int t) {
+  switch (t) {
+    case kCudaIpc:
+      return "cuda_ipc";
+    case kNccl:
+      return "nccl";
+    default:
+      return "grpc";
+  }
+}
+
+absl::StatusOr<std::vector<int>> PrefixPuller::Transports(const MemberInfo& peer) const {
+  const std::string& policy = config_.cluster.pull_transport;
+  const bool both_cuda = config_.backend == "cuda" && peer.backend == "cuda";
+  const std::string node = membership_->self().node_id;
+  const bool same_node = !node.empty() && node == peer.node_id;
+  if (policy == "grpc") return std::vector<int>{kGrpc};
+  if (policy == "cuda_ipc" || policy == "nccl") {
+    if (!both_cuda) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("PullPrefix: cluster.pull_transport is ", policy,
+                       ", which needs backend cuda on both "
+                       "members; this daemon runs ",
+                       config_.backend, " and peer ", peer.member_id, " runs ", peer.backend,
+                       "; nothing was stored"));
+    }
+    if (policy == "cuda_ipc" && !same_node) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "PullPrefix: cluster.pull_transport is cuda_ipc, which needs both members on one "
+          "node; peer ",
+          peer.member_id, " advertises node id ", Quote(peer.node_id), " and this daemon ",
+          Quote(node), "; nothing was stored"));
+    }
+    return std::vector<int>{policy == "cuda_ipc" ? kCudaIpc : kNccl};
+  }
+  std::vector<int> order;
+  if (both_cuda && same_node) order.push_back(kCudaIpc);
+  if (both_cuda) order.push_back(kNccl);
+  order.push_back(kGrpc);
+  return order;
+}
+
 absl::Status PrefixPuller::PullFrom(const MemberInfo& peer, const v1::PullPrefixRequest& req,
                                     const std::string& authorization, int64_t local_tokens,
                                     int32_t page_size, v1::PullPrefixResponse* resp) {
@@ -120,43 +165,142 @@ absl::Status PrefixPuller::PullFrom(const MemberInfo& peer, const v1::PullPrefix
   const int64_t peer_tokens = opened.matched_tokens();
   // What the peer holds, page-aligned and within the request (a hostile peer may claim more).
   const int64_t held = std::min<int64_t>(peer_tokens, req.tokens_size()) / page_size * page_size;
-  absl::Status status;
+  // The pages to store here: tokens [local_tokens, held) of the request.
   v1::PushPagesRequest push;
-  int64_t bytes = 0;
-  for (int64_t first = local_tokens; status.ok() && first < held;
-       first += kPagesPerFetch * page_size) {
-    v1::FetchPagesRequest fetch;
-    fetch.set_sequence_id(opened.sequence_id());
-    fetch.set_first_token(first);
-    fetch.set_num_tokens(std::min<int64_t>(held - first, kPagesPerFetch * page_size));
-    fetch.set_expand_to_bf16(false);
-    v1::FetchPagesResponse pages;
-    grpc::ClientContext ctx;
-    context(&ctx);
-    const grpc::Status s = stub->FetchPages(&ctx, fetch, &pages);
-    if (!s.ok()) {
-      status = PeerError(s, peer, "FetchPages");
-      break;
-    }
-    // The peer's answer must be exactly the pages asked for, in order.
+  push.set_model(req.model());
+  push.set_cache_salt(req.cache_salt());
+  if (held > local_tokens) {
+    push.mutable_tokens()->Assign(req.tokens().begin(), req.tokens().begin() + held);
+    push.set_first_page(local_tokens / page_size);
+    push.set_num_pages((held - local_tokens) / page_size);
+  }
+  // A FetchPages answer must be exactly the pages asked for, in order.
+  auto check = [&](int64_t first, int64_t num_tokens,
+                   const v1::FetchPagesResponse& pages) -> absl::Status {
     int64_t at = first;
-    for (v1::StoredPage& p : *pages.mutable_pages()) {
+    for (const v1::StoredPage& p : pages.pages()) {
       if (p.first_token() != at || p.num_tokens() != page_size) {
-        status = absl::InvalidArgumentError(
+        return absl::InvalidArgumentError(
             absl::StrCat("PullPrefix: peer ", peer.member_id, " answered a page of tokens [",
                          p.first_token(), ", +", p.num_tokens(), ") where [", at, ", +", page_size,
                          ") was expected; nothing was stored"));
-        break;
       }
-      bytes += static_cast<int64_t>(p.data().size());
-      *push.add_inline_pages() = std::move(p);
       at += page_size;
     }
-    if (status.ok() && at != first + fetch.num_tokens()) {
-      status = absl::InvalidArgumentError(
-          absl::StrCat("PullPrefix: peer ", peer.member_id, " answered ", (at - first) / page_size,
-                       " page(s) where ", fetch.num_tokens() / page_size,
-                       " were asked for; nothing was stored"));
+    if (at != first + num_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "PullPrefix: peer ", peer.member_id, " answered ", (at - first) / page_size,
+          " page(s) where ", num_tokens / page_size, " were asked for; nothing was stored"));
+    }
+    return absl::OkStatus();
+  };
+  // Each page's bytes as this daemon stores it (sizes the fetches and the device chunks).
+  std::vector<int64_t> page_bytes;
+  absl::Status status;
+  for (int64_t i = 0; status.ok() && i < push.num_pages(); ++i) {
+    v1::PushPagesRequest one;
+    one.set_model(req.model());
+    *one.mutable_tokens() = push.tokens();
+    one.set_first_page(push.first_page() + i);
+    one.set_num_pages(1);
+    absl::StatusOr<int64_t> b = engine_->StoredPagesBytes(one);
+    if (b.ok()) page_bytes.push_back(*b);
+    status = b.status();
+  }
+  v1::PushPagesResponse pushed;
+  int64_t bytes = 0;
+  int used = -1;
+
+  // Over gRPC: the pages inline in FetchPages' answers, as many per call as fit a message.
+  auto by_grpc = [&]() -> absl::Status {
+    const int64_t largest = *std::max_element(page_bytes.begin(), page_bytes.end());
+    const int64_t per_fetch = std::clamp<int64_t>(
+        (static_cast<int64_t>(config_.max_message_bytes) - (int64_t{1} << 20)) / largest, 1,
+        kPagesPerFetch);
+    v1::PushPagesRequest inline_push;
+    inline_push.set_model(push.model());
+    inline_push.set_cache_salt(push.cache_salt());
+    *inline_push.mutable_tokens() = push.tokens();
+    inline_push.set_first_page(push.first_page());
+    for (int64_t first = local_tokens; first < held; first += per_fetch * page_size) {
+      v1::FetchPagesRequest fetch;
+      fetch.set_sequence_id(opened.sequence_id());
+      fetch.set_first_token(first);
+      fetch.set_num_tokens(std::min<int64_t>(held - first, per_fetch * page_size));
+      fetch.set_expand_to_bf16(false);
+      v1::FetchPagesResponse pages;
+      grpc::ClientContext ctx;
+      context(&ctx);
+      const grpc::Status s = stub->FetchPages(&ctx, fetch, &pages);
+      if (!s.ok()) return PeerError(s, peer, "FetchPages");
+      KVCD_RETURN_IF_ERROR(check(first, fetch.num_tokens(), pages));
+      for (v1::StoredPage& p : *pages.mutable_pages()) {
+        bytes += static_cast<int64_t>(p.data().size());
+        *inline_push.add_inline_pages() = std::move(p);
+      }
+    }
+    if (absl::Status s = engine_->PushPages(inline_push, &pushed); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("PullPrefix: the pages pulled from peer ",
+                                                 peer.member_id, " were refused: ", s.message()));
+    }
+    return absl::OkStatus();
+  };
+
+  // Over CUDA IPC or NCCL: the peer writes the pages into this daemon's device staging.
+  auto by_device = [&](int t, bool* stored) -> absl::Status {
+    DevicePagePull::Request d;
+    d.peer = stub.get();
+    d.context = context;
+    d.sequence_id = static_cast<uint64_t>(opened.sequence_id());
+    d.name = absl::StrCat("pull by ", membership_->self().member_id);
+    d.lease_ms = kPeerLeaseMs;
+    // One chunk for CUDA IPC (one region); NCCL transfers of at most kMaxNcclChunkBytes.
+    const int64_t limit =
+        t == kCudaIpc ? DevicePagePull::kMaxPullBytes : DevicePagePull::kMaxNcclChunkBytes;
+    for (size_t i = 0; i < page_bytes.size(); ++i) {
+      const int64_t first = local_tokens + static_cast<int64_t>(i) * page_size;
+      if (d.chunks.empty() || d.chunks.back().bytes + page_bytes[i] > limit) {
+        d.chunks.push_back({first, 0, 0});
+      }
+      d.chunks.back().num_tokens += page_size;
+      d.chunks.back().bytes += page_bytes[i];
+    }
+    d.check = [&](const DevicePagePull::Chunk& c, const v1::FetchPagesResponse& pages) {
+      return check(c.first_token, c.num_tokens, pages);
+    };
+    d.store = [&](const uint8_t* device_pages, int64_t n) -> absl::Status {
+      bytes = n;
+      return engine_->PushPagesFromDevice(push, device_pages, n, &pushed);
+    };
+    absl::Status s =
+        t == kCudaIpc ? DevicePagePull::ByCudaIpc(d, stored) : DevicePagePull::ByNccl(d, stored);
+    if (s.ok()) return s;
+    if (*stored) {
+      return absl::Status(s.code(),
+                          absl::StrCat("PullPrefix: the pages pulled from peer ", peer.member_id,
+                                       " over ", TransportName(t), " were refused: ", s.message()));
+    }
+    return absl::Status(
+        s.code(), absl::StrCat("PullPrefix: peer ", peer.member_id, " (", peer.address, ") over ",
+                               TransportName(t), ": ", s.message(), "; nothing was stored"));
+  };
+
+  if (status.ok() && push.num_pages() > 0) {
+    absl::StatusOr<std::vector<int>> order = Transports(peer);
+    status = order.status();
+    for (size_t i = 0; order.ok() && i < order->size(); ++i) {
+      const int t = (*order)[i];
+      bool stored = false;
+      pushed.Clear();
+      bytes = 0;
+      status = t == kGrpc ? by_grpc() : by_device(t, &stored);
+      if (status.ok()) {
+        used = t;
+        break;
+      }
+      if (t == kGrpc || stored || i + 1 == order->size()) break;
+      by_transport_[t].fallbacks.fetch_add(1);
+      KVCD_LOG(WARNING) << status.message() << "; trying " << TransportName((*order)[i + 1]);
     }
   }
   {
@@ -168,18 +312,11 @@ absl::Status PrefixPuller::PullFrom(const MemberInfo& peer, const v1::PullPrefix
     (void)stub->CloseSequence(&ctx, close, &closed);  // else its short lease ends it
   }
   if (!status.ok()) return status;
-  if (push.inline_pages_size() == 0) return absl::OkStatus();  // nothing beyond what is held
-  push.set_model(req.model());
-  push.set_cache_salt(req.cache_salt());
-  push.mutable_tokens()->Assign(req.tokens().begin(), req.tokens().begin() + held);
-  push.set_first_page(local_tokens / page_size);
-  v1::PushPagesResponse pushed;
-  if (absl::Status s = engine_->PushPages(push, &pushed); !s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("PullPrefix: the pages pulled from peer ",
-                                               peer.member_id, " were refused: ", s.message()));
-  }
+  if (used < 0) return absl::OkStatus();  // nothing beyond what is held
   resp->set_pulled_tokens(pushed.inserted_tokens());
   resp->set_pulled_bytes(bytes);
+  by_transport_[used].pulls.fetch_add(1);
+  by_transport_[used].bytes.fetch_add(static_cast<uint64_t>(bytes));
   return absl::OkStatus();
 }
 

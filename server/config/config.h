@@ -80,6 +80,8 @@ struct ClusterConfig {
   std::string events_replay_endpoint;  // tcp://host:port, or empty
   int events_buffer = 10000;
   std::string advertise_address;  // host:port; empty: listen
+  // PullPrefix's transport: auto | grpc | cuda_ipc | nccl (docs/cluster.md "Transports").
+  std::string pull_transport = "auto";
   bool has_peers() const { return present && membership != "none"; }
   // The etcd key prefix of the members: /kvcd/<name>/members/.
   std::string MembersPrefix() const { return "/kvcd/" + name + "/members/"; }

@@ -21,15 +21,18 @@ using testing_util::DaemonProcess;
 using testing_util::EtcdServer;
 using testing_util::WaitFor;
 
-std::string Config(const std::string& member, const std::string& etcd) {
-  return R"(
+std::string Config(const std::string& member, const std::string& etcd,
+                   const std::string& transport = "") {
+  std::string c = R"(
 listen: 127.0.0.1:0
-metrics_listen: ""
+metrics_listen: 127.0.0.1:0
 memory_budget: 16MiB
 models:
   - builtin: tiny
     memory: 65536
 )" + testing_util::ClusterSection("t", member, etcd);
+  if (!transport.empty()) c += "  pull_transport: " + transport + "\n";
+  return c;
 }
 
 constexpr char kLoneConfig[] = R"(
@@ -142,6 +145,18 @@ TEST(ClusterPullTest, PagesMoveAsStoredAndBadPullsStoreNothing) {
   EXPECT_EQ(resp.pulled_tokens(), 16);
   EXPECT_GT(resp.pulled_bytes(), 0);
   EXPECT_EQ(resp.peer_address(), a.grpc());
+  // CPU daemons: the pages moved inline over gRPC, and the metrics say so.
+  const std::string metrics = testing_util::ScrapeMetrics(b);
+  EXPECT_EQ(testing_util::MetricValue(metrics,
+                                      "kvcd_cluster_pulls_by_transport_total{transport=\"grpc\"}"),
+            1)
+      << metrics;
+  EXPECT_EQ(testing_util::MetricValue(
+                metrics, "kvcd_cluster_pulls_by_transport_total{transport=\"cuda_ipc\"}"),
+            0);
+  EXPECT_EQ(testing_util::MetricValue(
+                metrics, "kvcd_cluster_pulled_bytes_by_transport_total{transport=\"grpc\"}"),
+            static_cast<double>(resp.pulled_bytes()));
   int64_t matched_a = 0, matched_b = 0;
   const auto pages_a = StoredPages(sa.get(), tokens, &matched_a);
   const auto pages_b = StoredPages(sb.get(), tokens, &matched_b);
@@ -153,6 +168,24 @@ TEST(ClusterPullTest, PagesMoveAsStoredAndBadPullsStoreNothing) {
   ASSERT_TRUE(Pull(sb.get(), tokens, "a", &resp).ok());
   EXPECT_EQ(resp.local_tokens(), 24);
   EXPECT_EQ(resp.pulled_tokens(), 0);
+
+  // A device transport forced on CPU daemons: FAILED_PRECONDITION saying why, nothing stored.
+  for (const char* transport : {"cuda_ipc", "nccl"}) {
+    DaemonProcess forced;
+    ASSERT_TRUE(forced.Start(Config("forced", etcd.endpoint(), transport)));
+    auto sf = Stub(forced.grpc());
+    ASSERT_TRUE(WaitFor(
+        [&] {
+          return Pull(sf.get(), tokens, "a", &resp).error_code() != grpc::StatusCode::NOT_FOUND;
+        },
+        std::chrono::seconds(10)));
+    s = Pull(sf.get(), tokens, "a", &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+    EXPECT_NE(s.error_message().find("needs backend cuda on both members"), std::string::npos)
+        << s.error_message();
+    StoredPages(sf.get(), tokens, &matched);
+    EXPECT_EQ(matched, 0) << transport;
+  }
 
   // The peer down: UNAVAILABLE (or NOT_FOUND once its key is gone), nothing stored.
   const std::vector<int32_t> other = synthetic::Tokens(9, 0, 16);
