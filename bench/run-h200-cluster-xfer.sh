@@ -7,7 +7,9 @@
 # the same page bytes as A and that attention over the prefix is bitwise equal on both.
 #   1 GPU:  A and B on GPU 0: grpc, cuda_ipc, auto (expect cuda_ipc), and nccl forced (two
 #           ranks on one GPU: must fail cleanly and store nothing).
-#   2 GPUs: A on GPU 0, B on GPU 1 (CUDA_VISIBLE_DEVICES): grpc, cuda_ipc, nccl, auto.
+#   2 GPUs: A on GPU 0, B on GPU 1: grpc, cuda_ipc, nccl, auto. Each daemon uses its device
+#           0, so B runs with CUDA_VISIBLE_DEVICES=1,0 and A with 0,1: both see both GPUs,
+#           as CUDA IPC across GPUs and NCCL's peer-to-peer path need.
 # Also the CUDA pull tests (kvcd_data_plane_tests --gtest_filter='ClusterDevicePull*').
 #   here:   KVCD_BUILD_DIR=build ./scripts/build.sh kvcd cluster_xfer_bench kvcd_data_plane_tests
 #           && KVCD_PACK_ONLY="kvcd cluster_xfer_bench kvcd_data_plane_tests" \
@@ -103,7 +105,7 @@ cluster:
   pull_transport: $2
 EOF
 }
-start_daemon() {  # name member transport gpu -> sets started_pid, started_grpc, started_metrics
+start_daemon() {  # name member transport gpus -> sets started_pid, started_grpc, started_metrics
   config "$2" "$3" > "$out/$1.yaml"
   CUDA_VISIBLE_DEVICES=$4 "$BIN/kvcd" serve --config "$out/$1.yaml" > "$out/$1.out" \
     2> "$out/$1.err" &
@@ -121,17 +123,19 @@ stop_daemon() {
   wait "$1" 2>/dev/null
 }
 
-start_daemon a a auto 0 || exit 1
-a_grpc=$started_grpc
-b_gpu=0
+a_gpus=0
+b_gpus=0
 transports="grpc cuda_ipc auto nccl"
 if ((gpus >= 2)); then
-  b_gpu=1
+  a_gpus=0,1
+  b_gpus=1,0
   transports="grpc cuda_ipc nccl auto"
 fi
+start_daemon a a auto "$a_gpus" || exit 1
+a_grpc=$started_grpc
 table=$final/cluster-xfer.md
 {
-  echo "GPUs: $gpus; A on GPU 0, B on GPU $b_gpu; $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+  echo "GPUs: $gpus; A sees $a_gpus, B sees $b_gpus (each uses the first); $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
   echo
   echo "| transport set | moved by (B's metrics) | model | tokens | bytes | pull time | GB/s | bytes A vs B | attention A vs B | result |"
   echo "|---|---|---|---:|---:|---:|---:|---|---|---|"
@@ -141,7 +145,7 @@ for model in q8-int2 q8-bf16; do
   fill=--fill
   for t in $transports; do
     n=$((n + 1))
-    start_daemon "b$n" b "$t" "$b_gpu" || continue
+    start_daemon "b$n" b "$t" "$b_gpus" || continue
     # B sees A once its membership watch has A's key (bounded by the bench's retries).
     timeout 300 "$BIN/cluster_xfer_bench" --a "$a_grpc" --b "$started_grpc" --peer a \
       --model "$model" --tokens "${KVCD_XFER_TOKENS:-32768}" $fill --transport "$t" --b_metrics "$started_metrics" \

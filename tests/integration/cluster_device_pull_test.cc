@@ -1,6 +1,7 @@
 // PullPrefix between two CUDA daemons in a real etcd (docs/cluster.md "Transports"): the
 // pages move GPU to GPU by CUDA IPC (both daemons on GPU 0, one node) and, with two GPUs,
-// by NCCL (the puller on GPU 1). Afterwards the puller serves the same bytes as the source,
+// by NCCL (the puller on GPU 1: CUDA_VISIBLE_DEVICES=1,0, so that its device 0 is GPU 1
+// and GPU 0 stays visible for peer access). Afterwards the puller serves the same bytes as the source,
 // attention over the prefix is bitwise equal on both, and the puller's metrics credit the
 // transport. Skips without a GPU (the NCCL case without two).
 #include <cuda_runtime.h>
@@ -175,12 +176,12 @@ TEST(ClusterDevicePullTest, CudaIpcOnOneGpuMovesPagesByteForByte) {
 
 TEST(ClusterDevicePullTest, NcclBetweenTwoGpusMovesPagesByteForByte) {
   if (DeviceCount() < 2) GTEST_SKIP() << "NCCL needs two GPUs (one rank each)";
-  PullAndCompare("nccl", "1");
+  PullAndCompare("nccl", "1,0");
 }
 
 TEST(ClusterDevicePullTest, CudaIpcBetweenTwoGpusMovesPagesByteForByte) {
   if (DeviceCount() < 2) GTEST_SKIP() << "needs two GPUs";
-  PullAndCompare("cuda_ipc", "1");
+  PullAndCompare("cuda_ipc", "1,0");
 }
 
 }  // namespace
