@@ -7,14 +7,15 @@
 // bytes, pull time, GB/s, the transport B's metrics credit, the byte and attention checks.
 // Exit status 0 only when the pull stored the prefix and both checks hold.
 // bench/run-h200-cluster-xfer.sh runs it once per transport.
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <netdb.h>
-#include <sys/socket.h>
-#include <unistd.h>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -277,8 +278,8 @@ int main(int argc, char** argv) {
     if (!absl::GetFlag(FLAGS_results).empty()) {
       std::ofstream out(absl::GetFlag(FLAGS_results), std::ios::app);
       out << "| " << absl::GetFlag(FLAGS_transport) << " | | " << model << " | " << n
-          << " | | | | | | refused in " << absl::StrFormat("%.1f", seconds * 1e3) << " ms: "
-          << absl::StatusCodeToString(pulled.status().code()) << " |\n";
+          << " | | | | | | refused in " << absl::StrFormat("%.1f", seconds * 1e3)
+          << " ms: " << absl::StatusCodeToString(pulled.status().code()) << " |\n";
     }
     return 1;
   }
@@ -296,19 +297,20 @@ int main(int argc, char** argv) {
     return 1;
   }
   const int64_t matched = std::min(oa->matched_tokens(), ob->matched_tokens());
-  const int64_t bf16_page = int64_t{4} * p.num_layers() * p.num_kv_heads() * p.head_dim() *
-                            p.page_size();
+  const int64_t bf16_page =
+      int64_t{4} * p.num_layers() * p.num_kv_heads() * p.head_dim() * p.page_size();
   const int64_t compared = ComparePages(a.get(), b.get(), oa->sequence_id(), ob->sequence_id(),
                                         matched, p.page_size(), bf16_page);
-  const double attn = CompareAttention(a.get(), b.get(), oa->sequence_id(), ob->sequence_id(), p,
-                                       seed);
+  const double attn =
+      CompareAttention(a.get(), b.get(), oa->sequence_id(), ob->sequence_id(), p, seed);
   (void)a->CloseSequence(oa->sequence_id());
   (void)b->CloseSequence(ob->sequence_id());
-  const bool full = oa->matched_tokens() == ob->matched_tokens() && matched == n / p.page_size() *
-                                                                                 p.page_size();
+  const bool full =
+      oa->matched_tokens() == ob->matched_tokens() && matched == n / p.page_size() * p.page_size();
   const bool ok = full && compared > 0 && attn == 0 && pulled->pulled_tokens() > 0;
-  const std::string metered =
-      absl::GetFlag(FLAGS_b_metrics).empty() ? "" : MeteredTransport(absl::GetFlag(FLAGS_b_metrics));
+  const std::string metered = absl::GetFlag(FLAGS_b_metrics).empty()
+                                  ? ""
+                                  : MeteredTransport(absl::GetFlag(FLAGS_b_metrics));
   const double gbps = static_cast<double>(pulled->pulled_bytes()) / seconds / 1e9;
   const std::string row = absl::StrFormat(
       "| %s | %s | %s | %lld | %.1f MB | %.1f ms | %.2f GB/s | %s | %s | %s |\n",

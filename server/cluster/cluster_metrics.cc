@@ -109,11 +109,12 @@ std::vector<MetricFamily> ClusterCollector::Collect() const {
                             "Device transports given up for the next one (pull_transport auto), "
                             "by the transport given up.",
                             MetricType::Counter);
-    for (int t = 0; t < PrefixPuller::kTransports; ++t) {
-      const std::string name = PrefixPuller::TransportName(t);
+    for (int i = 0; i < kPullTransports; ++i) {
+      const PullTransport t = static_cast<PullTransport>(i);
+      const std::string name = PullTransportName(t);
       Add(&moved, static_cast<double>(puller->pulls_by(t)), {{"transport", name}});
       Add(&moved_bytes, static_cast<double>(puller->bytes_by(t)), {{"transport", name}});
-      if (t != PrefixPuller::kGrpc) {
+      if (t != PullTransport::kGrpc) {
         Add(&fallbacks, static_cast<double>(puller->fallbacks_from(t)), {{"transport", name}});
       }
     }

@@ -94,9 +94,9 @@ absl::Status DevicePagePull::ByCudaIpc(const Request& req, bool* stored) {
     if (!s.ok()) return PeerCallError(s, "RegisterBuffer");
   }
   void* done = nullptr;
-  absl::Status status = KernelStatus(kc::IpcOpenEvent(registered.done_event_handle(), &done),
-                                     absl::StatusCode::kFailedPrecondition,
-                                     "cannot open the peer's done event");
+  absl::Status status =
+      KernelStatus(kc::IpcOpenEvent(registered.done_event_handle(), &done),
+                   absl::StatusCode::kFailedPrecondition, "cannot open the peer's done event");
   // One FetchPages for every chunk, each into its place in the staging (the peer checks the
   // region's size against the pages it holds).
   int64_t offset = 0;
@@ -144,8 +144,8 @@ absl::Status DevicePagePull::ByNccl(const Request& req, bool* stored) {
   if (!total.ok()) return total.status();
   for (const Chunk& c : req.chunks) {
     if (c.bytes > kMaxNcclChunkBytes) {
-      return absl::InvalidArgumentError(absl::StrCat("an NCCL chunk of ", c.bytes,
-                                                     " bytes, at most ", kMaxNcclChunkBytes));
+      return absl::InvalidArgumentError(
+          absl::StrCat("an NCCL chunk of ", c.bytes, " bytes, at most ", kMaxNcclChunkBytes));
     }
   }
   if (absl::Status s = KernelStatus(kc::NcclLoad(), absl::StatusCode::kFailedPrecondition,
@@ -169,9 +169,9 @@ absl::Status DevicePagePull::ByNccl(const Request& req, bool* stored) {
   void* stream = nullptr;
   absl::Status status;
   if (connected.unique_id().size() != kc::kNcclUniqueIdBytes) {
-    status = absl::InvalidArgumentError(
-        absl::StrCat("peer NcclConnect answered a unique id of ", connected.unique_id().size(),
-                     " bytes, expected ", kc::kNcclUniqueIdBytes));
+    status = absl::InvalidArgumentError(absl::StrCat("peer NcclConnect answered a unique id of ",
+                                                     connected.unique_id().size(),
+                                                     " bytes, expected ", kc::kNcclUniqueIdBytes));
   }
   if (status.ok()) {
     status = KernelStatus(kc::CreateStream(&stream), absl::StatusCode::kInternal,
@@ -188,8 +188,8 @@ absl::Status DevicePagePull::ByNccl(const Request& req, bool* stored) {
   for (const Chunk& c : req.chunks) {
     if (!status.ok()) break;
     // The receive is queued first; the peer's send happens inside its FetchPages.
-    kernels::Error e = kc::NcclRecv(comm, staging.data() + offset, static_cast<size_t>(c.bytes),
-                                    0, stream);
+    kernels::Error e =
+        kc::NcclRecv(comm, staging.data() + offset, static_cast<size_t>(c.bytes), 0, stream);
     if (!e.ok()) {
       status = KernelStatus(e, absl::StatusCode::kInternal, "ncclRecv");
       break;

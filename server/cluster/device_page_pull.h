@@ -47,7 +47,7 @@ class DevicePagePull {
     std::function<void(grpc::ClientContext*)> context;
     uint64_t sequence_id = 0;  // the peer's sequence on the prefix
     std::vector<Chunk> chunks;
-    std::string name;        // label for the peer's logs
+    std::string name;          // label for the peer's logs
     int64_t lease_ms = 10000;  // of the staging's registration on the peer
     int timeout_ms = 10000;    // NCCL init and each transfer
     // Checks a FetchPages answer for a chunk (the pages asked for, in order).

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
@@ -100,48 +101,6 @@ absl::Status PrefixPuller::Pull(const v1::PullPrefixRequest& req, const std::str
   return s;
 }
 
-const char* PrefixPuller::TransportName(int t) {
-  switch (t) {
-    case kCudaIpc:
-      return "cuda_ipc";
-    case kNccl:
-      return "nccl";
-    default:
-      return "grpc";
-  }
-}
-
-absl::StatusOr<std::vector<int>> PrefixPuller::Transports(const MemberInfo& peer) const {
-  const std::string& policy = config_.cluster.pull_transport;
-  const bool both_cuda = config_.backend == "cuda" && peer.backend == "cuda";
-  const std::string node = membership_->self().node_id;
-  const bool same_node = !node.empty() && node == peer.node_id;
-  if (policy == "grpc") return std::vector<int>{kGrpc};
-  if (policy == "cuda_ipc" || policy == "nccl") {
-    if (!both_cuda) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("PullPrefix: cluster.pull_transport is ", policy,
-                       ", which needs backend cuda on both "
-                       "members; this daemon runs ",
-                       config_.backend, " and peer ", peer.member_id, " runs ", peer.backend,
-                       "; nothing was stored"));
-    }
-    if (policy == "cuda_ipc" && !same_node) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "PullPrefix: cluster.pull_transport is cuda_ipc, which needs both members on one "
-          "node; peer ",
-          peer.member_id, " advertises node id ", Quote(peer.node_id), " and this daemon ",
-          Quote(node), "; nothing was stored"));
-    }
-    return std::vector<int>{policy == "cuda_ipc" ? kCudaIpc : kNccl};
-  }
-  std::vector<int> order;
-  if (both_cuda && same_node) order.push_back(kCudaIpc);
-  if (both_cuda) order.push_back(kNccl);
-  order.push_back(kGrpc);
-  return order;
-}
-
 absl::Status PrefixPuller::PullFrom(const MemberInfo& peer, const v1::PullPrefixRequest& req,
                                     const std::string& authorization, int64_t local_tokens,
                                     int32_t page_size, v1::PullPrefixResponse* resp) {
@@ -209,7 +168,7 @@ absl::Status PrefixPuller::PullFrom(const MemberInfo& peer, const v1::PullPrefix
   }
   v1::PushPagesResponse pushed;
   int64_t bytes = 0;
-  int used = -1;
+  std::optional<PullTransport> used;
 
   // Over gRPC: the pages inline in FetchPages' answers, as many per call as fit a message.
   auto by_grpc = [&]() -> absl::Status {
@@ -247,16 +206,19 @@ absl::Status PrefixPuller::PullFrom(const MemberInfo& peer, const v1::PullPrefix
   };
 
   // Over CUDA IPC or NCCL: the peer writes the pages into this daemon's device staging.
-  auto by_device = [&](int t, bool* stored) -> absl::Status {
+  auto by_device = [&](PullTransport t, bool* stored) -> absl::Status {
     DevicePagePull::Request d;
     d.peer = stub.get();
     d.context = context;
     d.sequence_id = static_cast<uint64_t>(opened.sequence_id());
     d.name = absl::StrCat("pull by ", membership_->self().member_id);
     d.lease_ms = kPeerLeaseMs;
+    // A failed NCCL join or transfer gives up well within the peer sequence's lease, so
+    // that the next transport still finds the sequence open.
+    d.timeout_ms = static_cast<int>(kPeerLeaseMs / 2);
     // One chunk for CUDA IPC (one region); NCCL transfers of at most kMaxNcclChunkBytes.
-    const int64_t limit =
-        t == kCudaIpc ? DevicePagePull::kMaxPullBytes : DevicePagePull::kMaxNcclChunkBytes;
+    const int64_t limit = t == PullTransport::kCudaIpc ? DevicePagePull::kMaxPullBytes
+                                                       : DevicePagePull::kMaxNcclChunkBytes;
     for (size_t i = 0; i < page_bytes.size(); ++i) {
       const int64_t first = local_tokens + static_cast<int64_t>(i) * page_size;
       if (d.chunks.empty() || d.chunks.back().bytes + page_bytes[i] > limit) {
@@ -272,35 +234,39 @@ absl::Status PrefixPuller::PullFrom(const MemberInfo& peer, const v1::PullPrefix
       bytes = n;
       return engine_->PushPagesFromDevice(push, device_pages, n, &pushed);
     };
-    absl::Status s =
-        t == kCudaIpc ? DevicePagePull::ByCudaIpc(d, stored) : DevicePagePull::ByNccl(d, stored);
+    absl::Status s = t == PullTransport::kCudaIpc ? DevicePagePull::ByCudaIpc(d, stored)
+                                                  : DevicePagePull::ByNccl(d, stored);
     if (s.ok()) return s;
     if (*stored) {
-      return absl::Status(s.code(),
-                          absl::StrCat("PullPrefix: the pages pulled from peer ", peer.member_id,
-                                       " over ", TransportName(t), " were refused: ", s.message()));
+      return absl::Status(
+          s.code(), absl::StrCat("PullPrefix: the pages pulled from peer ", peer.member_id,
+                                 " over ", PullTransportName(t), " were refused: ", s.message()));
     }
     return absl::Status(
         s.code(), absl::StrCat("PullPrefix: peer ", peer.member_id, " (", peer.address, ") over ",
-                               TransportName(t), ": ", s.message(), "; nothing was stored"));
+                               PullTransportName(t), ": ", s.message(), "; nothing was stored"));
   };
 
   if (status.ok() && push.num_pages() > 0) {
-    absl::StatusOr<std::vector<int>> order = Transports(peer);
+    const MemberInfo& self = membership_->self();
+    absl::StatusOr<std::vector<PullTransport>> order = PullTransportOrder(
+        config_.cluster.pull_transport, {self.member_id, config_.backend, self.node_id},
+        {peer.member_id, peer.backend, peer.node_id});
     status = order.status();
     for (size_t i = 0; order.ok() && i < order->size(); ++i) {
-      const int t = (*order)[i];
+      const PullTransport t = (*order)[i];
       bool stored = false;
       pushed.Clear();
       bytes = 0;
-      status = t == kGrpc ? by_grpc() : by_device(t, &stored);
+      status = t == PullTransport::kGrpc ? by_grpc() : by_device(t, &stored);
       if (status.ok()) {
         used = t;
         break;
       }
-      if (t == kGrpc || stored || i + 1 == order->size()) break;
-      by_transport_[t].fallbacks.fetch_add(1);
-      KVCD_LOG(WARNING) << status.message() << "; trying " << TransportName((*order)[i + 1]);
+      // A device transport that failed before anything was stored: the next one (auto).
+      if (t == PullTransport::kGrpc || stored || i + 1 == order->size()) break;
+      Counts(t).fallbacks.fetch_add(1);
+      KVCD_LOG(WARNING) << status.message() << "; trying " << PullTransportName((*order)[i + 1]);
     }
   }
   {
@@ -312,11 +278,11 @@ absl::Status PrefixPuller::PullFrom(const MemberInfo& peer, const v1::PullPrefix
     (void)stub->CloseSequence(&ctx, close, &closed);  // else its short lease ends it
   }
   if (!status.ok()) return status;
-  if (used < 0) return absl::OkStatus();  // nothing beyond what is held
+  if (!used) return absl::OkStatus();  // nothing beyond what is held
   resp->set_pulled_tokens(pushed.inserted_tokens());
   resp->set_pulled_bytes(bytes);
-  by_transport_[used].pulls.fetch_add(1);
-  by_transport_[used].bytes.fetch_add(static_cast<uint64_t>(bytes));
+  Counts(*used).pulls.fetch_add(1);
+  Counts(*used).bytes.fetch_add(static_cast<uint64_t>(bytes));
   return absl::OkStatus();
 }
 

@@ -19,11 +19,11 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <vector>
 
 #include "absl/status/status.h"
 #include "kvcd/v1/kvcache.grpc.pb.h"
 #include "server/cluster/membership.h"
+#include "server/cluster/pull_transport.h"
 #include "server/config/config.h"
 #include "server/engine/cache_engine.h"
 
@@ -52,13 +52,11 @@ class PrefixPuller {
   uint64_t pulled_bytes() const { return pulled_bytes_.load(); }
   uint64_t failures() const { return failures_.load(); }
 
-  enum Transport { kGrpc = 0, kCudaIpc = 1, kNccl = 2, kTransports = 3 };
-  static const char* TransportName(int t);
   // Successful pulls that stored pages, and their bytes, by the transport that moved them;
   // device transports given up for the next one (auto only), by the transport given up.
-  uint64_t pulls_by(int t) const { return by_transport_[t].pulls.load(); }
-  uint64_t bytes_by(int t) const { return by_transport_[t].bytes.load(); }
-  uint64_t fallbacks_from(int t) const { return by_transport_[t].fallbacks.load(); }
+  uint64_t pulls_by(PullTransport t) const { return Counts(t).pulls.load(); }
+  uint64_t bytes_by(PullTransport t) const { return Counts(t).bytes.load(); }
+  uint64_t fallbacks_from(PullTransport t) const { return Counts(t).fallbacks.load(); }
 
  private:
   PrefixPuller(CacheEngine* engine, Membership* membership, const ServerConfig& config,
@@ -67,9 +65,13 @@ class PrefixPuller {
   absl::Status PullFrom(const MemberInfo& peer, const v1::PullPrefixRequest& req,
                         const std::string& authorization, int64_t local_tokens, int32_t page_size,
                         v1::PullPrefixResponse* resp);
-  // The transports to try for a pull from `peer`, in order (FAILED_PRECONDITION when the
-  // configured one cannot apply).
-  absl::StatusOr<std::vector<int>> Transports(const MemberInfo& peer) const;
+  struct TransportCounts {
+    std::atomic<uint64_t> pulls{0}, bytes{0}, fallbacks{0};
+  };
+  TransportCounts& Counts(PullTransport t) { return by_transport_[static_cast<int>(t)]; }
+  const TransportCounts& Counts(PullTransport t) const {
+    return by_transport_[static_cast<int>(t)];
+  }
   std::shared_ptr<grpc::Channel> ChannelTo(const std::string& address);
 
   CacheEngine* const engine_;
@@ -79,10 +81,7 @@ class PrefixPuller {
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<grpc::Channel>> channels_;
   std::atomic<uint64_t> pulls_{0}, pulled_bytes_{0}, failures_{0};
-  struct TransportCounts {
-    std::atomic<uint64_t> pulls{0}, bytes{0}, fallbacks{0};
-  };
-  TransportCounts by_transport_[kTransports];
+  TransportCounts by_transport_[kPullTransports];
 };
 
 }  // namespace kvcd

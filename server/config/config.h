@@ -80,8 +80,9 @@ struct ClusterConfig {
   std::string events_replay_endpoint;  // tcp://host:port, or empty
   int events_buffer = 10000;
   std::string advertise_address;  // host:port; empty: listen
-  // PullPrefix's transport: auto | grpc | cuda_ipc | nccl (docs/cluster.md "Transports").
-  std::string pull_transport = "auto";
+  // PullPrefix's transport: grpc | auto | cuda_ipc | nccl (docs/cluster.md "Transports");
+  // the device transports are opt-in until a device run has verified them.
+  std::string pull_transport = "grpc";
   bool has_peers() const { return present && membership != "none"; }
   // The etcd key prefix of the members: /kvcd/<name>/members/.
   std::string MembersPrefix() const { return "/kvcd/" + name + "/members/"; }

@@ -1,8 +1,8 @@
 // PullPrefix between two CUDA daemons in a real etcd (docs/cluster.md "Transports"): the
 // pages move GPU to GPU by CUDA IPC (both daemons on GPU 0, one node) and, with two GPUs,
 // by NCCL (the puller on GPU 1: CUDA_VISIBLE_DEVICES=1,0, so that its device 0 is GPU 1
-// and GPU 0 stays visible for peer access). Afterwards the puller serves the same bytes as the source,
-// attention over the prefix is bitwise equal on both, and the puller's metrics credit the
+// and GPU 0 stays visible for peer access). Afterwards the puller serves the same bytes as the
+// source, attention over the prefix is bitwise equal on both, and the puller's metrics credit the
 // transport. Skips without a GPU (the NCCL case without two).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -145,7 +145,8 @@ void PullAndCompare(const std::string& transport, const char* b_device) {
     // Attention over the prefix: the same query gives the same output and LSE on both.
     const auto& p = info->profile();
     std::vector<float> q(static_cast<size_t>(p.num_q_heads() * p.head_dim()));
-    for (size_t i = 0; i < q.size(); ++i) q[i] = synthetic::Value(5, 1, 640, 0, static_cast<int32_t>(i), 2);
+    for (size_t i = 0; i < q.size(); ++i)
+      q[i] = synthetic::Value(5, 1, 640, 0, static_cast<int32_t>(i), 2);
     v1::AttentionDecodeRequest r;
     r.set_layer(1);
     SetF32Tensor(r.mutable_q(), {1, p.num_q_heads(), p.head_dim()}, q.data());
