@@ -67,6 +67,13 @@ Error IpcOpenMemory(const std::string& handle, void** ptr) {
   return ToError(cudaIpcOpenMemHandle(ptr, h, cudaIpcMemLazyEnablePeerAccess));
 }
 Error IpcCloseMemory(void* ptr) { return ToError(cudaIpcCloseMemHandle(ptr)); }
+Error IpcExportMemory(void* ptr, std::string* handle) {
+  cudaIpcMemHandle_t h;
+  const cudaError_t err = cudaIpcGetMemHandle(&h, ptr);
+  if (err != cudaSuccess) return ToError(err);
+  handle->assign(reinterpret_cast<const char*>(&h), sizeof(h));
+  return Error();
+}
 
 Error IpcCreateEvent(void** event, std::string* handle) {
   cudaEvent_t e = nullptr;

@@ -99,6 +99,28 @@ std::vector<MetricFamily> ClusterCollector::Collect() const {
                         MetricType::Counter);
     Add(&bytes, static_cast<double>(puller->pulled_bytes()));
     out.push_back(std::move(bytes));
+    auto moved = Family("kvcd_cluster_pulls_by_transport_total",
+                        "PullPrefix calls that stored pages, by the transport that moved them "
+                        "(grpc, cuda_ipc, nccl).",
+                        MetricType::Counter);
+    auto moved_bytes = Family("kvcd_cluster_pulled_bytes_by_transport_total",
+                              "Page bytes pulled from peers, by transport.", MetricType::Counter);
+    auto fallbacks = Family("kvcd_cluster_pull_fallbacks_total",
+                            "Device transports given up for the next one (pull_transport auto), "
+                            "by the transport given up.",
+                            MetricType::Counter);
+    for (int i = 0; i < kPullTransports; ++i) {
+      const PullTransport t = static_cast<PullTransport>(i);
+      const std::string name = PullTransportName(t);
+      Add(&moved, static_cast<double>(puller->pulls_by(t)), {{"transport", name}});
+      Add(&moved_bytes, static_cast<double>(puller->bytes_by(t)), {{"transport", name}});
+      if (t != PullTransport::kGrpc) {
+        Add(&fallbacks, static_cast<double>(puller->fallbacks_from(t)), {{"transport", name}});
+      }
+    }
+    out.push_back(std::move(moved));
+    out.push_back(std::move(moved_bytes));
+    out.push_back(std::move(fallbacks));
   }
   return out;
 }

@@ -1,6 +1,7 @@
 #include "server/cluster/member_info.h"
 
 #include <cctype>
+#include <fstream>
 #include <regex>
 #include <type_traits>
 
@@ -65,6 +66,14 @@ bool IsValidMemberId(absl::string_view id) {
   return true;
 }
 
+std::string LocalNodeId() {
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  if (!std::getline(f, id)) return std::string();
+  static const std::regex kNodeId("[0-9A-Za-z-]{1,64}");
+  return std::regex_match(id, kNodeId) ? id : std::string();
+}
+
 std::string EncodeMemberInfo(const MemberInfo& m) {
   json j = {{"member_id", m.member_id},
             {"address", m.address},
@@ -75,6 +84,7 @@ std::string EncodeMemberInfo(const MemberInfo& m) {
             {"started_unix_ms", m.started_unix_ms},
             {"version", m.version},
             {"events_endpoint", m.events_endpoint}};
+  if (!m.node_id.empty()) j["node_id"] = m.node_id;
   return j.dump();
 }
 
@@ -117,6 +127,10 @@ absl::StatusOr<MemberInfo> DecodeMemberInfo(absl::string_view value,
   if (!m.events_endpoint.empty() && m.events_endpoint.rfind("tcp://", 0) != 0) {
     return Bad("events_endpoint is neither empty nor tcp://host:port");
   }
+  if (absl::Status s = ReadString(j, "node_id", 64, false, &m.node_id); !s.ok()) return s;
+  static const std::regex kNodeId("[0-9A-Za-z-]*");
+  if (!std::regex_match(m.node_id, kNodeId))
+    return Bad("node_id has characters other than 0-9A-Za-z-");
   return m;
 }
 

@@ -22,7 +22,13 @@ struct MemberInfo {
   int64_t started_unix_ms = 0;
   std::string version;
   std::string events_endpoint;  // tcp://host:port or empty
+  // The machine's identity (its kernel's boot id) or empty: two CUDA members with the same
+  // node id may move pages by CUDA IPC (docs/cluster.md "Transports").
+  std::string node_id;
 };
+
+// This machine's node id: /proc/sys/kernel/random/boot_id, or empty when unreadable.
+std::string LocalNodeId();
 
 // The largest member value accepted from etcd.
 inline constexpr size_t kMaxMemberValueBytes = 4096;

@@ -2,9 +2,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
 #include "common/quote.h"
+#include "common/status_macros.h"
+#include "server/cluster/device_page_pull.h"
 #include "server/cluster/peer_credentials.h"
 
 namespace kvcd {
@@ -120,43 +124,149 @@ absl::Status PrefixPuller::PullFrom(const MemberInfo& peer, const v1::PullPrefix
   const int64_t peer_tokens = opened.matched_tokens();
   // What the peer holds, page-aligned and within the request (a hostile peer may claim more).
   const int64_t held = std::min<int64_t>(peer_tokens, req.tokens_size()) / page_size * page_size;
-  absl::Status status;
+  // The pages to store here: tokens [local_tokens, held) of the request.
   v1::PushPagesRequest push;
-  int64_t bytes = 0;
-  for (int64_t first = local_tokens; status.ok() && first < held;
-       first += kPagesPerFetch * page_size) {
-    v1::FetchPagesRequest fetch;
-    fetch.set_sequence_id(opened.sequence_id());
-    fetch.set_first_token(first);
-    fetch.set_num_tokens(std::min<int64_t>(held - first, kPagesPerFetch * page_size));
-    fetch.set_expand_to_bf16(false);
-    v1::FetchPagesResponse pages;
-    grpc::ClientContext ctx;
-    context(&ctx);
-    const grpc::Status s = stub->FetchPages(&ctx, fetch, &pages);
-    if (!s.ok()) {
-      status = PeerError(s, peer, "FetchPages");
-      break;
-    }
-    // The peer's answer must be exactly the pages asked for, in order.
+  push.set_model(req.model());
+  push.set_cache_salt(req.cache_salt());
+  if (held > local_tokens) {
+    push.mutable_tokens()->Assign(req.tokens().begin(), req.tokens().begin() + held);
+    push.set_first_page(local_tokens / page_size);
+    push.set_num_pages((held - local_tokens) / page_size);
+  }
+  // A FetchPages answer must be exactly the pages asked for, in order.
+  auto check = [&](int64_t first, int64_t num_tokens,
+                   const v1::FetchPagesResponse& pages) -> absl::Status {
     int64_t at = first;
-    for (v1::StoredPage& p : *pages.mutable_pages()) {
+    for (const v1::StoredPage& p : pages.pages()) {
       if (p.first_token() != at || p.num_tokens() != page_size) {
-        status = absl::InvalidArgumentError(
+        return absl::InvalidArgumentError(
             absl::StrCat("PullPrefix: peer ", peer.member_id, " answered a page of tokens [",
                          p.first_token(), ", +", p.num_tokens(), ") where [", at, ", +", page_size,
                          ") was expected; nothing was stored"));
-        break;
       }
-      bytes += static_cast<int64_t>(p.data().size());
-      *push.add_inline_pages() = std::move(p);
       at += page_size;
     }
-    if (status.ok() && at != first + fetch.num_tokens()) {
-      status = absl::InvalidArgumentError(
-          absl::StrCat("PullPrefix: peer ", peer.member_id, " answered ", (at - first) / page_size,
-                       " page(s) where ", fetch.num_tokens() / page_size,
-                       " were asked for; nothing was stored"));
+    if (at != first + num_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "PullPrefix: peer ", peer.member_id, " answered ", (at - first) / page_size,
+          " page(s) where ", num_tokens / page_size, " were asked for; nothing was stored"));
+    }
+    return absl::OkStatus();
+  };
+  // Each page's bytes as this daemon stores it (sizes the fetches and the device chunks).
+  std::vector<int64_t> page_bytes;
+  absl::Status status;
+  for (int64_t i = 0; status.ok() && i < push.num_pages(); ++i) {
+    v1::PushPagesRequest one;
+    one.set_model(req.model());
+    *one.mutable_tokens() = push.tokens();
+    one.set_first_page(push.first_page() + i);
+    one.set_num_pages(1);
+    absl::StatusOr<int64_t> b = engine_->StoredPagesBytes(one);
+    if (b.ok()) page_bytes.push_back(*b);
+    status = b.status();
+  }
+  v1::PushPagesResponse pushed;
+  int64_t bytes = 0;
+  std::optional<PullTransport> used;
+
+  // Over gRPC: the pages inline in FetchPages' answers, as many per call as fit a message.
+  auto by_grpc = [&]() -> absl::Status {
+    const int64_t largest = *std::max_element(page_bytes.begin(), page_bytes.end());
+    const int64_t per_fetch = std::clamp<int64_t>(
+        (static_cast<int64_t>(config_.max_message_bytes) - (int64_t{1} << 20)) / largest, 1,
+        kPagesPerFetch);
+    v1::PushPagesRequest inline_push;
+    inline_push.set_model(push.model());
+    inline_push.set_cache_salt(push.cache_salt());
+    *inline_push.mutable_tokens() = push.tokens();
+    inline_push.set_first_page(push.first_page());
+    for (int64_t first = local_tokens; first < held; first += per_fetch * page_size) {
+      v1::FetchPagesRequest fetch;
+      fetch.set_sequence_id(opened.sequence_id());
+      fetch.set_first_token(first);
+      fetch.set_num_tokens(std::min<int64_t>(held - first, per_fetch * page_size));
+      fetch.set_expand_to_bf16(false);
+      v1::FetchPagesResponse pages;
+      grpc::ClientContext ctx;
+      context(&ctx);
+      const grpc::Status s = stub->FetchPages(&ctx, fetch, &pages);
+      if (!s.ok()) return PeerError(s, peer, "FetchPages");
+      KVCD_RETURN_IF_ERROR(check(first, fetch.num_tokens(), pages));
+      for (v1::StoredPage& p : *pages.mutable_pages()) {
+        bytes += static_cast<int64_t>(p.data().size());
+        *inline_push.add_inline_pages() = std::move(p);
+      }
+    }
+    if (absl::Status s = engine_->PushPages(inline_push, &pushed); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("PullPrefix: the pages pulled from peer ",
+                                                 peer.member_id, " were refused: ", s.message()));
+    }
+    return absl::OkStatus();
+  };
+
+  // Over CUDA IPC or NCCL: the peer writes the pages into this daemon's device staging.
+  auto by_device = [&](PullTransport t, bool* stored) -> absl::Status {
+    DevicePagePull::Request d;
+    d.peer = stub.get();
+    d.context = context;
+    d.sequence_id = static_cast<uint64_t>(opened.sequence_id());
+    d.name = absl::StrCat("pull by ", membership_->self().member_id);
+    d.lease_ms = kPeerLeaseMs;
+    // A failed NCCL join or transfer gives up well within the peer sequence's lease, so
+    // that the next transport still finds the sequence open.
+    d.timeout_ms = static_cast<int>(kPeerLeaseMs / 2);
+    // One chunk for CUDA IPC (one region); NCCL transfers of at most kMaxNcclChunkBytes.
+    const int64_t limit = t == PullTransport::kCudaIpc ? DevicePagePull::kMaxPullBytes
+                                                       : DevicePagePull::kMaxNcclChunkBytes;
+    for (size_t i = 0; i < page_bytes.size(); ++i) {
+      const int64_t first = local_tokens + static_cast<int64_t>(i) * page_size;
+      if (d.chunks.empty() || d.chunks.back().bytes + page_bytes[i] > limit) {
+        d.chunks.push_back({first, 0, 0});
+      }
+      d.chunks.back().num_tokens += page_size;
+      d.chunks.back().bytes += page_bytes[i];
+    }
+    d.check = [&](const DevicePagePull::Chunk& c, const v1::FetchPagesResponse& pages) {
+      return check(c.first_token, c.num_tokens, pages);
+    };
+    d.store = [&](const uint8_t* device_pages, int64_t n) -> absl::Status {
+      bytes = n;
+      return engine_->PushPagesFromDevice(push, device_pages, n, &pushed);
+    };
+    absl::Status s = t == PullTransport::kCudaIpc ? DevicePagePull::ByCudaIpc(d, stored)
+                                                  : DevicePagePull::ByNccl(d, stored);
+    if (s.ok()) return s;
+    if (*stored) {
+      return absl::Status(
+          s.code(), absl::StrCat("PullPrefix: the pages pulled from peer ", peer.member_id,
+                                 " over ", PullTransportName(t), " were refused: ", s.message()));
+    }
+    return absl::Status(
+        s.code(), absl::StrCat("PullPrefix: peer ", peer.member_id, " (", peer.address, ") over ",
+                               PullTransportName(t), ": ", s.message(), "; nothing was stored"));
+  };
+
+  if (status.ok() && push.num_pages() > 0) {
+    const MemberInfo& self = membership_->self();
+    absl::StatusOr<std::vector<PullTransport>> order = PullTransportOrder(
+        config_.cluster.pull_transport, {self.member_id, config_.backend, self.node_id},
+        {peer.member_id, peer.backend, peer.node_id});
+    status = order.status();
+    for (size_t i = 0; order.ok() && i < order->size(); ++i) {
+      const PullTransport t = (*order)[i];
+      bool stored = false;
+      pushed.Clear();
+      bytes = 0;
+      status = t == PullTransport::kGrpc ? by_grpc() : by_device(t, &stored);
+      if (status.ok()) {
+        used = t;
+        break;
+      }
+      // A device transport that failed before anything was stored: the next one (auto).
+      if (t == PullTransport::kGrpc || stored || i + 1 == order->size()) break;
+      Counts(t).fallbacks.fetch_add(1);
+      KVCD_LOG(WARNING) << status.message() << "; trying " << PullTransportName((*order)[i + 1]);
     }
   }
   {
@@ -168,18 +278,11 @@ absl::Status PrefixPuller::PullFrom(const MemberInfo& peer, const v1::PullPrefix
     (void)stub->CloseSequence(&ctx, close, &closed);  // else its short lease ends it
   }
   if (!status.ok()) return status;
-  if (push.inline_pages_size() == 0) return absl::OkStatus();  // nothing beyond what is held
-  push.set_model(req.model());
-  push.set_cache_salt(req.cache_salt());
-  push.mutable_tokens()->Assign(req.tokens().begin(), req.tokens().begin() + held);
-  push.set_first_page(local_tokens / page_size);
-  v1::PushPagesResponse pushed;
-  if (absl::Status s = engine_->PushPages(push, &pushed); !s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("PullPrefix: the pages pulled from peer ",
-                                               peer.member_id, " were refused: ", s.message()));
-  }
+  if (!used) return absl::OkStatus();  // nothing beyond what is held
   resp->set_pulled_tokens(pushed.inserted_tokens());
   resp->set_pulled_bytes(bytes);
+  Counts(*used).pulls.fetch_add(1);
+  Counts(*used).bytes.fetch_add(static_cast<uint64_t>(bytes));
   return absl::OkStatus();
 }
 

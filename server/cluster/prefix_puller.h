@@ -5,6 +5,11 @@
 // same tenant) and over TLS when this daemon serves TLS. The pull runs OpenSequence on A
 // with a short lease, FetchPages of the pages as stored, CloseSequence; the pages then go
 // through this daemon's PushPages (format, size, finite values): all or nothing.
+// The page bytes move by one of three transports (docs/cluster.md "Transports",
+// cluster.pull_transport): CUDA IPC when both members run backend cuda on one node, NCCL
+// when both run cuda, else inline in FetchPages' gRPC answers (DevicePagePull for the first
+// two). Under `auto` a device transport that fails before anything is stored falls back to
+// the next one; the counters say which transport moved each pull.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -18,6 +23,7 @@
 #include "absl/status/status.h"
 #include "kvcd/v1/kvcache.grpc.pb.h"
 #include "server/cluster/membership.h"
+#include "server/cluster/pull_transport.h"
 #include "server/config/config.h"
 #include "server/engine/cache_engine.h"
 
@@ -46,6 +52,12 @@ class PrefixPuller {
   uint64_t pulled_bytes() const { return pulled_bytes_.load(); }
   uint64_t failures() const { return failures_.load(); }
 
+  // Successful pulls that stored pages, and their bytes, by the transport that moved them;
+  // device transports given up for the next one (auto only), by the transport given up.
+  uint64_t pulls_by(PullTransport t) const { return Counts(t).pulls.load(); }
+  uint64_t bytes_by(PullTransport t) const { return Counts(t).bytes.load(); }
+  uint64_t fallbacks_from(PullTransport t) const { return Counts(t).fallbacks.load(); }
+
  private:
   PrefixPuller(CacheEngine* engine, Membership* membership, const ServerConfig& config,
                std::shared_ptr<grpc::ChannelCredentials> creds)
@@ -53,6 +65,13 @@ class PrefixPuller {
   absl::Status PullFrom(const MemberInfo& peer, const v1::PullPrefixRequest& req,
                         const std::string& authorization, int64_t local_tokens, int32_t page_size,
                         v1::PullPrefixResponse* resp);
+  struct TransportCounts {
+    std::atomic<uint64_t> pulls{0}, bytes{0}, fallbacks{0};
+  };
+  TransportCounts& Counts(PullTransport t) { return by_transport_[static_cast<int>(t)]; }
+  const TransportCounts& Counts(PullTransport t) const {
+    return by_transport_[static_cast<int>(t)];
+  }
   std::shared_ptr<grpc::Channel> ChannelTo(const std::string& address);
 
   CacheEngine* const engine_;
@@ -62,6 +81,7 @@ class PrefixPuller {
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<grpc::Channel>> channels_;
   std::atomic<uint64_t> pulls_{0}, pulled_bytes_{0}, failures_{0};
+  TransportCounts by_transport_[kPullTransports];
 };
 
 }  // namespace kvcd

@@ -392,6 +392,7 @@ absl::StatusOr<ServerConfig> ParseConfig(const std::string& yaml_text) {
       KVCD_RETURN_IF_ERROR(r.Read(cl, "events_buffer", w, &k.events_buffer));
       KVCD_RETURN_IF_ERROR(r.Read(cl, "advertise_address", w, &k.advertise_address));
       KVCD_RETURN_IF_ERROR(r.Read(cl, "peer_token_file", w, &k.peer_token_file));
+      if (cl["pull_transport"]) k.pull_transport = r.Take(cl, "pull_transport", w);  // the enum
     }
     if (const YAML::Node quotas = root["quotas"]) {
       if (const YAML::Node d = quotas["default"]) {

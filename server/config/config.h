@@ -84,6 +84,9 @@ struct ClusterConfig {
   // not made for a client (DNS membership's Stats). Needed with membership dns and auth on;
   // re-read every round, so a rotated secret is picked up.
   std::string peer_token_file;
+  // PullPrefix's transport: grpc | auto | cuda_ipc | nccl (docs/cluster.md "Transports");
+  // the device transports are opt-in until a device run has verified them.
+  std::string pull_transport = "grpc";
   bool has_peers() const { return present && membership != "none"; }
   // The etcd key prefix of the members: /kvcd/<name>/members/.
   std::string MembersPrefix() const { return "/kvcd/" + name + "/members/"; }

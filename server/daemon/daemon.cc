@@ -244,6 +244,7 @@ absl::Status Daemon::StartCluster() {
   self.started_unix_ms = absl::ToUnixMillis(absl::Now());
   self.version = KVCD_VERSION;
   self.events_endpoint = k.events_endpoint;
+  self.node_id = LocalNodeId();
   if (k.membership == "dns") {
     KVCD_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> creds,
                           PeerCredentials(config_));

@@ -517,13 +517,34 @@ absl::Status CacheEngine::PushPages(const v1::PushPagesRequest& req, v1::PushPag
   return absl::OkStatus();
 }
 
+absl::StatusOr<int64_t> CacheEngine::PushedPagesBytes(const ModelCache& m,
+                                                      const v1::PushPagesRequest& req) {
+  const int64_t ps = m.spec().page_size;
+  const int64_t n_pages = req.num_pages();
+  const int64_t first = req.first_page();
+  if (n_pages < 1 || n_pages > kMaxTokensPerCall) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_pages is ", n_pages, ", expected 1..", kMaxTokensPerCall,
+                     " with pages (the count of pages in the device bytes)"));
+  }
+  const auto end_pages = CheckedAdd(first, n_pages);
+  const auto end_tokens = end_pages ? CheckedMul(*end_pages, ps) : std::nullopt;
+  if (first < 0 || !end_tokens || *end_tokens > req.tokens_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("first_page ", first, " + ", n_pages, " pages of ", ps, " tokens need ",
+                     end_tokens ? *end_tokens : -1, " tokens, but tokens has ", req.tokens_size()));
+  }
+  int64_t total = 0;
+  for (int64_t i = 0; i < n_pages; ++i) total += m.StoredPageBytes(first + i);
+  return total;
+}
+
 absl::Status CacheEngine::PushDevicePages(ModelCache& m, const v1::PushPagesRequest& req,
                                           v1::PushPagesResponse* resp) {
   if (req.inline_pages_size() != 0) {
     return absl::InvalidArgumentError(
         "both pages and inline_pages are set; send the pages one way");
   }
-  const int64_t ps = m.spec().page_size;
   const int64_t n_pages = req.num_pages();
   const int64_t first = req.first_page();
   // The pages' bytes as this model stores them: the tensor's size once its kind is accepted.
@@ -533,19 +554,7 @@ absl::Status CacheEngine::PushDevicePages(ModelCache& m, const v1::PushPagesRequ
   spec.dtypes = TensorSpec::DTypes::kU8;
   spec.kinds = TensorResolver::kIpc | TensorResolver::kNccl;
   spec.shape_after_payload = [&]() -> absl::StatusOr<std::vector<int64_t>> {
-    if (n_pages < 1 || n_pages > kMaxTokensPerCall) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("num_pages is ", n_pages, ", expected 1..", kMaxTokensPerCall,
-                       " with pages (the count of pages in the device bytes)"));
-    }
-    const auto end_pages = CheckedAdd(first, n_pages);
-    const auto end_tokens = end_pages ? CheckedMul(*end_pages, ps) : std::nullopt;
-    if (first < 0 || !end_tokens || *end_tokens > req.tokens_size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "first_page ", first, " + ", n_pages, " pages of ", ps, " tokens need ",
-          end_tokens ? *end_tokens : -1, " tokens, but tokens has ", req.tokens_size()));
-    }
-    for (int64_t i = 0; i < n_pages; ++i) total += m.StoredPageBytes(first + i);
+    KVCD_ASSIGN_OR_RETURN(total, PushedPagesBytes(m, req));
     return std::vector<int64_t>{total};
   };
   KVCD_ASSIGN_OR_RETURN(TensorResolver::Bytes src, tensors_.Resolve(req.pages(), spec));
@@ -561,6 +570,35 @@ absl::Status CacheEngine::PushDevicePages(ModelCache& m, const v1::PushPagesRequ
   } else {
     KVCD_RETURN_IF_ERROR(nccl_.Receive(src.nccl_communicator, static_cast<uint64_t>(total), store));
   }
+  resp->set_inserted_tokens(r.inserted_tokens);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> CacheEngine::StoredPagesBytes(const v1::PushPagesRequest& req) {
+  KVCD_ASSIGN_OR_RETURN(ModelCache * m, FindModel(req.model()));
+  return PushedPagesBytes(*m, req);
+}
+
+absl::Status CacheEngine::PushPagesFromDevice(const v1::PushPagesRequest& req,
+                                              const uint8_t* device_pages, int64_t bytes,
+                                              v1::PushPagesResponse* resp) {
+  KVCD_ASSIGN_OR_RETURN(ModelCache * m, FindModel(req.model()));
+  KVCD_RETURN_IF_ERROR(CheckSalt(req.cache_salt()));
+  KVCD_RETURN_IF_ERROR(CheckTokens(req.tokens(), "tokens", false));
+  KVCD_RETURN_IF_ERROR(RequireDevice(*backend_).status());
+  if (req.has_pages() || req.inline_pages_size() != 0) {
+    return absl::InvalidArgumentError(
+        "pages already in device memory come without pages or inline_pages");
+  }
+  KVCD_ASSIGN_OR_RETURN(int64_t total, PushedPagesBytes(*m, req));
+  if (bytes != total) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the device pages hold ", bytes, " bytes, but ", req.num_pages(), " pages from page ",
+        req.first_page(), " take ", total, " bytes as this model stores them"));
+  }
+  KVCD_ASSIGN_OR_RETURN(PutResult r,
+                        m->PushDevicePages(req.cache_salt(), req.tokens(), req.first_page(),
+                                           req.num_pages(), device_pages));
   resp->set_inserted_tokens(r.inserted_tokens);
   return absl::OkStatus();
 }

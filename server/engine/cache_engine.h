@@ -82,6 +82,15 @@ class CacheEngine : public DecodeEngine {
   absl::Status FetchPages(const v1::FetchPagesRequest& req, v1::FetchPagesResponse* resp,
                           const FoundSequences& found = {});
   absl::Status PushPages(const v1::PushPagesRequest& req, v1::PushPagesResponse* resp);
+  // PushPages of pages already in this daemon's device memory (a peer's pages that
+  // PullPrefix received over CUDA IPC or NCCL into its own staging): `req` names the model,
+  // salt, tokens, first_page and num_pages (no `pages`, no inline_pages). StoredPagesBytes
+  // is the bytes those pages take as this model stores them (what the staging must hold);
+  // PushPagesFromDevice checks the request as PushPages does, that `bytes` equals it, and
+  // stores with the same device checks (format, finite values): all or nothing.
+  absl::StatusOr<int64_t> StoredPagesBytes(const v1::PushPagesRequest& req);
+  absl::Status PushPagesFromDevice(const v1::PushPagesRequest& req, const uint8_t* device_pages,
+                                   int64_t bytes, v1::PushPagesResponse* resp);
   // Prefix pins (prefix_pins.h). Stats lists every live pin; the RPC layer keeps only the
   // caller's tenants' (server/rpc/service.cc).
   absl::Status PinPrefix(const v1::PinPrefixRequest& req, v1::PinPrefixResponse* resp);
@@ -178,6 +187,10 @@ class CacheEngine : public DecodeEngine {
                                       int64_t layers, int64_t n, const ModelSpec& s);
   absl::Status PushDevicePages(ModelCache& m, const v1::PushPagesRequest& req,
                                v1::PushPagesResponse* resp);
+  // The bytes of req's num_pages pages from first_page as m stores them, after checking
+  // the counts against the tokens.
+  static absl::StatusOr<int64_t> PushedPagesBytes(const ModelCache& m,
+                                                  const v1::PushPagesRequest& req);
 
   // The steps of AttentionDecode (attention_decode.cc).
   struct DecodeQueries {

@@ -42,6 +42,8 @@ Error Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, siz
 constexpr size_t kIpcHandleBytes = 64;
 Error IpcOpenMemory(const std::string& handle, void** ptr);
 Error IpcCloseMemory(void* ptr);
+// The handle another process opens with IpcOpenMemory, of an allocation of Malloc here.
+Error IpcExportMemory(void* ptr, std::string* handle);
 // An interprocess event (timing disabled) and its handle for another process.
 Error IpcCreateEvent(void** event, std::string* handle);
 Error IpcOpenEvent(const std::string& handle, void** event);

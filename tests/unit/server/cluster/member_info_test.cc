@@ -20,6 +20,7 @@ MemberInfo Sample() {
   m.started_unix_ms = 1764900000000;
   m.version = "0.1.0";
   m.events_endpoint = "tcp://10.0.0.7:5557";
+  m.node_id = "0f6d2a4e-3c51-4b7e-9a0d-2b1c8e4f5a61";
   return m;
 }
 
@@ -36,6 +37,21 @@ TEST(MemberInfoTest, RoundTrips) {
   EXPECT_EQ(back->started_unix_ms, m.started_unix_ms);
   EXPECT_EQ(back->version, m.version);
   EXPECT_EQ(back->events_endpoint, m.events_endpoint);
+  EXPECT_EQ(back->node_id, m.node_id);
+  // node_id is optional: a value without it (an older member) decodes with it empty.
+  MemberInfo old = m;
+  old.node_id.clear();
+  EXPECT_EQ(EncodeMemberInfo(old).find("node_id"), std::string::npos);
+  back = DecodeMemberInfo(EncodeMemberInfo(old), "kvcd-0");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->node_id, "");
+}
+
+TEST(MemberInfoTest, LocalNodeIdIsTheBootId) {
+  const std::string id = LocalNodeId();
+  // Linux hosts have one; it is what another member on this node advertises too.
+  EXPECT_TRUE(std::regex_match(id, std::regex("[0-9a-f-]{36}"))) << id;
+  EXPECT_EQ(LocalNodeId(), id);
 }
 
 TEST(MemberInfoTest, IncarnationsAreSixteenHexAndFresh) {
@@ -73,6 +89,9 @@ TEST(MemberInfoTest, HostileValuesAreRefused) {
       {with("incarnation", "\"XYZ\""), "16 lowercase hex"},
       {with("events_endpoint", "\"ipc:///x\""), "events_endpoint"},
       {with("version", "\"" + std::string(100, 'v') + "\""), "at most 64"},
+      {with("node_id", "\"a/b\""), "node_id"},
+      {with("node_id", "\"" + std::string(65, 'f') + "\""), "at most 64"},
+      {with("node_id", "5"), "is not a string"},
   };
   for (const auto& [value, want] : bad) {
     auto r = DecodeMemberInfo(value, "kvcd-0");
