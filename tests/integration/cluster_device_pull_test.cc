@@ -14,6 +14,7 @@
 
 #include "client/client.h"
 #include "cluster_servers.h"
+#include "cuda_cpu_daemons.h"
 #include "daemon_process.h"
 #include "proto/tensor_ref.h"
 #include "testing/synthetic.h"
@@ -62,14 +63,6 @@ models:
     memory: 64MiB
 )" + testing_util::ClusterSection("d", member, etcd) +
          "  pull_transport: " + transport + "\n";
-}
-
-std::unique_ptr<Client> ConnectTo(const DaemonProcess& d) {
-  ClientOptions o;
-  o.target = d.grpc();
-  auto c = Client::Connect(o);
-  EXPECT_TRUE(c.ok()) << c.status();
-  return c.ok() ? std::move(*c) : nullptr;
 }
 
 // The pages as stored of the cached prefix of `tokens` ("format:bytes" each) and how many
