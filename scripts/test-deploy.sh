@@ -2,7 +2,7 @@
 # The deployment and observability checks (deploy/, see deploy/README.md). Needs kvcd and
 # kvctl built (${KVCD_BUILD_DIR:-build}/server/kvcd, .../client/kvctl); installs the rest:
 # Debian packages (prometheus for promtool, docker.io, debootstrap) and a venv under
-# .cache/deploy-venv with the PyPI tools (helm-python-sdk, kubernetes-validate,
+# ~/.cache/kvcd/deploy-venv-<hash> (shared by clones) with the PyPI tools (helm-python-sdk, kubernetes-validate,
 # grafana-foundation-sdk, pytest).
 #   1. promtool check rules + promtool test rules (a unit test per alert, and each alert
 #      disabled in turn must fail its test)
@@ -53,11 +53,15 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
-venv=${KVCD_DEPLOY_VENV:-$PWD/.cache/deploy-venv}
 reqs="helm-python-sdk==0.2.2 kubernetes-validate==1.37.0 grafana-foundation-sdk==1769699998!10.1.0 pytest==8.* PyYAML==6.*"
+# Outside the clone, keyed by the requirements and the Python version (as the vLLM venv), so
+# clean clones reuse it; .reqs is written last, so a venv without it is rebuilt.
+reqs_hash=$( { echo "$reqs"; python3 -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)
+venv=${KVCD_DEPLOY_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcd/deploy-venv-$reqs_hash}
 if [[ ! -f $venv/.reqs ]] || [[ $(cat "$venv/.reqs") != "$reqs" ]]; then
   echo "test-deploy: PyPI tools into $venv"
-  python3 -m venv "$venv" && "$venv/bin/pip" install -q $reqs && echo "$reqs" >"$venv/.reqs" ||
+  rm -rf "$venv" && mkdir -p "$(dirname "$venv")" && python3 -m venv "$venv" &&
+    "$venv/bin/pip" install -q $reqs && echo "$reqs" >"$venv/.reqs" ||
     { echo "test-deploy: pip install failed" >&2; exit 1; }
 fi
 py=$venv/bin/python

@@ -3,9 +3,9 @@
 # tests share (scripts/test-lib.sh san_build: clang, CPU only, ASan + UBSan + libFuzzer
 # coverage, ${KVCD_SAN_BUILD_DIR:-build-san}; after scripts/test-asan.sh nothing is left to
 # compile). Replays each target's committed corpus (tests/fuzz/corpus/<target>/), then fuzzes
-# within a fixed total budget: KVCD_FUZZ_BUDGET seconds of wall time (default 60) for all the
+# within a fixed total budget: KVCD_FUZZ_BUDGET seconds of wall time (default 30) for all the
 # targets, KVCD_FUZZ_JOBS of them at a time (default: the number of cores), so each gets
-# budget x jobs / targets seconds (18 s with 7 targets on 2 cores); KVCD_FUZZ_SECONDS sets
+# budget x jobs / targets seconds (9 s with 7 targets on 2 cores); KVCD_FUZZ_SECONDS sets
 # the seconds per target instead. Any crash, leak, sanitizer report or timeout fails the
 # script and leaves the reproducer in $build/fuzz-artifacts/.
 #   scripts/test-fuzz.sh                    # build, replay, fuzz every target
@@ -20,7 +20,7 @@ runs=${KVCD_FUZZ_RUNS:-}
 jobs=${KVCD_FUZZ_JOBS:-$(nproc)}
 targets=("$@")
 ((${#targets[@]})) || targets=("${FUZZ_TARGETS[@]}")
-budget=${KVCD_FUZZ_BUDGET:-60}
+budget=${KVCD_FUZZ_BUDGET:-30}
 ((jobs <= ${#targets[@]})) || jobs=${#targets[@]}
 seconds=${KVCD_FUZZ_SECONDS:-$(((budget * jobs + ${#targets[@]} - 1) / ${#targets[@]}))}
 san_build "${targets[@]}"

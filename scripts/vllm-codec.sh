@@ -8,8 +8,9 @@
 # kvcd-int2-study --out-codec. int2-transform stores post-RoPE keys: a codec fitted at
 # positions < 512 only mispredicts the slow RoPE pairs further on (10.9 nats of next-token
 # KL at 4k in bench/results/2026-12-05-vllm-connector.md). Cached under
-# ${KVCD_MODEL_CACHE:-.cache/models}/smollm2-codec-v3 (redone when the texts, the model, the
-# tools, kvcd-int2-study or the positions change). Needs scripts/build.sh kvcd-int2-study.
+# ~/.cache/kvcd/smollm2-codec-v3-<stamp> (${KVCD_MODEL_CACHE:-.cache/models} while tools/,
+# kernels/ or common/ hold uncommitted changes), redone when the texts, the model, the
+# tools, kvcd-int2-study's sources or the positions change. Needs scripts/build.sh kvcd-int2-study.
 # Argument: the venv (default: scripts/vllm-venv.sh's). Prints the codec file's path on its
 # last line.
 set -euo pipefail
@@ -18,12 +19,23 @@ build=${KVCD_BUILD_DIR:-build}
 cache=${KVCD_MODEL_CACHE:-$PWD/.cache/models}
 venv=${1:-$(./scripts/vllm-venv.sh | tail -1)}
 model=$(./scripts/vllm-model.sh "$venv" | tail -1)
-out=$cache/smollm2-codec-v3
 study=$build/tools/kvcd-int2-study
 positions=${KVCD_CODEC_POSITIONS:-8192}
+# What the fit depends on: the texts, the model, the Python tools, the positions and
+# kvcd-int2-study. The study is named by its sources (git's tree ids of tools/, kernels/ and
+# common/) when they are committed, so clean clones of one commit share the codec in the
+# cache outside the clone; by the binary itself otherwise (uncommitted changes).
+if git diff --quiet HEAD -- tools kernels common 2>/dev/null &&
+  study_id=$(git rev-parse HEAD:tools HEAD:kernels HEAD:common 2>/dev/null); then
+  codec_root=${KVCD_CODEC_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcd}
+else
+  study_id=$(sha256sum <"$study")
+  codec_root=$cache
+fi
 stamp=$( (cat bench/text/smollm2-calibration.txt bench/text/smollm2-heldout.txt "$model/STAMP" \
-  "$study" tools/dump_activations.py tools/reposition_dump.py; echo "$positions") |
+  tools/dump_activations.py tools/reposition_dump.py; echo "$study_id"; echo "$positions") |
   sha256sum | cut -c1-16)
+out=$codec_root/smollm2-codec-v3-$stamp
 if [[ -f $out/codec.safetensors && "$(cat "$out/STAMP" 2>/dev/null)" == "$stamp" ]]; then
   echo "$out/codec.safetensors"
   exit 0
