@@ -21,24 +21,8 @@
 # Writes $OUT/summary.txt and $OUT/logs.tgz (re-packed after every step).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-final=${OUT:-/tmp/kvcd-h200-fsq-enc}
-out=/tmp/kvcd-h200-fsq-enc-logs
-mkdir -p "$final" "$out"
-export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH=$PWD/.devlibs
-BIN=.devbin
-summary() { echo "$*" | tee -a "$final/summary.txt"; }
-pack() { tar -czf "$final/logs.tgz" -C "$out" . 2>/dev/null; }
-step() {  # name, timeout, command...
-  local name=$1 limit=$2 t0=$SECONDS
-  shift 2
-  timeout "$limit" stdbuf -oL "$@" > "$out/$name.log" 2>&1
-  local rc=$?
-  summary "$name rc $rc ($((SECONDS - t0)) s): $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\] [0-9]+ tests?' "$out/$name.log" | tr '\n' ' ')"
-  grep -E '^\[  FAILED  \] [A-Za-z]' "$out/$name.log" | head -20 | tee -a "$final/summary.txt"
-  pack
-}
-: > "$final/summary.txt"
-summary "$(nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.max.sm --format=csv,noheader 2>&1)"
+source bench/device-steps.sh
+device_steps fsq-enc
 
 # 1. tests
 step cuda-tests 120 "$BIN/kvcd_cuda_tests" --gtest_filter='CudaFsqEncodeTc*:CudaFsqTest.Encode*'

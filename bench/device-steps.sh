@@ -1,0 +1,32 @@
+# Sourced by the bench/run-h200-*.sh device scripts: the steps' logs, the summary and the
+# packed logs they return. `device_steps NAME` sets
+#   final  where the results go: $OUT on the device tool, else /tmp/kvcd-h200-NAME
+#   out    the steps' logs (/tmp/kvcd-h200-NAME-logs), packed into $final/logs.tgz
+#   BIN    the carried binaries (.devbin, or $KVCD_DEVBIN), their libraries on LD_LIBRARY_PATH
+# and starts $final/summary.txt with the card. Then:
+#   summary TEXT...            a line of the summary (also printed)
+#   step NAME LIMIT CMD...     runs CMD with a time limit, its output in $out/NAME.log; the
+#                              summary gets its exit status, time and gtest totals, and the
+#                              names of failed tests
+# NCCL's NVLink multicast stays off (the device tool's machines do not offer it).
+device_steps() {
+  final=${OUT:-/tmp/kvcd-h200-$1}
+  out=/tmp/kvcd-h200-$1-logs
+  mkdir -p "$final" "$out"
+  export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH=$PWD/.devlibs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  BIN=${KVCD_DEVBIN:-.devbin}
+  : >"$final/summary.txt"
+  summary "$(nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.max.sm \
+    --format=csv,noheader 2>&1)"
+}
+summary() { echo "$*" | tee -a "$final/summary.txt"; }
+pack() { tar -czf "$final/logs.tgz" -C "$out" . 2>/dev/null; }
+step() {
+  local name=$1 limit=$2 t0=$SECONDS
+  shift 2
+  timeout "$limit" stdbuf -oL "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  summary "$name rc $rc ($((SECONDS - t0)) s): $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\] [0-9]+ tests?' "$out/$name.log" | tr '\n' ' ')"
+  grep -E '^\[  FAILED  \] [A-Za-z]' "$out/$name.log" | head -20 | tee -a "$final/summary.txt"
+  pack
+}
