@@ -15,8 +15,9 @@
 # engine and prepares the base image (scripts/test-deploy.sh --prepare runs it during the
 # build).
 #
-# Starts dockerd if none answers. Caches under ${KVCD_DEPLOY_CACHE:-.cache/deploy}: the
-# debootstrap tarball (rebuilt after ${KVCD_BASE_MAX_AGE_DAYS:-7} days), and the build
+# Starts dockerd if none answers. Caches the debootstrap tarball (rebuilt after
+# ${KVCD_BASE_MAX_AGE_DAYS:-7} days) under ${KVCD_BASE_CACHE:-~/.cache/kvcd}, shared by clones,
+# and under ${KVCD_DEPLOY_CACHE:-.cache/deploy} the build
 # stage's ccache (copied out of the build stage after each build and sent back in the
 # context next time). Prints the image name on its last line.
 set -euo pipefail
@@ -91,7 +92,10 @@ apt_uri() {  # $1: suite to look for
     /etc/apt/sources.list.d/*.list | awk '{print $2}'
   return 0
 }
-tarball=$cache/debian-bookworm-minbase.tar
+# The base tarball outside the clone (every clone of every commit imports the same one).
+base_cache=${KVCD_BASE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcd}
+mkdir -p "$base_cache"
+tarball=$base_cache/debian-bookworm-minbase.tar
 max_age=${KVCD_BASE_MAX_AGE_DAYS:-7}
 if [[ ! -s $tarball ]] || [[ -n $(find "$tarball" -mtime +"$max_age" 2>/dev/null) ]]; then
   mirror=$(apt_uri bookworm | head -1)

@@ -33,36 +33,8 @@ int DeviceCount() {
 
 std::string Config(const std::string& member, const std::string& etcd,
                    const std::string& transport) {
-  return R"(
-listen: 127.0.0.1:0
-metrics_listen: 127.0.0.1:0
-backend: cuda
-memory_budget: 512MiB
-lease: {default_ms: 30000, max_ms: 60000}
-drain_timeout_ms: 300
-models:
-  - name: small
-    num_layers: 2
-    num_q_heads: 8
-    num_kv_heads: 2
-    head_dim: 128
-    page_size: 64
-    sink_tokens: 64
-    recent_tokens: 128
-    history_format: int2-oscar
-    memory: 96MiB
-    bf16_fraction: 0.5
-  - name: small-bf16
-    num_layers: 2
-    num_q_heads: 8
-    num_kv_heads: 2
-    head_dim: 128
-    page_size: 64
-    sink_tokens: 64
-    recent_tokens: 128
-    memory: 64MiB
-)" + testing_util::ClusterSection("d", member, etcd) +
-         "  pull_transport: " + transport + "\n";
+  return std::string(testing_util::kSmallCudaDaemon) +
+         testing_util::ClusterSection("d", member, etcd) + "  pull_transport: " + transport + "\n";
 }
 
 // The pages as stored of the cached prefix of `tokens` ("format:bytes" each) and how many

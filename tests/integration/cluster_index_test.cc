@@ -127,6 +127,9 @@ TEST_F(ClusterIndexTest, EntriesFollowTheTreeAndMembers) {
   ASSERT_TRUE(
       WaitFor([&] { return MetricValue(ScrapeMetrics(a), "kvcd_cluster_index_writes_total") >= 3; },
               std::chrono::seconds(30)));
+  // The members gauge follows a's watch of etcd, which may see b a moment after b registers.
+  ASSERT_TRUE(WaitFor([&] { return MetricValue(ScrapeMetrics(a), "kvcd_cluster_members") == 2; },
+                      std::chrono::seconds(30)));
   const std::string metrics = ScrapeMetrics(a);
   EXPECT_EQ(MetricValue(metrics, "kvcd_cluster_membership_state{state=\"advertised\"}"), 1);
   EXPECT_EQ(MetricValue(metrics, "kvcd_cluster_members"), 2);

@@ -34,6 +34,38 @@ inline std::string BackendConfig(const std::string& backend) {
          "drain_timeout_ms: 300\n";
 }
 
+// A CUDA daemon holding two small models of one geometry: `small` (INT2 history, half its
+// memory BF16) and `small-bf16` (the data-plane and device-pull tests).
+inline constexpr char kSmallCudaDaemon[] = R"(
+listen: 127.0.0.1:0
+metrics_listen: 127.0.0.1:0
+backend: cuda
+memory_budget: 512MiB
+lease: {default_ms: 30000, max_ms: 60000}
+drain_timeout_ms: 300
+models:
+  - name: small
+    num_layers: 2
+    num_q_heads: 8
+    num_kv_heads: 2
+    head_dim: 128
+    page_size: 64
+    sink_tokens: 64
+    recent_tokens: 128
+    history_format: int2-oscar
+    memory: 96MiB
+    bf16_fraction: 0.5
+  - name: small-bf16
+    num_layers: 2
+    num_q_heads: 8
+    num_kv_heads: 2
+    head_dim: 128
+    page_size: 64
+    sink_tokens: 64
+    recent_tokens: 128
+    memory: 64MiB
+)";
+
 inline std::unique_ptr<Client> ConnectTo(const DaemonProcess& d) {
   ClientOptions o;
   o.target = d.grpc();

@@ -13,6 +13,7 @@
 #include "client/client.h"
 #include "client/decode_channel.h"
 #include "client/workers/ipc_buffer.h"
+#include "cuda_cpu_daemons.h"
 #include "daemon_process.h"
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/cuda_nccl.h"
@@ -25,36 +26,6 @@ namespace data_plane_test {
 
 using testing_util::DaemonProcess;
 using workers::IpcBuffer;
-
-constexpr char kConfig[] = R"(
-listen: 127.0.0.1:0
-metrics_listen: 127.0.0.1:0
-backend: cuda
-memory_budget: 512MiB
-lease: {default_ms: 30000, max_ms: 60000}
-drain_timeout_ms: 300
-models:
-  - name: small
-    num_layers: 2
-    num_q_heads: 8
-    num_kv_heads: 2
-    head_dim: 128
-    page_size: 64
-    sink_tokens: 64
-    recent_tokens: 128
-    history_format: int2-oscar
-    memory: 96MiB
-    bf16_fraction: 0.5
-  - name: small-bf16
-    num_layers: 2
-    num_q_heads: 8
-    num_kv_heads: 2
-    head_dim: 128
-    page_size: 64
-    sink_tokens: 64
-    recent_tokens: 128
-    memory: 64MiB
-)";
 
 int DeviceCount() {
   int n = 0;
@@ -71,7 +42,7 @@ class DataPlaneTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     if (DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-    ASSERT_TRUE(daemon_.Start(kConfig));
+    ASSERT_TRUE(daemon_.Start(testing_util::kSmallCudaDaemon));
     ClientOptions o;
     o.target = daemon_.grpc();
     auto c = Client::Connect(o);
