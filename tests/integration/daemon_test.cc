@@ -555,20 +555,7 @@ TEST_F(DaemonTest, HealthMetricsAndDrain) {
 
   ASSERT_TRUE(client_->Put(MakePut("tiny", 3, 8)).ok());
   // Scrape /metrics over plain HTTP.
-  const auto colon = daemon_.metrics().rfind(':');
-  const int port = std::stoi(daemon_.metrics().substr(colon + 1));
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
-  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  const std::string get = "GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n";
-  ASSERT_EQ(write(fd, get.data(), get.size()), static_cast<ssize_t>(get.size()));
-  std::string body;
-  char buf[4096];
-  for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) body.append(buf, static_cast<size_t>(n));
-  close(fd);
+  const std::string body = testing_util::ScrapeMetrics(daemon_);
   EXPECT_NE(body.find("200 OK"), std::string::npos);
   for (const char* name :
        {"kvcd_pool_bytes{format=\"bf16\",model=\"tiny\",state=\"used\"} 2048",

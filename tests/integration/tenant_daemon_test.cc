@@ -126,21 +126,8 @@ models:
   EXPECT_EQ(by_name["other"].max_lease_ms(), 2000);
 
   // /metrics carries the same, labelled by tenant.
-  const std::string metrics = daemon.metrics();
-  const auto colon = metrics.rfind(':');
-  const int port = std::stoi(metrics.substr(colon + 1));
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
-  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  const std::string get = "GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n";
-  ASSERT_EQ(write(fd, get.data(), get.size()), static_cast<ssize_t>(get.size()));
-  std::string body;
-  char buf[4096];
-  for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) body.append(buf, static_cast<size_t>(n));
-  close(fd);
+  const std::string body = ScrapeMetrics(daemon);
+  ASSERT_FALSE(body.empty());
   for (const char* line : {"kvcd_tenant_open_sequences{tenant=\"greedy\"} 3",
                            "kvcd_tenant_open_sequences{tenant=\"other\"} 3",
                            "kvcd_tenant_quota{quota=\"max_sequences\",tenant=\"greedy\"} 3"}) {
