@@ -18,6 +18,7 @@
 #include "kvcd/kernels/finite_check.h"
 #include "proto/tensor_ref.h"
 #include "server/engine/cache_engine.h"
+#include "server/engine/model_profile.h"
 #include "server/formats/bf16/bf16_format.h"
 #include "server/formats/page_pool.h"
 #include "testing/synthetic.h"

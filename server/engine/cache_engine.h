@@ -247,8 +247,4 @@ class CacheEngine : public DecodeEngine {
   PrefixPins pins_;          // destroyed (unpinning) before models_ and tenants_
 };
 
-// Converts a v1 profile to a spec (0 rope.theta/scaling mean the defaults 10000 / 1).
-ModelSpec SpecFromProfile(const v1::ModelProfile& p);
-void ProfileFromSpec(const ModelSpec& s, v1::ModelProfile* p);
-
 }  // namespace kvcd

@@ -29,6 +29,7 @@
 #include "kvcd/kernels/bf16.h"
 #include "server/backends/backend.h"
 #include "server/engine/cache_engine.h"
+#include "server/engine/model_profile.h"
 #include "server/formats/model_spec.h"
 #include "testing/synthetic.h"
 

@@ -20,6 +20,7 @@
 #include "proto/tensor_ref.h"
 #include "server/backends/backend.h"
 #include "server/engine/cache_engine.h"
+#include "server/engine/model_profile.h"
 #include "server/formats/model_spec.h"
 #include "testing/synthetic.h"
 

@@ -6,6 +6,7 @@
 #include "kvcd/v1/kvcache.pb.h"
 #include "proto/tensor_ref.h"
 #include "server/engine/cache_engine.h"
+#include "server/engine/model_profile.h"
 #include "server/formats/model_spec.h"
 #include "testing/synthetic.h"
 

@@ -21,6 +21,7 @@
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/int2_attention.h"
 #include "kvcd/kernels/reference_attention.h"
+#include "server/engine/model_profile.h"
 #include "test_util.h"
 
 namespace kvcd {
