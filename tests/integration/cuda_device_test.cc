@@ -3,8 +3,9 @@
 // reaches CUDA (gRPC callback threads, the request executor, a decode channel's thread, an
 // NCCL link's thread), not on device 0, each thread's default. One real daemon with
 // backend: cuda on device 1 and one with backend: cpu, driven by the real client:
-//   - every page pool is allocated on device 1 (the daemon checks each one with
-//     cudaPointerGetAttributes, kernels' PointerDevice, and logs where it is);
+//   - every page pool is on device 1, of the model in the configuration (allocated on the
+//     daemon's main thread at start-up) and of one registered over gRPC (the daemon checks
+//     each with cudaPointerGetAttributes, kernels' PointerDevice, and logs where it is);
 //   - Put (inline and from a worker buffer on device 1 over CUDA IPC), FetchPages and
 //     PushPages store and return the CPU backend's bytes;
 //   - the per-layer decode loop, over gRPC, over a decode channel and over CUDA IPC, answers
@@ -46,10 +47,26 @@ using workers::IpcBuffer;
 
 constexpr int kDevice = 1;
 constexpr int64_t kPrompt = 512;
-// Past the recent window's first demotion (128 recent tokens, pages of 64).
-constexpr int kSteps = 70;
+// Two pages past the prompt: pages leave the recent window (128 tokens, pages of 64) and
+// are demoted to INT2.
+constexpr int kSteps = 140;
 // cuda_cpu_decode_test.cc's int2-oscar bound (INT2 history beside BF16 windows).
 constexpr double kBound = 3e-3;
+
+// The INT2 history beside BF16 windows of the data-plane tests' geometry.
+constexpr char kModel[] = R"(models:
+  - name: device-one
+    num_layers: 2
+    num_q_heads: 8
+    num_kv_heads: 2
+    head_dim: 128
+    page_size: 64
+    sink_tokens: 64
+    recent_tokens: 128
+    history_format: int2-oscar
+    memory: 96MiB
+    bf16_fraction: 0.5
+)";
 
 // Lines of `text` holding `needle`.
 int Lines(const std::string& text, const std::string& needle) {
@@ -103,25 +120,17 @@ class CudaDeviceOneTest : public testing_util::CudaCpuDaemonsTest<::testing::Tes
  protected:
   void SetUp() override {
     if (CudaDeviceCount() < 2) GTEST_SKIP() << "needs two CUDA devices (cuda_device: 1)";
+    // The model is in both configurations: its pools are allocated on the daemon's main
+    // thread at start-up and used from the threads that serve the calls.
     ASSERT_TRUE(gpu_.CaptureStderr());
-    ASSERT_TRUE(gpu_.Start(testing_util::BackendConfig("cuda") + "cuda_device: 1\n"));
-    ASSERT_TRUE(cpu_.Start(testing_util::BackendConfig("cpu")));
+    ASSERT_TRUE(gpu_.Start(testing_util::BackendConfig("cuda") + "cuda_device: 1\n" + kModel));
+    ASSERT_TRUE(cpu_.Start(testing_util::BackendConfig("cpu") + kModel));
     cuda_ = testing_util::ConnectTo(gpu_);
     host_ = testing_util::ConnectTo(cpu_);
     ASSERT_TRUE(cuda_ != nullptr && host_ != nullptr);
-    // The INT2 history beside BF16 windows of the data-plane tests' geometry.
-    p_.set_name("device-one");
-    p_.set_num_layers(2);
-    p_.set_num_q_heads(8);
-    p_.set_num_kv_heads(2);
-    p_.set_head_dim(128);
-    p_.set_page_size(64);
-    p_.set_sink_tokens(64);
-    p_.set_recent_tokens(128);
-    p_.set_history_format(v1::HISTORY_FORMAT_INT2_OSCAR);
-    p_.set_memory_bytes(96 << 20);
-    p_.set_bf16_fraction(0.5);
-    ASSERT_NO_FATAL_FAILURE(RegisterOnBoth("", {"bf16", "int2-oscar"}));
+    auto info = cuda_->GetModel("device-one");
+    ASSERT_TRUE(info.ok()) << info.status();
+    p_ = info->profile();
   }
   void TearDown() override { cudaSetDevice(0); }
 
@@ -158,9 +167,17 @@ class CudaDeviceOneTest : public testing_util::CudaCpuDaemonsTest<::testing::Tes
 // Pools on device 1; pages stored, fetched and pushed as the CPU backend stores them; the
 // decode loop over gRPC, a decode channel and CUDA IPC close to the CPU backend.
 TEST_F(CudaDeviceOneTest, EveryPathRunsOnTheConfiguredDevice) {
-  // Both pools (the BF16 window's and the INT2 history's) where the daemon says it put them.
+  // The same model registered over gRPC (its pools allocated by a thread serving the call).
+  v1::ModelProfile rpc = p_;
+  rpc.set_name("device-one-rpc");
+  rpc.set_memory_bytes(16 << 20);
+  auto registered = cuda_->RegisterModel(rpc, "");
+  ASSERT_TRUE(registered.ok()) << registered.status();
+  ASSERT_EQ(registered->pools_size(), 2);
+  // Every pool (each model's BF16 window and INT2 history) where the daemon found it: on
+  // device 1 (a pool on another device is refused with INTERNAL, naming both).
   const std::string log = gpu_.Stderr();
-  EXPECT_EQ(Lines(log, "bytes on CUDA device 1"), 2) << log;
+  EXPECT_EQ(Lines(log, "bytes on CUDA device 1"), 4) << log;
   EXPECT_EQ(Lines(log, "bytes on CUDA device 0"), 0) << log;
 
   // The worker (this process) on the daemon's GPU, as a colocated worker is.
