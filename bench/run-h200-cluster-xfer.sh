@@ -10,7 +10,9 @@
 #   2 GPUs: A on GPU 0, B on GPU 1: grpc, cuda_ipc, nccl, auto. Each daemon uses its device
 #           0, so B runs with CUDA_VISIBLE_DEVICES=1,0 and A with 0,1: both see both GPUs,
 #           as CUDA IPC across GPUs and NCCL's peer-to-peer path need.
-# Also the CUDA pull tests (kvcd_data_plane_tests --gtest_filter='ClusterDevicePull*').
+# Also the CUDA pull tests (kvcd_data_plane_tests --gtest_filter='ClusterDevicePull*') and,
+# with 2 GPUs, a daemon on cuda_device 1 driven from its gRPC, decode-channel and NCCL threads
+# against the CPU backend ('CudaDeviceOne*', tests/integration/cuda_device_test.cc).
 #   here:   KVCD_BUILD_DIR=build ./scripts/build.sh kvcd cluster_xfer_bench kvcd_data_plane_tests
 #           && KVCD_PACK_ONLY="kvcd cluster_xfer_bench kvcd_data_plane_tests" \
 #              ./scripts/pack-device.sh && xz -1 -c /usr/bin/etcd > .devbin/etcd.xz
@@ -65,8 +67,10 @@ wait_line() {
 }
 
 # 1. tests
-KVCD_BINARY=$BIN/kvcd timeout 240 stdbuf -oL "$BIN/kvcd_data_plane_tests" \
-  --gtest_filter='ClusterDevicePull*' > "$out/tests.log" 2>&1
+filter='ClusterDevicePull*'
+((gpus >= 2)) && filter+=':CudaDeviceOne*'
+KVCD_BINARY=$BIN/kvcd timeout 300 stdbuf -oL "$BIN/kvcd_data_plane_tests" \
+  --gtest_filter="$filter" > "$out/tests.log" 2>&1
 summary "tests rc $?: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\] [0-9]+ tests?' "$out/tests.log" | tr '\n' ' ')"
 grep -E '^\[  FAILED  \] [A-Za-z]|Failure|expected' "$out/tests.log" | head -10 | tee -a "$final/summary.txt"
 pack

@@ -34,6 +34,7 @@
 #include <cstdint>
 
 #include "cuda_error.cuh"
+#include "device_binding.cuh"
 #include "dispatch.cuh"
 #include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_bf16_split_attention.h"
@@ -428,6 +429,7 @@ Error LaunchBf16SplitDecodeParts(const PagedList& list, const DecodeGeometry& ge
                                  const float* r_k, float scale, int splits, int max_tokens,
                                  float* part_o, float* part_lse, int part_base, cudaStream_t stream,
                                  const RawQueries* raw) {
+  KVCD_CUDA_BIND_THREAD();
   if (!SplitGeometry(geo) || splits <= 0) return ToError(cudaErrorInvalidValue);
   if (reinterpret_cast<uintptr_t>(list.pages) % 16 != 0 || list.page_stride % 16 != 0) {
     // 16-byte copies need 16-byte aligned rows (BF16 pools are; a pool whose pages carry
@@ -460,6 +462,7 @@ Error LaunchBf16Parts(Bf16Kernel kernel, const PagedList& list, const DecodeGeom
                       const float* q, const float* r_k, float scale, int splits, int max_tokens,
                       float* part_o, float* part_lse, int part_base, cudaStream_t stream,
                       const RawQueries* raw) {
+  KVCD_CUDA_BIND_THREAD();
   if (kernel == Bf16Kernel::kWarp) {
     return LaunchBf16DecodeParts(list, geo, q, r_k, scale, splits, max_tokens, part_o, part_lse,
                                  part_base, stream, raw);

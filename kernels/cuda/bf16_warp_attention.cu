@@ -7,6 +7,7 @@
 
 #include "cuda_error.cuh"
 #include "decode_parts.cuh"
+#include "device_binding.cuh"
 #include "dispatch.cuh"
 #include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_decode_attention.h"
@@ -95,6 +96,7 @@ Error LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& geo, co
                             const float* r_k, float scale, int splits, int max_tokens,
                             float* part_o, float* part_lse, int part_base, cudaStream_t stream,
                             const RawQueries* raw) {
+  KVCD_CUDA_BIND_THREAD();
   if (!SupportedGeometry(geo) || splits <= 0) return ToError(cudaErrorInvalidValue);
   PartArgs a{list,   geo,      q,        r_k, scale, TokensPerSplit(max_tokens, splits, kTile),
              part_o, part_lse, part_base};

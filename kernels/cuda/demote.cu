@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "cuda_error.cuh"
+#include "device_binding.cuh"
 #include "dispatch.cuh"
 #include "int2_row_quantizer.cuh"
 #include "kvcd/kernels/call_counts.h"
@@ -127,6 +128,7 @@ __global__ void __launch_bounds__(256)
 Error LaunchDemoteInt2(const uint16_t* rows, int64_t n, int head_dim, const float* rotation,
                        Rotation kind, float rho, const Int2RowRef& out, int64_t first_row,
                        cudaStream_t stream, DemoteKernel kernel) {
+  KVCD_CUDA_BIND_THREAD();
   if (n <= 0) return Error();
   constexpr int64_t kMax32 = (int64_t{1} << 31) - 1;
   if (!(rho > 0.0f && rho <= 1.0f) || first_row < 0 || first_row + n > kMax32 ||

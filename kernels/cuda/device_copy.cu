@@ -1,6 +1,7 @@
 #include <cstdint>
 
 #include "cuda_error.cuh"
+#include "device_binding.cuh"
 #include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_device_copy.h"
 #include "query_input.cuh"
@@ -42,6 +43,7 @@ unsigned Blocks(int64_t n) {
 
 Error LaunchQueriesToFloat(const void* src, bool bf16, int64_t batch, int64_t row_elems, float* dst,
                            const DeviceFault* faults, cudaStream_t stream, int64_t fault_layer) {
+  KVCD_CUDA_BIND_THREAD();
   if (batch <= 0 || row_elems <= 0)
     return ToError(batch < 0 || row_elems < 0 ? cudaErrorInvalidValue : cudaSuccess);
   const int64_t n = batch * row_elems;
@@ -52,6 +54,7 @@ Error LaunchQueriesToFloat(const void* src, bool bf16, int64_t batch, int64_t ro
 }
 
 Error LaunchToFloat(const void* src, bool bf16, int64_t n, float* dst, cudaStream_t stream) {
+  KVCD_CUDA_BIND_THREAD();
   if (n <= 0) return Error();
   CountLaunch();
   ToFloatKernel<<<Blocks(n), kThreads, 0, stream>>>(src, bf16, n, dst);

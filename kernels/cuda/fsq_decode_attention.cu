@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "cuda_error.cuh"
+#include "device_binding.cuh"
 #include "fsq_decode_kernel.cuh"
 #include "kvcd/kernels/cuda_fsq.h"
 
@@ -64,6 +65,7 @@ size_t FsqDecoderBytes(int num_kv_heads, int head_dim, int latent_width) {
 }
 
 Error LaunchFsqPrepareDecoder(const FsqLayerCodec& codec, void* prepared, cudaStream_t stream) {
+  KVCD_CUDA_BIND_THREAD();
   const int hkv = codec.num_kv_heads, d = codec.head_dim, G = codec.latent_width;
   if (prepared == nullptr || codec.decoder_k == nullptr || codec.bias_k == nullptr || hkv < 1 ||
       d < 8 || d % 8 != 0 || G < 1 || G > kFsqMaxLatent ||
@@ -100,6 +102,7 @@ Error LaunchFsqDecodeParts(const PagedList& list, const DecodeGeometry& geo,
                            const FsqDecodeArgs& args, int max_tokens, float* part_o,
                            float* part_lse, int part_base, cudaStream_t stream,
                            const MergeTarget* merge) {
+  KVCD_CUDA_BIND_THREAD();
   return LaunchFsqDecode<false>(list, geo, args, max_tokens, part_o, part_lse, part_base, stream,
                                 merge,
                                 FragBytes(geo.num_kv_heads, geo.head_dim, args.codec.latent_width));

@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "cuda_error.cuh"
+#include "device_binding.cuh"
 #include "fsq_decode_kernel.cuh"
 #include "kvcd/kernels/cuda_fsq.h"
 #include "kvcd/kernels/cuda_fsq_i8.h"
@@ -77,6 +78,7 @@ size_t FsqDecoderBytes(FsqKeyKernel kernel, int num_kv_heads, int head_dim, int 
 
 Error LaunchFsqPrepareDecoder(FsqKeyKernel kernel, const FsqLayerCodec& codec, void* prepared,
                               cudaStream_t stream) {
+  KVCD_CUDA_BIND_THREAD();
   return WithKeyKernel(kernel, [&](auto i8) -> Error {
     if constexpr (!decltype(i8)::value) {
       return LaunchFsqPrepareDecoder(codec, prepared, stream);
@@ -101,6 +103,7 @@ Error LaunchFsqDecodeParts(FsqKeyKernel kernel, const PagedList& list, const Dec
                            const FsqDecodeArgs& args, int max_tokens, float* part_o,
                            float* part_lse, int part_base, cudaStream_t stream,
                            const MergeTarget* merge) {
+  KVCD_CUDA_BIND_THREAD();
   return WithKeyKernel(kernel, [&](auto i8) -> Error {
     if constexpr (!decltype(i8)::value) {
       return LaunchFsqDecodeParts(list, geo, args, max_tokens, part_o, part_lse, part_base, stream,

@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "cuda_error.cuh"
+#include "device_binding.cuh"
 #include "kvcd/kernels/cuda_fsq.h"
 #include "paged_rows.cuh"
 
@@ -134,6 +135,7 @@ __global__ void __launch_bounds__(kEncThreads) FsqEncodeKernel(const EncodeArgs 
 Error LaunchFsqEncodeRows(const RowBlock& x, const PagedRows& dst, int64_t codes_offset,
                           const FsqLayerCodec* layer_codecs, int32_t residual_width,
                           int32_t latent_width, cudaStream_t stream, const StoreCheck* check) {
+  KVCD_CUDA_BIND_THREAD();
   if (x.data == nullptr || dst.base == nullptr || layer_codecs == nullptr || residual_width < 1 ||
       latent_width < 1 || latent_width > kFsqMaxLatent || dst.page_size < 1 || dst.num_layers < 1 ||
       dst.num_tokens < 0 || codes_offset < 0 ||

@@ -21,6 +21,7 @@
 #include <cstring>
 
 #include "cuda_error.cuh"
+#include "device_binding.cuh"
 #include "kvcd/kernels/cuda_fsq_encode_tc.h"
 #include "paged_rows.cuh"
 
@@ -440,6 +441,7 @@ size_t FsqEncoderTcBytes(int32_t residual_width, int32_t latent_width, FsqTcOper
 
 Error LaunchFsqPrepareEncoderTc(const float* encoder, int32_t residual_width, int32_t latent_width,
                                 FsqTcOperands ops, void* prepared, cudaStream_t stream) {
+  KVCD_CUDA_BIND_THREAD();
   if (encoder == nullptr || prepared == nullptr || residual_width < 1 || latent_width < 1 ||
       latent_width > kFsqMaxLatent || !ValidOps(ops) ||
       reinterpret_cast<uintptr_t>(prepared) % 16 != 0) {
@@ -456,6 +458,7 @@ Error LaunchFsqEncodeRowsTc(const RowBlock& x, const PagedRows& dst, int64_t cod
                             const FsqLayerCodec* layer_codecs, const void* prepared,
                             int32_t residual_width, int32_t latent_width, FsqTcOperands ops,
                             cudaStream_t stream, const StoreCheck* check) {
+  KVCD_CUDA_BIND_THREAD();
   if (x.data == nullptr || dst.base == nullptr || layer_codecs == nullptr || prepared == nullptr ||
       reinterpret_cast<uintptr_t>(prepared) % 16 != 0 || residual_width < 1 || latent_width < 1 ||
       latent_width > kFsqMaxLatent || dst.page_size < 1 || dst.num_layers < 1 ||

@@ -7,6 +7,7 @@
 
 #include "cuda_error.cuh"
 #include "decode_parts.cuh"
+#include "device_binding.cuh"
 #include "int2_decode.cuh"
 #include "kvcd/kernels/cuda_decode_attention.h"
 
@@ -49,6 +50,7 @@ Error LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& geo, co
                             const float* r_k, float scale, int splits, int max_tokens,
                             float* part_o, float* part_lse, int part_base, cudaStream_t stream,
                             const Int2PartsOptions& opt) {
+  KVCD_CUDA_BIND_THREAD();
   const bool v2 = opt.kernel == Int2Kernel::kAuto && geo.head_dim <= 128;
   if (!SupportedGeometry(geo) || geo.page_size % kTile != 0 || splits <= 0 ||
       (v2 && opt.state == nullptr) ||
@@ -77,6 +79,7 @@ Error LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& geo, co
 }
 
 Error LaunchInt2Decode(const Int2DecodeParams& p, int max_tokens, cudaStream_t stream) {
+  KVCD_CUDA_BIND_THREAD();
   const DecodeGeometry geo{p.batch, p.num_q_heads, p.num_kv_heads, p.head_dim, p.page_size};
   if (!SupportedGeometry(geo) || p.page_size % kTile != 0 || p.num_splits <= 0) {
     return ToError(cudaErrorInvalidValue);

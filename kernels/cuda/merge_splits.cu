@@ -7,6 +7,7 @@
 
 #include "cuda_error.cuh"
 #include "decode_parts.cuh"
+#include "device_binding.cuh"
 #include "dispatch.cuh"
 #include "kvcd/kernels/cuda_decode_attention.h"
 #include "kvcd/kernels/device_fault.h"
@@ -124,6 +125,7 @@ cudaError_t LaunchMerge(const float* part_o, const float* part_lse, int parts, i
 Error LaunchMergeParts(const float* part_o, const float* part_lse, int parts, int rows,
                        int head_dim, const float* r_v_t, float* o, float* lse, cudaStream_t stream,
                        const DeviceFault* faults, int rows_per_entry) {
+  KVCD_CUDA_BIND_THREAD();
   return ToError(LaunchMerge(part_o, part_lse, parts, rows, head_dim, r_v_t, o, lse, stream,
                              /*dependent=*/false, faults, rows_per_entry));
 }

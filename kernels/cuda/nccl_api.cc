@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "cuda_error.cuh"
+#include "device_binding.cuh"
 #include "kvcd/kernels/cuda_nccl.h"
 
 namespace kvcd::kernels::cuda {
@@ -109,6 +110,7 @@ Error NcclError(std::string text) {
 Error NcclLoad() { return NcclError(Lib().load_error); }
 
 Error NcclGetUniqueId(std::string* id) {
+  KVCD_CUDA_BIND_THREAD();
   if (Error e = NcclLoad(); !e.ok()) return e;
   ncclUniqueId u;
   const std::string e = Text(Lib().get_unique_id(&u));
@@ -117,6 +119,7 @@ Error NcclGetUniqueId(std::string* id) {
 }
 
 Error NcclInit(const std::string& id, int nranks, int rank, int timeout_ms, void** comm) {
+  KVCD_CUDA_BIND_THREAD();
   if (Error e = NcclLoad(); !e.ok()) return e;
   if (id.size() != sizeof(ncclUniqueId)) return NcclError("ncclUniqueId has the wrong size");
   ncclUniqueId u;
@@ -134,35 +137,44 @@ Error NcclInit(const std::string& id, int nranks, int rank, int timeout_ms, void
 }
 
 Error NcclSend(void* comm, const void* buf, size_t bytes, int peer, void* stream) {
+  KVCD_CUDA_BIND_THREAD();
   const ncclResult_t r = Lib().send(buf, bytes, ncclUint8, peer, static_cast<ncclComm_t>(comm),
                                     static_cast<cudaStream_t>(stream));
   return r == ncclInProgress ? Error() : NcclError(Text(r));
 }
 
 Error NcclRecv(void* comm, void* buf, size_t bytes, int peer, void* stream) {
+  KVCD_CUDA_BIND_THREAD();
   const ncclResult_t r = Lib().recv(buf, bytes, ncclUint8, peer, static_cast<ncclComm_t>(comm),
                                     static_cast<cudaStream_t>(stream));
   return r == ncclInProgress ? Error() : NcclError(Text(r));
 }
 
 Error NcclWait(void* comm, void* stream, int timeout_ms) {
+  KVCD_CUDA_BIND_THREAD();
   return NcclError(Poll(static_cast<ncclComm_t>(comm), static_cast<cudaStream_t>(stream),
                         timeout_ms, "NCCL transfer"));
 }
 
 Error NcclDestroy(void* comm) {
+  KVCD_CUDA_BIND_THREAD();
   return NcclError(Text(Lib().destroy(static_cast<ncclComm_t>(comm))));
 }
 
 Error CreateStream(void** stream) {
+  KVCD_CUDA_BIND_THREAD();
   cudaStream_t s = nullptr;
   const cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
   if (e == cudaSuccess) *stream = s;
   return ToError(e);
 }
 Error DestroyStream(void* stream) {
+  KVCD_CUDA_BIND_THREAD();
   return ToError(cudaStreamDestroy(static_cast<cudaStream_t>(stream)));
 }
-Error SynchronizeDefaultStream() { return ToError(cudaStreamSynchronize(nullptr)); }
+Error SynchronizeDefaultStream() {
+  KVCD_CUDA_BIND_THREAD();
+  return ToError(cudaStreamSynchronize(nullptr));
+}
 
 }  // namespace kvcd::kernels::cuda

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "cuda_error.cuh"
+#include "device_binding.cuh"
 #include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_page_copy.h"
 
@@ -82,6 +83,7 @@ __global__ void PagedCopyKernel(int kind, PagedCopyArgs a, unsigned long long* b
 
 Error LaunchPagedCopy(PageCopy kind, const PagedCopyArgs& a, unsigned long long* bad,
                       cudaStream_t stream) {
+  KVCD_CUDA_BIND_THREAD();
   if (a.num_pages < 0 || a.num_layers <= 0 || a.layer_bytes <= 0 || a.layer_bytes % 2 != 0 ||
       a.check_offset % 2 != 0 || a.check_bytes % 2 != 0 || a.run == nullptr ||
       (kind != PageCopy::kCheck && (a.pool == nullptr || a.page_ids == nullptr)) ||

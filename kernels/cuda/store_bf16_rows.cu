@@ -3,6 +3,7 @@
 // as there are columns to make; each output summed in input order as RotateRows does, and
 // rounded as FloatToBf16. kCheck compiles the fused non-finite check in (StoreCheck).
 #include "cuda_error.cuh"
+#include "device_binding.cuh"
 #include "dispatch.cuh"
 #include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_store_rows.h"
@@ -66,6 +67,7 @@ __global__ void StoreBf16RowsKernel(RowBlock k, RowBlock v, PagedRows p, RowCode
 
 Error LaunchStoreBf16Rows(const RowBlock& k, const RowBlock& v, const PagedRows& dst,
                           const RowCodec& codec, cudaStream_t stream, const StoreCheck* check) {
+  KVCD_CUDA_BIND_THREAD();
   if (!ValidStore(k, v, dst, check)) return ToError(cudaErrorInvalidValue);
   if (dst.num_tokens == 0) return Error();
   const StoreCheck c = check != nullptr ? *check : StoreCheck{};

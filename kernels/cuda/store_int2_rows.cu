@@ -4,6 +4,7 @@
 #include <cuda_fp16.h>
 
 #include "cuda_error.cuh"
+#include "device_binding.cuh"
 #include "dispatch.cuh"
 #include "int2_row_quantizer.cuh"
 #include "kvcd/kernels/call_counts.h"
@@ -68,6 +69,7 @@ __global__ void StoreInt2RowsKernel(RowBlock k, RowBlock v, PagedRows p, RowCode
 
 Error LaunchStoreInt2Rows(const RowBlock& k, const RowBlock& v, const PagedRows& dst,
                           const RowCodec& codec, cudaStream_t stream, const StoreCheck* check) {
+  KVCD_CUDA_BIND_THREAD();
   if (!ValidStore(k, v, dst, check) || codec.rho_k == nullptr || codec.rho_v == nullptr) {
     return ToError(cudaErrorInvalidValue);
   }

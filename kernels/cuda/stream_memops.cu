@@ -5,6 +5,7 @@
 #include <string>
 
 #include "cuda_error.cuh"
+#include "device_binding.cuh"
 #include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_stream_memops.h"
 
@@ -56,11 +57,13 @@ Error FromDriver(CUresult r, const char* what) {
 }  // namespace
 
 bool StreamMemopsAvailable() {
+  if (!BindThread().ok()) return false;  // Get() may create its stream on first use
   const Memops& m = Get();
   return m.wait != nullptr && m.write != nullptr && m.release != nullptr;
 }
 
 Error StreamWaitValue32(void* stream, const uint32_t* word, uint32_t value) {
+  KVCD_CUDA_BIND_THREAD();
   const Memops& m = Get();
   if (m.wait == nullptr) return ToError(cudaErrorNotSupported);
   Counts().stream_waits.fetch_add(1, std::memory_order_relaxed);
@@ -70,6 +73,7 @@ Error StreamWaitValue32(void* stream, const uint32_t* word, uint32_t value) {
 }
 
 Error StreamWriteValue32(void* stream, uint32_t* word, uint32_t value) {
+  KVCD_CUDA_BIND_THREAD();
   const Memops& m = Get();
   if (m.write == nullptr) return ToError(cudaErrorNotSupported);
   Counts().event_records.fetch_add(1, std::memory_order_relaxed);
@@ -79,6 +83,7 @@ Error StreamWriteValue32(void* stream, uint32_t* word, uint32_t value) {
 }
 
 Error ReleaseValue32(uint32_t* word, uint32_t value) {
+  KVCD_CUDA_BIND_THREAD();
   const Memops& m = Get();
   if (m.write == nullptr || m.release == nullptr) return ToError(cudaErrorNotSupported);
   return FromDriver(m.write(static_cast<CUstream>(m.release), reinterpret_cast<CUdeviceptr>(word),

@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "cuda_error.cuh"
+#include "device_binding.cuh"
 #include "dispatch.cuh"
 #include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_transform.h"
@@ -367,6 +368,7 @@ Error LaunchTransformDecodeParts(const PagedList& list, const DecodeGeometry& ge
                                  const TransformHeadCodec* heads, const float* q, float scale,
                                  int splits, int max_tokens, float* part_o, float* part_lse,
                                  int part_base, cudaStream_t stream) {
+  KVCD_CUDA_BIND_THREAD();
   if (geo.batch < 1 || geo.num_kv_heads < 1 || geo.num_q_heads % geo.num_kv_heads != 0 ||
       geo.num_q_heads / geo.num_kv_heads > kTransformCudaMaxGroup || geo.page_size % kTile != 0 ||
       geo.page_size < kTile || splits < 1 || max_tokens < 0 || part_base < 0 || heads == nullptr ||

@@ -47,6 +47,7 @@
 #include <type_traits>
 
 #include "cuda_error.cuh"
+#include "device_binding.cuh"
 #include "dispatch.cuh"
 #include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_transform.h"
@@ -734,6 +735,7 @@ Error LaunchTransformDecodePartsTc(const PagedList& list, const DecodeGeometry& 
                                    const TransformHeadCodec* heads, const float* q, float scale,
                                    int splits, int max_tokens, float* part_o, float* part_lse,
                                    int part_base, void* state, cudaStream_t stream) {
+  KVCD_CUDA_BIND_THREAD();
   if (geo.batch < 1 || !TransformTensorCoreServes(geo, layout) || splits < 1 || max_tokens < 0 ||
       part_base < 0 || heads == nullptr || q == nullptr || part_o == nullptr ||
       part_lse == nullptr || state == nullptr || list.pages == nullptr ||

@@ -14,6 +14,7 @@
 #include <cuda_fp16.h>
 
 #include "cuda_error.cuh"
+#include "device_binding.cuh"
 #include "dispatch.cuh"
 #include "int2_row_quantizer.cuh"
 #include "kvcd/kernels/call_counts.h"
@@ -231,6 +232,7 @@ __global__ void StoreTransformValuesKernel(RowBlock v, PagedRows p, TransformPag
 Error LaunchStoreTransformRows(const RowBlock& k, const RowBlock& v, const PagedRows& dst,
                                const TransformPageOffsets& layout, const TransformHeadCodec* heads,
                                cudaStream_t stream, const StoreCheck* check) {
+  KVCD_CUDA_BIND_THREAD();
   if (!ValidStore(k, v, dst, check) || heads == nullptr || dst.head_dim != layout.head_dim ||
       dst.num_kv_heads != layout.num_kv_heads || dst.page_size != layout.page_size ||
       layout.code_bytes < 1 || layout.code_bytes > layout.head_dim || dst.num_layers > 65535 ||

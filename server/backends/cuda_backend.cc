@@ -60,6 +60,20 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     KVCD_RETURN_IF_ERROR(KernelStatus(
         kc::Malloc(&p, bytes), absl::StatusCode::kResourceExhausted,
         absl::StrCat("cannot allocate ", bytes, " bytes of device memory for a page pool")));
+    // Where the runtime put it, not where it was asked to: a pool on another GPU than the
+    // one the kernels run on would fault at the first launch (kc::SetDevice binds the
+    // device on every thread; this checks that it did).
+    int holder = -1;
+    const kernels::Error where = kc::PointerDevice(p, &holder);
+    if (!where.ok() || holder != device_) {
+      (void)kc::Free(p);
+      return absl::InternalError(
+          absl::StrCat("a page pool of ", bytes, " bytes was allocated ",
+                       where.ok() ? absl::StrCat("on CUDA device ", holder)
+                                  : absl::StrCat("where CUDA cannot say (", where.message(), ")"),
+                       ", expected on cuda_device ", device_));
+    }
+    KVCD_LOG(INFO) << "page pool of " << bytes << " bytes on CUDA device " << holder;
     return static_cast<uint8_t*>(p);
   }
   void FreePoolMemory(uint8_t* p, uint64_t) override { (void)kc::Free(p); }
@@ -558,6 +572,9 @@ class CudaBackend final : public Backend, public DeviceRuntime {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device) {
+  // The process's device: every daemon thread that reaches CUDA (gRPC callbacks, the
+  // executor, decode channels, NCCL links, cluster pulls, the reaper) binds it at its first
+  // call into the kernels' host API (kernels/cuda/device_binding.cu says why there).
   KVCD_RETURN_IF_ERROR(KernelStatus(kc::SetDevice(device), absl::StatusCode::kUnavailable,
                                     absl::StrCat("CUDA device ", device, " unavailable")));
   return std::unique_ptr<Backend>(std::make_unique<CudaBackend>(device));

@@ -1,6 +1,13 @@
 // The few CUDA runtime services the daemon needs, behind a framework-free host API so that
 // server/ never includes CUDA headers (STYLE.md house rule 1). Only built with KVCD_CUDA.
 // Every call returns an Error (error.h): ok() on success, else the CUDA error and its text.
+//
+// The process's device: SetDevice(n) makes device n current on the calling thread and on
+// every other thread at its next call into the kernels' host API (this header, the
+// launchers, cuda_nccl.h, cuda_stream_memops.h), so memory, streams, events, IPC mappings,
+// NCCL communicators and launches of any thread are all on device n. Until SetDevice is
+// called nothing is bound (a process that calls cudaSetDevice itself keeps its choice); after
+// it, a thread must not change its device except through SetDevice.
 #pragma once
 
 #include <cstddef>
@@ -12,6 +19,11 @@
 namespace kvcd::kernels::cuda {
 
 Error SetDevice(int ordinal);
+// The calling thread's current device (the process's device once SetDevice was called).
+Error GetDevice(int* ordinal);
+// The device whose memory holds `ptr` (cudaPointerGetAttributes): its ordinal, or -1 for
+// host memory (pinned, or never seen by CUDA).
+Error PointerDevice(const void* ptr, int* ordinal);
 Error Malloc(void** ptr, size_t bytes);
 Error Free(void* ptr);
 Error CopyToDevice(void* dst, const void* src, size_t bytes);
