@@ -21,5 +21,5 @@ if ((${#missing[@]})); then
   "${sudo_cmd[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq
   "${sudo_cmd[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
-# PyPI packages of the Python FSQ tools (pinned, into .cache/fsq-venv).
+# PyPI packages of the Python FSQ tools (pinned; scripts/fsq-venv.sh says where).
 [[ ${1:-} == --no-python ]] || "$(dirname "$0")/fsq-venv.sh" >/dev/null

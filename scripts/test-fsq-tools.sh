@@ -4,7 +4,7 @@
 # real stories260K model (../shared/data; they skip without it) and SmolLM2 when fetched.
 # Needs the C++ tools built (scripts/build.sh kvcd_stories kvcd-calibrate kvcd-eval
 # kvcd-llama). Creates (or reuses) the virtual
-# environment .cache/fsq-venv with the pinned PyPI packages below (JAX CPU: ~100 MB, no
+# environment of scripts/fsq-venv.sh with its pinned PyPI packages (JAX CPU: ~100 MB, no
 # CUDA). Arguments are passed to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
