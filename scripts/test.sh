@@ -35,7 +35,12 @@ serial=${KVCD_TEST_SERIAL:-}
 fatal() { phase_summary; echo "test: stopped: $1 failed" >&2; exit 1; }
 
 phase deps ./scripts/install-deps.sh || fatal deps
-phase format ./scripts/check-format.sh || fatal format
+# The format check (one core, ~15 s) runs beside the build's configuration and first objects.
+if [[ -n $serial ]]; then
+  phase format ./scripts/check-format.sh || fatal format
+else
+  phase_bg format ./scripts/check-format.sh
+fi
 
 if [[ -z $serial ]]; then
   phase_bg prepare-python ./scripts/test-python.sh --prepare
@@ -49,6 +54,7 @@ fi
 # KVCD_UNITY=OFF, KVCD_LEAN=OFF turn them off).
 export KVCD_UNITY=${KVCD_UNITY:-ON} KVCD_LEAN=${KVCD_LEAN:-ON}
 phase build ./scripts/build.sh || fatal build
+[[ -n $serial ]] || phase_wait format || fatal format
 if [[ -n $serial ]]; then
   phase fetch-smollm2 ./scripts/fetch-smollm2.sh
 else
