@@ -107,7 +107,7 @@ san_build() {
     -DKVCD_SANITIZER=asan -DKVCD_CUDA=OFF -DKVCD_BUILD_TESTS=ON -DKVCD_BUILD_BENCH=OFF \
     -DKVCD_BUILD_FUZZ=ON "-DCMAKE_CXX_FLAGS=-O0 -fsanitize=fuzzer-no-link -Wno-unknown-warning-option" \
     "-DCMAKE_C_FLAGS=-O0 -fsanitize=fuzzer-no-link" -DCMAKE_CXX_FLAGS_DEBUG=-gline-tables-only \
-    -DCMAKE_C_FLAGS_DEBUG=-gline-tables-only "-DCMAKE_UNITY_BUILD=${KVCD_SAN_UNITY:-ON}" >/dev/null
+    -DCMAKE_C_FLAGS_DEBUG=-gline-tables-only "-DCMAKE_UNITY_BUILD=${KVCD_SAN_UNITY:-ON}" -DCMAKE_UNITY_BUILD_BATCH_SIZE=16 >/dev/null
   local args=()
   for t in "$@"; do args+=(--target "$t"); done
   cmake --build "$build" -j "$(nproc)" "${args[@]}"
