@@ -1,10 +1,10 @@
 // Part of CacheEngine (cache_engine.h): what the engine reports about itself: Stats,
 // the models' snapshots, tenants' usage, load figures for the cluster and memory in use.
-#include "server/engine/cache_engine.h"
-
 #include <algorithm>
 #include <cstdint>
 #include <vector>
+
+#include "server/engine/cache_engine.h"
 
 namespace kvcd {
 

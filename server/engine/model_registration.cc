@@ -1,7 +1,5 @@
 // Part of CacheEngine (cache_engine.h): registering models (a spec, its codec and its
 // tenant's share of the budget) and describing them (ModelInfo).
-#include "server/engine/cache_engine.h"
-
 #include <malloc.h>
 
 #include <string>
@@ -9,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/quote.h"
 #include "common/status_macros.h"
+#include "server/engine/cache_engine.h"
 #include "server/engine/model_profile.h"
 #include "server/engine/request_checks.h"
 #include "server/formats/format_registry.h"

@@ -1,8 +1,6 @@
 // Part of CacheEngine (cache_engine.h): pages leaving and entering the cache whole:
 // FetchPages (to the caller, expanded or as stored) and PushPages (from a peer or a worker,
 // checked like Put's input).
-#include "server/engine/cache_engine.h"
-
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -13,6 +11,7 @@
 #include "common/status_macros.h"
 #include "proto/tensor_ref.h"
 #include "server/backends/device_runtime.h"
+#include "server/engine/cache_engine.h"
 #include "server/engine/request_checks.h"
 #include "server/engine/tensor_checks.h"
 

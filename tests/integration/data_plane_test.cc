@@ -18,6 +18,7 @@
 #include "kvcd/kernels/bf16.h"
 #include "kvcd/kernels/cuda_nccl.h"
 #include "kvcd/kernels/cuda_stream_memops.h"
+#include "nccl_rank.h"
 #include "proto/tensor_ref.h"
 #include "testing/synthetic.h"
 
@@ -658,21 +659,11 @@ TEST_P(DataPlaneTest, NcclPushAndFetch) {
   uint8_t* dev = nullptr;
   ASSERT_EQ(cudaMalloc(&dev, 2 * total), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(dev, stored.data(), total, cudaMemcpyHostToDevice), cudaSuccess);
-  v1::PushPagesRequest push;
-  push.set_model(GetParam());
-  push.set_cache_salt("n");
-  *push.mutable_tokens() = put.tokens();
-  push.set_num_pages(kPrompt / profile_.page_size());
-  push.mutable_pages()->set_dtype(v1::DTYPE_U8);
-  push.mutable_pages()->add_shape(total);
-  push.mutable_pages()->mutable_nccl()->set_communicator_id(conn->communicator_id());
-  push.mutable_pages()->mutable_nccl()->set_size(total);
+  const v1::PushPagesRequest push = testing_util::NcclPush(
+      GetParam(), "n", put, kPrompt / profile_.page_size(), conn->communicator_id(), total);
   absl::StatusOr<int64_t> pushed = absl::UnknownError("not run");
-  std::thread rpc([&] { pushed = client_->PushPages(push); });
-  std::string sent =
-      init.empty() ? kernels::cuda::NcclSend(comm, dev, total, 0, stream).message() : init;
-  if (sent.empty()) sent = kernels::cuda::NcclWait(comm, stream, 8000).message();
-  rpc.join();
+  const std::string sent = testing_util::NcclBeside([&] { pushed = client_->PushPages(push); },
+                                                    true, comm, dev, total, stream, init);
   const std::vector<int32_t> tokens(put.tokens().begin(), put.tokens().end());
   if (!two_gpus) {
     EXPECT_FALSE(init.empty()) << "NCCL accepted two ranks on one GPU";
@@ -687,17 +678,10 @@ TEST_P(DataPlaneTest, NcclPushAndFetch) {
     ASSERT_TRUE(pushed.ok()) << pushed.status();
     const uint64_t seq = Open(put, "n");
     EXPECT_EQ(StoredBytes(seq), stored);
-    v1::FetchPagesRequest f;
-    f.set_sequence_id(seq);
-    f.mutable_destination()->set_dtype(v1::DTYPE_U8);
-    f.mutable_destination()->add_shape(total);
-    f.mutable_destination()->mutable_nccl()->set_communicator_id(conn->communicator_id());
-    f.mutable_destination()->mutable_nccl()->set_size(total);
+    const v1::FetchPagesRequest f = testing_util::NcclFetch(seq, conn->communicator_id(), total);
     absl::StatusOr<v1::FetchPagesResponse> fetched = absl::UnknownError("not run");
-    std::thread frpc([&] { fetched = client_->FetchPages(f); });
-    std::string got = kernels::cuda::NcclRecv(comm, dev + total, total, 0, stream).message();
-    if (got.empty()) got = kernels::cuda::NcclWait(comm, stream, 8000).message();
-    frpc.join();
+    const std::string got = testing_util::NcclBeside([&] { fetched = client_->FetchPages(f); },
+                                                     false, comm, dev + total, total, stream);
     ASSERT_TRUE(fetched.ok()) << fetched.status();
     ASSERT_EQ(got, "");
     const auto back = DeviceBytes(dev + total, total);
