@@ -9,7 +9,7 @@ namespace kvcd::llama {
 namespace internal {
 // Two rows x two tokens: eight accumulators of two SSE registers each.
 void MatMulScalar(const float* w, const float* x, int n, int out, int in, float* y) {
-  MatMulImpl<2, 2>(w, x, n, out, in, y);
+  MatMulImpl<ScalarIsa, 2, 2>(w, x, n, out, in, y);
 }
 }  // namespace internal
 

@@ -24,6 +24,10 @@ void MatMulForIsa(kernels::CpuIsa isa, const float* w, const float* x, int n, in
                   float* y);
 
 namespace internal {
+// The ISA tags of the versions' template instantiations (llama_matmul_impl.h).
+struct ScalarIsa {};
+struct Avx2Isa {};
+struct Avx512Isa {};
 void MatMulScalar(const float* w, const float* x, int n, int out, int in, float* y);
 void MatMulAvx2(const float* w, const float* x, int n, int out, int in, float* y);
 void MatMulAvx512(const float* w, const float* x, int n, int out, int in, float* y);

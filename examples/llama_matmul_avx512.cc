@@ -7,7 +7,7 @@ namespace kvcd::llama::internal {
 
 // Four rows x five tokens: twenty accumulators, five token and one weight register of 32.
 void MatMulAvx512(const float* w, const float* x, int n, int out, int in, float* y) {
-  MatMulImpl<4, 5>(w, x, n, out, in, y);
+  MatMulImpl<Avx512Isa, 4, 5>(w, x, n, out, in, y);
 }
 
 }  // namespace kvcd::llama::internal
