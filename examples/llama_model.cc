@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 
 #include "absl/strings/numbers.h"
@@ -347,24 +348,60 @@ absl::Status LocalAttention::operator()(int layer, int pos, const float* x, cons
   const float* keys = k_[layer].data();
   const float* values = v_[layer].data();
   std::vector<float> att(static_cast<size_t>(n));
+  // Each score sums its products in order of i, and each output lane its positions in order
+  // of t, as one loop per score and per position would; the loops are arranged so that the
+  // CPU has independent sums to overlap (eight positions' scores at once, four lanes of the
+  // output at once, in vectors of four that every x86-64 CPU has) without changing any sum's
+  // order.
+  typedef float Lanes4 __attribute__((vector_size(16)));
+  typedef float Lanes4Unaligned __attribute__((vector_size(16), aligned(4), may_alias));
   for (int h = 0; h < c_.n_heads; ++h) {
     const int kvh = h / g;  // grouped-query attention: g query heads share a KV head
-    float mx = -1e30f;
-    for (int t = 0; t < n; ++t) {
+    const float* qh = q + h * hd;
+    int t = 0;
+    for (; t + 8 <= n; t += 8) {
+      Lanes4 s0 = {0, 0, 0, 0}, s1 = {0, 0, 0, 0};
+      const float* kr = keys + static_cast<int64_t>(t) * kv + kvh * hd;
+      for (int i = 0; i < hd; ++i) {
+        const float* k0 = kr + i;
+        const Lanes4 a = {k0[0], k0[kv], k0[2 * kv], k0[3 * kv]};
+        const Lanes4 b = {k0[4 * kv], k0[5 * kv], k0[6 * kv], k0[7 * kv]};
+        s0 += qh[i] * a;
+        s1 += qh[i] * b;
+      }
+      for (int j = 0; j < 4; ++j) {
+        att[t + j] = s0[j] * scale;
+        att[t + 4 + j] = s1[j] * scale;
+      }
+    }
+    for (; t < n; ++t) {
       float s = 0;
       const float* kr = keys + static_cast<int64_t>(t) * kv + kvh * hd;
-      for (int i = 0; i < hd; ++i) s += q[h * hd + i] * kr[i];
+      for (int i = 0; i < hd; ++i) s += qh[i] * kr[i];
       att[t] = s * scale;
-      mx = std::max(mx, att[t]);
     }
+    float mx = -1e30f;
+    for (int u = 0; u < n; ++u) mx = std::max(mx, att[u]);
     float sum = 0;
-    for (int t = 0; t < n; ++t) sum += (att[t] = std::exp(att[t] - mx));
+    for (int u = 0; u < n; ++u) sum += (att[u] = std::exp(att[u] - mx));
+    for (int u = 0; u < n; ++u) att[u] /= sum;  // the weights
     float* out = o + h * hd;
-    std::fill(out, out + hd, 0.0f);
-    for (int t = 0; t < n; ++t) {
-      const float* vr = values + static_cast<int64_t>(t) * kv + kvh * hd;
-      const float w = att[t] / sum;
-      for (int i = 0; i < hd; ++i) out[i] += w * vr[i];
+    const float* vh = values + kvh * hd;
+    const int body = hd / 8 * 8;
+    for (int i = 0; i < body; i += 8) {
+      Lanes4 a0 = {0, 0, 0, 0}, a1 = {0, 0, 0, 0};
+      for (int u = 0; u < n; ++u) {
+        const float* vr = vh + static_cast<int64_t>(u) * kv + i;
+        a0 += att[u] * *reinterpret_cast<const Lanes4Unaligned*>(vr);
+        a1 += att[u] * *reinterpret_cast<const Lanes4Unaligned*>(vr + 4);
+      }
+      std::memcpy(out + i, &a0, sizeof(a0));
+      std::memcpy(out + i + 4, &a1, sizeof(a1));
+    }
+    for (int i = body; i < hd; ++i) {
+      float acc = 0;
+      for (int u = 0; u < n; ++u) acc += att[u] * vh[static_cast<int64_t>(u) * kv + i];
+      out[i] = acc;
     }
   }
   return absl::OkStatus();

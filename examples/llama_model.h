@@ -107,7 +107,8 @@ class Model {
 
 // FP32 causal attention over a local KV cache (the reference path and the prefill
 // worker). It also records what it saw: post-RoPE q [pos][q_dim], k, v [pos][kv_dim] and
-// the normalized residuals x [pos][dim].
+// the normalized residuals x [pos][dim]. Each score and each output lane is summed in
+// position (and lane) order, as one loop per score and per output would.
 class LocalAttention {
  public:
   explicit LocalAttention(const Config& c);

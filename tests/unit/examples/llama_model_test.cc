@@ -430,6 +430,55 @@ TEST(LlamaMatMulTest, EveryIsaSumsInTheContractsOrder) {
   }
 }
 
+// LocalAttention against its summation order written out one score and one output lane at
+// a time (the order it promises to keep), bit for bit, on random q/k/v at head_dim 8 and 10
+// (a lane tail) and histories past eight positions (its blocks of eight and the rest).
+TEST(LlamaModelTest, LocalAttentionSumsInOneLoopPerScoreOrder) {
+  for (int hd : {8, 10}) {
+    Config c;
+    c.dim = 16;
+    c.n_layers = 1;
+    c.n_heads = 4;
+    c.n_kv_heads = 2;
+    c.head_dim = hd;
+    const int qd = c.q_dim(), kv = c.kv_dim(), g = c.n_heads / c.n_kv_heads;
+    std::mt19937 rng(hd);
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    LocalAttention attn(c);
+    std::vector<float> keys, values;
+    for (int pos = 0; pos < 21; ++pos) {
+      std::vector<float> x(c.dim), q(qd), k(kv), v(kv), o(qd);
+      for (auto* vec : {&x, &q, &k, &v}) {
+        for (auto& e : *vec) e = dist(rng);
+      }
+      keys.insert(keys.end(), k.begin(), k.end());
+      values.insert(values.end(), v.begin(), v.end());
+      ASSERT_TRUE(attn(0, pos, x.data(), q.data(), k.data(), v.data(), o.data()).ok());
+      std::vector<float> want(qd);
+      const int n = pos + 1;
+      const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+      for (int h = 0; h < c.n_heads; ++h) {
+        const int kvh = h / g;
+        std::vector<float> att(n);
+        float mx = -1e30f;
+        for (int t = 0; t < n; ++t) {
+          float s = 0;
+          for (int i = 0; i < hd; ++i) s += q[h * hd + i] * keys[t * kv + kvh * hd + i];
+          att[t] = s * scale;
+          mx = std::max(mx, att[t]);
+        }
+        float sum = 0;
+        for (int t = 0; t < n; ++t) sum += (att[t] = std::exp(att[t] - mx));
+        for (int t = 0; t < n; ++t) {
+          const float w = att[t] / sum;
+          for (int i = 0; i < hd; ++i) want[h * hd + i] += w * values[t * kv + kvh * hd + i];
+        }
+      }
+      EXPECT_TRUE(BitIdentical(o, want)) << "head_dim " << hd << " position " << pos;
+    }
+  }
+}
+
 // A span of tokens through Model::Forward equals the same tokens one step at a time, bit for
 // bit: every step's logits and everything the local attention recorded; so do two steps of
 // the same token with two callbacks (a served step beside its reference).
