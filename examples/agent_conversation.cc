@@ -94,11 +94,7 @@ absl::StatusOr<AgentResult> RunAgentConversation(Client& client, const Model& mo
   // The prefill worker: the system prompt in FP32, Put (its full pages).
   const std::vector<int> system = encode(SystemTurn(script.system));
   LocalAttention system_fp32(c);
-  for (int pos = 0; pos < static_cast<int>(system.size()); ++pos) {
-    std::vector<float> logits;
-    KVCD_RETURN_IF_ERROR(
-        model.Forward(system[static_cast<size_t>(pos)], pos, std::ref(system_fp32), &logits));
-  }
+  KVCD_RETURN_IF_ERROR(model.ForwardTokens(system, 0, std::ref(system_fp32), nullptr));
   {
     const std::vector<int32_t> ids(system.begin(), system.end());
     auto put = PutRecorded(client, c, p, "", ids, system_fp32);

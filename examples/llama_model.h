@@ -1,6 +1,6 @@
 // A llama-family decoder (Llama, SmolLM2, Mistral; Qwen3 with its q/k norm) run on the
-// CPU in FP32, one token at a time, with attention delegated to a callback: local FP32
-// attention (the reference) or kvcd. Loaded from one safetensors file with Hugging Face
+// CPU in FP32, one token or several at a time, with attention delegated to a callback: local
+// FP32 attention (the reference) or kvcd. Loaded from one safetensors file with Hugging Face
 // tensor names and the geometry in its metadata (tools/gguf_to_safetensors.py writes it):
 //   kvcd.model = "llama", kvcd.{dim, hidden_dim, n_layers, n_heads, n_kv_heads, head_dim,
 //   vocab_size, max_seq_len, rope_theta, rms_eps, rope_pairing (half | interleaved),
@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "common/safetensors.h"
 
 namespace kvcd::llama {
@@ -70,6 +71,31 @@ class Model {
   absl::Status Forward(int token, int pos, const AttentionFn& attend,
                        std::vector<float>* logits) const;
 
+  // One token of a multi-token forward: its attention, and its logits [vocab_size] if
+  // `logits` is non-null (the classifier is skipped for the others).
+  struct Step {
+    int token = 0, pos = 0;
+    const AttentionFn* attend = nullptr;
+    std::vector<float>* logits = nullptr;
+  };
+  // The steps through the model together: every projection and the MLP as one matrix
+  // product over the steps (each weight row read once for all of them). Per layer, each
+  // step's `attend` is called in the order of `steps`, so the steps of one callback must
+  // come in position order (LocalAttention requires it), and layer l of every step runs
+  // before layer l + 1 of any: a callback that needs a token's layers back to back (kvcd's
+  // fused append) takes one step per call. Steps may have different callbacks (e.g. a
+  // served step and its FP32 reference, the same token read off the weights once).
+  // Every step's logits are bit-identical to its one-step Forward (llama_matmul.h's
+  // summation order). INVALID_ARGUMENT for a token or position out of range (nothing
+  // runs); a callback's error otherwise (later steps and layers do not run).
+  absl::Status Forward(absl::Span<const Step> steps) const;
+
+  // `tokens` at positions first_pos, first_pos + 1, ... with one attention, in spans of at
+  // most kSpan steps; the last token's logits into `last_logits` if non-null.
+  static constexpr int kSpan = 64;
+  absl::Status ForwardTokens(absl::Span<const int> tokens, int first_pos, const AttentionFn& attend,
+                             std::vector<float>* last_logits) const;
+
  private:
   struct Layer {
     std::vector<float> attn_norm, wq, wk, wv, wo, q_norm, k_norm, ffn_norm, w_gate, w_up, w_down;
@@ -81,7 +107,8 @@ class Model {
 
 // FP32 causal attention over a local KV cache (the reference path and the prefill
 // worker). It also records what it saw: post-RoPE q [pos][q_dim], k, v [pos][kv_dim] and
-// the normalized residuals x [pos][dim].
+// the normalized residuals x [pos][dim]. Each score and each output lane is summed in
+// position (and lane) order, as one loop per score and per output would.
 class LocalAttention {
  public:
   explicit LocalAttention(const Config& c);

@@ -134,13 +134,29 @@ absl::StatusOr<Generation> RunReference(const Model& model, const std::vector<in
     return absl::FailedPreconditionError("RunReference needs an empty recorder");
   }
   const int prefill = static_cast<int>(prompt.size()) - 1;
-  for (int pos = 0; pos < prefill; ++pos) {
-    std::vector<float> logits;
-    absl::Status s = model.Forward(prompt[pos], pos, std::ref(attn), &logits);
-    if (!s.ok()) return s;
+  const Model::AttentionFn attend = std::ref(attn);
+  KVCD_RETURN_IF_ERROR(
+      model.ForwardTokens(absl::MakeConstSpan(prompt.data(), prefill), 0, attend, nullptr));
+  if (teacher == nullptr) {
+    int current = 0;
+    return Decode(model, attend, prefill, prompt.back(), max_new, stop, nullptr, &current);
   }
-  int current = 0;
-  return Decode(model, std::ref(attn), prefill, prompt.back(), max_new, stop, teacher, &current);
+  // Teacher-forced: every step's token is known, so the steps run in spans too.
+  Generation g;
+  g.tokens = *teacher;
+  g.logits.resize(teacher->size());
+  const double t0 = Now();
+  std::vector<Model::Step> span;
+  for (int begin = 0; begin < steps; begin += Model::kSpan) {
+    span.clear();
+    for (int i = begin; i < std::min(steps, begin + Model::kSpan); ++i) {
+      span.push_back({i == 0 ? prompt.back() : (*teacher)[i - 1], prefill + i, &attend,
+                      &g.logits[static_cast<size_t>(i)]});
+    }
+    KVCD_RETURN_IF_ERROR(model.Forward(span));
+  }
+  g.seconds = Now() - t0;
+  return g;
 }
 
 absl::StatusOr<v1::ModelInfo> RegisterProfile(Client& client, const Config& c,
@@ -215,10 +231,9 @@ absl::StatusOr<Generation> RunServed(Client& client, const Model& model, const S
                                                       prefilled->tokens(),
                                                       " positions, the prompt needs ", prefill));
   }
-  for (int pos = 0; prefilled == nullptr && pos < prefill; ++pos) {
-    std::vector<float> logits;
-    absl::Status s = model.Forward(prompt[pos], pos, std::ref(own), &logits);
-    if (!s.ok()) return s;
+  if (prefilled == nullptr) {
+    KVCD_RETURN_IF_ERROR(model.ForwardTokens(absl::MakeConstSpan(prompt.data(), prefill), 0,
+                                             std::ref(own), nullptr));
   }
   const LocalAttention& pre = prefilled != nullptr ? *prefilled : own;
   const std::vector<int32_t> prefix(prompt.begin(), prompt.begin() + prefill);

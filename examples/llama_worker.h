@@ -26,11 +26,11 @@ struct Generation {
   double seconds = 0;                      // wall time of the steps (prefill excluded)
 };
 
-// Decoding with local FP32 attention: the prompt is fed token by token, then up to
-// `max_new` tokens are generated greedily, stopping after `stop` (-1: never). With
-// `teacher`, the tokens after the prompt follow teacher and the run lasts teacher.size()
-// steps (max_new and stop are ignored). `record` (optional, empty) receives the post-RoPE
-// activations and residuals of every position.
+// Decoding with local FP32 attention: the prompt is fed in spans (Model::ForwardTokens),
+// then up to `max_new` tokens are generated greedily, stopping after `stop` (-1: never).
+// With `teacher`, the tokens after the prompt follow teacher and the run lasts
+// teacher.size() steps (max_new and stop are ignored), its steps in spans too. `record` (optional,
+// empty) receives the post-RoPE activations and residuals of every position.
 absl::StatusOr<Generation> RunReference(const Model& model, const std::vector<int>& prompt,
                                         int max_new, int stop = -1,
                                         LocalAttention* record = nullptr,

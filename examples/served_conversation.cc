@@ -3,10 +3,11 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
-#include <future>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
+#include "common/status_macros.h"
 #include "proto/tensor_ref.h"
 
 namespace kvcd::llama {
@@ -62,13 +63,10 @@ void ServedConversation::Add(const std::vector<int>& tokens) {
   tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
 }
 
-absl::Status ServedConversation::FeedServed(std::vector<float>* logits) {
-  const Config& c = model_->config();
-  const int token = tokens_[static_cast<size_t>(fed_)];
-  const int pos = static_cast<int>(fed_);
-  const bool fsq = profile_.history == "fsq";
-  auto attend = [&](int layer, int, const float* x, const float* q, const float* k, const float* v,
-                    float* o) -> absl::Status {
+Model::AttentionFn ServedConversation::ServedAttention(int pos, int token) {
+  return [this, pos, token](int layer, int, const float* x, const float* q, const float* k,
+                            const float* v, float* o) -> absl::Status {
+    const Config& c = model_->config();
     v1::AttentionDecodeRequest req;
     req.set_layer(layer);
     req.add_sequence_ids(sequence_);
@@ -76,42 +74,50 @@ absl::Status ServedConversation::FeedServed(std::vector<float>* logits) {
     SetF32Tensor(req.mutable_q(), {1, c.n_heads, c.head_dim}, q);
     SetF32Tensor(req.mutable_k_new(), {1, c.n_kv_heads, c.head_dim}, k);
     SetF32Tensor(req.mutable_v_new(), {1, c.n_kv_heads, c.head_dim}, v);
-    if (fsq) SetF32Tensor(req.mutable_x_new(), {1, c.dim}, x);
+    if (profile_.history == "fsq") SetF32Tensor(req.mutable_x_new(), {1, c.dim}, x);
     req.add_new_tokens(token);
     auto resp = stream_->Call(req);
     if (!resp.ok()) return resp.status();
     CopyAsFloat(resp->o(), 0, c.q_dim(), o);
     return absl::OkStatus();
   };
-  std::vector<float> discard;
-  absl::Status s = model_->Forward(token, pos, attend, logits != nullptr ? logits : &discard);
-  if (!s.ok()) return s;
-  ++fed_;
+}
+
+absl::Status ServedConversation::FeedTo(int64_t to, std::vector<float>* served,
+                                        std::vector<float>* fp32) {
+  // Positions [both, to) go through the sequence and the shadow; below `both`, one of them
+  // is behind the other.
+  const int64_t shadow = reference_.tokens();
+  const int64_t both = std::min<int64_t>(std::max<int64_t>(shadow, fed_), to);
+  // The shadow behind the sequence (e.g. a message the cache served): local attention takes
+  // the tokens in spans.
+  if (shadow < both) {
+    const absl::Span<const int> span(tokens_.data() + shadow, static_cast<size_t>(both - shadow));
+    KVCD_RETURN_IF_ERROR(model_->ForwardTokens(span, static_cast<int>(shadow), std::ref(reference_),
+                                               both == to ? fp32 : nullptr));
+  }
+  // The sequence behind the shadow (a partial page the cache did not hold): kvcd's fused
+  // append takes one token's layers at a time.
+  while (fed_ < both) {
+    const int pos = static_cast<int>(fed_);
+    const Model::AttentionFn attend = ServedAttention(pos, tokens_[static_cast<size_t>(pos)]);
+    KVCD_RETURN_IF_ERROR(model_->Forward(tokens_[static_cast<size_t>(pos)], pos, attend,
+                                         fed_ + 1 == to ? served : nullptr));
+    ++fed_;
+  }
+  // Then each token through both at once: one pass over the weights for the two vectors.
+  const Model::AttentionFn local = std::ref(reference_);
+  while (fed_ < to) {
+    const int pos = static_cast<int>(fed_);
+    const int token = tokens_[static_cast<size_t>(pos)];
+    const Model::AttentionFn attend = ServedAttention(pos, token);
+    const bool last = fed_ + 1 == to;
+    const Model::Step steps[2] = {{token, pos, &attend, last ? served : nullptr},
+                                  {token, pos, &local, last ? fp32 : nullptr}};
+    KVCD_RETURN_IF_ERROR(model_->Forward(steps));
+    ++fed_;
+  }
   return absl::OkStatus();
-}
-
-absl::Status ServedConversation::FeedReference(std::vector<float>* logits) {
-  const int pos = reference_.tokens();
-  std::vector<float> discard;
-  return model_->Forward(tokens_[static_cast<size_t>(pos)], pos, std::ref(reference_),
-                         logits != nullptr ? logits : &discard);
-}
-
-absl::Status ServedConversation::FeedTo(int64_t served_to, int reference_to,
-                                        std::vector<float>* served, std::vector<float>* fp32) {
-  // The FP32 shadow on a second thread (Model::Forward may run concurrently; the shadow's
-  // state is its own, tokens_ does not change meanwhile).
-  auto shadow = std::async(std::launch::async, [&]() -> absl::Status {
-    while (reference_.tokens() < reference_to) {
-      const bool last = reference_.tokens() + 1 == reference_to;
-      if (auto s = FeedReference(last ? fp32 : nullptr); !s.ok()) return s;
-    }
-    return absl::OkStatus();
-  });
-  absl::Status s;
-  while (s.ok() && fed_ < served_to) s = FeedServed(fed_ + 1 == served_to ? served : nullptr);
-  absl::Status r = shadow.get();
-  return s.ok() ? r : s;
 }
 
 absl::StatusOr<Turn> ServedConversation::Run(int max_new, int stop,
@@ -132,7 +138,7 @@ absl::StatusOr<Turn> ServedConversation::Run(int max_new, int stop,
     // The first step feeds the pending tokens, each step its token.
     const int64_t n = static_cast<int64_t>(tokens_.size());
     std::vector<float> served, fp32;
-    if (auto s = FeedTo(n, static_cast<int>(n), &served, &fp32); !s.ok()) return s;
+    if (auto s = FeedTo(n, &served, &fp32); !s.ok()) return s;
     turn.kl.push_back(KlDivergence(fp32, served));
     const int next = teacher != nullptr ? (*teacher)[static_cast<size_t>(i)] : Argmax(served);
     turn.tokens.push_back(next);
@@ -146,7 +152,7 @@ absl::StatusOr<Turn> ServedConversation::Run(int max_new, int stop,
 absl::Status ServedConversation::Finish(int end) {
   if (tokens_.back() != end) tokens_.push_back(end);
   const int64_t n = static_cast<int64_t>(tokens_.size());
-  return FeedTo(n, static_cast<int>(n), nullptr, nullptr);
+  return FeedTo(n, nullptr, nullptr);
 }
 
 absl::StatusOr<v1::CommitSequenceResponse> ServedConversation::Commit() {

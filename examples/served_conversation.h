@@ -82,14 +82,13 @@ class ServedConversation {
   ServedConversation(Client* client, const Model* model, ServedProfile p, LocalAttention reference)
       : client_(client), model_(model), profile_(std::move(p)), reference_(std::move(reference)) {}
   absl::Status Connect();  // opens the decode stream
-  // Feeds the sequence up to `served_to` tokens and the FP32 shadow up to `reference_to`
-  // (the shadow on a second thread); the logits of each side's last feed where non-null.
-  absl::Status FeedTo(int64_t served_to, int reference_to, std::vector<float>* served,
-                      std::vector<float>* fp32);
-  // Feeds tokens_[fed_] through the daemon (logits if non-null).
-  absl::Status FeedServed(std::vector<float>* logits);
-  // Feeds tokens_[reference_.tokens()] through the FP32 shadow.
-  absl::Status FeedReference(std::vector<float>* logits);
+  // Feeds the sequence and the FP32 shadow up to `to` tokens (each from where it stands:
+  // the shadow's tokens alone in spans, the sequence's alone one by one, then each token
+  // through both in one Model::Forward); the logits of each side's last feed where non-null.
+  absl::Status FeedTo(int64_t to, std::vector<float>* served, std::vector<float>* fp32);
+  // The attention of tokens_[pos] (`token`) served by the daemon: the fused append +
+  // AttentionDecode per layer on the decode stream.
+  Model::AttentionFn ServedAttention(int pos, int token);
 
   Client* client_;
   const Model* model_;

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <fstream>
 
 #include "kvcd/kernels/bf16.h"
 
@@ -26,6 +27,34 @@ TEST(SafetensorsTest, RoundTrip) {
   EXPECT_EQ((*bf)[1], -2.0f);
   EXPECT_EQ(f->ReadFloats("a", {3, 2}).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(f->Get("missing").status().code(), absl::StatusCode::kNotFound);
+}
+
+// Load reads a file as Parse reads its bytes; a missing file is NOT_FOUND, a truncated one
+// or a directory INVALID_ARGUMENT naming the path.
+TEST(SafetensorsTest, LoadReadsTheFileAsParseReadsItsBytes) {
+  SafetensorsWriter w;
+  w.AddF32("a", {2, 3}, {1, 2, 3, 4, 5, 6});
+  w.SetMetadata("model", "tiny");
+  const std::string bytes = w.Serialize();
+  const std::string path = ::testing::TempDir() + "/safetensors_test.safetensors";
+  std::ofstream(path, std::ios::binary)
+      .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  auto f = SafetensorsFile::Load(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->metadata().at("model"), "tiny");
+  auto a = f->ReadFloats("a", {2, 3});
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(*a, (std::vector<float>{1, 2, 3, 4, 5, 6}));
+  const std::string cut = ::testing::TempDir() + "/safetensors_test_cut.safetensors";
+  std::ofstream(cut, std::ios::binary)
+      .write(bytes.data(), static_cast<std::streamsize>(bytes.size() - 4));
+  auto truncated = SafetensorsFile::Load(cut);
+  EXPECT_EQ(truncated.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(truncated.status().message().find(cut), std::string::npos) << truncated.status();
+  EXPECT_EQ(SafetensorsFile::Load(::testing::TempDir()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(SafetensorsFile::Load(::testing::TempDir() + "/no-such.safetensors").status().code(),
+            absl::StatusCode::kNotFound);
 }
 
 TEST(SafetensorsTest, MalformedFilesAreRejected) {

@@ -4,13 +4,16 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <random>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "common/activation_dump.h"
 #include "common/fsq_codec.h"
 #include "common/safetensors.h"
+#include "examples/llama_matmul.h"
 #include "examples/llama_worker.h"
 
 namespace kvcd::llama {
@@ -369,6 +372,182 @@ TEST(LlamaWorkerTest, RecordedRunsGiveADumpWithResidualsAndAnFsqCodec) {
               absl::StatusCode::kInvalidArgument);
     EXPECT_EQ(InitializeFsqCodec(*m, {&a, &b}, 0).status().code(),
               absl::StatusCode::kInvalidArgument);
+  }
+}
+
+// MatMul's summation order (llama_matmul.h), written out one output at a time.
+std::vector<float> ReferenceMatMul(const std::vector<float>& w, const std::vector<float>& x, int n,
+                                   int out, int in) {
+  std::vector<float> y(static_cast<size_t>(n) * out);
+  for (int t = 0; t < n; ++t) {
+    for (int o = 0; o < out; ++o) {
+      float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      const int body = in / 8 * 8;
+      for (int i = 0; i < body; ++i) lane[i % 8] += w[o * in + i] * x[t * in + i];
+      float tail = 0;
+      for (int i = body; i < in; ++i) tail += w[o * in + i] * x[t * in + i];
+      y[t * out + o] = tail + ((lane[0] + lane[4]) + (lane[1] + lane[5])) +
+                       ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+    }
+  }
+  return y;
+}
+
+bool BitIdentical(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// Every ISA's version against the order written out, bit for bit, on random inputs whose
+// sizes hit every tile edge and a tail of in % 8.
+TEST(LlamaMatMulTest, EveryIsaSumsInTheContractsOrder) {
+  std::mt19937 rng(41);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  const kernels::CpuIsa best = kernels::DetectCpuIsa();
+  for (const auto& [n, out, in] : std::vector<std::tuple<int, int, int>>{{1, 1, 1},
+                                                                         {1, 7, 8},
+                                                                         {2, 5, 13},
+                                                                         {3, 9, 64},
+                                                                         {7, 23, 172},
+                                                                         {11, 4099, 3},
+                                                                         {20, 61, 96}}) {
+    std::vector<float> w(static_cast<size_t>(out) * in), x(static_cast<size_t>(n) * in);
+    for (auto& v : w) v = g(rng);
+    for (auto& v : x) v = g(rng);
+    const std::vector<float> want = ReferenceMatMul(w, x, n, out, in);
+    for (kernels::CpuIsa isa :
+         {kernels::CpuIsa::kScalar, kernels::CpuIsa::kAvx2, kernels::CpuIsa::kAvx512}) {
+      if (static_cast<int>(isa) > static_cast<int>(best)) continue;
+      std::vector<float> y(want.size(), -1.0f);
+      MatMulForIsa(isa, w.data(), x.data(), n, out, in, y.data());
+      EXPECT_TRUE(BitIdentical(y, want))
+          << kernels::CpuIsaName(isa) << " n " << n << " out " << out << " in " << in;
+    }
+    // A different input changes the product (the comparison can fail).
+    x[0] += 1.0f;
+    std::vector<float> y(want.size());
+    MatMul(w.data(), x.data(), n, out, in, y.data());
+    EXPECT_FALSE(BitIdentical(y, want));
+  }
+}
+
+// LocalAttention against its summation order written out one score and one output lane at
+// a time (the order it promises to keep), bit for bit, on random q/k/v at head_dim 8 and 10
+// (a lane tail) and histories past eight positions (its blocks of eight and the rest).
+TEST(LlamaModelTest, LocalAttentionSumsInOneLoopPerScoreOrder) {
+  for (int hd : {8, 10}) {
+    Config c;
+    c.dim = 16;
+    c.n_layers = 1;
+    c.n_heads = 4;
+    c.n_kv_heads = 2;
+    c.head_dim = hd;
+    const int qd = c.q_dim(), kv = c.kv_dim(), g = c.n_heads / c.n_kv_heads;
+    std::mt19937 rng(hd);
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    LocalAttention attn(c);
+    std::vector<float> keys, values;
+    for (int pos = 0; pos < 21; ++pos) {
+      std::vector<float> x(c.dim), q(qd), k(kv), v(kv), o(qd);
+      for (auto* vec : {&x, &q, &k, &v}) {
+        for (auto& e : *vec) e = dist(rng);
+      }
+      keys.insert(keys.end(), k.begin(), k.end());
+      values.insert(values.end(), v.begin(), v.end());
+      ASSERT_TRUE(attn(0, pos, x.data(), q.data(), k.data(), v.data(), o.data()).ok());
+      std::vector<float> want(qd);
+      const int n = pos + 1;
+      const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+      for (int h = 0; h < c.n_heads; ++h) {
+        const int kvh = h / g;
+        std::vector<float> att(n);
+        float mx = -1e30f;
+        for (int t = 0; t < n; ++t) {
+          float s = 0;
+          for (int i = 0; i < hd; ++i) s += q[h * hd + i] * keys[t * kv + kvh * hd + i];
+          att[t] = s * scale;
+          mx = std::max(mx, att[t]);
+        }
+        float sum = 0;
+        for (int t = 0; t < n; ++t) sum += (att[t] = std::exp(att[t] - mx));
+        for (int t = 0; t < n; ++t) {
+          const float w = att[t] / sum;
+          for (int i = 0; i < hd; ++i) want[h * hd + i] += w * values[t * kv + kvh * hd + i];
+        }
+      }
+      EXPECT_TRUE(BitIdentical(o, want)) << "head_dim " << hd << " position " << pos;
+    }
+  }
+}
+
+// A span of tokens through Model::Forward equals the same tokens one step at a time, bit for
+// bit: every step's logits and everything the local attention recorded; so do two steps of
+// the same token with two callbacks (a served step beside its reference).
+TEST(LlamaModelTest, MultiTokenForwardIsBitIdenticalToOneTokenSteps) {
+  for (bool qk_norm : {false, true}) {
+    Spec s;
+    s.dim = 40;  // head_dim 10, hidden 52: rows of in % 8 != 0 in the down projection
+    s.head_dim = 10;
+    s.hidden = 52;
+    s.qk_norm = qk_norm;
+    s.tied = !qk_norm;
+    auto m = Build(s, RandomTensors(s, 51));
+    ASSERT_TRUE(m.ok()) << m.status();
+    const std::vector<int> tokens = {3, 17, 5, 39, 0, 22, 8, 8, 1, 30, 12, 7, 19, 2, 33, 4, 26};
+    const int n = static_cast<int>(tokens.size());
+    LocalAttention one(m->config()), span(m->config());
+    std::vector<std::vector<float>> want(tokens.size()), got(tokens.size());
+    for (int t = 0; t < n; ++t) {
+      ASSERT_TRUE(m->Forward(tokens[t], t, std::ref(one), &want[t]).ok());
+    }
+    // Two spans, the second with logits on every other step only.
+    const Model::AttentionFn attend = std::ref(span);
+    std::vector<Model::Step> steps;
+    for (int t = 0; t < n; ++t) steps.push_back({tokens[t], t, &attend, &got[t]});
+    for (int t = 9; t < n; t += 2) steps[t].logits = nullptr;
+    ASSERT_TRUE(m->Forward(absl::MakeConstSpan(steps).subspan(0, 5)).ok());
+    ASSERT_TRUE(m->Forward(absl::MakeConstSpan(steps).subspan(5)).ok());
+    for (int t = 0; t < n; ++t) {
+      if (t >= 9 && (t - 9) % 2 == 0) {
+        EXPECT_TRUE(got[t].empty()) << "step " << t << " asked for no logits";
+      } else {
+        EXPECT_TRUE(BitIdentical(got[t], want[t])) << "qk_norm " << qk_norm << " step " << t;
+      }
+    }
+    for (int l = 0; l < s.layers; ++l) {
+      EXPECT_TRUE(BitIdentical(span.keys(l), one.keys(l))) << "layer " << l;
+      EXPECT_TRUE(BitIdentical(span.values(l), one.values(l))) << "layer " << l;
+      EXPECT_TRUE(BitIdentical(span.queries(l), one.queries(l))) << "layer " << l;
+      EXPECT_TRUE(BitIdentical(span.residuals(l), one.residuals(l))) << "layer " << l;
+    }
+    // ForwardTokens: the last token's logits.
+    LocalAttention whole(m->config());
+    std::vector<float> last;
+    ASSERT_TRUE(m->ForwardTokens(tokens, 0, std::ref(whole), &last).ok());
+    EXPECT_TRUE(BitIdentical(last, want.back()));
+    EXPECT_EQ(whole.tokens(), n);
+    // One token through two recorders at once, after different histories.
+    LocalAttention a(m->config()), b(m->config());
+    ASSERT_TRUE(
+        m->ForwardTokens(absl::MakeConstSpan(tokens).subspan(0, 6), 0, std::ref(a), nullptr).ok());
+    const std::vector<int> other = {9, 9, 9, 9, 9, 9};
+    ASSERT_TRUE(m->ForwardTokens(other, 0, std::ref(b), nullptr).ok());
+    const Model::AttentionFn fa = std::ref(a), fb = std::ref(b);
+    std::vector<float> la, lb;
+    const Model::Step pair[2] = {{tokens[6], 6, &fa, &la}, {tokens[6], 6, &fb, &lb}};
+    ASSERT_TRUE(m->Forward(pair).ok());
+    EXPECT_TRUE(BitIdentical(la, want[6]));
+    LocalAttention c(m->config());
+    std::vector<float> lc;
+    ASSERT_TRUE(m->ForwardTokens(other, 0, std::ref(c), nullptr).ok());
+    ASSERT_TRUE(m->Forward(tokens[6], 6, std::ref(c), &lc).ok());
+    EXPECT_TRUE(BitIdentical(lb, lc));
+    EXPECT_FALSE(BitIdentical(la, lb));  // the histories differ, so do the logits
+    // A bad step refuses the whole call before anything runs.
+    LocalAttention untouched(m->config());
+    const Model::AttentionFn fu = std::ref(untouched);
+    const Model::Step bad[2] = {{1, 0, &fu, nullptr}, {s.vocab, 1, &fu, nullptr}};
+    EXPECT_EQ(m->Forward(bad).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(untouched.tokens(), 0);
   }
 }
 
