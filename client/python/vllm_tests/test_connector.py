@@ -23,6 +23,8 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -252,6 +254,19 @@ def test_openai_server_second_request_hits_kvcd(tmp):
         assert ready.wait(600) and server.poll() is None, \
             "server did not start:\n" + (tmp / "server.log").read_text()[-3000:]
         base = f"http://127.0.0.1:{port}"
+        # vLLM binds its socket early and uvicorn listens on it only after "Application
+        # startup complete": a request in between is refused (it was, on a loaded machine).
+        # The server is up when /health answers; bounded, and it must not have exited.
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(base + "/health", timeout=10).read()
+                break
+            except (urllib.error.URLError, ConnectionError) as e:
+                assert server.poll() is None and time.monotonic() < deadline, \
+                    f"server never answered /health ({e}):\n" + \
+                    (tmp / "server.log").read_text()[-3000:]
+                time.sleep(0.05)
 
         def complete(prompt):
             body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 4,
