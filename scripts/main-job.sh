@@ -60,7 +60,7 @@ if ((agent)); then
   fi
   model=$(tail -n1 "$model_log")
   rm -f "$model_log"
-  step "part 1: agent conversation on SmolLM2-135M-Instruct (kvcd-agent, ~45 s on an idle 2-core machine)"
+  step "part 1: agent conversation on SmolLM2-135M-Instruct (kvcd-agent, ~30 s on an idle 2-core machine)"
   start_kvcd "$build/server/kvcd" deploy/config/kvcd-agent.yaml
   trap 'kill $KVCD_PID 2>/dev/null || true' EXIT
   grep '^kvcd ready' "$KVCD_LOG_DIR/out"
