@@ -16,6 +16,23 @@
 #include "server/engine/tensor_checks.h"
 
 namespace kvcd {
+namespace {
+
+// The pages FetchPages returns as stored: each one's format, tokens and (inline, `with_data`)
+// its bytes, moved out of `copies`.
+void AddStoredPages(std::vector<ModelCache::StoredPageCopy>& copies, bool with_data,
+                    v1::FetchPagesResponse* resp) {
+  for (auto& c : copies) {
+    resp->add_page_formats(c.format);
+    v1::StoredPage* sp = resp->add_pages();
+    sp->set_format(c.format);
+    sp->set_first_token(c.first_token);
+    sp->set_num_tokens(c.num_tokens);
+    if (with_data) sp->set_data(std::move(c.data));
+  }
+}
+
+}  // namespace
 
 absl::Status CacheEngine::FetchPages(const v1::FetchPagesRequest& req, v1::FetchPagesResponse* resp,
                                      const FoundSequences& found) {
@@ -85,13 +102,7 @@ absl::Status CacheEngine::FetchPages(const v1::FetchPagesRequest& req, v1::Fetch
                                                    &copies);
           }));
     }
-    for (auto& c : copies) {
-      resp->add_page_formats(c.format);
-      v1::StoredPage* sp = resp->add_pages();
-      sp->set_format(c.format);
-      sp->set_first_token(c.first_token);
-      sp->set_num_tokens(c.num_tokens);
-    }
+    AddStoredPages(copies, false, resp);
     *resp->mutable_k() = req.destination();
     return absl::OkStatus();
   }
@@ -107,14 +118,7 @@ absl::Status CacheEngine::FetchPages(const v1::FetchPagesRequest& req, v1::Fetch
     KVCD_RETURN_IF_ERROR(seq->model->FetchStored(seq.get(), req.first_token(), n, &copies));
     // The read waited for the device: a fault of a call still in flight before is known now.
     KVCD_RETURN_IF_ERROR(DeviceFaultStatus(*seq));
-    for (auto& c : copies) {
-      resp->add_page_formats(c.format);
-      v1::StoredPage* sp = resp->add_pages();
-      sp->set_format(c.format);
-      sp->set_first_token(c.first_token);
-      sp->set_num_tokens(c.num_tokens);
-      sp->set_data(std::move(c.data));
-    }
+    AddStoredPages(copies, true, resp);
     return absl::OkStatus();
   }
   const auto bytes = CheckedProduct({2, 2, s.num_layers, n, s.num_kv_heads, s.head_dim});

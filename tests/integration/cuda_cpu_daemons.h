@@ -79,6 +79,34 @@ void ToDevice(uint8_t* dst, const T* src, size_t bytes) {
   ASSERT_EQ(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), cudaSuccess);
 }
 
+// The bytes of `put`'s inline k, v and x.
+inline size_t PutBytes(const v1::PutRequest& put) {
+  return put.k().inline_data().size() + put.v().inline_data().size() + put.x().inline_data().size();
+}
+
+// `put` under tenant `salt` with its k, v (and x, when set) copied into worker buffer `b`, which
+// must hold PutBytes(put): the regions are k at 0, v after it, x after v. The caller marks `b`
+// ready.
+inline v1::PutRequest PutFromBuffer(workers::IpcBuffer& b, const v1::PutRequest& put,
+                                    const std::string& salt) {
+  const std::string& kb = put.k().inline_data();
+  const std::string& vb = put.v().inline_data();
+  const std::string& xb = put.x().inline_data();
+  ToDevice(b.data(), kb.data(), kb.size());
+  ToDevice(b.data() + kb.size(), vb.data(), vb.size());
+  v1::PutRequest ipc_put = put;
+  ipc_put.set_cache_salt(salt);
+  const std::vector<int64_t> kv_shape(put.k().shape().begin(), put.k().shape().end());
+  b.Region(ipc_put.mutable_k(), v1::DTYPE_BF16, kv_shape, 0);
+  b.Region(ipc_put.mutable_v(), v1::DTYPE_BF16, kv_shape, kb.size());
+  if (put.has_x()) {
+    ToDevice(b.data() + kb.size() + vb.size(), xb.data(), xb.size());
+    const std::vector<int64_t> x_shape(put.x().shape().begin(), put.x().shape().end());
+    b.Region(ipc_put.mutable_x(), v1::DTYPE_BF16, x_shape, kb.size() + vb.size());
+  }
+  return ipc_put;
+}
+
 inline uint64_t OpenOn(Client* c, const std::string& model, const std::vector<int32_t>& tokens,
                        const std::string& salt) {
   auto o = c->OpenSequence(model, salt, tokens, 60000);

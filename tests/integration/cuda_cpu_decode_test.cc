@@ -43,6 +43,8 @@ namespace cuda_cpu_decode_test {
 
 using testing_util::DecodeThroughBuffer;
 using testing_util::ExpectCloseToCpu;
+using testing_util::PutBytes;
+using testing_util::PutFromBuffer;
 using testing_util::ToDevice;
 using workers::IpcBuffer;
 
@@ -357,24 +359,10 @@ TEST_P(CudaCpuDecodeTest, CudaBackendMatchesCpuBackend) {
   ExpectStoredLike(cu_prefix, prefix, "codes or K/V against the CPU backend's");
 
   // The same Put with k, v (and x) in a worker buffer (tenant "ipc"): the same pages.
-  const std::string& kb = put.k().inline_data();
-  const std::string& vb = put.v().inline_data();
-  const std::string& xb = put.x().inline_data();
-  auto buf = IpcBuffer::Create(cuda_.get(), kb.size() + vb.size() + xb.size() + (1 << 20), fc.name);
+  auto buf = IpcBuffer::Create(cuda_.get(), PutBytes(put) + (1 << 20), fc.name);
   ASSERT_TRUE(buf.ok()) << buf.status();
   IpcBuffer& b = **buf;
-  ToDevice(b.data(), kb.data(), kb.size());
-  ToDevice(b.data() + kb.size(), vb.data(), vb.size());
-  v1::PutRequest ipc_put = put;
-  ipc_put.set_cache_salt("ipc");
-  const std::vector<int64_t> kv_shape(put.k().shape().begin(), put.k().shape().end());
-  b.Region(ipc_put.mutable_k(), v1::DTYPE_BF16, kv_shape, 0);
-  b.Region(ipc_put.mutable_v(), v1::DTYPE_BF16, kv_shape, kb.size());
-  if (put.has_x()) {
-    ToDevice(b.data() + kb.size() + vb.size(), xb.data(), xb.size());
-    const std::vector<int64_t> x_shape(put.x().shape().begin(), put.x().shape().end());
-    b.Region(ipc_put.mutable_x(), v1::DTYPE_BF16, x_shape, kb.size() + vb.size());
-  }
+  const v1::PutRequest ipc_put = PutFromBuffer(b, put, "ipc");
   ASSERT_TRUE(b.MarkReady(nullptr).ok());
   auto ipc_r = cuda_->Put(ipc_put);
   ASSERT_TRUE(ipc_r.ok()) << ipc_r.status();

@@ -43,6 +43,8 @@ namespace cuda_device_test {
 using testing_util::CudaDeviceCount;
 using testing_util::DecodeThroughBuffer;
 using testing_util::ExpectCloseToCpu;
+using testing_util::PutBytes;
+using testing_util::PutFromBuffer;
 using testing_util::ToDevice;
 using workers::IpcBuffer;
 
@@ -196,21 +198,13 @@ TEST_F(CudaDeviceOneTest, EveryPathRunsOnTheConfiguredDevice) {
   EXPECT_EQ(Stored(cuda_.get(), cu_seq), prefix);
 
   // The same Put from a worker buffer on device 1 (CUDA IPC, tenant "ipc").
-  const std::string& kb = put.k().inline_data();
-  const std::string& vb = put.v().inline_data();
-  auto buf = IpcBuffer::Create(cuda_.get(), kb.size() + vb.size() + (1 << 20), "device-one");
+  auto buf = IpcBuffer::Create(cuda_.get(), PutBytes(put) + (1 << 20), "device-one");
   ASSERT_TRUE(buf.ok()) << buf.status();
   IpcBuffer& b = **buf;
   int holder = -1;
   ASSERT_EQ(kernels::cuda::PointerDevice(b.data(), &holder).message(), "");
   ASSERT_EQ(holder, kDevice);
-  ToDevice(b.data(), kb.data(), kb.size());
-  ToDevice(b.data() + kb.size(), vb.data(), vb.size());
-  v1::PutRequest ipc_put = put;
-  ipc_put.set_cache_salt("ipc");
-  const std::vector<int64_t> kv_shape(put.k().shape().begin(), put.k().shape().end());
-  b.Region(ipc_put.mutable_k(), v1::DTYPE_BF16, kv_shape, 0);
-  b.Region(ipc_put.mutable_v(), v1::DTYPE_BF16, kv_shape, kb.size());
+  const v1::PutRequest ipc_put = PutFromBuffer(b, put, "ipc");
   ASSERT_TRUE(b.MarkReady(nullptr).ok());
   auto ipc_r = cuda_->Put(ipc_put);
   ASSERT_TRUE(ipc_r.ok()) << ipc_r.status();
