@@ -32,6 +32,20 @@ void AddStoredPages(std::vector<ModelCache::StoredPageCopy>& copies, bool with_d
   }
 }
 
+// INVALID_ARGUMENT unless pages [first, first + n_pages) of `page_size` tokens lie within
+// the request's tokens (overflow-safe).
+absl::Status CheckPushedRange(const v1::PushPagesRequest& req, int64_t first, int64_t n_pages,
+                              int64_t page_size) {
+  const auto end_pages = CheckedAdd(first, n_pages);
+  const auto end_tokens = end_pages ? CheckedMul(*end_pages, page_size) : std::nullopt;
+  if (first < 0 || !end_tokens || *end_tokens > req.tokens_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("first_page ", first, " + ", n_pages, " pages of ", page_size, " tokens need ",
+                     end_tokens ? *end_tokens : -1, " tokens, but tokens has ", req.tokens_size()));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status CacheEngine::FetchPages(const v1::FetchPagesRequest& req, v1::FetchPagesResponse* resp,
@@ -150,13 +164,7 @@ absl::Status CacheEngine::PushPages(const v1::PushPagesRequest& req, v1::PushPag
   const int64_t n_pages = req.inline_pages_size();
   const int64_t first = req.first_page();
   if (n_pages < 1) return absl::InvalidArgumentError("inline_pages is empty, expected >= 1 page");
-  const auto end_pages = CheckedAdd(first, n_pages);
-  const auto end_tokens = end_pages ? CheckedMul(*end_pages, ps) : std::nullopt;
-  if (first < 0 || !end_tokens || *end_tokens > req.tokens_size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("first_page ", first, " + ", n_pages, " pages of ", ps, " tokens need ",
-                     end_tokens ? *end_tokens : -1, " tokens, but tokens has ", req.tokens_size()));
-  }
+  KVCD_RETURN_IF_ERROR(CheckPushedRange(req, first, n_pages, ps));
   std::vector<ModelCache::StoredPageIn> pages;
   for (const auto& p : req.inline_pages()) pages.push_back({p.format(), p.data()});
   KVCD_ASSIGN_OR_RETURN(PutResult r, m->PushPages(req.cache_salt(), req.tokens(), first, pages));
@@ -174,13 +182,7 @@ absl::StatusOr<int64_t> CacheEngine::PushedPagesBytes(const ModelCache& m,
         absl::StrCat("num_pages is ", n_pages, ", expected 1..", kMaxTokensPerCall,
                      " with pages (the count of pages in the device bytes)"));
   }
-  const auto end_pages = CheckedAdd(first, n_pages);
-  const auto end_tokens = end_pages ? CheckedMul(*end_pages, ps) : std::nullopt;
-  if (first < 0 || !end_tokens || *end_tokens > req.tokens_size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("first_page ", first, " + ", n_pages, " pages of ", ps, " tokens need ",
-                     end_tokens ? *end_tokens : -1, " tokens, but tokens has ", req.tokens_size()));
-  }
+  KVCD_RETURN_IF_ERROR(CheckPushedRange(req, first, n_pages, ps));
   int64_t total = 0;
   for (int64_t i = 0; i < n_pages; ++i) total += m.StoredPageBytes(first + i);
   return total;
