@@ -33,8 +33,8 @@ int DeviceCount() {
 
 std::string Config(const std::string& member, const std::string& etcd,
                    const std::string& transport) {
-  return std::string(testing_util::kSmallCudaDaemon) +
-         testing_util::ClusterSection("d", member, etcd) + "  pull_transport: " + transport + "\n";
+  return testing_util::SmallCudaDaemon() + testing_util::ClusterSection("d", member, etcd) +
+         "  pull_transport: " + transport + "\n";
 }
 
 // The pages as stored of the cached prefix of `tokens` ("format:bytes" each) and how many

@@ -34,37 +34,26 @@ inline std::string BackendConfig(const std::string& backend) {
          "drain_timeout_ms: 300\n";
 }
 
+// One model entry of the CUDA tests' small geometry (2 layers, 8 q / 2 KV heads, head_dim
+// 128, pages of 64 tokens, a sink of 64 and a recent window of 128), then `rest`: its further
+// keys, each line indented by four spaces.
+inline std::string SmallModel(const std::string& name, const std::string& rest) {
+  return "  - name: " + name +
+         "\n    num_layers: 2\n    num_q_heads: 8\n    num_kv_heads: 2\n    head_dim: 128\n"
+         "    page_size: 64\n    sink_tokens: 64\n    recent_tokens: 128\n" +
+         rest;
+}
+// The keys of an INT2 history beside BF16 windows that hold half the model's memory.
+inline constexpr char kSmallInt2[] =
+    "    history_format: int2-oscar\n    memory: 96MiB\n    bf16_fraction: 0.5\n";
+
 // A CUDA daemon holding two small models of one geometry: `small` (INT2 history, half its
 // memory BF16) and `small-bf16` (the data-plane and device-pull tests).
-inline constexpr char kSmallCudaDaemon[] = R"(
-listen: 127.0.0.1:0
-metrics_listen: 127.0.0.1:0
-backend: cuda
-memory_budget: 512MiB
-lease: {default_ms: 30000, max_ms: 60000}
-drain_timeout_ms: 300
-models:
-  - name: small
-    num_layers: 2
-    num_q_heads: 8
-    num_kv_heads: 2
-    head_dim: 128
-    page_size: 64
-    sink_tokens: 64
-    recent_tokens: 128
-    history_format: int2-oscar
-    memory: 96MiB
-    bf16_fraction: 0.5
-  - name: small-bf16
-    num_layers: 2
-    num_q_heads: 8
-    num_kv_heads: 2
-    head_dim: 128
-    page_size: 64
-    sink_tokens: 64
-    recent_tokens: 128
-    memory: 64MiB
-)";
+inline std::string SmallCudaDaemon() {
+  return "listen: 127.0.0.1:0\nmetrics_listen: 127.0.0.1:0\nbackend: cuda\nmemory_budget: 512MiB\n"
+         "lease: {default_ms: 30000, max_ms: 60000}\ndrain_timeout_ms: 300\nmodels:\n" +
+         SmallModel("small", kSmallInt2) + SmallModel("small-bf16", "    memory: 64MiB\n");
+}
 
 inline std::unique_ptr<Client> ConnectTo(const DaemonProcess& d) {
   ClientOptions o;

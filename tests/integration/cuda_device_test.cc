@@ -57,19 +57,9 @@ constexpr int kSteps = 140;
 constexpr double kBound = 3e-3;
 
 // The INT2 history beside BF16 windows of the data-plane tests' geometry.
-constexpr char kModel[] = R"(models:
-  - name: device-one
-    num_layers: 2
-    num_q_heads: 8
-    num_kv_heads: 2
-    head_dim: 128
-    page_size: 64
-    sink_tokens: 64
-    recent_tokens: 128
-    history_format: int2-oscar
-    memory: 96MiB
-    bf16_fraction: 0.5
-)";
+std::string Model() {
+  return "models:\n" + testing_util::SmallModel("device-one", testing_util::kSmallInt2);
+}
 
 // Lines of `text` holding `needle`.
 int Lines(const std::string& text, const std::string& needle) {
@@ -126,8 +116,8 @@ class CudaDeviceOneTest : public testing_util::CudaCpuDaemonsTest<::testing::Tes
     // The model is in both configurations: its pools are allocated on the daemon's main
     // thread at start-up and used from the threads that serve the calls.
     ASSERT_TRUE(gpu_.CaptureStderr());
-    ASSERT_TRUE(gpu_.Start(testing_util::BackendConfig("cuda") + "cuda_device: 1\n" + kModel));
-    ASSERT_TRUE(cpu_.Start(testing_util::BackendConfig("cpu") + kModel));
+    ASSERT_TRUE(gpu_.Start(testing_util::BackendConfig("cuda") + "cuda_device: 1\n" + Model()));
+    ASSERT_TRUE(cpu_.Start(testing_util::BackendConfig("cpu") + Model()));
     cuda_ = testing_util::ConnectTo(gpu_);
     host_ = testing_util::ConnectTo(cpu_);
     ASSERT_TRUE(cuda_ != nullptr && host_ != nullptr);

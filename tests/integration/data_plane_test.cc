@@ -43,7 +43,7 @@ class DataPlaneTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     if (DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-    ASSERT_TRUE(daemon_.Start(testing_util::kSmallCudaDaemon));
+    ASSERT_TRUE(daemon_.Start(testing_util::SmallCudaDaemon()));
     ClientOptions o;
     o.target = daemon_.grpc();
     auto c = Client::Connect(o);
