@@ -348,6 +348,10 @@ void Daemon::Drain() {
     stopping_ = true;
   }
   cv_.notify_all();
+  // New API calls are refused before health says NOT_SERVING: a client that sees
+  // NOT_SERVING and then calls must get UNAVAILABLE, never an answer (the service used to
+  // start draining only after the cluster was left, and such a call could still succeed).
+  if (service_) service_->StartDraining();
   health_.SetServing(false);
   health_only_.SetServing(false);
   // Leave the cluster first: peers and clients stop routing here while the calls drain.
@@ -376,7 +380,6 @@ void Daemon::Drain() {
   // flight) and then gives Shutdown only a short grace for the last answers to go out,
   // after which idle connections are closed.
   if (service_) {  // null if Start() failed early
-    service_->StartDraining();
     service_->WaitIdle(t0 + std::chrono::milliseconds(config_.drain_timeout_ms));
   }
   const auto t_idle = std::chrono::steady_clock::now();
