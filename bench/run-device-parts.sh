@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Runs several bench/run-h200-*.sh scripts in one device call, each under its own time budget
+# and inside the call's own limit, most important first. A call costs a machine start and
+# the device tool allows 10 minutes a command, so the runs that need the same binaries go
+# together:
+#   bench/run-device-parts.sh fsq-keys:330 fsq-enc:250
+#   bench/run-device-parts.sh gpu-step:400 vllm-gpu:180
+# Each part NAME runs bench/run-h200-NAME.sh with OUT=$OUT/NAME (its summary.txt and
+# logs.tgz come back there); a part is cut at its budget or where the call's limit
+# (KVCD_CALL_LIMIT_S, default 590 s) would be passed. Binaries: .devbin/.devlibs, or a
+# packed tarball (KVCD_PACK, default .devrun/pack.tar.xz) unpacked into the checkout first.
+#   here:   ./scripts/build.sh <targets> && KVCD_PACK_ONLY="<targets>" ./scripts/pack-device.sh
+#           && tar -cJf .devrun/pack.tar.xz .devbin .devlibs   (.devrun ignored via
+#           .git/info/exclude; carry [".devrun"], plus ".whl" for vllm-gpu)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+final=${OUT:-/tmp/kvcd-device-parts}
+limit=${KVCD_CALL_LIMIT_S:-590}
+mkdir -p "$final"
+pack=${KVCD_PACK:-.devrun/pack.tar.xz}
+if [[ -f $pack ]]; then
+  tar -xJf "$pack" || { echo "cannot unpack $pack"; exit 1; }
+fi
+status=0
+for part in "$@"; do
+  name=${part%%:*}
+  budget=${part##*:}
+  left=$((limit - SECONDS - 5))
+  ((budget > left)) && budget=$left
+  if ((budget < 20)); then
+    echo "== $name: skipped ($left s left of the call)" | tee -a "$final/parts.txt"
+    continue
+  fi
+  mkdir -p "$final/$name"
+  t0=$SECONDS
+  OUT=$final/$name timeout --kill-after=5 "$budget" "bench/run-h200-$name.sh"
+  rc=$?
+  ((rc != 0)) && status=1
+  # MPS (started by the decode benches) must not outlive the part that started it.
+  echo quit | nvidia-cuda-mps-control > /dev/null 2>&1
+  echo "== $name: rc $rc in $((SECONDS - t0)) s (budget $budget s)" | tee -a "$final/parts.txt"
+done
+exit $status
