@@ -2,7 +2,7 @@
 #include "examples/llama_matmul.h"
 
 #include "examples/llama_matmul_impl.h"
-#include "kernels/cpu/isa_dispatch.h"
+#include "kvcd/kernels/isa_dispatch.h"
 
 namespace kvcd::llama {
 
@@ -15,8 +15,8 @@ void MatMulScalar(const float* w, const float* x, int n, int out, int in, float*
 
 void MatMulForIsa(kernels::CpuIsa isa, const float* w, const float* x, int n, int out, int in,
                   float* y) {
-  kernels::internal::ForIsa(isa, &internal::MatMulScalar, &internal::MatMulAvx2,
-                            &internal::MatMulAvx512)(w, x, n, out, in, y);
+  kernels::ForIsa(isa, &internal::MatMulScalar, &internal::MatMulAvx2, &internal::MatMulAvx512)(
+      w, x, n, out, in, y);
 }
 
 void MatMul(const float* w, const float* x, int n, int out, int in, float* y) {

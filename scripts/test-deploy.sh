@@ -23,11 +23,20 @@
 #   7. with KVCD_DEPLOY_CUDA_IMAGE=1: the CUDA image builds (compile and link for sm_90)
 # `--prepare` only installs what the checks need (packages, the venv, the Docker engine and
 # the base image) and needs no build (scripts/test.sh runs it while the C++ builds run).
+# `--venv-path` only prints the venv's directory (installs and checks nothing).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 build=${KVCD_BUILD_DIR:-build}
 prepare_only=0
 [[ ${1:-} == --prepare ]] && prepare_only=1
+reqs="helm-python-sdk==0.2.2 kubernetes-validate==1.37.0 grafana-foundation-sdk==1769699998!10.1.0 pytest==8.* PyYAML==6.*"
+# Outside the clone, keyed by the requirements and the Python version (scripts/cached-venv.sh,
+# as the vLLM venv), so clean clones reuse it; .reqs is written last, so a venv without it is
+# rebuilt.
+source scripts/cached-venv.sh
+venv=$( { echo "$reqs"; python3 -c 'import sys; print(sys.version)'; } | cached_venv_dir deploy-venv)
+venv=${KVCD_DEPLOY_VENV:-$venv}
+[[ ${1:-} == --venv-path ]] && { echo "$venv"; exit 0; }
 export KVCD_BIN=$PWD/$build/server/kvcd KVCTL_BIN=$PWD/$build/client/kvctl
 if ((!prepare_only)); then
   for b in "$KVCD_BIN" "$KVCTL_BIN"; do
@@ -53,17 +62,12 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
-reqs="helm-python-sdk==0.2.2 kubernetes-validate==1.37.0 grafana-foundation-sdk==1769699998!10.1.0 pytest==8.* PyYAML==6.*"
-# Outside the clone, keyed by the requirements and the Python version (as the vLLM venv), so
-# clean clones reuse it; .reqs is written last, so a venv without it is rebuilt.
-reqs_hash=$( { echo "$reqs"; python3 -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)
-venv=${KVCD_DEPLOY_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcd/deploy-venv-$reqs_hash}
-if [[ ! -f $venv/.reqs ]] || [[ $(cat "$venv/.reqs") != "$reqs" ]]; then
-  echo "test-deploy: PyPI tools into $venv"
-  rm -rf "$venv" && mkdir -p "$(dirname "$venv")" && python3 -m venv "$venv" &&
-    "$venv/bin/pip" install -q $reqs && echo "$reqs" >"$venv/.reqs" ||
-    { echo "test-deploy: pip install failed" >&2; exit 1; }
-fi
+install() {
+  local pins
+  read -ra pins <<<"$reqs"
+  "$1/bin/pip" install -q "${pins[@]}"
+}
+cached_venv_ensure "$venv" .reqs "$reqs" python3 install || { echo "test-deploy: pip install failed" >&2; exit 1; }
 py=$venv/bin/python
 export PATH=$venv/bin:$PATH
 if ((prepare_only)); then

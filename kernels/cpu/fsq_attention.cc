@@ -5,8 +5,8 @@
 #include <vector>
 
 #include "fsq_math.h"
-#include "isa_dispatch.h"
 #include "kvcd/kernels/fsq.h"
+#include "kvcd/kernels/isa_dispatch.h"
 
 namespace kvcd::kernels {
 namespace internal {
@@ -24,8 +24,8 @@ void AttendFsqPages(const FsqPageTable& pages, const FsqLayerCodec& codec, const
                     int kv_head, const float* q, int group, float softmax_scale,
                     int64_t token_begin, int64_t token_end, float* o, float* lse, CpuIsa isa) {
   // The key rebuild works on 2 vectors of head dims at a time: 32 (AVX-512) or 16 (AVX2).
-  internal::ForIsa(internal::UsableIsa(isa, codec.head_dim, 32, 16), internal::AttendFsqPagesScalar,
-                   internal::AttendFsqPagesAvx2, internal::AttendFsqPagesAvx512)(
+  ForIsa(UsableIsa(isa, codec.head_dim, 32, 16), internal::AttendFsqPagesScalar,
+         internal::AttendFsqPagesAvx2, internal::AttendFsqPagesAvx512)(
       pages, codec, rope, kv_head, q, group, softmax_scale, token_begin, token_end, o, lse);
 }
 

@@ -9,8 +9,8 @@
 
 #include "fsq_encode.h"
 #include "fsq_math.h"
-#include "isa_dispatch.h"
 #include "kvcd/kernels/fsq.h"
+#include "kvcd/kernels/isa_dispatch.h"
 
 namespace kvcd::kernels {
 namespace internal {
@@ -97,8 +97,8 @@ void FsqEncodeRows(const FsqLayerCodec& codec, const float* x, int64_t tokens, u
   const int G = codec.latent_width;
   std::fill(codes, codes + tokens * FsqCodeBytes(G), uint8_t{0});  // odd G: last high nibble 0
   // The AVX2 encoder serves AVX-512 CPUs too.
-  internal::ForIsa(isa, FsqEncodeAllRowsScalar, internal::FsqEncodeRowsAvx2,
-                   internal::FsqEncodeRowsAvx2)(codec, x, tokens, codes);
+  ForIsa(isa, FsqEncodeAllRowsScalar, internal::FsqEncodeRowsAvx2, internal::FsqEncodeRowsAvx2)(
+      codec, x, tokens, codes);
 }
 
 namespace {

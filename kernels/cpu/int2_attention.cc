@@ -4,8 +4,8 @@
 #include <limits>
 #include <vector>
 
-#include "isa_dispatch.h"
 #include "kvcd/kernels/fp16.h"
+#include "kvcd/kernels/isa_dispatch.h"
 
 namespace kvcd::kernels {
 namespace internal {
@@ -22,8 +22,8 @@ void AttendInt2Pages(const Int2PageTable& kv, int kv_head, const float* q_rot, i
                      float softmax_scale, int64_t token_begin, int64_t token_end, float* o_rot,
                      float* lse, CpuIsa isa) {
   // Dot/Axpy/Scale step 16 (AVX-512) or 8 (AVX2) floats.
-  internal::ForIsa(internal::UsableIsa(isa, kv.head_dim, 16, 8), internal::AttendInt2PagesScalar,
-                   internal::AttendInt2PagesAvx2, internal::AttendInt2PagesAvx512)(
+  ForIsa(UsableIsa(isa, kv.head_dim, 16, 8), internal::AttendInt2PagesScalar,
+         internal::AttendInt2PagesAvx2, internal::AttendInt2PagesAvx512)(
       kv, kv_head, q_rot, group, softmax_scale, token_begin, token_end, o_rot, lse);
 }
 

@@ -3,9 +3,9 @@
 #include <algorithm>
 #include <cmath>
 
-#include "isa_dispatch.h"
 #include "kvcd/kernels/fp16.h"
 #include "kvcd/kernels/fp16_saturate.h"
+#include "kvcd/kernels/isa_dispatch.h"
 
 namespace kvcd::kernels {
 
@@ -40,8 +40,8 @@ void RotateRowsScalar(const float* x, int64_t n, int d, const float* r, float* o
 
 void RotateRows(const float* x, int64_t n, int d, const float* r, float* out, CpuIsa isa) {
   // No AVX2 version: the scalar loop stands in for it.
-  internal::ForIsa(internal::UsableIsa(isa, d, 16, 1), RotateRowsScalar, RotateRowsScalar,
-                   internal::RotateRowsAvx512)(x, n, d, r, out);
+  ForIsa(UsableIsa(isa, d, 16, 1), RotateRowsScalar, RotateRowsScalar, internal::RotateRowsAvx512)(
+      x, n, d, r, out);
 }
 
 Rotation ClassifyRotation(const float* r, int d) {

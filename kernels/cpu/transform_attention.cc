@@ -3,7 +3,7 @@
 #include <cstddef>
 #include <vector>
 
-#include "isa_dispatch.h"
+#include "kvcd/kernels/isa_dispatch.h"
 #include "kvcd/kernels/reference_attention.h"
 
 namespace kvcd::kernels {
@@ -22,9 +22,8 @@ void AttendTransformPages(const TransformPageTable& kv, int kv_head, const Trans
                           int64_t token_begin, int64_t token_end, float* o, float* lse,
                           CpuIsa isa) {
   // The AVX2 version serves AVX-512 CPUs too; its vectors step 8 floats.
-  internal::ForIsa(internal::UsableIsa(isa, kv.layout.head_dim, 8, 8),
-                   internal::AttendTransformPagesScalar, internal::AttendTransformPagesAvx2,
-                   internal::AttendTransformPagesAvx2)(
+  ForIsa(UsableIsa(isa, kv.layout.head_dim, 8, 8), internal::AttendTransformPagesScalar,
+         internal::AttendTransformPagesAvx2, internal::AttendTransformPagesAvx2)(
       kv, kv_head, key, r_v, q, group, softmax_scale, token_begin, token_end, o, lse);
 }
 

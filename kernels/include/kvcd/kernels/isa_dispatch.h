@@ -1,11 +1,13 @@
-// The CPU ISA dispatch: every kernel with scalar, AVX2 and AVX-512 versions (one translation
-// unit per ISA) is picked here, from the ISA asked for (cpu_features.h) and what the
-// version's vectors need of the sizes.
+// The CPU ISA dispatch: a function with scalar, AVX2 and AVX-512 versions (one translation
+// unit per ISA, each compiled for its ISA) is picked here, from the ISA asked for
+// (cpu_features.h: ActiveCpuIsa() for the best this CPU supports) and what the version's
+// vectors need of the sizes. The kernels' CPU versions and the examples' (llama_matmul.h) are
+// all chosen this way.
 #pragma once
 
 #include "kvcd/kernels/cpu_features.h"
 
-namespace kvcd::kernels::internal {
+namespace kvcd::kernels {
 
 // `isa` stepped down to the widest ISA whose version takes `n` (the elements its vector loops
 // step over): the AVX-512 version needs a multiple of avx512_step, the AVX2 one of avx2_step.
@@ -15,8 +17,9 @@ inline CpuIsa UsableIsa(CpuIsa isa, int n, int avx512_step, int avx2_step) {
   return isa;
 }
 
-// The version of a kernel for `isa`, all of one function type. A kernel without a version
-// for an ISA passes the next narrower one in its place.
+// The version of a function for `isa`, all of one function type. A function without a
+// version for an ISA passes the next narrower one in its place. The caller must only ask for
+// an ISA this CPU supports (ActiveCpuIsa() or narrower).
 template <class Fn>
 Fn* ForIsa(CpuIsa isa, Fn* scalar, Fn* avx2, Fn* avx512) {
   switch (isa) {
@@ -30,4 +33,4 @@ Fn* ForIsa(CpuIsa isa, Fn* scalar, Fn* avx2, Fn* avx512) {
   return scalar;
 }
 
-}  // namespace kvcd::kernels::internal
+}  // namespace kvcd::kernels
