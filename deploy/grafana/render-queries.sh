@@ -10,7 +10,7 @@ out=${1:-deploy/grafana/kvcd-queries.png}
 command -v chromium-headless-shell >/dev/null ||
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium-headless-shell >/dev/null
 # The deployment checks' venv (scripts/test-deploy.sh --prepare makes it).
-venv=${KVCD_DEPLOY_VENV:-$(ls -d "${XDG_CACHE_HOME:-$HOME/.cache}"/kvcd/deploy-venv-* 2>/dev/null | head -1)}
+venv=$(scripts/test-deploy.sh --venv-path)
 [[ -x $venv/bin/python ]] || { echo "render-queries: no deploy venv; run scripts/test-deploy.sh --prepare" >&2; exit 1; }
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
