@@ -116,6 +116,15 @@ models:
     return o;
   }
 
+  // For a connection the daemon must refuse: Connect waits out its whole connect_timeout
+  // before it reports UNAVAILABLE, and an accepted handshake on loopback takes milliseconds,
+  // so one second keeps the check meaningful without waiting three.
+  static ClientOptions RefusedOptions(const DaemonProcess& d) {
+    ClientOptions o = Options(d);
+    o.connect_timeout = std::chrono::milliseconds(1000);
+    return o;
+  }
+
   std::string StderrPath() {
     const std::string p = Path(
         std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) + ".stderr");
@@ -133,11 +142,11 @@ TEST_F(SecurityTest, TlsIsAcceptedAndPlaintextOrAnUntrustedCaIsRefused) {
   auto stats = (*c)->Stats();
   ASSERT_TRUE(stats.ok()) << stats.status();
 
-  ClientOptions plain = Options(d);
+  ClientOptions plain = RefusedOptions(d);
   auto p = Client::Connect(plain);
   EXPECT_EQ(p.status().code(), absl::StatusCode::kUnavailable) << p.status();
 
-  ClientOptions other = Options(d);
+  ClientOptions other = RefusedOptions(d);
   other.tls_root_ca_file = Path("otherca.pem");
   auto u = Client::Connect(other);
   EXPECT_EQ(u.status().code(), absl::StatusCode::kUnavailable) << u.status();
@@ -158,10 +167,12 @@ TEST_F(SecurityTest, MutualTlsRequiresAClientCertificateFromTheConfiguredCa) {
   ASSERT_TRUE(d.Start(Config(TlsBlock(true))));
   ClientOptions o = Options(d);
   o.tls_root_ca_file = Path("ca.pem");
-  auto without = Client::Connect(o);
+  ClientOptions refused = RefusedOptions(d);
+  refused.tls_root_ca_file = Path("ca.pem");
+  auto without = Client::Connect(refused);
   EXPECT_EQ(without.status().code(), absl::StatusCode::kUnavailable) << without.status();
 
-  ClientOptions rogue = o;  // a certificate from a CA the daemon does not trust
+  ClientOptions rogue = refused;  // a certificate from a CA the daemon does not trust
   rogue.tls_client_cert_file = Path("rogue.pem");
   rogue.tls_client_key_file = Path("rogue.key");
   auto r = Client::Connect(rogue);
