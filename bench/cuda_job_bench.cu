@@ -17,9 +17,9 @@
 // kernel, then LaunchMergeParts), the layers' pages distinct (layer-major pool). Not
 // counted: the row store of the step's new token (one row per sequence and layer) and the
 // process boundary (this is the daemon's GPU work in one process). Each format runs twice:
-// with the split counts the daemon's formats choose by default (each kernel's own, sized for a
+// with each kernel's own split count (KVCD_SPLITS=kernel in the daemon; sized for a
 // batch of equal lengths) and with the history's splits sized by the longest sequence
-// ("balanced": the formats' rule with KVCD_SPLITS=balanced, kvcd/kernels/cuda_split_balance.h).
+// ("balanced": the formats' rule, the daemon's default, kvcd/kernels/cuda_split_balance.h).
 // Pages hold random codes with valid parameters (times do not depend on the values; the
 // kernel tests check results against the float64 oracle); queries are random.
 //
@@ -60,7 +60,8 @@ ABSL_FLAG(int32_t, max_context, 131072, "context limit: system prompt + session 
 ABSL_FLAG(std::string, formats, "bf16,int2,int2-transform", "history formats, comma-separated");
 ABSL_FLAG(std::string, transform_kernel, "tc", "int2-transform decode kernel: tc or fp32");
 ABSL_FLAG(std::string, splits, "both",
-          "history splits: daemon (the formats' split counts), balanced (sized by the longest "
+          "history splits: daemon (each kernel's own count: KVCD_SPLITS=kernel), balanced (sized "
+          "by the longest "
           "sequence), or both");
 ABSL_FLAG(int32_t, steps, 5, "timed decode steps (after one warm-up step)");
 ABSL_FLAG(std::string, out, "", "also write the table to this Markdown file");
@@ -231,8 +232,8 @@ Result RunFormat(const std::string& fmt, const std::vector<int>& trace, int64_t 
   float* d_q = Upload(q);
   const float scale = 1.0f / std::sqrt(static_cast<float>(kD));
   // Splits as the daemon's formats choose them (AttendSplits): "daemon", each kernel's own
-  // count (sized for a batch of equal lengths: one wave of CTAs; the daemon's default);
-  // "balanced", sized by the longest list when the lengths differ (KVCD_SPLITS=balanced,
+  // count (sized for a batch of equal lengths: one wave of CTAs; KVCD_SPLITS=kernel);
+  // "balanced", sized by the longest list when the lengths differ (the daemon's default,
   // kvcd/kernels/cuda_split_balance.h). With the trace's lengths (up to ~8x the mean) the
   // kernels' own count leaves one CTA walking the longest sequence alone while the others are
   // done; the balanced rule gives each CTA at most half of an even share of one wave's tokens

@@ -2,8 +2,8 @@
 # Issue #36 on the H200, one lease (~6 minutes), most important first:
 #   1. tests: every CUDA kernel test (kvcd_cuda_tests) and every data-plane test (CUDA daemon
 #      vs CPU daemon per format; the signal-word hops against inline calls), then the
-#      data-plane tests again with KVCD_SPLITS=balanced (the formats' split rule for ragged
-#      batches, opt-in until this run);
+#      data-plane tests again with KVCD_SPLITS=kernel (each kernel's own split count, the
+#      rule before the formats' balanced one became the default);
 #   2. the per-layer decode loop through kvcd (bench/run-decode-batch.sh, INT2 history, 32k /
 #      100k, batch 1 / 8), each row with the cross-process hops as IPC events (the default,
 #      --hops events) and as stream memory operations on device signal words (--hops memops,
@@ -11,7 +11,7 @@
 #   3. the worker-death check with the new hops (bench/run-h200-worker-death.sh: a worker
 #      killed mid-step leaves the daemon and the other workers unharmed);
 #   4. the job-level bench under a 60 GB budget: the kernels' own split counts ("daemon") and
-#      the formats' balanced rule ("balanced", what KVCD_SPLITS=balanced gives the daemon),
+#      the formats' balanced rule ("balanced", the daemon's default),
 #      then the cuDNN BF16 baseline in process.
 #   here:   ./scripts/build.sh kvcd kvctl kvcd_cuda_tests kvcd_data_plane_tests \
 #             kvcd_prefill_worker kvcd_decode_worker cuda_job_bench &&
@@ -31,7 +31,7 @@ step cuda-tests 150 "$BIN/kvcd_cuda_tests"
 grep -E 'Failure|actual:|exceeds' "$out/cuda-tests.log" | head -12 | tee -a "$final/summary.txt"
 KVCD_BINARY=$BIN/kvcd step data-plane 200 "$BIN/kvcd_data_plane_tests"
 grep -hE 'CUDA vs CPU' "$out/data-plane.log" | head -8 | tee -a "$final/summary.txt"
-KVCD_SPLITS=balanced KVCD_BINARY=$BIN/kvcd step data-plane-balanced 200 "$BIN/kvcd_data_plane_tests"
+KVCD_SPLITS=kernel KVCD_BINARY=$BIN/kvcd step data-plane-kernel-splits 200 "$BIN/kvcd_data_plane_tests"
 
 # 2. the decode loop, old hops vs new, cuDNN baseline in the same run (the INT2 model of
 # kvcd-decode-step.yaml alone: fits an H100's 80 GB as well)

@@ -76,10 +76,27 @@ fi
 kill "$dpid" 2>/dev/null; wait "$dpid" 2>/dev/null; trap - EXIT
 pack
 
-# 3. the daemon under memcheck for the IPC tests (a wrapper the tests start as the binary)
+# 3. the daemon under memcheck for the IPC tests (a wrapper the tests start as the binary).
+# The tests stop the daemon with SIGTERM: the wrapper hands it to the daemon, the sanitizer's
+# child (a SIGTERM to compute-sanitizer itself ends it before it writes its summary, as the
+# first run of this script saw on 2026-12-05).
 wrap=$out/kvcd-memcheck.sh
-printf '#!/bin/sh\nexec compute-sanitizer --tool memcheck --error-exitcode 9 --log-file %s/memcheck-%%p.log %s "$@"\n' \
-  "$out" "$root/.devbin/kvcd" > "$wrap"
+{
+  echo '#!/usr/bin/env bash'
+  echo "compute-sanitizer --tool memcheck --error-exitcode 9 --log-file $out/memcheck-%p.log \\"
+  echo "  $root/.devbin/kvcd \"\$@\" &"
+  cat <<'WRAP'
+sp=$!
+forward() { pkill -"$1" -P "$sp" || kill -"$1" "$sp"; }
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+while :; do
+  wait "$sp"
+  rc=$?
+  kill -0 "$sp" 2>/dev/null || exit "$rc"
+done
+WRAP
+} > "$wrap"
 chmod +x "$wrap"
 (cd client/python/tests && KVCD_BINARY=$wrap step memcheck 120 "$py" -m pytest -p no:cacheprovider \
   -q -rs test_vllm_gpu.py -k "bf16_blocks or compressed or larger")

@@ -464,11 +464,12 @@ class CudaBackend final : public Backend, public DeviceRuntime {
   }
 
  private:
-  // KVCD_SPLITS=balanced: the formats size their splits by the longest list of a ragged
-  // batch (AttendSplits' total_tokens); default: each kernel's own count.
+  // The formats size their splits by the longest list of a ragged batch (AttendSplits'
+  // total_tokens; measured on the device, bench/results/2026-12-05-h200-gpu-step.md);
+  // KVCD_SPLITS=kernel: each kernel's own count, sized for equal lengths (the earlier rule).
   static bool BalancedSplitsFromEnv() {
     const char* v = std::getenv("KVCD_SPLITS");
-    return v != nullptr && std::strcmp(v, "balanced") == 0;
+    return v == nullptr || std::strcmp(v, "kernel") != 0;
   }
   static bool SideListsFromEnv() {
     const char* v = std::getenv("KVCD_SIDE_STREAM");

@@ -52,7 +52,7 @@ class CudaPageFormat {
   // How many parts the launch writes per row: splits that fill the GPU for a batch whose
   // longest page list holds max_tokens (each kernel's own count, sized for equal lengths),
   // or 1 for a format that merges its own splits. total_tokens > 0 (the lists' tokens
-  // together; the backend passes it with KVCD_SPLITS=balanced): sized by the longest list
+  // together; the backend passes it unless KVCD_SPLITS=kernel): sized by the longest list
   // when the lengths differ (kvcd/kernels/cuda_split_balance.h).
   virtual int AttendSplits(const kernels::cuda::DecodeGeometry& geo, int max_tokens,
                            int64_t total_tokens, int num_sms) const = 0;

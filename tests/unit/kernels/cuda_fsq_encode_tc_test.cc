@@ -185,10 +185,15 @@ TEST_F(CudaFsqEncodeTcTest, CodesLieWithinTheBoundOfTheOracle) {
                     bf16 ? "BF16" : "F32 ", name, 100.0 * fraction);
         // By count (bench/results/2026-12-05-h200-fsq-enc.md): ~1% for BF16 operands at these
         // scales, ~1/8 of that for FP16, ~2^-8 of it for the split E with BF16 x.
+        // A fraction of a few codes says little (the case of 10 codes saw 1 differ on the
+        // H100): the count may pass the expected one by three standard deviations and one.
         const double ceiling = ops == FsqTcOperands::kFp16                ? 0.006
                                : ops == FsqTcOperands::kBf16Split && bf16 ? 0.002
                                                                           : 0.04;
-        EXPECT_LE(fraction, ceiling) << name;
+        const double codes = static_cast<double>(int64_t{layers} * tokens * G);
+        EXPECT_LE(static_cast<double>(differ),
+                  ceiling * codes + 3.0 * std::sqrt(ceiling * codes) + 1.0)
+            << name << ": " << differ << " of " << codes << " codes";
       }
     }
   }
@@ -260,7 +265,7 @@ TEST_F(CudaFsqEncodeTcTest, RejectsBadArguments) {
   float* d_e = Up(e);
   void* prepared = Prepare(d_e, 1, C, G, FsqTcOperands::kBf16);
   EXPECT_EQ(
-      cuda::LaunchFsqPrepareEncoderTc(d_e, C, G, static_cast<FsqTcOperands>(3), prepared, nullptr)
+      cuda::LaunchFsqPrepareEncoderTc(d_e, C, G, static_cast<FsqTcOperands>(0), prepared, nullptr)
           .device_code(),
       cudaErrorInvalidValue);
   EXPECT_EQ(cuda::LaunchFsqPrepareEncoderTc(d_e, C, G, FsqTcOperands::kBf16,

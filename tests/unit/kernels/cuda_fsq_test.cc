@@ -342,14 +342,15 @@ TEST_F(CudaFsqTest, DecodeAttentionMatchesTheOracle) {
         const auto got_l = Down(lse, rows);
 
         // CPU: the float64 oracle for the fsq part, the CPU BF16 kernel for the window.
+        // Every pointer of the host codecs on host memory (dc holds the device copies).
         FsqLayerCodec hc = dc;
         hc.decoder_k = kv == 1 ? wk_i8.data() : wk.data();
-        FsqLayerCodec hc_float = hc;  // the float W_k (the int8 kernel's added error)
-        hc_float.decoder_k = wk.data();
         hc.decoder_v = wv.data();
         hc.bias_k = bk.data();
         hc.bias_v = bv.data();
         hc.key_norm = cs.key_norm ? kn.data() : nullptr;
+        FsqLayerCodec hc_float = hc;  // the float W_k (the int8 kernel's added error)
+        hc_float.decoder_k = wk.data();
         for (int b = 0; b < batch; ++b) {
           FsqPageTable t;
           t.base = pool.data();

@@ -26,7 +26,7 @@ TEST(BalancedSplitsTest, EqualLengthsKeepTheKernelsOwnCount) {
 
 TEST(BalancedSplitsTest, OneSequenceOrNoTotalKeepsTheKernelsOwnCount) {
   EXPECT_EQ(BalancedSplits(66, 1, kHkv, 99968, 99968, kWave), 66);
-  // total_tokens 0: the daemon's default (KVCD_SPLITS unset) passes no total.
+  // total_tokens 0: what the daemon passes with KVCD_SPLITS=kernel (no total).
   EXPECT_EQ(BalancedSplits(1, 194, kHkv, 84559, 0, kWave), 1);
 }
 

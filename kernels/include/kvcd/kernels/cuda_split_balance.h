@@ -11,8 +11,8 @@
 // sequences past their length exit at once). For a batch whose longest list is 2x the mean
 // or more this is the rule cuda_job_bench's "balanced" rows measured: INT2 history at 60 GB
 // 39.6 -> 25.1 ms per step (bench/results/2026-12-05-h200-s21.md, section 2).
-// The daemon applies it only with KVCD_SPLITS=balanced (not yet run on a device through the
-// daemon: bench/results/2026-12-05-h200-gpu-step.md).
+// The daemon applies it unless KVCD_SPLITS=kernel (run through the daemon on an H100:
+// bench/results/2026-12-05-h200-gpu-step.md).
 #pragma once
 
 #include <algorithm>
