@@ -34,15 +34,7 @@ pack() { tar -czf "$final/logs.tgz" -C "$out" . 2>/dev/null; }
 summary "$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1)"
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 summary "GPUs: $gpus"
-# etcd travels xz-compressed (Debian's /usr/bin/etcd, 6.6 of 21.5 MB): xz, else Python's lzma.
-if ! command -v etcd > /dev/null; then
-  mkdir -p /tmp/kvcd-etcd-bin
-  xz -dc "$BIN/etcd.xz" > /tmp/kvcd-etcd-bin/etcd 2> /dev/null ||
-    python3 -c 'import lzma, sys; sys.stdout.buffer.write(lzma.open(sys.argv[1]).read())' \
-      "$BIN/etcd.xz" > /tmp/kvcd-etcd-bin/etcd
-  chmod +x /tmp/kvcd-etcd-bin/etcd
-  export PATH=/tmp/kvcd-etcd-bin:$PATH
-fi
+source bench/device-etcd.sh
 summary "etcd: $(etcd --version 2>&1 | head -1)"
 
 pids=()

@@ -17,6 +17,7 @@
 #             kvcd_prefill_worker kvcd_decode_worker cuda_job_bench &&
 #           KVCD_PACK_ONLY="kvcd kvctl kvcd_cuda_tests kvcd_data_plane_tests kvcd_prefill_worker \
 #             kvcd_decode_worker cuda_job_bench" ./scripts/pack-device.sh &&
+#           xz -1 -c /usr/bin/etcd > .devbin/etcd.xz &&
 #           tar -czf /tmp/pack.tgz .devbin .devlibs && rm -rf .devbin .devlibs &&
 #           mkdir .devbin && mv /tmp/pack.tgz .devbin/   (52 MB of binaries as 21 MB)
 #   device: tar -xzf .devbin/pack.tgz && bench/run-h200-gpu-step.sh   (carry [".devbin"])
@@ -25,6 +26,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/device-steps.sh
 device_steps gpu-step
+source bench/device-etcd.sh  # the data-plane tests' cluster pulls start etcd
 
 # 1. tests
 step cuda-tests 150 "$BIN/kvcd_cuda_tests"
