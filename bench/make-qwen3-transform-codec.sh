@@ -19,7 +19,7 @@
 #   /tools; on the device .devbin). Prints the codec file's path on its last line.
 #
 # Checked here on the CPU backend (the commands, from the repository root, after
-# ./scripts/build.sh kvcd kvcd-calibrate kvcd-int2-study kvcd_decode_worker):
+# ./scripts/build.sh kvcd kvctl kvcd-calibrate kvcd-int2-study kvcd_decode_worker):
 #   bench/make-qwen3-transform-codec.sh /tmp/q3x/codec.safetensors
 #   cat > /tmp/q3x/kvcd.yaml <<'YAML'
 #   listen: 127.0.0.1:50077
@@ -33,14 +33,19 @@
 #       codec_file: /tmp/q3x/codec.safetensors
 #       memory: 1GiB
 #   YAML
-#   build/server/kvcd --config /tmp/q3x/kvcd.yaml &
+#   build/server/kvcd serve --config /tmp/q3x/kvcd.yaml &   # until it prints "kvcd ready"
 #   build/client/kvctl --target 127.0.0.1:50077 models    # codec: int2-transform (...)
 #   build/client/workers/kvcd_decode_worker --target 127.0.0.1:50077 --model qwen3-8b-xform \
 #     --tokens 384 --salt cpu --steps 2 --io host
 #   kill %1
-# (history_format int2-oscar with a version-3 codec_file is the int2-transform history;
-# kvcd_prefill_worker needs a CUDA device: on the GPU the xform prompt is stored by its
-# --mode put, bench/run-decode-batch.sh, since its push fills INT2-layout pages.)
+# kvctl lists "codec int2-transform (codec file version 3, 144 key code bits per row)" and
+# the pools bf16 (28 pages) and int2-transform (780 pages of 1,032,192 bytes); the worker
+# appends the 384-token prompt, decodes 2 tokens (7-22 tokens/s on the shared 2 cores) and
+# ends at "final length 386". history_format int2-oscar with a version-3 codec_file is the
+# int2-transform history. kvcd_prefill_worker needs a CUDA device (here: "cudaSetDevice:
+# CUDA driver version is insufficient"); on the GPU bench/run-decode-batch.sh stores the
+# xform prompts with its --mode put, since its push fills INT2-layout pages, whose key gains
+# an int2-transform pool rejects.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 b=${KVCD_BUILD_DIR:-build}
