@@ -13,8 +13,8 @@
 #      int2-transform history too (model qwen3-8b-xform, issue #36's "within 10% of INT2's"
 #      row): its codec file is made in the background during step 1 by
 #      bench/make-qwen3-transform-codec.sh (~40 s of one core, 57 MB, too big to carry beside
-#      the binaries), fitted on kvcd's SYNTHETIC activations (timing only, not quality), and
-#      its prompts stored by the prefill worker's --mode put;
+#      the binaries), fitted on kvcd's SYNTHETIC activations (timing only, not quality) at
+#      INT2's bytes per row, and its prompts stored by the prefill worker's --mode put;
 #   3. the worker-death check with the new hops (bench/run-h200-worker-death.sh: a worker
 #      killed mid-step leaves the daemon and the other workers unharmed);
 #   4. the job-level bench under a 60 GB budget: the kernels' own split counts ("daemon") and
@@ -60,9 +60,9 @@ KVCD_SPLITS=kernel KVCD_BINARY=$BIN/kvcd step data-plane-kernel-splits 200 "$BIN
 # fits an H100's 80 GB as well). 18 GiB a model, by count: BF16 pool 0.15 x 18 GiB = 307
 # pages of 9.4 MB (each stored prompt takes its sink page, each decoding sequence its window
 # pages: ~8 x 6 at batch 8 on the one shared prompt); INT2 pool 12,379 pages of 1.33 MB
-# against 511 + 1,561 history pages for the 32k and 100k prompts; int2-transform pool
-# 15,916 pages of 1.03 MB against 2 x (511 + 1,561) (the put worker stores each prompt
-# twice) plus 8 check pages.
+# against 511 + 1,561 history pages for the 32k and 100k prompts; int2-transform pool (272
+# key code bits: pages of INT2's size) the same 12,379 against 2 x (511 + 1,561) (the put
+# worker stores each prompt twice) plus 8 check pages.
 xform=0
 if [[ -n $xform_job ]]; then
   wait "$xform_job"
