@@ -26,7 +26,7 @@ else
         bench/cuda_finite_check_bench bench/cuda_doorbell_bench bench/cuda_host_cost_bench
         bench/cuda_fsq_bench bench/cuda_demote_bench bench/cuda_bf16_split_bench
         bench/cuda_transform_bench bench/cuda_job_bench bench/cuda_fsq_encode_bench
-        bench/cluster_xfer_bench)
+        bench/cluster_xfer_bench tools/kvcd-calibrate tools/kvcd-int2-study)
   dest=.devbin
   rm -rf .devbin .devlibs && mkdir -p .devbin .devlibs
 fi

@@ -27,6 +27,9 @@ ABSL_FLAG(int64_t, recent, kvcd::EvalOptions{}.recent, "BF16 recent window in to
 ABSL_FLAG(std::string, step_scales, "1.0", "quantizer step scales to try, comma-separated");
 ABSL_FLAG(std::string, variants, "all", "all or best");
 ABSL_FLAG(std::string, kv_shifts, "0", "code bits per row moved from V to K, comma-separated");
+ABSL_FLAG(
+    int32_t, code_bits, 144,
+    "code bits per K and V row (a multiple of 8, at most 8 * head_dim; the gain's 16 on top)");
 ABSL_FLAG(std::string, json, "", "write every figure to this JSON file");
 ABSL_FLAG(std::string, out_codec, "", "write codec file version 3 here");
 ABSL_FLAG(float, search_v_clip, 0, "search the values' clip over FLOOR..1.00 (0: no search)");
@@ -42,14 +45,17 @@ const kvcd::cli::Program& Cli() {
       .synopsis = R"(--calib CALIB.dump.safetensors --heldout HELDOUT.dump.safetensors
     [--codec NAME=CODEC.safetensors ...] [--positions 48] [--sink 64] [--recent 256]
     [--step-scales 1.0[,...]] [--variants all|best] [--kv-shifts 0[,32,...]]
-    [--json OUT.json] [--out-codec OUT.safetensors] [--search-v-clip FLOOR] [--overload 1.0])",
+    [--json OUT.json] [--out-codec OUT.safetensors] [--search-v-clip FLOOR] [--overload 1.0]
+    [--code-bits 144])",
       .notes =
           R"(Fits per layer and KV head transform codes on the calibration dump (rows past the sink):
 keys in the basis whitened by the query group's second moment (the logit error is plain
 squared error there), values in their covariance's eigenbasis; 144 code bits per row
 allocated across directions by reverse water-filling plus one FP16 gain per row: 160 bits
 per 64-value row, the budget of INT2 with an FP16 scale and min (--kv-shifts S moves S code
-bits per row from V to K: the same 2.5 bits per element on average over K and V). Prints the spectral
+bits per row from V to K: the same 2.5 bits per element on average over K and V). --code-bits
+N sets the 144: INT2's budget less the gain is 2 * head_dim + 16 (272 at head_dim 128,
+bench/make-qwen3-transform-codec.sh). Prints the spectral
 prediction (model distortion against Hadamard, and the Gaussian rate-distortion floor),
 then kvcd-eval's figures on the held-out dump for each variant, Hadamard INT2 and every
 --codec file, and the split of the best variant's error between K and V. --out-codec
@@ -97,10 +103,13 @@ int main(int argc, char** argv) {
     }
     step_scales.push_back(x);
   }
+  const int code_bits = absl::GetFlag(FLAGS_code_bits);
+  if (code_bits < 8 || code_bits % 8 != 0)
+    return BadValue("--code-bits", std::to_string(code_bits));
   std::vector<int> kv_shifts;
   for (auto s : absl::StrSplit(absl::GetFlag(FLAGS_kv_shifts), ',')) {
     int x = 0;
-    if (!absl::SimpleAtoi(s, &x) || x <= -144 || x >= 144) {
+    if (!absl::SimpleAtoi(s, &x) || x <= -code_bits || x >= code_bits) {
       return BadValue("--kv-shifts", absl::GetFlag(FLAGS_kv_shifts));
     }
     kv_shifts.push_back(x);
@@ -130,11 +139,16 @@ int main(int argc, char** argv) {
     return std::fprintf(stderr, "the calibration and held-out dumps are of different models\n"), 1;
   }
   const int hkv = held->num_kv_heads, d = held->head_dim;
+  if (code_bits > 8 * d) {  // 8 bits per direction at most
+    return BadValue("--code-bits", std::to_string(code_bits) +
+                                       " (more than 8 * head_dim = " + std::to_string(8 * d) + ")");
+  }
 
   std::vector<Variant> vs;
   for (double s : step_scales) {
     const std::string suffix = s == 1.0 ? "" : "-s" + std::to_string(s).substr(0, 4);
     Variant w{"tc-whiten" + suffix, {}};
+    w.opt.k.code_bits = w.opt.v.code_bits = code_bits;
     w.opt.k.step_scale = w.opt.v.step_scale = s;
     w.opt.k.overload = w.opt.v.overload = overload;
     vs.push_back(w);
@@ -152,17 +166,19 @@ int main(int argc, char** argv) {
     k.opt.k.basis = k.opt.v.basis = kvcd::TransformBasis::kDataKlt;
     vs.push_back(k);
     Variant ng = w;
-    ng.name = "tc-whiten-nogain" + suffix;  // 160 code bits, no per-row gain
+    ng.name = "tc-whiten-nogain" + suffix;  // the gain's 16 bits as codes, no per-row gain
     ng.opt.k.row_gain = ng.opt.v.row_gain = false;
-    ng.opt.k.code_bits = ng.opt.v.code_bits = 160;
+    ng.opt.k.code_bits = ng.opt.v.code_bits = code_bits + 16;
     vs.push_back(ng);
   }
   for (int shift : kv_shifts) {
     if (shift == 0) continue;
-    Variant w{"tc-whiten-kv" + std::to_string(144 + shift) + "/" + std::to_string(144 - shift), {}};
-    w.opt.k.code_bits = 144 + shift;
+    Variant w{"tc-whiten-kv" + std::to_string(code_bits + shift) + "/" +
+                  std::to_string(code_bits - shift),
+              {}};
+    w.opt.k.code_bits = code_bits + shift;
     w.opt.k.overload = w.opt.v.overload = overload;
-    w.opt.v.code_bits = 144 - shift;
+    w.opt.v.code_bits = code_bits - shift;
     vs.push_back(w);
   }
 
@@ -263,7 +279,7 @@ int main(int argc, char** argv) {
   }
   // Hybrids: keys through the first variant's transform code, values through INT2 with
   // Hadamard's default clip or each --codec file's rotation and value clip (K: the
-  // transform's 160 bits per row, V: INT2's 2 + 32/64 bits per element).
+  // transform's --code-bits + 16 bits per row, V: INT2's 2 + 32/d bits per element).
   const size_t int2_codecs = 1 + codec_files.size();
   for (size_t i = 0; i < int2_codecs; ++i) {
     kvcd::EvalCodec h =
