@@ -60,7 +60,7 @@ ABSL_FLAG(int32_t, max_context, 131072, "context limit: system prompt + session 
 ABSL_FLAG(std::string, formats, "bf16,int2,int2-transform", "history formats, comma-separated");
 ABSL_FLAG(std::string, transform_kernel, "tc", "int2-transform decode kernel: tc or fp32");
 ABSL_FLAG(std::string, splits, "both",
-          "history splits: daemon (each kernel's own count: KVCD_SPLITS=kernel), balanced (sized "
+          "history splits: kernel (each kernel's own count: KVCD_SPLITS=kernel), balanced (sized "
           "by the longest "
           "sequence), or both");
 ABSL_FLAG(int32_t, steps, 5, "timed decode steps (after one warm-up step)");
@@ -231,7 +231,7 @@ Result RunFormat(const std::string& fmt, const std::vector<int>& trace, int64_t 
   for (auto& x : q) x = normal(rng);
   float* d_q = Upload(q);
   const float scale = 1.0f / std::sqrt(static_cast<float>(kD));
-  // Splits as the daemon's formats choose them (AttendSplits): "daemon", each kernel's own
+  // Splits as the daemon's formats choose them (AttendSplits): "kernel", each kernel's own
   // count (sized for a batch of equal lengths: one wave of CTAs; KVCD_SPLITS=kernel);
   // "balanced", sized by the longest list when the lengths differ (the daemon's default,
   // kvcd/kernels/cuda_split_balance.h). With the trace's lengths (up to ~8x the mean) the
@@ -401,10 +401,10 @@ int main(int argc, char** argv) {
   const std::vector<std::string> formats = absl::StrSplit(absl::GetFlag(FLAGS_formats), ',');
   const std::string sp = absl::GetFlag(FLAGS_splits);
   std::vector<bool> policies;
-  if (sp == "daemon" || sp == "both") policies.push_back(false);
+  if (sp == "kernel" || sp == "both") policies.push_back(false);
   if (sp == "balanced" || sp == "both") policies.push_back(true);
   if (policies.empty()) {
-    std::fprintf(stderr, "--splits must be daemon, balanced or both\n");
+    std::fprintf(stderr, "--splits must be kernel, balanced or both\n");
     return 2;
   }
   for (const std::string& f : formats) {
@@ -414,7 +414,7 @@ int main(int argc, char** argv) {
                     tk == "tc", balanced, prop.multiProcessorCount, stream);
       std::snprintf(line, sizeof(line),
                     "| %s | %s, %d | %d | %lld | %.1f | %.2f (%.2f) | %.0f | %.1f | %.2f |\n",
-                    r.format.c_str(), r.balanced ? "balanced" : "daemon", r.splits, r.held,
+                    r.format.c_str(), r.balanced ? "balanced" : "kernel", r.splits, r.held,
                     static_cast<long long>(r.tokens), r.pool_gb, r.step_ms, r.step_ms_spread,
                     r.tok_s, r.read_gb, r.step_ms > 0 ? r.read_gb / r.step_ms : 0.0);
       emit(line);
