@@ -17,7 +17,7 @@
 #      INT2's bytes per row, and its prompts stored by the prefill worker's --mode put;
 #   3. the worker-death check with the new hops (bench/run-h200-worker-death.sh: a worker
 #      killed mid-step leaves the daemon and the other workers unharmed);
-#   4. the job-level bench under a 60 GB budget: the kernels' own split counts ("daemon") and
+#   4. the job-level bench under a 60 GB budget: the kernels' own split counts ("kernel") and
 #      the formats' balanced rule ("balanced", the daemon's default),
 #      then the cuDNN BF16 baseline in process.
 #   here:   ./scripts/build.sh kvcd kvctl kvcd_cuda_tests kvcd_data_plane_tests \
