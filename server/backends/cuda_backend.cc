@@ -466,10 +466,14 @@ class CudaBackend final : public Backend, public DeviceRuntime {
  private:
   // The formats size their splits by the longest list of a ragged batch (AttendSplits'
   // total_tokens; measured on the device, bench/results/2026-12-05-h200-gpu-step.md);
-  // KVCD_SPLITS=kernel: each kernel's own count, sized for equal lengths (the earlier rule).
+  // KVCD_SPLITS=kernel: each kernel's own count, sized for equal lengths (the earlier rule);
+  // "balanced" names the default; another value is reported and ignored.
   static bool BalancedSplitsFromEnv() {
     const char* v = std::getenv("KVCD_SPLITS");
-    return v == nullptr || std::strcmp(v, "kernel") != 0;
+    if (v == nullptr || std::strcmp(v, "balanced") == 0) return true;
+    if (std::strcmp(v, "kernel") == 0) return false;
+    KVCD_LOG(WARNING) << "KVCD_SPLITS=" << v << " is not balanced or kernel; using balanced";
+    return true;
   }
   static bool SideListsFromEnv() {
     const char* v = std::getenv("KVCD_SIDE_STREAM");
