@@ -64,16 +64,7 @@ class TenantTest : public SecurityTest {
     return c.ok() ? std::move(*c) : nullptr;
   }
   v1::PutRequest MakePut(uint64_t seed, int64_t n, const std::string& salt) const {
-    v1::PutRequest req;
-    req.set_model("tiny");
-    req.set_cache_salt(salt);
-    const auto t = synthetic::Tokens(seed, 0, n);
-    req.mutable_tokens()->Add(t.begin(), t.end());
-    const std::vector<int64_t> shape = {profile_.num_layers(), n, profile_.num_kv_heads(),
-                                        profile_.head_dim()};
-    SetBf16FromFloat(req.mutable_k(), shape, synthetic::Kv(seed, profile_, 0, n, 0).data());
-    SetBf16FromFloat(req.mutable_v(), shape, synthetic::Kv(seed, profile_, 0, n, 1).data());
-    return req;
+    return synthetic::Put(seed, profile_, n, salt);
   }
   v1::AppendRequest MakeAppend(uint64_t seq, uint64_t seed, int64_t begin, int64_t n) const {
     v1::AppendRequest app;
