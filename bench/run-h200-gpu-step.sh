@@ -62,7 +62,9 @@ KVCD_SPLITS=kernel KVCD_BINARY=$BIN/kvcd step data-plane-kernel-splits 200 "$BIN
 # pages: ~8 x 6 at batch 8 on the one shared prompt); INT2 pool 12,379 pages of 1.33 MB
 # against 511 + 1,561 history pages for the 32k and 100k prompts; int2-transform pool (272
 # key code bits: pages of INT2's size) the same 12,379 against 2 x (511 + 1,561) (the put
-# worker stores each prompt twice) plus 8 check pages.
+# worker stores each prompt twice) plus 8 check pages. BF16 (issue #36's "BF16 history through
+# kvcd, 32k, batch 1" row): 12 GiB of 9.4 MB pages, ~1,370 pages against 512 for the prompt
+# (batch 8 shares it) and the windows.
 xform=0
 if [[ -n $xform_job ]]; then
   wait "$xform_job"
@@ -77,7 +79,7 @@ listen: 127.0.0.1:0
 metrics_listen: 127.0.0.1:0
 backend: cuda
 cuda_device: 0
-memory_budget: 40GiB
+memory_budget: 52GiB
 lease: {default_ms: 60000, max_ms: 600000}
 drain_timeout_ms: 2000
 models:
@@ -86,8 +88,10 @@ models:
     history_format: int2-oscar
     memory: 18GiB
     bf16_fraction: 0.15
+  - builtin: qwen3-8b
+    memory: 12GiB
 YAML
-runs="qwen3-8b-int2:32768 qwen3-8b-int2:99968"
+runs="qwen3-8b-int2:32768 qwen3-8b-int2:99968 qwen3-8b:32768"
 if [[ $xform == 1 ]]; then
   cat >> "$out/kvcd-int2.yaml" <<YAML
   - builtin: qwen3-8b
@@ -103,6 +107,11 @@ KVCD_CONFIG=$out/kvcd-int2.yaml KVCD_RUNS=$runs KVCD_PUT_MODELS=qwen3-8b-xform K
   KVCD_HOPS="events memops" OUT=$out/decode-batch step decode-batch 300 bench/run-decode-batch.sh
 grep -E 'hops|^\|' "$out/decode-batch.log" | tee -a "$final/summary.txt"
 grep -hE "per call" "$out"/decode-batch/decode-*.log | head -16 | tee -a "$final/summary.txt"
+
+# 2b. the kernels alone at Qwen3-8B geometry (issue #36's kernel rows): the INT2 kernel at
+# 100k batch 1, and int2-transform on tensor cores against INT2 at batch 1 and 8
+step xform-bench 60 "$BIN/cuda_transform_bench" --out "$out/xform-bench.md"
+grep -E '^\|' "$out/xform-bench.log" | tee -a "$final/summary.txt"
 
 # 3. a worker killed mid-step, with the new hops
 KVCD_HOPS=memops OUT=$out/worker-death step worker-death 120 bench/run-h200-worker-death.sh
