@@ -1,0 +1,69 @@
+// FSQ decode attention on int8 tensor cores at two CTAs per SM (fsq_decode_2cta.cuh,
+// cuda_fsq_i8.h kInt8Occ2): fsq_decode_kernel.cuh's int8 kernel with kOcc2 (at most 128
+// registers a thread, steps 1-3 in passes over the key's n-tiles, one shared-memory region
+// for the tiles and the warps' states), launched where the device holds two of its CTAs per
+// SM; the one-CTA int8 kernel elsewhere (shared memory past half an SM: d 256 with G past
+// ~150).
+#include <cstdint>
+
+#include "cuda_error.cuh"
+#include "device_binding.cuh"
+#include "fsq_decode_2cta.cuh"
+#include "fsq_decode_kernel.cuh"
+#include "kvcd/kernels/cuda_fsq.h"
+#include "kvcd/kernels/cuda_fsq_i8.h"
+#include "kvcd/kernels/fsq_i8_fragments.h"
+
+namespace kvcd::kernels::cuda {
+namespace {
+
+// The two-CTA instantiation's residency for (head_dim, G): the kernel LaunchFsqDecode<true,
+// true> launches (MTOK 1, MT by G) with its shared memory, as the device reports it; 0 for a
+// geometry the kernel does not take, or where the device refuses that much shared memory.
+int Occ2Residency(int head_dim, int G) {
+  if (G < 1 || G > kFsqCudaMaxLatent) return 0;
+  int n = 0;
+  const cudaError_t e = DispatchHeadDim(head_dim, [&](auto hd) -> cudaError_t {
+    constexpr int D = decltype(hd)::value;
+    const int kchunks = (G + 31) / 32;
+    const int stage = StageBytes(static_cast<int>(FsqCodeBytes(G)), kTile);
+    auto query = [&](auto kernel, size_t smem) {
+      const cudaError_t err = cudaFuncSetAttribute(
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+      if (err != cudaSuccess) {
+        (void)cudaGetLastError();  // more shared memory than the device gives a CTA
+        return err;
+      }
+      return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kWarps * 32, smem);
+    };
+    return (G + 15) / 16 <= 8 ? query(FsqDecodeKernel<D, 8, 1, true, true>,
+                                      SmemBytes<D, 8, 1, true>(stage, kchunks))
+                              : query(FsqDecodeKernel<D, 16, 1, true, true>,
+                                      SmemBytes<D, 16, 1, true>(stage, kchunks));
+  });
+  return e == cudaSuccess ? n : 0;
+}
+
+}  // namespace
+
+int FsqI8TwoCtaPerSm(int head_dim, int latent_width) {
+  if (!BindThread().ok()) return 1;
+  const int n = Occ2Residency(head_dim, latent_width);
+  return n >= 2 ? n : 1;
+}
+
+Error LaunchFsqDecodeI8TwoCta(const PagedList& list, const DecodeGeometry& geo,
+                              const FsqDecodeArgs& args, int max_tokens, float* part_o,
+                              float* part_lse, int part_base, cudaStream_t stream,
+                              const MergeTarget* merge) {
+  KVCD_CUDA_BIND_THREAD();
+  if (Occ2Residency(geo.head_dim, args.codec.latent_width) < 2) {
+    return LaunchFsqDecodeParts(FsqKeyKernel::kInt8, list, geo, args, max_tokens, part_o, part_lse,
+                                part_base, stream, merge);
+  }
+  return LaunchFsqDecode<true, true>(
+      list, geo, args, max_tokens, part_o, part_lse, part_base, stream, merge,
+      FsqI8FragBytes(geo.num_kv_heads, geo.head_dim, args.codec.latent_width));
+}
+
+}  // namespace kvcd::kernels::cuda
