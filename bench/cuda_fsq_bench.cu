@@ -5,10 +5,11 @@
 // read-only reduction's TB/s and a register-only mma.sync FP16 loop's TFLOP/s, and its int8
 // m16n8k32 twin's TOPS); the error against the float64 oracle at that geometry; the device
 // encoder's cost. The key-rebuild variants of cuda_fsq_i8.h that --kernel names: FP16 (the
-// reference), int8, int8 at two CTAs per SM; both (the default) = FP16 and int8, all = the three.
-// Kernels only (runs on a GPU machine without the daemon's libraries).
+// reference), int8, int8 at two CTAs per SM; both (the default) = FP16 and int8, all = the three;
+// several separated by commas. Kernels only (runs on a GPU machine without the daemon's
+// libraries).
 //
-//   cuda_fsq_bench [--quick] [--kernel=fp16|int8|int8-2cta|both|all] [--one G N BATCH]
+//   cuda_fsq_bench [--quick] [--kernel=fp16|int8|int8-2cta|both|all[,...]] [--one G N BATCH]
 //   (--quick: contexts 32k only, batch 1 and 64)
 #include <cuda_runtime.h>
 
@@ -246,14 +247,15 @@ void ErrorAtGeometry(kk::cuda::FsqKeyKernel kernel, const Codec& c, int n, int64
 ABSL_FLAG(bool, quick, false, "fewer configurations");
 ABSL_FLAG(bool, one, false, "that decode configuration only (profilers): G N BATCH follow");
 ABSL_FLAG(std::string, kernel, "both",
-          "key rebuild: fp16, int8, int8-2cta, both (fp16 and int8) or all");
+          "key rebuild: fp16, int8, int8-2cta, both (fp16 and int8) or all; several separated by "
+          "commas");
 
 int main(int argc, char** argv) {
   const kvcd::cli::Program program = {
       .name = "cuda_fsq_bench",
       .summary = "FSQ decode attention timings on the GPU against two ceilings",
       .files = {__FILE__},
-      .synopsis = "[--quick | --one G N BATCH] [--kernel=fp16|int8|int8-2cta|both|all]",
+      .synopsis = "[--quick | --one G N BATCH] [--kernel=fp16|int8|int8-2cta|both|all[,...]]",
       .takes_args = true};
   const kvcd::cli::Parsed cli = kvcd::cli::Parse(program, argc, argv);
   const bool quick = absl::GetFlag(FLAGS_quick);
@@ -263,16 +265,28 @@ int main(int argc, char** argv) {
     return kvcd::cli::UsageError(program, nullptr,
                                  one ? "--one takes G N BATCH" : "unexpected argument");
   }
+  // --kernel: names separated by commas, the variants in the order named.
   const std::string kernel_flag = absl::GetFlag(FLAGS_kernel);
   std::vector<kk::cuda::FsqKeyKernel> kernels;
-  for (const auto k : kKernels) {
-    const bool in_both = k != kk::cuda::FsqKeyKernel::kInt8Occ2;
-    if (kernel_flag == KernelName(k) || kernel_flag == "all" || (kernel_flag == "both" && in_both))
-      kernels.push_back(k);
-  }
-  if (kernels.empty()) {
-    return kvcd::cli::UsageError(program, nullptr,
-                                 "--kernel takes fp16, int8, int8-2cta, both or all");
+  for (size_t at = 0; at <= kernel_flag.size();) {
+    const size_t comma = std::min(kernel_flag.find(',', at), kernel_flag.size());
+    const std::string name = kernel_flag.substr(at, comma - at);
+    at = comma + 1;
+    bool known = false;
+    for (const auto k : kKernels) {
+      const bool in_both = k != kk::cuda::FsqKeyKernel::kInt8Occ2;
+      if (name == KernelName(k) || name == "all" || (name == "both" && in_both)) {
+        known = true;
+        if (std::find(kernels.begin(), kernels.end(), k) == kernels.end()) kernels.push_back(k);
+      }
+    }
+    if (!known) {
+      const std::string why =
+          "--kernel takes fp16, int8, int8-2cta, both or all, or several "
+          "separated by commas; got \"" +
+          name + "\"";
+      return kvcd::cli::UsageError(program, nullptr, why);
+    }
   }
   const int one_g = one ? std::atoi(cli.args[0].c_str()) : 0,
             one_n = one ? std::atoi(cli.args[1].c_str()) : 0,

@@ -3,7 +3,7 @@
 // registers a thread, steps 1-3 in passes over the key's n-tiles, one shared-memory region
 // for the tiles and the warps' states), launched where the device holds two of its CTAs per
 // SM; the one-CTA int8 kernel elsewhere (shared memory past half an SM: d 256 with G past
-// ~150).
+// 160).
 #include <cstdint>
 
 #include "cuda_error.cuh"

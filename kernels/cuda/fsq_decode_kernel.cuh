@@ -268,7 +268,8 @@ __host__ __device__ constexpr size_t UnionBytes(int kchunks) {
 // Two CTAs per SM (kOcc2): everything the tiles read (W_k fragments, frequencies, queries,
 // angle tables, base rotations, the head's (scale, bias) and key norm weights, the stages)
 // lies in one region that the warps' states take over after the tiles, so a CTA holds
-// max(that region, the states) instead of their sum (G 256, d 128: 88.5 KB, two per SM).
+// max(that region, the states) instead of their sum (G 256, d 128: 90 KB, two per SM; the one-CTA
+// layout 120.5 KB).
 template <int D, int MT, int MTOK>
 __host__ __device__ constexpr size_t Occ2LoopBytes(int stage_bytes, int kchunks) {
   return size_t{256} * kchunks * (D / 8) + size_t{D / 2} * 8 + size_t{8} * QStride<D>() * 4 * 2 +

@@ -455,15 +455,17 @@ TEST_F(CudaFsqTest, DecodeAttentionRejectsUnsupportedArguments) {
 
 // The two-CTA int8 variant's grid is sized from its real residency: two CTAs per SM on sm_90
 // (at most 128 registers a thread; shared memory under half an SM) at the bench's and the
-// tests' geometries, so twice the one-CTA kernel's splits; d 256 at G 256 (145.5 KB of shared
-// memory a CTA) launches the one-CTA int8 kernel and keeps its count.
+// tests' geometries, so twice the one-CTA kernel's splits; d 256 past G 160 (G 160: 110 KB
+// of shared memory a CTA, G 161: 118.25 KB, G 256: 146 KB; two need <= 113 KB) launches the
+// one-CTA int8 kernel and keeps its count.
 TEST_F(CudaFsqTest, TwoCtaVariantSplitsForItsResidency) {
   struct Geo {
     int d, G, per_sm;
   };
   const int sms = 132;
-  for (const Geo& c : {Geo{128, 256, 2}, Geo{128, 84, 2}, Geo{128, 129, 2}, Geo{64, 37, 2},
-                       Geo{64, 200, 2}, Geo{256, 85, 2}, Geo{256, 256, 1}}) {
+  for (const Geo& c :
+       {Geo{128, 256, 2}, Geo{128, 84, 2}, Geo{128, 129, 2}, Geo{64, 37, 2}, Geo{64, 200, 2},
+        Geo{256, 85, 2}, Geo{256, 160, 2}, Geo{256, 161, 1}, Geo{256, 256, 1}}) {
     const cuda::DecodeGeometry geo{1, 32, 8, c.d, 64};
     EXPECT_EQ(cuda::FsqDecodeSplits(cuda::FsqKeyKernel::kInt8, geo, c.G, 100000, sms),
               cuda::FsqDecodeSplits(1, 8, 100000, sms));

@@ -28,7 +28,7 @@ namespace kvcd::kernels::cuda {
 // the int8 one at two CTAs per SM (kInt8Occ2: at most 128 registers a thread, the key's
 // n-tiles rebuilt in passes; the same products and decoder as kInt8, the sums in another
 // order; a geometry whose shared memory does not fit two CTAs on the device, d 256 with G
-// past ~150 on sm_90, runs the kInt8 kernel). A prepared decoder belongs to the variant that
+// past 160 on sm_90, runs the kInt8 kernel). A prepared decoder belongs to the variant that
 // prepared it (kInt8 and kInt8Occ2 prepare the same one).
 enum class FsqKeyKernel { kFp16, kInt8, kInt8Occ2 };
 
