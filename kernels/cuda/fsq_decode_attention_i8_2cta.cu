@@ -4,6 +4,7 @@
 // for the tiles and the warps' states), launched where the device holds two of its CTAs per
 // SM; the one-CTA int8 kernel elsewhere (shared memory past half an SM: d 256 with G past
 // 160).
+#include <atomic>
 #include <cstdint>
 
 #include "cuda_error.cuh"
@@ -17,11 +18,24 @@
 namespace kvcd::kernels::cuda {
 namespace {
 
-// The two-CTA instantiation's residency for (head_dim, G): the kernel LaunchFsqDecode<true,
-// true> launches (MTOK 1, MT by G) with its shared memory, as the device reports it; 0 for a
-// geometry the kernel does not take, or where the device refuses that much shared memory.
+// The two-CTA instantiation's residency for (head_dim, G) on the current device: the kernel
+// LaunchFsqDecode<true, true> launches (MTOK 1, MT by G) with its shared memory, as the device
+// reports it; 0 for a geometry the kernel does not take, or where the device refuses that much
+// shared memory. The device is asked once per (device, head_dim, G) and its answer kept: the
+// split count and the launch of every layer's call need it.
 int Occ2Residency(int head_dim, int G) {
-  if (G < 1 || G > kFsqCudaMaxLatent) return 0;
+  const int dim_at = head_dim == 64 ? 0 : head_dim == 128 ? 1 : head_dim == 256 ? 2 : -1;
+  if (G < 1 || G > kFsqCudaMaxLatent || dim_at < 0) return 0;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  static std::atomic<int8_t> known[64][3][kFsqCudaMaxLatent + 1];  // residency + 1; 0: not yet
+  std::atomic<int8_t>* const slot = dev >= 0 && dev < 64 ? &known[dev][dim_at][G] : nullptr;
+  if (slot != nullptr) {
+    if (const int v = slot->load(std::memory_order_relaxed); v > 0) return v - 1;
+  }
   int n = 0;
   const cudaError_t e = DispatchHeadDim(head_dim, [&](auto hd) -> cudaError_t {
     constexpr int D = decltype(hd)::value;
@@ -41,7 +55,9 @@ int Occ2Residency(int head_dim, int G) {
                               : query(FsqDecodeKernel<D, 16, 1, true, true>,
                                       SmemBytes<D, 16, 1, true>(stage, kchunks));
   });
-  return e == cudaSuccess ? n : 0;
+  if (e != cudaSuccess) return 0;
+  if (slot != nullptr) slot->store(static_cast<int8_t>(n + 1), std::memory_order_relaxed);
+  return n;
 }
 
 }  // namespace
