@@ -41,11 +41,17 @@ int Occ2Residency(int head_dim, int G) {
     constexpr int D = decltype(hd)::value;
     const int kchunks = (G + 31) / 32;
     const int stage = StageBytes(static_cast<int>(FsqCodeBytes(G)), kTile);
+    // The shared memory of two CTAs needs the largest carveout: asked for here (a function's
+    // attribute, kept), before the residency and before the kernel's first launch.
     auto query = [&](auto kernel, size_t smem) {
-      const cudaError_t err = cudaFuncSetAttribute(
-          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+      cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(smem));
+      if (err == cudaSuccess) {
+        err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                   cudaSharedmemCarveoutMaxShared);
+      }
       if (err != cudaSuccess) {
-        (void)cudaGetLastError();  // more shared memory than the device gives a CTA
+        (void)cudaGetLastError();  // e.g. more shared memory than the device gives a CTA
         return err;
       }
       return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kWarps * 32, smem);
