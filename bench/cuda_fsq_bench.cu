@@ -4,10 +4,12 @@
 // key-rebuild FLOPs and the bytes read per call against two ceilings measured in the same run (a
 // read-only reduction's TB/s and a register-only mma.sync FP16 loop's TFLOP/s, and its int8
 // m16n8k32 twin's TOPS); the error against the float64 oracle at that geometry; the device
-// encoder's cost. Both key-rebuild variants (cuda_fsq_i8.h: FP16, the reference, and int8) unless
-// --kernel names one. Kernels only (runs on a GPU machine without the daemon's libraries).
+// encoder's cost. The key-rebuild variants of cuda_fsq_i8.h that --kernel names: FP16 (the
+// reference), int8, int8 at two CTAs per SM; both (the default) = FP16 and int8, all = the three;
+// several separated by commas. Kernels only (runs on a GPU machine without the daemon's
+// libraries).
 //
-//   cuda_fsq_bench [--quick] [--kernel=fp16|int8|both] [--one G N BATCH]
+//   cuda_fsq_bench [--quick] [--kernel=fp16|int8|int8-2cta|both|all[,...]] [--one G N BATCH]
 //   (--quick: contexts 32k only, batch 1 and 64)
 #include <cuda_runtime.h>
 
@@ -82,15 +84,27 @@ __global__ void MmaLoopI8(int iters, int* out) {
 }
 
 const char* KernelName(kk::cuda::FsqKeyKernel k) {
-  return k == kk::cuda::FsqKeyKernel::kInt8 ? "int8" : "fp16";
+  switch (k) {
+    case kk::cuda::FsqKeyKernel::kFp16:
+      return "fp16";
+    case kk::cuda::FsqKeyKernel::kInt8:
+      return "int8";
+    case kk::cuda::FsqKeyKernel::kInt8Occ2:
+      return "int8-2cta";
+  }
+  return "?";
 }
+
+constexpr kk::cuda::FsqKeyKernel kKernels[] = {kk::cuda::FsqKeyKernel::kFp16,
+                                               kk::cuda::FsqKeyKernel::kInt8,
+                                               kk::cuda::FsqKeyKernel::kInt8Occ2};
 
 // One layer's codec at Qwen3-8B geometry, host and device copies.
 struct Codec {
   std::vector<float> wk, wv, bk, bv, kn, e, eb;
   std::vector<float> wk_i8;  // the int8 decoder as floats (scale * q): the int8 kernel's oracle
   kk::FsqLayerCodec host{}, dev{};
-  void* prepared[2] = {nullptr, nullptr};  // per FsqKeyKernel
+  void* prepared[3] = {nullptr, nullptr, nullptr};  // per FsqKeyKernel
   Codec(int G, uint32_t seed) {
     std::mt19937 rng(seed);
     std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -127,7 +141,7 @@ struct Codec {
     dev.bias_k = Upload(bk);
     dev.bias_v = Upload(bv);
     dev.key_norm = Upload(kn);
-    for (const auto k : {kk::cuda::FsqKeyKernel::kFp16, kk::cuda::FsqKeyKernel::kInt8}) {
+    for (const auto k : kKernels) {
       void*& p = prepared[static_cast<int>(k)];
       CHECK(cudaMalloc(&p, kk::cuda::FsqDecoderBytes(k, kHkv, kD, G)));
       CHECK(kk::cuda::LaunchFsqPrepareDecoder(k, dev, p, nullptr));
@@ -166,7 +180,8 @@ void ErrorAtGeometry(kk::cuda::FsqKeyKernel kernel, const Codec& c, int n, int64
   std::vector<float> q(kHq * kD);
   for (auto& v : q) v = 2.0f * normal(rng);
   const float scale = 1.0f / std::sqrt(static_cast<float>(kD));
-  const int splits = kk::cuda::FsqDecodeSplits(1, kHkv, n, num_sms);
+  const kk::cuda::DecodeGeometry geo{1, kHq, kHkv, kD, kPs};
+  const int splits = kk::cuda::FsqDecodeSplits(kernel, geo, G, n, num_sms);
   void* ws = nullptr;
   CHECK(cudaMalloc(&ws, kk::cuda::FsqDecodeWorkspaceBytes(1, kHq, G, splits)));
   float *po = nullptr, *pl = nullptr;
@@ -183,7 +198,6 @@ void ErrorAtGeometry(kk::cuda::FsqKeyKernel kernel, const Codec& c, int n, int64
   a.workspace = ws;
   const kk::cuda::PagedList list{Upload(pool), page_bytes, Upload(ids), pages,
                                  Upload(std::vector<int32_t>{n})};
-  const kk::cuda::DecodeGeometry geo{1, kHq, kHkv, kD, kPs};
   CHECK(kk::cuda::LaunchFsqDecodeParts(kernel, list, geo, a, n, po, pl, 0, nullptr));
   std::vector<float> got(kHq * kD), got_l(kHq);
   CHECK(cudaMemcpy(got.data(), po, got.size() * 4, cudaMemcpyDeviceToHost));
@@ -195,7 +209,7 @@ void ErrorAtGeometry(kk::cuda::FsqKeyKernel kernel, const Codec& c, int n, int64
   t.num_pages = pages;
   t.page_size = kPs;
   t.first_position = pos0;
-  const bool i8 = kernel == kk::cuda::FsqKeyKernel::kInt8;
+  const bool i8 = kernel != kk::cuda::FsqKeyKernel::kFp16;
   kk::FsqLayerCodec own = c.host;
   own.decoder_k = c.wk_i8.data();
   double err = 0, norm = 0, dl = 0, oerr = 0, onorm = 0;
@@ -232,14 +246,16 @@ void ErrorAtGeometry(kk::cuda::FsqKeyKernel kernel, const Codec& c, int n, int64
 
 ABSL_FLAG(bool, quick, false, "fewer configurations");
 ABSL_FLAG(bool, one, false, "that decode configuration only (profilers): G N BATCH follow");
-ABSL_FLAG(std::string, kernel, "both", "key rebuild: fp16, int8 or both");
+ABSL_FLAG(std::string, kernel, "both",
+          "key rebuild: fp16, int8, int8-2cta, both (fp16 and int8) or all; several separated by "
+          "commas");
 
 int main(int argc, char** argv) {
   const kvcd::cli::Program program = {
       .name = "cuda_fsq_bench",
       .summary = "FSQ decode attention timings on the GPU against two ceilings",
       .files = {__FILE__},
-      .synopsis = "[--quick | --one G N BATCH] [--kernel=fp16|int8|both]",
+      .synopsis = "[--quick | --one G N BATCH] [--kernel=fp16|int8|int8-2cta|both|all[,...]]",
       .takes_args = true};
   const kvcd::cli::Parsed cli = kvcd::cli::Parse(program, argc, argv);
   const bool quick = absl::GetFlag(FLAGS_quick);
@@ -249,14 +265,28 @@ int main(int argc, char** argv) {
     return kvcd::cli::UsageError(program, nullptr,
                                  one ? "--one takes G N BATCH" : "unexpected argument");
   }
+  // --kernel: names separated by commas, the variants in the order named.
   const std::string kernel_flag = absl::GetFlag(FLAGS_kernel);
   std::vector<kk::cuda::FsqKeyKernel> kernels;
-  if (kernel_flag == "fp16" || kernel_flag == "both")
-    kernels.push_back(kk::cuda::FsqKeyKernel::kFp16);
-  if (kernel_flag == "int8" || kernel_flag == "both")
-    kernels.push_back(kk::cuda::FsqKeyKernel::kInt8);
-  if (kernels.empty()) {
-    return kvcd::cli::UsageError(program, nullptr, "--kernel takes fp16, int8 or both");
+  for (size_t at = 0; at <= kernel_flag.size();) {
+    const size_t comma = std::min(kernel_flag.find(',', at), kernel_flag.size());
+    const std::string name = kernel_flag.substr(at, comma - at);
+    at = comma + 1;
+    bool known = false;
+    for (const auto k : kKernels) {
+      const bool in_both = k != kk::cuda::FsqKeyKernel::kInt8Occ2;
+      if (name == KernelName(k) || name == "all" || (name == "both" && in_both)) {
+        known = true;
+        if (std::find(kernels.begin(), kernels.end(), k) == kernels.end()) kernels.push_back(k);
+      }
+    }
+    if (!known) {
+      const std::string why =
+          "--kernel takes fp16, int8, int8-2cta, both or all, or several "
+          "separated by commas; got \"" +
+          name + "\"";
+      return kvcd::cli::UsageError(program, nullptr, why);
+    }
   }
   const int one_g = one ? std::atoi(cli.args[0].c_str()) : 0,
             one_n = one ? std::atoi(cli.args[1].c_str()) : 0,
@@ -353,7 +383,7 @@ int main(int argc, char** argv) {
       "to 4 layers of pages, per call.\nGFLOP: key rebuild 2 n Hkv d G per sequence; MB: codes "
       "read (+ prepared W_k, L2-resident).\n",
       kPs);
-  std::printf("%6s %4s %8s %6s %7s %10s %10s %8s %8s %9s %8s %8s\n", "kernel", "G", "context",
+  std::printf("%9s %4s %8s %6s %7s %10s %10s %8s %8s %9s %8s %8s\n", "kernel", "G", "context",
               "batch", "splits", "single us", "b2b us", "MB", "GFLOP", "TB/s", "TFLOP/s", "bound");
   const std::vector<int> n_list = one     ? std::vector<int>{one_n}
                                   : quick ? std::vector<int>{32768}
@@ -384,7 +414,8 @@ int main(int argc, char** argv) {
           std::normal_distribution<float> normal(0.0f, 1.0f);
           std::vector<float> q(batch * kHq * kD);
           for (auto& v : q) v = normal(rng);
-          const int splits = kk::cuda::FsqDecodeSplits(batch, kHkv, n, prop.multiProcessorCount);
+          const kk::cuda::DecodeGeometry geo{batch, kHq, kHkv, kD, kPs};
+          const int splits = kk::cuda::FsqDecodeSplits(kernel, geo, G, n, prop.multiProcessorCount);
           void* ws = nullptr;
           float *po = nullptr, *pl = nullptr;
           CHECK(cudaMalloc(&ws, kk::cuda::FsqDecodeWorkspaceBytes(batch, kHq, G, splits)));
@@ -401,7 +432,6 @@ int main(int argc, char** argv) {
           a.workspace = ws;
           kk::cuda::PagedList list{pools[0], page_bytes, Upload(table), pages_per,
                                    Upload(std::vector<int32_t>(batch, n))};
-          const kk::cuda::DecodeGeometry geo{batch, kHq, kHkv, kD, kPs};
           const double us = MedianUsPerCall(stream, 25, 3, 1, [&](int) {
             CHECK(kk::cuda::LaunchFsqDecodeParts(kernel, list, geo, a, n, po, pl, 0, stream));
           });
@@ -413,7 +443,7 @@ int main(int argc, char** argv) {
           const double mb = static_cast<double>(layer_bytes) / 1e6;
           const double gflop = 2.0 * n * batch * kHkv * kD * G / 1e9;
           const double tbs = mb / us_b2b, tflops = gflop / us_b2b * 1e3;
-          std::printf("%6s %4d %8d %6d %7d %10.1f %10.1f %8.1f %8.1f %9.2f %8.0f %7.0f%%%s\n",
+          std::printf("%9s %4d %8d %6d %7d %10.1f %10.1f %8.1f %8.1f %9.2f %8.0f %7.0f%%%s\n",
                       KernelName(kernel), G, n, batch, splits, us, us_b2b, mb, gflop, tbs, tflops,
                       100.0 * std::max(tbs / read_tbs, tflops / mma_tflops),
                       tbs / read_tbs > tflops / mma_tflops ? " read" : " mma");

@@ -15,6 +15,7 @@
 
 #include "cuda_error.cuh"
 #include "device_binding.cuh"
+#include "fsq_decode_2cta.cuh"
 #include "fsq_decode_kernel.cuh"
 #include "kvcd/kernels/cuda_fsq.h"
 #include "kvcd/kernels/cuda_fsq_i8.h"
@@ -22,10 +23,6 @@
 
 namespace kvcd::kernels::cuda {
 namespace {
-
-size_t FragBytesI8(int hkv, int d, int latent) {
-  return static_cast<size_t>(hkv) * ((latent + 31) / 32) * (d / 8) * 32 * sizeof(uint2);
-}
 
 // One warp per row of W_k: FsqQuantizeKeyRow's arithmetic, the bytes into their fragment
 // slots (every slot of the row's k-steps, padding latents 0), then (scale, bias) of the row.
@@ -56,47 +53,55 @@ __global__ void FsqPrepareI8Kernel(const float* w_k, const float* b_k, int nrows
   }
 }
 
-// fn(std::bool_constant<kI8>) for the kernel, cudaErrorInvalidValue for another value.
-template <class Fn>
-Error WithKeyKernel(FsqKeyKernel kernel, Fn&& fn) {
+template <FsqKeyKernel K>
+using KeyKernel = std::integral_constant<FsqKeyKernel, K>;
+
+// fn(KeyKernel<kernel>{}) for the kernel, `invalid` for another value.
+template <class R, class Fn>
+R WithKeyKernel(FsqKeyKernel kernel, Fn&& fn, R invalid) {
   switch (kernel) {
     case FsqKeyKernel::kFp16:
-      return fn(std::false_type{});
+      return fn(KeyKernel<FsqKeyKernel::kFp16>{});
     case FsqKeyKernel::kInt8:
-      return fn(std::true_type{});
+      return fn(KeyKernel<FsqKeyKernel::kInt8>{});
+    case FsqKeyKernel::kInt8Occ2:
+      return fn(KeyKernel<FsqKeyKernel::kInt8Occ2>{});
   }
-  return ToError(cudaErrorInvalidValue);
+  return invalid;
 }
 
 }  // namespace
 
 size_t FsqDecoderBytes(FsqKeyKernel kernel, int num_kv_heads, int head_dim, int latent_width) {
   if (kernel == FsqKeyKernel::kFp16) return FsqDecoderBytes(num_kv_heads, head_dim, latent_width);
-  return FragBytesI8(num_kv_heads, head_dim, latent_width) +
+  return FsqI8FragBytes(num_kv_heads, head_dim, latent_width) +
          static_cast<size_t>(num_kv_heads) * head_dim * sizeof(float2);
 }
 
 Error LaunchFsqPrepareDecoder(FsqKeyKernel kernel, const FsqLayerCodec& codec, void* prepared,
                               cudaStream_t stream) {
   KVCD_CUDA_BIND_THREAD();
-  return WithKeyKernel(kernel, [&](auto i8) -> Error {
-    if constexpr (!decltype(i8)::value) {
-      return LaunchFsqPrepareDecoder(codec, prepared, stream);
-    } else {
-      const int hkv = codec.num_kv_heads, d = codec.head_dim, G = codec.latent_width;
-      if (prepared == nullptr || codec.decoder_k == nullptr || codec.bias_k == nullptr || hkv < 1 ||
-          d < 8 || d % 8 != 0 || G < 1 || G > kFsqCudaMaxLatent ||
-          reinterpret_cast<uintptr_t>(prepared) % 16 != 0) {
-        return ToError(cudaErrorInvalidValue);
-      }
-      auto* frags = static_cast<uint8_t*>(prepared);
-      auto* col = reinterpret_cast<float2*>(frags + FragBytesI8(hkv, d, G));
-      const int nrows = hkv * d;
-      FsqPrepareI8Kernel<<<(nrows + 7) / 8, 256, 0, stream>>>(codec.decoder_k, codec.bias_k, nrows,
-                                                              d, G, frags, col);
-      return ToError(cudaGetLastError());
-    }
-  });
+  return WithKeyKernel(
+      kernel,
+      [&](auto k) -> Error {
+        if constexpr (decltype(k)::value == FsqKeyKernel::kFp16) {
+          return LaunchFsqPrepareDecoder(codec, prepared, stream);
+        } else {  // both int8 kernels take the same decoder
+          const int hkv = codec.num_kv_heads, d = codec.head_dim, G = codec.latent_width;
+          if (prepared == nullptr || codec.decoder_k == nullptr || codec.bias_k == nullptr ||
+              hkv < 1 || d < 8 || d % 8 != 0 || G < 1 || G > kFsqCudaMaxLatent ||
+              reinterpret_cast<uintptr_t>(prepared) % 16 != 0) {
+            return ToError(cudaErrorInvalidValue);
+          }
+          auto* frags = static_cast<uint8_t*>(prepared);
+          auto* col = reinterpret_cast<float2*>(frags + FsqI8FragBytes(hkv, d, G));
+          const int nrows = hkv * d;
+          FsqPrepareI8Kernel<<<(nrows + 7) / 8, 256, 0, stream>>>(codec.decoder_k, codec.bias_k,
+                                                                  nrows, d, G, frags, col);
+          return ToError(cudaGetLastError());
+        }
+      },
+      ToError(cudaErrorInvalidValue));
 }
 
 Error LaunchFsqDecodeParts(FsqKeyKernel kernel, const PagedList& list, const DecodeGeometry& geo,
@@ -104,16 +109,36 @@ Error LaunchFsqDecodeParts(FsqKeyKernel kernel, const PagedList& list, const Dec
                            float* part_lse, int part_base, cudaStream_t stream,
                            const MergeTarget* merge) {
   KVCD_CUDA_BIND_THREAD();
-  return WithKeyKernel(kernel, [&](auto i8) -> Error {
-    if constexpr (!decltype(i8)::value) {
-      return LaunchFsqDecodeParts(list, geo, args, max_tokens, part_o, part_lse, part_base, stream,
-                                  merge);
-    } else {
-      return LaunchFsqDecode<true>(
-          list, geo, args, max_tokens, part_o, part_lse, part_base, stream, merge,
-          FragBytesI8(geo.num_kv_heads, geo.head_dim, args.codec.latent_width));
-    }
-  });
+  return WithKeyKernel(
+      kernel,
+      [&](auto k) -> Error {
+        constexpr FsqKeyKernel K = decltype(k)::value;
+        if constexpr (K == FsqKeyKernel::kFp16) {
+          return LaunchFsqDecodeParts(list, geo, args, max_tokens, part_o, part_lse, part_base,
+                                      stream, merge);
+        } else if constexpr (K == FsqKeyKernel::kInt8) {
+          return LaunchFsqDecode<true>(
+              list, geo, args, max_tokens, part_o, part_lse, part_base, stream, merge,
+              FsqI8FragBytes(geo.num_kv_heads, geo.head_dim, args.codec.latent_width));
+        } else {
+          return LaunchFsqDecodeI8TwoCta(list, geo, args, max_tokens, part_o, part_lse, part_base,
+                                         stream, merge);
+        }
+      },
+      ToError(cudaErrorInvalidValue));
+}
+
+int FsqDecodeSplits(FsqKeyKernel kernel, const DecodeGeometry& geo, int latent_width,
+                    int max_tokens, int num_sms) {
+  const int per_sm = WithKeyKernel(
+      kernel,
+      [&](auto k) {
+        return decltype(k)::value == FsqKeyKernel::kInt8Occ2
+                   ? FsqI8TwoCtaPerSm(geo.head_dim, latent_width)
+                   : 1;
+      },
+      1);
+  return FsqDecodeSplits(geo.batch, geo.num_kv_heads, max_tokens, num_sms * per_sm);
 }
 
 }  // namespace kvcd::kernels::cuda

@@ -243,6 +243,8 @@ struct Smem {
   float* comb_o;   // [kWarps][MT * 16][8]
   float* comb_m;   // [kWarps][8]
   float* comb_l;   // [kWarps][8]
+  float4* col;     // two CTAs per SM only: [D / 8][4] the head's (scale, bias) in slot order
+  float2* kn;      // two CTAs per SM only: [D / 8][4] the key norm's weights in slot order
 };
 
 // Padded shared-memory strides (bank conflicts): query rows of D + 8 words; the angle table
@@ -263,17 +265,69 @@ __host__ __device__ constexpr size_t UnionBytes(int kchunks) {
   return wk > comb ? wk : comb;
 }
 
+// Two CTAs per SM (kOcc2): everything the tiles read (W_k fragments, frequencies, queries,
+// angle tables, base rotations, the head's (scale, bias) and key norm weights, the stages)
+// lies in one region that the warps' states take over after the tiles, so a CTA holds
+// max(that region, the states) instead of their sum (G 256, d 128: 90 KB, two per SM; the one-CTA
+// layout 120.5 KB).
 template <int D, int MT, int MTOK>
+__host__ __device__ constexpr size_t Occ2LoopBytes(int stage_bytes, int kchunks) {
+  return size_t{256} * kchunks * (D / 8) + size_t{D / 2} * 8 + size_t{8} * QStride<D>() * 4 * 2 +
+         size_t{TabStride<MTOK>()} * (D / 2) * 8 + size_t{kWarps} * (D / 2) * 8 +
+         size_t{D / 2} * 16 + size_t{D / 2} * 8 + size_t{kWarps} * 2 * stage_bytes;
+}
+
+template <int D, int MT, int MTOK, bool kOcc2 = false>
 __host__ __device__ constexpr size_t SmemBytes(int stage_bytes, int kchunks) {
-  return UnionBytes<D, MT>(kchunks) + size_t{8} * QStride<D>() * 4 * 2 +
-         size_t{TabStride<MTOK>()} * (D / 2) * 8 + size_t{D / 2} * 8 +
-         size_t{kWarps} * (D / 2) * 8 + size_t{kWarps} * 2 * stage_bytes +
-         size_t{kWarps} * 8 * 4 * 2;
+  if constexpr (kOcc2) {
+    const size_t loop = Occ2LoopBytes<D, MT, MTOK>(stage_bytes, kchunks),
+                 comb = size_t{kWarps} * MT * 16 * 8 * 4;
+    return (loop > comb ? loop : comb) + size_t{kWarps} * 8 * 4 * 2;
+  } else {
+    return UnionBytes<D, MT>(kchunks) + size_t{8} * QStride<D>() * 4 * 2 +
+           size_t{TabStride<MTOK>()} * (D / 2) * 8 + size_t{D / 2} * 8 +
+           size_t{kWarps} * (D / 2) * 8 + size_t{kWarps} * 2 * stage_bytes +
+           size_t{kWarps} * 8 * 4 * 2;
+  }
+}
+
+// The two-CTA layout (SmemBytes<..., true>): [W_k | freq | q_hi | q_lo | tab | base | col |
+// kn | stages], the warps' states from its start once the tiles are done, then comb_m, comb_l.
+template <int D, int MT, int MTOK>
+__device__ Smem CarveSmemOcc2(uint8_t* p, int kchunks, int stage_bytes) {
+  Smem s;
+  uint8_t* const start = p;
+  s.wk = reinterpret_cast<uint2*>(p);
+  s.comb_o = reinterpret_cast<float*>(p);
+  p += size_t{256} * kchunks * (D / 8);
+  s.freq = reinterpret_cast<double*>(p);
+  p += (D / 2) * 8;
+  s.q_hi = reinterpret_cast<uint32_t*>(p);
+  p += 8 * QStride<D>() * 4;
+  s.q_lo = reinterpret_cast<uint32_t*>(p);
+  p += 8 * QStride<D>() * 4;
+  s.tab = reinterpret_cast<float2*>(p);
+  p += TabStride<MTOK>() * (D / 2) * 8;
+  s.base = reinterpret_cast<float2*>(p);
+  p += kWarps * (D / 2) * 8;
+  s.col = reinterpret_cast<float4*>(p);
+  p += (D / 2) * 16;
+  s.kn = reinterpret_cast<float2*>(p);
+  p += (D / 2) * 8;
+  s.stage = p;  // 16-byte aligned: every piece above is a multiple of 16 bytes
+  const size_t loop = Occ2LoopBytes<D, MT, MTOK>(stage_bytes, kchunks),
+               comb = size_t{kWarps} * MT * 16 * 8 * 4;
+  p = start + (loop > comb ? loop : comb);
+  s.comb_m = reinterpret_cast<float*>(p);
+  s.comb_l = reinterpret_cast<float*>(p + kWarps * 8 * 4);
+  return s;
 }
 
 template <int D, int MT, int MTOK>
 __device__ Smem CarveSmem(uint8_t* p, int kchunks) {
   Smem s;
+  s.col = nullptr;
+  s.kn = nullptr;
   s.wk = reinterpret_cast<uint2*>(p);
   s.comb_o = reinterpret_cast<float*>(p);  // [kWarps][MT * 16][8], once the tiles are done
   p += UnionBytes<D, MT>(kchunks);
@@ -297,26 +351,38 @@ __device__ Smem CarveSmem(uint8_t* p, int kchunks) {
 
 // MTOK: 16-token m-tiles per warp tile (2: every W_k fragment read from shared memory feeds
 // two MMAs; needs page_size % 32 == 0 and the registers of small D x G). kI8: the key rebuild
-// on int8 tensor cores (u8 codes x s8 W_k, m16n8k32), else FP16 (m16n8k16).
-template <int D, int MT, int MTOK, bool kI8>
-__global__ void __launch_bounds__(kWarps * 32, 1) FsqDecodeKernel(const PartArgs a) {
+// on int8 tensor cores (u8 codes x s8 W_k, m16n8k32), else FP16 (m16n8k16). kOcc2 (int8,
+// MTOK 1 only): at most 128 registers a thread, two CTAs per SM (cuda_fsq_i8.h kInt8Occ2):
+// steps 1-3 in passes of FsqI8PassTiles n-tiles (4 x 4 accumulators beside the 64 of the value
+// sums at MT 16, 8 x 4 beside 32 at MT 8), the n-tiles in slot order (FsqI8SlotTile:
+// both halves of a RoPE pair in one pass); the CTA copies W_k's fragments, the queries,
+// (scale, bias) and the key norm's weights into shared memory in slot order, so every slot's
+// address is a constant. The sums over dims (scores, key norm) do not depend on the order.
+template <int D, int MT, int MTOK, bool kI8, bool kOcc2 = false>
+__global__ void __launch_bounds__(kWarps * 32, kOcc2 ? 2 : 1) FsqDecodeKernel(const PartArgs a) {
+  static_assert(!kOcc2 || (kI8 && MTOK == 1), "the two-CTA variant is int8 with MTOK 1");
   constexpr int NT = D / 8;
   constexpr int kTok = kTile * MTOK;  // tokens per warp tile
   extern __shared__ __align__(16) uint8_t smem_raw[];
-  const Smem sm = CarveSmem<D, MT, MTOK>(smem_raw, a.kchunks);
+  const Smem sm = kOcc2 ? CarveSmemOcc2<D, MT, MTOK>(smem_raw, a.kchunks, a.stage_bytes)
+                        : CarveSmem<D, MT, MTOK>(smem_raw, a.kchunks);
   const int split = blockIdx.x, head = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int group = a.geo.num_q_heads / a.geo.num_kv_heads;
   const int rows = a.geo.batch * a.geo.num_q_heads;
   const int half_rot = a.rotary / 2;
+  // kOcc2: the n-tile of slot k (above).
+  const int koff = kOcc2 && a.rotary > 0 && !a.interleaved ? a.rotary / 16 : 0;
+  auto slot_tile = [koff](int k) { return FsqI8SlotTile(k, koff); };
 
   // Queries (scaled, two TF32 digits), RoPE frequencies and the in-tile angle table.
   for (int i = tid; i < kMaxGroup * D; i += blockDim.x) {
     const int j = i / D, dim = i % D;
     float v = 0.0f;
     if (j < group) {
-      v = a.q[(static_cast<int64_t>(b) * a.geo.num_q_heads + head * group + j) * D + dim] *
+      const int src = kOcc2 ? 8 * slot_tile(dim >> 3) + (dim & 7) : dim;
+      v = a.q[(static_cast<int64_t>(b) * a.geo.num_q_heads + head * group + j) * D + src] *
           a.q_scale;
     }
     const uint32_t hi = Tf32(v);
@@ -349,7 +415,20 @@ __global__ void __launch_bounds__(kWarps * 32, 1) FsqDecodeKernel(const PartArgs
     const uint4* src =
         reinterpret_cast<const uint4*>(a.wk + static_cast<size_t>(head) * a.kchunks * NT * 32);
     uint4* dst = reinterpret_cast<uint4*>(sm.wk);
-    for (int i = tid; i < a.kchunks * NT * 16; i += blockDim.x) CpAsync16(dst + i, src + i);
+    if constexpr (kOcc2) {  // slot k of k-step s <- n-tile slot_tile(k)
+      for (int i = tid; i < a.kchunks * NT * 16; i += blockDim.x) {
+        const int k = (i >> 4) % NT;
+        CpAsync16(dst + i, src + i + (slot_tile(k) - k) * 16);
+      }
+      const float4* col = a.col + head * (D / 2);
+      for (int i = tid; i < D / 2; i += blockDim.x) {
+        const int k = i >> 2, from = slot_tile(k) * 4 + (i & 3);
+        sm.col[i] = col[from];
+        if (a.key_norm != nullptr) sm.kn[i] = reinterpret_cast<const float2*>(a.key_norm)[from];
+      }
+    } else {
+      for (int i = tid; i < a.kchunks * NT * 16; i += blockDim.x) CpAsync16(dst + i, src + i);
+    }
     CpAsyncCommit();
     asm volatile("cp.async.wait_all;\n");
     __syncthreads();
@@ -400,161 +479,12 @@ __global__ void __launch_bounds__(kWarps * 32, 1) FsqDecodeKernel(const PartArgs
     __syncwarp();
     const uint8_t* cs = stage + buf * a.stage_bytes;
 
-    // 1. K = Z W_k^T.
-    constexpr float kBase = KeyAccBase<kI8>();
-    float accs[MTOK][NT][4];
-#pragma unroll
-    for (int u = 0; u < MTOK; ++u) {
-#pragma unroll
-      for (int n = 0; n < NT; ++n)
-        accs[u][n][0] = accs[u][n][1] = accs[u][n][2] = accs[u][n][3] = kBase;
-    }
     const bool aligned = (cb & 7) == 0;  // BytePair's 8-byte loads
-    if constexpr (kI8) {
-      // k-step s: the lane's word of row r holds latents 32 s + 8 t .. + 7 (nibble i: latent
-      // 32 s + 8 t + i); its even nibbles are k = 4t..4t+3 of the A fragment, its odd ones
-      // k = 16 + 4t..; the prepared B fragments follow the same order (fsq_decode_attention_i8.cu).
-      const bool aligned4 = (cb & 3) == 0;
-#pragma unroll 2
-      for (int s = 0; s < a.kchunks; ++s) {
-        uint32_t af[MTOK][4];
-#pragma unroll
-        for (int u = 0; u < MTOK; ++u) {
-          const uint32_t lo = Word(StageAt(cs, 16 * u + g, 16 * s + 4 * t, cb, swz), aligned4);
-          const uint32_t hi = Word(StageAt(cs, 16 * u + g + 8, 16 * s + 4 * t, cb, swz), aligned4);
-          FsqI8CodeFragments(lo, &af[u][0], &af[u][2]);
-          FsqI8CodeFragments(hi, &af[u][1], &af[u][3]);
-        }
-        const uint2* bp = wk + static_cast<size_t>(s) * NT * 32;
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-          const uint2 bf = bp[n * 32];
-#pragma unroll
-          for (int u = 0; u < MTOK; ++u) MmaU8S8(accs[u][n], af[u], bf.x, bf.y);
-        }
-      }
-    } else {
-#pragma unroll 2
-      for (int s = 0; s < a.slices; ++s) {
-        uint32_t af[MTOK][4];
-#pragma unroll
-        for (int u = 0; u < MTOK; ++u) {
-          const uint2 lo = BytePair(StageAt(cs, 16 * u + g, 8 * s, cb, swz), t, aligned);
-          const uint2 hi = BytePair(StageAt(cs, 16 * u + g + 8, 8 * s, cb, swz), t, aligned);
-          af[u][0] = ByteToHalf2(lo.x);
-          af[u][1] = ByteToHalf2(hi.x);
-          af[u][2] = ByteToHalf2(lo.y);
-          af[u][3] = ByteToHalf2(hi.y);
-        }
-        const uint2* bp = wk + static_cast<size_t>(s) * NT * 32;
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-          const uint2 bf = bp[n * 32];
-#pragma unroll
-          for (int u = 0; u < MTOK; ++u) MmaF16(accs[u][n], af[u], bf.x, bf.y);
-        }
-      }
-    }
-    __syncwarp();  // base[] written
-#pragma unroll
-    for (int u = 0; u < MTOK; ++u) {
-      float(&acc)[NT][4] = accs[u];
-      // 2. Row scale and bias, key norm, RoPE.
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        const float4 cv = __ldg(col + n * 4 + t);
-        acc[n][0] = fmaf(acc[n][0], cv.x, cv.y);
-        acc[n][1] = fmaf(acc[n][1], cv.z, cv.w);
-        acc[n][2] = fmaf(acc[n][2], cv.x, cv.y);
-        acc[n][3] = fmaf(acc[n][3], cv.z, cv.w);
-      }
-      // int8: the keys' 1 / rms (rows g, g + 8) multiplies their scores in step 3 instead of
-      // every element here (RoPE and the dot product are linear).
-      float inv0 = 1.0f, inv1 = 1.0f;
-      if (a.key_norm != nullptr) {
-        float ss0 = 0.0f, ss1 = 0.0f;
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-          ss0 += acc[n][0] * acc[n][0] + acc[n][1] * acc[n][1];
-          ss1 += acc[n][2] * acc[n][2] + acc[n][3] * acc[n][3];
-        }
-        ss0 += __shfl_xor_sync(0xffffffffu, ss0, 1);
-        ss0 += __shfl_xor_sync(0xffffffffu, ss0, 2);
-        ss1 += __shfl_xor_sync(0xffffffffu, ss1, 1);
-        ss1 += __shfl_xor_sync(0xffffffffu, ss1, 2);
-        inv0 = 1.0f / sqrtf(ss0 / D + a.key_norm_eps);
-        inv1 = 1.0f / sqrtf(ss1 / D + a.key_norm_eps);
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-          const float2 w = __ldg(reinterpret_cast<const float2*>(a.key_norm) + n * 4 + t);
-          if constexpr (kI8) {
-            acc[n][0] *= w.x;
-            acc[n][1] *= w.y;
-            acc[n][2] *= w.x;
-            acc[n][3] *= w.y;
-          } else {
-            acc[n][0] *= inv0 * w.x;
-            acc[n][1] *= inv0 * w.y;
-            acc[n][2] *= inv1 * w.x;
-            acc[n][3] *= inv1 * w.y;
-          }
-        }
-      }
-      if (a.rotary > 0) {
-        constexpr int ts = TabStride<MTOK>();
-        const float2* tab_g = sm.tab + 16 * u + g;
-        const float2* tab_g8 = tab_g + 8;
-        if (a.interleaved) {
-#pragma unroll
-          for (int n = 0; n < NT; ++n) {
-            const int i = 4 * n + t;  // dims 2i, 2i + 1
-            if (i < half_rot) {
-              Rotate(acc[n][0], acc[n][1], base[i], tab_g[i * ts]);
-              Rotate(acc[n][2], acc[n][3], base[i], tab_g8[i * ts]);
-            }
-          }
-        } else {
-          RopeHalfAny<NT>(a.rotary / 16, acc, base, tab_g, tab_g8, t, ts,
-                          std::make_integer_sequence<int, NT / 2>{});
-        }
-      }
-
-      // 3. S^T = Q K^T (two token n-tiles of 8; int8: each in two chains of MMAs, even and
-      // odd n, half as deep).
-      constexpr int kChains = kI8 ? 2 : 1;
-      float s0[kChains][4], s1[kChains][4];
-#pragma unroll
-      for (int c = 0; c < kChains; ++c) {
-#pragma unroll
-        for (int k = 0; k < 4; ++k) s0[c][k] = s1[c][k] = 0.0f;
-      }
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        const uint2 qh =
-            *reinterpret_cast<const uint2*>(sm.q_hi + g * QStride<D>() + 8 * n + 2 * t);
-        const uint2 ql =
-            *reinterpret_cast<const uint2*>(sm.q_lo + g * QStride<D>() + 8 * n + 2 * t);
-        MmaTf32(s0[n % kChains], qh.x, ql.x, qh.y, ql.y, Tf32(acc[n][0]), Tf32(acc[n][1]));
-        MmaTf32(s1[n % kChains], qh.x, ql.x, qh.y, ql.y, Tf32(acc[n][2]), Tf32(acc[n][3]));
-      }
-#pragma unroll
-      for (int c = 1; c < kChains; ++c) {
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          s0[0][k] += s0[c][k];
-          s1[0][k] += s1[c][k];
-        }
-      }
+    // Steps 4 and 5 for m-tile u of the warp tile from the scores sc of head g, tokens 2t,
+    // 2t + 1, 2t + 8, 2t + 9 (masked here past the list's end).
+    auto attend = [&](float(&sc)[4], int u) {
       // 4. Online softmax of head g over tokens 2t, 2t + 1, 2t + 8, 2t + 9.
       const int n_valid = end - tile - 16 * u;
-      float sc[4] = {s0[0][0] + s0[0][2], s0[0][1] + s0[0][3], s1[0][0] + s1[0][2],
-                     s1[0][1] + s1[0][3]};
-      if (kI8 && a.key_norm != nullptr) {  // tokens 2t, 2t + 1 (rows of quads 2t, 2t + 1), + 8
-        sc[0] *= __shfl_sync(0xffffffffu, inv0, 8 * t);
-        sc[1] *= __shfl_sync(0xffffffffu, inv0, 8 * t + 4);
-        sc[2] *= __shfl_sync(0xffffffffu, inv1, 8 * t);
-        sc[3] *= __shfl_sync(0xffffffffu, inv1, 8 * t + 4);
-      }
       const int tok[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
       float tmax = -INFINITY;
 #pragma unroll
@@ -627,7 +557,266 @@ __global__ void __launch_bounds__(kWarps * 32, 1) FsqDecodeKernel(const PartArgs
           }
         }
       }
-    }              // u
+    };
+    constexpr float kBase = KeyAccBase<kI8>();
+    if constexpr (kOcc2) {
+      // Steps 1-3 in passes of kPT key n-tiles (slots p kPT .. p kPT + kPT - 1); the scores
+      // and the key norm's sums of squares add up over the passes.
+      constexpr int kPT = FsqI8PassTiles(D, MT);
+      const bool aligned4 = (cb & 3) == 0;
+      float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      float ss0 = 0.0f, ss1 = 0.0f;
+#pragma unroll
+      for (int p = 0; p < NT / kPT; ++p) {
+        // 1. K = Z W_k^T on the pass's slots (the codes' A fragments are read again per pass).
+        float acc[kPT][4];
+#pragma unroll
+        for (int j = 0; j < kPT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = kBase;
+#pragma unroll 2
+        for (int s = 0; s < a.kchunks; ++s) {
+          uint32_t af[4];
+          const uint32_t lo = Word(StageAt(cs, g, 16 * s + 4 * t, cb, swz), aligned4);
+          const uint32_t hi = Word(StageAt(cs, g + 8, 16 * s + 4 * t, cb, swz), aligned4);
+          FsqI8CodeFragments(lo, &af[0], &af[2]);
+          FsqI8CodeFragments(hi, &af[1], &af[3]);
+          const uint2* bp = wk + (static_cast<size_t>(s) * NT + p * kPT) * 32;
+#pragma unroll
+          for (int j = 0; j < kPT; ++j) {
+            const uint2 bf = bp[j * 32];
+            MmaU8S8(acc[j], af, bf.x, bf.y);
+          }
+        }
+        // 2. Row scale and bias; the key norm's sums of squares, then its weights (its
+        // 1 / rms multiplies the scores below); RoPE.
+#pragma unroll
+        for (int j = 0; j < kPT; ++j) {
+          const float4 cv = sm.col[(p * kPT + j) * 4 + t];
+          acc[j][0] = fmaf(acc[j][0], cv.x, cv.y);
+          acc[j][1] = fmaf(acc[j][1], cv.z, cv.w);
+          acc[j][2] = fmaf(acc[j][2], cv.x, cv.y);
+          acc[j][3] = fmaf(acc[j][3], cv.z, cv.w);
+        }
+        if (a.key_norm != nullptr) {
+#pragma unroll
+          for (int j = 0; j < kPT; ++j) {
+            ss0 += acc[j][0] * acc[j][0] + acc[j][1] * acc[j][1];
+            ss1 += acc[j][2] * acc[j][2] + acc[j][3] * acc[j][3];
+            const float2 w = sm.kn[(p * kPT + j) * 4 + t];
+            acc[j][0] *= w.x;
+            acc[j][1] *= w.y;
+            acc[j][2] *= w.x;
+            acc[j][3] *= w.y;
+          }
+        }
+        if (a.rotary > 0) {
+          constexpr int ts = TabStride<MTOK>();
+          const float2* tab_g = sm.tab + g;
+          const float2* tab_g8 = tab_g + 8;
+          if (a.interleaved) {  // slot k is n-tile k
+#pragma unroll
+            for (int j = 0; j < kPT; ++j) {
+              const int i = 4 * (p * kPT + j) + t;  // dims 2i, 2i + 1
+              if (i < half_rot) {
+                Rotate(acc[j][0], acc[j][1], base[i], tab_g[i * ts]);
+                Rotate(acc[j][2], acc[j][3], base[i], tab_g8[i * ts]);
+              }
+            }
+          } else {
+#pragma unroll
+            for (int j = 0; j < kPT; j += 2) {
+              const int k = p * kPT + j;  // slots k, k + 1: n-tiles k / 2 and koff + k / 2
+              if (k < 2 * koff) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  const int i = 4 * k + 2 * t + e;  // dim 8 (k / 2) + 2t + e
+                  Rotate(acc[j][e], acc[j + 1][e], base[i], tab_g[i * ts]);
+                  Rotate(acc[j][2 + e], acc[j + 1][2 + e], base[i], tab_g8[i * ts]);
+                }
+              }
+            }
+          }
+        }
+        // 3. S^T += Q K^T on the pass's slots (the queries are in slot order).
+#pragma unroll
+        for (int j = 0; j < kPT; ++j) {
+          const int c = 8 * (p * kPT + j) + 2 * t;
+          const uint2 qh = *reinterpret_cast<const uint2*>(sm.q_hi + g * QStride<D>() + c);
+          const uint2 ql = *reinterpret_cast<const uint2*>(sm.q_lo + g * QStride<D>() + c);
+          MmaTf32(s0, qh.x, ql.x, qh.y, ql.y, Tf32(acc[j][0]), Tf32(acc[j][1]));
+          MmaTf32(s1, qh.x, ql.x, qh.y, ql.y, Tf32(acc[j][2]), Tf32(acc[j][3]));
+        }
+      }
+      float sc[4] = {s0[0] + s0[2], s0[1] + s0[3], s1[0] + s1[2], s1[1] + s1[3]};
+      if (a.key_norm != nullptr) {  // rows g, g + 8; tokens 2t, 2t + 1 are rows of quads 2t, 2t + 1
+        ss0 += __shfl_xor_sync(0xffffffffu, ss0, 1);
+        ss0 += __shfl_xor_sync(0xffffffffu, ss0, 2);
+        ss1 += __shfl_xor_sync(0xffffffffu, ss1, 1);
+        ss1 += __shfl_xor_sync(0xffffffffu, ss1, 2);
+        const float inv0 = 1.0f / sqrtf(ss0 / D + a.key_norm_eps);
+        const float inv1 = 1.0f / sqrtf(ss1 / D + a.key_norm_eps);
+        sc[0] *= __shfl_sync(0xffffffffu, inv0, 8 * t);
+        sc[1] *= __shfl_sync(0xffffffffu, inv0, 8 * t + 4);
+        sc[2] *= __shfl_sync(0xffffffffu, inv1, 8 * t);
+        sc[3] *= __shfl_sync(0xffffffffu, inv1, 8 * t + 4);
+      }
+      attend(sc, 0);
+    } else {
+      // 1. K = Z W_k^T.
+      float accs[MTOK][NT][4];
+#pragma unroll
+      for (int u = 0; u < MTOK; ++u) {
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+          accs[u][n][0] = accs[u][n][1] = accs[u][n][2] = accs[u][n][3] = kBase;
+      }
+      if constexpr (kI8) {
+        // k-step s: the lane's word of row r holds latents 32 s + 8 t .. + 7 (nibble i: latent
+        // 32 s + 8 t + i); its even nibbles are k = 4t..4t+3 of the A fragment, its odd ones
+        // k = 16 + 4t..; the prepared B fragments follow the same order
+        // (fsq_decode_attention_i8.cu).
+        const bool aligned4 = (cb & 3) == 0;
+#pragma unroll 2
+        for (int s = 0; s < a.kchunks; ++s) {
+          uint32_t af[MTOK][4];
+#pragma unroll
+          for (int u = 0; u < MTOK; ++u) {
+            const uint32_t lo = Word(StageAt(cs, 16 * u + g, 16 * s + 4 * t, cb, swz), aligned4);
+            const uint32_t hi =
+                Word(StageAt(cs, 16 * u + g + 8, 16 * s + 4 * t, cb, swz), aligned4);
+            FsqI8CodeFragments(lo, &af[u][0], &af[u][2]);
+            FsqI8CodeFragments(hi, &af[u][1], &af[u][3]);
+          }
+          const uint2* bp = wk + static_cast<size_t>(s) * NT * 32;
+#pragma unroll
+          for (int n = 0; n < NT; ++n) {
+            const uint2 bf = bp[n * 32];
+#pragma unroll
+            for (int u = 0; u < MTOK; ++u) MmaU8S8(accs[u][n], af[u], bf.x, bf.y);
+          }
+        }
+      } else {
+#pragma unroll 2
+        for (int s = 0; s < a.slices; ++s) {
+          uint32_t af[MTOK][4];
+#pragma unroll
+          for (int u = 0; u < MTOK; ++u) {
+            const uint2 lo = BytePair(StageAt(cs, 16 * u + g, 8 * s, cb, swz), t, aligned);
+            const uint2 hi = BytePair(StageAt(cs, 16 * u + g + 8, 8 * s, cb, swz), t, aligned);
+            af[u][0] = ByteToHalf2(lo.x);
+            af[u][1] = ByteToHalf2(hi.x);
+            af[u][2] = ByteToHalf2(lo.y);
+            af[u][3] = ByteToHalf2(hi.y);
+          }
+          const uint2* bp = wk + static_cast<size_t>(s) * NT * 32;
+#pragma unroll
+          for (int n = 0; n < NT; ++n) {
+            const uint2 bf = bp[n * 32];
+#pragma unroll
+            for (int u = 0; u < MTOK; ++u) MmaF16(accs[u][n], af[u], bf.x, bf.y);
+          }
+        }
+      }
+      __syncwarp();  // base[] written
+#pragma unroll
+      for (int u = 0; u < MTOK; ++u) {
+        float(&acc)[NT][4] = accs[u];
+        // 2. Row scale and bias, key norm, RoPE.
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          const float4 cv = __ldg(col + n * 4 + t);
+          acc[n][0] = fmaf(acc[n][0], cv.x, cv.y);
+          acc[n][1] = fmaf(acc[n][1], cv.z, cv.w);
+          acc[n][2] = fmaf(acc[n][2], cv.x, cv.y);
+          acc[n][3] = fmaf(acc[n][3], cv.z, cv.w);
+        }
+        // int8: the keys' 1 / rms (rows g, g + 8) multiplies their scores in step 3 instead of
+        // every element here (RoPE and the dot product are linear).
+        float inv0 = 1.0f, inv1 = 1.0f;
+        if (a.key_norm != nullptr) {
+          float ss0 = 0.0f, ss1 = 0.0f;
+#pragma unroll
+          for (int n = 0; n < NT; ++n) {
+            ss0 += acc[n][0] * acc[n][0] + acc[n][1] * acc[n][1];
+            ss1 += acc[n][2] * acc[n][2] + acc[n][3] * acc[n][3];
+          }
+          ss0 += __shfl_xor_sync(0xffffffffu, ss0, 1);
+          ss0 += __shfl_xor_sync(0xffffffffu, ss0, 2);
+          ss1 += __shfl_xor_sync(0xffffffffu, ss1, 1);
+          ss1 += __shfl_xor_sync(0xffffffffu, ss1, 2);
+          inv0 = 1.0f / sqrtf(ss0 / D + a.key_norm_eps);
+          inv1 = 1.0f / sqrtf(ss1 / D + a.key_norm_eps);
+#pragma unroll
+          for (int n = 0; n < NT; ++n) {
+            const float2 w = __ldg(reinterpret_cast<const float2*>(a.key_norm) + n * 4 + t);
+            if constexpr (kI8) {
+              acc[n][0] *= w.x;
+              acc[n][1] *= w.y;
+              acc[n][2] *= w.x;
+              acc[n][3] *= w.y;
+            } else {
+              acc[n][0] *= inv0 * w.x;
+              acc[n][1] *= inv0 * w.y;
+              acc[n][2] *= inv1 * w.x;
+              acc[n][3] *= inv1 * w.y;
+            }
+          }
+        }
+        if (a.rotary > 0) {
+          constexpr int ts = TabStride<MTOK>();
+          const float2* tab_g = sm.tab + 16 * u + g;
+          const float2* tab_g8 = tab_g + 8;
+          if (a.interleaved) {
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+              const int i = 4 * n + t;  // dims 2i, 2i + 1
+              if (i < half_rot) {
+                Rotate(acc[n][0], acc[n][1], base[i], tab_g[i * ts]);
+                Rotate(acc[n][2], acc[n][3], base[i], tab_g8[i * ts]);
+              }
+            }
+          } else {
+            RopeHalfAny<NT>(a.rotary / 16, acc, base, tab_g, tab_g8, t, ts,
+                            std::make_integer_sequence<int, NT / 2>{});
+          }
+        }
+
+        // 3. S^T = Q K^T (two token n-tiles of 8; int8: each in two chains of MMAs, even and
+        // odd n, half as deep).
+        constexpr int kChains = kI8 ? 2 : 1;
+        float s0[kChains][4], s1[kChains][4];
+#pragma unroll
+        for (int c = 0; c < kChains; ++c) {
+#pragma unroll
+          for (int k = 0; k < 4; ++k) s0[c][k] = s1[c][k] = 0.0f;
+        }
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          const uint2 qh =
+              *reinterpret_cast<const uint2*>(sm.q_hi + g * QStride<D>() + 8 * n + 2 * t);
+          const uint2 ql =
+              *reinterpret_cast<const uint2*>(sm.q_lo + g * QStride<D>() + 8 * n + 2 * t);
+          MmaTf32(s0[n % kChains], qh.x, ql.x, qh.y, ql.y, Tf32(acc[n][0]), Tf32(acc[n][1]));
+          MmaTf32(s1[n % kChains], qh.x, ql.x, qh.y, ql.y, Tf32(acc[n][2]), Tf32(acc[n][3]));
+        }
+#pragma unroll
+        for (int c = 1; c < kChains; ++c) {
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            s0[0][k] += s0[c][k];
+            s1[0][k] += s1[c][k];
+          }
+        }
+        float sc[4] = {s0[0][0] + s0[0][2], s0[0][1] + s0[0][3], s1[0][0] + s1[0][2],
+                       s1[0][1] + s1[0][3]};
+        if (kI8 && a.key_norm != nullptr) {  // tokens 2t, 2t + 1 (rows of quads 2t, 2t + 1), + 8
+          sc[0] *= __shfl_sync(0xffffffffu, inv0, 8 * t);
+          sc[1] *= __shfl_sync(0xffffffffu, inv0, 8 * t + 4);
+          sc[2] *= __shfl_sync(0xffffffffu, inv1, 8 * t);
+          sc[3] *= __shfl_sync(0xffffffffu, inv1, 8 * t + 4);
+        }
+        attend(sc, u);
+      }  // u
+    }
     __syncwarp();  // the stage buffer and base[] are read before they are refilled
   }
   asm volatile("cp.async.wait_all;\n");
@@ -728,22 +917,25 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-template <int D, int MT, int MTOK, bool kI8>
+template <int D, int MT, int MTOK, bool kI8, bool kOcc2 = false>
 cudaError_t LaunchParts(const PartArgs& a, int splits, cudaStream_t stream) {
-  const size_t smem = SmemBytes<D, MT, MTOK>(a.stage_bytes, a.kchunks);
+  const size_t smem = SmemBytes<D, MT, MTOK, kOcc2>(a.stage_bytes, a.kchunks);
   cudaError_t e =
-      cudaFuncSetAttribute(FsqDecodeKernel<D, MT, MTOK, kI8>,
+      cudaFuncSetAttribute(FsqDecodeKernel<D, MT, MTOK, kI8, kOcc2>,
                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(a.geo.num_kv_heads),
                   static_cast<unsigned>(a.geo.batch));
-  FsqDecodeKernel<D, MT, MTOK, kI8><<<grid, kWarps * 32, smem, stream>>>(a);
+  FsqDecodeKernel<D, MT, MTOK, kI8, kOcc2><<<grid, kWarps * 32, smem, stream>>>(a);
   return cudaGetLastError();
 }
 
+// Bytes of a warp's stage buffer for tiles of `tok` tokens of codes of cb bytes.
+inline int StageBytes(int cb, int tok) { return (tok * cb + kStageSlack + 15) / 16 * 16; }
+
 // LaunchFsqDecodeParts (cuda_fsq.h) with the key rebuild of kI8; the prepared decoder holds
 // frag_bytes of B fragments, then the (scale, bias) pairs.
-template <bool kI8>
+template <bool kI8, bool kOcc2 = false>
 Error LaunchFsqDecode(const PagedList& list, const DecodeGeometry& geo, const FsqDecodeArgs& args,
                       int max_tokens, float* part_o, float* part_lse, int part_base,
                       cudaStream_t stream, const MergeTarget* merge, size_t frag_bytes) {
@@ -774,14 +966,14 @@ Error LaunchFsqDecode(const PagedList& list, const DecodeGeometry& geo, const Fs
   const int64_t per = (int64_t{max_tokens} + args.splits - 1) / args.splits;
   // Two m-tiles per warp tile where the registers allow (small D x G) and a 32-token tile
   // stays in one page.
-  const int mtok = geo.page_size % (2 * kTile) == 0 &&
+  const int mtok = !kOcc2 && geo.page_size % (2 * kTile) == 0 &&
                            ((a.slices <= 8 && geo.head_dim <= 128) || geo.head_dim == 64)
                        ? 2
                        : 1;
   const int tok = kTile * mtok;
   a.tokens_per_split = static_cast<int32_t>((per + tok - 1) / tok * tok);
   if (a.tokens_per_split == 0) a.tokens_per_split = tok;
-  a.stage_bytes = (tok * a.code_bytes + kStageSlack + 15) / 16 * 16;
+  a.stage_bytes = StageBytes(a.code_bytes, tok);
   a.wk = static_cast<const uint2*>(args.prepared);
   a.col = reinterpret_cast<const float4*>(static_cast<const uint8_t*>(args.prepared) + frag_bytes);
   a.key_norm = c.key_norm;
@@ -800,7 +992,10 @@ Error LaunchFsqDecode(const PagedList& list, const DecodeGeometry& geo, const Fs
   const cudaError_t e = DispatchHeadDim(geo.head_dim, [&](auto hd) -> cudaError_t {
     constexpr int D = decltype(hd)::value;
     cudaError_t err;
-    if constexpr (D == 256) {
+    if constexpr (kOcc2) {
+      err = a.slices <= 8 ? LaunchParts<D, 8, 1, true, true>(a, args.splits, stream)
+                          : LaunchParts<D, 16, 1, true, true>(a, args.splits, stream);
+    } else if constexpr (D == 256) {
       err = a.slices <= 8 ? LaunchParts<D, 8, 1, kI8>(a, args.splits, stream)
                           : LaunchParts<D, 16, 1, kI8>(a, args.splits, stream);
     } else if constexpr (D == 128) {

@@ -20,13 +20,15 @@ namespace {
 
 #if KVCD_HAVE_CUDA_FORMATS
 // KVCD_FSQ_KERNEL: the key rebuild of the CUDA FSQ decode attention (cuda_fsq_i8.h): "fp16"
-// (default, the reference variant) or "int8" (W_k quantized to int8 per row at upload:
-// bench/results/2026-12-05-h200-fsq-keys.md); another value is reported and ignored.
+// (default, the reference variant), "int8" (W_k quantized to int8 per row at upload:
+// bench/results/2026-12-05-h200-fsq-keys.md) or "int8-2cta" (the int8 kernel at two CTAs per
+// SM); another value is reported and ignored.
 kernels::cuda::FsqKeyKernel FsqKeyKernelFromEnv() {
   const char* v = std::getenv("KVCD_FSQ_KERNEL");
   if (v == nullptr || std::strcmp(v, "fp16") == 0) return kernels::cuda::FsqKeyKernel::kFp16;
   if (std::strcmp(v, "int8") == 0) return kernels::cuda::FsqKeyKernel::kInt8;
-  KVCD_LOG(WARNING) << "KVCD_FSQ_KERNEL=" << v << " is not fp16 or int8; using fp16";
+  if (std::strcmp(v, "int8-2cta") == 0) return kernels::cuda::FsqKeyKernel::kInt8Occ2;
+  KVCD_LOG(WARNING) << "KVCD_FSQ_KERNEL=" << v << " is not fp16, int8 or int8-2cta; using fp16";
   return kernels::cuda::FsqKeyKernel::kFp16;
 }
 #endif

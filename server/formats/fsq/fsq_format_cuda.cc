@@ -196,8 +196,11 @@ class FsqCudaFormat final : public CudaFormat<FsqPageFormat> {
 
  private:
   int LatentWidth() const { return codes_.model().codec.shape().latent_width; }
-  static int Splits(const kc::DecodeGeometry& geo, int max_tokens, int num_sms) {
-    return kc::FsqDecodeSplits(geo.batch, geo.num_kv_heads, max_tokens, num_sms);
+  // One wave of the CTAs the device holds at once for the upload's key kernel (two per SM
+  // for int8-2cta where the geometry fits them, cuda_fsq_i8.h).
+  int Splits(const kc::DecodeGeometry& geo, int max_tokens, int num_sms) const {
+    return kc::FsqDecodeSplits(codes_.device().key_kernel(), geo, LatentWidth(), max_tokens,
+                               num_sms);
   }
 
   const DeviceCodes codes_;

@@ -3,14 +3,16 @@
 // BF16 and F32 residuals, page slots with an offset, the non-finite check), and the decode
 // attention against the float64 oracle on fresh random codes (every head_dim, odd G and
 // lengths, both RoPE pairings, key norm on and off, poisoned outputs, merged with a BF16
-// window part), for both key-rebuild variants (FP16, int8: cuda_fsq_i8.h), and the int8
-// decoder's added key error against FSQ's own rounding error (on the CPU).
+// window part), for every key-rebuild variant (FP16, int8, int8 at two CTAs per SM:
+// cuda_fsq_i8.h), and the int8 decoder's added key error against FSQ's own rounding error
+// (on the CPU).
 #include "kvcd/kernels/cuda_fsq.h"
 
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -227,12 +229,14 @@ TEST_F(CudaFsqTest, DecodeAttentionMatchesTheOracle) {
   // KVCD_FSQ_TEST_SMALL=1 (the compute-sanitizer runs): the first two cases, short contexts.
   const bool small = std::getenv("KVCD_FSQ_TEST_SMALL") != nullptr;
   // worst[kernel]: against the oracle of the decoder the kernel uses (int8: scale * q);
-  // added: the int8 kernel against the oracle of the float W_k (printed, not bounded here:
+  // added: the int8 kernels against the oracle of the float W_k (printed, not bounded here:
   // KeyErrorIsSmallAgainstFsqRounding bounds the key error it comes from).
-  double worst[2] = {0, 0}, added = 0;
+  double worst[3] = {0, 0, 0}, added = 0;
   for (AttnCase cs : small ? std::vector<AttnCase>(cases.begin(), cases.begin() + 2) : cases) {
-    for (const cuda::FsqKeyKernel kernel : {cuda::FsqKeyKernel::kFp16, cuda::FsqKeyKernel::kInt8}) {
-      const int kv = kernel == cuda::FsqKeyKernel::kInt8 ? 1 : 0;
+    for (const cuda::FsqKeyKernel kernel :
+         {cuda::FsqKeyKernel::kFp16, cuda::FsqKeyKernel::kInt8, cuda::FsqKeyKernel::kInt8Occ2}) {
+      const int kv = static_cast<int>(kernel);  // 0 FP16, 1 int8, 2 int8 at two CTAs per SM
+      const bool i8 = kernel != cuda::FsqKeyKernel::kFp16;
       if (small) {
         for (int& n : cs.lengths) n = std::min(n, 70);
       }
@@ -299,7 +303,7 @@ TEST_F(CudaFsqTest, DecodeAttentionMatchesTheOracle) {
                 cudaSuccess);
       const int rows = batch * hq;
       const cuda::DecodeGeometry geo{batch, hq, hkv, d, ps};
-      for (const int splits : {1, cuda::FsqDecodeSplits(batch, hkv, max_len, 132), 7}) {
+      for (const int splits : {1, cuda::FsqDecodeSplits(kernel, geo, G, max_len, 132), 7}) {
         void* ws = nullptr;
         ASSERT_EQ(cudaMalloc(&ws, cuda::FsqDecodeWorkspaceBytes(batch, hq, G, splits)),
                   cudaSuccess);
@@ -344,7 +348,7 @@ TEST_F(CudaFsqTest, DecodeAttentionMatchesTheOracle) {
         // CPU: the float64 oracle for the fsq part, the CPU BF16 kernel for the window.
         // Every pointer of the host codecs on host memory (dc holds the device copies).
         FsqLayerCodec hc = dc;
-        hc.decoder_k = kv == 1 ? wk_i8.data() : wk.data();
+        hc.decoder_k = i8 ? wk_i8.data() : wk.data();
         hc.decoder_v = wv.data();
         hc.bias_k = bk.data();
         hc.bias_v = bv.data();
@@ -366,7 +370,7 @@ TEST_F(CudaFsqTest, DecodeAttentionMatchesTheOracle) {
             const float* qh = q.data() + (b * hq + h * group) * d;
             AttendFsqPagesReference(t, hc, rope, h, qh, group, scale, 0, cs.lengths[b], po.data(),
                                     pl.data());
-            if (kv == 1) {
+            if (i8) {
               AttendFsqPagesReference(t, hc_float, rope, h, qh, group, scale, 0, cs.lengths[b],
                                       fo.data(), fl.data());
             }
@@ -377,7 +381,7 @@ TEST_F(CudaFsqTest, DecodeAttentionMatchesTheOracle) {
               const int row = b * hq + h * group + j;
               double err = 0, norm = 0, merr = 0, mnorm = 0, ferr = 0, fnorm = 0;
               for (int c = 0; c < d; ++c) {
-                if (kv == 1) {
+                if (i8) {
                   ferr += std::pow(got_po[row * d + c] - fo[j * d + c], 2);
                   fnorm += std::pow(fo[j * d + c], 2);
                 }
@@ -395,9 +399,9 @@ TEST_F(CudaFsqTest, DecodeAttentionMatchesTheOracle) {
               } else {
                 const double rel = std::sqrt(err / norm);
                 worst[kv] = std::max(worst[kv], rel);
-                if (kv == 1) added = std::max(added, std::sqrt(ferr / fnorm));
+                if (i8) added = std::max(added, std::sqrt(ferr / fnorm));
                 EXPECT_LE(rel, 4e-3) << "d=" << d << " G=" << G << " b=" << b << " row=" << row
-                                     << " splits=" << splits << " int8=" << kv;
+                                     << " splits=" << splits << " kernel=" << kv;
                 EXPECT_NEAR(got_pl[row], pl[j], 2e-3 * (1 + std::fabs(pl[j]))) << "row " << row;
               }
               if (cs.lengths[b] + cs.window[b] > 0) {
@@ -414,8 +418,9 @@ TEST_F(CudaFsqTest, DecodeAttentionMatchesTheOracle) {
   }
   std::printf(
       "fsq decode attention: worst relative error of o against the float64 oracle %.3g (FP16 "
-      "keys), %.3g (int8 keys, oracle on scale * q); int8 keys against the float W_k: %.3g\n",
-      worst[0], worst[1], added);
+      "keys), %.3g (int8 keys, oracle on scale * q), %.3g (int8 keys at two CTAs per SM); int8 "
+      "keys against the float W_k: %.3g\n",
+      worst[0], worst[1], worst[2], added);
 }
 
 TEST_F(CudaFsqTest, DecodeAttentionRejectsUnsupportedArguments) {
@@ -437,14 +442,38 @@ TEST_F(CudaFsqTest, DecodeAttentionRejectsUnsupportedArguments) {
   const cuda::DecodeGeometry geo96{1, 4, 1, 96, 16};
   EXPECT_EQ(cuda::LaunchFsqDecodeParts(list, geo96, args, 16, &f, &f, 0, nullptr).device_code(),
             cudaErrorInvalidValue);
-  // The int8 variant checks the same contract; an unknown variant is rejected.
-  for (const auto kernel : {cuda::FsqKeyKernel::kInt8, static_cast<cuda::FsqKeyKernel>(7)}) {
+  // The int8 variants check the same contract; an unknown variant is rejected.
+  for (const auto kernel : {cuda::FsqKeyKernel::kInt8, cuda::FsqKeyKernel::kInt8Occ2,
+                            static_cast<cuda::FsqKeyKernel>(7)}) {
     EXPECT_EQ(
         cuda::LaunchFsqDecodeParts(kernel, list, geo96, args, 16, &f, &f, 0, nullptr).device_code(),
         cudaErrorInvalidValue);
     EXPECT_EQ(cuda::LaunchFsqPrepareDecoder(kernel, args.codec, nullptr, nullptr).device_code(),
               cudaErrorInvalidValue);
   }
+}
+
+// The two-CTA int8 variant's grid is sized from its real residency: two CTAs per SM on sm_90
+// (at most 128 registers a thread; shared memory under half an SM) at the bench's and the
+// tests' geometries, so twice the one-CTA kernel's splits; d 256 past G 160 (G 160: 110 KB
+// of shared memory a CTA, G 161: 118.25 KB, G 256: 146 KB; two need <= 113 KB) launches the
+// one-CTA int8 kernel and keeps its count.
+TEST_F(CudaFsqTest, TwoCtaVariantSplitsForItsResidency) {
+  struct Geo {
+    int d, G, per_sm;
+  };
+  const int sms = 132;
+  for (const Geo& c :
+       {Geo{128, 256, 2}, Geo{128, 84, 2}, Geo{128, 129, 2}, Geo{64, 37, 2}, Geo{64, 200, 2},
+        Geo{256, 85, 2}, Geo{256, 160, 2}, Geo{256, 161, 1}, Geo{256, 256, 1}}) {
+    const cuda::DecodeGeometry geo{1, 32, 8, c.d, 64};
+    EXPECT_EQ(cuda::FsqDecodeSplits(cuda::FsqKeyKernel::kInt8, geo, c.G, 100000, sms),
+              cuda::FsqDecodeSplits(1, 8, 100000, sms));
+    EXPECT_EQ(cuda::FsqDecodeSplits(cuda::FsqKeyKernel::kInt8Occ2, geo, c.G, 100000, sms),
+              cuda::FsqDecodeSplits(1, 8, 100000, c.per_sm * sms))
+        << "d " << c.d << " G " << c.G;
+  }
+  EXPECT_EQ(cuda::FsqDecodeSplits(1, 8, 100000, 2 * sms), 33);
 }
 
 // The int8 key decoder (FsqQuantizeKeyRow, host arithmetic = device arithmetic): every weight
@@ -628,6 +657,79 @@ TEST(CudaFsqI8KeysTest, PairedGatherMatchesTheFp16Gather) {
           ASSERT_EQ(got, ref) << "G=" << G << " lane=" << lane << " mt=" << mt << " r=" << r;
           const int latent = 16 * mt + g + 8 * hi_word;
           ASSERT_EQ(ref, FsqNibblePairBits(nibble(tok[r][0], latent), nibble(tok[r][1], latent)));
+        }
+      }
+    }
+  }
+}
+
+// The two-CTA kernel's slot order (FsqI8SlotTile, FsqI8PassTiles): its steps 2-3 emulated
+// with its index arithmetic (queries and n-tiles in slot order, passes of FsqI8PassTiles
+// slots; RoPE of the half pairing on slots k, k + 1 at dims 4k + 2t + e, of the interleaved
+// one at pair 4 slot + t) give the score of the rotated key in natural order, for every
+// head_dim, m-tile count, rotary width and pairing. Runs without a GPU.
+TEST(CudaFsqI8KeysTest, SlotOrderKeepsTheRopePairsOfAPass) {
+  std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<double> normal(0.0, 1.0);
+  for (const int D : {64, 128, 256}) {
+    const int NT = D / 8;
+    for (const int MT : {8, 16}) {
+      const int kpt = FsqI8PassTiles(D, MT);
+      ASSERT_EQ(kpt % 2, 0);
+      ASSERT_EQ(NT % kpt, 0);
+      for (const bool interleaved : {false, true}) {
+        for (int rotary = 0; rotary <= D; rotary += interleaved ? 2 : 16) {
+          const int koff = rotary > 0 && !interleaved ? rotary / 16 : 0;
+          std::vector<int> seen(NT, 0);
+          for (int k = 0; k < NT; ++k) ++seen[FsqI8SlotTile(k, koff)];
+          ASSERT_EQ(std::count(seen.begin(), seen.end(), 1), NT) << "D=" << D << " r=" << rotary;
+          std::vector<double> key(D), q(D), ang(rotary / 2);
+          for (auto& v : key) v = normal(rng);
+          for (auto& v : q) v = normal(rng);
+          for (auto& v : ang) v = 3.0 * normal(rng);
+          // Reference: pair i is (i, i + rotary / 2) (half) or (2i, 2i + 1) (interleaved).
+          std::vector<double> rot = key;
+          for (int i = 0; i < rotary / 2; ++i) {
+            const int x = interleaved ? 2 * i : i, y = interleaved ? 2 * i + 1 : i + rotary / 2;
+            rot[x] = key[x] * std::cos(ang[i]) - key[y] * std::sin(ang[i]);
+            rot[y] = key[x] * std::sin(ang[i]) + key[y] * std::cos(ang[i]);
+          }
+          double want = 0;
+          for (int d = 0; d < D; ++d) want += q[d] * rot[d];
+          // The kernel: dim c (= 2t + e) of slot k holds dim 8 SlotTile(k) + c.
+          auto rotate = [&](double& x, double& y, int i) {
+            const double nx = x * std::cos(ang[i]) - y * std::sin(ang[i]);
+            y = x * std::sin(ang[i]) + y * std::cos(ang[i]);
+            x = nx;
+          };
+          double got = 0;
+          for (int p = 0; p < NT / kpt; ++p) {
+            std::vector<std::array<double, 8>> acc(kpt);
+            for (int j = 0; j < kpt; ++j) {
+              for (int c = 0; c < 8; ++c) acc[j][c] = key[8 * FsqI8SlotTile(p * kpt + j, koff) + c];
+            }
+            if (rotary > 0 && interleaved) {
+              for (int j = 0; j < kpt; ++j) {
+                for (int t = 0; t < 4; ++t) {
+                  const int i = 4 * (p * kpt + j) + t;
+                  if (i < rotary / 2) rotate(acc[j][2 * t], acc[j][2 * t + 1], i);
+                }
+              }
+            } else if (rotary > 0) {
+              for (int j = 0; j < kpt; j += 2) {
+                const int k = p * kpt + j;
+                if (k >= 2 * koff) continue;
+                for (int c = 0; c < 8; ++c) rotate(acc[j][c], acc[j + 1][c], 4 * k + c);
+              }
+            }
+            for (int j = 0; j < kpt; ++j) {
+              const int k = p * kpt + j;
+              for (int c = 0; c < 8; ++c) got += q[8 * FsqI8SlotTile(k, koff) + c] * acc[j][c];
+            }
+          }
+          ASSERT_NEAR(got, want, 1e-9 * (1 + std::fabs(want)))
+              << "D=" << D << " MT=" << MT << " rotary=" << rotary
+              << " interleaved=" << interleaved;
         }
       }
     }

@@ -24,8 +24,13 @@
 namespace kvcd::kernels::cuda {
 
 // Which kernel serves FSQ decode attention: the FP16 key rebuild (the reference variant,
-// cuda_fsq.h) or the int8 one. A prepared decoder belongs to the variant that prepared it.
-enum class FsqKeyKernel { kFp16, kInt8 };
+// cuda_fsq.h), the int8 one (one CTA of 8 warps per SM: up to 255 registers a thread), or
+// the int8 one at two CTAs per SM (kInt8Occ2: at most 128 registers a thread, the key's
+// n-tiles rebuilt in passes; the same products and decoder as kInt8, the sums in another
+// order; a geometry whose shared memory does not fit two CTAs on the device, d 256 with G
+// past 160 on sm_90, runs the kInt8 kernel). A prepared decoder belongs to the variant that
+// prepared it (kInt8 and kInt8Occ2 prepare the same one).
+enum class FsqKeyKernel { kFp16, kInt8, kInt8Occ2 };
 
 // The int8 decoder of one row of W_k (G weights): q[k] = rint(w[k] * (127 / m)) with
 // m = max |w|, returns the scale m / 127 (a zero row: q = 0, scale 1). The device
@@ -50,6 +55,16 @@ size_t FsqDecoderBytes(FsqKeyKernel kernel, int num_kv_heads, int head_dim, int 
 // (cuda/fsq_decode_attention_i8.cu).
 Error LaunchFsqPrepareDecoder(FsqKeyKernel kernel, const FsqLayerCodec& codec, void* prepared,
                               cudaStream_t stream);
+
+// FsqDecodeSplits (cuda_fsq.h) for `kernel` at geometry geo and latent width G: one wave of
+// the CTAs the device holds at once, num_sms times the CTAs per SM of the instantiation
+// LaunchFsqDecodeParts launches (kInt8Occ2: its residency as
+// cudaOccupancyMaxActiveBlocksPerMultiprocessor reports it on the current device, 2 on
+// sm_90 where it launches, 1 where it falls back; the others 1, so the same count as
+// FsqDecodeSplits(batch, num_kv_heads, max_tokens, num_sms)). Any split count is correct;
+// this one fills the GPU.
+int FsqDecodeSplits(FsqKeyKernel kernel, const DecodeGeometry& geo, int latent_width,
+                    int max_tokens, int num_sms);
 
 // LaunchFsqDecodeParts (cuda_fsq.h) on `kernel`'s key rebuild; args.prepared must come from
 // LaunchFsqPrepareDecoder with the same kernel. Same REQUIRES; cudaErrorInvalidValue for

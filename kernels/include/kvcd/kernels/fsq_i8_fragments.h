@@ -38,6 +38,26 @@ KVCD_HOST_DEVICE inline void FsqI8CodeFragments(uint32_t word, uint32_t* even, u
   *odd = (word >> 4) & 0x0F0F0F0Fu;
 }
 
+// Bytes of a layer's prepared int8 B fragments ([Hkv][ksteps][head_dim / 8][32 lanes] of 8
+// bytes, ksteps = ceil(G / 32)); the (scale, bias) pairs per dim follow them.
+KVCD_HOST_DEVICE constexpr size_t FsqI8FragBytes(int num_kv_heads, int head_dim, int latent) {
+  return static_cast<size_t>(num_kv_heads) * ((latent + 31) / 32) * (head_dim / 8) * 32 * 8;
+}
+
+// The two-CTA kernel (cuda/fsq_decode_kernel.cuh with kOcc2) rebuilds a tile's key in passes
+// of FsqI8PassTiles(D, MT) n-tiles of 8 dims (4 beside 16 m-tiles of value sums, else 8; at
+// most D / 8), taking the n-tiles in slot order: with the half RoPE pairing over rotary dims
+// (koff = rotary / 16 n-tiles rotate with the n-tile koff further) slot 2i is n-tile i and
+// slot 2i + 1 n-tile koff + i (i < koff), so both halves of a rotated pair lie in one pass
+// (passes start at even slots); the other slots, and every slot with koff 0 (interleaved
+// pairing, no RoPE), are their own n-tile.
+KVCD_HOST_DEVICE constexpr int FsqI8PassTiles(int head_dim, int m_tiles) {
+  return (m_tiles == 16 ? 4 : 8) < head_dim / 8 ? (m_tiles == 16 ? 4 : 8) : head_dim / 8;
+}
+KVCD_HOST_DEVICE constexpr int FsqI8SlotTile(int slot, int koff) {
+  return slot < 2 * koff ? (slot & 1 ? koff : 0) + (slot >> 1) : slot;
+}
+
 // Byte offset, in a layer's prepared int8 decoder ([Hkv][ksteps][head_dim / 8][32 lanes] of
 // 8-byte B fragments), of the weight of (KV head, dim, latent).
 KVCD_HOST_DEVICE inline size_t FsqI8WeightByte(int head, int dim, int latent, int ksteps,
