@@ -4,9 +4,9 @@
 # encoder.
 #   1. tests: the FSQ encoder tests (kvcd_cuda_tests: the tensor-core encoder within
 #      its bound of the float64 oracle on random geometries, the float64 encoder bit for
-#      bit); the FSQ data-plane tests (CUDA daemon vs CPU daemon) with the daemon's default
-#      encoder and with KVCD_FSQ_ENCODER=tc-fp16 (stored codes may then differ near a threshold;
-#      the test says how many);
+#      bit); the FSQ data-plane tests (CUDA daemon vs CPU daemon) with the float64 encoder
+#      (KVCD_FSQ_ENCODER=exact: stored codes equal) and with tc-fp16 (the default since
+#      session 25: stored codes may differ near a threshold; the test says how many);
 #   2. compute-sanitizer memcheck and racecheck on the small encoder cases;
 #   3. cuda_fsq_encode_bench: the float64 encoder and the tensor-core one (BF16, FP16, split
 #      BF16 operands) at 8,192 tokens x 1 layer (G 256 and 84) and a 32k-token prompt x 36
@@ -29,7 +29,8 @@ step cuda-tests 120 "$BIN/kvcd_cuda_tests" --gtest_filter='CudaFsqEncodeTc*:Cuda
 grep -E 'Failure|actual:|allowed|of codes differ' "$out/cuda-tests.log" | head -24 |
   tee -a "$final/summary.txt"
 if [[ -x $BIN/kvcd_data_plane_tests && -x $BIN/kvcd ]]; then  # packed for the second run
-  KVCD_BINARY=$BIN/kvcd step data-plane-fsq 120 "$BIN/kvcd_data_plane_tests" --gtest_filter='*fsq*'
+  KVCD_FSQ_ENCODER=exact KVCD_BINARY=$BIN/kvcd step data-plane-fsq 120 \
+    "$BIN/kvcd_data_plane_tests" --gtest_filter='*fsq*'
   grep -hE 'CUDA vs CPU|differ' "$out/data-plane-fsq.log" | head -8 | tee -a "$final/summary.txt"
   KVCD_FSQ_ENCODER=tc-fp16 KVCD_BINARY=$BIN/kvcd step data-plane-fsq-tc-fp16 120 \
     "$BIN/kvcd_data_plane_tests" --gtest_filter='*fsq*'

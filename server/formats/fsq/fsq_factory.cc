@@ -19,17 +19,22 @@ namespace kvcd {
 namespace {
 
 #if KVCD_HAVE_CUDA_FORMATS
-// KVCD_FSQ_KERNEL: the key rebuild of the CUDA FSQ decode attention (cuda_fsq_i8.h): "fp16"
-// (default, the reference variant), "int8" (W_k quantized to int8 per row at upload:
-// bench/results/2026-12-05-h200-fsq-keys.md) or "int8-2cta" (the int8 kernel at two CTAs per
-// SM); another value is reported and ignored.
+// KVCD_FSQ_KERNEL: the key rebuild of the CUDA FSQ decode attention (cuda_fsq_i8.h):
+// "int8-2cta" (the default since session 25: W_k quantized to int8 per row at upload, the
+// int8 kernel at two CTAs per SM; 1.5x the FP16 kernel's speed at G 256, 100k tokens, with
+// 0.1-0.26 of FSQ's own rounding error added: bench/results/2026-12-05-h200-fsq-keys.md),
+// "int8" (the same at one CTA per SM) or "fp16" (the reference variant, the float W_k in
+// FP16); another value is reported and ignored.
 kernels::cuda::FsqKeyKernel FsqKeyKernelFromEnv() {
+  constexpr auto kDefault = kernels::cuda::FsqKeyKernel::kInt8Occ2;
   const char* v = std::getenv("KVCD_FSQ_KERNEL");
-  if (v == nullptr || std::strcmp(v, "fp16") == 0) return kernels::cuda::FsqKeyKernel::kFp16;
+  if (v == nullptr) return kDefault;
+  if (std::strcmp(v, "fp16") == 0) return kernels::cuda::FsqKeyKernel::kFp16;
   if (std::strcmp(v, "int8") == 0) return kernels::cuda::FsqKeyKernel::kInt8;
   if (std::strcmp(v, "int8-2cta") == 0) return kernels::cuda::FsqKeyKernel::kInt8Occ2;
-  KVCD_LOG(WARNING) << "KVCD_FSQ_KERNEL=" << v << " is not fp16, int8 or int8-2cta; using fp16";
-  return kernels::cuda::FsqKeyKernel::kFp16;
+  KVCD_LOG(WARNING) << "KVCD_FSQ_KERNEL=" << v
+                    << " is not int8-2cta, int8 or fp16; using the default (int8-2cta)";
+  return kDefault;
 }
 #endif
 

@@ -74,18 +74,18 @@ TEST(FsqCudaFormatTest, RefusesACodecOfAnotherShape) {
   ExpectRefused(CheckFsqCudaGeometry(g, Codec(heads, 128)), "4 KV heads");
 }
 
-// KVCD_FSQ_ENCODER: the float64 encoder unless a tensor-core one is asked for by name; an
-// unknown value falls back to it (with a warning).
+// KVCD_FSQ_ENCODER: the FP16 tensor-core encoder unless another is asked for by name
+// ("exact": the float64 one); an unknown value falls back to the default (with a warning).
 TEST(FsqCudaFormatTest, EncoderFromTheEnvironment) {
   const char* before = std::getenv("KVCD_FSQ_ENCODER");
   const std::string saved = before != nullptr ? before : "";
   unsetenv("KVCD_FSQ_ENCODER");
-  EXPECT_EQ(FsqDeviceEncoderFromEnv(), FsqDeviceEncoder::kExact);
+  EXPECT_EQ(FsqDeviceEncoderFromEnv(), FsqDeviceEncoder::kTcFp16);
   const std::pair<const char*, FsqDeviceEncoder> cases[] = {
       {"exact", FsqDeviceEncoder::kExact},    {"tc", FsqDeviceEncoder::kTcBf16},
       {"tc-fp16", FsqDeviceEncoder::kTcFp16}, {"tc-split", FsqDeviceEncoder::kTcSplit},
-      {"TC", FsqDeviceEncoder::kExact},       {"tc-int8", FsqDeviceEncoder::kExact},
-      {"", FsqDeviceEncoder::kExact}};
+      {"TC", FsqDeviceEncoder::kTcFp16},      {"tc-int8", FsqDeviceEncoder::kTcFp16},
+      {"", FsqDeviceEncoder::kTcFp16}};
   for (const auto& [value, want] : cases) {
     setenv("KVCD_FSQ_ENCODER", value, 1);
     EXPECT_EQ(FsqDeviceEncoderFromEnv(), want) << "KVCD_FSQ_ENCODER=" << value;
