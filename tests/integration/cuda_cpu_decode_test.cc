@@ -285,17 +285,18 @@ class CudaCpuDecodeTest
   // The bound of CUDA against CPU attention: the format's, or, where the CUDA daemon runs an
   // FSQ path that does not compute what the CPU does (the defaults: keys through W_k
   // rounded to int8 per row, ~1% of a key, cuda_fsq_i8.h; the tensor-core encoder: codes one
-  // step away near a threshold), 0.15. Measured on the H100
+  // step away near a threshold), 0.25. Measured on the H100 in session 25
   // (bench/results/2026-12-05-h200-fsq-keys.md, -fsq-enc.md) on fsq_g64_half, whose history
-  // is a few pages, so one changed key or code moves a row a lot: int8 keys 4.9e-2 of a
-  // row's max in o and 6.1e-2 in lse (session 25); the FP16 tensor-core encoder (16 of
-  // 20,480 codes one step off) 6.4e-2 in o; the float paths (KVCD_FSQ_ENCODER=exact
-  // KVCD_FSQ_KERNEL=fp16) 2.1e-3. The bound is about twice the largest: a check that the
-  // daemon serves the same attention, not a measure of the paths' accuracy, which the
-  // kernel tests check against the float64 oracle and the benches on 2,048-4,096 tokens (o
-  // within 7.8e-3 / 7.2e-3).
+  // is a few pages, so one changed key or code moves a row a lot: both defaults 0.118 of a
+  // row's max in o and 0.109 in lse; int8 keys alone 4.9e-2 / 6.1e-2; the FP16 tensor-core
+  // encoder alone (16 of 20,480 codes one step off) 6.4e-2 in o; the float paths
+  // (KVCD_FSQ_ENCODER=exact KVCD_FSQ_KERNEL=fp16) 2.1e-3 / 1.8e-3. The bound is about twice
+  // the largest: a check that the daemon serves the same attention (a wrong page, key or
+  // merge is off by the row's size), not a measure of the paths' accuracy, which the kernel
+  // tests check against the float64 oracle and the benches on 2,048-4,096 tokens (o within
+  // 7.8e-3 / 7.2e-3).
   double Bound() const {
-    return Int8FsqKeys() || TcFsqEncoder() ? std::max(GetParam().bound, 0.15) : GetParam().bound;
+    return Int8FsqKeys() || TcFsqEncoder() ? std::max(GetParam().bound, 0.25) : GetParam().bound;
   }
 
   // The CUDA daemon's stored pages (StoredPages) against the CPU daemon's: byte for byte;
