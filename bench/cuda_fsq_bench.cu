@@ -9,7 +9,8 @@
 // several separated by commas. Kernels only (runs on a GPU machine without the daemon's
 // libraries).
 //
-//   cuda_fsq_bench [--quick] [--kernel=fp16|int8|int8-2cta|both|all[,...]] [--one G N BATCH]
+//   cuda_fsq_bench [--quick] [--kernel=fp16|int8|int8-2cta|both|all[,...]] [--one G N BATCH
+//   [--splits S]]
 //   (--quick: contexts 32k only, batch 1 and 64)
 #include <cuda_runtime.h>
 
@@ -246,6 +247,9 @@ void ErrorAtGeometry(kk::cuda::FsqKeyKernel kernel, const Codec& c, int n, int64
 
 ABSL_FLAG(bool, quick, false, "fewer configurations");
 ABSL_FLAG(bool, one, false, "that decode configuration only (profilers): G N BATCH follow");
+ABSL_FLAG(int32_t, splits, 0,
+          "with --one: this many splits of each sequence's tokens instead of the kernel's own "
+          "count (FsqDecodeSplits; 0), to see what a call's split count costs");
 ABSL_FLAG(std::string, kernel, "both",
           "key rebuild: fp16, int8, int8-2cta, both (fp16 and int8) or all; several separated by "
           "commas");
@@ -255,7 +259,8 @@ int main(int argc, char** argv) {
       .name = "cuda_fsq_bench",
       .summary = "FSQ decode attention timings on the GPU against two ceilings",
       .files = {__FILE__},
-      .synopsis = "[--quick | --one G N BATCH] [--kernel=fp16|int8|int8-2cta|both|all[,...]]",
+      .synopsis =
+          "[--quick | --one G N BATCH [--splits S]] [--kernel=fp16|int8|int8-2cta|both|all[,...]]",
       .takes_args = true};
   const kvcd::cli::Parsed cli = kvcd::cli::Parse(program, argc, argv);
   const bool quick = absl::GetFlag(FLAGS_quick);
@@ -415,7 +420,10 @@ int main(int argc, char** argv) {
           std::vector<float> q(batch * kHq * kD);
           for (auto& v : q) v = normal(rng);
           const kk::cuda::DecodeGeometry geo{batch, kHq, kHkv, kD, kPs};
-          const int splits = kk::cuda::FsqDecodeSplits(kernel, geo, G, n, prop.multiProcessorCount);
+          const int splits =
+              one && absl::GetFlag(FLAGS_splits) > 0
+                  ? absl::GetFlag(FLAGS_splits)
+                  : kk::cuda::FsqDecodeSplits(kernel, geo, G, n, prop.multiProcessorCount);
           void* ws = nullptr;
           float *po = nullptr, *pl = nullptr;
           CHECK(cudaMalloc(&ws, kk::cuda::FsqDecodeWorkspaceBytes(batch, kHq, G, splits)));
