@@ -860,41 +860,65 @@ __global__ void __launch_bounds__(kWarps * 32, kOcc2 ? 2 : 1) FsqDecodeKernel(co
   }
 }
 
+// Output rows of W_v per block of the merge kernel: grid (kv heads, batch, D / kMergeRows).
+constexpr int kMergeRows = 16;
+
 // Combines the splits of the group's rows and applies W_v, b_v: one block of kWarps warps
-// per (kv head, batch entry).
+// per (kv head, batch entry, kMergeRows rows of the output). Each block combines the splits
+// itself (the group's few latent rows; its blocks share the loads through L2) so that the
+// W_v products spread over D / kMergeRows times as many SMs: with one block per (kv head,
+// batch entry) a batch-1 call ran 8 blocks, ~50 us of latency-bound loads (Nsight Compute,
+// H100, bench/results/2026-12-05-h200-fsq-keys.md, session 25). The splits' weights first
+// (a warp per row of the group: the max and the sum of 2^(lse - max) over the splits), then
+// each latent's weighted sum over the splits with independent loads.
 template <int D>
 __global__ void __launch_bounds__(kWarps * 32)
     FsqMergeKernel(const float* ws_z, const float* ws_lse, int splits, DecodeGeometry geo,
                    int latent, int gp, const float* w_v, const float* b_v, float* part_o,
                    float* part_lse, int part_base) {
-  extern __shared__ float zbar[];  // [group][gp]
-  __shared__ float s_lse[kMaxGroup];
-  const int head = blockIdx.x, b = blockIdx.y;
+  extern __shared__ float zbar[];  // [group][latent]
+  __shared__ float s_lse[kMaxGroup], s_max[kMaxGroup], s_inv[kMaxGroup];
+  const int head = blockIdx.x, b = blockIdx.y, i0 = blockIdx.z * kMergeRows;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int group = geo.num_q_heads / geo.num_kv_heads;
   const int rows = geo.batch * geo.num_q_heads;
   const int64_t row0 = static_cast<int64_t>(b) * geo.num_q_heads + head * group;
-  for (int i = tid; i < group * latent; i += blockDim.x) {
-    const int j = i / latent, lat = i % latent;
+  for (int j = warp; j < group; j += kWarps) {
     float M = -INFINITY;
-    for (int s = 0; s < splits; ++s)
+    for (int s = lane; s < splits; s += 32)
       M = fmaxf(M, ws_lse[static_cast<int64_t>(s) * rows + row0 + j]);
-    float num = 0.0f, den = 0.0f;
+    for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
+    float den = 0.0f;
     if (M > -INFINITY) {
-      for (int s = 0; s < splits; ++s) {
-        const int64_t at = static_cast<int64_t>(s) * rows + row0 + j;
-        const float f = exp2f(ws_lse[at] - M);
-        den += f;
-        num += f * ws_z[at * gp + lat];
-      }
+      for (int s = lane; s < splits; s += 32)
+        den += exp2f(ws_lse[static_cast<int64_t>(s) * rows + row0 + j] - M);
     }
-    zbar[j * latent + lat] = M > -INFINITY ? num / den : 0.0f;
-    if (lat == 0) s_lse[j] = M > -INFINITY ? (M + log2f(den)) * 0.6931471805599453f : -INFINITY;
+    for (int off = 16; off > 0; off >>= 1) den += __shfl_xor_sync(0xffffffffu, den, off);
+    if (lane == 0) {
+      s_max[j] = M;
+      s_inv[j] = M > -INFINITY ? 1.0f / den : 0.0f;
+      s_lse[j] = M > -INFINITY ? (M + log2f(den)) * 0.6931471805599453f : -INFINITY;
+    }
   }
   __syncthreads();
-  for (int i = warp; i < D; i += kWarps) {
+  for (int i = tid; i < group * latent; i += blockDim.x) {
+    const int j = i / latent, lat = i % latent;
+    const float M = s_max[j];
+    float num = 0.0f;
+    if (M > -INFINITY) {
+#pragma unroll 4
+      for (int s = 0; s < splits; ++s) {
+        const int64_t at = static_cast<int64_t>(s) * rows + row0 + j;
+        num = fmaf(exp2f(ws_lse[at] - M), ws_z[at * gp + lat], num);
+      }
+    }
+    zbar[j * latent + lat] = num * s_inv[j];
+  }
+  __syncthreads();
+  for (int i = i0 + warp; i < i0 + kMergeRows && i < D; i += kWarps) {
     const float* wr = w_v + (static_cast<int64_t>(head) * D + i) * latent;
     float acc[kMaxGroup] = {};
+#pragma unroll 4
     for (int k = lane; k < latent; k += 32) {
       const float w = __ldg(wr + k);
 #pragma unroll
@@ -1010,7 +1034,9 @@ Error LaunchFsqDecode(const PagedList& list, const DecodeGeometry& geo, const Fs
     }
     if (err != cudaSuccess) return err;
     const size_t smem = static_cast<size_t>(geo.num_q_heads / geo.num_kv_heads) * G * sizeof(float);
-    FsqMergeKernel<D><<<dim3(geo.num_kv_heads, geo.batch), kWarps * 32, smem, stream>>>(
+    static_assert(D % kMergeRows == 0, "the merge blocks split D evenly");
+    FsqMergeKernel<D><<<dim3(geo.num_kv_heads, geo.batch, D / kMergeRows), kWarps * 32, smem,
+                        stream>>>(
         a.ws_z, a.ws_lse, args.splits, geo, G, gp, c.decoder_v, c.bias_v, part_o, part_lse,
         part_base);
     return cudaGetLastError();

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Issue #37, session 25: the FSQ merge kernel spread over D / 16 blocks per (kv head, batch
+# entry) and the splits rule of one tile a warp, checked and timed on the device (~1.5 min):
+# the CUDA FSQ kernel tests (every variant against the float64 oracle, through the merge),
+# memcheck on their small cases, the daemon's FSQ data-plane cases, and cuda_fsq_bench --one
+# for the default kernel (int8-2cta) at G 256 (2k / 32k / 100k tokens, batch 1 and 8) and
+# G 84 (100k, batch 1).
+#   here:   ./scripts/build.sh kvcd kvcd_cuda_tests kvcd_data_plane_tests cuda_fsq_bench &&
+#           KVCD_PACK_ONLY="kvcd kvcd_cuda_tests kvcd_data_plane_tests cuda_fsq_bench"
+#           ./scripts/pack-device.sh && xz -1 -c /usr/bin/etcd > .devbin/etcd.xz &&
+#           tar -cJf .devrun/pack.tar.xz .devbin .devlibs
+#   device: tar -xJf .devrun/pack.tar.xz && bench/run-h200-fsq-merge.sh   (carry [".devrun"])
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export LD_LIBRARY_PATH=$PWD/.devlibs NCCL_NVLS_ENABLE=0
+BIN=${KVCD_BIN:-.devbin}
+source bench/device-etcd.sh
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+timeout 90 "$BIN/kvcd_cuda_tests" --gtest_filter='CudaFsq*' 2>&1 |
+  grep -E '^\[  (PASSED|FAILED)|Failure|worst relative|Which is|actual:' | head -20
+KVCD_FSQ_TEST_SMALL=1 timeout 60 compute-sanitizer --tool memcheck --error-exitcode 9 \
+  "$BIN/kvcd_cuda_tests" --gtest_filter='CudaFsqTest.Decode*' 2>&1 |
+  grep -E 'ERROR SUMMARY|^\[  (PASSED|FAILED)'
+KVCD_BINARY=$BIN/kvcd timeout 60 "$BIN/kvcd_data_plane_tests" --gtest_filter='*fsq*' 2>&1 |
+  grep -E 'CUDA vs CPU|^\[  (PASSED|FAILED)|Failure'
+echo "kernel    G  context  batch  splits  single us     b2b us       MB    GFLOP      TB/s  TFLOP/s    bound"
+for run in "256 2048 1" "256 2048 8" "256 32768 1" "256 32768 8" "256 100000 1" "256 100000 8" \
+  "84 100000 1"; do
+  timeout 30 "$BIN/cuda_fsq_bench" --kernel=int8-2cta --one $run | grep -E '^ *int8-2cta '
+done
