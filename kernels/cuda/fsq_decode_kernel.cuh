@@ -1035,10 +1035,10 @@ Error LaunchFsqDecode(const PagedList& list, const DecodeGeometry& geo, const Fs
     if (err != cudaSuccess) return err;
     const size_t smem = static_cast<size_t>(geo.num_q_heads / geo.num_kv_heads) * G * sizeof(float);
     static_assert(D % kMergeRows == 0, "the merge blocks split D evenly");
-    FsqMergeKernel<D><<<dim3(geo.num_kv_heads, geo.batch, D / kMergeRows), kWarps * 32, smem,
-                        stream>>>(
-        a.ws_z, a.ws_lse, args.splits, geo, G, gp, c.decoder_v, c.bias_v, part_o, part_lse,
-        part_base);
+    FsqMergeKernel<D>
+        <<<dim3(geo.num_kv_heads, geo.batch, D / kMergeRows), kWarps * 32, smem, stream>>>(
+            a.ws_z, a.ws_lse, args.splits, geo, G, gp, c.decoder_v, c.bias_v, part_o, part_lse,
+            part_base);
     return cudaGetLastError();
   });
   if (e != cudaSuccess || merge == nullptr) return ToError(e);
