@@ -451,10 +451,14 @@ int main(int argc, char** argv) {
           const double mb = static_cast<double>(layer_bytes) / 1e6;
           const double gflop = 2.0 * n * batch * kHkv * kD * G / 1e9;
           const double tbs = mb / us_b2b, tflops = gflop / us_b2b * 1e3;
-          std::printf("%9s %4d %8d %6d %7d %10.1f %10.1f %8.1f %8.1f %9.2f %8.0f %7.0f%%%s\n",
-                      KernelName(kernel), G, n, batch, splits, us, us_b2b, mb, gflop, tbs, tflops,
-                      100.0 * std::max(tbs / read_tbs, tflops / mma_tflops),
-                      tbs / read_tbs > tflops / mma_tflops ? " read" : " mma");
+          std::printf("%9s %4d %8d %6d %7d %10.1f %10.1f %8.1f %8.1f %9.2f %8.0f",
+                      KernelName(kernel), G, n, batch, splits, us, us_b2b, mb, gflop, tbs, tflops);
+          if (one) {
+            std::printf("       -\n");  // --one measures no ceilings
+          } else {
+            std::printf(" %7.0f%%%s\n", 100.0 * std::max(tbs / read_tbs, tflops / mma_tflops),
+                        tbs / read_tbs > tflops / mma_tflops ? " read" : " mma");
+          }
           for (uint8_t* p : pools) CHECK(cudaFree(p));
           const void* to_free[] = {list.page_table, list.lengths, a.positions, a.q, ws, po, pl};
           for (const void* p : to_free) CHECK(cudaFree(const_cast<void*>(p)));
