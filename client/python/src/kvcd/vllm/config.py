@@ -33,7 +33,7 @@ key                        meaning (default)
                            and a daemon on ``backend: cuda`` on that GPU, or fail) or
                            ``auto`` (CUDA IPC when the caches are CUDA tensors and the
                            daemon accepts the buffers, else inline). The IPC path is
-                           opt-in: it has not run on a GPU yet
+                           opt-in (run on one GPU: engine and daemon on the same card)
 ``ipc_save_bytes``         with CUDA IPC: the save buffer on the engine's GPU; saves that
                            do not fit while earlier ones are stored go inline (1 GiB)
                            (as many blocks as fit in 64 MiB)

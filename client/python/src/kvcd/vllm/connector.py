@@ -8,7 +8,7 @@ fetched (``OpenSequence`` + ``FetchPages``, in chunks) and written into the engi
 after it, the new blocks are copied out and stored with one ``Put`` per request (all layers;
 the registered model's history format decides how kvcd stores them) on a background
 thread, so a slow daemon never holds the forward. The bytes travel in the messages; on a
-CUDA engine with ``transport: cuda_ipc`` (opt-in, not yet run on a GPU) through CUDA IPC
+CUDA engine with ``transport: cuda_ipc`` (opt-in; run on one H100: bench/results/2026-12-05-vllm-gpu.md) through CUDA IPC
 buffers on its GPU, device to device (:mod:`kvcd.vllm.transfer`).
 
 A load that fails (the daemon gone, the prefix evicted in between, the deadline passed)

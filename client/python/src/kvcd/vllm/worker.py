@@ -9,8 +9,9 @@ The transport (:mod:`kvcd.vllm.transfer`) follows ``transport`` in the configura
 ``inline`` (the default) always sends bytes in the messages; ``cuda_ipc`` uses CUDA IPC
 buffers on the engine's GPU (caches elsewhere are a ``ValueError``); ``auto`` uses them
 when the caches are CUDA tensors and the daemon accepts the buffers (a daemon on
-``backend: cuda`` on the same GPU), else inline. The IPC path is opt-in until it has run on
-a GPU (tests/test_vllm_gpu.py, bench/run-h200-vllm-gpu.sh).
+``backend: cuda`` on the same GPU), else inline. The IPC path is opt-in; it has run
+with the engine and the daemon on one GPU (tests/test_vllm_gpu.py,
+bench/run-h200-vllm-gpu.sh: 10 tests, compute-sanitizer memcheck 0 errors).
 """
 from __future__ import annotations
 
