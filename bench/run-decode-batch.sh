@@ -14,9 +14,11 @@
 # "memops events" to run both orderings of the cross-process hops, issue #36), KVCD_CONFIG
 # (deploy/config/kvcd-decode-step.yaml: 90 GiB, INT2 and BF16 models), KVCD_PUT_MODELS
 # (none: models whose prompt the prefill worker stores with --mode put, BF16 K/V quantized
-# by the daemon, instead of pushing pages: an int2-transform model, whose pages the push's
-# INT2-layout fill does not make; the prompt is then cached under "<salt>-put0-1", the
-# worker's first Put, and decoded from there; not with KVCD_DISTINCT). Writes
+# by the daemon, instead of pushing pages: an int2-transform or FSQ model, whose pages the
+# push's INT2-layout fill does not make; an FSQ model's Put carries the residuals x too, in
+# chunks of the worker's --put-chunk-tokens; the worker's first Put lands under --salt, so
+# the decode workers open it as a pushed prompt, with KVCD_DISTINCT too). Rows are labelled
+# by model name: *xform* int2-transform, *fsq* FSQ, *int2* INT2, else BF16. Writes
 # $OUT/decode-batch.txt (the table last). About 90 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,10 +44,7 @@ for mt in ${KVCD_RUNS:-qwen3-8b-int2:32768 qwen3-8b-int2:99968 qwen3-8b:32768 qw
   salts=("b$t")
   [[ ${#distinct[@]} -gt 0 ]] && salts=($(for i in $(seq 0 $((max - 1))); do echo "b$t-$i"; done))
   put=(); salt=b$t
-  if [[ " ${KVCD_PUT_MODELS:-} " == *" $m "* ]]; then
-    [[ ${#distinct[@]} -gt 0 ]] && { echo "$m: KVCD_PUT_MODELS with KVCD_DISTINCT=1 is not supported"; rc=1; continue; }
-    put=(--mode put); salt=b$t-put0-1
-  fi
+  [[ " ${KVCD_PUT_MODELS:-} " == *" $m "* ]] && put=(--mode put)
   for s in "${salts[@]}"; do
     plog="$out/prefill-$m-$s.log"
     timeout 300 "$BIN/kvcd_prefill_worker" --target "$KVCD_GRPC" --model "$m" --tokens "$t" \
@@ -78,7 +77,7 @@ for r in "${rows[@]}"; do
   ctx=$t; [[ $t == 99968 ]] && ctx=100000
   us=$(awk -v c="$ctx" -v b="$bsz" '$1 == "cudnn" && $2 == c && $3 == b { print $5 }' "$out/sdpa.txt")
   awk -v m="$m" -v t="$t" -v b="$bsz" -v k="$tps" -v us="${us:-0}" -v hops="$hops" 'BEGIN {
-    h = (m ~ /xform/) ? "int2-transform" : (m ~ /int2/) ? "INT2" : "BF16"; c = us > 0 ? b * 1e6 / (36 * us) : 0;
+    h = (m ~ /xform/) ? "int2-transform" : (m ~ /fsq/) ? "FSQ" : (m ~ /int2/) ? "INT2" : "BF16"; c = us > 0 ? b * 1e6 / (36 * us) : 0;
     printf "| %s | %d | %d | %s | %.1f | %.1f (%.1f) | %.2fx |\n", h, t, b, hops, k, c, us, (c > 0 ? k / c : 0) }'
 done
 exit $rc

@@ -296,13 +296,15 @@ int main(int argc, char** argv) {
   }
 
   // One buffer: q (BF16), k_new and v_new (BF16), o (F32), lse (F32) of the whole batch,
-  // 256-byte aligned.
+  // then an FSQ model's x_new (BF16 residuals [batch, C]), 256-byte aligned.
   const int64_t q_n = int64_t{batch} * g.num_q_heads * g.head_dim,
-                kv_n = int64_t{batch} * g.num_kv_heads * g.head_dim;
+                kv_n = int64_t{batch} * g.num_kv_heads * g.head_dim,
+                x_n = int64_t{batch} * g.fsq_residual_width;
   auto align = [](int64_t b) { return (b + 255) / 256 * 256; };
   const int64_t q_off = 0, k_off = align(2 * q_n), v_off = k_off + align(2 * kv_n),
                 o_off = v_off + align(2 * kv_n), l_off = o_off + align(4 * q_n),
-                s_off = l_off + align(4 * int64_t{batch} * g.num_q_heads),
+                x_off = l_off + align(4 * int64_t{batch} * g.num_q_heads),
+                s_off = x_off + align(2 * x_n),
                 total = s_off + 256;  // the device signal words (--hops memops)
   auto buf = kw::IpcBuffer::Create(client->get(), static_cast<uint64_t>(total), "decode", lease_ms);
   CHECK_OK(buf.status());
@@ -324,6 +326,8 @@ int main(int argc, char** argv) {
   b.Region(req.mutable_v_new(), kvcd::v1::DTYPE_BF16, {batch, g.num_kv_heads, g.head_dim}, v_off);
   b.Region(req.mutable_o_out(), kvcd::v1::DTYPE_F32, {batch, g.num_q_heads, g.head_dim}, o_off);
   b.Region(req.mutable_lse_out(), kvcd::v1::DTYPE_F32, {batch, g.num_q_heads}, l_off);
+  if (g.fsq)
+    b.Region(req.mutable_x_new(), kvcd::v1::DTYPE_BF16, {batch, g.fsq_residual_width}, x_off);
 
   std::unique_ptr<kvcd::DecodeStream> stream_rpc;
   std::unique_ptr<kvcd::DecodeChannel> channel;
@@ -406,6 +410,10 @@ int main(int argc, char** argv) {
           kw::FillBf16(reinterpret_cast<uint16_t*>(d + k_off), kv_n, key ^ 1, stream), "fill k"));
       CHECK_OK(kw::CudaCheck(
           kw::FillBf16(reinterpret_cast<uint16_t*>(d + v_off), kv_n, key ^ 2, stream), "fill v"));
+      if (g.fsq) {
+        CHECK_OK(kw::CudaCheck(
+            kw::FillBf16(reinterpret_cast<uint16_t*>(d + x_off), x_n, key ^ 3, stream), "fill x"));
+      }
       lap.Mark(kProduce);
       if (gpu_timeline) cudaEventRecord(q_ready[call_index], stream);
       const uint32_t signal = channel ? channel->NextSignalValue() : 0;

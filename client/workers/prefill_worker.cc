@@ -13,11 +13,20 @@
 //                     rotates / quantizes on the device, the K/V never leave the GPU. Reports
 //                     GB/s of BF16 consumed against a plain copy of the same bytes, and checks
 //                     the stored pages of the first tokens against an inline Put of the same
-//                     values (byte for byte).
+//                     values (byte for byte). The first Put stores the prompt under --salt
+//                     (where the decode worker opens it), the timed ones under
+//                     "<salt>-put<r>-<seed>", the check's inline Put under "<salt>-inline".
+//                     FSQ models (history_format FSQ): each Put also carries x, the residuals
+//                     [layers, tokens, fsq_residual_width] as BF16 in the same buffer (synthetic,
+//                     in [-1, 1) like testing/synthetic.cc's), and the prompt goes in chunks of
+//                     --put-chunk-tokens through kv_first_token (chunk i: k/v/x of tokens
+//                     [first, first + chunk), `tokens` the prefix up to the chunk's end): the
+//                     buffer holds one chunk, refilled per chunk (Qwen3-8B's x alone is 29 GB at
+//                     100k tokens). The inline check Put carries x too.
 //
 // Usage: kvcd_prefill_worker --target HOST:PORT --model NAME [--tokens 32768] [--salt S]
 //          [--seed 1] [--transport ipc|nccl] [--mode push|put] [--repeat 3] [--device 0]
-//          [--timeout-ms 20000]
+//          [--timeout-ms 20000] [--put-chunk-tokens 8192]
 //        security (README "Security"): [--token-file F] [--tls-ca F] [--tls-cert F --tls-key F]
 //          [--tls-server-name N], or KVCD_TOKEN / KVCD_TLS_* in the environment
 #include <cuda_runtime.h>
@@ -42,6 +51,9 @@ ABSL_FLAG(int32_t, repeat, 3, "timed repetitions of the push / fetch (or put)");
 ABSL_FLAG(int32_t, timeout_ms, 20000, "deadline of each transfer in milliseconds");
 ABSL_FLAG(std::string, mode, "push",
           "push (pages in the storage format) or put (BF16 K/V from a registered buffer)");
+ABSL_FLAG(int64_t, put_chunk_tokens, 8192,
+          "--mode put, FSQ models: tokens per Put (a multiple of the page size; the buffer "
+          "holds one chunk's K, V and x)");
 
 namespace kw = kvcd::workers;
 namespace kc = kvcd::kernels::cuda;
@@ -106,72 +118,142 @@ absl::StatusOr<double> CopySeconds(uint8_t* dst, const uint8_t* src, int64_t byt
   return kw::Median(copy_s);
 }
 
-// --mode put: Put of BF16 K/V from a registered buffer (see the header comment).
+// --mode put: Put of BF16 K/V (and an FSQ model's residuals x) from a registered buffer (see
+// the header comment).
 int PutMode(kvcd::Client* client, const std::string& model, const kw::Geometry& g, int64_t n_tokens,
-            const std::string& salt, uint64_t seed, int repeat) {
+            const std::string& salt, uint64_t seed, int repeat, int64_t chunk_tokens) {
   const int64_t n = n_tokens / g.page_size * g.page_size;
-  const int64_t elems = int64_t{g.num_layers} * n * g.num_kv_heads * g.head_dim;
-  const int64_t bytes = 2 * elems;  // one of K, V as BF16
-  auto b = kw::IpcBuffer::Create(client, 2 * static_cast<uint64_t>(bytes), "prefill-put");
+  if (n < 1) {
+    std::fprintf(stderr, "--tokens must hold at least one page (%d tokens)\n", g.page_size);
+    return 2;
+  }
+  // FSQ models: chunks of --put-chunk-tokens through kv_first_token (the buffer holds one
+  // chunk's K, V and x, refilled per chunk); other models: the whole prompt in one Put.
+  int64_t chunk = n;
+  if (g.fsq) {
+    if (chunk_tokens < g.page_size || chunk_tokens % g.page_size != 0) {
+      std::fprintf(stderr,
+                   "--put-chunk-tokens must be a positive multiple of the page size (%d), "
+                   "got %lld\n",
+                   g.page_size, static_cast<long long>(chunk_tokens));
+      return 2;
+    }
+    chunk = std::min(n, chunk_tokens);
+  }
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  const int64_t row = int64_t{g.num_kv_heads} * g.head_dim, x_row = g.fsq_residual_width;
+  const int64_t elems = int64_t{g.num_layers} * chunk * row;  // one of K, V of a chunk
+  const int64_t x_elems = int64_t{g.num_layers} * chunk * x_row;
+  const int64_t bytes = 2 * elems;  // one of K, V as BF16; x follows V at 2 * bytes
+  auto b =
+      kw::IpcBuffer::Create(client, static_cast<uint64_t>(2 * bytes + 2 * x_elems), "prefill-put");
   CHECK_OK(b.status());
   kw::IpcBuffer& buf = **b;
-  CHECK_OK(kw::CudaCheck(kw::FillBf16(reinterpret_cast<uint16_t*>(buf.data()), 2 * elems, seed, 0),
-                         "FillBf16"));
+  // The synthetic K, V (and x, values in [-1, 1) as testing/synthetic.cc's residuals) of
+  // chunk c; chunk 0 with `seed` itself.
+  auto fill = [&](int64_t c) {
+    return kw::CudaCheck(kw::FillBf16(reinterpret_cast<uint16_t*>(buf.data()), 2 * elems + x_elems,
+                                      seed + static_cast<uint64_t>(c) * 0x9e3779b97f4a7c15ull, 0),
+                         "FillBf16");
+  };
+  CHECK_OK(fill(0));
   CHECK_OK(kw::CudaCheck(cudaDeviceSynchronize(), "fill"));
   const std::vector<int32_t> tokens = kw::PromptTokens(n, seed);
-  const std::vector<int64_t> shape = {g.num_layers, n, g.num_kv_heads, g.head_dim};
-  std::printf("put worker: %s, %lld tokens, %.1f MB of BF16 K/V in a CUDA IPC buffer\n",
-              model.c_str(), static_cast<long long>(n), 2 * bytes / 1e6);
+  const int64_t all_bytes = 2 * int64_t{g.num_layers} * n * (2 * row + x_row);
+  std::printf(
+      "put worker: %s, %lld tokens, %.1f MB of BF16 K/V%s in %lld Put(s) from a CUDA IPC "
+      "buffer of %.1f MB\n",
+      model.c_str(), static_cast<long long>(n), all_bytes / 1e6, g.fsq ? " and x" : "",
+      static_cast<long long>(chunks), (2 * bytes + 2 * x_elems) / 1e6);
+  // Stores the prompt under `tenant`; returns the seconds spent in the Puts (the refills of
+  // the buffer between chunks not counted).
   auto put = [&](const std::string& tenant) -> absl::StatusOr<double> {
-    kvcd::v1::PutRequest req;
-    req.set_model(model);
-    req.set_cache_salt(tenant);
-    for (int32_t t : tokens) req.add_tokens(t);
-    buf.Region(req.mutable_k(), kvcd::v1::DTYPE_BF16, shape, 0);
-    buf.Region(req.mutable_v(), kvcd::v1::DTYPE_BF16, shape, static_cast<uint64_t>(bytes));
-    const auto t0 = Clock::now();
-    if (auto s = buf.MarkReady(0); !s.ok()) return s;
-    auto r = client->Put(req);
-    if (!r.ok()) return r.status();
-    if (r->inserted_tokens() != n) {
-      return absl::InternalError(
-          absl::StrCat("Put inserted ", r->inserted_tokens(), " of ", n, " tokens"));
+    double seconds = 0;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t first = c * chunk, len = std::min(chunk, n - first);
+      if (chunks > 1) {
+        if (auto s = fill(c); !s.ok()) return s;
+        if (auto s = kw::CudaCheck(cudaDeviceSynchronize(), "fill"); !s.ok()) return s;
+      }
+      kvcd::v1::PutRequest req;
+      req.set_model(model);
+      req.set_cache_salt(tenant);
+      for (int64_t t = 0; t < first + len; ++t) req.add_tokens(tokens[static_cast<size_t>(t)]);
+      req.set_kv_first_token(first);
+      const std::vector<int64_t> shape = {g.num_layers, len, g.num_kv_heads, g.head_dim};
+      buf.Region(req.mutable_k(), kvcd::v1::DTYPE_BF16, shape, 0);
+      buf.Region(req.mutable_v(), kvcd::v1::DTYPE_BF16, shape, static_cast<uint64_t>(bytes));
+      if (g.fsq) {
+        buf.Region(req.mutable_x(), kvcd::v1::DTYPE_BF16, {g.num_layers, len, x_row},
+                   static_cast<uint64_t>(2 * bytes));
+      }
+      const auto t0 = Clock::now();
+      if (auto s = buf.MarkReady(0); !s.ok()) return s;
+      auto r = client->Put(req);
+      if (!r.ok()) {
+        return absl::Status(
+            r.status().code(),
+            absl::StrCat("the daemon refused the Put of tokens [", first, ", ", first + len,
+                         ") of ", n, " (tenant ", tenant, "): ", r.status().message()));
+      }
+      if (r->inserted_tokens() != len) {
+        return absl::InternalError(absl::StrCat("Put of tokens [", first, ", ", first + len,
+                                                ") inserted ", r->inserted_tokens(), " of ", len,
+                                                " tokens"));
+      }
+      seconds += Seconds(t0);
     }
-    return Seconds(t0);
+    return seconds;
   };
+  // The first Put stores the prompt under --salt itself (where the decode worker opens it),
+  // then the timed ones into fresh tenants.
   std::vector<double> put_s;
   for (int r = 0; r < std::max(1, repeat) + 1; ++r) {
-    auto t = put(absl::StrCat(salt, "-put", r, "-", seed));
+    auto t = put(r == 0 ? salt : absl::StrCat(salt, "-put", r, "-", seed));
     CHECK_OK(t.status());
     if (r > 0) put_s.push_back(*t);  // the first call also allocates device scratch
   }
   // Byte check: the first pages stored from the device against an inline Put of the same
   // values (host bytes through the same daemon), both fetched as stored.
-  const int64_t check_tokens = std::min<int64_t>(n, 8 * g.page_size);
-  std::vector<uint16_t> host(static_cast<size_t>(2 * elems));
-  CHECK_OK(
-      kw::CudaCheck(cudaMemcpy(host.data(), buf.data(), 2 * bytes, cudaMemcpyDeviceToHost), "D2H"));
+  const int64_t check_tokens = std::min<int64_t>(chunk, 8 * g.page_size);
+  if (chunks > 1) {
+    CHECK_OK(fill(0));
+    CHECK_OK(kw::CudaCheck(cudaDeviceSynchronize(), "fill"));
+  }
   kvcd::v1::PutRequest inline_req;
   inline_req.set_model(model);
   inline_req.set_cache_salt(salt + "-inline");
-  const int64_t row = int64_t{g.num_kv_heads} * g.head_dim;
   for (int64_t t = 0; t < check_tokens; ++t) inline_req.add_tokens(tokens[static_cast<size_t>(t)]);
-  for (int which = 0; which < 2; ++which) {
-    kvcd::v1::TensorRef* tr = which == 0 ? inline_req.mutable_k() : inline_req.mutable_v();
+  // K, V [layers, check_tokens, kv_heads, head_dim] and x [layers, check_tokens, C]: the
+  // first tokens of each layer of chunk 0 (layer stride: chunk tokens).
+  for (int which = 0; which < (g.fsq ? 3 : 2); ++which) {
+    kvcd::v1::TensorRef* tr = which == 0   ? inline_req.mutable_k()
+                              : which == 1 ? inline_req.mutable_v()
+                                           : inline_req.mutable_x();
+    const int64_t w = which < 2 ? row : x_row;
     tr->set_dtype(kvcd::v1::DTYPE_BF16);
-    for (int64_t d :
-         {int64_t{g.num_layers}, check_tokens, int64_t{g.num_kv_heads}, int64_t{g.head_dim}})
-      tr->add_shape(d);
+    tr->add_shape(g.num_layers);
+    tr->add_shape(check_tokens);
+    if (which < 2) {
+      tr->add_shape(g.num_kv_heads);
+      tr->add_shape(g.head_dim);
+    } else {
+      tr->add_shape(x_row);
+    }
     std::string* data = tr->mutable_inline_data();
+    data->resize(static_cast<size_t>(2 * g.num_layers * check_tokens * w));
     for (int32_t l = 0; l < g.num_layers; ++l) {
-      const uint16_t* src = host.data() + which * elems + int64_t{l} * n * row;
-      data->append(reinterpret_cast<const char*>(src), static_cast<size_t>(check_tokens * row * 2));
+      const int64_t src = which * bytes + 2 * int64_t{l} * chunk * w;
+      CHECK_OK(kw::CudaCheck(
+          cudaMemcpy(data->data() + 2 * int64_t{l} * check_tokens * w, buf.data() + src,
+                     static_cast<size_t>(2 * check_tokens * w), cudaMemcpyDeviceToHost),
+          "D2H"));
     }
   }
   CHECK_OK(client->Put(inline_req).status());
   std::vector<std::string> stored[2];
   for (int which = 0; which < 2; ++which) {
-    const std::string tenant = which == 0 ? absl::StrCat(salt, "-put0-", seed) : salt + "-inline";
+    const std::string tenant = which == 0 ? salt : salt + "-inline";
     std::vector<int32_t> prefix(tokens.begin(), tokens.begin() + check_tokens);
     auto open = client->OpenSequence(model, tenant, prefix);
     CHECK_OK(open.status());
@@ -185,13 +267,15 @@ int PutMode(kvcd::Client* client, const std::string& model, const kw::Geometry& 
   const bool same = stored[0] == stored[1] && !stored[0].empty();
   auto copy = CopySeconds(buf.data() + bytes, buf.data(), bytes);
   CHECK_OK(copy.status());
-  const double gb = 2 * bytes / 1e9;
-  std::printf("put (ipc): %.3f ms per %.1f MB of BF16 K/V = %.1f GB/s consumed (median of %zu)\n",
-              kw::Median(put_s) * 1e3, 2 * bytes / 1e6, gb / kw::Median(put_s), put_s.size());
-  std::printf("plain cudaMemcpy D2D of the same bytes: %.3f ms = %.1f GB/s\n", 2 * *copy * 1e3,
-              gb / (2 * *copy));
-  std::printf("pages stored from the device byte-identical to an inline Put (%lld tokens): %s\n",
-              static_cast<long long>(check_tokens), same ? "yes" : "NO");
+  const double gb = all_bytes / 1e9, copy_s = *copy * all_bytes / bytes;
+  std::printf("put (ipc): %.3f ms per %.1f MB of BF16 K/V%s = %.1f GB/s consumed (median of %zu)\n",
+              kw::Median(put_s) * 1e3, all_bytes / 1e6, g.fsq ? " and x" : "",
+              gb / kw::Median(put_s), put_s.size());
+  std::printf("plain cudaMemcpy D2D of the same bytes: %.3f ms = %.1f GB/s\n", copy_s * 1e3,
+              gb / copy_s);
+  std::printf("pages stored from the device byte-identical to an inline Put (%lld tokens%s): %s\n",
+              static_cast<long long>(check_tokens), g.fsq ? ", x inline too" : "",
+              same ? "yes" : "NO");
   return same ? 0 : 1;
 }
 
@@ -228,7 +312,8 @@ int main(int argc, char** argv) {
   CHECK_OK(geo.status());
   const kw::Geometry& g = *geo;
   if (absl::GetFlag(FLAGS_mode) == "put") {
-    return PutMode(client->get(), model, g, n_tokens, salt, seed, repeat);
+    return PutMode(client->get(), model, g, n_tokens, salt, seed, repeat,
+                   absl::GetFlag(FLAGS_put_chunk_tokens));
   }
   const int64_t pages = n_tokens / g.page_size;
   if (pages < 1) {

@@ -35,6 +35,8 @@ absl::StatusOr<Geometry> FetchGeometry(Client* client, const std::string& model)
   g.head_dim = p.head_dim();
   g.page_size = p.page_size();
   g.int2 = p.history_format() == v1::HISTORY_FORMAT_INT2_OSCAR;
+  g.fsq = p.history_format() == v1::HISTORY_FORMAT_FSQ;
+  g.fsq_residual_width = g.fsq ? p.fsq_residual_width() : 0;
   g.sink_pages = p.sink_tokens() / p.page_size();
   for (const auto& pool : info->pools()) {
     if (pool.format() == "bf16")

@@ -33,6 +33,8 @@ struct Geometry {
   int num_layers = 0, num_q_heads = 0, num_kv_heads = 0, head_dim = 0, page_size = 0;
   int64_t sink_pages = 0;
   bool int2 = false;
+  bool fsq = false;            // history_format FSQ: Put and decode calls also carry x
+  int fsq_residual_width = 0;  // C of an FSQ model's residuals x
   int64_t bf16_page_bytes = 0, history_page_bytes = 0;  // all layers
   int64_t PageBytesAt(int64_t page) const {
     return int2 && page >= sink_pages ? history_page_bytes : bf16_page_bytes;
