@@ -85,15 +85,26 @@ wrap=$out/kvcd-memcheck.sh
   echo '#!/usr/bin/env bash'
   echo "compute-sanitizer --tool memcheck --error-exitcode 9 --log-file $out/memcheck-%p.log \\"
   echo "  $root/.devbin/kvcd \"\$@\" &"
+  echo "log_dir=$out"
   cat <<'WRAP'
 sp=$!
-forward() { pkill -"$1" -P "$sp" || kill -"$1" "$sp"; }
+forwarded=0
+forward() { forwarded=1; pkill -"$1" -P "$sp" || kill -"$1" "$sp"; }
 trap 'forward TERM' TERM
 trap 'forward INT' INT
 while :; do
   wait "$sp"
   rc=$?
-  kill -0 "$sp" 2>/dev/null || exit "$rc"
+  kill -0 "$sp" 2>/dev/null && continue
+  # After a forwarded signal compute-sanitizer may not learn the daemon's exit status (it
+  # printed "couldn't find exit code" and exited 1 on 2026-12-05): then its log decides, 0
+  # when it summarised 0 errors, 9 (errors) when it summarised any, its own status otherwise.
+  if [[ $forwarded == 1 && $rc != 0 && $rc != 9 ]]; then
+    summary=$(grep -h 'ERROR SUMMARY' "$log_dir/memcheck-$sp.log" 2>/dev/null | tail -1)
+    [[ $summary == *"ERROR SUMMARY: 0 errors"* ]] && exit 0
+    [[ -n $summary ]] && exit 9
+  fi
+  exit "$rc"
 done
 WRAP
 } > "$wrap"

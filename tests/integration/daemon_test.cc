@@ -105,17 +105,12 @@ class DaemonTest : public ::testing::Test {
     profile_ = m->profile();
   }
 
+  // synthetic::Put of profile_'s shape for `model`, which may be another model of that shape
+  // (cramped, tiny-int2).
   v1::PutRequest MakePut(const std::string& model, uint64_t seed, int64_t n,
                          const std::string& salt = "") {
-    v1::PutRequest req;
+    v1::PutRequest req = synthetic::Put(seed, profile_, n, salt);
     req.set_model(model);
-    req.set_cache_salt(salt);
-    const auto t = synthetic::Tokens(seed, 0, n);
-    req.mutable_tokens()->Add(t.begin(), t.end());
-    const std::vector<int64_t> shape = {profile_.num_layers(), n, profile_.num_kv_heads(),
-                                        profile_.head_dim()};
-    SetBf16FromFloat(req.mutable_k(), shape, synthetic::Kv(seed, profile_, 0, n, 0).data());
-    SetBf16FromFloat(req.mutable_v(), shape, synthetic::Kv(seed, profile_, 0, n, 1).data());
     return req;
   }
 
@@ -807,19 +802,6 @@ TEST_F(DaemonTest, FsqModelServesCodesEndToEnd) {
     return page >= 1 && (page * ps < put_tokens || (page + 1) * ps <= len - recent);
   };
 
-  auto put_req = [&] {
-    v1::PutRequest r;
-    r.set_model("tiny-fsq");
-    const auto tk = synthetic::Tokens(seed, 0, put_tokens);
-    r.mutable_tokens()->Add(tk.begin(), tk.end());
-    SetBf16FromFloat(r.mutable_k(), {L, put_tokens, hkv, d},
-                     synthetic::Kv(seed, p, 0, put_tokens, 0).data());
-    SetBf16FromFloat(r.mutable_v(), {L, put_tokens, hkv, d},
-                     synthetic::Kv(seed, p, 0, put_tokens, 1).data());
-    SetBf16FromFloat(r.mutable_x(), {L, put_tokens, C},
-                     synthetic::Residuals(seed, p, 0, put_tokens).data());
-    return r;
-  };
   // Bad Puts: each refused with the field and the expected value named; nothing stored.
   struct BadPut {
     const char* name;
@@ -859,7 +841,7 @@ TEST_F(DaemonTest, FsqModelServesCodesEndToEnd) {
   };
   const auto put_tk = synthetic::Tokens(seed, 0, put_tokens);
   for (const BadPut& b : bad_puts) {
-    auto r = put_req();
+    auto r = synthetic::Put(seed, p, put_tokens);
     b.mutate(&r);
     auto s = client_->Put(r);
     EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << b.name;
@@ -877,7 +859,7 @@ TEST_F(DaemonTest, FsqModelServesCodesEndToEnd) {
       << refused.status();
   EXPECT_EQ(client_->Match("tiny", "", synthetic::Tokens(seed, 0, 8))->matched_tokens(), 0);
 
-  auto put = client_->Put(put_req());
+  auto put = client_->Put(synthetic::Put(seed, p, put_tokens));
   ASSERT_TRUE(put.ok()) << put.status();
   EXPECT_EQ(put->inserted_tokens(), put_tokens);
   const auto tokens = synthetic::Tokens(seed, 0, 38);

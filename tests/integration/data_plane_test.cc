@@ -56,18 +56,6 @@ class DataPlaneTest : public ::testing::TestWithParam<std::string> {
       page_bytes_[pool.format() == "bf16" ? 0 : 1] = pool.page_bytes();
   }
 
-  v1::PutRequest MakePut(uint64_t seed, int64_t n, const std::string& salt) {
-    v1::PutRequest req;
-    req.set_model(GetParam());
-    req.set_cache_salt(salt);
-    const auto t = synthetic::Tokens(seed, 0, n);
-    req.mutable_tokens()->Add(t.begin(), t.end());
-    const std::vector<int64_t> shape = {profile_.num_layers(), n, profile_.num_kv_heads(),
-                                        profile_.head_dim()};
-    SetBf16FromFloat(req.mutable_k(), shape, synthetic::Kv(seed, profile_, 0, n, 0).data());
-    SetBf16FromFloat(req.mutable_v(), shape, synthetic::Kv(seed, profile_, 0, n, 1).data());
-    return req;
-  }
   // The pages of a sequence as stored, inline, concatenated.
   std::string StoredBytes(uint64_t seq) {
     v1::FetchPagesRequest f;
@@ -95,7 +83,7 @@ class DataPlaneTest : public ::testing::TestWithParam<std::string> {
 constexpr int64_t kPrompt = 512;  // 8 pages: 1 BF16 sink page + 7 history pages
 
 TEST_P(DataPlaneTest, PagesMoveThroughIpcByteForByte) {
-  const auto put = MakePut(3, kPrompt, "a");
+  const auto put = synthetic::Put(3, profile_, kPrompt, "a");
   ASSERT_TRUE(client_->Put(put).ok());
   const uint64_t seq = Open(put, "a");
   const std::string stored = StoredBytes(seq);
@@ -157,7 +145,7 @@ TEST_P(DataPlaneTest, PagesMoveThroughIpcByteForByte) {
 }
 
 TEST_P(DataPlaneTest, AttentionThroughIpcMatchesInline) {
-  const auto put = MakePut(5, kPrompt, "");
+  const auto put = synthetic::Put(5, profile_, kPrompt, "");
   ASSERT_TRUE(client_->Put(put).ok());
   const uint64_t s1 = Open(put, ""), s2 = Open(put, "");
   const int hq = profile_.num_q_heads(), hkv = profile_.num_kv_heads(), d = profile_.head_dim();
@@ -229,7 +217,7 @@ TEST_P(DataPlaneTest, AttentionThroughIpcMatchesInline) {
 // looks, so a missing or early hop shows as the NaN poison or as another call's results.
 TEST_P(DataPlaneTest, AttentionThroughChannelSignalWordsMatchesInline) {
   if (!kernels::cuda::StreamMemopsAvailable()) GTEST_SKIP() << "no stream memory operations";
-  const auto put = MakePut(5, kPrompt, "");
+  const auto put = synthetic::Put(5, profile_, kPrompt, "");
   ASSERT_TRUE(client_->Put(put).ok());
   const uint64_t s1 = Open(put, ""), s2 = Open(put, "");
   const int hq = profile_.num_q_heads(), hkv = profile_.num_kv_heads(), d = profile_.head_dim();
@@ -332,7 +320,7 @@ TEST_P(DataPlaneTest, AttentionThroughChannelSignalWordsMatchesInline) {
 // layers back to back (tables reused), sequences 2 and 3 alternate call by call (tables
 // sent every call); across page boundaries and demotions their results are bit-identical.
 TEST_P(DataPlaneTest, ReusedPageTablesGiveTheSameResultsAsFreshOnes) {
-  const auto put = MakePut(6, kPrompt, "");
+  const auto put = synthetic::Put(6, profile_, kPrompt, "");
   ASSERT_TRUE(client_->Put(put).ok());
   const uint64_t s1 = Open(put, ""), s2 = Open(put, ""), s3 = Open(put, "");
   const int hq = profile_.num_q_heads(), hkv = profile_.num_kv_heads(), d = profile_.head_dim();
@@ -374,7 +362,7 @@ TEST_P(DataPlaneTest, ReusedPageTablesGiveTheSameResultsAsFreshOnes) {
 }
 
 TEST_P(DataPlaneTest, BadIpcRequestsStoreNothing) {
-  const auto put = MakePut(7, kPrompt, "a");
+  const auto put = synthetic::Put(7, profile_, kPrompt, "a");
   ASSERT_TRUE(client_->Put(put).ok());
   const std::string stored = StoredBytes(Open(put, "a"));
   auto buf = IpcBuffer::Create(client_.get(), stored.size() + 256, "bad");
@@ -441,7 +429,7 @@ TEST_P(DataPlaneTest, BadIpcRequestsStoreNothing) {
 // sequence's outputs with NaN, and every later call on the sequence fails naming the input
 // and layer, while the other sequence of the batch and the shared prefix are untouched.
 TEST_P(DataPlaneTest, NonFiniteDeviceInputsAreRefused) {
-  const auto put = MakePut(11, kPrompt, "a");
+  const auto put = synthetic::Put(11, profile_, kPrompt, "a");
   ASSERT_TRUE(client_->Put(put).ok());
   const std::string prefix_bytes = StoredBytes(Open(put, "a"));
   ASSERT_FALSE(prefix_bytes.empty());
@@ -483,7 +471,7 @@ TEST_P(DataPlaneTest, NonFiniteDeviceInputsAreRefused) {
     for (int bad = 0; bad < 3; ++bad) {
       SCOPED_TRACE(std::string(which == 0 ? "k " : "v ") + kBadName[bad]);
       // Put of a new prompt.
-      v1::PutRequest p = MakePut(100 + bad, kPrompt, "b");
+      v1::PutRequest p = synthetic::Put(100 + bad, profile_, kPrompt, "b");
       ipc_kv(p, &p, which, bad);
       absl::Status st = client_->Put(p).status();
       EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
@@ -492,7 +480,7 @@ TEST_P(DataPlaneTest, NonFiniteDeviceInputsAreRefused) {
       EXPECT_EQ(client_->Match(GetParam(), "b", pt)->matched_tokens(), 0);
       // Append of 3 tokens to a sequence on the cached prefix.
       const uint64_t seq = Open(put, "a");
-      v1::PutRequest three = MakePut(200 + bad, 3, "");
+      v1::PutRequest three = synthetic::Put(200 + bad, profile_, 3, "");
       v1::AppendRequest app;
       app.set_sequence_id(seq);
       *app.mutable_tokens() = three.tokens();
@@ -643,7 +631,7 @@ TEST_P(DataPlaneTest, UnregisterAndLeaseExpiryDropTheMapping) {
 TEST_P(DataPlaneTest, NcclPushAndFetch) {
   if (!kernels::cuda::NcclLoad().ok()) GTEST_SKIP() << kernels::cuda::NcclLoad().message();
   const bool two_gpus = DeviceCount() >= 2;
-  const auto put = MakePut(11, kPrompt, "a");
+  const auto put = synthetic::Put(11, profile_, kPrompt, "a");
   ASSERT_TRUE(client_->Put(put).ok());
   const std::string stored = StoredBytes(Open(put, "a"));
   const int64_t total = static_cast<int64_t>(stored.size());

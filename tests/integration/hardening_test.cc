@@ -63,18 +63,6 @@ class HardeningTest : public ::testing::Test {
     profile_ = m->profile();
   }
 
-  v1::PutRequest MakePut(uint64_t seed, int64_t n) {
-    v1::PutRequest req;
-    req.set_model("tiny");
-    const auto t = synthetic::Tokens(seed, 0, n);
-    req.mutable_tokens()->Add(t.begin(), t.end());
-    const std::vector<int64_t> shape = {profile_.num_layers(), n, profile_.num_kv_heads(),
-                                        profile_.head_dim()};
-    SetBf16FromFloat(req.mutable_k(), shape, synthetic::Kv(seed, profile_, 0, n, 0).data());
-    SetBf16FromFloat(req.mutable_v(), shape, synthetic::Kv(seed, profile_, 0, n, 1).data());
-    return req;
-  }
-
   v1::AttentionDecodeRequest Decode(uint64_t seq, uint64_t request_id) {
     v1::AttentionDecodeRequest r;
     r.set_layer(0);
@@ -93,7 +81,7 @@ class HardeningTest : public ::testing::Test {
 // The numbered defects that a client sees over the wire, one table: each call gets its
 // exact code, and the stored prefix, the open sequence and the model list are unchanged.
 TEST_F(HardeningTest, BadRequestsOverTheWireChangeNothing) {
-  ASSERT_TRUE(client_->Put(MakePut(5, 8)).ok());
+  ASSERT_TRUE(client_->Put(synthetic::Put(5, profile_, 8)).ok());
   auto seq = client_->OpenSequence("tiny", "", synthetic::Tokens(5, 0, 8), 60000);
   ASSERT_TRUE(seq.ok()) << seq.status();
   auto fingerprint = [&] {
@@ -116,7 +104,7 @@ TEST_F(HardeningTest, BadRequestsOverTheWireChangeNothing) {
   const std::vector<Case> cases = {
       {"#3 NaN in k", absl::StatusCode::kInvalidArgument,
        [&] {
-         auto r = MakePut(6, 8);
+         auto r = synthetic::Put(6, profile_, 8);
          (*r.mutable_k()->mutable_inline_data())[11] = static_cast<char>(0x7f);
          (*r.mutable_k()->mutable_inline_data())[10] = static_cast<char>(0xc0);
          return client_->Put(r).status();
@@ -130,7 +118,7 @@ TEST_F(HardeningTest, BadRequestsOverTheWireChangeNothing) {
        }},
       {"#9 a 10 KB model name is NOT_FOUND (not a metadata overflow)", absl::StatusCode::kNotFound,
        [&] {
-         auto r = MakePut(6, 8);
+         auto r = synthetic::Put(6, profile_, 8);
          r.set_model(std::string(10240, 'x'));
          return client_->Put(r).status();
        }},
@@ -212,7 +200,7 @@ TEST_F(HardeningTest, SecondDaemonOnTheSamePortFailsAtStartUp) {
 // Issue #21.7: a stream message that does not parse ends the stream with
 // INVALID_ARGUMENT (not OK), after the valid requests before it were answered.
 TEST_F(HardeningTest, GarbageOnTheDecodeStreamEndsItWithInvalidArgument) {
-  ASSERT_TRUE(client_->Put(MakePut(5, 8)).ok());
+  ASSERT_TRUE(client_->Put(synthetic::Put(5, profile_, 8)).ok());
   auto seq = client_->OpenSequence("tiny", "", synthetic::Tokens(5, 0, 8), 60000);
   ASSERT_TRUE(seq.ok()) << seq.status();
 
@@ -270,7 +258,7 @@ TEST_F(HardeningTest, GarbageOnTheDecodeStreamEndsItWithInvalidArgument) {
 // naming the method and the expected message (gRPC's typed handler answered UNIMPLEMENTED
 // with an empty message); nothing changes and the daemon serves on.
 TEST_F(HardeningTest, UnparseableUnaryBodiesAreInvalidArgument) {
-  ASSERT_TRUE(client_->Put(MakePut(5, 8)).ok());
+  ASSERT_TRUE(client_->Put(synthetic::Put(5, profile_, 8)).ok());
   auto channel = grpc::CreateChannel(daemon_.grpc(), grpc::InsecureChannelCredentials());
   grpc::GenericStub stub(channel);
   const std::string truncated_varint("\xff\xff\xff\xff\xff", 5);
@@ -320,7 +308,7 @@ TEST_F(HardeningTest, UnparseableUnaryBodiesAreInvalidArgument) {
 // oversized request_bytes get an error answer on that channel; truncating the object under
 // the daemon's mapping (SIGBUS) closes that channel alone; the daemon serves on.
 TEST_F(HardeningTest, ACorruptOrTruncatedDecodeChannelCannotCrashTheDaemon) {
-  ASSERT_TRUE(client_->Put(MakePut(5, 8)).ok());
+  ASSERT_TRUE(client_->Put(synthetic::Put(5, profile_, 8)).ok());
   auto seq = client_->OpenSequence("tiny", "", synthetic::Tokens(5, 0, 8), 60000);
   ASSERT_TRUE(seq.ok()) << seq.status();
   const uint32_t capacity = 1 << 16;
@@ -419,7 +407,7 @@ TEST_F(HardeningTest, SequenceIdsAreUnguessableAndNotReusedAcrossRestarts) {
 // NOT_SERVING, then both end with UNAVAILABLE (not CANCELLED), and the drain does not
 // wait for them until drain_timeout_ms (2000 ms here).
 TEST_F(HardeningTest, DrainEndsIdleStreamsAndWatchesWithUnavailable) {
-  ASSERT_TRUE(client_->Put(MakePut(5, 8)).ok());
+  ASSERT_TRUE(client_->Put(synthetic::Put(5, profile_, 8)).ok());
   auto seq = client_->OpenSequence("tiny", "", synthetic::Tokens(5, 0, 8), 60000);
   ASSERT_TRUE(seq.ok()) << seq.status();
   auto stream = client_->OpenDecodeStream();
