@@ -56,6 +56,13 @@ int Occ2Residency(int head_dim, int G) {
       }
       return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kWarps * 32, smem);
     };
+    // The instance LaunchFsqDecode<true, true> launches for this geometry.
+    if constexpr (D == kFsqOcc2SpecD) {
+      if (FsqOcc2Specialized(D, static_cast<int>(FsqCodeBytes(G)))) {
+        return query(FsqDecodeKernel<D, 16, 1, true, true, kFsqOcc2SpecCb>,
+                     SmemBytes<D, 16, 1, true>(stage, kchunks));
+      }
+    }
     return (G + 15) / 16 <= 8 ? query(FsqDecodeKernel<D, 8, 1, true, true>,
                                       SmemBytes<D, 8, 1, true>(stage, kchunks))
                               : query(FsqDecodeKernel<D, 16, 1, true, true>,

@@ -63,6 +63,14 @@ constexpr int kTile = 16;  // tokens per warp tile
 constexpr int kMaxGroup = 8;
 constexpr int kStageSlack = 64;  // bytes read past a tile's codes (latent padding), never used
 
+// The two-CTA int8 kernel with the codes' size compiled in (FsqDecodeKernel's kCB): head_dim
+// 128 with 128 code bytes a token (G 255 or 256: 32x compression of BF16 K/V at d 128, the
+// issue #37 geometry). Other geometries take the kernel with the size read at run time.
+constexpr int kFsqOcc2SpecD = 128, kFsqOcc2SpecCb = 128;
+inline bool FsqOcc2Specialized(int head_dim, int code_bytes) {
+  return head_dim == kFsqOcc2SpecD && code_bytes == kFsqOcc2SpecCb;
+}
+
 struct PartArgs {
   PagedList list;
   DecodeGeometry geo;
@@ -358,14 +366,25 @@ __device__ Smem CarveSmem(uint8_t* p, int kchunks) {
 // both halves of a RoPE pair in one pass); the CTA copies W_k's fragments, the queries,
 // (scale, bias) and the key norm's weights into shared memory in slot order, so every slot's
 // address is a constant. The sums over dims (scores, key norm) do not depend on the order.
-template <int D, int MT, int MTOK, bool kI8, bool kOcc2 = false>
+// kCB (kOcc2 only; 0: read at run time): the code bytes per token compiled in, for the one
+// geometry FsqOcc2Specialized names; the same arithmetic on constants.
+template <int D, int MT, int MTOK, bool kI8, bool kOcc2 = false, int kCB = 0>
 __global__ void __launch_bounds__(kWarps * 32, kOcc2 ? 2 : 1) FsqDecodeKernel(const PartArgs a) {
   static_assert(!kOcc2 || (kI8 && MTOK == 1), "the two-CTA variant is int8 with MTOK 1");
+  static_assert(kCB == 0 || (kOcc2 && (kCB + 7) / 8 <= MT), "kCB: the two-CTA variant's codes");
   constexpr int NT = D / 8;
   constexpr int kTok = kTile * MTOK;  // tokens per warp tile
+  // The code bytes per token and what follows from them: compile-time constants where kCB is
+  // set (the launcher checked a.code_bytes == kCB), so the stage addresses, the alignment
+  // tests and the loop bounds fold away; else the launch's values. G and G + 1 share a code
+  // size and these counts (ceil(G / 32) = ceil(ceil(G / 2) / 16), ceil(G / 16) likewise).
+  const int cb = kCB > 0 ? kCB : a.code_bytes;
+  const int kchunks = kCB > 0 ? (kCB + 15) / 16 : a.kchunks;
+  const int slices = kCB > 0 ? (kCB + 7) / 8 : a.slices;
+  const int stage_bytes = kCB > 0 ? (kTok * kCB + kStageSlack + 15) / 16 * 16 : a.stage_bytes;
   extern __shared__ __align__(16) uint8_t smem_raw[];
-  const Smem sm = kOcc2 ? CarveSmemOcc2<D, MT, MTOK>(smem_raw, a.kchunks, a.stage_bytes)
-                        : CarveSmem<D, MT, MTOK>(smem_raw, a.kchunks);
+  const Smem sm = kOcc2 ? CarveSmemOcc2<D, MT, MTOK>(smem_raw, kchunks, stage_bytes)
+                        : CarveSmem<D, MT, MTOK>(smem_raw, kchunks);
   const int split = blockIdx.x, head = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -406,17 +425,17 @@ __global__ void __launch_bounds__(kWarps * 32, kOcc2 ? 2 : 1) FsqDecodeKernel(co
   const int end = min(len, begin + a.tokens_per_split);
   const int64_t pos0 = a.positions[b];
   const int32_t* table = a.list.page_table + static_cast<int64_t>(b) * a.list.max_pages;
-  const int ps = a.geo.page_size, cb = a.code_bytes;
+  const int ps = a.geo.page_size;
   const bool swz = (cb & 127) == 0;  // StageAt
-  uint8_t* stage = sm.stage + warp * 2 * a.stage_bytes;
+  uint8_t* stage = sm.stage + warp * 2 * stage_bytes;
   float2* base = sm.base + warp * (D / 2);
   // The head's W_k fragments into shared memory (read by every warp, every tile).
   {
     const uint4* src =
-        reinterpret_cast<const uint4*>(a.wk + static_cast<size_t>(head) * a.kchunks * NT * 32);
+        reinterpret_cast<const uint4*>(a.wk + static_cast<size_t>(head) * kchunks * NT * 32);
     uint4* dst = reinterpret_cast<uint4*>(sm.wk);
     if constexpr (kOcc2) {  // slot k of k-step s <- n-tile slot_tile(k)
-      for (int i = tid; i < a.kchunks * NT * 16; i += blockDim.x) {
+      for (int i = tid; i < kchunks * NT * 16; i += blockDim.x) {
         const int k = (i >> 4) % NT;
         CpAsync16(dst + i, src + i + (slot_tile(k) - k) * 16);
       }
@@ -427,7 +446,7 @@ __global__ void __launch_bounds__(kWarps * 32, kOcc2 ? 2 : 1) FsqDecodeKernel(co
         if (a.key_norm != nullptr) sm.kn[i] = reinterpret_cast<const float2*>(a.key_norm)[from];
       }
     } else {
-      for (int i = tid; i < a.kchunks * NT * 16; i += blockDim.x) CpAsync16(dst + i, src + i);
+      for (int i = tid; i < kchunks * NT * 16; i += blockDim.x) CpAsync16(dst + i, src + i);
     }
     CpAsyncCommit();
     asm volatile("cp.async.wait_all;\n");
@@ -441,7 +460,7 @@ __global__ void __launch_bounds__(kWarps * 32, kOcc2 ? 2 : 1) FsqDecodeKernel(co
       const int page = table[tile / ps];
       const uint8_t* src =
           a.list.pages + page * a.list.page_stride + static_cast<int64_t>(tile % ps) * cb;
-      uint8_t* dst = stage + buf * a.stage_bytes;
+      uint8_t* dst = stage + buf * stage_bytes;
       for (int c = lane; c < MTOK * cb; c += 32) {
         uint8_t* to = dst + 16 * c;
         if (swz) {  // chunk c is chunk c % (cb / 16) of row c / (cb / 16)
@@ -477,7 +496,7 @@ __global__ void __launch_bounds__(kWarps * 32, kOcc2 ? 2 : 1) FsqDecodeKernel(co
     }
     CpAsyncWaitOne();
     __syncwarp();
-    const uint8_t* cs = stage + buf * a.stage_bytes;
+    const uint8_t* cs = stage + buf * stage_bytes;
 
     const bool aligned = (cb & 7) == 0;  // BytePair's 8-byte loads
     // Steps 4 and 5 for m-tile u of the warp tile from the scores sc of head g, tokens 2t,
@@ -523,7 +542,7 @@ __global__ void __launch_bounds__(kWarps * 32, kOcc2 ? 2 : 1) FsqDecodeKernel(co
             o[mt][2] *= alpha0;
             o[mt][3] *= alpha1;
           }
-          if (mt < a.slices) {
+          if (mt < slices) {
             const uint2 w0 = Row8(StageAt(cs, zr, 8 * mt, cb, swz), zj, aligned);
             const uint2 w1 = Row8(StageAt(cs, zr + 1, 8 * mt, cb, swz), zj, aligned);
             const uint2 w8 = Row8(StageAt(cs, zr + 8, 8 * mt, cb, swz), zj, aligned);
@@ -543,7 +562,7 @@ __global__ void __launch_bounds__(kWarps * 32, kOcc2 ? 2 : 1) FsqDecodeKernel(co
           o[mt][1] *= alpha1;
           o[mt][2] *= alpha0;
           o[mt][3] *= alpha1;
-          if (mt < a.slices) {
+          if (mt < slices) {
             const uint2 w0 = BytePair(StageAt(cs, zr, 8 * mt, cb, swz), zj, aligned);
             const uint2 w1 = BytePair(StageAt(cs, zr + 1, 8 * mt, cb, swz), zj, aligned);
             const uint2 w8 = BytePair(StageAt(cs, zr + 8, 8 * mt, cb, swz), zj, aligned);
@@ -573,7 +592,7 @@ __global__ void __launch_bounds__(kWarps * 32, kOcc2 ? 2 : 1) FsqDecodeKernel(co
 #pragma unroll
         for (int j = 0; j < kPT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = kBase;
 #pragma unroll 2
-        for (int s = 0; s < a.kchunks; ++s) {
+        for (int s = 0; s < kchunks; ++s) {
           uint32_t af[4];
           const uint32_t lo = Word(StageAt(cs, g, 16 * s + 4 * t, cb, swz), aligned4);
           const uint32_t hi = Word(StageAt(cs, g + 8, 16 * s + 4 * t, cb, swz), aligned4);
@@ -676,7 +695,7 @@ __global__ void __launch_bounds__(kWarps * 32, kOcc2 ? 2 : 1) FsqDecodeKernel(co
         // (fsq_decode_attention_i8.cu).
         const bool aligned4 = (cb & 3) == 0;
 #pragma unroll 2
-        for (int s = 0; s < a.kchunks; ++s) {
+        for (int s = 0; s < kchunks; ++s) {
           uint32_t af[MTOK][4];
 #pragma unroll
           for (int u = 0; u < MTOK; ++u) {
@@ -696,7 +715,7 @@ __global__ void __launch_bounds__(kWarps * 32, kOcc2 ? 2 : 1) FsqDecodeKernel(co
         }
       } else {
 #pragma unroll 2
-        for (int s = 0; s < a.slices; ++s) {
+        for (int s = 0; s < slices; ++s) {
           uint32_t af[MTOK][4];
 #pragma unroll
           for (int u = 0; u < MTOK; ++u) {
@@ -838,7 +857,7 @@ __global__ void __launch_bounds__(kWarps * 32, kOcc2 ? 2 : 1) FsqDecodeKernel(co
     co[(mt * 16 + g + 8) * 8 + 2 * t + 1] = o[mt][3];
   }
   __syncthreads();
-  const int gp = a.slices * 16;
+  const int gp = slices * 16;
   for (int i = tid; i < group * gp; i += blockDim.x) {
     const int j = i / gp, lat = i % gp;
     float M = -INFINITY;
@@ -941,16 +960,20 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-template <int D, int MT, int MTOK, bool kI8, bool kOcc2 = false>
+template <int D, int MT, int MTOK, bool kI8, bool kOcc2 = false, int kCB = 0>
 cudaError_t LaunchParts(const PartArgs& a, int splits, cudaStream_t stream) {
+  if (kCB > 0 &&
+      (a.code_bytes != kCB || a.stage_bytes != (kTile * MTOK * kCB + kStageSlack + 15) / 16 * 16)) {
+    return cudaErrorInvalidValue;
+  }
   const size_t smem = SmemBytes<D, MT, MTOK, kOcc2>(a.stage_bytes, a.kchunks);
   cudaError_t e =
-      cudaFuncSetAttribute(FsqDecodeKernel<D, MT, MTOK, kI8, kOcc2>,
+      cudaFuncSetAttribute(FsqDecodeKernel<D, MT, MTOK, kI8, kOcc2, kCB>,
                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(a.geo.num_kv_heads),
                   static_cast<unsigned>(a.geo.batch));
-  FsqDecodeKernel<D, MT, MTOK, kI8, kOcc2><<<grid, kWarps * 32, smem, stream>>>(a);
+  FsqDecodeKernel<D, MT, MTOK, kI8, kOcc2, kCB><<<grid, kWarps * 32, smem, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -1015,10 +1038,17 @@ Error LaunchFsqDecode(const PagedList& list, const DecodeGeometry& geo, const Fs
   a.ws_lse = a.ws_z + static_cast<size_t>(args.splits) * rows * gp;
   const cudaError_t e = DispatchHeadDim(geo.head_dim, [&](auto hd) -> cudaError_t {
     constexpr int D = decltype(hd)::value;
-    cudaError_t err;
+    cudaError_t err = cudaErrorInvalidValue;
     if constexpr (kOcc2) {
-      err = a.slices <= 8 ? LaunchParts<D, 8, 1, true, true>(a, args.splits, stream)
-                          : LaunchParts<D, 16, 1, true, true>(a, args.splits, stream);
+      // d 128 with 128 code bytes a token: the kernel with the codes' size compiled in.
+      if (FsqOcc2Specialized(D, a.code_bytes)) {
+        if constexpr (D == kFsqOcc2SpecD) {
+          err = LaunchParts<D, 16, 1, true, true, kFsqOcc2SpecCb>(a, args.splits, stream);
+        }
+      } else {
+        err = a.slices <= 8 ? LaunchParts<D, 8, 1, true, true>(a, args.splits, stream)
+                            : LaunchParts<D, 16, 1, true, true>(a, args.splits, stream);
+      }
     } else if constexpr (D == 256) {
       err = a.slices <= 8 ? LaunchParts<D, 8, 1, kI8>(a, args.splits, stream)
                           : LaunchParts<D, 16, 1, kI8>(a, args.splits, stream);

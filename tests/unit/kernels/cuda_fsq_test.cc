@@ -225,6 +225,9 @@ TEST_F(CudaFsqTest, DecodeAttentionMatchesTheOracle) {
       {256, 85, 6, 2, 16, true, RopePairing::kHalf, 128, {129, 0}, {0, 7}},
       {256, 256, 16, 2, 32, false, RopePairing::kHalf, 0, {64, 333}, {0, 0}},
       {128, 256, 4, 1, 16, false, RopePairing::kHalf, 128, {2000}, {0}},
+      // G 255: the code size of G 256 (128 bytes), so int8-2cta's compiled-in kernel
+      // (FsqOcc2Specialized), with its last latent a padding nibble; pages of 64.
+      {128, 255, 16, 4, 64, true, RopePairing::kHalf, 128, {700, 65, 1}, {0, 4, 9}},
   };
   // KVCD_FSQ_TEST_SMALL=1 (the compute-sanitizer runs): the first two cases, short contexts.
   const bool small = std::getenv("KVCD_FSQ_TEST_SMALL") != nullptr;
