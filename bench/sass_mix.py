@@ -4,7 +4,8 @@
 Compiles one kernels/cuda source for sm_90a at -O3 into a cubin, disassembles it with
 nvdisasm and prints, for each kernel whose mangled name contains --kernel: its instruction
 count, its loops (backward branches) by size, and the opcode mix of the largest loop (the
-tile loop of a decode kernel) or of loop --loop. These are static counts: a branch's
+tile loop of a decode kernel) or of loop --loop, and with --lines the source lines that loop's
+instructions come from (-lineinfo; inlined helpers by their own lines). These are static counts: a branch's
 untaken side counts, an inner loop counts once. A prediction still needs the trip counts
 and the taken paths (bench/results/2026-12-05-h200-fsq-keys.md, session 26, shows one).
 
@@ -49,8 +50,12 @@ def nvdisasm_path(given):
 
 def kernels_of(sass):
     """{mangled name: [(opcode, text)]} and each kernel's label -> instruction index."""
-    out, name, labels, pending = {}, None, {}, []
+    out, name, labels, pending, where = {}, None, {}, [], ("?", 0)
     for line in sass.splitlines():
+        m = re.search(r'//## File "([^"]+)", line (\d+)', line)
+        if m:
+            where = (m.group(1), int(m.group(2)))
+            continue
         m = re.match(r"(_Z\S+):$", line.strip())
         if m and not line.startswith("\t."):
             name = m.group(1)
@@ -68,13 +73,13 @@ def kernels_of(sass):
             for p in pending:
                 labels[name][p] = len(out[name])
             pending = []
-            out[name].append((body.split()[0].split(".")[0], body))
+            out[name].append((body.split()[0].split(".")[0], body, where))
     return out, labels
 
 
 def loops_of(ins, labels):
     found = set()
-    for i, (op, body) in enumerate(ins):
+    for i, (op, body, _) in enumerate(ins):
         if op == "BRA":
             m = re.search(r"(\.L_x_\d+)", body)
             if m and labels.get(m.group(1), i + 1) <= i:
@@ -87,6 +92,7 @@ def main():
     ap.add_argument("source", help="a .cu file under kernels/cuda")
     ap.add_argument("--kernel", required=True, help="a substring of the kernels' mangled names")
     ap.add_argument("--loop", type=int, default=0, help="which loop's mix, by size (0: largest)")
+    ap.add_argument("--lines", type=int, default=0, help="print the loop's N busiest source lines")
     ap.add_argument("--nvdisasm", default=os.environ.get("KVCD_NVDISASM"))
     ap.add_argument("--nvcc", default="/usr/local/cuda/bin/nvcc")
     a = ap.parse_args()
@@ -94,8 +100,9 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
         subprocess.run([a.nvcc, "-I", os.path.join(ROOT, "kernels", "include"), "-O3", "-DNDEBUG",
-                        "-arch=sm_90a", "-std=c++17", "-cubin", "-o", cubin, a.source], check=True)
-        sass = subprocess.run([nvd, "-c", cubin], check=True, capture_output=True,
+                        "-arch=sm_90a", "-std=c++17", "-lineinfo", "-cubin", "-o", cubin, a.source],
+                       check=True)
+        sass = subprocess.run([nvd, "-c", "-g", cubin], check=True, capture_output=True,
                               text=True).stdout
     kernels, labels = kernels_of(sass)
     chosen = [k for k in kernels if a.kernel in k]
@@ -109,10 +116,20 @@ def main():
             print(f"    {s}..{e}: {e - s + 1}")
         if len(loops) > a.loop:
             s, e = loops[a.loop]
-            mix = collections.Counter(op for op, _ in ins[s:e + 1])
+            mix = collections.Counter(op for op, _, _ in ins[s:e + 1])
             print(f"  loop {s}..{e} by opcode:")
             for op, n in mix.most_common(24):
                 print(f"    {op:<10} {n:5d} {100.0 * n / (e - s + 1):5.1f}%")
+            if a.lines:
+                by_line = collections.Counter(w for _, _, w in ins[s:e + 1])
+                print(f"  loop {s}..{e} by source line:")
+                for (path, ln), n in by_line.most_common(a.lines):
+                    text = ""
+                    if os.path.exists(path):
+                        with open(path) as f:
+                            src = f.read().splitlines()
+                        text = src[ln - 1].strip()[:60] if 0 < ln <= len(src) else ""
+                    print(f"    {n:5d}  {os.path.basename(path)}:{ln}  {text}")
 
 
 if __name__ == "__main__":
