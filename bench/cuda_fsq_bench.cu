@@ -5,11 +5,13 @@
 // read-only reduction's TB/s and a register-only mma.sync FP16 loop's TFLOP/s, and its int8
 // m16n8k32 twin's TOPS); the error against the float64 oracle at that geometry; the device
 // encoder's cost. The key-rebuild variants of cuda_fsq_i8.h that --kernel names: FP16 (the
-// reference), int8, int8 at two CTAs per SM; both (the default) = FP16 and int8, all = the three;
+// reference), int8, int8 at two CTAs per SM, the same with the code size compiled in
+// (int8-2cta-fixed: d 128, G 255-256); both (the default) = FP16 and int8, all = the four;
 // several separated by commas. Kernels only (runs on a GPU machine without the daemon's
 // libraries).
 //
-//   cuda_fsq_bench [--quick] [--kernel=fp16|int8|int8-2cta|both|all[,...]] [--one G N BATCH
+//   cuda_fsq_bench [--quick] [--kernel=fp16|int8|int8-2cta|int8-2cta-fixed|both|all[,...]]
+//   [--one G N BATCH
 //   [--splits S]]
 //   (--quick: contexts 32k only, batch 1 and 64)
 #include <cuda_runtime.h>
@@ -92,20 +94,22 @@ const char* KernelName(kk::cuda::FsqKeyKernel k) {
       return "int8";
     case kk::cuda::FsqKeyKernel::kInt8Occ2:
       return "int8-2cta";
+    case kk::cuda::FsqKeyKernel::kInt8Occ2Fixed:
+      return "int8-2cta-fixed";
   }
   return "?";
 }
 
-constexpr kk::cuda::FsqKeyKernel kKernels[] = {kk::cuda::FsqKeyKernel::kFp16,
-                                               kk::cuda::FsqKeyKernel::kInt8,
-                                               kk::cuda::FsqKeyKernel::kInt8Occ2};
+constexpr kk::cuda::FsqKeyKernel kKernels[] = {
+    kk::cuda::FsqKeyKernel::kFp16, kk::cuda::FsqKeyKernel::kInt8, kk::cuda::FsqKeyKernel::kInt8Occ2,
+    kk::cuda::FsqKeyKernel::kInt8Occ2Fixed};
 
 // One layer's codec at Qwen3-8B geometry, host and device copies.
 struct Codec {
   std::vector<float> wk, wv, bk, bv, kn, e, eb;
   std::vector<float> wk_i8;  // the int8 decoder as floats (scale * q): the int8 kernel's oracle
   kk::FsqLayerCodec host{}, dev{};
-  void* prepared[3] = {nullptr, nullptr, nullptr};  // per FsqKeyKernel
+  void* prepared[4] = {nullptr, nullptr, nullptr, nullptr};  // per FsqKeyKernel
   Codec(int G, uint32_t seed) {
     std::mt19937 rng(seed);
     std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -251,8 +255,8 @@ ABSL_FLAG(int32_t, splits, 0,
           "with --one: this many splits of each sequence's tokens instead of the kernel's own "
           "count (FsqDecodeSplits; 0), to see what a call's split count costs");
 ABSL_FLAG(std::string, kernel, "both",
-          "key rebuild: fp16, int8, int8-2cta, both (fp16 and int8) or all; several separated by "
-          "commas");
+          "key rebuild: fp16, int8, int8-2cta, int8-2cta-fixed, both (fp16 and int8) or all; "
+          "several separated by commas");
 
 int main(int argc, char** argv) {
   const kvcd::cli::Program program = {
@@ -260,7 +264,8 @@ int main(int argc, char** argv) {
       .summary = "FSQ decode attention timings on the GPU against two ceilings",
       .files = {__FILE__},
       .synopsis =
-          "[--quick | --one G N BATCH [--splits S]] [--kernel=fp16|int8|int8-2cta|both|all[,...]]",
+          "[--quick | --one G N BATCH [--splits S]] "
+          "[--kernel=fp16|int8|int8-2cta|int8-2cta-fixed|both|all[,...]]",
       .takes_args = true};
   const kvcd::cli::Parsed cli = kvcd::cli::Parse(program, argc, argv);
   const bool quick = absl::GetFlag(FLAGS_quick);
@@ -279,7 +284,7 @@ int main(int argc, char** argv) {
     at = comma + 1;
     bool known = false;
     for (const auto k : kKernels) {
-      const bool in_both = k != kk::cuda::FsqKeyKernel::kInt8Occ2;
+      const bool in_both = k == kk::cuda::FsqKeyKernel::kFp16 || k == kk::cuda::FsqKeyKernel::kInt8;
       if (name == KernelName(k) || name == "all" || (name == "both" && in_both)) {
         known = true;
         if (std::find(kernels.begin(), kernels.end(), k) == kernels.end()) kernels.push_back(k);
@@ -287,7 +292,7 @@ int main(int argc, char** argv) {
     }
     if (!known) {
       const std::string why =
-          "--kernel takes fp16, int8, int8-2cta, both or all, or several "
+          "--kernel takes fp16, int8, int8-2cta, int8-2cta-fixed, both or all, or several "
           "separated by commas; got \"" +
           name + "\"";
       return kvcd::cli::UsageError(program, nullptr, why);

@@ -4,7 +4,9 @@
 # the CUDA FSQ kernel tests (every variant against the float64 oracle, through the merge),
 # memcheck on their small cases, the daemon's FSQ data-plane cases, and cuda_fsq_bench --one
 # for the default kernel (int8-2cta) at G 256 (2k / 32k / 100k tokens, batch 1 and 8) and
-# G 84 (100k, batch 1).
+# G 84 (100k, batch 1). Session 26 adds int8-2cta-fixed (the code size compiled in at d 128,
+# G 255-256; opt-in): the tests cover it, the data-plane FSQ cases run again with it as the
+# daemon's kernel, and each G 256 row is timed for both kernels in turn (~+40 s).
 #   here:   ./scripts/build.sh kvcd kvcd_cuda_tests kvcd_data_plane_tests cuda_fsq_bench &&
 #           KVCD_PACK_ONLY="kvcd kvcd_cuda_tests kvcd_data_plane_tests cuda_fsq_bench"
 #           ./scripts/pack-device.sh && xz -1 -c /usr/bin/etcd > .devbin/etcd.xz &&
@@ -23,8 +25,13 @@ KVCD_FSQ_TEST_SMALL=1 timeout 60 compute-sanitizer --tool memcheck --error-exitc
   grep -E 'ERROR SUMMARY|^\[  (PASSED|FAILED)'
 KVCD_BINARY=$BIN/kvcd timeout 60 "$BIN/kvcd_data_plane_tests" --gtest_filter='*fsq*' 2>&1 |
   grep -E 'CUDA vs CPU|^\[  (PASSED|FAILED)|Failure'
+echo "data plane with KVCD_FSQ_KERNEL=int8-2cta-fixed:"
+KVCD_FSQ_KERNEL=int8-2cta-fixed KVCD_BINARY=$BIN/kvcd timeout 60 "$BIN/kvcd_data_plane_tests" \
+  --gtest_filter='*fsq*' 2>&1 | grep -E 'CUDA vs CPU|^\[  (PASSED|FAILED)|Failure'
 echo "kernel    G  context  batch  splits  single us     b2b us       MB    GFLOP      TB/s  TFLOP/s    bound"
 for run in "256 2048 1" "256 2048 8" "256 32768 1" "256 32768 8" "256 100000 1" "256 100000 8" \
   "84 100000 1"; do
   timeout 30 "$BIN/cuda_fsq_bench" --kernel=int8-2cta --one $run | grep -E '^ *int8-2cta '
+  [[ $run == 256* ]] && timeout 30 "$BIN/cuda_fsq_bench" --kernel=int8-2cta-fixed --one $run |
+    grep -E '^ *int8-2cta-fixed '
 done

@@ -66,6 +66,8 @@ R WithKeyKernel(FsqKeyKernel kernel, Fn&& fn, R invalid) {
       return fn(KeyKernel<FsqKeyKernel::kInt8>{});
     case FsqKeyKernel::kInt8Occ2:
       return fn(KeyKernel<FsqKeyKernel::kInt8Occ2>{});
+    case FsqKeyKernel::kInt8Occ2Fixed:
+      return fn(KeyKernel<FsqKeyKernel::kInt8Occ2Fixed>{});
   }
   return invalid;
 }
@@ -122,7 +124,8 @@ Error LaunchFsqDecodeParts(FsqKeyKernel kernel, const PagedList& list, const Dec
               FsqI8FragBytes(geo.num_kv_heads, geo.head_dim, args.codec.latent_width));
         } else {
           return LaunchFsqDecodeI8TwoCta(list, geo, args, max_tokens, part_o, part_lse, part_base,
-                                         stream, merge);
+                                         stream, merge,
+                                         /*fixed_size=*/K == FsqKeyKernel::kInt8Occ2Fixed);
         }
       },
       ToError(cudaErrorInvalidValue));
@@ -133,8 +136,10 @@ int FsqDecodeSplits(FsqKeyKernel kernel, const DecodeGeometry& geo, int latent_w
   const int per_sm = WithKeyKernel(
       kernel,
       [&](auto k) {
-        return decltype(k)::value == FsqKeyKernel::kInt8Occ2
-                   ? FsqI8TwoCtaPerSm(geo.head_dim, latent_width)
+        constexpr FsqKeyKernel K = decltype(k)::value;
+        return K == FsqKeyKernel::kInt8Occ2 || K == FsqKeyKernel::kInt8Occ2Fixed
+                   ? FsqI8TwoCtaPerSm(geo.head_dim, latent_width,
+                                      /*fixed_size=*/K == FsqKeyKernel::kInt8Occ2Fixed)
                    : 1;
       },
       1);

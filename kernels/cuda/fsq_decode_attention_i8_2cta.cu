@@ -21,9 +21,10 @@ namespace {
 // The two-CTA instantiation's residency for (head_dim, G) on the current device: the kernel
 // LaunchFsqDecode<true, true> launches (MTOK 1, MT by G) with its shared memory, as the device
 // reports it; 0 for a geometry the kernel does not take, or where the device refuses that much
-// shared memory. The device is asked once per (device, head_dim, G) and its answer kept: the
-// split count and the launch of every layer's call need it.
-int Occ2Residency(int head_dim, int G) {
+// shared memory. The device is asked once per (device, head_dim, G, fixed) and its answer
+// kept: the split count and the launch of every layer's call need it. fixed: of the instance
+// with the code size compiled in where FsqOcc2Specialized names the geometry.
+int Occ2Residency(int head_dim, int G, bool fixed) {
   const int dim_at = head_dim == 64 ? 0 : head_dim == 128 ? 1 : head_dim == 256 ? 2 : -1;
   if (G < 1 || G > kFsqCudaMaxLatent || dim_at < 0) return 0;
   int dev = 0;
@@ -31,8 +32,10 @@ int Occ2Residency(int head_dim, int G) {
     (void)cudaGetLastError();
     return 0;
   }
-  static std::atomic<int8_t> known[64][3][kFsqCudaMaxLatent + 1];  // residency + 1; 0: not yet
-  std::atomic<int8_t>* const slot = dev >= 0 && dev < 64 ? &known[dev][dim_at][G] : nullptr;
+  // residency + 1; 0: not yet
+  static std::atomic<int8_t> known[64][2][3][kFsqCudaMaxLatent + 1];
+  std::atomic<int8_t>* const slot =
+      dev >= 0 && dev < 64 ? &known[dev][fixed ? 1 : 0][dim_at][G] : nullptr;
   if (slot != nullptr) {
     if (const int v = slot->load(std::memory_order_relaxed); v > 0) return v - 1;
   }
@@ -58,7 +61,7 @@ int Occ2Residency(int head_dim, int G) {
     };
     // The instance LaunchFsqDecode<true, true> launches for this geometry.
     if constexpr (D == kFsqOcc2SpecD) {
-      if (FsqOcc2Specialized(D, static_cast<int>(FsqCodeBytes(G)))) {
+      if (fixed && FsqOcc2Specialized(D, static_cast<int>(FsqCodeBytes(G)))) {
         return query(FsqDecodeKernel<D, 16, 1, true, true, kFsqOcc2SpecCb>,
                      SmemBytes<D, 16, 1, true>(stage, kchunks));
       }
@@ -75,24 +78,24 @@ int Occ2Residency(int head_dim, int G) {
 
 }  // namespace
 
-int FsqI8TwoCtaPerSm(int head_dim, int latent_width) {
+int FsqI8TwoCtaPerSm(int head_dim, int latent_width, bool fixed_size) {
   if (!BindThread().ok()) return 1;
-  const int n = Occ2Residency(head_dim, latent_width);
+  const int n = Occ2Residency(head_dim, latent_width, fixed_size);
   return n >= 2 ? n : 1;
 }
 
 Error LaunchFsqDecodeI8TwoCta(const PagedList& list, const DecodeGeometry& geo,
                               const FsqDecodeArgs& args, int max_tokens, float* part_o,
                               float* part_lse, int part_base, cudaStream_t stream,
-                              const MergeTarget* merge) {
+                              const MergeTarget* merge, bool fixed_size) {
   KVCD_CUDA_BIND_THREAD();
-  if (Occ2Residency(geo.head_dim, args.codec.latent_width) < 2) {
+  if (Occ2Residency(geo.head_dim, args.codec.latent_width, fixed_size) < 2) {
     return LaunchFsqDecodeParts(FsqKeyKernel::kInt8, list, geo, args, max_tokens, part_o, part_lse,
                                 part_base, stream, merge);
   }
   return LaunchFsqDecode<true, true>(
       list, geo, args, max_tokens, part_o, part_lse, part_base, stream, merge,
-      FsqI8FragBytes(geo.num_kv_heads, geo.head_dim, args.codec.latent_width));
+      FsqI8FragBytes(geo.num_kv_heads, geo.head_dim, args.codec.latent_width), fixed_size);
 }
 
 }  // namespace kvcd::kernels::cuda

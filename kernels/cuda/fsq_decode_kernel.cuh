@@ -63,9 +63,10 @@ constexpr int kTile = 16;  // tokens per warp tile
 constexpr int kMaxGroup = 8;
 constexpr int kStageSlack = 64;  // bytes read past a tile's codes (latent padding), never used
 
-// The two-CTA int8 kernel with the codes' size compiled in (FsqDecodeKernel's kCB): head_dim
-// 128 with 128 code bytes a token (G 255 or 256: 32x compression of BF16 K/V at d 128, the
-// issue #37 geometry). Other geometries take the kernel with the size read at run time.
+// The two-CTA int8 kernel with the codes' size compiled in (FsqDecodeKernel's kCB; selected by
+// FsqKeyKernel::kInt8Occ2Fixed): head_dim 128 with 128 code bytes a token (G 255 or 256: 32x
+// compression of BF16 K/V at d 128, the issue #37 geometry). Other geometries take the kernel
+// with the size read at run time.
 constexpr int kFsqOcc2SpecD = 128, kFsqOcc2SpecCb = 128;
 inline bool FsqOcc2Specialized(int head_dim, int code_bytes) {
   return head_dim == kFsqOcc2SpecD && code_bytes == kFsqOcc2SpecCb;
@@ -981,11 +982,13 @@ cudaError_t LaunchParts(const PartArgs& a, int splits, cudaStream_t stream) {
 inline int StageBytes(int cb, int tok) { return (tok * cb + kStageSlack + 15) / 16 * 16; }
 
 // LaunchFsqDecodeParts (cuda_fsq.h) with the key rebuild of kI8; the prepared decoder holds
-// frag_bytes of B fragments, then the (scale, bias) pairs.
+// frag_bytes of B fragments, then the (scale, bias) pairs. fixed_size (kOcc2): the instance
+// with the code size compiled in where FsqOcc2Specialized names the geometry.
 template <bool kI8, bool kOcc2 = false>
 Error LaunchFsqDecode(const PagedList& list, const DecodeGeometry& geo, const FsqDecodeArgs& args,
                       int max_tokens, float* part_o, float* part_lse, int part_base,
-                      cudaStream_t stream, const MergeTarget* merge, size_t frag_bytes) {
+                      cudaStream_t stream, const MergeTarget* merge, size_t frag_bytes,
+                      bool fixed_size = false) {
   const FsqLayerCodec& c = args.codec;
   const int G = c.latent_width;
   const RopeSpec& rope = args.rope;
@@ -1041,7 +1044,7 @@ Error LaunchFsqDecode(const PagedList& list, const DecodeGeometry& geo, const Fs
     cudaError_t err = cudaErrorInvalidValue;
     if constexpr (kOcc2) {
       // d 128 with 128 code bytes a token: the kernel with the codes' size compiled in.
-      if (FsqOcc2Specialized(D, a.code_bytes)) {
+      if (fixed_size && FsqOcc2Specialized(D, a.code_bytes)) {
         if constexpr (D == kFsqOcc2SpecD) {
           err = LaunchParts<D, 16, 1, true, true, kFsqOcc2SpecCb>(a, args.splits, stream);
         }

@@ -23,8 +23,9 @@ namespace {
 // "int8-2cta" (the default since session 25: W_k quantized to int8 per row at upload, the
 // int8 kernel at two CTAs per SM; 1.5x the FP16 kernel's speed at G 256, 100k tokens, with
 // 0.1-0.26 of FSQ's own rounding error added: bench/results/2026-12-05-h200-fsq-keys.md),
-// "int8" (the same at one CTA per SM) or "fp16" (the reference variant, the float W_k in
-// FP16); another value is reported and ignored.
+// "int8-2cta-fixed" (the same with the code size compiled in at head_dim 128, G 255-256;
+// opt-in until measured on a device), "int8" (the int8 kernel at one CTA per SM) or "fp16"
+// (the reference variant, the float W_k in FP16); another value is reported and ignored.
 kernels::cuda::FsqKeyKernel FsqKeyKernelFromEnv() {
   constexpr auto kDefault = kernels::cuda::FsqKeyKernel::kInt8Occ2;
   const char* v = std::getenv("KVCD_FSQ_KERNEL");
@@ -32,8 +33,10 @@ kernels::cuda::FsqKeyKernel FsqKeyKernelFromEnv() {
   if (std::strcmp(v, "fp16") == 0) return kernels::cuda::FsqKeyKernel::kFp16;
   if (std::strcmp(v, "int8") == 0) return kernels::cuda::FsqKeyKernel::kInt8;
   if (std::strcmp(v, "int8-2cta") == 0) return kernels::cuda::FsqKeyKernel::kInt8Occ2;
+  if (std::strcmp(v, "int8-2cta-fixed") == 0) return kernels::cuda::FsqKeyKernel::kInt8Occ2Fixed;
   KVCD_LOG(WARNING) << "KVCD_FSQ_KERNEL=" << v
-                    << " is not int8-2cta, int8 or fp16; using the default (int8-2cta)";
+                    << " is not int8-2cta, int8-2cta-fixed, int8 or fp16; using the default "
+                       "(int8-2cta)";
   return kDefault;
 }
 #endif

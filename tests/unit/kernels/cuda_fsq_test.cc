@@ -234,11 +234,14 @@ TEST_F(CudaFsqTest, DecodeAttentionMatchesTheOracle) {
   // worst[kernel]: against the oracle of the decoder the kernel uses (int8: scale * q);
   // added: the int8 kernels against the oracle of the float W_k (printed, not bounded here:
   // KeyErrorIsSmallAgainstFsqRounding bounds the key error it comes from).
-  double worst[3] = {0, 0, 0}, added = 0;
+  double worst[4] = {0, 0, 0, 0}, added = 0;
   for (AttnCase cs : small ? std::vector<AttnCase>(cases.begin(), cases.begin() + 2) : cases) {
     for (const cuda::FsqKeyKernel kernel :
-         {cuda::FsqKeyKernel::kFp16, cuda::FsqKeyKernel::kInt8, cuda::FsqKeyKernel::kInt8Occ2}) {
-      const int kv = static_cast<int>(kernel);  // 0 FP16, 1 int8, 2 int8 at two CTAs per SM
+         {cuda::FsqKeyKernel::kFp16, cuda::FsqKeyKernel::kInt8, cuda::FsqKeyKernel::kInt8Occ2,
+          cuda::FsqKeyKernel::kInt8Occ2Fixed}) {
+      // 0 FP16, 1 int8, 2 int8 at two CTAs per SM, 3 the same with the code size compiled in
+      // (d 128 at G 255-256: the first, the last two cases; elsewhere the same kernel as 2)
+      const int kv = static_cast<int>(kernel);
       const bool i8 = kernel != cuda::FsqKeyKernel::kFp16;
       if (small) {
         for (int& n : cs.lengths) n = std::min(n, 70);
@@ -426,9 +429,9 @@ TEST_F(CudaFsqTest, DecodeAttentionMatchesTheOracle) {
   }
   std::printf(
       "fsq decode attention: worst relative error of o against the float64 oracle %.3g (FP16 "
-      "keys), %.3g (int8 keys, oracle on scale * q), %.3g (int8 keys at two CTAs per SM); int8 "
-      "keys against the float W_k: %.3g\n",
-      worst[0], worst[1], worst[2], added);
+      "keys), %.3g (int8 keys, oracle on scale * q), %.3g (int8 keys at two CTAs per SM), %.3g "
+      "(the same, code size compiled in); int8 keys against the float W_k: %.3g\n",
+      worst[0], worst[1], worst[2], worst[3], added);
 }
 
 TEST_F(CudaFsqTest, DecodeAttentionRejectsUnsupportedArguments) {
@@ -451,8 +454,9 @@ TEST_F(CudaFsqTest, DecodeAttentionRejectsUnsupportedArguments) {
   EXPECT_EQ(cuda::LaunchFsqDecodeParts(list, geo96, args, 16, &f, &f, 0, nullptr).device_code(),
             cudaErrorInvalidValue);
   // The int8 variants check the same contract; an unknown variant is rejected.
-  for (const auto kernel : {cuda::FsqKeyKernel::kInt8, cuda::FsqKeyKernel::kInt8Occ2,
-                            static_cast<cuda::FsqKeyKernel>(7)}) {
+  for (const auto kernel :
+       {cuda::FsqKeyKernel::kInt8, cuda::FsqKeyKernel::kInt8Occ2,
+        cuda::FsqKeyKernel::kInt8Occ2Fixed, static_cast<cuda::FsqKeyKernel>(7)}) {
     EXPECT_EQ(
         cuda::LaunchFsqDecodeParts(kernel, list, geo96, args, 16, &f, &f, 0, nullptr).device_code(),
         cudaErrorInvalidValue);
@@ -480,6 +484,11 @@ TEST_F(CudaFsqTest, TwoCtaVariantSplitsForItsResidency) {
     EXPECT_EQ(cuda::FsqDecodeSplits(cuda::FsqKeyKernel::kInt8Occ2, geo, c.G, 100000, sms),
               cuda::FsqDecodeSplits(1, 8, 100000, c.per_sm * sms))
         << "d " << c.d << " G " << c.G;
+    // The code size compiled in (d 128, G 256) keeps the residency: 128 registers, the same
+    // shared memory.
+    EXPECT_EQ(cuda::FsqDecodeSplits(cuda::FsqKeyKernel::kInt8Occ2Fixed, geo, c.G, 100000, sms),
+              cuda::FsqDecodeSplits(1, 8, 100000, c.per_sm * sms))
+        << "fixed: d " << c.d << " G " << c.G;
   }
   EXPECT_EQ(cuda::FsqDecodeSplits(1, 8, 100000, 2 * sms), 33);
 }

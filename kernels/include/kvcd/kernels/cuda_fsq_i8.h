@@ -29,8 +29,11 @@ namespace kvcd::kernels::cuda {
 // n-tiles rebuilt in passes; the same products and decoder as kInt8, the sums in another
 // order; a geometry whose shared memory does not fit two CTAs on the device, d 256 with G
 // past 160 on sm_90, runs the kInt8 kernel). A prepared decoder belongs to the variant that
-// prepared it (kInt8 and kInt8Occ2 prepare the same one).
-enum class FsqKeyKernel { kFp16, kInt8, kInt8Occ2 };
+// prepared it (kInt8, kInt8Occ2 and kInt8Occ2Fixed prepare the same one). kInt8Occ2Fixed
+// (opt-in until measured on a device): kInt8Occ2 with the code size compiled in where
+// FsqOcc2Specialized names the geometry (head_dim 128, G 255-256: the same arithmetic on
+// constants), kInt8Occ2 elsewhere.
+enum class FsqKeyKernel { kFp16, kInt8, kInt8Occ2, kInt8Occ2Fixed };
 
 // The int8 decoder of one row of W_k (G weights): q[k] = rint(w[k] * (127 / m)) with
 // m = max |w|, returns the scale m / 127 (a zero row: q = 0, scale 1). The device
