@@ -184,6 +184,15 @@ __device__ __forceinline__ uint32_t PairedNibblesToHalf2(uint32_t x, int sh) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
+// FsqInPlaceNibbleBits' halves -> FP16x2 of nibble - 8, exact: one FMA by the lane's
+// (scale, offset) pair (FsqInPlaceNibbleScale / Offset of its sh).
+__device__ __forceinline__ uint32_t InPlaceNibblesToHalf2(uint32_t x, int sh, __half2 scale,
+                                                          __half2 offset) {
+  const uint32_t v = FsqInPlaceNibbleBits(x, sh);
+  const __half2 h = __hfma2(*reinterpret_cast<const __half2*>(&v), scale, offset);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
 // Byte k of row r of a stage tile (fsq_i8_fragments.h: 16-byte chunks XOR (r & 7) when
 // cb is a multiple of 128).
 __device__ __forceinline__ const uint8_t* StageAt(const uint8_t* tile, int r, int k, int cb,
@@ -392,12 +401,39 @@ __global__ void __launch_bounds__(kWarps * 32, kOcc2 ? 2 : 1) FsqDecodeKernel(co
   const int group = a.geo.num_q_heads / a.geo.num_kv_heads;
   const int rows = a.geo.batch * a.geo.num_q_heads;
   const int half_rot = a.rotary / 2;
+  // kCB: step 5's (scale, offset) for this lane's nibble (sh = 4 (g & 1), below).
+  const __half2 nib_sc = __float2half2_rn(FsqInPlaceNibbleScale(4 * (g & 1)));
+  const __half2 nib_off = __float2half2_rn(FsqInPlaceNibbleOffset(4 * (g & 1)));
   // kOcc2: the n-tile of slot k (above).
   const int koff = kOcc2 && a.rotary > 0 && !a.interleaved ? a.rotary / 16 : 0;
   auto slot_tile = [koff](int k) { return FsqI8SlotTile(k, koff); };
 
-  // Queries (scaled, two TF32 digits), RoPE frequencies and the in-tile angle table.
-  for (int i = tid; i < kMaxGroup * D; i += blockDim.x) {
+  // Queries (scaled, two TF32 digits), RoPE frequencies and the in-tile angle table. kCB:
+  // the digits in the A operand's order of step 3's MMAs, [slot][lane] (over q_hi and q_lo:
+  // both regions, contiguous), so a lane loads its four registers with one 16-byte load:
+  // (hi, lo) of dims 2t and 2t + 1 of its head g in the slot.
+  if constexpr (kCB > 0) {
+    static_assert(NT * 32 * 16 <= 2 * 8 * QStride<D>() * 4, "q_hi and q_lo hold the A operands");
+    uint4* qa = reinterpret_cast<uint4*>(sm.q_hi);
+    for (int i = tid; i < NT * 32; i += blockDim.x) {
+      const int slot = i >> 5, qg = (i & 31) >> 2, qt = i & 3;
+      uint32_t d[4] = {0, 0, 0, 0};
+      if (qg < group) {
+        const float* qrow =
+            a.q + (static_cast<int64_t>(b) * a.geo.num_q_heads + head * group + qg) * D;
+        for (int e = 0; e < 2; ++e) {
+          const float v = qrow[8 * slot_tile(slot) + 2 * qt + e] * a.q_scale;
+          d[2 * e] = Tf32(v);
+          d[2 * e + 1] = Tf32(v - __uint_as_float(d[2 * e]));
+        }
+      } else {
+        d[0] = d[2] = Tf32(0.0f);
+        d[1] = d[3] = Tf32(0.0f);
+      }
+      qa[i] = make_uint4(d[0], d[1], d[2], d[3]);
+    }
+  }
+  for (int i = tid; kCB == 0 && i < kMaxGroup * D; i += blockDim.x) {
     const int j = i / D, dim = i % D;
     float v = 0.0f;
     if (j < group) {
@@ -549,10 +585,17 @@ __global__ void __launch_bounds__(kWarps * 32, kOcc2 ? 2 : 1) FsqDecodeKernel(co
             const uint2 w8 = Row8(StageAt(cs, zr + 8, 8 * mt, cb, swz), zj, aligned);
             const uint2 w9 = Row8(StageAt(cs, zr + 9, 8 * mt, cb, swz), zj, aligned);
             uint32_t af[4];
-            af[0] = PairedNibblesToHalf2(__byte_perm(w0.x, w1.x, sel), sh);
-            af[1] = PairedNibblesToHalf2(__byte_perm(w0.y, w1.y, sel), sh);
-            af[2] = PairedNibblesToHalf2(__byte_perm(w8.x, w9.x, sel), sh);
-            af[3] = PairedNibblesToHalf2(__byte_perm(w8.y, w9.y, sel), sh);
+            if constexpr (kCB > 0) {  // the nibble masked in place: no shift
+              af[0] = InPlaceNibblesToHalf2(__byte_perm(w0.x, w1.x, sel), sh, nib_sc, nib_off);
+              af[1] = InPlaceNibblesToHalf2(__byte_perm(w0.y, w1.y, sel), sh, nib_sc, nib_off);
+              af[2] = InPlaceNibblesToHalf2(__byte_perm(w8.x, w9.x, sel), sh, nib_sc, nib_off);
+              af[3] = InPlaceNibblesToHalf2(__byte_perm(w8.y, w9.y, sel), sh, nib_sc, nib_off);
+            } else {
+              af[0] = PairedNibblesToHalf2(__byte_perm(w0.x, w1.x, sel), sh);
+              af[1] = PairedNibblesToHalf2(__byte_perm(w0.y, w1.y, sel), sh);
+              af[2] = PairedNibblesToHalf2(__byte_perm(w8.x, w9.x, sel), sh);
+              af[3] = PairedNibblesToHalf2(__byte_perm(w8.y, w9.y, sel), sh);
+            }
             MmaF16(o[mt], af, pb0, pb1);
           }
         }
@@ -659,11 +702,17 @@ __global__ void __launch_bounds__(kWarps * 32, kOcc2 ? 2 : 1) FsqDecodeKernel(co
         // 3. S^T += Q K^T on the pass's slots (the queries are in slot order).
 #pragma unroll
         for (int j = 0; j < kPT; ++j) {
-          const int c = 8 * (p * kPT + j) + 2 * t;
-          const uint2 qh = *reinterpret_cast<const uint2*>(sm.q_hi + g * QStride<D>() + c);
-          const uint2 ql = *reinterpret_cast<const uint2*>(sm.q_lo + g * QStride<D>() + c);
-          MmaTf32(s0, qh.x, ql.x, qh.y, ql.y, Tf32(acc[j][0]), Tf32(acc[j][1]));
-          MmaTf32(s1, qh.x, ql.x, qh.y, ql.y, Tf32(acc[j][2]), Tf32(acc[j][3]));
+          if constexpr (kCB > 0) {  // the operands in order: one 16-byte load, no moves
+            const uint4 qa = reinterpret_cast<const uint4*>(sm.q_hi)[(p * kPT + j) * 32 + lane];
+            MmaTf32(s0, qa.x, qa.y, qa.z, qa.w, Tf32(acc[j][0]), Tf32(acc[j][1]));
+            MmaTf32(s1, qa.x, qa.y, qa.z, qa.w, Tf32(acc[j][2]), Tf32(acc[j][3]));
+          } else {
+            const int c = 8 * (p * kPT + j) + 2 * t;
+            const uint2 qh = *reinterpret_cast<const uint2*>(sm.q_hi + g * QStride<D>() + c);
+            const uint2 ql = *reinterpret_cast<const uint2*>(sm.q_lo + g * QStride<D>() + c);
+            MmaTf32(s0, qh.x, ql.x, qh.y, ql.y, Tf32(acc[j][0]), Tf32(acc[j][1]));
+            MmaTf32(s1, qh.x, ql.x, qh.y, ql.y, Tf32(acc[j][2]), Tf32(acc[j][3]));
+          }
         }
       }
       float sc[4] = {s0[0] + s0[2], s0[1] + s0[3], s1[0] + s1[2], s1[1] + s1[3]};

@@ -680,6 +680,47 @@ TEST(CudaFsqI8KeysTest, PairedGatherMatchesTheFp16Gather) {
   }
 }
 
+// kInt8Occ2Fixed's step 5 takes the nibble in place (FsqInPlaceNibbleBits) and one FP16 FMA
+// by FsqInPlaceNibbleScale / Offset: for every byte pair and both nibbles, the halves decode
+// to 1024 + 16^(sh / 4) * nibble, the scale and offset are exact in FP16, and the FMA's exact
+// result is nibble - 8, the value FsqPairedNibbleBits' half minus 1032 gives (an FMA of
+// representable operands whose exact result is representable is exact on the device too).
+// Runs without a GPU.
+TEST(CudaFsqI8KeysTest, InPlaceNibblesGiveTheSameFp16Operands) {
+  // The value of FP16 bits of a normal number.
+  auto half_value = [](uint32_t h) {
+    const int e = static_cast<int>((h >> 10) & 0x1F);
+    EXPECT_GT(e, 0);
+    EXPECT_LT(e, 31);
+    return std::ldexp(1.0 + (h & 0x3FF) / 1024.0, e - 15);
+  };
+  auto fp16_exact = [](double v) {
+    if (v == 0) return true;
+    int e = 0;
+    const double m = std::frexp(std::fabs(v), &e);  // v = m 2^e, m in [0.5, 1)
+    return e >= -13 && e <= 16 && std::ldexp(m, 11) == std::floor(std::ldexp(m, 11));
+  };
+  for (const int sh : {0, 4}) {
+    const double scale = FsqInPlaceNibbleScale(sh), offset = FsqInPlaceNibbleOffset(sh);
+    ASSERT_TRUE(fp16_exact(scale));
+    ASSERT_TRUE(fp16_exact(offset));
+    for (uint32_t b0 = 0; b0 < 256; ++b0) {
+      for (uint32_t b2 = 0; b2 < 256; ++b2) {
+        // Bytes 1 and 3 set to every other pattern in turn: they must not leak in.
+        const uint32_t x = b0 | (((b0 * 7 + b2) & 0xFF) << 8) | (b2 << 16) | ((b0 ^ b2) << 24);
+        const uint32_t got = FsqInPlaceNibbleBits(x, sh), ref = FsqPairedNibbleBits(x, sh);
+        for (int half = 0; half < 2; ++half) {
+          const uint32_t nib = ((half == 0 ? b0 : b2) >> sh) & 0xF;
+          const double v = half_value((got >> (16 * half)) & 0xFFFF);
+          ASSERT_EQ(v, 1024.0 + nib * (sh != 0 ? 16.0 : 1.0)) << "sh " << sh << " x " << x;
+          ASSERT_EQ(v * scale + offset, static_cast<double>(nib) - 8.0);
+          ASSERT_EQ(half_value((ref >> (16 * half)) & 0xFFFF) - 1032.0, v * scale + offset);
+        }
+      }
+    }
+  }
+}
+
 // The two-CTA kernel's slot order (FsqI8SlotTile, FsqI8PassTiles): its steps 2-3 emulated
 // with its index arithmetic (queries and n-tiles in slot order, passes of FsqI8PassTiles
 // slots; RoPE of the half pairing on slots k, k + 1 at dims 4k + 2t + e, of the interleaved
