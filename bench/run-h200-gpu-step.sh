@@ -21,11 +21,11 @@
 #      the formats' balanced rule ("balanced", the daemon's default),
 #      then the cuDNN BF16 baseline in process.
 #   here:   ./scripts/build.sh kvcd kvctl kvcd_cuda_tests kvcd_data_plane_tests \
-#             kvcd_prefill_worker kvcd_decode_worker cuda_job_bench kvcd-calibrate \
-#             kvcd-int2-study &&
+#             kvcd_prefill_worker kvcd_decode_worker cuda_job_bench cuda_transform_bench \
+#             kvcd-calibrate kvcd-int2-study &&
 #           KVCD_PACK_ONLY="kvcd kvctl kvcd_cuda_tests kvcd_data_plane_tests kvcd_prefill_worker \
-#             kvcd_decode_worker cuda_job_bench kvcd-calibrate kvcd-int2-study" \
-#             ./scripts/pack-device.sh &&
+#             kvcd_decode_worker cuda_job_bench cuda_transform_bench kvcd-calibrate \
+#             kvcd-int2-study" ./scripts/pack-device.sh &&
 #           xz -1 -c /usr/bin/etcd > .devbin/etcd.xz &&
 #           tar -czf /tmp/pack.tgz .devbin .devlibs && rm -rf .devbin .devlibs &&
 #           mkdir .devbin && mv /tmp/pack.tgz .devbin/   (52 MB of binaries as 21 MB; the
