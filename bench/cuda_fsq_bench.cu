@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <random>
 #include <string>
 #include <vector>
@@ -86,30 +87,15 @@ __global__ void MmaLoopI8(int iters, int* out) {
   if (s == 12345) out[0] = s;
 }
 
-const char* KernelName(kk::cuda::FsqKeyKernel k) {
-  switch (k) {
-    case kk::cuda::FsqKeyKernel::kFp16:
-      return "fp16";
-    case kk::cuda::FsqKeyKernel::kInt8:
-      return "int8";
-    case kk::cuda::FsqKeyKernel::kInt8Occ2:
-      return "int8-2cta";
-    case kk::cuda::FsqKeyKernel::kInt8Occ2Fixed:
-      return "int8-2cta-fixed";
-  }
-  return "?";
-}
-
-constexpr kk::cuda::FsqKeyKernel kKernels[] = {
-    kk::cuda::FsqKeyKernel::kFp16, kk::cuda::FsqKeyKernel::kInt8, kk::cuda::FsqKeyKernel::kInt8Occ2,
-    kk::cuda::FsqKeyKernel::kInt8Occ2Fixed};
+const char* KernelName(kk::cuda::FsqKeyKernel k) { return kk::cuda::FsqKeyKernelName(k); }
+constexpr auto& kKernels = kk::cuda::kFsqKeyKernels;
 
 // One layer's codec at Qwen3-8B geometry, host and device copies.
 struct Codec {
   std::vector<float> wk, wv, bk, bv, kn, e, eb;
   std::vector<float> wk_i8;  // the int8 decoder as floats (scale * q): the int8 kernel's oracle
   kk::FsqLayerCodec host{}, dev{};
-  void* prepared[4] = {nullptr, nullptr, nullptr, nullptr};  // per FsqKeyKernel
+  void* prepared[std::size(kk::cuda::kFsqKeyKernels)] = {};  // per FsqKeyKernel
   Codec(int G, uint32_t seed) {
     std::mt19937 rng(seed);
     std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -291,10 +277,9 @@ int main(int argc, char** argv) {
       }
     }
     if (!known) {
-      const std::string why =
-          "--kernel takes fp16, int8, int8-2cta, int8-2cta-fixed, both or all, or several "
-          "separated by commas; got \"" +
-          name + "\"";
+      std::string why = "--kernel takes ";
+      for (const auto k : kKernels) why += std::string(KernelName(k)) + ", ";
+      why += "both or all, or several separated by commas; got \"" + name + "\"";
       return kvcd::cli::UsageError(program, nullptr, why);
     }
   }

@@ -8,6 +8,10 @@
 #   step NAME LIMIT CMD...     runs CMD with a time limit, its output in $out/NAME.log; the
 #                              summary gets its exit status, time and gtest totals, and the
 #                              names of failed tests
+#   daemon_config BUDGET       prints the head of a device daemon's YAML config (loopback
+#                              ports, the CUDA backend on device 0, BUDGET of memory, leases
+#                              of 60-600 s, a 2 s drain) down to "models:"; the script adds
+#                              its models
 # NCCL's NVLink multicast stays off (the device tool's machines do not offer it).
 device_steps() {
   final=${OUT:-/tmp/kvcd-h200-$1}
@@ -20,6 +24,18 @@ device_steps() {
     --format=csv,noheader 2>&1)"
 }
 summary() { echo "$*" | tee -a "$final/summary.txt"; }
+daemon_config() {
+  cat <<YAML
+listen: 127.0.0.1:0
+metrics_listen: 127.0.0.1:0
+backend: cuda
+cuda_device: 0
+memory_budget: $1
+lease: {default_ms: 60000, max_ms: 600000}
+drain_timeout_ms: 2000
+models:
+YAML
+}
 pack() { tar -czf "$final/logs.tgz" -C "$out" . 2>/dev/null; }
 step() {
   local name=$1 limit=$2 t0=$SECONDS

@@ -43,15 +43,8 @@ summary "FSQ codec: $codec ($(stat -c %s "$codec") bytes)"
 # 2 copies x 1,561 pages at 100k (the unreferenced copies evictable); FSQ history: ceil(G/2)
 # = 128 bytes per token and layer, 4.6 KB per token, 8 x 2 x 99,968 tokens = 7.4 GB at 100k,
 # 2.4 GB at 32k; BF16 pages (sinks, windows) 20% of each model's memory.
-cat > "$out/kvcd-fsq.yaml" <<YAML
-listen: 127.0.0.1:0
-metrics_listen: 127.0.0.1:0
-backend: cuda
-cuda_device: 0
-memory_budget: 62GiB
-lease: {default_ms: 60000, max_ms: 600000}
-drain_timeout_ms: 2000
-models:
+daemon_config 62GiB > "$out/kvcd-fsq.yaml"
+cat >> "$out/kvcd-fsq.yaml" <<YAML
   - builtin: qwen3-8b
     name: qwen3-8b-int2
     history_format: int2-oscar

@@ -74,15 +74,8 @@ if [[ -n $xform_job ]]; then
 elif [[ -f $xform_codec ]]; then
   xform=1
 fi
-cat > "$out/kvcd-int2.yaml" <<'YAML'
-listen: 127.0.0.1:0
-metrics_listen: 127.0.0.1:0
-backend: cuda
-cuda_device: 0
-memory_budget: 52GiB
-lease: {default_ms: 60000, max_ms: 600000}
-drain_timeout_ms: 2000
-models:
+daemon_config 52GiB > "$out/kvcd-int2.yaml"
+cat >> "$out/kvcd-int2.yaml" <<'YAML'
   - builtin: qwen3-8b
     name: qwen3-8b-int2
     history_format: int2-oscar

@@ -63,6 +63,11 @@ constexpr int kTile = 16;  // tokens per warp tile
 constexpr int kMaxGroup = 8;
 constexpr int kStageSlack = 64;  // bytes read past a tile's codes (latent padding), never used
 
+// Bytes of a warp's stage buffer for tiles of `tok` tokens of codes of cb bytes.
+__host__ __device__ constexpr int StageBytes(int cb, int tok) {
+  return (tok * cb + kStageSlack + 15) / 16 * 16;
+}
+
 // The two-CTA int8 kernel with the codes' size compiled in (FsqDecodeKernel's kCB; selected by
 // FsqKeyKernel::kInt8Occ2Fixed): head_dim 128 with 128 code bytes a token (G 255 or 256: 32x
 // compression of BF16 K/V at d 128, the issue #37 geometry). Other geometries take the kernel
@@ -391,7 +396,7 @@ __global__ void __launch_bounds__(kWarps * 32, kOcc2 ? 2 : 1) FsqDecodeKernel(co
   const int cb = kCB > 0 ? kCB : a.code_bytes;
   const int kchunks = kCB > 0 ? (kCB + 15) / 16 : a.kchunks;
   const int slices = kCB > 0 ? (kCB + 7) / 8 : a.slices;
-  const int stage_bytes = kCB > 0 ? (kTok * kCB + kStageSlack + 15) / 16 * 16 : a.stage_bytes;
+  const int stage_bytes = kCB > 0 ? StageBytes(kCB, kTok) : a.stage_bytes;
   extern __shared__ __align__(16) uint8_t smem_raw[];
   const Smem sm = kOcc2 ? CarveSmemOcc2<D, MT, MTOK>(smem_raw, kchunks, stage_bytes)
                         : CarveSmem<D, MT, MTOK>(smem_raw, kchunks);
@@ -1012,8 +1017,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 
 template <int D, int MT, int MTOK, bool kI8, bool kOcc2 = false, int kCB = 0>
 cudaError_t LaunchParts(const PartArgs& a, int splits, cudaStream_t stream) {
-  if (kCB > 0 &&
-      (a.code_bytes != kCB || a.stage_bytes != (kTile * MTOK * kCB + kStageSlack + 15) / 16 * 16)) {
+  if (kCB > 0 && (a.code_bytes != kCB || a.stage_bytes != StageBytes(kCB, kTile * MTOK))) {
     return cudaErrorInvalidValue;
   }
   const size_t smem = SmemBytes<D, MT, MTOK, kOcc2>(a.stage_bytes, a.kchunks);
@@ -1026,9 +1030,6 @@ cudaError_t LaunchParts(const PartArgs& a, int splits, cudaStream_t stream) {
   FsqDecodeKernel<D, MT, MTOK, kI8, kOcc2, kCB><<<grid, kWarps * 32, smem, stream>>>(a);
   return cudaGetLastError();
 }
-
-// Bytes of a warp's stage buffer for tiles of `tok` tokens of codes of cb bytes.
-inline int StageBytes(int cb, int tok) { return (tok * cb + kStageSlack + 15) / 16 * 16; }
 
 // LaunchFsqDecodeParts (cuda_fsq.h) with the key rebuild of kI8; the prepared decoder holds
 // frag_bytes of B fragments, then the (scale, bias) pairs. fixed_size (kOcc2): the instance

@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
@@ -30,13 +31,13 @@ kernels::cuda::FsqKeyKernel FsqKeyKernelFromEnv() {
   constexpr auto kDefault = kernels::cuda::FsqKeyKernel::kInt8Occ2;
   const char* v = std::getenv("KVCD_FSQ_KERNEL");
   if (v == nullptr) return kDefault;
-  if (std::strcmp(v, "fp16") == 0) return kernels::cuda::FsqKeyKernel::kFp16;
-  if (std::strcmp(v, "int8") == 0) return kernels::cuda::FsqKeyKernel::kInt8;
-  if (std::strcmp(v, "int8-2cta") == 0) return kernels::cuda::FsqKeyKernel::kInt8Occ2;
-  if (std::strcmp(v, "int8-2cta-fixed") == 0) return kernels::cuda::FsqKeyKernel::kInt8Occ2Fixed;
-  KVCD_LOG(WARNING) << "KVCD_FSQ_KERNEL=" << v
-                    << " is not int8-2cta, int8-2cta-fixed, int8 or fp16; using the default "
-                       "(int8-2cta)";
+  std::string names;
+  for (const auto k : kernels::cuda::kFsqKeyKernels) {
+    if (std::strcmp(v, kernels::cuda::FsqKeyKernelName(k)) == 0) return k;
+    absl::StrAppend(&names, names.empty() ? "" : ", ", kernels::cuda::FsqKeyKernelName(k));
+  }
+  KVCD_LOG(WARNING) << "KVCD_FSQ_KERNEL=" << v << " is not one of " << names
+                    << "; using the default (" << kernels::cuda::FsqKeyKernelName(kDefault) << ")";
   return kDefault;
 }
 #endif

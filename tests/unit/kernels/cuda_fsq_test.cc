@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <random>
 #include <vector>
@@ -27,6 +28,7 @@
 #include "kvcd/kernels/bf16_attention.h"
 #include "kvcd/kernels/cuda_device.h"
 #include "kvcd/kernels/cuda_fsq_i8.h"
+#include "kvcd/kernels/fp16.h"
 #include "kvcd/kernels/fsq.h"
 #include "kvcd/kernels/fsq_i8_fragments.h"
 
@@ -234,11 +236,9 @@ TEST_F(CudaFsqTest, DecodeAttentionMatchesTheOracle) {
   // worst[kernel]: against the oracle of the decoder the kernel uses (int8: scale * q);
   // added: the int8 kernels against the oracle of the float W_k (printed, not bounded here:
   // KeyErrorIsSmallAgainstFsqRounding bounds the key error it comes from).
-  double worst[4] = {0, 0, 0, 0}, added = 0;
+  double worst[std::size(cuda::kFsqKeyKernels)] = {}, added = 0;
   for (AttnCase cs : small ? std::vector<AttnCase>(cases.begin(), cases.begin() + 2) : cases) {
-    for (const cuda::FsqKeyKernel kernel :
-         {cuda::FsqKeyKernel::kFp16, cuda::FsqKeyKernel::kInt8, cuda::FsqKeyKernel::kInt8Occ2,
-          cuda::FsqKeyKernel::kInt8Occ2Fixed}) {
+    for (const cuda::FsqKeyKernel kernel : cuda::kFsqKeyKernels) {
       // 0 FP16, 1 int8, 2 int8 at two CTAs per SM, 3 the same with the code size compiled in
       // (d 128 at G 255-256: the first, the last two cases; elsewhere the same kernel as 2)
       const int kv = static_cast<int>(kernel);
@@ -687,23 +687,14 @@ TEST(CudaFsqI8KeysTest, PairedGatherMatchesTheFp16Gather) {
 // representable operands whose exact result is representable is exact on the device too).
 // Runs without a GPU.
 TEST(CudaFsqI8KeysTest, InPlaceNibblesGiveTheSameFp16Operands) {
-  // The value of FP16 bits of a normal number.
   auto half_value = [](uint32_t h) {
-    const int e = static_cast<int>((h >> 10) & 0x1F);
-    EXPECT_GT(e, 0);
-    EXPECT_LT(e, 31);
-    return std::ldexp(1.0 + (h & 0x3FF) / 1024.0, e - 15);
+    return static_cast<double>(HalfToFloat(static_cast<uint16_t>(h)));
   };
-  auto fp16_exact = [](double v) {
-    if (v == 0) return true;
-    int e = 0;
-    const double m = std::frexp(std::fabs(v), &e);  // v = m 2^e, m in [0.5, 1)
-    return e >= -13 && e <= 16 && std::ldexp(m, 11) == std::floor(std::ldexp(m, 11));
-  };
+  auto fp16_exact = [](float v) { return HalfToFloat(FloatToHalf(v)) == v; };
   for (const int sh : {0, 4}) {
     const double scale = FsqInPlaceNibbleScale(sh), offset = FsqInPlaceNibbleOffset(sh);
-    ASSERT_TRUE(fp16_exact(scale));
-    ASSERT_TRUE(fp16_exact(offset));
+    ASSERT_TRUE(fp16_exact(FsqInPlaceNibbleScale(sh)));
+    ASSERT_TRUE(fp16_exact(FsqInPlaceNibbleOffset(sh)));
     for (uint32_t b0 = 0; b0 < 256; ++b0) {
       for (uint32_t b2 = 0; b2 < 256; ++b2) {
         // Bytes 1 and 3 set to every other pattern in turn: they must not leak in.

@@ -35,6 +35,24 @@ namespace kvcd::kernels::cuda {
 // constants), kInt8Occ2 elsewhere.
 enum class FsqKeyKernel { kFp16, kInt8, kInt8Occ2, kInt8Occ2Fixed };
 
+// Every variant, in the enum's order, and its name (KVCD_FSQ_KERNEL, cuda_fsq_bench --kernel).
+inline constexpr FsqKeyKernel kFsqKeyKernels[] = {FsqKeyKernel::kFp16, FsqKeyKernel::kInt8,
+                                                  FsqKeyKernel::kInt8Occ2,
+                                                  FsqKeyKernel::kInt8Occ2Fixed};
+inline const char* FsqKeyKernelName(FsqKeyKernel kernel) {
+  switch (kernel) {
+    case FsqKeyKernel::kFp16:
+      return "fp16";
+    case FsqKeyKernel::kInt8:
+      return "int8";
+    case FsqKeyKernel::kInt8Occ2:
+      return "int8-2cta";
+    case FsqKeyKernel::kInt8Occ2Fixed:
+      return "int8-2cta-fixed";
+  }
+  return "?";
+}
+
 // The int8 decoder of one row of W_k (G weights): q[k] = rint(w[k] * (127 / m)) with
 // m = max |w|, returns the scale m / 127 (a zero row: q = 0, scale 1). The device
 // preparation does exactly this arithmetic (IEEE float division and product, round half to
