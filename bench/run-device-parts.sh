@@ -36,13 +36,17 @@ for part in "$@"; do
   fi
   mkdir -p "$parts/$name"
   t0=$SECONDS
-  OUT=$parts/$name timeout --kill-after=5 "$budget" "bench/run-h200-$name.sh"
+  # To a file, not a pipe: a process a part leaves behind (etcd, MPS) cannot hold it open.
+  OUT=$parts/$name timeout --kill-after=5 "$budget" "bench/run-h200-$name.sh" \
+    > "$parts/$name/stdout.log" 2>&1
   rc=$?
   ((rc != 0)) && status=1
   # MPS (started by the decode benches) must not outlive the part that started it.
   echo quit | nvidia-cuda-mps-control > /dev/null 2>&1
   { echo "== $name: rc $rc in $((SECONDS - t0)) s (budget $budget s)"
-    cat "$parts/$name/summary.txt" 2>/dev/null; } >> "$final/summary.txt"
+    # A part that writes no summary.txt (fsq-merge prints its table): its last lines.
+    cat "$parts/$name/summary.txt" 2>/dev/null || tail -60 "$parts/$name/stdout.log"
+  } >> "$final/summary.txt"
   tar -czf "$final/parts.tgz" -C "$parts" .
 done
 cat "$final/summary.txt"

@@ -6,7 +6,9 @@
 # for the default kernel (int8-2cta) at G 256 (2k / 32k / 100k tokens, batch 1 and 8) and
 # G 84 (100k, batch 1). Session 26 adds int8-2cta-fixed (the code size compiled in at d 128,
 # G 255-256; opt-in): the tests cover it, the data-plane FSQ cases run again with it as the
-# daemon's kernel, and each G 256 row is timed for both kernels in turn (~+40 s).
+# daemon's kernel, and each G 256 row is timed for both kernels in turn (~+40 s). Session 27
+# adds batch 64 at 100k, torch SDPA (cuDNN) in the same lease and Nsight Compute's issue and
+# tensor-pipe figures for both kernels at G 256, 100k, batch 1 (~+60 s).
 #   here:   ./scripts/build.sh kvcd kvcd_cuda_tests kvcd_data_plane_tests cuda_fsq_bench &&
 #           KVCD_PACK_ONLY="kvcd kvcd_cuda_tests kvcd_data_plane_tests cuda_fsq_bench"
 #           ./scripts/pack-device.sh && xz -1 -c /usr/bin/etcd > .devbin/etcd.xz &&
@@ -30,8 +32,23 @@ KVCD_FSQ_KERNEL=int8-2cta-fixed KVCD_BINARY=$BIN/kvcd timeout 60 "$BIN/kvcd_data
   --gtest_filter='*fsq*' 2>&1 | grep -E 'CUDA vs CPU|^\[  (PASSED|FAILED)|Failure'
 echo "kernel    G  context  batch  splits  single us     b2b us       MB    GFLOP      TB/s  TFLOP/s    bound"
 for run in "256 2048 1" "256 2048 8" "256 32768 1" "256 32768 8" "256 100000 1" "256 100000 8" \
-  "84 100000 1"; do
+  "256 100000 64" "84 100000 1"; do
   timeout 30 "$BIN/cuda_fsq_bench" --kernel=int8-2cta --one $run | grep -E '^ *int8-2cta '
   [[ $run == 256* ]] && timeout 30 "$BIN/cuda_fsq_bench" --kernel=int8-2cta-fixed --one $run |
     grep -E '^ *int8-2cta-fixed '
+done
+# Session 27: cuDNN in the same lease (the kernel rows' baseline), then Nsight Compute on
+# both kernels at G 256, 100k, batch 1 (issue slots and the IMMA pipe: what binds).
+timeout 60 python3 bench/sdpa_baseline.py --backends cudnn --contexts 2048 32768 100000 \
+  --batches 1 8 64 2>&1 | grep -E '^(device| *cudnn)'
+metrics=sm__pipe_tensor_op_imma_cycles_active.avg.pct_of_peak_sustained_active
+metrics+=,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
+metrics+=,sm__pipe_shared_cycles_active.avg.pct_of_peak_sustained_active
+metrics+=,smsp__issue_active.avg.pct_of_peak_sustained_active
+metrics+=,smsp__inst_executed.sum,gpu__time_duration.sum
+for k in int8-2cta int8-2cta-fixed; do
+  echo "ncu $k G 256 100k batch 1:"
+  timeout 40 ncu --clock-control none --kernel-name regex:FsqDecodeKernel --launch-skip 4 \
+    --launch-count 1 --metrics "$metrics" "$BIN/cuda_fsq_bench" --kernel=$k --one 256 100000 1 \
+    2>&1 | grep -E 'pct|sum|ERROR' | sed 's/^ *//' | head -8
 done
