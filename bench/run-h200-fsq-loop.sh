@@ -40,16 +40,20 @@ fi
 summary "FSQ codec: $codec ($(stat -c %s "$codec") bytes)"
 
 # Pools by count (Qwen3-8B, 36 layers): INT2 history pages of 1.33 MB against 8 prompts x
-# 2 copies x 1,561 pages at 100k (the unreferenced copies evictable); FSQ history: ceil(G/2)
-# = 128 bytes per token and layer, 4.6 KB per token, 8 x 2 x 99,968 tokens = 7.4 GB at 100k,
-# 2.4 GB at 32k; BF16 pages (sinks, windows) 20% of each model's memory.
+# 2 copies x 1,561 pages at 100k = 33.3 GB, all of it held at once: the prefill worker's
+# timed copy of prompt i is younger than prompt 0's first copy, so a pool that cannot hold
+# every copy evicts (LRU) the very prompts the decode workers open (session 27's first run:
+# 28 GiB with 20% BF16, "only 0 of 99968 prompt tokens are cached"). 42 GiB with 10% BF16
+# holds 40.6 GB of history pages. FSQ history: ceil(G/2) = 128 bytes per token and layer,
+# 4.6 KB per token, 8 x 2 x 99,968 tokens = 7.4 GB at 100k, 2.4 GB at 32k; its BF16 pages
+# (sinks, windows with their codes) 20% of 18 GiB.
 daemon_config 62GiB > "$out/kvcd-fsq.yaml"
 cat >> "$out/kvcd-fsq.yaml" <<YAML
   - builtin: qwen3-8b
     name: qwen3-8b-int2
     history_format: int2-oscar
-    memory: 28GiB
-    bf16_fraction: 0.2
+    memory: 42GiB
+    bf16_fraction: 0.1
   - builtin: qwen3-8b
     name: qwen3-8b-fsq
     history_format: fsq
@@ -57,7 +61,7 @@ cat >> "$out/kvcd-fsq.yaml" <<YAML
     fsq_latent_width: 256
     key_norm: rms
     codec_file: $(realpath "$codec")
-    memory: 32GiB
+    memory: 18GiB
     bf16_fraction: 0.2
 YAML
 KVCD_BIN=$BIN KVCD_CONFIG=$out/kvcd-fsq.yaml KVCD_PUT_MODELS=qwen3-8b-fsq KVCD_BATCHES="1 8" \

@@ -311,6 +311,13 @@ int main(int argc, char** argv) {
   auto geo = kw::FetchGeometry(client->get(), model);
   CHECK_OK(geo.status());
   const kw::Geometry& g = *geo;
+  if (g.fsq && absl::GetFlag(FLAGS_mode) != "put") {
+    std::fprintf(stderr,
+                 "model %s stores FSQ history: its pages are encoded by the daemon from K/V and "
+                 "the residuals x, so it takes --mode put, not page pushes\n",
+                 model.c_str());
+    return 2;
+  }
   if (absl::GetFlag(FLAGS_mode) == "put") {
     return PutMode(client->get(), model, g, n_tokens, salt, seed, repeat,
                    absl::GetFlag(FLAGS_put_chunk_tokens));

@@ -38,8 +38,10 @@ absl::StatusOr<Geometry> FetchGeometry(Client* client, const std::string& model)
   g.fsq = p.history_format() == v1::HISTORY_FORMAT_FSQ;
   g.fsq_residual_width = g.fsq ? p.fsq_residual_width() : 0;
   g.sink_pages = p.sink_tokens() / p.page_size();
+  // The BF16 pool of sinks and windows is "bf16", or "bf16+fsq" for an FSQ model (its pages
+  // keep each token's code beside its K/V); the other pool holds the history's pages.
   for (const auto& pool : info->pools()) {
-    if (pool.format() == "bf16")
+    if (pool.format() == "bf16" || pool.format() == "bf16+fsq")
       g.bf16_page_bytes = static_cast<int64_t>(pool.page_bytes());
     else
       g.history_page_bytes = static_cast<int64_t>(pool.page_bytes());

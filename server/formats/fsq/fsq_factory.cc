@@ -21,14 +21,15 @@ namespace {
 
 #if KVCD_HAVE_CUDA_FORMATS
 // KVCD_FSQ_KERNEL: the key rebuild of the CUDA FSQ decode attention (cuda_fsq_i8.h):
-// "int8-2cta" (the default since session 25: W_k quantized to int8 per row at upload, the
-// int8 kernel at two CTAs per SM; 1.5x the FP16 kernel's speed at G 256, 100k tokens, with
-// 0.1-0.26 of FSQ's own rounding error added: bench/results/2026-12-05-h200-fsq-keys.md),
-// "int8-2cta-fixed" (the same with the code size compiled in at head_dim 128, G 255-256;
-// opt-in until measured on a device), "int8" (the int8 kernel at one CTA per SM) or "fp16"
-// (the reference variant, the float W_k in FP16); another value is reported and ignored.
+// "int8-2cta-fixed" (the default since session 27: W_k quantized to int8 per row at upload,
+// the int8 kernel at two CTAs per SM, the code size compiled in at head_dim 128, G 255-256;
+// 0.68-0.77 of int8-2cta's time there, the same elsewhere), "int8-2cta" (the default of
+// sessions 25-26: 1.5x the FP16 kernel's speed at G 256, 100k tokens, with 0.1-0.26 of FSQ's
+// own rounding error added; bench/results/2026-12-05-h200-fsq-keys.md), "int8" (the int8
+// kernel at one CTA per SM) or "fp16" (the reference variant, the float W_k in FP16);
+// another value is reported and ignored.
 kernels::cuda::FsqKeyKernel FsqKeyKernelFromEnv() {
-  constexpr auto kDefault = kernels::cuda::FsqKeyKernel::kInt8Occ2;
+  constexpr auto kDefault = kernels::cuda::FsqKeyKernel::kInt8Occ2Fixed;
   const char* v = std::getenv("KVCD_FSQ_KERNEL");
   if (v == nullptr) return kDefault;
   std::string names;
