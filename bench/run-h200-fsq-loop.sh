@@ -22,8 +22,9 @@
 #     and the inline check: ~16 x (1 + 3) s; together ~1.5 minutes;
 #   decode: 4 (model, context) x batch 1, 8, 16 steps x 36 layers: ~20 s with the starts;
 #   cuDNN loop (bench/sdpa_baseline.py, torch): ~60 s.
-# KVCD_DISTINCT (1), KVCD_STEPS (16), KVCD_HOPS (events); the FSQ Puts use the prefill
-# worker's default --put-chunk-tokens (8192: 3.6 GB of K, V and x in its buffer).
+# KVCD_FSQ_LOOP_RUNS (the four runs), KVCD_DISTINCT (1), KVCD_STEPS (16), KVCD_HOPS (events);
+# the FSQ Puts use the prefill worker's default --put-chunk-tokens (8192: 3.6 GB of K, V and
+# x in its buffer).
 # Writes $OUT/summary.txt and $OUT/logs.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -65,7 +66,7 @@ cat >> "$out/kvcd-fsq.yaml" <<YAML
     bf16_fraction: 0.2
 YAML
 KVCD_BIN=$BIN KVCD_CONFIG=$out/kvcd-fsq.yaml KVCD_PUT_MODELS=qwen3-8b-fsq KVCD_BATCHES="1 8" \
-  KVCD_RUNS="qwen3-8b-int2:32768 qwen3-8b-int2:99968 qwen3-8b-fsq:32768 qwen3-8b-fsq:99968" \
+  KVCD_RUNS=${KVCD_FSQ_LOOP_RUNS:-qwen3-8b-int2:32768 qwen3-8b-int2:99968 qwen3-8b-fsq:32768 qwen3-8b-fsq:99968} \
   KVCD_DISTINCT=${KVCD_DISTINCT:-1} KVCD_HOPS=${KVCD_HOPS:-events} OUT=$out/decode-batch \
   step decode-batch 330 bench/run-decode-batch.sh
 grep -E 'hops|failed|^\|' "$out/decode-batch.log" | tee -a "$final/summary.txt"

@@ -3,7 +3,7 @@
 # entry) and the splits rule of one tile a warp, checked and timed on the device (~1.5 min):
 # the CUDA FSQ kernel tests (every variant against the float64 oracle, through the merge),
 # memcheck on their small cases, the daemon's FSQ data-plane cases, and cuda_fsq_bench --one
-# for the default kernel (int8-2cta) at G 256 (2k / 32k / 100k tokens, batch 1 and 8) and
+# for int8-2cta (the default until session 27) at G 256 (2k / 32k / 100k tokens, batch 1 and 8) and
 # G 84 (100k, batch 1). Session 26 adds int8-2cta-fixed (the code size compiled in at d 128,
 # G 255-256; opt-in): the tests cover it, the data-plane FSQ cases run again with it as the
 # daemon's kernel, and each G 256 row is timed for both kernels in turn (~+40 s). Session 27

@@ -275,7 +275,7 @@ class CudaCpuDecodeTest
            (v == nullptr || std::strcmp(v, "exact") != 0);
   }
   // Whether the CUDA daemon rebuilds FSQ keys through the int8 W_k: unless
-  // KVCD_FSQ_KERNEL=fp16 (the default is int8-2cta, fsq_factory.cc).
+  // KVCD_FSQ_KERNEL=fp16 (the default is int8-2cta-fixed, fsq_factory.cc).
   bool Int8FsqKeys() const {
     const char* v = std::getenv("KVCD_FSQ_KERNEL");
     return p_.history_format() == v1::HISTORY_FORMAT_FSQ &&

@@ -197,7 +197,7 @@ class FsqCudaFormat final : public CudaFormat<FsqPageFormat> {
  private:
   int LatentWidth() const { return codes_.model().codec.shape().latent_width; }
   // One wave of the CTAs the device holds at once for the upload's key kernel (two per SM
-  // for int8-2cta where the geometry fits them, cuda_fsq_i8.h).
+  // for int8-2cta and int8-2cta-fixed where the geometry fits them, cuda_fsq_i8.h).
   int Splits(const kc::DecodeGeometry& geo, int max_tokens, int num_sms) const {
     return kc::FsqDecodeSplits(codes_.device().key_kernel(), geo, LatentWidth(), max_tokens,
                                num_sms);
