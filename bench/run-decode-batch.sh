@@ -11,7 +11,9 @@
 # its own copy of the prompt instead (B prefills; memory allows INT2 up to B = 8 at 100k).
 # KVCD_RUNS ("qwen3-8b-int2:32768 qwen3-8b-int2:99968 qwen3-8b:32768 qwen3-8b:99968"),
 # KVCD_BATCHES ("1 8 64"), KVCD_STEPS (16), KVCD_HOPS ("events": the worker's --hops, e.g.
-# "memops events" to run both orderings of the cross-process hops, issue #36), KVCD_CONFIG
+# "memops events" to run both orderings of the cross-process hops, issue #36), KVCD_PRODUCERS
+# ("fused": the worker's --producer; "fused split" runs the per-layer q/k/v kernels as one
+# launch and as the four of the loop before session 27, in one lease), KVCD_CONFIG
 # (deploy/config/kvcd-decode-step.yaml: 90 GiB, INT2 and BF16 models), KVCD_PUT_MODELS
 # (none: models whose prompt the prefill worker stores with --mode put, BF16 K/V quantized
 # by the daemon, instead of pushing pages: an int2-transform or FSQ model, whose pages the
@@ -31,6 +33,7 @@ BIN=${KVCD_BIN:-.devbin}
 BATCHES=${KVCD_BATCHES:-1 8 64}
 STEPS=${KVCD_STEPS:-16}
 HOPS=${KVCD_HOPS:-events}
+PRODUCERS=${KVCD_PRODUCERS:-fused}
 nvidia-cuda-mps-control -d && echo "MPS on"
 start_kvcd "$BIN/kvcd" "${KVCD_CONFIG:-deploy/config/kvcd-decode-step.yaml}" || exit 1
 rc=0
@@ -53,15 +56,18 @@ for mt in ${KVCD_RUNS:-qwen3-8b-int2:32768 qwen3-8b-int2:99968 qwen3-8b:32768 qw
   done
   for bsz in $BATCHES; do
     for hops in $HOPS; do
-      log="$out/decode-$m-$t-b$bsz-$hops.log"
-      timeout 300 "$BIN/kvcd_decode_worker" --target "$KVCD_GRPC" --model "$m" --tokens "$t" \
-        --salt "$salt" --steps "$STEPS" --batch "$bsz" --io ipc --hops "$hops" "${distinct[@]}" \
-        >"$log" 2>&1 || rc=1
-      tps=$(sed -n 's/^tokens\/s: \([0-9.]*\).*/\1/p' "$log")
-      match=$(grep -c ': match' "$log")
-      echo "$m $t batch $bsz hops $hops: ${tps:-?} tokens/s, IPC vs inline $([[ $match == 1 ]] && echo match || echo MISMATCH)"
-      [[ $match == 1 ]] || rc=1
-      rows+=("$m $t $bsz ${tps:-0} $hops")
+      for prod in $PRODUCERS; do
+        # The log name keeps its earlier form for the default producer.
+        log="$out/decode-$m-$t-b$bsz-$hops$([[ $prod == fused ]] || echo "-$prod").log"
+        timeout 300 "$BIN/kvcd_decode_worker" --target "$KVCD_GRPC" --model "$m" --tokens "$t" \
+          --salt "$salt" --steps "$STEPS" --batch "$bsz" --io ipc --hops "$hops" \
+          --producer "$prod" "${distinct[@]}" >"$log" 2>&1 || rc=1
+        tps=$(sed -n 's/^tokens\/s: \([0-9.]*\).*/\1/p' "$log")
+        match=$(grep -c ': match' "$log")
+        echo "$m $t batch $bsz hops $hops producer $prod: ${tps:-?} tokens/s, IPC vs inline $([[ $match == 1 ]] && echo match || echo MISMATCH)"
+        [[ $match == 1 ]] || rc=1
+        rows+=("$m $t $bsz ${tps:-0} $hops/$prod")
+      done
     done
   done
 done
@@ -70,7 +76,7 @@ timeout 200 python3 bench/sdpa_baseline.py --backends cudnn --contexts 32768 100
   --batches $BATCHES > "$out/sdpa.txt" 2>&1 || rc=1
 cat "$out/sdpa.txt"
 echo
-echo "| history | context | batch | hops | kvcd tok/s | cuDNN loop tok/s (us per layer) | kvcd / cuDNN |"
+echo "| history | context | batch | hops / producer | kvcd tok/s | cuDNN loop tok/s (us per layer) | kvcd / cuDNN |"
 echo "|---|---:|---:|---|---:|---:|---:|"
 for r in "${rows[@]}"; do
   read -r m t bsz tps hops <<<"$r"

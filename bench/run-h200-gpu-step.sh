@@ -5,9 +5,11 @@
 #      data-plane tests again with KVCD_SPLITS=kernel (each kernel's own split count, the
 #      rule before the formats' balanced one became the default);
 #   2. the per-layer decode loop through kvcd (bench/run-decode-batch.sh, INT2 history, 32k /
-#      100k, batch 1 / 8), each row with the cross-process hops as IPC events (the default,
-#      --hops events) and as stream memory operations on device signal words (--hops memops,
-#      opt-in until this run), beside the in-process cuDNN loop of the same lease; with
+#      100k, batch 1 / 8), each row with the worker's per-layer q/k/v kernels as one launch
+#      (--producer fused, the default since session 27) and as one launch each (split, the
+#      loop of sessions 21-26), hops as IPC events (memops hops, measured in sessions 24,
+#      25 and 27, bought nothing at batch 1), beside the in-process cuDNN loop of the same
+#      lease; with
 #      kvcd-calibrate and kvcd-int2-study carried (or the codec file as
 #      .devbin/qwen3-8b-synthetic-transform-codec.safetensors), the same rows with
 #      int2-transform history too (model qwen3-8b-xform, issue #36's "within 10% of INT2's"
@@ -97,7 +99,8 @@ YAML
   runs+=" qwen3-8b-xform:32768 qwen3-8b-xform:99968"
 fi
 KVCD_CONFIG=$out/kvcd-int2.yaml KVCD_RUNS=$runs KVCD_PUT_MODELS=qwen3-8b-xform KVCD_BATCHES="1 8" \
-  KVCD_HOPS="events memops" OUT=$out/decode-batch step decode-batch 300 bench/run-decode-batch.sh
+  KVCD_HOPS=events KVCD_PRODUCERS="fused split" OUT=$out/decode-batch step decode-batch 300 \
+  bench/run-decode-batch.sh
 grep -E 'hops|^\|' "$out/decode-batch.log" | tee -a "$final/summary.txt"
 grep -hE "per call" "$out"/decode-batch/decode-*.log | head -16 | tee -a "$final/summary.txt"
 

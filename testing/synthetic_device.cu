@@ -52,6 +52,29 @@ __global__ void NextQueriesKernel(const float* o, uint16_t* q, int64_t n, uint64
     q[i] = ToBf16(0.5f * o[i] + Uniform(seed, i) - 0.5f);
 }
 
+// NextQueries(key) into q, then FillBf16 with key ^ 1, key ^ 2 and key ^ 3 into k, v and x, as
+// one grid over the four ranges: the same values as the four launches.
+__global__ void ProduceStepKernel(const float* o, uint16_t* q, int64_t q_n, uint16_t* k,
+                                  uint16_t* v, int64_t kv_n, uint16_t* x, int64_t x_n,
+                                  uint64_t key) {
+  const int64_t total = q_n + 2 * kv_n + x_n;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (i < q_n) {
+      q[i] = ToBf16(0.5f * o[i] + Uniform(key, i) - 0.5f);
+    } else if (i < q_n + kv_n) {
+      const int64_t j = i - q_n;
+      k[j] = ToBf16(2.0f * Uniform(key ^ 1, j) - 1.0f);
+    } else if (i < q_n + 2 * kv_n) {
+      const int64_t j = i - q_n - kv_n;
+      v[j] = ToBf16(2.0f * Uniform(key ^ 2, j) - 1.0f);
+    } else {
+      const int64_t j = i - q_n - 2 * kv_n;
+      x[j] = ToBf16(2.0f * Uniform(key ^ 3, j) - 1.0f);
+    }
+  }
+}
+
 unsigned Blocks(int64_t n) {
   const int64_t b = (n + 255) / 256;
   return static_cast<unsigned>(b < 4096 ? (b < 1 ? 1 : b) : 4096);
@@ -74,6 +97,14 @@ cudaError_t FillInt2PageLayers(uint8_t* p, int64_t chunks, int64_t bytes, int64_
 cudaError_t NextQueries(const float* o, uint16_t* q, int64_t n, uint64_t seed,
                         cudaStream_t stream) {
   NextQueriesKernel<<<Blocks(n), 256, 0, stream>>>(o, q, n, seed);
+  return cudaGetLastError();
+}
+
+cudaError_t ProduceStep(const float* o, uint16_t* q, int64_t q_n, uint16_t* k, uint16_t* v,
+                        int64_t kv_n, uint16_t* x, int64_t x_n, uint64_t key, cudaStream_t stream) {
+  if (q_n < 0 || kv_n < 0 || x_n < 0 || (x_n > 0 && x == nullptr)) return cudaErrorInvalidValue;
+  ProduceStepKernel<<<Blocks(q_n + 2 * kv_n + x_n), 256, 0, stream>>>(o, q, q_n, k, v, kv_n, x, x_n,
+                                                                      key);
   return cudaGetLastError();
 }
 

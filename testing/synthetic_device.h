@@ -19,5 +19,12 @@ cudaError_t FillInt2PageLayers(uint8_t* p, int64_t chunks, int64_t bytes, int64_
                                int64_t params, int block, uint64_t seed, cudaStream_t stream);
 // q[i] = bf16(0.5 * o[i] + noise(seed, i)) for i < n.
 cudaError_t NextQueries(const float* o, uint16_t* q, int64_t n, uint64_t seed, cudaStream_t stream);
+// A decode step's inputs in one launch: NextQueries(o, q, q_n, key), then FillBf16 of k and v
+// (kv_n each) with key ^ 1 and key ^ 2 and of x (x_n, none when 0) with key ^ 3, the same
+// values. The decode worker's per-layer producer: the work a model's layer does before its
+// attention is not in the in-process cuDNN loop it is compared with, so it costs one
+// launch, not four.
+cudaError_t ProduceStep(const float* o, uint16_t* q, int64_t q_n, uint16_t* k, uint16_t* v,
+                        int64_t kv_n, uint16_t* x, int64_t x_n, uint64_t key, cudaStream_t stream);
 
 }  // namespace kvcd::workers

@@ -30,10 +30,16 @@
 // starts its N-th layer call of the IPC loop, its request in flight and its GPU work queued.
 // The loop prints "decode loop started" (flushed) when it begins.
 //
+// --producer: the IPC loop makes each layer's inputs (q from the previous output, the
+// token's k/v row, an FSQ model's x) with one kernel (fused, the default) or four (split, the
+// loop before session 27; the same values). They stand in for the model's own layer work,
+// which the in-process cuDNN loop it is compared with does not run, so the loop charges
+// them one launch (run-decode-batch.sh compares the two in one lease).
+//
 // Usage: kvcd_decode_worker --target HOST:PORT --model NAME [--tokens 32768] [--seed 1]
 //          [--salt prefill] [--steps 16] [--sync] [--device 0] [--transport channel|stream]
 //          [--wait device|host] [--io ipc|host] [--batch 1] [--lease-ms N] [--die-after-calls N]
-//          [--hops events|memops]
+//          [--hops events|memops] [--producer fused|split]
 //
 // --batch B (IPC loop): B sequences opened on the same cached prompt decode together, one
 // call per layer for all of them (tokens/s counts every sequence's tokens); with
@@ -70,6 +76,9 @@ ABSL_FLAG(std::string, hops, "events",
           "cross-process hops: events (IPC events) or memops (device signal words over the "
           "decode channel, with --wait device)");
 ABSL_FLAG(std::string, io, "ipc", "ipc (CUDA IPC regions) or host (inline tensors, no GPU)");
+ABSL_FLAG(std::string, producer, "fused",
+          "the IPC loop's per-layer q/k/v (and x) kernels: fused (one launch) or split (one "
+          "launch each, the loop before session 27); the same values");
 ABSL_FLAG(int64_t, lease_ms, 600000, "lease of the sequences, the channel and the IPC buffer");
 ABSL_FLAG(int64_t, die_after_calls, 0,
           "worker-death test: SIGKILL itself as it starts this layer call (0: never)");
@@ -252,6 +261,12 @@ int main(int argc, char** argv) {
     return 2;
   }
   const bool memops = hops_flag == "memops";
+  const std::string producer = absl::GetFlag(FLAGS_producer);
+  if (producer != "fused" && producer != "split") {
+    std::fprintf(stderr, "--producer must be fused or split, got %s\n", producer.c_str());
+    return 2;
+  }
+  const bool fused_producer = producer == "fused";
   const std::string io = absl::GetFlag(FLAGS_io);
   if (io != "ipc" && io != "host") {
     std::fprintf(stderr, "--io must be ipc or host\n");
@@ -361,7 +376,8 @@ int main(int argc, char** argv) {
   std::vector<double> rtt_us, kernel_us, done_us;
   cudaEvent_t done_ev;
   cudaEventCreateWithFlags(&done_ev, cudaEventDisableTiming);
-  static const int kProduce = kvcd::PhaseTimes::Phase("worker.produce q,k,v (3 launches)");
+  static const int kProduce = kvcd::PhaseTimes::Phase(
+      fused_producer ? "worker.produce q,k,v (1 launch)" : "worker.produce q,k,v (3 launches)");
   static const int kReady = kvcd::PhaseTimes::Phase("worker.mark ready (event record)");
   static const int kCall = kvcd::PhaseTimes::Phase("worker.call (round trip)");
   static const int kDone = kvcd::PhaseTimes::Phase("worker.wait done (stream wait)");
@@ -401,18 +417,21 @@ int main(int argc, char** argv) {
     for (int l = 0; l < g.num_layers; ++l) {
       kvcd::PhaseLap lap, layer_lap;
       const uint64_t key = seed * 1000003ull + s * 1009ull + l;
-      // This layer's query from the previous layer's output; the token's K/V row.
-      CHECK_OK(
-          kw::CudaCheck(kw::NextQueries(reinterpret_cast<float*>(d + o_off),
-                                        reinterpret_cast<uint16_t*>(d + q_off), q_n, key, stream),
-                        "NextQueries"));
-      CHECK_OK(kw::CudaCheck(
-          kw::FillBf16(reinterpret_cast<uint16_t*>(d + k_off), kv_n, key ^ 1, stream), "fill k"));
-      CHECK_OK(kw::CudaCheck(
-          kw::FillBf16(reinterpret_cast<uint16_t*>(d + v_off), kv_n, key ^ 2, stream), "fill v"));
-      if (g.fsq) {
+      // This layer's query from the previous layer's output; the token's K/V row (and x).
+      auto* q16 = reinterpret_cast<uint16_t*>(d + q_off);
+      auto* k16 = reinterpret_cast<uint16_t*>(d + k_off);
+      auto* v16 = reinterpret_cast<uint16_t*>(d + v_off);
+      auto* x16 = reinterpret_cast<uint16_t*>(d + x_off);
+      const auto* o32 = reinterpret_cast<const float*>(d + o_off);
+      if (fused_producer) {
         CHECK_OK(kw::CudaCheck(
-            kw::FillBf16(reinterpret_cast<uint16_t*>(d + x_off), x_n, key ^ 3, stream), "fill x"));
+            kw::ProduceStep(o32, q16, q_n, k16, v16, kv_n, x16, g.fsq ? x_n : 0, key, stream),
+            "ProduceStep"));
+      } else {
+        CHECK_OK(kw::CudaCheck(kw::NextQueries(o32, q16, q_n, key, stream), "NextQueries"));
+        CHECK_OK(kw::CudaCheck(kw::FillBf16(k16, kv_n, key ^ 1, stream), "fill k"));
+        CHECK_OK(kw::CudaCheck(kw::FillBf16(v16, kv_n, key ^ 2, stream), "fill v"));
+        if (g.fsq) CHECK_OK(kw::CudaCheck(kw::FillBf16(x16, x_n, key ^ 3, stream), "fill x"));
       }
       lap.Mark(kProduce);
       if (gpu_timeline) cudaEventRecord(q_ready[call_index], stream);
