@@ -6,8 +6,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "testing/synthetic_device.h"
 #include "cuda_test_fixture.h"
+#include "testing/synthetic_device.h"
 
 namespace kvcd::kernels {
 namespace {
