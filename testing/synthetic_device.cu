@@ -102,7 +102,11 @@ cudaError_t NextQueries(const float* o, uint16_t* q, int64_t n, uint64_t seed,
 
 cudaError_t ProduceStep(const float* o, uint16_t* q, int64_t q_n, uint16_t* k, uint16_t* v,
                         int64_t kv_n, uint16_t* x, int64_t x_n, uint64_t key, cudaStream_t stream) {
-  if (q_n < 0 || kv_n < 0 || x_n < 0 || (x_n > 0 && x == nullptr)) return cudaErrorInvalidValue;
+  if (q_n < 0 || kv_n < 0 || x_n < 0 || (q_n > 0 && (o == nullptr || q == nullptr)) ||
+      (kv_n > 0 && (k == nullptr || v == nullptr)) || (x_n > 0 && x == nullptr)) {
+    return cudaErrorInvalidValue;  // a range without its buffer
+  }
+  if (q_n + 2 * kv_n + x_n == 0) return cudaSuccess;
   ProduceStepKernel<<<Blocks(q_n + 2 * kv_n + x_n), 256, 0, stream>>>(o, q, q_n, k, v, kv_n, x, x_n,
                                                                       key);
   return cudaGetLastError();

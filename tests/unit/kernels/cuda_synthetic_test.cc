@@ -48,11 +48,18 @@ TEST_F(CudaSyntheticTest, ProduceStepEqualsTheSeparateKernels) {
   }
 }
 
-TEST_F(CudaSyntheticTest, ProduceStepRefusesAnXWithoutItsBuffer) {
+TEST_F(CudaSyntheticTest, ProduceStepRefusesARangeWithoutItsBuffer) {
   EXPECT_EQ(workers::ProduceStep(nullptr, nullptr, 0, nullptr, nullptr, 0, nullptr, 16, 1, nullptr),
             cudaErrorInvalidValue);
   EXPECT_EQ(workers::ProduceStep(nullptr, nullptr, -1, nullptr, nullptr, 0, nullptr, 0, 1, nullptr),
             cudaErrorInvalidValue);
+  EXPECT_EQ(workers::ProduceStep(nullptr, nullptr, 8, nullptr, nullptr, 0, nullptr, 0, 1, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(workers::ProduceStep(nullptr, nullptr, 0, nullptr, nullptr, 8, nullptr, 0, 1, nullptr),
+            cudaErrorInvalidValue);
+  // Nothing to make: no launch, no error.
+  EXPECT_EQ(workers::ProduceStep(nullptr, nullptr, 0, nullptr, nullptr, 0, nullptr, 0, 1, nullptr),
+            cudaSuccess);
 }
 
 }  // namespace
