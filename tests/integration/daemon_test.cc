@@ -986,6 +986,42 @@ TEST_F(DaemonTest, FsqModelServesCodesEndToEnd) {
     }
   }
   ASSERT_TRUE(client_->CloseSequence(id).ok());
+
+  // A prompt put in two chunks through kv_first_token (kvcd_prefill_worker --mode put's path
+  // for FSQ models: at scale their x does not fit one message) stores what one Put stores:
+  // [0, 16), then [16, 32) carrying only that chunk's K, V and x.
+  const uint64_t seed2 = 43;
+  const int64_t half = put_tokens / 2;
+  ASSERT_TRUE(client_->Put(synthetic::Put(seed2, p, half, "chunked")).ok());
+  auto second = synthetic::Put(seed2, p, put_tokens, "chunked");
+  second.set_kv_first_token(half);
+  SetBf16FromFloat(second.mutable_k(), {L, half, hkv, d},
+                   synthetic::Kv(seed2, p, half, half, 0).data());
+  SetBf16FromFloat(second.mutable_v(), {L, half, hkv, d},
+                   synthetic::Kv(seed2, p, half, half, 1).data());
+  SetBf16FromFloat(second.mutable_x(), {L, half, C},
+                   synthetic::Residuals(seed2, p, half, half).data());
+  auto put2 = client_->Put(second);
+  ASSERT_TRUE(put2.ok()) << put2.status();
+  EXPECT_EQ(put2->cached_tokens(), half);
+  EXPECT_EQ(put2->inserted_tokens(), half);
+  ASSERT_TRUE(client_->Put(synthetic::Put(seed2, p, put_tokens, "whole")).ok());
+  std::string stored_pages[2];
+  for (int w = 0; w < 2; ++w) {
+    auto o = client_->OpenSequence("tiny-fsq", w == 0 ? "chunked" : "whole",
+                                   synthetic::Tokens(seed2, 0, put_tokens), 60000);
+    ASSERT_TRUE(o.ok()) << o.status();
+    ASSERT_EQ(o->matched_tokens(), put_tokens) << w;
+    v1::FetchPagesRequest fetch;
+    fetch.set_sequence_id(o->sequence_id());
+    auto got = client_->FetchPages(fetch);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->pages_size(), put_tokens / ps) << w;
+    for (const auto& pg : got->pages()) stored_pages[w] += pg.format() + pg.data();
+    ASSERT_TRUE(client_->CloseSequence(o->sequence_id()).ok());
+  }
+  EXPECT_TRUE(stored_pages[0] == stored_pages[1])  // bytes: compared whole, not printed
+      << stored_pages[0].size() << " bytes chunked, " << stored_pages[1].size() << " in one Put";
 }
 
 }  // namespace daemon_test
