@@ -303,8 +303,11 @@ int main(int argc, char** argv) {
     CHECK_OK(open.status());
     if (open->matched_tokens() != prompt) {
       std::fprintf(stderr,
-                   "only %lld of %lld prompt tokens are cached; run the prefill worker first\n",
-                   static_cast<long long>(open->matched_tokens()), static_cast<long long>(prompt));
+                   "only %lld of %lld prompt tokens are cached under salt %s: run the prefill "
+                   "worker first, or give the model's pools room for every prompt stored (a "
+                   "pool that fills evicts the least recently used unreferenced pages)\n",
+                   static_cast<long long>(open->matched_tokens()), static_cast<long long>(prompt),
+                   seq_salt.c_str());
       return 1;
     }
     seqs.push_back(open->sequence_id());
