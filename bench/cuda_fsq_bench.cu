@@ -87,9 +87,6 @@ __global__ void MmaLoopI8(int iters, int* out) {
   if (s == 12345) out[0] = s;
 }
 
-const char* KernelName(kk::cuda::FsqKeyKernel k) { return kk::cuda::FsqKeyKernelName(k); }
-constexpr auto& kKernels = kk::cuda::kFsqKeyKernels;
-
 // One layer's codec at Qwen3-8B geometry, host and device copies.
 struct Codec {
   std::vector<float> wk, wv, bk, bv, kn, e, eb;
@@ -132,7 +129,7 @@ struct Codec {
     dev.bias_k = Upload(bk);
     dev.bias_v = Upload(bv);
     dev.key_norm = Upload(kn);
-    for (const auto k : kKernels) {
+    for (const auto k : kk::cuda::kFsqKeyKernels) {
       void*& p = prepared[static_cast<int>(k)];
       CHECK(cudaMalloc(&p, kk::cuda::FsqDecoderBytes(k, kHkv, kD, G)));
       CHECK(kk::cuda::LaunchFsqPrepareDecoder(k, dev, p, nullptr));
@@ -228,7 +225,8 @@ void ErrorAtGeometry(kk::cuda::FsqKeyKernel kernel, const Codec& c, int n, int64
   std::printf(
       "  %s G %3d, %d tokens at positions %lld..: relative L2 error of o %.2e, max |dlse| "
       "%.1e",
-      KernelName(kernel), G, n, static_cast<long long>(pos0), std::sqrt(err / norm), dl);
+      kk::cuda::FsqKeyKernelName(kernel), G, n, static_cast<long long>(pos0), std::sqrt(err / norm),
+      dl);
   if (i8) std::printf(" (against the oracle on scale * q: %.2e)", std::sqrt(oerr / onorm));
   std::printf("\n");
 }
@@ -269,16 +267,17 @@ int main(int argc, char** argv) {
     const std::string name = kernel_flag.substr(at, comma - at);
     at = comma + 1;
     bool known = false;
-    for (const auto k : kKernels) {
+    for (const auto k : kk::cuda::kFsqKeyKernels) {
       const bool in_both = k == kk::cuda::FsqKeyKernel::kFp16 || k == kk::cuda::FsqKeyKernel::kInt8;
-      if (name == KernelName(k) || name == "all" || (name == "both" && in_both)) {
+      if (name == kk::cuda::FsqKeyKernelName(k) || name == "all" || (name == "both" && in_both)) {
         known = true;
         if (std::find(kernels.begin(), kernels.end(), k) == kernels.end()) kernels.push_back(k);
       }
     }
     if (!known) {
       std::string why = "--kernel takes ";
-      for (const auto k : kKernels) why += std::string(KernelName(k)) + ", ";
+      for (const auto k : kk::cuda::kFsqKeyKernels)
+        why += std::string(kk::cuda::FsqKeyKernelName(k)) + ", ";
       why += "both or all, or several separated by commas; got \"" + name + "\"";
       return kvcd::cli::UsageError(program, nullptr, why);
     }
@@ -442,7 +441,8 @@ int main(int argc, char** argv) {
           const double gflop = 2.0 * n * batch * kHkv * kD * G / 1e9;
           const double tbs = mb / us_b2b, tflops = gflop / us_b2b * 1e3;
           std::printf("%9s %4d %8d %6d %7d %10.1f %10.1f %8.1f %8.1f %9.2f %8.0f",
-                      KernelName(kernel), G, n, batch, splits, us, us_b2b, mb, gflop, tbs, tflops);
+                      kk::cuda::FsqKeyKernelName(kernel), G, n, batch, splits, us, us_b2b, mb,
+                      gflop, tbs, tflops);
           if (one) {
             std::printf("       -\n");  // --one measures no ceilings
           } else {

@@ -72,6 +72,18 @@ std::vector<float> ResidualRow(uint64_t seed, const v1::ModelProfile& p, int32_t
   return out;
 }
 
+FsqCodec FsqCodecFor(const v1::ModelProfile& p, uint64_t seed) {
+  FsqCodecShape s;
+  s.num_layers = p.num_layers();
+  s.residual_width = p.fsq_residual_width();
+  s.latent_width = p.fsq_latent_width();
+  s.num_kv_heads = p.num_kv_heads();
+  s.head_dim = p.head_dim();
+  s.key_norm = p.key_norm() == v1::KEY_NORM_RMS;
+  s.key_norm_eps = p.key_norm_eps();
+  return FsqCodec::Synthetic(s, seed);
+}
+
 v1::PutRequest Put(uint64_t seed, const v1::ModelProfile& p, int64_t n, const std::string& salt) {
   v1::PutRequest r;
   r.set_model(p.name());

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "common/fsq_codec.h"
 #include "kvcd/v1/kvcache.pb.h"
 
 namespace kvcd::synthetic {
@@ -31,6 +32,10 @@ std::vector<float> Row(uint64_t seed, const v1::ModelProfile& p, int32_t layer, 
 std::vector<float> Residuals(uint64_t seed, const v1::ModelProfile& p, int64_t begin, int64_t n);
 std::vector<float> ResidualRow(uint64_t seed, const v1::ModelProfile& p, int32_t layer,
                                int64_t pos);
+
+// A synthetic FSQ codec (FsqCodec::Synthetic with `seed`) of an FSQ model profile's shape:
+// its layers, residual and latent widths, KV heads, head_dim and key norm.
+FsqCodec FsqCodecFor(const v1::ModelProfile& p, uint64_t seed);
 
 // A Put of tokens [0, n) of stream `seed` for model p under `salt`: K and V as BF16, and the
 // FSQ residuals when the model takes them.

@@ -20,10 +20,19 @@ __device__ uint16_t ToBf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
+// Element i of FillBf16(seed) and of NextQueries(o, seed): the one definition of each value
+// (ProduceStep makes the same ones).
+__device__ uint16_t FillValue(uint64_t seed, int64_t i) {
+  return ToBf16(2.0f * Uniform(seed, i) - 1.0f);
+}
+__device__ uint16_t NextQueryValue(const float* o, uint64_t seed, int64_t i) {
+  return ToBf16(0.5f * o[i] + Uniform(seed, i) - 0.5f);
+}
+
 __global__ void FillBf16Kernel(uint16_t* p, int64_t n, uint64_t seed) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    p[i] = ToBf16(2.0f * Uniform(seed, i) - 1.0f);
+    p[i] = FillValue(seed, i);
 }
 
 __global__ void FillInt2Kernel(uint8_t* p, int64_t chunks, int64_t bytes, int64_t params_offset,
@@ -49,7 +58,7 @@ __global__ void FillInt2Kernel(uint8_t* p, int64_t chunks, int64_t bytes, int64_
 __global__ void NextQueriesKernel(const float* o, uint16_t* q, int64_t n, uint64_t seed) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    q[i] = ToBf16(0.5f * o[i] + Uniform(seed, i) - 0.5f);
+    q[i] = NextQueryValue(o, seed, i);
 }
 
 // NextQueries(key) into q, then FillBf16 with key ^ 1, key ^ 2 and key ^ 3 into k, v and x, as
@@ -61,16 +70,13 @@ __global__ void ProduceStepKernel(const float* o, uint16_t* q, int64_t q_n, uint
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     if (i < q_n) {
-      q[i] = ToBf16(0.5f * o[i] + Uniform(key, i) - 0.5f);
+      q[i] = NextQueryValue(o, key, i);
     } else if (i < q_n + kv_n) {
-      const int64_t j = i - q_n;
-      k[j] = ToBf16(2.0f * Uniform(key ^ 1, j) - 1.0f);
+      k[i - q_n] = FillValue(key ^ 1, i - q_n);
     } else if (i < q_n + 2 * kv_n) {
-      const int64_t j = i - q_n - kv_n;
-      v[j] = ToBf16(2.0f * Uniform(key ^ 2, j) - 1.0f);
+      v[i - q_n - kv_n] = FillValue(key ^ 2, i - q_n - kv_n);
     } else {
-      const int64_t j = i - q_n - 2 * kv_n;
-      x[j] = ToBf16(2.0f * Uniform(key ^ 3, j) - 1.0f);
+      x[i - q_n - 2 * kv_n] = FillValue(key ^ 3, i - q_n - 2 * kv_n);
     }
   }
 }

@@ -379,7 +379,8 @@ int main(int argc, char** argv) {
   std::vector<double> rtt_us, kernel_us, done_us;
   cudaEvent_t done_ev;
   cudaEventCreateWithFlags(&done_ev, cudaEventDisableTiming);
-  static const int kProduce = kvcd::PhaseTimes::Phase(
+  // The phase's name follows --producer (registered once: Phase looks names up).
+  const int kProduce = kvcd::PhaseTimes::Phase(
       fused_producer ? "worker.produce q,k,v (1 launch)" : "worker.produce q,k,v (3 launches)");
   static const int kReady = kvcd::PhaseTimes::Phase("worker.mark ready (event record)");
   static const int kCall = kvcd::PhaseTimes::Phase("worker.call (round trip)");

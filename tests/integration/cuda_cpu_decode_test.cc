@@ -189,15 +189,7 @@ v1::ModelProfile FsqG33() { return FsqProfile("fsq-g33_norm_interleaved", 33, tr
 v1::ModelProfile FsqG64() { return FsqProfile("fsq-g64_half", 64, false, false, 128); }
 
 std::string FsqCodec(const v1::ModelProfile& p) {
-  FsqCodecShape s;
-  s.num_layers = p.num_layers();
-  s.residual_width = p.fsq_residual_width();
-  s.latent_width = p.fsq_latent_width();
-  s.num_kv_heads = p.num_kv_heads();
-  s.head_dim = p.head_dim();
-  s.key_norm = p.key_norm() == v1::KEY_NORM_RMS;
-  s.key_norm_eps = p.key_norm_eps();
-  return FsqCodec::Synthetic(s, 17).ToSafetensors().Serialize();
+  return synthetic::FsqCodecFor(p, 17).ToSafetensors().Serialize();
 }
 
 template <v1::ModelProfile (*kProfile)()>

@@ -26,6 +26,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "proto/tensor_ref.h"
 #include "testing/synthetic.h"
+#include "tiny_daemon_fixture.h"
 
 namespace kvcd {
 namespace hardening_test {
@@ -43,24 +44,11 @@ models:
     memory: 1MiB
 )";
 
-class HardeningTest : public ::testing::Test {
+class HardeningTest : public testing_util::TinyDaemonTest {
  protected:
   void SetUp() override {
     ASSERT_TRUE(daemon_.CaptureStderr());
-    ASSERT_TRUE(daemon_.Start(kConfig));
-    Connect();
-  }
-
-  void Connect() {
-    ClientOptions o;
-    o.target = daemon_.grpc();
-    o.deadline = std::chrono::milliseconds(10000);
-    auto c = Client::Connect(o);
-    ASSERT_TRUE(c.ok()) << c.status();
-    client_ = std::move(*c);
-    auto m = client_->GetModel("tiny");
-    ASSERT_TRUE(m.ok()) << m.status();
-    profile_ = m->profile();
+    StartDaemon(kConfig);
   }
 
   v1::AttentionDecodeRequest Decode(uint64_t seq, uint64_t request_id) {
@@ -72,10 +60,6 @@ class HardeningTest : public ::testing::Test {
     SetF32Tensor(r.mutable_q(), {1, hq, d}, synthetic::Row(5, profile_, 0, 8, 2).data());
     return r;
   }
-
-  DaemonProcess daemon_;
-  std::unique_ptr<Client> client_;
-  v1::ModelProfile profile_;
 };
 
 // The numbered defects that a client sees over the wire, one table: each call gets its

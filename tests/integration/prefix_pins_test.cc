@@ -11,6 +11,7 @@
 #include "daemon_process.h"
 #include "proto/tensor_ref.h"
 #include "testing/synthetic.h"
+#include "tiny_daemon_fixture.h"
 
 namespace kvcd {
 namespace prefix_pins_integration_test {
@@ -30,20 +31,9 @@ models:
     memory: 16384    # 16 pages of 4 tokens
 )";
 
-class PrefixPinsTest : public ::testing::Test {
+class PrefixPinsTest : public testing_util::TinyDaemonTest {
  protected:
-  void SetUp() override {
-    ASSERT_TRUE(daemon_.Start(kConfig));
-    ClientOptions o;
-    o.target = daemon_.grpc();
-    o.deadline = std::chrono::milliseconds(10000);
-    auto c = Client::Connect(o);
-    ASSERT_TRUE(c.ok()) << c.status();
-    client_ = std::move(*c);
-    auto m = client_->GetModel("tiny");
-    ASSERT_TRUE(m.ok()) << m.status();
-    profile_ = m->profile();
-  }
+  void SetUp() override { StartDaemon(kConfig); }
 
   void Put(uint64_t seed, int64_t n) {
     auto r = client_->Put(synthetic::Put(seed, profile_, n));
@@ -63,10 +53,6 @@ class PrefixPinsTest : public ::testing::Test {
     EXPECT_TRUE(s.ok()) << s.status();
     return s.ok() ? s->pins_size() : -1;
   }
-
-  DaemonProcess daemon_;
-  std::unique_ptr<Client> client_;
-  v1::ModelProfile profile_;
 };
 
 TEST_F(PrefixPinsTest, APinnedSystemPromptSurvivesAFloodUntilUnpinned) {
