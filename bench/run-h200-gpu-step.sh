@@ -5,6 +5,10 @@
 #      data-plane tests again with KVCD_SPLITS=kernel (each kernel's own split count, the
 #      rule before the formats' balanced one became the default);
 #   2. the per-layer decode loop through kvcd (bench/run-decode-batch.sh, INT2 history, 32k /
+#      100k, batch 1 / 8; the daemon folds the merge into the attention launches, the
+#      default since session 28; then 2a, the same rows with KVCD_MERGE=kernel, the merge
+#      as its own launch), as below;
+#      (session 27's description:) the per-layer decode loop (INT2 history, 32k /
 #      100k, batch 1 / 8), each row with the worker's per-layer q/k/v kernels as one launch
 #      (--producer fused, the default since session 27) and as one launch each (split, the
 #      loop of sessions 21-26), hops as IPC events (memops hops, measured in sessions 24,
@@ -103,6 +107,14 @@ KVCD_CONFIG=$out/kvcd-int2.yaml KVCD_RUNS=$runs KVCD_PUT_MODELS=qwen3-8b-xform K
   bench/run-decode-batch.sh
 grep -E 'hops|^\|' "$out/decode-batch.log" | tee -a "$final/summary.txt"
 grep -hE "per call" "$out"/decode-batch/decode-*.log | head -16 | tee -a "$final/summary.txt"
+# 2a. the same loop with the merge as its own kernel after the attention launches (the rule
+# before session 28's fold, KVCD_MERGE=kernel in the daemon), fused producer: the fold's gain
+# in the same lease (INT2, BF16 and int2-transform calls all fold by default).
+KVCD_MERGE=kernel KVCD_CONFIG=$out/kvcd-int2.yaml KVCD_RUNS=$runs KVCD_PUT_MODELS=qwen3-8b-xform \
+  KVCD_BATCHES="1 8" KVCD_HOPS=events KVCD_PRODUCERS=fused OUT=$out/decode-batch-merge-kernel \
+  step decode-batch-merge-kernel 200 bench/run-decode-batch.sh
+summary "merge kernel (KVCD_MERGE=kernel):"
+grep -E '^\|' "$out/decode-batch-merge-kernel.log" | tee -a "$final/summary.txt"
 
 # 2b. the kernels alone at Qwen3-8B geometry (issue #36's kernel rows): the INT2 kernel at
 # 100k batch 1, and int2-transform on tensor cores against INT2 at batch 1 and 8

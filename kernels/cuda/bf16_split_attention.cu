@@ -38,6 +38,7 @@
 #include "dispatch.cuh"
 #include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_bf16_split_attention.h"
+#include "merge_fold.cuh"
 #include "query_input.cuh"
 
 namespace kvcd::kernels::cuda {
@@ -78,6 +79,7 @@ struct SplitArgs {
   bool q_bf16;
   const DeviceFault* q_faults;
   unsigned long long q_fault_bits;
+  FoldArgs fold;  // set: the merge folded into the launch (merge_fold.cuh)
 };
 
 __device__ __forceinline__ uint32_t SmemAddress(const void* p) {
@@ -365,6 +367,10 @@ __global__ void __launch_bounds__(kWarps * 32, kCtasPerSm<D>) Bf16SplitKernel(co
     a.part_o[row * D + e] = den > 0.0f ? num / den : 0.0f;
     if (e == 0) a.part_lse[row] = den > 0.0f ? (M + log2f(den)) * kLn2 : -INFINITY;
   }
+  if (a.fold.counters != nullptr) {  // the merge folded into the launches (merge_fold.cuh)
+    FoldMerge<D>(a.fold, a.part_o, a.part_lse, a.geo.batch, a.geo.num_q_heads, a.geo.num_kv_heads,
+                 b, kvh, a.q_raw, a.q_bf16, s_o);
+  }
 }
 
 template <int D>
@@ -428,14 +434,14 @@ int Bf16DecodeSplits(Bf16Kernel kernel, int batch, int num_kv_heads, int head_di
 Error LaunchBf16SplitDecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
                                  const float* r_k, float scale, int splits, int max_tokens,
                                  float* part_o, float* part_lse, int part_base, cudaStream_t stream,
-                                 const RawQueries* raw) {
+                                 const RawQueries* raw, const MergeTarget* fold) {
   KVCD_CUDA_BIND_THREAD();
   if (!SplitGeometry(geo) || splits <= 0) return ToError(cudaErrorInvalidValue);
   if (reinterpret_cast<uintptr_t>(list.pages) % 16 != 0 || list.page_stride % 16 != 0) {
     // 16-byte copies need 16-byte aligned rows (BF16 pools are; a pool whose pages carry
     // other data after the rows may not be).
     return LaunchBf16DecodeParts(list, geo, q, r_k, scale, splits, max_tokens, part_o, part_lse,
-                                 part_base, stream, raw);
+                                 part_base, stream, raw, fold);
   }
   SplitArgs a{};
   a.list = list;
@@ -454,6 +460,9 @@ Error LaunchBf16SplitDecodeParts(const PagedList& list, const DecodeGeometry& ge
     a.q_faults = raw->faults;
     a.q_fault_bits = FaultTag(0, raw->fault_layer);
   }
+  if (fold != nullptr && !SetFold(*fold, geo, part_base, splits, &a.fold)) {
+    return ToError(cudaErrorInvalidValue);
+  }
   return ToError(DispatchHeadDim(
       geo.head_dim, [&](auto d) { return LaunchSplit<decltype(d)::value>(a, splits, stream); }));
 }
@@ -461,14 +470,14 @@ Error LaunchBf16SplitDecodeParts(const PagedList& list, const DecodeGeometry& ge
 Error LaunchBf16Parts(Bf16Kernel kernel, const PagedList& list, const DecodeGeometry& geo,
                       const float* q, const float* r_k, float scale, int splits, int max_tokens,
                       float* part_o, float* part_lse, int part_base, cudaStream_t stream,
-                      const RawQueries* raw) {
+                      const RawQueries* raw, const MergeTarget* fold) {
   KVCD_CUDA_BIND_THREAD();
   if (kernel == Bf16Kernel::kWarp) {
     return LaunchBf16DecodeParts(list, geo, q, r_k, scale, splits, max_tokens, part_o, part_lse,
-                                 part_base, stream, raw);
+                                 part_base, stream, raw, fold);
   }
   return LaunchBf16SplitDecodeParts(list, geo, q, r_k, scale, splits, max_tokens, part_o, part_lse,
-                                    part_base, stream, raw);
+                                    part_base, stream, raw, fold);
 }
 
 }  // namespace kvcd::kernels::cuda

@@ -88,6 +88,7 @@ __global__ void __launch_bounds__(kWarps * 32) Bf16DecodeKernel(PartArgs a) {
   }
   __syncthreads();
   WritePart<D>(a, split, b, kvh, G, s_m, s_l, s_lacc, s_o);
+  FoldAfterPart<D>(a, b, kvh, &s_o[0][0][0]);
 }
 
 }  // namespace
@@ -95,12 +96,15 @@ __global__ void __launch_bounds__(kWarps * 32) Bf16DecodeKernel(PartArgs a) {
 Error LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
                             const float* r_k, float scale, int splits, int max_tokens,
                             float* part_o, float* part_lse, int part_base, cudaStream_t stream,
-                            const RawQueries* raw) {
+                            const RawQueries* raw, const MergeTarget* fold) {
   KVCD_CUDA_BIND_THREAD();
   if (!SupportedGeometry(geo) || splits <= 0) return ToError(cudaErrorInvalidValue);
   PartArgs a{list,   geo,      q,        r_k, scale, TokensPerSplit(max_tokens, splits, kTile),
              part_o, part_lse, part_base};
   SetRawQueries(raw, &a);
+  if (fold != nullptr && !SetFold(*fold, geo, part_base, splits, &a.fold)) {
+    return ToError(cudaErrorInvalidValue);
+  }
   const dim3 grid(splits, geo.num_kv_heads, geo.batch);
   CountLaunch();
   return ToError(DispatchHeadDim(geo.head_dim, [&](auto hd) {

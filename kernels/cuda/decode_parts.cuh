@@ -12,6 +12,7 @@
 
 #include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_decode_attention.h"
+#include "merge_fold.cuh"
 #include "query_input.cuh"
 
 namespace kvcd::kernels::cuda {
@@ -53,6 +54,8 @@ struct PartArgs {
   bool q_bf16 = false;
   const DeviceFault* q_faults = nullptr;
   unsigned long long q_fault_bits = 0;
+  // Set (fold.counters): the merge folded into the launch (merge_fold.cuh).
+  FoldArgs fold;
 };
 
 // Element i of the queries [batch][num_q_heads][head_dim]: a.q[i], or the raw query read
@@ -161,6 +164,15 @@ __device__ void WritePart(const PartArgs& a, int split, int b, int kvh, int G,
     a.part_o[row * D + e] = den > 0.0f ? num / den : 0.0f;
     if (e == 0) a.part_lse[row] = den > 0.0f ? M + __logf(den) : -INFINITY;
   }
+}
+
+// After WritePart: where the call folds the merge into its launches, the group's last CTA
+// merges it (merge_fold.cuh). `smem`: the CTA's s_o, kWarps x (>= G) x D floats.
+template <int D>
+__device__ __forceinline__ void FoldAfterPart(const PartArgs& a, int b, int kvh, float* smem) {
+  if (a.fold.counters == nullptr) return;
+  FoldMerge<D>(a.fold, a.part_o, a.part_lse, a.geo.batch, a.geo.num_q_heads, a.geo.num_kv_heads, b,
+               kvh, a.q_raw, a.q_bf16, smem);
 }
 
 // ---------------------------------------------------------------------------------------

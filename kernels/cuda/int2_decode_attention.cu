@@ -60,6 +60,10 @@ Error LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& geo, co
   const int per_split = TokensPerSplit(max_tokens, splits, v2 ? kWarps * 2 * kTile : kTile);
   PartArgs a{list, geo, q, r_k, scale, per_split, part_o, part_lse, part_base};
   SetRawQueries(opt.raw, &a);
+  const bool fold = opt.merge != nullptr && opt.merge->fold_counters != nullptr;
+  if (fold && !SetFold(*opt.merge, geo, part_base, splits, &a.fold)) {
+    return ToError(cudaErrorInvalidValue);
+  }
   const dim3 grid(splits, geo.num_kv_heads, geo.batch);
   cudaError_t e = cudaSuccess;
   if (v2) {
@@ -68,7 +72,7 @@ Error LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& geo, co
   } else {
     e = LaunchInt2V1(grid, a, stream);
   }
-  if (e != cudaSuccess || opt.merge == nullptr) return ToError(e);
+  if (e != cudaSuccess || opt.merge == nullptr || fold) return ToError(e);
   // The merge as the decode kernel's programmatic dependent: its launch overlaps the tail
   // of the decode grid (which signals once every CTA is past its loop).
   const MergeTarget& m = *opt.merge;

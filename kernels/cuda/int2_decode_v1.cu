@@ -244,6 +244,7 @@ __global__ void __launch_bounds__(kWarps * 32) Int2DecodeKernel(PartArgs a) {
   }
   __syncthreads();
   WritePart<D>(a, split, b, kvh, G, s_m, s_l, s_lacc, s_o);
+  FoldAfterPart<D>(a, b, kvh, &s_o[0][0][0]);
 }
 
 }  // namespace

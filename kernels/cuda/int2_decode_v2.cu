@@ -678,6 +678,7 @@ __global__ void __launch_bounds__(kWarps * 32, V2CtasPerSm(NT)) Int2DecodeKernel
   }
   __syncthreads();
   WritePart<D>(a, split, b, kvh, G, s_m, s_l, s_lacc, s_o);
+  FoldAfterPart<D>(a, b, kvh, &s_o[0][0][0]);
 }
 
 // QueryFragments, then the decode kernel (as its programmatic dependent if `dependent`).

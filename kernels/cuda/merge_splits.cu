@@ -122,6 +122,12 @@ cudaError_t LaunchMerge(const float* part_o, const float* part_lse, int parts, i
   });
 }
 
+int MaxFoldedMergeParts(int head_dim) {
+  // The merging CTA's weights live in its s_o (kWarps x >= G x D floats) beside the G rows:
+  // G * parts + G * D + 16 <= kWarps * G * D (FoldSmemFloats).
+  return head_dim == 64 || head_dim == 128 || head_dim == 256 ? (kWarps - 1) * head_dim - 16 : 0;
+}
+
 Error LaunchMergeParts(const float* part_o, const float* part_lse, int parts, int rows,
                        int head_dim, const float* r_v_t, float* o, float* lse, cudaStream_t stream,
                        const DeviceFault* faults, int rows_per_entry) {

@@ -52,6 +52,10 @@ Error CopyToDeviceAsync(void* dst, const void* src, size_t bytes) {
   Counts().h2d.fetch_add(1, std::memory_order_relaxed);
   return ToError(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, nullptr));
 }
+Error ZeroAsync(void* dst, size_t bytes) {
+  KVCD_CUDA_BIND_THREAD();
+  return ToError(cudaMemsetAsync(dst, 0, bytes, nullptr));
+}
 Error CreateEvent(void** event) {
   KVCD_CUDA_BIND_THREAD();
   cudaEvent_t e = nullptr;

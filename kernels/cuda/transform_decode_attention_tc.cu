@@ -51,6 +51,7 @@
 #include "dispatch.cuh"
 #include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_transform.h"
+#include "merge_fold.cuh"
 
 namespace kvcd::kernels::cuda {
 namespace {
@@ -87,6 +88,7 @@ struct TcArgs {
   int kb;  // k-blocks of a row: ceil(code_bytes / 4)
   uint32_t* frags;
   float* scal;
+  FoldArgs fold;  // set: the merge folded into the launch (merge_fold.cuh)
 };
 
 // TODO(merge): shared with int2 v2 (int2_decode.cuh, int2_decode_v2.cu): the MMAs, the digit
@@ -668,6 +670,10 @@ __global__ void __launch_bounds__(kWarps * 32, CtasPerSm(NT)) TransformDecodeKer
       a.part_o[(row0 + h) * D + c] = (s_o[0][h][c] + s_o[1][h][c]) + (s_o[2][h][c] + s_o[3][h][c]);
     }
   }
+  if (a.fold.counters != nullptr) {  // the queries are converted ones: no raw queries to check
+    FoldMerge<D>(a.fold, a.part_o, a.part_lse, geo.batch, geo.num_q_heads, geo.num_kv_heads, b, kvh,
+                 nullptr, false, &s_o[0][0][0]);
+  }
 }
 
 // Launches `kernel` as the programmatic dependent of the previous launch on the stream
@@ -734,7 +740,8 @@ Error LaunchTransformDecodePartsTc(const PagedList& list, const DecodeGeometry& 
                                    const TransformPageOffsets& layout,
                                    const TransformHeadCodec* heads, const float* q, float scale,
                                    int splits, int max_tokens, float* part_o, float* part_lse,
-                                   int part_base, void* state, cudaStream_t stream) {
+                                   int part_base, void* state, cudaStream_t stream,
+                                   const MergeTarget* fold) {
   KVCD_CUDA_BIND_THREAD();
   if (geo.batch < 1 || !TransformTensorCoreServes(geo, layout) || splits < 1 || max_tokens < 0 ||
       part_base < 0 || heads == nullptr || q == nullptr || part_o == nullptr ||
@@ -761,6 +768,9 @@ Error LaunchTransformDecodePartsTc(const PagedList& list, const DecodeGeometry& 
            (layout.code_bytes + 3) / 4,
            static_cast<uint32_t*>(state),
            reinterpret_cast<float*>(static_cast<uint32_t*>(state) + int64_t{n} * kFragStride)};
+  if (fold != nullptr && !SetFold(*fold, geo, part_base, splits, &a.fold)) {
+    return ToError(cudaErrorInvalidValue);
+  }
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(geo.num_kv_heads),
                   static_cast<unsigned>(geo.batch));
   // The tensor-core variant's head dims (TransformTensorCoreServes) and GQA tile counts.

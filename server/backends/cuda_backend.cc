@@ -47,6 +47,9 @@ class CudaBackend final : public Backend, public DeviceRuntime {
       : device_(device),
         sms_(std::max(1, kc::SmCount())),
         timeline_(PhaseTimes::Enabled() ? std::make_unique<GpuTimeline>() : nullptr) {}
+  ~CudaBackend() override {
+    if (fold_counters_ != nullptr) (void)kc::Free(fold_counters_);
+  }
   const char* name() const override { return "cuda"; }
   DeviceRuntime* device() override { return this; }
 
@@ -386,6 +389,26 @@ class CudaBackend final : public Backend, public DeviceRuntime {
       ++launched;
     }
     const bool forked = side_lists_ && launched >= 2 && all_side;
+    // The merge folded into the launches' last CTAs (MergeTarget::fold_counters) where every
+    // launched format takes it: no merge launch, and no wait for both streams before it.
+    bool fold = fold_merge_ && launched > 0 && parts <= kc::MaxFoldedMergeParts(d);
+    for (auto it = lists_.begin(); fold && it != lists_end; ++it) {
+      if (it->splits > 0) fold = it->format->FoldsMerge(geo);
+    }
+    kc::MergeTarget folded = merge;
+    if (fold) {
+      auto counters = FoldCountersLocked(static_cast<size_t>(batch) * b.num_kv_heads);
+      if (!counters.ok()) return counters.status();
+      folded.fold_counters = *counters;
+    }
+    // A call that fails between its launches may leave counts behind: zero them after the
+    // join, so the next call starts from zero.
+    bool fold_complete = !fold;
+    absl::Cleanup zero_on_failure = [&] {
+      if (!fold_complete) {
+        Note(kc::ZeroAsync(fold_counters_, sizeof(unsigned int) * fold_counters_size_));
+      }
+    };
     if (forked) {
       KVCD_RETURN_IF_ERROR(Noted(SideStreamLocked()));
       RETURN_IF_CUDA(kc::ForkTo(side_stream_, fork_event_));
@@ -423,7 +446,10 @@ class CudaBackend final : public Backend, public DeviceRuntime {
       if (!l.first_pos.empty()) a.positions = reinterpret_cast<const int64_t*>(d_i32 + l.pos_off);
       // Lists are ordered so that a merging format is last: it merges every part (unless
       // lists run on two streams: then the merge waits for both, below).
-      if (!forked && l.format->FusesMerge() && part_base + l.splits == parts) {
+      if (fold) {
+        a.merge = &folded;
+        merged = true;
+      } else if (!forked && l.format->FusesMerge() && part_base + l.splits == parts) {
         a.merge = &merge;
         merged = true;
       }
@@ -438,6 +464,7 @@ class CudaBackend final : public Backend, public DeviceRuntime {
       joined = true;
       RETURN_IF_CUDA(kc::JoinFrom(side_stream_, join_event_));
     }
+    fold_complete = true;
     if (!merged) {
       if (part_base == 0) {  // nothing to attend: every row is the empty state
         std::vector<float> neg(static_cast<size_t>(rows), -INFINITY);
@@ -478,6 +505,36 @@ class CudaBackend final : public Backend, public DeviceRuntime {
   static bool SideListsFromEnv() {
     const char* v = std::getenv("KVCD_SIDE_STREAM");
     return v == nullptr || std::strcmp(v, "0") != 0;
+  }
+  // KVCD_MERGE=kernel: the merge as its own launch after the lists (the earlier rule);
+  // "fold" (the default) folds it into the launches where their formats allow.
+  static bool FoldMergeFromEnv() {
+    const char* v = std::getenv("KVCD_MERGE");
+    if (v == nullptr || std::strcmp(v, "fold") == 0) return true;
+    if (std::strcmp(v, "kernel") == 0) return false;
+    KVCD_LOG(WARNING) << "KVCD_MERGE=" << v << " is not fold or kernel; using fold";
+    return true;
+  }
+  // The folded merge's counters, at least n of them, zero (the merging CTAs leave them so).
+  // Growing waits for the device, so that no launch still counts on the old ones; it
+  // happens when a call's batch x KV heads first passes the size. REQUIRES: mu_.
+  absl::StatusOr<unsigned int*> FoldCountersLocked(size_t n) {
+    if (n <= fold_counters_size_) return fold_counters_;
+    const size_t size = std::max<size_t>(n, 4096);
+    if (fold_counters_ != nullptr) {
+      RETURN_IF_CUDA(kc::Synchronize());
+      Note(kc::Free(fold_counters_));
+      fold_counters_ = nullptr;
+      fold_counters_size_ = 0;
+    }
+    void* p = nullptr;
+    KVCD_RETURN_IF_ERROR(KernelStatus(kc::Malloc(&p, sizeof(unsigned int) * size),
+                                      absl::StatusCode::kResourceExhausted,
+                                      "cannot allocate the folded merge's counters"));
+    RETURN_IF_CUDA(kc::ZeroAsync(p, sizeof(unsigned int) * size));
+    fold_counters_ = static_cast<unsigned int*>(p);
+    fold_counters_size_ = size;
+    return fold_counters_;
   }
   // The second stream and its fork/join events. REQUIRES: mu_.
   absl::Status SideStreamLocked() {
@@ -537,6 +594,9 @@ class CudaBackend final : public Backend, public DeviceRuntime {
   // Lists beside the last one run on a second stream (KVCD_SIDE_STREAM=0 turns it off).
   const bool side_lists_ = SideListsFromEnv();
   const bool balanced_splits_ = BalancedSplitsFromEnv();
+  const bool fold_merge_ = FoldMergeFromEnv();
+  unsigned int* fold_counters_ = nullptr;  // FoldCountersLocked, under mu_
+  size_t fold_counters_size_ = 0;
   void* side_stream_ = nullptr;  // created on first use, under mu_
   void* fork_event_ = nullptr;
   void* join_event_ = nullptr;

@@ -24,7 +24,9 @@ class CudaPageFormat {
 
   // One attention launch: parts [part_base, part_base + splits) of every (sequence, query
   // head) over the page list; with `merge` (formats whose FusesMerge() is true) the launch
-  // also merges every part into the result.
+  // also merges every part into the result; with merge->fold_counters (given to every
+  // launch of the call, each format's FoldsMerge() true) the launches fold the merge into
+  // their last CTAs (MergeTarget in cuda_decode_attention.h).
   struct AttendLaunch {
     kernels::cuda::PagedList list;
     kernels::cuda::DecodeGeometry geo;
@@ -61,6 +63,8 @@ class CudaPageFormat {
     return 0;
   }
   virtual bool FusesMerge() const { return false; }
+  // True when LaunchAttend at `geo` takes its share of a folded merge (merge->fold_counters).
+  virtual bool FoldsMerge(const kernels::cuda::DecodeGeometry& /*geo*/) const { return false; }
   // True when attention needs each token's absolute position (keys rebuilt with RoPE).
   virtual bool NeedsPositions() const { return false; }
   // True when LaunchAttend reads AttendLaunch::raw (the worker's queries in place) when it is

@@ -68,10 +68,14 @@ class Bf16CudaFormat final : public CudaFormat<Bf16PageFormat> {
 
   bool ReadsRawQueries() const override { return true; }
   bool RunsOnSideStream() const override { return true; }
+  bool FoldsMerge(const kc::DecodeGeometry& /*geo*/) const override { return true; }
   absl::Status LaunchAttend(const AttendLaunch& a) const override {
+    // A BF16 list merges only by the fold (FusesMerge is false: no merge target otherwise).
+    const kc::MergeTarget* fold =
+        a.merge != nullptr && a.merge->fold_counters != nullptr ? a.merge : nullptr;
     return CudaStatus(kc::LaunchBf16Parts(kernel_, a.list, a.geo, a.q, a.r_k, a.scale, a.splits,
                                           a.max_tokens, a.part_o, a.part_lse, a.part_base,
-                                          static_cast<cudaStream_t>(a.stream), a.raw),
+                                          static_cast<cudaStream_t>(a.stream), a.raw, fold),
                       "BF16 decode attention");
   }
 

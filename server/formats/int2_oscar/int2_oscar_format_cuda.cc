@@ -70,6 +70,7 @@ class Int2OscarCudaFormat final : public CudaFormat<Int2OscarPageFormat> {
     return kc::Int2StateBytes(geo.batch, geometry().num_kv_heads);
   }
   bool FusesMerge() const override { return true; }
+  bool FoldsMerge(const kc::DecodeGeometry& /*geo*/) const override { return true; }
   bool ReadsRawQueries() const override { return true; }
 
   absl::Status LaunchAttend(const AttendLaunch& a) const override {

@@ -150,6 +150,11 @@ class Int2TransformCudaFormat final : public CudaFormat<Int2TransformPageFormat>
     return TensorCores(geo) ? kc::TransformTcStateBytes(geo.batch, geo.num_kv_heads) : 0;
   }
 
+  // The tensor-core kernel folds; the FP32 one does not (its calls merge with the kernel).
+  bool FoldsMerge(const kc::DecodeGeometry& geo) const override {
+    return TensorCores(geo) && layer_page_bytes() % 16 == 0;
+  }
+
   absl::Status LaunchAttend(const AttendLaunch& a) const override {
     if (a.geo.num_q_heads % a.geo.num_kv_heads != 0 ||
         a.geo.num_q_heads / a.geo.num_kv_heads > kc::kTransformCudaMaxGroup) {
@@ -159,12 +164,19 @@ class Int2TransformCudaFormat final : public CudaFormat<Int2TransformPageFormat>
           " for int2-transform history on the cuda backend; the cpu backend serves up to 16"));
     }
     const auto stream = static_cast<cudaStream_t>(a.stream);
+    const kc::MergeTarget* fold =
+        a.merge != nullptr && a.merge->fold_counters != nullptr ? a.merge : nullptr;
     if (TensorCores(a.geo) && a.state != nullptr && a.list.page_stride % 16 == 0 &&
         reinterpret_cast<uintptr_t>(a.list.pages) % 16 == 0) {
       return CudaStatus(kc::LaunchTransformDecodePartsTc(
                             a.list, a.geo, offsets_, dev_->heads(a.layer), a.q, a.scale, a.splits,
-                            a.max_tokens, a.part_o, a.part_lse, a.part_base, a.state, stream),
+                            a.max_tokens, a.part_o, a.part_lse, a.part_base, a.state, stream, fold),
                         "int2-transform decode attention (tensor cores)");
+    }
+    if (fold != nullptr) {
+      return absl::InternalError(
+          "a folded merge was asked of int2-transform pages the tensor-core kernel cannot "
+          "attend (FoldsMerge said otherwise)");
     }
     return CudaStatus(kc::LaunchTransformDecodeParts(a.list, a.geo, offsets_, dev_->heads(a.layer),
                                                      a.q, a.scale, a.splits, a.max_tokens, a.part_o,

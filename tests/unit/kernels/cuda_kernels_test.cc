@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -218,11 +219,15 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
   // pages by the split kernel (the daemon's) or the first one (same split count here).
   enum Queries { kF32, kRawF32, kConvertedBf16, kRawBf16 };
   const auto kWarp = cuda::Bf16Kernel::kWarp;
+  const auto kSplit = cuda::Bf16Kernel::kSplit;
   struct Way {
     bool merge_in_launch;
     bool dependent;
     Queries queries = kF32;
     cuda::Bf16Kernel bf16 = cuda::Bf16Kernel::kSplit;
+    // The merge folded into both launches (MergeTarget::fold_counters), with the fault words
+    // in its target: sequence 1 is poisoned where its queries hold the NaN.
+    bool fold = false;
   };
   const std::vector<Way> ways = {Way{true, true},
                                  Way{true, false},
@@ -235,7 +240,13 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
                                  Way{true, true, kF32, kWarp},
                                  Way{false, true, kRawF32, kWarp},
                                  Way{true, true, kConvertedBf16, kWarp},
-                                 Way{true, true, kRawBf16, kWarp}};
+                                 Way{true, true, kRawBf16, kWarp},
+                                 Way{true, true, kF32, kSplit, true},
+                                 Way{true, false, kRawF32, kSplit, true},
+                                 Way{true, true, kConvertedBf16, kSplit, true},
+                                 Way{true, true, kRawBf16, kSplit, true},
+                                 Way{true, true, kRawBf16, kWarp, true}};
+  unsigned int* counters = Up(std::vector<unsigned int>(batch * hkv, 0));
   ASSERT_EQ(s_bf16, cuda::Bf16DecodeSplits(cuda::Bf16Kernel::kSplit, batch, hkv, d, max_bf16, 132));
   std::vector<std::vector<float>> got_o_ways, got_lse_ways;
   std::vector<std::vector<unsigned long long>> words_ways;
@@ -265,20 +276,40 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
     ASSERT_EQ(cudaMemcpy(o, std::vector<float>(rows * d, NAN).data(), sizeof(float) * rows * d,
                          cudaMemcpyHostToDevice),
               cudaSuccess);
-    ASSERT_EQ(cuda::LaunchBf16Parts(way.bf16, bf16_list, geo, way_q, d_rk, scale, s_bf16, max_bf16,
-                                    part_o, part_lse, 0, nullptr, raw_q)
-                  .device_code(),
-              cudaSuccess);
     const cuda::MergeTarget merge{s_int2 + s_bf16, d_rvt, o, lse};
+    const cuda::MergeTarget folded{s_int2 + s_bf16, d_rvt, o, lse, d_faults, hq, counters};
     cuda::Int2PartsOptions opt;
     opt.state = state;
-    opt.merge = way.merge_in_launch ? &merge : nullptr;
+    opt.merge = way.fold ? &folded : way.merge_in_launch ? &merge : nullptr;
     opt.dependent_launch = way.dependent;
     opt.raw = raw_q;
-    ASSERT_EQ(cuda::LaunchInt2DecodeParts(int2_list, geo, way_q, d_rk, scale, s_int2, max_int2,
-                                          part_o, part_lse, s_bf16, nullptr, opt)
-                  .device_code(),
-              cudaSuccess);
+    // A folded way runs twice: the counters its first call leaves (zero) serve the second,
+    // whose results are the same bits (the merging CTA sums the parts in one order).
+    std::vector<float> first_o;
+    for (int run = 0; run < (way.fold ? 2 : 1); ++run) {
+      if (run == 1) {
+        first_o = Down(o, rows * d);
+        ASSERT_EQ(cudaMemcpy(o, std::vector<float>(rows * d, -1.0f).data(),
+                             sizeof(float) * rows * d, cudaMemcpyHostToDevice),
+                  cudaSuccess);
+      }
+      ASSERT_EQ(
+          cuda::LaunchBf16Parts(way.bf16, bf16_list, geo, way_q, d_rk, scale, s_bf16, max_bf16,
+                                part_o, part_lse, 0, nullptr, raw_q, way.fold ? &folded : nullptr)
+              .device_code(),
+          cudaSuccess);
+      ASSERT_EQ(cuda::LaunchInt2DecodeParts(int2_list, geo, way_q, d_rk, scale, s_int2, max_int2,
+                                            part_o, part_lse, s_bf16, nullptr, opt)
+                    .device_code(),
+                cudaSuccess);
+    }
+    if (way.fold) {
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_EQ(Down(counters, batch * hkv), std::vector<unsigned int>(batch * hkv, 0));
+      const std::vector<float> second_o = Down(o, rows * d);
+      ASSERT_EQ(first_o.size(), second_o.size());
+      EXPECT_EQ(0, std::memcmp(first_o.data(), second_o.data(), sizeof(float) * rows * d));
+    }
     if (!way.merge_in_launch) {
       ASSERT_EQ(
           cuda::LaunchMergeParts(part_o, part_lse, s_int2 + s_bf16, rows, d, d_rvt, o, lse, nullptr)
@@ -300,6 +331,27 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
     const size_t base =
         ways[w].bf16 == kWarp ? (bf16_q ? warp_bf16_base : warp_base) : (bf16_q ? bf16_base : 0);
     if (w == base) continue;
+    if (ways[w].fold) {
+      // The folded merge sums the parts in another order: equal to float rounding, except
+      // that sequence 1, whose BF16 queries hold a NaN, is poisoned by its fault word.
+      EXPECT_EQ(words_ways[w], words_ways[base]) << "way " << w;
+      for (int r = 0; r < rows; ++r) {
+        const bool poisoned = bf16_q && r / hq == 1;
+        ASSERT_EQ(std::isnan(got_lse_ways[w][r]), poisoned) << "way " << w << " row " << r;
+        if (!poisoned) {
+          EXPECT_NEAR(got_lse_ways[w][r], got_lse_ways[base][r],
+                      1e-5 * (1 + std::fabs(got_lse_ways[base][r])));
+        }
+        for (int c = 0; c < d; ++c) {
+          const float got = got_o_ways[w][r * d + c], want = got_o_ways[base][r * d + c];
+          ASSERT_EQ(std::isnan(got), poisoned) << "way " << w << " row " << r;
+          if (!poisoned) {
+            ASSERT_NEAR(got, want, 1e-5 * (1 + std::fabs(want))) << "way " << w << " row " << r;
+          }
+        }
+      }
+      continue;
+    }
     EXPECT_EQ(got_o_ways[w], got_o_ways[base]) << "way " << w;
     EXPECT_EQ(got_lse_ways[w], got_lse_ways[base]) << "way " << w;
     EXPECT_EQ(words_ways[w], words_ways[base]) << "way " << w;
@@ -352,6 +404,53 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
       EXPECT_NEAR(got_lse[b * hq + h], acc_l[h], 2e-3 * (1 + std::fabs(acc_l[h])));
     }
   }
+}
+
+// A folded merge target the launches cannot honour is refused before anything runs: no
+// counters, more parts than the merging CTA holds, parts past the target's count, fault
+// words per entry other than per sequence.
+TEST_F(CudaKernelsTest, FoldedMergeRefusesTargetsItCannotFold) {
+  const int hq = 8, hkv = 2, d = 128, ps = 64, batch = 2, rows = batch * hq;
+  const cuda::DecodeGeometry geo{batch, hq, hkv, d, ps};
+  const int max_parts = cuda::MaxFoldedMergeParts(d);
+  ASSERT_EQ(max_parts, 3 * d - 16);
+  EXPECT_EQ(cuda::MaxFoldedMergeParts(96), 0);
+  float* part = Up(std::vector<float>(static_cast<size_t>(max_parts + 1) * rows * (d + 1), 0.0f));
+  const float* q = Up(std::vector<float>(rows * d, 0.5f));
+  float* o = Up(std::vector<float>(rows * d, 0.0f));
+  float* lse = Up(std::vector<float>(rows, 0.0f));
+  unsigned int* counters = Up(std::vector<unsigned int>(batch * hkv, 0));
+  const std::vector<uint8_t> pool(static_cast<size_t>(batch) * Bf16PageElems(hkv, ps, d) * 2, 0);
+  const cuda::PagedList list{Up(pool), Bf16PageElems(hkv, ps, d) * 2,
+                             Up(std::vector<int32_t>{0, 1}), 1, Up(std::vector<int32_t>{10, 20})};
+  const DeviceFault* faults = Up(std::vector<DeviceFault>(batch));
+  auto launch = [&](const cuda::MergeTarget& m, int splits, int part_base) {
+    return cuda::LaunchBf16Parts(cuda::Bf16Kernel::kSplit, list, geo, q, nullptr, 1.0f, splits, 20,
+                                 part, part, part_base, nullptr, nullptr, &m)
+        .device_code();
+  };
+  const cuda::MergeTarget good{4, nullptr, o, lse, faults, hq, counters};
+  EXPECT_EQ(launch(good, 4, 0), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(Down(counters, batch * hkv), std::vector<unsigned int>(batch * hkv, 0));
+  cuda::MergeTarget bad = good;
+  bad.fold_counters = nullptr;
+  EXPECT_EQ(launch(bad, 4, 0), cudaErrorInvalidValue);  // no counters: not a fold target
+  bad = good;
+  bad.parts = max_parts + 1;
+  EXPECT_EQ(launch(bad, 4, 0), cudaErrorInvalidValue);
+  EXPECT_EQ(launch(good, 3, 2), cudaErrorInvalidValue);  // parts 2..4 of 4
+  bad = good;
+  bad.rows_per_entry = hkv;
+  EXPECT_EQ(launch(bad, 4, 0), cudaErrorInvalidValue);
+  cuda::Int2PartsOptions opt;
+  opt.state = part;
+  opt.merge = &bad;
+  EXPECT_EQ(
+      cuda::LaunchInt2DecodeParts(list, geo, q, nullptr, 1.0f, 4, 20, part, part, 0, nullptr, opt)
+          .device_code(),
+      cudaErrorInvalidValue);
+  EXPECT_EQ(Down(counters, batch * hkv), std::vector<unsigned int>(batch * hkv, 0));
 }
 
 // Scalar reference of the copy checks (the daemon's host path applies the same rules).

@@ -498,6 +498,35 @@ void RunDecodeCase(CudaTransformTest* t, const DecodeCase& c, uint32_t seed,
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto go = t->Down(o, static_cast<size_t>(rows) * c.d);
   const auto gl = t->Down(lse, static_cast<size_t>(rows));
+  if (tc) {
+    // The merge folded into the decode launch (MergeTarget::fold_counters): the merge
+    // kernel's results to float rounding, and the counters left at zero.
+    float* fo = t->Up(std::vector<float>(static_cast<size_t>(rows) * c.d, NAN));
+    float* fl = t->Up(std::vector<float>(static_cast<size_t>(rows), NAN));
+    unsigned int* counters = t->Up(std::vector<unsigned int>(static_cast<size_t>(batch) * c.hkv));
+    const kc::MergeTarget fold{splits, nullptr, fo, fl, nullptr, 1, counters};
+    auto* state = t->Up(std::vector<uint8_t>(kc::TransformTcStateBytes(batch, c.hkv), 0xff));
+    ASSERT_EQ(
+        kc::LaunchTransformDecodePartsTc(list, geo, offsets, t->UpCodec(p), t->Up(q), scale, splits,
+                                         max_len, part_o, part_lse, 0, state, nullptr, &fold)
+            .device_code(),
+        cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto fgo = t->Down(fo, static_cast<size_t>(rows) * c.d);
+    const auto fgl = t->Down(fl, static_cast<size_t>(rows));
+    EXPECT_EQ(t->Down(counters, static_cast<size_t>(batch) * c.hkv),
+              std::vector<unsigned int>(static_cast<size_t>(batch) * c.hkv, 0));
+    for (size_t i = 0; i < fgo.size(); ++i) {
+      ASSERT_NEAR(fgo[i], go[i], 1e-5 * (1 + std::fabs(go[i]))) << "folded merge, element " << i;
+    }
+    for (size_t i = 0; i < fgl.size(); ++i) {
+      if (std::isinf(gl[i])) {
+        EXPECT_EQ(fgl[i], gl[i]) << "folded merge, row " << i;
+      } else {
+        EXPECT_NEAR(fgl[i], gl[i], 1e-5 * (1 + std::fabs(gl[i]))) << "folded merge, row " << i;
+      }
+    }
+  }
   for (int b = 0; b < batch; ++b) {
     TransformPageTable kv;
     kv.base = pool.data();

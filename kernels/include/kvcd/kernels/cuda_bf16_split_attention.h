@@ -38,7 +38,8 @@ int Bf16DecodeSplits(Bf16Kernel kernel, int batch, int num_kv_heads, int head_di
 // contract of LaunchBf16DecodeParts: q [batch][num_q_heads][head_dim] F32 queries rotated by
 // r_k (null = none) and scaled; with raw set, the queries are read from it (checked, fault
 // words set as LaunchQueriesToFloat does) and q is not used, bit for bit the same parts as
-// the conversion followed by the launch. Tokens past lengths[b] are never read. When the
+// the conversion followed by the launch; with fold (fold_counters set), the launch takes its
+// share of the folded merge (MergeTarget). Tokens past lengths[b] are never read. When the
 // pages or page_stride are not 16-byte aligned the first kernel runs instead (same parts).
 // Thread-safe; the first launch on a device also raises the kernel's shared-memory limits
 // (cudaFuncSetAttribute), which never waits for the device.
@@ -47,12 +48,13 @@ int Bf16DecodeSplits(Bf16Kernel kernel, int batch, int num_kv_heads, int head_di
 Error LaunchBf16SplitDecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
                                  const float* r_k, float scale, int splits, int max_tokens,
                                  float* part_o, float* part_lse, int part_base, cudaStream_t stream,
-                                 const RawQueries* raw = nullptr);
+                                 const RawQueries* raw = nullptr,
+                                 const MergeTarget* fold = nullptr);
 
 // One entry for both kernels (the daemon's BF16 format, the benchmarks).
 Error LaunchBf16Parts(Bf16Kernel kernel, const PagedList& list, const DecodeGeometry& geo,
                       const float* q, const float* r_k, float scale, int splits, int max_tokens,
                       float* part_o, float* part_lse, int part_base, cudaStream_t stream,
-                      const RawQueries* raw = nullptr);
+                      const RawQueries* raw = nullptr, const MergeTarget* fold = nullptr);
 
 }  // namespace kvcd::kernels::cuda

@@ -92,6 +92,15 @@ struct DecodeGeometry {
 // With faults ([batch] device, device_fault.h), every row of batch entry b (rows b *
 // rows_per_entry ...) whose faults[b] device word is set for its tag gets NaN in o and lse:
 // a pipelined caller reading the outputs of a call whose inputs were not finite sees it.
+//
+// fold_counters set: no merge kernel. Every launch of the call that writes parts (INT2, BF16)
+// carries the same target, and the last CTA to write a part of a (sequence, KV head) group
+// merges that group (merge_fold.cuh): counters [batch][num_kv_heads] on the device, zero
+// before the call and zero again after it (the merging CTA resets its group's); the launches
+// of one call must write exactly `parts` parts per row, at most MaxFoldedMergeParts(head_dim),
+// and with faults, rows_per_entry == num_q_heads. Results agree with the merge kernel's to
+// float rounding (the sums run in another order), and a sequence whose fault word is set, or
+// whose raw queries (RawQueries) hold a non-finite value, is poisoned as there.
 struct MergeTarget {
   int parts = 0;
   const float* r_v_t = nullptr;
@@ -99,7 +108,12 @@ struct MergeTarget {
   float* lse = nullptr;
   const DeviceFault* faults = nullptr;
   int rows_per_entry = 1;
+  unsigned int* fold_counters = nullptr;
 };
+
+// The most parts a folded merge takes at head_dim (the merging CTA keeps their weights in the
+// shared memory its part no longer needs).
+int MaxFoldedMergeParts(int head_dim);
 
 // The worker's queries as they arrive, for launches that read them in place of converted F32
 // queries (one launch fewer per call): q [batch][num_q_heads][head_dim] BF16 (bf16) or F32 on
@@ -117,7 +131,8 @@ struct Int2PartsOptions {
   Int2Kernel kernel = Int2Kernel::kAuto;
   void* state = nullptr;  // v2 kernel: Int2StateBytes(batch, num_kv_heads) bytes (device)
   // Null: leave the parts for LaunchMergeParts. Otherwise the merge kernel follows (after
-  // the v2 kernel as its programmatic dependent, so its launch overlaps the decode tail).
+  // the v2 kernel as its programmatic dependent, so its launch overlaps the decode tail), or,
+  // with merge->fold_counters, the launch folds its share of the merge (MergeTarget).
   const MergeTarget* merge = nullptr;
   // v2 kernel: launch it as the programmatic dependent of its query preparation, and the
   // merge as its dependent (each starts while the previous grid runs); false: plain
@@ -138,12 +153,13 @@ Error LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& geo, co
                             const Int2PartsOptions& opt = {});
 
 // BF16 pages (layout of bf16_attention.h) -> parts [part_base, part_base + splits); with raw
-// set, the queries are read from it (checked) and q is not used.
+// set, the queries are read from it (checked) and q is not used; with fold (its
+// fold_counters set, see MergeTarget) the launch takes its share of the folded merge.
 // REQUIRES: head_dim in {64, 128, 256}, num_q_heads / num_kv_heads <= 8.
 Error LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& geo, const float* q,
                             const float* r_k, float scale, int splits, int max_tokens,
                             float* part_o, float* part_lse, int part_base, cudaStream_t stream,
-                            const RawQueries* raw = nullptr);
+                            const RawQueries* raw = nullptr, const MergeTarget* fold = nullptr);
 
 // o[row] = merge of the parts of row, times R_v^T (null = identity); lse natural log;
 // faults / rows_per_entry as in MergeTarget.

@@ -43,6 +43,8 @@ Error EventSynchronize(void* event);
 
 // Device -> device on the daemon's stream (the legacy default stream), asynchronous.
 Error CopyDeviceToDevice(void* dst, const void* src, size_t bytes);
+// Zeroes device bytes on the daemon's stream, asynchronously.
+Error ZeroAsync(void* dst, size_t bytes);
 // `rows` rows of `width` bytes, src_pitch / dst_pitch bytes apart, between any memories
 // (host or device, cudaMemcpyDefault) on the daemon's stream: asynchronous between device
 // buffers; into pageable host memory it returns once the bytes are there.

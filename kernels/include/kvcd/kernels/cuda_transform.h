@@ -154,11 +154,14 @@ int TransformTcDecodeSplits(int batch, int num_q_heads, int num_kv_heads, int ma
 // (batch, num_kv_heads) bytes of device scratch (written and read by this launch on `stream`).
 // REQUIRES additionally: TransformTensorCoreServes, page_stride and pages 16-byte aligned.
 // An Error of cudaErrorInvalidValue otherwise. Two launches on the stream (the preparation,
-// then the decode kernel as its programmatic dependent).
+// then the decode kernel as its programmatic dependent). With fold (its fold_counters set,
+// MergeTarget in cuda_decode_attention.h) the decode kernel takes its share of the folded
+// merge.
 Error LaunchTransformDecodePartsTc(const PagedList& list, const DecodeGeometry& geo,
                                    const TransformPageOffsets& layout,
                                    const TransformHeadCodec* heads, const float* q, float scale,
                                    int splits, int max_tokens, float* part_o, float* part_lse,
-                                   int part_base, void* state, cudaStream_t stream);
+                                   int part_base, void* state, cudaStream_t stream,
+                                   const MergeTarget* fold = nullptr);
 
 }  // namespace kvcd::kernels::cuda
