@@ -7,8 +7,8 @@
 // slowest grid of the call before the first group's merge starts.
 //
 // Visibility: a writer's part stores are fenced (__threadfence) before its count, and the
-// last CTA fences again before reading the parts through L2 (ld.global.cg), the pattern of
-// the CUDA programming guide's threadfence reduction.
+// last CTA fences again before reading the parts through L2 (ld.global.cg): the pattern of
+// the CUDA programming guide's threadfence reduction and of cooperative groups' grid sync.
 //
 // NaN poison (device_fault.h): merge_splits.cu reads a sequence's fault word after every
 // kernel that may set it has finished. Here a query of the sequence read by a CTA of another
@@ -57,15 +57,20 @@ __device__ void FoldMerge(const FoldArgs& f, const float* part_o, const float* p
                           int num_q_heads, int num_kv_heads, int b, int kvh, const void* q_raw,
                           bool q_bf16, float* smem) {
   const int tid = threadIdx.x, nthreads = blockDim.x;
-  __threadfence();  // this CTA's part stores, before its count
+  // The grid-barrier pattern (as cooperative groups' grid sync): every thread's part stores
+  // fenced, the CTA's barrier, then one thread fences, counts and, if last, fences again
+  // before the barrier that lets the CTA read the other CTAs' parts.
+  __threadfence();
   __syncthreads();  // every thread's stores and fence, and the end of the CTA's own smem use
   int last = 0;
   if (tid == 0) {
     unsigned int* counter = f.counters + static_cast<int64_t>(b) * num_kv_heads + kvh;
+    __threadfence();
     last = atomicAdd(counter, 1u) == static_cast<unsigned int>(f.parts - 1);
+    if (last) __threadfence();
   }
   if (__syncthreads_or(last) == 0) return;
-  __threadfence();  // the other CTAs' parts, after their counts
+  __threadfence();
   const int G = num_q_heads / num_kv_heads, parts = f.parts;
   const int rows = batch * num_q_heads, row0 = b * num_q_heads + kvh * G;
   // Poison: the sequence's fault word, or one of its raw queries not finite.

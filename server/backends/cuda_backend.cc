@@ -401,11 +401,14 @@ class CudaBackend final : public Backend, public DeviceRuntime {
       if (!counters.ok()) return counters.status();
       folded.fold_counters = *counters;
     }
-    // A call that fails between its launches may leave counts behind: zero them after the
-    // join, so the next call starts from zero.
+    // A call that fails between its launches may leave counts behind, and a count left
+    // behind would merge every later call's group early: wait for every grid of the call
+    // (both streams, whatever the join did), then zero them, so the next call starts from
+    // zero. An error path only; the device wait costs nothing a working call pays.
     bool fold_complete = !fold;
     absl::Cleanup zero_on_failure = [&] {
       if (!fold_complete) {
+        Note(kc::Synchronize());
         Note(kc::ZeroAsync(fold_counters_, sizeof(unsigned int) * fold_counters_size_));
       }
     };

@@ -228,6 +228,9 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
     // The merge folded into both launches (MergeTarget::fold_counters), with the fault words
     // in its target: sequence 1 is poisoned where its queries hold the NaN.
     bool fold = false;
+    // Folded, the BF16 launch after the INT2 one: every group's last CTA is a BF16 CTA
+    // (its ring as scratch, its raw queries read by the merging CTA).
+    bool bf16_last = false;
   };
   const std::vector<Way> ways = {Way{true, true},
                                  Way{true, false},
@@ -245,7 +248,10 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
                                  Way{true, false, kRawF32, kSplit, true},
                                  Way{true, true, kConvertedBf16, kSplit, true},
                                  Way{true, true, kRawBf16, kSplit, true},
-                                 Way{true, true, kRawBf16, kWarp, true}};
+                                 Way{true, true, kRawBf16, kWarp, true},
+                                 Way{true, true, kRawBf16, kSplit, true, true},
+                                 Way{true, true, kF32, kSplit, true, true},
+                                 Way{true, true, kRawF32, kWarp, true, true}};
   unsigned int* counters = Up(std::vector<unsigned int>(batch * hkv, 0));
   ASSERT_EQ(s_bf16, cuda::Bf16DecodeSplits(cuda::Bf16Kernel::kSplit, batch, hkv, d, max_bf16, 132));
   std::vector<std::vector<float>> got_o_ways, got_lse_ways;
@@ -287,21 +293,32 @@ TEST_F(CudaKernelsTest, MixedInt2AndBf16AttentionMatchesTheCpu) {
     // whose results are the same bits (the merging CTA sums the parts in one order).
     std::vector<float> first_o;
     for (int run = 0; run < (way.fold ? 2 : 1); ++run) {
-      if (run == 1) {
+      if (run == 1) {  // every part and output poisoned again: the second call writes all
         first_o = Down(o, rows * d);
         ASSERT_EQ(cudaMemcpy(o, std::vector<float>(rows * d, -1.0f).data(),
                              sizeof(float) * rows * d, cudaMemcpyHostToDevice),
                   cudaSuccess);
+        const size_t n = static_cast<size_t>(s_int2 + s_bf16) * rows;
+        ASSERT_EQ(cudaMemcpy(part_o, std::vector<float>(n * d, NAN).data(), sizeof(float) * n * d,
+                             cudaMemcpyHostToDevice),
+                  cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(part_lse, std::vector<float>(n, NAN).data(), sizeof(float) * n,
+                             cudaMemcpyHostToDevice),
+                  cudaSuccess);
       }
-      ASSERT_EQ(
-          cuda::LaunchBf16Parts(way.bf16, bf16_list, geo, way_q, d_rk, scale, s_bf16, max_bf16,
-                                part_o, part_lse, 0, nullptr, raw_q, way.fold ? &folded : nullptr)
-              .device_code(),
-          cudaSuccess);
+      auto bf16 = [&] {
+        ASSERT_EQ(
+            cuda::LaunchBf16Parts(way.bf16, bf16_list, geo, way_q, d_rk, scale, s_bf16, max_bf16,
+                                  part_o, part_lse, 0, nullptr, raw_q, way.fold ? &folded : nullptr)
+                .device_code(),
+            cudaSuccess);
+      };
+      if (!way.bf16_last) bf16();
       ASSERT_EQ(cuda::LaunchInt2DecodeParts(int2_list, geo, way_q, d_rk, scale, s_int2, max_int2,
                                             part_o, part_lse, s_bf16, nullptr, opt)
                     .device_code(),
                 cudaSuccess);
+      if (way.bf16_last) bf16();
     }
     if (way.fold) {
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -415,10 +432,12 @@ TEST_F(CudaKernelsTest, FoldedMergeRefusesTargetsItCannotFold) {
   const int max_parts = cuda::MaxFoldedMergeParts(d);
   ASSERT_EQ(max_parts, 3 * d - 16);
   EXPECT_EQ(cuda::MaxFoldedMergeParts(96), 0);
-  float* part = Up(std::vector<float>(static_cast<size_t>(max_parts + 1) * rows * (d + 1), 0.0f));
+  float* part_o = Up(std::vector<float>(static_cast<size_t>(max_parts + 1) * rows * d, 0.0f));
+  float* part_lse = Up(std::vector<float>(static_cast<size_t>(max_parts + 1) * rows, 0.0f));
+  void* state = Up(std::vector<uint8_t>(cuda::Int2StateBytes(batch, hkv), 0));
   const float* q = Up(std::vector<float>(rows * d, 0.5f));
-  float* o = Up(std::vector<float>(rows * d, 0.0f));
-  float* lse = Up(std::vector<float>(rows, 0.0f));
+  float* o = Up(std::vector<float>(rows * d, NAN));
+  float* lse = Up(std::vector<float>(rows, NAN));
   unsigned int* counters = Up(std::vector<unsigned int>(batch * hkv, 0));
   const std::vector<uint8_t> pool(static_cast<size_t>(batch) * Bf16PageElems(hkv, ps, d) * 2, 0);
   const cuda::PagedList list{Up(pool), Bf16PageElems(hkv, ps, d) * 2,
@@ -426,31 +445,41 @@ TEST_F(CudaKernelsTest, FoldedMergeRefusesTargetsItCannotFold) {
   const DeviceFault* faults = Up(std::vector<DeviceFault>(batch));
   auto launch = [&](const cuda::MergeTarget& m, int splits, int part_base) {
     return cuda::LaunchBf16Parts(cuda::Bf16Kernel::kSplit, list, geo, q, nullptr, 1.0f, splits, 20,
-                                 part, part, part_base, nullptr, nullptr, &m)
+                                 part_o, part_lse, part_base, nullptr, nullptr, &m)
         .device_code();
   };
+  auto launch_int2 = [&](const cuda::MergeTarget& m, int splits, int part_base) {
+    cuda::Int2PartsOptions opt;
+    opt.state = state;
+    opt.merge = &m;
+    return cuda::LaunchInt2DecodeParts(list, geo, q, nullptr, 1.0f, splits, 20, part_o, part_lse,
+                                       part_base, nullptr, opt)
+        .device_code();
+  };
+  // The target that fits: zero pages (K = V = 0) give every query uniform weights, so o = 0
+  // and lse = ln(length), merged in the launch.
   const cuda::MergeTarget good{4, nullptr, o, lse, faults, hq, counters};
   EXPECT_EQ(launch(good, 4, 0), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_EQ(Down(counters, batch * hkv), std::vector<unsigned int>(batch * hkv, 0));
+  const std::vector<float> got_o = Down(o, rows * d), got_lse = Down(lse, rows);
+  for (int r = 0; r < rows; ++r) {
+    EXPECT_NEAR(got_lse[r], std::log(r < hq ? 10.0f : 20.0f), 1e-5) << "row " << r;
+    for (int c = 0; c < d; ++c) ASSERT_EQ(got_o[r * d + c], 0.0f) << "row " << r;
+  }
   cuda::MergeTarget bad = good;
   bad.fold_counters = nullptr;
   EXPECT_EQ(launch(bad, 4, 0), cudaErrorInvalidValue);  // no counters: not a fold target
   bad = good;
   bad.parts = max_parts + 1;
   EXPECT_EQ(launch(bad, 4, 0), cudaErrorInvalidValue);
-  EXPECT_EQ(launch(good, 3, 2), cudaErrorInvalidValue);  // parts 2..4 of 4
+  EXPECT_EQ(launch_int2(bad, 4, 0), cudaErrorInvalidValue);
+  EXPECT_EQ(launch(good, 3, 2), cudaErrorInvalidValue);       // parts 2..4 of 4
+  EXPECT_EQ(launch_int2(good, 4, 1), cudaErrorInvalidValue);  // parts 1..4 of 4
   bad = good;
   bad.rows_per_entry = hkv;
   EXPECT_EQ(launch(bad, 4, 0), cudaErrorInvalidValue);
-  cuda::Int2PartsOptions opt;
-  opt.state = part;
-  opt.merge = &bad;
-  EXPECT_EQ(
-      cuda::LaunchInt2DecodeParts(list, geo, q, nullptr, 1.0f, 4, 20, part, part, 0, nullptr, opt)
-          .device_code(),
-      cudaErrorInvalidValue);
-  EXPECT_EQ(Down(counters, batch * hkv), std::vector<unsigned int>(batch * hkv, 0));
+  EXPECT_EQ(launch_int2(bad, 4, 0), cudaErrorInvalidValue);
 }
 
 // Scalar reference of the copy checks (the daemon's host path applies the same rules).

@@ -505,6 +505,13 @@ void RunDecodeCase(CudaTransformTest* t, const DecodeCase& c, uint32_t seed,
     float* fl = t->Up(std::vector<float>(static_cast<size_t>(rows), NAN));
     unsigned int* counters = t->Up(std::vector<unsigned int>(static_cast<size_t>(batch) * c.hkv));
     const kc::MergeTarget fold{splits, nullptr, fo, fl, nullptr, 1, counters};
+    const size_t n = static_cast<size_t>(splits) * rows;  // parts poisoned again
+    ASSERT_EQ(cudaMemcpy(part_o, std::vector<float>(n * c.d, NAN).data(), sizeof(float) * n * c.d,
+                         cudaMemcpyHostToDevice),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(part_lse, std::vector<float>(n, NAN).data(), sizeof(float) * n,
+                         cudaMemcpyHostToDevice),
+              cudaSuccess);
     auto* state = t->Up(std::vector<uint8_t>(kc::TransformTcStateBytes(batch, c.hkv), 0xff));
     ASSERT_EQ(
         kc::LaunchTransformDecodePartsTc(list, geo, offsets, t->UpCodec(p), t->Up(q), scale, splits,
