@@ -7,7 +7,8 @@
 #   2. the per-layer decode loop through kvcd (bench/run-decode-batch.sh, INT2 history, 32k /
 #      100k, batch 1 / 8; the daemon folds the merge into the attention launches, the
 #      default since session 28; then 2a, the same rows with KVCD_MERGE=kernel, the merge
-#      as its own launch), as below;
+#      as its own launch; 2b, the rows stored on the side stream, KVCD_ROW_STREAM=side),
+#      as below;
 #      (session 27's description:) the per-layer decode loop (INT2 history, 32k /
 #      100k, batch 1 / 8), each row with the worker's per-layer q/k/v kernels as one launch
 #      (--producer fused, the default since session 27) and as one launch each (split, the
@@ -60,6 +61,10 @@ grep -E 'Failure|actual:|exceeds' "$out/cuda-tests.log" | head -12 | tee -a "$fi
 KVCD_BINARY=$BIN/kvcd step data-plane 200 "$BIN/kvcd_data_plane_tests"
 grep -hE 'CUDA vs CPU' "$out/data-plane.log" | head -8 | tee -a "$final/summary.txt"
 KVCD_SPLITS=kernel KVCD_BINARY=$BIN/kvcd step data-plane-kernel-splits 200 "$BIN/kvcd_data_plane_tests"
+# the daemons with the merge kernel, and with the rows stored on the side stream
+KVCD_MERGE=kernel KVCD_BINARY=$BIN/kvcd step data-plane-merge-kernel 200 "$BIN/kvcd_data_plane_tests"
+KVCD_ROW_STREAM=side KVCD_BINARY=$BIN/kvcd step data-plane-row-side 200 "$BIN/kvcd_data_plane_tests"
+grep -hE 'CUDA vs CPU' "$out/data-plane-row-side.log" | head -8 | tee -a "$final/summary.txt"
 
 # 2. the decode loop, old hops vs new, cuDNN baseline in the same run (the INT2 model of
 # kvcd-decode-step.yaml, and the int2-transform one when its codec file is there: 40 GiB,
@@ -115,6 +120,14 @@ KVCD_MERGE=kernel KVCD_CONFIG=$out/kvcd-int2.yaml KVCD_RUNS=$runs KVCD_PUT_MODEL
   step decode-batch-merge-kernel 200 bench/run-decode-batch.sh
 summary "merge kernel (KVCD_MERGE=kernel):"
 grep -E '^\|' "$out/decode-batch-merge-kernel.log" | tee -a "$final/summary.txt"
+# 2b. the row stores of the pipelined calls on the side stream, beside the history's
+# attention (KVCD_ROW_STREAM=side, session 28, off by default until this run), folded merge,
+# fused producer.
+KVCD_ROW_STREAM=side KVCD_CONFIG=$out/kvcd-int2.yaml KVCD_RUNS=$runs \
+  KVCD_PUT_MODELS=qwen3-8b-xform KVCD_BATCHES="1 8" KVCD_HOPS=events KVCD_PRODUCERS=fused \
+  OUT=$out/decode-batch-row-side step decode-batch-row-side 200 bench/run-decode-batch.sh
+summary "row stores on the side stream (KVCD_ROW_STREAM=side):"
+grep -E '^\|' "$out/decode-batch-row-side.log" | tee -a "$final/summary.txt"
 
 # 2b. the kernels alone at Qwen3-8B geometry (issue #36's kernel rows): the INT2 kernel at
 # 100k batch 1, and int2-transform on tensor cores against INT2 at batch 1 and 8

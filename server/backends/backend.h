@@ -100,6 +100,8 @@ class Backend {
 
   // The device runtime of the data plane (CUDA IPC, events); null without a device.
   virtual DeviceRuntime* device() { return nullptr; }
+  // Where pipelined calls' row stores may run (RowStream in page_format.h); null: in order.
+  virtual RowStream* row_stream() { return nullptr; }
 };
 
 // The CPU backend; `compute_threads` = 0 uses every CPU.

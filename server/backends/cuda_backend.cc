@@ -41,7 +41,7 @@ namespace kc = kernels::cuda;
     if (!kvcd_err_.ok()) return Failed(kvcd_err_); \
   } while (0)
 
-class CudaBackend final : public Backend, public DeviceRuntime {
+class CudaBackend final : public Backend, public DeviceRuntime, public RowStream {
  public:
   explicit CudaBackend(int device)
       : device_(device),
@@ -52,6 +52,19 @@ class CudaBackend final : public Backend, public DeviceRuntime {
   }
   const char* name() const override { return "cuda"; }
   DeviceRuntime* device() override { return this; }
+  RowStream* row_stream() override { return rows_on_side_ ? this : nullptr; }
+
+  // RowStream: a pipelined call's row store on the side stream, ordered after everything
+  // queued so far on the daemon's stream. Attend orders the launches that read the rows
+  // after it (the windows run on the side stream after it, or the daemon's stream joins it
+  // first), and so do the page copies (JoinPendingRowsLocked).
+  absl::StatusOr<void*> Fork() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    KVCD_RETURN_IF_ERROR(Noted(SideStreamLocked()));
+    RETURN_IF_CUDA(kc::ForkTo(side_stream_, fork_event_));
+    rows_pending_ = true;
+    return side_stream_;
+  }
 
   bool Healthy() const override {
     if (!sticky_.load() && kc::LastErrorIsSticky()) sticky_.store(true);
@@ -88,6 +101,7 @@ class CudaBackend final : public Backend, public DeviceRuntime {
                           bool run_on_device) override {
     if (ids.empty()) return absl::OkStatus();
     std::lock_guard<std::mutex> lock(mu_);
+    KVCD_RETURN_IF_ERROR(JoinPendingRowsLocked());
     const uint64_t bytes = static_cast<uint64_t>(pool.page_bytes()) * ids.size();
     const uint8_t* src = run;
     if (!run_on_device) {
@@ -103,6 +117,7 @@ class CudaBackend final : public Backend, public DeviceRuntime {
                          bool run_on_device) override {
     if (ids.empty()) return absl::OkStatus();
     std::lock_guard<std::mutex> lock(mu_);
+    KVCD_RETURN_IF_ERROR(JoinPendingRowsLocked());
     if (run_on_device) return PagedCopyLocked(kc::PageCopy::kGather, pool, ids, run);
     const uint64_t bytes = static_cast<uint64_t>(pool.page_bytes()) * ids.size();
     auto staged = staging_.Reserve(bytes);
@@ -182,6 +197,9 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     static const int kLaunch = PhaseTimes::Phase("daemon.cuda.attention launches");
     PhaseLap lap;
     std::lock_guard<std::mutex> lock(mu_);
+    // Rows stored on the side stream (Fork) that this call does not join on its way (a
+    // failed call, one not forked): joined before it returns, whatever it returns.
+    absl::Cleanup rows_joined = [&] { JoinPendingRowsLocked().IgnoreError(); };  // noted
     const int batch = static_cast<int>(b.jobs.size());
     const int d = b.head_dim, hq = b.num_q_heads;
     const int rows = batch * hq;
@@ -389,6 +407,9 @@ class CudaBackend final : public Backend, public DeviceRuntime {
       ++launched;
     }
     const bool forked = side_lists_ && launched >= 2 && all_side;
+    // Rows stored on the side stream: a forked call's windows run there after them; any
+    // other call's launches wait for them here.
+    if (!forked) KVCD_RETURN_IF_ERROR(JoinPendingRowsLocked());
     // The merge folded into the launches' last CTAs (MergeTarget::fold_counters) where every
     // launched format takes it: no merge launch, and no wait for both streams before it.
     bool fold = fold_merge_ && launched > 0 && parts <= kc::MaxFoldedMergeParts(d);
@@ -465,6 +486,7 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     }
     if (forked) {
       joined = true;
+      rows_pending_ = false;  // the join covers the rows stored on the side stream before
       RETURN_IF_CUDA(kc::JoinFrom(side_stream_, join_event_));
     }
     fold_complete = true;
@@ -539,6 +561,23 @@ class CudaBackend final : public Backend, public DeviceRuntime {
     fold_counters_size_ = size;
     return fold_counters_;
   }
+  // KVCD_ROW_STREAM=side: pipelined calls store their rows on the side stream, beside the
+  // history's attention (off by default until measured on a device; needs the side stream).
+  static bool RowsOnSideFromEnv() {
+    const char* v = std::getenv("KVCD_ROW_STREAM");
+    if (v == nullptr || std::strcmp(v, "main") == 0) return false;
+    if (std::strcmp(v, "side") == 0) return true;
+    KVCD_LOG(WARNING) << "KVCD_ROW_STREAM=" << v << " is not main or side; using main";
+    return false;
+  }
+  // The daemon's stream waits for rows stored on the side stream (Fork) not joined yet.
+  // REQUIRES: mu_.
+  absl::Status JoinPendingRowsLocked() {
+    if (!rows_pending_) return absl::OkStatus();
+    rows_pending_ = false;
+    RETURN_IF_CUDA(kc::JoinFrom(side_stream_, join_event_));
+    return absl::OkStatus();
+  }
   // The second stream and its fork/join events. REQUIRES: mu_.
   absl::Status SideStreamLocked() {
     if (side_stream_ != nullptr) return absl::OkStatus();
@@ -598,6 +637,8 @@ class CudaBackend final : public Backend, public DeviceRuntime {
   const bool side_lists_ = SideListsFromEnv();
   const bool balanced_splits_ = BalancedSplitsFromEnv();
   const bool fold_merge_ = FoldMergeFromEnv();
+  const bool rows_on_side_ = side_lists_ && RowsOnSideFromEnv();
+  bool rows_pending_ = false;  // rows stored on the side stream not joined yet, under mu_
   unsigned int* fold_counters_ = nullptr;  // FoldCountersLocked, under mu_
   size_t fold_counters_size_ = 0;
   void* side_stream_ = nullptr;  // created on first use, under mu_

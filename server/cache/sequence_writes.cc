@@ -223,8 +223,10 @@ absl::Status ModelCache::Attend(int32_t layer, absl::Span<Sequence* const> seqs,
     RowSource k = new_tokens.k, v = new_tokens.v;
     RowSource x = new_tokens.x != nullptr ? *new_tokens.x : RowSource{};
     std::vector<kernels::DeviceFault> faults;
-    if (PipelinedFaults(seqs, layer, k, v, new_tokens.x, &faults))
+    if (PipelinedFaults(seqs, layer, k, v, new_tokens.x, &faults)) {
       k.device_faults = v.device_faults = x.device_faults = faults.data();
+      k.row_stream = v.row_stream = backend_->row_stream();
+    }
     const PageStore& window = stores_[kWindow];
     absl::Status written = window.format->WriteRows(k, v, slots, layer, *window.pool);
     if (written.ok())

@@ -41,6 +41,16 @@ struct PageGeometry {
   int32_t page_size = 0;
 };
 
+// Where a pipelined call's device row store may run beside the attention of the tokens before
+// it (the CUDA backend's side stream, KVCD_ROW_STREAM=side): Fork() returns a stream ordered
+// after everything queued so far on the daemon's stream; the backend orders its attention
+// launches that read the rows after it.
+class RowStream {
+ public:
+  virtual ~RowStream() = default;
+  virtual absl::StatusOr<void*> Fork() = 0;
+};
+
 // K or V rows of a request. Row (layer, token, head) starts at element
 // layer * layer_stride + token * token_stride + head * head_dim, BF16 or F32, in host memory
 // or (on_device) in device memory.
@@ -63,6 +73,9 @@ struct RowSource {
   bool check_finite = false;
   absl::string_view name = "rows";
   const kernels::DeviceFault* device_faults = nullptr;
+  // Device rows with device_faults: a format may launch its store on row_stream->Fork()
+  // instead of the daemon's stream (null: the daemon's stream).
+  RowStream* row_stream = nullptr;
 
   // Host rows only: one row as float / as BF16 bits. With check_finite, OK or
   // INVALID_ARGUMENT naming the first NaN/Inf of the row by its flat index in the tensor

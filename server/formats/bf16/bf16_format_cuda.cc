@@ -44,8 +44,16 @@ class Bf16CudaFormat final : public CudaFormat<Bf16PageFormat> {
     KVCD_RETURN_IF_ERROR(PrepareRowStore(k, v, rows, layer, pool, geometry(), device_codec(),
                                          /*rotate=*/true, &scratch_, &a));
     if (rows.empty()) return absl::OkStatus();
-    KVCD_RETURN_IF_ERROR(CudaStatus(
-        kc::LaunchStoreBf16Rows(a.k, a.v, a.dst, a.codec, nullptr, a.check()), "BF16 row store"));
+    // A pipelined call's store may run beside the attention of the older tokens (it answers
+    // without waiting for it: a.sync is false).
+    void* stream = nullptr;
+    if (k.row_stream != nullptr && k.device_faults != nullptr && !a.sync) {
+      KVCD_ASSIGN_OR_RETURN(stream, k.row_stream->Fork());
+    }
+    KVCD_RETURN_IF_ERROR(
+        CudaStatus(kc::LaunchStoreBf16Rows(a.k, a.v, a.dst, a.codec,
+                                           static_cast<cudaStream_t>(stream), a.check()),
+                   "BF16 row store"));
     return FinishRowStore(k, v, a, &scratch_);
   }
 
