@@ -5,10 +5,9 @@
 #      data-plane tests again with KVCD_SPLITS=kernel (each kernel's own split count, the
 #      rule before the formats' balanced one became the default);
 #   2. the per-layer decode loop through kvcd (bench/run-decode-batch.sh, INT2 history, 32k /
-#      100k, batch 1 / 8; the daemon folds the merge into the attention launches, the
-#      default since session 28; then 2a, the same rows with KVCD_MERGE=kernel, the merge
-#      as its own launch; 2b, the rows stored on the side stream, KVCD_ROW_STREAM=side),
-#      as below;
+#      100k, batch 1 / 8; the merge as its own kernel, the default; then 2a, the same rows
+#      with the merge folded into the attention launches, KVCD_MERGE=fold, measured slower in
+#      session 28; 2b, the rows stored on the side stream, KVCD_ROW_STREAM=side), as below;
 #      (session 27's description:) the per-layer decode loop (INT2 history, 32k /
 #      100k, batch 1 / 8), each row with the worker's per-layer q/k/v kernels as one launch
 #      (--producer fused, the default since session 27) and as one launch each (split, the
@@ -61,8 +60,8 @@ grep -E 'Failure|actual:|exceeds' "$out/cuda-tests.log" | head -12 | tee -a "$fi
 KVCD_BINARY=$BIN/kvcd step data-plane 200 "$BIN/kvcd_data_plane_tests"
 grep -hE 'CUDA vs CPU' "$out/data-plane.log" | head -8 | tee -a "$final/summary.txt"
 KVCD_SPLITS=kernel KVCD_BINARY=$BIN/kvcd step data-plane-kernel-splits 200 "$BIN/kvcd_data_plane_tests"
-# the daemons with the merge kernel, and with the rows stored on the side stream
-KVCD_MERGE=kernel KVCD_BINARY=$BIN/kvcd step data-plane-merge-kernel 200 "$BIN/kvcd_data_plane_tests"
+# the daemons with the merge folded, and with the rows stored on the side stream
+KVCD_MERGE=fold KVCD_BINARY=$BIN/kvcd step data-plane-merge-fold 200 "$BIN/kvcd_data_plane_tests"
 KVCD_ROW_STREAM=side KVCD_BINARY=$BIN/kvcd step data-plane-row-side 200 "$BIN/kvcd_data_plane_tests"
 grep -hE 'CUDA vs CPU' "$out/data-plane-row-side.log" | head -8 | tee -a "$final/summary.txt"
 
@@ -112,16 +111,15 @@ KVCD_CONFIG=$out/kvcd-int2.yaml KVCD_RUNS=$runs KVCD_PUT_MODELS=qwen3-8b-xform K
   bench/run-decode-batch.sh
 grep -E 'hops|^\|' "$out/decode-batch.log" | tee -a "$final/summary.txt"
 grep -hE "per call" "$out"/decode-batch/decode-*.log | head -16 | tee -a "$final/summary.txt"
-# 2a. the same loop with the merge as its own kernel after the attention launches (the rule
-# before session 28's fold, KVCD_MERGE=kernel in the daemon), fused producer: the fold's gain
-# in the same lease (INT2, BF16 and int2-transform calls all fold by default).
-KVCD_MERGE=kernel KVCD_CONFIG=$out/kvcd-int2.yaml KVCD_RUNS=$runs KVCD_PUT_MODELS=qwen3-8b-xform \
-  KVCD_BATCHES="1 8" KVCD_HOPS=events KVCD_PRODUCERS=fused OUT=$out/decode-batch-merge-kernel \
-  step decode-batch-merge-kernel 200 bench/run-decode-batch.sh
-summary "merge kernel (KVCD_MERGE=kernel):"
-grep -E '^\|' "$out/decode-batch-merge-kernel.log" | tee -a "$final/summary.txt"
+# 2a. the same loop with the merge folded into the attention launches (KVCD_MERGE=fold in
+# the daemon; session 28 measured it 20-25 µs a layer slower at batch 1), fused producer.
+KVCD_MERGE=fold KVCD_CONFIG=$out/kvcd-int2.yaml KVCD_RUNS=$runs KVCD_PUT_MODELS=qwen3-8b-xform \
+  KVCD_BATCHES="1 8" KVCD_HOPS=events KVCD_PRODUCERS=fused OUT=$out/decode-batch-merge-fold \
+  step decode-batch-merge-fold 200 bench/run-decode-batch.sh
+summary "merge folded (KVCD_MERGE=fold):"
+grep -E '^\|' "$out/decode-batch-merge-fold.log" | tee -a "$final/summary.txt"
 # 2b. the row stores of the pipelined calls on the side stream, beside the history's
-# attention (KVCD_ROW_STREAM=side, session 28, off by default until this run), folded merge,
+# attention (KVCD_ROW_STREAM=side, session 28, off by default until measured), merge kernel,
 # fused producer.
 KVCD_ROW_STREAM=side KVCD_CONFIG=$out/kvcd-int2.yaml KVCD_RUNS=$runs \
   KVCD_PUT_MODELS=qwen3-8b-xform KVCD_BATCHES="1 8" KVCD_HOPS=events KVCD_PRODUCERS=fused \

@@ -531,14 +531,17 @@ class CudaBackend final : public Backend, public DeviceRuntime, public RowStream
     const char* v = std::getenv("KVCD_SIDE_STREAM");
     return v == nullptr || std::strcmp(v, "0") != 0;
   }
-  // KVCD_MERGE=kernel: the merge as its own launch after the lists (the earlier rule);
-  // "fold" (the default) folds it into the launches where their formats allow.
+  // KVCD_MERGE=fold: the merge folded into the launches where their formats allow it;
+  // "kernel" (the default): the merge as its own launch after the lists. The fold measured
+  // slower on an H100 in session 28 (INT2 32k batch 1: 77.7 against 57.2 µs a layer: one CTA
+  // per group reads every part and R_v^T with a few loads in flight,
+  // bench/results/2026-12-05-h200-gpu-step.md).
   static bool FoldMergeFromEnv() {
     const char* v = std::getenv("KVCD_MERGE");
-    if (v == nullptr || std::strcmp(v, "fold") == 0) return true;
-    if (std::strcmp(v, "kernel") == 0) return false;
-    KVCD_LOG(WARNING) << "KVCD_MERGE=" << v << " is not fold or kernel; using fold";
-    return true;
+    if (v == nullptr || std::strcmp(v, "kernel") == 0) return false;
+    if (std::strcmp(v, "fold") == 0) return true;
+    KVCD_LOG(WARNING) << "KVCD_MERGE=" << v << " is not fold or kernel; using kernel";
+    return false;
   }
   // The folded merge's counters, at least n of them, zero (the merging CTAs leave them so).
   // Growing waits for the device, so that no launch still counts on the old ones; it
