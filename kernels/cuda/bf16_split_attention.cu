@@ -180,7 +180,8 @@ __device__ void LoadGroupQueries(const SplitArgs& a, int b, int kvh, int G, floa
   __syncthreads();
 }
 
-template <int D>
+// kFold: the instance that takes its share of a folded merge (merge_fold.cuh).
+template <int D, bool kFold>
 __global__ void __launch_bounds__(kWarps * 32, kCtasPerSm<D>) Bf16SplitKernel(const SplitArgs a) {
   constexpr int S = kStages<D>;
   constexpr int kRowBytes = D * 2;
@@ -367,13 +368,13 @@ __global__ void __launch_bounds__(kWarps * 32, kCtasPerSm<D>) Bf16SplitKernel(co
     a.part_o[row * D + e] = den > 0.0f ? num / den : 0.0f;
     if (e == 0) a.part_lse[row] = den > 0.0f ? (M + log2f(den)) * kLn2 : -INFINITY;
   }
-  if (a.fold.counters != nullptr) {  // the merge folded into the launches (merge_fold.cuh)
+  if constexpr (kFold) {  // the merge folded into the launches (merge_fold.cuh)
     FoldMerge<D>(a.fold, a.part_o, a.part_lse, a.geo.batch, a.geo.num_q_heads, a.geo.num_kv_heads,
                  b, kvh, a.q_raw, a.q_bf16, s_o);
   }
 }
 
-template <int D>
+template <int D, bool kFold>
 cudaError_t LaunchSplit(const SplitArgs& a, int splits, cudaStream_t stream) {
   // The ring needs more than the default 48 KB of dynamic shared memory, and kCtasPerSm CTAs
   // per SM the largest shared-memory carveout: set both once per device (a bit per ordinal).
@@ -383,9 +384,10 @@ cudaError_t LaunchSplit(const SplitArgs& a, int splits, cudaStream_t stream) {
   const uint64_t bit = dev < 64 ? uint64_t{1} << dev : 0;
   if (bit == 0 || (raised.load(std::memory_order_relaxed) & bit) == 0) {
     cudaError_t e = cudaFuncSetAttribute(
-        Bf16SplitKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kRingBytes<D>);
+        Bf16SplitKernel<D, kFold>, cudaFuncAttributeMaxDynamicSharedMemorySize, kRingBytes<D>);
     if (e == cudaSuccess) {
-      e = cudaFuncSetAttribute(Bf16SplitKernel<D>, cudaFuncAttributePreferredSharedMemoryCarveout,
+      e = cudaFuncSetAttribute(Bf16SplitKernel<D, kFold>,
+                               cudaFuncAttributePreferredSharedMemoryCarveout,
                                cudaSharedmemCarveoutMaxShared);
     }
     if (e != cudaSuccess) return e;
@@ -394,7 +396,7 @@ cudaError_t LaunchSplit(const SplitArgs& a, int splits, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(a.geo.num_kv_heads),
                   static_cast<unsigned>(a.geo.batch));
   CountLaunch();
-  Bf16SplitKernel<D><<<grid, kWarps * 32, kRingBytes<D>, stream>>>(a);
+  Bf16SplitKernel<D, kFold><<<grid, kWarps * 32, kRingBytes<D>, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -463,8 +465,11 @@ Error LaunchBf16SplitDecodeParts(const PagedList& list, const DecodeGeometry& ge
   if (fold != nullptr && !SetFold(*fold, geo, part_base, splits, &a.fold)) {
     return ToError(cudaErrorInvalidValue);
   }
-  return ToError(DispatchHeadDim(
-      geo.head_dim, [&](auto d) { return LaunchSplit<decltype(d)::value>(a, splits, stream); }));
+  return ToError(DispatchHeadDim(geo.head_dim, [&](auto d) {
+    constexpr int kD = decltype(d)::value;
+    return a.fold.counters != nullptr ? LaunchSplit<kD, true>(a, splits, stream)
+                                      : LaunchSplit<kD, false>(a, splits, stream);
+  }));
 }
 
 Error LaunchBf16Parts(Bf16Kernel kernel, const PagedList& list, const DecodeGeometry& geo,

@@ -310,7 +310,9 @@ __global__ void __launch_bounds__(4 * D) QueryFragments(PartArgs a) {
 
 // PS: the page size when it is 64 (the default; page strides and offsets become immediates),
 // 0 for any other multiple of kTile (read from the geometry).
-template <int D, int NT, int PS>
+// kFold: the instance that takes its share of a folded merge (merge_fold.cuh); the other
+// has none of its code, so the decode loop's registers are the same as without the fold.
+template <int D, int NT, int PS, bool kFold>
 __global__ void __launch_bounds__(kWarps * 32, V2CtasPerSm(NT)) Int2DecodeKernelV2(PartArgs a) {
   constexpr int KB = D / 32;  // logit k-blocks (2 per K word group of a lane)
   constexpr int VT = D / 16;  // V^T m-tiles
@@ -678,17 +680,17 @@ __global__ void __launch_bounds__(kWarps * 32, V2CtasPerSm(NT)) Int2DecodeKernel
   }
   __syncthreads();
   WritePart<D>(a, split, b, kvh, G, s_m, s_l, s_lacc, s_o);
-  FoldAfterPart<D>(a, b, kvh, &s_o[0][0][0]);
+  if constexpr (kFold) FoldAfterPart<D>(a, b, kvh, &s_o[0][0][0]);
 }
 
 // QueryFragments, then the decode kernel (as its programmatic dependent if `dependent`).
-template <int D, int NT>
+template <int D, int NT, bool kFold>
 cudaError_t LaunchV2(dim3 grid, const PartArgs& a, cudaStream_t stream, bool dependent) {
   // Pages of 64 tokens: the staged kernel and its shared-memory stages (with its static
   // shared memory above the 48 KB a launch gets by default at 8 heads per KV head: the
   // limit is raised once per device).
   const bool staged = a.geo.page_size == 64;
-  auto kernel = staged ? Int2DecodeKernelV2<D, NT, 64> : Int2DecodeKernelV2<D, NT, 0>;
+  auto kernel = staged ? Int2DecodeKernelV2<D, NT, 64, kFold> : Int2DecodeKernelV2<D, NT, 0, kFold>;
   const int smem = staged ? kWarps * kStages * StageBytes<D>(64) : 0;
   if (staged) {
     static std::atomic<uint64_t> raised{0};  // a bit per device
@@ -720,7 +722,8 @@ cudaError_t LaunchInt2V2(dim3 grid, const PartArgs& a, cudaStream_t stream, bool
     return DispatchHeadDim(a.geo.head_dim, [&](auto hd) -> cudaError_t {
       constexpr int kD = decltype(hd)::value, kNT = decltype(nt)::value;
       if constexpr (kD <= 128) {
-        return LaunchV2<kD, kNT>(grid, a, stream, dependent);
+        return a.fold.counters != nullptr ? LaunchV2<kD, kNT, true>(grid, a, stream, dependent)
+                                          : LaunchV2<kD, kNT, false>(grid, a, stream, dependent);
       } else {
         return cudaErrorInvalidValue;  // v2 has no head_dim 256
       }

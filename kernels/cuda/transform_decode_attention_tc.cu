@@ -295,7 +295,8 @@ __device__ __forceinline__ void LoadWords(const uint8_t* p, uint32_t (&w)[N]) {
 // KB: the k-blocks of a row when compiled for one size (the shipped profiles' 2 d + 16 code
 // bits: 5 at head_dim 64, 9 at 128), 0 for any size up to MaxKb(D) (a uniform branch per
 // k-block).
-template <int D, int NT, int KB>
+// kFold: the instance that takes its share of a folded merge (merge_fold.cuh).
+template <int D, int NT, int KB, bool kFold>
 __global__ void __launch_bounds__(kWarps * 32, CtasPerSm(NT)) TransformDecodeKernelTc(TcArgs a) {
   constexpr int KBM = KB > 0 ? KB : MaxKb(D);
   constexpr int VT = D / 16;  // V^T m-tiles
@@ -670,7 +671,7 @@ __global__ void __launch_bounds__(kWarps * 32, CtasPerSm(NT)) TransformDecodeKer
       a.part_o[(row0 + h) * D + c] = (s_o[0][h][c] + s_o[1][h][c]) + (s_o[2][h][c] + s_o[3][h][c]);
     }
   }
-  if (a.fold.counters != nullptr) {  // the queries are converted ones: no raw queries to check
+  if constexpr (kFold) {  // the queries are converted ones: no raw queries to check
     FoldMerge<D>(a.fold, a.part_o, a.part_lse, geo.batch, geo.num_q_heads, geo.num_kv_heads, b, kvh,
                  nullptr, false, &s_o[0][0][0]);
   }
@@ -706,9 +707,14 @@ cudaError_t LaunchTc(const TcArgs& a, dim3 grid, cudaStream_t stream) {
   // One n-tile: the shipped size compiled in (2 D + 16 code bits). Two n-tiles: the generic
   // kernel only (the fixed size spills at 168 registers).
   constexpr int kShipped = NT == 1 ? (D == 64 ? 5 : 9) : 0;
-  return LaunchDecodeDependent(kShipped > 0 && a.kb == kShipped
-                                   ? TransformDecodeKernelTc<D, NT, kShipped>
-                                   : TransformDecodeKernelTc<D, NT, 0>,
+  const bool shipped = kShipped > 0 && a.kb == kShipped;
+  if (a.fold.counters != nullptr) {
+    return LaunchDecodeDependent(shipped ? TransformDecodeKernelTc<D, NT, kShipped, true>
+                                         : TransformDecodeKernelTc<D, NT, 0, true>,
+                                 grid, stream, a);
+  }
+  return LaunchDecodeDependent(shipped ? TransformDecodeKernelTc<D, NT, kShipped, false>
+                                       : TransformDecodeKernelTc<D, NT, 0, false>,
                                grid, stream, a);
 }
 
