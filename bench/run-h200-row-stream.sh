@@ -11,6 +11,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/device-steps.sh
 device_steps row-stream
+# the fold's kernel tests first (its tail was rewritten after session 28's first run)
+step fold-tests 60 "$BIN/kvcd_cuda_tests" \
+  --gtest_filter='*MixedInt2AndBf16*:*FoldedMerge*:*TensorCoreDecodeMatchesTheOracle*'
 daemon_config 40GiB > "$out/kvcd-int2.yaml"
 cat >> "$out/kvcd-int2.yaml" <<'YAML'
   - builtin: qwen3-8b
