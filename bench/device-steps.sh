@@ -46,3 +46,17 @@ step() {
   grep -E '^\[  FAILED  \] [A-Za-z]' "$out/$name.log" | head -20 | tee -a "$final/summary.txt"
   pack
 }
+# The decode-loop benches' daemon config (bench/run-decode-batch.sh): budget $1, an INT2
+# model (18 GiB, 15% of it BF16 windows and sinks) and a BF16 one (12 GiB).
+decode_loop_config() {
+  daemon_config "$1"
+  cat <<'YAML'
+  - builtin: qwen3-8b
+    name: qwen3-8b-int2
+    history_format: int2-oscar
+    memory: 18GiB
+    bf16_fraction: 0.15
+  - builtin: qwen3-8b
+    memory: 12GiB
+YAML
+}

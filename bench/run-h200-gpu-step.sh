@@ -84,16 +84,7 @@ if [[ -n $xform_job ]]; then
 elif [[ -f $xform_codec ]]; then
   xform=1
 fi
-daemon_config 52GiB > "$out/kvcd-int2.yaml"
-cat >> "$out/kvcd-int2.yaml" <<'YAML'
-  - builtin: qwen3-8b
-    name: qwen3-8b-int2
-    history_format: int2-oscar
-    memory: 18GiB
-    bf16_fraction: 0.15
-  - builtin: qwen3-8b
-    memory: 12GiB
-YAML
+decode_loop_config 52GiB > "$out/kvcd-int2.yaml"
 runs="qwen3-8b-int2:32768 qwen3-8b-int2:99968 qwen3-8b:32768"
 if [[ $xform == 1 ]]; then
   cat >> "$out/kvcd-int2.yaml" <<YAML

@@ -14,16 +14,7 @@ device_steps row-stream
 # the fold's kernel tests first (its tail was rewritten after session 28's first run)
 step fold-tests 60 "$BIN/kvcd_cuda_tests" \
   --gtest_filter='*MixedInt2AndBf16*:*FoldedMerge*:*TensorCoreDecodeMatchesTheOracle*'
-daemon_config 40GiB > "$out/kvcd-int2.yaml"
-cat >> "$out/kvcd-int2.yaml" <<'YAML'
-  - builtin: qwen3-8b
-    name: qwen3-8b-int2
-    history_format: int2-oscar
-    memory: 18GiB
-    bf16_fraction: 0.15
-  - builtin: qwen3-8b
-    memory: 12GiB
-YAML
+decode_loop_config 40GiB > "$out/kvcd-int2.yaml"
 runs="qwen3-8b-int2:32768 qwen3-8b-int2:99968 qwen3-8b:32768"
 for merge in kernel fold; do
   for rs in main side; do

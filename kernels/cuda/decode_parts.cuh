@@ -10,6 +10,7 @@
 #include <cfloat>
 #include <cstdint>
 
+#include "column_times_rows.cuh"
 #include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_decode_attention.h"
 #include "merge_fold.cuh"
@@ -65,22 +66,6 @@ __device__ __forceinline__ float QueryValue(const PartArgs& a, int64_t i) {
   if (a.q_raw == nullptr) return a.q[i];
   return ReadQuery(a.q_raw, a.q_bf16, i, a.q_faults,
                    static_cast<int64_t>(a.geo.num_q_heads) * a.geo.head_dim, a.q_fault_bits);
-}
-
-// acc[h] += sum_i x[h][i] * m[i][j] for the 8 rows of x: column j of m (D x D, from L2)
-// is loaded 32 elements at a time, so a column costs D/32 memory round trips, not D/4.
-template <int D>
-__device__ __forceinline__ void ColumnTimesRows(const float* m, int j, const float (*x)[D],
-                                                float (&acc)[8]) {
-  for (int i0 = 0; i0 < D; i0 += 32) {
-    float r[32];
-#pragma unroll
-    for (int u = 0; u < 32; ++u) r[u] = __ldg(m + (i0 + u) * D + j);
-#pragma unroll
-    for (int u = 0; u < 32; ++u)
-#pragma unroll
-      for (int h = 0; h < 8; ++h) acc[h] = fmaf(x[h][i0 + u], r[u], acc[h]);
-  }
 }
 
 // Fills s_q[h] (h < 8) with the group's queries rotated by R_k and scaled (zero rows past

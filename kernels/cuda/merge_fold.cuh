@@ -23,6 +23,7 @@
 #include <cfloat>
 #include <cstdint>
 
+#include "column_times_rows.cuh"
 #include "kvcd/kernels/cuda_decode_attention.h"
 #include "kvcd/kernels/device_fault.h"
 
@@ -175,18 +176,7 @@ __device__ void FoldMerge(const FoldArgs& f, const float* part_o, const float* p
     } else {
 #pragma unroll
       for (int h = 0; h < 8; ++h) out[h] = 0.0f;
-      for (int u0 = 0; u0 < D; u0 += 32) {
-        float r[32];
-#pragma unroll
-        for (int u = 0; u < 32; ++u) r[u] = __ldg(f.r_v_t + (u0 + u) * D + j);
-#pragma unroll
-        for (int u = 0; u < 32; ++u) {
-#pragma unroll
-          for (int h = 0; h < 8; ++h) {
-            if (h < G) out[h] = fmaf(x[h * D + u0 + u], r[u], out[h]);
-          }
-        }
-      }
+      ColumnTimesRows<D>(f.r_v_t, j, reinterpret_cast<const float(*)[D]>(x), out, G);
     }
 #pragma unroll
     for (int h = 0; h < 8; ++h) {

@@ -520,29 +520,27 @@ class CudaBackend final : public Backend, public DeviceRuntime, public RowStream
   // total_tokens; measured on the device, bench/results/2026-12-05-h200-gpu-step.md);
   // KVCD_SPLITS=kernel: each kernel's own count, sized for equal lengths (the earlier rule);
   // "balanced" names the default; another value is reported and ignored.
-  static bool BalancedSplitsFromEnv() {
-    const char* v = std::getenv("KVCD_SPLITS");
-    if (v == nullptr || std::strcmp(v, "balanced") == 0) return true;
-    if (std::strcmp(v, "kernel") == 0) return false;
-    KVCD_LOG(WARNING) << "KVCD_SPLITS=" << v << " is not balanced or kernel; using balanced";
-    return true;
+  static bool BalancedSplitsFromEnv() { return !EnvChoice("KVCD_SPLITS", "balanced", "kernel"); }
+  // True when environment variable `var` names `other`; false when it is unset or names
+  // `usual`; any other value is reported and taken as `usual`.
+  static bool EnvChoice(const char* var, const char* usual, const char* other) {
+    const char* v = std::getenv(var);
+    if (v == nullptr || std::strcmp(v, usual) == 0) return false;
+    if (std::strcmp(v, other) == 0) return true;
+    KVCD_LOG(WARNING) << var << "=" << v << " is not " << usual << " or " << other << "; using "
+                      << usual;
+    return false;
   }
   static bool SideListsFromEnv() {
     const char* v = std::getenv("KVCD_SIDE_STREAM");
     return v == nullptr || std::strcmp(v, "0") != 0;
   }
   // KVCD_MERGE=fold: the merge folded into the launches where their formats allow it;
-  // "kernel" (the default): the merge as its own launch after the lists. The fold measured
-  // slower on an H100 in session 28 (INT2 32k batch 1: 77.7 against 57.2 µs a layer: one CTA
-  // per group reads every part and R_v^T with a few loads in flight,
-  // bench/results/2026-12-05-h200-gpu-step.md).
-  static bool FoldMergeFromEnv() {
-    const char* v = std::getenv("KVCD_MERGE");
-    if (v == nullptr || std::strcmp(v, "kernel") == 0) return false;
-    if (std::strcmp(v, "fold") == 0) return true;
-    KVCD_LOG(WARNING) << "KVCD_MERGE=" << v << " is not fold or kernel; using kernel";
-    return false;
-  }
+  // "kernel" (the default): the merge as its own launch after the lists. The fold's first
+  // tail measured slower on an H100 in session 28 (INT2 32k batch 1: 77.7 against 57.2 µs a
+  // layer: one CTA per group read the parts and R_v^T with few loads in flight,
+  // bench/results/2026-12-05-h200-gpu-step.md); its tail was rewritten since.
+  static bool FoldMergeFromEnv() { return EnvChoice("KVCD_MERGE", "kernel", "fold"); }
   // The folded merge's counters, at least n of them, zero (the merging CTAs leave them so).
   // Growing waits for the device, so that no launch still counts on the old ones; it
   // happens when a call's batch x KV heads first passes the size. REQUIRES: mu_.
@@ -566,13 +564,7 @@ class CudaBackend final : public Backend, public DeviceRuntime, public RowStream
   }
   // KVCD_ROW_STREAM=side: pipelined calls store their rows on the side stream, beside the
   // history's attention (off by default until measured on a device; needs the side stream).
-  static bool RowsOnSideFromEnv() {
-    const char* v = std::getenv("KVCD_ROW_STREAM");
-    if (v == nullptr || std::strcmp(v, "main") == 0) return false;
-    if (std::strcmp(v, "side") == 0) return true;
-    KVCD_LOG(WARNING) << "KVCD_ROW_STREAM=" << v << " is not main or side; using main";
-    return false;
-  }
+  static bool RowsOnSideFromEnv() { return EnvChoice("KVCD_ROW_STREAM", "main", "side"); }
   // The daemon's stream waits for rows stored on the side stream (Fork) not joined yet.
   // REQUIRES: mu_.
   absl::Status JoinPendingRowsLocked() {
