@@ -7,7 +7,8 @@
 #   2. the per-layer decode loop through kvcd (bench/run-decode-batch.sh, INT2 history, 32k /
 #      100k, batch 1 / 8; the merge as its own kernel, the default; then 2a, the same rows
 #      with the merge folded into the attention launches, KVCD_MERGE=fold, measured slower in
-#      session 28; 2b, the rows stored on the side stream, KVCD_ROW_STREAM=side), as below;
+#      session 28; 2b, the rows stored on the daemon's stream, KVCD_ROW_STREAM=main, the rule
+#      before session 28), as below;
 #      (session 27's description:) the per-layer decode loop (INT2 history, 32k /
 #      100k, batch 1 / 8), each row with the worker's per-layer q/k/v kernels as one launch
 #      (--producer fused, the default since session 27) and as one launch each (split, the
@@ -60,10 +61,9 @@ grep -E 'Failure|actual:|exceeds' "$out/cuda-tests.log" | head -12 | tee -a "$fi
 KVCD_BINARY=$BIN/kvcd step data-plane 200 "$BIN/kvcd_data_plane_tests"
 grep -hE 'CUDA vs CPU' "$out/data-plane.log" | head -8 | tee -a "$final/summary.txt"
 KVCD_SPLITS=kernel KVCD_BINARY=$BIN/kvcd step data-plane-kernel-splits 200 "$BIN/kvcd_data_plane_tests"
-# the daemons with the merge folded, and with the rows stored on the side stream
+# the daemons with the merge folded, and with the rows stored on the daemon's stream
 KVCD_MERGE=fold KVCD_BINARY=$BIN/kvcd step data-plane-merge-fold 200 "$BIN/kvcd_data_plane_tests"
-KVCD_ROW_STREAM=side KVCD_BINARY=$BIN/kvcd step data-plane-row-side 200 "$BIN/kvcd_data_plane_tests"
-grep -hE 'CUDA vs CPU' "$out/data-plane-row-side.log" | head -8 | tee -a "$final/summary.txt"
+KVCD_ROW_STREAM=main KVCD_BINARY=$BIN/kvcd step data-plane-row-main 200 "$BIN/kvcd_data_plane_tests"
 
 # 2. the decode loop, old hops vs new, cuDNN baseline in the same run (the INT2 model of
 # kvcd-decode-step.yaml, and the int2-transform one when its codec file is there: 40 GiB,
@@ -109,14 +109,14 @@ KVCD_MERGE=fold KVCD_CONFIG=$out/kvcd-int2.yaml KVCD_RUNS=$runs KVCD_PUT_MODELS=
   step decode-batch-merge-fold 200 bench/run-decode-batch.sh
 summary "merge folded (KVCD_MERGE=fold):"
 grep -E '^\|' "$out/decode-batch-merge-fold.log" | tee -a "$final/summary.txt"
-# 2b. the row stores of the pipelined calls on the side stream, beside the history's
-# attention (KVCD_ROW_STREAM=side, session 28, off by default until measured), merge kernel,
-# fused producer.
-KVCD_ROW_STREAM=side KVCD_CONFIG=$out/kvcd-int2.yaml KVCD_RUNS=$runs \
+# 2b. the row stores of the pipelined calls on the daemon's stream (KVCD_ROW_STREAM=main, the
+# rule before session 28; the default stores them on the side stream, beside the history's
+# attention), merge kernel, fused producer.
+KVCD_ROW_STREAM=main KVCD_CONFIG=$out/kvcd-int2.yaml KVCD_RUNS=$runs \
   KVCD_PUT_MODELS=qwen3-8b-xform KVCD_BATCHES="1 8" KVCD_HOPS=events KVCD_PRODUCERS=fused \
-  OUT=$out/decode-batch-row-side step decode-batch-row-side 200 bench/run-decode-batch.sh
-summary "row stores on the side stream (KVCD_ROW_STREAM=side):"
-grep -E '^\|' "$out/decode-batch-row-side.log" | tee -a "$final/summary.txt"
+  OUT=$out/decode-batch-row-main step decode-batch-row-main 200 bench/run-decode-batch.sh
+summary "row stores on the daemon's stream (KVCD_ROW_STREAM=main):"
+grep -E '^\|' "$out/decode-batch-row-main.log" | tee -a "$final/summary.txt"
 
 # 2b. the kernels alone at Qwen3-8B geometry (issue #36's kernel rows): the INT2 kernel at
 # 100k batch 1, and int2-transform on tensor cores against INT2 at batch 1 and 8

@@ -2,9 +2,9 @@
 # Issue #36, one lease (~2-3 minutes): the per-layer decode loop through kvcd (INT2 history
 # 32k / 100k, BF16 history 32k; batch 1 and 8; fused producer) with the merge kernel (the
 # default) and folded (KVCD_MERGE=fold, its tail rewritten in session 28), each with the
-# pipelined calls' row stores on the daemon's stream (KVCD_ROW_STREAM=main, the default) and
-# on the side stream beside the history's attention (side), each beside the in-process cuDNN
-# loop.
+# pipelined calls' row stores on the daemon's stream (KVCD_ROW_STREAM=main) and on the side
+# stream beside the history's attention (side, the default since this part's session-28
+# run), each beside the in-process cuDNN loop.
 #   device: bench/run-device-parts.sh row-stream:230   (carry [".devrun"])
 # Writes $OUT/summary.txt and $OUT/logs.tgz.
 set -uo pipefail

@@ -42,7 +42,7 @@ struct PageGeometry {
 };
 
 // Where a pipelined call's device row store may run beside the attention of the tokens before
-// it (the CUDA backend's side stream, KVCD_ROW_STREAM=side): Fork() returns a stream ordered
+// it (the CUDA backend's side stream; KVCD_ROW_STREAM=main: none): Fork() returns a stream ordered
 // after everything queued so far on the daemon's stream; the backend orders its attention
 // launches that read the rows after it.
 class RowStream {
