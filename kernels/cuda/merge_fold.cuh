@@ -97,10 +97,8 @@ __device__ void FoldMerge(const FoldArgs& f, const float* part_o, const float* p
       if (q_raw != nullptr) {
         const int64_t bytes = static_cast<int64_t>(num_q_heads) * D * (q_bf16 ? 2 : 4);
         const uint8_t* base = static_cast<const uint8_t*>(q_raw) + b * bytes;
-        const uint32_t hi = q_bf16 ? 0x7f807f80u : 0x7f800000u;
-        auto bad = [&](uint32_t w) {
-          return q_bf16 ? ((w & 0x7f80u) == 0x7f80u || (w & 0x7f800000u) == 0x7f800000u)
-                        : (w & hi) == hi;
+        auto bad = [&](uint32_t w) {  // the high BF16 (or the F32) and, for BF16, the low one
+          return (w & 0x7f800000u) == 0x7f800000u || (q_bf16 && (w & 0x7f80u) == 0x7f80u);
         };
         if (reinterpret_cast<uintptr_t>(base) % 16 == 0 && bytes % 16 == 0) {
           const uint4* v = reinterpret_cast<const uint4*>(base);
