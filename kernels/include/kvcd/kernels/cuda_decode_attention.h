@@ -93,14 +93,14 @@ struct DecodeGeometry {
 // rows_per_entry ...) whose faults[b] device word is set for its tag gets NaN in o and lse:
 // a pipelined caller reading the outputs of a call whose inputs were not finite sees it.
 //
-// fold_counters set: no merge kernel. Every launch of the call that writes parts (INT2, BF16)
-// carries the same target, and the last CTA to write a part of a (sequence, KV head) group
-// merges that group (merge_fold.cuh): counters [batch][num_kv_heads] on the device, zero
-// before the call and zero again after it (the merging CTA resets its group's); the launches
-// of one call must write exactly `parts` parts per row, at most MaxFoldedMergeParts(head_dim),
-// and with faults, rows_per_entry == num_q_heads. Results agree with the merge kernel's to
-// float rounding (the sums run in another order), and a sequence whose fault word is set, or
-// whose raw queries (RawQueries) hold a non-finite value, is poisoned as there.
+// fold_counters set: no merge kernel. Every launch of the call that writes parts (INT2, BF16,
+// int2-transform on tensor cores) carries the same target, and the last CTA to write a part of a
+// (sequence, KV head) group merges that group (merge_fold.cuh): counters [batch][num_kv_heads] on
+// the device, zero before the call and zero again after it (the merging CTA resets its group's);
+// the launches of one call must write exactly `parts` parts per row, at most
+// MaxFoldedMergeParts(head_dim), and with faults, rows_per_entry == num_q_heads. Results agree with
+// the merge kernel's to float rounding (the sums run in another order), and a sequence whose fault
+// word is set, or whose raw queries (RawQueries) hold a non-finite value, is poisoned as there.
 struct MergeTarget {
   int parts = 0;
   const float* r_v_t = nullptr;
