@@ -28,7 +28,10 @@ out=${OUT:-/tmp/kvcd-decode-batch}
 mkdir -p "$out"
 exec > >(tee "$out/decode-batch.txt") 2>&1
 source scripts/daemon-lib.sh
-export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH=$PWD/.devlibs KVCD_PHASE_TIMES=0
+# KVCD_LOOP_PHASES=1: the daemon times every phase of its calls (KVCD_PHASE_TIMES, host and
+# GPU timeline; ~1 µs a phase) and reports them per decode channel into
+# $out/kvcd-daemon.log; off by default, so the tokens/s are those of a daemon without it.
+export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH=$PWD/.devlibs KVCD_PHASE_TIMES=${KVCD_LOOP_PHASES:-0}
 BIN=${KVCD_BIN:-.devbin}
 BATCHES=${KVCD_BATCHES:-1 8 64}
 STEPS=${KVCD_STEPS:-16}
@@ -72,6 +75,7 @@ for mt in ${KVCD_RUNS:-qwen3-8b-int2:32768 qwen3-8b-int2:99968 qwen3-8b:32768 qw
   done
 done
 stop_kvcd; echo "daemon exit: $?"
+[[ ${KVCD_LOOP_PHASES:-0} == 1 ]] && cat "$KVCD_LOG_DIR/out" "$KVCD_LOG_DIR/err" >"$out/kvcd-daemon.log"
 timeout 200 python3 bench/sdpa_baseline.py --backends cudnn --contexts 32768 100000 \
   --batches $BATCHES > "$out/sdpa.txt" 2>&1 || rc=1
 cat "$out/sdpa.txt"

@@ -22,7 +22,8 @@
 #     and the inline check: ~16 x (1 + 3) s; together ~1.5 minutes;
 #   decode: 4 (model, context) x batch 1, 8, 16 steps x 36 layers: ~20 s with the starts;
 #   cuDNN loop (bench/sdpa_baseline.py, torch): ~60 s.
-# KVCD_FSQ_LOOP_RUNS (the four runs), KVCD_DISTINCT (1), KVCD_STEPS (16), KVCD_HOPS (events);
+# KVCD_FSQ_LOOP_RUNS (the four runs), KVCD_DISTINCT (1), KVCD_STEPS (16), KVCD_HOPS (events),
+# KVCD_LOOP_PHASES (0; 1: the daemon's per-phase timeline of each run into the summary);
 # the FSQ Puts use the prefill worker's default --put-chunk-tokens (8192: 3.6 GB of K, V and
 # x in its buffer).
 # Writes $OUT/summary.txt and $OUT/logs.tgz.
@@ -73,5 +74,11 @@ grep -E 'hops|failed|^\|' "$out/decode-batch.log" | tee -a "$final/summary.txt"
 grep -hE '^put \(ipc\)|byte-identical' "$out"/decode-batch/prefill-qwen3-8b-fsq-*.log | head -8 |
   tee -a "$final/summary.txt"
 grep -hE 'per call' "$out"/decode-batch/decode-*.log | head -8 | tee -a "$final/summary.txt"
+# KVCD_LOOP_PHASES=1 (bench/run-decode-batch.sh): the daemon's phase timeline of each decode
+# channel, for the FSQ call's time outside its kernel (session 28: ~165 µs at batch 1).
+if [[ -f $out/decode-batch/kvcd-daemon.log ]]; then
+  grep -A40 'phase times' "$out/decode-batch/kvcd-daemon.log" | grep -E 'phase times|gpu\.|daemon\.' |
+    head -120 | tee -a "$final/summary.txt"
+fi
 pack
 summary "done in $SECONDS s"
