@@ -75,7 +75,7 @@ grep -hE '^put \(ipc\)|byte-identical' "$out"/decode-batch/prefill-qwen3-8b-fsq-
   tee -a "$final/summary.txt"
 grep -hE 'per call' "$out"/decode-batch/decode-*.log | head -8 | tee -a "$final/summary.txt"
 # KVCD_LOOP_PHASES=1 (bench/run-decode-batch.sh): the daemon's phase timeline of each decode
-# channel, for the FSQ call's time outside its kernel (session 28: ~165 µs at batch 1).
+# channel: where an FSQ call waits for the device (session 28: answered after ~417 µs).
 if [[ -f $out/decode-batch/kvcd-daemon.log ]]; then
   grep -A40 'phase times' "$out/decode-batch/kvcd-daemon.log" | grep -E 'phase times|gpu\.|daemon\.' |
     head -120 | tee -a "$final/summary.txt"
