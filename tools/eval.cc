@@ -18,7 +18,7 @@
 namespace kvcd {
 namespace {
 
-float RoundBf16(float x) { return kernels::Bf16ToFloat(kernels::FloatToBf16(x)); }
+using kernels::RoundBf16;
 float RoundHalf(float x) { return kernels::HalfToFloat(kernels::FloatToHalf(x)); }
 
 // KIVI-2: asymmetric 2-bit with FP16 scale and minimum per group; K per channel over groups

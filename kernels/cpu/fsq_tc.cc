@@ -14,7 +14,6 @@ namespace {
 
 int Planes(FsqTcOperands ops) { return ops == FsqTcOperands::kBf16Split ? 2 : 1; }
 
-float RoundBf16(float v) { return Bf16ToFloat(FloatToBf16(v)); }
 float RoundFp16(float v) { return HalfToFloat(FloatToHalf(v)); }
 
 // x as the kernel stores it in shared memory (fsq_encode_tc.cu StoreX).

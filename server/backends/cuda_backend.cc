@@ -25,6 +25,7 @@
 #include "server/backends/backend.h"
 #include "server/backends/cuda_fault_board.h"
 #include "server/backends/cuda_gpu_timeline.h"
+#include "server/backends/cuda_side_stream.h"
 #include "server/backends/device_runtime.h"
 #include "server/formats/cuda_codec.h"
 #include "server/formats/cuda_page_format.h"
@@ -57,13 +58,11 @@ class CudaBackend final : public Backend, public DeviceRuntime, public RowStream
   // RowStream: a pipelined call's row store on the side stream, ordered after everything
   // queued so far on the daemon's stream. Attend orders the launches that read the rows
   // after it (the windows run on the side stream after it, or the daemon's stream joins it
-  // first), and so do the page copies (JoinPendingRowsLocked).
+  // first), and so do the page copies (CudaSideStream::JoinPendingRows).
   absl::StatusOr<void*> Fork() override {
     std::lock_guard<std::mutex> lock(mu_);
-    KVCD_RETURN_IF_ERROR(Noted(SideStreamLocked()));
-    RETURN_IF_CUDA(kc::ForkTo(side_stream_, fork_event_));
-    rows_pending_ = true;
-    return side_stream_;
+    RETURN_IF_CUDA(side_.Fork(/*rows=*/true));
+    return side_.stream();
   }
 
   bool Healthy() const override {
@@ -101,7 +100,7 @@ class CudaBackend final : public Backend, public DeviceRuntime, public RowStream
                           bool run_on_device) override {
     if (ids.empty()) return absl::OkStatus();
     std::lock_guard<std::mutex> lock(mu_);
-    KVCD_RETURN_IF_ERROR(JoinPendingRowsLocked());
+    RETURN_IF_CUDA(side_.JoinPendingRows());
     const uint64_t bytes = static_cast<uint64_t>(pool.page_bytes()) * ids.size();
     const uint8_t* src = run;
     if (!run_on_device) {
@@ -117,7 +116,7 @@ class CudaBackend final : public Backend, public DeviceRuntime, public RowStream
                          bool run_on_device) override {
     if (ids.empty()) return absl::OkStatus();
     std::lock_guard<std::mutex> lock(mu_);
-    KVCD_RETURN_IF_ERROR(JoinPendingRowsLocked());
+    RETURN_IF_CUDA(side_.JoinPendingRows());
     if (run_on_device) return PagedCopyLocked(kc::PageCopy::kGather, pool, ids, run);
     const uint64_t bytes = static_cast<uint64_t>(pool.page_bytes()) * ids.size();
     auto staged = staging_.Reserve(bytes);
@@ -199,7 +198,7 @@ class CudaBackend final : public Backend, public DeviceRuntime, public RowStream
     std::lock_guard<std::mutex> lock(mu_);
     // Rows stored on the side stream (Fork) that this call does not join on its way (a
     // failed call, one not forked): joined before it returns, whatever it returns.
-    absl::Cleanup rows_joined = [&] { JoinPendingRowsLocked().IgnoreError(); };  // noted
+    absl::Cleanup rows_joined = [&] { Note(side_.JoinPendingRows()); };
     const int batch = static_cast<int>(b.jobs.size());
     const int d = b.head_dim, hq = b.num_q_heads;
     const int rows = batch * hq;
@@ -409,7 +408,7 @@ class CudaBackend final : public Backend, public DeviceRuntime, public RowStream
     const bool forked = side_lists_ && launched >= 2 && all_side;
     // Rows stored on the side stream: a forked call's windows run there after them; any
     // other call's launches wait for them here.
-    if (!forked) KVCD_RETURN_IF_ERROR(JoinPendingRowsLocked());
+    if (!forked) RETURN_IF_CUDA(side_.JoinPendingRows());
     // The merge folded into the launches' last CTAs (MergeTarget::fold_counters) where every
     // launched format takes it: no merge launch, and no wait for both streams before it.
     bool fold = fold_merge_ && launched > 0 && parts <= kc::MaxFoldedMergeParts(d);
@@ -434,14 +433,13 @@ class CudaBackend final : public Backend, public DeviceRuntime, public RowStream
       }
     };
     if (forked) {
-      KVCD_RETURN_IF_ERROR(Noted(SideStreamLocked()));
-      RETURN_IF_CUDA(kc::ForkTo(side_stream_, fork_event_));
+      RETURN_IF_CUDA(side_.Fork());
     }
     // Every return after the fork joins the side stream back first, so that the daemon's
     // stream (and the next call's use of this scratch) stays ordered after its kernels.
     bool joined = !forked;
     absl::Cleanup join_on_exit = [&] {
-      if (!joined) Note(kc::JoinFrom(side_stream_, join_event_));
+      if (!joined) Note(side_.Join());
     };
     int part_base = 0;
     bool merged = false;
@@ -451,7 +449,7 @@ class CudaBackend final : public Backend, public DeviceRuntime, public RowStream
       if (l.splits == 0) continue;
       const bool on_side = forked && ++launched_so_far < launched;
       CudaPageFormat::AttendLaunch a;
-      a.stream = on_side ? side_stream_ : nullptr;
+      a.stream = on_side ? side_.stream() : nullptr;
       a.list = kc::PagedList{l.pool->LayerBase(b.layer), l.pool->layer_page_bytes(),
                              d_i32 + l.table_off, l.max_pages, d_i32 + l.len_off};
       a.geo = geo;
@@ -486,8 +484,7 @@ class CudaBackend final : public Backend, public DeviceRuntime, public RowStream
     }
     if (forked) {
       joined = true;
-      rows_pending_ = false;  // the join covers the rows stored on the side stream before
-      RETURN_IF_CUDA(kc::JoinFrom(side_stream_, join_event_));
+      RETURN_IF_CUDA(side_.Join());  // rows stored on the side stream before included
     }
     fold_complete = true;
     if (!merged) {
@@ -567,27 +564,6 @@ class CudaBackend final : public Backend, public DeviceRuntime, public RowStream
   // 0.99x, batch 8 +3%); KVCD_ROW_STREAM=main keeps them on the daemon's stream. Needs the
   // side stream.
   static bool RowsOnSideFromEnv() { return !EnvChoice("KVCD_ROW_STREAM", "side", "main"); }
-  // The daemon's stream waits for rows stored on the side stream (Fork) not joined yet.
-  // REQUIRES: mu_.
-  absl::Status JoinPendingRowsLocked() {
-    if (!rows_pending_) return absl::OkStatus();
-    rows_pending_ = false;
-    RETURN_IF_CUDA(kc::JoinFrom(side_stream_, join_event_));
-    return absl::OkStatus();
-  }
-  // The second stream and its fork/join events. REQUIRES: mu_.
-  absl::Status SideStreamLocked() {
-    if (side_stream_ != nullptr) return absl::OkStatus();
-    void *s = nullptr, *fork = nullptr, *join = nullptr;
-    RETURN_IF_CUDA(kc::CreateEvent(&fork));
-    RETURN_IF_CUDA(kc::CreateEvent(&join));
-    RETURN_IF_CUDA(kc::CreateSideStream(&s));
-    side_stream_ = s;
-    fork_event_ = fork;
-    join_event_ = join;
-    return absl::OkStatus();
-  }
-
   // Queues one paged copy between `pool` and the device run (page ids go up through the
   // pinned uploader, so the host does not wait).
   absl::Status PagedCopyLocked(kc::PageCopy kind, const PagePool& pool,
@@ -635,12 +611,9 @@ class CudaBackend final : public Backend, public DeviceRuntime, public RowStream
   const bool balanced_splits_ = BalancedSplitsFromEnv();
   const bool fold_merge_ = FoldMergeFromEnv();
   const bool rows_on_side_ = side_lists_ && RowsOnSideFromEnv();
-  bool rows_pending_ = false;  // rows stored on the side stream not joined yet, under mu_
   unsigned int* fold_counters_ = nullptr;  // FoldCountersLocked, under mu_
   size_t fold_counters_size_ = 0;
-  void* side_stream_ = nullptr;  // created on first use, under mu_
-  void* fork_event_ = nullptr;
-  void* join_event_ = nullptr;
+  CudaSideStream side_;  // under mu_
   // The GPU side of PhaseTimes (KVCD_PHASE_TIMES=1 only): busy / idle spans of the stream.
   const std::unique_ptr<GpuTimeline> timeline_;
   std::mutex mu_;

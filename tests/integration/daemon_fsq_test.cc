@@ -26,23 +26,11 @@ namespace daemon_fsq_test {
 
 using testing_util::DaemonProcess;
 
-constexpr char kConfig[] = R"(
-listen: 127.0.0.1:0
-metrics_listen: 127.0.0.1:0
-health_listen: 127.0.0.1:0
-memory_budget: 16MiB
-lease: {default_ms: 40, max_ms: 60000}
-drain_timeout_ms: 300
-models:
-  - builtin: tiny
-    memory: 1MiB
-)";
-
-float RoundBf16(float x) { return kernels::Bf16ToFloat(kernels::FloatToBf16(x)); }
+using kernels::RoundBf16;
 
 class DaemonFsqTest : public testing_util::TinyDaemonTest {
  protected:
-  void SetUp() override { StartDaemon(kConfig); }
+  void SetUp() override { StartDaemon(testing_util::kTinyDaemonConfig); }
 
   // "tiny-fsq": the tiny model's shape (2 layers, 4 q / 2 kv heads, d 16, page 4) with FSQ
   // history (C 24, G 9), key norm and interleaved RoPE on 12 dims.

@@ -15,6 +15,7 @@
 #include <functional>
 #include <set>
 #include <sstream>
+#include <string>
 #include <thread>
 
 #include "client/client.h"
@@ -36,22 +37,15 @@ using testing_util::DaemonProcess;
 using testing_util::ReadFile;
 using testing_util::WaitFor;
 
-constexpr char kConfig[] = R"(
-listen: 127.0.0.1:0
-metrics_listen: 127.0.0.1:0
-health_listen: 127.0.0.1:0
-memory_budget: 16MiB
-lease: {default_ms: 40, max_ms: 60000}
-drain_timeout_ms: 300
-models:
-  - builtin: tiny
-    memory: 1MiB
-  - builtin: tiny
+// The shared tiny config, and "cramped": a tiny model of 4 pages of 1 KiB.
+std::string Config() {
+  return std::string(testing_util::kTinyDaemonConfig) + R"(  - builtin: tiny
     name: cramped
-    memory: 4096    # 4 pages of 1 KiB
+    memory: 4096
 )";
+}
 
-float RoundBf16(float x) { return kernels::Bf16ToFloat(kernels::FloatToBf16(x)); }
+using kernels::RoundBf16;
 
 // The lines of /proc/self/maps that map a decode channel's shared memory (/dev/shm/kvcd-*).
 std::set<std::string> ChannelMappings() {
@@ -91,7 +85,7 @@ std::pair<int64_t, int> ThreadTicks(pid_t pid, const std::string& comm) {
 
 class DaemonTest : public testing_util::TinyDaemonTest {
  protected:
-  void SetUp() override { StartDaemon(kConfig); }
+  void SetUp() override { StartDaemon(Config()); }
 
   // synthetic::Put of profile_'s shape for `model`, which may be another model of that shape
   // (cramped, tiny-int2).

@@ -14,6 +14,20 @@
 
 namespace kvcd::testing_util {
 
+// The daemon tests' config: loopback ports, a 16 MiB budget, short leases and drain, the
+// builtin "tiny" model in 1 MiB; a test file appends its own models after it.
+inline constexpr char kTinyDaemonConfig[] = R"(
+listen: 127.0.0.1:0
+metrics_listen: 127.0.0.1:0
+health_listen: 127.0.0.1:0
+memory_budget: 16MiB
+lease: {default_ms: 40, max_ms: 60000}
+drain_timeout_ms: 300
+models:
+  - builtin: tiny
+    memory: 1MiB
+)";
+
 class TinyDaemonTest : public ::testing::Test {
  protected:
   // Starts the daemon on `config`, then Connect()s.

@@ -22,6 +22,9 @@ inline float Bf16ToFloat(uint16_t b) {
   return f;
 }
 
+// f rounded to the nearest bfloat16 (ties to even), as a float.
+inline float RoundBf16(float f) { return Bf16ToFloat(FloatToBf16(f)); }
+
 // Converts n floats to bfloat16 (dst may not alias src).
 void FloatToBf16N(const float* src, uint16_t* dst, int64_t n);
 // Converts n bfloat16 values to floats.

@@ -43,7 +43,7 @@ T* Out() {
   return &t;
 }
 
-float RoundBf16(float x) { return kernels::Bf16ToFloat(kernels::FloatToBf16(x)); }
+using kernels::RoundBf16;
 
 TEST_F(CacheEngineTest, PutMatchOpenShareThePrefix) {
   v1::PutResponse put;
