@@ -342,6 +342,40 @@ int main(int argc, char** argv) {
           });
           std::printf("   (b2b: query prep + decode grid %.1f us, merge alone %.1f us)", parts_us,
                       merge_us);
+          // The same call as a CUDA graph (issue #36: "capture each shape's per-layer work as
+          // a graph"): one graph per layer's pages, captured from the stream (the programmatic
+          // launches become programmatic edges), timed as above. Its results must equal the
+          // stream's bit for bit.
+          const size_t o_bytes = static_cast<size_t>(rows) * d * sizeof(float);
+          std::vector<float> o_stream(static_cast<size_t>(rows) * d), o_graph(o_stream.size());
+          CHECK(kk::cuda::LaunchInt2Decode(p, n, stream));
+          CHECK(cudaMemcpyAsync(o_stream.data(), o, o_bytes, cudaMemcpyDeviceToHost, stream));
+          CHECK(cudaStreamSynchronize(stream));
+          std::vector<cudaGraphExec_t> execs(layers);
+          for (int l = 0; l < layers; ++l) {
+            kk::cuda::Int2DecodeParams pl = p;
+            pl.pages = pages[l];
+            cudaGraph_t graph = nullptr;
+            CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+            CHECK(kk::cuda::LaunchInt2Decode(pl, n, stream));
+            CHECK(cudaStreamEndCapture(stream, &graph));
+            CHECK(cudaGraphInstantiate(&execs[l], graph, 0));
+            CHECK(cudaGraphDestroy(graph));
+          }
+          CHECK(cudaMemsetAsync(o, 0, o_bytes, stream));
+          CHECK(cudaGraphLaunch(execs[0], stream));
+          CHECK(cudaMemcpyAsync(o_graph.data(), o, o_bytes, cudaMemcpyDeviceToHost, stream));
+          CHECK(cudaStreamSynchronize(stream));
+          const bool same = std::memcmp(o_stream.data(), o_graph.data(), o_bytes) == 0;
+          checks_ok &= same;
+          const double graph_us = MedianUsPerCall(
+              stream, 33, 3, 1, [&](int) { CHECK(cudaGraphLaunch(execs[0], stream)); });
+          const double graph_b2b = MedianUsPerCall(stream, 7, 2, calls, [&](int c) {
+            CHECK(cudaGraphLaunch(execs[c % layers], stream));
+          });
+          std::printf("   (as a CUDA graph: single %.1f us, b2b %.1f us, o %s)", graph_us,
+                      graph_b2b, same ? "bit-identical" : "DIFFERS");
+          for (cudaGraphExec_t e : execs) CHECK(cudaGraphExecDestroy(e));
         }
         std::printf("\n");
         for (uint8_t* pg : pages) CHECK(cudaFree(pg));

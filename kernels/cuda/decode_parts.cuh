@@ -216,6 +216,7 @@ inline int TokensPerSplit(int max_tokens, int splits, int granule) {
 // dependent of the decode kernel before it.
 cudaError_t LaunchMerge(const float* part_o, const float* part_lse, int parts, int rows,
                         int head_dim, const float* r_v_t, float* o, float* lse, cudaStream_t stream,
-                        bool dependent, const DeviceFault* faults, int rows_per_entry);
+                        bool dependent, const DeviceFault* faults, int rows_per_entry,
+                        const uint32_t* wait_word, uint32_t wait_value);
 
 }  // namespace kvcd::kernels::cuda

@@ -79,7 +79,8 @@ Error LaunchInt2DecodeParts(const PagedList& list, const DecodeGeometry& geo, co
   const int rows = geo.batch * geo.num_q_heads;
   return ToError(LaunchMerge(part_o, part_lse, m.parts, rows, geo.head_dim, m.r_v_t, m.o, m.lse,
                              stream,
-                             /*dependent=*/v2 && opt.dependent_launch, m.faults, m.rows_per_entry));
+                             /*dependent=*/v2 && opt.dependent_launch, m.faults, m.rows_per_entry,
+                             m.wait_word, m.wait_value));
 }
 
 Error LaunchInt2Decode(const Int2DecodeParams& p, int max_tokens, cudaStream_t stream) {

@@ -22,11 +22,33 @@ namespace {
 // the decode grid (they do not depend on it), so after it only the parts are read.
 constexpr int kMergeLanes = 4;
 
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
+// True once (int32_t)(*word - value) >= 0; false if that took longer than kMergeWaitNs (the
+// writer's stream stuck: the row is poisoned rather than the daemon's stream held forever).
+__device__ bool WaitForWord(const uint32_t* word, uint32_t value) {
+  const uint64_t start = GlobalTimerNs();
+  for (unsigned sleep = 32;; sleep = sleep < 256 ? 2 * sleep : sleep) {
+    uint32_t v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(word) : "memory");
+    if (static_cast<int32_t>(v - value) >= 0) return true;
+    if (GlobalTimerNs() - start > static_cast<uint64_t>(kMergeWaitNs)) return false;
+    __nanosleep(sleep);
+  }
+}
+
+// wait_word: see MergeTarget. The parts are read through L2 (__ldcg): those written on the
+// other stream land while this grid runs.
 // clang-format off
 template <int D>
 __global__ void __launch_bounds__(kMergeLanes * D) MergeSplits(
     const float* part_o, const float* part_lse, int splits, int rows, const float* r_v_t,
-    float* o, float* lse, const DeviceFault* faults, int rows_per_entry) {
+    float* o, float* lse, const DeviceFault* faults, int rows_per_entry,
+    const uint32_t* wait_word, uint32_t wait_value) {
   // clang-format on
   constexpr int kPer = D / kMergeLanes;
   extern __shared__ float wts[];  // [splits]: lse, then exp(lse - M)
@@ -39,7 +61,13 @@ __global__ void __launch_bounds__(kMergeLanes * D) MergeSplits(
 #pragma unroll
     for (int u = 0; u < kPer; ++u) r[u] = __ldg(r_v_t + (group * kPer + u) * D + j);
   }
+  __shared__ bool s_late;
   WaitPrimaryGrid();  // launched as a programmatic dependent of the decode kernel, or plainly
+  if (wait_word != nullptr) {  // parts written on another stream (MergeTarget::wait_word)
+    if (tid == 0) s_late = !WaitForWord(wait_word, wait_value);
+    __syncthreads();
+  }
+  const bool late = wait_word != nullptr && s_late;
   // A faulted sequence (device_fault.h). Read after the wait: the words are written by the
   // row stores, the query conversion or the kernels reading raw queries (QueryFragments, whose
   // completion every CTA of the decode grid waits for before this grid's wait returns).
@@ -50,10 +78,11 @@ __global__ void __launch_bounds__(kMergeLanes * D) MergeSplits(
         f.tag != 0 &&
         FaultMatches(*reinterpret_cast<const volatile unsigned long long*>(f.device_word), f.tag);
   }
+  poison = poison || late;
   constexpr int warps = kMergeLanes * D / 32;
   float mx = -INFINITY;
   for (int s = tid; s < splits; s += blockDim.x) {
-    wts[s] = part_lse[static_cast<int64_t>(s) * rows + row];
+    wts[s] = __ldcg(part_lse + static_cast<int64_t>(s) * rows + row);
     mx = fmaxf(mx, wts[s]);
   }
   for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
@@ -78,7 +107,7 @@ __global__ void __launch_bounds__(kMergeLanes * D) MergeSplits(
   float num = 0.0f;
 #pragma unroll 16
   for (int s = group; s < splits; s += kMergeLanes) {
-    num += wts[s] * part_o[(static_cast<int64_t>(s) * rows + row) * D + j];
+    num += wts[s] * __ldcg(part_o + (static_cast<int64_t>(s) * rows + row) * D + j);
   }
   partial[group][j] = num;
   __syncthreads();
@@ -109,12 +138,13 @@ size_t MergeSmemBytes(int parts) { return parts * sizeof(float); }
 // The merge kernel for the head_dim, launched plainly or as a programmatic dependent.
 cudaError_t LaunchMerge(const float* part_o, const float* part_lse, int parts, int rows,
                         int head_dim, const float* r_v_t, float* o, float* lse, cudaStream_t stream,
-                        bool dependent, const DeviceFault* faults, int rows_per_entry) {
+                        bool dependent, const DeviceFault* faults, int rows_per_entry,
+                        const uint32_t* wait_word, uint32_t wait_value) {
   if (faults != nullptr && rows_per_entry <= 0) return cudaErrorInvalidValue;
   auto go = [&](auto kernel, int d) {
     return LaunchDependent(dependent, kernel, dim3(rows), dim3(kMergeLanes * d),
                            MergeSmemBytes(parts), stream, part_o, part_lse, parts, rows, r_v_t, o,
-                           lse, faults, rows_per_entry);
+                           lse, faults, rows_per_entry, wait_word, wait_value);
   };
   return DispatchHeadDim(head_dim, [&](auto hd) {
     constexpr int kD = decltype(hd)::value;
@@ -133,7 +163,17 @@ Error LaunchMergeParts(const float* part_o, const float* part_lse, int parts, in
                        const DeviceFault* faults, int rows_per_entry) {
   KVCD_CUDA_BIND_THREAD();
   return ToError(LaunchMerge(part_o, part_lse, parts, rows, head_dim, r_v_t, o, lse, stream,
-                             /*dependent=*/false, faults, rows_per_entry));
+                             /*dependent=*/false, faults, rows_per_entry, nullptr, 0));
+}
+
+Error LaunchMergeTarget(const MergeTarget& m, const float* part_o, const float* part_lse, int rows,
+                        int head_dim, cudaStream_t stream, bool dependent) {
+  KVCD_CUDA_BIND_THREAD();
+  if (m.fold_counters != nullptr || m.parts <= 0 || rows <= 0) {
+    return ToError(cudaErrorInvalidValue);
+  }
+  return ToError(LaunchMerge(part_o, part_lse, m.parts, rows, head_dim, m.r_v_t, m.o, m.lse, stream,
+                             dependent, m.faults, m.rows_per_entry, m.wait_word, m.wait_value));
 }
 
 }  // namespace kvcd::kernels::cuda

@@ -50,6 +50,7 @@ class CudaBackend final : public Backend, public DeviceRuntime, public RowStream
         timeline_(PhaseTimes::Enabled() ? std::make_unique<GpuTimeline>() : nullptr) {}
   ~CudaBackend() override {
     if (fold_counters_ != nullptr) (void)kc::Free(fold_counters_);
+    if (side_word_ != nullptr) (void)kc::Free(side_word_);
   }
   const char* name() const override { return "cuda"; }
   DeviceRuntime* device() override { return this; }
@@ -411,7 +412,8 @@ class CudaBackend final : public Backend, public DeviceRuntime, public RowStream
     if (!forked) RETURN_IF_CUDA(side_.JoinPendingRows());
     // The merge folded into the launches' last CTAs (MergeTarget::fold_counters) where every
     // launched format takes it: no merge launch, and no wait for both streams before it.
-    bool fold = fold_merge_ && launched > 0 && parts <= kc::MaxFoldedMergeParts(d);
+    bool fold =
+        merge_mode_ == MergeMode::kFold && launched > 0 && parts <= kc::MaxFoldedMergeParts(d);
     for (auto it = lists_.begin(); fold && it != lists_end; ++it) {
       if (it->splits > 0) fold = it->format->FoldsMerge(geo);
     }
@@ -432,6 +434,21 @@ class CudaBackend final : public Backend, public DeviceRuntime, public RowStream
         Note(kc::ZeroAsync(fold_counters_, sizeof(unsigned int) * fold_counters_size_));
       }
     };
+    // A forked call's merge follows the last list on the daemon's stream as its programmatic
+    // dependent (KVCD_MERGE=dependent, the default) where the side stream can tell it on the
+    // device that its lists are done: the side stream writes a rising value into side_word_
+    // after them and the merge waits for it (MergeTarget::wait_word), in place of the daemon's
+    // stream joining the side stream before a plain merge launch. The merge's CTAs wait in
+    // their SM slots, so only where they leave most of the GPU to the windows: one 512-thread
+    // CTA per row, rows <= SMs.
+    const bool await_side = forked && !fold && merge_mode_ == MergeMode::kDependent &&
+                            rows <= sms_ && kc::StreamMemopsAvailable();
+    kc::MergeTarget awaited = merge;
+    if (await_side) {
+      auto word = SideWordLocked();
+      if (!word.ok()) return word.status();
+      awaited.wait_word = *word;
+    }
     if (forked) {
       RETURN_IF_CUDA(side_.Fork());
     }
@@ -466,10 +483,17 @@ class CudaBackend final : public Backend, public DeviceRuntime, public RowStream
       a.layer = b.layer;
       a.num_sms = sms_;
       if (!l.first_pos.empty()) a.positions = reinterpret_cast<const int64_t*>(d_i32 + l.pos_off);
+      if (await_side && !on_side) {  // every side list is queued: the word rises after them
+        awaited.wait_value = ++side_word_value_;
+        RETURN_IF_CUDA(kc::StreamWriteValue32(side_.stream(), side_word_, awaited.wait_value));
+      }
       // Lists are ordered so that a merging format is last: it merges every part (unless
       // lists run on two streams: then the merge waits for both, below).
       if (fold) {
         a.merge = &folded;
+        merged = true;
+      } else if (await_side && !on_side && l.format->FusesMerge()) {
+        a.merge = &awaited;
         merged = true;
       } else if (!forked && l.format->FusesMerge() && part_base + l.splits == parts) {
         a.merge = &merge;
@@ -482,7 +506,17 @@ class CudaBackend final : public Backend, public DeviceRuntime, public RowStream
             absl::StrCat("gpu.daemon attention ", l.name, a.merge != nullptr ? " (+merge)" : "")));
       }
     }
-    if (forked) {
+    if (await_side) {
+      // The merge waits on the device for everything queued on the side stream, so the
+      // daemon's stream is ordered after it from the merge on: no join.
+      if (!merged) {
+        RETURN_IF_CUDA(kc::LaunchMergeTarget(awaited, d_part_o, d_part_lse, rows, d, nullptr,
+                                             /*dependent=*/true));
+        merged = true;
+      }
+      joined = true;
+      side_.JoinedOnDevice();
+    } else if (forked) {
       joined = true;
       RETURN_IF_CUDA(side_.Join());  // rows stored on the side stream before included
     }
@@ -532,12 +566,36 @@ class CudaBackend final : public Backend, public DeviceRuntime, public RowStream
     const char* v = std::getenv("KVCD_SIDE_STREAM");
     return v == nullptr || std::strcmp(v, "0") != 0;
   }
-  // KVCD_MERGE=fold: the merge folded into the launches where their formats allow it;
-  // "kernel" (the default): the merge as its own launch after the lists. The fold's first
-  // tail measured slower on an H100 in session 28 (INT2 32k batch 1: 77.7 against 57.2 µs a
-  // layer: one CTA per group read the parts and R_v^T with few loads in flight,
-  // bench/results/2026-12-05-h200-gpu-step.md); its tail was rewritten since.
-  static bool FoldMergeFromEnv() { return EnvChoice("KVCD_MERGE", "kernel", "fold"); }
+  // How a call's split-K parts are merged. KVCD_MERGE=dependent (the default): the merge
+  // kernel after the lists, on a forked call as the last list's programmatic dependent,
+  // waiting on the device for the side stream's lists (see Attend); "kernel": the merge
+  // kernel after the lists, on a forked call after the daemon's stream joins the side stream
+  // (the order before session 29); "fold": the merge folded into the launches where their
+  // formats allow it (measured slower with INT2 history on an H100 in session 28: its last CTA's
+  // tail comes after the grid's slowest CTA; +4% with BF16 history alone,
+  // bench/results/2026-12-05-h200-gpu-step.md). Any other value is reported and ignored.
+  enum class MergeMode { kDependent, kKernel, kFold };
+  static MergeMode MergeModeFromEnv() {
+    const char* v = std::getenv("KVCD_MERGE");
+    if (v == nullptr || std::strcmp(v, "dependent") == 0) return MergeMode::kDependent;
+    if (std::strcmp(v, "kernel") == 0) return MergeMode::kKernel;
+    if (std::strcmp(v, "fold") == 0) return MergeMode::kFold;
+    KVCD_LOG(WARNING) << "KVCD_MERGE=" << v << " is not dependent, kernel or fold; using dependent";
+    return MergeMode::kDependent;
+  }
+  // The word the side stream raises after a forked call's lists (Attend), zero at first.
+  // REQUIRES: mu_.
+  absl::StatusOr<uint32_t*> SideWordLocked() {
+    if (side_word_ != nullptr) return side_word_;
+    void* p = nullptr;
+    KVCD_RETURN_IF_ERROR(KernelStatus(kc::Malloc(&p, sizeof(uint32_t)),
+                                      absl::StatusCode::kResourceExhausted,
+                                      "cannot allocate the side stream's word"));
+    RETURN_IF_CUDA(kc::ZeroAsync(p, sizeof(uint32_t)));
+    side_word_ = static_cast<uint32_t*>(p);
+    side_word_value_ = 0;
+    return side_word_;
+  }
   // The folded merge's counters, at least n of them, zero (the merging CTAs leave them so).
   // Growing waits for the device, so that no launch still counts on the old ones; it
   // happens when a call's batch x KV heads first passes the size. REQUIRES: mu_.
@@ -609,9 +667,11 @@ class CudaBackend final : public Backend, public DeviceRuntime, public RowStream
   // Lists beside the last one run on a second stream (KVCD_SIDE_STREAM=0 turns it off).
   const bool side_lists_ = SideListsFromEnv();
   const bool balanced_splits_ = BalancedSplitsFromEnv();
-  const bool fold_merge_ = FoldMergeFromEnv();
+  const MergeMode merge_mode_ = MergeModeFromEnv();
   const bool rows_on_side_ = side_lists_ && RowsOnSideFromEnv();
   unsigned int* fold_counters_ = nullptr;  // FoldCountersLocked, under mu_
+  uint32_t* side_word_ = nullptr;          // SideWordLocked, under mu_
+  uint32_t side_word_value_ = 0;           // its last value queued, under mu_
   size_t fold_counters_size_ = 0;
   CudaSideStream side_;  // under mu_
   // The GPU side of PhaseTimes (KVCD_PHASE_TIMES=1 only): busy / idle spans of the stream.

@@ -19,6 +19,10 @@ class CudaSideStream {
   kernels::Error Join();
   // Join(), if rows stored on the side stream have not been joined yet; else nothing.
   kernels::Error JoinPendingRows();
+  // For a caller whose launch on the daemon's stream waits on the device for a word the side
+  // stream writes after everything queued on it so far (MergeTarget::wait_word): that launch
+  // joined it, so the rows stored there need no Join.
+  void JoinedOnDevice() { rows_pending_ = false; }
   // The stream (cudaStream_t), null before the first Fork.
   void* stream() const { return stream_; }
 

@@ -22,6 +22,7 @@
 #include "kvcd/kernels/cuda_device_copy.h"
 #include "kvcd/kernels/cuda_page_copy.h"
 #include "kvcd/kernels/cuda_store_rows.h"
+#include "kvcd/kernels/cuda_stream_memops.h"
 #include "kvcd/kernels/device_fault.h"
 #include "kvcd/kernels/fp16.h"
 #include "kvcd/kernels/int2_attention.h"
@@ -1001,6 +1002,93 @@ TEST_F(CudaKernelsTest, MergePoisonsFaultedSequences) {
       }
     }
   }
+}
+
+// A merge whose parts are partly written on another stream waits on the device for that
+// stream's word (MergeTarget::wait_word): it gives the merge of the final parts bit for bit,
+// though launched before they were written; a word that never comes poisons every row after
+// kMergeWaitNs; targets it cannot take are refused.
+TEST_F(CudaKernelsTest, MergeWaitsForTheOtherStreamsWord) {
+  if (!cuda::StreamMemopsAvailable()) GTEST_SKIP() << "no stream memory operations";
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int d = 128, batch = 2, hq = 4, rows = batch * hq, parts = 3;
+  std::vector<float> po(parts * rows * d), pl(parts * rows), rvt(d * d);
+  for (auto& x : po) x = normal(rng_);
+  for (auto& x : pl) x = 4 * normal(rng_);
+  for (auto& x : rvt) x = normal(rng_) / std::sqrt(static_cast<float>(d));
+  const float* d_final_po = Up(po);
+  const float* d_final_pl = Up(pl);
+  const float* d_rvt = Up(rvt);
+  float* o = Up(std::vector<float>(rows * d, 1.0f));
+  float* lse = Up(std::vector<float>(rows, 1.0f));
+  ASSERT_EQ(cuda::LaunchMergeParts(d_final_po, d_final_pl, parts, rows, d, d_rvt, o, lse, nullptr)
+                .device_code(),
+            cudaSuccess);
+  const auto want_o = Down(o, rows * d);
+  const auto want_lse = Down(lse, rows);
+
+  // The last part is garbage until stream `side` copies it in, which it does only once the
+  // host releases its gate; then it raises the word to 7.
+  std::vector<float> po_early = po, pl_early = pl;
+  for (int i = 2 * rows * d; i < parts * rows * d; ++i) po_early[i] = 1e30f;
+  for (int i = 2 * rows; i < parts * rows; ++i) pl_early[i] = 1e30f;
+  float* d_po = Up(po_early);
+  float* d_pl = Up(pl_early);
+  uint32_t* words = Up(std::vector<uint32_t>{0, 0});  // [0] the merge's word, [1] the gate
+  cudaStream_t main_stream = nullptr, side = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&main_stream, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_TRUE(cuda::StreamWaitValue32(side, words + 1, 1).ok());
+  const size_t part_o = static_cast<size_t>(rows) * d;
+  ASSERT_EQ(cudaMemcpyAsync(d_po + 2 * part_o, d_final_po + 2 * part_o, part_o * sizeof(float),
+                            cudaMemcpyDeviceToDevice, side),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemcpyAsync(d_pl + 2 * rows, d_final_pl + 2 * rows, rows * sizeof(float),
+                            cudaMemcpyDeviceToDevice, side),
+            cudaSuccess);
+  ASSERT_TRUE(cuda::StreamWriteValue32(side, words, 7).ok());
+  cuda::MergeTarget m;
+  m.parts = parts;
+  m.r_v_t = d_rvt;
+  m.o = o;
+  m.lse = lse;
+  m.wait_word = words;
+  m.wait_value = 7;
+  ASSERT_EQ(cudaMemset(o, 0, rows * d * sizeof(float)), cudaSuccess);
+  ASSERT_TRUE(cuda::LaunchMergeTarget(m, d_po, d_pl, rows, d, main_stream, false).ok());
+  EXPECT_EQ(cudaStreamQuery(main_stream), cudaErrorNotReady);  // it cannot pass the gate
+  ASSERT_TRUE(cuda::ReleaseValue32(words + 1, 1).ok());
+  ASSERT_EQ(cudaStreamSynchronize(main_stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(side), cudaSuccess);
+  EXPECT_EQ(Down(o, rows * d), want_o);
+  EXPECT_EQ(Down(lse, rows), want_lse);
+
+  // A value the word never reaches (it stays at 7): every row poisoned after the bound.
+  m.wait_value = 8;
+  ASSERT_TRUE(cuda::LaunchMergeTarget(m, d_po, d_pl, rows, d, main_stream, true).ok());
+  ASSERT_EQ(cudaStreamSynchronize(main_stream), cudaSuccess);
+  for (float x : Down(o, rows * d)) ASSERT_TRUE(std::isnan(x));
+  for (float x : Down(lse, rows)) ASSERT_TRUE(std::isnan(x));
+  // Values compare cyclically: 7 has passed 0xfffffff0 (wrapped).
+  m.wait_value = 0xfffffff0u;
+  ASSERT_TRUE(cuda::LaunchMergeTarget(m, d_po, d_pl, rows, d, main_stream, false).ok());
+  ASSERT_EQ(cudaStreamSynchronize(main_stream), cudaSuccess);
+  EXPECT_EQ(Down(o, rows * d), want_o);
+
+  // Refused: a fold target, no parts, no rows.
+  cuda::MergeTarget bad = m;
+  unsigned int* counters = Up(std::vector<unsigned int>(8, 0));
+  bad.fold_counters = counters;
+  EXPECT_EQ(cuda::LaunchMergeTarget(bad, d_po, d_pl, rows, d, main_stream, false).device_code(),
+            cudaErrorInvalidValue);
+  bad = m;
+  bad.parts = 0;
+  EXPECT_EQ(cuda::LaunchMergeTarget(bad, d_po, d_pl, rows, d, main_stream, false).device_code(),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::LaunchMergeTarget(m, d_po, d_pl, 0, d, main_stream, false).device_code(),
+            cudaErrorInvalidValue);
+  cudaStreamDestroy(side);
+  cudaStreamDestroy(main_stream);
 }
 
 TEST_F(CudaKernelsTest, ToFloatMatchesTheCpu) {

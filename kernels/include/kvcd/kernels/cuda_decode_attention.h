@@ -101,6 +101,15 @@ struct DecodeGeometry {
 // MaxFoldedMergeParts(head_dim), and with faults, rows_per_entry == num_q_heads. Results agree with
 // the merge kernel's to float rounding (the sums run in another order), and a sequence whose fault
 // word is set, or whose raw queries (RawQueries) hold a non-finite value, is poisoned as there.
+//
+// wait_word set (merge kernel only, not with fold_counters): some of the parts are written on
+// another stream, whose work writes wait_value into *wait_word once they are (a stream memory
+// operation: cuda_stream_memops.h); the merge kernel reads no part before
+// (int32_t)(*wait_word - wait_value) >= 0, so it can follow the last launch on its own stream
+// as that launch's programmatic dependent instead of after a join of the two streams. It
+// waits at most kMergeWaitNs; a row whose wait ran out is poisoned (o and lse NaN). Its CTAs
+// (one per row, 4 x head_dim threads) hold their SM slots while they wait, so the
+// other stream's grids need the rest: callers keep rows <= the SM count.
 struct MergeTarget {
   int parts = 0;
   const float* r_v_t = nullptr;
@@ -109,7 +118,10 @@ struct MergeTarget {
   const DeviceFault* faults = nullptr;
   int rows_per_entry = 1;
   unsigned int* fold_counters = nullptr;
+  const uint32_t* wait_word = nullptr;
+  uint32_t wait_value = 0;
 };
+inline constexpr int64_t kMergeWaitNs = 1'000'000'000;
 
 // The most parts a folded merge takes at head_dim (the merging CTA keeps their weights in the
 // shared memory its part no longer needs).
@@ -166,5 +178,11 @@ Error LaunchBf16DecodeParts(const PagedList& list, const DecodeGeometry& geo, co
 Error LaunchMergeParts(const float* part_o, const float* part_lse, int parts, int rows,
                        int head_dim, const float* r_v_t, float* o, float* lse, cudaStream_t stream,
                        const DeviceFault* faults = nullptr, int rows_per_entry = 1);
+
+// The merge of m.parts parts per row into m.o / m.lse, waiting for m.wait_word if set
+// (MergeTarget); `dependent`: launched as the programmatic dependent of the previous launch
+// on `stream` (it waits for that grid before reading parts). REQUIRES: no fold_counters.
+Error LaunchMergeTarget(const MergeTarget& m, const float* part_o, const float* part_lse, int rows,
+                        int head_dim, cudaStream_t stream, bool dependent);
 
 }  // namespace kvcd::kernels::cuda
