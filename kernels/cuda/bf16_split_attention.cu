@@ -328,6 +328,9 @@ __global__ void __launch_bounds__(kWarps * 32, kCtasPerSm<D>) Bf16SplitKernel(co
   }
   l += __shfl_xor_sync(0xffffffffu, l, 1);
   l += __shfl_xor_sync(0xffffffffu, l, 2);
+  // A merge launched as this grid's programmatic dependent may start its CTAs (and load its
+  // R_v^T) now; it waits for the whole grid before it reads a part.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
   // The warps' states, in the rings (every copy landed, every warp past its loop).
   CpAsyncWait<0>();

@@ -526,8 +526,10 @@ class CudaBackend final : public Backend, public DeviceRuntime, public RowStream
         std::vector<float> neg(static_cast<size_t>(rows), -INFINITY);
         RETURN_IF_CUDA(kc::CopyToDevice(d_part_lse, neg.data(), sizeof(float) * rows));
       }
-      RETURN_IF_CUDA(kc::LaunchMergeParts(d_part_o, d_part_lse, parts, rows, d, merge.r_v_t,
-                                          merge.o, merge.lse, nullptr, d_faults, hq));
+      // As the last launch's programmatic dependent (KVCD_MERGE=dependent; after a join or
+      // a copy it starts as a plain launch would).
+      RETURN_IF_CUDA(kc::LaunchMergeTarget(merge, d_part_o, d_part_lse, rows, d, nullptr,
+                                           merge_mode_ == MergeMode::kDependent));
     }
     lap.Mark(kLaunch);
     if (timeline_ != nullptr && forked) {
