@@ -19,8 +19,14 @@
 #           recipe of bench/run-device-parts.sh (with etcd: xz -1 -c /usr/bin/etcd >
 #           .devbin/etcd.xz before the tarball)
 #   device: bench/run-device-parts.sh merge-dependent:540   (carry [".devrun"])
+# KVCD_MERGE_AB_ONLY=1: step 2 alone, KVCD_MERGE_ROUNDS (2) rounds. The decode runs never
+# time the daemon's phases (KVCD_LOOP_PHASES=0 here): the GPU timeline's events on both
+# streams break the programmatic launches this compares (session 29's first run had them on
+# and measured nothing but the instrumentation).
 # Writes $OUT/summary.txt and $OUT/logs.tgz.
 set -uo pipefail
+export KVCD_LOOP_PHASES=0
+ab_only=${KVCD_MERGE_AB_ONLY:-0}
 cd "$(dirname "$0")/.."
 source bench/device-steps.sh
 device_steps merge-dependent
@@ -35,6 +41,7 @@ if [[ -x $BIN/kvcd-calibrate && -x $BIN/kvcd-int2-study ]]; then
 fi
 
 # 1. tests
+if [[ $ab_only != 1 ]]; then
 step cuda-tests 150 "$BIN/kvcd_cuda_tests"
 grep -E 'Failure|actual:|exceeds' "$out/cuda-tests.log" | head -12 | tee -a "$final/summary.txt"
 for merge in dependent kernel; do
@@ -50,8 +57,9 @@ for tool in memcheck racecheck; do
   grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|hazard' "$out/sanitizer-$tool.log" | head -4 |
     tee -a "$final/summary.txt"
 done
+fi
 
-# 2. the decode loop, both merges alternated twice
+# 2. the decode loop, both merges alternated
 xform=0
 if [[ -n $xform_job ]]; then
   wait "$xform_job"
@@ -72,7 +80,7 @@ if [[ $xform == 1 ]]; then
 YAML
   runs+=" qwen3-8b-xform:32768 qwen3-8b-xform:99968"
 fi
-for round in 1 2; do
+for round in $(seq 1 "${KVCD_MERGE_ROUNDS:-2}"); do
   for merge in dependent kernel; do
     KVCD_MERGE=$merge KVCD_CONFIG=$out/kvcd-int2.yaml KVCD_RUNS=$runs \
       KVCD_PUT_MODELS=qwen3-8b-xform KVCD_BATCHES="1 8" KVCD_HOPS=events KVCD_PRODUCERS=fused \
@@ -82,6 +90,7 @@ for round in 1 2; do
   done
 done
 
+[[ $ab_only == 1 ]] && { summary "done in $SECONDS s"; exit 0; }
 # 3. the INT2 call alone, stream launches against a CUDA graph
 for n in 32768 100000; do
   step int2-graph-$n 60 "$BIN/cuda_int2_bench" --bench-only --one "$n" 1 4

@@ -18,6 +18,23 @@
 namespace kvcd::kernels::cuda {
 namespace {
 
+// CTAs of kKernel an SM holds with `smem` bytes of dynamic shared memory, into *n. The shared
+// memory of two CTAs needs the largest carveout: asked for here (a function's attribute,
+// kept), with the dynamic limit, before the residency and before the kernel's first launch.
+template <auto kKernel>
+cudaError_t Residency(size_t smem, int* n) {
+  cudaError_t err = RaiseDynamicSmem<kKernel>(smem);
+  if (err == cudaSuccess) {
+    err = cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               cudaSharedmemCarveoutMaxShared);
+  }
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // e.g. more shared memory than the device gives a CTA
+    return err;
+  }
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, kKernel, kWarps * 32, smem);
+}
+
 // The two-CTA instantiation's residency for (head_dim, G) on the current device: the kernel
 // LaunchFsqDecode<true, true> launches (MTOK 1, MT by G) with its shared memory, as the device
 // reports it; 0 for a geometry the kernel does not take, or where the device refuses that much
@@ -44,32 +61,17 @@ int Occ2Residency(int head_dim, int G, bool fixed) {
     constexpr int D = decltype(hd)::value;
     const int kchunks = (G + 31) / 32;
     const int stage = StageBytes(static_cast<int>(FsqCodeBytes(G)), kTile);
-    // The shared memory of two CTAs needs the largest carveout: asked for here (a function's
-    // attribute, kept), before the residency and before the kernel's first launch.
-    auto query = [&](auto kernel, size_t smem) {
-      cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(smem));
-      if (err == cudaSuccess) {
-        err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                   cudaSharedmemCarveoutMaxShared);
-      }
-      if (err != cudaSuccess) {
-        (void)cudaGetLastError();  // e.g. more shared memory than the device gives a CTA
-        return err;
-      }
-      return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kWarps * 32, smem);
-    };
     // The instance LaunchFsqDecode<true, true> launches for this geometry.
     if constexpr (D == kFsqOcc2SpecD) {
       if (fixed && FsqOcc2Specialized(D, static_cast<int>(FsqCodeBytes(G)))) {
-        return query(FsqDecodeKernel<D, 16, 1, true, true, kFsqOcc2SpecCb>,
-                     SmemBytes<D, 16, 1, true>(stage, kchunks));
+        return Residency<FsqDecodeKernel<D, 16, 1, true, true, kFsqOcc2SpecCb>>(
+            SmemBytes<D, 16, 1, true>(stage, kchunks), &n);
       }
     }
-    return (G + 15) / 16 <= 8 ? query(FsqDecodeKernel<D, 8, 1, true, true>,
-                                      SmemBytes<D, 8, 1, true>(stage, kchunks))
-                              : query(FsqDecodeKernel<D, 16, 1, true, true>,
-                                      SmemBytes<D, 16, 1, true>(stage, kchunks));
+    return (G + 15) / 16 <= 8 ? Residency<FsqDecodeKernel<D, 8, 1, true, true>>(
+                                    SmemBytes<D, 8, 1, true>(stage, kchunks), &n)
+                              : Residency<FsqDecodeKernel<D, 16, 1, true, true>>(
+                                    SmemBytes<D, 16, 1, true>(stage, kchunks), &n);
   });
   if (e != cudaSuccess) return 0;
   if (slot != nullptr) slot->store(static_cast<int8_t>(n + 1), std::memory_order_relaxed);

@@ -52,6 +52,7 @@
 
 #include "cuda_error.cuh"
 #include "dispatch.cuh"
+#include "dynamic_smem.cuh"
 #include "kvcd/kernels/cuda_fsq.h"
 #include "kvcd/kernels/fsq_i8_fragments.h"
 
@@ -1021,9 +1022,7 @@ cudaError_t LaunchParts(const PartArgs& a, int splits, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   const size_t smem = SmemBytes<D, MT, MTOK, kOcc2>(a.stage_bytes, a.kchunks);
-  cudaError_t e =
-      cudaFuncSetAttribute(FsqDecodeKernel<D, MT, MTOK, kI8, kOcc2, kCB>,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  const cudaError_t e = RaiseDynamicSmem<FsqDecodeKernel<D, MT, MTOK, kI8, kOcc2, kCB>>(smem);
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(a.geo.num_kv_heads),
                   static_cast<unsigned>(a.geo.batch));

@@ -22,6 +22,7 @@
 
 #include "cuda_error.cuh"
 #include "device_binding.cuh"
+#include "dynamic_smem.cuh"
 #include "kvcd/kernels/cuda_fsq_encode_tc.h"
 #include "paged_rows.cuh"
 
@@ -412,10 +413,8 @@ size_t TcSmemBytes() {
 template <int kPlanes, bool kBf16, bool kFp16, int kMinBlocks>
 Error LaunchTcBlocks(const TcArgs& a, dim3 grid, cudaStream_t stream) {
   const size_t smem = TcSmemBytes<kPlanes>();
-  // Per device, so on every launch (a host-side attribute write).
   const cudaError_t attr =
-      cudaFuncSetAttribute(FsqEncodeTcKernel<kPlanes, kBf16, kFp16, kMinBlocks>,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+      RaiseDynamicSmem<FsqEncodeTcKernel<kPlanes, kBf16, kFp16, kMinBlocks>>(smem);
   if (attr != cudaSuccess) return ToError(attr);
   FsqEncodeTcKernel<kPlanes, kBf16, kFp16, kMinBlocks><<<grid, kTcThreads, smem, stream>>>(a);
   return ToError(cudaGetLastError());

@@ -9,6 +9,7 @@
 #include "bulk_copy.cuh"
 #include "decode_parts.cuh"
 #include "dispatch.cuh"
+#include "dynamic_smem.cuh"
 #include "int2_decode.cuh"
 #include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_decode_attention.h"
@@ -693,16 +694,8 @@ cudaError_t LaunchV2(dim3 grid, const PartArgs& a, cudaStream_t stream, bool dep
   auto kernel = staged ? Int2DecodeKernelV2<D, NT, 64, kFold> : Int2DecodeKernelV2<D, NT, 0, kFold>;
   const int smem = staged ? kWarps * kStages * StageBytes<D>(64) : 0;
   if (staged) {
-    static std::atomic<uint64_t> raised{0};  // a bit per device
-    int dev = 0;
-    if (const cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
-    const uint64_t bit = uint64_t{1} << (dev & 63);
-    if ((raised.load(std::memory_order_acquire) & bit) == 0) {
-      const cudaError_t e =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      if (e != cudaSuccess) return e;
-      raised.fetch_or(bit, std::memory_order_acq_rel);
-    }
+    const cudaError_t e = RaiseDynamicSmem<Int2DecodeKernelV2<D, NT, 64, kFold>>(smem);
+    if (e != cudaSuccess) return e;
   }
   const dim3 prep_grid(a.geo.num_kv_heads, a.geo.batch);
   CountLaunch();

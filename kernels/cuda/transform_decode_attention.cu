@@ -25,6 +25,7 @@
 #include "cuda_error.cuh"
 #include "device_binding.cuh"
 #include "dispatch.cuh"
+#include "dynamic_smem.cuh"
 #include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_transform.h"
 
@@ -341,11 +342,9 @@ int RowWords(int code_bytes) { return ((code_bytes + 3) / 4 + 1) | 1; }
 template <int D, int G, int K>
 cudaError_t Launch(const DecodeArgs& a, dim3 grid, cudaStream_t stream) {
   const size_t smem = sizeof(uint32_t) * static_cast<size_t>(Smem(D, G, a.row_words).total);
-  if (smem > 48 * 1024) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(TransformDecodeKernel<D, G, K>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    if (e != cudaSuccess) return e;
+  if (const cudaError_t e = RaiseDynamicSmem<TransformDecodeKernel<D, G, K>>(smem);
+      e != cudaSuccess) {
+    return e;
   }
   CountLaunch();
   TransformDecodeKernel<D, G, K><<<grid, kWarps * 32, smem, stream>>>(a);
