@@ -19,7 +19,7 @@
 #           recipe of bench/run-device-parts.sh (with etcd: xz -1 -c /usr/bin/etcd >
 #           .devbin/etcd.xz before the tarball)
 #   device: bench/run-device-parts.sh merge-dependent:540   (carry [".devrun"])
-# KVCD_MERGE_AB_ONLY=1: step 2 alone, KVCD_MERGE_ROUNDS (2) rounds. The decode runs never
+# KVCD_MERGE_AB_ONLY=1: the CUDA kernel tests and step 2 alone, KVCD_MERGE_ROUNDS (2) rounds. The decode runs never
 # time the daemon's phases (KVCD_LOOP_PHASES=0 here): the GPU timeline's events on both
 # streams break the programmatic launches this compares (session 29's first run had them on
 # and measured nothing but the instrumentation).
@@ -41,9 +41,9 @@ if [[ -x $BIN/kvcd-calibrate && -x $BIN/kvcd-int2-study ]]; then
 fi
 
 # 1. tests
-if [[ $ab_only != 1 ]]; then
 step cuda-tests 150 "$BIN/kvcd_cuda_tests"
 grep -E 'Failure|actual:|exceeds' "$out/cuda-tests.log" | head -12 | tee -a "$final/summary.txt"
+if [[ $ab_only != 1 ]]; then
 for merge in dependent kernel; do
   KVCD_MERGE=$merge KVCD_BINARY=$BIN/kvcd step data-plane-$merge 120 \
     "$BIN/kvcd_data_plane_tests"
