@@ -32,8 +32,8 @@ cudaError_t RaiseDynamicSmem(size_t smem) {
   if (raised[dev].load(std::memory_order_acquire) >= smem) return cudaSuccess;
   std::lock_guard<std::mutex> lock(mu);
   if (raised[dev].load(std::memory_order_relaxed) >= smem) return cudaSuccess;
-  const cudaError_t e = cudaFuncSetAttribute(
-      kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  const cudaError_t e = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(smem));
   if (e == cudaSuccess) raised[dev].store(smem, std::memory_order_release);
   return e;
 }
