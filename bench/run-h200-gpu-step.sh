@@ -5,7 +5,8 @@
 #      data-plane tests again with KVCD_SPLITS=kernel (each kernel's own split count, the
 #      rule before the formats' balanced one became the default);
 #   2. the per-layer decode loop through kvcd (bench/run-decode-batch.sh, INT2 history, 32k /
-#      100k, batch 1 / 8; the merge as its own kernel, the default; then 2a, the same rows
+#      100k, batch 1 / 8; the merge as its own kernel, the default (since session 29 the
+#      history launch's programmatic dependent, bench/run-h200-merge-dependent.sh); then 2a, the same rows
 #      with the merge folded into the attention launches, KVCD_MERGE=fold, measured slower in
 #      session 28; 2b, the rows stored on the daemon's stream, KVCD_ROW_STREAM=main, the rule
 #      before session 28), as below;

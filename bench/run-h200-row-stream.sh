@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue #36, one lease (~2-3 minutes): the per-layer decode loop through kvcd (INT2 history
-# 32k / 100k, BF16 history 32k; batch 1 and 8; fused producer) with the merge kernel (the
-# default) and folded (KVCD_MERGE=fold, its tail rewritten in session 28), each with the
+# 32k / 100k, BF16 history 32k; batch 1 and 8; fused producer) with the merge kernel after
+# the join of the two streams (KVCD_MERGE=kernel, the default until session 29) and folded (KVCD_MERGE=fold, its tail rewritten in session 28), each with the
 # pipelined calls' row stores on the daemon's stream (KVCD_ROW_STREAM=main) and on the side
 # stream beside the history's attention (side, the default since this part's session-28
 # run), each beside the in-process cuDNN loop.
