@@ -60,3 +60,37 @@ decode_loop_config() {
     memory: 12GiB
 YAML
 }
+# The decode-loop benches' int2-transform model (qwen3-8b-xform; its codec SYNTHETIC: timing
+# only). xform_codec_start PATH makes the codec file in the background with the carried
+# tools (bench/make-qwen3-transform-codec.sh, ~40-95 s of one core) unless it exists, setting
+# xform_codec and xform_job; xform_codec_wait then sets xform=1 once the file is there;
+# xform_model_config prints the model's entry for decode_loop_config's YAML.
+xform_codec_start() {
+  xform_codec=$1
+  xform_job=
+  if [[ ! -f $xform_codec && -x $BIN/kvcd-calibrate && -x $BIN/kvcd-int2-study ]]; then
+    KVCD_TOOLS=$BIN bench/make-qwen3-transform-codec.sh "$xform_codec" >"$out/xform-codec.log" 2>&1 &
+    xform_job=$!
+  fi
+}
+xform_codec_wait() {
+  xform=0
+  if [[ -n ${xform_job:-} ]]; then
+    wait "$xform_job"
+    local rc=$?
+    summary "xform codec (synthetic, bench/make-qwen3-transform-codec.sh) rc $rc after $SECONDS s"
+    [[ $rc == 0 ]] && xform=1
+  elif [[ -f ${xform_codec:-} ]]; then
+    xform=1
+  fi
+}
+xform_model_config() {
+  cat <<YAML
+  - builtin: qwen3-8b
+    name: qwen3-8b-xform
+    history_format: int2-oscar
+    codec_file: $(realpath "$xform_codec")
+    memory: 18GiB
+    bf16_fraction: 0.15
+YAML
+}

@@ -49,12 +49,8 @@ source bench/device-etcd.sh  # the data-plane tests' cluster pulls start etcd
 # The int2-transform model's codec file for step 2 (synthetic: timing only), made by the
 # carried tools while step 1 runs, unless carried.
 xform_codec=$BIN/qwen3-8b-synthetic-transform-codec.safetensors
-xform_job=
-if [[ ! -f $xform_codec && -x $BIN/kvcd-calibrate && -x $BIN/kvcd-int2-study ]]; then
-  xform_codec=/tmp/kvcd-qwen3-8b-synthetic-transform-codec.safetensors
-  KVCD_TOOLS=$BIN bench/make-qwen3-transform-codec.sh "$xform_codec" >"$out/xform-codec.log" 2>&1 &
-  xform_job=$!
-fi
+[[ -f $xform_codec ]] || xform_codec=/tmp/kvcd-qwen3-8b-synthetic-transform-codec.safetensors
+xform_codec_start "$xform_codec"
 
 # 1. tests
 step cuda-tests 150 "$BIN/kvcd_cuda_tests"
@@ -76,26 +72,11 @@ KVCD_ROW_STREAM=main KVCD_BINARY=$BIN/kvcd step data-plane-row-main 200 "$BIN/kv
 # worker stores each prompt twice) plus 8 check pages. BF16 (issue #36's "BF16 history through
 # kvcd, 32k, batch 1" row): 12 GiB of 9.4 MB pages, ~1,370 pages against 512 for the prompt
 # (batch 8 shares it) and the windows.
-xform=0
-if [[ -n $xform_job ]]; then
-  wait "$xform_job"
-  xrc=$?
-  summary "xform codec (synthetic, bench/make-qwen3-transform-codec.sh) rc $xrc after $SECONDS s"
-  [[ $xrc == 0 ]] && xform=1
-elif [[ -f $xform_codec ]]; then
-  xform=1
-fi
+xform_codec_wait
 decode_loop_config 52GiB > "$out/kvcd-int2.yaml"
 runs="qwen3-8b-int2:32768 qwen3-8b-int2:99968 qwen3-8b:32768"
 if [[ $xform == 1 ]]; then
-  cat >> "$out/kvcd-int2.yaml" <<YAML
-  - builtin: qwen3-8b
-    name: qwen3-8b-xform
-    history_format: int2-oscar
-    codec_file: $(realpath "$xform_codec")
-    memory: 18GiB
-    bf16_fraction: 0.15
-YAML
+  xform_model_config >> "$out/kvcd-int2.yaml"
   runs+=" qwen3-8b-xform:32768 qwen3-8b-xform:99968"
 fi
 KVCD_CONFIG=$out/kvcd-int2.yaml KVCD_RUNS=$runs KVCD_PUT_MODELS=qwen3-8b-xform KVCD_BATCHES="1 8" \

@@ -33,12 +33,7 @@ device_steps merge-dependent
 source bench/device-etcd.sh  # the data-plane tests' cluster pulls start etcd
 
 # The int2-transform model's codec file (synthetic: timing only), made while step 1 runs.
-xform_codec=/tmp/kvcd-qwen3-8b-synthetic-transform-codec.safetensors
-xform_job=
-if [[ -x $BIN/kvcd-calibrate && -x $BIN/kvcd-int2-study ]]; then
-  KVCD_TOOLS=$BIN bench/make-qwen3-transform-codec.sh "$xform_codec" >"$out/xform-codec.log" 2>&1 &
-  xform_job=$!
-fi
+xform_codec_start /tmp/kvcd-qwen3-8b-synthetic-transform-codec.safetensors
 
 # 1. tests
 step cuda-tests 150 "$BIN/kvcd_cuda_tests"
@@ -60,24 +55,11 @@ done
 fi
 
 # 2. the decode loop, both merges alternated
-xform=0
-if [[ -n $xform_job ]]; then
-  wait "$xform_job"
-  xrc=$?
-  summary "xform codec (synthetic, bench/make-qwen3-transform-codec.sh) rc $xrc after $SECONDS s"
-  [[ $xrc == 0 ]] && xform=1
-fi
+xform_codec_wait
 decode_loop_config 52GiB > "$out/kvcd-int2.yaml"
 runs="qwen3-8b-int2:32768 qwen3-8b-int2:99968 qwen3-8b:32768"
 if [[ $xform == 1 ]]; then
-  cat >> "$out/kvcd-int2.yaml" <<YAML
-  - builtin: qwen3-8b
-    name: qwen3-8b-xform
-    history_format: int2-oscar
-    codec_file: $(realpath "$xform_codec")
-    memory: 18GiB
-    bf16_fraction: 0.15
-YAML
+  xform_model_config >> "$out/kvcd-int2.yaml"
   runs+=" qwen3-8b-xform:32768 qwen3-8b-xform:99968"
 fi
 for round in $(seq 1 "${KVCD_MERGE_ROUNDS:-2}"); do

@@ -31,7 +31,23 @@
 namespace kvcd::kernels {
 namespace cuda_kernels_test {
 
-class CudaKernelsTest : public CudaTestFixture {};
+class CudaKernelsTest : public CudaTestFixture {
+ protected:
+  // Random split-K parts of `rows` rows (o N(0, 1), lse N(0, 16)) and an R_v^T of d x d, as
+  // the merge tests feed them to the merge kernel.
+  struct MergeInputs {
+    std::vector<float> part_o, part_lse, r_v_t;
+  };
+  MergeInputs RandomMergeInputs(int parts, int rows, int d) {
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    MergeInputs in{std::vector<float>(parts * rows * d), std::vector<float>(parts * rows),
+                   std::vector<float>(d * d)};
+    for (auto& x : in.part_o) x = normal(rng_);
+    for (auto& x : in.part_lse) x = 4 * normal(rng_);
+    for (auto& x : in.r_v_t) x = normal(rng_) / std::sqrt(static_cast<float>(d));
+    return in;
+  }
+};
 
 TEST_F(CudaKernelsTest, DemoteIsBitIdenticalToTheCpu) {
   std::normal_distribution<float> normal(0.0f, 1.5f);
@@ -947,18 +963,13 @@ TEST_F(CudaKernelsTest, QueryConversionCheckMatchesAScalarReference) {
 // owner (a stale owner's word, a clean word and an untracked sequence are merged as usual,
 // bit for bit as without fault targets).
 TEST_F(CudaKernelsTest, MergePoisonsFaultedSequences) {
-  std::normal_distribution<float> normal(0.0f, 1.0f);
   for (int d : {64, 128, 256}) {
     const int batch = 5, hq = 4, rows = batch * hq, parts = 3;
-    std::vector<float> po(parts * rows * d), pl(parts * rows);
-    for (auto& x : po) x = normal(rng_);
-    for (auto& x : pl) x = 4 * normal(rng_);
-    pl[rows + 2] = -INFINITY;  // an empty part
-    std::vector<float> rvt(d * d);
-    for (auto& x : rvt) x = normal(rng_) / std::sqrt(static_cast<float>(d));
-    const float* d_po = Up(po);
-    const float* d_pl = Up(pl);
-    const float* d_rvt = Up(rvt);
+    MergeInputs in = RandomMergeInputs(parts, rows, d);
+    in.part_lse[rows + 2] = -INFINITY;  // an empty part
+    const float* d_po = Up(in.part_o);
+    const float* d_pl = Up(in.part_lse);
+    const float* d_rvt = Up(in.r_v_t);
     float* o = Up(std::vector<float>(rows * d, 1.0f));
     float* lse = Up(std::vector<float>(rows, 1.0f));
     ASSERT_EQ(
@@ -1010,15 +1021,13 @@ TEST_F(CudaKernelsTest, MergePoisonsFaultedSequences) {
 // kMergeWaitNs; targets it cannot take are refused.
 TEST_F(CudaKernelsTest, MergeWaitsForTheOtherStreamsWord) {
   if (!cuda::StreamMemopsAvailable()) GTEST_SKIP() << "no stream memory operations";
-  std::normal_distribution<float> normal(0.0f, 1.0f);
   const int d = 128, batch = 2, hq = 4, rows = batch * hq, parts = 3;
-  std::vector<float> po(parts * rows * d), pl(parts * rows), rvt(d * d);
-  for (auto& x : po) x = normal(rng_);
-  for (auto& x : pl) x = 4 * normal(rng_);
-  for (auto& x : rvt) x = normal(rng_) / std::sqrt(static_cast<float>(d));
+  const MergeInputs in = RandomMergeInputs(parts, rows, d);
+  const std::vector<float>& po = in.part_o;
+  const std::vector<float>& pl = in.part_lse;
   const float* d_final_po = Up(po);
   const float* d_final_pl = Up(pl);
-  const float* d_rvt = Up(rvt);
+  const float* d_rvt = Up(in.r_v_t);
   float* o = Up(std::vector<float>(rows * d, 1.0f));
   float* lse = Up(std::vector<float>(rows, 1.0f));
   ASSERT_EQ(cuda::LaunchMergeParts(d_final_po, d_final_pl, parts, rows, d, d_rvt, o, lse, nullptr)
