@@ -64,7 +64,10 @@ YAML
 # only). xform_codec_start PATH makes the codec file in the background with the carried
 # tools (bench/make-qwen3-transform-codec.sh, ~40-95 s of one core) unless it exists, setting
 # xform_codec and xform_job; xform_codec_wait then sets xform=1 once the file is there;
-# xform_model_config prints the model's entry for decode_loop_config's YAML.
+# xform_model_config prints the model's entry for decode_loop_config's YAML;
+# xform_loop_setup BUDGET waits for the codec, writes $out/kvcd-int2.yaml (decode_loop_config
+# BUDGET, plus the int2-transform model where its codec is there) and sets runs (INT2 32k and
+# 100k, BF16 32k, plus int2-transform 32k and 100k).
 xform_codec_start() {
   xform_codec=$1
   xform_job=
@@ -93,4 +96,13 @@ xform_model_config() {
     memory: 18GiB
     bf16_fraction: 0.15
 YAML
+}
+xform_loop_setup() {
+  xform_codec_wait
+  decode_loop_config "$1" > "$out/kvcd-int2.yaml"
+  runs="qwen3-8b-int2:32768 qwen3-8b-int2:99968 qwen3-8b:32768"
+  if [[ $xform == 1 ]]; then
+    xform_model_config >> "$out/kvcd-int2.yaml"
+    runs+=" qwen3-8b-xform:32768 qwen3-8b-xform:99968"
+  fi
 }

@@ -72,13 +72,7 @@ KVCD_ROW_STREAM=main KVCD_BINARY=$BIN/kvcd step data-plane-row-main 200 "$BIN/kv
 # worker stores each prompt twice) plus 8 check pages. BF16 (issue #36's "BF16 history through
 # kvcd, 32k, batch 1" row): 12 GiB of 9.4 MB pages, ~1,370 pages against 512 for the prompt
 # (batch 8 shares it) and the windows.
-xform_codec_wait
-decode_loop_config 52GiB > "$out/kvcd-int2.yaml"
-runs="qwen3-8b-int2:32768 qwen3-8b-int2:99968 qwen3-8b:32768"
-if [[ $xform == 1 ]]; then
-  xform_model_config >> "$out/kvcd-int2.yaml"
-  runs+=" qwen3-8b-xform:32768 qwen3-8b-xform:99968"
-fi
+xform_loop_setup 52GiB
 KVCD_CONFIG=$out/kvcd-int2.yaml KVCD_RUNS=$runs KVCD_PUT_MODELS=qwen3-8b-xform KVCD_BATCHES="1 8" \
   KVCD_HOPS=events KVCD_PRODUCERS="fused split" OUT=$out/decode-batch step decode-batch 300 \
   bench/run-decode-batch.sh

@@ -55,13 +55,7 @@ done
 fi
 
 # 2. the decode loop, both merges alternated
-xform_codec_wait
-decode_loop_config 52GiB > "$out/kvcd-int2.yaml"
-runs="qwen3-8b-int2:32768 qwen3-8b-int2:99968 qwen3-8b:32768"
-if [[ $xform == 1 ]]; then
-  xform_model_config >> "$out/kvcd-int2.yaml"
-  runs+=" qwen3-8b-xform:32768 qwen3-8b-xform:99968"
-fi
+xform_loop_setup 52GiB
 for round in $(seq 1 "${KVCD_MERGE_ROUNDS:-2}"); do
   for merge in dependent kernel; do
     KVCD_MERGE=$merge KVCD_CONFIG=$out/kvcd-int2.yaml KVCD_RUNS=$runs \

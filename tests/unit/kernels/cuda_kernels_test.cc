@@ -1056,11 +1056,7 @@ TEST_F(CudaKernelsTest, MergeWaitsForTheOtherStreamsWord) {
                             cudaMemcpyDeviceToDevice, side),
             cudaSuccess);
   ASSERT_TRUE(cuda::StreamWriteValue32(side, words, 7).ok());
-  cuda::MergeTarget m;
-  m.parts = parts;
-  m.r_v_t = d_rvt;
-  m.o = o;
-  m.lse = lse;
+  cuda::MergeTarget m{parts, d_rvt, o, lse};  // no fault targets, no fold
   m.wait_word = words;
   m.wait_value = 7;
   ASSERT_EQ(cudaMemset(o, 0, rows * d * sizeof(float)), cudaSuccess);
