@@ -1,6 +1,7 @@
-"""kvcd.vllm.layout against a cache built element by element (the CPU backend's block:
-per (block, head) its tokens' keys transposed, [head_dim][block_size], then their values,
-[block_size][head_dim]); the GPU backends' view read as it says (K in [b, h, t, :D], V in
+"""kvcd.vllm.layout against a cache built element by element (the CPU backend's block with
+its vec kernels: per (block, head) its tokens' keys transposed, [head_dim][block_size], then
+their values, [block_size][head_dim]; with its AMX kernels the tiles' packed operands), and
+against vLLM's own CPU cache writes for both; the GPU backends' view read as it says (K in [b, h, t, :D], V in
 [b, h, t, D:], through a permuted view of the physical [blocks, tokens, heads, 2D]); kvcd's
 stored BF16 pages written into blocks; the IPC save buffer's ring of regions."""
 import pytest
@@ -73,6 +74,67 @@ def test_bf16_pages_into_the_cpu_block():
     new = torch.zeros_like(cache)
     layout.scatter_bf16_pages([new], [0], pages)
     assert torch.equal(new[0], cache[2]) and new[1:].abs().sum() == 0
+
+
+def test_gather_and_scatter_follow_the_amx_block_layout(monkeypatch):
+    # vLLM's AMX kernels (BF16 caches, blocks of a multiple of 32 tokens, CPUs with AMX): keys
+    # in groups of 16 tokens, each [D/2][16][2]; values in groups of 16 dimensions, each
+    # [bs/2][16][2]. Written here element by element from that description.
+    monkeypatch.setattr(layout, "_cpu_isa", lambda dtype, block_size, head_dim: "amx")
+    nb, H, bs, D = 3, 2, 32, 32
+    flat = torch.zeros(nb, H, 2 * bs * D)
+    for b in range(nb):
+        for h in range(H):
+            for t in range(bs):
+                for d in range(D):
+                    x = 10000 * b + 1000 * h + 10 * t + d
+                    flat[b, h, (t // 16) * 16 * D + (d // 2) * 32 + (t % 16) * 2 + d % 2] = x
+                    flat[b, h, bs * D + (d // 16) * bs * 16 + (t // 2) * 32 + (d % 16) * 2 +
+                         t % 2] = -x
+    cache = flat.reshape(nb, H, bs, 2 * D)
+    k, v = layout.gather([cache], [2, 0], D)
+    assert k.shape == (1, 2 * bs, H, D)
+    want_k = torch.tensor([[[10000 * b + 1000 * h + 10 * t + d for d in range(D)]
+                            for h in range(H)] for b in (2, 0) for t in range(bs)],
+                          dtype=torch.float32)
+    assert torch.equal(k[0], want_k) and torch.equal(v[0], -want_k)
+    new = torch.zeros_like(cache)
+    layout.scatter([new], [2, 0], k, v)
+    assert torch.equal(new[2], cache[2]) and torch.equal(new[0], cache[0])
+    assert new[1].abs().sum() == 0
+
+
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+def test_layouts_read_what_vllms_own_cache_writes_wrote(monkeypatch, isa):
+    # vLLM's reshape_and_cache of the CPU backend for that instruction set writes the cache;
+    # the connector reads the same K/V back and writes the same bytes.
+    if isa == "amx" and not torch.cpu._is_amx_tile_supported():
+        pytest.skip("no AMX tiles on this CPU")
+    from vllm import _custom_ops as ops
+    monkeypatch.setattr(layout, "_cpu_isa", lambda dtype, block_size, head_dim: isa)
+    nb, H, bs, D = 3, 2, 32, 64
+    gen = torch.Generator().manual_seed(7)
+    k = torch.randn(2 * bs, H, D, generator=gen).to(torch.bfloat16)
+    v = torch.randn(2 * bs, H, D, generator=gen).to(torch.bfloat16)
+    cache = torch.zeros(nb, H, bs, 2 * D, dtype=torch.bfloat16)
+    key_cache, value_cache = cache.view(nb, H, 2 * bs, D).chunk(2, dim=2)
+    slots = torch.cat([torch.arange(2 * bs, 3 * bs), torch.arange(0, bs)])  # blocks 2, 0
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
+    got_k, got_v = layout.gather([cache], [2, 0], D)
+    assert torch.equal(got_k[0], k) and torch.equal(got_v[0], v)
+    new = torch.zeros_like(cache)
+    layout.scatter([new], [2, 0], got_k, got_v)
+    assert torch.equal(new, cache)
+
+
+def test_an_unknown_cpu_layout_is_refused(monkeypatch):
+    monkeypatch.setattr(layout, "_cpu_isa", lambda dtype, block_size, head_dim: "neon")
+    cache = torch.zeros(2, 2, 32, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="'neon' attention kernels"):
+        layout.check_layer("model.layers.0.self_attn.attn", cache, num_kv_heads=2, head_dim=32,
+                           block_size=32)
+    with pytest.raises(ValueError, match="no block layout"):
+        layout.gather([cache], [0], 32)
 
 
 def test_ring_gives_regions_in_order_and_wraps():
