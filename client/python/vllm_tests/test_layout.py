@@ -11,21 +11,28 @@ from kvcd.vllm import layout
 from kvcd.vllm.transfer import _Ring
 
 
-def test_gather_and_scatter_follow_the_cpu_block_layout():
-    # Token t of block b, head h: K[d] = 1000*b + 100*h + 10*t + d, V = the negative.
-    nb, H, bs, D = 5, 3, 8, 4
+def _cpu_cache(nb, H, bs, D, key_at, value_at):
+    """A CPU block cache [nb, H, bs, 2D] built element by element: token t of block b, head h
+    has K[d] = 10000*b + 1000*h + 10*t + d at key_at(t, d) of its (block, head) keys and V =
+    the negative at value_at(t, d) of its values."""
     flat = torch.zeros(nb, H, 2 * bs * D)
     for b in range(nb):
         for h in range(H):
             for t in range(bs):
                 for d in range(D):
-                    x = 1000 * b + 100 * h + 10 * t + d
-                    flat[b, h, d * bs + t] = x  # keys: [D][bs]
-                    flat[b, h, bs * D + t * D + d] = -x  # values: [bs][D]
-    cache = flat.reshape(nb, H, bs, 2 * D)
+                    x = 10000 * b + 1000 * h + 10 * t + d
+                    flat[b, h, key_at(t, d)] = x
+                    flat[b, h, bs * D + value_at(t, d)] = -x
+    return flat.reshape(nb, H, bs, 2 * D)
+
+
+def test_gather_and_scatter_follow_the_cpu_block_layout():
+    nb, H, bs, D = 5, 3, 8, 4
+    # keys [D][bs], values [bs][D]
+    cache = _cpu_cache(nb, H, bs, D, lambda t, d: d * bs + t, lambda t, d: t * D + d)
     k, v = layout.gather([cache], [3, 1], D)
     assert k.shape == (1, 2 * bs, H, D)
-    assert k[0, 0, 2, 0] == 3200 and k[0, bs + 5, 1, 3] == 1153 and v[0, 7, 0, 1] == -3071
+    assert k[0, 0, 2, 0] == 32000 and k[0, bs + 5, 1, 3] == 11053 and v[0, 7, 0, 1] == -30071
     new = torch.zeros_like(cache)
     layout.scatter([new], [3, 1], k, v)
     assert torch.equal(new[3], cache[3]) and torch.equal(new[1], cache[1]) and new[0].abs().sum() == 0
@@ -82,16 +89,9 @@ def test_gather_and_scatter_follow_the_amx_block_layout(monkeypatch):
     # [bs/2][16][2]. Written here element by element from that description.
     monkeypatch.setattr(layout, "_cpu_isa", lambda dtype, block_size, head_dim: "amx")
     nb, H, bs, D = 3, 2, 32, 32
-    flat = torch.zeros(nb, H, 2 * bs * D)
-    for b in range(nb):
-        for h in range(H):
-            for t in range(bs):
-                for d in range(D):
-                    x = 10000 * b + 1000 * h + 10 * t + d
-                    flat[b, h, (t // 16) * 16 * D + (d // 2) * 32 + (t % 16) * 2 + d % 2] = x
-                    flat[b, h, bs * D + (d // 16) * bs * 16 + (t // 2) * 32 + (d % 16) * 2 +
-                         t % 2] = -x
-    cache = flat.reshape(nb, H, bs, 2 * D)
+    cache = _cpu_cache(nb, H, bs, D,
+                       lambda t, d: (t // 16) * 16 * D + (d // 2) * 32 + (t % 16) * 2 + d % 2,
+                       lambda t, d: (d // 16) * bs * 16 + (t // 2) * 32 + (d % 16) * 2 + t % 2)
     k, v = layout.gather([cache], [2, 0], D)
     assert k.shape == (1, 2 * bs, H, D)
     want_k = torch.tensor([[[10000 * b + 1000 * h + 10 * t + d for d in range(D)]
