@@ -39,6 +39,7 @@
 #include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_bf16_split_attention.h"
 #include "merge_fold.cuh"
+#include "programmatic_launch.cuh"
 #include "query_input.cuh"
 
 namespace kvcd::kernels::cuda {
@@ -330,7 +331,7 @@ __global__ void __launch_bounds__(kWarps * 32, kCtasPerSm<D>) Bf16SplitKernel(co
   l += __shfl_xor_sync(0xffffffffu, l, 2);
   // A merge launched as this grid's programmatic dependent may start its CTAs (and load its
   // R_v^T) now; it waits for the whole grid before it reads a part.
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  LaunchDependents();
 
   // The warps' states, in the rings (every copy landed, every warp past its loop).
   CpAsyncWait<0>();

@@ -1,7 +1,7 @@
 // What every split-K decode kernel of cuda_decode_attention.h shares (the INT2 kernels of
 // int2_decode_v1.cu and int2_decode_v2.cu, the BF16 warp kernel of bf16_warp_attention.cu):
 // the launch arguments (PartArgs), the query loading, the per-CTA merge of the warps into one
-// part (WritePart), the programmatic-dependent launch plumbing, and the merge of the parts
+// part (WritePart), and the merge of the parts
 // (merge_splits.cu).
 #pragma once
 
@@ -14,6 +14,7 @@
 #include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_decode_attention.h"
 #include "merge_fold.cuh"
+#include "programmatic_launch.cuh"
 #include "query_input.cuh"
 
 namespace kvcd::kernels::cuda {
@@ -29,13 +30,6 @@ struct Int2State {
   uint32_t* frags;
   float* scal;
 };
-
-__device__ __forceinline__ void WaitPrimaryGrid() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-}
-__device__ __forceinline__ void LaunchDependents() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
 
 struct PartArgs {
   PagedList list;
@@ -168,31 +162,6 @@ inline bool SupportedGeometry(const DecodeGeometry& g) {
   return (d == 64 || d == 128 || d == 256) && g.num_kv_heads > 0 && g.batch > 0 &&
          g.num_q_heads % g.num_kv_heads == 0 && g.num_q_heads / g.num_kv_heads <= 8 &&
          g.page_size > 0;
-}
-
-// Launches `kernel` as the programmatic dependent of the previous launch on the stream: it
-// may start while that grid runs and waits for it (griddepcontrol.wait) where it reads its
-// results. Where the stream does not take the attribute, the launch is the plain one.
-template <class... Args>
-cudaError_t LaunchDependent(bool dependent, void (*kernel)(Args...), dim3 grid, dim3 block,
-                            size_t smem, cudaStream_t stream, Args... args) {
-  CountLaunch();
-  if (dependent) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    if (cudaLaunchKernelEx(&cfg, kernel, args...) == cudaSuccess) return cudaSuccess;
-    (void)cudaGetLastError();
-  }
-  kernel<<<grid, block, smem, stream>>>(args...);
-  return cudaGetLastError();
 }
 
 // The launch reads `raw` (if set) instead of its F32 queries.

@@ -52,6 +52,7 @@
 #include "kvcd/kernels/call_counts.h"
 #include "kvcd/kernels/cuda_transform.h"
 #include "merge_fold.cuh"
+#include "programmatic_launch.cuh"
 
 namespace kvcd::kernels::cuda {
 namespace {
@@ -127,12 +128,6 @@ __device__ __forceinline__ void HalvesToFloat(uint2 h, float (&f)[4]) {
   f[1] = a.y;
   f[2] = c.x;
   f[3] = c.y;
-}
-__device__ __forceinline__ void WaitPrimaryGrid() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-}
-__device__ __forceinline__ void LaunchDependents() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 constexpr float kLazyLog2 = 0.25f;
 constexpr int kFlushTiles = 512;            // 512 * 32 tokens * 255 * 192 < 2^31
@@ -677,28 +672,6 @@ __global__ void __launch_bounds__(kWarps * 32, CtasPerSm(NT)) TransformDecodeKer
   }
 }
 
-// Launches `kernel` as the programmatic dependent of the previous launch on the stream
-// (the plain launch where the stream does not take the attribute).
-// TODO(merge): shared with int2 v2 (LaunchDependent in decode_parts.cuh).
-cudaError_t LaunchDecodeDependent(void (*kernel)(TcArgs), dim3 grid, cudaStream_t stream,
-                                  const TcArgs& a) {
-  CountLaunch();
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(kWarps * 32);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  if (cudaLaunchKernelEx(&cfg, kernel, a) == cudaSuccess) return cudaSuccess;
-  (void)cudaGetLastError();
-  kernel<<<grid, kWarps * 32, 0, stream>>>(a);
-  return cudaGetLastError();
-}
-
 template <int D, int NT>
 cudaError_t LaunchTc(const TcArgs& a, dim3 grid, cudaStream_t stream) {
   CountLaunch();
@@ -708,14 +681,17 @@ cudaError_t LaunchTc(const TcArgs& a, dim3 grid, cudaStream_t stream) {
   // kernel only (the fixed size spills at 168 registers).
   constexpr int kShipped = NT == 1 ? (D == 64 ? 5 : 9) : 0;
   const bool shipped = kShipped > 0 && a.kb == kShipped;
+  const dim3 block(kWarps * 32);
   if (a.fold.counters != nullptr) {
-    return LaunchDecodeDependent(shipped ? TransformDecodeKernelTc<D, NT, kShipped, true>
-                                         : TransformDecodeKernelTc<D, NT, 0, true>,
-                                 grid, stream, a);
+    return LaunchDependent(true,
+                           shipped ? TransformDecodeKernelTc<D, NT, kShipped, true>
+                                   : TransformDecodeKernelTc<D, NT, 0, true>,
+                           grid, block, 0, stream, a);
   }
-  return LaunchDecodeDependent(shipped ? TransformDecodeKernelTc<D, NT, kShipped, false>
-                                       : TransformDecodeKernelTc<D, NT, 0, false>,
-                               grid, stream, a);
+  return LaunchDependent(true,
+                         shipped ? TransformDecodeKernelTc<D, NT, kShipped, false>
+                                 : TransformDecodeKernelTc<D, NT, 0, false>,
+                         grid, block, 0, stream, a);
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "common/env_choice.h"
 #include "common/log.h"
 #include "common/phase_times.h"
 #include "common/status_macros.h"
@@ -553,16 +554,8 @@ class CudaBackend final : public Backend, public DeviceRuntime, public RowStream
   // total_tokens; measured on the device, bench/results/2026-12-05-h200-gpu-step.md);
   // KVCD_SPLITS=kernel: each kernel's own count, sized for equal lengths (the earlier rule);
   // "balanced" names the default; another value is reported and ignored.
-  static bool BalancedSplitsFromEnv() { return !EnvChoice("KVCD_SPLITS", "balanced", "kernel"); }
-  // True when environment variable `var` names `other`; false when it is unset or names
-  // `usual`; any other value is reported and taken as `usual`.
-  static bool EnvChoice(const char* var, const char* usual, const char* other) {
-    const char* v = std::getenv(var);
-    if (v == nullptr || std::strcmp(v, usual) == 0) return false;
-    if (std::strcmp(v, other) == 0) return true;
-    KVCD_LOG(WARNING) << var << "=" << v << " is not " << usual << " or " << other << "; using "
-                      << usual;
-    return false;
+  static bool BalancedSplitsFromEnv() {
+    return EnvChoice("KVCD_SPLITS", {"balanced", "kernel"}) == 0;
   }
   static bool SideListsFromEnv() {
     const char* v = std::getenv("KVCD_SIDE_STREAM");
@@ -576,14 +569,9 @@ class CudaBackend final : public Backend, public DeviceRuntime, public RowStream
   // formats allow it (measured slower with INT2 history on an H100 in session 28: its last CTA's
   // tail comes after the grid's slowest CTA; +4% with BF16 history alone,
   // bench/results/2026-12-05-h200-gpu-step.md). Any other value is reported and ignored.
-  enum class MergeMode { kDependent, kKernel, kFold };
+  enum class MergeMode { kDependent, kKernel, kFold };  // in EnvChoice's order
   static MergeMode MergeModeFromEnv() {
-    const char* v = std::getenv("KVCD_MERGE");
-    if (v == nullptr || std::strcmp(v, "dependent") == 0) return MergeMode::kDependent;
-    if (std::strcmp(v, "kernel") == 0) return MergeMode::kKernel;
-    if (std::strcmp(v, "fold") == 0) return MergeMode::kFold;
-    KVCD_LOG(WARNING) << "KVCD_MERGE=" << v << " is not dependent, kernel or fold; using dependent";
-    return MergeMode::kDependent;
+    return static_cast<MergeMode>(EnvChoice("KVCD_MERGE", {"dependent", "kernel", "fold"}));
   }
   // The word the side stream raises after a forked call's lists (Attend), zero at first.
   // REQUIRES: mu_.
@@ -623,7 +611,7 @@ class CudaBackend final : public Backend, public DeviceRuntime, public RowStream
   // (measured on an H100 in session 28: INT2 100k batch 1 2.01x -> 2.18x cuDNN, 32k 0.97x ->
   // 0.99x, batch 8 +3%); KVCD_ROW_STREAM=main keeps them on the daemon's stream. Needs the
   // side stream.
-  static bool RowsOnSideFromEnv() { return !EnvChoice("KVCD_ROW_STREAM", "side", "main"); }
+  static bool RowsOnSideFromEnv() { return EnvChoice("KVCD_ROW_STREAM", {"side", "main"}) == 0; }
   // Queues one paged copy between `pool` and the device run (page ids go up through the
   // pinned uploader, so the host does not wait).
   absl::Status PagedCopyLocked(kc::PageCopy kind, const PagePool& pool,

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "common/env_choice.h"
 #include "common/log.h"
 #include "common/status_macros.h"
 #include "kvcd/kernels/cuda_bf16_split_attention.h"
@@ -24,11 +25,8 @@ namespace kc = kernels::cuda;
 
 // KVCD_BF16_KERNEL: "split" (default) or "warp"; another value is reported and ignored.
 kc::Bf16Kernel Bf16KernelFromEnv() {
-  const char* v = std::getenv("KVCD_BF16_KERNEL");
-  if (v == nullptr || std::strcmp(v, "split") == 0) return kc::Bf16Kernel::kSplit;
-  if (std::strcmp(v, "warp") == 0) return kc::Bf16Kernel::kWarp;
-  KVCD_LOG(WARNING) << "KVCD_BF16_KERNEL=" << v << " is not split or warp; using split";
-  return kc::Bf16Kernel::kSplit;
+  return EnvChoice("KVCD_BF16_KERNEL", {"split", "warp"}) == 0 ? kc::Bf16Kernel::kSplit
+                                                               : kc::Bf16Kernel::kWarp;
 }
 
 class Bf16CudaFormat final : public CudaFormat<Bf16PageFormat> {

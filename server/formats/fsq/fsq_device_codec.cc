@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/env_choice.h"
 #include "common/log.h"
 #include "common/status_macros.h"
 #include "kvcd/kernels/cuda_fsq_i8.h"
@@ -22,21 +23,15 @@ size_t Aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 // The FP16 tensor-core encoder since session 25 (bench/results/2026-12-05-h200-fsq-enc.md: a
 // 32k-token prompt of 36 layers in 14.9 ms against the float64 encoder's 613 ms on an H100,
 // 0.09% of the codes one step from the float64 definition, none further; memcheck and
-// racecheck clean). "exact" keeps the bit-identical float64 encoder, the oracle.
-constexpr FsqDeviceEncoder kDefault = FsqDeviceEncoder::kTcFp16;
+// racecheck clean), first of KVCD_FSQ_ENCODER's names. "exact" keeps the bit-identical float64
+// encoder, the oracle.
+constexpr FsqDeviceEncoder kByName[] = {FsqDeviceEncoder::kTcFp16, FsqDeviceEncoder::kExact,
+                                        FsqDeviceEncoder::kTcBf16, FsqDeviceEncoder::kTcSplit};
 
 }  // namespace
 
 FsqDeviceEncoder FsqDeviceEncoderFromEnv() {
-  const char* v = std::getenv("KVCD_FSQ_ENCODER");
-  if (v == nullptr) return kDefault;
-  if (std::strcmp(v, "exact") == 0) return FsqDeviceEncoder::kExact;
-  if (std::strcmp(v, "tc") == 0) return FsqDeviceEncoder::kTcBf16;
-  if (std::strcmp(v, "tc-fp16") == 0) return FsqDeviceEncoder::kTcFp16;
-  if (std::strcmp(v, "tc-split") == 0) return FsqDeviceEncoder::kTcSplit;
-  KVCD_LOG(WARNING) << "KVCD_FSQ_ENCODER=" << v
-                    << " is not exact, tc, tc-fp16 or tc-split; using the default";
-  return kDefault;
+  return kByName[EnvChoice("KVCD_FSQ_ENCODER", {"tc-fp16", "exact", "tc", "tc-split"})];
 }
 
 absl::StatusOr<std::shared_ptr<const FsqDeviceCodec>> FsqDeviceCodec::Upload(

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/env_choice.h"
 #include "common/log.h"
 #include "common/status_macros.h"
 #include "kvcd/kernels/cuda_runtime_api.h"
@@ -60,11 +61,8 @@ namespace {
 // bench/results/2026-12-05-h200-s21.md) or "fp32" (the FP32 kernel everywhere, for
 // comparison); another value is reported and ignored.
 kc::TransformKernel TransformKernelFromEnv() {
-  const char* v = std::getenv("KVCD_TRANSFORM_KERNEL");
-  if (v == nullptr || std::strcmp(v, "tc") == 0) return kc::TransformKernel::kTensorCore;
-  if (std::strcmp(v, "fp32") == 0) return kc::TransformKernel::kFp32;
-  KVCD_LOG(WARNING) << "KVCD_TRANSFORM_KERNEL=" << v << " is not tc or fp32; using tc";
-  return kc::TransformKernel::kTensorCore;
+  return EnvChoice("KVCD_TRANSFORM_KERNEL", {"tc", "fp32"}) == 0 ? kc::TransformKernel::kTensorCore
+                                                                 : kc::TransformKernel::kFp32;
 }
 
 class Int2TransformCudaFormat final : public CudaFormat<Int2TransformPageFormat> {
